@@ -1,0 +1,254 @@
+/*
+ * kvshard kernel ABI: the single source of truth for every parameter struct passed to a kernel
+ * by value. `bindings/abi.rs` is generated from this file by bindgen (see tests/bindings.rs) and
+ * committed; never edit it by hand.
+ *
+ * Conventions:
+ * - every symbol starts with `kvs_` / `KVS_`;
+ * - fixed-width fields only; addresses are `uint64_t` (a CUdeviceptr, or the device alias of
+ *   pinned host memory), so the same struct means the same thing to the CUDA kernel and to its
+ *   CPU twin in src/backend/cpu.rs, which interprets the addresses in its own address space;
+ * - index arrays are int64 (what engines keep in their `out_cache_loc` / page tables); a
+ *   negative entry is padding and is skipped;
+ * - kernels bounds-check every index they read from memory: an out-of-range entry is skipped
+ *   (nothing is written for it) and reported through `kvs_status`;
+ * - sizes are asserted below and mirrored by bindgen's layout tests.
+ */
+#ifndef KVSHARD_ABI_H
+#define KVSHARD_ABI_H
+
+#include <stdint.h>
+
+/* Tokens per page: fixed for the DSA configurations kvshard serves. */
+#define KVS_PAGE_SIZE 64
+/* Indexer: 128 e4m3 key bytes per token, one f32 scale per token, page-major blocks. */
+#define KVS_INDEXER_HEAD_DIM 128
+#define KVS_INDEXER_PAGE_BYTES 8448
+#define KVS_INDEXER_SCALES_OFFSET 8192
+/* Latent rows: 512 "nope" + 64 "rope" elements. */
+#define KVS_KV_LORA_RANK 512
+#define KVS_ROPE_DIM 64
+/* Target latent, target indexer, draft latent, draft indexer. */
+#define KVS_MAX_COMPONENTS 4
+
+/* kvs_quantize_latent_params.layout */
+#define KVS_LATENT_FP8_TRTLLM 0 /* 576-byte rows: e4m3 nope + e4m3 rope, scale 1.0 */
+#define KVS_LATENT_FP8_SCALED 1 /* 656-byte rows: e4m3 nope, 4 f32 tile scales, bf16 rope */
+#define KVS_LATENT_BF16 2       /* 1152-byte rows: bf16 nope + rope */
+
+/* kvs_quantize_indexer_params.scale */
+#define KVS_SCALE_UE8M0 0 /* 2^ceil(log2(max(amax,1e-4)/448)), the sharded path */
+#define KVS_SCALE_PLAIN 1 /* max(amax,1e-4)/448, the unsharded fused store */
+
+/* kvs_page_list.kind */
+#define KVS_INDEX_POSITION 0 /* entry j addresses page j; `ids` is unused */
+#define KVS_INDEX_LOCAL 1    /* ids[j] is a page of this buffer */
+#define KVS_INDEX_LOGICAL 2  /* ids[j] is a logical page; only pages owned by `rank` are moved,
+                                to local page ids[j] / shard */
+
+/* kvs_resolve_params.mode */
+#define KVS_RESOLVE_TOKENS 0 /* entries are logical token slots; outputs are local rows */
+#define KVS_RESOLVE_PAGES 1  /* entries are logical pages; outputs are local pages */
+
+/* kvs_row_component.kind */
+#define KVS_ROWS_LATENT 0  /* a row is row_bytes contiguous bytes at row * row_bytes */
+#define KVS_ROWS_INDEXER 1 /* a row is 128 key bytes + one f32 scale inside page-major blocks */
+
+/**
+ * Where a kernel reports the first bad input it met. `word` is the device address of a uint64
+ * that the kernel raises with atomicMax to (epoch << 32) | (0xFFFFFFFF - position); the host
+ * gives every launch a new, larger epoch, so a word whose high half equals this launch's epoch
+ * names the smallest bad position of this launch and older reports never mask newer ones.
+ * word == 0 disables reporting.
+ */
+typedef struct kvs_status {
+    uint64_t word;
+    uint32_t epoch;
+    uint32_t reserved;
+} kvs_status;
+
+/** bf16 rows [num_tokens][576] (nope then rope) -> latent rows at dst + slots[i] * row_bytes. */
+typedef struct kvs_quantize_latent_params {
+    uint64_t src;        /**< bf16 input rows */
+    uint64_t src_stride; /**< bytes between input rows, multiple of 16 */
+    uint64_t slots;      /**< int64[num_tokens]: destination row; < 0 skips */
+    uint64_t dst;        /**< latent buffer */
+    uint64_t dst_rows;   /**< rows in dst; slots >= dst_rows are reported */
+    uint64_t num_tokens;
+    uint32_t layout; /**< KVS_LATENT_* */
+    uint32_t reserved;
+    kvs_status status;
+} kvs_quantize_latent_params;
+
+/** bf16 keys [num_tokens][128] -> e4m3 keys + f32 scale in page-major 8448-byte indexer blocks. */
+typedef struct kvs_quantize_indexer_params {
+    uint64_t src;
+    uint64_t src_stride;
+    uint64_t slots;     /**< int64[num_tokens]: destination token slot; < 0 skips */
+    uint64_t dst;       /**< indexer buffer */
+    uint64_t dst_pages; /**< pages in dst; slots >= 64 * dst_pages are reported */
+    uint64_t num_tokens;
+    uint32_t scale; /**< KVS_SCALE_* */
+    uint32_t reserved;
+    kvs_status status;
+} kvs_quantize_indexer_params;
+
+/**
+ * Owner-local index resolution: for one rank, the stable-ordered subset of `entries` it owns,
+ * their positions in `entries`, their local rows (tokens) or local pages, and the count.
+ * Single pass: tiles publish their counts in `tile_state` (decoupled look-back); a tile-state
+ * word carries the launch's epoch, so the buffer never needs clearing between launches.
+ */
+typedef struct kvs_resolve_params {
+    uint64_t entries; /**< int64[num_entries]; < 0 is padding (not owned, not an error) */
+    uint64_t num_entries;
+    uint64_t limit;         /**< entries >= limit are reported and not owned */
+    uint64_t out_positions; /**< int32[num_entries] */
+    uint64_t out_local;     /**< int64[num_entries] */
+    uint64_t out_count;     /**< uint64[1] */
+    uint64_t tile_state;    /**< uint64[tiles]: look-back scratch owned by the caller */
+    uint32_t shard;
+    uint32_t rank;
+    uint32_t mode;       /**< KVS_RESOLVE_* */
+    uint32_t tile_epoch; /**< tags this launch's tile_state words: nonzero, < 2^30, new per launch */
+    kvs_status status;
+} kvs_resolve_params;
+
+/** Scratch translation: out_rows[i] = page_pos[slots[i] / 64] * 64 + slots[i] % 64. */
+typedef struct kvs_scratch_rows_params {
+    uint64_t slots; /**< int64[num_slots]; < 0 gives -1 */
+    uint64_t num_slots;
+    uint64_t page_table; /**< int64[table_len]: scratch page of each logical page; < 0 unmapped */
+    uint64_t table_len;
+    uint64_t scratch_rows; /**< rows in the scratch buffer: bound on every output row */
+    uint64_t out_rows;     /**< int64[num_slots]; -1 for padding and reported entries */
+    kvs_status status;
+} kvs_scratch_rows_params;
+
+/** How one side of a block copy addresses the blocks of one component. */
+typedef struct kvs_block_side {
+    uint64_t page_stride; /**< bytes between pages of one layer */
+    uint64_t row_stride;  /**< bytes between rows of one block */
+} kvs_block_side;
+
+/**
+ * One component of a block copy. Row r of page p of layer l sits at
+ * layer_base + p * page_stride + r * row_stride on each side; row_bytes is a multiple of 16
+ * and every address is 16-byte aligned. A page-major indexer block is one row of 8448 bytes.
+ */
+typedef struct kvs_block_component {
+    uint32_t rows;      /**< rows per block */
+    uint32_t row_bytes; /**< bytes per row */
+    kvs_block_side src;
+    kvs_block_side dst;
+} kvs_block_component;
+
+/**
+ * One (layer, component) of a copy: base addresses of that layer on each side. Pairs are
+ * processed in table order; `signal` is the ready counter the pair counts towards.
+ */
+typedef struct kvs_layer_pair {
+    uint64_t src;
+    uint64_t dst;
+    uint32_t component;
+    uint32_t signal;
+} kvs_layer_pair;
+
+/** Which page of a side entry j of a copy addresses (see KVS_INDEX_*). */
+typedef struct kvs_page_list {
+    uint64_t ids;   /**< int64[num_pages] for LOCAL and LOGICAL; < 0 skips the entry */
+    uint64_t limit; /**< exclusive bound on the resulting page of this side */
+    uint32_t kind;
+    uint32_t shard; /**< LOGICAL: shard size N */
+    uint32_t rank;  /**< LOGICAL: this rank */
+    uint32_t reserved;
+} kvs_page_list;
+
+/**
+ * Block copy: for every pair k and entry j, copy the block of page src(j) of the pair's source
+ * layer to page dst(j) of its destination layer. Entry j moves only if every LOGICAL side owns
+ * it. Work is flattened as unit u = k * num_pages + j and spread over warps in that order, so
+ * pairs complete roughly in table order. After finishing (or skipping) a unit, its warp adds 1
+ * to signals[pairs[k].signal] (uint32 counters; signals == 0 disables): a counter reaches
+ * base + num_pages * (pairs with that signal) exactly when those pairs have fully landed.
+ * A pair naming a component >= num_components is skipped and reported as position k * num_pages.
+ */
+typedef struct kvs_copy_blocks_params {
+    kvs_block_component components[KVS_MAX_COMPONENTS];
+    uint64_t pairs; /**< kvs_layer_pair[num_pairs] */
+    uint64_t num_pages;
+    kvs_page_list src_pages;
+    kvs_page_list dst_pages;
+    uint64_t signals;
+    uint32_t num_pairs;
+    uint32_t num_components;
+    kvs_status status;
+} kvs_copy_blocks_params;
+
+/** One component of an owned-row write. */
+typedef struct kvs_row_component {
+    uint32_t kind;      /**< KVS_ROWS_* */
+    uint32_t row_bytes; /**< latent: bytes per row (multiple of 16); indexer: 132 */
+} kvs_row_component;
+
+/**
+ * Owned-row write: chunk token i (logical slot slots[i]) is row i of each pair's source
+ * (staging) layer; if this rank owns the slot, it is copied to the local row of the pair's
+ * destination (pool) layer. Both sides use the component's row addressing. A pair naming a
+ * component >= num_components is skipped and reported as position num_slots + k.
+ */
+typedef struct kvs_write_rows_params {
+    kvs_row_component components[KVS_MAX_COMPONENTS];
+    uint64_t pairs; /**< kvs_layer_pair[num_pairs] (signal unused) */
+    uint64_t slots; /**< int64[num_slots]; < 0 skips */
+    uint64_t num_slots;
+    uint64_t slot_limit; /**< logical slots >= slot_limit are reported */
+    uint64_t dst_rows;   /**< local rows per destination layer: bound on every local row */
+    uint32_t num_pairs;
+    uint32_t shard;
+    uint32_t rank;
+    uint32_t num_components;
+    kvs_status status;
+} kvs_write_rows_params;
+
+/** One contiguous byte range to copy. */
+typedef struct kvs_range {
+    uint64_t src;
+    uint64_t dst;
+    uint64_t bytes;
+} kvs_range;
+
+/** Copy every range of a table (P/D descriptors executed on the GPU). */
+typedef struct kvs_copy_ranges_params {
+    uint64_t ranges; /**< kvs_range[num_ranges] */
+    uint64_t num_ranges;
+} kvs_copy_ranges_params;
+
+/** Benchmark load: out[i] = a[i] + b[i] over bf16, a memory-bound stand-in for a forward pass. */
+typedef struct kvs_bench_add_params {
+    uint64_t a;
+    uint64_t b;
+    uint64_t out;
+    uint64_t count;
+} kvs_bench_add_params;
+
+#ifdef __cplusplus
+#define KVS_STATIC_ASSERT(c, m) static_assert(c, m)
+#else
+#define KVS_STATIC_ASSERT(c, m) _Static_assert(c, m)
+#endif
+KVS_STATIC_ASSERT(sizeof(kvs_status) == 16, "kvs_status");
+KVS_STATIC_ASSERT(sizeof(kvs_quantize_latent_params) == 72, "kvs_quantize_latent_params");
+KVS_STATIC_ASSERT(sizeof(kvs_quantize_indexer_params) == 72, "kvs_quantize_indexer_params");
+KVS_STATIC_ASSERT(sizeof(kvs_resolve_params) == 88, "kvs_resolve_params");
+KVS_STATIC_ASSERT(sizeof(kvs_scratch_rows_params) == 64, "kvs_scratch_rows_params");
+KVS_STATIC_ASSERT(sizeof(kvs_block_component) == 40, "kvs_block_component");
+KVS_STATIC_ASSERT(sizeof(kvs_layer_pair) == 24, "kvs_layer_pair");
+KVS_STATIC_ASSERT(sizeof(kvs_page_list) == 32, "kvs_page_list");
+KVS_STATIC_ASSERT(sizeof(kvs_copy_blocks_params) == 272, "kvs_copy_blocks_params");
+KVS_STATIC_ASSERT(sizeof(kvs_write_rows_params) == 104, "kvs_write_rows_params");
+KVS_STATIC_ASSERT(sizeof(kvs_range) == 24, "kvs_range");
+KVS_STATIC_ASSERT(sizeof(kvs_copy_ranges_params) == 16, "kvs_copy_ranges_params");
+KVS_STATIC_ASSERT(sizeof(kvs_bench_add_params) == 32, "kvs_bench_add_params");
+
+#endif /* KVSHARD_ABI_H */

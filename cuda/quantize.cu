@@ -1,0 +1,126 @@
+/*
+ * FP8 E4M3 quantizers: bf16 rows in, cache rows out, written at given slots.
+ *
+ * Latent (one warp per token, grid-stride): a 576-element bf16 row is 72 16-byte vectors
+ * (64 nope + 8 rope); lane i owns vectors i, i+32 and i+64.
+ *   - trtllm (576 B): every element encoded with scale 1.0; vector v -> 8 bytes at 8v.
+ *   - scaled (656 B): nope tile t = vectors [16t, 16t+16), so lanes 0-15 hold tiles 0 and 2 and
+ *     lanes 16-31 tiles 1 and 3; a half-warp xor-reduction gives each tile's amax, scale =
+ *     amax / 448 (a zero tile stores scale 0 and its zeros unscaled), f32 scales at 512, the
+ *     bf16 rope copied raw to 528.
+ *   - bf16 (1152 B): a raw copy.
+ * Indexer (one half-warp per token): 128 bf16 = 16 vectors, one per lane; the half-warp
+ * reduces amax, picks the ue8m0 or plain scale, writes 8 key bytes per lane into the page-major
+ * block and lane 0 the f32 scale.
+ * The CPU twin is src/fp8.rs (row codecs) driven by src/backend/cpu.rs.
+ */
+#include "common.cuh"
+
+using namespace kvs;
+
+namespace {
+
+__device__ __forceinline__ float half_warp_max(float v) {
+#pragma unroll
+    for (int offset = 8; offset > 0; offset >>= 1) {
+        v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+    }
+    return v;
+}
+
+__device__ __forceinline__ void store8(uint64_t addr, uint2 v) {
+    *reinterpret_cast<uint2*>(addr) = v;
+}
+
+__device__ __forceinline__ float ue8m0_scale(float amax) {
+    const float v = fmaxf(amax, 1e-4f) / 448.0f;
+    const uint32_t bits = __float_as_uint(v);
+    const int32_t exponent = static_cast<int32_t>((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0);
+    return __uint_as_float(static_cast<uint32_t>(exponent + 127) << 23);
+}
+
+} // namespace
+
+extern "C" __global__ void kvs_quantize_latent(const __grid_constant__ kvs_quantize_latent_params p) {
+    const uint32_t lane = threadIdx.x % 32;
+    for (uint64_t token = global_warp(); token < p.num_tokens; token += grid_warps()) {
+        const int64_t slot = reinterpret_cast<const int64_t*>(p.slots)[token];
+        if (slot < 0) {
+            continue;
+        }
+        if (static_cast<uint64_t>(slot) >= p.dst_rows) {
+            if (lane == 0) {
+                report(p.status, token);
+            }
+            continue;
+        }
+        const uint64_t src = p.src + token * p.src_stride;
+        if (p.layout == KVS_LATENT_BF16) {
+            const uint64_t dst = p.dst + static_cast<uint64_t>(slot) * 1152;
+            for (uint32_t v = lane; v < 72; v += 32) {
+                store16(dst + 16 * v, load16(src + 16 * v));
+            }
+        } else if (p.layout == KVS_LATENT_FP8_TRTLLM) {
+            const uint64_t dst = p.dst + static_cast<uint64_t>(slot) * 576;
+            for (uint32_t v = lane; v < 72; v += 32) {
+                float x[8];
+                unpack_bf16x8(load16(src + 16 * v), x);
+                store8(dst + 8 * v, encode_e4m3x8(x, 1.0f, false));
+            }
+        } else {
+            const uint64_t dst = p.dst + static_cast<uint64_t>(slot) * 656;
+#pragma unroll
+            for (uint32_t half = 0; half < 2; ++half) {
+                const uint32_t v = lane + 32 * half;
+                float x[8];
+                unpack_bf16x8(load16(src + 16 * v), x);
+                const float amax = half_warp_max(absmax8(x));
+                const float scale = amax / 448.0f;
+                store8(dst + 8 * v, encode_e4m3x8(x, scale, scale != 0.0f));
+                if (lane % 16 == 0) {
+                    const uint32_t tile = lane / 16 + 2 * half;
+                    *reinterpret_cast<float*>(dst + 512 + 4 * tile) = scale;
+                }
+            }
+            if (lane < 8) {
+                store16(dst + 528 + 16 * lane, load16(src + 16 * (64 + lane)));
+            }
+        }
+    }
+}
+
+extern "C" __global__ void kvs_quantize_indexer(const __grid_constant__ kvs_quantize_indexer_params p) {
+    const uint32_t lane = threadIdx.x % 16;
+    const uint32_t half = (threadIdx.x % 32) / 16;
+    for (uint64_t base = 2 * global_warp(); base < p.num_tokens; base += 2 * grid_warps()) {
+        const uint64_t token = base + half;
+        int64_t slot = -1;
+        if (token < p.num_tokens) {
+            slot = reinterpret_cast<const int64_t*>(p.slots)[token];
+            if (slot >= 0 && static_cast<uint64_t>(slot) >= p.dst_pages * KVS_PAGE_SIZE) {
+                if (lane == 0) {
+                    report(p.status, token);
+                }
+                slot = -1;
+            }
+        }
+        // Both half-warps take part in the shuffles, valid token or not.
+        float x[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (slot >= 0) {
+            unpack_bf16x8(load16(p.src + token * p.src_stride + 16 * lane), x);
+        }
+        const float amax = half_warp_max(absmax8(x));
+        if (slot < 0) {
+            continue;
+        }
+        const float scale =
+            p.scale == KVS_SCALE_UE8M0 ? ue8m0_scale(amax) : fmaxf(amax, 1e-4f) / 448.0f;
+        const uint64_t page = static_cast<uint64_t>(slot) / KVS_PAGE_SIZE;
+        const uint64_t offset = static_cast<uint64_t>(slot) % KVS_PAGE_SIZE;
+        const uint64_t block = p.dst + page * KVS_INDEXER_PAGE_BYTES;
+        store8(block + offset * KVS_INDEXER_HEAD_DIM + 8 * lane, encode_e4m3x8(x, scale, true));
+        if (lane == 0) {
+            *reinterpret_cast<float*>(block + KVS_INDEXER_SCALES_OFFSET + 4 * offset) = scale;
+        }
+    }
+}

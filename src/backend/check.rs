@@ -1,0 +1,124 @@
+//! Scalar checks of kernel parameters, shared by both backends so that a launch the CUDA backend
+//! refuses is refused identically by the CPU reference. Addresses are the caller's contract;
+//! everything else (enums, sizes, shard/rank, alignment of strides) is checked here.
+
+use crate::abi;
+use crate::error::{Error, Result};
+
+fn invalid<T>(what: String) -> Result<T> {
+    Err(Error::InvalidArgument(what))
+}
+
+fn check_shard(shard: u32, rank: u32) -> Result<()> {
+    if shard == 0 || rank >= shard {
+        return invalid(format!("rank {rank} of shard size {shard}"));
+    }
+    Ok(())
+}
+
+pub(crate) fn quantize_latent(p: &abi::kvs_quantize_latent_params) -> Result<()> {
+    if p.layout > abi::KVS_LATENT_BF16 {
+        return invalid(format!("latent layout code {}", p.layout));
+    }
+    if p.src_stride % 16 != 0 || p.src_stride < 1152 || p.src % 16 != 0 || p.dst % 16 != 0 {
+        return invalid(format!(
+            "latent quantizer: source {:#x} stride {} / destination {:#x} must be 16-byte aligned, stride >= 1152",
+            p.src, p.src_stride, p.dst
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) fn quantize_indexer(p: &abi::kvs_quantize_indexer_params) -> Result<()> {
+    if p.scale > abi::KVS_SCALE_PLAIN {
+        return invalid(format!("indexer scale code {}", p.scale));
+    }
+    if p.src_stride % 16 != 0 || p.src_stride < 256 || p.src % 16 != 0 || p.dst % 16 != 0 {
+        return invalid(format!(
+            "indexer quantizer: source {:#x} stride {} / destination {:#x} must be 16-byte aligned, stride >= 256",
+            p.src, p.src_stride, p.dst
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) fn resolve(p: &abi::kvs_resolve_params) -> Result<()> {
+    check_shard(p.shard, p.rank)?;
+    if p.mode > abi::KVS_RESOLVE_PAGES {
+        return invalid(format!("resolve mode {}", p.mode));
+    }
+    if p.num_entries >= 1 << 31 {
+        return invalid(format!("{} entries (at most 2^31 - 1)", p.num_entries));
+    }
+    if p.tile_epoch == 0 || p.tile_epoch >= 1 << 30 {
+        return invalid(format!("tile epoch {} (must be in 1..2^30)", p.tile_epoch));
+    }
+    Ok(())
+}
+
+fn check_page_list(side: &str, l: &abi::kvs_page_list) -> Result<()> {
+    match l.kind {
+        abi::KVS_INDEX_POSITION | abi::KVS_INDEX_LOCAL => Ok(()),
+        abi::KVS_INDEX_LOGICAL => check_shard(l.shard, l.rank),
+        k => invalid(format!("{side} page list kind {k}")),
+    }
+}
+
+pub(crate) fn copy_blocks(p: &abi::kvs_copy_blocks_params) -> Result<()> {
+    if p.num_components as usize > p.components.len() {
+        return invalid(format!(
+            "{} components (at most {})",
+            p.num_components,
+            p.components.len()
+        ));
+    }
+    for (i, c) in p.components[..p.num_components as usize].iter().enumerate() {
+        let strides = [
+            c.src.page_stride,
+            c.src.row_stride,
+            c.dst.page_stride,
+            c.dst.row_stride,
+        ];
+        if c.rows == 0
+            || c.row_bytes == 0
+            || c.row_bytes % 16 != 0
+            || strides.iter().any(|s| s % 16 != 0)
+        {
+            return invalid(format!(
+                "block component {i}: {} rows of {} bytes, strides {strides:?} (need rows >= 1, 16-byte multiples)",
+                c.rows, c.row_bytes
+            ));
+        }
+    }
+    check_page_list("source", &p.src_pages)?;
+    check_page_list("destination", &p.dst_pages)?;
+    if p.num_pages.checked_mul(u64::from(p.num_pairs)).is_none() {
+        return invalid("block copy unit count overflows".into());
+    }
+    Ok(())
+}
+
+pub(crate) fn write_rows(p: &abi::kvs_write_rows_params) -> Result<()> {
+    check_shard(p.shard, p.rank)?;
+    if p.num_components as usize > p.components.len() {
+        return invalid(format!(
+            "{} components (at most {})",
+            p.num_components,
+            p.components.len()
+        ));
+    }
+    for (i, c) in p.components[..p.num_components as usize].iter().enumerate() {
+        let ok = match c.kind {
+            abi::KVS_ROWS_LATENT => matches!(c.row_bytes, 576 | 656 | 1152),
+            abi::KVS_ROWS_INDEXER => c.row_bytes == 132,
+            _ => false,
+        };
+        if !ok {
+            return invalid(format!(
+                "row component {i}: kind {} with {} bytes",
+                c.kind, c.row_bytes
+            ));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,340 @@
+//! The CUDA backend: launches the embedded kernels and copy-engine copies on one stream (owned,
+//! or borrowed from the engine). Nothing here synchronizes implicitly except `read`, `write`
+//! (pageable host memory) and `synchronize`, which say so.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cudarc::driver::{result, sys, CudaEvent};
+
+use super::status::StatusTracker;
+use super::{check, Backend, Buffer, Copy2d, Launch, MemoryKind};
+use crate::abi;
+use crate::error::{Error, Result};
+use crate::gpu::memory::{DeviceAllocation, PinnedAllocation};
+use crate::gpu::{Gpu, Kernel, Stream};
+
+/// Threads per CTA of the element-wise kernels (quantizers, scratch translation).
+const THREADS: u32 = 256;
+
+/// A CUDA backend bound to one stream of one GPU.
+pub struct CudaBackend {
+    gpu: Arc<Gpu>,
+    stream: Stream,
+    status_word: DeviceAllocation,
+    status: Mutex<StatusTracker>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("gpu", &self.gpu.info().name)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl CudaBackend {
+    /// A backend on a new stream of `gpu`.
+    pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
+        let stream = gpu.new_stream()?;
+        Self::with_stream(gpu, stream)
+    }
+
+    /// A backend enqueuing on `stream` (which may be the engine's, see [`Gpu::borrow_stream`]).
+    pub fn with_stream(gpu: Arc<Gpu>, stream: Stream) -> Result<Self> {
+        let status_word = DeviceAllocation::new(gpu.context(), 8)?;
+        // SAFETY: the 8-byte allocation was just made on this device; the stream is live.
+        unsafe { result::memset_d8_async(status_word.ptr(), 0, 8, stream.raw()) }
+            .map_err(Error::driver("cuMemsetD8Async"))?;
+        stream.synchronize()?;
+        let status = Mutex::new(StatusTracker::new(status_word.ptr()));
+        Ok(Self {
+            gpu,
+            stream,
+            status_word,
+            status,
+        })
+    }
+
+    /// The device.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// The stream this backend enqueues on.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    fn begin(&self, kernel: Kernel) -> Result<abi::kvs_status> {
+        let mut tracker = lock(&self.status);
+        if tracker.needs_clear() {
+            // SAFETY: our own 8-byte status word; stream-ordered before the next launch.
+            unsafe { result::memset_d8_async(self.status_word.ptr(), 0, 8, self.stream.raw()) }
+                .map_err(Error::driver("cuMemsetD8Async"))?;
+            tracker.cleared();
+        }
+        Ok(tracker.begin(kernel.name()))
+    }
+
+    /// CTAs for `units` units of work at `per_cta` units per CTA, capped to a few waves.
+    fn grid(&self, units: u64, per_cta: u64) -> u32 {
+        let cap = u64::from(self.gpu.info().sm_count) * 16;
+        units.div_ceil(per_cta).clamp(1, cap) as u32
+    }
+
+    /// # Safety
+    /// As [`Gpu::launch`].
+    unsafe fn launch<P>(&self, kernel: Kernel, grid: u32, block: u32, params: &P) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe {
+            self.gpu
+                .launch(kernel, grid, block, &self.stream, Some(params))
+        }
+    }
+}
+
+impl Backend for CudaBackend {
+    type Event = CudaEvent;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn alloc(&self, len: usize, kind: MemoryKind) -> Result<Buffer> {
+        Ok(match kind {
+            MemoryKind::Device => {
+                let a = DeviceAllocation::new(self.gpu.context(), len)?;
+                Buffer::owned(a.ptr(), len, kind, Arc::new(a))
+            }
+            MemoryKind::PinnedHost => {
+                let a = PinnedAllocation::new(self.gpu.context(), len)?;
+                Buffer::owned(a.device_ptr(), len, kind, Arc::new(a))
+            }
+        })
+    }
+
+    fn write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let at = dst.slice(offset, data.len())?.addr();
+        self.gpu.bind()?;
+        // SAFETY: `at` spans data.len() bytes of a live buffer; from pageable memory the call
+        // returns only once `data` has been staged, so it may be dropped afterwards.
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(at, data.as_ptr().cast(), data.len(), self.stream.raw())
+        }
+        .result()
+        .map_err(Error::driver("cuMemcpyHtoDAsync"))?;
+        self.stream.synchronize()
+    }
+
+    fn read(&self, src: &Buffer, offset: usize, len: usize) -> Result<Vec<u8>> {
+        let at = src.slice(offset, len)?.addr();
+        let mut out = vec![0u8; len];
+        if len == 0 {
+            return Ok(out);
+        }
+        self.gpu.bind()?;
+        // SAFETY: `out` holds len bytes and outlives the copy (we synchronize before returning).
+        unsafe { sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), at, len, self.stream.raw()) }
+            .result()
+            .map_err(Error::driver("cuMemcpyDtoHAsync"))?;
+        self.stream.synchronize()?;
+        Ok(out)
+    }
+
+    fn fill(&self, dst: &Buffer, byte: u8) -> Result<()> {
+        self.gpu.bind()?;
+        // SAFETY: the range is the whole live buffer.
+        unsafe { result::memset_d8_async(dst.addr(), byte, dst.len(), self.stream.raw()) }
+            .map_err(Error::driver("cuMemsetD8Async"))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.gpu.bind()?;
+        self.stream.synchronize()?;
+        let mut tracker = lock(&self.status);
+        if !tracker.has_pending() {
+            return Ok(());
+        }
+        let mut word = 0u64;
+        // SAFETY: reads our own 8-byte status word into a local; the stream is idle.
+        unsafe {
+            result::memcpy_dtoh_sync(std::slice::from_mut(&mut word), self.status_word.ptr())
+        }
+        .map_err(Error::driver("cuMemcpyDtoH"))?;
+        tracker.check(word)
+    }
+
+    fn record(&self) -> Result<CudaEvent> {
+        let e = self.gpu.new_event(false)?;
+        self.stream.record(&e)?;
+        Ok(e)
+    }
+
+    fn wait(&self, event: &CudaEvent) -> Result<()> {
+        self.stream.wait(event)
+    }
+
+    fn is_done(&self, event: &CudaEvent) -> Result<bool> {
+        event
+            .try_is_complete()
+            .map_err(Error::driver("cuEventQuery"))
+    }
+
+    unsafe fn wait_counter(&self, addr: u64, value: u32) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.stream.wait_value_geq(addr, value) }
+    }
+
+    unsafe fn quantize_latent(&self, mut p: abi::kvs_quantize_latent_params) -> Result<()> {
+        check::quantize_latent(&p)?;
+        if p.num_tokens == 0 {
+            return Ok(());
+        }
+        p.status = self.begin(Kernel::QuantizeLatent)?;
+        let grid = self.grid(p.num_tokens, u64::from(THREADS / 32));
+        // SAFETY: parameter type matches the kernel; addresses are the caller's contract.
+        unsafe { self.launch(Kernel::QuantizeLatent, grid, THREADS, &p) }
+    }
+
+    unsafe fn quantize_indexer(&self, mut p: abi::kvs_quantize_indexer_params) -> Result<()> {
+        check::quantize_indexer(&p)?;
+        if p.num_tokens == 0 {
+            return Ok(());
+        }
+        p.status = self.begin(Kernel::QuantizeIndexer)?;
+        let grid = self.grid(p.num_tokens, u64::from(THREADS / 16));
+        // SAFETY: as above.
+        unsafe { self.launch(Kernel::QuantizeIndexer, grid, THREADS, &p) }
+    }
+
+    unsafe fn resolve(&self, mut p: abi::kvs_resolve_params) -> Result<()> {
+        check::resolve(&p)?;
+        if p.num_entries == 0 {
+            return Ok(());
+        }
+        p.status = self.begin(Kernel::Resolve)?;
+        // One CTA per tile: the look-back needs every tile to have its own CTA.
+        let grid = super::resolve_tiles(p.num_entries) as u32;
+        // SAFETY: as above; tile_state holds `grid` words (caller's contract).
+        unsafe { self.launch(Kernel::Resolve, grid, 256, &p) }
+    }
+
+    unsafe fn scratch_rows(&self, mut p: abi::kvs_scratch_rows_params) -> Result<()> {
+        if p.num_slots == 0 {
+            return Ok(());
+        }
+        p.status = self.begin(Kernel::ScratchRows)?;
+        let grid = self.grid(p.num_slots, u64::from(THREADS));
+        // SAFETY: as above.
+        unsafe { self.launch(Kernel::ScratchRows, grid, THREADS, &p) }
+    }
+
+    unsafe fn copy_blocks(&self, mut p: abi::kvs_copy_blocks_params, launch: Launch) -> Result<()> {
+        check::copy_blocks(&p)?;
+        launch.validate(1024)?;
+        if p.num_pages == 0 || p.num_pairs == 0 {
+            return Ok(());
+        }
+        p.status = self.begin(Kernel::CopyBlocks)?;
+        // SAFETY: as above.
+        unsafe { self.launch(Kernel::CopyBlocks, launch.ctas, launch.threads, &p) }
+    }
+
+    unsafe fn write_rows(&self, mut p: abi::kvs_write_rows_params, launch: Launch) -> Result<()> {
+        check::write_rows(&p)?;
+        launch.validate(512)?;
+        if p.num_slots == 0 || p.num_pairs == 0 {
+            return Ok(());
+        }
+        p.status = self.begin(Kernel::WriteRows)?;
+        // SAFETY: as above.
+        unsafe { self.launch(Kernel::WriteRows, launch.ctas, launch.threads, &p) }
+    }
+
+    unsafe fn copy_ranges(&self, p: abi::kvs_copy_ranges_params, launch: Launch) -> Result<()> {
+        launch.validate(1024)?;
+        if p.num_ranges == 0 {
+            return Ok(());
+        }
+        // SAFETY: as above.
+        unsafe { self.launch(Kernel::CopyRanges, launch.ctas, launch.threads, &p) }
+    }
+
+    unsafe fn memcpy(&self, dst: u64, src: u64, len: usize) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.gpu.bind()?;
+        // SAFETY: unified addressing resolves both sides; ranges are the caller's contract.
+        unsafe { sys::cuMemcpyAsync(dst, src, len, self.stream.raw()) }
+            .result()
+            .map_err(Error::driver("cuMemcpyAsync"))
+    }
+
+    unsafe fn memcpy_2d(&self, c: &Copy2d) -> Result<()> {
+        if c.width == 0 || c.height == 0 {
+            return Ok(());
+        }
+        self.gpu.bind()?;
+        let copy = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+            srcHost: std::ptr::null(),
+            srcDevice: c.src,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: c.src_pitch as usize,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: c.dst,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: c.dst_pitch as usize,
+            WidthInBytes: c.width as usize,
+            Height: c.height as usize,
+        };
+        // SAFETY: the descriptor is fully initialised; row ranges are the caller's contract.
+        unsafe { sys::cuMemcpy2DAsync_v2(&copy, self.stream.raw()) }
+            .result()
+            .map_err(Error::driver("cuMemcpy2DAsync"))
+    }
+
+    unsafe fn memcpy_batch(&self, ranges: &[abi::kvs_range]) -> Result<()> {
+        if ranges.is_empty() {
+            return Ok(());
+        }
+        self.gpu.bind()?;
+        let mut dsts: Vec<u64> = ranges.iter().map(|r| r.dst).collect();
+        let mut srcs: Vec<u64> = ranges.iter().map(|r| r.src).collect();
+        let mut sizes: Vec<usize> = ranges.iter().map(|r| r.bytes as usize).collect();
+        // SAFETY: an all-zero CUmemcpyAttributes is a valid value (location hints "invalid",
+        // which the driver ignores for device and pinned memory); fields are set below.
+        let mut attrs: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
+        attrs.srcAccessOrder = sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+        let mut attr_index = 0usize;
+        // SAFETY: the arrays hold `ranges.len()` entries and live across the call (the driver
+        // reads them before returning); one attribute set applies from index 0.
+        unsafe {
+            sys::cuMemcpyBatchAsync_v2(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                ranges.len(),
+                &mut attrs,
+                &mut attr_index,
+                1,
+                self.stream.raw(),
+            )
+        }
+        .result()
+        .map_err(Error::driver("cuMemcpyBatchAsync"))
+    }
+}

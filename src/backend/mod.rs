@@ -1,0 +1,310 @@
+//! Execution backends: where bytes live and how kernels run.
+//!
+//! Both backends speak the kernel ABI of `cuda/abi.h` directly: a kernel's parameter struct,
+//! with its addresses, means the same thing to the CUDA kernel ([`cuda::CudaBackend`]) and to
+//! its CPU twin ([`cpu::CpuBackend`]), which keeps its allocations in an address space of its
+//! own. So one plan, turned into one set of parameter structs, runs on either, and tests
+//! compare the bytes.
+//!
+//! The kernel entry points are `unsafe`: they take raw addresses (that is what engines hand
+//! us). The safe layers above (pools, transfers, HiCache) validate every index and size first
+//! and build the parameters from buffers they own.
+
+mod check;
+pub mod cpu;
+pub mod cuda;
+mod status;
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::abi;
+use crate::error::{Error, Result};
+
+/// Where a buffer lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MemoryKind {
+    /// Device memory (HBM).
+    Device,
+    /// Pinned host memory the device can read and write directly.
+    PinnedHost,
+}
+
+/// A range of backend memory: an address kernels use, a length, and (for memory kvshard
+/// allocated) a share of the allocation that keeps it alive.
+#[derive(Clone)]
+pub struct Buffer {
+    addr: u64,
+    len: usize,
+    kind: MemoryKind,
+    owner: Option<Arc<dyn Send + Sync>>,
+}
+
+impl fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Buffer")
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .field("kind", &self.kind)
+            .field("owned", &self.owner.is_some())
+            .finish()
+    }
+}
+
+impl Buffer {
+    pub(crate) fn owned(
+        addr: u64,
+        len: usize,
+        kind: MemoryKind,
+        owner: Arc<dyn Send + Sync>,
+    ) -> Self {
+        Self {
+            addr,
+            len,
+            kind,
+            owner: Some(owner),
+        }
+    }
+
+    /// Wraps memory kvshard does not own (an engine's device buffers, say).
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` must be memory of the backend it is used with (a device address or
+    /// device alias for CUDA) and stay valid while the buffer and any work using it are alive.
+    pub unsafe fn from_raw(addr: u64, len: usize, kind: MemoryKind) -> Self {
+        Self {
+            addr,
+            len,
+            kind,
+            owner: None,
+        }
+    }
+
+    /// The address kernels use (device address or device alias).
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Where the memory lives.
+    pub fn kind(&self) -> MemoryKind {
+        self.kind
+    }
+
+    /// The sub-range `[offset, offset + len)`, sharing this buffer's allocation.
+    pub fn slice(&self, offset: usize, len: usize) -> Result<Buffer> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(Buffer {
+                addr: self.addr + offset as u64,
+                len,
+                kind: self.kind,
+                owner: self.owner.clone(),
+            }),
+            _ => Err(Error::InvalidArgument(format!(
+                "slice [{offset}, {offset}+{len}) of a {}-byte buffer",
+                self.len
+            ))),
+        }
+    }
+
+    /// Address of byte `offset`, checked against the length.
+    pub fn at(&self, offset: usize) -> Result<u64> {
+        if offset > self.len {
+            return Err(Error::OutOfRange {
+                what: "buffer offset",
+                index: offset as i64,
+                limit: self.len as u64 + 1,
+            });
+        }
+        Ok(self.addr + offset as u64)
+    }
+}
+
+/// Grid shape of a copy kernel: transfers share SMs with the forward pass, so the caller picks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Launch {
+    /// CTAs.
+    pub ctas: u32,
+    /// Threads per CTA (a multiple of 32, at most 1024; 512 for the write path).
+    pub threads: u32,
+}
+
+impl Launch {
+    /// `ctas` CTAs of 1024 threads: the shape for host I/O (128 KB in flight per CTA).
+    pub const fn host_io(ctas: u32) -> Self {
+        Self {
+            ctas,
+            threads: 1024,
+        }
+    }
+
+    pub(crate) fn validate(&self, max_threads: u32) -> Result<()> {
+        if self.ctas == 0
+            || self.threads == 0
+            || self.threads % 32 != 0
+            || self.threads > max_threads
+        {
+            return Err(Error::InvalidArgument(format!(
+                "launch of {} CTAs x {} threads (need >= 1 CTA, a multiple of 32 threads, at most {max_threads})",
+                self.ctas, self.threads
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A plain 2D copy: `height` rows of `width` bytes, rows `src_pitch` / `dst_pitch` apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Copy2d {
+    /// Destination address of the first row.
+    pub dst: u64,
+    /// Bytes between destination rows.
+    pub dst_pitch: u64,
+    /// Source address of the first row.
+    pub src: u64,
+    /// Bytes between source rows.
+    pub src_pitch: u64,
+    /// Bytes per row.
+    pub width: u64,
+    /// Rows.
+    pub height: u64,
+}
+
+/// A backend: memory, ordering, the kernels and the copy engine.
+///
+/// Work is ordered as enqueued on the backend's stream; [`Backend::synchronize`] waits for it
+/// and reports any input a kernel rejected since the last check.
+pub trait Backend: Send + Sync {
+    /// A point in the backend's stream that other backends can wait for.
+    type Event: Send + Sync;
+
+    /// Short name ("cpu", "cuda").
+    fn name(&self) -> &'static str;
+
+    /// Allocates `len` bytes; contents are unspecified.
+    fn alloc(&self, len: usize, kind: MemoryKind) -> Result<Buffer>;
+
+    /// Copies `data` into `dst` at `offset`, after prior work; done when this returns.
+    fn write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()>;
+
+    /// Reads `len` bytes of `src` at `offset`, after prior work.
+    fn read(&self, src: &Buffer, offset: usize, len: usize) -> Result<Vec<u8>>;
+
+    /// Sets every byte of `dst` to `byte` (stream-ordered).
+    fn fill(&self, dst: &Buffer, byte: u8) -> Result<()>;
+
+    /// Waits for all enqueued work, then reports the first input any kernel rejected.
+    fn synchronize(&self) -> Result<()>;
+
+    /// Records an event at the current point of the stream.
+    fn record(&self) -> Result<Self::Event>;
+
+    /// Makes later work wait for `event` (recorded on any backend of the same device).
+    fn wait(&self, event: &Self::Event) -> Result<()>;
+
+    /// Whether the work before `event` has finished.
+    fn is_done(&self, event: &Self::Event) -> Result<bool>;
+
+    /// Makes later work wait until the u32 counter at `addr` reaches `value` (wrapping compare).
+    ///
+    /// # Safety
+    /// `addr` must be a 4-byte aligned address of this backend valid until the wait is over.
+    unsafe fn wait_counter(&self, addr: u64, value: u32) -> Result<()>;
+
+    /// `kvs_quantize_latent`.
+    ///
+    /// # Safety
+    /// Every address in `p` must be valid for the kernel's documented accesses.
+    unsafe fn quantize_latent(&self, p: abi::kvs_quantize_latent_params) -> Result<()>;
+
+    /// `kvs_quantize_indexer`.
+    ///
+    /// # Safety
+    /// As [`Backend::quantize_latent`].
+    unsafe fn quantize_indexer(&self, p: abi::kvs_quantize_indexer_params) -> Result<()>;
+
+    /// `kvs_resolve`; `tile_state` must hold [`resolve_tiles`] words.
+    ///
+    /// # Safety
+    /// As [`Backend::quantize_latent`].
+    unsafe fn resolve(&self, p: abi::kvs_resolve_params) -> Result<()>;
+
+    /// `kvs_scratch_rows`.
+    ///
+    /// # Safety
+    /// As [`Backend::quantize_latent`].
+    unsafe fn scratch_rows(&self, p: abi::kvs_scratch_rows_params) -> Result<()>;
+
+    /// `kvs_copy_blocks` with the given grid.
+    ///
+    /// # Safety
+    /// As [`Backend::quantize_latent`].
+    unsafe fn copy_blocks(&self, p: abi::kvs_copy_blocks_params, launch: Launch) -> Result<()>;
+
+    /// `kvs_write_rows` with the given grid.
+    ///
+    /// # Safety
+    /// As [`Backend::quantize_latent`].
+    unsafe fn write_rows(&self, p: abi::kvs_write_rows_params, launch: Launch) -> Result<()>;
+
+    /// `kvs_copy_ranges` with the given grid.
+    ///
+    /// # Safety
+    /// As [`Backend::quantize_latent`].
+    unsafe fn copy_ranges(&self, p: abi::kvs_copy_ranges_params, launch: Launch) -> Result<()>;
+
+    /// Copy-engine copy of `len` contiguous bytes.
+    ///
+    /// # Safety
+    /// Both ranges must be valid memory of this backend.
+    unsafe fn memcpy(&self, dst: u64, src: u64, len: usize) -> Result<()>;
+
+    /// Copy-engine 2D copy.
+    ///
+    /// # Safety
+    /// Every row of both sides must be valid memory of this backend.
+    unsafe fn memcpy_2d(&self, copy: &Copy2d) -> Result<()>;
+
+    /// One copy-engine batch call moving every range (`cudaMemcpyBatchAsync`).
+    ///
+    /// # Safety
+    /// Every range must be valid memory of this backend.
+    unsafe fn memcpy_batch(&self, ranges: &[abi::kvs_range]) -> Result<()>;
+}
+
+/// Tiles (and tile-state words) `kvs_resolve` uses for `entries` entries.
+pub fn resolve_tiles(entries: u64) -> u64 {
+    entries.div_ceil(RESOLVE_TILE)
+}
+
+/// Entries per `kvs_resolve` tile (256 threads x 8 entries; see cuda/resolve.cu).
+pub const RESOLVE_TILE: u64 = 2048;
+
+/// Reads little-endian i64s from bytes.
+pub fn i64s_from_bytes(bytes: &[u8]) -> Vec<i64> {
+    bytes
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().expect("chunks of 8")))
+        .collect()
+}
+
+/// Little-endian bytes of i64s.
+pub fn i64s_to_bytes(values: &[i64]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Uploads `values` into a new device buffer of `backend`.
+pub fn upload_i64s<B: Backend + ?Sized>(backend: &B, values: &[i64]) -> Result<Buffer> {
+    let buf = backend.alloc(values.len() * 8, MemoryKind::Device)?;
+    backend.write(&buf, 0, &i64s_to_bytes(values))?;
+    Ok(buf)
+}

@@ -1,0 +1,142 @@
+//! The one error type of kvshard. Every fallible public call returns [`Result`]; no panic
+//! crosses the API. Variants carry the numbers a caller needs to see what was wrong.
+
+use cudarc::driver::DriverError;
+
+/// Result alias used across kvshard.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in kvshard.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// This build embeds no CUDA kernels (nvcc was absent when it was compiled).
+    #[error(
+        "kvshard was built without CUDA kernels (no nvcc 13.0 at build time); \
+         run scripts/install-cuda.sh and rebuild"
+    )]
+    KernelsMissing,
+    /// The CUDA driver library (libcuda) could not be loaded.
+    #[error("no CUDA driver: libcuda could not be loaded")]
+    NoDriver,
+    /// The requested GPU does not exist.
+    #[error("no CUDA GPU with ordinal {ordinal} ({count} present)")]
+    NoGpu {
+        /// Ordinal that was asked for.
+        ordinal: usize,
+        /// GPUs the driver reports.
+        count: usize,
+    },
+    /// A CUDA driver call failed.
+    #[error("CUDA {call} failed: {source}")]
+    Driver {
+        /// The driver call or kvshard operation that failed.
+        call: &'static str,
+        /// The driver's own error.
+        #[source]
+        source: DriverError,
+    },
+    /// A kernel met an input entry it could not use (out of range); it skipped it.
+    #[error("kernel {kernel} rejected input entry {position} (out of range)")]
+    KernelRejected {
+        /// Kernel name.
+        kernel: &'static str,
+        /// Smallest bad position in the kernel's index input.
+        position: u64,
+    },
+    /// Two geometries that must agree do not.
+    #[error("geometry mismatch: {what}: expected {expected}, got {got}")]
+    GeometryMismatch {
+        /// Which property differs.
+        what: String,
+        /// Value on the reference side.
+        expected: String,
+        /// Value on the other side.
+        got: String,
+    },
+    /// A geometry is not one kvshard supports.
+    #[error("invalid geometry: {0}")]
+    InvalidGeometry(String),
+    /// An index is outside the range it must lie in.
+    #[error("{what} {index} out of range (must be < {limit})")]
+    OutOfRange {
+        /// What kind of index.
+        what: &'static str,
+        /// The offending value.
+        index: i64,
+        /// Exclusive bound.
+        limit: u64,
+    },
+    /// A size or argument is malformed (empty where it must not be, misaligned, too large).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A chain prefix is not a whole number of pages.
+    #[error("prefix of {tokens} tokens is not page-aligned (page size {page_size})")]
+    MisalignedPrefix {
+        /// Prefix length in tokens.
+        tokens: usize,
+        /// Page size.
+        page_size: usize,
+    },
+    /// An owner class has fewer free pages than an allocation needs.
+    #[error("owner class {owner} exhausted: need {needed} pages, {free} free")]
+    Exhausted {
+        /// Owner class (rank).
+        owner: u32,
+        /// Pages the allocation needs from that class.
+        needed: usize,
+        /// Pages free in that class.
+        free: usize,
+    },
+    /// A page was freed twice.
+    #[error("double free of logical page {page}")]
+    DoubleFree {
+        /// Logical page.
+        page: u64,
+    },
+    /// A page that was never handed out was freed.
+    #[error("free of logical page {page}, which was never allocated")]
+    NeverAllocated {
+        /// Logical page.
+        page: u64,
+    },
+    /// A reserved (padding) page was used where a real page is required.
+    #[error("logical page {page} is reserved (pages 0..{shard} are padding)")]
+    ReservedPage {
+        /// Logical page.
+        page: u64,
+        /// Shard size: pages below it are reserved.
+        shard: u32,
+    },
+    /// A page is owned by another rank than the operation requires.
+    #[error("logical page {page} is owned by rank {owner}, expected rank {expected}")]
+    WrongOwner {
+        /// Logical page.
+        page: u64,
+        /// Its owner.
+        owner: u32,
+        /// The rank the operation needs.
+        expected: u32,
+    },
+    /// A memory budget cannot hold what it must.
+    #[error("memory budget too small: {0}")]
+    BudgetTooSmall(String),
+    /// A P/D transfer request is invalid or failed.
+    #[error("request {request}: {reason}")]
+    Transfer {
+        /// Request id.
+        request: u64,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A HiCache operation is invalid or failed.
+    #[error("hicache: {0}")]
+    HiCache(String),
+}
+
+impl Error {
+    /// Wraps a driver error with the call that produced it.
+    pub(crate) fn driver(call: &'static str) -> impl FnOnce(DriverError) -> Error {
+        move |source| Error::Driver { call, source }
+    }
+}

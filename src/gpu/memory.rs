@@ -1,0 +1,227 @@
+//! Owned device memory and pinned host memory.
+//!
+//! Host memory the GPU reads or writes directly is addressed through its *device alias*, which
+//! the driver gives (`cuMemHostGetDevicePointer`); kvshard never assumes it equals the host
+//! address. Memory an engine already pinned elsewhere can be registered in chunks that never
+//! split a page ([`HostRegistration`]).
+
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext};
+
+use crate::error::{Error, Result};
+
+/// A device allocation, freed on drop.
+#[derive(Debug)]
+pub struct DeviceAllocation {
+    ctx: Arc<CudaContext>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl DeviceAllocation {
+    /// Allocates `len` bytes (at least one) of device memory, 256-byte aligned.
+    pub fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
+        ctx.bind_to_thread()
+            .map_err(Error::driver("cuCtxSetCurrent"))?;
+        // SAFETY: plain allocation in the current context; freed exactly once in Drop.
+        let ptr =
+            unsafe { result::malloc_sync(len.max(1)) }.map_err(Error::driver("cuMemAlloc"))?;
+        Ok(Self {
+            ctx: ctx.clone(),
+            ptr,
+            len,
+        })
+    }
+
+    /// Device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the allocation holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for DeviceAllocation {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by cuMemAlloc in this context; owners keep the allocation alive
+            // until the work that uses it has completed (see Buffer).
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// Pinned, device-mapped host memory from `cuMemHostAlloc`, freed on drop.
+#[derive(Debug)]
+pub struct PinnedAllocation {
+    ctx: Arc<CudaContext>,
+    host: *mut u8,
+    device: sys::CUdeviceptr,
+    len: usize,
+}
+
+// SAFETY: the allocation is plain memory owned by this value; access goes through the driver or
+// through explicit copies, never through shared references the type hands out.
+unsafe impl Send for PinnedAllocation {}
+// SAFETY: see Send.
+unsafe impl Sync for PinnedAllocation {}
+
+impl PinnedAllocation {
+    /// Allocates `len` bytes of pinned host memory mapped into the device's address space.
+    ///
+    /// The pages are allocated by the thread that calls this, so Linux's first-touch policy
+    /// places them on that thread's NUMA node: call it from a thread bound to the GPU's node.
+    pub fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
+        ctx.bind_to_thread()
+            .map_err(Error::driver("cuCtxSetCurrent"))?;
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: allocation with valid flags; freed exactly once in Drop.
+        let host = unsafe { result::malloc_host(len.max(1), flags) }
+            .map_err(Error::driver("cuMemHostAlloc"))?;
+        let mut device = 0;
+        // SAFETY: `host` is a live mapped allocation; the driver writes the alias to `device`.
+        let alias = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) }.result();
+        if let Err(e) = alias {
+            // SAFETY: `host` came from cuMemHostAlloc above and is not used afterwards.
+            let _ = unsafe { result::free_host(host) };
+            return Err(Error::driver("cuMemHostGetDevicePointer")(e));
+        }
+        Ok(Self {
+            ctx: ctx.clone(),
+            host: host.cast(),
+            device,
+            len,
+        })
+    }
+
+    /// Host address.
+    pub fn host_ptr(&self) -> *mut u8 {
+        self.host
+    }
+
+    /// The device alias the driver gave for this memory.
+    pub fn device_ptr(&self) -> u64 {
+        self.device
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the allocation holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for PinnedAllocation {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by cuMemHostAlloc; no queued work uses it (owners guarantee).
+            let _ = unsafe { result::free_host(self.host.cast()) };
+        }
+    }
+}
+
+/// Host memory owned by the engine, registered (pinned and mapped) with the driver in chunks.
+///
+/// Registration chunks end on page boundaries, so no page straddles two registrations, and each
+/// chunk's device alias is asked of the driver separately: [`HostRegistration::device_ptr`]
+/// translates any host address inside the range.
+#[derive(Debug)]
+pub struct HostRegistration {
+    ctx: Arc<CudaContext>,
+    host: usize,
+    /// (host start, device alias, bytes) per chunk, in address order.
+    chunks: Vec<(usize, u64, usize)>,
+}
+
+impl HostRegistration {
+    /// Registers `[host, host + len)` in chunks of at most `max_chunk` bytes, each a whole
+    /// number of `page_bytes` pages.
+    ///
+    /// # Safety
+    /// The range must be valid, writable host memory that outlives the registration and is not
+    /// registered already.
+    pub unsafe fn new(
+        ctx: &Arc<CudaContext>,
+        host: *mut u8,
+        len: usize,
+        page_bytes: usize,
+        max_chunk: usize,
+    ) -> Result<Self> {
+        if page_bytes == 0 || len % page_bytes != 0 || max_chunk < page_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "host registration of {len} bytes: must be whole pages of {page_bytes} bytes, chunks of at least one page (got {max_chunk})"
+            )));
+        }
+        ctx.bind_to_thread()
+            .map_err(Error::driver("cuCtxSetCurrent"))?;
+        let chunk = max_chunk / page_bytes * page_bytes;
+        let mut reg = Self {
+            ctx: ctx.clone(),
+            host: host as usize,
+            chunks: Vec::new(),
+        };
+        let mut offset = 0;
+        while offset < len {
+            let bytes = chunk.min(len - offset);
+            let start = host as usize + offset;
+            let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
+            // SAFETY: the caller guarantees the range; the chunk lies inside it. On error, Drop
+            // unregisters the chunks registered so far.
+            unsafe { sys::cuMemHostRegister_v2(start as *mut _, bytes, flags) }
+                .result()
+                .map_err(Error::driver("cuMemHostRegister"))?;
+            let mut device = 0;
+            // SAFETY: the chunk was just registered with DEVICEMAP.
+            let alias =
+                unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, start as *mut _, 0) }
+                    .result();
+            reg.chunks.push((start, device, bytes));
+            alias.map_err(Error::driver("cuMemHostGetDevicePointer"))?;
+            offset += bytes;
+        }
+        Ok(reg)
+    }
+
+    /// Registered chunks: (host address, device alias, bytes).
+    pub fn chunks(&self) -> &[(usize, u64, usize)] {
+        &self.chunks
+    }
+
+    /// The device alias of a host address inside the registered range.
+    pub fn device_ptr(&self, host: *const u8) -> Option<u64> {
+        let h = host as usize;
+        self.chunks
+            .iter()
+            .find(|(start, _, bytes)| h >= *start && h < start + bytes)
+            .map(|(start, dev, _)| dev + (h - start) as u64)
+    }
+
+    /// First registered host address.
+    pub fn host_ptr(&self) -> usize {
+        self.host
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            for (start, _, _) in &self.chunks {
+                // SAFETY: each chunk was registered by `new` and is unregistered once.
+                let _ = unsafe { sys::cuMemHostUnregister(*start as *mut _) }.result();
+            }
+        }
+    }
+}

@@ -1,0 +1,272 @@
+//! The CUDA runtime layer: one thin wrapper over cudarc's driver API (loaded at run time, so the
+//! crate builds and runs its CPU paths with no CUDA installed).
+//!
+//! - [`Gpu`]: a device's primary context (the one PyTorch and other engines share), its
+//!   properties, and the embedded kernel module loaded once;
+//! - [`Stream`]: a stream kvshard owns, or one borrowed from the engine ([`Gpu::borrow_stream`]);
+//! - [`memory`]: device allocations and pinned host memory with their driver-given device aliases.
+//!
+//! Opening a device never panics: a missing driver, a missing GPU and a build without kernels
+//! are each a typed [`Error`].
+
+pub mod memory;
+mod module;
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
+
+pub use module::Kernel;
+use module::Module;
+
+use crate::error::{Error, Result};
+
+/// Architectures whose code this build embeds (`None` when built without kernels).
+pub fn embedded_archs() -> Option<&'static str> {
+    module::FATBIN.map(|_| module::ARCHS)
+}
+
+/// Whether the CUDA driver library can be loaded on this machine.
+pub fn driver_present() -> bool {
+    // SAFETY: only probes for the shared library; loads nothing else.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Static facts about an opened device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// CUDA ordinal.
+    pub ordinal: usize,
+    /// Marketing name.
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    /// Streaming multiprocessors.
+    pub sm_count: u32,
+    /// Device memory in bytes.
+    pub total_memory: usize,
+    /// PCI bus id, as NVML expects it.
+    pub pci_bus_id: String,
+}
+
+/// An opened GPU: primary context plus the embedded kernels.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    module: Module,
+    info: DeviceInfo,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu").field("info", &self.info).finish()
+    }
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal`: checks the kernels are embedded and the driver is present, retains
+    /// the primary context and loads the kernel module.
+    pub fn open(ordinal: usize) -> Result<Arc<Gpu>> {
+        let fatbin = module::FATBIN.ok_or(Error::KernelsMissing)?;
+        if !driver_present() {
+            return Err(Error::NoDriver);
+        }
+        cudarc::driver::result::init().map_err(Error::driver("cuInit"))?;
+        let count = cudarc::driver::result::device::get_count()
+            .map_err(Error::driver("cuDeviceGetCount"))?;
+        let count = usize::try_from(count).unwrap_or(0);
+        if ordinal >= count {
+            return Err(Error::NoGpu { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(Error::driver("cuDevicePrimaryCtxRetain"))?;
+        let info = device_info(&ctx, ordinal)?;
+        let module = Module::load(&ctx, fatbin)?;
+        Ok(Arc::new(Gpu { ctx, module, info }))
+    }
+
+    /// Device facts.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// The cudarc context (the device's primary context).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Makes this device's context current on the calling thread.
+    pub fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(Error::driver("cuCtxSetCurrent"))
+    }
+
+    /// A new non-blocking stream owned by kvshard.
+    pub fn new_stream(&self) -> Result<Stream> {
+        let inner = self
+            .ctx
+            .new_stream()
+            .map_err(Error::driver("cuStreamCreate"))?;
+        Ok(Stream { inner })
+    }
+
+    /// Wraps a stream the engine owns; kvshard enqueues on it and never destroys it.
+    ///
+    /// # Safety
+    /// `raw` must be a valid stream of this device's primary context, and must outlive the
+    /// returned [`Stream`] and everything enqueued through it.
+    pub unsafe fn borrow_stream(&self, raw: sys::CUstream) -> Stream {
+        // SAFETY: the caller guarantees `raw` is a live stream of this context (see above).
+        let inner = unsafe { self.ctx.wrap_borrowed_stream(raw) };
+        Stream { inner }
+    }
+
+    /// A new event; `timing` enables elapsed-time queries.
+    pub fn new_event(&self, timing: bool) -> Result<CudaEvent> {
+        let flags = if timing {
+            sys::CUevent_flags::CU_EVENT_DEFAULT
+        } else {
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+        };
+        self.ctx
+            .new_event(Some(flags))
+            .map_err(Error::driver("cuEventCreate"))
+    }
+
+    /// Launches `kernel` with one by-value parameter struct (`None` for a kernel without one).
+    ///
+    /// # Safety
+    /// `params` must be the parameter type `kernel` was compiled with, and every address in it
+    /// must be valid for what the kernel does with it until the launch completes on `stream`.
+    pub(crate) unsafe fn launch<P>(
+        &self,
+        kernel: Kernel,
+        grid: u32,
+        block: u32,
+        stream: &Stream,
+        params: Option<&P>,
+    ) -> Result<()> {
+        self.bind()?;
+        let mut args: Vec<*mut std::ffi::c_void> = match params {
+            Some(p) => vec![p as *const P as *mut std::ffi::c_void],
+            None => Vec::new(),
+        };
+        // SAFETY: the function belongs to the loaded module; the parameter layout and address
+        // validity are the caller's contract above; `args` outlives the call, and the driver
+        // copies the parameter values before cuLaunchKernel returns.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                self.module.function(kernel),
+                (grid.max(1), 1, 1),
+                (block, 1, 1),
+                0,
+                stream.raw(),
+                &mut args,
+            )
+        }
+        .map_err(|source| Error::Driver {
+            call: kernel.name(),
+            source,
+        })
+    }
+
+    /// Largest number of CTAs of `block` threads of `kernel` resident on one SM.
+    pub fn occupancy(&self, kernel: Kernel, block: u32) -> Result<u32> {
+        self.bind()?;
+        // SAFETY: the function belongs to the loaded module of this (current) context.
+        let n = unsafe {
+            cudarc::driver::result::occupancy::max_active_block_per_multiprocessor(
+                self.module.function(kernel),
+                block as i32,
+                0,
+            )
+        }
+        .map_err(Error::driver("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
+        Ok(n.max(0) as u32)
+    }
+}
+
+fn device_info(ctx: &Arc<CudaContext>, ordinal: usize) -> Result<DeviceInfo> {
+    use sys::CUdevice_attribute::*;
+    let attr = |a| {
+        ctx.attribute(a)
+            .map_err(Error::driver("cuDeviceGetAttribute"))
+    };
+    let mut bus = [0 as std::ffi::c_char; 32];
+    // SAFETY: the buffer is valid for its length and the device handle comes from the context.
+    unsafe { sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, ctx.cu_device()) }
+        .result()
+        .map_err(Error::driver("cuDeviceGetPCIBusId"))?;
+    // SAFETY: the driver wrote a NUL-terminated string into `bus`.
+    let pci_bus_id = unsafe { std::ffi::CStr::from_ptr(bus.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+    Ok(DeviceInfo {
+        ordinal,
+        name: ctx.name().map_err(Error::driver("cuDeviceGetName"))?,
+        compute_capability: (
+            attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ),
+        sm_count: attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32,
+        total_memory: ctx.total_mem().map_err(Error::driver("cuDeviceTotalMem"))?,
+        pci_bus_id,
+    })
+}
+
+/// A CUDA stream: owned by kvshard, or borrowed from the engine.
+#[derive(Debug, Clone)]
+pub struct Stream {
+    inner: Arc<CudaStream>,
+}
+
+impl Stream {
+    /// The raw handle, to pass to other libraries.
+    pub fn raw(&self) -> sys::CUstream {
+        self.inner.cu_stream()
+    }
+
+    /// The cudarc stream.
+    pub fn cuda(&self) -> &Arc<CudaStream> {
+        &self.inner
+    }
+
+    /// Blocks until all work enqueued so far has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        self.inner
+            .synchronize()
+            .map_err(Error::driver("cuStreamSynchronize"))
+    }
+
+    /// Records `event` at this point of the stream.
+    pub fn record(&self, event: &CudaEvent) -> Result<()> {
+        event
+            .record(&self.inner)
+            .map_err(Error::driver("cuEventRecord"))
+    }
+
+    /// Makes later work on this stream wait for `event`.
+    pub fn wait(&self, event: &CudaEvent) -> Result<()> {
+        self.inner
+            .wait(event)
+            .map_err(Error::driver("cuStreamWaitEvent"))
+    }
+
+    /// Makes later work on this stream wait until the u32 at device address `addr` is at least
+    /// `value` (wrapping comparison), without involving the host.
+    ///
+    /// # Safety
+    /// `addr` must be a 4-byte aligned device address that stays valid until the wait is over.
+    pub unsafe fn wait_value_geq(&self, addr: u64, value: u32) -> Result<()> {
+        // SAFETY: the caller guarantees the address; the stream is live.
+        unsafe {
+            sys::cuStreamWaitValue32_v2(
+                self.raw(),
+                addr,
+                value,
+                sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+            )
+        }
+        .result()
+        .map_err(Error::driver("cuStreamWaitValue32"))
+    }
+}

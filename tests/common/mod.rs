@@ -1,0 +1,47 @@
+//! Shared by the integration tests: the CUDA backend when a GPU is present (tests that need it
+//! print SKIPPED otherwise, or fail when KVSHARD_REQUIRE_GPU=1 so a GPU run proves they ran),
+//! and seeded random generators.
+#![allow(dead_code)]
+
+use std::sync::{Arc, OnceLock};
+
+use kvshard::backend::cuda::CudaBackend;
+use kvshard::gpu::Gpu;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+fn gpu() -> Option<Arc<Gpu>> {
+    static GPU: OnceLock<Result<Arc<Gpu>, String>> = OnceLock::new();
+    GPU.get_or_init(|| Gpu::open(0).map_err(|e| e.to_string()))
+        .clone()
+        .ok()
+}
+
+/// A CUDA backend on a fresh stream, or `None` (after saying the test skipped) without a GPU.
+pub fn cuda(test: &str) -> Option<CudaBackend> {
+    match gpu() {
+        Some(gpu) => Some(CudaBackend::new(gpu).expect("CUDA backend")),
+        None => {
+            let why = Gpu::open(0)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(
+                std::env::var_os("KVSHARD_REQUIRE_GPU").is_none(),
+                "{test}: KVSHARD_REQUIRE_GPU is set but no GPU is usable: {why}"
+            );
+            eprintln!("SKIPPED {test} on the GPU: {why}");
+            None
+        }
+    }
+}
+
+/// A seeded RNG; the seed is printed so a failure can be replayed with KVSHARD_SEED.
+pub fn rng(test: &str) -> StdRng {
+    let seed = std::env::var("KVSHARD_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    eprintln!("{test}: KVSHARD_SEED={seed}");
+    StdRng::seed_from_u64(seed)
+}
