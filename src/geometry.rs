@@ -342,6 +342,133 @@ impl CacheGeometry {
     }
 }
 
+/// One of the (up to) four byte arrays a rank's cache is made of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Component {
+    /// Target model latent rows.
+    TargetLatent,
+    /// Target model indexer blocks (layers with their own indexer only).
+    TargetIndexer,
+    /// Draft (MTP) latent rows.
+    DraftLatent,
+    /// Draft indexer blocks.
+    DraftIndexer,
+}
+
+impl Component {
+    /// In the order kernels and transfers use: target latent, target indexer, draft latent,
+    /// draft indexer.
+    pub const ALL: [Component; 4] = [
+        Self::TargetLatent,
+        Self::TargetIndexer,
+        Self::DraftLatent,
+        Self::DraftIndexer,
+    ];
+
+    /// Whether this is an indexer component.
+    pub fn is_indexer(self) -> bool {
+        matches!(self, Self::TargetIndexer | Self::DraftIndexer)
+    }
+
+    /// Whether this belongs to the draft pool.
+    pub fn is_draft(self) -> bool {
+        matches!(self, Self::DraftLatent | Self::DraftIndexer)
+    }
+}
+
+impl fmt::Display for Component {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::TargetLatent => "target latent",
+            Self::TargetIndexer => "target indexer",
+            Self::DraftLatent => "draft latent",
+            Self::DraftIndexer => "draft indexer",
+        })
+    }
+}
+
+/// How one component is laid out on one rank: `layers` buffers of `pages` blocks each.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ComponentLayout {
+    /// Which component.
+    pub component: Component,
+    /// Model layer of each stored layer, in order: target layers are `0..L`, the draft layer is
+    /// `L`; indexer components list only layers that have an indexer (zero-size ones are absent).
+    pub model_layers: Vec<usize>,
+    /// Bytes of one (page, layer) block.
+    pub block_bytes: usize,
+    /// Rows a block is made of when stored token by token (64 for latent rows, 1 for a
+    /// page-major indexer block, which is never split by token).
+    pub rows: usize,
+    /// Bytes of one such row.
+    pub row_bytes: usize,
+}
+
+impl ComponentLayout {
+    /// Stored layers.
+    pub fn layers(&self) -> usize {
+        self.model_layers.len()
+    }
+
+    /// Bytes of one page across this component's layers.
+    pub fn page_bytes(&self) -> usize {
+        self.layers() * self.block_bytes
+    }
+}
+
+impl CacheGeometry {
+    /// The non-empty components of this cache, in [`Component::ALL`] order.
+    pub fn components(&self) -> Vec<ComponentLayout> {
+        let target_layers = self.target.num_layers();
+        let latent = |component, pool: &PoolGeometry, model_layers: Vec<usize>| ComponentLayout {
+            component,
+            model_layers,
+            block_bytes: pool.latent_block_bytes(),
+            rows: pool.page_size,
+            row_bytes: pool.row_bytes(),
+        };
+        let indexer = |component, pool: &PoolGeometry, model_layers: Vec<usize>| ComponentLayout {
+            component,
+            model_layers,
+            block_bytes: pool.indexer_block_bytes(),
+            rows: 1,
+            row_bytes: pool.indexer_block_bytes(),
+        };
+        let mut out = vec![
+            latent(
+                Component::TargetLatent,
+                &self.target,
+                (0..target_layers).collect(),
+            ),
+            indexer(
+                Component::TargetIndexer,
+                &self.target,
+                self.target.indexer_layer_ids().collect(),
+            ),
+        ];
+        if let Some(draft) = &self.draft {
+            let ids = |layers: Vec<usize>| layers.into_iter().map(|l| target_layers + l).collect();
+            out.push(latent(
+                Component::DraftLatent,
+                draft,
+                ids((0..draft.num_layers()).collect()),
+            ));
+            out.push(indexer(
+                Component::DraftIndexer,
+                draft,
+                ids(draft.indexer_layer_ids().collect()),
+            ));
+        }
+        out.retain(|c| c.layers() > 0);
+        out
+    }
+
+    /// Model layers including the draft's (the index space of per-layer ready signals).
+    pub fn model_layers(&self) -> usize {
+        self.pools().map(PoolGeometry::num_layers).sum()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -424,5 +551,22 @@ mod tests {
         page.target.page_size = 128;
         let err = prefill.validate_pd(&page).unwrap_err().to_string();
         assert!(err.contains("page size 128"), "{err}");
+    }
+
+    #[test]
+    fn components_skip_empty_indexers_and_number_the_draft_after_the_target() {
+        let target =
+            PoolGeometry::with_indexer_layers(LatentLayout::Fp8Trtllm, vec![true, false, true]);
+        let g = CacheGeometry::with_draft(target);
+        let c = g.components();
+        let names: Vec<_> = c.iter().map(|c| c.component).collect();
+        assert_eq!(names, Component::ALL.to_vec());
+        assert_eq!(c[0].model_layers, vec![0, 1, 2]);
+        assert_eq!(c[1].model_layers, vec![0, 2]);
+        assert_eq!(c[2].model_layers, vec![3]);
+        assert_eq!((c[1].rows, c[1].row_bytes), (1, INDEXER_PAGE_BYTES));
+        assert_eq!(g.model_layers(), 4);
+        let all_shared = PoolGeometry::with_indexer_layers(LatentLayout::Fp8Trtllm, vec![false; 2]);
+        assert_eq!(CacheGeometry::target_only(all_shared).components().len(), 1);
     }
 }
