@@ -253,3 +253,17 @@ fn raw_bad_slot_is_reported_on_gpu() {
         raw_bad_slot_is_reported(&gpu);
     }
 }
+
+#[test]
+fn cpu_streams_share_memory_but_not_status() {
+    let a = CpuBackend::new();
+    let b = a.new_stream();
+    let buf = a.alloc(16, MemoryKind::Device).unwrap();
+    b.write(&buf, 0, &[7; 16]).unwrap();
+    assert_eq!(a.read(&buf, 0, 16).unwrap(), vec![7; 16]);
+    raw_bad_slot_is_reported(&b);
+    assert!(
+        a.synchronize().is_ok(),
+        "another stream's rejection is not ours"
+    );
+}

@@ -156,6 +156,17 @@ impl CpuBackend {
         }
     }
 
+    /// Another backend on the same address space, like a second stream of the same device:
+    /// buffers of either are valid in both; each keeps its own kernel status.
+    pub fn new_stream(&self) -> Self {
+        let word = Self::alloc_in(&self.arena, 8, MemoryKind::Device);
+        Self {
+            status: Mutex::new(StatusTracker::new(word.addr())),
+            arena: self.arena.clone(),
+            _status_word: word,
+        }
+    }
+
     fn alloc_in(arena: &Arc<Mutex<Arena>>, len: usize, kind: MemoryKind) -> Buffer {
         let mut a = lock(arena);
         let base = a.next;
