@@ -11,6 +11,7 @@
 
 pub mod memory;
 mod module;
+pub mod topology;
 
 use std::sync::Arc;
 
