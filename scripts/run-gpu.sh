@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the staged binaries (scripts/stage-gpu.sh) on a GPU host: every test with the GPU required,
 # the GPU tests again under compute-sanitizer memcheck and racecheck, then the GPU benchmark.
-# Logs go to $OUT (default ./gpu-out). Usage: run-gpu.sh [tests|sanitize|bench|all] [bench args]
+# Logs go to $OUT (default ./gpu-out): summary.log, tests.log, sanitizer.log, bench.log, bench.md. Usage: run-gpu.sh [tests|sanitize|bench|all] [bench args]
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${OUT:-$PWD/gpu-out}"
@@ -18,8 +18,11 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width
 if [ "$what" = tests ] || [ "$what" = all ]; then
   for t in "$here"/tests/*; do
     name=$(basename "$t")
-    if "$t" --test-threads=4 >"$out/test-$name.log" 2>&1; then r=ok; else r=FAILED; status=1; fi
-    echo "test $name: $r ($(grep -E '^test result' "$out/test-$name.log" | tail -1))" | tee -a "$out/summary.log"
+    log="$out/tmp-test.log"
+    if "$t" --test-threads=4 >"$log" 2>&1; then r=ok; else r=FAILED; status=1; fi
+    { echo "===== test $name: $r"; cat "$log"; } >>"$out/tests.log"
+    echo "test $name: $r ($(grep -E '^test result' "$log" | tail -1))" | tee -a "$out/summary.log"
+    rm -f "$log"
   done
 fi
 
@@ -30,13 +33,16 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
       name=$(basename "$t")
       # Only binaries with GPU tests; CPU-only tests gain nothing under the sanitizer.
       "$t" --list 2>/dev/null | grep -q '^gpu_.*: test' || continue
-      if "$cs" --tool "$tool" --error-exitcode 99 "$t" gpu_ --test-threads=1 >"$out/$tool-$name.log" 2>&1; then
+      log="$out/tmp-sanitizer.log"
+      if "$cs" --tool "$tool" --error-exitcode 99 "$t" gpu_ --test-threads=1 >"$log" 2>&1; then
         r=clean
       else
         r=FAILED
         status=1
       fi
-      echo "$tool $name: $r ($(grep -E 'ERROR SUMMARY' "$out/$tool-$name.log" | tail -1))" | tee -a "$out/summary.log"
+      { echo "===== $tool $name: $r"; cat "$log"; } >>"$out/sanitizer.log"
+      echo "$tool $name: $r ($(grep -E 'ERROR SUMMARY|test result' "$log" | tail -2 | tr '\n' ' '))" | tee -a "$out/summary.log"
+      rm -f "$log"
     done
   done
 fi
