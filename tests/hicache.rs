@@ -180,11 +180,11 @@ fn round_trip<B: Backend>(
     };
     let mut backup =
         HostTransfer::new(&source, &host, plan(&node.device), Direction::Backup).unwrap();
-    backup.prepare_kernel(b).unwrap();
+    backup.prepare_kernel(b, None).unwrap();
     backup.run(b, io, Layers::All).unwrap();
     let mut load =
         HostTransfer::new(&reloaded, &host, plan(&node.reload), Direction::Load).unwrap();
-    load.prepare_kernel(b).unwrap();
+    load.prepare_kernel(b, None).unwrap();
     load.run(b, io, Layers::All).unwrap();
     b.synchronize().unwrap();
     Trip {
@@ -322,7 +322,7 @@ fn per_layer_runs_add_up_to_the_whole_transfer() {
             )
             .unwrap();
             let mut t = HostTransfer::new(&source, &host, plan, Direction::Backup).unwrap();
-            t.prepare_kernel(&b).unwrap();
+            t.prepare_kernel(&b, None).unwrap();
             let mut bytes = 0;
             for m in 0..g.model_layers() {
                 t.run(&b, io, Layers::One(m)).unwrap();
@@ -363,7 +363,7 @@ fn signalled_runs_count_every_layer_to_its_target() {
         t.run_signalled(&b, 2, &mut signals).is_err(),
         "tables missing"
     );
-    t.prepare_kernel(&b).unwrap();
+    t.prepare_kernel(&b, None).unwrap();
     for round in 1..=2u32 {
         let waits = t.run_signalled(&b, 2, &mut signals).unwrap();
         // Model layers 0 and 2 have latent + indexer, layer 1 latent only, 3 is the draft's two.
@@ -393,6 +393,7 @@ fn signalled_runs_count_every_layer_to_its_target() {
 struct Probe {
     cpu: CpuBackend,
     calls: Mutex<IoCalls>,
+    allocs: Mutex<usize>,
     syncs: Mutex<usize>,
     held: AtomicBool,
     gates: Mutex<Vec<Arc<AtomicBool>>>,
@@ -407,6 +408,7 @@ impl Probe {
         Self {
             cpu,
             calls: Mutex::new(IoCalls::default()),
+            allocs: Mutex::new(0),
             syncs: Mutex::new(0),
             held: AtomicBool::new(false),
             gates: Mutex::new(Vec::new()),
@@ -429,6 +431,10 @@ impl Probe {
     fn syncs(&self) -> usize {
         *self.syncs.lock().unwrap()
     }
+
+    fn allocs(&self) -> usize {
+        *self.allocs.lock().unwrap()
+    }
 }
 
 impl Backend for Probe {
@@ -439,6 +445,7 @@ impl Backend for Probe {
     }
 
     fn alloc(&self, len: usize, kind: MemoryKind) -> kvshard::Result<Buffer> {
+        *self.allocs.lock().unwrap() += 1;
         self.cpu.alloc(len, kind)
     }
 
@@ -557,7 +564,7 @@ fn backends_submit_the_calls_they_promise() {
         assert_eq!(plan.runs().len(), 2);
         for direction in [Direction::Backup, Direction::Load] {
             let mut t = HostTransfer::new(&pool, &hp, plan.clone(), direction).unwrap();
-            t.prepare_kernel(&b).unwrap();
+            t.prepare_kernel(&b, None).unwrap();
             for io in IOS {
                 for layers in [Layers::All, Layers::One(0), Layers::One(3)] {
                     let promised = t.calls(io, layers).unwrap();
@@ -772,6 +779,49 @@ fn controller_acks_backups_in_fifo_order_only_once_complete() {
         ctl.backup(&node(11, &[12]), &done(), io).is_err(),
         "already on host"
     );
+}
+
+#[test]
+fn kernel_tables_are_reused_once_their_transfer_is_acked() {
+    let b = Probe::new();
+    let g = &geometries()[0];
+    let placement = Placement::new(2).unwrap();
+    let pool = random_pool(&b, g, placement, 0, 6);
+    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirst).unwrap();
+    let mut ctl =
+        HiCacheController::new(&pool, &host, streams(&b), WritePolicy::WriteThrough).unwrap();
+    let io = IoBackend::SmKernel { ctas: 2 };
+    let node = |id, device_pages| CacheNode {
+        id,
+        device_pages,
+        start_owner: None,
+    };
+    let signals = ctl.streams().tables.allocs();
+    ctl.backup(&node(1, &[4, 6, 8]), &done(), io).unwrap();
+    ctl.backup(&node(2, &[10, 12]), &done(), io).unwrap();
+    assert_eq!(ctl.streams().tables.allocs(), signals + 2);
+    ctl.ack_backups(2).unwrap();
+    // Smaller or equal tables fit the buffers the acked backups gave back.
+    let h = ctl.load(1, &[14, 16, 18], None, io).unwrap();
+    ctl.backup(&node(3, &[20, 22]), &done(), io).unwrap();
+    assert_eq!(ctl.streams().tables.allocs(), signals + 2);
+    assert_eq!(h.index(), 0);
+
+    // A buffer too small for a transfer's tables is refused.
+    let plan = TransferPlan::new(placement, 0, &[4], &[4], DEVICE_PAGES, HOST_PAGES).unwrap();
+    let mut t = HostTransfer::new(&pool, &host, plan, Direction::Load).unwrap();
+    let small = b
+        .alloc(t.kernel_table_bytes() - 8, MemoryKind::Device)
+        .unwrap();
+    assert!(matches!(
+        t.prepare_kernel(&b, Some(small)),
+        Err(Error::InvalidArgument(_))
+    ));
+    let fits = b.alloc(t.kernel_table_bytes(), MemoryKind::Device).unwrap();
+    let addr = fits.addr();
+    t.prepare_kernel(&b, Some(fits)).unwrap();
+    t.run(&b, io, Layers::All).unwrap();
+    assert_eq!(t.into_kernel_tables().map(|t| t.addr()), Some(addr));
 }
 
 /// One shard group: a controller per rank over its own pools, all given the same calls.
@@ -1143,11 +1193,12 @@ fn gpu_registered_and_numa_local_host_pools_round_trip() {
             .zip(&sizes)
             .map(|(&host, &len)| kvshard::hicache::HostRegion { host, len })
             .collect();
-        let chunk = 3 * g.components()[0].page_bytes();
         {
+            // The smallest chunks registration allows (one 64 KiB-aligned grain of pages):
+            // several per component in layer_first.
             // SAFETY: the regions are live, aligned, unregistered, and outlive the pool.
             let registered =
-                unsafe { HostPool::register(gpu.gpu(), g, HOST_PAGES, layout, &regions, chunk) }
+                unsafe { HostPool::register(gpu.gpu(), g, HOST_PAGES, layout, &regions, 1) }
                     .unwrap();
             let numa = HostPool::new_numa_local(&gpu, g, HOST_PAGES, layout).unwrap();
             eprintln!("{layout}: NUMA placement {:?}", numa.numa());
@@ -1165,7 +1216,7 @@ fn gpu_registered_and_numa_local_host_pools_round_trip() {
                     )
                     .unwrap();
                     let mut t = HostTransfer::new(&source, host, plan, Direction::Backup).unwrap();
-                    t.prepare_kernel(&gpu).unwrap();
+                    t.prepare_kernel(&gpu, None).unwrap();
                     t.run(&gpu, io, Layers::All).unwrap();
                     gpu.synchronize().unwrap();
                     assert!(host.snapshot(&gpu).unwrap() == want.host, "{layout} {io}");

@@ -27,10 +27,14 @@ use std::collections::{HashMap, VecDeque};
 use super::host_pool::HostPool;
 use super::io::{Direction, HostTransfer, IoBackend, LayerReady, LayerSignals, Layers};
 use super::plan::TransferPlan;
-use crate::backend::Backend;
+use crate::backend::{Backend, Buffer, MemoryKind};
 use crate::error::{Error, Result};
 use crate::pool::{check_same_components, BlockSpace, DevicePool};
 use crate::shard::{AllocRequest, ChainStart, ShardAllocator};
+
+/// Kernel-table buffers kept for reuse once their transfer is acked: allocating and freeing
+/// device memory per transfer would serialize the device's streams.
+const SPARE_TABLES: usize = 8;
 
 /// When a device node is backed up to the host.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -149,7 +153,7 @@ struct HostNode {
 struct Pending<'p, A, E> {
     ack: A,
     done: E,
-    _transfer: HostTransfer<'p>,
+    transfer: HostTransfer<'p>,
 }
 
 /// One rank's HiCache controller, generic over the backend (CUDA in production, the CPU
@@ -167,6 +171,7 @@ pub struct HiCacheController<'p, B: Backend> {
     loads: VecDeque<Pending<'p, LoadAck, B::Event>>,
     next_backup: u64,
     next_load: u64,
+    spare_tables: Vec<Buffer>,
 }
 
 impl<B: Backend> std::fmt::Debug for HiCacheController<'_, B> {
@@ -204,6 +209,7 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
             loads: VecDeque::new(),
             next_backup: 0,
             next_load: 0,
+            spare_tables: Vec::new(),
         })
     }
 
@@ -333,7 +339,7 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
                 bytes: transfer.bytes(Layers::All)?,
             },
             done,
-            _transfer: transfer,
+            transfer,
         });
         Ok(index)
     }
@@ -382,7 +388,7 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
                 bytes: transfer.bytes(Layers::All)?,
             },
             done,
-            _transfer: transfer,
+            transfer,
         });
         Ok(LoadHandle { index, layers })
     }
@@ -428,7 +434,8 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
     /// Pops the `count` oldest backups, in submission order. If any of them has not completed,
     /// this first blocks until the backup stream is idle.
     pub fn ack_backups(&mut self, count: usize) -> Result<Vec<BackupAck>> {
-        let acks = pop_acks(&self.streams.backup, &mut self.backups, count)?;
+        let done = pop_completed(&self.streams.backup, &mut self.backups, count)?;
+        let acks = self.recycle(done);
         for ack in &acks {
             if let Some(n) = self.host_nodes.get_mut(&ack.node) {
                 n.acked = true;
@@ -440,13 +447,30 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
     /// Pops the `count` oldest loads, in submission order. If any of them has not completed,
     /// this first blocks until the load stream is idle.
     pub fn ack_loads(&mut self, count: usize) -> Result<Vec<LoadAck>> {
-        pop_acks(&self.streams.load, &mut self.loads, count)
+        let done = pop_completed(&self.streams.load, &mut self.loads, count)?;
+        Ok(self.recycle(done))
     }
 
-    /// Plans and builds this rank's transfer, uploading kernel tables on the tables stream when
-    /// the SM kernel will run it.
+    /// Keeps the kernel tables of completed transfers for reuse; returns their acks.
+    fn recycle<A>(&mut self, done: Vec<Pending<'p, A, B::Event>>) -> Vec<A> {
+        let mut acks = Vec::with_capacity(done.len());
+        for p in done {
+            acks.push(p.ack);
+            if let Some(tables) = p.transfer.into_kernel_tables() {
+                self.spare_tables.push(tables);
+            }
+        }
+        // The largest fit the most transfers; dropping the rest frees device memory, rarely.
+        self.spare_tables
+            .sort_by_key(|t| std::cmp::Reverse(t.len()));
+        self.spare_tables.truncate(SPARE_TABLES);
+        acks
+    }
+
+    /// Plans and builds this rank's transfer, uploading kernel tables on the tables stream
+    /// (into a spare table buffer when one fits) when the SM kernel will run it.
     fn transfer(
-        &self,
+        &mut self,
         device_pages: &[u64],
         host_pages: &[u64],
         direction: Direction,
@@ -461,8 +485,20 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
             self.host.pages(),
         )?;
         let mut transfer = HostTransfer::new(self.device, self.host, plan, direction)?;
-        if let IoBackend::SmKernel { .. } = io {
-            transfer.prepare_kernel(&self.streams.tables)?;
+        if matches!(io, IoBackend::SmKernel { .. }) && !transfer.plan().is_empty() {
+            let need = transfer.kernel_table_bytes();
+            let fits = (0..self.spare_tables.len())
+                .filter(|&i| self.spare_tables[i].len() >= need)
+                .min_by_key(|&i| self.spare_tables[i].len());
+            let tables = match fits {
+                Some(i) => self.spare_tables.swap_remove(i),
+                // Rounded up so that later transfers of similar size can reuse it.
+                None => self
+                    .streams
+                    .tables
+                    .alloc(need.next_power_of_two(), MemoryKind::Device)?,
+            };
+            transfer.prepare_kernel(&self.streams.tables, Some(tables))?;
         }
         Ok(transfer)
     }
@@ -482,11 +518,13 @@ fn completed_prefix<B: Backend, A>(
     Ok(n)
 }
 
-fn pop_acks<B: Backend, A>(
+/// Pops the `count` oldest entries of `queue`, first waiting for `stream` to be idle if any of
+/// them has not completed.
+fn pop_completed<'p, B: Backend, A>(
     stream: &B,
-    queue: &mut VecDeque<Pending<'_, A, B::Event>>,
+    queue: &mut VecDeque<Pending<'p, A, B::Event>>,
     count: usize,
-) -> Result<Vec<A>> {
+) -> Result<Vec<Pending<'p, A, B::Event>>> {
     if count > queue.len() {
         return Err(Error::HiCache(format!(
             "{count} acks asked for, {} operations pending",
@@ -496,5 +534,5 @@ fn pop_acks<B: Backend, A>(
     if completed_prefix(stream, queue)? < count {
         stream.synchronize()?;
     }
-    Ok(queue.drain(..count).map(|p| p.ack).collect())
+    Ok(queue.drain(..count).collect())
 }

@@ -27,6 +27,13 @@ use crate::gpu::memory::HostRegistration;
 use crate::gpu::{topology, Gpu};
 use crate::pool::BlockSpace;
 
+/// Registration chunks are whole multiples of this as well as of a page, so two chunks never
+/// share an OS page (4 KiB on x86 hosts, up to 64 KiB on Arm servers).
+const OS_PAGE_GRAIN: usize = 64 << 10;
+
+/// Alignment a registered region must start at (the smallest OS page).
+const REGION_ALIGN: usize = 4096;
+
 /// How a host pool orders the blocks of one component.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum HostLayout {
@@ -197,14 +204,15 @@ impl HostPool {
     }
 
     /// Wraps host memory the engine owns, one region per component (in
-    /// [`CacheGeometry::components`] order), registering each with the driver in chunks of at
-    /// most `max_chunk` bytes that never split a page ([`HostLayout::page_unit`]). Each chunk's
-    /// device alias is asked of the driver; the chunks of a region must form one contiguous
-    /// device range (they do under unified addressing), else the pool is refused, because the
-    /// copy paths address a component linearly.
+    /// [`CacheGeometry::components`] order), registering each with the driver in chunks of
+    /// about `max_chunk` bytes that never split a page ([`HostLayout::page_unit`]) nor share an
+    /// OS page (chunks are also multiples of 64 KiB, so a chunk may exceed `max_chunk` when one
+    /// such multiple does). Each chunk's device alias is asked of the driver; the chunks of a
+    /// region must form one contiguous device range (they do under unified addressing), else
+    /// the pool is refused, because the copy paths address a component linearly.
     ///
     /// # Safety
-    /// Every region must be valid, writable host memory, 16-byte aligned, not registered already,
+    /// Every region must be valid, writable host memory, 4 KiB aligned, not registered already,
     /// that outlives the pool and all work using it.
     pub unsafe fn register(
         gpu: &Arc<Gpu>,
@@ -225,22 +233,21 @@ impl HostPool {
         let mut buffers = Vec::with_capacity(components.len());
         for (c, region) in components.iter().zip(regions) {
             let len = Self::component_bytes(c, pages)?;
-            if region.len != len || region.host.is_null() || region.host as usize % 16 != 0 {
+            if region.len != len
+                || region.host.is_null()
+                || region.host as usize % REGION_ALIGN != 0
+            {
                 return Err(Error::HiCache(format!(
-                    "{} region at {:p} of {} bytes: needs a non-null 16-byte aligned region of {len} bytes ({layout}, {pages} pages)",
+                    "{} region at {:p} of {} bytes: needs a non-null {REGION_ALIGN}-byte aligned region of {len} bytes ({layout}, {pages} pages)",
                     c.component, region.host, region.len
                 )));
             }
+            let unit = layout.page_unit(c);
+            let grain = unit / gcd(unit, OS_PAGE_GRAIN) * OS_PAGE_GRAIN;
+            let chunk = (max_chunk / grain).max(1) * grain;
             // SAFETY: the caller guarantees the region (see above).
-            let reg = unsafe {
-                HostRegistration::new(
-                    gpu.context(),
-                    region.host,
-                    len,
-                    layout.page_unit(c),
-                    max_chunk,
-                )
-            }?;
+            let reg =
+                unsafe { HostRegistration::new(gpu.context(), region.host, len, unit, chunk) }?;
             let base = reg
                 .chunks()
                 .first()
@@ -406,6 +413,14 @@ impl HostPool {
     /// Sets every byte of the pool to `byte` (stream-ordered on `backend`).
     pub fn fill<B: Backend>(&self, backend: &B, byte: u8) -> Result<()> {
         self.buffers.iter().try_for_each(|b| backend.fill(b, byte))
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
     }
 }
 

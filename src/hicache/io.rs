@@ -25,7 +25,7 @@ use std::ops::Range;
 use super::host_pool::HostPool;
 use super::plan::TransferPlan;
 use crate::abi;
-use crate::backend::{upload_i64s, Backend, Buffer, Copy2d, Launch, MemoryKind};
+use crate::backend::{Backend, Buffer, Copy2d, Launch, MemoryKind};
 use crate::error::{Error, Result};
 use crate::pool::{check_same_components, BlockCopyPlan, BlockSpace, DevicePool, PageSelection};
 
@@ -203,13 +203,8 @@ impl<E> LayerReady<E> {
     }
 }
 
-/// Kernel tables of a transfer, in device memory.
-#[derive(Debug)]
-struct KernelTables {
-    pairs: Buffer,
-    device_ids: Buffer,
-    host_ids: Buffer,
-}
+/// Bytes of one `kvs_layer_pair` in a table.
+const PAIR_BYTES: usize = 24;
 
 /// One contiguous or 2D stretch, in device-side / host-side terms (direction-free).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -296,7 +291,8 @@ pub struct HostTransfer<'a> {
     layer_pairs: Vec<Range<usize>>,
     /// Units each model layer's counter gains per signalled run of every layer.
     signal_units: Vec<u32>,
-    tables: Option<KernelTables>,
+    /// Device copy of the pair table, then the device and host page lists (i64 each).
+    tables: Option<Buffer>,
 }
 
 impl<'a> HostTransfer<'a> {
@@ -369,35 +365,60 @@ impl<'a> HostTransfer<'a> {
         self.model_layers
     }
 
-    /// Uploads the kernel's pair table and page lists through `backend` (whose stream this
-    /// synchronizes: use a stream other than the one transfers run on). A transfer this rank
-    /// has no pages of needs no tables.
-    pub fn prepare_kernel<B: Backend>(&mut self, backend: &B) -> Result<()> {
-        if self.plan.is_empty() || self.tables.is_some() {
+    /// Bytes of device memory the kernel's tables take (the pair table, then both page lists).
+    pub fn kernel_table_bytes(&self) -> usize {
+        PAIR_BYTES * self.pairs.len() + 16 * self.plan.len()
+    }
+
+    /// Uploads the kernel's tables through `backend` (whose stream this synchronizes: use a
+    /// stream other than the one transfers run on), into `reuse` when given (device memory of
+    /// at least [`HostTransfer::kernel_table_bytes`] that no work in flight still reads, e.g.
+    /// from [`HostTransfer::into_kernel_tables`] of a completed transfer), else into a new
+    /// allocation. Reuse matters where transfers are made per request: allocating and freeing
+    /// device memory serializes the device's streams. A transfer this rank has no pages of
+    /// needs no tables; `reuse` is then handed back by [`HostTransfer::into_kernel_tables`].
+    pub fn prepare_kernel<B: Backend>(&mut self, backend: &B, reuse: Option<Buffer>) -> Result<()> {
+        if self.tables.is_some() {
             return Ok(());
         }
-        let pair_bytes: Vec<u8> = self
-            .pairs
+        if self.plan.is_empty() {
+            self.tables = reuse;
+            return Ok(());
+        }
+        let need = self.kernel_table_bytes();
+        let tables = match reuse {
+            Some(b) if b.len() >= need && b.kind() == MemoryKind::Device => b,
+            Some(b) => {
+                return Err(Error::InvalidArgument(format!(
+                    "kernel tables of {need} bytes do not fit a reused {:?} buffer of {} bytes",
+                    b.kind(),
+                    b.len()
+                )))
+            }
+            None => backend.alloc(need, MemoryKind::Device)?,
+        };
+        let mut bytes = Vec::with_capacity(need);
+        for p in &self.pairs {
+            bytes.extend(p.src.to_le_bytes());
+            bytes.extend(p.dst.to_le_bytes());
+            bytes.extend(p.component.to_le_bytes());
+            bytes.extend(p.signal.to_le_bytes());
+        }
+        let pages = self
+            .plan
+            .device_pages()
             .iter()
-            .flat_map(|p| {
-                [
-                    p.src.to_le_bytes().as_slice(),
-                    &p.dst.to_le_bytes(),
-                    &p.component.to_le_bytes(),
-                    &p.signal.to_le_bytes(),
-                ]
-                .concat()
-            })
-            .collect();
-        let pairs = backend.alloc(pair_bytes.len(), MemoryKind::Device)?;
-        backend.write(&pairs, 0, &pair_bytes)?;
-        let ids = |pages: &[u64]| pages.iter().map(|&p| p as i64).collect::<Vec<_>>();
-        self.tables = Some(KernelTables {
-            pairs,
-            device_ids: upload_i64s(backend, &ids(self.plan.device_pages()))?,
-            host_ids: upload_i64s(backend, &ids(self.plan.host_pages()))?,
-        });
+            .chain(self.plan.host_pages());
+        bytes.extend(pages.flat_map(|&p| (p as i64).to_le_bytes()));
+        backend.write(&tables, 0, &bytes)?;
+        self.tables = Some(tables);
         Ok(())
+    }
+
+    /// The transfer's kernel-table buffer, to reuse once every run of this transfer has
+    /// completed.
+    pub fn into_kernel_tables(self) -> Option<Buffer> {
+        self.tables
     }
 
     /// Bytes one run of `layers` moves (each byte read once and written once).
@@ -658,24 +679,26 @@ impl<'a> HostTransfer<'a> {
                         "the SM kernel backend needs HostTransfer::prepare_kernel first".into(),
                     )
                 })?;
-                let list = |ids: &Buffer, limit: u64| abi::kvs_page_list {
-                    ids: ids.addr(),
+                let n = self.plan.len() as u64;
+                let pairs_end = tables.addr() + (PAIR_BYTES * self.pairs.len()) as u64;
+                let list = |ids: u64, limit: u64| abi::kvs_page_list {
+                    ids,
                     limit,
                     kind: abi::KVS_INDEX_LOCAL,
                     shard: 1,
                     rank: 0,
                     reserved: 0,
                 };
-                let device = list(&tables.device_ids, self.device.pages());
-                let host = list(&tables.host_ids, self.host.pages());
+                let device = list(pairs_end, self.device.pages());
+                let host = list(pairs_end + 8 * n, self.host.pages());
                 let (src_pages, dst_pages) = match self.direction {
                     Direction::Load => (host, device),
                     Direction::Backup => (device, host),
                 };
                 let params = abi::kvs_copy_blocks_params {
                     components: self.kernel_components,
-                    pairs: tables.pairs.addr() + 24 * pairs.start as u64,
-                    num_pages: self.plan.len() as u64,
+                    pairs: tables.addr() + (PAIR_BYTES * pairs.start) as u64,
+                    num_pages: n,
                     src_pages,
                     dst_pages,
                     signals,
@@ -683,7 +706,8 @@ impl<'a> HostTransfer<'a> {
                     num_components: self.num_components,
                     status: abi::kvs_status::default(),
                 };
-                // The pair table and page lists are owned by `tables`; `signals` is 0 or the
+                // The pair table and page lists live in `tables`, which this transfer owns;
+                // `signals` is 0 or the
                 // counters of a LayerSignals sized to the model layers (run_signalled).
                 unsafe { backend.copy_blocks(params, Launch::host_io(ctas)) }
             }
