@@ -12,7 +12,9 @@
 //!   (`layer_first`: rows are layers; `page_first_direct`: one copy per page whose rows are its
 //!   layers, or per layer when a run is longer than the layer count). Contiguous pieces of one
 //!   call go to the driver as one `cuMemcpyBatchAsync`; token-major `page_first` latent rows are
-//!   strided on the host, so they move as one 2D copy of 576-byte rows per (run, layer).
+//!   strided on the host, so they move as one 2D copy of 576-byte rows per (run, layer), which
+//!   PERFORMANCE.md measured at ~40 GB/s H2D and costs a call per (run, layer): for that layout
+//!   the SM kernel is the fast path.
 //! - [`IoBackend::PerBlockMemcpy`] and [`IoBackend::BatchMemcpy`]: one copy-engine call per
 //!   (page, layer) block, or one batch call holding every block: the baselines benchmarks
 //!   compare against.
