@@ -38,8 +38,9 @@ fn main() -> ExitCode {
     };
     let info = ctx.gpu.info().clone();
     let c = ctx.ceilings;
-    let mut report = Report::default();
-    report.header = vec![
+    let mut report = Report {
+        rows: Vec::new(),
+        header: vec![
         format!(
             "device: {} (sm_{}{}, {} SMs, {:.0} GiB), kvshard {}",
             info.name,
@@ -57,7 +58,8 @@ fn main() -> ExitCode {
             c.d2h,
             c.bidir
         ),
-    ];
+        ],
+    };
     for h in &report.header {
         println!("{h}");
     }
