@@ -331,8 +331,8 @@ fn bad_entry_is_rejected_on_cpu() {
 }
 
 #[test]
-fn bad_entry_is_rejected_on_gpu() {
-    if let Some(gpu) = common::cuda("bad_entry_is_rejected_on_gpu") {
+fn gpu_bad_entry_is_rejected() {
+    if let Some(gpu) = common::cuda("gpu_bad_entry_is_rejected") {
         bad_entry_is_rejected(&gpu);
     }
 }
@@ -478,18 +478,19 @@ fn scratch_matches_reference<B: Backend>(b: &B, rng: &mut impl Rng, n: usize) {
 
 /// A slot on an unmapped page: -1 for it, the rest written, the smallest position reported.
 fn scratch_bad_slot_is_rejected<B: Backend>(b: &B) {
-    let table = upload_i64s(b, &[1, -1, 0]).unwrap();
-    let slots = upload_i64s(b, &[3, 130, 70, 64, -1]).unwrap();
-    let out = b.alloc(40, MemoryKind::Device).unwrap();
+    // Page 3 maps to 2^58: its row would wrap around 64 bits into range if multiplied first.
+    let table = upload_i64s(b, &[1, -1, 0, 1 << 58]).unwrap();
+    let slots = upload_i64s(b, &[3, 130, 70, 64, -1, 197]).unwrap();
+    let out = b.alloc(48, MemoryKind::Device).unwrap();
     b.fill(&out, POISON).unwrap();
-    match scratch_rows_device(b, &slots, 5, &table, 3, 128, &out) {
+    match scratch_rows_device(b, &slots, 6, &table, 4, 128, &out) {
         Err(Error::KernelRejected { kernel, position }) => {
             assert_eq!((kernel, position), ("kvs_scratch_rows", 2), "{}", b.name())
         }
         other => panic!("{}: expected a rejection, got {other:?}", b.name()),
     }
-    let got = i64s_from_bytes(&b.read(&out, 0, 40).unwrap());
-    assert_eq!(got, [67, 2, -1, -1, -1], "{}", b.name());
+    let got = i64s_from_bytes(&b.read(&out, 0, 48).unwrap());
+    assert_eq!(got, [67, 2, -1, -1, -1, -1], "{}", b.name());
 }
 
 #[test]

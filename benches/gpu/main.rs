@@ -1,9 +1,10 @@
 //! GPU benchmarks of every kvshard kernel, each next to the copy ceilings measured in the same
-//! run. `cargo bench --bench gpu [-- [--quick] [SECTION...]]`; sections: pool, write. Prints a
+//! run. `cargo bench --bench gpu [-- [--quick] [SECTION...]]`; sections: resolve, pool, write. Prints a
 //! table and, when $OUT is set, writes it to $OUT/bench.md. Without a GPU it says it skipped.
 
 mod harness;
 mod pool;
+mod resolve;
 
 use std::process::ExitCode;
 
@@ -11,12 +12,23 @@ use harness::{Ctx, Report};
 
 type Section = fn(&mut Ctx, &mut Report) -> kvshard::Result<()>;
 
-const SECTIONS: &[(&str, Section)] = &[("pool", pool::copies), ("write", pool::write_path)];
+const SECTIONS: &[(&str, Section)] = &[
+    ("resolve", resolve::run),
+    ("pool", pool::copies),
+    ("write", pool::write_path),
+];
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
     let quick = args.iter().any(|a| a == "--quick");
-    let wanted: Vec<&str> = args.iter().map(String::as_str).filter(|a| !a.starts_with("--")).collect();
+    let wanted: Vec<&str> = args
+        .iter()
+        .map(String::as_str)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
     let mut ctx = match Ctx::new(quick) {
         Ok(ctx) => ctx,
         Err(e) => {
@@ -26,8 +38,9 @@ fn main() -> ExitCode {
     };
     let info = ctx.gpu.info().clone();
     let c = ctx.ceilings;
-    let mut report = Report::default();
-    report.header = vec![
+    let mut report = Report {
+        rows: Vec::new(),
+        header: vec![
         format!(
             "device: {} (sm_{}{}, {} SMs, {:.0} GiB), kvshard {}",
             info.name,
@@ -45,7 +58,8 @@ fn main() -> ExitCode {
             c.d2h,
             c.bidir
         ),
-    ];
+        ],
+    };
     for h in &report.header {
         println!("{h}");
     }

@@ -6,7 +6,10 @@
 use kvshard::abi;
 use kvshard::backend::{Backend, Buffer, Launch, MemoryKind};
 use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry};
-use kvshard::pool::{BlockCopy, BlockCopyPlan, BlockSpace, ChunkStaging, DevicePool, OwnedRowWrite, PageSelection, Staging};
+use kvshard::pool::{
+    BlockCopy, BlockCopyPlan, BlockSpace, ChunkStaging, DevicePool, OwnedRowWrite, PageSelection,
+    Staging,
+};
 use kvshard::shard::Placement;
 use kvshard::synth;
 use kvshard::{Error, Result};
@@ -17,7 +20,13 @@ use crate::harness::{Ctx, Report, Stats};
 /// Grids tried for the D2D kernels: (CTAs per SM, threads).
 const GRIDS: [(u32, u32); 3] = [(1, 1024), (2, 512), (4, 256)];
 
-fn block_bytes(ctx: &Ctx, space: &dyn BlockSpace, c: usize, l: usize, page: u64) -> Result<Vec<u8>> {
+fn block_bytes(
+    ctx: &Ctx,
+    space: &dyn BlockSpace,
+    c: usize,
+    l: usize,
+    page: u64,
+) -> Result<Vec<u8>> {
     let bytes = space.components()[c].block_bytes;
     let addr = space.layer_base(c, l) + page * space.block_side(c).page_stride;
     // SAFETY: inside the space's layer buffer.
@@ -26,13 +35,22 @@ fn block_bytes(ctx: &Ctx, space: &dyn BlockSpace, c: usize, l: usize, page: u64)
 }
 
 /// Compares 48 random (entry, component, layer) blocks of a finished copy.
-fn verify(ctx: &mut Ctx, src: &dyn BlockSpace, src_pages: &[u64], dst: &dyn BlockSpace, dst_pages: &[u64]) -> Result<()> {
+fn verify(
+    ctx: &mut Ctx,
+    src: &dyn BlockSpace,
+    src_pages: &[u64],
+    dst: &dyn BlockSpace,
+    dst_pages: &[u64],
+) -> Result<()> {
     for _ in 0..48 {
         let j = ctx.rng.random_range(0..src_pages.len());
         let c = ctx.rng.random_range(0..src.components().len());
         let l = ctx.rng.random_range(0..src.components()[c].layers());
-        if block_bytes(ctx, src, c, l, src_pages[j])? != block_bytes(ctx, dst, c, l, dst_pages[j])? {
-            return Err(Error::InvalidArgument(format!("benchmark copy wrong at entry {j} component {c} layer {l}")));
+        if block_bytes(ctx, src, c, l, src_pages[j])? != block_bytes(ctx, dst, c, l, dst_pages[j])?
+        {
+            return Err(Error::InvalidArgument(format!(
+                "benchmark copy wrong at entry {j} component {c} layer {l}"
+            )));
         }
     }
     Ok(())
@@ -44,7 +62,10 @@ fn best_grid(ctx: &Ctx, copy: &BlockCopy<'_>, reps: usize) -> Result<(Stats, Str
     let mut best: Option<Stats> = None;
     let mut note = String::from("grids");
     for (per_sm, threads) in GRIDS {
-        let launch = Launch { ctas: sms * per_sm, threads };
+        let launch = Launch {
+            ctas: sms * per_sm,
+            threads,
+        };
         let s = ctx.time(reps, || copy.run(&ctx.backend, launch))?;
         note.push_str(&format!(" {}x{}:{:.3}ms", launch.ctas, threads, s.median));
         if best.is_none_or(|b| s.median < b.median) {
@@ -55,7 +76,12 @@ fn best_grid(ctx: &Ctx, copy: &BlockCopy<'_>, reps: usize) -> Result<(Stats, Str
 }
 
 /// Every (page, layer) block of a copy as a range.
-fn block_ranges(src: &dyn BlockSpace, src_pages: &[u64], dst: &dyn BlockSpace, dst_pages: &[u64]) -> Vec<abi::kvs_range> {
+fn block_ranges(
+    src: &dyn BlockSpace,
+    src_pages: &[u64],
+    dst: &dyn BlockSpace,
+    dst_pages: &[u64],
+) -> Vec<abi::kvs_range> {
     let mut out = Vec::new();
     for (c, comp) in src.components().iter().enumerate() {
         for l in 0..comp.layers() {
@@ -71,7 +97,13 @@ fn block_ranges(src: &dyn BlockSpace, src_pages: &[u64], dst: &dyn BlockSpace, d
     out
 }
 
-fn alternatives(ctx: &Ctx, report: &mut Report, case: &str, ranges: &[abi::kvs_range], bytes: u64) -> Result<()> {
+fn alternatives(
+    ctx: &Ctx,
+    report: &mut Report,
+    case: &str,
+    ranges: &[abi::kvs_range],
+    bytes: u64,
+) -> Result<()> {
     let d2d = ("d2d", ctx.ceilings.d2d);
     let reps = ctx.reps(3);
     // SAFETY: every range is a whole block of a live pool or staging buffer.
@@ -80,10 +112,24 @@ fn alternatives(ctx: &Ctx, report: &mut Report, case: &str, ranges: &[abi::kvs_r
             .iter()
             .try_for_each(|r| unsafe { ctx.backend.memcpy(r.dst, r.src, r.bytes as usize) })
     })?;
-    report.add("pool", format!("{case} per-block cudaMemcpyAsync"), bytes, per_block, d2d, format!("{} calls", ranges.len()));
+    report.add(
+        "pool",
+        format!("{case} per-block cudaMemcpyAsync"),
+        bytes,
+        per_block,
+        d2d,
+        format!("{} calls", ranges.len()),
+    );
     // SAFETY: as above.
     let batch = ctx.time(reps, || unsafe { ctx.backend.memcpy_batch(ranges) })?;
-    report.add("pool", format!("{case} one cudaMemcpyBatchAsync"), bytes, batch, d2d, format!("{} entries", ranges.len()));
+    report.add(
+        "pool",
+        format!("{case} one cudaMemcpyBatchAsync"),
+        bytes,
+        batch,
+        d2d,
+        format!("{} entries", ranges.len()),
+    );
     Ok(())
 }
 
@@ -96,7 +142,10 @@ pub fn copies(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
         let storage = pool.storage().expect("allocated pool").clone();
         ctx.fill_random(&storage)?;
         let staging = Staging::new(&ctx.backend, &g, max_pages)?;
-        for pages in [64u64, 512, 4096, 16384].into_iter().filter(|&p| p <= max_pages) {
+        for pages in [64u64, 512, 4096, 16384]
+            .into_iter()
+            .filter(|&p| p <= max_pages)
+        {
             let perm = synth::permutation(&mut ctx.rng, max_pages as usize);
             let ids: Vec<i64> = perm[..pages as usize].iter().map(|p| p + 1).collect();
             let local: Vec<u64> = ids.iter().map(|&p| p as u64).collect();
@@ -105,21 +154,53 @@ pub fn copies(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             let d2d = ("d2d", ctx.ceilings.d2d);
             let case = format!("{} rows, {pages} pages x 62 layers", layout.row_bytes());
 
-            let plan = BlockCopyPlan::new(&pool, PageSelection::Local(ids.clone()), &staging, PageSelection::Positions, pages as usize)?;
+            let plan = BlockCopyPlan::new(
+                &pool,
+                PageSelection::Local(ids.clone()),
+                &staging,
+                PageSelection::Positions,
+                pages as usize,
+            )?;
             let gather = BlockCopy::prepare(&ctx.backend, &plan, &pool, &staging)?;
             let (stats, note) = best_grid(ctx, &gather, reps)?;
             verify(ctx, &pool, &local, &staging, &positions)?;
-            report.add("pool", format!("{case} gather kernel"), plan.bytes(), stats, d2d, note);
+            report.add(
+                "pool",
+                format!("{case} gather kernel"),
+                plan.bytes(),
+                stats,
+                d2d,
+                note,
+            );
 
-            let plan = BlockCopyPlan::new(&staging, PageSelection::Positions, &pool, PageSelection::Local(ids.clone()), pages as usize)?;
+            let plan = BlockCopyPlan::new(
+                &staging,
+                PageSelection::Positions,
+                &pool,
+                PageSelection::Local(ids.clone()),
+                pages as usize,
+            )?;
             let scatter = BlockCopy::prepare(&ctx.backend, &plan, &staging, &pool)?;
             let (stats, note) = best_grid(ctx, &scatter, reps)?;
             verify(ctx, &staging, &positions, &pool, &local)?;
-            report.add("pool", format!("{case} scatter kernel"), plan.bytes(), stats, d2d, note);
+            report.add(
+                "pool",
+                format!("{case} scatter kernel"),
+                plan.bytes(),
+                stats,
+                d2d,
+                note,
+            );
 
             if pages <= 2048 {
                 let ranges = block_ranges(&pool, &local, &staging, &positions);
-                alternatives(ctx, report, &format!("{case} gather"), &ranges, plan.bytes())?;
+                alternatives(
+                    ctx,
+                    report,
+                    &format!("{case} gather"),
+                    &ranges,
+                    plan.bytes(),
+                )?;
             }
         }
     }
@@ -128,7 +209,6 @@ pub fn copies(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
 
 pub fn write_path(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
     let g = CacheGeometry::with_draft(PoolGeometry::new(LatentLayout::Fp8Trtllm, 61));
-    let sms = ctx.gpu.info().sm_count;
     for n in [1u32, 4, 8] {
         for tokens in [4096usize, 16384, 65536] {
             if ctx.quick && tokens > 16384 {
@@ -146,12 +226,17 @@ pub fn write_path(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             let slots: Vec<i64> = (0..tokens)
                 .map(|i| (perm[i / 64] + i64::from(n)) * 64 + (i % 64) as i64)
                 .collect();
-            let owned = slots.iter().filter(|&&s| placement.slot_owner(s as u64) == 0).count() as u64;
+            let owned = slots
+                .iter()
+                .filter(|&&s| placement.slot_owner(s as u64) == 0)
+                .count() as u64;
             let slot_buf = kvshard::backend::upload_i64s(&ctx.backend, &slots)?;
             let write = OwnedRowWrite::prepare(&ctx.backend, &staging, &pool, |_| true)?;
             let bytes = owned * write.row_bytes();
-            let launch = Launch { ctas: sms * 4, threads: 512 };
-            let stats = ctx.time(ctx.reps(20), || write.run(&ctx.backend, &slot_buf, tokens, launch))?;
+            let launch = write.launch(tokens);
+            let stats = ctx.time(ctx.reps(20), || {
+                write.run(&ctx.backend, &slot_buf, tokens, launch)
+            })?;
             ctx.backend.synchronize()?;
             let floor_ms = bytes as f64 / (ctx.ceilings.d2d * 1e6);
             report.add(
@@ -160,7 +245,10 @@ pub fn write_path(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 bytes,
                 stats,
                 ("d2d", ctx.ceilings.d2d),
-                format!("{:.2}x the byte floor ({floor_ms:.3} ms)", stats.median / floor_ms),
+                format!(
+                    "{:.2}x the byte floor ({floor_ms:.3} ms)",
+                    stats.median / floor_ms
+                ),
             );
         }
     }

@@ -290,7 +290,14 @@ pub mod bench {
     /// # Safety
     /// `a`, `b` and `out` must be 16-byte aligned device buffers of `count` bf16 values that
     /// stay valid until the kernel completes on `stream`.
-    pub unsafe fn bf16_add(gpu: &Gpu, stream: &Stream, a: u64, b: u64, out: u64, count: u64) -> Result<()> {
+    pub unsafe fn bf16_add(
+        gpu: &Gpu,
+        stream: &Stream,
+        a: u64,
+        b: u64,
+        out: u64,
+        count: u64,
+    ) -> Result<()> {
         let p = abi::kvs_bench_add_params { a, b, out, count };
         let grid = gpu.info().sm_count * 8;
         // SAFETY: forwarded contract.
