@@ -48,6 +48,12 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
 fi
 
 if [ "$what" = bench ] || [ "$what" = all ]; then
+  # The interference benchmark loads cuBLAS at run time; on hosts where it only ships inside a
+  # Python environment (PyTorch's wheels), put that directory on the library path.
+  if ! ldconfig -p | grep -q 'libcublas\.so\.13'; then
+    blas=$(find / -xdev -name 'libcublas.so.13' 2>/dev/null | head -1)
+    [ -n "$blas" ] && export LD_LIBRARY_PATH="$(dirname "$blas")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
   OUT="$out" "$here/benches/gpu" "$@" 2>&1 | tee "$out/bench.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi

@@ -1,8 +1,11 @@
 //! GPU benchmarks of every kvshard kernel, each next to the copy ceilings measured in the same
-//! run. `cargo bench --bench gpu [-- [--quick] [SECTION...]]`; sections: resolve, pool, write. Prints a
+//! run. `cargo bench --bench gpu [-- [--quick] [SECTION...]]`; sections: resolve, pool, write, hicache,
+//! signal, duplex, interfere. Prints a
 //! table and, when $OUT is set, writes it to $OUT/bench.md. Without a GPU it says it skipped.
 
 mod harness;
+mod hicache;
+mod interference;
 mod pool;
 mod resolve;
 
@@ -16,6 +19,10 @@ const SECTIONS: &[(&str, Section)] = &[
     ("resolve", resolve::run),
     ("pool", pool::copies),
     ("write", pool::write_path),
+    ("hicache", hicache::io),
+    ("signal", hicache::signalled),
+    ("duplex", hicache::duplex),
+    ("interfere", interference::run),
 ];
 
 fn main() -> ExitCode {

@@ -123,13 +123,12 @@ impl Backend for CudaBackend {
         }
         let at = dst.slice(offset, data.len())?.addr();
         self.gpu.bind()?;
-        // SAFETY: `at` spans data.len() bytes of a live buffer; from pageable memory the call
-        // returns only once `data` has been staged, so it may be dropped afterwards.
-        unsafe {
-            sys::cuMemcpyHtoDAsync_v2(at, data.as_ptr().cast(), data.len(), self.stream.raw())
-        }
-        .result()
-        .map_err(Error::driver("cuMemcpyHtoDAsync"))?;
+        // SAFETY: `at` spans data.len() bytes of a live buffer (device memory or the alias of
+        // pinned host memory: unified addressing tells the driver which); `data` outlives the
+        // copy because we synchronize before returning.
+        unsafe { sys::cuMemcpyAsync(at, data.as_ptr() as u64, data.len(), self.stream.raw()) }
+            .result()
+            .map_err(Error::driver("cuMemcpyAsync"))?;
         self.stream.synchronize()
     }
 
@@ -140,10 +139,11 @@ impl Backend for CudaBackend {
             return Ok(out);
         }
         self.gpu.bind()?;
-        // SAFETY: `out` holds len bytes and outlives the copy (we synchronize before returning).
-        unsafe { sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), at, len, self.stream.raw()) }
+        // SAFETY: `out` holds len bytes and outlives the copy (we synchronize before returning);
+        // the source is device memory or pinned host memory, resolved by unified addressing.
+        unsafe { sys::cuMemcpyAsync(out.as_mut_ptr() as u64, at, len, self.stream.raw()) }
             .result()
-            .map_err(Error::driver("cuMemcpyDtoHAsync"))?;
+            .map_err(Error::driver("cuMemcpyAsync"))?;
         self.stream.synchronize()?;
         Ok(out)
     }
