@@ -9,9 +9,9 @@
  *   128 KB per 1024-thread CTA, which is what keeps PCIe busy for host I/O (see PERFORMANCE.md)
  *   and is plenty for HBM. Logical page lists are resolved to owner-local pages here, in the
  *   same launch. Per-unit completion counters give per-layer ready signals from one launch.
- * kvs_write_rows: the owned-row write path; a warp handles a group of tokens of one
- *   (layer, component) so that a group is a whole number of 16-byte vectors per lane; the row
- *   geometry is a template constant so index math is multiply-shift.
+ * kvs_write_rows: the owned-row write path; a warp resolves a group of 8 tokens once and copies
+ *   their rows for a block of 8 (layer, component) pairs; the row geometry is a template
+ *   constant so index math is multiply-shift.
  * kvs_copy_ranges: (src, dst, bytes) descriptors, one warp per descriptor.
  */
 #include "common.cuh"
@@ -63,14 +63,14 @@ __device__ __forceinline__ void warp_copy(uint64_t src, uint64_t dst, uint32_t v
         for (uint32_t u = 0; u < UNROLL; ++u) {
             const uint32_t v = v0 + 32 * u;
             if (v < vectors) {
-                r[u] = load16(src + src_offset(v));
+                r[u] = load16_stream(src + src_offset(v));
             }
         }
 #pragma unroll
         for (uint32_t u = 0; u < UNROLL; ++u) {
             const uint32_t v = v0 + 32 * u;
             if (v < vectors) {
-                store16(dst + dst_offset(v), r[u]);
+                store16_stream(dst + dst_offset(v), r[u]);
             }
         }
     }
@@ -132,143 +132,152 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) kvs_copy_blocks(const 
 
 namespace {
 
+/* Tokens of one write unit, and (layer, component) pairs a unit walks through. */
+constexpr uint32_t WRITE_GROUP = 8;
+constexpr uint32_t WRITE_PAIR_BLOCK = 8;
+
 /*
- * Latent rows of VPR 16-byte vectors; a warp moves GROUP tokens = GROUP * VPR / 32 vectors per
- * lane, UNROLL loads in flight before their stores.
+ * One pair's rows of a token group: WRITE_GROUP rows of VPR 16-byte vectors, vector i of the
+ * group being row i / VPR. `rows` holds the group's local rows (-1: skip). Loads of a chunk are
+ * all issued before its stores.
  */
-template <uint32_t VPR, uint32_t GROUP>
-__device__ __forceinline__ void write_latent_group(const kvs_write_rows_params& p, const kvs_layer_pair& pair,
-                                                   uint64_t first_token) {
-    static_assert((GROUP * VPR) % 32 == 0, "a group must be whole vectors per lane");
-    constexpr uint32_t PER_LANE = GROUP * VPR / 32;
+template <uint32_t VPR>
+__device__ __forceinline__ void write_latent_rows(uint64_t src_base, uint64_t dst_base, uint64_t first_token,
+                                                  const int64_t* rows) {
+    constexpr uint32_t VECTORS = WRITE_GROUP * VPR;
+    constexpr uint32_t PER_LANE = (VECTORS + 31) / 32;
+    // 6 vectors a lane in flight: with the many warps this kernel runs, far more bytes are in
+    // flight than HBM needs, and the chunk keeps registers low enough for two CTAs per SM.
+    constexpr uint32_t CHUNK = PER_LANE < 6 ? PER_LANE : 6;
     constexpr uint64_t ROW_BYTES = 16ull * VPR;
     const uint32_t lane = threadIdx.x % 32;
-    const int64_t* slots = reinterpret_cast<const int64_t*>(p.slots);
+    // The group's staged rows are contiguous, so vector i of the group is at 16 * i.
+    const uint64_t src = src_base + first_token * ROW_BYTES;
 #pragma unroll 1
-    for (uint32_t u0 = 0; u0 < PER_LANE; u0 += UNROLL) {
-        vec16 r[UNROLL];
-        uint64_t dst[UNROLL];
+    for (uint32_t u0 = 0; u0 < PER_LANE; u0 += CHUNK) {
+        vec16 r[CHUNK];
+        uint32_t valid = 0;
 #pragma unroll
-        for (uint32_t u = 0; u < UNROLL; ++u) {
-            dst[u] = 0;
+        for (uint32_t u = 0; u < CHUNK; ++u) {
             const uint32_t i = lane + 32 * (u0 + u);
-            const uint64_t token = first_token + i / VPR;
-            if (u0 + u >= PER_LANE || token >= p.num_slots) {
-                continue;
-            }
-            const int64_t slot = slots[token];
-            if (slot < 0 || static_cast<uint64_t>(slot) >= p.slot_limit ||
-                page_owner(static_cast<uint64_t>(slot) / KVS_PAGE_SIZE, p.shard) != p.rank) {
-                continue;
-            }
-            const uint64_t row = local_row(static_cast<uint64_t>(slot), p.shard);
-            if (row < p.dst_rows) {
-                const uint32_t v = i % VPR;
-                r[u] = load16(pair.src + token * ROW_BYTES + 16ull * v);
-                dst[u] = pair.dst + row * ROW_BYTES + 16ull * v;
+            if (u0 + u < PER_LANE && i < VECTORS && rows[i / VPR] >= 0) {
+                r[u] = load16_stream(src + 16ull * i);
+                valid |= 1u << u;
             }
         }
 #pragma unroll
-        for (uint32_t u = 0; u < UNROLL; ++u) {
-            if (dst[u] != 0) {
-                store16(dst[u], r[u]);
+        for (uint32_t u = 0; u < CHUNK; ++u) {
+            if (valid & (1u << u)) {
+                const uint32_t i = lane + 32 * (u0 + u);
+                const uint32_t t = i / VPR;
+                store16_stream(dst_base + static_cast<uint64_t>(rows[t]) * ROW_BYTES + 16ull * (i - t * VPR), r[u]);
             }
         }
     }
 }
 
-/* Indexer rows: 8 key vectors + one f32 scale per token; 4 tokens per warp, one vector a lane. */
-__device__ __forceinline__ void write_indexer_group(const kvs_write_rows_params& p, const kvs_layer_pair& pair,
-                                                    uint64_t first_token) {
+/* One pair's indexer rows of a token group: 8 key vectors per token (2 per lane), then scales. */
+__device__ __forceinline__ void write_indexer_rows(uint64_t src_base, uint64_t dst_base, uint64_t first_token,
+                                                   const int64_t* rows) {
     const uint32_t lane = threadIdx.x % 32;
-    const uint64_t token = first_token + lane / 8;
-    if (token >= p.num_slots) {
-        return;
+    vec16 r[2];
+    float scale = 0.0f;
+#pragma unroll
+    for (uint32_t u = 0; u < 2; ++u) {
+        const uint32_t i = lane + 32 * u;
+        const uint64_t token = first_token + i / 8;
+        if (rows[i / 8] >= 0) {
+            r[u] = load16_stream(src_base + (token / KVS_PAGE_SIZE) * KVS_INDEXER_PAGE_BYTES +
+                                 (token % KVS_PAGE_SIZE) * KVS_INDEXER_HEAD_DIM + 16ull * (i % 8));
+        }
     }
-    const int64_t slot = reinterpret_cast<const int64_t*>(p.slots)[token];
-    if (slot < 0 || static_cast<uint64_t>(slot) >= p.slot_limit ||
-        page_owner(static_cast<uint64_t>(slot) / KVS_PAGE_SIZE, p.shard) != p.rank) {
-        return;
+    const uint64_t scale_token = first_token + lane;
+    if (lane < WRITE_GROUP && rows[lane] >= 0) {
+        scale = *reinterpret_cast<const float*>(src_base + (scale_token / KVS_PAGE_SIZE) * KVS_INDEXER_PAGE_BYTES +
+                                                KVS_INDEXER_SCALES_OFFSET + 4 * (scale_token % KVS_PAGE_SIZE));
     }
-    const uint64_t row = local_row(static_cast<uint64_t>(slot), p.shard);
-    if (row >= p.dst_rows) {
-        return;
+#pragma unroll
+    for (uint32_t u = 0; u < 2; ++u) {
+        const uint32_t i = lane + 32 * u;
+        const int64_t row = rows[i / 8];
+        if (row >= 0) {
+            store16_stream(dst_base + (row / KVS_PAGE_SIZE) * KVS_INDEXER_PAGE_BYTES +
+                               (row % KVS_PAGE_SIZE) * KVS_INDEXER_HEAD_DIM + 16ull * (i % 8),
+                           r[u]);
+        }
     }
-    const uint32_t v = lane % 8;
-    const uint64_t src_block = pair.src + (token / KVS_PAGE_SIZE) * KVS_INDEXER_PAGE_BYTES;
-    const uint64_t dst_block = pair.dst + (row / KVS_PAGE_SIZE) * KVS_INDEXER_PAGE_BYTES;
-    const uint64_t src_off = (token % KVS_PAGE_SIZE);
-    const uint64_t dst_off = (row % KVS_PAGE_SIZE);
-    store16(dst_block + dst_off * KVS_INDEXER_HEAD_DIM + 16ull * v,
-            load16(src_block + src_off * KVS_INDEXER_HEAD_DIM + 16ull * v));
-    if (v == 0) {
-        *reinterpret_cast<float*>(dst_block + KVS_INDEXER_SCALES_OFFSET + 4 * dst_off) =
-            *reinterpret_cast<const float*>(src_block + KVS_INDEXER_SCALES_OFFSET + 4 * src_off);
-    }
-}
-
-/* Tokens per warp unit for a component: whole vectors per lane for each supported row size. */
-__device__ __forceinline__ uint32_t group_tokens(const kvs_row_component& c) {
-    if (c.kind == KVS_ROWS_INDEXER) {
-        return 4;
-    }
-    // Row sizes are validated on the host: 576, 656 or 1152.
-    switch (c.row_bytes) {
-    case 576:
-        return 8; /* 36 vectors: 8 tokens = 9 per lane */
-    case 656:
-        return 32; /* 41 vectors: 32 tokens = 41 per lane */
-    default:
-        return 4; /* 1152: 72 vectors: 4 tokens = 9 per lane */
+    if (lane < WRITE_GROUP && rows[lane] >= 0) {
+        const int64_t row = rows[lane];
+        *reinterpret_cast<float*>(dst_base + (row / KVS_PAGE_SIZE) * KVS_INDEXER_PAGE_BYTES + KVS_INDEXER_SCALES_OFFSET +
+                                  4 * (row % KVS_PAGE_SIZE)) = scale;
     }
 }
 
 } // namespace
 
-extern "C" __global__ void __launch_bounds__(WRITE_THREADS) kvs_write_rows(const __grid_constant__ kvs_write_rows_params p) {
+/*
+ * Units are (token group, block of pairs): a warp resolves its group's slots once (owner test,
+ * local row, bounds), then copies those rows for every pair of its block, so slot work is paid
+ * once per WRITE_PAIR_BLOCK layers and a group this rank does not own costs one slot read.
+ */
+extern "C" __global__ void __launch_bounds__(WRITE_THREADS, 2) kvs_write_rows(const __grid_constant__ kvs_write_rows_params p) {
+    __shared__ int64_t s_rows[WRITE_THREADS / 32][WRITE_GROUP];
     const kvs_layer_pair* pairs = reinterpret_cast<const kvs_layer_pair*>(p.pairs);
     const int64_t* slots = reinterpret_cast<const int64_t*>(p.slots);
-    // Bad slots are reported once, in a pass of their own, not once per pair.
-    const uint64_t threads = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-    for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < p.num_slots;
-         i += threads) {
-        const int64_t slot = slots[i];
-        if (slot >= 0 && (static_cast<uint64_t>(slot) >= p.slot_limit ||
-                          (page_owner(static_cast<uint64_t>(slot) / KVS_PAGE_SIZE, p.shard) == p.rank &&
-                           local_row(static_cast<uint64_t>(slot), p.shard) >= p.dst_rows))) {
-            report(p.status, i);
-        }
-    }
-    // Units are (pair, group of tokens); groups per pair depend on the pair's component.
-    uint64_t unit_base = 0;
-    for (uint32_t k = 0; k < p.num_pairs; ++k) {
-        const kvs_layer_pair pair = pairs[k];
-        if (pair.component >= p.num_components) {
-            if (blockIdx.x == 0 && threadIdx.x == 0) {
-                report(p.status, p.num_slots + k);
+    const uint32_t lane = threadIdx.x % 32;
+    int64_t* rows = s_rows[threadIdx.x / 32];
+    const uint64_t groups = (p.num_slots + WRITE_GROUP - 1) / WRITE_GROUP;
+    const uint64_t pair_blocks = (p.num_pairs + WRITE_PAIR_BLOCK - 1) / WRITE_PAIR_BLOCK;
+    for (uint64_t u = global_warp(); u < groups * pair_blocks; u += grid_warps()) {
+        const uint64_t group = u / pair_blocks;
+        const uint32_t block = static_cast<uint32_t>(u - group * pair_blocks);
+        const uint64_t first_token = group * WRITE_GROUP;
+        if (lane < WRITE_GROUP) {
+            const uint64_t token = first_token + lane;
+            int64_t row = -1;
+            if (token < p.num_slots) {
+                const int64_t slot = slots[token];
+                if (slot >= 0) {
+                    const uint64_t s = static_cast<uint64_t>(slot);
+                    const bool owned = s < p.slot_limit && page_owner(s / KVS_PAGE_SIZE, p.shard) == p.rank;
+                    const uint64_t local = local_row(s, p.shard);
+                    if (s >= p.slot_limit || (owned && local >= p.dst_rows)) {
+                        if (block == 0) {
+                            report(p.status, token);
+                        }
+                    } else if (owned) {
+                        row = static_cast<int64_t>(local);
+                    }
+                }
             }
-            continue;
+            rows[lane] = row;
         }
-        const kvs_row_component& c = p.components[pair.component];
-        const uint32_t group = group_tokens(c);
-        const uint64_t groups = (p.num_slots + group - 1) / group;
-        // This warp's first unit inside [unit_base, unit_base + groups).
-        const uint64_t w = global_warp();
-        const uint64_t stride = grid_warps();
-        uint64_t first = w >= unit_base ? w : w + ((unit_base - w + stride - 1) / stride) * stride;
-        for (uint64_t u = first; u < unit_base + groups; u += stride) {
-            const uint64_t token = (u - unit_base) * group;
-            if (c.kind == KVS_ROWS_INDEXER) {
-                write_indexer_group(p, pair, token);
-            } else if (c.row_bytes == 576) {
-                write_latent_group<36, 8>(p, pair, token);
-            } else if (c.row_bytes == 656) {
-                write_latent_group<41, 32>(p, pair, token);
-            } else {
-                write_latent_group<72, 4>(p, pair, token);
+        __syncwarp();
+        if (__any_sync(0xFFFFFFFFu, lane < WRITE_GROUP && rows[lane] >= 0)) {
+            const uint32_t end = min(p.num_pairs, (block + 1) * WRITE_PAIR_BLOCK);
+            for (uint32_t k = block * WRITE_PAIR_BLOCK; k < end; ++k) {
+                const kvs_layer_pair pair = pairs[k];
+                if (pair.component >= p.num_components) {
+                    if (group == 0 && lane == 0) {
+                        report(p.status, p.num_slots + k);
+                    }
+                    continue;
+                }
+                const kvs_row_component& c = p.components[pair.component];
+                if (c.kind == KVS_ROWS_INDEXER) {
+                    write_indexer_rows(pair.src, pair.dst, first_token, rows);
+                } else if (c.row_bytes == 576) {
+                    write_latent_rows<36>(pair.src, pair.dst, first_token, rows);
+                } else if (c.row_bytes == 656) {
+                    write_latent_rows<41>(pair.src, pair.dst, first_token, rows);
+                } else {
+                    // Row sizes are validated on the host: the remaining one is 1152.
+                    write_latent_rows<72>(pair.src, pair.dst, first_token, rows);
+                }
             }
         }
-        unit_base += groups;
+        // The next unit overwrites this warp's rows.
+        __syncwarp();
     }
 }
 

@@ -203,9 +203,13 @@ extern "C" __global__ void kvs_scratch_rows(const __grid_constant__ kvs_scratch_
         if (slot >= 0) {
             const uint64_t page = static_cast<uint64_t>(slot) / KVS_PAGE_SIZE;
             const int64_t scratch_page = page < p.table_len ? table[page] : -1;
-            const uint64_t candidate =
-                static_cast<uint64_t>(scratch_page) * KVS_PAGE_SIZE + static_cast<uint64_t>(slot) % KVS_PAGE_SIZE;
-            if (scratch_page >= 0 && candidate < p.scratch_rows) {
+            // Bound the page before multiplying, so a huge table entry cannot wrap into range.
+            const bool mapped = scratch_page >= 0 &&
+                                static_cast<uint64_t>(scratch_page) < (p.scratch_rows + KVS_PAGE_SIZE - 1) / KVS_PAGE_SIZE;
+            const uint64_t candidate = mapped ? static_cast<uint64_t>(scratch_page) * KVS_PAGE_SIZE +
+                                                    static_cast<uint64_t>(slot) % KVS_PAGE_SIZE
+                                              : p.scratch_rows;
+            if (candidate < p.scratch_rows) {
                 row = static_cast<int64_t>(candidate);
             } else {
                 report(p.status, i);

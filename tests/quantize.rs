@@ -248,8 +248,8 @@ fn raw_bad_slot_is_reported_on_cpu() {
 }
 
 #[test]
-fn raw_bad_slot_is_reported_on_gpu() {
-    if let Some(gpu) = common::cuda("raw_bad_slot_is_reported_on_gpu") {
+fn gpu_raw_bad_slot_is_reported() {
+    if let Some(gpu) = common::cuda("gpu_raw_bad_slot_is_reported") {
         raw_bad_slot_is_reported(&gpu);
     }
 }

@@ -407,9 +407,15 @@ impl Backend for CpuBackend {
                 } else {
                     -1
                 };
-                let candidate =
-                    (scratch_page as u64).wrapping_mul(page_size) + slot as u64 % page_size;
-                if scratch_page >= 0 && candidate < p.scratch_rows {
+                // Bound the page before multiplying, so a huge table entry cannot wrap into range.
+                let mapped =
+                    scratch_page >= 0 && (scratch_page as u64) < p.scratch_rows.div_ceil(page_size);
+                let candidate = if mapped {
+                    scratch_page as u64 * page_size + slot as u64 % page_size
+                } else {
+                    p.scratch_rows
+                };
+                if candidate < p.scratch_rows {
                     row = candidate as i64;
                 } else {
                     report(&mut mem, &p.status, i)?;

@@ -11,6 +11,7 @@
 
 pub mod memory;
 mod module;
+pub mod topology;
 
 use std::sync::Arc;
 
@@ -268,5 +269,38 @@ impl Stream {
         }
         .result()
         .map_err(Error::driver("cuStreamWaitValue32"))
+    }
+}
+
+/// Reference loads for benchmarks: what a transfer's speed is compared with or run against.
+pub mod bench {
+    use super::{Gpu, Kernel, Stream};
+    use crate::abi;
+    use crate::error::Result;
+
+    /// Launches the empty kernel (1 CTA, 32 threads): the fixed cost every launch pays.
+    pub fn empty_kernel(gpu: &Gpu, stream: &Stream) -> Result<()> {
+        // SAFETY: the kernel takes no parameters and touches no memory.
+        unsafe { gpu.launch::<()>(Kernel::BenchEmpty, 1, 32, stream, None) }
+    }
+
+    /// Launches `out[i] = a[i] + b[i]` over `count` bf16 values (a multiple of 8): a
+    /// memory-bound stand-in for a forward pass, on every SM.
+    ///
+    /// # Safety
+    /// `a`, `b` and `out` must be 16-byte aligned device buffers of `count` bf16 values that
+    /// stay valid until the kernel completes on `stream`.
+    pub unsafe fn bf16_add(
+        gpu: &Gpu,
+        stream: &Stream,
+        a: u64,
+        b: u64,
+        out: u64,
+        count: u64,
+    ) -> Result<()> {
+        let p = abi::kvs_bench_add_params { a, b, out, count };
+        let grid = gpu.info().sm_count * 8;
+        // SAFETY: forwarded contract.
+        unsafe { gpu.launch(Kernel::BenchAdd, grid, 256, stream, Some(&p)) }
     }
 }

@@ -115,13 +115,13 @@ mod tests {
             bytes: 80 << 30,
             context_len: 1 << 20,
             prefix_budget: 1 << 20,
-            chunk_size: 16_000,
+            chunk_size: 16_100,
         };
         let cp8 = Placement::new(8).unwrap();
         let without = Budget::plan(&req, &geometry(false), cp8).unwrap();
         let with = Budget::plan(&req, &geometry(true), cp8).unwrap();
-        // rows = 1M prefix + 16,000 rounded up to 16,064 + 64 trash.
-        assert_eq!(without.scratch_rows, (1 << 20) + 16_064 + 64);
+        // rows = 1M prefix + 16,100 rounded up to 16,128 + 64 trash.
+        assert_eq!(without.scratch_rows, (1 << 20) + 16_128 + 64);
         assert_eq!(without.scratch_bytes, 2 * without.scratch_rows * 708);
         assert_eq!(with.scratch_bytes, 2 * without.scratch_bytes);
         assert_eq!(with.page_bytes, 62 * (36_864 + 8448));
@@ -148,7 +148,7 @@ mod tests {
             "{err}"
         );
         let req = BudgetRequest {
-            bytes: 10 << 20,
+            bytes: 5 << 20,
             context_len: 64,
             prefix_budget: 64,
             chunk_size: 64,
@@ -157,7 +157,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("pages of 2764800 bytes") && err.contains("2 owners"),
+            err.contains("hold 1 pages of 2764032 bytes") && err.contains("2 owners"),
             "{err}"
         );
     }

@@ -1,0 +1,87 @@
+//! GPU benchmarks of every kvshard kernel, each next to the copy ceilings measured in the same
+//! run. `cargo bench --bench gpu [-- [--quick] [SECTION...]]`; sections: resolve, pool, write. Prints a
+//! table and, when $OUT is set, writes it to $OUT/bench.md. Without a GPU it says it skipped.
+
+mod harness;
+mod pool;
+mod resolve;
+
+use std::process::ExitCode;
+
+use harness::{Ctx, Report};
+
+type Section = fn(&mut Ctx, &mut Report) -> kvshard::Result<()>;
+
+const SECTIONS: &[(&str, Section)] = &[
+    ("resolve", resolve::run),
+    ("pool", pool::copies),
+    ("write", pool::write_path),
+];
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let wanted: Vec<&str> = args
+        .iter()
+        .map(String::as_str)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let mut ctx = match Ctx::new(quick) {
+        Ok(ctx) => ctx,
+        Err(e) => {
+            println!("SKIPPED gpu benchmarks: {e}");
+            return ExitCode::SUCCESS;
+        }
+    };
+    let info = ctx.gpu.info().clone();
+    let c = ctx.ceilings;
+    let mut report = Report {
+        rows: Vec::new(),
+        header: vec![
+        format!(
+            "device: {} (sm_{}{}, {} SMs, {:.0} GiB), kvshard {}",
+            info.name,
+            info.compute_capability.0,
+            info.compute_capability.1,
+            info.sm_count,
+            info.total_memory as f64 / (1u64 << 30) as f64,
+            env!("CARGO_PKG_VERSION")
+        ),
+        format!(
+            "ceilings (this run): D2D {:.1} GB/s ({:.1} read+write), pinned H2D {:.1}, D2H {:.1}, H2D+D2H together {:.1} GB/s",
+            c.d2d,
+            2.0 * c.d2d,
+            c.h2d,
+            c.d2h,
+            c.bidir
+        ),
+        ],
+    };
+    for h in &report.header {
+        println!("{h}");
+    }
+    let mut failed = false;
+    for (name, section) in SECTIONS {
+        if !wanted.is_empty() && !wanted.contains(name) {
+            continue;
+        }
+        if let Err(e) = section(&mut ctx, &mut report) {
+            println!("section {name} FAILED: {e}");
+            failed = true;
+        }
+    }
+    if let Some(out) = std::env::var_os("OUT") {
+        let path = std::path::Path::new(&out).join("bench.md");
+        if let Err(e) = std::fs::write(&path, report.markdown()) {
+            println!("cannot write {}: {e}", path.display());
+        }
+    }
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Builds every test and benchmark binary in release mode with kernels required, and stages them,
+# with the kvshard binary and scripts/run-gpu.sh, in .gpu/ (git-ignored). A GPU host needs no
+# Rust: copy .gpu/ there (or name it in the device tool's `carry`) and run `.gpu/run-gpu.sh`.
+# Binaries built on Debian 12 need glibc >= 2.34 and only libc/libgcc_s; libcuda is loaded at
+# run time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+stage=.gpu
+rm -rf "$stage"
+mkdir -p "$stage/tests" "$stage/benches"
+
+list() {
+  python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["target"]["kind"][0], m["target"]["name"], m["executable"])
+'
+}
+
+cargo build --release --features require-kernels --bin kvshard
+cp target/release/kvshard "$stage/"
+cargo test --release --features require-kernels --no-run --message-format=json 2>/dev/null | list |
+  while read -r kind name exe; do
+    case "$kind" in
+      lib) cp "$exe" "$stage/tests/unit" ;;
+      # The bindings check needs libclang and the source tree: it runs where the crate is built.
+      test) [ "$name" = bindings ] || cp "$exe" "$stage/tests/$name" ;;
+    esac
+  done
+cargo bench --features require-kernels --no-run --message-format=json 2>/dev/null | list |
+  while read -r kind name exe; do
+    [ "$kind" = bench ] && cp "$exe" "$stage/benches/$name"
+  done
+cp scripts/run-gpu.sh "$stage/"
+git rev-parse --short HEAD >"$stage/COMMIT" 2>/dev/null || echo unknown >"$stage/COMMIT"
+du -sh "$stage"
+ls "$stage/tests" "$stage/benches"

@@ -1,0 +1,432 @@
+//! The rotated-owner page allocator (DOMAIN.md section 3). Every rank of a shard group runs an
+//! identical copy on identical inputs, so all of them agree on every logical page without
+//! talking to each other: the allocator is deterministic and free of hashing or clocks.
+//!
+//! Layout: one free stack per owner class `c` (logical pages `l >= N` with `l % N == c`), plus
+//! one state byte per logical page. Stacks make alloc and free O(pages); the state bytes let
+//! free tell a double free from a page that was never handed out. A fresh class stack holds its
+//! pages highest at the bottom, so a fresh allocator hands out each class's lowest pages first.
+//!
+//! Every multi-page operation is all-or-nothing: it validates and counts first, and touches the
+//! stacks only once the whole operation is known to succeed.
+
+use crate::error::{Error, Result};
+use crate::geometry::PAGE_SIZE;
+use crate::shard::Placement;
+
+/// Where the pages of a request sit in their chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ChainStart {
+    /// A new chain; the allocator picks its start owner.
+    New,
+    /// Continues a chain whose start owner is `start_owner` after a page-aligned prefix of
+    /// `prefix_tokens` tokens.
+    Extend {
+        /// The chain's start owner `b` (position 0 of the chain is owned by `b`).
+        start_owner: u32,
+        /// Tokens already in the chain; a multiple of the page size.
+        prefix_tokens: usize,
+    },
+}
+
+/// One chain's worth of pages to allocate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AllocRequest {
+    /// Where the new pages go in their chain.
+    pub chain: ChainStart,
+    /// Pages to allocate.
+    pub pages: usize,
+}
+
+/// Pages handed out for one [`AllocRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Allocation {
+    /// The chain's start owner `b` (for [`ChainStart::Extend`], the one given).
+    pub start_owner: u32,
+    /// Chain position of `pages[0]`: the prefix length in pages (0 for a new chain).
+    pub first_position: usize,
+    /// Logical pages in chain-position order: `pages[i]` sits at position `first_position + i`
+    /// and is owned by `(start_owner + first_position + i) % N`.
+    pub pages: Vec<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PageState {
+    NeverAllocated,
+    Allocated,
+    Freed,
+}
+
+/// The logical-level rotated-owner page allocator every rank of a shard group runs identically.
+///
+/// Clones compare equal exactly when they would behave identically from then on, which is what
+/// the all-or-nothing guarantees are tested against.
+#[derive(Debug, PartialEq, Eq)]
+pub struct ShardAllocator {
+    placement: Placement,
+    pages_per_rank: u64,
+    /// Free logical pages of each owner class; the next page handed out is the last.
+    free: Vec<Vec<u64>>,
+    /// Indexed by logical page.
+    state: Vec<PageState>,
+}
+
+impl Clone for ShardAllocator {
+    /// Keeps each free stack's full capacity (a derived clone would trim it to the length), so
+    /// frees on the clone never reallocate a stack, as on the original.
+    fn clone(&self) -> Self {
+        let free = self
+            .free
+            .iter()
+            .map(|stack| {
+                let mut copy = Vec::with_capacity(stack.capacity());
+                copy.extend_from_slice(stack);
+                copy
+            })
+            .collect();
+        Self {
+            placement: self.placement,
+            pages_per_rank: self.pages_per_rank,
+            free,
+            state: self.state.clone(),
+        }
+    }
+}
+
+fn reserve<T>(v: &mut Vec<T>, n: usize, what: &str) -> Result<()> {
+    v.try_reserve_exact(n)
+        .map_err(|e| Error::InvalidArgument(format!("cannot hold {n} {what}: {e}")))
+}
+
+impl ShardAllocator {
+    /// An allocator for a group of `placement.shard()` ranks that each hold `pages_per_rank`
+    /// physical pages. Local page 0 of every rank (logical pages `0..N`) is the reserved padding
+    /// page and never handed out, so `pages_per_rank` must be at least 2.
+    pub fn new(placement: Placement, pages_per_rank: u64) -> Result<Self> {
+        if pages_per_rank < 2 {
+            return Err(Error::InvalidArgument(format!(
+                "{pages_per_rank} pages per rank (need at least 2: local page 0 is reserved)"
+            )));
+        }
+        let shard = u64::from(placement.shard());
+        let total = pages_per_rank
+            .checked_mul(shard)
+            .and_then(|t| usize::try_from(t).ok())
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "{pages_per_rank} pages per rank x {shard} ranks does not fit in memory"
+                ))
+            })?;
+        let mut state = Vec::new();
+        reserve(&mut state, total, "page states")?;
+        state.resize(total, PageState::NeverAllocated);
+        let mut free = Vec::new();
+        reserve(&mut free, shard as usize, "owner classes")?;
+        for class in 0..placement.shard() {
+            let mut stack = Vec::new();
+            // Fits: the product with `shard` fit in usize above.
+            reserve(&mut stack, (pages_per_rank - 1) as usize, "free pages")?;
+            stack.extend(
+                (1..pages_per_rank)
+                    .rev()
+                    .map(|local| placement.logical_page(class, local)),
+            );
+            free.push(stack);
+        }
+        Ok(Self {
+            placement,
+            pages_per_rank,
+            free,
+            state,
+        })
+    }
+
+    /// The placement the allocator serves.
+    pub fn placement(&self) -> Placement {
+        self.placement
+    }
+
+    /// Physical pages each rank holds (including its reserved page 0).
+    pub fn pages_per_rank(&self) -> u64 {
+        self.pages_per_rank
+    }
+
+    /// Free pages of owner class `owner`; 0 for an owner outside the group.
+    pub fn free_pages(&self, owner: u32) -> usize {
+        self.free.get(owner as usize).map_or(0, Vec::len)
+    }
+
+    /// Free pages over all owner classes.
+    pub fn total_free(&self) -> usize {
+        self.free.iter().map(Vec::len).sum()
+    }
+
+    /// Tokens the group can still admit whatever start owners new chains get:
+    /// `N * 64 * min_r(free_r)`.
+    pub fn admission_capacity(&self) -> u64 {
+        let min_free = self.free.iter().map(Vec::len).min().unwrap_or(0) as u64;
+        self.token_stride() * min_free
+    }
+
+    /// Tokens each admitted request reserves on top of its own length: `N * 64`, the rounding
+    /// a chain's last partial round of owners may cost.
+    pub fn request_overhead(&self) -> u64 {
+        self.token_stride()
+    }
+
+    fn token_stride(&self) -> u64 {
+        u64::from(self.placement.shard()) * PAGE_SIZE as u64
+    }
+
+    /// Allocates one request's pages; on error nothing changes.
+    pub fn alloc(&mut self, request: AllocRequest) -> Result<Allocation> {
+        let mut taken = vec![0usize; self.free.len()];
+        let plan = self.plan(&request, &mut taken)?;
+        self.check_supply(&taken)?;
+        Ok(self.commit(&request, plan))
+    }
+
+    /// Allocates every request, in order, or none of them.
+    ///
+    /// A [`ChainStart::New`] request starts at the owner with the most free pages (ties: the
+    /// lowest rank), counting the pages the earlier requests of this batch take. The batch
+    /// commits only if every owner class can supply what the whole batch needs from it;
+    /// otherwise it fails with [`Error::Exhausted`] for the lowest short class and nothing
+    /// changes.
+    pub fn alloc_batch(&mut self, requests: &[AllocRequest]) -> Result<Vec<Allocation>> {
+        let mut taken = vec![0usize; self.free.len()];
+        let plans = requests
+            .iter()
+            .map(|request| self.plan(request, &mut taken))
+            .collect::<Result<Vec<_>>>()?;
+        self.check_supply(&taken)?;
+        Ok(requests
+            .iter()
+            .zip(plans)
+            .map(|(request, plan)| self.commit(request, plan))
+            .collect())
+    }
+
+    /// Allocates one new page per page of `pages`, of the same owner class (`page % N`), so a
+    /// copy of each page lands on the rank that holds the original. The given pages may belong
+    /// to another pool of the same placement (host copies of device pages), so only their class
+    /// matters; reserved padding pages have nothing to copy and are refused. All or nothing.
+    pub fn alloc_matching(&mut self, pages: &[u64]) -> Result<Vec<u64>> {
+        let mut by_class = vec![Vec::new(); self.free.len()];
+        for (i, &page) in pages.iter().enumerate() {
+            if self.placement.is_reserved(page) {
+                return Err(self.reserved(page));
+            }
+            by_class[self.placement.owner(page) as usize].push(i);
+        }
+        let taken: Vec<usize> = by_class.iter().map(Vec::len).collect();
+        self.check_supply(&taken)?;
+        let mut out = vec![0; pages.len()];
+        for (stack, positions) in self.free.iter_mut().zip(&by_class) {
+            let at = stack.len().saturating_sub(positions.len());
+            for (&i, page) in positions.iter().zip(stack.drain(at..).rev()) {
+                out[i] = page;
+            }
+        }
+        self.mark_allocated(&out);
+        Ok(out)
+    }
+
+    /// Returns every page of `pages` to its owner class, or none of them: a page out of range,
+    /// reserved, never handed out, already free, or given twice fails the whole call.
+    pub fn free(&mut self, pages: &[u64]) -> Result<()> {
+        // Marking pages freed as we go catches duplicates within the call; on error the marks
+        // made so far are undone, and they all belonged to distinct pages that were allocated.
+        for (i, &page) in pages.iter().enumerate() {
+            if let Err(e) = self.mark_freed(page) {
+                for &done in &pages[..i] {
+                    self.state[done as usize] = PageState::Allocated;
+                }
+                return Err(e);
+            }
+        }
+        for &page in pages {
+            let class = self.placement.owner(page) as usize;
+            self.free[class].push(page);
+        }
+        Ok(())
+    }
+
+    /// Whether logical page `page` is currently handed out.
+    pub fn is_allocated(&self, page: u64) -> bool {
+        usize::try_from(page)
+            .ok()
+            .and_then(|p| self.state.get(p))
+            .is_some_and(|&s| s == PageState::Allocated)
+    }
+
+    fn mark_freed(&mut self, page: u64) -> Result<()> {
+        let limit = self.state.len() as u64;
+        if page >= limit {
+            return Err(Error::OutOfRange {
+                what: "logical page",
+                index: i64::try_from(page).unwrap_or(i64::MAX),
+                limit,
+            });
+        }
+        if self.placement.is_reserved(page) {
+            return Err(self.reserved(page));
+        }
+        let state = &mut self.state[page as usize];
+        match *state {
+            PageState::Allocated => {
+                *state = PageState::Freed;
+                Ok(())
+            }
+            PageState::Freed => Err(Error::DoubleFree { page }),
+            PageState::NeverAllocated => Err(Error::NeverAllocated { page }),
+        }
+    }
+
+    fn reserved(&self, page: u64) -> Error {
+        Error::ReservedPage {
+            page,
+            shard: self.placement.shard(),
+        }
+    }
+
+    /// Owner `steps` positions after `owner`.
+    fn rotate(&self, owner: u32, steps: usize) -> u32 {
+        let shard = u64::from(self.placement.shard());
+        ((u64::from(owner) + steps as u64 % shard) % shard) as u32
+    }
+
+    /// The owner with the most free pages once `taken` are gone; ties go to the lowest rank.
+    fn emptiest_owner(&self, taken: &[usize]) -> u32 {
+        let mut best = 0;
+        let mut best_left = i128::MIN;
+        for (owner, (stack, &t)) in self.free.iter().zip(taken).enumerate() {
+            // Signed: an over-drawn class (the batch will fail) must still rank below the rest.
+            let left = stack.len() as i128 - t as i128;
+            if left > best_left {
+                best = owner as u32;
+                best_left = left;
+            }
+        }
+        best
+    }
+
+    fn check_supply(&self, taken: &[usize]) -> Result<()> {
+        for (owner, (stack, &needed)) in self.free.iter().zip(taken).enumerate() {
+            if needed > stack.len() {
+                return Err(Error::Exhausted {
+                    owner: owner as u32,
+                    needed,
+                    free: stack.len(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Start owner and first position of `request`, adding what it needs from each class to
+    /// `taken` (the needs of the earlier requests of its batch).
+    fn plan(&self, request: &AllocRequest, taken: &mut [usize]) -> Result<Plan> {
+        let shard = self.placement.shard();
+        let (start_owner, first_position) = match request.chain {
+            ChainStart::New => (self.emptiest_owner(taken), 0),
+            ChainStart::Extend {
+                start_owner,
+                prefix_tokens,
+            } => {
+                if start_owner >= shard {
+                    return Err(Error::InvalidArgument(format!(
+                        "start owner {start_owner} of a shard of {shard}"
+                    )));
+                }
+                if prefix_tokens % PAGE_SIZE != 0 {
+                    return Err(Error::MisalignedPrefix {
+                        tokens: prefix_tokens,
+                        page_size: PAGE_SIZE,
+                    });
+                }
+                (start_owner, prefix_tokens / PAGE_SIZE)
+            }
+        };
+        let start = self.rotate(start_owner, first_position);
+        for (class, t) in taken.iter_mut().enumerate() {
+            *t = t.saturating_add(class_share(class as u32, start, request.pages, shard));
+        }
+        Ok(Plan {
+            start_owner,
+            first_position,
+            start,
+        })
+    }
+
+    /// Hands out the pages of a planned request. Only called once [`Self::check_supply`] has
+    /// passed for the whole operation, so every class holds at least the share taken from it.
+    fn commit(&mut self, request: &AllocRequest, plan: Plan) -> Allocation {
+        let shard = self.free.len();
+        let mut pages = vec![0; request.pages];
+        for (class, stack) in self.free.iter_mut().enumerate() {
+            let share = class_share(class as u32, plan.start, request.pages, shard as u32);
+            // Positions of this class: every N-th one from its first along the chain.
+            let first = (class + shard - plan.start as usize) % shard;
+            let at = stack.len().saturating_sub(share);
+            for (slot, page) in pages
+                .iter_mut()
+                .skip(first)
+                .step_by(shard)
+                .zip(stack.drain(at..).rev())
+            {
+                *slot = page;
+            }
+        }
+        self.mark_allocated(&pages);
+        Allocation {
+            start_owner: plan.start_owner,
+            first_position: plan.first_position,
+            pages,
+        }
+    }
+
+    fn mark_allocated(&mut self, pages: &[u64]) {
+        for &page in pages {
+            self.state[page as usize] = PageState::Allocated;
+        }
+    }
+}
+
+/// Where a request's pages go, decided before anything is handed out.
+#[derive(Debug, Clone, Copy)]
+struct Plan {
+    start_owner: u32,
+    first_position: usize,
+    /// Owner of the first new page.
+    start: u32,
+}
+
+/// Pages class `class` contributes to `pages` new pages starting at owner `start` of a shard of
+/// `shard`: one per full round of owners, plus one if the last partial round reaches it.
+fn class_share(class: u32, start: u32, pages: usize, shard: u32) -> usize {
+    let shard_len = shard as usize;
+    let distance = (class as usize + shard_len - start as usize) % shard_len;
+    pages / shard_len + usize::from(distance < pages % shard_len)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn class_share_matches_counting_positions() {
+        for shard in 1..=5u32 {
+            for start in 0..shard {
+                for pages in 0..3 * shard as usize + 2 {
+                    for class in 0..shard {
+                        let counted = (0..pages)
+                            .filter(|j| (start as usize + j) % shard as usize == class as usize)
+                            .count();
+                        assert_eq!(class_share(class, start, pages, shard), counted);
+                    }
+                }
+            }
+        }
+    }
+}
