@@ -1,8 +1,9 @@
 //! GPU benchmarks of every kvshard kernel, each next to the copy ceilings measured in the same
-//! run. `cargo bench --bench gpu [-- [--quick] [SECTION...]]`; sections: resolve, pool, write. Prints a
+//! run. `cargo bench --bench gpu [-- [--quick] [SECTION...]]`; sections: resolve, pool, write, pd. Prints a
 //! table and, when $OUT is set, writes it to $OUT/bench.md. Without a GPU it says it skipped.
 
 mod harness;
+mod pd;
 mod pool;
 mod resolve;
 
@@ -16,6 +17,7 @@ const SECTIONS: &[(&str, Section)] = &[
     ("resolve", resolve::run),
     ("pool", pool::copies),
     ("write", pool::write_path),
+    ("pd", pd::run),
 ];
 
 fn main() -> ExitCode {

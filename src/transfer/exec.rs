@@ -34,6 +34,21 @@ pub const KERNEL_PIECE_BYTES: u64 = 256 << 10;
 /// Bytes of one `kvs_range` table entry.
 const RANGE_BYTES: usize = std::mem::size_of::<abi::kvs_range>();
 
+/// `ranges` cut into consecutive pieces of at most [`KERNEL_PIECE_BYTES`], in order: the
+/// table [`CopyMethod::Kernel`] launches over. Empty ranges yield no piece.
+pub fn kernel_pieces(ranges: &[abi::kvs_range]) -> impl Iterator<Item = abi::kvs_range> + '_ {
+    ranges.iter().flat_map(|r| {
+        (0..r.bytes.div_ceil(KERNEL_PIECE_BYTES)).map(move |k| {
+            let offset = k * KERNEL_PIECE_BYTES;
+            abi::kvs_range {
+                src: r.src + offset,
+                dst: r.dst + offset,
+                bytes: (r.bytes - offset).min(KERNEL_PIECE_BYTES),
+            }
+        })
+    })
+}
+
 /// A plan resolved against its source and destination: the absolute ranges to move. It
 /// borrows both spaces, so they outlive it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -214,6 +229,8 @@ pub struct BackendTransport<'b, B: Backend> {
     /// Device copy of the range table, grown when a batch needs more and otherwise reused:
     /// [`Backend::write`] is ordered after the previous launch that reads it.
     table: Option<Buffer>,
+    /// Tables replaced by larger ones since the last `wait`.
+    retired: Vec<Buffer>,
 }
 
 impl<B: Backend> fmt::Debug for BackendTransport<'_, B> {
@@ -233,6 +250,7 @@ impl<'b, B: Backend> BackendTransport<'b, B> {
             method,
             staged: Vec::new(),
             table: None,
+            retired: Vec::new(),
         }
     }
 
@@ -245,26 +263,25 @@ impl<'b, B: Backend> BackendTransport<'b, B> {
     fn launch(&mut self, ranges: &[abi::kvs_range], launch: Launch) -> Result<()> {
         self.staged.clear();
         let mut pieces = 0u64;
-        for r in ranges {
-            let mut offset = 0;
-            while offset < r.bytes {
-                let len = (r.bytes - offset).min(KERNEL_PIECE_BYTES);
-                for word in [r.src + offset, r.dst + offset, len] {
-                    self.staged.extend_from_slice(&word.to_le_bytes());
-                }
-                offset += len;
-                pieces += 1;
+        for piece in kernel_pieces(ranges) {
+            for word in [piece.src, piece.dst, piece.bytes] {
+                self.staged.extend_from_slice(&word.to_le_bytes());
             }
+            pieces += 1;
         }
         if pieces == 0 {
             return Ok(());
         }
         let table = match self.table.take() {
             Some(t) if t.len() >= self.staged.len() => t,
-            _ => self.backend.alloc(
-                self.staged.len().next_power_of_two().max(64 * RANGE_BYTES),
-                MemoryKind::Device,
-            )?,
+            old => {
+                // A launch not yet waited for may still read the old table: keep it until then.
+                self.retired.extend(old);
+                self.backend.alloc(
+                    self.staged.len().next_power_of_two().max(64 * RANGE_BYTES),
+                    MemoryKind::Device,
+                )?
+            }
         };
         let written = self.backend.write(&table, 0, &self.staged);
         let addr = table.addr();
@@ -294,7 +311,10 @@ impl<B: Backend> Transport for BackendTransport<'_, B> {
     }
 
     fn wait(&mut self) -> Result<()> {
-        self.backend.synchronize()
+        self.backend.synchronize()?;
+        // Nothing submitted can still be reading a retired table.
+        self.retired.clear();
+        Ok(())
     }
 }
 
@@ -344,6 +364,39 @@ mod tests {
         .unwrap();
         assert_eq!(plan.kv.runs.len(), 1);
         (src, dst, plan)
+    }
+
+    #[test]
+    fn kernel_pieces_tile_each_range_exactly() {
+        let piece = KERNEL_PIECE_BYTES;
+        let ranges = [
+            abi::kvs_range {
+                src: 0x1000,
+                dst: 0x9000_0000,
+                bytes: 2 * piece + 48,
+            },
+            abi::kvs_range {
+                src: 0x5000_0000,
+                dst: 0x7000,
+                bytes: 0,
+            },
+            abi::kvs_range {
+                src: 0x6000_0000,
+                dst: 0x8000,
+                bytes: piece,
+            },
+        ];
+        let pieces: Vec<_> = kernel_pieces(&ranges).collect();
+        let expect = |src, dst, bytes| abi::kvs_range { src, dst, bytes };
+        assert_eq!(
+            pieces,
+            vec![
+                expect(0x1000, 0x9000_0000, piece),
+                expect(0x1000 + piece, 0x9000_0000 + piece, piece),
+                expect(0x1000 + 2 * piece, 0x9000_0000 + 2 * piece, 48),
+                expect(0x6000_0000, 0x8000, piece),
+            ]
+        );
     }
 
     #[test]

@@ -31,7 +31,9 @@ use std::ops::AddAssign;
 pub use completion::{
     ChunkEnd, ChunkResult, ChunkStatus, Finished, Outcome, Progress, RankFailure, Receiver, Sender,
 };
-pub use exec::{BackendTransport, CopyMethod, DescriptorBatch, Transport, KERNEL_PIECE_BYTES};
+pub use exec::{
+    kernel_pieces, BackendTransport, CopyMethod, DescriptorBatch, Transport, KERNEL_PIECE_BYTES,
+};
 pub use plan::{
     ChunkRange, Descriptor, PageRun, PoolLayout, PrefillRank, Registration, Section,
     SectionComponent, SendPlan,
