@@ -19,7 +19,7 @@
 use std::fmt;
 use std::marker::PhantomData;
 
-use super::plan::{SectionComponent, SendPlan};
+use super::plan::{PageRun, SectionComponent, SendPlan};
 use super::ComponentBytes;
 use crate::abi;
 use crate::backend::{Backend, Buffer, Launch, MemoryKind};
@@ -62,7 +62,8 @@ pub struct DescriptorBatch<'a> {
     _spaces: PhantomData<&'a ()>,
 }
 
-/// Index of `c` in `space`, after checking the space stores it the way the plan assumes.
+/// Index of `c` in `space`, after checking the space stores it the way the plan assumes and
+/// holds the `pages` pages (one past the highest) the runs address.
 fn locate(
     plan: &SendPlan,
     space: &dyn BlockSpace,
@@ -101,11 +102,23 @@ fn locate(
     }
     if space.pages() < pages {
         return fail(format!(
-            "the {side} holds {} pages per layer, the plan was checked against {pages}",
+            "the plan moves {} pages up to page {}, the {side} holds {} pages per layer",
+            c.component,
+            pages - 1,
             space.pages()
         ));
     }
     Ok(i)
+}
+
+/// One past the highest page `runs` address on each side, or `None` when that overflows.
+fn page_ends(runs: &[PageRun]) -> Option<(u64, u64)> {
+    runs.iter().try_fold((0u64, 0u64), |(s, d), r| {
+        Some((
+            s.max(r.src.checked_add(r.pages)?),
+            d.max(r.dst.checked_add(r.pages)?),
+        ))
+    })
 }
 
 impl<'a> DescriptorBatch<'a> {
@@ -120,9 +133,17 @@ impl<'a> DescriptorBatch<'a> {
     ) -> Result<Self> {
         let mut ranges = Vec::with_capacity(plan.descriptor_count());
         for section in plan.sections() {
+            // Plans are plain data: every run is checked against the spaces here, so no range
+            // of the batch leaves its (component, layer) buffer whatever the plan holds.
+            let Some((src_end, dst_end)) = page_ends(&section.runs) else {
+                return Err(Error::Transfer {
+                    request: plan.request,
+                    reason: "a run's pages overflow".into(),
+                });
+            };
             for c in &section.components {
-                let si = locate(plan, src, c, "source", plan.src_pool_pages)?;
-                let di = locate(plan, dst, c, "destination", plan.dst_pool_pages)?;
+                let si = locate(plan, src, c, "source", src_end)?;
+                let di = locate(plan, dst, c, "destination", dst_end)?;
                 for layer in 0..c.layers {
                     let (s, d) = (src.layer_base(si, layer), dst.layer_base(di, layer));
                     ranges.extend(section.runs.iter().map(|run| abi::kvs_range {
@@ -291,11 +312,10 @@ impl<'b, B: Backend> BackendTransport<'b, B> {
             ranges: addr,
             num_ranges: pieces,
         };
-        // SAFETY: every range lies inside a (component, layer) buffer of the batch's spaces:
-        // the plan checked each page against both sides' page counts and the batch checked the
-        // spaces hold at least those pages with the plan's block stride. The spaces outlive
-        // the copy (the Transport contract: alive until `wait`), and the table is ours and is
-        // only rewritten by a later, stream-ordered `write`.
+        // SAFETY: every range lies inside a (component, layer) buffer of the batch's spaces
+        // (`DescriptorBatch::resolve` checked every run against the spaces' pages, layers and
+        // block strides); the spaces outlive the copy (the Transport contract: alive until
+        // `wait`); the table is ours and only a later, stream-ordered `write` rewrites it.
         unsafe { self.backend.copy_ranges(params, launch) }
     }
 }
@@ -304,8 +324,7 @@ impl<B: Backend> Transport for BackendTransport<'_, B> {
     fn submit(&mut self, batch: &DescriptorBatch<'_>) -> Result<()> {
         match self.method {
             CopyMethod::Kernel(launch) => self.launch(batch.ranges(), launch),
-            // SAFETY: as in `launch`: every range was checked against both spaces, which
-            // outlive the copy; the backend reads the range list before returning.
+            // SAFETY: as in `launch`; the backend reads the range list before returning.
             CopyMethod::CopyEngine => unsafe { self.backend.memcpy_batch(batch.ranges()) },
         }
     }
@@ -432,7 +451,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("request 3: the destination holds 8 pages per layer, the plan was checked against 64"),
+            e.contains("request 3: the plan moves target latent pages up to page 20, the destination holds 8 pages per layer"),
             "{e}"
         );
         let other = CacheGeometry::target_only(PoolGeometry::new(LatentLayout::Fp8Trtllm, 2));
@@ -450,10 +469,29 @@ mod tests {
             e.contains("the source holds 3 target latent layers, the plan moves 2"),
             "{e}"
         );
-        // Staging stores blocks packed too, but a plan checked against a 48-page source must
-        // not run from a smaller one.
-        let staging = crate::pool::Staging::new(&b, &geometry(), 4).unwrap();
-        assert!(DescriptorBatch::resolve(&plan, &staging, &dst).is_err());
+        // Staging stores blocks packed like a pool: a plan runs from it if it holds the pages.
+        let staging = crate::pool::Staging::new(&b, &geometry(), 21).unwrap();
+        assert!(DescriptorBatch::resolve(&plan, &staging, &dst).is_ok());
+        let staging = crate::pool::Staging::new(&b, &geometry(), 20).unwrap();
+        let e = DescriptorBatch::resolve(&plan, &staging, &dst)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("up to page 20, the source holds 20 pages"),
+            "{e}"
+        );
+        // Plans are plain data: an edited run past the pool is refused too.
+        let mut edited = plan.clone();
+        edited.state.runs[0].pages = 60;
+        let e = DescriptorBatch::resolve(&edited, &src, &dst)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("the plan moves target indexer pages up to page 60, the source holds 48"),
+            "{e}"
+        );
+        edited.state.runs[0].pages = u64::MAX;
+        assert!(DescriptorBatch::resolve(&edited, &src, &dst).is_err());
     }
 
     #[test]

@@ -223,10 +223,6 @@ pub struct SendPlan {
     pub kv: Section,
     /// Indexer state of the whole sequence: final chunk only, empty otherwise.
     pub state: Section,
-    /// Local pages per layer of the source the plan was checked against.
-    pub src_pool_pages: u64,
-    /// Pages per layer of the destination the plan was checked against.
-    pub dst_pool_pages: u64,
 }
 
 /// Checks both sides store the same cache the same packed way, naming the request.
@@ -479,8 +475,6 @@ impl SendPlan {
             chunk,
             kv,
             state,
-            src_pool_pages: source.layout.pages,
-            dst_pool_pages: registration.layout.pages,
         })
     }
 
