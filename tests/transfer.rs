@@ -591,11 +591,13 @@ fn ranks_owning_nothing_still_send_an_empty_final_chunk() {
         }));
 }
 
-/// A transport that fails its `fail_on`-th submission (counting from 1).
+/// A transport that fails its `fail_on`-th submission (counting from 1), and records whether
+/// it was waited for after that (a sender must drain before it reports the failure).
 struct Failing<T> {
     inner: T,
     fail_on: usize,
     submitted: usize,
+    drained_after_failure: bool,
 }
 
 impl<T: Transport> Transport for Failing<T> {
@@ -611,6 +613,7 @@ impl<T: Transport> Transport for Failing<T> {
     }
 
     fn wait(&mut self) -> Result<()> {
+        self.drained_after_failure |= self.submitted >= self.fail_on && self.fail_on > 0;
         self.inner.wait()
     }
 }
@@ -639,6 +642,7 @@ fn fail_mid_request(abort: bool, seed: u64) {
             inner: BackendTransport::new(&b, CopyMethod::CopyEngine),
             fail_on: if r == 2 { 2 } else { 0 },
             submitted: 0,
+            drained_after_failure: false,
         })
         .collect();
     let mut receiver = Receiver::new();
@@ -733,6 +737,7 @@ fn fail_mid_request(abort: bool, seed: u64) {
     }
     assert_eq!(receiver.pending_requests(), 0);
     assert!(senders.iter().all(|s| s.pending_requests() == 0));
+    assert!(transports[2].drained_after_failure);
 }
 
 #[test]

@@ -256,8 +256,12 @@ fn move_chunk(
 ) -> Result<(ComponentBytes, usize)> {
     let plan = SendPlan::new(source, src_pages, registration, chunk)?;
     let batch = DescriptorBatch::resolve(&plan, pool, dst)?;
-    transport.submit(&batch)?;
-    transport.wait()?;
+    let submitted = transport.submit(&batch);
+    // Even after a failed submission, whatever was enqueued must land before the status goes
+    // out: the decode side frees the pages once every rank has reported its last status.
+    let landed = transport.wait();
+    submitted?;
+    landed?;
     Ok((batch.bytes(), plan.kv.positions.end))
 }
 
