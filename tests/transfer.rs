@@ -249,6 +249,8 @@ fn decode_pool<B: Backend>(b: &B, case: &Case, dec: &[u64], seed: u64) -> Device
             }
         }
     }
+    // The ranks write on streams of their own: the poison must have landed first.
+    b.synchronize().unwrap();
     pool
 }
 
