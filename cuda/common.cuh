@@ -24,18 +24,6 @@ __device__ __forceinline__ void store16(uint64_t addr, vec16 v) {
     *reinterpret_cast<vec16*>(addr) = v;
 }
 
-/*
- * Streaming variants for data touched exactly once (block copies, row writes): evict-first in
- * L1/L2, so a transfer does not push the forward pass's working set out of L2.
- */
-__device__ __forceinline__ vec16 load16_stream(uint64_t addr) {
-    return __ldcs(reinterpret_cast<const vec16*>(addr));
-}
-
-__device__ __forceinline__ void store16_stream(uint64_t addr, vec16 v) {
-    __stcs(reinterpret_cast<vec16*>(addr), v);
-}
-
 /* Raises the launch's status word to name `position` (see kvs_status in abi.h). */
 __device__ __forceinline__ void report(const kvs_status& status, uint64_t position) {
     if (status.word == 0) {

@@ -63,14 +63,14 @@ __device__ __forceinline__ void warp_copy(uint64_t src, uint64_t dst, uint32_t v
         for (uint32_t u = 0; u < UNROLL; ++u) {
             const uint32_t v = v0 + 32 * u;
             if (v < vectors) {
-                r[u] = load16_stream(src + src_offset(v));
+                r[u] = load16(src + src_offset(v));
             }
         }
 #pragma unroll
         for (uint32_t u = 0; u < UNROLL; ++u) {
             const uint32_t v = v0 + 32 * u;
             if (v < vectors) {
-                store16_stream(dst + dst_offset(v), r[u]);
+                store16(dst + dst_offset(v), r[u]);
             }
         }
     }
@@ -161,7 +161,7 @@ __device__ __forceinline__ void write_latent_rows(uint64_t src_base, uint64_t ds
         for (uint32_t u = 0; u < CHUNK; ++u) {
             const uint32_t i = lane + 32 * (u0 + u);
             if (u0 + u < PER_LANE && i < VECTORS && rows[i / VPR] >= 0) {
-                r[u] = load16_stream(src + 16ull * i);
+                r[u] = load16(src + 16ull * i);
                 valid |= 1u << u;
             }
         }
@@ -170,7 +170,7 @@ __device__ __forceinline__ void write_latent_rows(uint64_t src_base, uint64_t ds
             if (valid & (1u << u)) {
                 const uint32_t i = lane + 32 * (u0 + u);
                 const uint32_t t = i / VPR;
-                store16_stream(dst_base + static_cast<uint64_t>(rows[t]) * ROW_BYTES + 16ull * (i - t * VPR), r[u]);
+                store16(dst_base + static_cast<uint64_t>(rows[t]) * ROW_BYTES + 16ull * (i - t * VPR), r[u]);
             }
         }
     }
@@ -187,7 +187,7 @@ __device__ __forceinline__ void write_indexer_rows(uint64_t src_base, uint64_t d
         const uint32_t i = lane + 32 * u;
         const uint64_t token = first_token + i / 8;
         if (rows[i / 8] >= 0) {
-            r[u] = load16_stream(src_base + (token / KVS_PAGE_SIZE) * KVS_INDEXER_PAGE_BYTES +
+            r[u] = load16(src_base + (token / KVS_PAGE_SIZE) * KVS_INDEXER_PAGE_BYTES +
                                  (token % KVS_PAGE_SIZE) * KVS_INDEXER_HEAD_DIM + 16ull * (i % 8));
         }
     }
@@ -201,7 +201,7 @@ __device__ __forceinline__ void write_indexer_rows(uint64_t src_base, uint64_t d
         const uint32_t i = lane + 32 * u;
         const int64_t row = rows[i / 8];
         if (row >= 0) {
-            store16_stream(dst_base + (row / KVS_PAGE_SIZE) * KVS_INDEXER_PAGE_BYTES +
+            store16(dst_base + (row / KVS_PAGE_SIZE) * KVS_INDEXER_PAGE_BYTES +
                                (row % KVS_PAGE_SIZE) * KVS_INDEXER_HEAD_DIM + 16ull * (i % 8),
                            r[u]);
         }

@@ -6,8 +6,8 @@
  * [8t, 8t+8) of the tile, so the stable order is the thread order). Per tile:
  *   1. load, test ownership, count owned entries per thread;
  *   2. block-wide exclusive scan of the counts (warp shuffles + one shared-memory step);
- *   3. warp 0 publishes the tile's aggregate, looks back over up to 32 predecessors at a time
- *      until it meets an inclusive prefix, and publishes its own inclusive prefix;
+ *   3. the tile publishes its aggregate, the whole CTA looks back over up to 256 predecessors
+ *      at a time until it meets an inclusive prefix, and the tile publishes its own;
  *   4. owned entries are compacted into shared memory, then written out coalesced.
  * Tile-state words are (epoch << 34) | (flag << 32) | count. Words of older launches carry an
  * older epoch and read as "not ready", so the state buffer is never cleared. Tile ids are
@@ -37,37 +37,58 @@ __device__ __forceinline__ void publish(uint64_t* state, uint32_t tile, uint64_t
     *reinterpret_cast<volatile uint64_t*>(state + tile) = word;
 }
 
-/* Exclusive prefix of this tile: the sum of all owned counts of the tiles before it. */
-__device__ uint32_t look_back(const uint64_t* state, uint32_t tile, uint32_t epoch) {
+/*
+ * Exclusive prefix of this tile: the sum of all owned counts of the tiles before it. The whole
+ * CTA looks back over RESOLVE_THREADS predecessors at a time: tiles run concurrently, so few
+ * inclusive prefixes exist early on, and a wide window reaches one (or the start) in one or two
+ * steps instead of a chain of 32-tile steps. Ends with the result in every thread.
+ */
+__device__ uint32_t look_back(const uint64_t* state, uint32_t tile, uint32_t epoch, uint32_t* s_first,
+                              uint32_t* s_sums) {
     const uint32_t lane = threadIdx.x % 32;
+    const uint32_t warp = threadIdx.x / 32;
     uint32_t exclusive = 0;
     int64_t newest = static_cast<int64_t>(tile) - 1;
     while (true) {
-        const int64_t idx = newest - lane;
+        const int64_t idx = newest - threadIdx.x;
         uint32_t flag = FLAG_PREFIX;
         uint32_t count = 0;
-        do {
-            if (idx >= 0) {
+        if (idx >= 0) {
+            do {
                 const uint64_t w = *reinterpret_cast<const volatile uint64_t*>(state + idx);
-                const bool current = (w >> 34) == epoch;
-                flag = current ? static_cast<uint32_t>((w >> 32) & 3) : 0;
+                flag = (w >> 34) == epoch ? static_cast<uint32_t>((w >> 32) & 3) : 0;
                 count = static_cast<uint32_t>(w);
-            }
-        } while (!__all_sync(0xFFFFFFFFu, flag != 0));
-        const uint32_t prefix_lanes = __ballot_sync(0xFFFFFFFFu, flag == FLAG_PREFIX);
-        uint32_t contribution = count;
-        if (prefix_lanes != 0 && static_cast<int>(lane) > __ffs(prefix_lanes) - 1) {
-            contribution = 0;
+            } while (flag == 0);
         }
+        if (threadIdx.x == 0) {
+            *s_first = RESOLVE_THREADS;
+        }
+        __syncthreads();
+        if (flag == FLAG_PREFIX) {
+            atomicMin(s_first, threadIdx.x);
+        }
+        __syncthreads();
+        const uint32_t first = *s_first;
+        // Predecessors up to (and including) the nearest inclusive prefix contribute.
+        uint32_t contribution = threadIdx.x <= first ? count : 0;
 #pragma unroll
         for (int offset = 16; offset > 0; offset >>= 1) {
             contribution += __shfl_xor_sync(0xFFFFFFFFu, contribution, offset);
         }
-        exclusive += contribution;
-        if (prefix_lanes != 0) {
+        if (lane == 0) {
+            s_sums[warp] = contribution;
+        }
+        __syncthreads();
+#pragma unroll
+        for (uint32_t w = 0; w < RESOLVE_THREADS / 32; ++w) {
+            exclusive += s_sums[w];
+        }
+        // s_first and s_sums are rewritten by the next step.
+        __syncthreads();
+        if (first < RESOLVE_THREADS) {
             return exclusive;
         }
-        newest -= 32;
+        newest -= RESOLVE_THREADS;
     }
 }
 
@@ -77,7 +98,8 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS) kvs_resolve(const 
     __shared__ int32_t s_positions[RESOLVE_TILE];
     __shared__ int64_t s_local[RESOLVE_TILE];
     __shared__ uint32_t s_warp_totals[RESOLVE_THREADS / 32];
-    __shared__ uint32_t s_exclusive;
+    __shared__ uint32_t s_look_back[RESOLVE_THREADS / 32];
+    __shared__ uint32_t s_first;
 
     const uint32_t tile = blockIdx.x;
     const uint32_t lane = threadIdx.x % 32;
@@ -148,23 +170,18 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS) kvs_resolve(const 
 
     uint64_t* state = reinterpret_cast<uint64_t*>(p.tile_state);
     const uint32_t epoch = p.tile_epoch;
-    if (warp == 0) {
-        uint32_t exclusive = 0;
-        if (tile == 0) {
-            if (lane == 0) {
-                publish(state, tile, tile_word(epoch, FLAG_PREFIX, tile_total));
-            }
-        } else {
-            if (lane == 0) {
-                publish(state, tile, tile_word(epoch, FLAG_AGGREGATE, tile_total));
-            }
-            exclusive = look_back(state, tile, epoch);
-            if (lane == 0) {
-                publish(state, tile, tile_word(epoch, FLAG_PREFIX, exclusive + tile_total));
-            }
+    uint32_t exclusive = 0;
+    if (tile == 0) {
+        if (threadIdx.x == 0) {
+            publish(state, tile, tile_word(epoch, FLAG_PREFIX, tile_total));
         }
-        if (lane == 0) {
-            s_exclusive = exclusive;
+    } else {
+        if (threadIdx.x == 0) {
+            publish(state, tile, tile_word(epoch, FLAG_AGGREGATE, tile_total));
+        }
+        exclusive = look_back(state, tile, epoch, &s_first, s_look_back);
+        if (threadIdx.x == 0) {
+            publish(state, tile, tile_word(epoch, FLAG_PREFIX, exclusive + tile_total));
         }
     }
 
@@ -179,7 +196,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS) kvs_resolve(const 
         }
     }
     __syncthreads();
-    const uint64_t out = s_exclusive;
+    const uint64_t out = exclusive;
     int32_t* out_positions = reinterpret_cast<int32_t*>(p.out_positions);
     int64_t* out_local = reinterpret_cast<int64_t*>(p.out_local);
     for (uint32_t i = threadIdx.x; i < tile_total; i += RESOLVE_THREADS) {

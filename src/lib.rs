@@ -30,6 +30,7 @@ pub mod error;
 pub mod fp8;
 pub mod geometry;
 pub mod gpu;
+pub mod hicache;
 pub mod pool;
 pub mod quantize;
 pub mod shard;

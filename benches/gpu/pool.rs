@@ -209,7 +209,6 @@ pub fn copies(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
 
 pub fn write_path(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
     let g = CacheGeometry::with_draft(PoolGeometry::new(LatentLayout::Fp8Trtllm, 61));
-    let sms = ctx.gpu.info().sm_count;
     for n in [1u32, 4, 8] {
         for tokens in [4096usize, 16384, 65536] {
             if ctx.quick && tokens > 16384 {
@@ -234,10 +233,7 @@ pub fn write_path(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             let slot_buf = kvshard::backend::upload_i64s(&ctx.backend, &slots)?;
             let write = OwnedRowWrite::prepare(&ctx.backend, &staging, &pool, |_| true)?;
             let bytes = owned * write.row_bytes();
-            let launch = Launch {
-                ctas: sms * 4,
-                threads: 512,
-            };
+            let launch = write.launch(tokens);
             let stats = ctx.time(ctx.reps(20), || {
                 write.run(&ctx.backend, &slot_buf, tokens, launch)
             })?;

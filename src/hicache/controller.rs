@@ -1,0 +1,538 @@
+//! The HiCache controller of one rank: a load stream and a backup stream between the device pool
+//! and the host pool, the host allocator, write policies and FIFO acks.
+//!
+//! Every rank of a shard group makes the same calls with the same logical pages (the radix tree
+//! and the allocators are replicated), so every rank hands out the same queue indices, the same
+//! host pages and the same acks, including a rank that owns none of an operation's pages: its
+//! operation moves nothing but is submitted, signalled and acked like the others.
+//!
+//! - Backups (D2H) wait for an event of the compute stream, so they never race the forward pass
+//!   writing the pages, copy every layer, and are acked strictly in submission order, only once
+//!   complete. [`HiCacheController::poll_backups`] counts the acks ready now: a shard group
+//!   agrees on the minimum over its ranks and each rank then pops exactly that many with
+//!   [`HiCacheController::ack_backups`], so ack counts stay in step.
+//! - Loads (H2D) return a [`LoadHandle`] whose per-layer readiness a consumer waits on layer by
+//!   layer: on the SM kernel, one launch with a ready counter per layer; on the copy-engine
+//!   backends, the layer's copies followed by an event, layer after layer.
+//! - Write policies decide when a node is backed up: on its first access (write-through), its
+//!   second (write-through-selective), or only when it is evicted from the device, blocking
+//!   until the copy is done (write-back).
+//!
+//! Host pages come from a [`ShardAllocator`] over the host pool: a node with a shard owner gets
+//! host pages along its owner rotation; a node without one gets pages of the same owner classes
+//! as its device pages.
+
+use std::collections::{HashMap, VecDeque};
+
+use super::host_pool::HostPool;
+use super::io::{Direction, HostTransfer, IoBackend, LayerReady, LayerSignals, Layers};
+use super::plan::TransferPlan;
+use crate::backend::{Backend, Buffer, MemoryKind};
+use crate::error::{Error, Result};
+use crate::pool::{check_same_components, BlockSpace, DevicePool};
+use crate::shard::{AllocRequest, ChainStart, ShardAllocator};
+
+/// Kernel-table buffers kept for reuse once their transfer is acked: allocating and freeing
+/// device memory per transfer would serialize the device's streams.
+const SPARE_TABLES: usize = 8;
+
+/// When a device node is backed up to the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WritePolicy {
+    /// On the node's first access.
+    WriteThrough,
+    /// On the node's second access (hit count >= 2).
+    WriteThroughSelective,
+    /// Only when the node is evicted from the device pool; eviction waits for the copy.
+    WriteBack,
+}
+
+impl WritePolicy {
+    /// Accesses after which a node is backed up; `None` when only eviction backs it up.
+    pub fn access_threshold(self) -> Option<u32> {
+        match self {
+            Self::WriteThrough => Some(1),
+            Self::WriteThroughSelective => Some(2),
+            Self::WriteBack => None,
+        }
+    }
+}
+
+/// The streams a controller enqueues on: loads, backups, and the uploads of kernel tables (kept
+/// off the other two because an upload synchronizes its stream). Backends of one device (CUDA:
+/// `CudaBackend::new(gpu.clone())` each; CPU: `CpuBackend::new_stream` of one backend).
+#[derive(Debug)]
+pub struct Streams<B> {
+    /// Host to device.
+    pub load: B,
+    /// Device to host.
+    pub backup: B,
+    /// Kernel-table uploads.
+    pub tables: B,
+}
+
+/// A radix-tree node as the controller sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheNode<'n> {
+    /// Node id (unique while the node is cached anywhere).
+    pub id: u64,
+    /// Logical device pages of the node, in chain order.
+    pub device_pages: &'n [u64],
+    /// The chain's owner at the node's first page, when the node has a shard owner. Owner 0 is
+    /// an owner: only `None` means "no shard owner".
+    pub start_owner: Option<u32>,
+}
+
+/// A completed backup, acked in submission order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackupAck {
+    /// Logical queue index (0, 1, 2, ... per controller, identical on every rank).
+    pub index: u64,
+    /// The node backed up.
+    pub node: u64,
+    /// The start owner the backup was given.
+    pub start_owner: Option<u32>,
+    /// Logical host pages now holding the node.
+    pub host_pages: Vec<u64>,
+    /// Bytes this rank moved.
+    pub bytes: u64,
+}
+
+/// A completed load, acked in submission order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadAck {
+    /// Logical queue index (0, 1, 2, ... per controller, identical on every rank).
+    pub index: u64,
+    /// The node loaded.
+    pub node: u64,
+    /// Bytes this rank moved.
+    pub bytes: u64,
+}
+
+/// A submitted load: per model layer, how a consumer waits for that layer only.
+#[derive(Debug)]
+pub struct LoadHandle<E> {
+    index: u64,
+    layers: Vec<LayerReady<E>>,
+}
+
+impl<E> LoadHandle<E> {
+    /// Logical queue index of the load.
+    pub fn index(&self) -> u64 {
+        self.index
+    }
+
+    /// Readiness of each model layer (target layers, then the draft's).
+    pub fn layers(&self) -> &[LayerReady<E>] {
+        &self.layers
+    }
+
+    /// Makes later work on `consumer` wait until model layer `layer` has landed, and no longer.
+    pub fn wait_layer<B: Backend<Event = E>>(&self, consumer: &B, layer: usize) -> Result<()> {
+        self.layers
+            .get(layer)
+            .ok_or(Error::OutOfRange {
+                what: "model layer",
+                index: layer as i64,
+                limit: self.layers.len() as u64,
+            })?
+            .wait(consumer)
+    }
+}
+
+/// Where a node stands on the host.
+#[derive(Debug)]
+struct HostNode {
+    host_pages: Vec<u64>,
+    acked: bool,
+}
+
+/// Submitted work kept until acked: its ack, its completion event, and the transfer whose
+/// tables the device may still be reading.
+#[derive(Debug)]
+struct Pending<'p, A, E> {
+    ack: A,
+    done: E,
+    transfer: HostTransfer<'p>,
+}
+
+/// One rank's HiCache controller, generic over the backend (CUDA in production, the CPU
+/// reference in tests).
+pub struct HiCacheController<'p, B: Backend> {
+    device: &'p DevicePool,
+    host: &'p HostPool,
+    streams: Streams<B>,
+    policy: WritePolicy,
+    allocator: ShardAllocator,
+    signals: LayerSignals,
+    hits: HashMap<u64, u32>,
+    host_nodes: HashMap<u64, HostNode>,
+    backups: VecDeque<Pending<'p, BackupAck, B::Event>>,
+    loads: VecDeque<Pending<'p, LoadAck, B::Event>>,
+    next_backup: u64,
+    next_load: u64,
+    spare_tables: Vec<Buffer>,
+}
+
+impl<B: Backend> std::fmt::Debug for HiCacheController<'_, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HiCacheController")
+            .field("policy", &self.policy)
+            .field("host_nodes", &self.host_nodes.len())
+            .field("pending_backups", &self.backups.len())
+            .field("pending_loads", &self.loads.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'p, B: Backend> HiCacheController<'p, B> {
+    /// A controller moving pages between `device` and `host` (same geometry) on `streams`.
+    pub fn new(
+        device: &'p DevicePool,
+        host: &'p HostPool,
+        streams: Streams<B>,
+        policy: WritePolicy,
+    ) -> Result<Self> {
+        check_same_components(device.components(), host.components())?;
+        let allocator = ShardAllocator::new(device.placement(), host.pages())?;
+        let signals = LayerSignals::new(&streams.tables, device.geometry().model_layers())?;
+        Ok(Self {
+            device,
+            host,
+            streams,
+            policy,
+            allocator,
+            signals,
+            hits: HashMap::new(),
+            host_nodes: HashMap::new(),
+            backups: VecDeque::new(),
+            loads: VecDeque::new(),
+            next_backup: 0,
+            next_load: 0,
+            spare_tables: Vec::new(),
+        })
+    }
+
+    /// The write policy.
+    pub fn policy(&self) -> WritePolicy {
+        self.policy
+    }
+
+    /// The streams.
+    pub fn streams(&self) -> &Streams<B> {
+        &self.streams
+    }
+
+    /// The host allocator (logical host pages, replicated on every rank).
+    pub fn host_allocator(&self) -> &ShardAllocator {
+        &self.allocator
+    }
+
+    /// Logical host pages of `node`, once its backup has been acked.
+    pub fn host_pages(&self, node: u64) -> Option<&[u64]> {
+        self.host_nodes
+            .get(&node)
+            .filter(|n| n.acked)
+            .map(|n| n.host_pages.as_slice())
+    }
+
+    /// Records an access (insertion or hit) of `node`; backs it up when the policy says so.
+    /// Returns the backup's queue index when one was submitted.
+    pub fn access(
+        &mut self,
+        node: &CacheNode<'_>,
+        compute: &B::Event,
+        io: IoBackend,
+    ) -> Result<Option<u64>> {
+        let hits = self.hits.entry(node.id).or_default();
+        *hits = hits.saturating_add(1);
+        let due = self.policy.access_threshold().is_some_and(|t| *hits >= t);
+        if due && !self.host_nodes.contains_key(&node.id) {
+            return self.backup(node, compute, io).map(Some);
+        }
+        Ok(None)
+    }
+
+    /// `node` is leaving the device pool: once this returns, its device pages may be reused.
+    /// Under write-back a node not on the host yet is backed up first; a backup of the node
+    /// still in flight is waited for. Both block (on the backup stream) and pop, in FIFO order,
+    /// every ack up to the node's, which are returned. A write-through node never backed up is
+    /// simply dropped.
+    pub fn evict(
+        &mut self,
+        node: &CacheNode<'_>,
+        compute: &B::Event,
+        io: IoBackend,
+    ) -> Result<Vec<BackupAck>> {
+        self.hits.remove(&node.id);
+        if !self.host_nodes.contains_key(&node.id) {
+            if self.policy != WritePolicy::WriteBack {
+                return Ok(Vec::new());
+            }
+            self.backup(node, compute, io)?;
+        }
+        match self.backups.iter().position(|p| p.ack.node == node.id) {
+            Some(at) => self.ack_backups(at + 1),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Backs `node` up: allocates its host pages, then, on the backup stream and after
+    /// `compute`, copies every layer of this rank's pages. Returns the queue index.
+    ///
+    /// Everything is checked before anything is enqueued (pages, owners, the start owner's
+    /// rotation); on such an error the host pages are returned and nothing moves. Should the
+    /// driver refuse a copy once enqueueing has begun, the host pages stay allocated, since
+    /// earlier copies may still be writing them.
+    pub fn backup(
+        &mut self,
+        node: &CacheNode<'_>,
+        compute: &B::Event,
+        io: IoBackend,
+    ) -> Result<u64> {
+        if self.host_nodes.contains_key(&node.id) {
+            return Err(Error::HiCache(format!(
+                "node {} is already on the host",
+                node.id
+            )));
+        }
+        let host_pages = match node.start_owner {
+            Some(start_owner) => {
+                self.allocator
+                    .alloc(AllocRequest {
+                        chain: ChainStart::Extend {
+                            start_owner,
+                            prefix_tokens: 0,
+                        },
+                        pages: node.device_pages.len(),
+                    })?
+                    .pages
+            }
+            None => self.allocator.alloc_matching(node.device_pages)?,
+        };
+        let transfer = match self.transfer(node.device_pages, &host_pages, Direction::Backup, io) {
+            Ok(t) => t,
+            Err(e) => {
+                self.allocator.free(&host_pages)?;
+                return Err(e);
+            }
+        };
+        let backup = &self.streams.backup;
+        backup.wait(compute)?;
+        transfer.run(backup, io, Layers::All)?;
+        let done = backup.record()?;
+        let index = self.next_backup;
+        self.next_backup += 1;
+        self.host_nodes.insert(
+            node.id,
+            HostNode {
+                host_pages: host_pages.clone(),
+                acked: false,
+            },
+        );
+        self.backups.push_back(Pending {
+            ack: BackupAck {
+                index,
+                node: node.id,
+                start_owner: node.start_owner,
+                host_pages,
+                bytes: transfer.bytes(Layers::All)?,
+            },
+            done,
+            transfer,
+        });
+        Ok(index)
+    }
+
+    /// Loads backed-up `node` into logical device pages `device_pages` (allocated by the caller
+    /// with the owner classes of the node's host pages, e.g. `ShardAllocator::alloc_matching`),
+    /// on the load stream after `after` when given. [`IoBackend::SmKernel`] loads every layer in
+    /// one launch with a ready counter per layer; the other backends move layer after layer,
+    /// recording an event after each.
+    pub fn load(
+        &mut self,
+        node: u64,
+        device_pages: &[u64],
+        after: Option<&B::Event>,
+        io: IoBackend,
+    ) -> Result<LoadHandle<B::Event>> {
+        let host_pages = self
+            .host_pages(node)
+            .ok_or_else(|| Error::HiCache(format!("node {node} has no acked backup to load")))?
+            .to_vec();
+        let transfer = self.transfer(device_pages, &host_pages, Direction::Load, io)?;
+        let load = &self.streams.load;
+        if let Some(event) = after {
+            load.wait(event)?;
+        }
+        let layers = match io {
+            IoBackend::SmKernel { ctas } => transfer
+                .run_signalled(load, ctas, &mut self.signals)?
+                .into_iter()
+                .map(LayerReady::Counter)
+                .collect(),
+            _ => (0..transfer.model_layers())
+                .map(|m| {
+                    transfer.run(load, io, Layers::One(m))?;
+                    Ok(LayerReady::Event(load.record()?))
+                })
+                .collect::<Result<Vec<_>>>()?,
+        };
+        let done = load.record()?;
+        let index = self.next_load;
+        self.next_load += 1;
+        self.loads.push_back(Pending {
+            ack: LoadAck {
+                index,
+                node,
+                bytes: transfer.bytes(Layers::All)?,
+            },
+            done,
+            transfer,
+        });
+        Ok(LoadHandle { index, layers })
+    }
+
+    /// Drops `node` from the host pool, returning its host pages to the allocator. Refused while
+    /// its backup is unacked or a load of it is pending.
+    pub fn free_host(&mut self, node: u64) -> Result<()> {
+        let busy = self.loads.iter().any(|p| p.ack.node == node);
+        match self.host_nodes.get(&node) {
+            None => Err(Error::HiCache(format!("node {node} is not on the host"))),
+            Some(n) if !n.acked || busy => Err(Error::HiCache(format!(
+                "node {node} still has a transfer in flight"
+            ))),
+            Some(n) => {
+                self.allocator.free(&n.host_pages)?;
+                self.host_nodes.remove(&node);
+                Ok(())
+            }
+        }
+    }
+
+    /// Backups submitted and not yet acked.
+    pub fn pending_backups(&self) -> usize {
+        self.backups.len()
+    }
+
+    /// Loads submitted and not yet acked.
+    pub fn pending_loads(&self) -> usize {
+        self.loads.len()
+    }
+
+    /// How many backups, from the oldest, have completed (what the shard group takes the
+    /// minimum of before acking).
+    pub fn poll_backups(&self) -> Result<usize> {
+        completed_prefix(&self.streams.backup, &self.backups)
+    }
+
+    /// How many loads, from the oldest, have completed.
+    pub fn poll_loads(&self) -> Result<usize> {
+        completed_prefix(&self.streams.load, &self.loads)
+    }
+
+    /// Pops the `count` oldest backups, in submission order. If any of them has not completed,
+    /// this first blocks until the backup stream is idle.
+    pub fn ack_backups(&mut self, count: usize) -> Result<Vec<BackupAck>> {
+        let done = pop_completed(&self.streams.backup, &mut self.backups, count)?;
+        let acks = self.recycle(done);
+        for ack in &acks {
+            if let Some(n) = self.host_nodes.get_mut(&ack.node) {
+                n.acked = true;
+            }
+        }
+        Ok(acks)
+    }
+
+    /// Pops the `count` oldest loads, in submission order. If any of them has not completed,
+    /// this first blocks until the load stream is idle.
+    pub fn ack_loads(&mut self, count: usize) -> Result<Vec<LoadAck>> {
+        let done = pop_completed(&self.streams.load, &mut self.loads, count)?;
+        Ok(self.recycle(done))
+    }
+
+    /// Keeps the kernel tables of completed transfers for reuse; returns their acks.
+    fn recycle<A>(&mut self, done: Vec<Pending<'p, A, B::Event>>) -> Vec<A> {
+        let mut acks = Vec::with_capacity(done.len());
+        for p in done {
+            acks.push(p.ack);
+            if let Some(tables) = p.transfer.into_kernel_tables() {
+                self.spare_tables.push(tables);
+            }
+        }
+        // The largest fit the most transfers; dropping the rest frees device memory, rarely.
+        self.spare_tables
+            .sort_by_key(|t| std::cmp::Reverse(t.len()));
+        self.spare_tables.truncate(SPARE_TABLES);
+        acks
+    }
+
+    /// Plans and builds this rank's transfer, uploading kernel tables on the tables stream
+    /// (into a spare table buffer when one fits) when the SM kernel will run it.
+    fn transfer(
+        &mut self,
+        device_pages: &[u64],
+        host_pages: &[u64],
+        direction: Direction,
+        io: IoBackend,
+    ) -> Result<HostTransfer<'p>> {
+        let plan = TransferPlan::new(
+            self.device.placement(),
+            self.device.rank(),
+            device_pages,
+            host_pages,
+            self.device.pages(),
+            self.host.pages(),
+        )?;
+        let mut transfer = HostTransfer::new(self.device, self.host, plan, direction)?;
+        if matches!(io, IoBackend::SmKernel { .. }) && !transfer.plan().is_empty() {
+            let need = transfer.kernel_table_bytes();
+            let fits = (0..self.spare_tables.len())
+                .filter(|&i| self.spare_tables[i].len() >= need)
+                .min_by_key(|&i| self.spare_tables[i].len());
+            let tables = match fits {
+                Some(i) => self.spare_tables.swap_remove(i),
+                // Rounded up so that later transfers of similar size can reuse it.
+                None => self
+                    .streams
+                    .tables
+                    .alloc(need.next_power_of_two(), MemoryKind::Device)?,
+            };
+            transfer.prepare_kernel(&self.streams.tables, Some(tables))?;
+        }
+        Ok(transfer)
+    }
+}
+
+fn completed_prefix<B: Backend, A>(
+    stream: &B,
+    queue: &VecDeque<Pending<'_, A, B::Event>>,
+) -> Result<usize> {
+    let mut n = 0;
+    for p in queue {
+        if !stream.is_done(&p.done)? {
+            break;
+        }
+        n += 1;
+    }
+    Ok(n)
+}
+
+/// Pops the `count` oldest entries of `queue`, first waiting for `stream` to be idle if any of
+/// them has not completed.
+fn pop_completed<'p, B: Backend, A>(
+    stream: &B,
+    queue: &mut VecDeque<Pending<'p, A, B::Event>>,
+    count: usize,
+) -> Result<Vec<Pending<'p, A, B::Event>>> {
+    if count > queue.len() {
+        return Err(Error::HiCache(format!(
+            "{count} acks asked for, {} operations pending",
+            queue.len()
+        )));
+    }
+    if completed_prefix(stream, queue)? < count {
+        stream.synchronize()?;
+    }
+    Ok(queue.drain(..count).collect())
+}

@@ -1,0 +1,1313 @@
+//! HiCache: host pool layouts, owner-aware planning, transfers on every I/O backend and the
+//! controller's ordering, acks and policies. Each transfer is checked on the CPU reference
+//! against its meaning (owned blocks moved, everything else still poisoned), and on the GPU
+//! against the CPU result byte for byte.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use kvshard::abi;
+use kvshard::backend::cpu::CpuBackend;
+use kvshard::backend::{Backend, Buffer, Copy2d, Launch, MemoryKind};
+use kvshard::geometry::{CacheGeometry, ComponentLayout, LatentLayout, PoolGeometry};
+use kvshard::hicache::{
+    pages_of_tokens, CacheNode, Direction, HiCacheController, HostLayout, HostPool, HostTransfer,
+    IoBackend, IoCalls, LayerReady, LayerSignals, Layers, Streams, TransferPlan, WritePolicy,
+};
+use kvshard::pool::{BlockSpace, DevicePool, PoolBuffers};
+use kvshard::shard::{AllocRequest, ChainStart, Placement, ShardAllocator};
+use kvshard::synth::{self, POISON};
+use kvshard::Error;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const DEVICE_PAGES: u64 = 12;
+const HOST_PAGES: u64 = 14;
+
+const IOS: [IoBackend; 4] = [
+    IoBackend::SmKernel { ctas: 2 },
+    IoBackend::CopyEngine,
+    IoBackend::PerBlockMemcpy,
+    IoBackend::BatchMemcpy,
+];
+
+fn geometries() -> Vec<CacheGeometry> {
+    vec![
+        // A shared-indexer layer (1) and the draft: four components, single-layer ones too.
+        CacheGeometry::with_draft(PoolGeometry::with_indexer_layers(
+            LatentLayout::Fp8Trtllm,
+            vec![true, false, true],
+        )),
+        CacheGeometry::target_only(PoolGeometry::new(LatentLayout::Fp8Scaled, 2)),
+    ]
+}
+
+fn random_pool<B: Backend>(
+    b: &B,
+    g: &CacheGeometry,
+    placement: Placement,
+    rank: u32,
+    seed: u64,
+) -> DevicePool {
+    let pool = DevicePool::allocate(b, g, placement, rank, DEVICE_PAGES).unwrap();
+    let storage = pool.storage().unwrap();
+    let mut rng = StdRng::seed_from_u64(seed);
+    b.write(storage, 0, &synth::bytes(&mut rng, storage.len()))
+        .unwrap();
+    pool
+}
+
+/// An allocator that has handed out and taken back a few chains, so what it allocates next
+/// mixes runs of consecutive local pages with jumps.
+fn scrambled(rng: &mut impl Rng, placement: Placement, pages: u64) -> ShardAllocator {
+    let mut a = ShardAllocator::new(placement, pages).unwrap();
+    let mut chain = |a: &mut ShardAllocator| {
+        let pages = rng.random_range(1..=2 * placement.shard() as usize);
+        a.alloc(AllocRequest {
+            chain: ChainStart::New,
+            pages,
+        })
+        .unwrap()
+        .pages
+    };
+    let _kept = chain(&mut a);
+    let freed = chain(&mut a);
+    let _kept2 = chain(&mut a);
+    a.free(&freed).unwrap();
+    a
+}
+
+/// Logical pages of one node as every rank sees them: its device pages, the host pages a
+/// backup gives it, and the device pages a later load brings it back to.
+#[derive(Debug, Clone)]
+struct Node {
+    device: Vec<u64>,
+    host: Vec<u64>,
+    reload: Vec<u64>,
+}
+
+fn node(rng: &mut impl Rng, placement: Placement, pages: usize) -> Node {
+    let device = scrambled(rng, placement, DEVICE_PAGES)
+        .alloc(AllocRequest {
+            chain: ChainStart::New,
+            pages,
+        })
+        .unwrap()
+        .pages;
+    let host = scrambled(rng, placement, HOST_PAGES)
+        .alloc_matching(&device)
+        .unwrap();
+    let reload = scrambled(rng, placement, DEVICE_PAGES)
+        .alloc_matching(&host)
+        .unwrap();
+    Node {
+        device,
+        host,
+        reload,
+    }
+}
+
+/// Offset of block (`c`, `l`, `p`) in a canonical snapshot of `pages` pages.
+fn canon(components: &[ComponentLayout], pages: u64, c: usize, l: usize, p: u64) -> usize {
+    let before: usize = components[..c]
+        .iter()
+        .map(|x| x.layers() * pages as usize * x.block_bytes)
+        .sum();
+    before + (l * pages as usize + p as usize) * components[c].block_bytes
+}
+
+/// `dst` with the owned pairs' blocks of `src` copied in (both canonical snapshots).
+#[allow(clippy::too_many_arguments)]
+fn expect_moved(
+    components: &[ComponentLayout],
+    placement: Placement,
+    rank: u32,
+    src: &[u8],
+    src_pages: (&[u64], u64),
+    dst: &mut [u8],
+    dst_pages: (&[u64], u64),
+) {
+    for (&s, &d) in src_pages.0.iter().zip(dst_pages.0) {
+        if placement.owner(s) != rank {
+            continue;
+        }
+        let (s, d) = (placement.local_page(s), placement.local_page(d));
+        for (c, comp) in components.iter().enumerate() {
+            for l in 0..comp.layers() {
+                let from = canon(components, src_pages.1, c, l, s);
+                let to = canon(components, dst_pages.1, c, l, d);
+                let b = comp.block_bytes;
+                dst[to..to + b].copy_from_slice(&src[from..from + b]);
+            }
+        }
+    }
+}
+
+struct Trip {
+    source: Vec<u8>,
+    host: Vec<u8>,
+    reloaded: Vec<u8>,
+}
+
+/// Backs `node` up from a random pool of `rank` into a poisoned host pool, then loads it into a
+/// poisoned device pool, with `io` both ways; returns every pool's bytes.
+fn round_trip<B: Backend>(
+    b: &B,
+    g: &CacheGeometry,
+    layout: HostLayout,
+    placement: Placement,
+    rank: u32,
+    io: IoBackend,
+    node: &Node,
+) -> Trip {
+    let source = random_pool(b, g, placement, rank, 7 + u64::from(rank));
+    let host = HostPool::new(b, g, HOST_PAGES, layout).unwrap();
+    host.fill(b, POISON).unwrap();
+    let reloaded = DevicePool::allocate(b, g, placement, rank, DEVICE_PAGES).unwrap();
+    reloaded.fill(b, POISON).unwrap();
+    let plan = |device: &[u64]| {
+        TransferPlan::new(
+            placement,
+            rank,
+            device,
+            &node.host,
+            DEVICE_PAGES,
+            HOST_PAGES,
+        )
+        .unwrap()
+    };
+    let mut backup =
+        HostTransfer::new(&source, &host, plan(&node.device), Direction::Backup).unwrap();
+    backup.prepare_kernel(b, None).unwrap();
+    backup.run(b, io, Layers::All).unwrap();
+    let mut load =
+        HostTransfer::new(&reloaded, &host, plan(&node.reload), Direction::Load).unwrap();
+    load.prepare_kernel(b, None).unwrap();
+    load.run(b, io, Layers::All).unwrap();
+    b.synchronize().unwrap();
+    Trip {
+        source: source.snapshot(b).unwrap(),
+        host: host.snapshot(b).unwrap(),
+        reloaded: reloaded.snapshot(b).unwrap(),
+    }
+}
+
+#[test]
+fn cpu_round_trips_move_exactly_the_owned_pages_for_every_layout_and_backend() {
+    let mut rng = common::rng("cpu_round_trips");
+    let b = CpuBackend::new();
+    for g in geometries() {
+        let components = g.components();
+        for n in [1u32, 2, 4] {
+            let placement = Placement::new(n).unwrap();
+            let node = node(&mut rng, placement, 3 * n as usize + 1);
+            for rank in 0..n {
+                for layout in HostLayout::ALL {
+                    for io in IOS {
+                        let trip = round_trip(&b, &g, layout, placement, rank, io, &node);
+                        let mut host = vec![POISON; trip.host.len()];
+                        expect_moved(
+                            &components,
+                            placement,
+                            rank,
+                            &trip.source,
+                            (&node.device, DEVICE_PAGES),
+                            &mut host,
+                            (&node.host, HOST_PAGES),
+                        );
+                        assert!(trip.host == host, "N={n} rank {rank} {layout} {io}: host");
+                        let mut device = vec![POISON; trip.reloaded.len()];
+                        expect_moved(
+                            &components,
+                            placement,
+                            rank,
+                            &trip.host,
+                            (&node.host, HOST_PAGES),
+                            &mut device,
+                            (&node.reload, DEVICE_PAGES),
+                        );
+                        assert!(
+                            trip.reloaded == device,
+                            "N={n} rank {rank} {layout} {io}: reloaded device pool"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn layouts_place_blocks_where_domain_md_says_and_tile_their_buffers() {
+    let g = &geometries()[0];
+    let b = CpuBackend::new();
+    let (pages, b36, b84) = (5u64, 36_864u64, 8448u64);
+    for layout in HostLayout::ALL {
+        let host = HostPool::new(&b, g, pages, layout).unwrap();
+        let base = |c: usize| host.buffer(c).unwrap().addr();
+        // Target latent (3 layers of 64 rows of 576 B): layer 2, page 3, row 5.
+        let latent = host.row_addr(0, 2, 3, 5).unwrap() - base(0);
+        // Target indexer (layers 0 and 2 stored as 0 and 1): stored layer 1, page 4.
+        let indexer = host.row_addr(1, 1, 4, 0).unwrap() - base(1);
+        let (want_latent, want_indexer) = match layout {
+            HostLayout::LayerFirst => (2 * 5 * b36 + 3 * b36 + 5 * 576, 5 * b84 + 4 * b84),
+            HostLayout::PageFirstDirect => (3 * (3 * b36) + 2 * b36 + 5 * 576, 4 * 2 * b84 + b84),
+            HostLayout::PageFirst => (
+                3 * (64 * 3 * 576) + 2 * 576 + 5 * (3 * 576),
+                4 * 2 * b84 + b84,
+            ),
+        };
+        assert_eq!((latent, indexer), (want_latent, want_indexer), "{layout}");
+        // Every row of every block, over all layers and pages, tiles its buffer exactly once.
+        for (c, comp) in host.components().iter().enumerate() {
+            let mut rows: Vec<u64> = (0..comp.layers())
+                .flat_map(|l| (0..pages).map(move |p| (l, p)))
+                .flat_map(|(l, p)| (0..comp.rows).map(move |r| (l, p, r)))
+                .map(|(l, p, r)| host.row_addr(c, l, p, r).unwrap() - base(c))
+                .collect();
+            rows.sort_unstable();
+            let tiled = rows
+                .iter()
+                .enumerate()
+                .all(|(i, &at)| at == i as u64 * comp.row_bytes as u64);
+            assert!(tiled, "{layout} {}", comp.component);
+            assert_eq!(
+                host.buffer(c).unwrap().len(),
+                rows.len() * comp.row_bytes,
+                "{layout} {}",
+                comp.component
+            );
+        }
+        assert!(host.row_addr(0, 3, 0, 0).is_err() && host.row_addr(0, 0, 5, 0).is_err());
+    }
+}
+
+#[test]
+fn every_layout_holds_the_same_canonical_bytes_after_a_backup() {
+    let mut rng = common::rng("every_layout_holds_the_same_canonical_bytes");
+    let b = CpuBackend::new();
+    let g = &geometries()[0];
+    let placement = Placement::new(2).unwrap();
+    let node = node(&mut rng, placement, 9);
+    let snapshots: Vec<Vec<u8>> = HostLayout::ALL
+        .iter()
+        .map(|&layout| round_trip(&b, g, layout, placement, 1, IoBackend::CopyEngine, &node).host)
+        .collect();
+    assert!(snapshots.windows(2).all(|w| w[0] == w[1]));
+    assert!(snapshots[0].iter().any(|&x| x != POISON));
+}
+
+#[test]
+fn per_layer_runs_add_up_to_the_whole_transfer() {
+    let mut rng = common::rng("per_layer_runs_add_up");
+    let b = CpuBackend::new();
+    let g = &geometries()[0];
+    let placement = Placement::new(2).unwrap();
+    let node = node(&mut rng, placement, 9);
+    for layout in HostLayout::ALL {
+        for io in IOS {
+            let whole = round_trip(&b, g, layout, placement, 0, io, &node).host;
+            let source = random_pool(&b, g, placement, 0, 7);
+            let host = HostPool::new(&b, g, HOST_PAGES, layout).unwrap();
+            host.fill(&b, POISON).unwrap();
+            let plan = TransferPlan::new(
+                placement,
+                0,
+                &node.device,
+                &node.host,
+                DEVICE_PAGES,
+                HOST_PAGES,
+            )
+            .unwrap();
+            let mut t = HostTransfer::new(&source, &host, plan, Direction::Backup).unwrap();
+            t.prepare_kernel(&b, None).unwrap();
+            let mut bytes = 0;
+            for m in 0..g.model_layers() {
+                t.run(&b, io, Layers::One(m)).unwrap();
+                bytes += t.bytes(Layers::One(m)).unwrap();
+            }
+            assert_eq!(bytes, t.bytes(Layers::All).unwrap());
+            assert!(host.snapshot(&b).unwrap() == whole, "{layout} {io}");
+            assert!(matches!(
+                t.run(&b, io, Layers::One(4)),
+                Err(Error::OutOfRange { index: 4, .. })
+            ));
+        }
+    }
+}
+
+#[test]
+fn signalled_runs_count_every_layer_to_its_target() {
+    let mut rng = common::rng("signalled_runs_count_every_layer");
+    let b = CpuBackend::new();
+    let g = &geometries()[0];
+    let placement = Placement::new(2).unwrap();
+    let node = node(&mut rng, placement, 9);
+    let source = random_pool(&b, g, placement, 1, 3);
+    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirst).unwrap();
+    let plan = TransferPlan::new(
+        placement,
+        1,
+        &node.device,
+        &node.host,
+        DEVICE_PAGES,
+        HOST_PAGES,
+    )
+    .unwrap();
+    let owned = plan.len() as u32;
+    let mut t = HostTransfer::new(&source, &host, plan, Direction::Backup).unwrap();
+    let mut signals = LayerSignals::new(&b, g.model_layers()).unwrap();
+    assert!(
+        t.run_signalled(&b, 2, &mut signals).is_err(),
+        "tables missing"
+    );
+    t.prepare_kernel(&b, None).unwrap();
+    for round in 1..=2u32 {
+        let waits = t.run_signalled(&b, 2, &mut signals).unwrap();
+        // Model layers 0 and 2 have latent + indexer, layer 1 latent only, 3 is the draft's two.
+        let per_layer = [2, 1, 2, 2].map(|pairs| round * pairs * owned);
+        let targets: Vec<u32> = waits.iter().map(|w| w.target()).collect();
+        assert_eq!(targets, per_layer, "round {round}");
+        let counters = b.read(signals.counters(), 0, 16).unwrap();
+        let counted: Vec<u32> = counters
+            .chunks(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(counted, per_layer);
+        for w in &waits {
+            w.wait(&b).unwrap();
+            LayerReady::<()>::Counter(w.clone()).wait(&b).unwrap();
+        }
+    }
+    let mut wrong = LayerSignals::new(&b, 3).unwrap();
+    assert!(matches!(
+        t.run_signalled(&b, 2, &mut wrong),
+        Err(Error::GeometryMismatch { .. })
+    ));
+}
+
+/// A CPU backend that counts what it is asked to do and can hold its events incomplete, to
+/// check call counts and the controller's ack logic against events that are not done yet.
+struct Probe {
+    cpu: CpuBackend,
+    calls: Mutex<IoCalls>,
+    allocs: Mutex<usize>,
+    syncs: Mutex<usize>,
+    held: AtomicBool,
+    gates: Mutex<Vec<Arc<AtomicBool>>>,
+}
+
+impl Probe {
+    fn new() -> Self {
+        Self::on(CpuBackend::new())
+    }
+
+    fn on(cpu: CpuBackend) -> Self {
+        Self {
+            cpu,
+            calls: Mutex::new(IoCalls::default()),
+            allocs: Mutex::new(0),
+            syncs: Mutex::new(0),
+            held: AtomicBool::new(false),
+            gates: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn stream(&self) -> Self {
+        Self::on(self.cpu.new_stream())
+    }
+
+    /// Events recorded from now on stay incomplete until `synchronize`.
+    fn hold(&self) {
+        self.held.store(true, Ordering::SeqCst);
+    }
+
+    fn take_calls(&self) -> IoCalls {
+        std::mem::take(&mut *self.calls.lock().unwrap())
+    }
+
+    fn syncs(&self) -> usize {
+        *self.syncs.lock().unwrap()
+    }
+
+    fn allocs(&self) -> usize {
+        *self.allocs.lock().unwrap()
+    }
+}
+
+impl Backend for Probe {
+    type Event = Arc<AtomicBool>;
+
+    fn name(&self) -> &'static str {
+        "probe"
+    }
+
+    fn alloc(&self, len: usize, kind: MemoryKind) -> kvshard::Result<Buffer> {
+        *self.allocs.lock().unwrap() += 1;
+        self.cpu.alloc(len, kind)
+    }
+
+    fn write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> kvshard::Result<()> {
+        self.cpu.write(dst, offset, data)
+    }
+
+    fn read(&self, src: &Buffer, offset: usize, len: usize) -> kvshard::Result<Vec<u8>> {
+        self.cpu.read(src, offset, len)
+    }
+
+    fn fill(&self, dst: &Buffer, byte: u8) -> kvshard::Result<()> {
+        self.cpu.fill(dst, byte)
+    }
+
+    fn synchronize(&self) -> kvshard::Result<()> {
+        *self.syncs.lock().unwrap() += 1;
+        self.held.store(false, Ordering::SeqCst);
+        for g in self.gates.lock().unwrap().drain(..) {
+            g.store(true, Ordering::SeqCst);
+        }
+        self.cpu.synchronize()
+    }
+
+    fn record(&self) -> kvshard::Result<Self::Event> {
+        let gate = Arc::new(AtomicBool::new(!self.held.load(Ordering::SeqCst)));
+        self.gates.lock().unwrap().push(gate.clone());
+        Ok(gate)
+    }
+
+    fn wait(&self, _event: &Self::Event) -> kvshard::Result<()> {
+        Ok(())
+    }
+
+    fn is_done(&self, event: &Self::Event) -> kvshard::Result<bool> {
+        Ok(event.load(Ordering::SeqCst))
+    }
+
+    unsafe fn wait_counter(&self, addr: u64, value: u32) -> kvshard::Result<()> {
+        unsafe { self.cpu.wait_counter(addr, value) }
+    }
+
+    unsafe fn quantize_latent(&self, p: abi::kvs_quantize_latent_params) -> kvshard::Result<()> {
+        unsafe { self.cpu.quantize_latent(p) }
+    }
+
+    unsafe fn quantize_indexer(&self, p: abi::kvs_quantize_indexer_params) -> kvshard::Result<()> {
+        unsafe { self.cpu.quantize_indexer(p) }
+    }
+
+    unsafe fn resolve(&self, p: abi::kvs_resolve_params) -> kvshard::Result<()> {
+        unsafe { self.cpu.resolve(p) }
+    }
+
+    unsafe fn scratch_rows(&self, p: abi::kvs_scratch_rows_params) -> kvshard::Result<()> {
+        unsafe { self.cpu.scratch_rows(p) }
+    }
+
+    unsafe fn copy_blocks(
+        &self,
+        p: abi::kvs_copy_blocks_params,
+        launch: Launch,
+    ) -> kvshard::Result<()> {
+        self.calls.lock().unwrap().launches += 1;
+        unsafe { self.cpu.copy_blocks(p, launch) }
+    }
+
+    unsafe fn write_rows(
+        &self,
+        p: abi::kvs_write_rows_params,
+        launch: Launch,
+    ) -> kvshard::Result<()> {
+        unsafe { self.cpu.write_rows(p, launch) }
+    }
+
+    unsafe fn copy_ranges(
+        &self,
+        p: abi::kvs_copy_ranges_params,
+        launch: Launch,
+    ) -> kvshard::Result<()> {
+        unsafe { self.cpu.copy_ranges(p, launch) }
+    }
+
+    unsafe fn memcpy(&self, dst: u64, src: u64, len: usize) -> kvshard::Result<()> {
+        self.calls.lock().unwrap().memcpy += 1;
+        unsafe { self.cpu.memcpy(dst, src, len) }
+    }
+
+    unsafe fn memcpy_2d(&self, copy: &Copy2d) -> kvshard::Result<()> {
+        self.calls.lock().unwrap().memcpy_2d += 1;
+        unsafe { self.cpu.memcpy_2d(copy) }
+    }
+
+    unsafe fn memcpy_batch(&self, ranges: &[abi::kvs_range]) -> kvshard::Result<()> {
+        let mut calls = self.calls.lock().unwrap();
+        calls.batch_calls += 1;
+        calls.batch_entries += ranges.len();
+        unsafe { self.cpu.memcpy_batch(ranges) }
+    }
+}
+
+#[test]
+fn backends_submit_the_calls_they_promise() {
+    let b = Probe::new();
+    let g = &geometries()[0]; // target latent 3 layers, indexer 2, draft latent 1, indexer 1
+    let placement = Placement::new(2).unwrap();
+    // Rank 0's pairs: local device 2,3,4 with host 5,6,7 (one run of 3), then 9 with 2.
+    let device = [4, 6, 8, 18, 5];
+    let host = [10, 12, 14, 4, 3];
+    let pool = random_pool(&b, g, placement, 0, 1);
+    let blocks = 3 + 2 + 1 + 1;
+    for layout in HostLayout::ALL {
+        let hp = HostPool::new(&b, g, HOST_PAGES, layout).unwrap();
+        let plan =
+            TransferPlan::new(placement, 0, &device, &host, DEVICE_PAGES, HOST_PAGES).unwrap();
+        assert_eq!(plan.runs().len(), 2);
+        for direction in [Direction::Backup, Direction::Load] {
+            let mut t = HostTransfer::new(&pool, &hp, plan.clone(), direction).unwrap();
+            t.prepare_kernel(&b, None).unwrap();
+            for io in IOS {
+                for layers in [Layers::All, Layers::One(0), Layers::One(3)] {
+                    let promised = t.calls(io, layers).unwrap();
+                    t.run(&b, io, layers).unwrap();
+                    assert_eq!(b.take_calls(), promised, "{layout} {io} {layers:?}");
+                }
+            }
+            let all = |io| t.calls(io, Layers::All).unwrap();
+            assert_eq!(all(IoBackend::SmKernel { ctas: 4 }).launches, 1);
+            let batch = all(IoBackend::BatchMemcpy);
+            let per_block = all(IoBackend::PerBlockMemcpy);
+            let engine = all(IoBackend::CopyEngine);
+            assert_eq!(batch.batch_calls, 1);
+            match layout {
+                HostLayout::PageFirst => {
+                    // Target latent blocks are 64 strided rows (one 2D copy, or 64 entries);
+                    // one-layer draft latent rows are contiguous.
+                    assert_eq!(batch.batch_entries, 4 * (3 * 64 + 4));
+                    assert_eq!((per_block.memcpy, per_block.memcpy_2d), (4 * 4, 4 * 3));
+                    // One 2D copy per (run, layer) of the target latent; the indexer is
+                    // page-major, as in page_first_direct (3 copies, below).
+                    assert_eq!(engine.memcpy_2d, 2 * 3 + 3);
+                }
+                _ => {
+                    assert_eq!(batch.batch_entries, 4 * blocks);
+                    assert_eq!(per_block.memcpy, 4 * blocks);
+                    // layer_first: one copy per (run, component), layers as rows.
+                    // page_first_direct: per page, layers as rows, while a run is no longer
+                    // than the layers (latent: 3 + 1); per layer, pages as rows, once it is
+                    // (indexer, 2 layers: the 3-page run as 2 copies, then 1).
+                    let stacked = if layout == HostLayout::LayerFirst {
+                        2 * 2
+                    } else {
+                        4 + 3
+                    };
+                    assert_eq!(engine.memcpy_2d, stacked, "{layout}");
+                }
+            }
+            // Draft latent and indexer: one piece per run each, in one batch call.
+            assert_eq!(
+                (engine.batch_calls, engine.batch_entries),
+                (1, 2 * 2),
+                "{layout}"
+            );
+        }
+    }
+}
+
+#[test]
+fn engine_pools_without_a_uniform_layer_stride_fall_back_to_one_batch_per_call() {
+    let b = Probe::new();
+    let g = CacheGeometry::target_only(PoolGeometry::new(LatentLayout::Fp8Trtllm, 3));
+    let placement = Placement::unsharded();
+    // Allocated interleaved, so neither component's layers are evenly spaced.
+    let alloc = |bytes: usize| {
+        b.alloc(DEVICE_PAGES as usize * bytes, MemoryKind::Device)
+            .unwrap()
+    };
+    let (l0, i0, l1, l2, i1, i2) = (
+        alloc(36_864),
+        alloc(8448),
+        alloc(36_864),
+        alloc(36_864),
+        alloc(8448),
+        alloc(8448),
+    );
+    let buffers = PoolBuffers {
+        target_latent: vec![l0.addr(), l1.addr(), l2.addr()],
+        target_indexer: vec![i0.addr(), i1.addr(), i2.addr()],
+        ..PoolBuffers::default()
+    };
+    // SAFETY: every address is a live allocation of `b` holding DEVICE_PAGES blocks.
+    let pool = unsafe { DevicePool::wrap(&b, &g, placement, 0, DEVICE_PAGES, &buffers) }.unwrap();
+    assert_eq!((pool.layer_stride(0), pool.layer_stride(1)), (None, None));
+    let host = HostPool::new(&b, &g, HOST_PAGES, HostLayout::LayerFirst).unwrap();
+    let plan = TransferPlan::new(
+        placement,
+        0,
+        &[1, 2, 3, 7],
+        &[4, 5, 6, 1],
+        DEVICE_PAGES,
+        HOST_PAGES,
+    )
+    .unwrap();
+    let t = HostTransfer::new(&pool, &host, plan, Direction::Backup).unwrap();
+    let calls = t.calls(IoBackend::CopyEngine, Layers::All).unwrap();
+    // Two runs x (3 latent + 3 indexer layers), each one contiguous range.
+    assert_eq!(
+        calls,
+        IoCalls {
+            batch_calls: 1,
+            batch_entries: 2 * 6,
+            ..IoCalls::default()
+        }
+    );
+    t.run(&b, IoBackend::CopyEngine, Layers::All).unwrap();
+    assert_eq!(
+        b.read(&i1, 3 * 8448, 8448).unwrap(),
+        b.read(
+            host.buffer(1).unwrap(),
+            (HOST_PAGES as usize + 6) * 8448,
+            8448
+        )
+        .unwrap()
+    );
+}
+
+#[test]
+fn planning_refuses_bad_pairs_identically_on_every_rank() {
+    let placement = Placement::new(2).unwrap();
+    let plan = |rank: u32, device: &[u64], host: &[u64]| {
+        TransferPlan::new(placement, rank, device, host, DEVICE_PAGES, HOST_PAGES)
+    };
+    for rank in 0..2 {
+        assert!(matches!(
+            plan(rank, &[4, 7], &[6, 8]),
+            Err(Error::WrongOwner {
+                page: 8,
+                owner: 0,
+                expected: 1
+            })
+        ));
+        assert!(matches!(
+            plan(rank, &[4, 1], &[6, 3]),
+            Err(Error::ReservedPage { page: 1, shard: 2 })
+        ));
+        assert!(matches!(
+            plan(rank, &[4, 24], &[6, 8]),
+            Err(Error::OutOfRange {
+                what: "logical device page",
+                index: 24,
+                limit: 24
+            })
+        ));
+        assert!(matches!(
+            plan(rank, &[4, 5], &[6, 29]),
+            Err(Error::OutOfRange {
+                what: "logical host page",
+                ..
+            })
+        ));
+        assert!(matches!(
+            plan(rank, &[4, 6, 4], &[6, 8, 10]),
+            Err(Error::HiCache(_))
+        ));
+        assert!(matches!(
+            plan(rank, &[4, 6], &[6, 8, 10]),
+            Err(Error::HiCache(_))
+        ));
+    }
+    assert!(TransferPlan::new(placement, 2, &[], &[], 4, 4).is_err());
+    let tokens: Vec<u64> = (256..384).collect();
+    assert_eq!(pages_of_tokens(&tokens).unwrap(), vec![4, 5]);
+    assert!(matches!(
+        pages_of_tokens(&tokens[1..65]),
+        Err(Error::HiCache(_))
+    ));
+}
+
+/// A compute-stream event that has completed.
+fn done() -> Arc<AtomicBool> {
+    Arc::new(AtomicBool::new(true))
+}
+
+fn streams(b: &Probe) -> Streams<Probe> {
+    Streams {
+        load: b.stream(),
+        backup: b.stream(),
+        tables: b.stream(),
+    }
+}
+
+#[test]
+fn controller_acks_backups_in_fifo_order_only_once_complete() {
+    let b = Probe::new();
+    let g = &geometries()[0];
+    let placement = Placement::new(2).unwrap();
+    let pool = random_pool(&b, g, placement, 0, 5);
+    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirstDirect).unwrap();
+    let mut ctl =
+        HiCacheController::new(&pool, &host, streams(&b), WritePolicy::WriteBack).unwrap();
+    let node = |id, device_pages| CacheNode {
+        id,
+        device_pages,
+        start_owner: None,
+    };
+    let io = IoBackend::CopyEngine;
+    ctl.streams().backup.hold();
+    assert_eq!(ctl.backup(&node(10, &[4, 5]), &done(), io).unwrap(), 0);
+    assert_eq!(ctl.backup(&node(11, &[6, 7, 8]), &done(), io).unwrap(), 1);
+    assert_eq!(ctl.poll_backups().unwrap(), 0, "nothing is complete yet");
+    assert!(ctl.host_pages(10).is_none(), "no host pages before the ack");
+    // Acking waits for the backup stream, then pops in order.
+    let acks = ctl.ack_backups(1).unwrap();
+    assert_eq!(ctl.streams().backup.syncs(), 1);
+    assert_eq!((acks[0].index, acks[0].node), (0, 10));
+    assert_eq!(ctl.poll_backups().unwrap(), 1);
+    assert_eq!(ctl.backup(&node(12, &[10]), &done(), io).unwrap(), 2);
+    assert_eq!(ctl.poll_backups().unwrap(), 2);
+    let acks = ctl.ack_backups(2).unwrap();
+    assert_eq!(acks.iter().map(|a| a.index).collect::<Vec<_>>(), vec![1, 2]);
+    assert_eq!(
+        ctl.streams().backup.syncs(),
+        1,
+        "complete acks do not block"
+    );
+    // Rank 0 owns pages 6 and 8 of node 11: two pages of every layer and component.
+    assert_eq!(acks[0].bytes, 2 * g.page_bytes() as u64);
+    assert!(ctl.ack_backups(1).is_err());
+    assert_eq!(ctl.host_pages(11), Some(acks[0].host_pages.as_slice()));
+    assert!(
+        ctl.backup(&node(11, &[12]), &done(), io).is_err(),
+        "already on host"
+    );
+}
+
+#[test]
+fn kernel_tables_are_reused_once_their_transfer_is_acked() {
+    let b = Probe::new();
+    let g = &geometries()[0];
+    let placement = Placement::new(2).unwrap();
+    let pool = random_pool(&b, g, placement, 0, 6);
+    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirst).unwrap();
+    let mut ctl =
+        HiCacheController::new(&pool, &host, streams(&b), WritePolicy::WriteThrough).unwrap();
+    let io = IoBackend::SmKernel { ctas: 2 };
+    let node = |id, device_pages| CacheNode {
+        id,
+        device_pages,
+        start_owner: None,
+    };
+    let signals = ctl.streams().tables.allocs();
+    ctl.backup(&node(1, &[4, 6, 8]), &done(), io).unwrap();
+    ctl.backup(&node(2, &[10, 12]), &done(), io).unwrap();
+    assert_eq!(ctl.streams().tables.allocs(), signals + 2);
+    ctl.ack_backups(2).unwrap();
+    // Smaller or equal tables fit the buffers the acked backups gave back.
+    let h = ctl.load(1, &[14, 16, 18], None, io).unwrap();
+    ctl.backup(&node(3, &[20, 22]), &done(), io).unwrap();
+    assert_eq!(ctl.streams().tables.allocs(), signals + 2);
+    assert_eq!(h.index(), 0);
+
+    // A buffer too small for a transfer's tables is refused.
+    let plan = TransferPlan::new(placement, 0, &[4], &[4], DEVICE_PAGES, HOST_PAGES).unwrap();
+    let mut t = HostTransfer::new(&pool, &host, plan, Direction::Load).unwrap();
+    let small = b
+        .alloc(t.kernel_table_bytes() - 8, MemoryKind::Device)
+        .unwrap();
+    assert!(matches!(
+        t.prepare_kernel(&b, Some(small)),
+        Err(Error::InvalidArgument(_))
+    ));
+    let fits = b.alloc(t.kernel_table_bytes(), MemoryKind::Device).unwrap();
+    let addr = fits.addr();
+    t.prepare_kernel(&b, Some(fits)).unwrap();
+    t.run(&b, io, Layers::All).unwrap();
+    assert_eq!(t.into_kernel_tables().map(|t| t.addr()), Some(addr));
+}
+
+/// One shard group: a controller per rank over its own pools, all given the same calls.
+struct Group<'p> {
+    ranks: Vec<HiCacheController<'p, Probe>>,
+}
+
+impl<'p> Group<'p> {
+    fn each<T>(
+        &mut self,
+        mut f: impl FnMut(&mut HiCacheController<'p, Probe>) -> kvshard::Result<T>,
+    ) -> Vec<T> {
+        self.ranks.iter_mut().map(|c| f(c).unwrap()).collect()
+    }
+}
+
+#[test]
+fn ranks_that_own_nothing_still_submit_signal_and_ack() {
+    let b = Probe::new();
+    let g = &geometries()[0];
+    let placement = Placement::new(4).unwrap();
+    let pools: Vec<DevicePool> = (0..4)
+        .map(|r| random_pool(&b, g, placement, r, 9))
+        .collect();
+    let hosts: Vec<HostPool> = (0..4)
+        .map(|_| {
+            let h = HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirst).unwrap();
+            h.fill(&b, POISON).unwrap();
+            h
+        })
+        .collect();
+    let mut group = Group {
+        ranks: pools
+            .iter()
+            .zip(&hosts)
+            .map(|(p, h)| {
+                HiCacheController::new(p, h, streams(&b), WritePolicy::WriteThrough).unwrap()
+            })
+            .collect(),
+    };
+    // Pages of owners 0 and 1 only: ranks 2 and 3 own nothing.
+    let device = [4u64, 5, 8, 9];
+    let n = CacheNode {
+        id: 1,
+        device_pages: &device,
+        start_owner: None,
+    };
+    for io in [IoBackend::SmKernel { ctas: 2 }, IoBackend::CopyEngine] {
+        let indices = group.each(|c| c.access(&n, &done(), io));
+        assert!(indices.iter().all(|&i| i == indices[0] && i.is_some()));
+        let ready = group.each(|c| c.poll_backups());
+        assert_eq!(ready, vec![1; 4]);
+        let acks = group.each(|c| c.ack_backups(1));
+        let bytes: Vec<u64> = acks.iter().map(|a| a[0].bytes).collect();
+        let page = g.page_bytes() as u64;
+        assert_eq!(bytes, vec![2 * page, 2 * page, 0, 0]);
+        assert!(acks
+            .iter()
+            .all(|a| a[0].host_pages == acks[0][0].host_pages));
+        let reload = [12u64, 13, 16, 17];
+        let handles = group.each(|c| c.load(1, &reload, None, io));
+        for (c, h) in group.ranks.iter().zip(&handles) {
+            assert_eq!(h.layers().len(), g.model_layers());
+            for layer in 0..g.model_layers() {
+                h.wait_layer(&c.streams().load, layer).unwrap();
+            }
+        }
+        assert_eq!(group.each(|c| c.poll_loads()), vec![1; 4]);
+        let loads = group.each(|c| c.ack_loads(1));
+        assert!(loads
+            .iter()
+            .all(|l| l[0].index == loads[0][0].index && l[0].node == 1));
+        assert_eq!(loads[3][0].bytes, 0);
+        group.each(|c| c.free_host(1));
+    }
+    // The idle ranks' pools never changed.
+    for r in 2..4 {
+        assert!(hosts[r].snapshot(&b).unwrap().iter().all(|&x| x == POISON));
+        let fresh = random_pool(&b, g, placement, r as u32, 9);
+        assert!(pools[r].snapshot(&b).unwrap() == fresh.snapshot(&b).unwrap());
+    }
+}
+
+#[test]
+fn write_policies_back_up_on_the_access_or_eviction_they_name() {
+    let b = Probe::new();
+    let g = &geometries()[0];
+    let placement = Placement::new(2).unwrap();
+    let pool = random_pool(&b, g, placement, 1, 2);
+    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::LayerFirst).unwrap();
+    let io = IoBackend::SmKernel { ctas: 1 };
+    let device = [5u64, 6, 7];
+    let n = CacheNode {
+        id: 3,
+        device_pages: &device,
+        start_owner: None,
+    };
+    let mut through =
+        HiCacheController::new(&pool, &host, streams(&b), WritePolicy::WriteThrough).unwrap();
+    assert_eq!(through.access(&n, &done(), io).unwrap(), Some(0));
+    assert_eq!(
+        through.access(&n, &done(), io).unwrap(),
+        None,
+        "already backed up"
+    );
+    assert_eq!(
+        through.evict(&n, &done(), io).unwrap().len(),
+        1,
+        "evict waits for it"
+    );
+    assert!(through.evict(&n, &done(), io).unwrap().is_empty());
+
+    let mut selective = HiCacheController::new(
+        &pool,
+        &host,
+        streams(&b),
+        WritePolicy::WriteThroughSelective,
+    )
+    .unwrap();
+    assert_eq!(selective.access(&n, &done(), io).unwrap(), None);
+    assert_eq!(selective.access(&n, &done(), io).unwrap(), Some(0));
+    let other = CacheNode { id: 4, ..n };
+    assert_eq!(selective.access(&other, &done(), io).unwrap(), None);
+    assert!(
+        selective.evict(&other, &done(), io).unwrap().is_empty(),
+        "one hit: dropped"
+    );
+    assert_eq!(selective.pending_backups(), 1);
+
+    let mut back =
+        HiCacheController::new(&pool, &host, streams(&b), WritePolicy::WriteBack).unwrap();
+    for _ in 0..3 {
+        assert_eq!(back.access(&n, &done(), io).unwrap(), None);
+    }
+    assert_eq!(back.pending_backups(), 0);
+    back.streams().backup.hold();
+    let acks = back.evict(&n, &done(), io).unwrap();
+    assert_eq!(
+        back.streams().backup.syncs(),
+        1,
+        "write-back eviction blocks"
+    );
+    assert_eq!((acks.len(), acks[0].node), (1, 3));
+    // The node's bytes are on the host: load them back elsewhere and compare.
+    // Rank 1 moves 5 -> 9 and 7 -> 13: local 2 -> 4 and 3 -> 6.
+    let reload = [9u64, 10, 13];
+    let h = back.load(3, &reload, None, IoBackend::CopyEngine).unwrap();
+    assert_eq!(h.index(), 0);
+    assert_eq!(
+        back.ack_loads(1).unwrap()[0].bytes,
+        2 * g.page_bytes() as u64
+    );
+    for (c, comp) in pool.components().iter().enumerate() {
+        for l in 0..comp.layers() {
+            let read = |p: u64| {
+                let at = pool.block_addr(c, l, p).unwrap();
+                // SAFETY: one block of the pool.
+                let block = unsafe { Buffer::from_raw(at, comp.block_bytes, MemoryKind::Device) };
+                b.read(&block, 0, comp.block_bytes).unwrap()
+            };
+            assert_eq!(read(2), read(4), "{} layer {l}", comp.component);
+            assert_eq!(read(3), read(6), "{} layer {l}", comp.component);
+        }
+    }
+}
+
+#[test]
+fn a_start_owner_of_zero_is_an_owner() {
+    let b = Probe::new();
+    let g = &geometries()[1];
+    let placement = Placement::new(2).unwrap();
+    let pool = random_pool(&b, g, placement, 0, 4);
+    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirstDirect).unwrap();
+    let mut ctl =
+        HiCacheController::new(&pool, &host, streams(&b), WritePolicy::WriteThrough).unwrap();
+    let io = IoBackend::CopyEngine;
+    // A chain segment starting at owner 0: its host pages follow the rotation from 0.
+    let starts_at_0 = [6u64, 9, 10];
+    let node = |id, device_pages, start_owner| CacheNode {
+        id,
+        device_pages,
+        start_owner,
+    };
+    ctl.backup(&node(1, &starts_at_0, Some(0)), &done(), io)
+        .unwrap();
+    let ack = ctl.ack_backups(1).unwrap().remove(0);
+    assert_eq!(ack.start_owner, Some(0));
+    let owners: Vec<u32> = ack.host_pages.iter().map(|&p| placement.owner(p)).collect();
+    assert_eq!(owners, vec![0, 1, 0]);
+    // Pages starting at owner 1 contradict a start owner of 0 (were 0 taken for "no owner",
+    // this would pass): refused before anything moves, host pages returned.
+    let starts_at_1 = [5u64, 12, 7];
+    let free = ctl.host_allocator().total_free();
+    let err = ctl
+        .backup(&node(2, &starts_at_1, Some(0)), &done(), io)
+        .unwrap_err();
+    assert!(matches!(err, Error::WrongOwner { .. }), "{err}");
+    assert_eq!(ctl.host_allocator().total_free(), free);
+    assert_eq!(ctl.pending_backups(), 0);
+    // Without a shard owner the same pages back up with matching owner classes.
+    assert_eq!(
+        ctl.backup(&node(2, &starts_at_1, None), &done(), io)
+            .unwrap(),
+        1
+    );
+    let ack = ctl.ack_backups(1).unwrap().remove(0);
+    assert_eq!(ack.start_owner, None);
+    let owners: Vec<u32> = ack.host_pages.iter().map(|&p| placement.owner(p)).collect();
+    assert_eq!(owners, vec![1, 0, 1]);
+    let err = ctl
+        .backup(&node(3, &starts_at_0, Some(2)), &done(), io)
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+}
+
+#[test]
+fn refused_operations_change_nothing() {
+    let b = Probe::new();
+    let g = &geometries()[0];
+    let placement = Placement::new(2).unwrap();
+    let pool = random_pool(&b, g, placement, 0, 8);
+    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::LayerFirst).unwrap();
+    host.fill(&b, POISON).unwrap();
+    let before = pool.snapshot(&b).unwrap();
+    let mut ctl =
+        HiCacheController::new(&pool, &host, streams(&b), WritePolicy::WriteThrough).unwrap();
+    let io = IoBackend::SmKernel { ctas: 2 };
+    let free = ctl.host_allocator().total_free();
+    for bad in [&[4u64, 1][..], &[4, 24], &[4, 6, 4]] {
+        let n = CacheNode {
+            id: 1,
+            device_pages: bad,
+            start_owner: None,
+        };
+        assert!(ctl.backup(&n, &done(), io).is_err(), "{bad:?}");
+    }
+    assert_eq!(ctl.host_allocator().total_free(), free);
+    assert_eq!(ctl.pending_backups(), 0);
+    assert!(host.snapshot(&b).unwrap().iter().all(|&x| x == POISON));
+    // Loads of unknown or unacked nodes, and loads into wrong owners, are refused too.
+    assert!(ctl.load(1, &[4], None, io).is_err());
+    let n = CacheNode {
+        id: 2,
+        device_pages: &[4, 6],
+        start_owner: None,
+    };
+    assert_eq!(ctl.backup(&n, &done(), io).unwrap(), 0);
+    assert!(ctl.load(2, &[8, 10], None, io).is_err(), "backup not acked");
+    assert!(ctl.free_host(2).is_err(), "backup in flight");
+    ctl.ack_backups(1).unwrap();
+    assert!(matches!(
+        ctl.load(2, &[8, 11], None, io),
+        Err(Error::WrongOwner { .. })
+    ));
+    assert_eq!(ctl.pending_loads(), 0);
+    let h = ctl.load(2, &[8, 10], None, io).unwrap();
+    assert!(ctl.free_host(2).is_err(), "load pending");
+    assert_eq!(h.index(), 0);
+    ctl.ack_loads(1).unwrap();
+    ctl.free_host(2).unwrap();
+    assert_eq!(ctl.host_allocator().total_free(), free);
+    // Pages 4 and 6 were copied to 8 and 10 (local 2, 3 -> 4, 5); the rest is unchanged.
+    let after = pool.snapshot(&b).unwrap();
+    let comps = pool.components();
+    let mut expected = before.clone();
+    expect_moved(
+        comps,
+        placement,
+        0,
+        &before,
+        (&[4, 6], DEVICE_PAGES),
+        &mut expected,
+        (&[8, 10], DEVICE_PAGES),
+    );
+    assert!(after == expected);
+}
+
+#[test]
+fn host_pools_refuse_bad_shapes() {
+    let b = CpuBackend::new();
+    let g = &geometries()[0];
+    assert!(HostPool::new(&b, g, 1, HostLayout::LayerFirst).is_err());
+    let mut bad = g.clone();
+    bad.target.page_size = 32;
+    assert!(HostPool::new(&b, &bad, 4, HostLayout::LayerFirst).is_err());
+    let other = CacheGeometry::target_only(PoolGeometry::new(LatentLayout::Fp8Trtllm, 3));
+    let pool = DevicePool::allocate(&b, &other, Placement::unsharded(), 0, 4).unwrap();
+    let host = HostPool::new(&b, g, 4, HostLayout::PageFirst).unwrap();
+    let plan = TransferPlan::new(Placement::unsharded(), 0, &[1], &[1], 4, 4).unwrap();
+    assert!(matches!(
+        HostTransfer::new(&pool, &host, plan.clone(), Direction::Load),
+        Err(Error::GeometryMismatch { .. })
+    ));
+    let same = HostPool::new(&b, &other, 4, HostLayout::PageFirst).unwrap();
+    let sharded = DevicePool::allocate(&b, &other, Placement::new(2).unwrap(), 0, 4).unwrap();
+    assert!(matches!(
+        HostTransfer::new(&sharded, &same, plan, Direction::Load),
+        Err(Error::HiCache(_))
+    ));
+}
+
+// ---------------------------------------------------------------------------------------------
+// GPU
+
+#[test]
+fn gpu_round_trips_match_cpu_byte_for_byte() {
+    let Some(gpu) = common::cuda("gpu_round_trips_match_cpu_byte_for_byte") else {
+        return;
+    };
+    let mut rng = common::rng("gpu_round_trips_match_cpu_byte_for_byte");
+    let cpu = CpuBackend::new();
+    for g in geometries() {
+        for n in [1u32, 2, 4] {
+            let placement = Placement::new(n).unwrap();
+            let node = node(&mut rng, placement, 3 * n as usize + 1);
+            let mut ranks = vec![0, n - 1];
+            ranks.dedup();
+            for rank in ranks {
+                for layout in HostLayout::ALL {
+                    for io in IOS {
+                        let want = round_trip(&cpu, &g, layout, placement, rank, io, &node);
+                        let got = round_trip(&gpu, &g, layout, placement, rank, io, &node);
+                        assert!(want.source == got.source, "random source differs");
+                        assert!(
+                            want.host == got.host,
+                            "N={n} rank {rank} {layout} {io}: host"
+                        );
+                        assert!(
+                            want.reloaded == got.reloaded,
+                            "N={n} rank {rank} {layout} {io}: reloaded"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_registered_and_numa_local_host_pools_round_trip() {
+    let Some(gpu) = common::cuda("gpu_registered_and_numa_local_host_pools_round_trip") else {
+        return;
+    };
+    let mut rng = common::rng("gpu_registered_and_numa_local_host_pools_round_trip");
+    let g = &geometries()[0];
+    let placement = Placement::new(2).unwrap();
+    let node = node(&mut rng, placement, 9);
+    let cpu = CpuBackend::new();
+    for layout in HostLayout::ALL {
+        let want = round_trip(&cpu, g, layout, placement, 1, IoBackend::CopyEngine, &node);
+        // Engine-owned memory, registered in chunks of a few pages each.
+        let sizes: Vec<usize> = g
+            .components()
+            .iter()
+            .map(|c| c.page_bytes() * HOST_PAGES as usize)
+            .collect();
+        let layouts: Vec<std::alloc::Layout> = sizes
+            .iter()
+            .map(|&s| std::alloc::Layout::from_size_align(s, 4096).unwrap())
+            .collect();
+        // SAFETY: non-zero sizes; freed below after the pool is dropped.
+        let memory: Vec<*mut u8> = layouts
+            .iter()
+            .map(|&l| unsafe { std::alloc::alloc_zeroed(l) })
+            .collect();
+        assert!(memory.iter().all(|p| !p.is_null()));
+        let regions: Vec<kvshard::hicache::HostRegion> = memory
+            .iter()
+            .zip(&sizes)
+            .map(|(&host, &len)| kvshard::hicache::HostRegion { host, len })
+            .collect();
+        {
+            // The smallest chunks registration allows (one 64 KiB-aligned grain of pages):
+            // several per component in layer_first.
+            // SAFETY: the regions are live, aligned, unregistered, and outlive the pool.
+            let registered =
+                unsafe { HostPool::register(gpu.gpu(), g, HOST_PAGES, layout, &regions, 1) }
+                    .unwrap();
+            let numa = HostPool::new_numa_local(&gpu, g, HOST_PAGES, layout).unwrap();
+            eprintln!("{layout}: NUMA placement {:?}", numa.numa());
+            for host in [&registered, &numa] {
+                for io in [IoBackend::CopyEngine, IoBackend::SmKernel { ctas: 2 }] {
+                    host.fill(&gpu, POISON).unwrap();
+                    let source = random_pool(&gpu, g, placement, 1, 8);
+                    let plan = TransferPlan::new(
+                        placement,
+                        1,
+                        &node.device,
+                        &node.host,
+                        DEVICE_PAGES,
+                        HOST_PAGES,
+                    )
+                    .unwrap();
+                    let mut t = HostTransfer::new(&source, host, plan, Direction::Backup).unwrap();
+                    t.prepare_kernel(&gpu, None).unwrap();
+                    t.run(&gpu, io, Layers::All).unwrap();
+                    gpu.synchronize().unwrap();
+                    assert!(host.snapshot(&gpu).unwrap() == want.host, "{layout} {io}");
+                }
+            }
+        }
+        for (p, l) in memory.into_iter().zip(layouts) {
+            // SAFETY: allocated above with this layout; the registration is gone.
+            unsafe { std::alloc::dealloc(p, l) };
+        }
+    }
+}
+
+/// Loads a large node with `io` through the controller while a consumer stream waits for layer
+/// 0 only and then snapshots one block of layer 0 and one of the last layer: layer 0 must have
+/// landed and the last layer not yet.
+fn layer_zero_lands_first(io: IoBackend) {
+    let name = format!("gpu_layer_zero_is_consumable_before_the_last_layer_lands ({io})");
+    let Some(gpu) = common::cuda(&name) else {
+        return;
+    };
+    let dev = gpu.gpu().clone();
+    let new = || kvshard::backend::cuda::CudaBackend::new(dev.clone()).unwrap();
+    let g = CacheGeometry::target_only(PoolGeometry::new(LatentLayout::Fp8Trtllm, 61));
+    let pages = 256usize;
+    let placement = Placement::unsharded();
+    let pool = DevicePool::allocate(&gpu, &g, placement, 0, pages as u64 + 2).unwrap();
+    let host = HostPool::new(&gpu, &g, pages as u64 + 2, HostLayout::PageFirstDirect).unwrap();
+    let streams = Streams {
+        load: new(),
+        backup: new(),
+        tables: new(),
+    };
+    let mut ctl = HiCacheController::new(&pool, &host, streams, WritePolicy::WriteBack).unwrap();
+    const LANDED: u8 = 0x3C;
+    pool.fill(&gpu, LANDED).unwrap();
+    gpu.synchronize().unwrap();
+    let device: Vec<u64> = (1..=pages as u64).collect();
+    let n = CacheNode {
+        id: 1,
+        device_pages: &device,
+        start_owner: None,
+    };
+    let compute = gpu.record().unwrap();
+    assert_eq!(ctl.evict(&n, &compute, io).unwrap().len(), 1);
+    pool.fill(&gpu, POISON).unwrap();
+    let poisoned = gpu.record().unwrap();
+    let handle = ctl.load(1, &device, Some(&poisoned), io).unwrap();
+    let consumer = new();
+    handle.wait_layer(&consumer, 0).unwrap();
+    let probe = consumer.alloc(2 * 36_864, MemoryKind::Device).unwrap();
+    let last_page = *device.last().unwrap();
+    for (i, layer) in [0usize, 60].into_iter().enumerate() {
+        let block = pool.block_addr(0, layer, last_page).unwrap();
+        // SAFETY: one latent block of the pool into one half of the probe buffer.
+        unsafe { consumer.memcpy(probe.addr() + i as u64 * 36_864, block, 36_864) }.unwrap();
+    }
+    consumer.synchronize().unwrap();
+    ctl.streams().load.synchronize().unwrap();
+    let seen = consumer.read(&probe, 0, probe.len()).unwrap();
+    assert!(
+        seen[..36_864].iter().all(|&x| x == LANDED),
+        "{io}: layer 0 had not landed when its signal fired"
+    );
+    assert!(
+        seen[36_864..].iter().all(|&x| x == POISON),
+        "{io}: the last layer had landed before layer 0 was consumed"
+    );
+    assert_eq!(ctl.ack_loads(1).unwrap()[0].node, 1);
+    for (c, comp) in pool.components().iter().enumerate() {
+        for layer in [0, 30, 60] {
+            let at = pool.block_addr(c, layer, 1).unwrap();
+            let len = pages * comp.block_bytes;
+            // SAFETY: pages 1..=pages of one layer buffer of the pool.
+            let loaded = unsafe { Buffer::from_raw(at, len, MemoryKind::Device) };
+            let bytes = gpu.read(&loaded, 0, len).unwrap();
+            assert!(
+                bytes.iter().all(|&x| x == LANDED),
+                "{io}: {} layer {layer}",
+                comp.component
+            );
+        }
+    }
+}
+
+#[test]
+fn gpu_layer_zero_is_consumable_before_the_last_layer_lands_sm_kernel() {
+    layer_zero_lands_first(IoBackend::SmKernel { ctas: 4 });
+}
+
+#[test]
+fn gpu_layer_zero_is_consumable_before_the_last_layer_lands_copy_engine() {
+    layer_zero_lands_first(IoBackend::CopyEngine);
+}
