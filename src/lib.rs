@@ -35,5 +35,6 @@ pub mod pool;
 pub mod quantize;
 pub mod shard;
 pub mod synth;
+pub mod transfer;
 
 pub use error::{Error, Result};

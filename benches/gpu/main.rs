@@ -1,11 +1,12 @@
 //! GPU benchmarks of every kvshard kernel, each next to the copy ceilings measured in the same
-//! run. `cargo bench --bench gpu [-- [--quick] [SECTION...]]`; sections: resolve, pool, write, hicache,
-//! signal, duplex, interfere. Prints a
-//! table and, when $OUT is set, writes it to $OUT/bench.md. Without a GPU it says it skipped.
+//! run. `cargo bench --bench gpu [-- [--quick] [SECTION...]]`; sections: resolve, pool, write, pd,
+//! hicache, signal, duplex, interfere. Prints a table and, when $OUT is set, writes it to
+//! $OUT/bench.md. Without a GPU it says it skipped.
 
 mod harness;
 mod hicache;
 mod interference;
+mod pd;
 mod pool;
 mod resolve;
 
@@ -19,6 +20,7 @@ const SECTIONS: &[(&str, Section)] = &[
     ("resolve", resolve::run),
     ("pool", pool::copies),
     ("write", pool::write_path),
+    ("pd", pd::run),
     ("hicache", hicache::io),
     ("signal", hicache::signalled),
     ("duplex", hicache::duplex),

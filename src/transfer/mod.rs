@@ -1,0 +1,126 @@
+//! P/D transfer (DOMAIN.md section 5): the KV cache of a request moves from the N sharded
+//! prefill ranks of a context-parallel group to one unsharded decode pool.
+//!
+//! ```text
+//! decode                       every prefill rank r (of N)
+//! ──────                       ───────────────────────────
+//! Registration ──(wire)──────> Sender::open
+//!                              per chunk: SendPlan      (plain data, CPU, no backend)
+//!                                         DescriptorBatch (absolute src/dst/bytes triples)
+//!                                         Transport::submit + wait (GPU kernel, copy engine,
+//!                                                                   CPU reference, NIXL, ...)
+//! Receiver::receive <─(wire)── ChunkStatus (bytes per component, or the failure)
+//! Finished: after one final status from each of the N ranks
+//! ```
+//!
+//! - [`plan`]: pairs source and destination pages by logical page position, keeps this rank's
+//!   positions, resolves owner-local source pages, coalesces runs and lists the layers they
+//!   apply to; validates both sides' geometry and every page before any byte moves.
+//! - [`exec`]: resolves a plan against the two pools' layer bases into a [`DescriptorBatch`]
+//!   and executes it through a [`Transport`].
+//! - [`completion`]: the per-rank [`Sender`] and the decode-side [`Receiver`] that completes a
+//!   request only once every rank has reported its final chunk, and fails it on any failure.
+
+pub mod completion;
+pub mod exec;
+pub mod plan;
+
+use std::fmt;
+use std::ops::AddAssign;
+
+pub use completion::{
+    ChunkEnd, ChunkResult, ChunkStatus, Finished, Outcome, Progress, RankFailure, Receiver, Sender,
+};
+pub use exec::{
+    kernel_pieces, BackendTransport, CopyMethod, DescriptorBatch, Transport, KERNEL_PIECE_BYTES,
+};
+pub use plan::{
+    ChunkRange, Descriptor, PageRun, PoolLayout, PrefillRank, Registration, Section,
+    SectionComponent, SendPlan,
+};
+
+use crate::geometry::Component;
+
+/// Bytes per cache component (target latent, target indexer, draft latent, draft indexer):
+/// what a chunk, a rank or a request moved. Each byte counted was read once and written once.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct ComponentBytes {
+    /// Indexed like [`Component::ALL`].
+    bytes: [u64; 4],
+}
+
+fn slot(component: Component) -> usize {
+    match component {
+        Component::TargetLatent => 0,
+        Component::TargetIndexer => 1,
+        Component::DraftLatent => 2,
+        Component::DraftIndexer => 3,
+    }
+}
+
+impl ComponentBytes {
+    /// Bytes of `component`.
+    pub fn get(&self, component: Component) -> u64 {
+        self.bytes[slot(component)]
+    }
+
+    /// Counts `bytes` more of `component`.
+    pub fn add(&mut self, component: Component, bytes: u64) {
+        self.bytes[slot(component)] += bytes;
+    }
+
+    /// Bytes of every component together.
+    pub fn total(&self) -> u64 {
+        self.bytes.iter().sum()
+    }
+}
+
+impl AddAssign for ComponentBytes {
+    fn add_assign(&mut self, other: Self) {
+        for (a, b) in self.bytes.iter_mut().zip(other.bytes) {
+            *a += b;
+        }
+    }
+}
+
+impl fmt::Display for ComponentBytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} B", self.total())?;
+        let mut parts = Component::ALL
+            .iter()
+            .filter(|&&c| self.get(c) > 0)
+            .peekable();
+        if parts.peek().is_some() {
+            f.write_str(" (")?;
+            let mut first = true;
+            for &c in parts {
+                if !first {
+                    f.write_str(", ")?;
+                }
+                first = false;
+                write!(f, "{c} {}", self.get(c))?;
+            }
+            f.write_str(")")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn component_bytes_add_up_and_print_only_what_moved() {
+        let mut a = ComponentBytes::default();
+        assert_eq!(a.to_string(), "0 B");
+        a.add(Component::TargetLatent, 10);
+        a.add(Component::DraftIndexer, 5);
+        let mut b = a;
+        b += a;
+        assert_eq!(b.get(Component::TargetLatent), 20);
+        assert_eq!(b.get(Component::TargetIndexer), 0);
+        assert_eq!(b.total(), 30);
+        assert_eq!(b.to_string(), "30 B (target latent 20, draft indexer 10)");
+    }
+}

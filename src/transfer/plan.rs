@@ -1,0 +1,840 @@
+//! Send plans: what one prefill rank moves to the decode pool for one chunk of one request, as
+//! plain data built on the CPU without a backend.
+//!
+//! The order of the steps matters (DOMAIN.md section 5). Source and destination pages are paired
+//! by **logical page position** first, because the position is the only index both sides share
+//! (the decode registered one page per position after its cached prefix); the pairs are then
+//! filtered to the positions this rank owns (source logical page `% N == rank`), and only then
+//! is each owned source page resolved to this rank's local page (`/ N`). Resolving or filtering
+//! first would lose the position and with it the destination page.
+//!
+//! Runs where both the local source page and the destination page advance by one are
+//! coalesced. A descriptor is relative to the base of its (component, layer) buffer on each
+//! side, `(src0 * item, dst0 * item, run * item)` with `item` the component's block bytes, so
+//! one list of runs serves every stored layer of a component: a plan keeps the runs once per
+//! [`Section`] (latent KV, indexer state) together with the layers they apply to, and
+//! [`SendPlan::descriptors`] expands them layer by layer. Send order: target latent layers, the
+//! draft latent layer; then, with the final chunk only, the indexer state of the whole sequence
+//! from position 0: target indexer layers (layers that have one: zero-size shared-indexer
+//! layers never appear), then the draft indexer.
+//!
+//! Everything is validated before any byte moves, and every page of the chunk is checked, not
+//! only the owned ones, so all ranks of a group refuse a bad request at the same chunk.
+
+use std::fmt;
+use std::ops::Range;
+
+use super::ComponentBytes;
+use crate::error::{Error, Result};
+use crate::geometry::{CacheGeometry, Component, PAGE_SIZE};
+use crate::pool::{BlockSpace, DevicePool};
+use crate::shard::Placement;
+
+/// How one side of a transfer stores its pages, as it registers them with the other side (the
+/// decode side's layout arrives over the wire, so nothing here is trusted).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolLayout {
+    /// Geometry of the side's cache.
+    pub geometry: CacheGeometry,
+    /// Pages per layer (an unsharded decode pool: its pages; a prefill rank: its local pages).
+    pub pages: u64,
+    /// Bytes between consecutive pages of one layer, per component of
+    /// [`CacheGeometry::components`], in that order: the "item length" engines register.
+    /// Transfers move whole pages of packed layers, so each must equal the component's block.
+    pub page_strides: Vec<u64>,
+}
+
+impl PoolLayout {
+    /// A side storing `pages` pages per layer of every component packed (page `p` of a layer
+    /// at `p * block_bytes`), as every [`DevicePool`] does.
+    pub fn packed(geometry: CacheGeometry, pages: u64) -> Self {
+        let page_strides = geometry
+            .components()
+            .iter()
+            .map(|c| c.block_bytes as u64)
+            .collect();
+        Self {
+            geometry,
+            pages,
+            page_strides,
+        }
+    }
+
+    /// The layout of `pool`.
+    pub fn of(pool: &DevicePool) -> Self {
+        let page_strides = (0..pool.components().len())
+            .map(|c| pool.block_side(c).page_stride)
+            .collect();
+        Self {
+            geometry: pool.geometry().clone(),
+            pages: pool.pages(),
+            page_strides,
+        }
+    }
+}
+
+/// The prefill rank a plan is made for: its place in the shard group and its pool's layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillRank {
+    /// Sharding of the prefill group (N).
+    pub placement: Placement,
+    /// This rank.
+    pub rank: u32,
+    /// This rank's pool.
+    pub layout: PoolLayout,
+}
+
+impl PrefillRank {
+    /// The rank `pool` belongs to.
+    pub fn of(pool: &DevicePool) -> Self {
+        Self {
+            placement: pool.placement(),
+            rank: pool.rank(),
+            layout: PoolLayout::of(pool),
+        }
+    }
+}
+
+/// What the decode side registered for one request; it sends the same registration to every
+/// prefill rank of the group. Decode is unsharded: its page ids are pages of its own pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Registration {
+    /// Request id.
+    pub request: u64,
+    /// The decode pool.
+    pub layout: PoolLayout,
+    /// Leading pages of the sequence the decode already holds (its cached prefix): they are
+    /// never sent, and chunks start after them.
+    pub prefix_pages: usize,
+    /// Destination page of each sequence position from `prefix_pages` on.
+    pub pages: Vec<u64>,
+    /// Destination page of the indexer state of each sequence position from 0 on (the state
+    /// goes with the final chunk, for the whole sequence).
+    pub state_pages: Vec<u64>,
+}
+
+/// One chunk of a request: tokens `[start, end)`, numbered in send order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkRange {
+    /// Position of the chunk in the request's send order (0, 1, ...).
+    pub index: u32,
+    /// First token; page-aligned (the previous chunk's floored end, or the decode's prefix).
+    pub start: usize,
+    /// End of the tokens prefilled so far. A non-final chunk sends only its whole pages: its
+    /// end is floored to a page and the partial page goes with a later chunk.
+    pub end: usize,
+    /// Whether this is the request's final chunk.
+    pub last: bool,
+}
+
+/// `pages` consecutive pages moving from local source page `src` to destination page `dst`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageRun {
+    /// First local page on the source (prefill) rank.
+    pub src: u64,
+    /// First page of the destination (decode) pool.
+    pub dst: u64,
+    /// Pages in the run (at least one).
+    pub pages: u64,
+}
+
+/// One component a section moves, with the layers its runs apply to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SectionComponent {
+    /// Which component.
+    pub component: Component,
+    /// Stored layers of the component (every one moves the section's runs).
+    pub layers: usize,
+    /// Bytes of one (page, layer) block: the unit of descriptor offsets and lengths.
+    pub item: u64,
+}
+
+/// One part of a plan: the latent KV of the chunk's positions, or the indexer state of the
+/// whole sequence. Its runs apply to every layer of every component it lists.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Section {
+    /// Page positions of the sequence the section covers (all ranks' positions).
+    pub positions: Range<usize>,
+    /// Components moved, in send order.
+    pub components: Vec<SectionComponent>,
+    /// Coalesced runs of this rank's pages, in position order.
+    pub runs: Vec<PageRun>,
+    /// Positions of the section this rank owns (the pages its runs add up to).
+    pub owned_pages: usize,
+}
+
+impl Section {
+    /// Layers of all components of the section.
+    pub fn layers(&self) -> usize {
+        self.components.iter().map(|c| c.layers).sum()
+    }
+
+    /// Descriptors the section expands to: one per run and layer.
+    pub fn descriptor_count(&self) -> usize {
+        self.runs.len() * self.layers()
+    }
+
+    /// Descriptors without coalescing: one per owned page and layer.
+    pub fn uncoalesced_count(&self) -> usize {
+        self.owned_pages * self.layers()
+    }
+
+    /// Bytes the section moves, per component.
+    pub fn bytes(&self) -> ComponentBytes {
+        let mut out = ComponentBytes::default();
+        for c in &self.components {
+            out.add(
+                c.component,
+                self.owned_pages as u64 * c.layers as u64 * c.item,
+            );
+        }
+        out
+    }
+}
+
+/// One descriptor: `bytes` bytes from `src_offset` of the source's (component, layer) buffer
+/// to `dst_offset` of the destination's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Descriptor {
+    /// Component of both buffers.
+    pub component: Component,
+    /// Stored layer of the component (an index into its `model_layers`).
+    pub layer: usize,
+    /// Offset from the source layer's base.
+    pub src_offset: u64,
+    /// Offset from the destination layer's base.
+    pub dst_offset: u64,
+    /// Length.
+    pub bytes: u64,
+}
+
+/// Everything one prefill rank sends for one chunk of one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SendPlan {
+    /// Request id.
+    pub request: u64,
+    /// Sharding of the prefill group.
+    pub placement: Placement,
+    /// The sending rank.
+    pub rank: u32,
+    /// The chunk as asked for.
+    pub chunk: ChunkRange,
+    /// Latent KV of the chunk's whole pages (all of them with the final chunk).
+    pub kv: Section,
+    /// Indexer state of the whole sequence: final chunk only, empty otherwise.
+    pub state: Section,
+}
+
+/// Checks both sides store the same cache the same packed way, naming the request.
+fn check_layouts(request: u64, src: &PoolLayout, dst: &PoolLayout) -> Result<()> {
+    src.geometry
+        .validate_pd(&dst.geometry)
+        .map_err(|e| match e {
+            Error::GeometryMismatch {
+                what,
+                expected,
+                got,
+            } => Error::GeometryMismatch {
+                what: format!("request {request}: {what}"),
+                expected,
+                got,
+            },
+            other => Error::Transfer {
+                request,
+                reason: other.to_string(),
+            },
+        })?;
+    let components = src.geometry.components();
+    for (side, layout) in [("prefill", src), ("decode", dst)] {
+        if layout.page_strides.len() != components.len() {
+            return Err(Error::Transfer {
+                request,
+                reason: format!(
+                    "the {side} side registered {} page strides for {} components",
+                    layout.page_strides.len(),
+                    components.len()
+                ),
+            });
+        }
+    }
+    for (i, c) in components.iter().enumerate() {
+        let (s, d) = (src.page_strides[i], dst.page_strides[i]);
+        if s != c.block_bytes as u64 || d != c.block_bytes as u64 {
+            return Err(Error::Transfer {
+                request,
+                reason: format!(
+                    "packed page stride mismatch for {}: prefill {s} B, decode {d} B \
+                     (both must store packed {} B blocks)",
+                    c.component, c.block_bytes
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// What pairing needs to know of both sides.
+struct Pairing {
+    request: u64,
+    shard: u64,
+    rank: u64,
+    /// Logical pages of the prefill group (N x local pages).
+    src_logical: u64,
+    dst_pages: u64,
+}
+
+impl Pairing {
+    /// Pairs `src[i]` with `dst[i]`, the pages of position `section.positions.start + i` on
+    /// each side, keeps this rank's positions, resolves their local pages and coalesces runs.
+    fn pair(&self, src: &[u64], dst: &[u64], section: &mut Section) -> Result<()> {
+        let first = section.positions.start;
+        // Owned positions are N apart, so at most this many runs.
+        section
+            .runs
+            .reserve(src.len().div_ceil(self.shard as usize));
+        for (i, (&s, &d)) in src.iter().zip(dst).enumerate() {
+            if s < self.shard || s >= self.src_logical || d == 0 || d >= self.dst_pages {
+                return Err(self.bad_page(first + i, s, d));
+            }
+            if s % self.shard != self.rank {
+                continue;
+            }
+            let local = s / self.shard;
+            section.owned_pages += 1;
+            match section.runs.last_mut() {
+                Some(run) if run.src + run.pages == local && run.dst + run.pages == d => {
+                    run.pages += 1;
+                }
+                _ => section.runs.push(PageRun {
+                    src: local,
+                    dst: d,
+                    pages: 1,
+                }),
+            }
+        }
+        Ok(())
+    }
+
+    /// The error for the first bad page of position `position` (kept off the hot loop).
+    #[cold]
+    fn bad_page(&self, position: usize, src: u64, dst: u64) -> Error {
+        let reason = if src < self.shard {
+            format!(
+                "source page {src} at position {position} is reserved (logical pages 0..{} are padding)",
+                self.shard
+            )
+        } else if src >= self.src_logical {
+            format!(
+                "source page {src} at position {position} out of range (the prefill group holds {} logical pages)",
+                self.src_logical
+            )
+        } else if dst == 0 {
+            format!("destination page 0 at position {position} is the decode pool's padding page")
+        } else {
+            format!(
+                "destination page {dst} at position {position} out of range (the decode pool holds {} pages)",
+                self.dst_pages
+            )
+        };
+        Error::Transfer {
+            request: self.request,
+            reason,
+        }
+    }
+}
+
+impl SendPlan {
+    /// Plans chunk `chunk` of `registration`'s request for `source`. `src_pages` is the prefill
+    /// request's logical page of every sequence position so far (its `req_to_token`, by page).
+    pub fn new(
+        source: &PrefillRank,
+        src_pages: &[u64],
+        registration: &Registration,
+        chunk: ChunkRange,
+    ) -> Result<Self> {
+        let request = registration.request;
+        let fail = |reason: String| Err(Error::Transfer { request, reason });
+        let (placement, rank) = (source.placement, source.rank);
+        let shard = placement.shard();
+        if rank >= shard {
+            return fail(format!("prefill rank {rank} of a shard group of {shard}"));
+        }
+        check_layouts(request, &source.layout, &registration.layout)?;
+
+        let index = chunk.index;
+        if chunk.start % PAGE_SIZE != 0 {
+            return fail(format!(
+                "chunk {index} starts at token {}, not a page boundary (page size {PAGE_SIZE})",
+                chunk.start
+            ));
+        }
+        let prefix = registration.prefix_pages;
+        let start_page = chunk.start / PAGE_SIZE;
+        if start_page < prefix {
+            return fail(format!(
+                "chunk {index} starts at page {start_page}, inside the decode's cached prefix of {prefix} pages"
+            ));
+        }
+        let seq_pages = chunk.end.div_ceil(PAGE_SIZE);
+        // A non-final chunk sends only the pages it completed; the final one sends the rest.
+        let end_page = if chunk.last {
+            seq_pages
+        } else {
+            chunk.end / PAGE_SIZE
+        }
+        .max(start_page);
+        let registered = prefix + registration.pages.len();
+        if chunk.last && seq_pages != registered {
+            return fail(format!(
+                "kv page count mismatch: the sequence of {} tokens has {seq_pages} pages, the decode registered {registered} ({prefix} cached + {} to receive)",
+                chunk.end,
+                registration.pages.len()
+            ));
+        }
+        if end_page > registered {
+            return fail(format!(
+                "chunk {index} ends at page {end_page}, past the {registered} pages the decode registered ({prefix} cached + {} to receive)",
+                registration.pages.len()
+            ));
+        }
+        let components = source.layout.geometry.components();
+        let section = |indexer: bool| -> Vec<SectionComponent> {
+            components
+                .iter()
+                .filter(|c| c.component.is_indexer() == indexer)
+                .map(|c| SectionComponent {
+                    component: c.component,
+                    layers: c.layers(),
+                    item: c.block_bytes as u64,
+                })
+                .collect()
+        };
+        let state_components = if chunk.last {
+            section(true)
+        } else {
+            Vec::new()
+        };
+        let state_pages = if state_components.is_empty() {
+            0
+        } else {
+            if registration.state_pages.len() != seq_pages {
+                return fail(format!(
+                    "state page count mismatch: the prefill sends {seq_pages} state pages (positions 0..{seq_pages}), the decode registered {}",
+                    registration.state_pages.len()
+                ));
+            }
+            seq_pages
+        };
+        // A chunk that completes no page past the prefix reads no source page.
+        let kv_needed = if end_page > start_page { end_page } else { 0 };
+        let needed = kv_needed.max(state_pages);
+        if src_pages.len() < needed {
+            return fail(format!(
+                "the prefill page table holds {} pages, chunk {index} needs {needed}",
+                src_pages.len()
+            ));
+        }
+
+        let pairing = Pairing {
+            request,
+            shard: u64::from(shard),
+            rank: u64::from(rank),
+            src_logical: placement.logical_pages(source.layout.pages),
+            dst_pages: registration.layout.pages,
+        };
+        let mut kv = Section {
+            positions: start_page..end_page,
+            components: section(false),
+            ..Section::default()
+        };
+        // In bounds: the page table holds `needed` pages and the decode registered
+        // `registered - prefix` pages after its prefix and `state_pages` state pages.
+        let (kv_src, kv_dst) = if end_page > start_page {
+            (
+                &src_pages[start_page..end_page],
+                &registration.pages[start_page - prefix..end_page - prefix],
+            )
+        } else {
+            (&[][..], &[][..])
+        };
+        pairing.pair(kv_src, kv_dst, &mut kv)?;
+        let mut state = Section {
+            positions: 0..state_pages,
+            components: state_components,
+            ..Section::default()
+        };
+        pairing.pair(
+            &src_pages[..state_pages],
+            &registration.state_pages[..state_pages],
+            &mut state,
+        )?;
+        Ok(Self {
+            request,
+            placement,
+            rank,
+            chunk,
+            kv,
+            state,
+        })
+    }
+
+    /// The sections in send order: latent KV, then indexer state.
+    pub fn sections(&self) -> [&Section; 2] {
+        [&self.kv, &self.state]
+    }
+
+    /// Every descriptor in send order: per section, per component, per layer, per run.
+    pub fn descriptors(&self) -> impl Iterator<Item = Descriptor> + '_ {
+        self.sections().into_iter().flat_map(|section| {
+            section.components.iter().flat_map(move |&c| {
+                (0..c.layers).flat_map(move |layer| {
+                    section.runs.iter().map(move |run| Descriptor {
+                        component: c.component,
+                        layer,
+                        src_offset: run.src * c.item,
+                        dst_offset: run.dst * c.item,
+                        bytes: run.pages * c.item,
+                    })
+                })
+            })
+        })
+    }
+
+    /// Descriptors after coalescing.
+    pub fn descriptor_count(&self) -> usize {
+        self.kv.descriptor_count() + self.state.descriptor_count()
+    }
+
+    /// Descriptors before coalescing: one per owned page and layer.
+    pub fn uncoalesced_count(&self) -> usize {
+        self.kv.uncoalesced_count() + self.state.uncoalesced_count()
+    }
+
+    /// Bytes this rank moves for the chunk, per component.
+    pub fn bytes(&self) -> ComponentBytes {
+        let mut out = self.kv.bytes();
+        out += self.state.bytes();
+        out
+    }
+
+    /// Whether this rank moves nothing for the chunk (it still reports the chunk).
+    pub fn is_empty(&self) -> bool {
+        self.descriptor_count() == 0
+    }
+}
+
+impl fmt::Display for SendPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = &self.chunk;
+        write!(
+            f,
+            "request {} rank {}/{} chunk {} tokens [{}, {}){}",
+            self.request,
+            self.rank,
+            self.placement.shard(),
+            c.index,
+            c.start,
+            c.end,
+            if c.last { " final" } else { "" }
+        )?;
+        for (name, s) in [("kv", &self.kv), ("state", &self.state)] {
+            if s.components.is_empty() {
+                continue;
+            }
+            write!(
+                f,
+                "; {name} pages {}..{}: {} owned in {} runs x {} layers",
+                s.positions.start,
+                s.positions.end,
+                s.owned_pages,
+                s.runs.len(),
+                s.layers()
+            )?;
+        }
+        write!(
+            f,
+            "; {} descriptors ({} before coalescing), {}",
+            self.descriptor_count(),
+            self.uncoalesced_count(),
+            self.bytes()
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::{LatentLayout, PoolGeometry, INDEXER_PAGE_BYTES};
+
+    const LATENT: u64 = 36_864;
+    const INDEXER: u64 = INDEXER_PAGE_BYTES as u64;
+
+    fn geometry() -> CacheGeometry {
+        CacheGeometry::with_draft(PoolGeometry::with_indexer_layers(
+            LatentLayout::Fp8Trtllm,
+            vec![true, false, true],
+        ))
+    }
+
+    fn source(n: u32, rank: u32) -> PrefillRank {
+        PrefillRank {
+            placement: Placement::new(n).unwrap(),
+            rank,
+            layout: PoolLayout::packed(geometry(), 100),
+        }
+    }
+
+    fn registration(prefix: usize, pages: Vec<u64>, state_pages: Vec<u64>) -> Registration {
+        Registration {
+            request: 7,
+            layout: PoolLayout::packed(geometry(), 1000),
+            prefix_pages: prefix,
+            pages,
+            state_pages,
+        }
+    }
+
+    fn chunk(index: u32, start: usize, end: usize, last: bool) -> ChunkRange {
+        ChunkRange {
+            index,
+            start,
+            end,
+            last,
+        }
+    }
+
+    fn run(src: u64, dst: u64, pages: u64) -> PageRun {
+        PageRun { src, dst, pages }
+    }
+
+    #[test]
+    fn pairs_by_position_then_filters_then_resolves_and_coalesces() {
+        // N = 2, rank 1 owns the odd logical pages. Positions 0..6:
+        let src = [11, 13, 15, 4, 17, 19];
+        let dst = vec![100, 101, 102, 103, 104, 105];
+        // Owned: positions 0,1,2 (local 5,6,7 -> dst 100,101,102: one run), 4,5 (local 8,9 ->
+        // dst 104,105: one run, because the local pages continue but the destination jumps).
+        let plan = SendPlan::new(
+            &source(2, 1),
+            &src,
+            &registration(0, dst.clone(), dst),
+            chunk(0, 0, 6 * 64, true),
+        )
+        .unwrap();
+        assert_eq!(plan.kv.positions, 0..6);
+        assert_eq!(plan.kv.runs, vec![run(5, 100, 3), run(8, 104, 2)]);
+        assert_eq!(plan.kv.owned_pages, 5);
+        // The state covers the same positions from 0 and pairs the same way.
+        assert_eq!(plan.state.runs, plan.kv.runs);
+        // Latent: target (3 layers) then draft (1); state: target indexer (2 layers: layer 1
+        // shares its indexer and is absent) then the draft's.
+        let kv: Vec<_> = plan
+            .kv
+            .components
+            .iter()
+            .map(|c| (c.component, c.layers))
+            .collect();
+        assert_eq!(
+            kv,
+            vec![(Component::TargetLatent, 3), (Component::DraftLatent, 1)]
+        );
+        let state: Vec<_> = plan
+            .state
+            .components
+            .iter()
+            .map(|c| (c.component, c.layers, c.item))
+            .collect();
+        assert_eq!(
+            state,
+            vec![
+                (Component::TargetIndexer, 2, INDEXER),
+                (Component::DraftIndexer, 1, INDEXER)
+            ]
+        );
+        assert_eq!(plan.descriptor_count(), 2 * 4 + 2 * 3);
+        assert_eq!(plan.uncoalesced_count(), 5 * 4 + 5 * 3);
+        let d: Vec<_> = plan.descriptors().collect();
+        assert_eq!(d.len(), plan.descriptor_count());
+        assert_eq!(
+            d[0],
+            Descriptor {
+                component: Component::TargetLatent,
+                layer: 0,
+                src_offset: 5 * LATENT,
+                dst_offset: 100 * LATENT,
+                bytes: 3 * LATENT,
+            }
+        );
+        assert_eq!((d[7].component, d[7].layer), (Component::DraftLatent, 0));
+        assert_eq!(
+            (d[8].component, d[8].layer, d[8].bytes),
+            (Component::TargetIndexer, 0, 3 * INDEXER)
+        );
+        assert_eq!(d[13].component, Component::DraftIndexer);
+        let bytes = plan.bytes();
+        assert_eq!(bytes.get(Component::TargetLatent), 5 * 3 * LATENT);
+        assert_eq!(bytes.get(Component::TargetIndexer), 5 * 2 * INDEXER);
+        assert_eq!(bytes.get(Component::DraftLatent), 5 * LATENT);
+        assert_eq!(
+            bytes.total(),
+            d.iter().map(|d| d.bytes).sum::<u64>(),
+            "bytes match the descriptors"
+        );
+        let text = plan.to_string();
+        assert!(
+            text.contains("request 7 rank 1/2 chunk 0 tokens [0, 384) final")
+                && text.contains("kv pages 0..6: 5 owned in 2 runs x 4 layers")
+                && text.contains("14 descriptors (35 before coalescing)"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn non_final_chunks_floor_to_pages_and_carry_no_state() {
+        let src: Vec<u64> = (0..10).map(|p| 4 + p).collect();
+        let dst: Vec<u64> = (0..8).map(|p| 50 + p).collect();
+        let state: Vec<u64> = (0..10).map(|p| 48 + p).collect();
+        let reg = registration(2, dst, state);
+        // Tokens [128, 300): pages 2, 3 complete; page 4 (tokens 256..320) waits.
+        let plan = SendPlan::new(&source(1, 0), &src, &reg, chunk(0, 128, 300, false)).unwrap();
+        assert_eq!(plan.kv.positions, 2..4);
+        assert_eq!(plan.kv.runs, vec![run(6, 50, 2)]);
+        assert!(plan.state.components.is_empty() && plan.state.runs.is_empty());
+        // A chunk that completes no page is empty but valid.
+        let plan = SendPlan::new(&source(1, 0), &src, &reg, chunk(1, 256, 300, false)).unwrap();
+        assert!(plan.is_empty() && plan.kv.positions == (4..4));
+        // The final chunk sends the partial page and the state from position 0.
+        let plan = SendPlan::new(&source(1, 0), &src, &reg, chunk(1, 256, 600, true)).unwrap();
+        assert_eq!(plan.kv.positions, 4..10);
+        assert_eq!(plan.kv.runs, vec![run(8, 52, 6)]);
+        assert_eq!(plan.state.positions, 0..10);
+        assert_eq!(plan.state.runs, vec![run(4, 48, 10)]);
+    }
+
+    #[test]
+    fn a_rank_owning_nothing_gets_an_empty_final_plan() {
+        // Three pages, N = 8: ranks owning none of 9, 10, 11 send nothing, state included.
+        let src = [9, 10, 11];
+        let reg = registration(0, vec![1, 2, 3], vec![1, 2, 3]);
+        for rank in 0..8 {
+            let plan = SendPlan::new(&source(8, rank), &src, &reg, chunk(0, 0, 150, true)).unwrap();
+            assert_eq!(plan.is_empty(), !(1..=3).contains(&rank), "rank {rank}");
+            assert_eq!(plan.bytes().total() == 0, plan.is_empty());
+        }
+    }
+
+    #[test]
+    fn all_shared_indexers_and_no_draft_send_no_state() {
+        let g = CacheGeometry::target_only(PoolGeometry::with_indexer_layers(
+            LatentLayout::Fp8Scaled,
+            vec![false; 2],
+        ));
+        let src = PrefillRank {
+            placement: Placement::unsharded(),
+            rank: 0,
+            layout: PoolLayout::packed(g.clone(), 10),
+        };
+        let reg = Registration {
+            request: 1,
+            layout: PoolLayout::packed(g, 10),
+            prefix_pages: 0,
+            pages: vec![3, 4],
+            // Nothing to check the state against: there is none.
+            state_pages: Vec::new(),
+        };
+        let plan = SendPlan::new(&src, &[1, 2], &reg, chunk(0, 0, 128, true)).unwrap();
+        assert!(plan.state.components.is_empty());
+        assert_eq!(plan.descriptor_count(), 2);
+        assert_eq!(plan.kv.runs, vec![run(1, 3, 2)]);
+    }
+
+    fn err(plan: Result<SendPlan>) -> String {
+        plan.unwrap_err().to_string()
+    }
+
+    #[test]
+    fn validation_names_the_request_and_the_numbers() {
+        let src: Vec<u64> = (0..4).map(|p| 4 + p).collect();
+        let good = registration(0, vec![1, 2, 3, 4], vec![1, 2, 3, 4]);
+        let last = chunk(0, 0, 256, true);
+        let s = source(2, 0);
+        assert!(SendPlan::new(&s, &src, &good, last).is_ok());
+
+        let mut no_draft = good.clone();
+        no_draft.layout = PoolLayout::packed(CacheGeometry::target_only(geometry().target), 1000);
+        let e = SendPlan::new(&s, &src, &no_draft, last).unwrap_err();
+        assert!(matches!(e, Error::GeometryMismatch { .. }), "{e}");
+        assert!(e
+            .to_string()
+            .contains("request 7: prefill vs decode: draft pool present"));
+
+        let mut stride = good.clone();
+        stride.layout.page_strides[1] = 8192;
+        let m = err(SendPlan::new(&s, &src, &stride, last));
+        assert!(
+            m.contains("request 7: packed page stride mismatch for target indexer: prefill 8448 B, decode 8192 B"),
+            "{m}"
+        );
+
+        let mut state = good.clone();
+        state.state_pages.pop();
+        let m = err(SendPlan::new(&s, &src, &state, last));
+        assert!(
+            m.contains("request 7: state page count mismatch: the prefill sends 4 state pages")
+                && m.contains("the decode registered 3"),
+            "{m}"
+        );
+
+        let mut kv = good.clone();
+        kv.pages.push(9);
+        let m = err(SendPlan::new(&s, &src, &kv, last));
+        assert!(
+            m.contains("kv page count mismatch") && m.contains("registered 5 (0 cached + 5"),
+            "{m}"
+        );
+
+        let mut far = good.clone();
+        far.pages[2] = 1000;
+        let m = err(SendPlan::new(&s, &src, &far, last));
+        assert!(
+            m.contains("destination page 1000 at position 2 out of range (the decode pool holds 1000 pages)"),
+            "{m}"
+        );
+        let mut padding = good.clone();
+        padding.state_pages[3] = 0;
+        let m = err(SendPlan::new(&s, &src, &padding, last));
+        assert!(m.contains("destination page 0 at position 3"), "{m}");
+
+        let m = err(SendPlan::new(&s, &[4, 5, 1, 7], &good, last));
+        assert!(m.contains("source page 1 at position 2 is reserved"), "{m}");
+        let m = err(SendPlan::new(&s, &[4, 5, 200, 7], &good, last));
+        assert!(
+            m.contains("source page 200 at position 2 out of range (the prefill group holds 200 logical pages)"),
+            "{m}"
+        );
+        let m = err(SendPlan::new(&s, &src[..3], &good, last));
+        assert!(
+            m.contains("page table holds 3 pages, chunk 0 needs 4"),
+            "{m}"
+        );
+
+        let m = err(SendPlan::new(&s, &src, &good, chunk(2, 100, 256, true)));
+        assert!(
+            m.contains("chunk 2 starts at token 100, not a page boundary"),
+            "{m}"
+        );
+        let cached = registration(2, vec![3, 4], vec![1, 2, 3, 4]);
+        let m = err(SendPlan::new(&s, &src, &cached, chunk(0, 64, 256, true)));
+        assert!(
+            m.contains("inside the decode's cached prefix of 2 pages"),
+            "{m}"
+        );
+        let m = err(SendPlan::new(&s, &src, &cached, chunk(0, 128, 1000, false)));
+        assert!(
+            m.contains("chunk 0 ends at page 15, past the 4 pages"),
+            "{m}"
+        );
+        let m = err(SendPlan::new(&source(2, 2), &src, &good, last));
+        assert!(m.contains("prefill rank 2 of a shard group of 2"), "{m}");
+    }
+}
