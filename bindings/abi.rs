@@ -400,7 +400,8 @@ const _: () = {
  it. Work is flattened as unit u = k * num_pages + j and spread over warps in that order, so
  pairs complete roughly in table order. After finishing (or skipping) a unit, its warp adds 1
  to signals[pairs[k].signal] (uint32 counters; signals == 0 disables): a counter reaches
- base + num_pages * (pairs with that signal) exactly when those pairs have fully landed.*/
+ base + num_pages * (pairs with that signal) exactly when those pairs have fully landed.
+ A pair naming a component >= num_components is skipped and reported as position k * num_pages.*/
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
 pub struct kvs_copy_blocks_params {
@@ -475,7 +476,8 @@ const _: () = {
 };
 /** Owned-row write: chunk token i (logical slot slots[i]) is row i of each pair's source
  (staging) layer; if this rank owns the slot, it is copied to the local row of the pair's
- destination (pool) layer. Both sides use the component's row addressing.*/
+ destination (pool) layer. Both sides use the component's row addressing. A pair naming a
+ component >= num_components is skipped and reported as position num_slots + k.*/
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
 pub struct kvs_write_rows_params {
