@@ -162,6 +162,22 @@ fn round_trip<B: Backend>(
     io: IoBackend,
     node: &Node,
 ) -> Trip {
+    round_trip_with(b, g, layout, placement, rank, node, &|t| {
+        t.run(b, io, Layers::All).unwrap()
+    })
+}
+
+/// As [`round_trip`], moving each direction with `run` (which leaves `b`'s stream ordered after
+/// everything it enqueued).
+fn round_trip_with<B: Backend>(
+    b: &B,
+    g: &CacheGeometry,
+    layout: HostLayout,
+    placement: Placement,
+    rank: u32,
+    node: &Node,
+    run: &dyn Fn(&HostTransfer<'_>),
+) -> Trip {
     let source = random_pool(b, g, placement, rank, 7 + u64::from(rank));
     let host = HostPool::new(b, g, HOST_PAGES, layout).unwrap();
     host.fill(b, POISON).unwrap();
@@ -181,11 +197,11 @@ fn round_trip<B: Backend>(
     let mut backup =
         HostTransfer::new(&source, &host, plan(&node.device), Direction::Backup).unwrap();
     backup.prepare_kernel(b, None).unwrap();
-    backup.run(b, io, Layers::All).unwrap();
+    run(&backup);
     let mut load =
         HostTransfer::new(&reloaded, &host, plan(&node.reload), Direction::Load).unwrap();
     load.prepare_kernel(b, None).unwrap();
-    load.run(b, io, Layers::All).unwrap();
+    run(&load);
     b.synchronize().unwrap();
     Trip {
         source: source.snapshot(b).unwrap(),
@@ -234,6 +250,75 @@ fn cpu_round_trips_move_exactly_the_owned_pages_for_every_layout_and_backend() {
                         );
                     }
                 }
+            }
+        }
+    }
+}
+
+/// A round trip through double-buffered device staging with `chunk`-page buffers, the copy engine
+/// on `b` and the relayout kernel on `other`.
+fn staged_round_trip<B: Backend>(
+    (b, other): (&B, &B),
+    g: &CacheGeometry,
+    layout: HostLayout,
+    placement: Placement,
+    rank: u32,
+    chunk: u64,
+    node: &Node,
+) -> Trip {
+    round_trip_with(b, g, layout, placement, rank, node, &|t| {
+        let staging = t.staging(b, chunk).unwrap();
+        t.run_staged(b, other, &staging, 2).unwrap();
+        // The staging buffers are dropped here: `b` reaching this point means all has landed.
+        b.synchronize().unwrap();
+    })
+}
+
+#[test]
+fn staged_round_trips_equal_the_direct_ones() {
+    let mut rng = common::rng("staged_round_trips_equal_the_direct_ones");
+    let b = CpuBackend::new();
+    let other = b.new_stream();
+    for g in geometries() {
+        for n in [1u32, 2] {
+            let placement = Placement::new(n).unwrap();
+            let node = node(&mut rng, placement, 3 * n as usize + 1);
+            for layout in HostLayout::ALL {
+                let want = round_trip(&b, &g, layout, placement, 0, IoBackend::CopyEngine, &node);
+                for chunk in [1, 2, 64] {
+                    let got =
+                        staged_round_trip((&b, &other), &g, layout, placement, 0, chunk, &node);
+                    assert!(want.host == got.host, "N={n} {layout} chunk {chunk}: host");
+                    assert!(
+                        want.reloaded == got.reloaded,
+                        "N={n} {layout} chunk {chunk}: reloaded"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_staged_round_trips_match_cpu_byte_for_byte() {
+    let Some(gpu) = common::cuda("gpu_staged_round_trips_match_cpu_byte_for_byte") else {
+        return;
+    };
+    let other = kvshard::backend::cuda::CudaBackend::new(gpu.gpu().clone()).unwrap();
+    let mut rng = common::rng("gpu_staged_round_trips_match_cpu_byte_for_byte");
+    let cpu = CpuBackend::new();
+    for g in geometries() {
+        let placement = Placement::new(2).unwrap();
+        let node = node(&mut rng, placement, 7);
+        for layout in HostLayout::ALL {
+            let want = round_trip(&cpu, &g, layout, placement, 1, IoBackend::CopyEngine, &node);
+            for chunk in [1, 3] {
+                let got = staged_round_trip((&gpu, &other), &g, layout, placement, 1, chunk, &node);
+                assert!(want.host == got.host, "{layout} chunk {chunk}: host");
+                assert!(
+                    want.reloaded == got.reloaded,
+                    "{layout} chunk {chunk}: reloaded"
+                );
             }
         }
     }
@@ -451,6 +536,10 @@ impl Backend for Probe {
 
     fn write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> kvshard::Result<()> {
         self.cpu.write(dst, offset, data)
+    }
+
+    fn enqueue_write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> kvshard::Result<()> {
+        self.cpu.enqueue_write(dst, offset, data)
     }
 
     fn read(&self, src: &Buffer, offset: usize, len: usize) -> kvshard::Result<Vec<u8>> {

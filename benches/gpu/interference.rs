@@ -13,7 +13,26 @@ use kvshard::hicache::{Direction, HostLayout, HostTransfer, IoBackend, Layers};
 use kvshard::{Error, Result};
 
 use crate::harness::{Ctx, Report};
-use crate::hicache::{device_pool, host_pool, plan};
+use crate::hicache::{device_pool, host_pool, plan, STAGED_CTAS};
+
+/// How a measured transfer moves its bytes.
+#[derive(Clone, Copy)]
+enum Io {
+    Direct(IoBackend),
+    Staged,
+}
+
+impl std::fmt::Display for Io {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Io::Direct(io) => write!(f, "{io}"),
+            Io::Staged => write!(
+                f,
+                "staged copy-engine (32-page chunks, relayout {STAGED_CTAS} CTAs)"
+            ),
+        }
+    }
+}
 
 /// A compute load enqueued `n` times on its own stream.
 trait Load {
@@ -207,26 +226,33 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             let mut t = HostTransfer::new(&pool, &host, plan.clone(), dir)?;
             t.prepare_kernel(&ctx.backend, None)?;
             let bytes = t.bytes(Layers::All)?;
+            let staging = t.staging(&ctx.backend, 32)?;
+            let relayout = CudaBackend::new(ctx.gpu.clone())?;
             for io in [
-                IoBackend::CopyEngine,
-                IoBackend::SmKernel { ctas: 2 },
-                IoBackend::SmKernel { ctas: 4 },
-                IoBackend::SmKernel { ctas: 8 },
+                Io::Direct(IoBackend::CopyEngine),
+                Io::Staged,
+                Io::Direct(IoBackend::SmKernel { ctas: 2 }),
+                Io::Direct(IoBackend::SmKernel { ctas: 4 }),
+                Io::Direct(IoBackend::SmKernel { ctas: 8 }),
             ] {
+                let run = || match io {
+                    Io::Direct(io) => t.run(&ctx.backend, io, Layers::All),
+                    Io::Staged => t.run_staged(&ctx.backend, &relayout, &staging, STAGED_CTAS),
+                };
                 let reps = ctx.reps(10);
-                let idle = ctx.time(reps, || t.run(&ctx.backend, io, Layers::All))?;
+                let idle = ctx.time(reps, run)?;
                 // Transfers under load: the compute stream runs well past the timed transfers.
                 let window_s = (reps + 2) as f64 * idle.median / 1e3;
                 let covering = ((window_s * 1.5) / unit_s).ceil() as usize + 2;
                 for _ in 0..covering {
                     load.enqueue(compute.stream())?;
                 }
-                let busy = ctx.time(reps, || t.run(&ctx.backend, io, Layers::All))?;
+                let busy = ctx.time(reps, run)?;
                 compute.synchronize()?;
                 // The compute kernel while transfers run back to back on the other stream.
                 let n_loads = ((window_s * 0.6) / unit_s).floor().max(1.0) as usize;
                 for _ in 0..(reps + 4) {
-                    t.run(&ctx.backend, io, Layers::All)?;
+                    run()?;
                 }
                 let with = timed_loads(ctx, load.as_ref(), compute.stream(), n_loads)?;
                 ctx.backend.synchronize()?;

@@ -254,6 +254,10 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn enqueue_write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
+        self.write(dst, offset, data)
+    }
+
     fn read(&self, src: &Buffer, offset: usize, len: usize) -> Result<Vec<u8>> {
         Ok(self.mem().bytes(src.at(offset)?, len)?.to_vec())
     }

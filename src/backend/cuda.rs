@@ -15,6 +15,10 @@ use crate::gpu::{Gpu, Kernel, Stream};
 
 /// Threads per CTA of the element-wise kernels (quantizers, scratch translation).
 const THREADS: u32 = 256;
+/// Bytes of the device pattern host buffers are filled from.
+const FILL_CHUNK: usize = 16 << 20;
+/// Most entries handed to one `cuMemcpyBatchAsync` call.
+const BATCH_LIMIT: usize = 32 * 1024;
 
 /// A CUDA backend bound to one stream of one GPU.
 pub struct CudaBackend {
@@ -118,18 +122,39 @@ impl Backend for CudaBackend {
     }
 
     fn write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
+        self.enqueue_write(dst, offset, data)?;
+        self.stream.synchronize()
+    }
+
+    fn enqueue_write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
         if data.is_empty() {
             return Ok(());
         }
         let at = dst.slice(offset, data.len())?.addr();
         self.gpu.bind()?;
         // SAFETY: `at` spans data.len() bytes of a live buffer (device memory or the alias of
-        // pinned host memory: unified addressing tells the driver which); `data` outlives the
-        // copy because we synchronize before returning.
+        // pinned host memory: unified addressing tells the driver which). From pageable memory
+        // the driver stages `data` before returning, so it may be reused at once.
         unsafe { sys::cuMemcpyAsync(at, data.as_ptr() as u64, data.len(), self.stream.raw()) }
             .result()
             .map_err(Error::driver("cuMemcpyAsync"))?;
-        self.stream.synchronize()
+        // From pinned or registered memory the copy is truly asynchronous: wait for it, so the
+        // caller may still reuse `data` at once. cuPointerGetAttributes (unlike the singular
+        // query) answers "no memory type" for pageable memory instead of failing.
+        let mut kind = 0u32;
+        let mut attribute = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE;
+        let mut out = [(&mut kind as *mut u32).cast::<std::ffi::c_void>()];
+        // SAFETY: one attribute, whose 4-byte value is written into `kind`.
+        let known = unsafe {
+            sys::cuPointerGetAttributes(1, &mut attribute, out.as_mut_ptr(), data.as_ptr() as u64)
+        }
+        .result()
+        .map_err(Error::driver("cuPointerGetAttributes"))
+        .map(|()| kind != 0)?;
+        if known {
+            self.stream.synchronize()?;
+        }
+        Ok(())
     }
 
     fn read(&self, src: &Buffer, offset: usize, len: usize) -> Result<Vec<u8>> {
@@ -150,9 +175,26 @@ impl Backend for CudaBackend {
 
     fn fill(&self, dst: &Buffer, byte: u8) -> Result<()> {
         self.gpu.bind()?;
-        // SAFETY: the range is the whole live buffer.
-        unsafe { result::memset_d8_async(dst.addr(), byte, dst.len(), self.stream.raw()) }
-            .map_err(Error::driver("cuMemsetD8Async"))
+        if dst.kind() == MemoryKind::Device {
+            // SAFETY: the range is the whole live buffer.
+            return unsafe {
+                result::memset_d8_async(dst.addr(), byte, dst.len(), self.stream.raw())
+            }
+            .map_err(Error::driver("cuMemsetD8Async"));
+        }
+        // The driver refuses memsets of registered host memory through its device alias, so
+        // host buffers are filled by copying from a device pattern, still in stream order.
+        let pattern = self.alloc(FILL_CHUNK.min(dst.len()), MemoryKind::Device)?;
+        self.fill(&pattern, byte)?;
+        let mut done = 0;
+        while done < dst.len() {
+            let len = pattern.len().min(dst.len() - done);
+            // SAFETY: both ranges are inside live buffers; `pattern` outlives the copies
+            // because we synchronize before it is dropped.
+            unsafe { self.memcpy(dst.addr() + done as u64, pattern.addr(), len)? };
+            done += len;
+        }
+        self.stream.synchronize()
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -308,33 +350,35 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn memcpy_batch(&self, ranges: &[abi::kvs_range]) -> Result<()> {
-        if ranges.is_empty() {
-            return Ok(());
-        }
         self.gpu.bind()?;
-        let mut dsts: Vec<u64> = ranges.iter().map(|r| r.dst).collect();
-        let mut srcs: Vec<u64> = ranges.iter().map(|r| r.src).collect();
-        let mut sizes: Vec<usize> = ranges.iter().map(|r| r.bytes as usize).collect();
-        // SAFETY: an all-zero CUmemcpyAttributes is a valid value (location hints "invalid",
-        // which the driver ignores for device and pinned memory); fields are set below.
-        let mut attrs: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
-        attrs.srcAccessOrder = sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
-        let mut attr_index = 0usize;
-        // SAFETY: the arrays hold `ranges.len()` entries and live across the call (the driver
-        // reads them before returning); one attribute set applies from index 0.
-        unsafe {
-            sys::cuMemcpyBatchAsync_v2(
-                dsts.as_mut_ptr(),
-                srcs.as_mut_ptr(),
-                sizes.as_mut_ptr(),
-                ranges.len(),
-                &mut attrs,
-                &mut attr_index,
-                1,
-                self.stream.raw(),
-            )
+        // The driver crashed (not errored) on one call of ~250K entries on driver 580; batches
+        // go to it in slices of BATCH_LIMIT entries, which changes nothing about the ordering.
+        for ranges in ranges.chunks(BATCH_LIMIT) {
+            let mut dsts: Vec<u64> = ranges.iter().map(|r| r.dst).collect();
+            let mut srcs: Vec<u64> = ranges.iter().map(|r| r.src).collect();
+            let mut sizes: Vec<usize> = ranges.iter().map(|r| r.bytes as usize).collect();
+            // SAFETY: an all-zero CUmemcpyAttributes is a valid value (location hints
+            // "invalid", which the driver ignores for device and pinned memory).
+            let mut attrs: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
+            attrs.srcAccessOrder = sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+            let mut attr_index = 0usize;
+            // SAFETY: the arrays hold `ranges.len()` entries and live across the call (the
+            // driver reads them before returning); one attribute set applies from index 0.
+            unsafe {
+                sys::cuMemcpyBatchAsync_v2(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    ranges.len(),
+                    &mut attrs,
+                    &mut attr_index,
+                    1,
+                    self.stream.raw(),
+                )
+            }
+            .result()
+            .map_err(Error::driver("cuMemcpyBatchAsync"))?;
         }
-        .result()
-        .map_err(Error::driver("cuMemcpyBatchAsync"))
+        Ok(())
     }
 }

@@ -196,6 +196,10 @@ pub trait Backend: Send + Sync {
     /// Copies `data` into `dst` at `offset`, after prior work; done when this returns.
     fn write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()>;
 
+    /// Enqueues a copy of `data` into `dst` at `offset`, ordered after prior work, without
+    /// waiting for it: `data` has been copied out (staged) when this returns and may be reused.
+    fn enqueue_write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()>;
+
     /// Reads `len` bytes of `src` at `offset`, after prior work.
     fn read(&self, src: &Buffer, offset: usize, len: usize) -> Result<Vec<u8>>;
 

@@ -283,6 +283,28 @@ impl HostPool {
         ))
     }
 
+    /// Device memory laid out exactly like `like` for `pages` pages: where the staged copy-engine
+    /// path lands host runs so that each copy-engine copy is one large contiguous run.
+    pub(crate) fn device_mirror<B: Backend>(
+        backend: &B,
+        like: &HostPool,
+        pages: u64,
+    ) -> Result<Self> {
+        let buffers = like
+            .components
+            .iter()
+            .map(|c| backend.alloc(Self::component_bytes(c, pages)?, MemoryKind::Device))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self::assemble(
+            &like.geometry,
+            like.layout,
+            pages,
+            like.components.clone(),
+            buffers,
+            NumaPlacement::CallerThread,
+        ))
+    }
+
     fn check(geometry: &CacheGeometry, pages: u64) -> Result<Vec<ComponentLayout>> {
         geometry.validate()?;
         if pages < 2 {

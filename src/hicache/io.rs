@@ -24,7 +24,7 @@
 
 use std::ops::Range;
 
-use super::host_pool::HostPool;
+use super::host_pool::{HostLayout, HostPool};
 use super::plan::TransferPlan;
 use crate::abi;
 use crate::backend::{Backend, Buffer, Copy2d, Launch, MemoryKind};
@@ -714,5 +714,230 @@ impl<'a> HostTransfer<'a> {
                 unsafe { backend.copy_blocks(params, Launch::host_io(ctas)) }
             }
         }
+    }
+}
+
+/// Device staging for [`HostTransfer::run_staged`]: two device buffers laid out like the host
+/// pool for `chunk` pages each, and the pair tables that address them.
+#[derive(Debug)]
+pub struct StagedIo {
+    chunk: u64,
+    mirrors: [HostPool; 2],
+    /// Per mirror: a `kvs_layer_pair` table (device side, mirror side) in transfer direction.
+    tables: [Buffer; 2],
+    num_pairs: u32,
+}
+
+impl StagedIo {
+    /// Pages each staging buffer holds.
+    pub fn chunk_pages(&self) -> u64 {
+        self.chunk
+    }
+
+    /// Device bytes the two staging buffers take.
+    pub fn bytes(&self) -> usize {
+        self.mirrors.iter().map(HostPool::bytes).sum()
+    }
+}
+
+/// A stretch of plan entries whose host pages are consecutive (one copy-engine run per
+/// component on the host side); the device pages may be anything.
+struct Segment {
+    first_entry: usize,
+    pages: u64,
+    host_page: u64,
+}
+
+impl HostTransfer<'_> {
+    /// Allocates the double-buffered device staging for [`HostTransfer::run_staged`], `chunk`
+    /// pages per buffer, and uploads its pair tables.
+    pub fn staging<B: Backend>(&self, backend: &B, chunk: u64) -> Result<StagedIo> {
+        if chunk == 0 {
+            return Err(Error::InvalidArgument("staging of 0 pages".into()));
+        }
+        let mirrors = [
+            HostPool::device_mirror(backend, self.host, chunk)?,
+            HostPool::device_mirror(backend, self.host, chunk)?,
+        ];
+        let mut tables = Vec::with_capacity(2);
+        let mut num_pairs = 0;
+        for mirror in &mirrors {
+            let mut bytes = Vec::new();
+            num_pairs = 0u32;
+            for (c, comp) in self.device.components().iter().enumerate() {
+                for (l, &model_layer) in comp.model_layers.iter().enumerate() {
+                    let (src, dst) = match self.direction {
+                        Direction::Load => (mirror.layer_base(c, l), self.device.layer_base(c, l)),
+                        Direction::Backup => {
+                            (self.device.layer_base(c, l), mirror.layer_base(c, l))
+                        }
+                    };
+                    bytes.extend(src.to_le_bytes());
+                    bytes.extend(dst.to_le_bytes());
+                    bytes.extend((c as u32).to_le_bytes());
+                    bytes.extend((model_layer as u32).to_le_bytes());
+                    num_pairs += 1;
+                }
+            }
+            let table = backend.alloc(bytes.len(), MemoryKind::Device)?;
+            backend.write(&table, 0, &bytes)?;
+            tables.push(table);
+        }
+        let [t0, t1]: [Buffer; 2] = tables.try_into().expect("two tables");
+        Ok(StagedIo {
+            chunk,
+            mirrors,
+            tables: [t0, t1],
+            num_pairs,
+        })
+    }
+
+    /// The plan's entries cut where host pages stop being consecutive or a chunk is full.
+    fn segments(&self, chunk: u64) -> Vec<Segment> {
+        let mut out: Vec<Segment> = Vec::new();
+        for (j, &hp) in self.plan.host_pages().iter().enumerate() {
+            match out.last_mut() {
+                Some(s) if s.pages < chunk && s.host_page + s.pages == hp => s.pages += 1,
+                _ => out.push(Segment {
+                    first_entry: j,
+                    pages: 1,
+                    host_page: hp,
+                }),
+            }
+        }
+        out
+    }
+
+    /// Copy-engine copies of one segment between the host pool and a mirror: per component one
+    /// contiguous run (page-major layouts) or one 2D copy over the layers (`layer_first`).
+    fn mirror_copies(&self, seg: &Segment, mirror: &HostPool) -> Result<Vec<Call>> {
+        let mut calls = Vec::new();
+        for (c, comp) in self.device.components().iter().enumerate() {
+            let (host, dev) = (self.host.strides(c)?, mirror.strides(c)?);
+            let host_at = self.host.layer_base(c, 0) + seg.host_page * host.page_stride;
+            let mirror_at = mirror.layer_base(c, 0);
+            let piece = if self.host.layout() == HostLayout::LayerFirst {
+                let width = seg.pages * comp.block_bytes as u64;
+                Piece {
+                    device: mirror_at,
+                    device_pitch: dev.layer_stride,
+                    host: host_at,
+                    host_pitch: host.layer_stride,
+                    width,
+                    height: comp.layers() as u64,
+                }
+            } else {
+                Piece::contiguous(mirror_at, host_at, seg.pages * comp.page_bytes() as u64)
+            };
+            if piece.height > 1 && piece.host_pitch > MAX_2D_PITCH {
+                calls.extend((0..comp.layers() as u64).map(|l| {
+                    Call::Memcpy(
+                        Piece::contiguous(
+                            piece.device + l * piece.device_pitch,
+                            piece.host + l * piece.host_pitch,
+                            piece.width,
+                        )
+                        .copy(self.direction),
+                    )
+                }));
+            } else if piece.height > 1 {
+                calls.push(Call::Memcpy2d(piece.copy(self.direction)));
+            } else {
+                calls.push(Call::Memcpy(piece.copy(self.direction)));
+            }
+        }
+        Ok(calls)
+    }
+
+    /// Every layer through device staging: the copy engine moves host runs of up to
+    /// `staging.chunk_pages()` pages as a few large contiguous copies on `copy`'s stream, and
+    /// `kvs_copy_blocks` (`ctas` CTAs) places or gathers the scattered device pages on
+    /// `relayout`'s stream, double-buffered so that both overlap. When `copy`'s stream reaches
+    /// the end of what this enqueues, the whole transfer has landed.
+    pub fn run_staged<B: Backend>(
+        &self,
+        copy: &B,
+        relayout: &B,
+        staging: &StagedIo,
+        ctas: u32,
+    ) -> Result<()> {
+        if self.plan.is_empty() {
+            return Ok(());
+        }
+        let tables = self.tables.as_ref().ok_or_else(|| {
+            Error::HiCache("the staged backend needs HostTransfer::prepare_kernel first".into())
+        })?;
+        let device_ids = tables.addr() + (PAIR_BYTES * self.pairs.len()) as u64;
+        // Per staging buffer: the event after which it may be refilled.
+        let mut free: [Option<B::Event>; 2] = [None, None];
+        for (i, seg) in self.segments(staging.chunk).iter().enumerate() {
+            let m = i % 2;
+            let mirror = &staging.mirrors[m];
+            let device_list = abi::kvs_page_list {
+                ids: device_ids + 8 * seg.first_entry as u64,
+                limit: self.device.pages(),
+                kind: abi::KVS_INDEX_LOCAL,
+                shard: 1,
+                rank: 0,
+                reserved: 0,
+            };
+            let mirror_list = abi::kvs_page_list {
+                ids: 0,
+                limit: staging.chunk,
+                kind: abi::KVS_INDEX_POSITION,
+                shard: 1,
+                rank: 0,
+                reserved: 0,
+            };
+            let (src_pages, dst_pages) = match self.direction {
+                Direction::Load => (mirror_list, device_list),
+                Direction::Backup => (device_list, mirror_list),
+            };
+            let kernel = abi::kvs_copy_blocks_params {
+                components: self.kernel_components,
+                pairs: staging.tables[m].addr(),
+                num_pages: seg.pages,
+                src_pages,
+                dst_pages,
+                signals: 0,
+                num_pairs: staging.num_pairs,
+                num_components: self.num_components,
+                status: abi::kvs_status::default(),
+            };
+            let launch = Launch::host_io(ctas);
+            match self.direction {
+                Direction::Load => {
+                    if let Some(e) = &free[m] {
+                        copy.wait(e)?;
+                    }
+                    for call in self.mirror_copies(seg, mirror)? {
+                        self.submit(copy, call, 0)?;
+                    }
+                    relayout.wait(&copy.record()?)?;
+                    // SAFETY: the mirror holds `chunk` >= seg.pages pages of every stored layer
+                    // (pair table built from it); device ids are this plan's checked local pages.
+                    unsafe { relayout.copy_blocks(kernel, launch)? };
+                    free[m] = Some(relayout.record()?);
+                }
+                Direction::Backup => {
+                    if let Some(e) = &free[m] {
+                        relayout.wait(e)?;
+                    }
+                    // SAFETY: as above, gathering into the mirror.
+                    unsafe { relayout.copy_blocks(kernel, launch)? };
+                    copy.wait(&relayout.record()?)?;
+                    for call in self.mirror_copies(seg, mirror)? {
+                        self.submit(copy, call, 0)?;
+                    }
+                    free[m] = Some(copy.record()?);
+                }
+            }
+        }
+        // Loads end on the relayout stream: make `copy` reach the end only after both buffers'
+        // last relayouts (backups end on `copy` already).
+        for event in free.iter().flatten() {
+            copy.wait(event)?;
+        }
+        Ok(())
     }
 }

@@ -248,7 +248,7 @@ pub struct BackendTransport<'b, B: Backend> {
     /// Host copy of the kernel's range table, reused from batch to batch.
     staged: Vec<u8>,
     /// Device copy of the range table, grown when a batch needs more and otherwise reused:
-    /// [`Backend::write`] is ordered after the previous launch that reads it.
+    /// [`Backend::enqueue_write`] is ordered after the previous launch that reads it.
     table: Option<Buffer>,
     /// Tables replaced by larger ones since the last `wait`.
     retired: Vec<Buffer>,
@@ -304,7 +304,8 @@ impl<'b, B: Backend> BackendTransport<'b, B> {
                 )?
             }
         };
-        let written = self.backend.write(&table, 0, &self.staged);
+        // Stream-ordered and non-blocking: the previous launch reading this table comes first.
+        let written = self.backend.enqueue_write(&table, 0, &self.staged);
         let addr = table.addr();
         self.table = Some(table);
         written?;
