@@ -10,7 +10,8 @@
  *   and is plenty for HBM. Logical page lists are resolved to owner-local pages here, in the
  *   same launch. Per-unit completion counters give per-layer ready signals from one launch.
  * kvs_write_rows: the owned-row write path; a warp resolves a group of 8 tokens once and copies
- *   their rows for a block of 8 (layer, component) pairs; the row geometry is a template
+ *   their rows for a block of 4 (layer, component) pairs (short enough that a small chunk still
+ *   spreads over many warps, long enough that skipped groups cost little); the row geometry is a template
  *   constant so index math is multiply-shift.
  * kvs_copy_ranges: (src, dst, bytes) descriptors, one warp per descriptor.
  */
@@ -26,30 +27,40 @@ constexpr uint32_t MAX_THREADS = 1024;
 /* The write path runs at HBM speed with many CTAs; 512 threads leave it 128 registers. */
 constexpr uint32_t WRITE_THREADS = 512;
 
-/* Resolves entry j of a page list; false when the entry is skipped (padding, not owned, bad). */
-__device__ __forceinline__ bool resolve_page(const kvs_page_list& list, uint64_t j, uint64_t& page,
+/* The raw id of entry j of a page list (j itself for POSITION): the only memory read it needs. */
+__device__ __forceinline__ int64_t page_id(const kvs_page_list& list, uint64_t j) {
+    return list.kind == KVS_INDEX_POSITION ? static_cast<int64_t>(j) : reinterpret_cast<const int64_t*>(list.ids)[j];
+}
+
+/* Turns raw id `id` of entry j into a page; false when skipped (padding, not owned, bad). */
+__device__ __forceinline__ bool resolve_page(const kvs_page_list& list, int64_t id, uint64_t j, uint64_t& page,
                                              const kvs_status& status) {
-    if (list.kind == KVS_INDEX_POSITION) {
-        page = j;
-    } else {
-        const int64_t id = reinterpret_cast<const int64_t*>(list.ids)[j];
-        if (id < 0) {
+    if (id < 0) {
+        return false;
+    }
+    page = static_cast<uint64_t>(id);
+    if (list.kind == KVS_INDEX_LOGICAL) {
+        if (page_owner(page, list.shard) != list.rank) {
             return false;
         }
-        if (list.kind == KVS_INDEX_LOGICAL) {
-            if (page_owner(static_cast<uint64_t>(id), list.shard) != list.rank) {
-                return false;
-            }
-            page = local_page(static_cast<uint64_t>(id), list.shard);
-        } else {
-            page = static_cast<uint64_t>(id);
-        }
+        page = local_page(page, list.shard);
     }
     if (page >= list.limit) {
         report(status, j);
         return false;
     }
     return true;
+}
+
+/* The page ids a warp reads before it can copy a unit; fetched one unit ahead. */
+struct UnitIds {
+    int64_t src;
+    int64_t dst;
+};
+
+__device__ __forceinline__ UnitIds fetch_ids(const kvs_copy_blocks_params& p, uint64_t u) {
+    const uint64_t j = u % p.num_pages;
+    return UnitIds{page_id(p.src_pages, j), page_id(p.dst_pages, j)};
 }
 
 /* One warp copies `vectors` 16-byte vectors; vector i sits at base + offset(i) on each side. */
@@ -94,15 +105,27 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) kvs_copy_blocks(const 
     const kvs_layer_pair* pairs = reinterpret_cast<const kvs_layer_pair*>(p.pairs);
     uint32_t* signals = reinterpret_cast<uint32_t*>(p.signals);
     const uint64_t units = p.num_pages * p.num_pairs;
-    for (uint64_t u = global_warp(); u < units; u += grid_warps()) {
+    uint64_t u = global_warp();
+    UnitIds ids{};
+    if (u < units) {
+        ids = fetch_ids(p, u);
+    }
+    while (u < units) {
+        // The next unit's page ids are loaded now and consumed after this unit's copy (the
+        // pair table is small and stays cached).
+        const uint64_t next_u = u + grid_warps();
+        UnitIds next{};
+        if (next_u < units) {
+            next = fetch_ids(p, next_u);
+        }
         const uint64_t k = u / p.num_pages;
         const uint64_t j = u - k * p.num_pages;
         const kvs_layer_pair pair = pairs[k];
         uint64_t src_page = 0;
         uint64_t dst_page = 0;
         // Both sides are resolved (and bounds-checked) before either decides to skip.
-        const bool src_ok = resolve_page(p.src_pages, j, src_page, p.status);
-        const bool dst_ok = resolve_page(p.dst_pages, j, dst_page, p.status);
+        const bool src_ok = resolve_page(p.src_pages, ids.src, j, src_page, p.status);
+        const bool dst_ok = resolve_page(p.dst_pages, ids.dst, j, dst_page, p.status);
         const bool component_ok = pair.component < p.num_components;
         if (!component_ok && j == 0) {
             report(p.status, u);
@@ -127,6 +150,8 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) kvs_copy_blocks(const 
                 atomicAdd(signals + pair.signal, 1u);
             }
         }
+        ids = next;
+        u = next_u;
     }
 }
 
@@ -134,7 +159,7 @@ namespace {
 
 /* Tokens of one write unit, and (layer, component) pairs a unit walks through. */
 constexpr uint32_t WRITE_GROUP = 8;
-constexpr uint32_t WRITE_PAIR_BLOCK = 8;
+constexpr uint32_t WRITE_PAIR_BLOCK = 4;
 
 /*
  * One pair's rows of a token group: WRITE_GROUP rows of VPR 16-byte vectors, vector i of the

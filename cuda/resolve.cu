@@ -54,11 +54,17 @@ __device__ uint32_t look_back(const uint64_t* state, uint32_t tile, uint32_t epo
         uint32_t flag = FLAG_PREFIX;
         uint32_t count = 0;
         if (idx >= 0) {
-            do {
+            while (true) {
                 const uint64_t w = *reinterpret_cast<const volatile uint64_t*>(state + idx);
                 flag = (w >> 34) == epoch ? static_cast<uint32_t>((w >> 32) & 3) : 0;
                 count = static_cast<uint32_t>(w);
-            } while (flag == 0);
+                if (flag != 0) {
+                    break;
+                }
+                // Back off: hundreds of threads polling the same few lines would otherwise
+                // slow the L2 slices every tile's loads and stores go through.
+                __nanosleep(100);
+            }
         }
         if (threadIdx.x == 0) {
             *s_first = RESOLVE_THREADS;

@@ -26,6 +26,7 @@
 pub mod abi;
 
 pub mod backend;
+pub mod demo;
 pub mod error;
 pub mod fp8;
 pub mod geometry;

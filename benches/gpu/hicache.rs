@@ -124,7 +124,12 @@ pub fn io(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 let mut ios = vec![IoBackend::CopyEngine];
                 ios.extend([1, 2, 4, 8, 16].map(|ctas| IoBackend::SmKernel { ctas }));
                 if pages <= 512 {
-                    ios.extend([IoBackend::PerBlockMemcpy, IoBackend::BatchMemcpy]);
+                    ios.push(IoBackend::PerBlockMemcpy);
+                    // Token-major page_first makes the batch one entry per 576-byte row (~250K at
+                    // 64 pages); driver 580 crashed the process on it (BENCHMARKS.md).
+                    if layout != HostLayout::PageFirst {
+                        ios.push(IoBackend::BatchMemcpy);
+                    }
                 }
                 for io in ios {
                     let host_bound =

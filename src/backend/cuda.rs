@@ -10,7 +10,7 @@ use super::status::StatusTracker;
 use super::{check, Backend, Buffer, Copy2d, Launch, MemoryKind};
 use crate::abi;
 use crate::error::{Error, Result};
-use crate::gpu::memory::{DeviceAllocation, PinnedAllocation};
+use crate::gpu::memory::{registration_cuts, DeviceAllocation, PinnedAllocation};
 use crate::gpu::{Gpu, Kernel, Stream};
 
 /// Threads per CTA of the element-wise kernels (quantizers, scratch translation).
@@ -314,15 +314,34 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.gpu.bind()?;
-        // SAFETY: unified addressing resolves both sides; ranges are the caller's contract.
-        unsafe { sys::cuMemcpyAsync(dst, src, len, self.stream.raw()) }
-            .result()
-            .map_err(Error::driver("cuMemcpyAsync"))
+        for (dst, src, len) in cut_at_registrations(dst, src, len as u64) {
+            // SAFETY: unified addressing resolves both sides; ranges are the caller's contract,
+            // and no piece spans two host registrations.
+            unsafe { sys::cuMemcpyAsync(dst, src, len as usize, self.stream.raw()) }
+                .result()
+                .map_err(Error::driver("cuMemcpyAsync"))?;
+        }
+        Ok(())
     }
 
     unsafe fn memcpy_2d(&self, c: &Copy2d) -> Result<()> {
         if c.width == 0 || c.height == 0 {
             return Ok(());
+        }
+        let span = |pitch: u64| pitch * (c.height - 1) + c.width;
+        if !registration_cuts(c.src, span(c.src_pitch)).is_empty()
+            || !registration_cuts(c.dst, span(c.dst_pitch)).is_empty()
+        {
+            // A 2D copy must lie inside one registration: move its rows as one batch instead.
+            let rows: Vec<abi::kvs_range> = (0..c.height)
+                .map(|r| abi::kvs_range {
+                    src: c.src + r * c.src_pitch,
+                    dst: c.dst + r * c.dst_pitch,
+                    bytes: c.width,
+                })
+                .collect();
+            // SAFETY: forwarded contract (every row is valid memory of this backend).
+            return unsafe { self.memcpy_batch(&rows) };
         }
         self.gpu.bind()?;
         let copy = sys::CUDA_MEMCPY2D {
@@ -353,10 +372,14 @@ impl Backend for CudaBackend {
         self.gpu.bind()?;
         // The driver crashed (not errored) on one call of ~250K entries on driver 580; batches
         // go to it in slices of BATCH_LIMIT entries, which changes nothing about the ordering.
-        for ranges in ranges.chunks(BATCH_LIMIT) {
-            let mut dsts: Vec<u64> = ranges.iter().map(|r| r.dst).collect();
-            let mut srcs: Vec<u64> = ranges.iter().map(|r| r.src).collect();
-            let mut sizes: Vec<usize> = ranges.iter().map(|r| r.bytes as usize).collect();
+        let pieces: Vec<(u64, u64, u64)> = ranges
+            .iter()
+            .flat_map(|r| cut_at_registrations(r.dst, r.src, r.bytes))
+            .collect();
+        for ranges in pieces.chunks(BATCH_LIMIT) {
+            let mut dsts: Vec<u64> = ranges.iter().map(|r| r.0).collect();
+            let mut srcs: Vec<u64> = ranges.iter().map(|r| r.1).collect();
+            let mut sizes: Vec<usize> = ranges.iter().map(|r| r.2 as usize).collect();
             // SAFETY: an all-zero CUmemcpyAttributes is a valid value (location hints
             // "invalid", which the driver ignores for device and pinned memory).
             let mut attrs: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
@@ -381,4 +404,22 @@ impl Backend for CudaBackend {
         }
         Ok(())
     }
+}
+
+/// `len` bytes from `src` to `dst` as pieces `(dst, src, len)` that cross no host-registration
+/// boundary on either side (one piece in the common, unregistered case).
+fn cut_at_registrations(dst: u64, src: u64, len: u64) -> Vec<(u64, u64, u64)> {
+    let mut cuts = registration_cuts(src, len);
+    cuts.extend(registration_cuts(dst, len));
+    cuts.sort_unstable();
+    cuts.dedup();
+    let mut pieces = Vec::with_capacity(cuts.len() + 1);
+    let mut at = 0;
+    for cut in cuts.into_iter().chain(std::iter::once(len)) {
+        if cut > at {
+            pieces.push((dst + at, src + at, cut - at));
+            at = cut;
+        }
+    }
+    pieces
 }

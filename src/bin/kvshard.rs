@@ -2,7 +2,10 @@
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
+use kvshard::backend::cpu::CpuBackend;
+use kvshard::backend::cuda::CudaBackend;
+use kvshard::demo::{self, Config};
 use kvshard::gpu::{self, topology, Gpu};
 
 #[derive(Parser)]
@@ -16,6 +19,76 @@ struct Cli {
 enum Command {
     /// The kernel build, the GPU (name, SMs, memory) and where it sits (PCIe, NUMA).
     Info,
+    /// The end-to-end job: sharded prefill writes, P/D transfer and a HiCache round trip of one
+    /// request, every hand-off checked byte for byte; on the GPU if there is one, else on the CPU.
+    Demo(DemoArgs),
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    /// Run on the CPU reference backend even when a GPU is present.
+    #[arg(long)]
+    cpu: bool,
+    /// CP shard size N.
+    #[arg(long)]
+    ranks: Option<u32>,
+    /// Target layers (default: 61 on the GPU, 4 on the CPU).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Request length in tokens.
+    #[arg(long)]
+    tokens: Option<usize>,
+    /// Prefill chunk size in tokens (a multiple of 64).
+    #[arg(long)]
+    chunk: Option<usize>,
+    /// Leave the MTP draft pool out.
+    #[arg(long)]
+    no_draft: bool,
+}
+
+impl DemoArgs {
+    fn config(&self, gpu: bool) -> Config {
+        let d = Config::default_for(gpu);
+        Config {
+            ranks: self.ranks.unwrap_or(d.ranks),
+            layers: self.layers.unwrap_or(d.layers),
+            draft: !self.no_draft && d.draft,
+            tokens: self.tokens.unwrap_or(d.tokens),
+            chunk: self.chunk.unwrap_or(d.chunk),
+            seed: d.seed,
+        }
+    }
+}
+
+fn demo(args: &DemoArgs) -> ExitCode {
+    let gpu = if args.cpu {
+        println!("backend: cpu (asked for)");
+        None
+    } else {
+        match Gpu::open(0) {
+            Ok(gpu) => Some(gpu),
+            Err(e) => {
+                println!("backend: cpu ({e})");
+                None
+            }
+        }
+    };
+    let result = match gpu {
+        Some(gpu) => CudaBackend::new(gpu.clone())
+            .and_then(|b| Ok((b, CudaBackend::new(gpu)?)))
+            .and_then(|(b, relayout)| demo::run(&b, &relayout, &args.config(true), true)),
+        None => {
+            let b = CpuBackend::new();
+            demo::run(&b, &b.new_stream(), &args.config(false), false)
+        }
+    };
+    match result {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            println!("demo FAILED: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn info() -> ExitCode {
@@ -61,5 +134,6 @@ fn info() -> ExitCode {
 fn main() -> ExitCode {
     match Cli::parse().command {
         Command::Info => info(),
+        Command::Demo(args) => demo(&args),
     }
 }

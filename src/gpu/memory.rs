@@ -5,7 +5,8 @@
 //! address. Memory an engine already pinned elsewhere can be registered in chunks that never
 //! split a page ([`HostRegistration`]).
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result, sys, CudaContext};
 
@@ -133,6 +134,42 @@ impl Drop for PinnedAllocation {
     }
 }
 
+/// Device-alias ranges `[start, end)` of every live registration chunk, by start. The driver
+/// refuses a copy-engine copy whose range spans two registrations, so copies are cut at these
+/// boundaries ([`registration_cuts`]).
+static CHUNKS: Mutex<BTreeMap<u64, u64>> = Mutex::new(BTreeMap::new());
+
+fn chunks() -> std::sync::MutexGuard<'static, BTreeMap<u64, u64>> {
+    CHUNKS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Offsets inside `[addr, addr + len)` where the range crosses from one registration chunk into
+/// another (or out of one), in increasing order; empty when no copy needs cutting.
+pub(crate) fn registration_cuts(addr: u64, len: u64) -> Vec<u64> {
+    let map = chunks();
+    if map.is_empty() || len == 0 {
+        return Vec::new();
+    }
+    let end = addr + len;
+    let mut cuts = Vec::new();
+    let before = map.range(..=addr).next_back().map(|(&s, &e)| (s, e));
+    for (s, e) in before
+        .into_iter()
+        .chain(map.range(addr + 1..end).map(|(&s, &e)| (s, e)))
+    {
+        for boundary in [s, e] {
+            if boundary > addr && boundary < end {
+                cuts.push(boundary - addr);
+            }
+        }
+    }
+    cuts.sort_unstable();
+    cuts.dedup();
+    cuts
+}
+
 /// Host memory owned by the engine, registered (pinned and mapped) with the driver in chunks.
 ///
 /// Registration chunks end on page boundaries, so no page straddles two registrations, and each
@@ -190,6 +227,7 @@ impl HostRegistration {
                     .result();
             reg.chunks.push((start, device, bytes));
             alias.map_err(Error::driver("cuMemHostGetDevicePointer"))?;
+            chunks().insert(device, device + bytes as u64);
             offset += bytes;
         }
         Ok(reg)
@@ -217,11 +255,49 @@ impl HostRegistration {
 
 impl Drop for HostRegistration {
     fn drop(&mut self) {
+        for (_, device, _) in &self.chunks {
+            chunks().remove(device);
+        }
         if self.ctx.bind_to_thread().is_ok() {
             for (start, _, _) in &self.chunks {
                 // SAFETY: each chunk was registered by `new` and is unregistered once.
                 let _ = unsafe { sys::cuMemHostUnregister(*start as *mut _) }.result();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_are_cut_where_registrations_meet() {
+        // Two adjacent chunks far from anything a real registration could use.
+        let (a, b, c) = (1u64 << 60, (1u64 << 60) + 1000, (1u64 << 60) + 3000);
+        chunks().insert(a, b);
+        chunks().insert(b, c);
+        assert_eq!(
+            registration_cuts(a + 100, 200),
+            Vec::<u64>::new(),
+            "inside one chunk"
+        );
+        assert_eq!(
+            registration_cuts(a + 500, 1000),
+            vec![500],
+            "across the shared boundary"
+        );
+        assert_eq!(
+            registration_cuts(a - 50, 3100),
+            vec![50, 1050, 3050],
+            "over both, out the end"
+        );
+        assert_eq!(
+            registration_cuts(c + 10, 10),
+            Vec::<u64>::new(),
+            "outside every chunk"
+        );
+        chunks().remove(&a);
+        chunks().remove(&b);
     }
 }

@@ -151,11 +151,11 @@ impl<'a> OwnedRowWrite<'a> {
     }
 
     /// The grid for a chunk of `n` tokens: one warp per unit (a group of 8 tokens x a block of
-    /// 8 layer pairs; see cuda/copy.cu), so that the hardware's CTA scheduler balances the load
+    /// 4 layer pairs; see cuda/copy.cu), so that the hardware's CTA scheduler balances the load
     /// between units this rank owns and units it skips after one slot read.
     pub fn launch(&self, n: usize) -> Launch {
         const WARPS: u64 = 512 / 32;
-        let units = (n as u64).div_ceil(8) * u64::from(self.params.num_pairs).div_ceil(8);
+        let units = (n as u64).div_ceil(8) * u64::from(self.params.num_pairs).div_ceil(4);
         Launch {
             ctas: units.div_ceil(WARPS).clamp(1, u64::from(u32::MAX)) as u32,
             threads: 512,
