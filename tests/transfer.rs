@@ -29,7 +29,11 @@ const LAUNCH: Launch = Launch {
     ctas: 16,
     threads: 256,
 };
-const METHODS: [CopyMethod; 2] = [CopyMethod::Kernel(LAUNCH), CopyMethod::CopyEngine];
+const METHODS: [CopyMethod; 3] = [
+    CopyMethod::Kernel(LAUNCH),
+    CopyMethod::CopyEngine,
+    CopyMethod::Blocks(LAUNCH),
+];
 const SHARDS: [u32; 4] = [1, 2, 4, 8];
 /// Pages of the decode pool.
 const DECODE_PAGES: u64 = 40;

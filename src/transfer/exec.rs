@@ -12,9 +12,13 @@
 //!   leave one warp copying megabytes while the rest of the grid idles.
 //! - [`CopyMethod::CopyEngine`]: one `memcpy_batch` call (`cudaMemcpyBatchAsync`), which leaves
 //!   the SMs to the forward pass.
+//! - [`CopyMethod::Blocks`]: one `kvs_copy_blocks` launch per section from the batch's page
+//!   lists and per-layer bases. Owned pages of a rank sit N apart on the decode side, so runs
+//!   rarely coalesce and the range table of a 4,096-page chunk is ~12 MB; page lists are 16
+//!   bytes a page, so the per-chunk upload no longer rivals the copy itself.
 //!
-//! On the [`CpuBackend`](crate::backend::cpu::CpuBackend) both run the CPU twins: that is the
-//! reference the GPU paths are compared with.
+//! On the [`CpuBackend`](crate::backend::cpu::CpuBackend) all three run the CPU twins: that is
+//! the reference the GPU paths are compared with.
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -58,8 +62,22 @@ pub struct DescriptorBatch<'a> {
     chunk: u32,
     last: bool,
     ranges: Vec<abi::kvs_range>,
+    blocks: Vec<BlockSection>,
     bytes: ComponentBytes,
     _spaces: PhantomData<&'a ()>,
+}
+
+/// One section of a batch in `kvs_copy_blocks` form: per-layer base pairs and page lists, so a
+/// kernel resolves addresses itself and the upload is 16 bytes per page instead of 24 bytes per
+/// (run, layer).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct BlockSection {
+    components: Vec<abi::kvs_block_component>,
+    pairs: Vec<abi::kvs_layer_pair>,
+    src_pages: Vec<i64>,
+    dst_pages: Vec<i64>,
+    src_limit: u64,
+    dst_limit: u64,
 }
 
 /// Index of `c` in `space`, after checking the space stores it the way the plan assumes and
@@ -132,6 +150,7 @@ impl<'a> DescriptorBatch<'a> {
         dst: &'a dyn BlockSpace,
     ) -> Result<Self> {
         let mut ranges = Vec::with_capacity(plan.descriptor_count());
+        let mut blocks = Vec::new();
         for section in plan.sections() {
             // Plans are plain data: every run is checked against the spaces here, so no range
             // of the batch leaves its (component, layer) buffer whatever the plan holds.
@@ -141,9 +160,27 @@ impl<'a> DescriptorBatch<'a> {
                     reason: "a run's pages overflow".into(),
                 });
             };
-            for c in &section.components {
+            let mut block = BlockSection {
+                components: Vec::new(),
+                pairs: Vec::new(),
+                src_pages: Vec::new(),
+                dst_pages: Vec::new(),
+                src_limit: src.pages(),
+                dst_limit: dst.pages(),
+            };
+            for (k, c) in section.components.iter().enumerate() {
                 let si = locate(plan, src, c, "source", src_end)?;
                 let di = locate(plan, dst, c, "destination", dst_end)?;
+                let packed = abi::kvs_block_side {
+                    page_stride: c.item,
+                    row_stride: c.item,
+                };
+                block.components.push(abi::kvs_block_component {
+                    rows: 1,
+                    row_bytes: c.item as u32,
+                    src: packed,
+                    dst: packed,
+                });
                 for layer in 0..c.layers {
                     let (s, d) = (src.layer_base(si, layer), dst.layer_base(di, layer));
                     ranges.extend(section.runs.iter().map(|run| abi::kvs_range {
@@ -151,7 +188,24 @@ impl<'a> DescriptorBatch<'a> {
                         dst: d + run.dst * c.item,
                         bytes: run.pages * c.item,
                     }));
+                    block.pairs.push(abi::kvs_layer_pair {
+                        src: s,
+                        dst: d,
+                        component: k as u32,
+                        signal: 0,
+                    });
                 }
+            }
+            for run in &section.runs {
+                block
+                    .src_pages
+                    .extend((run.src..run.src + run.pages).map(|p| p as i64));
+                block
+                    .dst_pages
+                    .extend((run.dst..run.dst + run.pages).map(|p| p as i64));
+            }
+            if !block.src_pages.is_empty() && !block.pairs.is_empty() {
+                blocks.push(block);
             }
         }
         Ok(Self {
@@ -160,6 +214,7 @@ impl<'a> DescriptorBatch<'a> {
             chunk: plan.chunk.index,
             last: plan.chunk.last,
             ranges,
+            blocks,
             bytes: plan.bytes(),
             _spaces: PhantomData,
         })
@@ -238,6 +293,9 @@ pub enum CopyMethod {
     Kernel(Launch),
     /// One `memcpy_batch` call per batch (`cudaMemcpyBatchAsync` on the GPU).
     CopyEngine,
+    /// One `kvs_copy_blocks` launch per section (the latent KV; with the final chunk, the
+    /// indexer state) with this grid, from page lists: the smallest upload of the three.
+    Blocks(Launch),
 }
 
 /// Executes batches on a [`Backend`] whose address space holds both the source and the
@@ -280,19 +338,9 @@ impl<'b, B: Backend> BackendTransport<'b, B> {
         self.method
     }
 
-    /// Launches `kvs_copy_ranges` over `ranges`, split into kernel pieces.
-    fn launch(&mut self, ranges: &[abi::kvs_range], launch: Launch) -> Result<()> {
-        self.staged.clear();
-        let mut pieces = 0u64;
-        for piece in kernel_pieces(ranges) {
-            for word in [piece.src, piece.dst, piece.bytes] {
-                self.staged.extend_from_slice(&word.to_le_bytes());
-            }
-            pieces += 1;
-        }
-        if pieces == 0 {
-            return Ok(());
-        }
+    /// Uploads `staged` into the reusable device table (stream-ordered after the launches that
+    /// read its previous contents) and returns its address.
+    fn upload_staged(&mut self) -> Result<u64> {
         let table = match self.table.take() {
             Some(t) if t.len() >= self.staged.len() => t,
             old => {
@@ -308,7 +356,67 @@ impl<'b, B: Backend> BackendTransport<'b, B> {
         let written = self.backend.enqueue_write(&table, 0, &self.staged);
         let addr = table.addr();
         self.table = Some(table);
-        written?;
+        written.map(|()| addr)
+    }
+
+    /// Launches `kvs_copy_blocks` over one section's pairs and page lists.
+    fn launch_blocks(&mut self, section: &BlockSection, launch: Launch) -> Result<()> {
+        self.staged.clear();
+        for p in &section.pairs {
+            for word in [p.src, p.dst] {
+                self.staged.extend_from_slice(&word.to_le_bytes());
+            }
+            self.staged.extend_from_slice(&p.component.to_le_bytes());
+            self.staged.extend_from_slice(&p.signal.to_le_bytes());
+        }
+        let src_at = self.staged.len() as u64;
+        for id in section.src_pages.iter().chain(&section.dst_pages) {
+            self.staged.extend_from_slice(&id.to_le_bytes());
+        }
+        let base = self.upload_staged()?;
+        let n = section.src_pages.len() as u64;
+        let list = |ids: u64, limit: u64| abi::kvs_page_list {
+            ids,
+            limit,
+            kind: abi::KVS_INDEX_LOCAL,
+            shard: 1,
+            rank: 0,
+            reserved: 0,
+        };
+        let mut components =
+            [abi::kvs_block_component::default(); abi::KVS_MAX_COMPONENTS as usize];
+        components[..section.components.len()].copy_from_slice(&section.components);
+        let params = abi::kvs_copy_blocks_params {
+            components,
+            pairs: base,
+            num_pages: n,
+            src_pages: list(base + src_at, section.src_limit),
+            dst_pages: list(base + src_at + 8 * n, section.dst_limit),
+            signals: 0,
+            num_pairs: section.pairs.len() as u32,
+            num_components: section.components.len() as u32,
+            status: abi::kvs_status::default(),
+        };
+        // SAFETY: pairs are the (component, layer) bases of the batch's spaces, checked by
+        // `DescriptorBatch::resolve` against the spaces' layers, packed strides and pages (the
+        // limits bound every page the kernel touches); the table is ours and stream-ordered.
+        unsafe { self.backend.copy_blocks(params, launch) }
+    }
+
+    /// Launches `kvs_copy_ranges` over `ranges`, split into kernel pieces.
+    fn launch(&mut self, ranges: &[abi::kvs_range], launch: Launch) -> Result<()> {
+        self.staged.clear();
+        let mut pieces = 0u64;
+        for piece in kernel_pieces(ranges) {
+            for word in [piece.src, piece.dst, piece.bytes] {
+                self.staged.extend_from_slice(&word.to_le_bytes());
+            }
+            pieces += 1;
+        }
+        if pieces == 0 {
+            return Ok(());
+        }
+        let addr = self.upload_staged()?;
         let params = abi::kvs_copy_ranges_params {
             ranges: addr,
             num_ranges: pieces,
@@ -327,6 +435,10 @@ impl<B: Backend> Transport for BackendTransport<'_, B> {
             CopyMethod::Kernel(launch) => self.launch(batch.ranges(), launch),
             // SAFETY: as in `launch`; the backend reads the range list before returning.
             CopyMethod::CopyEngine => unsafe { self.backend.memcpy_batch(batch.ranges()) },
+            CopyMethod::Blocks(launch) => batch
+                .blocks
+                .iter()
+                .try_for_each(|section| self.launch_blocks(section, launch)),
         }
     }
 
