@@ -158,7 +158,7 @@ fn send_all<B: Backend>(
     receiver.register(reg.clone(), pools.len() as u32)?;
     let mut transport = BackendTransport::new(
         b,
-        CopyMethod::Kernel(Launch {
+        CopyMethod::Blocks(Launch {
             ctas: 264,
             threads: 512,
         }),
