@@ -52,17 +52,6 @@ __device__ __forceinline__ bool resolve_page(const kvs_page_list& list, int64_t 
     return true;
 }
 
-/* The page ids a warp reads before it can copy a unit; fetched one unit ahead. */
-struct UnitIds {
-    int64_t src;
-    int64_t dst;
-};
-
-__device__ __forceinline__ UnitIds fetch_ids(const kvs_copy_blocks_params& p, uint64_t u) {
-    const uint64_t j = u % p.num_pages;
-    return UnitIds{page_id(p.src_pages, j), page_id(p.dst_pages, j)};
-}
-
 /* One warp copies `vectors` 16-byte vectors; vector i sits at base + offset(i) on each side. */
 template <typename Offset>
 __device__ __forceinline__ void warp_copy(uint64_t src, uint64_t dst, uint32_t vectors, Offset src_offset,
@@ -105,27 +94,15 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) kvs_copy_blocks(const 
     const kvs_layer_pair* pairs = reinterpret_cast<const kvs_layer_pair*>(p.pairs);
     uint32_t* signals = reinterpret_cast<uint32_t*>(p.signals);
     const uint64_t units = p.num_pages * p.num_pairs;
-    uint64_t u = global_warp();
-    UnitIds ids{};
-    if (u < units) {
-        ids = fetch_ids(p, u);
-    }
-    while (u < units) {
-        // The next unit's page ids are loaded now and consumed after this unit's copy (the
-        // pair table is small and stays cached).
-        const uint64_t next_u = u + grid_warps();
-        UnitIds next{};
-        if (next_u < units) {
-            next = fetch_ids(p, next_u);
-        }
+    for (uint64_t u = global_warp(); u < units; u += grid_warps()) {
         const uint64_t k = u / p.num_pages;
         const uint64_t j = u - k * p.num_pages;
         const kvs_layer_pair pair = pairs[k];
         uint64_t src_page = 0;
         uint64_t dst_page = 0;
         // Both sides are resolved (and bounds-checked) before either decides to skip.
-        const bool src_ok = resolve_page(p.src_pages, ids.src, j, src_page, p.status);
-        const bool dst_ok = resolve_page(p.dst_pages, ids.dst, j, dst_page, p.status);
+        const bool src_ok = resolve_page(p.src_pages, page_id(p.src_pages, j), j, src_page, p.status);
+        const bool dst_ok = resolve_page(p.dst_pages, page_id(p.dst_pages, j), j, dst_page, p.status);
         const bool component_ok = pair.component < p.num_components;
         if (!component_ok && j == 0) {
             report(p.status, u);
@@ -150,8 +127,6 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) kvs_copy_blocks(const 
                 atomicAdd(signals + pair.signal, 1u);
             }
         }
-        ids = next;
-        u = next_u;
     }
 }
 

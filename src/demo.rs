@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::geometry::IndexerScale;
 use crate::geometry::{CacheGeometry, LatentLayout, PoolGeometry, PAGE_SIZE};
 use crate::hicache::{
-    Direction, HostLayout, HostPool, HostTransfer, IoBackend, Layers, TransferPlan,
+    Direction, HostLayout, HostPool, HostTransfer, IoBackend, Layers, Relayout, TransferPlan,
 };
 use crate::pool::{ChunkStaging, DevicePool, OwnedRowWrite};
 use crate::quantize::{
@@ -101,7 +101,7 @@ fn hicache_io<B: Backend>(
     if staged {
         t.prepare_kernel(b, None)?;
         let staging = t.staging(b, 16)?;
-        t.run_staged(b, relayout, &staging, 8)?;
+        t.run_staged(b, relayout, &staging, Relayout::Kernel { ctas: 8 })?;
         b.synchronize()
     } else {
         t.run(b, IoBackend::CopyEngine, Layers::All)?;

@@ -14,7 +14,8 @@ use kvshard::backend::{Backend, Buffer, Copy2d, Launch, MemoryKind};
 use kvshard::geometry::{CacheGeometry, ComponentLayout, LatentLayout, PoolGeometry};
 use kvshard::hicache::{
     pages_of_tokens, CacheNode, Direction, HiCacheController, HostLayout, HostPool, HostTransfer,
-    IoBackend, IoCalls, LayerReady, LayerSignals, Layers, Streams, TransferPlan, WritePolicy,
+    IoBackend, IoCalls, LayerReady, LayerSignals, Layers, Relayout, Streams, TransferPlan,
+    WritePolicy,
 };
 use kvshard::pool::{BlockSpace, DevicePool, PoolBuffers};
 use kvshard::shard::{AllocRequest, ChainStart, Placement, ShardAllocator};
@@ -260,7 +261,7 @@ fn cpu_round_trips_move_exactly_the_owned_pages_for_every_layout_and_backend() {
 fn staged_round_trip<B: Backend>(
     (b, other): (&B, &B),
     g: &CacheGeometry,
-    layout: HostLayout,
+    (layout, how): (HostLayout, Relayout),
     placement: Placement,
     rank: u32,
     chunk: u64,
@@ -268,10 +269,36 @@ fn staged_round_trip<B: Backend>(
 ) -> Trip {
     round_trip_with(b, g, layout, placement, rank, node, &|t| {
         let staging = t.staging(b, chunk).unwrap();
-        t.run_staged(b, other, &staging, 2).unwrap();
+        t.run_staged(b, other, &staging, how).unwrap();
         // The staging buffers are dropped here: `b` reaching this point means all has landed.
         b.synchronize().unwrap();
     })
+}
+
+/// The relayouts a host layout supports: the copy engine needs whole blocks on the host side.
+fn relayouts(layout: HostLayout) -> Vec<Relayout> {
+    let mut out = vec![Relayout::Kernel { ctas: 2 }];
+    if layout != HostLayout::PageFirst {
+        out.push(Relayout::CopyEngine);
+    }
+    out
+}
+
+#[test]
+fn copy_engine_relayout_refuses_token_major_rows() {
+    let b = CpuBackend::new();
+    let g = &geometries()[0];
+    let placement = Placement::new(1).unwrap();
+    let pool = DevicePool::allocate(&b, g, placement, 0, DEVICE_PAGES).unwrap();
+    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirst).unwrap();
+    let plan = TransferPlan::new(placement, 0, &[1, 2], &[1, 2], DEVICE_PAGES, HOST_PAGES).unwrap();
+    let mut t = HostTransfer::new(&pool, &host, plan, Direction::Load).unwrap();
+    t.prepare_kernel(&b, None).unwrap();
+    let staging = t.staging(&b, 2).unwrap();
+    let err = t
+        .run_staged(&b, &b.new_stream(), &staging, Relayout::CopyEngine)
+        .unwrap_err();
+    assert!(err.to_string().contains("whole blocks"), "{err}");
 }
 
 #[test]
@@ -286,13 +313,20 @@ fn staged_round_trips_equal_the_direct_ones() {
             for layout in HostLayout::ALL {
                 let want = round_trip(&b, &g, layout, placement, 0, IoBackend::CopyEngine, &node);
                 for chunk in [1, 2, 64] {
-                    let got =
-                        staged_round_trip((&b, &other), &g, layout, placement, 0, chunk, &node);
-                    assert!(want.host == got.host, "N={n} {layout} chunk {chunk}: host");
-                    assert!(
-                        want.reloaded == got.reloaded,
-                        "N={n} {layout} chunk {chunk}: reloaded"
-                    );
+                    for how in relayouts(layout) {
+                        let got = staged_round_trip(
+                            (&b, &other),
+                            &g,
+                            (layout, how),
+                            placement,
+                            0,
+                            chunk,
+                            &node,
+                        );
+                        let case = format!("N={n} {layout} {how:?} chunk {chunk}");
+                        assert!(want.host == got.host, "{case}: host");
+                        assert!(want.reloaded == got.reloaded, "{case}: reloaded");
+                    }
                 }
             }
         }
@@ -313,12 +347,20 @@ fn gpu_staged_round_trips_match_cpu_byte_for_byte() {
         for layout in HostLayout::ALL {
             let want = round_trip(&cpu, &g, layout, placement, 1, IoBackend::CopyEngine, &node);
             for chunk in [1, 3] {
-                let got = staged_round_trip((&gpu, &other), &g, layout, placement, 1, chunk, &node);
-                assert!(want.host == got.host, "{layout} chunk {chunk}: host");
-                assert!(
-                    want.reloaded == got.reloaded,
-                    "{layout} chunk {chunk}: reloaded"
-                );
+                for how in relayouts(layout) {
+                    let got = staged_round_trip(
+                        (&gpu, &other),
+                        &g,
+                        (layout, how),
+                        placement,
+                        1,
+                        chunk,
+                        &node,
+                    );
+                    let case = format!("{layout} {how:?} chunk {chunk}");
+                    assert!(want.host == got.host, "{case}: host");
+                    assert!(want.reloaded == got.reloaded, "{case}: reloaded");
+                }
             }
         }
     }

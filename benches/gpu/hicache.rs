@@ -8,7 +8,8 @@ use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{Backend, Buffer, MemoryKind};
 use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry};
 use kvshard::hicache::{
-    Direction, HostLayout, HostPool, HostTransfer, IoBackend, LayerSignals, Layers, TransferPlan,
+    Direction, HostLayout, HostPool, HostTransfer, IoBackend, LayerSignals, Layers, Relayout,
+    TransferPlan,
 };
 use kvshard::pool::DevicePool;
 use kvshard::shard::Placement;
@@ -154,20 +155,27 @@ pub fn io(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                         ),
                     );
                 }
-                for chunk in [16u64, 64] {
+                let mut staged = vec![
+                    (16u64, Relayout::Kernel { ctas: STAGED_CTAS }),
+                    (64, Relayout::Kernel { ctas: STAGED_CTAS }),
+                ];
+                if layout != HostLayout::PageFirst {
+                    staged.push((32, Relayout::CopyEngine));
+                }
+                for (chunk, how) in staged {
                     let staging = t.staging(&ctx.backend, chunk)?;
                     let stats = ctx.time(ctx.reps(if pages >= 2048 { 3 } else { 8 }), || {
-                        t.run_staged(&ctx.backend, &other, &staging, STAGED_CTAS)
+                        t.run_staged(&ctx.backend, &other, &staging, how)
                     })?;
                     verify(ctx, &pool, &host, &plan)?;
                     report.add(
                         "hicache",
-                        format!("{layout:?} {dir:?} {pages}p x 62 layers, staged copy-engine ({chunk}-page chunks)"),
+                        format!("{layout:?} {dir:?} {pages}p x 62 layers, staged copy-engine ({chunk}-page chunks, {how:?} relayout)"),
                         bytes,
                         stats,
                         ceiling(ctx, dir),
                         format!(
-                            "{:.0} MB device staging, relayout kernel {STAGED_CTAS} CTAs on a second stream",
+                            "{:.0} MB device staging, relayout on a second stream",
                             staging.bytes() as f64 / 1e6
                         ),
                     );
@@ -318,22 +326,24 @@ pub fn duplex(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
         let backup_staging = backup.staging(&ctx.backend, 32)?;
         let relayout_load = CudaBackend::new(ctx.gpu.clone())?;
         let relayout_backup = CudaBackend::new(ctx.gpu.clone())?;
-        let stats: Stats = ctx.time(ctx.reps(8), || {
-            let fork = ctx.backend.record()?;
-            other.wait(&fork)?;
-            load.run_staged(&ctx.backend, &relayout_load, &load_staging, STAGED_CTAS)?;
-            backup.run_staged(&other, &relayout_backup, &backup_staging, STAGED_CTAS)?;
-            let join = other.record()?;
-            ctx.backend.wait(&join)
-        })?;
-        report.add(
-            "hicache",
-            format!("{layout:?} Load 512p + Backup 512p at once, staged copy-engine"),
-            bytes,
-            stats,
-            ("h2d+d2h", ctx.ceilings.bidir),
-            String::new(),
-        );
+        for how in [Relayout::Kernel { ctas: STAGED_CTAS }, Relayout::CopyEngine] {
+            let stats: Stats = ctx.time(ctx.reps(8), || {
+                let fork = ctx.backend.record()?;
+                other.wait(&fork)?;
+                load.run_staged(&ctx.backend, &relayout_load, &load_staging, how)?;
+                backup.run_staged(&other, &relayout_backup, &backup_staging, how)?;
+                let join = other.record()?;
+                ctx.backend.wait(&join)
+            })?;
+            report.add(
+                "hicache",
+                format!("{layout:?} Load 512p + Backup 512p at once, staged copy-engine ({how:?} relayout)"),
+                bytes,
+                stats,
+                ("h2d+d2h", ctx.ceilings.bidir),
+                String::new(),
+            );
+        }
     }
     Ok(())
 }

@@ -9,7 +9,7 @@ use cudarc::cublas::{result as blas, sys as blas_sys};
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{Backend, Buffer, MemoryKind};
 use kvshard::gpu::{bench, Stream};
-use kvshard::hicache::{Direction, HostLayout, HostTransfer, IoBackend, Layers};
+use kvshard::hicache::{Direction, HostLayout, HostTransfer, IoBackend, Layers, Relayout};
 use kvshard::{Error, Result};
 
 use crate::harness::{Ctx, Report};
@@ -19,17 +19,14 @@ use crate::hicache::{device_pool, host_pool, plan, STAGED_CTAS};
 #[derive(Clone, Copy)]
 enum Io {
     Direct(IoBackend),
-    Staged,
+    Staged(Relayout),
 }
 
 impl std::fmt::Display for Io {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Io::Direct(io) => write!(f, "{io}"),
-            Io::Staged => write!(
-                f,
-                "staged copy-engine (32-page chunks, relayout {STAGED_CTAS} CTAs)"
-            ),
+            Io::Staged(how) => write!(f, "staged copy-engine (32-page chunks, {how:?} relayout)"),
         }
     }
 }
@@ -230,14 +227,15 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             let relayout = CudaBackend::new(ctx.gpu.clone())?;
             for io in [
                 Io::Direct(IoBackend::CopyEngine),
-                Io::Staged,
+                Io::Staged(Relayout::Kernel { ctas: STAGED_CTAS }),
+                Io::Staged(Relayout::CopyEngine),
                 Io::Direct(IoBackend::SmKernel { ctas: 2 }),
                 Io::Direct(IoBackend::SmKernel { ctas: 4 }),
                 Io::Direct(IoBackend::SmKernel { ctas: 8 }),
             ] {
                 let run = || match io {
                     Io::Direct(io) => t.run(&ctx.backend, io, Layers::All),
-                    Io::Staged => t.run_staged(&ctx.backend, &relayout, &staging, STAGED_CTAS),
+                    Io::Staged(how) => t.run_staged(&ctx.backend, &relayout, &staging, how),
                 };
                 let reps = ctx.reps(10);
                 let idle = ctx.time(reps, run)?;

@@ -135,9 +135,12 @@ impl Backend for CudaBackend {
         // SAFETY: `at` spans data.len() bytes of a live buffer (device memory or the alias of
         // pinned host memory: unified addressing tells the driver which). From pageable memory
         // the driver stages `data` before returning, so it may be reused at once.
-        unsafe { sys::cuMemcpyAsync(at, data.as_ptr() as u64, data.len(), self.stream.raw()) }
-            .result()
-            .map_err(Error::driver("cuMemcpyAsync"))?;
+        for (dst, src, len) in cut_at_registrations(at, data.as_ptr() as u64, data.len() as u64) {
+            // SAFETY: a piece of the ranges above.
+            unsafe { sys::cuMemcpyAsync(dst, src, len as usize, self.stream.raw()) }
+                .result()
+                .map_err(Error::driver("cuMemcpyAsync"))?;
+        }
         // From pinned or registered memory the copy is truly asynchronous: wait for it, so the
         // caller may still reuse `data` at once. cuPointerGetAttributes (unlike the singular
         // query) answers "no memory type" for pageable memory instead of failing.
@@ -166,9 +169,12 @@ impl Backend for CudaBackend {
         self.gpu.bind()?;
         // SAFETY: `out` holds len bytes and outlives the copy (we synchronize before returning);
         // the source is device memory or pinned host memory, resolved by unified addressing.
-        unsafe { sys::cuMemcpyAsync(out.as_mut_ptr() as u64, at, len, self.stream.raw()) }
-            .result()
-            .map_err(Error::driver("cuMemcpyAsync"))?;
+        for (dst, src, len) in cut_at_registrations(out.as_mut_ptr() as u64, at, len as u64) {
+            // SAFETY: a piece of the ranges above.
+            unsafe { sys::cuMemcpyAsync(dst, src, len as usize, self.stream.raw()) }
+                .result()
+                .map_err(Error::driver("cuMemcpyAsync"))?;
+        }
         self.stream.synchronize()?;
         Ok(out)
     }

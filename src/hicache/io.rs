@@ -717,6 +717,21 @@ impl<'a> HostTransfer<'a> {
     }
 }
 
+/// How [`HostTransfer::run_staged`] moves pages between its device staging and the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Relayout {
+    /// `kvs_copy_blocks` with `ctas` 1024-thread CTAs: any layout, at HBM speed, but it takes
+    /// SMs from the forward pass while it runs.
+    Kernel {
+        /// CTAs per launch.
+        ctas: u32,
+    },
+    /// Device-to-device 2D copies on the copy engine, one per (page, component): no SM at all;
+    /// needs kvshard-allocated pools (uniform layer stride) and whole blocks on the host side
+    /// (`layer_first` or `page_first_direct`).
+    CopyEngine,
+}
+
 /// Device staging for [`HostTransfer::run_staged`]: two device buffers laid out like the host
 /// pool for `chunk` pages each, and the pair tables that address them.
 #[derive(Debug)]
@@ -792,6 +807,56 @@ impl HostTransfer<'_> {
         })
     }
 
+    /// The copy-engine relayout needs every device layer at one stride a 2D copy accepts and
+    /// blocks that are whole on both sides (not token-major `page_first` rows).
+    fn check_copy_engine_relayout(&self) -> Result<()> {
+        for (c, comp) in self.device.components().iter().enumerate() {
+            let uniform = comp.layers() == 1
+                || self
+                    .device
+                    .layer_stride(c)
+                    .is_some_and(|s| s <= MAX_2D_PITCH);
+            let whole =
+                comp.rows == 1 || self.host.block_side(c).row_stride == comp.row_bytes as u64;
+            if !uniform || !whole {
+                return Err(Error::HiCache(format!(
+                    "copy-engine relayout of {}: needs a uniform device layer stride and whole blocks in the {} host layout",
+                    comp.component,
+                    self.host.layout()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// 2D copies between a mirror and the device pool for one segment: per (page, component)
+    /// one copy whose rows are the component's layers.
+    fn relayout_copies(&self, seg: &Segment, mirror: &HostPool) -> Result<Vec<Call>> {
+        let mut calls = Vec::new();
+        for (c, comp) in self.device.components().iter().enumerate() {
+            let block = comp.block_bytes as u64;
+            let m = mirror.strides(c)?;
+            let device_pitch = self.device.layer_stride(c).unwrap_or(block);
+            for j in 0..seg.pages {
+                let dev_page = self.plan.device_pages()[seg.first_entry + j as usize];
+                let piece = Piece {
+                    device: self.device.layer_base(c, 0) + dev_page * block,
+                    device_pitch,
+                    host: mirror.layer_base(c, 0) + j * m.page_stride,
+                    host_pitch: m.layer_stride,
+                    width: block,
+                    height: comp.layers() as u64,
+                };
+                calls.push(if piece.height > 1 {
+                    Call::Memcpy2d(piece.copy(self.direction))
+                } else {
+                    Call::Memcpy(piece.copy(self.direction))
+                });
+            }
+        }
+        Ok(calls)
+    }
+
     /// The plan's entries cut where host pages stop being consecutive or a chunk is full.
     fn segments(&self, chunk: u64) -> Vec<Segment> {
         let mut out: Vec<Segment> = Vec::new();
@@ -859,8 +924,11 @@ impl HostTransfer<'_> {
         copy: &B,
         relayout: &B,
         staging: &StagedIo,
-        ctas: u32,
+        how: Relayout,
     ) -> Result<()> {
+        if let Relayout::CopyEngine = how {
+            self.check_copy_engine_relayout()?;
+        }
         if self.plan.is_empty() {
             return Ok(());
         }
@@ -904,7 +972,20 @@ impl HostTransfer<'_> {
                 num_components: self.num_components,
                 status: abi::kvs_status::default(),
             };
-            let launch = Launch::host_io(ctas);
+            // Between the mirror and the device pool: one launch, or 2D copies page by page.
+            let place = |stream: &B| -> Result<()> {
+                match how {
+                    // SAFETY: the mirror holds `chunk` >= seg.pages pages of every stored layer
+                    // (pair table built from it); device ids are this plan's checked local pages.
+                    Relayout::Kernel { ctas } => unsafe {
+                        stream.copy_blocks(kernel, Launch::host_io(ctas))
+                    },
+                    Relayout::CopyEngine => self
+                        .relayout_copies(seg, mirror)?
+                        .into_iter()
+                        .try_for_each(|call| self.submit(stream, call, 0)),
+                }
+            };
             match self.direction {
                 Direction::Load => {
                     if let Some(e) = &free[m] {
@@ -914,17 +995,14 @@ impl HostTransfer<'_> {
                         self.submit(copy, call, 0)?;
                     }
                     relayout.wait(&copy.record()?)?;
-                    // SAFETY: the mirror holds `chunk` >= seg.pages pages of every stored layer
-                    // (pair table built from it); device ids are this plan's checked local pages.
-                    unsafe { relayout.copy_blocks(kernel, launch)? };
+                    place(relayout)?;
                     free[m] = Some(relayout.record()?);
                 }
                 Direction::Backup => {
                     if let Some(e) = &free[m] {
                         relayout.wait(e)?;
                     }
-                    // SAFETY: as above, gathering into the mirror.
-                    unsafe { relayout.copy_blocks(kernel, launch)? };
+                    place(relayout)?;
                     copy.wait(&relayout.record()?)?;
                     for call in self.mirror_copies(seg, mirror)? {
                         self.submit(copy, call, 0)?;

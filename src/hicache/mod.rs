@@ -35,5 +35,6 @@ pub use controller::{
 pub use host_pool::{HostLayout, HostPool, HostRegion, LayoutStrides, NumaPlacement};
 pub use io::{
     CounterWait, Direction, HostTransfer, IoBackend, IoCalls, LayerReady, LayerSignals, Layers,
+    Relayout, StagedIo,
 };
 pub use plan::{pages_of_tokens, Run, TransferPlan};
