@@ -9,6 +9,8 @@ pub const KVS_INDEXER_SCALES_OFFSET: u32 = 8192;
 pub const KVS_KV_LORA_RANK: u32 = 512;
 pub const KVS_ROPE_DIM: u32 = 64;
 pub const KVS_MAX_COMPONENTS: u32 = 4;
+pub const KVS_WRITE_GROUP: u32 = 8;
+pub const KVS_WRITE_PAIR_BLOCK: u32 = 4;
 pub const KVS_LATENT_FP8_TRTLLM: u32 = 0;
 pub const KVS_LATENT_FP8_SCALED: u32 = 1;
 pub const KVS_LATENT_BF16: u32 = 2;
@@ -46,6 +48,30 @@ const _: () = {
     [
         "Offset of field: kvs_status::reserved",
     ][::std::mem::offset_of!(kvs_status, reserved) - 12usize];
+};
+/** Dynamic work distribution for the copy kernels: each warp takes its next unit with
+ `atomicAdd(counter, 1) - base` instead of striding the grid, so warps that drew short or
+ skipped units take more and the grid ends together. The counter is never reset: every launch
+ adds exactly units + (warps in the grid) to it, so the host (which launches on one stream)
+ passes the running total as `base`. counter == 0 selects plain grid-stride assignment.*/
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
+pub struct kvs_work_queue {
+    ///< device address of a uint64 counter
+    pub counter: u64,
+    ///< the counter's value when this launch starts
+    pub base: u64,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of kvs_work_queue"][::std::mem::size_of::<kvs_work_queue>() - 16usize];
+    ["Alignment of kvs_work_queue"][::std::mem::align_of::<kvs_work_queue>() - 8usize];
+    [
+        "Offset of field: kvs_work_queue::counter",
+    ][::std::mem::offset_of!(kvs_work_queue, counter) - 0usize];
+    [
+        "Offset of field: kvs_work_queue::base",
+    ][::std::mem::offset_of!(kvs_work_queue, base) - 8usize];
 };
 /// bf16 rows [num_tokens][576] (nope then rope) -> latent rows at dst + slots[i] * row_bytes.
 #[repr(C)]
@@ -414,13 +440,14 @@ pub struct kvs_copy_blocks_params {
     pub signals: u64,
     pub num_pairs: u32,
     pub num_components: u32,
+    pub work: kvs_work_queue,
     pub status: kvs_status,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
     [
         "Size of kvs_copy_blocks_params",
-    ][::std::mem::size_of::<kvs_copy_blocks_params>() - 272usize];
+    ][::std::mem::size_of::<kvs_copy_blocks_params>() - 288usize];
     [
         "Alignment of kvs_copy_blocks_params",
     ][::std::mem::align_of::<kvs_copy_blocks_params>() - 8usize];
@@ -449,8 +476,11 @@ const _: () = {
         "Offset of field: kvs_copy_blocks_params::num_components",
     ][::std::mem::offset_of!(kvs_copy_blocks_params, num_components) - 252usize];
     [
+        "Offset of field: kvs_copy_blocks_params::work",
+    ][::std::mem::offset_of!(kvs_copy_blocks_params, work) - 256usize];
+    [
         "Offset of field: kvs_copy_blocks_params::status",
-    ][::std::mem::offset_of!(kvs_copy_blocks_params, status) - 256usize];
+    ][::std::mem::offset_of!(kvs_copy_blocks_params, status) - 272usize];
 };
 /// One component of an owned-row write.
 #[repr(C)]
@@ -495,13 +525,14 @@ pub struct kvs_write_rows_params {
     pub shard: u32,
     pub rank: u32,
     pub num_components: u32,
+    pub work: kvs_work_queue,
     pub status: kvs_status,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
     [
         "Size of kvs_write_rows_params",
-    ][::std::mem::size_of::<kvs_write_rows_params>() - 104usize];
+    ][::std::mem::size_of::<kvs_write_rows_params>() - 120usize];
     [
         "Alignment of kvs_write_rows_params",
     ][::std::mem::align_of::<kvs_write_rows_params>() - 8usize];
@@ -536,8 +567,11 @@ const _: () = {
         "Offset of field: kvs_write_rows_params::num_components",
     ][::std::mem::offset_of!(kvs_write_rows_params, num_components) - 84usize];
     [
+        "Offset of field: kvs_write_rows_params::work",
+    ][::std::mem::offset_of!(kvs_write_rows_params, work) - 88usize];
+    [
         "Offset of field: kvs_write_rows_params::status",
-    ][::std::mem::offset_of!(kvs_write_rows_params, status) - 88usize];
+    ][::std::mem::offset_of!(kvs_write_rows_params, status) - 104usize];
 };
 /// One contiguous byte range to copy.
 #[repr(C)]

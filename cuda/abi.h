@@ -30,6 +30,10 @@
 #define KVS_ROPE_DIM 64
 /* Target latent, target indexer, draft latent, draft indexer. */
 #define KVS_MAX_COMPONENTS 4
+/* kvs_write_rows units: a group of tokens x a block of (layer, component) pairs. The host counts
+   units with the same numbers (kvs_work_queue bases, grids). */
+#define KVS_WRITE_GROUP 8
+#define KVS_WRITE_PAIR_BLOCK 4
 
 /* kvs_quantize_latent_params.layout */
 #define KVS_LATENT_FP8_TRTLLM 0 /* 576-byte rows: e4m3 nope + e4m3 rope, scale 1.0 */
@@ -66,6 +70,18 @@ typedef struct kvs_status {
     uint32_t epoch;
     uint32_t reserved;
 } kvs_status;
+
+/**
+ * Dynamic work distribution for the copy kernels: each warp takes its next unit with
+ * `atomicAdd(counter, 1) - base` instead of striding the grid, so warps that drew short or
+ * skipped units take more and the grid ends together. The counter is never reset: every launch
+ * adds exactly units + (warps in the grid) to it, so the host (which launches on one stream)
+ * passes the running total as `base`. counter == 0 selects plain grid-stride assignment.
+ */
+typedef struct kvs_work_queue {
+    uint64_t counter; /**< device address of a uint64 counter */
+    uint64_t base;    /**< the counter's value when this launch starts */
+} kvs_work_queue;
 
 /** bf16 rows [num_tokens][576] (nope then rope) -> latent rows at dst + slots[i] * row_bytes. */
 typedef struct kvs_quantize_latent_params {
@@ -182,6 +198,7 @@ typedef struct kvs_copy_blocks_params {
     uint64_t signals;
     uint32_t num_pairs;
     uint32_t num_components;
+    kvs_work_queue work;
     kvs_status status;
 } kvs_copy_blocks_params;
 
@@ -208,6 +225,7 @@ typedef struct kvs_write_rows_params {
     uint32_t shard;
     uint32_t rank;
     uint32_t num_components;
+    kvs_work_queue work;
     kvs_status status;
 } kvs_write_rows_params;
 
@@ -245,8 +263,9 @@ KVS_STATIC_ASSERT(sizeof(kvs_scratch_rows_params) == 64, "kvs_scratch_rows_param
 KVS_STATIC_ASSERT(sizeof(kvs_block_component) == 40, "kvs_block_component");
 KVS_STATIC_ASSERT(sizeof(kvs_layer_pair) == 24, "kvs_layer_pair");
 KVS_STATIC_ASSERT(sizeof(kvs_page_list) == 32, "kvs_page_list");
-KVS_STATIC_ASSERT(sizeof(kvs_copy_blocks_params) == 272, "kvs_copy_blocks_params");
-KVS_STATIC_ASSERT(sizeof(kvs_write_rows_params) == 104, "kvs_write_rows_params");
+KVS_STATIC_ASSERT(sizeof(kvs_work_queue) == 16, "kvs_work_queue");
+KVS_STATIC_ASSERT(sizeof(kvs_copy_blocks_params) == 288, "kvs_copy_blocks_params");
+KVS_STATIC_ASSERT(sizeof(kvs_write_rows_params) == 120, "kvs_write_rows_params");
 KVS_STATIC_ASSERT(sizeof(kvs_range) == 24, "kvs_range");
 KVS_STATIC_ASSERT(sizeof(kvs_copy_ranges_params) == 16, "kvs_copy_ranges_params");
 KVS_STATIC_ASSERT(sizeof(kvs_bench_add_params) == 32, "kvs_bench_add_params");

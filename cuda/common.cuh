@@ -106,4 +106,23 @@ __device__ __forceinline__ uint64_t global_warp() {
     return static_cast<uint64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
 }
 
+/* The first unit of this warp: from the work queue, or its grid-stride position. */
+__device__ __forceinline__ uint64_t take_unit(const kvs_work_queue& q) {
+    unsigned long long u = 0;
+    if (threadIdx.x % 32 == 0) {
+        u = atomicAdd(reinterpret_cast<unsigned long long*>(q.counter), 1ull) - q.base;
+    }
+    return __shfl_sync(0xFFFFFFFFu, u, 0);
+}
+
+__device__ __forceinline__ uint64_t first_unit(const kvs_work_queue& q) {
+    return q.counter != 0 ? take_unit(q) : global_warp();
+}
+
+/* The unit after `u`: the queue's next (every warp ends with one failed take, which is what
+ * makes a launch add exactly units + warps to the counter), or the grid-stride successor. */
+__device__ __forceinline__ uint64_t next_unit(const kvs_work_queue& q, uint64_t u) {
+    return q.counter != 0 ? take_unit(q) : u + grid_warps();
+}
+
 } // namespace kvs

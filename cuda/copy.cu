@@ -94,7 +94,7 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) kvs_copy_blocks(const 
     const kvs_layer_pair* pairs = reinterpret_cast<const kvs_layer_pair*>(p.pairs);
     uint32_t* signals = reinterpret_cast<uint32_t*>(p.signals);
     const uint64_t units = p.num_pages * p.num_pairs;
-    for (uint64_t u = global_warp(); u < units; u += grid_warps()) {
+    for (uint64_t u = first_unit(p.work); u < units; u = next_unit(p.work, u)) {
         const uint64_t k = u / p.num_pages;
         const uint64_t j = u - k * p.num_pages;
         const kvs_layer_pair pair = pairs[k];
@@ -132,9 +132,9 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) kvs_copy_blocks(const 
 
 namespace {
 
-/* Tokens of one write unit, and (layer, component) pairs a unit walks through. */
-constexpr uint32_t WRITE_GROUP = 8;
-constexpr uint32_t WRITE_PAIR_BLOCK = 4;
+/* Tokens of one write unit, and (layer, component) pairs a unit walks through (abi.h). */
+constexpr uint32_t WRITE_GROUP = KVS_WRITE_GROUP;
+constexpr uint32_t WRITE_PAIR_BLOCK = KVS_WRITE_PAIR_BLOCK;
 
 /*
  * One pair's rows of a token group: WRITE_GROUP rows of VPR 16-byte vectors, vector i of the
@@ -228,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(WRITE_THREADS, 2) kvs_write_rows(co
     int64_t* rows = s_rows[threadIdx.x / 32];
     const uint64_t groups = (p.num_slots + WRITE_GROUP - 1) / WRITE_GROUP;
     const uint64_t pair_blocks = (p.num_pairs + WRITE_PAIR_BLOCK - 1) / WRITE_PAIR_BLOCK;
-    for (uint64_t u = global_warp(); u < groups * pair_blocks; u += grid_warps()) {
+    for (uint64_t u = first_unit(p.work); u < groups * pair_blocks; u = next_unit(p.work, u)) {
         const uint64_t group = u / pair_blocks;
         const uint32_t block = static_cast<uint32_t>(u - group * pair_blocks);
         const uint64_t first_token = group * WRITE_GROUP;

@@ -508,3 +508,55 @@ fn bad_copies_are_refused_before_anything_moves() {
     );
     assert!(pool.snapshot(&b).unwrap().iter().all(|&x| x == POISON));
 }
+
+/// Gathers rank 1's pages of `ids` into poisoned staging with grid `launch`; returns the staging.
+fn gather_once<B: Backend>(
+    b: &B,
+    pool: &DevicePool,
+    staging: &Staging,
+    ids: &[i64],
+    launch: Launch,
+) -> Vec<u8> {
+    let placement = pool.placement();
+    let sel = PageSelection::Logical {
+        ids: ids.to_vec(),
+        placement,
+        rank: 1,
+    };
+    let plan = BlockCopyPlan::new(pool, sel, staging, PageSelection::Positions, ids.len()).unwrap();
+    b.fill(staging.buffer(), POISON).unwrap();
+    BlockCopy::prepare(b, &plan, pool, staging)
+        .unwrap()
+        .run(b, launch)
+        .unwrap();
+    b.synchronize().unwrap();
+    b.read(staging.buffer(), 0, staging.buffer().len()).unwrap()
+}
+
+/// The CUDA backend hands its copy kernels a work queue whose base it advances after every
+/// launch: many launches of varying grids and sizes on one backend must all stay exact.
+#[test]
+fn gpu_work_queue_stays_in_step_across_launches() {
+    let Some(gpu) = common::cuda("gpu_work_queue_stays_in_step_across_launches") else {
+        return;
+    };
+    let mut rng = common::rng("gpu_work_queue_stays_in_step_across_launches");
+    let cpu = CpuBackend::new();
+    let g = &geometries()[0];
+    let placement = Placement::new(2).unwrap();
+    let pool_gpu = random_pool(&gpu, g, placement, 1, 40, 5);
+    let pool_cpu = random_pool(&cpu, g, placement, 1, 40, 5);
+    let staging_gpu = Staging::new(&gpu, g, 60).unwrap();
+    let staging_cpu = Staging::new(&cpu, g, 60).unwrap();
+    for round in 0..40 {
+        let n = rng.random_range(1..60);
+        let ids = logical_pages(&mut rng, placement, 40, n);
+        let launch = Launch {
+            ctas: rng.random_range(1..9),
+            threads: 32 * rng.random_range(1..33),
+        };
+        let want = gather_once(&cpu, &pool_cpu, &staging_cpu, &ids, launch);
+        let got = gather_once(&gpu, &pool_gpu, &staging_gpu, &ids, launch);
+        assert!(want == got, "round {round}: {n} pages with {launch:?}");
+    }
+}

@@ -233,23 +233,29 @@ pub fn write_path(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             let slot_buf = kvshard::backend::upload_i64s(&ctx.backend, &slots)?;
             let write = OwnedRowWrite::prepare(&ctx.backend, &staging, &pool, |_| true)?;
             let bytes = owned * write.row_bytes();
-            let launch = write.launch(tokens);
-            let stats = ctx.time(ctx.reps(20), || {
-                write.run(&ctx.backend, &slot_buf, tokens, launch)
-            })?;
-            ctx.backend.synchronize()?;
             let floor_ms = bytes as f64 / (ctx.ceilings.d2d * 1e6);
-            report.add(
-                "write",
-                format!("N={n} rank 0, {tokens}-token chunk, 62 layers latent+indexer"),
-                bytes,
-                stats,
-                ("d2d", ctx.ceilings.d2d),
-                format!(
-                    "{:.2}x the byte floor ({floor_ms:.3} ms)",
-                    stats.median / floor_ms
-                ),
-            );
+            // Two CTAs per SM (the work queue balances), and a warp per unit.
+            for ctas in [ctx.gpu.info().sm_count * 2, u32::MAX] {
+                let launch = write.launch(tokens, ctas);
+                let stats = ctx.time(ctx.reps(20), || {
+                    write.run(&ctx.backend, &slot_buf, tokens, launch)
+                })?;
+                ctx.backend.synchronize()?;
+                report.add(
+                    "write",
+                    format!(
+                        "N={n} rank 0, {tokens}-token chunk, 62 layers latent+indexer, {} CTAs",
+                        launch.ctas
+                    ),
+                    bytes,
+                    stats,
+                    ("d2d", ctx.ceilings.d2d),
+                    format!(
+                        "{:.2}x the byte floor ({floor_ms:.3} ms)",
+                        stats.median / floor_ms
+                    ),
+                );
+            }
         }
     }
     Ok(())

@@ -26,6 +26,10 @@ pub struct CudaBackend {
     stream: Stream,
     status_word: DeviceAllocation,
     status: Mutex<StatusTracker>,
+    /// The copy kernels' work-queue counter (`kvs_work_queue`) and its value after everything
+    /// enqueued so far: launches on this one stream each add units + warps to it.
+    work_counter: DeviceAllocation,
+    work_base: Mutex<u64>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -50,9 +54,12 @@ impl CudaBackend {
     /// A backend enqueuing on `stream` (which may be the engine's, see [`Gpu::borrow_stream`]).
     pub fn with_stream(gpu: Arc<Gpu>, stream: Stream) -> Result<Self> {
         let status_word = DeviceAllocation::new(gpu.context(), 8)?;
-        // SAFETY: the 8-byte allocation was just made on this device; the stream is live.
-        unsafe { result::memset_d8_async(status_word.ptr(), 0, 8, stream.raw()) }
-            .map_err(Error::driver("cuMemsetD8Async"))?;
+        let work_counter = DeviceAllocation::new(gpu.context(), 8)?;
+        for word in [&status_word, &work_counter] {
+            // SAFETY: an 8-byte allocation just made on this device; the stream is live.
+            unsafe { result::memset_d8_async(word.ptr(), 0, 8, stream.raw()) }
+                .map_err(Error::driver("cuMemsetD8Async"))?;
+        }
         stream.synchronize()?;
         let status = Mutex::new(StatusTracker::new(status_word.ptr()));
         Ok(Self {
@@ -60,6 +67,8 @@ impl CudaBackend {
             stream,
             status_word,
             status,
+            work_counter,
+            work_base: Mutex::new(0),
         })
     }
 
@@ -82,6 +91,30 @@ impl CudaBackend {
             tracker.cleared();
         }
         Ok(tracker.begin(kernel.name()))
+    }
+
+    /// Launches a copy kernel whose parameters carry a work queue, feeding it this backend's
+    /// counter, and advances the counter's base past the launch (units + warps).
+    ///
+    /// # Safety
+    /// As [`Gpu::launch`].
+    unsafe fn launch_queued<P>(
+        &self,
+        kernel: Kernel,
+        launch: Launch,
+        units: u64,
+        params: &mut P,
+        queue: impl Fn(&mut P) -> &mut abi::kvs_work_queue,
+    ) -> Result<()> {
+        let mut base = lock(&self.work_base);
+        *queue(params) = abi::kvs_work_queue {
+            counter: self.work_counter.ptr(),
+            base: *base,
+        };
+        // SAFETY: forwarded contract; the counter is ours and this stream orders its users.
+        unsafe { self.launch(kernel, launch.ctas, launch.threads, params)? };
+        *base += units + u64::from(launch.ctas) * u64::from(launch.threads / 32);
+        Ok(())
     }
 
     /// CTAs for `units` units of work at `per_cta` units per CTA, capped to a few waves.
@@ -291,8 +324,9 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         p.status = self.begin(Kernel::CopyBlocks)?;
+        let units = p.num_pages * u64::from(p.num_pairs);
         // SAFETY: as above.
-        unsafe { self.launch(Kernel::CopyBlocks, launch.ctas, launch.threads, &p) }
+        unsafe { self.launch_queued(Kernel::CopyBlocks, launch, units, &mut p, |p| &mut p.work) }
     }
 
     unsafe fn write_rows(&self, mut p: abi::kvs_write_rows_params, launch: Launch) -> Result<()> {
@@ -302,8 +336,9 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         p.status = self.begin(Kernel::WriteRows)?;
+        let units = super::write_units(p.num_slots, p.num_pairs);
         // SAFETY: as above.
-        unsafe { self.launch(Kernel::WriteRows, launch.ctas, launch.threads, &p) }
+        unsafe { self.launch_queued(Kernel::WriteRows, launch, units, &mut p, |p| &mut p.work) }
     }
 
     unsafe fn copy_ranges(&self, p: abi::kvs_copy_ranges_params, launch: Launch) -> Result<()> {

@@ -285,6 +285,12 @@ pub trait Backend: Send + Sync {
     unsafe fn memcpy_batch(&self, ranges: &[abi::kvs_range]) -> Result<()>;
 }
 
+/// Units `kvs_write_rows` splits a write of `slots` tokens over `pairs` layer pairs into.
+pub fn write_units(slots: u64, pairs: u32) -> u64 {
+    slots.div_ceil(u64::from(abi::KVS_WRITE_GROUP))
+        * u64::from(pairs.div_ceil(abi::KVS_WRITE_PAIR_BLOCK))
+}
+
 /// Tiles (and tile-state words) `kvs_resolve` uses for `entries` entries.
 pub fn resolve_tiles(entries: u64) -> u64 {
     entries.div_ceil(RESOLVE_TILE)

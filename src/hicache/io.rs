@@ -706,6 +706,7 @@ impl<'a> HostTransfer<'a> {
                     signals,
                     num_pairs: pairs.len() as u32,
                     num_components: self.num_components,
+                    work: abi::kvs_work_queue::default(),
                     status: abi::kvs_status::default(),
                 };
                 // The pair table and page lists live in `tables`, which this transfer owns;
@@ -970,6 +971,7 @@ impl HostTransfer<'_> {
                 signals: 0,
                 num_pairs: staging.num_pairs,
                 num_components: self.num_components,
+                work: abi::kvs_work_queue::default(),
                 status: abi::kvs_status::default(),
             };
             // Between the mirror and the device pool: one launch, or 2D copies page by page.

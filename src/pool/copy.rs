@@ -322,6 +322,7 @@ impl<'a> BlockCopy<'a> {
             signals: 0,
             num_pairs: plan.pairs.len() as u32,
             num_components: plan.components.len() as u32,
+            work: abi::kvs_work_queue::default(),
             status: abi::kvs_status::default(),
         };
         tables.push(pairs);

@@ -395,6 +395,7 @@ impl<'b, B: Backend> BackendTransport<'b, B> {
             signals: 0,
             num_pairs: section.pairs.len() as u32,
             num_components: section.components.len() as u32,
+            work: abi::kvs_work_queue::default(),
             status: abi::kvs_status::default(),
         };
         // SAFETY: pairs are the (component, layer) bases of the batch's spaces, checked by
