@@ -53,7 +53,9 @@ const _: () = {
  `atomicAdd(counter, 1) - base` instead of striding the grid, so warps that drew short or
  skipped units take more and the grid ends together. The counter is never reset: every launch
  adds exactly units + (warps in the grid) to it, so the host (which launches on one stream)
- passes the running total as `base`. counter == 0 selects plain grid-stride assignment.*/
+ passes the running total as `base`. counter == 0 selects plain grid-stride assignment.
+ (kvs_copy_blocks gains from it; kvs_write_rows, whose units are mostly skipped after one slot
+ read, loses to counter contention, so its host launches it with counter == 0.)*/
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
 pub struct kvs_work_queue {

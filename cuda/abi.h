@@ -77,6 +77,8 @@ typedef struct kvs_status {
  * skipped units take more and the grid ends together. The counter is never reset: every launch
  * adds exactly units + (warps in the grid) to it, so the host (which launches on one stream)
  * passes the running total as `base`. counter == 0 selects plain grid-stride assignment.
+ * (kvs_copy_blocks gains from it; kvs_write_rows, whose units are mostly skipped after one slot
+ * read, loses to counter contention, so its host launches it with counter == 0.)
  */
 typedef struct kvs_work_queue {
     uint64_t counter; /**< device address of a uint64 counter */

@@ -248,7 +248,7 @@ pub fn run<B: Backend>(b: &B, relayout: &B, cfg: &Config, staged: bool) -> Resul
     let (mut chain, mut ref_chain) = (Vec::new(), Vec::new());
     let (mut start, mut ref_start) = (0, 0);
     let staging = ChunkStaging::new(b, &reference, cfg.chunk)?;
-    let launch = |w: &OwnedRowWrite<'_>, n| w.launch(n, 264);
+    let launch = |w: &OwnedRowWrite<'_>, n| w.launch(n);
     let writes: Vec<OwnedRowWrite<'_>> = ranks
         .iter()
         .chain(std::iter::once(&reference))

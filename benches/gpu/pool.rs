@@ -234,9 +234,8 @@ pub fn write_path(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             let write = OwnedRowWrite::prepare(&ctx.backend, &staging, &pool, |_| true)?;
             let bytes = owned * write.row_bytes();
             let floor_ms = bytes as f64 / (ctx.ceilings.d2d * 1e6);
-            // Two CTAs per SM (the work queue balances), and a warp per unit.
-            for ctas in [ctx.gpu.info().sm_count * 2, u32::MAX] {
-                let launch = write.launch(tokens, ctas);
+            {
+                let launch = write.launch(tokens);
                 let stats = ctx.time(ctx.reps(20), || {
                     write.run(&ctx.backend, &slot_buf, tokens, launch)
                 })?;

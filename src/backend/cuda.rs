@@ -336,9 +336,12 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         p.status = self.begin(Kernel::WriteRows)?;
-        let units = super::write_units(p.num_slots, p.num_pairs);
+        // Grid-stride units, no work queue: most units of a sharded write are skipped after one
+        // slot read, and warps racing one counter for them measured 1.3-1.9x slower than a
+        // grid of one warp per unit (BENCHMARKS.md).
+        p.work = abi::kvs_work_queue::default();
         // SAFETY: as above.
-        unsafe { self.launch_queued(Kernel::WriteRows, launch, units, &mut p, |p| &mut p.work) }
+        unsafe { self.launch(Kernel::WriteRows, launch.ctas, launch.threads, &p) }
     }
 
     unsafe fn copy_ranges(&self, p: abi::kvs_copy_ranges_params, launch: Launch) -> Result<()> {

@@ -151,15 +151,14 @@ impl<'a> OwnedRowWrite<'a> {
         })
     }
 
-    /// The grid for a chunk of `n` tokens: up to one warp per unit (a group of 8 tokens x a
-    /// block of 4 layer pairs; see cuda/copy.cu), at most `ctas` CTAs of 512 threads. Warps take
-    /// units from a work queue on the GPU, so a grid that fills the device (two CTAs per SM)
-    /// balances owned and skipped units by itself.
-    pub fn launch(&self, n: usize, ctas: u32) -> Launch {
+    /// The grid for a chunk of `n` tokens: one warp per unit (a group of 8 tokens x a block of
+    /// 4 layer pairs; see cuda/copy.cu), so that the hardware's CTA scheduler balances the load
+    /// between units this rank owns and units it skips after one slot read.
+    pub fn launch(&self, n: usize) -> Launch {
         const WARPS: u64 = 512 / 32;
         let units = crate::backend::write_units(n as u64, self.params.num_pairs);
         Launch {
-            ctas: units.div_ceil(WARPS).clamp(1, u64::from(ctas.max(1))) as u32,
+            ctas: units.div_ceil(WARPS).clamp(1, u64::from(u32::MAX)) as u32,
             threads: 512,
         }
     }
