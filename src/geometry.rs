@@ -410,6 +410,14 @@ impl ComponentLayout {
         self.model_layers.len()
     }
 
+    /// Strides of a space storing this component packed: pages one block apart, rows back to back.
+    pub fn packed_side(&self) -> crate::abi::kvs_block_side {
+        crate::abi::kvs_block_side {
+            page_stride: self.block_bytes as u64,
+            row_stride: self.row_bytes as u64,
+        }
+    }
+
     /// Bytes of one page across this component's layers.
     pub fn page_bytes(&self) -> usize {
         self.layers() * self.block_bytes

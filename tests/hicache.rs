@@ -301,6 +301,39 @@ fn copy_engine_relayout_refuses_token_major_rows() {
     assert!(err.to_string().contains("whole blocks"), "{err}");
 }
 
+/// Every relayout and chunk size of the staged path on `b` (+ `other`) against the direct copy
+/// engine on the CPU reference, for every layout, rank `rank` of `placement`.
+fn staged_matches_direct<B: Backend>(
+    (b, other): (&B, &B),
+    g: &CacheGeometry,
+    placement: Placement,
+    rank: u32,
+    chunks: &[u64],
+    node: &Node,
+) {
+    let cpu = CpuBackend::new();
+    for layout in HostLayout::ALL {
+        let want = round_trip(
+            &cpu,
+            g,
+            layout,
+            placement,
+            rank,
+            IoBackend::CopyEngine,
+            node,
+        );
+        for &chunk in chunks {
+            for how in relayouts(layout) {
+                let got =
+                    staged_round_trip((b, other), g, (layout, how), placement, rank, chunk, node);
+                let case = format!("N={} {layout} {how:?} chunk {chunk}", placement.shard());
+                assert!(want.host == got.host, "{case}: host");
+                assert!(want.reloaded == got.reloaded, "{case}: reloaded");
+            }
+        }
+    }
+}
+
 #[test]
 fn staged_round_trips_equal_the_direct_ones() {
     let mut rng = common::rng("staged_round_trips_equal_the_direct_ones");
@@ -310,25 +343,7 @@ fn staged_round_trips_equal_the_direct_ones() {
         for n in [1u32, 2] {
             let placement = Placement::new(n).unwrap();
             let node = node(&mut rng, placement, 3 * n as usize + 1);
-            for layout in HostLayout::ALL {
-                let want = round_trip(&b, &g, layout, placement, 0, IoBackend::CopyEngine, &node);
-                for chunk in [1, 2, 64] {
-                    for how in relayouts(layout) {
-                        let got = staged_round_trip(
-                            (&b, &other),
-                            &g,
-                            (layout, how),
-                            placement,
-                            0,
-                            chunk,
-                            &node,
-                        );
-                        let case = format!("N={n} {layout} {how:?} chunk {chunk}");
-                        assert!(want.host == got.host, "{case}: host");
-                        assert!(want.reloaded == got.reloaded, "{case}: reloaded");
-                    }
-                }
-            }
+            staged_matches_direct((&b, &other), &g, placement, 0, &[1, 2, 64], &node);
         }
     }
 }
@@ -340,29 +355,10 @@ fn gpu_staged_round_trips_match_cpu_byte_for_byte() {
     };
     let other = kvshard::backend::cuda::CudaBackend::new(gpu.gpu().clone()).unwrap();
     let mut rng = common::rng("gpu_staged_round_trips_match_cpu_byte_for_byte");
-    let cpu = CpuBackend::new();
     for g in geometries() {
         let placement = Placement::new(2).unwrap();
         let node = node(&mut rng, placement, 7);
-        for layout in HostLayout::ALL {
-            let want = round_trip(&cpu, &g, layout, placement, 1, IoBackend::CopyEngine, &node);
-            for chunk in [1, 3] {
-                for how in relayouts(layout) {
-                    let got = staged_round_trip(
-                        (&gpu, &other),
-                        &g,
-                        (layout, how),
-                        placement,
-                        1,
-                        chunk,
-                        &node,
-                    );
-                    let case = format!("{layout} {how:?} chunk {chunk}");
-                    assert!(want.host == got.host, "{case}: host");
-                    assert!(want.reloaded == got.reloaded, "{case}: reloaded");
-                }
-            }
-        }
+        staged_matches_direct((&gpu, &other), &g, placement, 1, &[1, 3], &node);
     }
 }
 

@@ -16,30 +16,28 @@ fn check_shard(shard: u32, rank: u32) -> Result<()> {
     Ok(())
 }
 
+/// A quantizer's input rows and output: 16-byte aligned, rows at least `row` bytes apart.
+fn check_rows(what: &str, src: u64, stride: u64, row: u64, dst: u64) -> Result<()> {
+    if stride % 16 != 0 || stride < row || src % 16 != 0 || dst % 16 != 0 {
+        return invalid(format!(
+            "{what} quantizer: source {src:#x} stride {stride} / destination {dst:#x} must be 16-byte aligned, stride >= {row}"
+        ));
+    }
+    Ok(())
+}
+
 pub(crate) fn quantize_latent(p: &abi::kvs_quantize_latent_params) -> Result<()> {
     if p.layout > abi::KVS_LATENT_BF16 {
         return invalid(format!("latent layout code {}", p.layout));
     }
-    if p.src_stride % 16 != 0 || p.src_stride < 1152 || p.src % 16 != 0 || p.dst % 16 != 0 {
-        return invalid(format!(
-            "latent quantizer: source {:#x} stride {} / destination {:#x} must be 16-byte aligned, stride >= 1152",
-            p.src, p.src_stride, p.dst
-        ));
-    }
-    Ok(())
+    check_rows("latent", p.src, p.src_stride, 1152, p.dst)
 }
 
 pub(crate) fn quantize_indexer(p: &abi::kvs_quantize_indexer_params) -> Result<()> {
     if p.scale > abi::KVS_SCALE_PLAIN {
         return invalid(format!("indexer scale code {}", p.scale));
     }
-    if p.src_stride % 16 != 0 || p.src_stride < 256 || p.src % 16 != 0 || p.dst % 16 != 0 {
-        return invalid(format!(
-            "indexer quantizer: source {:#x} stride {} / destination {:#x} must be 16-byte aligned, stride >= 256",
-            p.src, p.src_stride, p.dst
-        ));
-    }
-    Ok(())
+    check_rows("indexer", p.src, p.src_stride, 256, p.dst)
 }
 
 pub(crate) fn resolve(p: &abi::kvs_resolve_params) -> Result<()> {

@@ -285,6 +285,43 @@ pub trait Backend: Send + Sync {
     unsafe fn memcpy_batch(&self, ranges: &[abi::kvs_range]) -> Result<()>;
 }
 
+/// Appends `pairs` as the little-endian `kvs_layer_pair` table the copy kernels read (24 bytes
+/// a pair).
+pub(crate) fn extend_pair_table(out: &mut Vec<u8>, pairs: &[abi::kvs_layer_pair]) {
+    for p in pairs {
+        out.extend_from_slice(&p.src.to_le_bytes());
+        out.extend_from_slice(&p.dst.to_le_bytes());
+        out.extend_from_slice(&p.component.to_le_bytes());
+        out.extend_from_slice(&p.signal.to_le_bytes());
+    }
+}
+
+impl abi::kvs_page_list {
+    /// Entry `j` is local page `ids[j]` (`ids`: address of int64s), below `limit`.
+    pub fn local(ids: u64, limit: u64) -> Self {
+        Self {
+            ids,
+            limit,
+            kind: abi::KVS_INDEX_LOCAL,
+            shard: 1,
+            rank: 0,
+            reserved: 0,
+        }
+    }
+
+    /// Entry `j` is page `j`, below `limit`.
+    pub fn positions(limit: u64) -> Self {
+        Self {
+            ids: 0,
+            limit,
+            kind: abi::KVS_INDEX_POSITION,
+            shard: 1,
+            rank: 0,
+            reserved: 0,
+        }
+    }
+}
+
 /// Units `kvs_write_rows` splits a write of `slots` tokens over `pairs` layer pairs into.
 pub fn write_units(slots: u64, pairs: u32) -> u64 {
     slots.div_ceil(u64::from(abi::KVS_WRITE_GROUP))

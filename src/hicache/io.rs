@@ -400,12 +400,7 @@ impl<'a> HostTransfer<'a> {
             None => backend.alloc(need, MemoryKind::Device)?,
         };
         let mut bytes = Vec::with_capacity(need);
-        for p in &self.pairs {
-            bytes.extend(p.src.to_le_bytes());
-            bytes.extend(p.dst.to_le_bytes());
-            bytes.extend(p.component.to_le_bytes());
-            bytes.extend(p.signal.to_le_bytes());
-        }
+        crate::backend::extend_pair_table(&mut bytes, &self.pairs);
         let pages = self
             .plan
             .device_pages()
@@ -683,14 +678,7 @@ impl<'a> HostTransfer<'a> {
                 })?;
                 let n = self.plan.len() as u64;
                 let pairs_end = tables.addr() + (PAIR_BYTES * self.pairs.len()) as u64;
-                let list = |ids: u64, limit: u64| abi::kvs_page_list {
-                    ids,
-                    limit,
-                    kind: abi::KVS_INDEX_LOCAL,
-                    shard: 1,
-                    rank: 0,
-                    reserved: 0,
-                };
+                let list = abi::kvs_page_list::local;
                 let device = list(pairs_end, self.device.pages());
                 let host = list(pairs_end + 8 * n, self.host.pages());
                 let (src_pages, dst_pages) = match self.direction {
@@ -778,8 +766,7 @@ impl HostTransfer<'_> {
         let mut tables = Vec::with_capacity(2);
         let mut num_pairs = 0;
         for mirror in &mirrors {
-            let mut bytes = Vec::new();
-            num_pairs = 0u32;
+            let mut pairs = Vec::new();
             for (c, comp) in self.device.components().iter().enumerate() {
                 for (l, &model_layer) in comp.model_layers.iter().enumerate() {
                     let (src, dst) = match self.direction {
@@ -788,13 +775,17 @@ impl HostTransfer<'_> {
                             (self.device.layer_base(c, l), mirror.layer_base(c, l))
                         }
                     };
-                    bytes.extend(src.to_le_bytes());
-                    bytes.extend(dst.to_le_bytes());
-                    bytes.extend((c as u32).to_le_bytes());
-                    bytes.extend((model_layer as u32).to_le_bytes());
-                    num_pairs += 1;
+                    pairs.push(abi::kvs_layer_pair {
+                        src,
+                        dst,
+                        component: c as u32,
+                        signal: model_layer as u32,
+                    });
                 }
             }
+            num_pairs = pairs.len() as u32;
+            let mut bytes = Vec::with_capacity(24 * pairs.len());
+            crate::backend::extend_pair_table(&mut bytes, &pairs);
             let table = backend.alloc(bytes.len(), MemoryKind::Device)?;
             backend.write(&table, 0, &bytes)?;
             tables.push(table);
@@ -942,22 +933,11 @@ impl HostTransfer<'_> {
         for (i, seg) in self.segments(staging.chunk).iter().enumerate() {
             let m = i % 2;
             let mirror = &staging.mirrors[m];
-            let device_list = abi::kvs_page_list {
-                ids: device_ids + 8 * seg.first_entry as u64,
-                limit: self.device.pages(),
-                kind: abi::KVS_INDEX_LOCAL,
-                shard: 1,
-                rank: 0,
-                reserved: 0,
-            };
-            let mirror_list = abi::kvs_page_list {
-                ids: 0,
-                limit: staging.chunk,
-                kind: abi::KVS_INDEX_POSITION,
-                shard: 1,
-                rank: 0,
-                reserved: 0,
-            };
+            let device_list = abi::kvs_page_list::local(
+                device_ids + 8 * seg.first_entry as u64,
+                self.device.pages(),
+            );
+            let mirror_list = abi::kvs_page_list::positions(staging.chunk);
             let (src_pages, dst_pages) = match self.direction {
                 Direction::Load => (mirror_list, device_list),
                 Direction::Backup => (device_list, mirror_list),

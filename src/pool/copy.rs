@@ -296,18 +296,8 @@ impl<'a> BlockCopy<'a> {
         _dst: &'a dyn BlockSpace,
     ) -> Result<Self> {
         let mut tables = Vec::new();
-        let pair_bytes: Vec<u8> = plan
-            .pairs
-            .iter()
-            .flat_map(|p| {
-                let mut b = Vec::with_capacity(24);
-                b.extend(p.src.to_le_bytes());
-                b.extend(p.dst.to_le_bytes());
-                b.extend(p.component.to_le_bytes());
-                b.extend(p.signal.to_le_bytes());
-                b
-            })
-            .collect();
+        let mut pair_bytes = Vec::with_capacity(24 * plan.pairs.len());
+        crate::backend::extend_pair_table(&mut pair_bytes, &plan.pairs);
         let pairs = backend.alloc(pair_bytes.len().max(24), crate::backend::MemoryKind::Device)?;
         backend.write(&pairs, 0, &pair_bytes)?;
         let mut components =

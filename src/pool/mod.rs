@@ -368,11 +368,7 @@ impl BlockSpace for DevicePool {
     }
 
     fn block_side(&self, c: usize) -> abi::kvs_block_side {
-        let comp = &self.components[c];
-        abi::kvs_block_side {
-            page_stride: comp.block_bytes as u64,
-            row_stride: comp.row_bytes as u64,
-        }
+        self.components[c].packed_side()
     }
 }
 
@@ -421,10 +417,6 @@ impl BlockSpace for Staging {
     }
 
     fn block_side(&self, c: usize) -> abi::kvs_block_side {
-        let comp = &self.components[c];
-        abi::kvs_block_side {
-            page_stride: comp.block_bytes as u64,
-            row_stride: comp.row_bytes as u64,
-        }
+        self.components[c].packed_side()
     }
 }

@@ -115,18 +115,21 @@ impl<'a> OwnedRowWrite<'a> {
             };
             for (l, &model_layer) in layout.model_layers.iter().enumerate() {
                 if keep(model_layer) {
-                    let src = staging.layer(c, l)?.addr();
-                    pairs.extend_from_slice(&src.to_le_bytes());
-                    pairs.extend_from_slice(&pool.layer_bases(c)[l].to_le_bytes());
-                    pairs.extend_from_slice(&(c as u32).to_le_bytes());
-                    pairs.extend_from_slice(&(model_layer as u32).to_le_bytes());
+                    pairs.push(abi::kvs_layer_pair {
+                        src: staging.layer(c, l)?.addr(),
+                        dst: pool.layer_bases(c)[l],
+                        component: c as u32,
+                        signal: model_layer as u32,
+                    });
                     row_bytes += bytes as u64;
                 }
             }
         }
-        let num_pairs = (pairs.len() / 24) as u32;
-        let table = backend.alloc(pairs.len().max(24), MemoryKind::Device)?;
-        backend.write(&table, 0, &pairs)?;
+        let num_pairs = pairs.len() as u32;
+        let mut table_bytes = Vec::with_capacity(24 * pairs.len());
+        crate::backend::extend_pair_table(&mut table_bytes, &pairs);
+        let table = backend.alloc(table_bytes.len().max(24), MemoryKind::Device)?;
+        backend.write(&table, 0, &table_bytes)?;
         let placement = pool.placement();
         let params = abi::kvs_write_rows_params {
             components,

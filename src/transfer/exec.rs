@@ -362,27 +362,14 @@ impl<'b, B: Backend> BackendTransport<'b, B> {
     /// Launches `kvs_copy_blocks` over one section's pairs and page lists.
     fn launch_blocks(&mut self, section: &BlockSection, launch: Launch) -> Result<()> {
         self.staged.clear();
-        for p in &section.pairs {
-            for word in [p.src, p.dst] {
-                self.staged.extend_from_slice(&word.to_le_bytes());
-            }
-            self.staged.extend_from_slice(&p.component.to_le_bytes());
-            self.staged.extend_from_slice(&p.signal.to_le_bytes());
-        }
+        crate::backend::extend_pair_table(&mut self.staged, &section.pairs);
         let src_at = self.staged.len() as u64;
         for id in section.src_pages.iter().chain(&section.dst_pages) {
             self.staged.extend_from_slice(&id.to_le_bytes());
         }
         let base = self.upload_staged()?;
         let n = section.src_pages.len() as u64;
-        let list = |ids: u64, limit: u64| abi::kvs_page_list {
-            ids,
-            limit,
-            kind: abi::KVS_INDEX_LOCAL,
-            shard: 1,
-            rank: 0,
-            reserved: 0,
-        };
+        let list = abi::kvs_page_list::local;
         let mut components =
             [abi::kvs_block_component::default(); abi::KVS_MAX_COMPONENTS as usize];
         components[..section.components.len()].copy_from_slice(&section.components);
