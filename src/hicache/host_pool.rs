@@ -158,12 +158,28 @@ impl HostPool {
         layout: HostLayout,
     ) -> Result<Self> {
         let components = Self::check(geometry, pages)?;
+        Self::allocate(
+            backend,
+            geometry,
+            layout,
+            pages,
+            components,
+            MemoryKind::PinnedHost,
+        )
+    }
+
+    /// One `kind` buffer per component, sized for `pages` pages.
+    fn allocate<B: Backend>(
+        backend: &B,
+        geometry: &CacheGeometry,
+        layout: HostLayout,
+        pages: u64,
+        components: Vec<ComponentLayout>,
+        kind: MemoryKind,
+    ) -> Result<Self> {
         let buffers = components
             .iter()
-            .map(|c| {
-                let len = Self::component_bytes(c, pages)?;
-                backend.alloc(len, MemoryKind::PinnedHost)
-            })
+            .map(|c| backend.alloc(Self::component_bytes(c, pages)?, kind))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self::assemble(
             geometry,
@@ -290,19 +306,14 @@ impl HostPool {
         like: &HostPool,
         pages: u64,
     ) -> Result<Self> {
-        let buffers = like
-            .components
-            .iter()
-            .map(|c| backend.alloc(Self::component_bytes(c, pages)?, MemoryKind::Device))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Self::assemble(
+        Self::allocate(
+            backend,
             &like.geometry,
             like.layout,
             pages,
             like.components.clone(),
-            buffers,
-            NumaPlacement::CallerThread,
-        ))
+            MemoryKind::Device,
+        )
     }
 
     fn check(geometry: &CacheGeometry, pages: u64) -> Result<Vec<ComponentLayout>> {
