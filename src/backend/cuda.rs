@@ -26,7 +26,7 @@ pub struct CudaBackend {
     stream: Stream,
     status_word: DeviceAllocation,
     status: Mutex<StatusTracker>,
-    /// The copy kernels' work-queue counter (`kvs_work_queue`) and its value after everything
+    /// `kvs_copy_blocks`' work-queue counter (`kvs_work_queue`) and its value after everything
     /// enqueued so far: launches on this one stream each add units + warps to it.
     work_counter: DeviceAllocation,
     work_base: Mutex<u64>,
@@ -91,30 +91,6 @@ impl CudaBackend {
             tracker.cleared();
         }
         Ok(tracker.begin(kernel.name()))
-    }
-
-    /// Launches a copy kernel whose parameters carry a work queue, feeding it this backend's
-    /// counter, and advances the counter's base past the launch (units + warps).
-    ///
-    /// # Safety
-    /// As [`Gpu::launch`].
-    unsafe fn launch_queued<P>(
-        &self,
-        kernel: Kernel,
-        launch: Launch,
-        units: u64,
-        params: &mut P,
-        queue: impl Fn(&mut P) -> &mut abi::kvs_work_queue,
-    ) -> Result<()> {
-        let mut base = lock(&self.work_base);
-        *queue(params) = abi::kvs_work_queue {
-            counter: self.work_counter.ptr(),
-            base: *base,
-        };
-        // SAFETY: forwarded contract; the counter is ours and this stream orders its users.
-        unsafe { self.launch(kernel, launch.ctas, launch.threads, params)? };
-        *base += units + u64::from(launch.ctas) * u64::from(launch.threads / 32);
-        Ok(())
     }
 
     /// CTAs for `units` units of work at `per_cta` units per CTA, capped to a few waves.
@@ -326,7 +302,17 @@ impl Backend for CudaBackend {
         p.status = self.begin(Kernel::CopyBlocks)?;
         let units = p.num_pages * u64::from(p.num_pairs);
         // SAFETY: as above.
-        unsafe { self.launch_queued(Kernel::CopyBlocks, launch, units, &mut p, |p| &mut p.work) }
+        // Warps take units from this backend's work queue; every launch adds units + warps to
+        // the counter, and launches on this one stream see it in order (kvs_work_queue).
+        let mut base = lock(&self.work_base);
+        p.work = abi::kvs_work_queue {
+            counter: self.work_counter.ptr(),
+            base: *base,
+        };
+        // SAFETY: as above; the counter is ours.
+        unsafe { self.launch(Kernel::CopyBlocks, launch.ctas, launch.threads, &p)? };
+        *base += units + u64::from(launch.ctas) * u64::from(launch.threads / 32);
+        Ok(())
     }
 
     unsafe fn write_rows(&self, mut p: abi::kvs_write_rows_params, launch: Launch) -> Result<()> {
@@ -337,8 +323,8 @@ impl Backend for CudaBackend {
         }
         p.status = self.begin(Kernel::WriteRows)?;
         // Grid-stride units, no work queue: most units of a sharded write are skipped after one
-        // slot read, and warps racing one counter for them measured 1.3-1.9x slower than a
-        // grid of one warp per unit (BENCHMARKS.md).
+        // slot read, and warps racing one counter for them measured slower than a grid of one
+        // warp per unit (BENCHMARKS.md).
         p.work = abi::kvs_work_queue::default();
         // SAFETY: as above.
         unsafe { self.launch(Kernel::WriteRows, launch.ctas, launch.threads, &p) }
