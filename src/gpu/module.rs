@@ -9,6 +9,7 @@ use cudarc::driver::{result, sys, CudaContext};
 use crate::error::{Error, Result};
 
 /// The driver wants an image it can read as 8-byte words; `include_bytes!` only promises 1.
+#[cfg(not(kvshard_no_kernels))]
 #[repr(C, align(64))]
 struct Aligned<T: ?Sized>(T);
 
