@@ -111,6 +111,19 @@ fn node(rng: &mut impl Rng, placement: Placement, pages: usize) -> Node {
 }
 
 /// Offset of block (`c`, `l`, `p`) in a canonical snapshot of `pages` pages.
+/// Rank `rank`'s plan pairing `node`'s device pages with its host pages.
+fn node_plan(placement: Placement, rank: u32, node: &Node) -> TransferPlan {
+    TransferPlan::new(
+        placement,
+        rank,
+        &node.device,
+        &node.host,
+        DEVICE_PAGES,
+        HOST_PAGES,
+    )
+    .unwrap()
+}
+
 fn canon(components: &[ComponentLayout], pages: u64, c: usize, l: usize, p: u64) -> usize {
     let before: usize = components[..c]
         .iter()
@@ -435,15 +448,7 @@ fn per_layer_runs_add_up_to_the_whole_transfer() {
             let source = random_pool(&b, g, placement, 0, 7);
             let host = HostPool::new(&b, g, HOST_PAGES, layout).unwrap();
             host.fill(&b, POISON).unwrap();
-            let plan = TransferPlan::new(
-                placement,
-                0,
-                &node.device,
-                &node.host,
-                DEVICE_PAGES,
-                HOST_PAGES,
-            )
-            .unwrap();
+            let plan = node_plan(placement, 0, &node);
             let mut t = HostTransfer::new(&source, &host, plan, Direction::Backup).unwrap();
             t.prepare_kernel(&b, None).unwrap();
             let mut bytes = 0;
@@ -470,15 +475,7 @@ fn signalled_runs_count_every_layer_to_its_target() {
     let node = node(&mut rng, placement, 9);
     let source = random_pool(&b, g, placement, 1, 3);
     let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirst).unwrap();
-    let plan = TransferPlan::new(
-        placement,
-        1,
-        &node.device,
-        &node.host,
-        DEVICE_PAGES,
-        HOST_PAGES,
-    )
-    .unwrap();
+    let plan = node_plan(placement, 1, &node);
     let owned = plan.len() as u32;
     let mut t = HostTransfer::new(&source, &host, plan, Direction::Backup).unwrap();
     let mut signals = LayerSignals::new(&b, g.model_layers()).unwrap();
@@ -1333,15 +1330,7 @@ fn gpu_registered_and_numa_local_host_pools_round_trip() {
                 for io in [IoBackend::CopyEngine, IoBackend::SmKernel { ctas: 2 }] {
                     host.fill(&gpu, POISON).unwrap();
                     let source = random_pool(&gpu, g, placement, 1, 8);
-                    let plan = TransferPlan::new(
-                        placement,
-                        1,
-                        &node.device,
-                        &node.host,
-                        DEVICE_PAGES,
-                        HOST_PAGES,
-                    )
-                    .unwrap();
+                    let plan = node_plan(placement, 1, &node);
                     let mut t = HostTransfer::new(&source, host, plan, Direction::Backup).unwrap();
                     t.prepare_kernel(&gpu, None).unwrap();
                     t.run(&gpu, io, Layers::All).unwrap();
