@@ -102,6 +102,7 @@ fn hicache_io<B: Backend>(
         t.prepare_kernel(b, None)?;
         let staging = t.staging(b, 16)?;
         t.run_staged(b, relayout, &staging, Relayout::Kernel { ctas: 8 })?;
+        // The staging buffers are dropped on return: everything must have landed.
         b.synchronize()
     } else {
         t.run(b, IoBackend::CopyEngine, Layers::All)?;
@@ -248,7 +249,6 @@ pub fn run<B: Backend>(b: &B, relayout: &B, cfg: &Config, staged: bool) -> Resul
     let (mut chain, mut ref_chain) = (Vec::new(), Vec::new());
     let (mut start, mut ref_start) = (0, 0);
     let staging = ChunkStaging::new(b, &reference, cfg.chunk)?;
-    let launch = |w: &OwnedRowWrite<'_>, n| w.launch(n);
     let writes: Vec<OwnedRowWrite<'_>> = ranks
         .iter()
         .chain(std::iter::once(&reference))
@@ -300,7 +300,7 @@ pub fn run<B: Backend>(b: &B, relayout: &B, cfg: &Config, staged: bool) -> Resul
             } else {
                 slots(&ref_chain, begin..end)
             };
-            w.run_checked(b, &s, launch(w, n))?;
+            w.run_checked(b, &s, w.launch(n))?;
             if r < ranks.len() {
                 let owned = s
                     .iter()

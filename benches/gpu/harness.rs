@@ -125,10 +125,15 @@ impl Ctx {
     /// device (copy speed does not depend on the values, but zeros could hide unwritten bytes).
     pub fn fill_random(&mut self, buf: &Buffer) -> Result<()> {
         const TILE: usize = 16 << 20;
-        let n = TILE.min(buf.len());
-        let mut tile = vec![0u8; n];
+        let mut tile = vec![0u8; TILE.min(buf.len())];
         self.rng.fill(&mut tile[..]);
-        self.backend.write(buf, 0, &tile)?;
+        self.fill_tiled(buf, &tile)
+    }
+
+    /// Fills `buf` with `tile` repeated: uploaded once, then doubled on the device.
+    pub fn fill_tiled(&self, buf: &Buffer, tile: &[u8]) -> Result<()> {
+        let n = tile.len().min(buf.len());
+        self.backend.write(buf, 0, &tile[..n])?;
         let mut done = n;
         while done < buf.len() {
             let len = done.min(buf.len() - done);

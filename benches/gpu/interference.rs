@@ -67,19 +67,8 @@ impl Gemm {
         // Random bf16 in [-1, 1) scaled down: finite products, never zeros.
         let values = kvshard::synth::bf16_bytes(&mut ctx.rng, 1 << 20);
         for buf in [&a, &b] {
-            ctx.backend.write(buf, 0, &values)?;
-            let mut done = values.len();
-            while done < bytes {
-                let len = done.min(bytes - done);
-                // SAFETY: disjoint ranges inside one live buffer.
-                unsafe {
-                    ctx.backend
-                        .memcpy(buf.addr() + done as u64, buf.addr(), len)?
-                };
-                done += len;
-            }
+            ctx.fill_tiled(buf, &values)?;
         }
-        ctx.backend.synchronize()?;
         ctx.gpu.bind()?;
         let handle = blas::create_handle().map_err(blas_err("cublasCreate"))?;
         Ok(Some(Gemm { handle, a, b, c }))

@@ -234,27 +234,25 @@ pub fn write_path(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             let write = OwnedRowWrite::prepare(&ctx.backend, &staging, &pool, |_| true)?;
             let bytes = owned * write.row_bytes();
             let floor_ms = bytes as f64 / (ctx.ceilings.d2d * 1e6);
-            {
-                let launch = write.launch(tokens);
-                let stats = ctx.time(ctx.reps(20), || {
-                    write.run(&ctx.backend, &slot_buf, tokens, launch)
-                })?;
-                ctx.backend.synchronize()?;
-                report.add(
-                    "write",
-                    format!(
-                        "N={n} rank 0, {tokens}-token chunk, 62 layers latent+indexer, {} CTAs",
-                        launch.ctas
-                    ),
-                    bytes,
-                    stats,
-                    ("d2d", ctx.ceilings.d2d),
-                    format!(
-                        "{:.2}x the byte floor ({floor_ms:.3} ms)",
-                        stats.median / floor_ms
-                    ),
-                );
-            }
+            let launch = write.launch(tokens);
+            let stats = ctx.time(ctx.reps(20), || {
+                write.run(&ctx.backend, &slot_buf, tokens, launch)
+            })?;
+            ctx.backend.synchronize()?;
+            report.add(
+                "write",
+                format!(
+                    "N={n} rank 0, {tokens}-token chunk, 62 layers latent+indexer, {} CTAs",
+                    launch.ctas
+                ),
+                bytes,
+                stats,
+                ("d2d", ctx.ceilings.d2d),
+                format!(
+                    "{:.2}x the byte floor ({floor_ms:.3} ms)",
+                    stats.median / floor_ms
+                ),
+            );
         }
     }
     Ok(())
