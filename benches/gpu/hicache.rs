@@ -322,11 +322,15 @@ pub fn duplex(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
         let (mut load, mut backup) = (load, backup);
         load.prepare_kernel(&ctx.backend, None)?;
         backup.prepare_kernel(&ctx.backend, None)?;
-        let load_staging = load.staging(&ctx.backend, 32)?;
-        let backup_staging = backup.staging(&ctx.backend, 32)?;
         let relayout_load = CudaBackend::new(ctx.gpu.clone())?;
         let relayout_backup = CudaBackend::new(ctx.gpu.clone())?;
-        for how in [Relayout::Kernel { ctas: STAGED_CTAS }, Relayout::CopyEngine] {
+        for (chunk, how) in [
+            (32, Relayout::Kernel { ctas: STAGED_CTAS }),
+            (128, Relayout::Kernel { ctas: STAGED_CTAS }),
+            (32, Relayout::CopyEngine),
+        ] {
+            let load_staging = load.staging(&ctx.backend, chunk)?;
+            let backup_staging = backup.staging(&ctx.backend, chunk)?;
             let stats: Stats = ctx.time(ctx.reps(8), || {
                 let fork = ctx.backend.record()?;
                 other.wait(&fork)?;
@@ -337,7 +341,7 @@ pub fn duplex(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             })?;
             report.add(
                 "hicache",
-                format!("{layout:?} Load 512p + Backup 512p at once, staged copy-engine ({how:?} relayout)"),
+                format!("{layout:?} Load 512p + Backup 512p at once, staged copy-engine ({chunk}-page chunks, {how:?} relayout)"),
                 bytes,
                 stats,
                 ("h2d+d2h", ctx.ceilings.bidir),

@@ -1,23 +1,35 @@
 //! Transfers sharing the GPU with a forward pass (issue 6, item 7): HiCache loads and backups of
 //! 512 pages x 62 layers while a cuBLAS bf16 GEMM (8192^3, every SM) or a memory-bound bf16 add
-//! (3 x 2 GiB) runs back to back on another stream. Reports, per I/O backend and direction, the
-//! transfer's rate under load / idle and the compute kernel's rate with the transfer / alone.
+//! (3 x 2 GiB) runs back to back on another stream. Reports, per host layout, I/O backend and
+//! direction, the transfer's rate under load / idle and the compute kernel's rate with the
+//! transfer / alone, next to the same for one contiguous 1 GiB copy (the least a transfer can
+//! disturb). Every compute enqueue is timed by its own events and only those lying wholly inside
+//! the transfers' window count; "alone" is measured right before and after, so both sides see
+//! the same clocks. SM clock and board power, sampled through NVML, show the power cap at work.
 
 use std::ffi::c_void;
+use std::time::Duration;
 
 use cudarc::cublas::{result as blas, sys as blas_sys};
+use cudarc::driver::CudaEvent;
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{Backend, Buffer, MemoryKind};
 use kvshard::gpu::{bench, Stream};
-use kvshard::hicache::{Direction, HostLayout, HostTransfer, IoBackend, Layers, Relayout};
+use kvshard::hicache::{
+    Direction, HostLayout, HostPool, HostTransfer, IoBackend, Layers, Relayout,
+};
 use kvshard::{Error, Result};
 
 use crate::harness::{Ctx, Report};
 use crate::hicache::{device_pool, host_pool, plan, STAGED_CTAS};
+use nvml_wrapper::enum_wrappers::device::Clock;
+use nvml_wrapper::Nvml;
 
 /// How a measured transfer moves its bytes.
 #[derive(Clone, Copy)]
 enum Io {
+    /// One contiguous 1 GiB pinned copy: the control.
+    Contiguous,
     Direct(IoBackend),
     Staged(Relayout),
 }
@@ -25,6 +37,7 @@ enum Io {
 impl std::fmt::Display for Io {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
+            Io::Contiguous => f.write_str("one contiguous 1 GiB cudaMemcpyAsync (control)"),
             Io::Direct(io) => write!(f, "{io}"),
             Io::Staged(how) => write!(f, "staged copy-engine (32-page chunks, {how:?} relayout)"),
         }
@@ -174,20 +187,94 @@ impl Load for Add {
     }
 }
 
-/// Seconds of `n` back-to-back enqueues of `load` on `stream`, measured with events.
-fn timed_loads(ctx: &Ctx, load: &dyn Load, stream: &Stream, n: usize) -> Result<f64> {
-    let (start, end) = (ctx.gpu.new_event(true)?, ctx.gpu.new_event(true)?);
-    stream.record(&start)?;
-    for _ in 0..n {
-        load.enqueue(stream)?;
+/// Per-enqueue events of a compute load: enqueue `i` runs between `starts[i]` and `ends[i]`.
+struct Timeline {
+    starts: Vec<CudaEvent>,
+    ends: Vec<CudaEvent>,
+}
+
+impl Timeline {
+    fn new(ctx: &Ctx, n: usize) -> Result<Timeline> {
+        let events = || {
+            (0..n)
+                .map(|_| ctx.gpu.new_event(true))
+                .collect::<Result<Vec<_>>>()
+        };
+        Ok(Timeline {
+            starts: events()?,
+            ends: events()?,
+        })
     }
-    stream.record(&end)?;
-    stream.synchronize()?;
-    let ms = start.elapsed_ms(&end).map_err(|source| Error::Driver {
-        call: "cuEventElapsedTime",
+
+    /// Enqueues `load` once per event pair, each between its events.
+    fn enqueue(&self, load: &dyn Load, stream: &Stream) -> Result<()> {
+        for (s, e) in self.starts.iter().zip(&self.ends) {
+            stream.record(s)?;
+            load.enqueue(stream)?;
+            stream.record(e)?;
+        }
+        Ok(())
+    }
+
+    /// Work per second over the enqueues that lie wholly inside `window` (all when `None`), and
+    /// how many did. Call after the events completed.
+    fn rate(
+        &self,
+        load: &dyn Load,
+        window: Option<(&CudaEvent, &CudaEvent)>,
+    ) -> Result<(f64, usize)> {
+        let (mut seconds, mut counted) = (0.0, 0);
+        for (s, e) in self.starts.iter().zip(&self.ends) {
+            if let Some((from, to)) = window {
+                if elapsed_ms(from, s)? < 0.0 || elapsed_ms(e, to)? < 0.0 {
+                    continue;
+                }
+            }
+            seconds += elapsed_ms(s, e)? / 1e3;
+            counted += 1;
+        }
+        if counted == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "no {} enqueue lay inside the transfer window",
+                load.name()
+            )));
+        }
+        Ok((load.work() * counted as f64 / seconds, counted))
+    }
+}
+
+fn elapsed_ms(from: &CudaEvent, to: &CudaEvent) -> Result<f64> {
+    from.elapsed_ms(to)
+        .map(f64::from)
+        .map_err(|source| Error::Driver {
+            call: "cuEventElapsedTime",
+            source,
+        })
+}
+
+/// Mean SM clock (MHz) and board power (W) sampled every 5 ms until `done` completes; `None`
+/// without NVML.
+fn sample_until(nvml: Option<&Nvml>, bus_id: &str, done: &CudaEvent) -> Result<Option<(f64, f64)>> {
+    let device = nvml.and_then(|n| n.device_by_pci_bus_id(bus_id).ok());
+    let (mut mhz, mut watts, mut n) = (0.0, 0.0, 0u32);
+    while !done.try_is_complete().map_err(|source| Error::Driver {
+        call: "cuEventQuery",
         source,
-    })?;
-    Ok(f64::from(ms) / 1e3)
+    })? {
+        if let Some(d) = &device {
+            if let (Ok(c), Ok(p)) = (d.clock_info(Clock::SM), d.power_usage()) {
+                mhz += f64::from(c);
+                watts += f64::from(p) / 1e3;
+                n += 1;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok((n > 0).then(|| (mhz / f64::from(n), watts / f64::from(n))))
+}
+
+fn clocks(sample: Option<(f64, f64)>) -> String {
+    sample.map_or_else(String::new, |(mhz, w)| format!("{mhz:.0} MHz {w:.0} W"))
 }
 
 pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
@@ -199,36 +286,85 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
         ),
     }
     loads.push(Box::new(Add::new(ctx)?));
+    let nvml = Nvml::init().ok();
+    let bus_id = ctx.gpu.info().pci_bus_id.clone();
     let pool = device_pool(ctx, 1024)?;
-    let host = host_pool(ctx, 1024, HostLayout::LayerFirst)?;
     let compute = CudaBackend::new(ctx.gpu.clone())?;
+    let relayout = CudaBackend::new(ctx.gpu.clone())?;
     let plan = plan(ctx, 512, 1025, 1025)?;
+    let control_bytes = 1usize << 30;
+    let control_host = ctx.backend.alloc(control_bytes, MemoryKind::PinnedHost)?;
+    let control_dev = ctx.backend.alloc(control_bytes, MemoryKind::Device)?;
+    ctx.fill_random(&control_dev)?;
+    let layouts = [HostLayout::PageFirstDirect, HostLayout::LayerFirst];
+    let hosts = layouts
+        .iter()
+        .map(|&l| host_pool(ctx, 1024, l))
+        .collect::<Result<Vec<_>>>()?;
     for load in &loads {
-        // The compute kernel alone, warm.
-        timed_loads(ctx, load.as_ref(), compute.stream(), 3)?;
-        let alone = timed_loads(ctx, load.as_ref(), compute.stream(), 20)?;
-        let unit_s = alone / 20.0;
-        for dir in [Direction::Load, Direction::Backup] {
-            let mut t = HostTransfer::new(&pool, &host, plan.clone(), dir)?;
-            t.prepare_kernel(&ctx.backend, None)?;
-            let bytes = t.bytes(Layers::All)?;
-            let staging = t.staging(&ctx.backend, 32)?;
-            let relayout = CudaBackend::new(ctx.gpu.clone())?;
-            for io in [
-                Io::Direct(IoBackend::CopyEngine),
-                Io::Staged(Relayout::Kernel { ctas: STAGED_CTAS }),
+        let probe = Timeline::new(ctx, 8)?;
+        probe.enqueue(load.as_ref(), compute.stream())?;
+        compute.synchronize()?;
+        let unit_s = load.work() / probe.rate(load.as_ref(), None)?.0;
+        // Two seconds of the load first, so "alone" sees the clocks of a busy GPU.
+        for _ in 0..(2.0 / unit_s).ceil() as usize {
+            load.enqueue(compute.stream())?;
+        }
+        compute.synchronize()?;
+        let mut cases: Vec<(Option<&HostPool>, Io)> = vec![(None, Io::Contiguous)];
+        for host in &hosts {
+            let mut ios = vec![
                 Io::Staged(Relayout::CopyEngine),
-                Io::Direct(IoBackend::SmKernel { ctas: 2 }),
-                Io::Direct(IoBackend::SmKernel { ctas: 4 }),
-                Io::Direct(IoBackend::SmKernel { ctas: 8 }),
-            ] {
-                let run = || match io {
-                    Io::Direct(io) => t.run(&ctx.backend, io, Layers::All),
-                    Io::Staged(how) => t.run_staged(&ctx.backend, &relayout, &staging, how),
+                Io::Staged(Relayout::Kernel { ctas: STAGED_CTAS }),
+                Io::Direct(IoBackend::CopyEngine),
+            ];
+            if host.layout() == HostLayout::LayerFirst {
+                ios.extend([2, 4, 8].map(|ctas| Io::Direct(IoBackend::SmKernel { ctas })));
+            }
+            cases.extend(ios.into_iter().map(|io| (Some(host), io)));
+        }
+        for dir in [Direction::Load, Direction::Backup] {
+            for &(host, io) in &cases {
+                let t = match host {
+                    Some(h) => {
+                        let mut t = HostTransfer::new(&pool, h, plan.clone(), dir)?;
+                        t.prepare_kernel(&ctx.backend, None)?;
+                        Some(t)
+                    }
+                    None => None,
+                };
+                let staging = match (&t, io) {
+                    (Some(t), Io::Staged(_)) => Some(t.staging(&ctx.backend, 32)?),
+                    _ => None,
+                };
+                let bytes = t
+                    .as_ref()
+                    .map_or(Ok(control_bytes as u64), |t| t.bytes(Layers::All))?;
+                let run = || match (io, t.as_ref(), staging.as_ref()) {
+                    // SAFETY: live, disjoint 1 GiB buffers (pinned host through its device alias).
+                    (Io::Contiguous, _, _) => unsafe {
+                        match dir {
+                            Direction::Load => ctx.backend.memcpy(
+                                control_dev.addr(),
+                                control_host.addr(),
+                                control_bytes,
+                            ),
+                            Direction::Backup => ctx.backend.memcpy(
+                                control_host.addr(),
+                                control_dev.addr(),
+                                control_bytes,
+                            ),
+                        }
+                    },
+                    (Io::Direct(io), Some(t), _) => t.run(&ctx.backend, io, Layers::All),
+                    (Io::Staged(how), Some(t), Some(s)) => {
+                        t.run_staged(&ctx.backend, &relayout, s, how)
+                    }
+                    _ => unreachable!("every case has its transfer and staging"),
                 };
                 let reps = ctx.reps(10);
                 let idle = ctx.time(reps, run)?;
-                // Transfers under load: the compute stream runs well past the timed transfers.
+                // The transfer under load: the compute stream runs well past the timed transfers.
                 let window_s = (reps + 2) as f64 * idle.median / 1e3;
                 let covering = ((window_s * 1.5) / unit_s).ceil() as usize + 2;
                 for _ in 0..covering {
@@ -236,31 +372,48 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 }
                 let busy = ctx.time(reps, run)?;
                 compute.synchronize()?;
-                // The compute kernel while transfers run back to back on the other stream.
-                let n_loads = ((window_s * 0.6) / unit_s).floor().max(1.0) as usize;
-                for _ in 0..(reps + 4) {
+                // The compute kernel alone, then while transfers run back to back on the other
+                // stream (only enqueues wholly inside their window count), then alone again.
+                let n = ((window_s / unit_s).ceil() as usize).max(4);
+                let timeline = Timeline::new(ctx, n)?;
+                timeline.enqueue(load.as_ref(), compute.stream())?;
+                let done = ctx.gpu.new_event(false)?;
+                compute.stream().record(&done)?;
+                let alone_clocks = sample_until(nvml.as_ref(), &bus_id, &done)?;
+                let before = timeline.rate(load.as_ref(), None)?.0;
+                let (from, to) = (ctx.gpu.new_event(true)?, ctx.gpu.new_event(true)?);
+                let long = Timeline::new(ctx, 2 * n + 4)?;
+                long.enqueue(load.as_ref(), compute.stream())?;
+                // Start the transfers once the compute stream is busy.
+                std::thread::sleep(Duration::from_secs_f64(unit_s * 2.0));
+                ctx.backend.stream().record(&from)?;
+                for _ in 0..reps + 2 {
                     run()?;
                 }
-                let with = timed_loads(ctx, load.as_ref(), compute.stream(), n_loads)?;
+                ctx.backend.stream().record(&to)?;
+                let with_clocks = sample_until(nvml.as_ref(), &bus_id, &to)?;
+                compute.synchronize()?;
                 ctx.backend.synchronize()?;
-                let compute_kept =
-                    (load.work() * n_loads as f64 / with) / (load.work() * 20.0 / alone);
+                let (with, counted) = long.rate(load.as_ref(), Some((&from, &to)))?;
+                timeline.enqueue(load.as_ref(), compute.stream())?;
+                compute.synchronize()?;
+                let after = timeline.rate(load.as_ref(), None)?.0;
+                let alone = (before + after) / 2.0;
+                let host_name = host.map_or_else(String::new, |h| format!("{} ", h.layout()));
                 report.add(
                     "interfere",
-                    format!("{} under {}: {dir:?} 512p, {io}", "transfer", load.name()),
+                    format!("under {}: {host_name}{dir:?} 512p, {io}", load.name()),
                     bytes,
                     busy,
                     ("idle transfer", bytes as f64 / (idle.median * 1e6)),
                     format!(
-                        "transfer keeps {:.2}x; compute keeps {:.2}x ({:.1} {} alone)",
+                        "transfer keeps {:.2}x; compute keeps {:.2}x ({:.1} {unit} alone, {counted} enqueues inside; alone {} / with {})",
                         idle.median / busy.median,
-                        compute_kept,
-                        load.work() * 20.0 / alone / 1e12,
-                        if load.name().contains("GEMM") {
-                            "TFLOP/s"
-                        } else {
-                            "TB/s"
-                        }
+                        with / alone,
+                        alone / 1e12,
+                        clocks(alone_clocks),
+                        clocks(with_clocks),
+                        unit = if load.name().contains("GEMM") { "TFLOP/s" } else { "TB/s" },
                     ),
                 );
             }

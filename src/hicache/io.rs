@@ -909,8 +909,9 @@ impl HostTransfer<'_> {
     /// Every layer through device staging: the copy engine moves host runs of up to
     /// `staging.chunk_pages()` pages as a few large contiguous copies on `copy`'s stream, and
     /// `kvs_copy_blocks` (`ctas` CTAs) places or gathers the scattered device pages on
-    /// `relayout`'s stream, double-buffered so that both overlap. When `copy`'s stream reaches
-    /// the end of what this enqueues, the whole transfer has landed.
+    /// `relayout`'s stream, double-buffered so that both overlap. Everything is ordered after
+    /// what `copy`'s stream held when this was called, and when `copy`'s stream reaches the end
+    /// of what this enqueues, the whole transfer has landed and `staging` may be reused.
     pub fn run_staged<B: Backend>(
         &self,
         copy: &B,
@@ -928,6 +929,9 @@ impl HostTransfer<'_> {
             Error::HiCache("the staged backend needs HostTransfer::prepare_kernel first".into())
         })?;
         let device_ids = tables.addr() + (PAIR_BYTES * self.pairs.len()) as u64;
+        // The relayout stream starts after everything enqueued on `copy` so far: the caller's
+        // ordering (a backup's compute event) and an earlier run through the same staging.
+        relayout.wait(&copy.record()?)?;
         // Per staging buffer: the event after which it may be refilled.
         let mut free: [Option<B::Event>; 2] = [None, None];
         for (i, seg) in self.segments(staging.chunk).iter().enumerate() {
