@@ -11,6 +11,8 @@ pub const KVS_ROPE_DIM: u32 = 64;
 pub const KVS_MAX_COMPONENTS: u32 = 4;
 pub const KVS_WRITE_GROUP: u32 = 8;
 pub const KVS_WRITE_PAIR_BLOCK: u32 = 4;
+pub const KVS_RESOLVE_TILE: u32 = 2048;
+pub const KVS_RESOLVE_STATE_WORDS: u32 = 16;
 pub const KVS_LATENT_FP8_TRTLLM: u32 = 0;
 pub const KVS_LATENT_FP8_SCALED: u32 = 1;
 pub const KVS_LATENT_BF16: u32 = 2;
@@ -203,7 +205,7 @@ pub struct kvs_resolve_params {
     pub out_local: u64,
     ///< uint64[1]
     pub out_count: u64,
-    ///< uint64[tiles]: look-back scratch owned by the caller
+    ///< uint64[tiles * KVS_RESOLVE_STATE_WORDS]: look-back scratch owned by the caller
     pub tile_state: u64,
     pub shard: u32,
     pub rank: u32,
@@ -645,4 +647,31 @@ const _: () = {
     [
         "Offset of field: kvs_bench_add_params::count",
     ][::std::mem::offset_of!(kvs_bench_add_params, count) - 24usize];
+};
+/// Benchmark floor: reads `bytes` (a multiple of 16) at `src` once, as fast as the GPU can.
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
+pub struct kvs_bench_read_params {
+    pub src: u64,
+    pub bytes: u64,
+    ///< uint64[1], written only when the data xor to a value no test input has
+    pub sink: u64,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    [
+        "Size of kvs_bench_read_params",
+    ][::std::mem::size_of::<kvs_bench_read_params>() - 24usize];
+    [
+        "Alignment of kvs_bench_read_params",
+    ][::std::mem::align_of::<kvs_bench_read_params>() - 8usize];
+    [
+        "Offset of field: kvs_bench_read_params::src",
+    ][::std::mem::offset_of!(kvs_bench_read_params, src) - 0usize];
+    [
+        "Offset of field: kvs_bench_read_params::bytes",
+    ][::std::mem::offset_of!(kvs_bench_read_params, bytes) - 8usize];
+    [
+        "Offset of field: kvs_bench_read_params::sink",
+    ][::std::mem::offset_of!(kvs_bench_read_params, sink) - 16usize];
 };

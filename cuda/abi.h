@@ -34,6 +34,10 @@
    units with the same numbers (kvs_work_queue bases, grids). */
 #define KVS_WRITE_GROUP 8
 #define KVS_WRITE_PAIR_BLOCK 4
+/* kvs_resolve: entries per tile (one CTA each), and uint64 words of tile_state per tile (each
+   tile's word on its own 128-byte line, so look-back polls spread over the L2 slices). */
+#define KVS_RESOLVE_TILE 2048
+#define KVS_RESOLVE_STATE_WORDS 16
 
 /* kvs_quantize_latent_params.layout */
 #define KVS_LATENT_FP8_TRTLLM 0 /* 576-byte rows: e4m3 nope + e4m3 rope, scale 1.0 */
@@ -124,7 +128,7 @@ typedef struct kvs_resolve_params {
     uint64_t out_positions; /**< int32[num_entries] */
     uint64_t out_local;     /**< int64[num_entries] */
     uint64_t out_count;     /**< uint64[1] */
-    uint64_t tile_state;    /**< uint64[tiles]: look-back scratch owned by the caller */
+    uint64_t tile_state;    /**< uint64[tiles * KVS_RESOLVE_STATE_WORDS]: look-back scratch owned by the caller */
     uint32_t shard;
     uint32_t rank;
     uint32_t mode;       /**< KVS_RESOLVE_* */
@@ -252,6 +256,13 @@ typedef struct kvs_bench_add_params {
     uint64_t count;
 } kvs_bench_add_params;
 
+/** Benchmark floor: reads `bytes` (a multiple of 16) at `src` once, as fast as the GPU can. */
+typedef struct kvs_bench_read_params {
+    uint64_t src;
+    uint64_t bytes;
+    uint64_t sink; /**< uint64[1], written only when the data xor to a value no test input has */
+} kvs_bench_read_params;
+
 #ifdef __cplusplus
 #define KVS_STATIC_ASSERT(c, m) static_assert(c, m)
 #else
@@ -271,5 +282,6 @@ KVS_STATIC_ASSERT(sizeof(kvs_write_rows_params) == 120, "kvs_write_rows_params")
 KVS_STATIC_ASSERT(sizeof(kvs_range) == 24, "kvs_range");
 KVS_STATIC_ASSERT(sizeof(kvs_copy_ranges_params) == 16, "kvs_copy_ranges_params");
 KVS_STATIC_ASSERT(sizeof(kvs_bench_add_params) == 32, "kvs_bench_add_params");
+KVS_STATIC_ASSERT(sizeof(kvs_bench_read_params) == 24, "kvs_bench_read_params");
 
 #endif /* KVSHARD_ABI_H */

@@ -1,18 +1,24 @@
 /*
  * Owner-local index resolution and scratch translation.
  *
- * kvs_resolve is a single-pass stream compaction (decoupled look-back, as in CUB's scans):
- * one CTA per tile of RESOLVE_TILE entries, blocked arrangement (thread t holds entries
- * [8t, 8t+8) of the tile, so the stable order is the thread order). Per tile:
- *   1. load, test ownership, count owned entries per thread;
- *   2. block-wide exclusive scan of the counts (warp shuffles + one shared-memory step);
- *   3. the tile publishes its aggregate, the whole CTA looks back over up to 256 predecessors
- *      at a time until it meets an inclusive prefix, and the tile publishes its own;
- *   4. owned entries are compacted into shared memory, then written out coalesced.
- * Tile-state words are (epoch << 34) | (flag << 32) | count. Words of older launches carry an
- * older epoch and read as "not ready", so the state buffer is never cleared. Tile ids are
- * blockIdx.x: the hardware dispatches CTAs in index order, so every predecessor a tile waits on
- * is already running (the guarantee CUB's single-pass scans rely on too).
+ * kvs_resolve is a single-pass stream compaction (decoupled look-back, as in CUB's scans): one
+ * CTA of 256 threads per tile of KVS_RESOLVE_TILE entries. Warp w of a tile holds entries
+ * [256w, 256w + 256), lane l item k being entry 256w + 32k + l, so every load is one coalesced
+ * 256-byte warp access and the stable order is (warp, item, lane). Per tile:
+ *   1. load, test ownership, one ballot per item: its bits are the owning lanes;
+ *   2. per-warp totals go through shared memory into the warp's offset and the tile's total;
+ *   3. the tile publishes its aggregate; warp 0 looks back over 64 predecessors at a time (two
+ *      words per lane, all polled at once) until it meets an inclusive prefix, and the tile
+ *      publishes its own;
+ *   4. every owned entry is written at (tile prefix + warp offset + owners before it), which
+ *      the ballots give without a shared-memory compaction; each store is coalesced.
+ * Tile-state words are (epoch << 34) | (flag << 32) | count, one per 128-byte line: words of
+ * older launches carry an older epoch and read as "not ready", so the buffer is never cleared,
+ * and polls of different tiles land on different L2 slices. Measured on the H200 (BENCHMARKS.md):
+ * wider windows, serial polls and packed words each cost 10-40% at 1M entries, through L2
+ * contention on the polled lines. Tile ids are blockIdx.x: the hardware dispatches CTAs in index
+ * order, so every predecessor a tile waits on is already running (the guarantee CUB's
+ * single-pass scans rely on too).
  *
  * Bytes: reads 8 B per entry, writes 12 B per owned entry; the floor is that over the device
  * copy bandwidth.
@@ -24,8 +30,12 @@ using namespace kvs;
 namespace {
 
 constexpr uint32_t RESOLVE_THREADS = 256;
-constexpr uint32_t RESOLVE_ITEMS = 8;
-constexpr uint32_t RESOLVE_TILE = RESOLVE_THREADS * RESOLVE_ITEMS;
+constexpr uint32_t RESOLVE_WARPS = RESOLVE_THREADS / 32;
+constexpr uint32_t RESOLVE_ITEMS = KVS_RESOLVE_TILE / RESOLVE_THREADS;
+static_assert(RESOLVE_ITEMS * RESOLVE_THREADS == KVS_RESOLVE_TILE, "tile = threads x items");
+/* Predecessors one look-back step reads per lane. */
+constexpr uint32_t LOOK_BACK_WORDS = 2;
+constexpr uint32_t LOOK_BACK_WINDOW = 32 * LOOK_BACK_WORDS;
 constexpr uint32_t FLAG_AGGREGATE = 1;
 constexpr uint32_t FLAG_PREFIX = 2;
 
@@ -34,145 +44,153 @@ __device__ __forceinline__ uint64_t tile_word(uint32_t epoch, uint32_t flag, uin
 }
 
 __device__ __forceinline__ void publish(uint64_t* state, uint32_t tile, uint64_t word) {
-    *reinterpret_cast<volatile uint64_t*>(state + tile) = word;
+    *reinterpret_cast<volatile uint64_t*>(state + static_cast<uint64_t>(tile) * KVS_RESOLVE_STATE_WORDS) =
+        word;
 }
 
 /*
- * Exclusive prefix of this tile: the sum of all owned counts of the tiles before it. The whole
- * CTA looks back over RESOLVE_THREADS predecessors at a time: tiles run concurrently, so few
- * inclusive prefixes exist early on, and a wide window reaches one (or the start) in one or two
- * steps instead of a chain of 32-tile steps. Ends with the result in every thread.
+ * Exclusive prefix of `tile`: the owned counts of every tile before it. Called by warp 0 only;
+ * every lane returns the result. A step polls its whole window at once (one L2 round trip when
+ * the words are ready), re-polling only words not ready yet, and sums up to and including the
+ * nearest inclusive prefix; without one in the window it moves one window further back.
  */
-__device__ uint32_t look_back(const uint64_t* state, uint32_t tile, uint32_t epoch, uint32_t* s_first,
-                              uint32_t* s_sums) {
+__device__ uint32_t look_back(const uint64_t* state, uint32_t tile, uint32_t epoch) {
     const uint32_t lane = threadIdx.x % 32;
-    const uint32_t warp = threadIdx.x / 32;
     uint32_t exclusive = 0;
     int64_t newest = static_cast<int64_t>(tile) - 1;
     while (true) {
-        const int64_t idx = newest - threadIdx.x;
-        uint32_t flag = FLAG_PREFIX;
-        uint32_t count = 0;
-        if (idx >= 0) {
-            while (true) {
-                const uint64_t w = *reinterpret_cast<const volatile uint64_t*>(state + idx);
-                flag = (w >> 34) == epoch ? static_cast<uint32_t>((w >> 32) & 3) : 0;
-                count = static_cast<uint32_t>(w);
-                if (flag != 0) {
-                    break;
+        uint32_t flags[LOOK_BACK_WORDS];
+        uint32_t counts[LOOK_BACK_WORDS];
+#pragma unroll
+        for (uint32_t j = 0; j < LOOK_BACK_WORDS; ++j) {
+            // Tiles before the first read as an inclusive prefix of 0.
+            const bool before_first = newest < static_cast<int64_t>(lane * LOOK_BACK_WORDS + j);
+            flags[j] = before_first ? FLAG_PREFIX : 0;
+            counts[j] = 0;
+        }
+        while (true) {
+            uint64_t words[LOOK_BACK_WORDS];
+#pragma unroll
+            for (uint32_t j = 0; j < LOOK_BACK_WORDS; ++j) {
+                const uint64_t idx = static_cast<uint64_t>(newest - (lane * LOOK_BACK_WORDS + j));
+                words[j] = flags[j] == 0
+                               ? *reinterpret_cast<const volatile uint64_t*>(state + idx * KVS_RESOLVE_STATE_WORDS)
+                               : 0;
+            }
+            bool ready = true;
+#pragma unroll
+            for (uint32_t j = 0; j < LOOK_BACK_WORDS; ++j) {
+                if (flags[j] == 0) {
+                    flags[j] = (words[j] >> 34) == epoch ? static_cast<uint32_t>((words[j] >> 32) & 3) : 0;
+                    counts[j] = static_cast<uint32_t>(words[j]);
                 }
-                // Back off: hundreds of threads polling the same few lines would otherwise
-                // slow the L2 slices every tile's loads and stores go through.
-                __nanosleep(100);
+                ready = ready && flags[j] != 0;
+            }
+            if (ready) {
+                break;
+            }
+            __nanosleep(32);
+        }
+        uint32_t nearest = LOOK_BACK_WINDOW;
+#pragma unroll
+        for (int j = LOOK_BACK_WORDS - 1; j >= 0; --j) {
+            if (flags[j] == FLAG_PREFIX) {
+                nearest = lane * LOOK_BACK_WORDS + j;
             }
         }
-        if (threadIdx.x == 0) {
-            *s_first = RESOLVE_THREADS;
-        }
-        __syncthreads();
-        if (flag == FLAG_PREFIX) {
-            atomicMin(s_first, threadIdx.x);
-        }
-        __syncthreads();
-        const uint32_t first = *s_first;
-        // Predecessors up to (and including) the nearest inclusive prefix contribute.
-        uint32_t contribution = threadIdx.x <= first ? count : 0;
+        const uint32_t first = __reduce_min_sync(0xFFFFFFFFu, nearest);
+        uint32_t contribution = 0;
 #pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            contribution += __shfl_xor_sync(0xFFFFFFFFu, contribution, offset);
+        for (uint32_t j = 0; j < LOOK_BACK_WORDS; ++j) {
+            contribution += lane * LOOK_BACK_WORDS + j <= first ? counts[j] : 0;
         }
-        if (lane == 0) {
-            s_sums[warp] = contribution;
-        }
-        __syncthreads();
-#pragma unroll
-        for (uint32_t w = 0; w < RESOLVE_THREADS / 32; ++w) {
-            exclusive += s_sums[w];
-        }
-        // s_first and s_sums are rewritten by the next step.
-        __syncthreads();
-        if (first < RESOLVE_THREADS) {
+        exclusive += __reduce_add_sync(0xFFFFFFFFu, contribution);
+        if (first < LOOK_BACK_WINDOW) {
             return exclusive;
         }
-        newest -= RESOLVE_THREADS;
+        newest -= LOOK_BACK_WINDOW;
     }
 }
+
+/* Owner and local index of one entry; shifts when the shard size is a power of two. */
+struct Shard {
+    uint32_t size;
+    uint32_t log2; /* valid when `pow2` */
+    bool pow2;
+
+    __device__ __forceinline__ explicit Shard(uint32_t n)
+        : size(n), log2(static_cast<uint32_t>(__ffs(n) - 1)), pow2((n & (n - 1)) == 0) {}
+
+    __device__ __forceinline__ uint32_t owner(uint64_t page) const {
+        return pow2 ? static_cast<uint32_t>(page & (size - 1)) : page_owner(page, size);
+    }
+
+    __device__ __forceinline__ uint64_t local_page_of(uint64_t page) const {
+        return pow2 ? page >> log2 : local_page(page, size);
+    }
+};
 
 } // namespace
 
 extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS) kvs_resolve(const __grid_constant__ kvs_resolve_params p) {
-    __shared__ int32_t s_positions[RESOLVE_TILE];
-    __shared__ int64_t s_local[RESOLVE_TILE];
-    __shared__ uint32_t s_warp_totals[RESOLVE_THREADS / 32];
-    __shared__ uint32_t s_look_back[RESOLVE_THREADS / 32];
-    __shared__ uint32_t s_first;
+    __shared__ uint32_t s_warp_totals[RESOLVE_WARPS];
+    __shared__ uint32_t s_exclusive;
 
     const uint32_t tile = blockIdx.x;
     const uint32_t lane = threadIdx.x % 32;
     const uint32_t warp = threadIdx.x / 32;
-    const uint64_t first = static_cast<uint64_t>(tile) * RESOLVE_TILE + threadIdx.x * RESOLVE_ITEMS;
+    const uint64_t first = static_cast<uint64_t>(tile) * KVS_RESOLVE_TILE + warp * 32 * RESOLVE_ITEMS + lane;
     const int64_t* entries = reinterpret_cast<const int64_t*>(p.entries);
 
     int64_t items[RESOLVE_ITEMS];
-    if (first + RESOLVE_ITEMS <= p.num_entries) {
+    if ((static_cast<uint64_t>(tile) + 1) * KVS_RESOLVE_TILE <= p.num_entries) {
 #pragma unroll
-        for (uint32_t k = 0; k < RESOLVE_ITEMS; k += 2) {
-            const longlong2 pair = *reinterpret_cast<const longlong2*>(entries + first + k);
-            items[k] = pair.x;
-            items[k + 1] = pair.y;
+        for (uint32_t k = 0; k < RESOLVE_ITEMS; ++k) {
+            // Read once: evict-first keeps the L2 for the outputs and the tile states.
+            items[k] = __ldcs(entries + first + 32 * k);
         }
     } else {
 #pragma unroll
         for (uint32_t k = 0; k < RESOLVE_ITEMS; ++k) {
-            items[k] = first + k < p.num_entries ? entries[first + k] : -1;
+            items[k] = first + 32 * k < p.num_entries ? entries[first + 32 * k] : -1;
         }
     }
 
-    uint32_t owned_mask = 0;
+    const Shard shard(p.shard);
+    uint32_t owners[RESOLVE_ITEMS];
+    uint32_t warp_total = 0;
 #pragma unroll
     for (uint32_t k = 0; k < RESOLVE_ITEMS; ++k) {
         const int64_t e = items[k];
-        if (e < 0) {
-            continue;
-        }
-        const uint64_t entry = static_cast<uint64_t>(e);
-        if (entry >= p.limit) {
-            report(p.status, first + k);
-            continue;
-        }
-        if (p.mode == KVS_RESOLVE_TOKENS) {
-            if (page_owner(entry / KVS_PAGE_SIZE, p.shard) == p.rank) {
-                owned_mask |= 1u << k;
-                items[k] = static_cast<int64_t>(local_row(entry, p.shard));
+        bool owned = false;
+        if (e >= 0) {
+            const uint64_t entry = static_cast<uint64_t>(e);
+            if (entry >= p.limit) {
+                report(p.status, first + 32 * k);
+            } else if (p.mode == KVS_RESOLVE_TOKENS) {
+                const uint64_t page = entry / KVS_PAGE_SIZE;
+                owned = shard.owner(page) == p.rank;
+                items[k] = static_cast<int64_t>(shard.local_page_of(page) * KVS_PAGE_SIZE + entry % KVS_PAGE_SIZE);
+            } else {
+                owned = shard.owner(entry) == p.rank;
+                items[k] = static_cast<int64_t>(shard.local_page_of(entry));
             }
-        } else if (page_owner(entry, p.shard) == p.rank) {
-            owned_mask |= 1u << k;
-            items[k] = static_cast<int64_t>(local_page(entry, p.shard));
         }
+        owners[k] = __ballot_sync(0xFFFFFFFFu, owned);
+        warp_total += __popc(owners[k]);
     }
-
-    // Block-wide exclusive scan of the per-thread counts.
-    const uint32_t count = __popc(owned_mask);
-    uint32_t inclusive = count;
-#pragma unroll
-    for (int offset = 1; offset < 32; offset <<= 1) {
-        const uint32_t other = __shfl_up_sync(0xFFFFFFFFu, inclusive, offset);
-        if (static_cast<int>(lane) >= offset) {
-            inclusive += other;
-        }
-    }
-    if (lane == 31) {
-        s_warp_totals[warp] = inclusive;
+    if (lane == 0) {
+        s_warp_totals[warp] = warp_total;
     }
     __syncthreads();
-    uint32_t warp_exclusive = 0;
+    uint32_t warp_offset = 0;
     uint32_t tile_total = 0;
 #pragma unroll
-    for (uint32_t w = 0; w < RESOLVE_THREADS / 32; ++w) {
-        warp_exclusive += w < warp ? s_warp_totals[w] : 0;
-        tile_total += s_warp_totals[w];
+    for (uint32_t w = 0; w < RESOLVE_WARPS; ++w) {
+        const uint32_t t = s_warp_totals[w];
+        warp_offset += w < warp ? t : 0;
+        tile_total += t;
     }
-    const uint32_t thread_exclusive = warp_exclusive + inclusive - count;
 
     uint64_t* state = reinterpret_cast<uint64_t*>(p.tile_state);
     const uint32_t epoch = p.tile_epoch;
@@ -182,35 +200,36 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS) kvs_resolve(const 
             publish(state, tile, tile_word(epoch, FLAG_PREFIX, tile_total));
         }
     } else {
-        if (threadIdx.x == 0) {
-            publish(state, tile, tile_word(epoch, FLAG_AGGREGATE, tile_total));
+        if (warp == 0) {
+            if (lane == 0) {
+                publish(state, tile, tile_word(epoch, FLAG_AGGREGATE, tile_total));
+            }
+            const uint32_t prefix = look_back(state, tile, epoch);
+            if (lane == 0) {
+                publish(state, tile, tile_word(epoch, FLAG_PREFIX, prefix + tile_total));
+                s_exclusive = prefix;
+            }
         }
-        exclusive = look_back(state, tile, epoch, &s_first, s_look_back);
-        if (threadIdx.x == 0) {
-            publish(state, tile, tile_word(epoch, FLAG_PREFIX, exclusive + tile_total));
-        }
+        __syncthreads();
+        exclusive = s_exclusive;
     }
 
-    // Compact into shared memory in stable order, then write out coalesced.
-    uint32_t slot = thread_exclusive;
+    int32_t* out_positions = reinterpret_cast<int32_t*>(p.out_positions);
+    long long* out_local = reinterpret_cast<long long*>(p.out_local);
+    const uint32_t lanes_before = (1u << lane) - 1;
+    uint64_t out = static_cast<uint64_t>(exclusive) + warp_offset;
 #pragma unroll
     for (uint32_t k = 0; k < RESOLVE_ITEMS; ++k) {
-        if (owned_mask & (1u << k)) {
-            s_positions[slot] = static_cast<int32_t>(first + k);
-            s_local[slot] = items[k];
-            ++slot;
+        if (owners[k] & (1u << lane)) {
+            const uint64_t at = out + __popc(owners[k] & lanes_before);
+            // Streaming stores: the caller reads the outputs later, not this kernel.
+            __stcs(out_positions + at, static_cast<int32_t>(first + 32 * k));
+            __stcs(out_local + at, static_cast<long long>(items[k]));
         }
-    }
-    __syncthreads();
-    const uint64_t out = exclusive;
-    int32_t* out_positions = reinterpret_cast<int32_t*>(p.out_positions);
-    int64_t* out_local = reinterpret_cast<int64_t*>(p.out_local);
-    for (uint32_t i = threadIdx.x; i < tile_total; i += RESOLVE_THREADS) {
-        out_positions[out + i] = s_positions[i];
-        out_local[out + i] = s_local[i];
+        out += __popc(owners[k]);
     }
     if (tile == gridDim.x - 1 && threadIdx.x == 0) {
-        *reinterpret_cast<uint64_t*>(p.out_count) = out + tile_total;
+        *reinterpret_cast<uint64_t*>(p.out_count) = static_cast<uint64_t>(exclusive) + tile_total;
     }
 }
 

@@ -14,7 +14,7 @@ use kvshard::Error;
 use rand::Rng;
 
 const MODES: [ResolveMode; 2] = [ResolveMode::Tokens, ResolveMode::Pages];
-const SHARDS: [u32; 4] = [1, 2, 4, 8];
+const SHARDS: [u32; 5] = [1, 2, 3, 4, 8];
 /// Entries are drawn below this; it is also the limit the kernel checks against.
 const LIMIT: u64 = 1 << 40;
 
@@ -358,7 +358,7 @@ fn gpu_resolve_matches_cpu_byte_for_byte() {
     let buf = upload_i64s(&gpu, &input).unwrap();
     let mut resolver = Resolver::new(&gpu, n).unwrap();
     let mut combos: Vec<(u32, u32)> = (0..4).map(|rank| (4, rank)).collect();
-    combos.extend([(1, 0), (2, 1), (8, 7)]);
+    combos.extend([(1, 0), (2, 1), (3, 2), (6, 5), (8, 7)]);
     for (shard, rank) in combos {
         for mode in MODES {
             let p = placement(shard);

@@ -236,7 +236,7 @@ pub trait Backend: Send + Sync {
     /// As [`Backend::quantize_latent`].
     unsafe fn quantize_indexer(&self, p: abi::kvs_quantize_indexer_params) -> Result<()>;
 
-    /// `kvs_resolve`; `tile_state` must hold [`resolve_tiles`] words.
+    /// `kvs_resolve`; `tile_state` must hold [`resolve_state_bytes`] bytes.
     ///
     /// # Safety
     /// As [`Backend::quantize_latent`].
@@ -328,13 +328,16 @@ pub fn write_units(slots: u64, pairs: u32) -> u64 {
         * u64::from(pairs.div_ceil(abi::KVS_WRITE_PAIR_BLOCK))
 }
 
-/// Tiles (and tile-state words) `kvs_resolve` uses for `entries` entries.
+/// Tiles (one CTA each) `kvs_resolve` uses for `entries` entries.
 pub fn resolve_tiles(entries: u64) -> u64 {
-    entries.div_ceil(RESOLVE_TILE)
+    entries.div_ceil(u64::from(abi::KVS_RESOLVE_TILE))
 }
 
-/// Entries per `kvs_resolve` tile (256 threads x 8 entries; see cuda/resolve.cu).
-pub const RESOLVE_TILE: u64 = 2048;
+/// Bytes of look-back state `kvs_resolve` needs for `entries` entries: one 128-byte line per
+/// tile.
+pub fn resolve_state_bytes(entries: u64) -> u64 {
+    resolve_tiles(entries) * 8 * u64::from(abi::KVS_RESOLVE_STATE_WORDS)
+}
 
 /// Reads little-endian i64s from bytes.
 pub fn i64s_from_bytes(bytes: &[u8]) -> Vec<i64> {

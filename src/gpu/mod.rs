@@ -284,6 +284,19 @@ pub mod bench {
         unsafe { gpu.launch::<()>(Kernel::BenchEmpty, 1, 32, stream, None) }
     }
 
+    /// Launches a read of `bytes` (a multiple of 16) at `src` (8 CTAs of 512 threads per SM, one
+    /// pass): the least time any kernel reading that buffer once can take.
+    ///
+    /// # Safety
+    /// `src` must be a 16-byte aligned device buffer of `bytes` bytes and `sink` an 8-byte one,
+    /// both valid until the kernel completes on `stream`.
+    pub unsafe fn read(gpu: &Gpu, stream: &Stream, src: u64, bytes: u64, sink: u64) -> Result<()> {
+        let p = abi::kvs_bench_read_params { src, bytes, sink };
+        let grid = gpu.info().sm_count * 8;
+        // SAFETY: forwarded contract.
+        unsafe { gpu.launch(Kernel::BenchRead, grid, 512, stream, Some(&p)) }
+    }
+
     /// Launches `out[i] = a[i] + b[i]` over `count` bf16 values (a multiple of 8): a
     /// memory-bound stand-in for a forward pass, on every SM.
     ///

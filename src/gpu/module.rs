@@ -63,6 +63,7 @@ kernels! {
     CopyRanges => "kvs_copy_ranges",
     BenchEmpty => "kvs_bench_empty",
     BenchAdd => "kvs_bench_add",
+    BenchRead => "kvs_bench_read",
 }
 
 /// A loaded module and its function table; unloaded on drop.

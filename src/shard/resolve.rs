@@ -7,7 +7,7 @@
 //! launch's epoch, so the state is cleared only at creation and when the epochs wrap.
 
 use crate::abi;
-use crate::backend::{i64s_from_bytes, resolve_tiles, Backend, Buffer, MemoryKind};
+use crate::backend::{i64s_from_bytes, resolve_state_bytes, Backend, Buffer, MemoryKind};
 use crate::error::{Error, Result};
 use crate::geometry::PAGE_SIZE;
 use crate::shard::Placement;
@@ -212,8 +212,10 @@ impl Resolver {
                 "resolver capacity {capacity} (must be 1 to 2^31 - 1 entries)"
             )));
         }
-        let tiles = resolve_tiles(capacity as u64) as usize;
-        let tile_state = backend.alloc(8 * tiles, MemoryKind::Device)?;
+        let tile_state = backend.alloc(
+            resolve_state_bytes(capacity as u64) as usize,
+            MemoryKind::Device,
+        )?;
         backend.fill(&tile_state, 0)?;
         Ok(Resolver {
             backend: backend.name(),
@@ -378,13 +380,13 @@ impl Resolver {
 mod tests {
     use super::*;
     use crate::backend::cpu::CpuBackend;
-    use crate::backend::{upload_i64s, RESOLVE_TILE};
+    use crate::backend::upload_i64s;
 
     #[test]
     fn tile_epochs_wrap_by_clearing_the_tile_state() {
         let backend = CpuBackend::new();
         let placement = Placement::new(2).unwrap();
-        let capacity = 3 * RESOLVE_TILE as usize;
+        let capacity = 3 * abi::KVS_RESOLVE_TILE as usize;
         let mut resolver = Resolver::new(&backend, capacity).unwrap();
         let entries: Vec<i64> = (0..capacity as i64).collect();
         let input = upload_i64s(&backend, &entries).unwrap();
