@@ -14,8 +14,8 @@ use kvshard::backend::{Backend, Buffer, Copy2d, Launch, MemoryKind};
 use kvshard::geometry::{CacheGeometry, ComponentLayout, LatentLayout, PoolGeometry};
 use kvshard::hicache::{
     pages_of_tokens, CacheNode, Direction, HiCacheController, HostLayout, HostPool, HostTransfer,
-    IoBackend, IoCalls, LayerReady, LayerSignals, Layers, Relayout, Streams, TransferPlan,
-    WritePolicy,
+    IoBackend, IoCalls, LayerReady, LayerSignals, Layers, Relayout, Route, Streams, TransferPlan,
+    WritePolicy, DEFAULT_STAGING_PAGES,
 };
 use kvshard::pool::{BlockSpace, DevicePool, PoolBuffers};
 use kvshard::shard::{AllocRequest, ChainStart, Placement, ShardAllocator};
@@ -857,6 +857,8 @@ fn streams(b: &Probe) -> Streams<Probe> {
     Streams {
         load: b.stream(),
         backup: b.stream(),
+        load_relayout: b.stream(),
+        backup_relayout: b.stream(),
         tables: b.stream(),
     }
 }
@@ -1223,6 +1225,418 @@ fn refused_operations_change_nothing() {
     assert!(after == expected);
 }
 
+/// The routes through the staging a host layout supports.
+fn staged_routes(layout: HostLayout) -> Vec<Route> {
+    relayouts(layout).into_iter().map(Route::Staged).collect()
+}
+
+/// One rank's controller round trip: the source pool, the host pool after the acked backup, the
+/// host pages it got, the device pool after the acked load, and the bytes each ack reported.
+struct ControllerTrip {
+    source: Vec<u8>,
+    host: Vec<u8>,
+    host_pages: Vec<u64>,
+    reloaded: Vec<u8>,
+    bytes: (u64, u64),
+}
+
+/// Backs `node` up through a controller of rank `rank` on `streams` (random device pool,
+/// poisoned host pool) on `route`, then loads it back into its reload pages on `route`, a
+/// consumer on `b` waiting for every layer before the pools are read.
+#[allow(clippy::too_many_arguments)]
+fn controller_trip<B: Backend>(
+    b: &B,
+    streams: Streams<B>,
+    g: &CacheGeometry,
+    layout: HostLayout,
+    placement: Placement,
+    rank: u32,
+    route: Route,
+    node: &Node,
+) -> ControllerTrip {
+    let pool = random_pool(b, g, placement, rank, 11 + u64::from(rank));
+    let host = HostPool::new(b, g, HOST_PAGES, layout).unwrap();
+    host.fill(b, POISON).unwrap();
+    let source = pool.snapshot(b).unwrap();
+    let mut ctl = HiCacheController::new(&pool, &host, streams, WritePolicy::WriteBack).unwrap();
+    let n = CacheNode {
+        id: 1,
+        device_pages: &node.device,
+        start_owner: None,
+    };
+    // What `b` did so far stands for the forward pass that wrote the pages.
+    let compute = b.record().unwrap();
+    assert_eq!(ctl.backup(&n, &compute, route).unwrap(), 0);
+    let backup = ctl.ack_backups(1).unwrap().remove(0);
+    let written = b.record().unwrap();
+    let h = ctl.load(1, &node.reload, Some(&written), route).unwrap();
+    assert_eq!(h.layers().len(), g.model_layers());
+    for layer in 0..g.model_layers() {
+        h.wait_layer(b, layer).unwrap();
+    }
+    let load = ctl.ack_loads(1).unwrap().remove(0);
+    assert_eq!((load.index, load.node), (0, 1));
+    ControllerTrip {
+        source,
+        host: host.snapshot(b).unwrap(),
+        host_pages: backup.host_pages,
+        reloaded: pool.snapshot(b).unwrap(),
+        bytes: (backup.bytes, load.bytes),
+    }
+}
+
+#[test]
+fn controller_round_trips_through_the_staging_move_exactly_the_owned_pages() {
+    let mut rng = common::rng("controller_round_trips_through_the_staging");
+    let b = Probe::new();
+    for g in geometries() {
+        let components = g.components();
+        for n in [1u32, 2, 4] {
+            let placement = Placement::new(n).unwrap();
+            let node = node(&mut rng, placement, 3 * n as usize + 1);
+            for rank in 0..n {
+                let owned = node
+                    .device
+                    .iter()
+                    .filter(|&&p| placement.owner(p) == rank)
+                    .count() as u64;
+                let bytes = owned * g.page_bytes() as u64;
+                for layout in HostLayout::ALL {
+                    for route in staged_routes(layout) {
+                        let case = format!("N={n} rank {rank} {layout} {route}");
+                        let trip = controller_trip(
+                            &b,
+                            streams(&b),
+                            &g,
+                            layout,
+                            placement,
+                            rank,
+                            route,
+                            &node,
+                        );
+                        assert_eq!(trip.bytes, (bytes, bytes), "{case}");
+                        let mut host = vec![POISON; trip.host.len()];
+                        expect_moved(
+                            &components,
+                            placement,
+                            rank,
+                            &trip.source,
+                            (&node.device, DEVICE_PAGES),
+                            &mut host,
+                            (&trip.host_pages, HOST_PAGES),
+                        );
+                        assert!(trip.host == host, "{case}: host");
+                        let mut device = trip.source.clone();
+                        expect_moved(
+                            &components,
+                            placement,
+                            rank,
+                            &trip.host,
+                            (&trip.host_pages, HOST_PAGES),
+                            &mut device,
+                            (&node.reload, DEVICE_PAGES),
+                        );
+                        assert!(trip.reloaded == device, "{case}: reloaded device pool");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn controller_acks_in_fifo_order_across_mixed_routes() {
+    let b = Probe::new();
+    let g = &geometries()[0];
+    let placement = Placement::new(2).unwrap();
+    let pool = random_pool(&b, g, placement, 0, 5);
+    let before = pool.snapshot(&b).unwrap();
+    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirstDirect).unwrap();
+    let mut ctl =
+        HiCacheController::new(&pool, &host, streams(&b), WritePolicy::WriteBack).unwrap();
+    let routes = [
+        Route::Staged(Relayout::CopyEngine),
+        IoBackend::CopyEngine.into(),
+        Route::Staged(Relayout::Kernel { ctas: 2 }),
+        IoBackend::SmKernel { ctas: 2 }.into(),
+        Route::Staged(Relayout::CopyEngine),
+    ];
+    // Rank 0 owns the even pages: 1, 2, 0, 1 and 1 of each node.
+    let device: [&[u64]; 5] = [&[4, 5], &[6, 7, 8], &[9], &[10, 11], &[3, 2]];
+    let reload: [&[u64]; 5] = [&[12, 13], &[14, 15, 16], &[17], &[18, 19], &[21, 20]];
+    let owned = [1u64, 2, 0, 1, 1];
+    ctl.streams().backup.hold();
+    for (i, (&route, pages)) in routes.iter().zip(device).enumerate() {
+        let n = CacheNode {
+            id: 10 + i as u64,
+            device_pages: pages,
+            start_owner: None,
+        };
+        assert_eq!(ctl.backup(&n, &done(), route).unwrap(), i as u64, "{route}");
+    }
+    assert_eq!(ctl.poll_backups().unwrap(), 0, "nothing is complete yet");
+    let acks = ctl.ack_backups(routes.len()).unwrap();
+    assert_eq!(ctl.streams().backup.syncs(), 1);
+    let order: Vec<(u64, u64, u64)> = acks.iter().map(|a| (a.index, a.node, a.bytes)).collect();
+    let page = g.page_bytes() as u64;
+    let want: Vec<(u64, u64, u64)> = (0..5)
+        .map(|i| (i, 10 + i, owned[i as usize] * page))
+        .collect();
+    assert_eq!(order, want);
+    // Loads in the opposite route order, held too: queue indices and acks in submission order.
+    ctl.streams().load.hold();
+    for (i, (&route, pages)) in routes.iter().rev().zip(reload).enumerate() {
+        let h = ctl.load(10 + i as u64, pages, None, route).unwrap();
+        assert_eq!(h.index(), i as u64, "{route}");
+        assert_eq!(h.layers().len(), g.model_layers());
+        let events = h.layers().iter().all(|l| matches!(l, LayerReady::Event(_)));
+        let counters = h
+            .layers()
+            .iter()
+            .all(|l| matches!(l, LayerReady::Counter(_)));
+        match route {
+            Route::Direct(IoBackend::SmKernel { .. }) => assert!(counters, "{route}"),
+            _ => assert!(events, "{route}"),
+        }
+    }
+    assert_eq!(ctl.poll_loads().unwrap(), 0, "nothing is complete yet");
+    let loads = ctl.ack_loads(routes.len()).unwrap();
+    assert_eq!(ctl.streams().load.syncs(), 1);
+    let order: Vec<(u64, u64, u64)> = loads.iter().map(|a| (a.index, a.node, a.bytes)).collect();
+    assert_eq!(order, want);
+    // Every node came back where it was loaded; nothing else changed.
+    let mut expected = before.clone();
+    for (pages, to) in device.iter().zip(reload) {
+        expect_moved(
+            pool.components(),
+            placement,
+            0,
+            &before,
+            (pages, DEVICE_PAGES),
+            &mut expected,
+            (to, DEVICE_PAGES),
+        );
+    }
+    assert!(pool.snapshot(&b).unwrap() == expected);
+}
+
+#[test]
+fn staged_backups_back_to_back_reuse_one_staging() {
+    let b = Probe::new();
+    let g = &geometries()[1];
+    let placement = Placement::unsharded();
+    let (pages, nodes) = (70u64, 3u64);
+    let (device_pages, host_pages) = (pages * nodes + 2, pages * nodes + 2);
+    let pool = DevicePool::allocate(&b, g, placement, 0, device_pages).unwrap();
+    let storage = pool.storage().unwrap();
+    let mut rng = common::rng("staged_backups_back_to_back_reuse_one_staging");
+    b.write(storage, 0, &synth::bytes(&mut rng, storage.len()))
+        .unwrap();
+    let before = pool.snapshot(&b).unwrap();
+    let host = HostPool::new(&b, g, host_pages, HostLayout::PageFirstDirect).unwrap();
+    host.fill(&b, POISON).unwrap();
+    let mut ctl =
+        HiCacheController::new(&pool, &host, streams(&b), WritePolicy::WriteBack).unwrap();
+    assert_eq!(ctl.staging_pages(), DEFAULT_STAGING_PAGES);
+    assert_eq!((DEFAULT_STAGING_PAGES, ctl.staging_bytes()), (32, 0));
+    let staging_bytes = 2 * 32 * g.page_bytes();
+    // Three nodes of 70 pages (chunks of 32, 32 and 6): one in order, one reversed, one every
+    // other page of the rest, so the relayout scatters.
+    let chain: Vec<Vec<u64>> = vec![
+        (1..=70).collect(),
+        (71..=140).rev().collect(),
+        (141..=210)
+            .step_by(2)
+            .chain((142..=210).step_by(2))
+            .collect(),
+    ];
+    let routes = [
+        Route::Staged(Relayout::CopyEngine),
+        Route::Staged(Relayout::Kernel { ctas: 2 }),
+        Route::Staged(Relayout::CopyEngine),
+    ];
+    ctl.streams().backup.hold();
+    let tables = ctl.streams().tables.allocs();
+    for (i, (pages, &route)) in chain.iter().zip(&routes).enumerate() {
+        let n = CacheNode {
+            id: i as u64,
+            device_pages: pages,
+            start_owner: None,
+        };
+        assert_eq!(ctl.backup(&n, &done(), route).unwrap(), i as u64);
+        assert_eq!(ctl.staging_bytes(), staging_bytes, "made once, for backups");
+        if i == 0 {
+            assert!(
+                ctl.streams().tables.allocs() > tables + 1,
+                "staging and tables"
+            );
+        }
+    }
+    // After the first backup only each backup's own kernel tables were allocated.
+    let made = ctl.streams().tables.allocs();
+    let n = CacheNode {
+        id: 9,
+        device_pages: &[211],
+        start_owner: None,
+    };
+    ctl.backup(&n, &done(), routes[0]).unwrap();
+    assert_eq!(ctl.streams().tables.allocs(), made + 1);
+    assert!(
+        ctl.set_staging_pages(16).is_err(),
+        "no resize while the staging may be in use"
+    );
+    let acks = ctl.ack_backups(4).unwrap();
+    assert_eq!(
+        acks.iter().map(|a| a.index).collect::<Vec<_>>(),
+        [0, 1, 2, 3]
+    );
+    let mut expected = vec![POISON; host.snapshot(&b).unwrap().len()];
+    for (pages, ack) in chain.iter().zip(&acks) {
+        assert_eq!(ack.bytes, 70 * g.page_bytes() as u64);
+        let owned = (pages.as_slice(), device_pages);
+        let moved = (ack.host_pages.as_slice(), host_pages);
+        expect_moved(
+            pool.components(),
+            placement,
+            0,
+            &before,
+            owned,
+            &mut expected,
+            moved,
+        );
+    }
+    let backed_up = host.snapshot(&b).unwrap();
+    // Node 9's page was backed up too.
+    let (one, one_host) = ([211u64], acks[3].host_pages.as_slice());
+    expect_moved(
+        pool.components(),
+        placement,
+        0,
+        &before,
+        (&one, device_pages),
+        &mut expected,
+        (one_host, host_pages),
+    );
+    assert!(
+        backed_up == expected,
+        "host pool after three staged backups"
+    );
+    // Staged loads back, into the other nodes' pages, reuse one load staging of a new size.
+    assert!(matches!(
+        ctl.set_staging_pages(0),
+        Err(Error::InvalidArgument(_))
+    ));
+    ctl.set_staging_pages(24).unwrap();
+    assert_eq!((ctl.staging_pages(), ctl.staging_bytes()), (24, 0));
+    ctl.streams().load.hold();
+    for (i, &route) in routes.iter().enumerate() {
+        let into = &chain[(i + 1) % chain.len()];
+        assert_eq!(
+            ctl.load(i as u64, into, None, route).unwrap().index(),
+            i as u64
+        );
+    }
+    assert_eq!(ctl.staging_bytes(), 2 * 24 * g.page_bytes(), "loads only");
+    let loads = ctl.ack_loads(3).unwrap();
+    assert_eq!(loads.iter().map(|l| l.node).collect::<Vec<_>>(), [0, 1, 2]);
+    let mut reloaded = before.clone();
+    for (i, ack) in acks.iter().take(3).enumerate() {
+        let into = &chain[(i + 1) % chain.len()];
+        let moved = (ack.host_pages.as_slice(), host_pages);
+        let comps = pool.components();
+        expect_moved(
+            comps,
+            placement,
+            0,
+            &backed_up,
+            moved,
+            &mut reloaded,
+            (into, device_pages),
+        );
+    }
+    assert!(
+        pool.snapshot(&b).unwrap() == reloaded,
+        "device pool after three staged loads"
+    );
+}
+
+#[test]
+fn refused_routes_change_nothing() {
+    let b = Probe::new();
+    let g = &geometries()[0];
+    let placement = Placement::new(2).unwrap();
+    let pool = random_pool(&b, g, placement, 0, 8);
+    let before = pool.snapshot(&b).unwrap();
+    // Token-major page_first rows are not whole blocks: no copy-engine relayout.
+    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirst).unwrap();
+    host.fill(&b, POISON).unwrap();
+    let mut ctl = HiCacheController::new(
+        &pool,
+        &host,
+        streams(&b),
+        WritePolicy::WriteThroughSelective,
+    )
+    .unwrap();
+    let refused = [
+        Route::Staged(Relayout::CopyEngine),
+        Route::Staged(Relayout::Kernel { ctas: 0 }),
+        IoBackend::SmKernel { ctas: 0 }.into(),
+    ];
+    let device = [4u64, 6, 7];
+    let n = CacheNode {
+        id: 1,
+        device_pages: &device,
+        start_owner: None,
+    };
+    let free: Vec<usize> = (0..2).map(|r| ctl.host_allocator().free_pages(r)).collect();
+    let allocs = ctl.streams().tables.allocs();
+    let unchanged = |ctl: &HiCacheController<'_, Probe>| {
+        let now: Vec<usize> = (0..2).map(|r| ctl.host_allocator().free_pages(r)).collect();
+        assert_eq!(now, free);
+        assert!((1..2 * HOST_PAGES).all(|p| !ctl.host_allocator().is_allocated(p)));
+        assert_eq!((ctl.pending_backups(), ctl.pending_loads()), (0, 0));
+        assert_eq!(ctl.staging_bytes(), 0);
+        assert_eq!(ctl.streams().tables.allocs(), allocs);
+        assert!(host.snapshot(&b).unwrap().iter().all(|&x| x == POISON));
+        assert!(pool.snapshot(&b).unwrap() == before);
+    };
+    for route in refused {
+        let err = ctl.backup(&n, &done(), route).unwrap_err();
+        match route {
+            Route::Staged(Relayout::CopyEngine) => {
+                assert!(matches!(err, Error::HiCache(_)), "{err}");
+                assert!(err.to_string().contains("whole blocks"), "{err}");
+            }
+            _ => assert!(matches!(err, Error::InvalidArgument(_)), "{route}: {err}"),
+        }
+        // Refused accesses are not counted: two of them do not make the node due.
+        assert!(ctl.access(&n, &done(), route).is_err(), "{route}");
+        assert!(ctl.evict(&n, &done(), route).is_err(), "{route}");
+        assert!(ctl.load(1, &device, None, route).is_err(), "{route}");
+        unchanged(&ctl);
+    }
+    let io = Route::Staged(Relayout::Kernel { ctas: 2 });
+    assert_eq!(
+        ctl.access(&n, &done(), io).unwrap(),
+        None,
+        "first counted hit"
+    );
+    assert_eq!(
+        ctl.access(&n, &done(), io).unwrap(),
+        Some(0),
+        "no index lost"
+    );
+    ctl.ack_backups(1).unwrap();
+    // A load on a refused route changes nothing either; the next one gets index 0.
+    let reload = [8u64, 10, 11];
+    for route in refused {
+        assert!(ctl.load(1, &reload, None, route).is_err(), "{route}");
+        assert_eq!(ctl.pending_loads(), 0);
+    }
+    assert_eq!(ctl.load(1, &reload, None, io).unwrap().index(), 0);
+    assert_eq!(ctl.ack_loads(1).unwrap()[0].node, 1);
+}
+
 #[test]
 fn host_pools_refuse_bad_shapes() {
     let b = CpuBackend::new();
@@ -1346,10 +1760,13 @@ fn gpu_registered_and_numa_local_host_pools_round_trip() {
     }
 }
 
-/// Loads a large node with `io` through the controller while a consumer stream waits for layer
-/// 0 only and then snapshots one block of layer 0 and one of the last layer: layer 0 must have
-/// landed and the last layer not yet.
-fn layer_zero_lands_first(io: IoBackend) {
+/// Loads a large node on `io` through the controller while a consumer stream waits for layer 0
+/// only and then snapshots one block of layer 0 and one of the last layer: layer 0 must have
+/// landed and, on a direct route, the last layer not yet; a staged load is ready as a whole, so
+/// there the last layer must have landed too.
+fn layer_zero_lands_first(io: impl Into<Route>) {
+    let io = io.into();
+    let whole = matches!(io, Route::Staged(_));
     let name = format!("gpu_layer_zero_is_consumable_before_the_last_layer_lands ({io})");
     let Some(gpu) = common::cuda(&name) else {
         return;
@@ -1364,6 +1781,8 @@ fn layer_zero_lands_first(io: IoBackend) {
     let streams = Streams {
         load: new(),
         backup: new(),
+        load_relayout: new(),
+        backup_relayout: new(),
         tables: new(),
     };
     let mut ctl = HiCacheController::new(&pool, &host, streams, WritePolicy::WriteBack).unwrap();
@@ -1397,10 +1816,17 @@ fn layer_zero_lands_first(io: IoBackend) {
         seen[..36_864].iter().all(|&x| x == LANDED),
         "{io}: layer 0 had not landed when its signal fired"
     );
-    assert!(
-        seen[36_864..].iter().all(|&x| x == POISON),
-        "{io}: the last layer had landed before layer 0 was consumed"
-    );
+    if whole {
+        assert!(
+            seen[36_864..].iter().all(|&x| x == LANDED),
+            "{io}: a staged load's layer 0 was ready before its last layer had landed"
+        );
+    } else {
+        assert!(
+            seen[36_864..].iter().all(|&x| x == POISON),
+            "{io}: the last layer had landed before layer 0 was consumed"
+        );
+    }
     assert_eq!(ctl.ack_loads(1).unwrap()[0].node, 1);
     for (c, comp) in pool.components().iter().enumerate() {
         for layer in [0, 30, 60] {
@@ -1426,4 +1852,69 @@ fn gpu_layer_zero_is_consumable_before_the_last_layer_lands_sm_kernel() {
 #[test]
 fn gpu_layer_zero_is_consumable_before_the_last_layer_lands_copy_engine() {
     layer_zero_lands_first(IoBackend::CopyEngine);
+}
+
+#[test]
+fn gpu_staged_loads_are_ready_as_a_whole() {
+    layer_zero_lands_first(Route::Staged(Relayout::CopyEngine));
+    layer_zero_lands_first(Route::Staged(Relayout::Kernel { ctas: 4 }));
+}
+
+#[test]
+fn gpu_controller_round_trips_match_cpu_byte_for_byte() {
+    let Some(gpu) = common::cuda("gpu_controller_round_trips_match_cpu_byte_for_byte") else {
+        return;
+    };
+    let dev = gpu.gpu().clone();
+    let new = || kvshard::backend::cuda::CudaBackend::new(dev.clone()).unwrap();
+    let gpu_streams = || Streams {
+        load: new(),
+        backup: new(),
+        load_relayout: new(),
+        backup_relayout: new(),
+        tables: new(),
+    };
+    let mut rng = common::rng("gpu_controller_round_trips_match_cpu_byte_for_byte");
+    let cpu = Probe::new();
+    for g in geometries() {
+        for n in [1u32, 2, 4] {
+            let placement = Placement::new(n).unwrap();
+            let node = node(&mut rng, placement, 3 * n as usize + 1);
+            let mut ranks = vec![0, n - 1];
+            ranks.dedup();
+            for rank in ranks {
+                for layout in HostLayout::ALL {
+                    let direct = Route::from(IoBackend::SmKernel { ctas: 2 });
+                    for route in staged_routes(layout).into_iter().chain([direct]) {
+                        let case = format!("N={n} rank {rank} {layout} {route}");
+                        let want = controller_trip(
+                            &cpu,
+                            streams(&cpu),
+                            &g,
+                            layout,
+                            placement,
+                            rank,
+                            route,
+                            &node,
+                        );
+                        let got = controller_trip(
+                            &gpu,
+                            gpu_streams(),
+                            &g,
+                            layout,
+                            placement,
+                            rank,
+                            route,
+                            &node,
+                        );
+                        assert!(want.source == got.source, "random source differs");
+                        assert_eq!(want.host_pages, got.host_pages, "{case}");
+                        assert_eq!(want.bytes, got.bytes, "{case}");
+                        assert!(want.host == got.host, "{case}: host");
+                        assert!(want.reloaded == got.reloaded, "{case}: reloaded");
+                    }
+                }
+            }
+        }
+    }
 }

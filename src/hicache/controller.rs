@@ -13,7 +13,13 @@
 //!   [`HiCacheController::ack_backups`], so ack counts stay in step.
 //! - Loads (H2D) return a [`LoadHandle`] whose per-layer readiness a consumer waits on layer by
 //!   layer: on the SM kernel, one launch with a ready counter per layer; on the copy-engine
-//!   backends, the layer's copies followed by an event, layer after layer.
+//!   backends, the layer's copies followed by an event, layer after layer; through the staging
+//!   ([`Route::Staged`]), every layer at once, so each layer is ready when the whole load is.
+//! - Every operation takes a [`Route`]: straight between the pools on an [`IoBackend`], or
+//!   through the controller's device staging ([`HostTransfer::run_staged`]: the copy engine
+//!   moves large host runs, a relayout places the pages), which BENCHMARKS.md measured best for
+//!   bulk transfers next to compute. The staging of each direction is made on its first staged
+//!   transfer and kept; the relayouts run on the direction's relayout stream ([`Streams`]).
 //! - Write policies decide when a node is backed up: on its first access (write-through), its
 //!   second (write-through-selective), or only when it is evicted from the device, blocking
 //!   until the copy is done (write-back).
@@ -25,7 +31,10 @@
 use std::collections::{HashMap, VecDeque};
 
 use super::host_pool::HostPool;
-use super::io::{Direction, HostTransfer, IoBackend, LayerReady, LayerSignals, Layers};
+use super::io::{
+    check_copy_engine_relayout, Direction, HostTransfer, IoBackend, LayerReady, LayerSignals,
+    Layers, Relayout, StagedIo,
+};
 use super::plan::TransferPlan;
 use crate::backend::{Backend, Buffer, MemoryKind};
 use crate::error::{Error, Result};
@@ -35,6 +44,45 @@ use crate::shard::{AllocRequest, ChainStart, ShardAllocator};
 /// Kernel-table buffers kept for reuse once their transfer is acked: allocating and freeing
 /// device memory per transfer would serialize the device's streams.
 const SPARE_TABLES: usize = 8;
+
+/// Pages each of a direction's two staging buffers holds unless
+/// [`HiCacheController::set_staging_pages`] says otherwise: what the copy-engine relayout was
+/// measured with (BENCHMARKS.md). Device memory: `2 * pages * page bytes` per direction in use.
+pub const DEFAULT_STAGING_PAGES: u64 = 32;
+
+/// How the controller moves a transfer's bytes. An [`IoBackend`] converts into
+/// [`Route::Direct`], so every operation also takes one directly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Route {
+    /// Straight between the device pool and the host pool on the direction's stream
+    /// ([`HostTransfer::run`]; loads on [`IoBackend::SmKernel`] through
+    /// [`HostTransfer::run_signalled`]).
+    Direct(IoBackend),
+    /// Through the controller's device staging ([`HostTransfer::run_staged`]): the copy engine
+    /// moves host runs of up to [`HiCacheController::staging_pages`] pages on the direction's
+    /// stream and `Relayout` places them on the direction's relayout stream. Loads land every
+    /// layer at once: each layer's [`LayerReady`] is the event after the whole load, so a
+    /// consumer of layers as they land wants `Direct(IoBackend::SmKernel { .. })` instead.
+    /// [`Relayout::CopyEngine`] uses no SM but needs a uniform device layer stride and whole
+    /// blocks on the host (not token-major `page_first`); operations refuse it otherwise.
+    Staged(Relayout),
+}
+
+impl From<IoBackend> for Route {
+    fn from(io: IoBackend) -> Self {
+        Self::Direct(io)
+    }
+}
+
+impl std::fmt::Display for Route {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Direct(io) => io.fmt(f),
+            Self::Staged(Relayout::Kernel { ctas }) => write!(f, "staged, kernel relayout x{ctas}"),
+            Self::Staged(Relayout::CopyEngine) => f.write_str("staged, copy-engine relayout"),
+        }
+    }
+}
 
 /// When a device node is backed up to the host.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -58,16 +106,23 @@ impl WritePolicy {
     }
 }
 
-/// The streams a controller enqueues on: loads, backups, and the uploads of kernel tables (kept
-/// off the other two because an upload synchronizes its stream). Backends of one device (CUDA:
+/// The streams a controller enqueues on: loads, backups, the relayouts of staged loads and
+/// backups ([`Route::Staged`]), and the uploads of kernel tables and staging (kept off the
+/// others because an upload synchronizes its stream). Five streams of one device (CUDA:
 /// `CudaBackend::new(gpu.clone())` each; CPU: `CpuBackend::new_stream` of one backend).
 #[derive(Debug)]
 pub struct Streams<B> {
-    /// Host to device.
+    /// Host to device; a load has landed when this stream reaches its completion event.
     pub load: B,
-    /// Device to host.
+    /// Device to host; a backup has landed when this stream reaches its completion event.
     pub backup: B,
-    /// Kernel-table uploads.
+    /// Staged loads' relayouts from the staging into the device pool, overlapping the copies
+    /// on `load`; every staged load orders it after `load` and `load` after it.
+    pub load_relayout: B,
+    /// Staged backups' relayouts from the device pool into the staging, overlapping the copies
+    /// on `backup`; ordered like `load_relayout`.
+    pub backup_relayout: B,
+    /// Kernel-table and staging uploads.
     pub tables: B,
 }
 
@@ -172,6 +227,9 @@ pub struct HiCacheController<'p, B: Backend> {
     next_backup: u64,
     next_load: u64,
     spare_tables: Vec<Buffer>,
+    staging_pages: u64,
+    load_staging: Option<StagedIo>,
+    backup_staging: Option<StagedIo>,
 }
 
 impl<B: Backend> std::fmt::Debug for HiCacheController<'_, B> {
@@ -181,6 +239,7 @@ impl<B: Backend> std::fmt::Debug for HiCacheController<'_, B> {
             .field("host_nodes", &self.host_nodes.len())
             .field("pending_backups", &self.backups.len())
             .field("pending_loads", &self.loads.len())
+            .field("staging_bytes", &self.staging_bytes())
             .finish_non_exhaustive()
     }
 }
@@ -210,6 +269,9 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
             next_backup: 0,
             next_load: 0,
             spare_tables: Vec::new(),
+            staging_pages: DEFAULT_STAGING_PAGES,
+            load_staging: None,
+            backup_staging: None,
         })
     }
 
@@ -228,6 +290,43 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
         &self.allocator
     }
 
+    /// Pages each of a direction's two staging buffers holds ([`DEFAULT_STAGING_PAGES`] unless
+    /// set).
+    pub fn staging_pages(&self) -> u64 {
+        self.staging_pages
+    }
+
+    /// Sets the pages of each staging buffer of later [`Route::Staged`] transfers. Refused,
+    /// changing nothing, for 0 pages or while a transfer is pending (it may be using the
+    /// staging); staging of another size made earlier is freed and made anew when next needed.
+    pub fn set_staging_pages(&mut self, pages: u64) -> Result<()> {
+        if pages == 0 {
+            return Err(Error::InvalidArgument("staging of 0 pages".into()));
+        }
+        if !self.backups.is_empty() || !self.loads.is_empty() {
+            return Err(Error::HiCache(format!(
+                "staging resized with {} backups and {} loads pending",
+                self.backups.len(),
+                self.loads.len()
+            )));
+        }
+        if pages != self.staging_pages {
+            self.load_staging = None;
+            self.backup_staging = None;
+            self.staging_pages = pages;
+        }
+        Ok(())
+    }
+
+    /// Device bytes of the staging made so far (both directions).
+    pub fn staging_bytes(&self) -> usize {
+        [&self.load_staging, &self.backup_staging]
+            .into_iter()
+            .flatten()
+            .map(StagedIo::bytes)
+            .sum()
+    }
+
     /// Logical host pages of `node`, once its backup has been acked.
     pub fn host_pages(&self, node: u64) -> Option<&[u64]> {
         self.host_nodes
@@ -237,18 +336,21 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
     }
 
     /// Records an access (insertion or hit) of `node`; backs it up when the policy says so.
-    /// Returns the backup's queue index when one was submitted.
+    /// Returns the backup's queue index when one was submitted. A route the pools cannot take
+    /// is refused before the access is counted.
     pub fn access(
         &mut self,
         node: &CacheNode<'_>,
         compute: &B::Event,
-        io: IoBackend,
+        route: impl Into<Route>,
     ) -> Result<Option<u64>> {
+        let route = route.into();
+        self.check_route(route)?;
         let hits = self.hits.entry(node.id).or_default();
         *hits = hits.saturating_add(1);
         let due = self.policy.access_threshold().is_some_and(|t| *hits >= t);
         if due && !self.host_nodes.contains_key(&node.id) {
-            return self.backup(node, compute, io).map(Some);
+            return self.backup(node, compute, route).map(Some);
         }
         Ok(None)
     }
@@ -257,19 +359,21 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
     /// Under write-back a node not on the host yet is backed up first; a backup of the node
     /// still in flight is waited for. Both block (on the backup stream) and pop, in FIFO order,
     /// every ack up to the node's, which are returned. A write-through node never backed up is
-    /// simply dropped.
+    /// simply dropped. A route the pools cannot take is refused before anything changes.
     pub fn evict(
         &mut self,
         node: &CacheNode<'_>,
         compute: &B::Event,
-        io: IoBackend,
+        route: impl Into<Route>,
     ) -> Result<Vec<BackupAck>> {
+        let route = route.into();
+        self.check_route(route)?;
         self.hits.remove(&node.id);
         if !self.host_nodes.contains_key(&node.id) {
             if self.policy != WritePolicy::WriteBack {
                 return Ok(Vec::new());
             }
-            self.backup(node, compute, io)?;
+            self.backup(node, compute, route)?;
         }
         match self.backups.iter().position(|p| p.ack.node == node.id) {
             Some(at) => self.ack_backups(at + 1),
@@ -280,22 +384,25 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
     /// Backs `node` up: allocates its host pages, then, on the backup stream and after
     /// `compute`, copies every layer of this rank's pages. Returns the queue index.
     ///
-    /// Everything is checked before anything is enqueued (pages, owners, the start owner's
-    /// rotation); on such an error the host pages are returned and nothing moves. Should the
-    /// driver refuse a copy once enqueueing has begun, the host pages stay allocated, since
-    /// earlier copies may still be writing them.
+    /// Everything is checked before anything is enqueued (the route, pages, owners, the start
+    /// owner's rotation; a route before any host page is taken); on such an error, or when the
+    /// kernel tables or the staging cannot be made, the host pages are returned and nothing
+    /// moves. Should the driver refuse a copy once enqueueing has begun, the host pages stay
+    /// allocated, since earlier copies may still be writing them.
     pub fn backup(
         &mut self,
         node: &CacheNode<'_>,
         compute: &B::Event,
-        io: IoBackend,
+        route: impl Into<Route>,
     ) -> Result<u64> {
+        let route = route.into();
         if self.host_nodes.contains_key(&node.id) {
             return Err(Error::HiCache(format!(
                 "node {} is already on the host",
                 node.id
             )));
         }
+        self.check_route(route)?;
         let host_pages = match node.start_owner {
             Some(start_owner) => {
                 self.allocator
@@ -310,7 +417,8 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
             }
             None => self.allocator.alloc_matching(node.device_pages)?,
         };
-        let transfer = match self.transfer(node.device_pages, &host_pages, Direction::Backup, io) {
+        let transfer = match self.transfer(node.device_pages, &host_pages, Direction::Backup, route)
+        {
             Ok(t) => t,
             Err(e) => {
                 self.allocator.free(&host_pages)?;
@@ -319,7 +427,15 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
         };
         let backup = &self.streams.backup;
         backup.wait(compute)?;
-        transfer.run(backup, io, Layers::All)?;
+        match route {
+            Route::Direct(io) => transfer.run(backup, io, Layers::All)?,
+            Route::Staged(how) => transfer.run_staged(
+                backup,
+                &self.streams.backup_relayout,
+                made(&self.backup_staging)?,
+                how,
+            )?,
+        }
         let done = backup.record()?;
         let index = self.next_backup;
         self.next_backup += 1;
@@ -348,35 +464,47 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
     /// with the owner classes of the node's host pages, e.g. `ShardAllocator::alloc_matching`),
     /// on the load stream after `after` when given. [`IoBackend::SmKernel`] loads every layer in
     /// one launch with a ready counter per layer; the other backends move layer after layer,
-    /// recording an event after each.
+    /// recording an event after each; [`Route::Staged`] moves every layer at once, and each
+    /// layer's readiness is the event recorded after the whole load. Everything is checked, and
+    /// the kernel tables and staging made, before anything is enqueued.
     pub fn load(
         &mut self,
         node: u64,
         device_pages: &[u64],
         after: Option<&B::Event>,
-        io: IoBackend,
+        route: impl Into<Route>,
     ) -> Result<LoadHandle<B::Event>> {
+        let route = route.into();
+        self.check_route(route)?;
         let host_pages = self
             .host_pages(node)
             .ok_or_else(|| Error::HiCache(format!("node {node} has no acked backup to load")))?
             .to_vec();
-        let transfer = self.transfer(device_pages, &host_pages, Direction::Load, io)?;
+        let transfer = self.transfer(device_pages, &host_pages, Direction::Load, route)?;
         let load = &self.streams.load;
         if let Some(event) = after {
             load.wait(event)?;
         }
-        let layers = match io {
-            IoBackend::SmKernel { ctas } => transfer
+        let layers = match route {
+            Route::Direct(IoBackend::SmKernel { ctas }) => transfer
                 .run_signalled(load, ctas, &mut self.signals)?
                 .into_iter()
                 .map(LayerReady::Counter)
                 .collect(),
-            _ => (0..transfer.model_layers())
+            Route::Direct(io) => (0..transfer.model_layers())
                 .map(|m| {
                     transfer.run(load, io, Layers::One(m))?;
                     Ok(LayerReady::Event(load.record()?))
                 })
                 .collect::<Result<Vec<_>>>()?,
+            Route::Staged(how) => {
+                let staging = made(&self.load_staging)?;
+                transfer.run_staged(load, &self.streams.load_relayout, staging, how)?;
+                // Events need not be Clone: one per layer, all at the end of the load.
+                (0..transfer.model_layers())
+                    .map(|_| Ok(LayerReady::Event(load.record()?)))
+                    .collect::<Result<Vec<_>>>()?
+            }
         };
         let done = load.record()?;
         let index = self.next_load;
@@ -467,14 +595,30 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
         acks
     }
 
+    /// Refuses, before anything changes, a route these pools cannot take or a launch of no
+    /// CTAs (which would otherwise fail half-way through a staged transfer).
+    fn check_route(&self, route: Route) -> Result<()> {
+        match route {
+            Route::Direct(IoBackend::SmKernel { ctas: 0 })
+            | Route::Staged(Relayout::Kernel { ctas: 0 }) => Err(Error::InvalidArgument(format!(
+                "route {route}: a kernel needs at least one CTA"
+            ))),
+            Route::Staged(Relayout::CopyEngine) => {
+                check_copy_engine_relayout(self.device, self.host)
+            }
+            Route::Direct(_) | Route::Staged(Relayout::Kernel { .. }) => Ok(()),
+        }
+    }
+
     /// Plans and builds this rank's transfer, uploading kernel tables on the tables stream
-    /// (into a spare table buffer when one fits) when the SM kernel will run it.
+    /// (into a spare table buffer when one fits) when a kernel will read them (the SM kernel,
+    /// and every staged route), and making the direction's staging on its first staged use.
     fn transfer(
         &mut self,
         device_pages: &[u64],
         host_pages: &[u64],
         direction: Direction,
-        io: IoBackend,
+        route: Route,
     ) -> Result<HostTransfer<'p>> {
         let plan = TransferPlan::new(
             self.device.placement(),
@@ -485,7 +629,20 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
             self.host.pages(),
         )?;
         let mut transfer = HostTransfer::new(self.device, self.host, plan, direction)?;
-        if matches!(io, IoBackend::SmKernel { .. }) && !transfer.plan().is_empty() {
+        if let Route::Staged(_) = route {
+            let staging = match direction {
+                Direction::Load => &mut self.load_staging,
+                Direction::Backup => &mut self.backup_staging,
+            };
+            if staging.is_none() {
+                *staging = Some(transfer.staging(&self.streams.tables, self.staging_pages)?);
+            }
+        }
+        let tables = matches!(
+            route,
+            Route::Direct(IoBackend::SmKernel { .. }) | Route::Staged(_)
+        );
+        if tables && !transfer.plan().is_empty() {
             let need = transfer.kernel_table_bytes();
             let fits = (0..self.spare_tables.len())
                 .filter(|&i| self.spare_tables[i].len() >= need)
@@ -502,6 +659,13 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
         }
         Ok(transfer)
     }
+}
+
+/// A direction's staging, which `HiCacheController::transfer` makes for every staged route.
+fn made(staging: &Option<StagedIo>) -> Result<&StagedIo> {
+    staging
+        .as_ref()
+        .ok_or_else(|| Error::HiCache("staged transfer without its staging".into()))
 }
 
 fn completed_prefix<B: Backend, A>(

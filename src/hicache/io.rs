@@ -744,6 +744,26 @@ impl StagedIo {
     }
 }
 
+/// The copy-engine relayout of [`HostTransfer::run_staged`] needs every device layer at one
+/// stride a 2D copy accepts and blocks that are whole on both sides (not token-major
+/// `page_first` rows). A property of the two pools alone, so callers can check it before
+/// planning anything.
+pub(crate) fn check_copy_engine_relayout(device: &DevicePool, host: &HostPool) -> Result<()> {
+    for (c, comp) in device.components().iter().enumerate() {
+        let uniform =
+            comp.layers() == 1 || device.layer_stride(c).is_some_and(|s| s <= MAX_2D_PITCH);
+        let whole = comp.rows == 1 || host.block_side(c).row_stride == comp.row_bytes as u64;
+        if !uniform || !whole {
+            return Err(Error::HiCache(format!(
+                "copy-engine relayout of {}: needs a uniform device layer stride and whole blocks in the {} host layout",
+                comp.component,
+                host.layout()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// A stretch of plan entries whose host pages are consecutive (one copy-engine run per
 /// component on the host side); the device pages may be anything.
 struct Segment {
@@ -797,28 +817,6 @@ impl HostTransfer<'_> {
             tables: [t0, t1],
             num_pairs,
         })
-    }
-
-    /// The copy-engine relayout needs every device layer at one stride a 2D copy accepts and
-    /// blocks that are whole on both sides (not token-major `page_first` rows).
-    fn check_copy_engine_relayout(&self) -> Result<()> {
-        for (c, comp) in self.device.components().iter().enumerate() {
-            let uniform = comp.layers() == 1
-                || self
-                    .device
-                    .layer_stride(c)
-                    .is_some_and(|s| s <= MAX_2D_PITCH);
-            let whole =
-                comp.rows == 1 || self.host.block_side(c).row_stride == comp.row_bytes as u64;
-            if !uniform || !whole {
-                return Err(Error::HiCache(format!(
-                    "copy-engine relayout of {}: needs a uniform device layer stride and whole blocks in the {} host layout",
-                    comp.component,
-                    self.host.layout()
-                )));
-            }
-        }
-        Ok(())
     }
 
     /// 2D copies between a mirror and the device pool for one segment: per (page, component)
@@ -920,7 +918,7 @@ impl HostTransfer<'_> {
         how: Relayout,
     ) -> Result<()> {
         if let Relayout::CopyEngine = how {
-            self.check_copy_engine_relayout()?;
+            check_copy_engine_relayout(self.device, self.host)?;
         }
         if self.plan.is_empty() {
             return Ok(());
