@@ -314,6 +314,35 @@ fn copy_engine_relayout_refuses_token_major_rows() {
     assert!(err.to_string().contains("whole blocks"), "{err}");
 }
 
+#[test]
+fn staging_of_another_transfer_or_no_ctas_is_refused_before_anything_moves() {
+    let b = CpuBackend::new();
+    let g = &geometries()[0];
+    let placement = Placement::new(1).unwrap();
+    let pool = DevicePool::allocate(&b, g, placement, 0, DEVICE_PAGES).unwrap();
+    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirstDirect).unwrap();
+    let plan = TransferPlan::new(placement, 0, &[1, 2], &[1, 2], DEVICE_PAGES, HOST_PAGES).unwrap();
+    let mut load = HostTransfer::new(&pool, &host, plan.clone(), Direction::Load).unwrap();
+    let mut backup = HostTransfer::new(&pool, &host, plan, Direction::Backup).unwrap();
+    load.prepare_kernel(&b, None).unwrap();
+    backup.prepare_kernel(&b, None).unwrap();
+    let load_staging = load.staging(&b, 2).unwrap();
+    let before = b.read(host.buffer(0).unwrap(), 0, 4096).unwrap();
+    let other = b.new_stream();
+    for how in [Relayout::Kernel { ctas: 2 }, Relayout::CopyEngine] {
+        let err = backup
+            .run_staged(&b, &other, &load_staging, how)
+            .unwrap_err();
+        assert!(err.to_string().contains("staging made for a Load"), "{err}");
+    }
+    let err = load
+        .run_staged(&b, &other, &load_staging, Relayout::Kernel { ctas: 0 })
+        .unwrap_err();
+    assert!(err.to_string().contains("0 CTAs"), "{err}");
+    b.synchronize().unwrap();
+    assert_eq!(b.read(host.buffer(0).unwrap(), 0, 4096).unwrap(), before);
+}
+
 /// Every relayout and chunk size of the staged path on `b` (+ `other`) against the direct copy
 /// engine on the CPU reference, for every layout, rank `rank` of `placement`.
 fn staged_matches_direct<B: Backend>(

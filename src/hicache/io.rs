@@ -725,6 +725,9 @@ pub enum Relayout {
 /// pool for `chunk` pages each, and the pair tables that address them.
 #[derive(Debug)]
 pub struct StagedIo {
+    /// What the pair tables were built for: the direction, the device pool (its first layer's
+    /// base) and the host layout the mirrors copy.
+    made_for: (Direction, u64, HostLayout),
     chunk: u64,
     mirrors: [HostPool; 2],
     /// Per mirror: a `kvs_layer_pair` table (device side, mirror side) in transfer direction.
@@ -812,11 +815,17 @@ impl HostTransfer<'_> {
         }
         let [t0, t1]: [Buffer; 2] = tables.try_into().expect("two tables");
         Ok(StagedIo {
+            made_for: self.staging_key(),
             chunk,
             mirrors,
             tables: [t0, t1],
             num_pairs,
         })
+    }
+
+    fn staging_key(&self) -> (Direction, u64, HostLayout) {
+        let device = self.device.layer_bases(0).first().copied().unwrap_or(0);
+        (self.direction, device, self.host.layout())
     }
 
     /// 2D copies between a mirror and the device pool for one segment: per (page, component)
@@ -917,8 +926,16 @@ impl HostTransfer<'_> {
         staging: &StagedIo,
         how: Relayout,
     ) -> Result<()> {
-        if let Relayout::CopyEngine = how {
-            check_copy_engine_relayout(self.device, self.host)?;
+        match how {
+            Relayout::CopyEngine => check_copy_engine_relayout(self.device, self.host)?,
+            Relayout::Kernel { ctas } => Launch::host_io(ctas).validate(1024)?,
+        }
+        if staging.made_for != self.staging_key() {
+            let (direction, _, layout) = staging.made_for;
+            return Err(Error::HiCache(format!(
+                "staging made for a {direction:?} between another device pool or a {layout} host and this {:?}",
+                self.direction
+            )));
         }
         if self.plan.is_empty() {
             return Ok(());
