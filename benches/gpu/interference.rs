@@ -22,6 +22,7 @@ use kvshard::{Error, Result};
 
 use crate::harness::{Ctx, Report};
 use crate::hicache::{device_pool, host_pool, plan, STAGED_CTAS};
+use nvml_wrapper::bitmasks::device::ThrottleReasons;
 use nvml_wrapper::enum_wrappers::device::Clock;
 use nvml_wrapper::Nvml;
 
@@ -252,11 +253,19 @@ fn elapsed_ms(from: &CudaEvent, to: &CudaEvent) -> Result<f64> {
         })
 }
 
-/// Mean SM clock (MHz) and board power (W) sampled every 5 ms until `done` completes; `None`
-/// without NVML.
-fn sample_until(nvml: Option<&Nvml>, bus_id: &str, done: &CudaEvent) -> Result<Option<(f64, f64)>> {
+/// What NVML saw while a window ran: mean SM clock (MHz), mean board power (W) and every
+/// throttle reason reported.
+struct Sample {
+    mhz: f64,
+    watts: f64,
+    reasons: ThrottleReasons,
+}
+
+/// Samples NVML every 5 ms until `done` completes; `None` without NVML.
+fn sample_until(nvml: Option<&Nvml>, bus_id: &str, done: &CudaEvent) -> Result<Option<Sample>> {
     let device = nvml.and_then(|n| n.device_by_pci_bus_id(bus_id).ok());
     let (mut mhz, mut watts, mut n) = (0.0, 0.0, 0u32);
+    let mut reasons = ThrottleReasons::empty();
     while !done.try_is_complete().map_err(|source| Error::Driver {
         call: "cuEventQuery",
         source,
@@ -267,14 +276,25 @@ fn sample_until(nvml: Option<&Nvml>, bus_id: &str, done: &CudaEvent) -> Result<O
                 watts += f64::from(p) / 1e3;
                 n += 1;
             }
+            reasons |= d
+                .current_throttle_reasons()
+                .unwrap_or(ThrottleReasons::empty());
         }
         std::thread::sleep(Duration::from_millis(5));
     }
-    Ok((n > 0).then(|| (mhz / f64::from(n), watts / f64::from(n))))
+    Ok((n > 0).then(|| Sample {
+        mhz: mhz / f64::from(n),
+        watts: watts / f64::from(n),
+        reasons,
+    }))
 }
 
-fn clocks(sample: Option<(f64, f64)>) -> String {
-    sample.map_or_else(String::new, |(mhz, w)| format!("{mhz:.0} MHz {w:.0} W"))
+fn clocks(sample: Option<Sample>) -> String {
+    sample.map_or_else(String::new, |s| {
+        // Idle is reported whenever a sample falls between two enqueues: not a limit.
+        let reasons = s.reasons - ThrottleReasons::GPU_IDLE;
+        format!("{:.0} MHz {:.0} W {reasons:?}", s.mhz, s.watts)
+    })
 }
 
 pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
