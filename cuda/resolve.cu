@@ -118,9 +118,6 @@ struct Shard {
     uint32_t log2; /* valid when `pow2` */
     bool pow2;
 
-    __device__ __forceinline__ explicit Shard(uint32_t n)
-        : size(n), log2(static_cast<uint32_t>(__ffs(n) - 1)), pow2((n & (n - 1)) == 0) {}
-
     __device__ __forceinline__ uint32_t owner(uint64_t page) const {
         return pow2 ? static_cast<uint32_t>(page & (size - 1)) : page_owner(page, size);
     }
@@ -129,6 +126,14 @@ struct Shard {
         return pow2 ? page >> log2 : local_page(page, size);
     }
 };
+
+__device__ __forceinline__ Shard make_shard(uint32_t n) {
+    Shard s;
+    s.size = n;
+    s.log2 = static_cast<uint32_t>(__ffs(static_cast<int>(n)) - 1);
+    s.pow2 = (n & (n - 1)) == 0;
+    return s;
+}
 
 } // namespace
 
@@ -156,7 +161,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS) kvs_resolve(const 
         }
     }
 
-    const Shard shard(p.shard);
+    const Shard shard = make_shard(p.shard);
     uint32_t owners[RESOLVE_ITEMS];
     uint32_t warp_total = 0;
 #pragma unroll
