@@ -224,49 +224,89 @@ fn round_trip_with<B: Backend>(
     }
 }
 
+/// Asserts that a round trip of `rank`'s pages put exactly its owned pages of `source` (at
+/// `device` pages) into `host` (at `host_pages`; every other byte poison) and from there into
+/// `reloaded` (at `reload` pages; every other byte as in `device_base`).
+fn assert_round_trip(
+    components: &[ComponentLayout],
+    (placement, rank): (Placement, u32),
+    (source, host, reloaded): (&[u8], &[u8], &[u8]),
+    (device, host_pages, reload): (&[u64], &[u64], &[u64]),
+    device_base: Vec<u8>,
+    case: &str,
+) {
+    let mut want_host = vec![POISON; host.len()];
+    expect_moved(
+        components,
+        placement,
+        rank,
+        source,
+        (device, DEVICE_PAGES),
+        &mut want_host,
+        (host_pages, HOST_PAGES),
+    );
+    assert!(host == want_host, "{case}: host");
+    let mut want_device = device_base;
+    expect_moved(
+        components,
+        placement,
+        rank,
+        host,
+        (host_pages, HOST_PAGES),
+        &mut want_device,
+        (reload, DEVICE_PAGES),
+    );
+    assert!(reloaded == want_device, "{case}: reloaded device pool");
+}
+
+/// Calls `f(geometry, placement, rank, node)` for every test geometry, N in {1, 2, 4} and the
+/// ranks `ranks(N)` names, with one node of 3N + 1 random pages per (geometry, N).
+fn for_each_rank(
+    rng: &mut impl Rng,
+    ranks: impl Fn(u32) -> Vec<u32>,
+    mut f: impl FnMut(&CacheGeometry, Placement, u32, &Node),
+) {
+    for g in geometries() {
+        for n in [1u32, 2, 4] {
+            let placement = Placement::new(n).unwrap();
+            let node = node(rng, placement, 3 * n as usize + 1);
+            for rank in ranks(n) {
+                f(&g, placement, rank, &node);
+            }
+        }
+    }
+}
+
+fn all_ranks(n: u32) -> Vec<u32> {
+    (0..n).collect()
+}
+
+/// The first and the last rank (the GPU twins check these; the CPU tests check every rank).
+fn edge_ranks(n: u32) -> Vec<u32> {
+    let mut ranks = vec![0, n - 1];
+    ranks.dedup();
+    ranks
+}
+
 #[test]
 fn cpu_round_trips_move_exactly_the_owned_pages_for_every_layout_and_backend() {
     let mut rng = common::rng("cpu_round_trips");
     let b = CpuBackend::new();
-    for g in geometries() {
-        let components = g.components();
-        for n in [1u32, 2, 4] {
-            let placement = Placement::new(n).unwrap();
-            let node = node(&mut rng, placement, 3 * n as usize + 1);
-            for rank in 0..n {
-                for layout in HostLayout::ALL {
-                    for io in IOS {
-                        let trip = round_trip(&b, &g, layout, placement, rank, io, &node);
-                        let mut host = vec![POISON; trip.host.len()];
-                        expect_moved(
-                            &components,
-                            placement,
-                            rank,
-                            &trip.source,
-                            (&node.device, DEVICE_PAGES),
-                            &mut host,
-                            (&node.host, HOST_PAGES),
-                        );
-                        assert!(trip.host == host, "N={n} rank {rank} {layout} {io}: host");
-                        let mut device = vec![POISON; trip.reloaded.len()];
-                        expect_moved(
-                            &components,
-                            placement,
-                            rank,
-                            &trip.host,
-                            (&node.host, HOST_PAGES),
-                            &mut device,
-                            (&node.reload, DEVICE_PAGES),
-                        );
-                        assert!(
-                            trip.reloaded == device,
-                            "N={n} rank {rank} {layout} {io}: reloaded device pool"
-                        );
-                    }
-                }
+    for_each_rank(&mut rng, all_ranks, |g, placement, rank, node| {
+        for layout in HostLayout::ALL {
+            for io in IOS {
+                let trip = round_trip(&b, g, layout, placement, rank, io, node);
+                assert_round_trip(
+                    &g.components(),
+                    (placement, rank),
+                    (&trip.source, &trip.host, &trip.reloaded),
+                    (&node.device, &node.host, &node.reload),
+                    vec![POISON; trip.reloaded.len()],
+                    &format!("N={} rank {rank} {layout} {io}", placement.shard()),
+                );
             }
         }
-    }
+    });
 }
 
 /// A round trip through double-buffered device staging with `chunk`-page buffers, the copy engine
@@ -1318,59 +1358,30 @@ fn controller_trip<B: Backend>(
 fn controller_round_trips_through_the_staging_move_exactly_the_owned_pages() {
     let mut rng = common::rng("controller_round_trips_through_the_staging");
     let b = Probe::new();
-    for g in geometries() {
-        let components = g.components();
-        for n in [1u32, 2, 4] {
-            let placement = Placement::new(n).unwrap();
-            let node = node(&mut rng, placement, 3 * n as usize + 1);
-            for rank in 0..n {
-                let owned = node
-                    .device
-                    .iter()
-                    .filter(|&&p| placement.owner(p) == rank)
-                    .count() as u64;
-                let bytes = owned * g.page_bytes() as u64;
-                for layout in HostLayout::ALL {
-                    for route in staged_routes(layout) {
-                        let case = format!("N={n} rank {rank} {layout} {route}");
-                        let trip = controller_trip(
-                            &b,
-                            streams(&b),
-                            &g,
-                            layout,
-                            placement,
-                            rank,
-                            route,
-                            &node,
-                        );
-                        assert_eq!(trip.bytes, (bytes, bytes), "{case}");
-                        let mut host = vec![POISON; trip.host.len()];
-                        expect_moved(
-                            &components,
-                            placement,
-                            rank,
-                            &trip.source,
-                            (&node.device, DEVICE_PAGES),
-                            &mut host,
-                            (&trip.host_pages, HOST_PAGES),
-                        );
-                        assert!(trip.host == host, "{case}: host");
-                        let mut device = trip.source.clone();
-                        expect_moved(
-                            &components,
-                            placement,
-                            rank,
-                            &trip.host,
-                            (&trip.host_pages, HOST_PAGES),
-                            &mut device,
-                            (&node.reload, DEVICE_PAGES),
-                        );
-                        assert!(trip.reloaded == device, "{case}: reloaded device pool");
-                    }
-                }
+    for_each_rank(&mut rng, all_ranks, |g, placement, rank, node| {
+        let owned = node
+            .device
+            .iter()
+            .filter(|&&p| placement.owner(p) == rank)
+            .count() as u64;
+        let bytes = owned * g.page_bytes() as u64;
+        for layout in HostLayout::ALL {
+            for route in staged_routes(layout) {
+                let case = format!("N={} rank {rank} {layout} {route}", placement.shard());
+                let trip =
+                    controller_trip(&b, streams(&b), g, layout, placement, rank, route, node);
+                assert_eq!(trip.bytes, (bytes, bytes), "{case}");
+                assert_round_trip(
+                    &g.components(),
+                    (placement, rank),
+                    (&trip.source, &trip.host, &trip.reloaded),
+                    (&node.device, &trip.host_pages, &node.reload),
+                    trip.source.clone(),
+                    &case,
+                );
             }
         }
-    }
+    });
 }
 
 #[test]
@@ -1700,31 +1711,18 @@ fn gpu_round_trips_match_cpu_byte_for_byte() {
     };
     let mut rng = common::rng("gpu_round_trips_match_cpu_byte_for_byte");
     let cpu = CpuBackend::new();
-    for g in geometries() {
-        for n in [1u32, 2, 4] {
-            let placement = Placement::new(n).unwrap();
-            let node = node(&mut rng, placement, 3 * n as usize + 1);
-            let mut ranks = vec![0, n - 1];
-            ranks.dedup();
-            for rank in ranks {
-                for layout in HostLayout::ALL {
-                    for io in IOS {
-                        let want = round_trip(&cpu, &g, layout, placement, rank, io, &node);
-                        let got = round_trip(&gpu, &g, layout, placement, rank, io, &node);
-                        assert!(want.source == got.source, "random source differs");
-                        assert!(
-                            want.host == got.host,
-                            "N={n} rank {rank} {layout} {io}: host"
-                        );
-                        assert!(
-                            want.reloaded == got.reloaded,
-                            "N={n} rank {rank} {layout} {io}: reloaded"
-                        );
-                    }
-                }
+    for_each_rank(&mut rng, edge_ranks, |g, placement, rank, node| {
+        for layout in HostLayout::ALL {
+            for io in IOS {
+                let case = format!("N={} rank {rank} {layout} {io}", placement.shard());
+                let want = round_trip(&cpu, g, layout, placement, rank, io, node);
+                let got = round_trip(&gpu, g, layout, placement, rank, io, node);
+                assert!(want.source == got.source, "random source differs");
+                assert!(want.host == got.host, "{case}: host");
+                assert!(want.reloaded == got.reloaded, "{case}: reloaded");
             }
         }
-    }
+    });
 }
 
 #[test]
@@ -1905,45 +1903,21 @@ fn gpu_controller_round_trips_match_cpu_byte_for_byte() {
     };
     let mut rng = common::rng("gpu_controller_round_trips_match_cpu_byte_for_byte");
     let cpu = Probe::new();
-    for g in geometries() {
-        for n in [1u32, 2, 4] {
-            let placement = Placement::new(n).unwrap();
-            let node = node(&mut rng, placement, 3 * n as usize + 1);
-            let mut ranks = vec![0, n - 1];
-            ranks.dedup();
-            for rank in ranks {
-                for layout in HostLayout::ALL {
-                    let direct = Route::from(IoBackend::SmKernel { ctas: 2 });
-                    for route in staged_routes(layout).into_iter().chain([direct]) {
-                        let case = format!("N={n} rank {rank} {layout} {route}");
-                        let want = controller_trip(
-                            &cpu,
-                            streams(&cpu),
-                            &g,
-                            layout,
-                            placement,
-                            rank,
-                            route,
-                            &node,
-                        );
-                        let got = controller_trip(
-                            &gpu,
-                            gpu_streams(),
-                            &g,
-                            layout,
-                            placement,
-                            rank,
-                            route,
-                            &node,
-                        );
-                        assert!(want.source == got.source, "random source differs");
-                        assert_eq!(want.host_pages, got.host_pages, "{case}");
-                        assert_eq!(want.bytes, got.bytes, "{case}");
-                        assert!(want.host == got.host, "{case}: host");
-                        assert!(want.reloaded == got.reloaded, "{case}: reloaded");
-                    }
-                }
+    for_each_rank(&mut rng, edge_ranks, |g, placement, rank, node| {
+        for layout in HostLayout::ALL {
+            let direct = Route::from(IoBackend::SmKernel { ctas: 2 });
+            for route in staged_routes(layout).into_iter().chain([direct]) {
+                let case = format!("N={} rank {rank} {layout} {route}", placement.shard());
+                let want =
+                    controller_trip(&cpu, streams(&cpu), g, layout, placement, rank, route, node);
+                let got =
+                    controller_trip(&gpu, gpu_streams(), g, layout, placement, rank, route, node);
+                assert!(want.source == got.source, "random source differs");
+                assert_eq!(want.host_pages, got.host_pages, "{case}");
+                assert_eq!(want.bytes, got.bytes, "{case}");
+                assert!(want.host == got.host, "{case}: host");
+                assert!(want.reloaded == got.reloaded, "{case}: reloaded");
             }
         }
-    }
+    });
 }
