@@ -32,8 +32,7 @@ use std::collections::{HashMap, VecDeque};
 
 use super::host_pool::HostPool;
 use super::io::{
-    check_copy_engine_relayout, Direction, HostTransfer, IoBackend, LayerReady, LayerSignals,
-    Layers, Relayout, StagedIo,
+    Direction, HostTransfer, IoBackend, LayerReady, LayerSignals, Layers, Relayout, StagedIo,
 };
 use super::plan::TransferPlan;
 use crate::backend::{Backend, Buffer, MemoryKind};
@@ -599,14 +598,11 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
     /// CTAs (which would otherwise fail half-way through a staged transfer).
     fn check_route(&self, route: Route) -> Result<()> {
         match route {
-            Route::Direct(IoBackend::SmKernel { ctas: 0 })
-            | Route::Staged(Relayout::Kernel { ctas: 0 }) => Err(Error::InvalidArgument(format!(
+            Route::Direct(IoBackend::SmKernel { ctas: 0 }) => Err(Error::InvalidArgument(format!(
                 "route {route}: a kernel needs at least one CTA"
             ))),
-            Route::Staged(Relayout::CopyEngine) => {
-                check_copy_engine_relayout(self.device, self.host)
-            }
-            Route::Direct(_) | Route::Staged(Relayout::Kernel { .. }) => Ok(()),
+            Route::Staged(how) => how.check(self.device, self.host),
+            Route::Direct(_) => Ok(()),
         }
     }
 

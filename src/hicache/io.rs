@@ -747,11 +747,20 @@ impl StagedIo {
     }
 }
 
-/// The copy-engine relayout of [`HostTransfer::run_staged`] needs every device layer at one
-/// stride a 2D copy accepts and blocks that are whole on both sides (not token-major
-/// `page_first` rows). A property of the two pools alone, so callers can check it before
-/// planning anything.
-pub(crate) fn check_copy_engine_relayout(device: &DevicePool, host: &HostPool) -> Result<()> {
+impl Relayout {
+    /// Refuses a relayout these pools cannot take, a property of the pools alone, so callers
+    /// can check it before planning anything: the kernel needs at least one CTA; the copy
+    /// engine needs every device layer at one stride a 2D copy accepts and blocks that are whole
+    /// on both sides (not token-major `page_first` rows).
+    pub(crate) fn check(self, device: &DevicePool, host: &HostPool) -> Result<()> {
+        match self {
+            Relayout::CopyEngine => check_copy_engine_relayout(device, host),
+            Relayout::Kernel { ctas } => Launch::host_io(ctas).validate(1024),
+        }
+    }
+}
+
+fn check_copy_engine_relayout(device: &DevicePool, host: &HostPool) -> Result<()> {
     for (c, comp) in device.components().iter().enumerate() {
         let uniform =
             comp.layers() == 1 || device.layer_stride(c).is_some_and(|s| s <= MAX_2D_PITCH);
@@ -926,10 +935,7 @@ impl HostTransfer<'_> {
         staging: &StagedIo,
         how: Relayout,
     ) -> Result<()> {
-        match how {
-            Relayout::CopyEngine => check_copy_engine_relayout(self.device, self.host)?,
-            Relayout::Kernel { ctas } => Launch::host_io(ctas).validate(1024)?,
-        }
+        how.check(self.device, self.host)?;
         if staging.made_for != self.staging_key() {
             let (direction, _, layout) = staging.made_for;
             return Err(Error::HiCache(format!(
