@@ -11,8 +11,7 @@ pub const KVS_ROPE_DIM: u32 = 64;
 pub const KVS_MAX_COMPONENTS: u32 = 4;
 pub const KVS_WRITE_GROUP: u32 = 8;
 pub const KVS_WRITE_PAIR_BLOCK: u32 = 4;
-pub const KVS_RESOLVE_TILE: u32 = 2048;
-pub const KVS_RESOLVE_STATE_WORDS: u32 = 16;
+pub const KVS_RESOLVE_TILE: u32 = 1024;
 pub const KVS_LATENT_FP8_TRTLLM: u32 = 0;
 pub const KVS_LATENT_FP8_SCALED: u32 = 1;
 pub const KVS_LATENT_BF16: u32 = 2;
@@ -189,8 +188,10 @@ const _: () = {
 };
 /** Owner-local index resolution: for one rank, the stable-ordered subset of `entries` it owns,
  their positions in `entries`, their local rows (tokens) or local pages, and the count.
- Single pass: tiles publish their counts in `tile_state` (decoupled look-back); a tile-state
- word carries the launch's epoch, so the buffer never needs clearing between launches.*/
+ Single pass: tiles add their counts to a Fenwick tree in `tile_state` and read their prefixes
+ from it. `tile_state` holds two trees of `state_tiles` uint64 nodes, zero when first used;
+ launches alternate between them (`parity`), and each launch zeroes the first `clear_tiles`
+ nodes of the other one: the previous launch's tile count.*/
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
 pub struct kvs_resolve_params {
@@ -205,21 +206,25 @@ pub struct kvs_resolve_params {
     pub out_local: u64,
     ///< uint64[1]
     pub out_count: u64,
-    ///< uint64[tiles * KVS_RESOLVE_STATE_WORDS]: look-back scratch owned by the caller
+    ///< uint64[2 * state_tiles]: the two trees, owned by the caller
     pub tile_state: u64,
     pub shard: u32,
     pub rank: u32,
     ///< KVS_RESOLVE_*
     pub mode: u32,
-    ///< tags this launch's tile_state words: nonzero, < 2^30, new per launch
-    pub tile_epoch: u32,
+    ///< tree this launch uses (0 or 1); its first tiles nodes must be zero
+    pub parity: u32,
+    ///< nodes per tree: at least this launch's tiles
+    pub state_tiles: u32,
+    ///< nodes of the other tree to zero, at most state_tiles
+    pub clear_tiles: u32,
     pub status: kvs_status,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
     [
         "Size of kvs_resolve_params",
-    ][::std::mem::size_of::<kvs_resolve_params>() - 88usize];
+    ][::std::mem::size_of::<kvs_resolve_params>() - 96usize];
     [
         "Alignment of kvs_resolve_params",
     ][::std::mem::align_of::<kvs_resolve_params>() - 8usize];
@@ -254,11 +259,17 @@ const _: () = {
         "Offset of field: kvs_resolve_params::mode",
     ][::std::mem::offset_of!(kvs_resolve_params, mode) - 64usize];
     [
-        "Offset of field: kvs_resolve_params::tile_epoch",
-    ][::std::mem::offset_of!(kvs_resolve_params, tile_epoch) - 68usize];
+        "Offset of field: kvs_resolve_params::parity",
+    ][::std::mem::offset_of!(kvs_resolve_params, parity) - 68usize];
+    [
+        "Offset of field: kvs_resolve_params::state_tiles",
+    ][::std::mem::offset_of!(kvs_resolve_params, state_tiles) - 72usize];
+    [
+        "Offset of field: kvs_resolve_params::clear_tiles",
+    ][::std::mem::offset_of!(kvs_resolve_params, clear_tiles) - 76usize];
     [
         "Offset of field: kvs_resolve_params::status",
-    ][::std::mem::offset_of!(kvs_resolve_params, status) - 72usize];
+    ][::std::mem::offset_of!(kvs_resolve_params, status) - 80usize];
 };
 /// Scratch translation: out_rows[i] = page_pos[slots[i] / 64] * 64 + slots[i] % 64.
 #[repr(C)]

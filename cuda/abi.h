@@ -34,10 +34,8 @@
    units with the same numbers (kvs_work_queue bases, grids). */
 #define KVS_WRITE_GROUP 8
 #define KVS_WRITE_PAIR_BLOCK 4
-/* kvs_resolve: entries per tile (one CTA each), and uint64 words of tile_state per tile (each
-   tile's word on its own 128-byte line, so look-back polls spread over the L2 slices). */
-#define KVS_RESOLVE_TILE 2048
-#define KVS_RESOLVE_STATE_WORDS 16
+/* kvs_resolve: entries per tile (one CTA each). */
+#define KVS_RESOLVE_TILE 1024
 
 /* kvs_quantize_latent_params.layout */
 #define KVS_LATENT_FP8_TRTLLM 0 /* 576-byte rows: e4m3 nope + e4m3 rope, scale 1.0 */
@@ -118,8 +116,10 @@ typedef struct kvs_quantize_indexer_params {
 /**
  * Owner-local index resolution: for one rank, the stable-ordered subset of `entries` it owns,
  * their positions in `entries`, their local rows (tokens) or local pages, and the count.
- * Single pass: tiles publish their counts in `tile_state` (decoupled look-back); a tile-state
- * word carries the launch's epoch, so the buffer never needs clearing between launches.
+ * Single pass: tiles add their counts to a Fenwick tree in `tile_state` and read their prefixes
+ * from it. `tile_state` holds two trees of `state_tiles` uint64 nodes, zero when first used;
+ * launches alternate between them (`parity`), and each launch zeroes the first `clear_tiles`
+ * nodes of the other one: the previous launch's tile count.
  */
 typedef struct kvs_resolve_params {
     uint64_t entries; /**< int64[num_entries]; < 0 is padding (not owned, not an error) */
@@ -128,11 +128,13 @@ typedef struct kvs_resolve_params {
     uint64_t out_positions; /**< int32[num_entries] */
     uint64_t out_local;     /**< int64[num_entries] */
     uint64_t out_count;     /**< uint64[1] */
-    uint64_t tile_state;    /**< uint64[tiles * KVS_RESOLVE_STATE_WORDS]: look-back scratch owned by the caller */
+    uint64_t tile_state;    /**< uint64[2 * state_tiles]: the two trees, owned by the caller */
     uint32_t shard;
     uint32_t rank;
-    uint32_t mode;       /**< KVS_RESOLVE_* */
-    uint32_t tile_epoch; /**< tags this launch's tile_state words: nonzero, < 2^30, new per launch */
+    uint32_t mode;        /**< KVS_RESOLVE_* */
+    uint32_t parity;      /**< tree this launch uses (0 or 1); its first tiles nodes must be zero */
+    uint32_t state_tiles; /**< nodes per tree: at least this launch's tiles */
+    uint32_t clear_tiles; /**< nodes of the other tree to zero, at most state_tiles */
     kvs_status status;
 } kvs_resolve_params;
 
@@ -271,7 +273,7 @@ typedef struct kvs_bench_read_params {
 KVS_STATIC_ASSERT(sizeof(kvs_status) == 16, "kvs_status");
 KVS_STATIC_ASSERT(sizeof(kvs_quantize_latent_params) == 72, "kvs_quantize_latent_params");
 KVS_STATIC_ASSERT(sizeof(kvs_quantize_indexer_params) == 72, "kvs_quantize_indexer_params");
-KVS_STATIC_ASSERT(sizeof(kvs_resolve_params) == 88, "kvs_resolve_params");
+KVS_STATIC_ASSERT(sizeof(kvs_resolve_params) == 96, "kvs_resolve_params");
 KVS_STATIC_ASSERT(sizeof(kvs_scratch_rows_params) == 64, "kvs_scratch_rows_params");
 KVS_STATIC_ASSERT(sizeof(kvs_block_component) == 40, "kvs_block_component");
 KVS_STATIC_ASSERT(sizeof(kvs_layer_pair) == 24, "kvs_layer_pair");

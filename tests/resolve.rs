@@ -219,7 +219,7 @@ fn matches_reference<B: Backend>(b: &B, input: &[i64]) {
 #[test]
 fn cpu_twin_matches_the_reference() {
     let mut rng = common::rng("cpu_twin_matches_the_reference");
-    for n in [1, 2047, 2048, 2049, 10_000] {
+    for n in [1, 1023, 1024, 1025, 2049, 10_000] {
         matches_reference(&CpuBackend::new(), &entries(&mut rng, n));
     }
 }
@@ -260,7 +260,7 @@ fn resolver_arguments_are_checked() {
     let input = upload_i64s(&b, &[1; 10]).unwrap();
     let p = placement(4);
     let mode = ResolveMode::Pages;
-    let misaligned = input.slice(8, 64).unwrap();
+    let misaligned = input.slice(4, 64).unwrap();
     let cases = [
         (
             "over capacity",
@@ -282,7 +282,7 @@ fn resolver_arguments_are_checked() {
             "{what}: {got:?}"
         );
     }
-    // SAFETY: refused before anything is read: the address is not 16-byte aligned.
+    // SAFETY: refused before anything is read: the address is not 8-byte aligned.
     let raw = unsafe { resolver.resolve_device(&b, misaligned.addr(), 8, p, 0, mode, 10) };
     assert!(matches!(raw, Err(Error::InvalidArgument(_))), "{raw:?}");
     // The checks consumed nothing: the resolver still works.
@@ -290,7 +290,7 @@ fn resolver_arguments_are_checked() {
     assert_eq!(got.positions, (0..8).collect::<Vec<_>>());
 }
 
-/// Entries over three tiles with three out-of-range ones; 2100 (exactly the limit) is first.
+/// Entries over seven tiles with three out-of-range ones; 2100 (exactly the limit) is first.
 fn bad_entry_is_rejected<B: Backend>(b: &B) {
     let mut input: Vec<i64> = (0..3 * 2048 + 100).map(|i| i % 1000).collect();
     for (at, value) in [(5000, 1001), (2100, 1000), (6000, i64::MAX)] {
@@ -345,12 +345,12 @@ fn gpu_resolve_matches_cpu_byte_for_byte() {
     let mut rng = common::rng("gpu_resolve_matches_cpu_byte_for_byte");
     let cpu = CpuBackend::new();
     // Every (N, rank, mode) on both backends, each against the reference.
-    for n in [1, 2047, 2048, 2049, 100_000] {
+    for n in [1, 1023, 1024, 1025, 2049, 100_000] {
         let input = entries(&mut rng, n);
         matches_reference(&cpu, &input);
         matches_reference(&gpu, &input);
     }
-    // 4M entries (2048 tiles of look-back): the CPU twin is slow there, so the GPU is checked
+    // 4M entries (4096 tiles, more than one wave): the CPU twin is slow there, so the GPU is checked
     // against the reference, which the twin matches above, for every rank of N = 4 and a few
     // others; the twin runs once at this size too.
     let n = 4 << 20;
@@ -378,21 +378,28 @@ fn gpu_resolve_matches_cpu_byte_for_byte() {
             }
         }
     }
-    // A short launch on the same tile state, over words older launches left behind.
-    let (short, p) = (2049, placement(4));
-    let expected = resolve_owned(p, 2, ResolveMode::Tokens, &input[..short], LIMIT).unwrap();
-    let got = run_device(
-        &gpu,
-        &mut resolver,
-        &buf,
-        short,
-        p,
-        2,
-        ResolveMode::Tokens,
-        LIMIT,
-    );
-    let want = Outputs::expected(&expected, short);
-    assert!(got == want, "short launch after 4M: {}", got.diff(&want));
+    // Short and full launches on the same tile state: each short one must clear every node the
+    // full one before it used, or the next full launch would wait forever on stale nodes.
+    let p = placement(4);
+    for len in [2049, n, 1, n, 3000, n] {
+        let expected = resolve_owned(p, 2, ResolveMode::Tokens, &input[..len], LIMIT).unwrap();
+        let got = run_device(
+            &gpu,
+            &mut resolver,
+            &buf,
+            len,
+            p,
+            2,
+            ResolveMode::Tokens,
+            LIMIT,
+        );
+        let want = Outputs::expected(&expected, len);
+        assert!(
+            got == want,
+            "{len} entries after other sizes: {}",
+            got.diff(&want)
+        );
+    }
     // A resolver is tied to the backend it was made on.
     let mut cpu_resolver = Resolver::new(&cpu, 16).unwrap();
     let wrong = cpu_resolver.resolve(&gpu, &buf, 16, p, 0, ResolveMode::Pages, LIMIT);

@@ -48,8 +48,15 @@ pub(crate) fn resolve(p: &abi::kvs_resolve_params) -> Result<()> {
     if p.num_entries >= 1 << 31 {
         return invalid(format!("{} entries (at most 2^31 - 1)", p.num_entries));
     }
-    if p.tile_epoch == 0 || p.tile_epoch >= 1 << 30 {
-        return invalid(format!("tile epoch {} (must be in 1..2^30)", p.tile_epoch));
+    if p.parity > 1 {
+        return invalid(format!("tile-state parity {} (0 or 1)", p.parity));
+    }
+    let tiles = super::resolve_tiles(p.num_entries);
+    if tiles > u64::from(p.state_tiles) || p.clear_tiles > p.state_tiles {
+        return invalid(format!(
+            "tile state of {} nodes per tree for {tiles} tiles, clearing {}",
+            p.state_tiles, p.clear_tiles
+        ));
     }
     Ok(())
 }

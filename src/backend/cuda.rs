@@ -277,9 +277,10 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         p.status = self.begin(Kernel::Resolve)?;
-        // One CTA per tile: the look-back needs every tile to have its own CTA.
+        // One CTA per tile: a tile is a node of the tree, and tile ids are CTA ids.
         let grid = super::resolve_tiles(p.num_entries) as u32;
-        // SAFETY: as above; tile_state holds `grid` words (caller's contract).
+        // SAFETY: as above; tile_state holds two trees of `state_tiles >= grid` nodes (checked
+        // above; the size is the caller's contract).
         unsafe { self.launch(Kernel::Resolve, grid, 256, &p) }
     }
 

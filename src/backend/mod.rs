@@ -333,10 +333,10 @@ pub fn resolve_tiles(entries: u64) -> u64 {
     entries.div_ceil(u64::from(abi::KVS_RESOLVE_TILE))
 }
 
-/// Bytes of look-back state `kvs_resolve` needs for `entries` entries: one 128-byte line per
-/// tile.
+/// Bytes of tile state `kvs_resolve` needs for up to `entries` entries: two trees of one
+/// uint64 node per tile.
 pub fn resolve_state_bytes(entries: u64) -> u64 {
-    resolve_tiles(entries) * 8 * u64::from(abi::KVS_RESOLVE_STATE_WORDS)
+    2 * 8 * resolve_tiles(entries)
 }
 
 /// Reads little-endian i64s from bytes.

@@ -3,11 +3,14 @@
 //! (cuda/resolve.cu) on any [`Backend`].
 //!
 //! [`Resolver`] owns what one backend's `kvs_resolve` launches need besides the input: the
-//! outputs, sized for a fixed capacity, and the look-back tile state. Tile-state words carry the
-//! launch's epoch, so the state is cleared only at creation and when the epochs wrap.
+//! outputs, sized for a fixed capacity, and the tile state: two Fenwick trees of tile counts that
+//! launches alternate between, each launch zeroing what the previous one left in the other tree,
+//! so the state is cleared only at creation.
 
 use crate::abi;
-use crate::backend::{i64s_from_bytes, resolve_state_bytes, Backend, Buffer, MemoryKind};
+use crate::backend::{
+    i64s_from_bytes, resolve_state_bytes, resolve_tiles, Backend, Buffer, MemoryKind,
+};
 use crate::error::{Error, Result};
 use crate::geometry::PAGE_SIZE;
 use crate::shard::Placement;
@@ -187,11 +190,26 @@ pub fn scratch_rows_device<B: Backend>(
     backend.synchronize()
 }
 
-/// Launches of `kvs_resolve` before the tile epoch wraps (tile-state words hold 30 epoch bits).
-const EPOCH_LIMIT: u32 = 1 << 30;
+/// Which of the two trees in the tile state the next launch uses, and how many nodes the
+/// previous launch left non-zero in the other one (the next launch zeroes them, so the tree after
+/// it is zero again).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Trees {
+    parity: u32,
+    dirty: u32,
+}
+
+impl Trees {
+    /// Once a launch of `tiles` tiles is enqueued: the next one uses the other tree and clears
+    /// the nodes this one used.
+    fn launched(&mut self, tiles: u32) {
+        self.parity ^= 1;
+        self.dirty = tiles;
+    }
+}
 
 /// Device state for `kvs_resolve` on one backend: output buffers for up to `capacity` entries
-/// and the look-back tile state, with the epoch that tags each launch's tile-state words.
+/// and the tile state, with which of its trees the next launch uses.
 #[derive(Debug)]
 pub struct Resolver {
     backend: &'static str,
@@ -200,7 +218,7 @@ pub struct Resolver {
     positions: Buffer,
     local: Buffer,
     count: Buffer,
-    next_epoch: u32,
+    trees: Trees,
 }
 
 impl Resolver {
@@ -224,7 +242,7 @@ impl Resolver {
             positions: backend.alloc(4 * capacity, MemoryKind::Device)?,
             local: backend.alloc(8 * capacity, MemoryKind::Device)?,
             count: backend.alloc(8, MemoryKind::Device)?,
-            next_epoch: 1,
+            trees: Trees::default(),
         })
     }
 
@@ -274,7 +292,7 @@ impl Resolver {
     ///
     /// # Safety
     /// - `entries` must be an address of `backend` holding `n` int64s, valid until the launch
-    ///   has finished (a misaligned address is refused: the kernel loads 16-byte pairs);
+    ///   has finished (an address that is not 8-byte aligned is refused);
     /// - the resolver must be used with the backend it was made on (only its kind is checked)
     ///   and must outlive the launch;
     /// - launches of one resolver must never overlap: a launch (this one or a later one, also
@@ -295,15 +313,10 @@ impl Resolver {
         if n == 0 {
             return backend.fill(&self.count, 0);
         }
-        if entries % 16 != 0 {
+        if entries % 8 != 0 {
             return Err(Error::InvalidArgument(format!(
-                "resolve entries at {entries:#x} (the kernel loads 16-byte pairs)"
+                "resolve entries at {entries:#x} (int64 entries must be 8-byte aligned)"
             )));
-        }
-        if self.next_epoch == EPOCH_LIMIT {
-            // Words of a launch a full cycle ago could carry the epoch about to be reused.
-            backend.fill(&self.tile_state, 0)?;
-            self.next_epoch = 1;
         }
         let params = abi::kvs_resolve_params {
             entries,
@@ -316,20 +329,24 @@ impl Resolver {
             shard: placement.shard(),
             rank,
             mode: mode.abi(),
-            tile_epoch: self.next_epoch,
+            parity: self.trees.parity,
+            state_tiles: resolve_tiles(self.capacity as u64) as u32,
+            clear_tiles: self.trees.dirty,
             ..Default::default()
         };
-        self.next_epoch += 1;
-        // SAFETY: the outputs hold `capacity >= n` elements and the tile state one word per
-        // tile of `capacity` entries; the input and the ordering are the caller's contract.
-        unsafe { backend.resolve(params) }
+        // SAFETY: the outputs hold `capacity >= n` elements and the tile state two trees of one
+        // node per tile of `capacity` entries, the one this launch uses zero (see `Trees`); the
+        // input and the ordering are the caller's contract.
+        unsafe { backend.resolve(params)? };
+        self.trees.launched(resolve_tiles(n as u64) as u32);
+        Ok(())
     }
 
     /// Resolves the first `n` int64 entries of `entries` for `rank` and returns the owned ones:
     /// enqueues [`Self::resolve_device`], waits, and reads the outputs back. An entry `>= limit`
     /// fails the call with [`Error::KernelRejected`] naming the smallest bad position. `n == 0`
     /// launches nothing. `backend` must be the one the resolver was made on (its kind is
-    /// checked) and `entries` a 16-byte aligned buffer of it.
+    /// checked) and `entries` a buffer of it.
     #[allow(clippy::too_many_arguments)]
     pub fn resolve<B: Backend>(
         &mut self,
@@ -379,40 +396,24 @@ impl Resolver {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cpu::CpuBackend;
-    use crate::backend::upload_i64s;
 
-    #[test]
-    fn tile_epochs_wrap_by_clearing_the_tile_state() {
-        let backend = CpuBackend::new();
-        let placement = Placement::new(2).unwrap();
-        let capacity = 3 * abi::KVS_RESOLVE_TILE as usize;
-        let mut resolver = Resolver::new(&backend, capacity).unwrap();
-        let entries: Vec<i64> = (0..capacity as i64).collect();
-        let input = upload_i64s(&backend, &entries).unwrap();
-        let expected =
-            resolve_owned(placement, 1, ResolveMode::Tokens, &entries, u64::MAX).unwrap();
-        // The CPU twin never writes the tile state: stale bytes must be cleared by the resolver.
-        backend.fill(&resolver.tile_state, 0xFF).unwrap();
-        resolver.next_epoch = EPOCH_LIMIT - 1;
-        for epoch_after in [EPOCH_LIMIT, 2, 3] {
-            let got = resolver
-                .resolve(
-                    &backend,
-                    &input,
-                    capacity,
-                    placement,
-                    1,
-                    ResolveMode::Tokens,
-                    u64::MAX,
-                )
-                .unwrap();
-            assert_eq!(got, expected);
-            assert_eq!(resolver.next_epoch, epoch_after);
+    proptest::proptest! {
+        /// Models what launches leave in the two trees: every launch must find the tree it
+        /// uses zero, whatever the sizes of the launches before it.
+        #[test]
+        fn every_launch_finds_its_tree_zero(sizes in proptest::collection::vec(1usize..=64, 1..100)) {
+            let mut trees = Trees::default();
+            let mut model = [[0u8; 64]; 2];
+            for (launch, tiles) in sizes.into_iter().enumerate() {
+                let (used, other) = (trees.parity as usize, trees.parity as usize ^ 1);
+                proptest::prop_assert!(
+                    model[used][..tiles].iter().all(|&n| n == 0),
+                    "launch {} ({} tiles) found tree {} dirty", launch, tiles, used
+                );
+                model[other][..trees.dirty as usize].fill(0);
+                model[used][..tiles].fill(1);
+                trees.launched(tiles as u32);
+            }
         }
-        let state = backend
-            .read(&resolver.tile_state, 0, resolver.tile_state.len())
-            .unwrap();
-        assert!(state.iter().all(|&b| b == 0));
     }
 }
