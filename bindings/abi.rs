@@ -189,9 +189,10 @@ const _: () = {
 /** Owner-local index resolution: for one rank, the stable-ordered subset of `entries` it owns,
  their positions in `entries`, their local rows (tokens) or local pages, and the count.
  Single pass: tiles add their counts to a Fenwick tree in `tile_state` and read their prefixes
- from it. `tile_state` holds two trees of `state_tiles` uint64 nodes, zero when first used;
- launches alternate between them (`parity`), and each launch zeroes the first `clear_tiles`
- nodes of the other one: the previous launch's tile count.*/
+ from it. `tile_state` holds two trees of `state_tiles` uint64 nodes (a multiple of 16), their
+ 128-byte lines interleaved, zero when first used; launches alternate between them (`parity`),
+ and each launch zeroes the first `clear_tiles` nodes of the other one: the previous launch's
+ tile count.*/
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
 pub struct kvs_resolve_params {
@@ -206,7 +207,7 @@ pub struct kvs_resolve_params {
     pub out_local: u64,
     ///< uint64[1]
     pub out_count: u64,
-    ///< uint64[2 * state_tiles]: the two trees, owned by the caller
+    ///< uint64[2 * state_tiles], 128-byte aligned: the two trees, owned by the caller
     pub tile_state: u64,
     pub shard: u32,
     pub rank: u32,
@@ -214,7 +215,7 @@ pub struct kvs_resolve_params {
     pub mode: u32,
     ///< tree this launch uses (0 or 1); its first tiles nodes must be zero
     pub parity: u32,
-    ///< nodes per tree: at least this launch's tiles
+    ///< nodes per tree: a multiple of 16, at least this launch's tiles
     pub state_tiles: u32,
     ///< nodes of the other tree to zero, at most state_tiles
     pub clear_tiles: u32,

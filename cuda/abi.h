@@ -117,9 +117,10 @@ typedef struct kvs_quantize_indexer_params {
  * Owner-local index resolution: for one rank, the stable-ordered subset of `entries` it owns,
  * their positions in `entries`, their local rows (tokens) or local pages, and the count.
  * Single pass: tiles add their counts to a Fenwick tree in `tile_state` and read their prefixes
- * from it. `tile_state` holds two trees of `state_tiles` uint64 nodes, zero when first used;
- * launches alternate between them (`parity`), and each launch zeroes the first `clear_tiles`
- * nodes of the other one: the previous launch's tile count.
+ * from it. `tile_state` holds two trees of `state_tiles` uint64 nodes (a multiple of 16), their
+ * 128-byte lines interleaved, zero when first used; launches alternate between them (`parity`),
+ * and each launch zeroes the first `clear_tiles` nodes of the other one: the previous launch's
+ * tile count.
  */
 typedef struct kvs_resolve_params {
     uint64_t entries; /**< int64[num_entries]; < 0 is padding (not owned, not an error) */
@@ -128,12 +129,12 @@ typedef struct kvs_resolve_params {
     uint64_t out_positions; /**< int32[num_entries] */
     uint64_t out_local;     /**< int64[num_entries] */
     uint64_t out_count;     /**< uint64[1] */
-    uint64_t tile_state;    /**< uint64[2 * state_tiles]: the two trees, owned by the caller */
+    uint64_t tile_state;    /**< uint64[2 * state_tiles], 128-byte aligned: the two trees, owned by the caller */
     uint32_t shard;
     uint32_t rank;
     uint32_t mode;        /**< KVS_RESOLVE_* */
     uint32_t parity;      /**< tree this launch uses (0 or 1); its first tiles nodes must be zero */
-    uint32_t state_tiles; /**< nodes per tree: at least this launch's tiles */
+    uint32_t state_tiles; /**< nodes per tree: a multiple of 16, at least this launch's tiles */
     uint32_t clear_tiles; /**< nodes of the other tree to zero, at most state_tiles */
     kvs_status status;
 } kvs_resolve_params;

@@ -19,9 +19,10 @@
  * 14% faster than the chained look-back at 1M entries, and packed nodes beat nodes on their own
  * lines (contention on the few hot nodes costs less than the extra L2 misses).
  *
- * tile_state holds two node arrays of state_tiles words; launches alternate (parity). A launch
- * needs its array zero and zeroes the other array's first clear_tiles nodes, those the previous
- * launch dirtied, so the caller clears the buffer only once, at creation. Tile ids are blockIdx.x:
+ * tile_state holds two trees, interleaved by 128-byte lines (measured: 2-10% faster than two
+ * separate halves); launches alternate (parity). A launch needs its tree zero and zeroes the
+ * other tree's first clear_tiles nodes, those the previous launch dirtied, so the caller clears
+ * the buffer only once, at creation. Tile ids are blockIdx.x:
  * the hardware dispatches CTAs in index order, so every tile a node waits on is already running
  * (the guarantee CUB's single-pass scans rely on too).
  *
@@ -39,6 +40,12 @@ constexpr uint32_t RESOLVE_WARPS = RESOLVE_THREADS / 32;
 constexpr uint32_t RESOLVE_ITEMS = KVS_RESOLVE_TILE / RESOLVE_THREADS;
 static_assert(RESOLVE_ITEMS * RESOLVE_THREADS == KVS_RESOLVE_TILE, "tile = threads x items");
 constexpr uint32_t NODE_SUM_BITS = 40;
+/* The trees interleave by 128-byte lines: node i of tree t is word node_word(i) + 16 t. */
+constexpr uint32_t NODES_PER_LINE = 16;
+
+__device__ __forceinline__ uint32_t node_word(uint32_t i) {
+    return i + (i & ~(NODES_PER_LINE - 1));
+}
 
 __device__ __forceinline__ uint32_t lowbit(uint32_t i) {
     return i & (0u - i);
@@ -53,7 +60,7 @@ __device__ __forceinline__ void fenwick_add(uint64_t* nodes, uint32_t tile, uint
         i += lowbit(i);
     }
     if (i < tiles) {
-        atomicAdd(reinterpret_cast<unsigned long long*>(nodes + i),
+        atomicAdd(reinterpret_cast<unsigned long long*>(nodes + node_word(i)),
                   (1ull << NODE_SUM_BITS) | static_cast<unsigned long long>(count));
     }
 }
@@ -69,7 +76,7 @@ __device__ __forceinline__ uint32_t fenwick_prefix(const uint64_t* nodes, uint32
     if (q != 0) {
         const uint64_t complete = lowbit(q);
         while (true) {
-            const uint64_t word = *reinterpret_cast<const volatile uint64_t*>(nodes + q);
+            const uint64_t word = *reinterpret_cast<const volatile uint64_t*>(nodes + node_word(q));
             if ((word >> NODE_SUM_BITS) == complete) {
                 sum = static_cast<uint32_t>(word);
                 break;
@@ -80,33 +87,27 @@ __device__ __forceinline__ uint32_t fenwick_prefix(const uint64_t* nodes, uint32
     return __reduce_add_sync(0xFFFFFFFFu, sum);
 }
 
-/* Owner and local index of one entry; shifts when the shard size is a power of two. */
-struct Shard {
-    uint32_t size;
-    uint32_t log2; /* valid when `pow2` */
-    bool pow2;
+/* Owner and local page of a logical page; masks and shifts when the shard size is a power of two
+ * (`log2` is then its log). */
+template <bool POW2>
+__device__ __forceinline__ uint32_t owner_of(uint64_t page, uint32_t shard) {
+    return POW2 ? static_cast<uint32_t>(page & (shard - 1)) : page_owner(page, shard);
+}
 
-    __device__ __forceinline__ uint32_t owner(uint64_t page) const {
-        return pow2 ? static_cast<uint32_t>(page & (size - 1)) : page_owner(page, size);
-    }
-
-    __device__ __forceinline__ uint64_t local_page_of(uint64_t page) const {
-        return pow2 ? page >> log2 : local_page(page, size);
-    }
-};
-
-__device__ __forceinline__ Shard make_shard(uint32_t n) {
-    Shard s;
-    s.size = n;
-    s.log2 = static_cast<uint32_t>(__ffs(static_cast<int>(n)) - 1);
-    s.pow2 = (n & (n - 1)) == 0;
-    return s;
+template <bool POW2>
+__device__ __forceinline__ uint64_t local_page_of(uint64_t page, uint32_t shard, uint32_t log2) {
+    return POW2 ? page >> log2 : local_page(page, shard);
 }
 
 } // namespace
 
-/* 8 CTAs per SM (32 registers): a 1M-entry launch (1024 tiles) runs in one wave. */
-extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 8) kvs_resolve(const __grid_constant__ kvs_resolve_params p) {
+/*
+ * One tile. Specialized on the entry kind and on a power-of-two shard size: the general owner
+ * math (64-bit divisions) and the kind branch cost registers, and at 8 CTAs per SM (32
+ * registers, so a 1M-entry launch of 1024 tiles runs in one wave) every register counts.
+ */
+template <bool TOKENS, bool POW2>
+__device__ __forceinline__ void resolve_tile(const kvs_resolve_params& p) {
     __shared__ uint32_t s_warp_totals[RESOLVE_WARPS];
     __shared__ uint32_t s_exclusive;
 
@@ -114,11 +115,10 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 8) kvs_resolve(con
     const uint32_t lane = threadIdx.x % 32;
     const uint32_t warp = threadIdx.x / 32;
     uint64_t* state = reinterpret_cast<uint64_t*>(p.tile_state);
-    uint64_t* nodes = state + static_cast<uint64_t>(p.parity) * p.state_tiles;
-    uint64_t* other = state + static_cast<uint64_t>(p.parity ^ 1) * p.state_tiles;
-    for (uint64_t j = static_cast<uint64_t>(tile) * RESOLVE_THREADS + threadIdx.x; j < p.clear_tiles;
-         j += static_cast<uint64_t>(gridDim.x) * RESOLVE_THREADS) {
-        other[j] = 0;
+    uint64_t* nodes = state + p.parity * NODES_PER_LINE;
+    uint64_t* other = state + (p.parity ^ 1) * NODES_PER_LINE;
+    for (uint32_t j = tile * RESOLVE_THREADS + threadIdx.x; j < p.clear_tiles; j += gridDim.x * RESOLVE_THREADS) {
+        other[node_word(j)] = 0;
     }
 
     const uint64_t first = static_cast<uint64_t>(tile) * KVS_RESOLVE_TILE + warp * 32 * RESOLVE_ITEMS + lane;
@@ -137,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 8) kvs_resolve(con
         }
     }
 
-    const Shard shard = make_shard(p.shard);
+    const uint32_t log2 = static_cast<uint32_t>(__ffs(static_cast<int>(p.shard)) - 1);
     uint32_t owners[RESOLVE_ITEMS];
     uint32_t warp_total = 0;
 #pragma unroll
@@ -148,13 +148,14 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 8) kvs_resolve(con
             const uint64_t entry = static_cast<uint64_t>(e);
             if (entry >= p.limit) {
                 report(p.status, first + 32 * k);
-            } else if (p.mode == KVS_RESOLVE_TOKENS) {
+            } else if (TOKENS) {
                 const uint64_t page = entry / KVS_PAGE_SIZE;
-                owned = shard.owner(page) == p.rank;
-                items[k] = static_cast<int64_t>(shard.local_page_of(page) * KVS_PAGE_SIZE + entry % KVS_PAGE_SIZE);
+                owned = owner_of<POW2>(page, p.shard) == p.rank;
+                items[k] = static_cast<int64_t>(local_page_of<POW2>(page, p.shard, log2) * KVS_PAGE_SIZE +
+                                                entry % KVS_PAGE_SIZE);
             } else {
-                owned = shard.owner(entry) == p.rank;
-                items[k] = static_cast<int64_t>(shard.local_page_of(entry));
+                owned = owner_of<POW2>(entry, p.shard) == p.rank;
+                items[k] = static_cast<int64_t>(local_page_of<POW2>(entry, p.shard, log2));
             }
         }
         owners[k] = __ballot_sync(0xFFFFFFFFu, owned);
@@ -188,18 +189,29 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 8) kvs_resolve(con
     int32_t* out_positions = reinterpret_cast<int32_t*>(p.out_positions);
     long long* out_local = reinterpret_cast<long long*>(p.out_local);
     const uint32_t lanes_before = (1u << lane) - 1;
-    uint64_t out = static_cast<uint64_t>(s_exclusive) + warp_offset;
+    const uint64_t out = static_cast<uint64_t>(s_exclusive) + warp_offset;
+    uint32_t before = 0; /* the warp's owned entries in earlier items */
 #pragma unroll
     for (uint32_t k = 0; k < RESOLVE_ITEMS; ++k) {
         if (owners[k] & (1u << lane)) {
-            const uint64_t at = out + __popc(owners[k] & lanes_before);
+            const uint64_t at = out + before + __popc(owners[k] & lanes_before);
             // Streaming stores: the caller reads the outputs later, not this kernel.
             __stcs(out_positions + at, static_cast<int32_t>(first + 32 * k));
             __stcs(out_local + at, static_cast<long long>(items[k]));
         }
-        out += __popc(owners[k]);
+        before += __popc(owners[k]);
     }
 }
+
+#define KVS_RESOLVE_ENTRY(name, tokens, pow2)                                                           \
+    extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 8) name(const __grid_constant__ kvs_resolve_params p) { \
+        resolve_tile<tokens, pow2>(p);                                                                  \
+    }
+/* The host picks one by p.mode and whether p.shard is a power of two. */
+KVS_RESOLVE_ENTRY(kvs_resolve_tokens, true, false)
+KVS_RESOLVE_ENTRY(kvs_resolve_tokens_pow2, true, true)
+KVS_RESOLVE_ENTRY(kvs_resolve_pages, false, false)
+KVS_RESOLVE_ENTRY(kvs_resolve_pages_pow2, false, true)
 
 extern "C" __global__ void kvs_scratch_rows(const __grid_constant__ kvs_scratch_rows_params p) {
     const int64_t* slots = reinterpret_cast<const int64_t*>(p.slots);

@@ -276,12 +276,19 @@ impl Backend for CudaBackend {
         if p.num_entries == 0 {
             return Ok(());
         }
-        p.status = self.begin(Kernel::Resolve)?;
+        // One kernel per entry kind and shard-size class (cuda/resolve.cu says why).
+        let kernel = match (p.mode == abi::KVS_RESOLVE_TOKENS, p.shard.is_power_of_two()) {
+            (true, true) => Kernel::ResolveTokensPow2,
+            (true, false) => Kernel::ResolveTokens,
+            (false, true) => Kernel::ResolvePagesPow2,
+            (false, false) => Kernel::ResolvePages,
+        };
+        p.status = self.begin(kernel)?;
         // One CTA per tile: a tile is a node of the tree, and tile ids are CTA ids.
         let grid = super::resolve_tiles(p.num_entries) as u32;
         // SAFETY: as above; tile_state holds two trees of `state_tiles >= grid` nodes (checked
         // above; the size is the caller's contract).
-        unsafe { self.launch(Kernel::Resolve, grid, 256, &p) }
+        unsafe { self.launch(kernel, grid, 256, &p) }
     }
 
     unsafe fn scratch_rows(&self, mut p: abi::kvs_scratch_rows_params) -> Result<()> {

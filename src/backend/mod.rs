@@ -333,10 +333,16 @@ pub fn resolve_tiles(entries: u64) -> u64 {
     entries.div_ceil(u64::from(abi::KVS_RESOLVE_TILE))
 }
 
-/// Bytes of tile state `kvs_resolve` needs for up to `entries` entries: two trees of one
-/// uint64 node per tile.
+/// Nodes per tree of the tile state `kvs_resolve` needs for up to `entries` entries: one per
+/// tile, rounded up to whole 128-byte lines (the two trees interleave by lines).
+pub fn resolve_state_tiles(entries: u64) -> u64 {
+    resolve_tiles(entries).next_multiple_of(16)
+}
+
+/// Bytes of tile state `kvs_resolve` needs for up to `entries` entries: two trees of
+/// [`resolve_state_tiles`] uint64 nodes.
 pub fn resolve_state_bytes(entries: u64) -> u64 {
-    2 * 8 * resolve_tiles(entries)
+    2 * 8 * resolve_state_tiles(entries)
 }
 
 /// Reads little-endian i64s from bytes.

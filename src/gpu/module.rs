@@ -56,7 +56,10 @@ macro_rules! kernels {
 kernels! {
     QuantizeLatent => "kvs_quantize_latent",
     QuantizeIndexer => "kvs_quantize_indexer",
-    Resolve => "kvs_resolve",
+    ResolveTokens => "kvs_resolve_tokens",
+    ResolveTokensPow2 => "kvs_resolve_tokens_pow2",
+    ResolvePages => "kvs_resolve_pages",
+    ResolvePagesPow2 => "kvs_resolve_pages_pow2",
     ScratchRows => "kvs_scratch_rows",
     CopyBlocks => "kvs_copy_blocks",
     WriteRows => "kvs_write_rows",

@@ -9,7 +9,8 @@
 
 use crate::abi;
 use crate::backend::{
-    i64s_from_bytes, resolve_state_bytes, resolve_tiles, Backend, Buffer, MemoryKind,
+    i64s_from_bytes, resolve_state_bytes, resolve_state_tiles, resolve_tiles, Backend, Buffer,
+    MemoryKind,
 };
 use crate::error::{Error, Result};
 use crate::geometry::PAGE_SIZE;
@@ -330,7 +331,7 @@ impl Resolver {
             rank,
             mode: mode.abi(),
             parity: self.trees.parity,
-            state_tiles: resolve_tiles(self.capacity as u64) as u32,
+            state_tiles: resolve_state_tiles(self.capacity as u64) as u32,
             clear_tiles: self.trees.dirty,
             ..Default::default()
         };
