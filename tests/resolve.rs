@@ -314,7 +314,8 @@ fn bad_entry_is_rejected<B: Backend>(b: &B) {
     );
     match got {
         Err(Error::KernelRejected { kernel, position }) => {
-            assert_eq!((kernel, position), ("kvs_resolve", 2100), "{}", b.name())
+            let want = ("kvs_resolve_pages_pow2", 2100);
+            assert_eq!((kernel, position), want, "{}", b.name())
         }
         other => panic!("{}: expected a rejection, got {other:?}", b.name()),
     }

@@ -364,7 +364,7 @@ impl Backend for CpuBackend {
 
     unsafe fn resolve(&self, mut p: abi::kvs_resolve_params) -> Result<()> {
         check::resolve(&p)?;
-        p.status = self.begin("kvs_resolve");
+        p.status = self.begin(super::resolve_kernel(&p).name());
         let placement = Placement::new(p.shard)?;
         let mut mem = self.mem();
         let mut count = 0u64;

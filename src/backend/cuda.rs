@@ -276,13 +276,7 @@ impl Backend for CudaBackend {
         if p.num_entries == 0 {
             return Ok(());
         }
-        // One kernel per entry kind and shard-size class (cuda/resolve.cu says why).
-        let kernel = match (p.mode == abi::KVS_RESOLVE_TOKENS, p.shard.is_power_of_two()) {
-            (true, true) => Kernel::ResolveTokensPow2,
-            (true, false) => Kernel::ResolveTokens,
-            (false, true) => Kernel::ResolvePagesPow2,
-            (false, false) => Kernel::ResolvePages,
-        };
+        let kernel = super::resolve_kernel(&p);
         p.status = self.begin(kernel)?;
         // One CTA per tile: a tile is a node of the tree, and tile ids are CTA ids.
         let grid = super::resolve_tiles(p.num_entries) as u32;

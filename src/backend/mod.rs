@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use crate::abi;
 use crate::error::{Error, Result};
+use crate::gpu::Kernel;
 
 /// Where a buffer lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -326,6 +327,17 @@ impl abi::kvs_page_list {
 pub fn write_units(slots: u64, pairs: u32) -> u64 {
     slots.div_ceil(u64::from(abi::KVS_WRITE_GROUP))
         * u64::from(pairs.div_ceil(abi::KVS_WRITE_PAIR_BLOCK))
+}
+
+/// The `kvs_resolve` kernel for `p`: one per entry kind and shard-size class (cuda/resolve.cu
+/// says why). The CPU twin reports errors under the same name.
+pub(crate) fn resolve_kernel(p: &abi::kvs_resolve_params) -> Kernel {
+    match (p.mode == abi::KVS_RESOLVE_TOKENS, p.shard.is_power_of_two()) {
+        (true, true) => Kernel::ResolveTokensPow2,
+        (true, false) => Kernel::ResolveTokens,
+        (false, true) => Kernel::ResolvePagesPow2,
+        (false, false) => Kernel::ResolvePages,
+    }
 }
 
 /// Tiles (one CTA each) `kvs_resolve` uses for `entries` entries.
