@@ -525,3 +525,64 @@ fn gpu_scratch_translation_matches_cpu() {
     }
     scratch_bad_slot_is_rejected(&gpu);
 }
+
+/// Raw `kvs_resolve` parameters the tile state cannot serve are refused before anything runs.
+#[test]
+fn raw_launch_with_bad_tile_state_is_refused() {
+    let b = CpuBackend::new();
+    let input = upload_i64s(&b, &[1; 2048]).unwrap();
+    let outputs = b.alloc(12 * 2048 + 8, MemoryKind::Device).unwrap();
+    let state = b.alloc(2 * 8 * 16, MemoryKind::Device).unwrap();
+    let good = kvshard::abi::kvs_resolve_params {
+        entries: input.addr(),
+        num_entries: 2048,
+        limit: 10,
+        out_positions: outputs.addr(),
+        out_local: outputs.addr() + 4 * 2048,
+        out_count: outputs.addr() + 12 * 2048,
+        tile_state: state.addr(),
+        shard: 2,
+        mode: kvshard::abi::KVS_RESOLVE_PAGES,
+        state_tiles: 16,
+        clear_tiles: 2,
+        ..Default::default()
+    };
+    // SAFETY: every address above is a live CPU-backend buffer of the sizes the kernel needs.
+    unsafe { b.resolve(good) }.unwrap();
+    b.synchronize().unwrap();
+    let bad = [
+        (
+            "parity 2",
+            kvshard::abi::kvs_resolve_params { parity: 2, ..good },
+        ),
+        (
+            "trees smaller than the tiles",
+            kvshard::abi::kvs_resolve_params {
+                num_entries: 17 * 1024,
+                ..good
+            },
+        ),
+        (
+            "clearing past the tree",
+            kvshard::abi::kvs_resolve_params {
+                clear_tiles: 17,
+                ..good
+            },
+        ),
+        (
+            "trees not in whole lines",
+            kvshard::abi::kvs_resolve_params {
+                state_tiles: 8,
+                ..good
+            },
+        ),
+    ];
+    for (what, p) in bad {
+        // SAFETY: refused by the parameter check before any address is used.
+        let got = unsafe { b.resolve(p) };
+        assert!(
+            matches!(got, Err(Error::InvalidArgument(_))),
+            "{what}: {got:?}"
+        );
+    }
+}
