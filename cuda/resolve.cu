@@ -1,7 +1,7 @@
 /*
  * Owner-local index resolution and scratch translation.
  *
- * kvs_resolve is a single-pass stream compaction: one CTA of 256 threads per tile of
+ * kvs_resolve_* is a single-pass stream compaction: one CTA of 256 threads per tile of
  * KVS_RESOLVE_TILE (1024) entries. Warp w of a tile holds entries [128w, 128w + 128), lane l
  * item k being entry 128w + 32k + l, so every load is one coalesced 256-byte warp access and the
  * stable order is (warp, item, lane). Per tile:
@@ -22,9 +22,9 @@
  * tile_state holds two trees, interleaved by 128-byte lines (measured: 2-10% faster than two
  * separate halves); launches alternate (parity). A launch needs its tree zero and zeroes the
  * other tree's first clear_tiles nodes, those the previous launch dirtied, so the caller clears
- * the buffer only once, at creation. Tile ids are blockIdx.x:
- * the hardware dispatches CTAs in index order, so every tile a node waits on is already running
- * (the guarantee CUB's single-pass scans rely on too).
+ * the buffer only once, at creation. Tile ids are blockIdx.x: the hardware dispatches CTAs in
+ * index order, so every tile a node waits on is already running (the guarantee CUB's single-pass
+ * scans rely on too).
  *
  * Bytes: reads 8 B per entry, writes 12 B per owned entry; the floor is that over the device
  * copy bandwidth.
