@@ -12,6 +12,7 @@ pub const KVS_MAX_COMPONENTS: u32 = 4;
 pub const KVS_WRITE_GROUP: u32 = 8;
 pub const KVS_WRITE_PAIR_BLOCK: u32 = 4;
 pub const KVS_RESOLVE_TILE: u32 = 1024;
+pub const KVS_RESOLVE_LINE_NODES: u32 = 16;
 pub const KVS_LATENT_FP8_TRTLLM: u32 = 0;
 pub const KVS_LATENT_FP8_SCALED: u32 = 1;
 pub const KVS_LATENT_BF16: u32 = 2;
@@ -189,7 +190,7 @@ const _: () = {
 /** Owner-local index resolution: for one rank, the stable-ordered subset of `entries` it owns,
  their positions in `entries`, their local rows (tokens) or local pages, and the count.
  Single pass: tiles add their counts to a Fenwick tree in `tile_state` and read their prefixes
- from it. `tile_state` holds two trees of `state_tiles` uint64 nodes (a multiple of 16), their
+ from it. `tile_state` holds two trees of `state_tiles` uint64 nodes (a multiple of KVS_RESOLVE_LINE_NODES), their
  128-byte lines interleaved, zero when first used; launches alternate between them (`parity`),
  and each launch zeroes the first `clear_tiles` nodes of the other one: the previous launch's
  tile count.*/
@@ -215,7 +216,7 @@ pub struct kvs_resolve_params {
     pub mode: u32,
     ///< tree this launch uses (0 or 1); its first tiles nodes must be zero
     pub parity: u32,
-    ///< nodes per tree: a multiple of 16, at least this launch's tiles
+    ///< nodes per tree: a multiple of KVS_RESOLVE_LINE_NODES, at least this launch's tiles
     pub state_tiles: u32,
     ///< nodes of the other tree to zero, at most state_tiles
     pub clear_tiles: u32,

@@ -34,8 +34,10 @@
    units with the same numbers (kvs_work_queue bases, grids). */
 #define KVS_WRITE_GROUP 8
 #define KVS_WRITE_PAIR_BLOCK 4
-/* kvs_resolve: entries per tile (one CTA each). */
+/* kvs_resolve: entries per tile (one CTA each), and uint64 nodes per 128-byte line of tile
+   state: the two trees interleave by lines, so a tree holds a multiple of this many nodes. */
 #define KVS_RESOLVE_TILE 1024
+#define KVS_RESOLVE_LINE_NODES 16
 
 /* kvs_quantize_latent_params.layout */
 #define KVS_LATENT_FP8_TRTLLM 0 /* 576-byte rows: e4m3 nope + e4m3 rope, scale 1.0 */
@@ -117,7 +119,7 @@ typedef struct kvs_quantize_indexer_params {
  * Owner-local index resolution: for one rank, the stable-ordered subset of `entries` it owns,
  * their positions in `entries`, their local rows (tokens) or local pages, and the count.
  * Single pass: tiles add their counts to a Fenwick tree in `tile_state` and read their prefixes
- * from it. `tile_state` holds two trees of `state_tiles` uint64 nodes (a multiple of 16), their
+ * from it. `tile_state` holds two trees of `state_tiles` uint64 nodes (a multiple of KVS_RESOLVE_LINE_NODES), their
  * 128-byte lines interleaved, zero when first used; launches alternate between them (`parity`),
  * and each launch zeroes the first `clear_tiles` nodes of the other one: the previous launch's
  * tile count.
@@ -134,7 +136,7 @@ typedef struct kvs_resolve_params {
     uint32_t rank;
     uint32_t mode;        /**< KVS_RESOLVE_* */
     uint32_t parity;      /**< tree this launch uses (0 or 1); its first tiles nodes must be zero */
-    uint32_t state_tiles; /**< nodes per tree: a multiple of 16, at least this launch's tiles */
+    uint32_t state_tiles; /**< nodes per tree: a multiple of KVS_RESOLVE_LINE_NODES, at least this launch's tiles */
     uint32_t clear_tiles; /**< nodes of the other tree to zero, at most state_tiles */
     kvs_status status;
 } kvs_resolve_params;

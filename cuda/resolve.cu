@@ -41,7 +41,8 @@ constexpr uint32_t RESOLVE_ITEMS = KVS_RESOLVE_TILE / RESOLVE_THREADS;
 static_assert(RESOLVE_ITEMS * RESOLVE_THREADS == KVS_RESOLVE_TILE, "tile = threads x items");
 constexpr uint32_t NODE_SUM_BITS = 40;
 /* The trees interleave by 128-byte lines: node i of tree t is word node_word(i) + 16 t. */
-constexpr uint32_t NODES_PER_LINE = 16;
+constexpr uint32_t NODES_PER_LINE = KVS_RESOLVE_LINE_NODES;
+static_assert(NODES_PER_LINE * sizeof(uint64_t) == 128, "one line of nodes");
 
 __device__ __forceinline__ uint32_t node_word(uint32_t i) {
     return i + (i & ~(NODES_PER_LINE - 1));

@@ -52,7 +52,9 @@ pub(crate) fn resolve(p: &abi::kvs_resolve_params) -> Result<()> {
         return invalid(format!("tile-state parity {} (0 or 1)", p.parity));
     }
     let tiles = super::resolve_tiles(p.num_entries);
-    if tiles > u64::from(p.state_tiles) || p.clear_tiles > p.state_tiles || p.state_tiles % 16 != 0
+    if tiles > u64::from(p.state_tiles)
+        || p.clear_tiles > p.state_tiles
+        || p.state_tiles % abi::KVS_RESOLVE_LINE_NODES != 0
     {
         return invalid(format!(
             "tile state of {} nodes per tree for {tiles} tiles, clearing {}",

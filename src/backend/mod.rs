@@ -348,7 +348,7 @@ pub fn resolve_tiles(entries: u64) -> u64 {
 /// Nodes per tree of the tile state `kvs_resolve` needs for up to `entries` entries: one per
 /// tile, rounded up to whole 128-byte lines (the two trees interleave by lines).
 pub fn resolve_state_tiles(entries: u64) -> u64 {
-    resolve_tiles(entries).next_multiple_of(16)
+    resolve_tiles(entries).next_multiple_of(u64::from(abi::KVS_RESOLVE_LINE_NODES))
 }
 
 /// Bytes of tile state `kvs_resolve` needs for up to `entries` entries: two trees of
