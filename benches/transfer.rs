@@ -12,7 +12,6 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvshard::abi;
 use kvshard::geometry::{CacheGeometry, ComponentLayout, LatentLayout, PoolGeometry, PAGE_SIZE};
 use kvshard::pool::BlockSpace;
 use kvshard::shard::Placement;
@@ -144,10 +143,6 @@ impl BlockSpace for Registered {
 
     fn layer_base(&self, c: usize, layer: usize) -> u64 {
         self.bases[c][layer]
-    }
-
-    fn block_side(&self, c: usize) -> abi::kvs_block_side {
-        self.components[c].packed_side()
     }
 }
 

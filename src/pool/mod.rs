@@ -36,8 +36,11 @@ pub trait BlockSpace {
     fn pages(&self) -> u64;
     /// Address of (layer `layer`, page 0) of component index `c` (an index into `components()`).
     fn layer_base(&self, c: usize, layer: usize) -> u64;
-    /// How pages and rows of component index `c` are strided.
-    fn block_side(&self, c: usize) -> abi::kvs_block_side;
+    /// How pages and rows of component index `c` are strided; packed blocks unless the space
+    /// lays them out otherwise.
+    fn block_side(&self, c: usize) -> abi::kvs_block_side {
+        self.components()[c].packed_side()
+    }
 }
 
 /// Checks two block spaces hold the same components with the same block shapes.
@@ -366,10 +369,6 @@ impl BlockSpace for DevicePool {
     fn layer_base(&self, c: usize, layer: usize) -> u64 {
         self.bases[c][layer]
     }
-
-    fn block_side(&self, c: usize) -> abi::kvs_block_side {
-        self.components[c].packed_side()
-    }
 }
 
 /// A contiguous staging buffer: per component, per layer, `pages` blocks (`[L][pages][block]`).
@@ -414,9 +413,5 @@ impl BlockSpace for Staging {
     fn layer_base(&self, c: usize, layer: usize) -> u64 {
         let (offset, stride) = self.regions[c];
         self.buffer.addr() + (offset + layer * stride) as u64
-    }
-
-    fn block_side(&self, c: usize) -> abi::kvs_block_side {
-        self.components[c].packed_side()
     }
 }
