@@ -129,9 +129,61 @@ pub enum Error {
         /// What went wrong.
         reason: String,
     },
+    /// A chunk of a P/D transfer failed on a prefill rank: the request is failed. Deliver
+    /// `transfer::ChunkStatus::from_error` of it to the decode side.
+    #[error("request {request}: chunk {chunk} failed on prefill rank {rank}: {reason}")]
+    ChunkFailed {
+        /// Request id.
+        request: u64,
+        /// The prefill rank.
+        rank: u32,
+        /// The chunk.
+        chunk: u32,
+        /// Why.
+        reason: String,
+    },
     /// A HiCache operation is invalid or failed.
     #[error("hicache: {0}")]
     HiCache(String),
+    /// A size, offset or count computed from the caller's input does not fit its type.
+    #[error("{what} overflows")]
+    Overflow {
+        /// The quantity and the inputs it was computed from.
+        what: String,
+    },
+    /// An allocation could not be had.
+    #[error("out of {memory} memory: {bytes} bytes asked for {what}")]
+    OutOfMemory {
+        /// What the allocation was for.
+        what: String,
+        /// Bytes asked for.
+        bytes: u64,
+        /// Which memory: "device", "pinned host" or "host".
+        memory: &'static str,
+    },
+    /// A buffer or space of one backend's address space was handed to another backend.
+    #[error("{what} belongs to another address space ({owner}) than the backend it was used with ({user})")]
+    ForeignMemory {
+        /// What was handed over.
+        what: String,
+        /// The address space the memory belongs to.
+        owner: String,
+        /// The address space of the backend it was used with.
+        user: String,
+    },
+    /// A page appears twice where every page must be distinct (two writes would race and one
+    /// position's data would be lost).
+    #[error("{what} {page} appears at positions {first} and {second}")]
+    DuplicatePage {
+        /// Which list.
+        what: &'static str,
+        /// The page.
+        page: u64,
+        /// First position.
+        first: usize,
+        /// Second position.
+        second: usize,
+    },
 }
 
 impl Error {
@@ -139,4 +191,38 @@ impl Error {
     pub(crate) fn driver(call: &'static str) -> impl FnOnce(DriverError) -> Error {
         move |source| Error::Driver { call, source }
     }
+
+    /// An [`Error::Overflow`] naming `what`.
+    pub(crate) fn overflow(what: impl Into<String>) -> Error {
+        Error::Overflow { what: what.into() }
+    }
+}
+
+/// Checked arithmetic that names what overflowed: every size, offset and count computed from a
+/// caller's input goes through these, in release and debug builds alike.
+pub(crate) trait Checked: Sized {
+    /// `self + rhs`, or an [`Error::Overflow`] naming `what`.
+    fn add_or(self, rhs: Self, what: impl FnOnce() -> String) -> Result<Self>;
+    /// `self * rhs`, or an [`Error::Overflow`] naming `what`.
+    fn mul_or(self, rhs: Self, what: impl FnOnce() -> String) -> Result<Self>;
+}
+
+macro_rules! checked {
+    ($($t:ty),*) => {$(
+        impl Checked for $t {
+            fn add_or(self, rhs: Self, what: impl FnOnce() -> String) -> Result<Self> {
+                self.checked_add(rhs).ok_or_else(|| Error::overflow(what()))
+            }
+            fn mul_or(self, rhs: Self, what: impl FnOnce() -> String) -> Result<Self> {
+                self.checked_mul(rhs).ok_or_else(|| Error::overflow(what()))
+            }
+        }
+    )*};
+}
+checked!(u32, u64, usize);
+
+/// `value` as a `usize`, or an [`Error::Overflow`] naming `what` (a 64-bit count on a host
+/// whose address space cannot index it).
+pub(crate) fn to_usize(value: u64, what: impl FnOnce() -> String) -> Result<usize> {
+    usize::try_from(value).map_err(|_| Error::overflow(what()))
 }

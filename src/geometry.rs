@@ -8,24 +8,25 @@
 
 use std::fmt;
 
-use crate::error::{Error, Result};
+use crate::error::{Checked, Error, Result};
+use crate::index::{ModelLayer, StoredLayer};
 
 /// Tokens per page.
-pub const PAGE_SIZE: usize = 64;
+pub const PAGE_SIZE: usize = crate::abi::KVS_PAGE_SIZE as usize;
 /// Latent "nope" elements per token.
-pub const KV_LORA_RANK: usize = 512;
+pub const KV_LORA_RANK: usize = crate::abi::KVS_KV_LORA_RANK as usize;
 /// Latent rope elements per token.
-pub const ROPE_DIM: usize = 64;
+pub const ROPE_DIM: usize = crate::abi::KVS_ROPE_DIM as usize;
 /// Elements of one latent row (nope + rope).
 pub const LATENT_DIM: usize = KV_LORA_RANK + ROPE_DIM;
 /// Indexer key elements per token.
-pub const INDEXER_HEAD_DIM: usize = 128;
+pub const INDEXER_HEAD_DIM: usize = crate::abi::KVS_INDEXER_HEAD_DIM as usize;
 /// Elements sharing one indexer scale.
 pub const INDEXER_QUANT_BLOCK: usize = 128;
 /// Bytes of one page-major indexer block: 64 x 128 e4m3 keys, then 64 f32 scales.
-pub const INDEXER_PAGE_BYTES: usize = PAGE_SIZE * (INDEXER_HEAD_DIM + 4);
+pub const INDEXER_PAGE_BYTES: usize = crate::abi::KVS_INDEXER_PAGE_BYTES as usize;
 /// Offset of the scales inside an indexer block.
-pub const INDEXER_SCALES_OFFSET: usize = PAGE_SIZE * INDEXER_HEAD_DIM;
+pub const INDEXER_SCALES_OFFSET: usize = crate::abi::KVS_INDEXER_SCALES_OFFSET as usize;
 /// Bytes of one token's indexer row (key + scale).
 pub const INDEXER_ROW_BYTES: usize = INDEXER_HEAD_DIM + 4;
 /// Elements per FP8 scale tile of the "scaled" latent layout.
@@ -162,21 +163,36 @@ impl PoolGeometry {
         self.latent.row_bytes()
     }
 
-    /// Bytes of one (page, layer) latent block.
+    /// Bytes of one (page, layer) latent block (saturating on geometries
+    /// [`PoolGeometry::validate`] refuses).
     pub fn latent_block_bytes(&self) -> usize {
-        self.row_bytes() * self.page_size
+        self.row_bytes().saturating_mul(self.page_size)
     }
 
-    /// Bytes of one (page, layer) indexer block (layers with an indexer).
+    /// Bytes of one (page, layer) indexer block (layers with an indexer). Saturates, and
+    /// counts no scales for a quant block of 0, on geometries [`PoolGeometry::validate`] refuses.
     pub fn indexer_block_bytes(&self) -> usize {
+        let scales = (4 * self.indexer_head_dim)
+            .checked_div(self.indexer_quant_block)
+            .unwrap_or(0);
         self.page_size
-            * (self.indexer_head_dim + 4 * self.indexer_head_dim / self.indexer_quant_block)
+            .saturating_mul(self.indexer_head_dim.saturating_add(scales))
     }
 
-    /// Bytes of one page across every layer and component of this pool.
+    /// Bytes of one page across every layer and component of this pool (saturating; see
+    /// [`PoolGeometry::page_bytes_checked`]).
     pub fn page_bytes(&self) -> usize {
-        self.num_layers() * self.latent_block_bytes()
-            + self.num_indexer_layers() * self.indexer_block_bytes()
+        self.page_bytes_checked().unwrap_or(usize::MAX)
+    }
+
+    /// Bytes of one page across every layer and component of this pool, or an overflow.
+    pub fn page_bytes_checked(&self) -> Result<usize> {
+        let what = || format!("bytes of one page of {} layers", self.num_layers());
+        let latent = self.num_layers().mul_or(self.latent_block_bytes(), what)?;
+        let indexer = self
+            .num_indexer_layers()
+            .mul_or(self.indexer_block_bytes(), what)?;
+        latent.add_or(indexer, what)
     }
 
     /// Checks this is a geometry kvshard's kernels support.
@@ -336,9 +352,17 @@ impl CacheGeometry {
         std::iter::once(&self.target).chain(self.draft.as_ref())
     }
 
-    /// Bytes of one page across target and draft, every layer and component.
+    /// Bytes of one page across target and draft, every layer and component (saturating; see
+    /// [`CacheGeometry::page_bytes_checked`]).
     pub fn page_bytes(&self) -> usize {
-        self.pools().map(PoolGeometry::page_bytes).sum()
+        self.page_bytes_checked().unwrap_or(usize::MAX)
+    }
+
+    /// Bytes of one page across target and draft, every layer and component, or an overflow.
+    pub fn page_bytes_checked(&self) -> Result<usize> {
+        self.pools().try_fold(0usize, |sum, p| {
+            sum.add_or(p.page_bytes_checked()?, || "bytes of one page of the cache".into())
+        })
     }
 }
 
@@ -394,7 +418,7 @@ pub struct ComponentLayout {
     pub component: Component,
     /// Model layer of each stored layer, in order: target layers are `0..L`, the draft layer is
     /// `L`; indexer components list only layers that have an indexer (zero-size ones are absent).
-    pub model_layers: Vec<usize>,
+    pub model_layers: Vec<ModelLayer>,
     /// Bytes of one (page, layer) block.
     pub block_bytes: usize,
     /// Rows a block is made of when stored token by token (64 for latent rows, 1 for a
@@ -410,6 +434,20 @@ impl ComponentLayout {
         self.model_layers.len()
     }
 
+    /// The stored layer holding model layer `layer`, or `None` when this component has none
+    /// (a shared-indexer layer, or the other pool's layer).
+    pub fn stored_layer(&self, layer: ModelLayer) -> Option<StoredLayer> {
+        self.model_layers
+            .iter()
+            .position(|&m| m == layer)
+            .map(StoredLayer)
+    }
+
+    /// The model layer stored layer `layer` holds, or `None` past the last one.
+    pub fn model_layer(&self, layer: StoredLayer) -> Option<ModelLayer> {
+        self.model_layers.get(layer.0).copied()
+    }
+
     /// Strides of a space storing this component packed: pages one block apart, rows back to back.
     pub fn packed_side(&self) -> crate::abi::kvs_block_side {
         crate::abi::kvs_block_side {
@@ -418,9 +456,9 @@ impl ComponentLayout {
         }
     }
 
-    /// Bytes of one page across this component's layers.
+    /// Bytes of one page across this component's layers (saturating).
     pub fn page_bytes(&self) -> usize {
-        self.layers() * self.block_bytes
+        self.layers().saturating_mul(self.block_bytes)
     }
 }
 
@@ -428,14 +466,14 @@ impl CacheGeometry {
     /// The non-empty components of this cache, in [`Component::ALL`] order.
     pub fn components(&self) -> Vec<ComponentLayout> {
         let target_layers = self.target.num_layers();
-        let latent = |component, pool: &PoolGeometry, model_layers: Vec<usize>| ComponentLayout {
+        let latent = |component, pool: &PoolGeometry, model_layers: Vec<ModelLayer>| ComponentLayout {
             component,
             model_layers,
             block_bytes: pool.latent_block_bytes(),
             rows: pool.page_size,
             row_bytes: pool.row_bytes(),
         };
-        let indexer = |component, pool: &PoolGeometry, model_layers: Vec<usize>| ComponentLayout {
+        let indexer = |component, pool: &PoolGeometry, model_layers: Vec<ModelLayer>| ComponentLayout {
             component,
             model_layers,
             block_bytes: pool.indexer_block_bytes(),
@@ -446,16 +484,21 @@ impl CacheGeometry {
             latent(
                 Component::TargetLatent,
                 &self.target,
-                (0..target_layers).collect(),
+                (0..target_layers).map(ModelLayer).collect(),
             ),
             indexer(
                 Component::TargetIndexer,
                 &self.target,
-                self.target.indexer_layer_ids().collect(),
+                self.target.indexer_layer_ids().map(ModelLayer).collect(),
             ),
         ];
         if let Some(draft) = &self.draft {
-            let ids = |layers: Vec<usize>| layers.into_iter().map(|l| target_layers + l).collect();
+            let ids = |layers: Vec<usize>| {
+                layers
+                    .into_iter()
+                    .map(|l| ModelLayer(target_layers + l))
+                    .collect()
+            };
             out.push(latent(
                 Component::DraftLatent,
                 draft,
@@ -569,9 +612,12 @@ mod tests {
         let c = g.components();
         let names: Vec<_> = c.iter().map(|c| c.component).collect();
         assert_eq!(names, Component::ALL.to_vec());
-        assert_eq!(c[0].model_layers, vec![0, 1, 2]);
-        assert_eq!(c[1].model_layers, vec![0, 2]);
-        assert_eq!(c[2].model_layers, vec![3]);
+        assert_eq!(c[0].model_layers, [0, 1, 2].map(ModelLayer));
+        assert_eq!(c[1].model_layers, [0, 2].map(ModelLayer));
+        assert_eq!(c[2].model_layers, [ModelLayer(3)]);
+        assert_eq!(c[1].stored_layer(ModelLayer(2)), Some(StoredLayer(1)));
+        assert_eq!(c[1].stored_layer(ModelLayer(1)), None);
+        assert_eq!(c[2].model_layer(StoredLayer(0)), Some(ModelLayer(3)));
         assert_eq!((c[1].rows, c[1].row_bytes), (1, INDEXER_PAGE_BYTES));
         assert_eq!(g.model_layers(), 4);
         let all_shared = PoolGeometry::with_indexer_layers(LatentLayout::Fp8Trtllm, vec![false; 2]);

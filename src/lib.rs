@@ -5,14 +5,14 @@
 //! of a prefill server. CUDA kernels do the byte work; this crate plans it and runs it:
 //!
 //! ```text
-//! geometry ──> shard (placement, allocator) ──> pools (device, host)
-//!                   │                              │
-//!                   └──> plans (pure data, CPU) <──┘
-//!                                │
-//!                                v
-//!                      backends execute plans
-//!                      ├── cpu   (reference twin of every kernel; always available)
-//!                      └── cuda  (kernels from cuda/, streams, events)
+//! geometry, index ──> shard (pure math: placement, allocator, resolution reference)
+//!       │                   │
+//!       └──> pools (device, host) ──> copy layer (BlockSpace, owner runs, BlockCopy,
+//!                 ^                     copy-engine programs, signals, resolver)
+//!                 │                          │
+//!   transfer / hicache (policy: what moves,  v
+//!   when, acks; transports)          backends: cpu (reference twin of every kernel)
+//!                                              cuda (kernels from cuda/, streams, events)
 //! ```
 //!
 //! Every kernel has a CPU twin with the same parameter struct ([`abi`]) and semantics; tests run
@@ -28,15 +28,20 @@
 pub mod abi;
 
 pub mod backend;
+pub mod chain;
+pub mod copy;
+#[cfg(feature = "cli")]
 pub mod demo;
 pub mod error;
 pub mod fp8;
 pub mod geometry;
 pub mod gpu;
 pub mod hicache;
+pub mod index;
 pub mod pool;
 pub mod quantize;
 pub mod shard;
+#[cfg(feature = "cli")]
 pub mod synth;
 pub mod transfer;
 

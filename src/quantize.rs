@@ -1,13 +1,16 @@
 //! Safe entry points of the FP8 quantizers (`cuda/quantize.cu`, CPU twins in [`crate::fp8`]):
-//! bf16 rows in, latent rows or indexer page blocks out, at given token slots.
+//! bf16 rows in, latent rows or indexer page blocks out, at given rows.
 //!
-//! Slots are given on the host, checked against the destination before anything runs, then
-//! uploaded; an engine that keeps its slots on the device calls the backend's raw entry points,
-//! whose kernels skip and report out-of-range slots instead.
+//! Two forms each:
+//! - [`quantize_latent`] / [`quantize_indexer`] take the engine's device buffer of int64 rows
+//!   and only enqueue (no allocation, no wait): the kernel skips and reports a row outside the
+//!   destination, and the backend's next `synchronize` names the first;
+//! - [`quantize_latent_checked_sync`] / [`quantize_indexer_checked_sync`] take the rows on the
+//!   host, refuse a bad one before anything runs, upload them and wait.
 
 use crate::abi;
-use crate::backend::{upload_i64s, Backend, Buffer};
-use crate::error::{Error, Result};
+use crate::backend::{upload_i64s_sync, Backend, Buffer};
+use crate::error::{Checked, Error, Result};
 use crate::geometry::{
     IndexerScale, LatentLayout, INDEXER_HEAD_DIM, INDEXER_PAGE_BYTES, LATENT_DIM, PAGE_SIZE,
 };
@@ -17,8 +20,8 @@ pub const LATENT_INPUT_ROW_BYTES: usize = 2 * LATENT_DIM;
 /// Bytes of one bf16 input row of the indexer quantizer.
 pub const INDEXER_INPUT_ROW_BYTES: usize = 2 * INDEXER_HEAD_DIM;
 
-fn check_slots(slots: &[i64], limit: u64, what: &'static str) -> Result<()> {
-    match slots.iter().find(|&&s| s >= 0 && s as u64 >= limit) {
+fn check_rows(rows: &[i64], limit: u64, what: &'static str) -> Result<()> {
+    match rows.iter().find(|&&s| s >= 0 && s as u64 >= limit) {
         Some(&bad) => Err(Error::OutOfRange {
             what,
             index: bad,
@@ -28,71 +31,122 @@ fn check_slots(slots: &[i64], limit: u64, what: &'static str) -> Result<()> {
     }
 }
 
-fn check_input(input: &Buffer, tokens: usize, row_bytes: usize) -> Result<()> {
-    if input.len() < tokens * row_bytes || input.addr() % 16 != 0 {
+/// Checks the buffers belong to `backend`, the input holds `tokens` rows and `slots` `tokens`
+/// int64s, all aligned.
+fn check_buffers(
+    backend: &dyn Backend,
+    input: &Buffer,
+    slots: &Buffer,
+    dst: &Buffer,
+    tokens: usize,
+    row_bytes: usize,
+) -> Result<()> {
+    backend.check(input, "quantizer input")?;
+    backend.check(slots, "quantizer rows")?;
+    backend.check(dst, "quantizer destination")?;
+    let need = tokens.mul_or(row_bytes, || format!("bytes of {tokens} input rows"))?;
+    if input.len() < need || input.addr() % 16 != 0 || dst.addr() % 16 != 0 {
         return Err(Error::InvalidArgument(format!(
-            "input of {} bytes at {:#x} for {tokens} rows of {row_bytes} bytes (needs 16-byte alignment)",
+            "input of {} bytes at {:#x} for {tokens} rows of {row_bytes} bytes, destination at {:#x} (both need 16-byte alignment)",
             input.len(),
-            input.addr()
+            input.addr(),
+            dst.addr()
+        )));
+    }
+    let slot_bytes = tokens.mul_or(8, || format!("bytes of {tokens} rows"))?;
+    if slots.len() < slot_bytes || slots.addr() % 8 != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "row buffer of {} bytes at {:#x} for {tokens} int64 rows",
+            slots.len(),
+            slots.addr()
         )));
     }
     Ok(())
 }
 
-/// Quantizes `slots.len()` bf16 rows of `input` (rows of [`LATENT_INPUT_ROW_BYTES`]) into the
-/// latent buffer `dst`, row `slots[i]` for input row `i`; negative slots are skipped.
-pub fn quantize_latent<B: Backend>(
-    backend: &B,
+/// Enqueues quantizing `tokens` bf16 rows of `input` (rows of [`LATENT_INPUT_ROW_BYTES`]) into
+/// the latent buffer `dst`: input row `i` goes to row `slots[i]` (the engine's device int64
+/// buffer; negative rows are skipped). No allocation, no wait: a row outside `dst` is skipped and
+/// reported by the backend's next `synchronize`.
+pub fn quantize_latent(
+    backend: &dyn Backend,
     layout: LatentLayout,
     input: &Buffer,
-    slots: &[i64],
+    slots: &Buffer,
+    tokens: usize,
     dst: &Buffer,
 ) -> Result<()> {
-    check_input(input, slots.len(), LATENT_INPUT_ROW_BYTES)?;
-    let dst_rows = (dst.len() / layout.row_bytes()) as u64;
-    check_slots(slots, dst_rows, "latent slot")?;
-    let slot_buf = upload_i64s(backend, slots)?;
+    check_buffers(backend, input, slots, dst, tokens, LATENT_INPUT_ROW_BYTES)?;
     let params = abi::kvs_quantize_latent_params {
         src: input.addr(),
         src_stride: LATENT_INPUT_ROW_BYTES as u64,
-        slots: slot_buf.addr(),
+        slots: slots.addr(),
         dst: dst.addr(),
-        dst_rows,
-        num_tokens: slots.len() as u64,
+        dst_rows: (dst.len() / layout.row_bytes()) as u64,
+        num_tokens: tokens as u64,
         layout: layout.abi(),
         ..Default::default()
     };
-    // SAFETY: the input holds every row read, the slot buffer every slot, and every slot was
-    // checked to address a whole row of `dst`; all buffers outlive the call's work because
-    // `slot_buf` is dropped only after the backend has finished with it (synchronize below).
-    unsafe { backend.quantize_latent(params)? };
-    backend.synchronize()
+    // SAFETY: every buffer belongs to the backend and holds what the kernel reads (`tokens`
+    // input rows and int64 rows) or writes (the kernel bounds every row by `dst_rows`, whole
+    // rows of `dst`); the caller's borrows keep the buffers' allocations alive, and kvshard's
+    // allocations synchronize on free, so no launch outlives them.
+    unsafe { backend.quantize_latent(params) }
 }
 
-/// Quantizes `slots.len()` bf16 indexer keys of `input` (rows of [`INDEXER_INPUT_ROW_BYTES`])
-/// into the page-major indexer buffer `dst` at token slots `slots[i]`.
-pub fn quantize_indexer<B: Backend>(
-    backend: &B,
+/// Enqueues quantizing `tokens` bf16 indexer keys of `input` (rows of
+/// [`INDEXER_INPUT_ROW_BYTES`]) into the page-major indexer buffer `dst` at token rows
+/// `slots[i]` (device int64s). No allocation, no wait, as [`quantize_latent`].
+pub fn quantize_indexer(
+    backend: &dyn Backend,
     scale: IndexerScale,
     input: &Buffer,
-    slots: &[i64],
+    slots: &Buffer,
+    tokens: usize,
     dst: &Buffer,
 ) -> Result<()> {
-    check_input(input, slots.len(), INDEXER_INPUT_ROW_BYTES)?;
-    let dst_pages = (dst.len() / INDEXER_PAGE_BYTES) as u64;
-    check_slots(slots, dst_pages * PAGE_SIZE as u64, "indexer slot")?;
-    let slot_buf = upload_i64s(backend, slots)?;
+    check_buffers(backend, input, slots, dst, tokens, INDEXER_INPUT_ROW_BYTES)?;
     let params = abi::kvs_quantize_indexer_params {
         src: input.addr(),
         src_stride: INDEXER_INPUT_ROW_BYTES as u64,
-        slots: slot_buf.addr(),
+        slots: slots.addr(),
         dst: dst.addr(),
-        dst_pages,
-        num_tokens: slots.len() as u64,
+        dst_pages: (dst.len() / INDEXER_PAGE_BYTES) as u64,
+        num_tokens: tokens as u64,
         scale: scale.abi(),
         ..Default::default()
     };
-    // SAFETY: as in quantize_latent.
-    unsafe { backend.quantize_indexer(params)? };
+    // SAFETY: as in quantize_latent; the kernel bounds every row by whole pages of `dst`.
+    unsafe { backend.quantize_indexer(params) }
+}
+
+/// Quantizes `rows.len()` bf16 rows of `input` into the latent buffer `dst` at rows `rows[i]`
+/// (negative: skipped), after checking every row on the host; uploads the rows and waits.
+pub fn quantize_latent_checked_sync(
+    backend: &dyn Backend,
+    layout: LatentLayout,
+    input: &Buffer,
+    rows: &[i64],
+    dst: &Buffer,
+) -> Result<()> {
+    check_rows(rows, (dst.len() / layout.row_bytes()) as u64, "latent row")?;
+    let slots = upload_i64s_sync(backend, rows)?;
+    quantize_latent(backend, layout, input, &slots, rows.len(), dst)?;
+    backend.synchronize()
+}
+
+/// Quantizes `rows.len()` bf16 indexer keys of `input` into `dst` at token rows `rows[i]`, after
+/// checking every row on the host; uploads the rows and waits.
+pub fn quantize_indexer_checked_sync(
+    backend: &dyn Backend,
+    scale: IndexerScale,
+    input: &Buffer,
+    rows: &[i64],
+    dst: &Buffer,
+) -> Result<()> {
+    let limit = ((dst.len() / INDEXER_PAGE_BYTES) as u64).saturating_mul(PAGE_SIZE as u64);
+    check_rows(rows, limit, "indexer row")?;
+    let slots = upload_i64s_sync(backend, rows)?;
+    quantize_indexer(backend, scale, input, &slots, rows.len(), dst)?;
     backend.synchronize()
 }

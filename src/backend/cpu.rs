@@ -1,16 +1,34 @@
 //! The CPU reference backend: the twin of every kernel, with the same parameter structs and the
 //! same semantics, on an address space of its own (so a plan's addresses mean the same thing
-//! here as on the GPU). Work runs when it is enqueued; events are always complete.
+//! here as on the GPU). Each twin below is the specification its kernel is tested against, byte
+//! for byte.
 //!
-//! Each twin below is the specification its kernel is tested against, byte for byte.
+//! Every [`CpuBackend::new`] gets a window of addresses no other instance uses, so a buffer of
+//! one instance is refused by another ([`crate::error::Error::ForeignMemory`]) and can never be
+//! read as an unrelated allocation. [`CpuBackend::new_stream`] makes another stream of the same
+//! arena, like a second CUDA stream of one device.
+//!
+//! Work runs in one of two modes:
+//! - **immediate** ([`CpuBackend::new`]): an operation runs when it is enqueued, so every event
+//!   is complete as soon as it is recorded;
+//! - **deferred** ([`CpuBackend::deferred`]): operations queue up per stream and run only when
+//!   something waits for them (a `_sync` call or `synchronize` of their stream, another
+//!   stream's wait on an event or a counter). A counter wait runs the other streams one
+//!   block-copy unit at a time, lowest stream first, until the counter arrives: deterministic,
+//!   and fine-grained enough that per-layer readiness is observable without a GPU (a consumer
+//!   that waited for layer 0 sees layer 0 landed and the last layer not yet).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use half::bf16;
 
 use super::status::{raise, StatusTracker};
-use super::{check, Backend, Buffer, Copy2d, Launch, MemoryKind};
+use super::{
+    check, AddressSpace, Backend, Buffer, Copy2d, Event, EventInner, KernelFamily, Launch,
+    MemoryKind,
+};
 use crate::abi;
 use crate::error::{Error, Result};
 use crate::fp8;
@@ -18,17 +36,81 @@ use crate::geometry::{
     IndexerScale, LatentLayout, INDEXER_HEAD_DIM, INDEXER_PAGE_BYTES, INDEXER_SCALES_OFFSET,
     LATENT_DIM, PAGE_SIZE,
 };
+use crate::index::{LogicalPage, Slot};
 use crate::shard::Placement;
 
-/// First address handed out; allocations are 256-byte aligned with unmapped gaps between them,
-/// so an out-of-bounds access is an error here just as it would be a fault on the GPU.
+/// First address of the first arena; every arena owns a window of [`ARENA_SPAN`] addresses, and
+/// allocations inside it are 256-byte aligned with unmapped gaps between them, so an
+/// out-of-bounds access is an error here just as it would be a fault on the GPU.
 const BASE: u64 = 0x1000_0000_0000;
-const GAP: u64 = 1 << 20;
+const ARENA_SPAN: u64 = 1 << 46;
+/// Windows fit below 2^63 (addresses stay positive as int64); arenas beyond this many reuse
+/// windows, which is harmless because buffers are matched to arenas by id, not by address.
+const WINDOWS: u64 = ((1 << 63) - BASE) / ARENA_SPAN;
+const GAP: u64 = 64 << 10;
 
-#[derive(Debug, Default)]
+static NEXT_ARENA: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes an allocation can hold: kvshard's own zeroed heap memory, or memory mapped from
+/// elsewhere (shared memory another process exported).
+pub(crate) trait HostBytes: Send {
+    fn bytes(&self) -> &[u8];
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
+impl HostBytes for Box<[u8]> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self
+    }
+}
+
+/// `len` zeroed bytes, or [`Error::OutOfMemory`]: the allocation is asked of the allocator
+/// fallibly and zeroed by it (calloc: fresh pages are not touched until used).
+fn zeroed(len: usize, kind: MemoryKind) -> Result<Box<[u8]>> {
+    let oom = || Error::OutOfMemory {
+        what: "a CPU backend allocation".into(),
+        bytes: len as u64,
+        memory: memory_name(kind),
+    };
+    if len == 0 {
+        return Ok(Box::new([]));
+    }
+    let layout = std::alloc::Layout::array::<u8>(len).map_err(|_| oom())?;
+    // SAFETY: the layout has a non-zero size.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return Err(oom());
+    }
+    // SAFETY: `ptr` is a zeroed allocation of the global allocator with the layout of a
+    // `[u8; len]`, owned by nothing else: exactly what a boxed slice of `len` bytes is.
+    Ok(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, len)) })
+}
+
+fn memory_name(kind: MemoryKind) -> &'static str {
+    match kind {
+        MemoryKind::Device => "device",
+        MemoryKind::PinnedHost => "pinned host",
+    }
+}
+
+/// Bytes of memory the machine has, as the OS reports it (`None` when it cannot be read).
+fn machine_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 struct Arena {
-    allocs: BTreeMap<u64, Vec<u8>>,
+    id: u64,
+    allocs: BTreeMap<u64, Box<dyn HostBytes>>,
     next: u64,
+    /// Bytes currently allocated, and the most the machine can hold.
+    used: u64,
+    limit: u64,
 }
 
 impl Arena {
@@ -37,19 +119,20 @@ impl Arena {
             let offset = (addr - base) as usize;
             if offset
                 .checked_add(len)
-                .is_some_and(|end| end <= bytes.len())
+                .is_some_and(|end| end <= bytes.bytes().len())
             {
                 return Ok((base, offset));
             }
         }
         Err(Error::InvalidArgument(format!(
-            "CPU backend: [{addr:#x}, +{len}) is not inside one allocation"
+            "CPU backend: [{addr:#x}, +{len}) is not inside one allocation of arena {}",
+            self.id
         )))
     }
 
     fn bytes(&self, addr: u64, len: usize) -> Result<&[u8]> {
         let (base, offset) = self.locate(addr, len)?;
-        Ok(&self.allocs[&base][offset..offset + len])
+        Ok(&self.allocs[&base].bytes()[offset..offset + len])
     }
 
     fn bytes_mut(&mut self, addr: u64, len: usize) -> Result<&mut [u8]> {
@@ -57,8 +140,8 @@ impl Arena {
         let alloc = self
             .allocs
             .get_mut(&base)
-            .expect("located allocation exists");
-        Ok(&mut alloc[offset..offset + len])
+            .ok_or_else(|| Error::InvalidArgument(format!("allocation {base:#x} vanished")))?;
+        Ok(&mut alloc.bytes_mut()[offset..offset + len])
     }
 
     fn copy(&mut self, dst: u64, src: u64, len: usize) -> Result<()> {
@@ -68,15 +151,19 @@ impl Arena {
     }
 
     fn i64_at(&self, addr: u64) -> Result<i64> {
-        Ok(i64::from_le_bytes(
-            self.bytes(addr, 8)?.try_into().expect("8 bytes"),
-        ))
+        let b = self.bytes(addr, 8)?;
+        Ok(i64::from_le_bytes([
+            b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7],
+        ]))
     }
 
     fn u64_at(&self, addr: u64) -> Result<u64> {
-        Ok(u64::from_le_bytes(
-            self.bytes(addr, 8)?.try_into().expect("8 bytes"),
-        ))
+        Ok(self.i64_at(addr)? as u64)
+    }
+
+    fn u32_at(&self, addr: u64) -> Result<u32> {
+        let b = self.bytes(addr, 4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     }
 
     fn set_u64(&mut self, addr: u64, v: u64) -> Result<()> {
@@ -84,32 +171,148 @@ impl Arena {
         Ok(())
     }
 
-    fn pairs(&self, addr: u64, n: u32) -> Result<Vec<abi::kvs_layer_pair>> {
-        (0..u64::from(n))
-            .map(|k| {
-                let at = addr + 24 * k;
-                let tail = self.bytes(at + 16, 8)?;
-                Ok(abi::kvs_layer_pair {
-                    src: self.u64_at(at)?,
-                    dst: self.u64_at(at + 8)?,
-                    component: u32::from_le_bytes(tail[..4].try_into().expect("4 bytes")),
-                    signal: u32::from_le_bytes(tail[4..].try_into().expect("4 bytes")),
-                })
-            })
-            .collect()
+    fn pair(&self, addr: u64, k: u64) -> Result<abi::kvs_layer_pair> {
+        let at = addr + 24 * k;
+        Ok(abi::kvs_layer_pair {
+            src: self.u64_at(at)?,
+            dst: self.u64_at(at + 8)?,
+            component: self.u32_at(at + 16)?,
+            signal: self.u32_at(at + 20)?,
+        })
+    }
+
+    /// Takes `len` bytes in this arena's window, held by `bytes`.
+    fn insert(&mut self, len: usize, bytes: Box<dyn HostBytes>) -> Result<u64> {
+        let base = self.next;
+        let next = base
+            .checked_add(len as u64)
+            .and_then(|e| e.checked_add(GAP))
+            .map(|e| e.next_multiple_of(256))
+            .filter(|&e| e <= window_start(self.id) + ARENA_SPAN)
+            .ok_or_else(|| Error::OutOfMemory {
+                what: format!("CPU backend arena {} (its address window is full)", self.id),
+                bytes: len as u64,
+                memory: "host",
+            })?;
+        self.next = next;
+        self.used += len as u64;
+        self.allocs.insert(base, bytes);
+        Ok(base)
+    }
+}
+
+/// One queued operation of a stream.
+enum Op {
+    /// Runs whole.
+    Run(Box<dyn FnOnce(&mut Arena) -> Result<()> + Send>),
+    /// `kvs_copy_blocks`, run unit by unit (unit `u = k * num_pages + j`, as on the GPU).
+    Blocks {
+        p: abi::kvs_copy_blocks_params,
+        next: u64,
+    },
+    /// Waits until stream `stream` has run its first `seq` operations.
+    WaitEvent { stream: usize, seq: u64 },
+    /// Waits until the u32 at `addr` reaches `value` (wrapping compare).
+    WaitCounter { addr: u64, value: u32 },
+}
+
+#[derive(Default)]
+struct StreamState {
+    queue: VecDeque<Op>,
+    /// Operations enqueued, and run, so far.
+    enqueued: u64,
+    executed: u64,
+    /// The first error a deferred operation met; reported by the next synchronize.
+    error: Option<Error>,
+}
+
+struct Device {
+    arena: Arena,
+    streams: Vec<StreamState>,
+    deferred: bool,
+}
+
+fn counter_reached(counter: u32, value: u32) -> bool {
+    (counter.wrapping_sub(value) as i32) >= 0
+}
+
+impl Device {
+    /// Runs one step of stream `s`'s first operation: a whole operation, or one unit of a block
+    /// copy. Returns whether the stream had anything to run.
+    fn step(&mut self, s: usize) -> bool {
+        let Some(op) = self.streams[s].queue.pop_front() else {
+            return false;
+        };
+        let (result, rest) = match op {
+            Op::Run(f) => (f(&mut self.arena), None),
+            Op::Blocks { p, next } => match copy_block_unit(&mut self.arena, &p, next) {
+                Ok(()) if next + 1 < p.num_pages * u64::from(p.num_pairs) => {
+                    (Ok(()), Some(Op::Blocks { p, next: next + 1 }))
+                }
+                other => (other, None),
+            },
+            Op::WaitEvent { stream, seq } => (self.run_until(stream, seq), None),
+            Op::WaitCounter { addr, value } => (self.wait_counter(s, addr, value), None),
+        };
+        match rest {
+            Some(op) => self.streams[s].queue.push_front(op),
+            None => self.streams[s].executed += 1,
+        }
+        if let Err(e) = result {
+            self.streams[s].error.get_or_insert(e);
+        }
+        true
+    }
+
+    /// Runs stream `s` until its first `seq` operations have run.
+    fn run_until(&mut self, s: usize, seq: u64) -> Result<()> {
+        while self.streams[s].executed < seq {
+            if !self.step(s) {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs the other streams, one step at a time (lowest stream first), until the counter at
+    /// `addr` reaches `value`; work that can never get it there is an error (it would hang a
+    /// GPU).
+    fn wait_counter(&mut self, waiter: usize, addr: u64, value: u32) -> Result<()> {
+        loop {
+            let counter = self.arena.u32_at(addr)?;
+            if counter_reached(counter, value) {
+                return Ok(());
+            }
+            let busy = (0..self.streams.len())
+                .find(|&s| s != waiter && !self.streams[s].queue.is_empty());
+            match busy {
+                Some(s) => {
+                    self.step(s);
+                }
+                None => {
+                    return Err(Error::InvalidArgument(format!(
+                        "counter at {addr:#x} is {counter} and can never reach {value}: the wait would hang on a GPU"
+                    )))
+                }
+            }
+        }
     }
 }
 
 /// Frees its allocation from the arena when the last buffer sharing it is dropped.
 struct CpuAllocation {
-    arena: Weak<Mutex<Arena>>,
+    device: Weak<Mutex<Device>>,
     base: u64,
+    len: u64,
 }
 
 impl Drop for CpuAllocation {
     fn drop(&mut self) {
-        if let Some(arena) = self.arena.upgrade() {
-            lock(&arena).allocs.remove(&self.base);
+        if let Some(device) = self.device.upgrade() {
+            let mut d = lock(&device);
+            if d.arena.allocs.remove(&self.base).is_some() {
+                d.arena.used -= self.len;
+            }
         }
     }
 }
@@ -118,17 +321,22 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// The CPU reference backend.
+/// The CPU reference backend: one stream of an arena.
 pub struct CpuBackend {
-    arena: Arc<Mutex<Arena>>,
+    device: Arc<Mutex<Device>>,
+    arena: u64,
+    stream: usize,
     status: Mutex<StatusTracker>,
     /// Keeps the status word's allocation alive.
-    _status_word: Buffer,
+    status_word: Option<Buffer>,
 }
 
 impl std::fmt::Debug for CpuBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CpuBackend").finish_non_exhaustive()
+        f.debug_struct("CpuBackend")
+            .field("arena", &self.arena)
+            .field("stream", &self.stream)
+            .finish_non_exhaustive()
     }
 }
 
@@ -139,53 +347,142 @@ impl Default for CpuBackend {
 }
 
 impl CpuBackend {
-    /// A backend with an empty address space.
+    /// A backend with a fresh arena, in immediate mode.
     pub fn new() -> Self {
-        let arena = Arc::new(Mutex::new(Arena {
-            allocs: BTreeMap::new(),
-            next: BASE,
+        Self::with_mode(false)
+    }
+
+    /// A backend with a fresh arena, in deferred mode (see the module docs): work runs only when
+    /// something waits for it, so ordering between streams is observable.
+    pub fn deferred() -> Self {
+        Self::with_mode(true)
+    }
+
+    fn with_mode(deferred: bool) -> Self {
+        let id = NEXT_ARENA.fetch_add(1, Ordering::Relaxed);
+        let device = Arc::new(Mutex::new(Device {
+            arena: Arena {
+                id,
+                allocs: BTreeMap::new(),
+                next: window_start(id),
+                used: 0,
+                limit: machine_memory().unwrap_or(u64::MAX),
+            },
+            streams: Vec::new(),
+            deferred,
         }));
-        let word = Self::alloc_in(&arena, 8, MemoryKind::Device);
-        lock(&arena)
-            .set_u64(word.addr(), 0)
-            .expect("fresh status word");
-        Self {
-            status: Mutex::new(StatusTracker::new(word.addr())),
-            arena,
-            _status_word: word,
-        }
+        Self::stream_of(device, id)
     }
 
-    /// Another backend on the same address space, like a second stream of the same device:
-    /// buffers of either are valid in both; each keeps its own kernel status.
+    /// Another stream of the same arena, like a second stream of the same device: buffers of
+    /// either are valid in both; each keeps its own kernel status.
     pub fn new_stream(&self) -> Self {
-        let word = Self::alloc_in(&self.arena, 8, MemoryKind::Device);
+        Self::stream_of(self.device.clone(), self.arena)
+    }
+
+    fn stream_of(device: Arc<Mutex<Device>>, arena: u64) -> Self {
+        let stream = {
+            let mut d = lock(&device);
+            d.streams.push(StreamState::default());
+            d.streams.len() - 1
+        };
+        // Only an arena whose window is used up (a billion allocations) has no room for the
+        // word; its kernels then run without reporting rejected inputs.
+        let status_word = alloc_in(&device, 8, MemoryKind::Device, arena).ok();
         Self {
-            status: Mutex::new(StatusTracker::new(word.addr())),
-            arena: self.arena.clone(),
-            _status_word: word,
+            status: Mutex::new(StatusTracker::new(status_word.as_ref().map_or(0, Buffer::addr))),
+            device,
+            arena,
+            stream,
+            status_word,
         }
     }
 
-    fn alloc_in(arena: &Arc<Mutex<Arena>>, len: usize, kind: MemoryKind) -> Buffer {
-        let mut a = lock(arena);
-        let base = a.next;
-        a.next = (base + len as u64 + GAP).next_multiple_of(256);
-        a.allocs.insert(base, vec![0; len]);
-        let owner = Arc::new(CpuAllocation {
-            arena: Arc::downgrade(arena),
-            base,
-        });
-        Buffer::owned(base, len, kind, owner)
+    /// Whether this backend's arena runs work deferred.
+    pub fn is_deferred(&self) -> bool {
+        lock(&self.device).deferred
     }
 
-    fn mem(&self) -> MutexGuard<'_, Arena> {
-        lock(&self.arena)
+    fn dev(&self) -> MutexGuard<'_, Device> {
+        lock(&self.device)
     }
 
     fn begin(&self, kernel: &'static str) -> abi::kvs_status {
         lock(&self.status).begin(kernel)
     }
+
+    /// Queues `op` on this stream; in immediate mode runs it (and anything before it) now and
+    /// returns its error.
+    fn enqueue(&self, op: Op) -> Result<()> {
+        let mut d = self.dev();
+        let s = &mut d.streams[self.stream];
+        s.queue.push_back(op);
+        s.enqueued += 1;
+        if d.deferred {
+            return Ok(());
+        }
+        let target = d.streams[self.stream].enqueued;
+        d.run_until(self.stream, target)?;
+        match d.streams[self.stream].error.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn run(&self, f: impl FnOnce(&mut Arena) -> Result<()> + Send + 'static) -> Result<()> {
+        self.enqueue(Op::Run(Box::new(f)))
+    }
+
+    /// Runs everything queued on this stream; returns the first error a deferred operation met.
+    fn drain(&self) -> Result<MutexGuard<'_, Device>> {
+        let mut d = self.dev();
+        let target = d.streams[self.stream].enqueued;
+        d.run_until(self.stream, target)?;
+        match d.streams[self.stream].error.take() {
+            Some(e) => Err(e),
+            None => Ok(d),
+        }
+    }
+
+}
+
+fn window_start(arena: u64) -> u64 {
+    BASE + (arena % WINDOWS) * ARENA_SPAN
+}
+
+fn alloc_in(
+    device: &Arc<Mutex<Device>>,
+    len: usize,
+    kind: MemoryKind,
+    arena: u64,
+) -> Result<Buffer> {
+    {
+        let d = lock(device);
+        if d.arena.used.saturating_add(len as u64) > d.arena.limit {
+            return Err(Error::OutOfMemory {
+                what: format!(
+                    "a CPU backend allocation ({} bytes already held, the machine has {})",
+                    d.arena.used, d.arena.limit
+                ),
+                bytes: len as u64,
+                memory: memory_name(kind),
+            });
+        }
+    }
+    let bytes: Box<dyn HostBytes> = Box::new(zeroed(len, kind)?);
+    let base = lock(device).arena.insert(len, bytes)?;
+    let owner = Arc::new(CpuAllocation {
+        device: Arc::downgrade(device),
+        base,
+        len: len as u64,
+    });
+    Ok(Buffer::owned(
+        base,
+        len,
+        kind,
+        AddressSpace::Cpu(arena),
+        owner,
+    ))
 }
 
 /// Raises the status word in `mem` for a bad input at `position`.
@@ -221,10 +518,11 @@ fn resolve_page(
         }
         if list.kind == abi::KVS_INDEX_LOGICAL {
             let placement = Placement::new(list.shard)?;
-            if placement.owner(id as u64) != list.rank {
+            let page = LogicalPage(id as u64);
+            if placement.owner(page) != list.rank {
                 return Ok(None);
             }
-            placement.local_page(id as u64)
+            placement.local(page).0
         } else {
             id as u64
         }
@@ -236,332 +534,485 @@ fn resolve_page(
     Ok(Some(page))
 }
 
-impl Backend for CpuBackend {
-    type Event = ();
+/// Unit `u` of `kvs_copy_blocks`: entry `j` of pair `k`, then the pair's signal.
+fn copy_block_unit(mem: &mut Arena, p: &abi::kvs_copy_blocks_params, u: u64) -> Result<()> {
+    let k = u / p.num_pages;
+    let j = u - k * p.num_pages;
+    let pair = mem.pair(p.pairs, k)?;
+    let src_page = resolve_page(mem, &p.src_pages, j, &p.status)?;
+    let dst_page = resolve_page(mem, &p.dst_pages, j, &p.status)?;
+    let component_ok = pair.component < p.num_components;
+    if !component_ok && j == 0 {
+        report(mem, &p.status, u)?;
+    }
+    if let (Some(s), Some(d), true) = (src_page, dst_page, component_ok) {
+        let c = &p.components[pair.component as usize];
+        let src = pair.src + s * c.src.page_stride;
+        let dst = pair.dst + d * c.dst.page_stride;
+        for r in 0..u64::from(c.rows) {
+            mem.copy(
+                dst + r * c.dst.row_stride,
+                src + r * c.src.row_stride,
+                c.row_bytes as usize,
+            )?;
+        }
+    }
+    if p.signals != 0 {
+        let at = p.signals + 4 * u64::from(pair.signal);
+        let v = mem.u32_at(at)?.wrapping_add(1);
+        mem.bytes_mut(at, 4)?.copy_from_slice(&v.to_le_bytes());
+    }
+    Ok(())
+}
 
+fn quantize_latent(mem: &mut Arena, p: &abi::kvs_quantize_latent_params) -> Result<()> {
+    let layout = match p.layout {
+        abi::KVS_LATENT_FP8_TRTLLM => LatentLayout::Fp8Trtllm,
+        abi::KVS_LATENT_FP8_SCALED => LatentLayout::Fp8Scaled,
+        _ => LatentLayout::Bf16,
+    };
+    let row_bytes = layout.row_bytes();
+    let mut row = vec![0u8; row_bytes];
+    for token in 0..p.num_tokens {
+        let slot = mem.i64_at(p.slots + 8 * token)?;
+        if slot < 0 {
+            continue;
+        }
+        if slot as u64 >= p.dst_rows {
+            report(mem, &p.status, token)?;
+            continue;
+        }
+        let input = bf16s(mem.bytes(p.src + token * p.src_stride, 2 * LATENT_DIM)?);
+        fp8::quantize_latent_row(layout, &input, &mut row);
+        mem.bytes_mut(p.dst + slot as u64 * row_bytes as u64, row_bytes)?
+            .copy_from_slice(&row);
+    }
+    Ok(())
+}
+
+fn quantize_indexer(mem: &mut Arena, p: &abi::kvs_quantize_indexer_params) -> Result<()> {
+    let kind = if p.scale == abi::KVS_SCALE_UE8M0 {
+        IndexerScale::Ue8m0
+    } else {
+        IndexerScale::Plain
+    };
+    let mut codes = [0u8; INDEXER_HEAD_DIM];
+    for token in 0..p.num_tokens {
+        let slot = mem.i64_at(p.slots + 8 * token)?;
+        if slot < 0 {
+            continue;
+        }
+        if slot as u64 >= p.dst_pages.saturating_mul(PAGE_SIZE as u64) {
+            report(mem, &p.status, token)?;
+            continue;
+        }
+        let keys = bf16s(mem.bytes(p.src + token * p.src_stride, 2 * INDEXER_HEAD_DIM)?);
+        let scale = fp8::quantize_indexer_row(&keys, kind, &mut codes);
+        let block = p.dst + (slot as u64 / PAGE_SIZE as u64) * INDEXER_PAGE_BYTES as u64;
+        let offset = slot as u64 % PAGE_SIZE as u64;
+        mem.bytes_mut(block + offset * INDEXER_HEAD_DIM as u64, INDEXER_HEAD_DIM)?
+            .copy_from_slice(&codes);
+        mem.bytes_mut(block + INDEXER_SCALES_OFFSET as u64 + 4 * offset, 4)?
+            .copy_from_slice(&scale.to_le_bytes());
+    }
+    Ok(())
+}
+
+fn resolve(mem: &mut Arena, p: &abi::kvs_resolve_params) -> Result<()> {
+    let placement = Placement::new(p.shard)?;
+    let mut count = 0u64;
+    for i in 0..p.num_entries {
+        let e = mem.i64_at(p.entries + 8 * i)?;
+        if e < 0 {
+            continue;
+        }
+        let e = e as u64;
+        if e >= p.limit {
+            report(mem, &p.status, i)?;
+            continue;
+        }
+        let owned = if p.mode == abi::KVS_RESOLVE_TOKENS {
+            (placement.slot_owner(Slot(e)) == p.rank).then(|| placement.local_row(Slot(e)))
+        } else {
+            (placement.owner(LogicalPage(e)) == p.rank).then(|| placement.local(LogicalPage(e)).0)
+        };
+        if let Some(local) = owned {
+            mem.bytes_mut(p.out_positions + 4 * count, 4)?
+                .copy_from_slice(&(i as i32).to_le_bytes());
+            mem.bytes_mut(p.out_local + 8 * count, 8)?
+                .copy_from_slice(&(local as i64).to_le_bytes());
+            count += 1;
+        }
+    }
+    if p.num_entries > 0 {
+        mem.set_u64(p.out_count, count)?;
+    }
+    Ok(())
+}
+
+fn scratch_rows(mem: &mut Arena, p: &abi::kvs_scratch_rows_params) -> Result<()> {
+    let page_size = PAGE_SIZE as u64;
+    for i in 0..p.num_slots {
+        let slot = mem.i64_at(p.slots + 8 * i)?;
+        let mut row = -1i64;
+        if slot >= 0 {
+            let page = slot as u64 / page_size;
+            let scratch_page = if page < p.table_len {
+                mem.i64_at(p.page_table + 8 * page)?
+            } else {
+                -1
+            };
+            // Bound the page before multiplying, so a huge table entry cannot wrap into range.
+            let mapped =
+                scratch_page >= 0 && (scratch_page as u64) < p.scratch_rows.div_ceil(page_size);
+            let candidate = if mapped {
+                scratch_page as u64 * page_size + slot as u64 % page_size
+            } else {
+                p.scratch_rows
+            };
+            if candidate < p.scratch_rows {
+                row = candidate as i64;
+            } else {
+                report(mem, &p.status, i)?;
+            }
+        }
+        mem.bytes_mut(p.out_rows + 8 * i, 8)?
+            .copy_from_slice(&row.to_le_bytes());
+    }
+    Ok(())
+}
+
+fn write_rows(mem: &mut Arena, p: &abi::kvs_write_rows_params) -> Result<()> {
+    let placement = Placement::new(p.shard)?;
+    let mut rows = Vec::new();
+    for i in 0..p.num_slots {
+        let slot = mem.i64_at(p.slots + 8 * i)?;
+        let mut target = None;
+        if slot >= 0 {
+            let slot = Slot(slot as u64);
+            let owned = slot.0 < p.slot_limit && placement.slot_owner(slot) == p.rank;
+            let row = placement.local_row(slot);
+            if slot.0 >= p.slot_limit || (owned && row >= p.dst_rows) {
+                report(mem, &p.status, i)?;
+            } else if owned {
+                target = Some(row);
+            }
+        }
+        rows.push(target);
+    }
+    for k in 0..u64::from(p.num_pairs) {
+        let pair = mem.pair(p.pairs, k)?;
+        if pair.component >= p.num_components {
+            report(mem, &p.status, p.num_slots + k)?;
+            continue;
+        }
+        let c = p.components[pair.component as usize];
+        for (token, row) in rows.iter().enumerate() {
+            let Some(row) = *row else { continue };
+            let token = token as u64;
+            if c.kind == abi::KVS_ROWS_INDEXER {
+                let (page, block) = (PAGE_SIZE as u64, INDEXER_PAGE_BYTES as u64);
+                let src_block = pair.src + (token / page) * block;
+                let dst_block = pair.dst + (row / page) * block;
+                let key = INDEXER_HEAD_DIM as u64;
+                mem.copy(
+                    dst_block + (row % page) * key,
+                    src_block + (token % page) * key,
+                    INDEXER_HEAD_DIM,
+                )?;
+                let scales = INDEXER_SCALES_OFFSET as u64;
+                mem.copy(
+                    dst_block + scales + 4 * (row % page),
+                    src_block + scales + 4 * (token % page),
+                    4,
+                )?;
+            } else {
+                let r = u64::from(c.row_bytes);
+                mem.copy(
+                    pair.dst + row * r,
+                    pair.src + token * r,
+                    c.row_bytes as usize,
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn copy_ranges(mem: &mut Arena, p: &abi::kvs_copy_ranges_params) -> Result<()> {
+    for r in 0..p.num_ranges {
+        let at = p.ranges + 24 * r;
+        let (src, dst, bytes) = (mem.u64_at(at)?, mem.u64_at(at + 8)?, mem.u64_at(at + 16)?);
+        let bytes = usize::try_from(bytes)
+            .map_err(|_| Error::overflow(format!("range {r} of {bytes} bytes")))?;
+        mem.copy(dst, src, bytes)?;
+    }
+    Ok(())
+}
+
+impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
     }
 
-    fn alloc(&self, len: usize, kind: MemoryKind) -> Result<Buffer> {
-        Ok(Self::alloc_in(&self.arena, len, kind))
+    fn address_space(&self) -> AddressSpace {
+        AddressSpace::Cpu(self.arena)
     }
 
-    fn write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
-        self.mem()
-            .bytes_mut(dst.at(offset)?, data.len())?
+    fn max_threads(&self, family: KernelFamily) -> u32 {
+        super::compiled_max_threads(family)
+    }
+
+    fn alloc(&self, len: usize, kind: MemoryKind) -> Result<Buffer> {
+        alloc_in(&self.device, len, kind, self.arena)
+    }
+
+    fn write_sync(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
+        self.check(dst, "write destination")?;
+        let at = dst.slice(offset, data.len())?.addr();
+        self.drain()?
+            .arena
+            .bytes_mut(at, data.len())?
             .copy_from_slice(data);
         Ok(())
     }
 
     fn enqueue_write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
-        self.write(dst, offset, data)
+        self.check(dst, "write destination")?;
+        let at = dst.slice(offset, data.len())?.addr();
+        let data = data.to_vec();
+        self.run(move |mem| {
+            mem.bytes_mut(at, data.len())?.copy_from_slice(&data);
+            Ok(())
+        })
     }
 
-    fn read(&self, src: &Buffer, offset: usize, len: usize) -> Result<Vec<u8>> {
-        Ok(self.mem().bytes(src.at(offset)?, len)?.to_vec())
+    fn read_sync(&self, src: &Buffer, offset: usize, len: usize) -> Result<Vec<u8>> {
+        self.check(src, "read source")?;
+        let at = src.slice(offset, len)?.addr();
+        Ok(self.drain()?.arena.bytes(at, len)?.to_vec())
     }
 
     fn fill(&self, dst: &Buffer, byte: u8) -> Result<()> {
-        self.mem().bytes_mut(dst.addr(), dst.len())?.fill(byte);
-        Ok(())
+        self.check(dst, "fill destination")?;
+        let (at, len) = (dst.addr(), dst.len());
+        self.run(move |mem| {
+            mem.bytes_mut(at, len)?.fill(byte);
+            Ok(())
+        })
     }
 
     fn synchronize(&self) -> Result<()> {
         let word = {
-            let status = lock(&self.status);
-            if !status.has_pending() {
+            let d = self.drain()?;
+            if !lock(&self.status).has_pending() {
                 return Ok(());
             }
-            self.mem().u64_at(self._status_word.addr())?
+            match &self.status_word {
+                Some(word) => d.arena.u64_at(word.addr())?,
+                None => 0,
+            }
         };
         lock(&self.status).check(word)
     }
 
-    fn record(&self) -> Result<()> {
-        Ok(())
+    fn record(&self) -> Result<Event> {
+        let seq = self.dev().streams[self.stream].enqueued;
+        Ok(Event(EventInner::Cpu {
+            arena: self.arena,
+            stream: self.stream as u64,
+            seq,
+            at: None,
+        }))
     }
 
-    fn wait(&self, _event: &()) -> Result<()> {
-        Ok(())
+    fn record_timed(&self) -> Result<Event> {
+        let d = self.dev();
+        let seq = d.streams[self.stream].enqueued;
+        Ok(Event(EventInner::Cpu {
+            arena: self.arena,
+            stream: self.stream as u64,
+            seq,
+            at: (!d.deferred).then(std::time::Instant::now),
+        }))
     }
 
-    fn is_done(&self, _event: &()) -> Result<bool> {
-        Ok(true)
+    fn elapsed_ms(&self, start: &Event, end: &Event) -> Result<f64> {
+        match (&start.0, &end.0) {
+            (EventInner::Cpu { at: Some(a), .. }, EventInner::Cpu { at: Some(b), .. }) => {
+                Ok(b.saturating_duration_since(*a).as_secs_f64() * 1e3)
+            }
+            _ => Err(Error::InvalidArgument(
+                "elapsed time needs two timed events of an immediate-mode CPU backend".into(),
+            )),
+        }
+    }
+
+    fn wait(&self, event: &Event) -> Result<()> {
+        match event.0 {
+            EventInner::Cpu { arena, stream, seq, .. } if arena == self.arena => self.enqueue(Op::WaitEvent {
+                stream: stream as usize,
+                seq,
+            }),
+            _ => Err(Error::ForeignMemory {
+                what: "an event".into(),
+                owner: "another backend".into(),
+                user: self.address_space().to_string(),
+            }),
+        }
+    }
+
+    fn is_done(&self, event: &Event) -> Result<bool> {
+        match event.0 {
+            EventInner::Cpu { arena, stream, seq, .. } if arena == self.arena => {
+                Ok(self.dev().streams[stream as usize].executed >= seq)
+            }
+            _ => Err(Error::ForeignMemory {
+                what: "an event".into(),
+                owner: "another backend".into(),
+                user: self.address_space().to_string(),
+            }),
+        }
+    }
+
+    fn wait_event_sync(&self, event: &Event) -> Result<()> {
+        match event.0 {
+            EventInner::Cpu { arena, stream, seq, .. } if arena == self.arena => {
+                let mut d = self.dev();
+                let stream = stream as usize;
+                d.run_until(stream, seq)?;
+                match d.streams[stream].error.take() {
+                    Some(e) => Err(e),
+                    None => Ok(()),
+                }
+            }
+            _ => Err(Error::ForeignMemory {
+                what: "an event".into(),
+                owner: "another backend".into(),
+                user: self.address_space().to_string(),
+            }),
+        }
     }
 
     unsafe fn wait_counter(&self, addr: u64, value: u32) -> Result<()> {
-        let mem = self.mem();
-        let bytes = mem.bytes(addr, 4)?;
-        let counter = u32::from_le_bytes(bytes.try_into().expect("4 bytes"));
-        // Work here completes as it is enqueued: a counter that has not arrived never will.
-        if (counter.wrapping_sub(value) as i32) < 0 {
-            return Err(Error::InvalidArgument(format!(
-                "counter at {addr:#x} is {counter} and can never reach {value}: the wait would hang on a GPU"
-            )));
-        }
-        Ok(())
+        self.dev().arena.bytes(addr, 4)?;
+        self.enqueue(Op::WaitCounter { addr, value })
     }
 
     unsafe fn quantize_latent(&self, mut p: abi::kvs_quantize_latent_params) -> Result<()> {
         check::quantize_latent(&p)?;
         p.status = self.begin("kvs_quantize_latent");
-        let layout = match p.layout {
-            abi::KVS_LATENT_FP8_TRTLLM => LatentLayout::Fp8Trtllm,
-            abi::KVS_LATENT_FP8_SCALED => LatentLayout::Fp8Scaled,
-            _ => LatentLayout::Bf16,
-        };
-        let row_bytes = layout.row_bytes();
-        let mut mem = self.mem();
-        let mut row = vec![0u8; row_bytes];
-        for token in 0..p.num_tokens {
-            let slot = mem.i64_at(p.slots + 8 * token)?;
-            if slot < 0 {
-                continue;
-            }
-            if slot as u64 >= p.dst_rows {
-                report(&mut mem, &p.status, token)?;
-                continue;
-            }
-            let input = bf16s(mem.bytes(p.src + token * p.src_stride, 2 * LATENT_DIM)?);
-            fp8::quantize_latent_row(layout, &input, &mut row);
-            mem.bytes_mut(p.dst + slot as u64 * row_bytes as u64, row_bytes)?
-                .copy_from_slice(&row);
-        }
-        Ok(())
+        self.run(move |mem| quantize_latent(mem, &p))
     }
 
     unsafe fn quantize_indexer(&self, mut p: abi::kvs_quantize_indexer_params) -> Result<()> {
         check::quantize_indexer(&p)?;
         p.status = self.begin("kvs_quantize_indexer");
-        let kind = if p.scale == abi::KVS_SCALE_UE8M0 {
-            IndexerScale::Ue8m0
-        } else {
-            IndexerScale::Plain
-        };
-        let mut mem = self.mem();
-        let mut codes = [0u8; INDEXER_HEAD_DIM];
-        for token in 0..p.num_tokens {
-            let slot = mem.i64_at(p.slots + 8 * token)?;
-            if slot < 0 {
-                continue;
-            }
-            if slot as u64 >= p.dst_pages * PAGE_SIZE as u64 {
-                report(&mut mem, &p.status, token)?;
-                continue;
-            }
-            let keys = bf16s(mem.bytes(p.src + token * p.src_stride, 2 * INDEXER_HEAD_DIM)?);
-            let scale = fp8::quantize_indexer_row(&keys, kind, &mut codes);
-            let block = p.dst + (slot as u64 / PAGE_SIZE as u64) * INDEXER_PAGE_BYTES as u64;
-            let offset = slot as u64 % PAGE_SIZE as u64;
-            mem.bytes_mut(block + offset * INDEXER_HEAD_DIM as u64, INDEXER_HEAD_DIM)?
-                .copy_from_slice(&codes);
-            mem.bytes_mut(block + INDEXER_SCALES_OFFSET as u64 + 4 * offset, 4)?
-                .copy_from_slice(&scale.to_le_bytes());
-        }
-        Ok(())
+        self.run(move |mem| quantize_indexer(mem, &p))
     }
 
     unsafe fn resolve(&self, mut p: abi::kvs_resolve_params) -> Result<()> {
         check::resolve(&p)?;
         p.status = self.begin(super::resolve_kernel(&p).name());
-        let placement = Placement::new(p.shard)?;
-        let mut mem = self.mem();
-        let mut count = 0u64;
-        for i in 0..p.num_entries {
-            let e = mem.i64_at(p.entries + 8 * i)?;
-            if e < 0 {
-                continue;
-            }
-            let e = e as u64;
-            if e >= p.limit {
-                report(&mut mem, &p.status, i)?;
-                continue;
-            }
-            let owned = if p.mode == abi::KVS_RESOLVE_TOKENS {
-                (placement.slot_owner(e) == p.rank).then(|| placement.local_row(e))
-            } else {
-                (placement.owner(e) == p.rank).then(|| placement.local_page(e))
-            };
-            if let Some(local) = owned {
-                mem.bytes_mut(p.out_positions + 4 * count, 4)?
-                    .copy_from_slice(&(i as i32).to_le_bytes());
-                mem.bytes_mut(p.out_local + 8 * count, 8)?
-                    .copy_from_slice(&(local as i64).to_le_bytes());
-                count += 1;
-            }
-        }
-        if p.num_entries > 0 {
-            mem.set_u64(p.out_count, count)?;
-        }
-        Ok(())
+        self.run(move |mem| resolve(mem, &p))
     }
 
     unsafe fn scratch_rows(&self, mut p: abi::kvs_scratch_rows_params) -> Result<()> {
         p.status = self.begin("kvs_scratch_rows");
-        let mut mem = self.mem();
-        let page_size = PAGE_SIZE as u64;
-        for i in 0..p.num_slots {
-            let slot = mem.i64_at(p.slots + 8 * i)?;
-            let mut row = -1i64;
-            if slot >= 0 {
-                let page = slot as u64 / page_size;
-                let scratch_page = if page < p.table_len {
-                    mem.i64_at(p.page_table + 8 * page)?
-                } else {
-                    -1
-                };
-                // Bound the page before multiplying, so a huge table entry cannot wrap into range.
-                let mapped =
-                    scratch_page >= 0 && (scratch_page as u64) < p.scratch_rows.div_ceil(page_size);
-                let candidate = if mapped {
-                    scratch_page as u64 * page_size + slot as u64 % page_size
-                } else {
-                    p.scratch_rows
-                };
-                if candidate < p.scratch_rows {
-                    row = candidate as i64;
-                } else {
-                    report(&mut mem, &p.status, i)?;
-                }
-            }
-            mem.bytes_mut(p.out_rows + 8 * i, 8)?
-                .copy_from_slice(&row.to_le_bytes());
-        }
-        Ok(())
+        self.run(move |mem| scratch_rows(mem, &p))
     }
 
     unsafe fn copy_blocks(&self, mut p: abi::kvs_copy_blocks_params, launch: Launch) -> Result<()> {
         check::copy_blocks(&p)?;
-        launch.validate(1024)?;
-        p.status = self.begin("kvs_copy_blocks");
-        let mut mem = self.mem();
-        let pairs = mem.pairs(p.pairs, p.num_pairs)?;
-        for (k, pair) in pairs.iter().enumerate() {
-            for j in 0..p.num_pages {
-                let src_page = resolve_page(&mut mem, &p.src_pages, j, &p.status)?;
-                let dst_page = resolve_page(&mut mem, &p.dst_pages, j, &p.status)?;
-                let component_ok = pair.component < p.num_components;
-                if !component_ok && j == 0 {
-                    report(&mut mem, &p.status, k as u64 * p.num_pages)?;
-                }
-                if let (Some(s), Some(d), true) = (src_page, dst_page, component_ok) {
-                    let c = &p.components[pair.component as usize];
-                    let src = pair.src + s * c.src.page_stride;
-                    let dst = pair.dst + d * c.dst.page_stride;
-                    for r in 0..u64::from(c.rows) {
-                        mem.copy(
-                            dst + r * c.dst.row_stride,
-                            src + r * c.src.row_stride,
-                            c.row_bytes as usize,
-                        )?;
-                    }
-                }
-                if p.signals != 0 {
-                    let at = p.signals + 4 * u64::from(pair.signal);
-                    let counter = mem.bytes_mut(at, 4)?;
-                    let v = u32::from_le_bytes((&*counter).try_into().expect("4 bytes"))
-                        .wrapping_add(1);
-                    counter.copy_from_slice(&v.to_le_bytes());
-                }
-            }
+        launch.validate(self.max_threads(KernelFamily::Copy))?;
+        if p.num_pages == 0 || p.num_pairs == 0 {
+            return Ok(());
         }
-        Ok(())
+        p.status = self.begin("kvs_copy_blocks");
+        self.enqueue(Op::Blocks { p, next: 0 })
     }
 
     unsafe fn write_rows(&self, mut p: abi::kvs_write_rows_params, launch: Launch) -> Result<()> {
         check::write_rows(&p)?;
-        launch.validate(512)?;
+        launch.validate(self.max_threads(KernelFamily::WriteRows))?;
         p.status = self.begin("kvs_write_rows");
-        let placement = Placement::new(p.shard)?;
-        let mut mem = self.mem();
-        let mut rows = Vec::with_capacity(p.num_slots as usize);
-        for i in 0..p.num_slots {
-            let slot = mem.i64_at(p.slots + 8 * i)?;
-            let mut target = None;
-            if slot >= 0 {
-                let slot = slot as u64;
-                let owned = slot < p.slot_limit && placement.slot_owner(slot) == p.rank;
-                let row = placement.local_row(slot);
-                if slot >= p.slot_limit || (owned && row >= p.dst_rows) {
-                    report(&mut mem, &p.status, i)?;
-                } else if owned {
-                    target = Some(row);
-                }
-            }
-            rows.push(target);
-        }
-        let pairs = mem.pairs(p.pairs, p.num_pairs)?;
-        for (k, pair) in pairs.iter().enumerate() {
-            if pair.component >= p.num_components {
-                report(&mut mem, &p.status, p.num_slots + k as u64)?;
-                continue;
-            }
-            let c = p.components[pair.component as usize];
-            for (token, row) in rows.iter().enumerate() {
-                let Some(row) = *row else { continue };
-                let token = token as u64;
-                if c.kind == abi::KVS_ROWS_INDEXER {
-                    let (page, block) = (PAGE_SIZE as u64, INDEXER_PAGE_BYTES as u64);
-                    let src_block = pair.src + (token / page) * block;
-                    let dst_block = pair.dst + (row / page) * block;
-                    let key = INDEXER_HEAD_DIM as u64;
-                    mem.copy(
-                        dst_block + (row % page) * key,
-                        src_block + (token % page) * key,
-                        INDEXER_HEAD_DIM,
-                    )?;
-                    let scales = INDEXER_SCALES_OFFSET as u64;
-                    mem.copy(
-                        dst_block + scales + 4 * (row % page),
-                        src_block + scales + 4 * (token % page),
-                        4,
-                    )?;
-                } else {
-                    let r = u64::from(c.row_bytes);
-                    mem.copy(
-                        pair.dst + row * r,
-                        pair.src + token * r,
-                        c.row_bytes as usize,
-                    )?;
-                }
-            }
-        }
-        Ok(())
+        self.run(move |mem| write_rows(mem, &p))
     }
 
     unsafe fn copy_ranges(&self, p: abi::kvs_copy_ranges_params, launch: Launch) -> Result<()> {
-        launch.validate(1024)?;
-        let mut mem = self.mem();
-        for r in 0..p.num_ranges {
-            let at = p.ranges + 24 * r;
-            let (src, dst, bytes) = (mem.u64_at(at)?, mem.u64_at(at + 8)?, mem.u64_at(at + 16)?);
-            mem.copy(dst, src, bytes as usize)?;
-        }
-        Ok(())
+        launch.validate(self.max_threads(KernelFamily::Copy))?;
+        self.run(move |mem| copy_ranges(mem, &p))
     }
 
     unsafe fn memcpy(&self, dst: u64, src: u64, len: usize) -> Result<()> {
-        self.mem().copy(dst, src, len)
+        self.run(move |mem| mem.copy(dst, src, len))
     }
 
     unsafe fn memcpy_2d(&self, c: &Copy2d) -> Result<()> {
-        let mut mem = self.mem();
-        for row in 0..c.height {
-            mem.copy(
-                c.dst + row * c.dst_pitch,
-                c.src + row * c.src_pitch,
-                c.width as usize,
-            )?;
-        }
-        Ok(())
+        let c = *c;
+        let width = usize::try_from(c.width)
+            .map_err(|_| Error::overflow(format!("2D copy rows of {} bytes", c.width)))?;
+        self.run(move |mem| {
+            for row in 0..c.height {
+                mem.copy(c.dst + row * c.dst_pitch, c.src + row * c.src_pitch, width)?;
+            }
+            Ok(())
+        })
     }
 
     unsafe fn memcpy_batch(&self, ranges: &[abi::kvs_range]) -> Result<()> {
-        let mut mem = self.mem();
-        for r in ranges {
-            mem.copy(r.dst, r.src, r.bytes as usize)?;
+        let ranges = ranges.to_vec();
+        self.run(move |mem| {
+            for r in &ranges {
+                let len = usize::try_from(r.bytes)
+                    .map_err(|_| Error::overflow(format!("a range of {} bytes", r.bytes)))?;
+                mem.copy(r.dst, r.src, len)?;
+            }
+            Ok(())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_instance_has_its_own_address_window() {
+        let (a, b) = (CpuBackend::new(), CpuBackend::new());
+        let x = a.alloc(64, MemoryKind::Device).unwrap();
+        let y = b.alloc(64, MemoryKind::Device).unwrap();
+        assert_ne!(x.addr(), y.addr());
+        assert_ne!(a.address_space(), b.address_space());
+        let e = b.write_sync(&x, 0, &[1; 8]).unwrap_err();
+        assert!(matches!(e, Error::ForeignMemory { .. }), "{e}");
+        // A second stream shares the arena.
+        let s = a.new_stream();
+        s.write_sync(&x, 0, &[7; 8]).unwrap();
+        assert_eq!(a.read_sync(&x, 0, 8).unwrap(), vec![7; 8]);
+    }
+
+    #[test]
+    fn impossible_allocations_are_errors_not_aborts() {
+        let b = CpuBackend::new();
+        for len in [usize::MAX, 1 << 45] {
+            let e = b.alloc(len, MemoryKind::Device).unwrap_err();
+            assert!(matches!(e, Error::OutOfMemory { .. }), "{e}");
         }
-        Ok(())
+    }
+
+    #[test]
+    fn deferred_work_runs_when_waited_for() {
+        let b = CpuBackend::deferred();
+        let other = b.new_stream();
+        let x = b.alloc(16, MemoryKind::Device).unwrap();
+        b.fill(&x, 3).unwrap();
+        let e = b.record().unwrap();
+        assert!(!b.is_done(&e).unwrap());
+        // Another stream waiting for the event runs the fill first.
+        other.wait(&e).unwrap();
+        assert!(!b.is_done(&e).unwrap());
+        assert_eq!(other.read_sync(&x, 0, 4).unwrap(), vec![3; 4]);
+        assert!(b.is_done(&e).unwrap());
     }
 }

@@ -1,13 +1,16 @@
 //! The CUDA backend: launches the embedded kernels and copy-engine copies on one stream (owned,
-//! or borrowed from the engine). Nothing here synchronizes implicitly except `read`, `write`
-//! (pageable host memory) and `synchronize`, which say so.
+//! or borrowed from the engine). Nothing here synchronizes the stream except the `_sync`
+//! methods and `synchronize`, which say so.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudarc::driver::{result, sys, CudaEvent};
+use cudarc::driver::{result, sys};
 
 use super::status::StatusTracker;
-use super::{check, Backend, Buffer, Copy2d, Launch, MemoryKind};
+use super::{
+    check, AddressSpace, Backend, Buffer, Copy2d, Event, EventInner, KernelFamily, Launch,
+    MemoryKind,
+};
 use crate::abi;
 use crate::error::{Error, Result};
 use crate::gpu::memory::{registration_cuts, DeviceAllocation, PinnedAllocation};
@@ -30,6 +33,9 @@ pub struct CudaBackend {
     /// enqueued so far: launches on this one stream each add units + warps to it.
     work_counter: DeviceAllocation,
     work_base: Mutex<u64>,
+    /// Device memory host fills copy from (the driver refuses memsets of registered host
+    /// memory through its device alias); reused, and rewritten in stream order, by every fill.
+    pattern: Mutex<Option<DeviceAllocation>>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -69,6 +75,7 @@ impl CudaBackend {
             status,
             work_counter,
             work_base: Mutex::new(0),
+            pattern: Mutex::new(None),
         })
     }
 
@@ -111,75 +118,101 @@ impl CudaBackend {
 }
 
 impl Backend for CudaBackend {
-    type Event = CudaEvent;
-
     fn name(&self) -> &'static str {
         "cuda"
     }
 
+    fn address_space(&self) -> AddressSpace {
+        AddressSpace::Cuda(self.gpu.info().ordinal)
+    }
+
+    fn max_threads(&self, family: KernelFamily) -> u32 {
+        super::compiled_max_threads(family)
+    }
+
     fn alloc(&self, len: usize, kind: MemoryKind) -> Result<Buffer> {
+        let oom = |e: Error| match e {
+            Error::Driver { source, .. }
+                if source.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY =>
+            {
+                Error::OutOfMemory {
+                    what: "a CUDA allocation".into(),
+                    bytes: len as u64,
+                    memory: match kind {
+                        MemoryKind::Device => "device",
+                        MemoryKind::PinnedHost => "pinned host",
+                    },
+                }
+            }
+            other => other,
+        };
+        let space = self.address_space();
         Ok(match kind {
             MemoryKind::Device => {
-                let a = DeviceAllocation::new(self.gpu.context(), len)?;
-                Buffer::owned(a.ptr(), len, kind, Arc::new(a))
+                let a = DeviceAllocation::new(self.gpu.context(), len).map_err(oom)?;
+                Buffer::owned(a.ptr(), len, kind, space, Arc::new(a))
             }
             MemoryKind::PinnedHost => {
-                let a = PinnedAllocation::new(self.gpu.context(), len)?;
-                Buffer::owned(a.device_ptr(), len, kind, Arc::new(a))
+                let a = PinnedAllocation::new(self.gpu.context(), len).map_err(oom)?;
+                Buffer::owned(a.device_ptr(), len, kind, space, Arc::new(a))
             }
         })
     }
 
-    fn write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
+    fn write_sync(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
         self.enqueue_write(dst, offset, data)?;
         self.stream.synchronize()
     }
 
     fn enqueue_write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
+        self.check(dst, "write destination")?;
         if data.is_empty() {
             return Ok(());
         }
         let at = dst.slice(offset, data.len())?.addr();
         self.gpu.bind()?;
-        // SAFETY: `at` spans data.len() bytes of a live buffer (device memory or the alias of
-        // pinned host memory: unified addressing tells the driver which). From pageable memory
-        // the driver stages `data` before returning, so it may be reused at once.
-        for (dst, src, len) in cut_at_registrations(at, data.as_ptr() as u64, data.len() as u64) {
-            // SAFETY: a piece of the ranges above.
+        // From pageable memory the driver stages the bytes before cuMemcpyAsync returns; from
+        // pinned or registered memory the copy would read them later, so such data is first
+        // copied into pageable memory of our own. cuPointerGetAttributes (unlike the singular
+        // query) answers "no memory type" for pageable memory instead of failing.
+        let mut memory_type = 0u32;
+        let mut attribute = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE;
+        let mut out = [(&mut memory_type as *mut u32).cast::<std::ffi::c_void>()];
+        // SAFETY: one attribute, whose 4-byte value is written into `memory_type`.
+        unsafe {
+            sys::cuPointerGetAttributes(1, &mut attribute, out.as_mut_ptr(), data.as_ptr() as u64)
+        }
+        .result()
+        .map_err(Error::driver("cuPointerGetAttributes"))?;
+        let pageable;
+        let src: &[u8] = if memory_type != 0 {
+            pageable = data.to_vec();
+            &pageable
+        } else {
+            data
+        };
+        for (dst, src, len) in cut_at_registrations(at, src.as_ptr() as u64, src.len() as u64) {
+            // SAFETY: `at` spans data.len() bytes of a live buffer of this device (checked
+            // above); the source is pageable host memory the driver stages before returning.
             unsafe { sys::cuMemcpyAsync(dst, src, len as usize, self.stream.raw()) }
                 .result()
                 .map_err(Error::driver("cuMemcpyAsync"))?;
         }
-        // From pinned or registered memory the copy is truly asynchronous: wait for it, so the
-        // caller may still reuse `data` at once. cuPointerGetAttributes (unlike the singular
-        // query) answers "no memory type" for pageable memory instead of failing.
-        let mut kind = 0u32;
-        let mut attribute = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE;
-        let mut out = [(&mut kind as *mut u32).cast::<std::ffi::c_void>()];
-        // SAFETY: one attribute, whose 4-byte value is written into `kind`.
-        let known = unsafe {
-            sys::cuPointerGetAttributes(1, &mut attribute, out.as_mut_ptr(), data.as_ptr() as u64)
-        }
-        .result()
-        .map_err(Error::driver("cuPointerGetAttributes"))
-        .map(|()| kind != 0)?;
-        if known {
-            self.stream.synchronize()?;
-        }
         Ok(())
     }
 
-    fn read(&self, src: &Buffer, offset: usize, len: usize) -> Result<Vec<u8>> {
+    fn read_sync(&self, src: &Buffer, offset: usize, len: usize) -> Result<Vec<u8>> {
+        self.check(src, "read source")?;
         let at = src.slice(offset, len)?.addr();
         let mut out = vec![0u8; len];
         if len == 0 {
             return Ok(out);
         }
         self.gpu.bind()?;
-        // SAFETY: `out` holds len bytes and outlives the copy (we synchronize before returning);
-        // the source is device memory or pinned host memory, resolved by unified addressing.
         for (dst, src, len) in cut_at_registrations(out.as_mut_ptr() as u64, at, len as u64) {
-            // SAFETY: a piece of the ranges above.
+            // SAFETY: `out` holds len bytes and outlives the copy (we synchronize before
+            // returning); the source is device memory or pinned host memory of this device,
+            // resolved by unified addressing.
             unsafe { sys::cuMemcpyAsync(dst, src, len as usize, self.stream.raw()) }
                 .result()
                 .map_err(Error::driver("cuMemcpyAsync"))?;
@@ -189,6 +222,7 @@ impl Backend for CudaBackend {
     }
 
     fn fill(&self, dst: &Buffer, byte: u8) -> Result<()> {
+        self.check(dst, "fill destination")?;
         self.gpu.bind()?;
         if dst.kind() == MemoryKind::Device {
             // SAFETY: the range is the whole live buffer.
@@ -197,19 +231,28 @@ impl Backend for CudaBackend {
             }
             .map_err(Error::driver("cuMemsetD8Async"));
         }
-        // The driver refuses memsets of registered host memory through its device alias, so
-        // host buffers are filled by copying from a device pattern, still in stream order.
-        let pattern = self.alloc(FILL_CHUNK.min(dst.len()), MemoryKind::Device)?;
-        self.fill(&pattern, byte)?;
+        // Host buffers are filled by copying from a device pattern, all in stream order: a
+        // later fill rewrites the pattern only after this one's copies have read it.
+        let mut pattern = lock(&self.pattern);
+        let want = FILL_CHUNK.min(dst.len()).max(1);
+        if pattern.as_ref().is_none_or(|p| p.len() < want) {
+            *pattern = Some(DeviceAllocation::new(self.gpu.context(), FILL_CHUNK)?);
+        }
+        let Some(p) = pattern.as_ref() else {
+            return Ok(());
+        };
+        // SAFETY: our own pattern allocation of at least `want` bytes.
+        unsafe { result::memset_d8_async(p.ptr(), byte, want, self.stream.raw()) }
+            .map_err(Error::driver("cuMemsetD8Async"))?;
         let mut done = 0;
         while done < dst.len() {
-            let len = pattern.len().min(dst.len() - done);
-            // SAFETY: both ranges are inside live buffers; `pattern` outlives the copies
-            // because we synchronize before it is dropped.
-            unsafe { self.memcpy(dst.addr() + done as u64, pattern.addr(), len)? };
+            let len = want.min(dst.len() - done);
+            // SAFETY: both ranges are inside live buffers; the pattern lives as long as this
+            // backend, whose stream the copy runs on.
+            unsafe { self.memcpy(dst.addr() + done as u64, p.ptr(), len)? };
             done += len;
         }
-        self.stream.synchronize()
+        Ok(())
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -228,20 +271,63 @@ impl Backend for CudaBackend {
         tracker.check(word)
     }
 
-    fn record(&self) -> Result<CudaEvent> {
+    fn record(&self) -> Result<Event> {
         let e = self.gpu.new_event(false)?;
         self.stream.record(&e)?;
-        Ok(e)
+        Ok(Event(EventInner::Cuda(Arc::new(e))))
     }
 
-    fn wait(&self, event: &CudaEvent) -> Result<()> {
-        self.stream.wait(event)
+    fn record_timed(&self) -> Result<Event> {
+        let e = self.gpu.new_event(true)?;
+        self.stream.record(&e)?;
+        Ok(Event(EventInner::Cuda(Arc::new(e))))
     }
 
-    fn is_done(&self, event: &CudaEvent) -> Result<bool> {
-        event
-            .try_is_complete()
-            .map_err(Error::driver("cuEventQuery"))
+    fn elapsed_ms(&self, start: &Event, end: &Event) -> Result<f64> {
+        match (&start.0, &end.0) {
+            (EventInner::Cuda(a), EventInner::Cuda(b)) => a
+                .elapsed_ms(b)
+                .map(f64::from)
+                .map_err(Error::driver("cuEventElapsedTime")),
+            _ => Err(Error::InvalidArgument(
+                "elapsed time between events of another backend".into(),
+            )),
+        }
+    }
+
+    fn wait(&self, event: &Event) -> Result<()> {
+        match &event.0 {
+            EventInner::Cuda(e) => self.stream.wait(e),
+            EventInner::Cpu { .. } => Err(Error::ForeignMemory {
+                what: "an event".into(),
+                owner: "a CPU backend".into(),
+                user: self.address_space().to_string(),
+            }),
+        }
+    }
+
+    fn is_done(&self, event: &Event) -> Result<bool> {
+        match &event.0 {
+            EventInner::Cuda(e) => e
+                .try_is_complete()
+                .map_err(Error::driver("cuEventQuery")),
+            EventInner::Cpu { .. } => Err(Error::ForeignMemory {
+                what: "an event".into(),
+                owner: "a CPU backend".into(),
+                user: self.address_space().to_string(),
+            }),
+        }
+    }
+
+    fn wait_event_sync(&self, event: &Event) -> Result<()> {
+        match &event.0 {
+            EventInner::Cuda(e) => e.synchronize().map_err(Error::driver("cuEventSynchronize")),
+            EventInner::Cpu { .. } => Err(Error::ForeignMemory {
+                what: "an event".into(),
+                owner: "a CPU backend".into(),
+                user: self.address_space().to_string(),
+            }),
+        }
     }
 
     unsafe fn wait_counter(&self, addr: u64, value: u32) -> Result<()> {
@@ -297,7 +383,7 @@ impl Backend for CudaBackend {
 
     unsafe fn copy_blocks(&self, mut p: abi::kvs_copy_blocks_params, launch: Launch) -> Result<()> {
         check::copy_blocks(&p)?;
-        launch.validate(1024)?;
+        launch.validate(self.max_threads(KernelFamily::Copy))?;
         if p.num_pages == 0 || p.num_pairs == 0 {
             return Ok(());
         }
@@ -319,7 +405,7 @@ impl Backend for CudaBackend {
 
     unsafe fn write_rows(&self, mut p: abi::kvs_write_rows_params, launch: Launch) -> Result<()> {
         check::write_rows(&p)?;
-        launch.validate(512)?;
+        launch.validate(self.max_threads(KernelFamily::WriteRows))?;
         if p.num_slots == 0 || p.num_pairs == 0 {
             return Ok(());
         }
@@ -333,7 +419,7 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn copy_ranges(&self, p: abi::kvs_copy_ranges_params, launch: Launch) -> Result<()> {
-        launch.validate(1024)?;
+        launch.validate(self.max_threads(KernelFamily::Copy))?;
         if p.num_ranges == 0 {
             return Ok(());
         }

@@ -6,9 +6,16 @@
 //! own. So one plan, turned into one set of parameter structs, runs on either, and tests
 //! compare the bytes.
 //!
+//! Every [`Buffer`] knows the [`AddressSpace`] it belongs to, and everything that hands a buffer
+//! to a backend checks it belongs to that backend's space ([`Backend::check`]): a buffer of one
+//! CPU backend, or of another GPU, is refused rather than read as an unrelated address.
+//!
 //! The kernel entry points are `unsafe`: they take raw addresses (that is what engines hand
-//! us). The safe layers above (pools, transfers, HiCache) validate every index and size first
-//! and build the parameters from buffers they own.
+//! us). The safe layers above (pools, the copy layer, transfers, HiCache) validate every index
+//! and size first and build the parameters from memory they hold.
+//!
+//! Nothing a backend does synchronizes its stream unless the method's name ends in `_sync` or
+//! is [`Backend::synchronize`].
 
 mod check;
 pub mod cpu;
@@ -18,9 +25,10 @@ mod status;
 use std::fmt;
 use std::sync::Arc;
 
+use cudarc::driver::CudaEvent;
+
 use crate::abi;
 use crate::error::{Error, Result};
-use crate::gpu::Kernel;
 
 /// Where a buffer lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -31,13 +39,33 @@ pub enum MemoryKind {
     PinnedHost,
 }
 
-/// A range of backend memory: an address kernels use, a length, and (for memory kvshard
-/// allocated) a share of the allocation that keeps it alive.
+/// The address space a buffer's address means something in: one CPU backend's arena (shared by
+/// its streams), or one GPU (shared by every stream and context handle of that device).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AddressSpace {
+    /// The arena of a [`cpu::CpuBackend`] and the streams made from it.
+    Cpu(u64),
+    /// CUDA device `ordinal` (its device memory and the device aliases of pinned host memory).
+    Cuda(usize),
+}
+
+impl fmt::Display for AddressSpace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Cpu(id) => write!(f, "CPU backend arena {id}"),
+            Self::Cuda(ordinal) => write!(f, "CUDA device {ordinal}"),
+        }
+    }
+}
+
+/// A range of backend memory: an address kernels use, a length, the address space it belongs
+/// to, and (for memory kvshard allocated) a share of the allocation that keeps it alive.
 #[derive(Clone)]
 pub struct Buffer {
     addr: u64,
     len: usize,
     kind: MemoryKind,
+    space: AddressSpace,
     owner: Option<Arc<dyn Send + Sync>>,
 }
 
@@ -47,6 +75,7 @@ impl fmt::Debug for Buffer {
             .field("addr", &format_args!("{:#x}", self.addr))
             .field("len", &self.len)
             .field("kind", &self.kind)
+            .field("space", &self.space)
             .field("owned", &self.owner.is_some())
             .finish()
     }
@@ -57,26 +86,30 @@ impl Buffer {
         addr: u64,
         len: usize,
         kind: MemoryKind,
+        space: AddressSpace,
         owner: Arc<dyn Send + Sync>,
     ) -> Self {
         Self {
             addr,
             len,
             kind,
+            space,
             owner: Some(owner),
         }
     }
 
-    /// Wraps memory kvshard does not own (an engine's device buffers, say).
+    /// Wraps memory kvshard does not own (an engine's device buffers, say) in `space` (a
+    /// backend's [`Backend::address_space`]).
     ///
     /// # Safety
-    /// `[addr, addr + len)` must be memory of the backend it is used with (a device address or
-    /// device alias for CUDA) and stay valid while the buffer and any work using it are alive.
-    pub unsafe fn from_raw(addr: u64, len: usize, kind: MemoryKind) -> Self {
+    /// `[addr, addr + len)` must be memory of `space` (a device address or device alias for
+    /// CUDA) that stays valid while the buffer and any work using it are alive.
+    pub unsafe fn from_raw(addr: u64, len: usize, kind: MemoryKind, space: AddressSpace) -> Self {
         Self {
             addr,
             len,
             kind,
+            space,
             owner: None,
         }
     }
@@ -101,6 +134,11 @@ impl Buffer {
         self.kind
     }
 
+    /// The address space the buffer belongs to.
+    pub fn space(&self) -> AddressSpace {
+        self.space
+    }
+
     /// The sub-range `[offset, offset + len)`, sharing this buffer's allocation.
     pub fn slice(&self, offset: usize, len: usize) -> Result<Buffer> {
         match offset.checked_add(len) {
@@ -108,6 +146,7 @@ impl Buffer {
                 addr: self.addr + offset as u64,
                 len,
                 kind: self.kind,
+                space: self.space,
                 owner: self.owner.clone(),
             }),
             _ => Err(Error::InvalidArgument(format!(
@@ -122,7 +161,7 @@ impl Buffer {
         if offset > self.len {
             return Err(Error::OutOfRange {
                 what: "buffer offset",
-                index: offset as i64,
+                index: i64::try_from(offset).unwrap_or(i64::MAX),
                 limit: self.len as u64 + 1,
             });
         }
@@ -130,21 +169,42 @@ impl Buffer {
     }
 }
 
+/// A point in a backend's stream that other streams of the same device can wait for.
+#[derive(Debug, Clone)]
+pub struct Event(EventInner);
+
+#[derive(Debug, Clone)]
+enum EventInner {
+    /// The CPU backend: operation `seq` of stream `stream` of arena `arena`; a timed event of
+    /// an immediate-mode arena also holds when it was recorded (every operation before it had
+    /// run by then).
+    Cpu {
+        arena: u64,
+        stream: u64,
+        seq: u64,
+        at: Option<std::time::Instant>,
+    },
+    /// A CUDA event.
+    Cuda(Arc<CudaEvent>),
+}
+
 /// Grid shape of a copy kernel: transfers share SMs with the forward pass, so the caller picks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Launch {
     /// CTAs.
     pub ctas: u32,
-    /// Threads per CTA (a multiple of 32, at most 1024; 512 for the write path).
+    /// Threads per CTA (a multiple of 32; at most what the kernel was compiled for, which
+    /// [`Backend::max_threads`] says).
     pub threads: u32,
 }
 
 impl Launch {
-    /// `ctas` CTAs of 1024 threads: the shape for host I/O (128 KB in flight per CTA).
-    pub const fn host_io(ctas: u32) -> Self {
+    /// `ctas` CTAs of as many threads as `backend`'s copy kernels take (1024 on the H200):
+    /// the shape for host I/O, where bytes in flight per CTA decide the bandwidth.
+    pub fn host_io(backend: &dyn Backend, ctas: u32) -> Self {
         Self {
             ctas,
-            threads: 1024,
+            threads: backend.max_threads(KernelFamily::Copy),
         }
     }
 
@@ -161,6 +221,18 @@ impl Launch {
         }
         Ok(())
     }
+}
+
+/// Threads per CTA the copy kernels are compiled for on the H200.
+pub const COPY_THREADS: u32 = 1024;
+
+/// The kernel families a launch shape is chosen for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KernelFamily {
+    /// `kvs_copy_blocks` and `kvs_copy_ranges`.
+    Copy,
+    /// `kvs_write_rows`.
+    WriteRows,
 }
 
 /// A plain 2D copy: `height` rows of `width` bytes, rows `src_pitch` / `dst_pitch` apart.
@@ -183,26 +255,36 @@ pub struct Copy2d {
 /// A backend: memory, ordering, the kernels and the copy engine.
 ///
 /// Work is ordered as enqueued on the backend's stream; [`Backend::synchronize`] waits for it
-/// and reports any input a kernel rejected since the last check.
+/// and reports any input a kernel rejected since the last check. Methods whose names end in
+/// `_sync` wait for the stream too; no other method does.
 pub trait Backend: Send + Sync {
-    /// A point in the backend's stream that other backends can wait for.
-    type Event: Send + Sync;
-
     /// Short name ("cpu", "cuda").
     fn name(&self) -> &'static str;
 
-    /// Allocates `len` bytes; contents are unspecified.
+    /// The address space this backend's buffers belong to.
+    fn address_space(&self) -> AddressSpace;
+
+    /// Most threads per CTA the kernels of `family` may be launched with on this device.
+    fn max_threads(&self, family: KernelFamily) -> u32;
+
+    /// Checks `buffer` belongs to this backend's address space; `what` names it in the error.
+    fn check(&self, buffer: &Buffer, what: &str) -> Result<()> {
+        check_space(self.address_space(), buffer.space(), what)
+    }
+
+    /// Allocates `len` bytes; contents are unspecified. Running out is
+    /// [`Error::OutOfMemory`], never an abort.
     fn alloc(&self, len: usize, kind: MemoryKind) -> Result<Buffer>;
 
-    /// Copies `data` into `dst` at `offset`, after prior work; done when this returns.
-    fn write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()>;
+    /// Copies `data` into `dst` at `offset` after prior work, and waits for it.
+    fn write_sync(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()>;
 
     /// Enqueues a copy of `data` into `dst` at `offset`, ordered after prior work, without
-    /// waiting for it: `data` has been copied out (staged) when this returns and may be reused.
+    /// waiting for the stream: `data` has been staged when this returns and may be reused.
     fn enqueue_write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()>;
 
-    /// Reads `len` bytes of `src` at `offset`, after prior work.
-    fn read(&self, src: &Buffer, offset: usize, len: usize) -> Result<Vec<u8>>;
+    /// Reads `len` bytes of `src` at `offset` after prior work, waiting for it.
+    fn read_sync(&self, src: &Buffer, offset: usize, len: usize) -> Result<Vec<u8>>;
 
     /// Sets every byte of `dst` to `byte` (stream-ordered).
     fn fill(&self, dst: &Buffer, byte: u8) -> Result<()>;
@@ -211,13 +293,22 @@ pub trait Backend: Send + Sync {
     fn synchronize(&self) -> Result<()>;
 
     /// Records an event at the current point of the stream.
-    fn record(&self) -> Result<Self::Event>;
+    fn record(&self) -> Result<Event>;
 
-    /// Makes later work wait for `event` (recorded on any backend of the same device).
-    fn wait(&self, event: &Self::Event) -> Result<()>;
+    /// Records an event that also marks a time, for [`Backend::elapsed_ms`].
+    fn record_timed(&self) -> Result<Event>;
+
+    /// Milliseconds between two timed events of this device, once both have completed.
+    fn elapsed_ms(&self, start: &Event, end: &Event) -> Result<f64>;
+
+    /// Makes later work wait for `event` (recorded on any stream of the same device).
+    fn wait(&self, event: &Event) -> Result<()>;
 
     /// Whether the work before `event` has finished.
-    fn is_done(&self, event: &Self::Event) -> Result<bool>;
+    fn is_done(&self, event: &Event) -> Result<bool>;
+
+    /// Blocks the calling thread until the work before `event` has finished.
+    fn wait_event_sync(&self, event: &Event) -> Result<()>;
 
     /// Makes later work wait until the u32 counter at `addr` reaches `value` (wrapping compare).
     ///
@@ -228,7 +319,8 @@ pub trait Backend: Send + Sync {
     /// `kvs_quantize_latent`.
     ///
     /// # Safety
-    /// Every address in `p` must be valid for the kernel's documented accesses.
+    /// Every address in `p` must be valid for the kernel's documented accesses until the
+    /// launch completes.
     unsafe fn quantize_latent(&self, p: abi::kvs_quantize_latent_params) -> Result<()>;
 
     /// `kvs_quantize_indexer`.
@@ -270,74 +362,38 @@ pub trait Backend: Send + Sync {
     /// Copy-engine copy of `len` contiguous bytes.
     ///
     /// # Safety
-    /// Both ranges must be valid memory of this backend.
+    /// Both ranges must be valid memory of this backend until the copy completes.
     unsafe fn memcpy(&self, dst: u64, src: u64, len: usize) -> Result<()>;
 
     /// Copy-engine 2D copy.
     ///
     /// # Safety
-    /// Every row of both sides must be valid memory of this backend.
+    /// Every row of both sides must be valid memory of this backend until the copy completes.
     unsafe fn memcpy_2d(&self, copy: &Copy2d) -> Result<()>;
 
     /// One copy-engine batch call moving every range (`cudaMemcpyBatchAsync`).
     ///
     /// # Safety
-    /// Every range must be valid memory of this backend.
+    /// Every range must be valid memory of this backend until the copy completes.
     unsafe fn memcpy_batch(&self, ranges: &[abi::kvs_range]) -> Result<()>;
 }
 
-/// Appends `pairs` as the little-endian `kvs_layer_pair` table the copy kernels read (24 bytes
-/// a pair).
-pub(crate) fn extend_pair_table(out: &mut Vec<u8>, pairs: &[abi::kvs_layer_pair]) {
-    for p in pairs {
-        out.extend_from_slice(&p.src.to_le_bytes());
-        out.extend_from_slice(&p.dst.to_le_bytes());
-        out.extend_from_slice(&p.component.to_le_bytes());
-        out.extend_from_slice(&p.signal.to_le_bytes());
+/// Checks memory of address space `owner` may be used by a backend of space `user`.
+pub(crate) fn check_space(user: AddressSpace, owner: AddressSpace, what: &str) -> Result<()> {
+    if user != owner {
+        return Err(Error::ForeignMemory {
+            what: what.to_string(),
+            owner: owner.to_string(),
+            user: user.to_string(),
+        });
     }
-}
-
-impl abi::kvs_page_list {
-    /// Entry `j` is local page `ids[j]` (`ids`: address of int64s), below `limit`.
-    pub fn local(ids: u64, limit: u64) -> Self {
-        Self {
-            ids,
-            limit,
-            kind: abi::KVS_INDEX_LOCAL,
-            shard: 1,
-            rank: 0,
-            reserved: 0,
-        }
-    }
-
-    /// Entry `j` is page `j`, below `limit`.
-    pub fn positions(limit: u64) -> Self {
-        Self {
-            ids: 0,
-            limit,
-            kind: abi::KVS_INDEX_POSITION,
-            shard: 1,
-            rank: 0,
-            reserved: 0,
-        }
-    }
+    Ok(())
 }
 
 /// Units `kvs_write_rows` splits a write of `slots` tokens over `pairs` layer pairs into.
 pub fn write_units(slots: u64, pairs: u32) -> u64 {
     slots.div_ceil(u64::from(abi::KVS_WRITE_GROUP))
         * u64::from(pairs.div_ceil(abi::KVS_WRITE_PAIR_BLOCK))
-}
-
-/// The `kvs_resolve` kernel for `p`: one per entry kind and shard-size class (cuda/resolve.cu
-/// says why). The CPU twin reports errors under the same name.
-pub(crate) fn resolve_kernel(p: &abi::kvs_resolve_params) -> Kernel {
-    match (p.mode == abi::KVS_RESOLVE_TOKENS, p.shard.is_power_of_two()) {
-        (true, true) => Kernel::ResolveTokensPow2,
-        (true, false) => Kernel::ResolveTokens,
-        (false, true) => Kernel::ResolvePagesPow2,
-        (false, false) => Kernel::ResolvePages,
-    }
 }
 
 /// Tiles (one CTA each) `kvs_resolve` uses for `entries` entries.
@@ -361,7 +417,7 @@ pub fn resolve_state_bytes(entries: u64) -> u64 {
 pub fn i64s_from_bytes(bytes: &[u8]) -> Vec<i64> {
     bytes
         .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().expect("chunks of 8")))
+        .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
         .collect()
 }
 
@@ -370,9 +426,36 @@ pub fn i64s_to_bytes(values: &[i64]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
-/// Uploads `values` into a new device buffer of `backend`.
-pub fn upload_i64s<B: Backend + ?Sized>(backend: &B, values: &[i64]) -> Result<Buffer> {
-    let buf = backend.alloc(values.len() * 8, MemoryKind::Device)?;
-    backend.write(&buf, 0, &i64s_to_bytes(values))?;
+/// Uploads `values` into a new device buffer of `backend`, waiting for the copy.
+pub fn upload_i64s_sync(backend: &dyn Backend, values: &[i64]) -> Result<Buffer> {
+    let bytes = crate::error::Checked::mul_or(values.len(), 8, || {
+        format!("bytes of {} int64s", values.len())
+    })?;
+    let buf = backend.alloc(bytes, MemoryKind::Device)?;
+    backend.write_sync(&buf, 0, &i64s_to_bytes(values))?;
     Ok(buf)
 }
+
+/// The `kvs_resolve` kernel for `p`: one per entry kind and shard-size class (cuda/resolve.cu
+/// says why). The CPU twin reports errors under the same name.
+pub(crate) fn resolve_kernel(p: &abi::kvs_resolve_params) -> crate::gpu::Kernel {
+    use crate::gpu::Kernel;
+    match (p.mode == abi::KVS_RESOLVE_TOKENS, p.shard.is_power_of_two()) {
+        (true, true) => Kernel::ResolveTokensPow2,
+        (true, false) => Kernel::ResolveTokens,
+        (false, true) => Kernel::ResolvePagesPow2,
+        (false, false) => Kernel::ResolvePages,
+    }
+}
+
+/// Threads per CTA each kernel family is compiled for on the H200 (sm_90a): what the CPU twin
+/// accepts, so a launch shape valid there is valid on the GPU.
+pub(crate) fn compiled_max_threads(family: KernelFamily) -> u32 {
+    match family {
+        KernelFamily::Copy => COPY_THREADS,
+        KernelFamily::WriteRows => WRITE_THREADS,
+    }
+}
+
+/// Threads per CTA of the owned-row write.
+pub const WRITE_THREADS: u32 = 512;

@@ -1,9 +1,11 @@
 //! `kvshard`: `info` says what this build and machine have; `demo` runs the end-to-end job.
 
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use clap::{Args, Parser, Subcommand};
 use kvshard::backend::cpu::CpuBackend;
+use kvshard::backend::Backend;
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::demo::{self, Config};
 use kvshard::gpu::{self, topology, Gpu};
@@ -74,12 +76,23 @@ fn demo(args: &DemoArgs) -> ExitCode {
         }
     };
     let result = match gpu {
-        Some(gpu) => CudaBackend::new(gpu.clone())
-            .and_then(|b| Ok((b, CudaBackend::new(gpu)?)))
-            .and_then(|(b, relayout)| demo::run(&b, &relayout, &args.config(true), true)),
+        Some(gpu) => {
+            let streams = move || -> kvshard::Result<Arc<dyn Backend>> {
+                Ok(Arc::new(CudaBackend::new(gpu.clone())?))
+            };
+            streams().and_then(|b| {
+                demo::run(b, &streams, &args.config(true), demo::default_route(true))
+            })
+        }
         None => {
-            let b = CpuBackend::new();
-            demo::run(&b, &b.new_stream(), &args.config(false), false)
+            let cpu = CpuBackend::new();
+            let streams = || -> kvshard::Result<Arc<dyn Backend>> { Ok(Arc::new(cpu.new_stream())) };
+            demo::run(
+                Arc::new(cpu.new_stream()),
+                &streams,
+                &args.config(false),
+                demo::default_route(false),
+            )
         }
     };
     match result {

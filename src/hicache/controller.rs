@@ -26,18 +26,27 @@
 //!
 //! Host pages come from a [`ShardAllocator`] over the host pool: a node with a shard owner gets
 //! host pages along its owner rotation; a node without one gets pages of the same owner classes
-//! as its device pages.
+//! as its device pages. Device pages are the engine's: the controller never allocates or frees
+//! them, and after [`HiCacheController::evict`] returns the engine frees (or reuses) the
+//! node's device pages itself.
+//!
+//! The controller holds its pools and streams (`Arc`s), so an engine keeps one per rank with no
+//! lifetimes attached. Every error path leaves the controller as it was: a backup that fails
+//! returns its host pages (after the backup stream has passed whatever it enqueued).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
+use super::direct::{HostTransfer, IoBackend};
 use super::host_pool::HostPool;
-use super::io::{
-    Direction, HostTransfer, IoBackend, LayerReady, LayerSignals, Layers, Relayout, StagedIo,
-};
 use super::plan::TransferPlan;
-use crate::backend::{Backend, Buffer, MemoryKind};
+use super::signals::LayerReady;
+use super::staged::{Relayout, StagedIo};
+use crate::backend::{Backend, Event};
+use crate::copy::{BlockSpace, Direction, LayerSignals, Layers, TableBuffer};
 use crate::error::{Error, Result};
-use crate::pool::{check_same_components, BlockSpace, DevicePool};
+use crate::index::{LogicalPage, ModelLayer};
+use crate::pool::DevicePool;
 use crate::shard::{AllocRequest, ChainStart, ShardAllocator};
 
 /// Kernel-table buffers kept for reuse once their transfer is acked: allocating and freeing
@@ -62,8 +71,7 @@ pub enum Route {
     /// stream and `Relayout` places them on the direction's relayout stream. Loads land every
     /// layer at once: each layer's [`LayerReady`] is the event after the whole load, so a
     /// consumer of layers as they land wants `Direct(IoBackend::SmKernel { .. })` instead.
-    /// [`Relayout::CopyEngine`] uses no SM but needs a uniform device layer stride and whole
-    /// blocks on the host (not token-major `page_first`); operations refuse it otherwise.
+    /// Serves every host layout and every device pool.
     Staged(Relayout),
 }
 
@@ -106,32 +114,38 @@ impl WritePolicy {
 }
 
 /// The streams a controller enqueues on: loads, backups, the relayouts of staged loads and
-/// backups ([`Route::Staged`]), and the uploads of kernel tables and staging (kept off the
-/// others because an upload synchronizes its stream). Five streams of one device (CUDA:
-/// `CudaBackend::new(gpu.clone())` each; CPU: `CpuBackend::new_stream` of one backend).
-#[derive(Debug)]
-pub struct Streams<B> {
+/// backups ([`Route::Staged`]), and the uploads of kernel tables (kept off the others because an
+/// upload waits for its stream). Five streams of one device (CUDA: a `CudaBackend::new` each;
+/// CPU: `CpuBackend::new_stream` of one backend).
+#[derive(Clone)]
+pub struct Streams {
     /// Host to device; a load has landed when this stream reaches its completion event.
-    pub load: B,
+    pub load: Arc<dyn Backend>,
     /// Device to host; a backup has landed when this stream reaches its completion event.
-    pub backup: B,
-    /// Staged loads' relayouts from the staging into the device pool, overlapping the copies
-    /// on `load`; every staged load orders it after `load` and `load` after it.
-    pub load_relayout: B,
-    /// Staged backups' relayouts from the device pool into the staging, overlapping the copies
-    /// on `backup`; ordered like `load_relayout`.
-    pub backup_relayout: B,
-    /// Kernel-table and staging uploads.
-    pub tables: B,
+    pub backup: Arc<dyn Backend>,
+    /// Staged loads' relayouts from the staging into the device pool.
+    pub load_relayout: Arc<dyn Backend>,
+    /// Staged backups' relayouts from the device pool into the staging.
+    pub backup_relayout: Arc<dyn Backend>,
+    /// Kernel-table uploads.
+    pub tables: Arc<dyn Backend>,
+}
+
+impl std::fmt::Debug for Streams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Streams")
+            .field("backend", &self.load.name())
+            .finish_non_exhaustive()
+    }
 }
 
 /// A radix-tree node as the controller sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CacheNode<'n> {
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheNode {
     /// Node id (unique while the node is cached anywhere).
     pub id: u64,
     /// Logical device pages of the node, in chain order.
-    pub device_pages: &'n [u64],
+    pub device_pages: Vec<LogicalPage>,
     /// The chain's owner at the node's first page, when the node has a shard owner. Owner 0 is
     /// an owner: only `None` means "no shard owner".
     pub start_owner: Option<u32>,
@@ -147,7 +161,7 @@ pub struct BackupAck {
     /// The start owner the backup was given.
     pub start_owner: Option<u32>,
     /// Logical host pages now holding the node.
-    pub host_pages: Vec<u64>,
+    pub host_pages: Vec<LogicalPage>,
     /// Bytes this rank moved.
     pub bytes: u64,
 }
@@ -163,31 +177,32 @@ pub struct LoadAck {
     pub bytes: u64,
 }
 
-/// A submitted load: per model layer, how a consumer waits for that layer only.
+/// A submitted load: per model layer, how a consumer waits for that layer only. The MTP draft's
+/// layer is ready with target layer 0, as in SGLang's host pool.
 #[derive(Debug)]
-pub struct LoadHandle<E> {
+pub struct LoadHandle {
     index: u64,
-    layers: Vec<LayerReady<E>>,
+    layers: Vec<LayerReady>,
 }
 
-impl<E> LoadHandle<E> {
+impl LoadHandle {
     /// Logical queue index of the load.
     pub fn index(&self) -> u64 {
         self.index
     }
 
-    /// Readiness of each model layer (target layers, then the draft's).
-    pub fn layers(&self) -> &[LayerReady<E>] {
+    /// Readiness of each model layer (target layers, then the draft's, which is layer 0's).
+    pub fn layers(&self) -> &[LayerReady] {
         &self.layers
     }
 
     /// Makes later work on `consumer` wait until model layer `layer` has landed, and no longer.
-    pub fn wait_layer<B: Backend<Event = E>>(&self, consumer: &B, layer: usize) -> Result<()> {
+    pub fn wait_layer(&self, consumer: &dyn Backend, layer: ModelLayer) -> Result<()> {
         self.layers
-            .get(layer)
+            .get(layer.0)
             .ok_or(Error::OutOfRange {
                 what: "model layer",
-                index: layer as i64,
+                index: layer.0 as i64,
                 limit: self.layers.len() as u64,
             })?
             .wait(consumer)
@@ -197,41 +212,40 @@ impl<E> LoadHandle<E> {
 /// Where a node stands on the host.
 #[derive(Debug)]
 struct HostNode {
-    host_pages: Vec<u64>,
+    host_pages: Vec<LogicalPage>,
     acked: bool,
 }
 
 /// Submitted work kept until acked: its ack, its completion event, and the transfer whose
 /// tables the device may still be reading.
 #[derive(Debug)]
-struct Pending<'p, A, E> {
+struct Pending<A> {
     ack: A,
-    done: E,
-    transfer: HostTransfer<'p>,
+    done: Event,
+    transfer: HostTransfer,
 }
 
-/// One rank's HiCache controller, generic over the backend (CUDA in production, the CPU
-/// reference in tests).
-pub struct HiCacheController<'p, B: Backend> {
-    device: &'p DevicePool,
-    host: &'p HostPool,
-    streams: Streams<B>,
+/// One rank's HiCache controller.
+pub struct HiCacheController {
+    device: Arc<DevicePool>,
+    host: Arc<HostPool>,
+    streams: Streams,
     policy: WritePolicy,
     allocator: ShardAllocator,
     signals: LayerSignals,
     hits: HashMap<u64, u32>,
     host_nodes: HashMap<u64, HostNode>,
-    backups: VecDeque<Pending<'p, BackupAck, B::Event>>,
-    loads: VecDeque<Pending<'p, LoadAck, B::Event>>,
+    backups: VecDeque<Pending<BackupAck>>,
+    loads: VecDeque<Pending<LoadAck>>,
     next_backup: u64,
     next_load: u64,
-    spare_tables: Vec<Buffer>,
+    spare_tables: Vec<TableBuffer>,
     staging_pages: u64,
     load_staging: Option<StagedIo>,
     backup_staging: Option<StagedIo>,
 }
 
-impl<B: Backend> std::fmt::Debug for HiCacheController<'_, B> {
+impl std::fmt::Debug for HiCacheController {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HiCacheController")
             .field("policy", &self.policy)
@@ -243,17 +257,27 @@ impl<B: Backend> std::fmt::Debug for HiCacheController<'_, B> {
     }
 }
 
-impl<'p, B: Backend> HiCacheController<'p, B> {
+impl HiCacheController {
     /// A controller moving pages between `device` and `host` (same geometry) on `streams`.
     pub fn new(
-        device: &'p DevicePool,
-        host: &'p HostPool,
-        streams: Streams<B>,
+        device: Arc<DevicePool>,
+        host: Arc<HostPool>,
+        streams: Streams,
         policy: WritePolicy,
     ) -> Result<Self> {
-        check_same_components(device.components(), host.components())?;
+        crate::copy::space::check_same_components(device.components(), host.components())?;
+        for stream in [
+            &streams.load,
+            &streams.backup,
+            &streams.load_relayout,
+            &streams.backup_relayout,
+            &streams.tables,
+        ] {
+            crate::backend::check_space(stream.address_space(), device.address_space(), "device pool")?;
+            crate::backend::check_space(stream.address_space(), host.address_space(), "host pool")?;
+        }
         let allocator = ShardAllocator::new(device.placement(), host.pages())?;
-        let signals = LayerSignals::new(&streams.tables, device.geometry().model_layers())?;
+        let signals = LayerSignals::new_sync(streams.tables.as_ref(), device.geometry().model_layers())?;
         Ok(Self {
             device,
             host,
@@ -280,8 +304,18 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
     }
 
     /// The streams.
-    pub fn streams(&self) -> &Streams<B> {
+    pub fn streams(&self) -> &Streams {
         &self.streams
+    }
+
+    /// The device pool.
+    pub fn device(&self) -> &Arc<DevicePool> {
+        &self.device
+    }
+
+    /// The host pool.
+    pub fn host(&self) -> &Arc<HostPool> {
+        &self.host
     }
 
     /// The host allocator (logical host pages, replicated on every rank).
@@ -327,7 +361,7 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
     }
 
     /// Logical host pages of `node`, once its backup has been acked.
-    pub fn host_pages(&self, node: u64) -> Option<&[u64]> {
+    pub fn host_pages(&self, node: u64) -> Option<&[LogicalPage]> {
         self.host_nodes
             .get(&node)
             .filter(|n| n.acked)
@@ -335,16 +369,16 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
     }
 
     /// Records an access (insertion or hit) of `node`; backs it up when the policy says so.
-    /// Returns the backup's queue index when one was submitted. A route the pools cannot take
-    /// is refused before the access is counted.
+    /// Returns the backup's queue index when one was submitted. A route that cannot run is
+    /// refused before the access is counted.
     pub fn access(
         &mut self,
-        node: &CacheNode<'_>,
-        compute: &B::Event,
+        node: &CacheNode,
+        compute: &Event,
         route: impl Into<Route>,
     ) -> Result<Option<u64>> {
         let route = route.into();
-        self.check_route(route)?;
+        check_route(route)?;
         let hits = self.hits.entry(node.id).or_default();
         *hits = hits.saturating_add(1);
         let due = self.policy.access_threshold().is_some_and(|t| *hits >= t);
@@ -354,26 +388,27 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
         Ok(None)
     }
 
-    /// `node` is leaving the device pool: once this returns, its device pages may be reused.
-    /// Under write-back a node not on the host yet is backed up first; a backup of the node
-    /// still in flight is waited for. Both block (on the backup stream) and pop, in FIFO order,
-    /// every ack up to the node's, which are returned. A write-through node never backed up is
-    /// simply dropped. A route the pools cannot take is refused before anything changes.
+    /// `node` is leaving the device pool: once this returns, its device pages may be reused
+    /// (the engine frees them; the controller never does). Under write-back a node not on the
+    /// host yet is backed up first; a backup of the node still in flight is waited for. Both
+    /// block (on the backup stream) and pop, in FIFO order, every ack up to the node's, which
+    /// are returned. A write-through node never backed up is simply dropped.
     pub fn evict(
         &mut self,
-        node: &CacheNode<'_>,
-        compute: &B::Event,
+        node: &CacheNode,
+        compute: &Event,
         route: impl Into<Route>,
     ) -> Result<Vec<BackupAck>> {
         let route = route.into();
-        self.check_route(route)?;
-        self.hits.remove(&node.id);
+        check_route(route)?;
         if !self.host_nodes.contains_key(&node.id) {
             if self.policy != WritePolicy::WriteBack {
+                self.hits.remove(&node.id);
                 return Ok(Vec::new());
             }
             self.backup(node, compute, route)?;
         }
+        self.hits.remove(&node.id);
         match self.backups.iter().position(|p| p.ack.node == node.id) {
             Some(at) => self.ack_backups(at + 1),
             None => Ok(Vec::new()),
@@ -383,17 +418,10 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
     /// Backs `node` up: allocates its host pages, then, on the backup stream and after
     /// `compute`, copies every layer of this rank's pages. Returns the queue index.
     ///
-    /// Everything is checked before anything is enqueued (the route, pages, owners, the start
-    /// owner's rotation; a route before any host page is taken); on such an error, or when the
-    /// kernel tables or the staging cannot be made, the host pages are returned and nothing
-    /// moves. Should the driver refuse a copy once enqueueing has begun, the host pages stay
-    /// allocated, since earlier copies may still be writing them.
-    pub fn backup(
-        &mut self,
-        node: &CacheNode<'_>,
-        compute: &B::Event,
-        route: impl Into<Route>,
-    ) -> Result<u64> {
+    /// Everything is checked, and the kernel tables and staging made, before anything is
+    /// enqueued. On any error the host pages go back to the allocator, after the backup stream
+    /// has passed whatever part of the backup was enqueued.
+    pub fn backup(&mut self, node: &CacheNode, compute: &Event, route: impl Into<Route>) -> Result<u64> {
         let route = route.into();
         if self.host_nodes.contains_key(&node.id) {
             return Err(Error::HiCache(format!(
@@ -401,7 +429,7 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
                 node.id
             )));
         }
-        self.check_route(route)?;
+        check_route(route)?;
         let host_pages = match node.start_owner {
             Some(start_owner) => {
                 self.allocator
@@ -414,28 +442,18 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
                     })?
                     .pages
             }
-            None => self.allocator.alloc_matching(node.device_pages)?,
+            None => self.allocator.alloc_matching(&node.device_pages)?,
         };
-        let transfer = match self.transfer(node.device_pages, &host_pages, Direction::Backup, route)
-        {
+        let transfer = match self.transfer(&node.device_pages, &host_pages, Direction::Backup, route) {
             Ok(t) => t,
-            Err(e) => {
-                self.allocator.free(&host_pages)?;
-                return Err(e);
-            }
+            Err(e) => return Err(self.give_back(&host_pages, e, false)),
         };
-        let backup = &self.streams.backup;
-        backup.wait(compute)?;
-        match route {
-            Route::Direct(io) => transfer.run(backup, io, Layers::All)?,
-            Route::Staged(how) => transfer.run_staged(
-                backup,
-                &self.streams.backup_relayout,
-                made(&self.backup_staging)?,
-                how,
-            )?,
-        }
-        let done = backup.record()?;
+        let enqueued = self.enqueue_backup(&transfer, compute, route);
+        let done = match enqueued {
+            Ok(done) => done,
+            Err(e) => return Err(self.give_back(&host_pages, e, true)),
+        };
+        let bytes = transfer.bytes(Layers::All)?;
         let index = self.next_backup;
         self.next_backup += 1;
         self.host_nodes.insert(
@@ -451,7 +469,7 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
                 node: node.id,
                 start_owner: node.start_owner,
                 host_pages,
-                bytes: transfer.bytes(Layers::All)?,
+                bytes,
             },
             done,
             transfer,
@@ -459,50 +477,93 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
         Ok(index)
     }
 
+    fn enqueue_backup(&self, transfer: &HostTransfer, compute: &Event, route: Route) -> Result<Event> {
+        let backup = self.streams.backup.as_ref();
+        backup.wait(compute)?;
+        match route {
+            Route::Direct(io) => transfer.run(backup, io, Layers::All)?,
+            Route::Staged(how) => transfer.run_staged(
+                backup,
+                self.streams.backup_relayout.as_ref(),
+                made(&self.backup_staging)?,
+                how,
+            )?,
+        }
+        backup.record()
+    }
+
+    /// Returns `pages` to the host allocator after a failed backup, first letting the backup
+    /// stream pass whatever was enqueued (`enqueued`), so no copy is still writing them; hands
+    /// back the error to report.
+    fn give_back(&mut self, pages: &[LogicalPage], error: Error, enqueued: bool) -> Error {
+        if enqueued {
+            // A stream that cannot be synchronized has failed for good: nothing enqueued on it
+            // runs any more, so its pages are free either way.
+            let _ = self.streams.backup.synchronize();
+        }
+        match self.allocator.free(pages) {
+            Ok(()) => error,
+            Err(free) => Error::HiCache(format!("{error}; returning its host pages failed: {free}")),
+        }
+    }
+
     /// Loads backed-up `node` into logical device pages `device_pages` (allocated by the caller
     /// with the owner classes of the node's host pages, e.g. `ShardAllocator::alloc_matching`),
     /// on the load stream after `after` when given. [`IoBackend::SmKernel`] loads every layer in
-    /// one launch with a ready counter per layer; the other backends move layer after layer,
-    /// recording an event after each; [`Route::Staged`] moves every layer at once, and each
-    /// layer's readiness is the event recorded after the whole load. Everything is checked, and
-    /// the kernel tables and staging made, before anything is enqueued.
+    /// one launch with a ready counter per layer; the other backends move layer after layer
+    /// (target layer 0 together with the draft), recording an event after each;
+    /// [`Route::Staged`] moves every layer at once, and each layer's readiness is the event
+    /// recorded after the whole load. Everything is checked, and the kernel tables and staging
+    /// made, before anything is enqueued.
     pub fn load(
         &mut self,
         node: u64,
-        device_pages: &[u64],
-        after: Option<&B::Event>,
+        device_pages: &[LogicalPage],
+        after: Option<&Event>,
         route: impl Into<Route>,
-    ) -> Result<LoadHandle<B::Event>> {
+    ) -> Result<LoadHandle> {
         let route = route.into();
-        self.check_route(route)?;
+        check_route(route)?;
         let host_pages = self
             .host_pages(node)
             .ok_or_else(|| Error::HiCache(format!("node {node} has no acked backup to load")))?
             .to_vec();
         let transfer = self.transfer(device_pages, &host_pages, Direction::Load, route)?;
-        let load = &self.streams.load;
+        let load = self.streams.load.as_ref();
         if let Some(event) = after {
             load.wait(event)?;
         }
-        let layers = match route {
+        let model_layers = transfer.model_layers();
+        let layers: Vec<LayerReady> = match route {
             Route::Direct(IoBackend::SmKernel { ctas }) => transfer
                 .run_signalled(load, ctas, &mut self.signals)?
                 .into_iter()
                 .map(LayerReady::Counter)
                 .collect(),
-            Route::Direct(io) => (0..transfer.model_layers())
-                .map(|m| {
+            Route::Direct(io) => {
+                let mut ready: Vec<Option<LayerReady>> = vec![None; model_layers];
+                for m in (0..model_layers).map(ModelLayer) {
+                    let group = transfer.group(m);
+                    if group != m {
+                        continue;
+                    }
                     transfer.run(load, io, Layers::One(m))?;
-                    Ok(LayerReady::Event(load.record()?))
-                })
-                .collect::<Result<Vec<_>>>()?,
+                    ready[m.0] = Some(LayerReady::Event(load.record()?));
+                }
+                (0..model_layers)
+                    .map(|m| {
+                        let group = transfer.group(ModelLayer(m)).0;
+                        ready[group].clone().ok_or_else(|| {
+                            Error::HiCache(format!("model layer {m} has no readiness group"))
+                        })
+                    })
+                    .collect::<Result<_>>()?
+            }
             Route::Staged(how) => {
                 let staging = made(&self.load_staging)?;
-                transfer.run_staged(load, &self.streams.load_relayout, staging, how)?;
-                // Events need not be Clone: one per layer, all at the end of the load.
-                (0..transfer.model_layers())
-                    .map(|_| Ok(LayerReady::Event(load.record()?)))
-                    .collect::<Result<Vec<_>>>()?
+                transfer.run_staged(load, self.streams.load_relayout.as_ref(), staging, how)?;
+                let done = LayerReady::Event(load.record()?);
+                vec![done; model_layers]
             }
         };
         let done = load.record()?;
@@ -550,18 +611,18 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
     /// How many backups, from the oldest, have completed (what the shard group takes the
     /// minimum of before acking).
     pub fn poll_backups(&self) -> Result<usize> {
-        completed_prefix(&self.streams.backup, &self.backups)
+        completed_prefix(self.streams.backup.as_ref(), &self.backups)
     }
 
     /// How many loads, from the oldest, have completed.
     pub fn poll_loads(&self) -> Result<usize> {
-        completed_prefix(&self.streams.load, &self.loads)
+        completed_prefix(self.streams.load.as_ref(), &self.loads)
     }
 
     /// Pops the `count` oldest backups, in submission order. If any of them has not completed,
     /// this first blocks until the backup stream is idle.
     pub fn ack_backups(&mut self, count: usize) -> Result<Vec<BackupAck>> {
-        let done = pop_completed(&self.streams.backup, &mut self.backups, count)?;
+        let done = pop_completed(self.streams.backup.as_ref(), &mut self.backups, count)?;
         let acks = self.recycle(done);
         for ack in &acks {
             if let Some(n) = self.host_nodes.get_mut(&ack.node) {
@@ -574,18 +635,16 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
     /// Pops the `count` oldest loads, in submission order. If any of them has not completed,
     /// this first blocks until the load stream is idle.
     pub fn ack_loads(&mut self, count: usize) -> Result<Vec<LoadAck>> {
-        let done = pop_completed(&self.streams.load, &mut self.loads, count)?;
+        let done = pop_completed(self.streams.load.as_ref(), &mut self.loads, count)?;
         Ok(self.recycle(done))
     }
 
     /// Keeps the kernel tables of completed transfers for reuse; returns their acks.
-    fn recycle<A>(&mut self, done: Vec<Pending<'p, A, B::Event>>) -> Vec<A> {
+    fn recycle<A>(&mut self, done: Vec<Pending<A>>) -> Vec<A> {
         let mut acks = Vec::with_capacity(done.len());
         for p in done {
             acks.push(p.ack);
-            if let Some(tables) = p.transfer.into_kernel_tables() {
-                self.spare_tables.push(tables);
-            }
+            self.spare_tables.extend(p.transfer.into_tables());
         }
         // The largest fit the most transfers; dropping the rest frees device memory, rarely.
         self.spare_tables
@@ -594,28 +653,16 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
         acks
     }
 
-    /// Refuses, before anything changes, a route these pools cannot take or a launch of no
-    /// CTAs (which would otherwise fail half-way through a staged transfer).
-    fn check_route(&self, route: Route) -> Result<()> {
-        match route {
-            Route::Direct(IoBackend::SmKernel { ctas: 0 }) => Err(Error::InvalidArgument(format!(
-                "route {route}: a kernel needs at least one CTA"
-            ))),
-            Route::Staged(how) => how.check(self.device, self.host),
-            Route::Direct(_) => Ok(()),
-        }
-    }
-
     /// Plans and builds this rank's transfer, uploading kernel tables on the tables stream
-    /// (into a spare table buffer when one fits) when a kernel will read them (the SM kernel,
-    /// and every staged route), and making the direction's staging on its first staged use.
+    /// (into a spare table buffer when one fits) when a kernel will read them, and making the
+    /// direction's staging on its first staged use.
     fn transfer(
         &mut self,
-        device_pages: &[u64],
-        host_pages: &[u64],
+        device_pages: &[LogicalPage],
+        host_pages: &[LogicalPage],
         direction: Direction,
         route: Route,
-    ) -> Result<HostTransfer<'p>> {
+    ) -> Result<HostTransfer> {
         let plan = TransferPlan::new(
             self.device.placement(),
             self.device.rank(),
@@ -624,36 +671,39 @@ impl<'p, B: Backend> HiCacheController<'p, B> {
             self.device.pages(),
             self.host.pages(),
         )?;
-        let mut transfer = HostTransfer::new(self.device, self.host, plan, direction)?;
-        if let Route::Staged(_) = route {
-            let staging = match direction {
-                Direction::Load => &mut self.load_staging,
-                Direction::Backup => &mut self.backup_staging,
-            };
-            if staging.is_none() {
-                *staging = Some(transfer.staging(&self.streams.tables, self.staging_pages)?);
+        let mut transfer =
+            HostTransfer::new(self.device.clone(), self.host.clone(), plan, direction)?;
+        let tables = self.streams.tables.clone();
+        match route {
+            Route::Direct(IoBackend::SmKernel { .. }) => {
+                transfer.prepare_kernel_sync(tables.as_ref(), &mut self.spare_tables)?
+            }
+            Route::Direct(_) => {}
+            Route::Staged(how) => {
+                let staging = match direction {
+                    Direction::Load => &mut self.load_staging,
+                    Direction::Backup => &mut self.backup_staging,
+                };
+                if staging.is_none() {
+                    *staging = Some(transfer.staging(tables.as_ref(), self.staging_pages)?);
+                }
+                if let (Relayout::Kernel { .. }, Some(staging)) = (how, staging.as_ref()) {
+                    transfer.prepare_staged_sync(tables.as_ref(), staging, &mut self.spare_tables)?;
+                }
             }
         }
-        let tables = matches!(
-            route,
-            Route::Direct(IoBackend::SmKernel { .. }) | Route::Staged(_)
-        );
-        if tables && !transfer.plan().is_empty() {
-            let need = transfer.kernel_table_bytes();
-            let fits = (0..self.spare_tables.len())
-                .filter(|&i| self.spare_tables[i].len() >= need)
-                .min_by_key(|&i| self.spare_tables[i].len());
-            let tables = match fits {
-                Some(i) => self.spare_tables.swap_remove(i),
-                // Rounded up so that later transfers of similar size can reuse it.
-                None => self
-                    .streams
-                    .tables
-                    .alloc(need.next_power_of_two(), MemoryKind::Device)?,
-            };
-            transfer.prepare_kernel(&self.streams.tables, Some(tables))?;
-        }
         Ok(transfer)
+    }
+}
+
+/// Refuses, before anything changes, a route that cannot run: a launch of no CTAs.
+fn check_route(route: Route) -> Result<()> {
+    match route {
+        Route::Direct(IoBackend::SmKernel { ctas: 0 }) => Err(Error::InvalidArgument(format!(
+            "route {route}: a kernel needs at least one CTA"
+        ))),
+        Route::Staged(how) => how.check(),
+        Route::Direct(_) => Ok(()),
     }
 }
 
@@ -664,10 +714,7 @@ fn made(staging: &Option<StagedIo>) -> Result<&StagedIo> {
         .ok_or_else(|| Error::HiCache("staged transfer without its staging".into()))
 }
 
-fn completed_prefix<B: Backend, A>(
-    stream: &B,
-    queue: &VecDeque<Pending<'_, A, B::Event>>,
-) -> Result<usize> {
+fn completed_prefix<A>(stream: &dyn Backend, queue: &VecDeque<Pending<A>>) -> Result<usize> {
     let mut n = 0;
     for p in queue {
         if !stream.is_done(&p.done)? {
@@ -680,11 +727,11 @@ fn completed_prefix<B: Backend, A>(
 
 /// Pops the `count` oldest entries of `queue`, first waiting for `stream` to be idle if any of
 /// them has not completed.
-fn pop_completed<'p, B: Backend, A>(
-    stream: &B,
-    queue: &mut VecDeque<Pending<'p, A, B::Event>>,
+fn pop_completed<A>(
+    stream: &dyn Backend,
+    queue: &mut VecDeque<Pending<A>>,
     count: usize,
-) -> Result<Vec<Pending<'p, A, B::Event>>> {
+) -> Result<Vec<Pending<A>>> {
     if count > queue.len() {
         return Err(Error::HiCache(format!(
             "{count} acks asked for, {} operations pending",

@@ -20,12 +20,14 @@ use std::sync::Arc;
 
 use crate::abi;
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{Backend, Buffer, MemoryKind};
-use crate::error::{Error, Result};
-use crate::geometry::{CacheGeometry, ComponentLayout};
+use crate::backend::{AddressSpace, Backend, Buffer, MemoryKind};
+use crate::copy::space::sealed;
+use crate::copy::{BlockSpace, SpaceId};
+use crate::error::{Checked, Error, Result};
+use crate::geometry::{CacheGeometry, Component, ComponentLayout};
 use crate::gpu::memory::HostRegistration;
 use crate::gpu::{topology, Gpu};
-use crate::pool::BlockSpace;
+use crate::index::{LocalPage, StoredLayer};
 
 /// Registration chunks are whole multiples of this as well as of a page, so two chunks never
 /// share an OS page (4 KiB on x86 hosts, up to 64 KiB on Arm servers).
@@ -52,7 +54,8 @@ impl HostLayout {
     /// Every layout, for tests and benchmarks that cover each.
     pub const ALL: [HostLayout; 3] = [Self::LayerFirst, Self::PageFirst, Self::PageFirstDirect];
 
-    /// Where the blocks of `component` sit in a pool of `pages` pages in this layout.
+    /// Where the blocks of `component` sit in a pool of `pages` pages in this layout (pools
+    /// that hold their bytes never overflow these; see [`HostPool`]).
     pub fn strides(self, component: &ComponentLayout, pages: u64) -> LayoutStrides {
         let layers = component.layers() as u64;
         let block = component.block_bytes as u64;
@@ -60,18 +63,18 @@ impl HostLayout {
         let token_major = self == Self::PageFirst && component.rows > 1;
         match self {
             Self::LayerFirst => LayoutStrides {
-                layer_stride: pages * block,
+                layer_stride: pages.saturating_mul(block),
                 page_stride: block,
                 row_stride: row,
             },
             _ if token_major => LayoutStrides {
                 layer_stride: row,
-                page_stride: layers * block,
-                row_stride: layers * row,
+                page_stride: layers.saturating_mul(block),
+                row_stride: layers.saturating_mul(row),
             },
             _ => LayoutStrides {
                 layer_stride: block,
-                page_stride: layers * block,
+                page_stride: layers.saturating_mul(block),
                 row_stride: row,
             },
         }
@@ -132,9 +135,12 @@ pub struct HostRegion {
     pub len: usize,
 }
 
-/// One rank's pinned host pool: per component, `pages` pages in one [`HostLayout`].
+/// One rank's pinned host pool: per component, `pages` pages in one [`HostLayout`]. Engines
+/// share it as `Arc<HostPool>` with the HiCache controller.
 #[derive(Debug)]
 pub struct HostPool {
+    id: SpaceId,
+    space: AddressSpace,
     geometry: CacheGeometry,
     layout: HostLayout,
     pages: u64,
@@ -151,8 +157,8 @@ impl HostPool {
     ///
     /// Pages land on the NUMA node of the calling thread; [`HostPool::new_numa_local`] places
     /// them next to the GPU instead.
-    pub fn new<B: Backend>(
-        backend: &B,
+    pub fn new(
+        backend: &dyn Backend,
         geometry: &CacheGeometry,
         pages: u64,
         layout: HostLayout,
@@ -169,8 +175,8 @@ impl HostPool {
     }
 
     /// One `kind` buffer per component, sized for `pages` pages.
-    fn allocate<B: Backend>(
-        backend: &B,
+    fn allocate(
+        backend: &dyn Backend,
         geometry: &CacheGeometry,
         layout: HostLayout,
         pages: u64,
@@ -182,6 +188,7 @@ impl HostPool {
             .map(|c| backend.alloc(Self::component_bytes(c, pages)?, kind))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self::assemble(
+            backend.address_space(),
             geometry,
             layout,
             pages,
@@ -239,6 +246,7 @@ impl HostPool {
         max_chunk: usize,
     ) -> Result<Self> {
         let components = Self::check(geometry, pages)?;
+        let space = AddressSpace::Cuda(gpu.info().ordinal);
         if regions.len() != components.len() {
             return Err(Error::GeometryMismatch {
                 what: "host regions".into(),
@@ -286,10 +294,12 @@ impl HostPool {
                 base,
                 len,
                 MemoryKind::PinnedHost,
+                space,
                 Arc::new(reg),
             ));
         }
         Ok(Self::assemble(
+            space,
             geometry,
             layout,
             pages,
@@ -301,8 +311,8 @@ impl HostPool {
 
     /// Device memory laid out exactly like `like` for `pages` pages: where the staged copy-engine
     /// path lands host runs so that each copy-engine copy is one large contiguous run.
-    pub(crate) fn device_mirror<B: Backend>(
-        backend: &B,
+    pub(crate) fn device_mirror(
+        backend: &dyn Backend,
         like: &HostPool,
         pages: u64,
     ) -> Result<Self> {
@@ -327,19 +337,18 @@ impl HostPool {
     }
 
     fn component_bytes(c: &ComponentLayout, pages: u64) -> Result<usize> {
-        usize::try_from(pages)
-            .ok()
-            .and_then(|p| p.checked_mul(c.page_bytes()))
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "{pages} host pages of {} bytes ({}) overflow the address space",
-                    c.page_bytes(),
-                    c.component
-                ))
-            })
+        let what = || format!("bytes of {pages} host pages of {}", c.component);
+        let bytes = c
+            .layers()
+            .mul_or(c.block_bytes, what)?
+            .mul_or(crate::error::to_usize(pages, what)?, what)?;
+        // The strides of every layout must fit too (a page-major row stride is layers x row).
+        u64::try_from(bytes).map_err(|_| Error::overflow(what()))?;
+        Ok(bytes)
     }
 
     fn assemble(
+        space: AddressSpace,
         geometry: &CacheGeometry,
         layout: HostLayout,
         pages: u64,
@@ -352,6 +361,8 @@ impl HostPool {
             .map(|c| layout.strides(c, pages))
             .collect();
         Self {
+            id: SpaceId::next(),
+            space,
             geometry: geometry.clone(),
             layout,
             pages,
@@ -372,22 +383,14 @@ impl HostPool {
         self.layout
     }
 
-    /// Strides of component index `c` (an index into [`BlockSpace::components`]).
-    pub fn strides(&self, c: usize) -> Result<LayoutStrides> {
-        self.strides.get(c).copied().ok_or(Error::OutOfRange {
-            what: "component",
-            index: c as i64,
-            limit: self.components.len() as u64,
-        })
+    /// Strides of `component`.
+    pub fn strides(&self, component: Component) -> Result<LayoutStrides> {
+        Ok(self.strides[self.component_index(component)?])
     }
 
-    /// The buffer of component index `c`.
-    pub fn buffer(&self, c: usize) -> Result<&Buffer> {
-        self.buffers.get(c).ok_or(Error::OutOfRange {
-            what: "component",
-            index: c as i64,
-            limit: self.components.len() as u64,
-        })
+    /// The buffer of `component`.
+    pub fn buffer(&self, component: Component) -> Result<&Buffer> {
+        Ok(&self.buffers[self.component_index(component)?])
     }
 
     /// Bytes of the whole pool.
@@ -400,10 +403,18 @@ impl HostPool {
         &self.numa
     }
 
-    /// Address (device alias) of row `row` of block (`layer`, `page`) of component index `c`.
-    pub fn row_addr(&self, c: usize, layer: usize, page: u64, row: usize) -> Result<u64> {
-        let s = self.strides(c)?;
+    /// Address (device alias) of row `row` of block (`layer`, `page`) of `component`.
+    pub fn row_addr(
+        &self,
+        component: Component,
+        layer: StoredLayer,
+        page: LocalPage,
+        row: usize,
+    ) -> Result<u64> {
+        let c = self.component_index(component)?;
+        let s = self.strides[c];
         let comp = &self.components[c];
+        let (layer, page) = (layer.0, page.0);
         for (what, index, limit) in [
             ("layer", layer as u64, comp.layers() as u64),
             ("host page", page, self.pages),
@@ -425,10 +436,10 @@ impl HostPool {
 
     /// Every block of the pool in canonical order (component, layer, page, rows in order), the
     /// same bytes whatever the layout: what byte-identity tests compare.
-    pub fn snapshot<B: Backend>(&self, backend: &B) -> Result<Vec<u8>> {
+    pub fn snapshot_sync(&self, backend: &dyn Backend) -> Result<Vec<u8>> {
         let mut out = Vec::with_capacity(self.bytes());
         for (c, comp) in self.components.iter().enumerate() {
-            let raw = backend.read(&self.buffers[c], 0, self.buffers[c].len())?;
+            let raw = backend.read_sync(&self.buffers[c], 0, self.buffers[c].len())?;
             let s = self.strides[c];
             for l in 0..comp.layers() as u64 {
                 for p in 0..self.pages {
@@ -444,7 +455,7 @@ impl HostPool {
     }
 
     /// Sets every byte of the pool to `byte` (stream-ordered on `backend`).
-    pub fn fill<B: Backend>(&self, backend: &B, byte: u8) -> Result<()> {
+    pub fn fill(&self, backend: &dyn Backend, byte: u8) -> Result<()> {
         self.buffers.iter().try_for_each(|b| backend.fill(b, byte))
     }
 }
@@ -457,23 +468,37 @@ fn gcd(a: usize, b: usize) -> usize {
     }
 }
 
+impl sealed::Sealed for HostPool {
+    fn base(&self, c: usize, layer: usize) -> u64 {
+        self.buffers[c].addr() + layer as u64 * self.strides[c].layer_stride
+    }
+
+    fn side(&self, c: usize) -> abi::kvs_block_side {
+        abi::kvs_block_side {
+            page_stride: self.strides[c].page_stride,
+            row_stride: self.strides[c].row_stride,
+        }
+    }
+
+    fn layer_count(&self, c: usize) -> usize {
+        self.components[c].layers()
+    }
+}
+
 impl BlockSpace for HostPool {
+    fn id(&self) -> SpaceId {
+        self.id
+    }
+
+    fn address_space(&self) -> AddressSpace {
+        self.space
+    }
+
     fn components(&self) -> &[ComponentLayout] {
         &self.components
     }
 
     fn pages(&self) -> u64 {
         self.pages
-    }
-
-    fn layer_base(&self, c: usize, layer: usize) -> u64 {
-        self.buffers[c].addr() + layer as u64 * self.strides[c].layer_stride
-    }
-
-    fn block_side(&self, c: usize) -> abi::kvs_block_side {
-        abi::kvs_block_side {
-            page_stride: self.strides[c].page_stride,
-            row_stride: self.strides[c].row_stride,
-        }
     }
 }

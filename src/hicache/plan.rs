@@ -8,33 +8,21 @@
 //! side. A rank that owns nothing gets an empty plan that is still submitted, so acks and
 //! layer-ready signals stay in step across ranks.
 
-use std::collections::HashMap;
-
+use crate::copy::program::check_distinct;
+use crate::copy::{OwnedRuns, Run};
 use crate::error::{Error, Result};
 use crate::geometry::PAGE_SIZE;
+use crate::index::{LocalPage, LogicalPage, Slot};
 use crate::shard::Placement;
 
-/// A stretch of pairs where the local device page and the local host page both advance by one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Run {
-    /// First local device page.
-    pub device: u64,
-    /// First local host page.
-    pub host: u64,
-    /// Pages in the run (at least one).
-    pub pages: u64,
-}
-
-/// One rank's share of a HiCache operation, in local pages.
+/// One rank's share of a HiCache operation, in local pages: the copy layer's owner runs of
+/// (device, host) pairs, `src` being the device side and `dst` the host side of each run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TransferPlan {
     placement: Placement,
     rank: u32,
     requested: usize,
-    positions: Vec<usize>,
-    device_pages: Vec<u64>,
-    host_pages: Vec<u64>,
-    runs: Vec<Run>,
+    owned: OwnedRuns,
 }
 
 impl TransferPlan {
@@ -43,17 +31,12 @@ impl TransferPlan {
     pub fn new(
         placement: Placement,
         rank: u32,
-        device: &[u64],
-        host: &[u64],
+        device: &[LogicalPage],
+        host: &[LogicalPage],
         device_pages: u64,
         host_pages: u64,
     ) -> Result<Self> {
-        if rank >= placement.shard() {
-            return Err(Error::InvalidArgument(format!(
-                "rank {rank} of shard size {}",
-                placement.shard()
-            )));
-        }
+        placement.check_rank(rank)?;
         if device.len() != host.len() {
             return Err(Error::HiCache(format!(
                 "{} device pages paired with {} host pages",
@@ -61,59 +44,28 @@ impl TransferPlan {
                 host.len()
             )));
         }
-        let device_limit = placement.logical_pages(device_pages);
-        let host_limit = placement.logical_pages(host_pages);
-        let mut device_seen = HashMap::with_capacity(device.len());
-        let mut host_seen = HashMap::with_capacity(host.len());
-        let mut plan = Self {
-            placement,
-            rank,
-            requested: device.len(),
-            positions: Vec::new(),
-            device_pages: Vec::new(),
-            host_pages: Vec::new(),
-            runs: Vec::new(),
-        };
-        for (i, (&d, &h)) in device.iter().zip(host).enumerate() {
+        let device_limit = placement.logical_pages(device_pages)?;
+        let host_limit = placement.logical_pages(host_pages)?;
+        for (&d, &h) in device.iter().zip(host) {
             check_page(placement, d, device_limit, "logical device page")?;
             check_page(placement, h, host_limit, "logical host page")?;
             let owner = placement.owner(d);
             if placement.owner(h) != owner {
                 return Err(Error::WrongOwner {
-                    page: h,
+                    page: h.0,
                     owner: placement.owner(h),
                     expected: owner,
                 });
             }
-            for (seen, page, side) in [(&mut device_seen, d, "device"), (&mut host_seen, h, "host")]
-            {
-                if let Some(first) = seen.insert(page, i) {
-                    return Err(Error::HiCache(format!(
-                        "logical {side} page {page} appears at positions {first} and {i}"
-                    )));
-                }
-            }
-            if owner == rank {
-                plan.push(i, placement.local_page(d), placement.local_page(h));
-            }
         }
-        Ok(plan)
-    }
-
-    fn push(&mut self, position: usize, device: u64, host: u64) {
-        self.positions.push(position);
-        self.device_pages.push(device);
-        self.host_pages.push(host);
-        match self.runs.last_mut() {
-            Some(run) if run.device + run.pages == device && run.host + run.pages == host => {
-                run.pages += 1;
-            }
-            _ => self.runs.push(Run {
-                device,
-                host,
-                pages: 1,
-            }),
-        }
+        check_distinct(device.iter().map(|p| p.0), "logical device page")?;
+        check_distinct(host.iter().map(|p| p.0), "logical host page")?;
+        Ok(Self {
+            placement,
+            rank,
+            requested: device.len(),
+            owned: OwnedRuns::new(placement, rank, device, host, |h| placement.local(h)),
+        })
     }
 
     /// Sharding of both sides.
@@ -133,46 +85,46 @@ impl TransferPlan {
 
     /// Pairs this rank moves.
     pub fn len(&self) -> usize {
-        self.positions.len()
+        self.owned.len()
     }
 
     /// Whether this rank moves nothing (it still submits the operation).
     pub fn is_empty(&self) -> bool {
-        self.positions.is_empty()
+        self.owned.is_empty()
     }
 
     /// Positions in the operation of the pairs this rank moves, ascending.
     pub fn positions(&self) -> &[usize] {
-        &self.positions
+        self.owned.positions()
     }
 
     /// Local device page of each moved pair.
-    pub fn device_pages(&self) -> &[u64] {
-        &self.device_pages
+    pub fn device_pages(&self) -> &[LocalPage] {
+        self.owned.src_pages()
     }
 
     /// Local host page of each moved pair.
-    pub fn host_pages(&self) -> &[u64] {
-        &self.host_pages
+    pub fn host_pages(&self) -> &[LocalPage] {
+        self.owned.dst_pages()
     }
 
-    /// Moved pairs coalesced into runs, in pair order.
+    /// Moved pairs coalesced into runs (`src` device, `dst` host), in pair order.
     pub fn runs(&self) -> &[Run] {
-        &self.runs
+        self.owned.runs()
     }
 }
 
-fn check_page(placement: Placement, page: u64, limit: u64, what: &'static str) -> Result<()> {
-    if page >= limit {
+fn check_page(placement: Placement, page: LogicalPage, limit: u64, what: &'static str) -> Result<()> {
+    if page.0 >= limit {
         return Err(Error::OutOfRange {
             what,
-            index: i64::try_from(page).unwrap_or(i64::MAX),
+            index: i64::try_from(page.0).unwrap_or(i64::MAX),
             limit,
         });
     }
     if placement.is_reserved(page) {
         return Err(Error::ReservedPage {
-            page,
+            page: page.0,
             shard: placement.shard(),
         });
     }
@@ -181,7 +133,7 @@ fn check_page(placement: Placement, page: u64, limit: u64, what: &'static str) -
 
 /// The logical pages of `tokens` logical token slots that must form whole, aligned pages:
 /// `tokens[64k..64k+64]` must be `64p, 64p + 1, ..., 64p + 63` for some page `p`.
-pub fn pages_of_tokens(tokens: &[u64]) -> Result<Vec<u64>> {
+pub fn pages_of_tokens(tokens: &[Slot]) -> Result<Vec<LogicalPage>> {
     let page = PAGE_SIZE as u64;
     if tokens.len() % PAGE_SIZE != 0 {
         return Err(Error::MisalignedPrefix {
@@ -193,14 +145,14 @@ pub fn pages_of_tokens(tokens: &[u64]) -> Result<Vec<u64>> {
         .chunks_exact(PAGE_SIZE)
         .enumerate()
         .map(|(k, chunk)| {
-            let first = chunk[0];
+            let first = chunk[0].0;
             let whole = first % page == 0
                 && chunk
                     .iter()
                     .zip(first..)
-                    .all(|(&slot, expected)| slot == expected);
+                    .all(|(&slot, expected)| slot.0 == expected);
             if whole {
-                Ok(first / page)
+                Ok(LogicalPage(first / page))
             } else {
                 Err(Error::HiCache(format!(
                     "token slots {}..{} are not one whole, aligned page (they start at slot {first})",
@@ -216,53 +168,54 @@ pub fn pages_of_tokens(tokens: &[u64]) -> Result<Vec<u64>> {
 mod tests {
     use super::*;
 
+    fn lp(pages: &[u64]) -> Vec<LogicalPage> {
+        pages.iter().map(|&p| LogicalPage(p)).collect()
+    }
+
     #[test]
-    fn runs_coalesce_where_both_sides_advance() {
+    fn each_rank_keeps_its_pairs_in_local_pages() {
         let p = Placement::new(2).unwrap();
         // Rank 0 owns even pages; local pages are l / 2.
-        let device = [4, 6, 8, 12, 5, 14];
-        let host = [10, 12, 14, 16, 3, 20];
+        let (device, host) = (lp(&[4, 6, 8, 12, 5, 14]), lp(&[10, 12, 14, 16, 3, 20]));
         let plan = TransferPlan::new(p, 0, &device, &host, 10, 20).unwrap();
         assert_eq!(plan.positions(), &[0, 1, 2, 3, 5]);
-        assert_eq!(plan.device_pages(), &[2, 3, 4, 6, 7]);
-        assert_eq!(plan.host_pages(), &[5, 6, 7, 8, 10]);
-        assert_eq!(
-            plan.runs(),
-            &[
-                Run {
-                    device: 2,
-                    host: 5,
-                    pages: 3
-                },
-                Run {
-                    device: 6,
-                    host: 8,
-                    pages: 1
-                },
-                Run {
-                    device: 7,
-                    host: 10,
-                    pages: 1
-                },
-            ]
-        );
+        assert_eq!(plan.device_pages(), &[2, 3, 4, 6, 7].map(LocalPage));
+        assert_eq!(plan.host_pages(), &[5, 6, 7, 8, 10].map(LocalPage));
+        assert_eq!(plan.runs().len(), 3);
         let other = TransferPlan::new(p, 1, &device, &host, 10, 20).unwrap();
         assert_eq!(other.positions(), &[4]);
         assert_eq!(other.requested(), 6);
     }
 
     #[test]
+    fn every_rank_refuses_the_same_bad_operation() {
+        let p = Placement::new(2).unwrap();
+        for rank in 0..2 {
+            let plan = |d: &[u64], h: &[u64]| TransferPlan::new(p, rank, &lp(d), &lp(h), 10, 10);
+            assert!(matches!(plan(&[4, 5], &[6, 8]), Err(Error::WrongOwner { page: 8, .. })));
+            assert!(matches!(plan(&[4, 1], &[6, 9]), Err(Error::ReservedPage { page: 1, .. })));
+            assert!(matches!(plan(&[4, 20], &[6, 8]), Err(Error::OutOfRange { .. })));
+            assert!(matches!(
+                plan(&[4, 6], &[8, 8]),
+                Err(Error::DuplicatePage { page: 8, first: 0, second: 1, .. })
+            ));
+            assert!(matches!(plan(&[4, 4], &[8, 6]), Err(Error::DuplicatePage { page: 4, .. })));
+            assert!(plan(&[4], &[8, 6]).is_err());
+        }
+    }
+
+    #[test]
     fn tokens_must_be_whole_aligned_pages() {
-        let tokens: Vec<u64> = (128..256).collect();
-        assert_eq!(pages_of_tokens(&tokens).unwrap(), vec![2, 3]);
+        let tokens: Vec<Slot> = (128..256).map(Slot).collect();
+        assert_eq!(pages_of_tokens(&tokens).unwrap(), lp(&[2, 3]));
         assert!(matches!(
             pages_of_tokens(&tokens[..100]),
             Err(Error::MisalignedPrefix { tokens: 100, .. })
         ));
-        let shifted: Vec<u64> = (130..194).collect();
+        let shifted: Vec<Slot> = (130..194).map(Slot).collect();
         assert!(pages_of_tokens(&shifted).is_err());
         let mut gap = tokens.clone();
-        gap[70] += 1;
+        gap[70].0 += 1;
         assert!(pages_of_tokens(&gap)
             .unwrap_err()
             .to_string()

@@ -1,11 +1,21 @@
-//! Memory budgeting of one rank (DOMAIN.md section 4): the per-layer scratch slots attention
-//! reads are taken out of the byte budget first, then the rest becomes pool pages.
+//! Memory budgeting of one rank (docs/design.md, "Prefill"): the per-layer scratch slots
+//! attention reads are taken out of the byte budget first, then the rest becomes pool pages.
+//!
+//! A scratch slot holds `[prefix | current chunk | one trash page]` rows, with the formula
+//! SGLang upstream uses: `rows = C * align(context_len, N * 64) + align(chunk, 64) + 64`, where
+//! `C` is how many contexts' prefixes one batch may hold ([`DEFAULT_CONTEXTS`] upstream). The
+//! prefix region is whole pages of every owner, so a page-granular gather never writes past it.
+//! Scratch bytes are `2 * rows * (row_bytes + 132)` (double-buffered by layer parity, the DSA
+//! indexer row included), doubled with the MTP draft. Unsharded (N = 1) there is no scratch.
 
 use std::fmt;
 
-use crate::error::{Error, Result};
+use crate::error::{Checked, Error, Result};
 use crate::geometry::{CacheGeometry, INDEXER_ROW_BYTES, PAGE_SIZE};
 use crate::shard::Placement;
+
+/// Contexts whose prefixes one batch's scratch may hold, as SGLang upstream sizes it.
+pub const DEFAULT_CONTEXTS: u64 = 8;
 
 /// What a rank's memory must hold.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -14,18 +24,33 @@ pub struct BudgetRequest {
     pub bytes: u64,
     /// Longest context a request may have (tokens).
     pub context_len: u64,
-    /// Most prefix tokens one chunk's attention reads (bounded by the context).
-    pub prefix_budget: u64,
     /// Prefill chunk size (tokens).
     pub chunk_size: u64,
+    /// Contexts whose prefixes one batch may hold (`C`; [`DEFAULT_CONTEXTS`]).
+    pub contexts: u64,
+}
+
+impl BudgetRequest {
+    /// A request with SGLang's default of [`DEFAULT_CONTEXTS`] contexts per batch.
+    pub fn new(bytes: u64, context_len: u64, chunk_size: u64) -> Self {
+        Self {
+            bytes,
+            context_len,
+            chunk_size,
+            contexts: DEFAULT_CONTEXTS,
+        }
+    }
 }
 
 /// How a rank's memory is split.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Budget {
-    /// Rows of one scratch slot: `prefix + align(chunk, 64) + one trash page`.
+    /// Rows of one scratch slot (0 unsharded).
     pub scratch_rows: u64,
-    /// Bytes of all scratch slots (double-buffered by layer parity, doubled with the draft).
+    /// Tokens of the prefix region of a slot: `C * align(context_len, N * 64)`, whole pages of
+    /// every owner.
+    pub max_prefix_tokens: u64,
+    /// Bytes of all scratch slots.
     pub scratch_bytes: u64,
     /// Bytes of one page across every layer and component of target and draft.
     pub page_bytes: u64,
@@ -37,22 +62,45 @@ pub struct Budget {
     pub logical_capacity: u64,
 }
 
+fn align(value: u64, to: u64, what: &str) -> Result<u64> {
+    value
+        .checked_next_multiple_of(to)
+        .ok_or_else(|| Error::overflow(format!("{what} {value} rounded up to {to}")))
+}
+
 impl Budget {
-    /// Splits `req.bytes` for `geometry` sharded by `placement`: scratch
-    /// `2 * rows * (row_bytes + 132)` per pool (doubled when the draft is present) first, then
-    /// as many whole pages as fit.
-    pub fn plan(
-        req: &BudgetRequest,
-        geometry: &CacheGeometry,
-        placement: Placement,
-    ) -> Result<Budget> {
-        geometry.validate()?;
+    /// Scratch rows and the prefix tokens of one slot for `req` at shard size `shard` (both 0
+    /// unsharded).
+    pub fn scratch(req: &BudgetRequest, shard: u32) -> Result<(u64, u64)> {
+        if shard <= 1 {
+            return Ok((0, 0));
+        }
         let page = PAGE_SIZE as u64;
-        let prefix = req.prefix_budget.min(req.context_len);
-        let scratch_rows = prefix + req.chunk_size.next_multiple_of(page) + page;
-        let per_pool = 2 * scratch_rows * (geometry.target.row_bytes() + INDEXER_ROW_BYTES) as u64;
-        let scratch_bytes = per_pool * if geometry.draft.is_some() { 2 } else { 1 };
-        let page_bytes = geometry.page_bytes() as u64;
+        let stride = u64::from(shard) * page;
+        let prefix = align(req.context_len, stride, "context length")?
+            .mul_or(req.contexts, || {
+                format!("{} contexts of {} tokens", req.contexts, req.context_len)
+            })?;
+        let rows = prefix
+            .add_or(align(req.chunk_size, page, "chunk size")?, || {
+                format!("scratch rows of a {}-token chunk", req.chunk_size)
+            })?
+            .add_or(page, || "scratch rows".into())?;
+        Ok((rows, prefix))
+    }
+
+    /// Splits `req.bytes` for `geometry` sharded by `placement`: scratch first, then as many
+    /// whole pages as fit.
+    pub fn plan(req: &BudgetRequest, geometry: &CacheGeometry, placement: Placement) -> Result<Budget> {
+        geometry.validate()?;
+        let (scratch_rows, max_prefix_tokens) = Self::scratch(req, placement.shard())?;
+        let row = (geometry.target.row_bytes() + INDEXER_ROW_BYTES) as u64;
+        let pools = if geometry.draft.is_some() { 2 } else { 1 };
+        let scratch_bytes = scratch_rows
+            .mul_or(2 * row * pools, || {
+                format!("scratch bytes of {scratch_rows} rows")
+            })?;
+        let page_bytes = geometry.page_bytes_checked()? as u64;
         let Some(rest) = req.bytes.checked_sub(scratch_bytes) else {
             return Err(Error::BudgetTooSmall(format!(
                 "{} bytes cannot hold the scratch slots: {scratch_rows} rows x 2 x ({} + {INDEXER_ROW_BYTES}) bytes{} = {scratch_bytes} bytes",
@@ -71,11 +119,13 @@ impl Budget {
         }
         Ok(Budget {
             scratch_rows,
+            max_prefix_tokens,
             scratch_bytes,
             page_bytes,
             pages,
+            // Fits: at most `rest` bytes.
             pool_bytes: pages * page_bytes,
-            logical_capacity: placement.logical_capacity(pages * page),
+            logical_capacity: placement.logical_capacity(pages)?,
         })
     }
 }
@@ -111,17 +161,14 @@ mod tests {
 
     #[test]
     fn scratch_comes_first_and_doubles_with_the_draft() {
-        let req = BudgetRequest {
-            bytes: 80 << 30,
-            context_len: 1 << 20,
-            prefix_budget: 1 << 20,
-            chunk_size: 16_100,
-        };
+        let req = BudgetRequest::new(80 << 30, 1 << 17, 16_100);
         let cp8 = Placement::new(8).unwrap();
         let without = Budget::plan(&req, &geometry(false), cp8).unwrap();
         let with = Budget::plan(&req, &geometry(true), cp8).unwrap();
-        // rows = 1M prefix + 16,100 rounded up to 16,128 + 64 trash.
-        assert_eq!(without.scratch_rows, (1 << 20) + 16_128 + 64);
+        // rows = 8 contexts x 128K (already a multiple of 8 x 64) + 16,100 rounded up to 16,128
+        // + 64 trash.
+        assert_eq!(without.max_prefix_tokens, 8 << 17);
+        assert_eq!(without.scratch_rows, (8 << 17) + 16_128 + 64);
         assert_eq!(without.scratch_bytes, 2 * without.scratch_rows * 708);
         assert_eq!(with.scratch_bytes, 2 * without.scratch_bytes);
         assert_eq!(with.page_bytes, 62 * (36_864 + 8448));
@@ -133,32 +180,40 @@ mod tests {
     }
 
     #[test]
-    fn too_small_budgets_name_the_numbers() {
-        let req = BudgetRequest {
-            bytes: 1 << 20,
-            context_len: 4096,
-            prefix_budget: 4096,
-            chunk_size: 1024,
-        };
-        let err = Budget::plan(&req, &geometry(true), Placement::unsharded())
+    fn the_prefix_region_is_whole_pages_of_every_owner() {
+        // A 4,097-token context needs 4,160 rows at N = 1... but N = 1 has no scratch at all.
+        let mut req = BudgetRequest::new(1 << 40, 4097, 64);
+        req.contexts = 1;
+        assert_eq!(Budget::scratch(&req, 1).unwrap(), (0, 0));
+        // N = 2: pages come in rounds of 2, so the prefix holds 4,224 tokens (66 pages).
+        let (rows, prefix) = Budget::scratch(&req, 2).unwrap();
+        assert_eq!(prefix, 4224);
+        assert_eq!(rows, 4224 + 64 + 64);
+        assert!(prefix >= 4097_u64.div_ceil(64) * 64);
+    }
+
+    #[test]
+    fn too_small_budgets_name_the_numbers_and_huge_ones_overflow_cleanly() {
+        let req = BudgetRequest::new(1 << 20, 4096, 1024);
+        let err = Budget::plan(&req, &geometry(true), Placement::new(2).unwrap())
             .unwrap_err()
             .to_string();
         assert!(
             err.contains("cannot hold the scratch") && err.contains("x 2 (draft)"),
             "{err}"
         );
-        let req = BudgetRequest {
-            bytes: 5 << 20,
-            context_len: 64,
-            prefix_budget: 64,
-            chunk_size: 64,
-        };
-        let err = Budget::plan(&req, &geometry(false), Placement::new(2).unwrap())
+        let req = BudgetRequest::new(5 << 20, 64, 64);
+        let err = Budget::plan(&req, &geometry(false), Placement::unsharded())
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("hold 1 pages of 2764032 bytes") && err.contains("2 owners"),
+            err.contains("hold 1 pages of 2764032 bytes") && err.contains("1 owners"),
             "{err}"
         );
+        for (context, chunk) in [(1 << 61, 64), (64, u64::MAX)] {
+            let req = BudgetRequest::new(u64::MAX, context, chunk);
+            let e = Budget::plan(&req, &geometry(true), Placement::new(8).unwrap()).unwrap_err();
+            assert!(matches!(e, Error::Overflow { .. }), "{e}");
+        }
     }
 }

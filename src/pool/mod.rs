@@ -1,133 +1,134 @@
-//! Sharded device pools of one rank, and the block spaces copies move pages between.
+//! Sharded device pools of one rank.
 //!
-//! A [`DevicePool`] holds the four components of DOMAIN.md section 2 (target latent, target
-//! indexer, draft latent, draft indexer) for `pages` physical pages: per component and layer a
-//! buffer of `pages` blocks, page `p` at `base + p * block_bytes`. Pools kvshard allocates put
-//! every component in one allocation with a uniform layer stride (so a page across all layers
-//! is one 2D copy); pools wrapping an engine's buffers take whatever per-layer addresses the
-//! engine has. Either way the per-layer base addresses are kept in a device-side table
-//! ([`DevicePool::layer_table`]).
+//! A [`DevicePool`] holds the four components of a DSA cache (target latent, target indexer,
+//! draft latent, draft indexer; docs/design.md, "Byte layouts") for `pages` physical pages:
+//! per component and stored layer a buffer of `pages` packed blocks, page `p` at
+//! `base + p * block_bytes`. Pools kvshard allocates put every component in one allocation with
+//! a uniform layer stride (so a page across all layers is one 2D copy); pools wrapping an
+//! engine's buffers take whatever per-layer addresses the engine has, each checked to hold the
+//! pool's pages.
 //!
-//! [`BlockSpace`] is what a copy needs to know of one side: layer bases and strides. Pools,
-//! contiguous [`Staging`] buffers and the HiCache host pools implement it.
+//! A pool is a [`BlockSpace`]; engines share it as `Arc<DevicePool>` between the objects that
+//! use it (writer, sender, HiCache controller).
 
 mod budget;
-mod copy;
 mod write;
 
-pub use budget::{Budget, BudgetRequest};
-pub use copy::{BlockCopy, BlockCopyPlan, PageList, PageSelection};
+pub use budget::{Budget, BudgetRequest, DEFAULT_CONTEXTS};
 pub use write::{ChunkStaging, OwnedRowWrite};
 
+use std::fmt;
+
 use crate::abi;
-use crate::backend::{Backend, Buffer, MemoryKind};
-use crate::error::{Error, Result};
+use crate::backend::{AddressSpace, Backend, Buffer, MemoryKind};
+use crate::copy::space::{packed_regions, sealed};
+use crate::copy::{BlockSpace, SpaceId};
+use crate::error::{Checked, Error, Result};
 use crate::geometry::{CacheGeometry, Component, ComponentLayout};
+use crate::index::{LocalPage, StoredLayer};
 use crate::shard::Placement;
 
-/// Alignment of every component region kvshard allocates.
-const REGION_ALIGN: usize = 256;
-
-/// Something pages can be copied out of or into: per component, per layer, `pages()` blocks.
-pub trait BlockSpace {
-    /// Components present, in [`Component::ALL`] order.
-    fn components(&self) -> &[ComponentLayout];
-    /// Pages each layer holds.
-    fn pages(&self) -> u64;
-    /// Address of (layer `layer`, page 0) of component index `c` (an index into `components()`).
-    fn layer_base(&self, c: usize, layer: usize) -> u64;
-    /// How pages and rows of component index `c` are strided; packed blocks unless the space
-    /// lays them out otherwise.
-    fn block_side(&self, c: usize) -> abi::kvs_block_side {
-        self.components()[c].packed_side()
-    }
+/// One engine buffer: its device address and its size in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RawBuffer {
+    /// Device address (16-byte aligned).
+    pub addr: u64,
+    /// Bytes the buffer holds.
+    pub bytes: u64,
 }
 
-/// Checks two block spaces hold the same components with the same block shapes.
-pub(crate) fn check_same_components(a: &[ComponentLayout], b: &[ComponentLayout]) -> Result<()> {
-    if a.len() != b.len() {
-        return Err(Error::GeometryMismatch {
-            what: "components".into(),
-            expected: a.len().to_string(),
-            got: b.len().to_string(),
-        });
-    }
-    for (x, y) in a.iter().zip(b) {
-        if x != y {
-            return Err(Error::GeometryMismatch {
-                what: format!("{}", x.component),
-                expected: format!("{:?}", x),
-                got: format!("{:?}", y),
-            });
-        }
-    }
-    Ok(())
-}
-
-/// Byte offsets of each component region and its layer stride in one packed allocation of
-/// `pages` pages per layer.
-fn packed_regions(components: &[ComponentLayout], pages: u64) -> (Vec<(usize, usize)>, usize) {
-    let mut offset = 0usize;
-    let mut regions = Vec::with_capacity(components.len());
-    for c in components {
-        let stride = (pages as usize * c.block_bytes).next_multiple_of(REGION_ALIGN);
-        regions.push((offset, stride));
-        offset += stride * c.layers();
-    }
-    (regions, offset)
-}
-
-/// Device addresses of an engine's existing cache buffers, one per stored layer.
+/// An engine's existing cache buffers, one per stored layer of each component.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PoolBuffers {
     /// Target latent buffer of each target layer.
-    pub target_latent: Vec<u64>,
+    pub target_latent: Vec<RawBuffer>,
     /// Target indexer buffer of each target layer that has an indexer, in layer order.
-    pub target_indexer: Vec<u64>,
+    pub target_indexer: Vec<RawBuffer>,
     /// Draft latent buffer (with a draft).
-    pub draft_latent: Vec<u64>,
+    pub draft_latent: Vec<RawBuffer>,
     /// Draft indexer buffer (with a draft).
-    pub draft_indexer: Vec<u64>,
+    pub draft_indexer: Vec<RawBuffer>,
 }
 
 impl PoolBuffers {
-    fn of(&self, c: Component) -> &[u64] {
-        match c {
+    /// The buffers of `component`.
+    pub fn of(&self, component: Component) -> &[RawBuffer] {
+        match component {
             Component::TargetLatent => &self.target_latent,
             Component::TargetIndexer => &self.target_indexer,
             Component::DraftLatent => &self.draft_latent,
             Component::DraftIndexer => &self.draft_indexer,
         }
     }
+
+    /// Bytes each buffer of `component` must hold for `pages` pages, or an overflow.
+    pub fn required_bytes(geometry: &CacheGeometry, component: Component, pages: u64) -> Result<u64> {
+        let block = geometry
+            .components()
+            .iter()
+            .find(|c| c.component == component)
+            .map_or(0, |c| c.block_bytes as u64);
+        pages.mul_or(block, || format!("bytes of {pages} pages of {component}"))
+    }
+
+    /// The most whole pages every buffer holds (engines size buffers in tokens: a buffer of
+    /// `64 * p + 10` tokens holds `p` pages), or `None` when a component has no buffers.
+    pub fn pages_covered(&self, geometry: &CacheGeometry) -> Option<u64> {
+        geometry
+            .components()
+            .iter()
+            .map(|c| {
+                self.of(c.component)
+                    .iter()
+                    .map(|b| b.bytes / c.block_bytes as u64)
+                    .min()
+            })
+            .try_fold(u64::MAX, |acc, p| p.map(|p| acc.min(p)))
+    }
 }
 
 /// One rank's device pool.
-#[derive(Debug)]
 pub struct DevicePool {
+    id: SpaceId,
+    space: AddressSpace,
     geometry: CacheGeometry,
     placement: Placement,
     rank: u32,
     pages: u64,
+    logical_capacity: u64,
     components: Vec<ComponentLayout>,
     /// Per component, per stored layer.
     bases: Vec<Vec<u64>>,
-    table: Buffer,
     /// The allocation behind the pool when kvshard made it.
     storage: Option<Buffer>,
 }
 
+impl fmt::Debug for DevicePool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DevicePool")
+            .field("id", &self.id)
+            .field("space", &self.space)
+            .field("rank", &self.rank)
+            .field("shard", &self.placement.shard())
+            .field("pages", &self.pages)
+            .field("owned", &self.storage.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
 impl DevicePool {
-    /// Allocates a pool of `pages` physical pages per layer for `rank` of `placement`.
-    pub fn allocate<B: Backend>(
-        backend: &B,
+    /// Allocates a pool of `pages` physical pages per layer for `rank` of `placement`, in one
+    /// allocation of `backend`'s device memory.
+    pub fn allocate(
+        backend: &dyn Backend,
         geometry: &CacheGeometry,
         placement: Placement,
         rank: u32,
         pages: u64,
     ) -> Result<Self> {
-        Self::check(geometry, placement, rank, pages)?;
+        let logical_capacity = Self::check(geometry, placement, rank, pages)?;
         let components = geometry.components();
-        let (regions, total) = packed_regions(&components, pages);
+        let (regions, total) = packed_regions(&components, pages)?;
         let storage = backend.alloc(total, MemoryKind::Device)?;
         let bases = regions
             .iter()
@@ -138,32 +139,36 @@ impl DevicePool {
                     .collect()
             })
             .collect();
-        Self::finish(
-            backend,
-            geometry,
+        Ok(Self {
+            id: SpaceId::next(),
+            space: backend.address_space(),
+            geometry: geometry.clone(),
             placement,
             rank,
             pages,
+            logical_capacity,
             components,
             bases,
-            Some(storage),
-        )
+            storage: Some(storage),
+        })
     }
 
-    /// Wraps buffers an engine already owns, without copying.
+    /// Wraps buffers an engine already owns, without copying. Every buffer must hold at least
+    /// `pages` blocks of its component ([`PoolBuffers::required_bytes`]); a larger one (an
+    /// engine's token-sized buffer) is used for its first `pages` pages.
     ///
     /// # Safety
-    /// Every address in `buffers` must be device memory of `backend`'s device holding `pages`
-    /// blocks of its component, 16-byte aligned, valid while the pool and work using it live.
-    pub unsafe fn wrap<B: Backend>(
-        backend: &B,
+    /// Every buffer must be device memory of `backend`'s address space, of at least the bytes
+    /// it claims, valid while the pool and any work using it are alive.
+    pub unsafe fn wrap(
+        backend: &dyn Backend,
         geometry: &CacheGeometry,
         placement: Placement,
         rank: u32,
         pages: u64,
         buffers: &PoolBuffers,
     ) -> Result<Self> {
-        Self::check(geometry, placement, rank, pages)?;
+        let logical_capacity = Self::check(geometry, placement, rank, pages)?;
         let components = geometry.components();
         let mut bases = Vec::with_capacity(components.len());
         for c in &components {
@@ -175,13 +180,28 @@ impl DevicePool {
                     got: given.len().to_string(),
                 });
             }
-            if let Some(bad) = given.iter().find(|&&a| a == 0 || a % 16 != 0) {
-                return Err(Error::InvalidArgument(format!(
-                    "{} buffer at {bad:#x}: must be a non-null 16-byte aligned device address",
-                    c.component
-                )));
+            let need = PoolBuffers::required_bytes(geometry, c.component, pages)?;
+            for (layer, b) in given.iter().enumerate() {
+                if b.addr == 0 || b.addr % 16 != 0 {
+                    return Err(Error::InvalidArgument(format!(
+                        "{} buffer of stored layer {layer} at {:#x}: must be a non-null 16-byte aligned device address",
+                        c.component, b.addr
+                    )));
+                }
+                if b.bytes < need {
+                    return Err(Error::InvalidArgument(format!(
+                        "{} buffer of stored layer {layer} holds {} bytes; {pages} pages of {} B blocks need {need}",
+                        c.component, b.bytes, c.block_bytes
+                    )));
+                }
+                if b.addr.checked_add(need).is_none() {
+                    return Err(Error::overflow(format!(
+                        "{} buffer of stored layer {layer} at {:#x} + {need} bytes",
+                        c.component, b.addr
+                    )));
+                }
             }
-            bases.push(given.to_vec());
+            bases.push(given.iter().map(|b| b.addr).collect());
         }
         for c in Component::ALL {
             if !components.iter().any(|l| l.component == c) && !buffers.of(c).is_empty() {
@@ -192,55 +212,33 @@ impl DevicePool {
                 });
             }
         }
-        Self::finish(
-            backend, geometry, placement, rank, pages, components, bases, None,
-        )
+        Ok(Self {
+            id: SpaceId::next(),
+            space: backend.address_space(),
+            geometry: geometry.clone(),
+            placement,
+            rank,
+            pages,
+            logical_capacity,
+            components,
+            bases,
+            storage: None,
+        })
     }
 
-    fn check(geometry: &CacheGeometry, placement: Placement, rank: u32, pages: u64) -> Result<()> {
+    /// Checks the pool's parameters; returns its logical token capacity.
+    fn check(geometry: &CacheGeometry, placement: Placement, rank: u32, pages: u64) -> Result<u64> {
         geometry.validate()?;
-        if rank >= placement.shard() {
-            return Err(Error::InvalidArgument(format!(
-                "rank {rank} of shard size {}",
-                placement.shard()
-            )));
-        }
+        placement.check_rank(rank)?;
         if pages < 2 {
             return Err(Error::InvalidArgument(format!(
                 "a pool needs at least 2 pages per layer (page 0 is padding), got {pages}"
             )));
         }
-        Ok(())
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn finish<B: Backend>(
-        backend: &B,
-        geometry: &CacheGeometry,
-        placement: Placement,
-        rank: u32,
-        pages: u64,
-        components: Vec<ComponentLayout>,
-        bases: Vec<Vec<u64>>,
-        storage: Option<Buffer>,
-    ) -> Result<Self> {
-        let flat: Vec<u8> = bases
-            .iter()
-            .flatten()
-            .flat_map(|a| a.to_le_bytes())
-            .collect();
-        let table = backend.alloc(flat.len(), MemoryKind::Device)?;
-        backend.write(&table, 0, &flat)?;
-        Ok(Self {
-            geometry: geometry.clone(),
-            placement,
-            rank,
-            pages,
-            components,
-            bases,
-            table,
-            storage,
-        })
+        (geometry.page_bytes_checked()? as u64).mul_or(pages, || {
+            format!("bytes of {pages} pages of the cache")
+        })?;
+        placement.logical_capacity(pages)
     }
 
     /// Cache geometry.
@@ -260,32 +258,23 @@ impl DevicePool {
 
     /// Logical pages of the whole shard group (N x physical pages).
     pub fn logical_pages(&self) -> u64 {
-        self.placement.logical_pages(self.pages)
+        self.logical_capacity / crate::geometry::PAGE_SIZE as u64
     }
 
-    /// Logical token capacity of the shard group.
+    /// Logical token capacity of the shard group (N x physical slots).
     pub fn logical_capacity(&self) -> u64 {
-        self.placement
-            .logical_capacity(self.pages * self.placement.page_size() as u64)
+        self.logical_capacity
     }
 
-    /// Base addresses of component index `c`, one per stored layer.
-    pub fn layer_bases(&self, c: usize) -> &[u64] {
-        &self.bases[c]
+    /// Base addresses of `component`, one per stored layer.
+    pub fn layer_bases(&self, component: Component) -> Result<&[u64]> {
+        Ok(&self.bases[self.component_index(component)?])
     }
 
-    /// Distance between consecutive layers of component index `c`, when uniform.
-    pub fn layer_stride(&self, c: usize) -> Option<u64> {
-        let b = &self.bases[c];
-        let stride = b.get(1).map(|x| x.wrapping_sub(b[0]))?;
-        b.windows(2)
-            .all(|w| w[1].wrapping_sub(w[0]) == stride)
-            .then_some(stride)
-    }
-
-    /// The device-side table of every layer base, component after component.
-    pub fn layer_table(&self) -> &Buffer {
-        &self.table
+    /// Distance between consecutive stored layers of `component`, when uniform (pools kvshard
+    /// allocates; engine buffers usually are not).
+    pub fn layer_stride(&self, component: Component) -> Result<Option<u64>> {
+        Ok(sealed::Sealed::layer_stride(self, self.component_index(component)?))
     }
 
     /// The allocation behind the pool, when kvshard made it.
@@ -293,125 +282,110 @@ impl DevicePool {
         self.storage.as_ref()
     }
 
-    /// Address of block (`layer`, local `page`) of component index `c`.
-    pub fn block_addr(&self, c: usize, layer: usize, page: u64) -> Result<u64> {
-        let comp = self.components.get(c).ok_or(Error::OutOfRange {
-            what: "component",
-            index: c as i64,
-            limit: self.components.len() as u64,
-        })?;
-        if layer >= comp.layers() || page >= self.pages {
-            return Err(Error::OutOfRange {
-                what: "block",
-                index: if layer >= comp.layers() {
-                    layer as i64
-                } else {
-                    page as i64
-                },
-                limit: if layer >= comp.layers() {
-                    comp.layers() as u64
-                } else {
-                    self.pages
-                },
-            });
-        }
-        Ok(self.bases[c][layer] + page * comp.block_bytes as u64)
+    /// One stored layer of `component` as a buffer of `pages` blocks.
+    fn layer_buffer(&self, c: usize, layer: usize) -> Buffer {
+        let len = self.pages as usize * self.components[c].block_bytes;
+        // SAFETY: the range is one layer buffer of this pool (allocated, or promised by
+        // `wrap`'s contract to hold `pages` blocks), alive as long as the pool.
+        unsafe { Buffer::from_raw(self.bases[c][layer], len, MemoryKind::Device, self.space) }
+    }
+
+    /// The bytes of block (`layer`, `page`) of `component`, read after prior work on
+    /// `backend`'s stream (waits for it).
+    pub fn read_block_sync(
+        &self,
+        backend: &dyn Backend,
+        component: Component,
+        layer: StoredLayer,
+        page: LocalPage,
+    ) -> Result<Vec<u8>> {
+        let addr = self.block_addr(component, layer, page)?;
+        let c = self.component_index(component)?;
+        let block = self.components[c].block_bytes;
+        let buffer = self.layer_buffer(c, layer.0);
+        let offset = usize::try_from(addr - buffer.addr())
+            .map_err(|_| Error::overflow(format!("offset of {page}")))?;
+        backend.read_sync(&buffer, offset, block)
+    }
+
+    /// The bytes of each page of `pages`: every block of the page, component by component,
+    /// layer by layer (what verification compares). Waits for `backend`'s stream.
+    pub fn read_pages_sync(
+        &self,
+        backend: &dyn Backend,
+        pages: &[LocalPage],
+    ) -> Result<Vec<Vec<u8>>> {
+        pages
+            .iter()
+            .map(|&page| {
+                let mut out = Vec::new();
+                for comp in &self.components {
+                    for layer in 0..comp.layers() {
+                        out.extend(self.read_block_sync(
+                            backend,
+                            comp.component,
+                            StoredLayer(layer),
+                            page,
+                        )?);
+                    }
+                }
+                Ok(out)
+            })
+            .collect()
     }
 
     /// Every block of the pool, component by component, layer by layer, page by page: what
-    /// byte-identity tests compare.
-    pub fn snapshot<B: Backend>(&self, backend: &B) -> Result<Vec<u8>> {
+    /// byte-identity tests compare. Waits for `backend`'s stream.
+    pub fn snapshot_sync(&self, backend: &dyn Backend) -> Result<Vec<u8>> {
         let mut out = Vec::new();
         for (c, comp) in self.components.iter().enumerate() {
-            for &base in &self.bases[c] {
-                // SAFETY: the range is one layer buffer of this pool (contract of allocate/wrap).
-                let layer = unsafe {
-                    Buffer::from_raw(
-                        base,
-                        self.pages as usize * comp.block_bytes,
-                        MemoryKind::Device,
-                    )
-                };
-                out.extend(backend.read(&layer, 0, layer.len())?);
+            for layer in 0..comp.layers() {
+                let buffer = self.layer_buffer(c, layer);
+                out.extend(backend.read_sync(&buffer, 0, buffer.len())?);
             }
         }
         Ok(out)
     }
 
     /// Fills every layer buffer with `byte` (stream-ordered).
-    pub fn fill<B: Backend>(&self, backend: &B, byte: u8) -> Result<()> {
+    pub fn fill(&self, backend: &dyn Backend, byte: u8) -> Result<()> {
         for (c, comp) in self.components.iter().enumerate() {
-            for &base in &self.bases[c] {
-                // SAFETY: as in snapshot.
-                let layer = unsafe {
-                    Buffer::from_raw(
-                        base,
-                        self.pages as usize * comp.block_bytes,
-                        MemoryKind::Device,
-                    )
-                };
-                backend.fill(&layer, byte)?;
+            for layer in 0..comp.layers() {
+                backend.fill(&self.layer_buffer(c, layer), byte)?;
             }
         }
         Ok(())
     }
 }
 
-impl BlockSpace for DevicePool {
-    fn components(&self) -> &[ComponentLayout] {
-        &self.components
-    }
-
-    fn pages(&self) -> u64 {
-        self.pages
-    }
-
-    fn layer_base(&self, c: usize, layer: usize) -> u64 {
+impl sealed::Sealed for DevicePool {
+    fn base(&self, c: usize, layer: usize) -> u64 {
         self.bases[c][layer]
     }
-}
 
-/// A contiguous staging buffer: per component, per layer, `pages` blocks (`[L][pages][block]`).
-#[derive(Debug)]
-pub struct Staging {
-    components: Vec<ComponentLayout>,
-    pages: u64,
-    regions: Vec<(usize, usize)>,
-    buffer: Buffer,
-}
-
-impl Staging {
-    /// A staging buffer for `pages` pages of every component of `geometry`.
-    pub fn new<B: Backend>(backend: &B, geometry: &CacheGeometry, pages: u64) -> Result<Self> {
-        geometry.validate()?;
-        let components = geometry.components();
-        let (regions, total) = packed_regions(&components, pages);
-        let buffer = backend.alloc(total, MemoryKind::Device)?;
-        Ok(Self {
-            components,
-            pages,
-            regions,
-            buffer,
-        })
+    fn side(&self, c: usize) -> abi::kvs_block_side {
+        self.components[c].packed_side()
     }
 
-    /// The whole buffer.
-    pub fn buffer(&self) -> &Buffer {
-        &self.buffer
+    fn layer_count(&self, c: usize) -> usize {
+        self.bases[c].len()
     }
 }
 
-impl BlockSpace for Staging {
+impl BlockSpace for DevicePool {
+    fn id(&self) -> SpaceId {
+        self.id
+    }
+
+    fn address_space(&self) -> AddressSpace {
+        self.space
+    }
+
     fn components(&self) -> &[ComponentLayout] {
         &self.components
     }
 
     fn pages(&self) -> u64 {
         self.pages
-    }
-
-    fn layer_base(&self, c: usize, layer: usize) -> u64 {
-        let (offset, stride) = self.regions[c];
-        self.buffer.addr() + (offset + layer * stride) as u64
     }
 }

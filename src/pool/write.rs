@@ -1,19 +1,23 @@
-//! The owned-row write path (DOMAIN.md section 4): a prefill chunk is staged whole in scratch,
-//! then only the rows this rank owns are persisted to its local rows, for every selected layer
-//! of target and draft, latent and indexer, in one `kvs_write_rows` launch that does the owner
-//! filtering itself.
+//! The owned-row write path (docs/design.md, "Prefill"): a prefill chunk is staged whole in
+//! scratch, then only the rows this rank owns are persisted to its local rows, for every
+//! selected layer of target and draft, latent and indexer, in one `kvs_write_rows` launch that
+//! does the owner filtering itself.
 
-use std::marker::PhantomData;
+use std::collections::HashMap;
+use std::sync::Arc;
 
 use super::DevicePool;
 use crate::abi;
-use crate::backend::{upload_i64s, Backend, Buffer, Launch, MemoryKind};
-use crate::error::{Error, Result};
-use crate::geometry::{ComponentLayout, INDEXER_PAGE_BYTES, INDEXER_ROW_BYTES, PAGE_SIZE};
+use crate::backend::{upload_i64s_sync, Backend, Buffer, KernelFamily, Launch, MemoryKind};
+use crate::copy::space::REGION_ALIGN;
+use crate::copy::BlockSpace;
+use crate::error::{Checked, Error, Result};
+use crate::geometry::{Component, ComponentLayout, INDEXER_PAGE_BYTES, INDEXER_ROW_BYTES, PAGE_SIZE};
+use crate::index::{ModelLayer, Slot, StoredLayer};
 
-/// Chunk staging (the "current chunk" part of scratch): per component and layer, latent rows
-/// `[tokens][row_bytes]` or page-major indexer blocks `[tokens / 64][8448]`, row `i` holding
-/// chunk token `i`.
+/// Chunk staging (the "current chunk" part of scratch): per component and stored layer, latent
+/// rows `[tokens][row_bytes]` or page-major indexer blocks `[tokens / 64][8448]`, row `i`
+/// holding chunk token `i`. What the quantizers write and the owned-row write reads.
 #[derive(Debug)]
 pub struct ChunkStaging {
     components: Vec<ComponentLayout>,
@@ -23,24 +27,29 @@ pub struct ChunkStaging {
     buffer: Buffer,
 }
 
-fn layer_bytes(c: &ComponentLayout, tokens: usize) -> usize {
+fn layer_bytes(c: &ComponentLayout, tokens: usize) -> Result<usize> {
+    let what = || format!("staging of {tokens} tokens of {}", c.component);
     if c.component.is_indexer() {
-        tokens.div_ceil(PAGE_SIZE) * INDEXER_PAGE_BYTES
+        tokens.div_ceil(PAGE_SIZE).mul_or(INDEXER_PAGE_BYTES, what)
     } else {
-        tokens * c.row_bytes
+        tokens.mul_or(c.row_bytes, what)
     }
 }
 
 impl ChunkStaging {
-    /// Staging for chunks of up to `tokens` tokens, shaped like `pool`.
-    pub fn new<B: Backend>(backend: &B, pool: &DevicePool, tokens: usize) -> Result<Self> {
-        let components = pool.components.clone();
+    /// Staging for chunks of up to `tokens` tokens, shaped like `pool`, in `backend`'s device
+    /// memory.
+    pub fn new(backend: &dyn Backend, pool: &DevicePool, tokens: usize) -> Result<Self> {
+        let components = pool.components().to_vec();
         let mut regions = Vec::new();
-        let mut total = 0;
+        let mut total = 0usize;
         for c in &components {
-            let stride = layer_bytes(c, tokens).next_multiple_of(256);
+            let what = || format!("staging of {tokens} tokens of {}", c.component);
+            let stride = layer_bytes(c, tokens)?
+                .checked_next_multiple_of(REGION_ALIGN)
+                .ok_or_else(|| Error::overflow(what()))?;
             regions.push((total, stride));
-            total += stride * c.layers();
+            total = stride.mul_or(c.layers(), what)?.add_or(total, what)?;
         }
         let buffer = backend.alloc(total, MemoryKind::Device)?;
         Ok(Self {
@@ -61,49 +70,55 @@ impl ChunkStaging {
         &self.buffer
     }
 
-    /// The staging of stored layer `layer` of component index `c`.
-    pub fn layer(&self, c: usize, layer: usize) -> Result<Buffer> {
-        let comp = self.components.get(c).ok_or(Error::OutOfRange {
-            what: "component",
-            index: c as i64,
-            limit: self.components.len() as u64,
-        })?;
-        if layer >= comp.layers() {
+    /// The staging of stored layer `layer` of `component`.
+    pub fn layer(&self, component: Component, layer: StoredLayer) -> Result<Buffer> {
+        let c = self
+            .components
+            .iter()
+            .position(|l| l.component == component)
+            .ok_or_else(|| Error::InvalidArgument(format!("the staging holds no {component}")))?;
+        let comp = &self.components[c];
+        if layer.0 >= comp.layers() {
             return Err(Error::OutOfRange {
-                what: "layer",
-                index: layer as i64,
+                what: "stored layer",
+                index: layer.0 as i64,
                 limit: comp.layers() as u64,
             });
         }
         let (offset, stride) = self.regions[c];
+        // In range: `new` laid out `layers` strides of at least layer_bytes each.
         self.buffer
-            .slice(offset + layer * stride, layer_bytes(comp, self.tokens))
+            .slice(offset + layer.0 * stride, layer_bytes(comp, self.tokens)?)
     }
 }
 
-/// A prepared owned-row write from a [`ChunkStaging`] into a [`DevicePool`].
+/// A prepared owned-row write from a [`ChunkStaging`] into a [`DevicePool`]; it holds both.
 #[derive(Debug)]
-pub struct OwnedRowWrite<'a> {
+pub struct OwnedRowWrite {
     params: abi::kvs_write_rows_params,
     row_bytes: u64,
-    capacity: usize,
+    pool: Arc<DevicePool>,
+    staging: Arc<ChunkStaging>,
     _pairs: Buffer,
-    _spaces: PhantomData<&'a ()>,
 }
 
-impl<'a> OwnedRowWrite<'a> {
-    /// Prepares writes of the model layers `keep` accepts (e.g. one layer during its forward).
-    pub fn prepare<B: Backend>(
-        backend: &B,
-        staging: &'a ChunkStaging,
-        pool: &'a DevicePool,
-        keep: impl Fn(usize) -> bool,
+impl OwnedRowWrite {
+    /// Prepares writes of the model layers `keep` accepts (all of them, or one layer during its
+    /// forward), uploading the pair table through `backend` (waits for the upload).
+    pub fn prepare_sync(
+        backend: &dyn Backend,
+        staging: Arc<ChunkStaging>,
+        pool: Arc<DevicePool>,
+        keep: impl Fn(ModelLayer) -> bool,
     ) -> Result<Self> {
-        super::check_same_components(&staging.components, &pool.components)?;
+        crate::copy::space::check_same_components(&staging.components, pool.components())?;
+        backend.check(&staging.buffer, "chunk staging")?;
+        crate::backend::check_space(backend.address_space(), pool.address_space(), "the pool")?;
         let mut components = [abi::kvs_row_component::default(); abi::KVS_MAX_COMPONENTS as usize];
-        let mut pairs = Vec::new();
+        let mut table = Vec::new();
+        let mut num_pairs = 0u32;
         let mut row_bytes = 0u64;
-        for (c, layout) in pool.components.iter().enumerate() {
+        for (c, layout) in pool.components().iter().enumerate() {
             let (kind, bytes) = if layout.component.is_indexer() {
                 (abi::KVS_ROWS_INDEXER, INDEXER_ROW_BYTES)
             } else {
@@ -113,56 +128,68 @@ impl<'a> OwnedRowWrite<'a> {
                 kind,
                 row_bytes: bytes as u32,
             };
+            let bases = pool.layer_bases(layout.component)?;
             for (l, &model_layer) in layout.model_layers.iter().enumerate() {
-                if keep(model_layer) {
-                    pairs.push(abi::kvs_layer_pair {
-                        src: staging.layer(c, l)?.addr(),
-                        dst: pool.layer_bases(c)[l],
-                        component: c as u32,
-                        signal: model_layer as u32,
-                    });
-                    row_bytes += bytes as u64;
+                if !keep(model_layer) {
+                    continue;
                 }
+                let src = staging.layer(layout.component, StoredLayer(l))?.addr();
+                for word in [src, bases[l]] {
+                    table.extend_from_slice(&word.to_le_bytes());
+                }
+                table.extend_from_slice(&(c as u32).to_le_bytes());
+                table.extend_from_slice(&(model_layer.0 as u32).to_le_bytes());
+                num_pairs += 1;
+                row_bytes += bytes as u64;
             }
         }
-        let num_pairs = pairs.len() as u32;
-        let mut table_bytes = Vec::with_capacity(24 * pairs.len());
-        crate::backend::extend_pair_table(&mut table_bytes, &pairs);
-        let table = backend.alloc(table_bytes.len().max(24), MemoryKind::Device)?;
-        backend.write(&table, 0, &table_bytes)?;
+        let pairs = backend.alloc(table.len().max(24), MemoryKind::Device)?;
+        backend.write_sync(&pairs, 0, &table)?;
         let placement = pool.placement();
         let params = abi::kvs_write_rows_params {
             components,
-            pairs: table.addr(),
+            pairs: pairs.addr(),
             slots: 0,
             num_slots: 0,
             slot_limit: pool.logical_capacity(),
-            dst_rows: pool.pages * PAGE_SIZE as u64,
+            dst_rows: pool.pages() * PAGE_SIZE as u64,
             num_pairs,
             shard: placement.shard(),
             rank: pool.rank(),
-            num_components: pool.components.len() as u32,
+            num_components: pool.components().len() as u32,
             work: abi::kvs_work_queue::default(),
             status: abi::kvs_status::default(),
         };
         Ok(Self {
             params,
             row_bytes,
-            capacity: staging.tokens,
-            _pairs: table,
-            _spaces: PhantomData,
+            pool,
+            staging,
+            _pairs: pairs,
         })
     }
 
-    /// The grid for a chunk of `n` tokens: one warp per unit (a group of 8 tokens x a block of
-    /// 4 layer pairs; see cuda/copy.cu), so that the hardware's CTA scheduler balances the load
-    /// between units this rank owns and units it skips after one slot read.
-    pub fn launch(&self, n: usize) -> Launch {
-        const WARPS: u64 = 512 / 32;
+    /// The pool written.
+    pub fn pool(&self) -> &Arc<DevicePool> {
+        &self.pool
+    }
+
+    /// The staging read.
+    pub fn staging(&self) -> &Arc<ChunkStaging> {
+        &self.staging
+    }
+
+    /// The grid kvshard picks for a chunk of `n` tokens on `backend`: one warp per unit (a group
+    /// of 8 tokens x a block of 4 layer pairs; see cuda/copy.cu), so that the hardware's CTA
+    /// scheduler balances the load between units this rank owns and units it skips after one
+    /// slot read.
+    pub fn launch(&self, backend: &dyn Backend, n: usize) -> Launch {
+        let threads = backend.max_threads(KernelFamily::WriteRows);
+        let warps = u64::from(threads / 32).max(1);
         let units = crate::backend::write_units(n as u64, self.params.num_pairs);
         Launch {
-            ctas: units.div_ceil(WARPS).clamp(1, u64::from(u32::MAX)) as u32,
-            threads: 512,
+            ctas: units.div_ceil(warps).clamp(1, u64::from(u32::MAX)) as u32,
+            threads,
         }
     }
 
@@ -171,50 +198,63 @@ impl<'a> OwnedRowWrite<'a> {
         self.row_bytes
     }
 
-    /// Persists the owned rows of a chunk whose logical slots are the `n` int64s of `slots`
-    /// (device memory, as engines keep them). Slots are checked by the kernel: a bad one is
-    /// skipped and reported by the backend's next `synchronize`.
-    pub fn run<B: Backend>(
-        &self,
-        backend: &B,
-        slots: &Buffer,
-        n: usize,
-        launch: Launch,
-    ) -> Result<()> {
-        if n > self.capacity || slots.len() < 8 * n {
+    /// Persists the owned rows of a chunk whose logical slots are the first `n` int64s of the
+    /// engine's device buffer `slots`, on `backend`'s stream: no allocation, no wait. Slots are
+    /// checked by the kernel: a bad one (beyond the logical capacity, or on a reserved padding
+    /// page) is skipped and reported by the backend's next `synchronize`.
+    pub fn run(&self, backend: &dyn Backend, slots: &Buffer, n: usize, launch: Launch) -> Result<()> {
+        backend.check(slots, "slot buffer")?;
+        crate::backend::check_space(backend.address_space(), self.pool.address_space(), "the pool")?;
+        let bytes = n.mul_or(8, || format!("bytes of {n} slots"))?;
+        if n > self.staging.tokens || slots.len() < bytes || slots.addr() % 8 != 0 {
             return Err(Error::InvalidArgument(format!(
-                "{n} slots (buffer of {} bytes) for a staging of {} tokens",
+                "{n} slots (an 8-byte aligned buffer of {} bytes) for a staging of {} tokens",
                 slots.len(),
-                self.capacity
+                self.staging.tokens
             )));
         }
         let mut params = self.params;
         params.slots = slots.addr();
         params.num_slots = n as u64;
-        // SAFETY: staging and pool addresses come from the borrowed spaces; the slot buffer holds
-        // `n` entries; the kernel bounds-checks every slot and local row before writing.
+        // SAFETY: staging and pool addresses come from the two spaces this write holds (alive
+        // with it), both checked to be in the backend's address space; the slot buffer holds
+        // `n` aligned int64s of that space; the kernel bounds-checks every slot and local row
+        // (against the pool's capacity) before writing, and reads staging rows below `n`, which
+        // is at most the staging's capacity.
         unsafe { backend.write_rows(params, launch) }
     }
 
-    /// Checks `slots` on the host (every slot negative or inside the logical capacity), uploads
-    /// them and runs the write; a bad slot is an error before anything is written.
-    pub fn run_checked<B: Backend>(
-        &self,
-        backend: &B,
-        slots: &[i64],
-        launch: Launch,
-    ) -> Result<()> {
-        if let Some(&bad) = slots
-            .iter()
-            .find(|&&s| s >= 0 && s as u64 >= self.params.slot_limit)
-        {
-            return Err(Error::OutOfRange {
-                what: "logical slot",
-                index: bad,
-                limit: self.params.slot_limit,
-            });
+    /// Checks `slots` on the host (every slot inside the logical capacity, on no reserved
+    /// padding page, and no two the same), uploads them and runs the write, then waits for it:
+    /// a bad slot is an error before anything is written.
+    pub fn run_checked_sync(&self, backend: &dyn Backend, slots: &[Slot], launch: Launch) -> Result<()> {
+        let placement = self.pool.placement();
+        let mut seen = HashMap::with_capacity(slots.len());
+        for (i, &slot) in slots.iter().enumerate() {
+            if slot.0 >= self.params.slot_limit {
+                return Err(Error::OutOfRange {
+                    what: "logical slot",
+                    index: i64::try_from(slot.0).unwrap_or(i64::MAX),
+                    limit: self.params.slot_limit,
+                });
+            }
+            if placement.is_reserved(slot.page()) {
+                return Err(Error::ReservedPage {
+                    page: slot.page().0,
+                    shard: placement.shard(),
+                });
+            }
+            if let Some(first) = seen.insert(slot, i) {
+                return Err(Error::DuplicatePage {
+                    what: "logical slot",
+                    page: slot.0,
+                    first,
+                    second: i,
+                });
+            }
         }
-        let buf = upload_i64s(backend, slots)?;
+        let raw: Vec<i64> = slots.iter().map(|s| s.0 as i64).collect();
+        let buf = upload_i64s_sync(backend, &raw)?;
         self.run(backend, &buf, slots.len(), launch)?;
         backend.synchronize()
     }

@@ -12,6 +12,7 @@
 
 use crate::error::{Error, Result};
 use crate::geometry::PAGE_SIZE;
+use crate::index::LogicalPage;
 use crate::shard::Placement;
 
 /// Where the pages of a request sit in their chain.
@@ -47,7 +48,7 @@ pub struct Allocation {
     pub first_position: usize,
     /// Logical pages in chain-position order: `pages[i]` sits at position `first_position + i`
     /// and is owned by `(start_owner + first_position + i) % N`.
-    pub pages: Vec<u64>,
+    pub pages: Vec<LogicalPage>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,7 +67,7 @@ pub struct ShardAllocator {
     placement: Placement,
     pages_per_rank: u64,
     /// Free logical pages of each owner class; the next page handed out is the last.
-    free: Vec<Vec<u64>>,
+    free: Vec<Vec<LogicalPage>>,
     /// Indexed by logical page.
     state: Vec<PageState>,
 }
@@ -129,7 +130,7 @@ impl ShardAllocator {
             stack.extend(
                 (1..pages_per_rank)
                     .rev()
-                    .map(|local| placement.logical_page(class, local)),
+                    .map(|local| LogicalPage(local * shard + u64::from(class))),
             );
             free.push(stack);
         }
@@ -211,7 +212,7 @@ impl ShardAllocator {
     /// copy of each page lands on the rank that holds the original. The given pages may belong
     /// to another pool of the same placement (host copies of device pages), so only their class
     /// matters; reserved padding pages have nothing to copy and are refused. All or nothing.
-    pub fn alloc_matching(&mut self, pages: &[u64]) -> Result<Vec<u64>> {
+    pub fn alloc_matching(&mut self, pages: &[LogicalPage]) -> Result<Vec<LogicalPage>> {
         let mut by_class = vec![Vec::new(); self.free.len()];
         for (i, &page) in pages.iter().enumerate() {
             if self.placement.is_reserved(page) {
@@ -221,7 +222,7 @@ impl ShardAllocator {
         }
         let taken: Vec<usize> = by_class.iter().map(Vec::len).collect();
         self.check_supply(&taken)?;
-        let mut out = vec![0; pages.len()];
+        let mut out = vec![LogicalPage(0); pages.len()];
         for (stack, positions) in self.free.iter_mut().zip(&by_class) {
             let at = stack.len().saturating_sub(positions.len());
             for (&i, page) in positions.iter().zip(stack.drain(at..).rev()) {
@@ -234,13 +235,13 @@ impl ShardAllocator {
 
     /// Returns every page of `pages` to its owner class, or none of them: a page out of range,
     /// reserved, never handed out, already free, or given twice fails the whole call.
-    pub fn free(&mut self, pages: &[u64]) -> Result<()> {
+    pub fn free(&mut self, pages: &[LogicalPage]) -> Result<()> {
         // Marking pages freed as we go catches duplicates within the call; on error the marks
         // made so far are undone, and they all belonged to distinct pages that were allocated.
         for (i, &page) in pages.iter().enumerate() {
             if let Err(e) = self.mark_freed(page) {
                 for &done in &pages[..i] {
-                    self.state[done as usize] = PageState::Allocated;
+                    self.state[done.0 as usize] = PageState::Allocated;
                 }
                 return Err(e);
             }
@@ -253,39 +254,39 @@ impl ShardAllocator {
     }
 
     /// Whether logical page `page` is currently handed out.
-    pub fn is_allocated(&self, page: u64) -> bool {
-        usize::try_from(page)
+    pub fn is_allocated(&self, page: LogicalPage) -> bool {
+        usize::try_from(page.0)
             .ok()
             .and_then(|p| self.state.get(p))
             .is_some_and(|&s| s == PageState::Allocated)
     }
 
-    fn mark_freed(&mut self, page: u64) -> Result<()> {
+    fn mark_freed(&mut self, page: LogicalPage) -> Result<()> {
         let limit = self.state.len() as u64;
-        if page >= limit {
+        if page.0 >= limit {
             return Err(Error::OutOfRange {
                 what: "logical page",
-                index: i64::try_from(page).unwrap_or(i64::MAX),
+                index: i64::try_from(page.0).unwrap_or(i64::MAX),
                 limit,
             });
         }
         if self.placement.is_reserved(page) {
             return Err(self.reserved(page));
         }
-        let state = &mut self.state[page as usize];
+        let state = &mut self.state[page.0 as usize];
         match *state {
             PageState::Allocated => {
                 *state = PageState::Freed;
                 Ok(())
             }
-            PageState::Freed => Err(Error::DoubleFree { page }),
-            PageState::NeverAllocated => Err(Error::NeverAllocated { page }),
+            PageState::Freed => Err(Error::DoubleFree { page: page.0 }),
+            PageState::NeverAllocated => Err(Error::NeverAllocated { page: page.0 }),
         }
     }
 
-    fn reserved(&self, page: u64) -> Error {
+    fn reserved(&self, page: LogicalPage) -> Error {
         Error::ReservedPage {
-            page,
+            page: page.0,
             shard: self.placement.shard(),
         }
     }
@@ -363,7 +364,7 @@ impl ShardAllocator {
     /// passed for the whole operation, so every class holds at least the share taken from it.
     fn commit(&mut self, request: &AllocRequest, plan: Plan) -> Allocation {
         let shard = self.free.len();
-        let mut pages = vec![0; request.pages];
+        let mut pages = vec![LogicalPage(0); request.pages];
         for (class, stack) in self.free.iter_mut().enumerate() {
             let share = class_share(class as u32, plan.start, request.pages, shard as u32);
             // Positions of this class: every N-th one from its first along the chain.
@@ -386,9 +387,9 @@ impl ShardAllocator {
         }
     }
 
-    fn mark_allocated(&mut self, pages: &[u64]) {
+    fn mark_allocated(&mut self, pages: &[LogicalPage]) {
         for &page in pages {
-            self.state[page as usize] = PageState::Allocated;
+            self.state[page.0 as usize] = PageState::Allocated;
         }
     }
 }

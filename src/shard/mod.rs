@@ -1,5 +1,6 @@
-//! Page-interleaved sharding (DOMAIN.md section 3): ownership math, the rotated owner allocator
-//! and owner-local index resolution.
+//! Page-interleaved sharding (docs/design.md, "Ownership"): ownership math, the rotated owner
+//! allocator and the owner-local resolution reference. Pure CPU math: nothing here touches a
+//! backend.
 
 mod allocator;
 mod placement;
@@ -7,6 +8,4 @@ mod resolve;
 
 pub use allocator::{AllocRequest, Allocation, ChainStart, ShardAllocator};
 pub use placement::Placement;
-pub use resolve::{
-    resolve_owned, scratch_rows, scratch_rows_device, ResolveMode, Resolved, Resolver,
-};
+pub use resolve::{resolve_owned, scratch_rows, ResolveMode, Resolved};

@@ -15,20 +15,29 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::Arc;
 
-use super::exec::{DescriptorBatch, Transport};
+use super::exec::{Completion, Transport};
 use super::plan::{ChunkRange, PrefillRank, Registration, SendPlan};
 use super::ComponentBytes;
+use crate::copy::RemoteSpace;
 use crate::error::{Error, Result};
 use crate::geometry::PAGE_SIZE;
-use crate::pool::{BlockSpace, DevicePool};
+use crate::index::LogicalPage;
+use crate::pool::DevicePool;
+
+/// Most prefill ranks one request may be sent by: a bound on what a registration makes the
+/// decode side hold, far above any context-parallel group.
+pub const MAX_PREFILL_RANKS: u32 = 4096;
 
 /// Where a chunk ends: the tokens of the request prefilled so far.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ChunkEnd {
     /// A chunk with more to come: only its whole pages are sent.
     Partial(usize),
-    /// The request's final chunk: the rest of the sequence and the indexer state.
+    /// The request's final chunk: the rest of the sequence and the indexer state. A rank that
+    /// owns none of the request's pages still sends it (an empty final chunk), so the decode
+    /// side hears from every rank.
     Final(usize),
 }
 
@@ -70,6 +79,27 @@ impl ChunkStatus {
             ChunkResult::Failed { .. } => true,
         }
     }
+
+    /// The failed status an [`Error::ChunkFailed`] stands for (what the decode side must hear),
+    /// or `None` for any other error.
+    pub fn from_error(error: &Error) -> Option<ChunkStatus> {
+        match error {
+            Error::ChunkFailed {
+                request,
+                rank,
+                chunk,
+                reason,
+            } => Some(ChunkStatus {
+                request: *request,
+                rank: *rank,
+                chunk: *chunk,
+                result: ChunkResult::Failed {
+                    reason: reason.clone(),
+                },
+            }),
+            _ => None,
+        }
+    }
 }
 
 impl fmt::Display for ChunkStatus {
@@ -92,27 +122,124 @@ impl fmt::Display for ChunkStatus {
 #[derive(Debug)]
 struct Outgoing {
     registration: Registration,
+    dst: Arc<RemoteSpace>,
     next_chunk: u32,
     /// Tokens sent so far (page-aligned): where the next chunk starts.
     sent_until: usize,
 }
 
-/// The sending side of one prefill rank: plans, resolves and moves every chunk of its requests
-/// from its pool, and reports each chunk.
-#[derive(Debug)]
-pub struct Sender<'a> {
-    pool: &'a DevicePool,
+/// A chunk on its way: poll it or wait for it. Its status goes to the decode side once it has
+/// landed; a failure comes back as [`Error::ChunkFailed`], never as a status to overlook.
+#[must_use = "a chunk's status must reach the decode side once it has landed"]
+pub struct PendingChunk {
+    request: u64,
+    rank: u32,
+    chunk: u32,
+    last: bool,
+    bytes: ComponentBytes,
+    completion: Box<dyn Completion>,
+}
+
+impl fmt::Debug for PendingChunk {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PendingChunk")
+            .field("request", &self.request)
+            .field("rank", &self.rank)
+            .field("chunk", &self.chunk)
+            .field("last", &self.last)
+            .field("bytes", &self.bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PendingChunk {
+    /// Request id.
+    pub fn request(&self) -> u64 {
+        self.request
+    }
+
+    /// Index of the chunk in the request's send order.
+    pub fn chunk(&self) -> u32 {
+        self.chunk
+    }
+
+    /// Whether this is the request's final chunk.
+    pub fn is_last(&self) -> bool {
+        self.last
+    }
+
+    /// Bytes the chunk moves, per component.
+    pub fn bytes(&self) -> ComponentBytes {
+        self.bytes
+    }
+
+    fn failed(&self, e: Error) -> Error {
+        Error::ChunkFailed {
+            request: self.request,
+            rank: self.rank,
+            chunk: self.chunk,
+            reason: e.to_string(),
+        }
+    }
+
+    fn sent(&self) -> ChunkStatus {
+        ChunkStatus {
+            request: self.request,
+            rank: self.rank,
+            chunk: self.chunk,
+            result: ChunkResult::Sent {
+                bytes: self.bytes,
+                last: self.last,
+            },
+        }
+    }
+
+    /// The chunk's status once it has landed (`None` while it is still moving).
+    pub fn poll(&mut self) -> Result<Option<ChunkStatus>> {
+        match self.completion.poll() {
+            Ok(true) => Ok(Some(self.sent())),
+            Ok(false) => Ok(None),
+            Err(e) => Err(self.failed(e)),
+        }
+    }
+
+    /// Waits until the chunk has landed and returns its status.
+    pub fn wait(mut self) -> Result<ChunkStatus> {
+        match self.completion.wait() {
+            Ok(()) => Ok(self.sent()),
+            Err(e) => Err(self.failed(e)),
+        }
+    }
+}
+
+/// The sending side of one prefill rank: plans and enqueues every chunk of its requests from
+/// its pool through its transport. It holds the pool and the transport, so an engine keeps one
+/// per rank with no lifetimes attached.
+pub struct Sender {
+    pool: Arc<DevicePool>,
     source: PrefillRank,
+    transport: Box<dyn Transport>,
     requests: HashMap<u64, Outgoing>,
     sent: ComponentBytes,
 }
 
-impl<'a> Sender<'a> {
-    /// The sender of the rank `pool` belongs to.
-    pub fn new(pool: &'a DevicePool) -> Self {
+impl fmt::Debug for Sender {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Sender")
+            .field("rank", &self.source.rank)
+            .field("requests", &self.requests.len())
+            .field("sent", &self.sent)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sender {
+    /// The sender of the rank `pool` belongs to, moving chunks with `transport`.
+    pub fn new(pool: Arc<DevicePool>, transport: Box<dyn Transport>) -> Self {
         Self {
+            source: PrefillRank::of(&pool),
             pool,
-            source: PrefillRank::of(pool),
+            transport,
             requests: HashMap::new(),
             sent: ComponentBytes::default(),
         }
@@ -123,9 +250,11 @@ impl<'a> Sender<'a> {
         self.source.rank
     }
 
-    /// Starts sending a request the decode side registered. Its first chunk starts after the
-    /// decode's cached prefix.
-    pub fn open(&mut self, registration: Registration) -> Result<()> {
+    /// Starts sending a request the decode side registered, into `dst` (the memory that
+    /// registration describes, as this process reaches it). Its first chunk starts after the
+    /// decode's cached prefix. Refused, changing nothing, when the registration does not
+    /// validate or does not describe `dst`.
+    pub fn open(&mut self, registration: Registration, dst: Arc<RemoteSpace>) -> Result<()> {
         let request = registration.request;
         if self.requests.contains_key(&request) {
             return Err(Error::Transfer {
@@ -133,11 +262,25 @@ impl<'a> Sender<'a> {
                 reason: format!("already open on prefill rank {}", self.source.rank),
             });
         }
-        let sent_until = registration.prefix_pages * PAGE_SIZE;
+        registration.validate()?;
+        let described = registration.layout.geometry == *dst.geometry()
+            && registration.layout.pages == crate::copy::BlockSpace::pages(dst.as_ref());
+        if !described {
+            return Err(Error::Transfer {
+                request,
+                reason: format!(
+                    "the registration describes a decode pool of {} pages; the destination holds {}, or another geometry",
+                    registration.layout.pages,
+                    crate::copy::BlockSpace::pages(dst.as_ref())
+                ),
+            });
+        }
+        let sent_until = registration.prefix_tokens()?;
         self.requests.insert(
             request,
             Outgoing {
                 registration,
+                dst,
                 next_chunk: 0,
                 sent_until,
             },
@@ -145,21 +288,21 @@ impl<'a> Sender<'a> {
         Ok(())
     }
 
-    /// Sends the next chunk of `request` through `transport` into `dst` (the decode pool, or
-    /// the description of its registered memory), and waits for it to land. `src_pages` is the
-    /// request's logical page of every sequence position prefilled so far.
+    /// Enqueues the next chunk of `request` and returns it pending: nothing waits. `src_pages`
+    /// is the request's logical page of every sequence position prefilled so far.
     ///
-    /// Returns the chunk's status, to be delivered to the decode side. A chunk that fails
-    /// (validation, transport) yields a failed status and closes the request on this rank;
-    /// an `Err` means no chunk was sent: the request is not open here.
+    /// A chunk that cannot be planned or enqueued fails the request on this rank (it is
+    /// closed here) and comes back as [`Error::ChunkFailed`]; a failure while the chunk moves
+    /// comes back the same way from [`PendingChunk::poll`] / [`PendingChunk::wait`], and the
+    /// engine then [`Sender::abort`]s the request. Either way, deliver
+    /// [`ChunkStatus::from_error`] to the decode side. A request that is not open is an
+    /// [`Error::Transfer`].
     pub fn send(
         &mut self,
-        transport: &mut dyn Transport,
-        dst: &dyn BlockSpace,
         request: u64,
-        src_pages: &[u64],
+        src_pages: &[LogicalPage],
         end: ChunkEnd,
-    ) -> Result<ChunkStatus> {
+    ) -> Result<PendingChunk> {
         let rank = self.source.rank;
         let Some(out) = self.requests.get_mut(&request) else {
             return Err(Error::Transfer {
@@ -179,40 +322,44 @@ impl<'a> Sender<'a> {
             end,
             last,
         };
-        let moved = move_chunk(
-            self.pool,
-            &self.source,
-            transport,
-            dst,
-            &out.registration,
-            src_pages,
-            chunk,
-        );
-        let result = match moved {
-            Ok((bytes, sent_pages)) => {
+        let submitted = SendPlan::new(&self.source, src_pages, &out.registration, chunk)
+            .and_then(|plan| {
+                let completion = self.transport.submit(&plan, &self.pool, &out.dst)?;
+                Ok((plan, completion))
+            });
+        match submitted {
+            Ok((plan, completion)) => {
+                let bytes = plan.bytes();
                 self.sent += bytes;
                 out.next_chunk += 1;
-                out.sent_until = sent_pages * PAGE_SIZE;
-                ChunkResult::Sent { bytes, last }
+                out.sent_until = plan.kv().positions().end * PAGE_SIZE;
+                if last {
+                    self.requests.remove(&request);
+                }
+                Ok(PendingChunk {
+                    request,
+                    rank,
+                    chunk: chunk.index,
+                    last,
+                    bytes,
+                    completion,
+                })
             }
-            Err(e) => ChunkResult::Failed {
-                reason: e.to_string(),
-            },
-        };
-        let status = ChunkStatus {
-            request,
-            rank,
-            chunk: chunk.index,
-            result,
-        };
-        if status.is_terminal() {
-            self.requests.remove(&request);
+            Err(e) => {
+                self.requests.remove(&request);
+                Err(Error::ChunkFailed {
+                    request,
+                    rank,
+                    chunk: chunk.index,
+                    reason: e.to_string(),
+                })
+            }
         }
-        Ok(status)
     }
 
-    /// Gives up on `request` on this rank (the decode side failed it, or the prefill was
-    /// cancelled): the returned failed status is the rank's last for the request.
+    /// Gives up on `request` on this rank (the decode side failed it, a chunk failed while
+    /// moving, or the prefill was cancelled): the returned failed status is the rank's last
+    /// for the request.
     pub fn abort(&mut self, request: u64, reason: &str) -> Result<ChunkStatus> {
         let Some(out) = self.requests.remove(&request) else {
             return Err(Error::Transfer {
@@ -238,31 +385,10 @@ impl<'a> Sender<'a> {
         self.requests.len()
     }
 
-    /// Physical bytes this rank has moved, per component, over all requests.
+    /// Physical bytes this rank has enqueued, per component, over all requests.
     pub fn bytes_sent(&self) -> ComponentBytes {
         self.sent
     }
-}
-
-/// Plans, resolves and moves one chunk; returns its bytes and the pages sent so far.
-fn move_chunk(
-    pool: &DevicePool,
-    source: &PrefillRank,
-    transport: &mut dyn Transport,
-    dst: &dyn BlockSpace,
-    registration: &Registration,
-    src_pages: &[u64],
-    chunk: ChunkRange,
-) -> Result<(ComponentBytes, usize)> {
-    let plan = SendPlan::new(source, src_pages, registration, chunk)?;
-    let batch = DescriptorBatch::resolve(&plan, pool, dst)?;
-    let submitted = transport.submit(&batch);
-    // Even after a failed submission, whatever was enqueued must land before the status goes
-    // out: the decode side frees the pages once every rank has reported its last status.
-    let landed = transport.wait();
-    submitted?;
-    landed?;
-    Ok((batch.bytes(), plan.kv.positions.end))
 }
 
 /// A rank's failure of a request.
@@ -355,15 +481,19 @@ impl Receiver {
         Self::default()
     }
 
-    /// Starts tracking a request sent by `prefill_ranks` ranks (the prefill group's N).
+    /// Starts tracking a request sent by `prefill_ranks` ranks (the prefill group's N, at most
+    /// [`MAX_PREFILL_RANKS`]). The registration is validated first.
     pub fn register(&mut self, registration: Registration, prefill_ranks: u32) -> Result<()> {
         let request = registration.request;
-        if prefill_ranks == 0 {
+        if prefill_ranks == 0 || prefill_ranks > MAX_PREFILL_RANKS {
             return Err(Error::Transfer {
                 request,
-                reason: "a request needs at least one prefill rank".into(),
+                reason: format!(
+                    "{prefill_ranks} prefill ranks (a request needs 1 to {MAX_PREFILL_RANKS})"
+                ),
             });
         }
+        registration.validate()?;
         if self.requests.contains_key(&request) {
             return Err(Error::Transfer {
                 request,

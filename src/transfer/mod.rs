@@ -1,23 +1,24 @@
-//! P/D transfer (DOMAIN.md section 5): the KV cache of a request moves from the N sharded
+//! P/D transfer (docs/design.md, "P/D"): the KV cache of a request moves from the N sharded
 //! prefill ranks of a context-parallel group to one unsharded decode pool.
 //!
 //! ```text
 //! decode                       every prefill rank r (of N)
 //! ──────                       ───────────────────────────
-//! Registration ──(wire)──────> Sender::open
-//!                              per chunk: SendPlan      (plain data, CPU, no backend)
-//!                                         DescriptorBatch (absolute src/dst/bytes triples)
-//!                                         Transport::submit + wait (GPU kernel, copy engine,
-//!                                                                   CPU reference, NIXL, ...)
+//! Registration ──(wire)──────> Sender::open(registration, RemoteSpace)
+//!                              per chunk: SendPlan (plain data, CPU, no backend)
+//!                                         Transport::submit -> Completion (kernel, copy
+//!                                         engine, CPU reference, peer map, NIXL, ...)
+//!                              PendingChunk::poll / wait -> ChunkStatus, or Err(ChunkFailed)
 //! Receiver::receive <─(wire)── ChunkStatus (bytes per component, or the failure)
 //! Finished: after one final status from each of the N ranks
 //! ```
 //!
 //! - [`plan`]: pairs source and destination pages by logical page position, keeps this rank's
-//!   positions, resolves owner-local source pages, coalesces runs and lists the layers they
-//!   apply to; validates both sides' geometry and every page before any byte moves.
-//! - [`exec`]: resolves a plan against the two pools' layer bases into a [`DescriptorBatch`]
-//!   and executes it through a [`Transport`].
+//!   positions, resolves owner-local source pages, coalesces runs (the copy layer's
+//!   [`OwnedRuns`](crate::copy::OwnedRuns)) and lists the layers they apply to; validates both
+//!   sides' geometry and every page before any byte moves.
+//! - [`exec`]: the [`Transport`] trait and the in-process [`BackendTransport`]; the
+//!   [`DescriptorBatch`] of absolute ranges network engines take.
 //! - [`completion`]: the per-rank [`Sender`] and the decode-side [`Receiver`] that completes a
 //!   request only once every rank has reported its final chunk, and fails it on any failure.
 
@@ -29,14 +30,16 @@ use std::fmt;
 use std::ops::AddAssign;
 
 pub use completion::{
-    ChunkEnd, ChunkResult, ChunkStatus, Finished, Outcome, Progress, RankFailure, Receiver, Sender,
+    ChunkEnd, ChunkResult, ChunkStatus, Finished, Outcome, PendingChunk, Progress, RankFailure,
+    Receiver, Sender, MAX_PREFILL_RANKS,
 };
 pub use exec::{
-    kernel_pieces, BackendTransport, CopyMethod, DescriptorBatch, Transport, KERNEL_PIECE_BYTES,
+    block_copies, kernel_pieces, BackendTransport, Completion, CopyMethod, DescriptorBatch,
+    Transport, KERNEL_PIECE_BYTES,
 };
 pub use plan::{
-    ChunkRange, Descriptor, PageRun, PoolLayout, PrefillRank, Registration, Section,
-    SectionComponent, SendPlan,
+    ChunkRange, Descriptor, PoolLayout, PrefillRank, Registration, Section, SectionComponent,
+    SendPlan,
 };
 
 use crate::geometry::Component;
@@ -64,21 +67,22 @@ impl ComponentBytes {
         self.bytes[slot(component)]
     }
 
-    /// Counts `bytes` more of `component`.
+    /// Counts `bytes` more of `component` (saturating: a byte counter never wraps).
     pub fn add(&mut self, component: Component, bytes: u64) {
-        self.bytes[slot(component)] += bytes;
+        let slot = &mut self.bytes[slot(component)];
+        *slot = slot.saturating_add(bytes);
     }
 
-    /// Bytes of every component together.
+    /// Bytes of every component together (saturating).
     pub fn total(&self) -> u64 {
-        self.bytes.iter().sum()
+        self.bytes.iter().fold(0u64, |a, &b| a.saturating_add(b))
     }
 }
 
 impl AddAssign for ComponentBytes {
     fn add_assign(&mut self, other: Self) {
         for (a, b) in self.bytes.iter_mut().zip(other.bytes) {
-            *a += b;
+            *a = a.saturating_add(b);
         }
     }
 }

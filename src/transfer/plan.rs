@@ -25,9 +25,12 @@ use std::fmt;
 use std::ops::Range;
 
 use super::ComponentBytes;
-use crate::error::{Error, Result};
+use crate::copy::program::check_distinct;
+use crate::copy::{BlockSpace, OwnedRuns, Run};
+use crate::error::{Checked, Error, Result};
 use crate::geometry::{CacheGeometry, Component, PAGE_SIZE};
-use crate::pool::{BlockSpace, DevicePool};
+use crate::index::{LocalPage, LogicalPage};
+use crate::pool::DevicePool;
 use crate::shard::Placement;
 
 /// How one side of a transfer stores its pages, as it registers them with the other side (the
@@ -62,14 +65,7 @@ impl PoolLayout {
 
     /// The layout of `pool`.
     pub fn of(pool: &DevicePool) -> Self {
-        let page_strides = (0..pool.components().len())
-            .map(|c| pool.block_side(c).page_stride)
-            .collect();
-        Self {
-            geometry: pool.geometry().clone(),
-            pages: pool.pages(),
-            page_strides,
-        }
+        Self::packed(pool.geometry().clone(), pool.pages())
     }
 }
 
@@ -106,11 +102,61 @@ pub struct Registration {
     /// Leading pages of the sequence the decode already holds (its cached prefix): they are
     /// never sent, and chunks start after them.
     pub prefix_pages: usize,
-    /// Destination page of each sequence position from `prefix_pages` on.
-    pub pages: Vec<u64>,
-    /// Destination page of the indexer state of each sequence position from 0 on (the state
-    /// goes with the final chunk, for the whole sequence).
-    pub state_pages: Vec<u64>,
+    /// Destination page of each sequence position from `prefix_pages` on (all distinct).
+    pub pages: Vec<LocalPage>,
+    /// Destination page of the indexer state of each sequence position from 0 on (all
+    /// distinct; the state goes with the final chunk, for the whole sequence).
+    pub state_pages: Vec<LocalPage>,
+}
+
+impl Registration {
+    /// Checks what a registration can be checked for alone: destination pages in the decode
+    /// pool, not its padding page 0, and each list free of repeats (two positions landing on
+    /// one page would lose one of them while the status says sent). Senders and receivers both
+    /// call it before accepting a registration.
+    pub fn validate(&self) -> Result<()> {
+        let request = self.request;
+        let transfer = |e: Error| Error::Transfer {
+            request,
+            reason: e.to_string(),
+        };
+        for (what, pages) in [
+            ("destination page", &self.pages),
+            ("destination state page", &self.state_pages),
+        ] {
+            check_distinct(pages.iter().map(|p| p.0), what).map_err(transfer)?;
+            if let Some((position, page)) = pages
+                .iter()
+                .enumerate()
+                .find(|(_, p)| p.0 == 0 || p.0 >= self.layout.pages)
+            {
+                let reason = if page.0 == 0 {
+                    format!("{what} 0 at position {position} is the decode pool's padding page")
+                } else {
+                    format!(
+                        "{what} {} at position {position} out of range (the decode pool holds {} pages)",
+                        page.0, self.layout.pages
+                    )
+                };
+                return Err(Error::Transfer { request, reason });
+            }
+        }
+        self.prefix_pages
+            .add_or(self.pages.len(), || {
+                format!("registered pages of request {request}")
+            })
+            .and_then(|p| {
+                p.mul_or(PAGE_SIZE, || format!("registered tokens of request {request}"))
+            })?;
+        Ok(())
+    }
+
+    /// Tokens of the decode's cached prefix.
+    pub fn prefix_tokens(&self) -> Result<usize> {
+        self.prefix_pages.mul_or(PAGE_SIZE, || {
+            format!("tokens of a {}-page prefix", self.prefix_pages)
+        })
+    }
 }
 
 /// One chunk of a request: tokens `[start, end)`, numbered in send order.
@@ -125,17 +171,6 @@ pub struct ChunkRange {
     pub end: usize,
     /// Whether this is the request's final chunk.
     pub last: bool,
-}
-
-/// `pages` consecutive pages moving from local source page `src` to destination page `dst`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PageRun {
-    /// First local page on the source (prefill) rank.
-    pub src: u64,
-    /// First page of the destination (decode) pool.
-    pub dst: u64,
-    /// Pages in the run (at least one).
-    pub pages: u64,
 }
 
 /// One component a section moves, with the layers its runs apply to.
@@ -153,17 +188,38 @@ pub struct SectionComponent {
 /// whole sequence. Its runs apply to every layer of every component it lists.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Section {
-    /// Page positions of the sequence the section covers (all ranks' positions).
-    pub positions: Range<usize>,
-    /// Components moved, in send order.
-    pub components: Vec<SectionComponent>,
-    /// Coalesced runs of this rank's pages, in position order.
-    pub runs: Vec<PageRun>,
-    /// Positions of the section this rank owns (the pages its runs add up to).
-    pub owned_pages: usize,
+    positions: Range<usize>,
+    components: Vec<SectionComponent>,
+    owned: OwnedRuns,
 }
 
 impl Section {
+    /// Page positions of the sequence the section covers (all ranks' positions).
+    pub fn positions(&self) -> Range<usize> {
+        self.positions.clone()
+    }
+
+    /// Components moved, in send order.
+    pub fn components(&self) -> &[SectionComponent] {
+        &self.components
+    }
+
+    /// This rank's pages of the section: (local source page, destination page) pairs, in
+    /// position order, and their coalesced runs.
+    pub fn owned(&self) -> &OwnedRuns {
+        &self.owned
+    }
+
+    /// Coalesced runs of this rank's pages, in position order.
+    pub fn runs(&self) -> &[Run] {
+        self.owned.runs()
+    }
+
+    /// Positions of the section this rank owns.
+    pub fn owned_pages(&self) -> usize {
+        self.owned.len()
+    }
+
     /// Layers of all components of the section.
     pub fn layers(&self) -> usize {
         self.components.iter().map(|c| c.layers).sum()
@@ -171,12 +227,12 @@ impl Section {
 
     /// Descriptors the section expands to: one per run and layer.
     pub fn descriptor_count(&self) -> usize {
-        self.runs.len() * self.layers()
+        self.runs().len() * self.layers()
     }
 
     /// Descriptors without coalescing: one per owned page and layer.
     pub fn uncoalesced_count(&self) -> usize {
-        self.owned_pages * self.layers()
+        self.owned_pages() * self.layers()
     }
 
     /// Bytes the section moves, per component.
@@ -185,10 +241,15 @@ impl Section {
         for c in &self.components {
             out.add(
                 c.component,
-                self.owned_pages as u64 * c.layers as u64 * c.item,
+                self.owned_pages() as u64 * c.layers as u64 * c.item,
             );
         }
         out
+    }
+
+    /// Whether this rank moves nothing in the section.
+    pub fn is_empty(&self) -> bool {
+        self.owned.is_empty() || self.components.is_empty()
     }
 }
 
@@ -198,7 +259,7 @@ impl Section {
 pub struct Descriptor {
     /// Component of both buffers.
     pub component: Component,
-    /// Stored layer of the component (an index into its `model_layers`).
+    /// Stored layer of the component.
     pub layer: usize,
     /// Offset from the source layer's base.
     pub src_offset: u64,
@@ -208,21 +269,16 @@ pub struct Descriptor {
     pub bytes: u64,
 }
 
-/// Everything one prefill rank sends for one chunk of one request.
+/// Everything one prefill rank sends for one chunk of one request: plain data, immutable once
+/// built (every page was checked when it was).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SendPlan {
-    /// Request id.
-    pub request: u64,
-    /// Sharding of the prefill group.
-    pub placement: Placement,
-    /// The sending rank.
-    pub rank: u32,
-    /// The chunk as asked for.
-    pub chunk: ChunkRange,
-    /// Latent KV of the chunk's whole pages (all of them with the final chunk).
-    pub kv: Section,
-    /// Indexer state of the whole sequence: final chunk only, empty otherwise.
-    pub state: Section,
+    request: u64,
+    placement: Placement,
+    rank: u32,
+    chunk: ChunkRange,
+    kv: Section,
+    state: Section,
 }
 
 /// Checks both sides store the same cache the same packed way, naming the request.
@@ -273,74 +329,30 @@ fn check_layouts(request: u64, src: &PoolLayout, dst: &PoolLayout) -> Result<()>
     Ok(())
 }
 
-/// What pairing needs to know of both sides.
-struct Pairing {
-    request: u64,
-    shard: u64,
-    rank: u64,
-    /// Logical pages of the prefill group (N x local pages).
-    src_logical: u64,
-    dst_pages: u64,
-}
-
-impl Pairing {
-    /// Pairs `src[i]` with `dst[i]`, the pages of position `section.positions.start + i` on
-    /// each side, keeps this rank's positions, resolves their local pages and coalesces runs.
-    fn pair(&self, src: &[u64], dst: &[u64], section: &mut Section) -> Result<()> {
-        let first = section.positions.start;
-        // Owned positions are N apart, so at most this many runs.
-        section
-            .runs
-            .reserve(src.len().div_ceil(self.shard as usize));
-        for (i, (&s, &d)) in src.iter().zip(dst).enumerate() {
-            if s < self.shard || s >= self.src_logical || d == 0 || d >= self.dst_pages {
-                return Err(self.bad_page(first + i, s, d));
-            }
-            if s % self.shard != self.rank {
-                continue;
-            }
-            let local = s / self.shard;
-            section.owned_pages += 1;
-            match section.runs.last_mut() {
-                Some(run) if run.src + run.pages == local && run.dst + run.pages == d => {
-                    run.pages += 1;
-                }
-                _ => section.runs.push(PageRun {
-                    src: local,
-                    dst: d,
-                    pages: 1,
-                }),
-            }
-        }
-        Ok(())
-    }
-
-    /// The error for the first bad page of position `position` (kept off the hot loop).
-    #[cold]
-    fn bad_page(&self, position: usize, src: u64, dst: u64) -> Error {
-        let reason = if src < self.shard {
-            format!(
-                "source page {src} at position {position} is reserved (logical pages 0..{} are padding)",
-                self.shard
-            )
-        } else if src >= self.src_logical {
-            format!(
-                "source page {src} at position {position} out of range (the prefill group holds {} logical pages)",
-                self.src_logical
-            )
-        } else if dst == 0 {
-            format!("destination page 0 at position {position} is the decode pool's padding page")
-        } else {
-            format!(
-                "destination page {dst} at position {position} out of range (the decode pool holds {} pages)",
-                self.dst_pages
-            )
-        };
-        Error::Transfer {
-            request: self.request,
-            reason,
-        }
-    }
+/// Checks every source page of a section (owned or not, so all ranks refuse the same chunk):
+/// in the prefill group's logical range and not reserved.
+fn check_sources(request: u64, placement: Placement, src_logical: u64, first: usize, src: &[LogicalPage]) -> Result<()> {
+    let bad = src
+        .iter()
+        .enumerate()
+        .find(|(_, s)| placement.is_reserved(**s) || s.0 >= src_logical);
+    let Some((i, s)) = bad else {
+        return Ok(());
+    };
+    let position = first + i;
+    let reason = if placement.is_reserved(*s) {
+        format!(
+            "source page {} at position {position} is reserved (logical pages 0..{} are padding)",
+            s.0,
+            placement.shard()
+        )
+    } else {
+        format!(
+            "source page {} at position {position} out of range (the prefill group holds {src_logical} logical pages)",
+            s.0
+        )
+    };
+    Err(Error::Transfer { request, reason })
 }
 
 impl SendPlan {
@@ -348,7 +360,7 @@ impl SendPlan {
     /// request's logical page of every sequence position so far (its `req_to_token`, by page).
     pub fn new(
         source: &PrefillRank,
-        src_pages: &[u64],
+        src_pages: &[LogicalPage],
         registration: &Registration,
         chunk: ChunkRange,
     ) -> Result<Self> {
@@ -360,6 +372,7 @@ impl SendPlan {
             return fail(format!("prefill rank {rank} of a shard group of {shard}"));
         }
         check_layouts(request, &source.layout, &registration.layout)?;
+        registration.validate()?;
 
         let index = chunk.index;
         if chunk.start % PAGE_SIZE != 0 {
@@ -383,6 +396,7 @@ impl SendPlan {
             chunk.end / PAGE_SIZE
         }
         .max(start_page);
+        // Fits: validate() checked the registered pages (in tokens) fit a usize.
         let registered = prefix + registration.pages.len();
         if chunk.last && seq_pages != registered {
             return fail(format!(
@@ -434,19 +448,7 @@ impl SendPlan {
                 src_pages.len()
             ));
         }
-
-        let pairing = Pairing {
-            request,
-            shard: u64::from(shard),
-            rank: u64::from(rank),
-            src_logical: placement.logical_pages(source.layout.pages),
-            dst_pages: registration.layout.pages,
-        };
-        let mut kv = Section {
-            positions: start_page..end_page,
-            components: section(false),
-            ..Section::default()
-        };
+        let src_logical = placement.logical_pages(source.layout.pages)?;
         // In bounds: the page table holds `needed` pages and the decode registered
         // `registered - prefix` pages after its prefix and `state_pages` state pages.
         let (kv_src, kv_dst) = if end_page > start_page {
@@ -457,17 +459,25 @@ impl SendPlan {
         } else {
             (&[][..], &[][..])
         };
-        pairing.pair(kv_src, kv_dst, &mut kv)?;
-        let mut state = Section {
+        check_sources(request, placement, src_logical, start_page, kv_src)?;
+        let state_src = &src_pages[..state_pages];
+        check_sources(request, placement, src_logical, 0, state_src)?;
+        let kv = Section {
+            positions: start_page..end_page,
+            components: section(false),
+            owned: OwnedRuns::new(placement, rank, kv_src, kv_dst, |d| d),
+        };
+        let state = Section {
             positions: 0..state_pages,
             components: state_components,
-            ..Section::default()
+            owned: OwnedRuns::new(
+                placement,
+                rank,
+                state_src,
+                &registration.state_pages[..state_pages],
+                |d| d,
+            ),
         };
-        pairing.pair(
-            &src_pages[..state_pages],
-            &registration.state_pages[..state_pages],
-            &mut state,
-        )?;
         Ok(Self {
             request,
             placement,
@@ -476,6 +486,36 @@ impl SendPlan {
             kv,
             state,
         })
+    }
+
+    /// Request id.
+    pub fn request(&self) -> u64 {
+        self.request
+    }
+
+    /// Sharding of the prefill group.
+    pub fn placement(&self) -> Placement {
+        self.placement
+    }
+
+    /// The sending rank.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// The chunk as asked for.
+    pub fn chunk(&self) -> ChunkRange {
+        self.chunk
+    }
+
+    /// Latent KV of the chunk's whole pages (all of them with the final chunk).
+    pub fn kv(&self) -> &Section {
+        &self.kv
+    }
+
+    /// Indexer state of the whole sequence: final chunk only, empty otherwise.
+    pub fn state(&self) -> &Section {
+        &self.state
     }
 
     /// The sections in send order: latent KV, then indexer state.
@@ -488,11 +528,11 @@ impl SendPlan {
         self.sections().into_iter().flat_map(|section| {
             section.components.iter().flat_map(move |&c| {
                 (0..c.layers).flat_map(move |layer| {
-                    section.runs.iter().map(move |run| Descriptor {
+                    section.runs().iter().map(move |run| Descriptor {
                         component: c.component,
                         layer,
-                        src_offset: run.src * c.item,
-                        dst_offset: run.dst * c.item,
+                        src_offset: run.src.0 * c.item,
+                        dst_offset: run.dst.0 * c.item,
                         bytes: run.pages * c.item,
                     })
                 })
@@ -521,6 +561,56 @@ impl SendPlan {
     pub fn is_empty(&self) -> bool {
         self.descriptor_count() == 0
     }
+
+    /// Checks `src` (this rank's pool) and `dst` (the decode side) hold what this plan moves:
+    /// the components and layers of every section, packed, with at least the pages its runs
+    /// address. A plan is checked against the layouts it was built from; this ties it to the
+    /// actual spaces before any byte moves.
+    pub fn check_spaces(&self, src: &dyn BlockSpace, dst: &dyn BlockSpace) -> Result<()> {
+        let fail = |reason: String| {
+            Err(Error::Transfer {
+                request: self.request,
+                reason,
+            })
+        };
+        for section in self.sections() {
+            let Some((src_end, dst_end)) = section.owned.page_ends() else {
+                continue;
+            };
+            for c in &section.components {
+                for (side, space, end) in [("source", src, src_end), ("destination", dst, dst_end)]
+                {
+                    let Some(layout) = space.components().iter().find(|l| l.component == c.component)
+                    else {
+                        return fail(format!("the {side} holds no {}", c.component));
+                    };
+                    if layout.layers() != c.layers {
+                        return fail(format!(
+                            "the {side} holds {} {} layers, the plan moves {}",
+                            layout.layers(),
+                            c.component,
+                            c.layers
+                        ));
+                    }
+                    if layout.block_bytes as u64 != c.item {
+                        return fail(format!(
+                            "the {side} stores {} B {} blocks, the plan moves {} B blocks",
+                            layout.block_bytes, c.component, c.item
+                        ));
+                    }
+                    if space.pages() < end {
+                        return fail(format!(
+                            "the plan moves {} pages up to page {}, the {side} holds {} pages per layer",
+                            c.component,
+                            end - 1,
+                            space.pages()
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 impl fmt::Display for SendPlan {
@@ -546,8 +636,8 @@ impl fmt::Display for SendPlan {
                 "; {name} pages {}..{}: {} owned in {} runs x {} layers",
                 s.positions.start,
                 s.positions.end,
-                s.owned_pages,
-                s.runs.len(),
+                s.owned_pages(),
+                s.runs().len(),
                 s.layers()
             )?;
         }
@@ -589,9 +679,13 @@ mod tests {
             request: 7,
             layout: PoolLayout::packed(geometry(), 1000),
             prefix_pages: prefix,
-            pages,
-            state_pages,
+            pages: pages.into_iter().map(LocalPage).collect(),
+            state_pages: state_pages.into_iter().map(LocalPage).collect(),
         }
+    }
+
+    fn lp(pages: &[u64]) -> Vec<LogicalPage> {
+        pages.iter().map(|&p| LogicalPage(p)).collect()
     }
 
     fn chunk(index: u32, start: usize, end: usize, last: bool) -> ChunkRange {
@@ -603,8 +697,12 @@ mod tests {
         }
     }
 
-    fn run(src: u64, dst: u64, pages: u64) -> PageRun {
-        PageRun { src, dst, pages }
+    fn run(src: u64, dst: u64, pages: u64) -> Run {
+        Run {
+            src: LocalPage(src),
+            dst: LocalPage(dst),
+            pages,
+        }
     }
 
     #[test]
@@ -614,23 +712,21 @@ mod tests {
         let dst = vec![100, 101, 102, 103, 104, 105];
         // Owned: positions 0,1,2 (local 5,6,7 -> dst 100,101,102: one run), 4,5 (local 8,9 ->
         // dst 104,105: one run, because the local pages continue but the destination jumps).
-        let plan = SendPlan::new(
-            &source(2, 1),
-            &src,
+        let plan = SendPlan::new(&source(2, 1), &lp(&src),
             &registration(0, dst.clone(), dst),
             chunk(0, 0, 6 * 64, true),
         )
         .unwrap();
-        assert_eq!(plan.kv.positions, 0..6);
-        assert_eq!(plan.kv.runs, vec![run(5, 100, 3), run(8, 104, 2)]);
-        assert_eq!(plan.kv.owned_pages, 5);
+        assert_eq!(plan.kv().positions(), 0..6);
+        assert_eq!(plan.kv().runs(), [run(5, 100, 3), run(8, 104, 2)]);
+        assert_eq!(plan.kv().owned_pages(), 5);
         // The state covers the same positions from 0 and pairs the same way.
-        assert_eq!(plan.state.runs, plan.kv.runs);
+        assert_eq!(plan.state().runs(), plan.kv().runs());
         // Latent: target (3 layers) then draft (1); state: target indexer (2 layers: layer 1
         // shares its indexer and is absent) then the draft's.
         let kv: Vec<_> = plan
-            .kv
-            .components
+            .kv()
+            .components()
             .iter()
             .map(|c| (c.component, c.layers))
             .collect();
@@ -639,8 +735,8 @@ mod tests {
             vec![(Component::TargetLatent, 3), (Component::DraftLatent, 1)]
         );
         let state: Vec<_> = plan
-            .state
-            .components
+            .state()
+            .components()
             .iter()
             .map(|c| (c.component, c.layers, c.item))
             .collect();
@@ -696,19 +792,19 @@ mod tests {
         let state: Vec<u64> = (0..10).map(|p| 48 + p).collect();
         let reg = registration(2, dst, state);
         // Tokens [128, 300): pages 2, 3 complete; page 4 (tokens 256..320) waits.
-        let plan = SendPlan::new(&source(1, 0), &src, &reg, chunk(0, 128, 300, false)).unwrap();
-        assert_eq!(plan.kv.positions, 2..4);
-        assert_eq!(plan.kv.runs, vec![run(6, 50, 2)]);
-        assert!(plan.state.components.is_empty() && plan.state.runs.is_empty());
+        let plan = SendPlan::new(&source(1, 0), &lp(&src), &reg, chunk(0, 128, 300, false)).unwrap();
+        assert_eq!(plan.kv().positions(), 2..4);
+        assert_eq!(plan.kv().runs(), [run(6, 50, 2)]);
+        assert!(plan.state().components().is_empty() && plan.state().runs().is_empty());
         // A chunk that completes no page is empty but valid.
-        let plan = SendPlan::new(&source(1, 0), &src, &reg, chunk(1, 256, 300, false)).unwrap();
-        assert!(plan.is_empty() && plan.kv.positions == (4..4));
+        let plan = SendPlan::new(&source(1, 0), &lp(&src), &reg, chunk(1, 256, 300, false)).unwrap();
+        assert!(plan.is_empty() && plan.kv().positions() == (4..4));
         // The final chunk sends the partial page and the state from position 0.
-        let plan = SendPlan::new(&source(1, 0), &src, &reg, chunk(1, 256, 600, true)).unwrap();
-        assert_eq!(plan.kv.positions, 4..10);
-        assert_eq!(plan.kv.runs, vec![run(8, 52, 6)]);
-        assert_eq!(plan.state.positions, 0..10);
-        assert_eq!(plan.state.runs, vec![run(4, 48, 10)]);
+        let plan = SendPlan::new(&source(1, 0), &lp(&src), &reg, chunk(1, 256, 600, true)).unwrap();
+        assert_eq!(plan.kv().positions(), 4..10);
+        assert_eq!(plan.kv().runs(), [run(8, 52, 6)]);
+        assert_eq!(plan.state().positions(), 0..10);
+        assert_eq!(plan.state().runs(), [run(4, 48, 10)]);
     }
 
     #[test]
@@ -717,7 +813,7 @@ mod tests {
         let src = [9, 10, 11];
         let reg = registration(0, vec![1, 2, 3], vec![1, 2, 3]);
         for rank in 0..8 {
-            let plan = SendPlan::new(&source(8, rank), &src, &reg, chunk(0, 0, 150, true)).unwrap();
+            let plan = SendPlan::new(&source(8, rank), &lp(&src), &reg, chunk(0, 0, 150, true)).unwrap();
             assert_eq!(plan.is_empty(), !(1..=3).contains(&rank), "rank {rank}");
             assert_eq!(plan.bytes().total() == 0, plan.is_empty());
         }
@@ -738,14 +834,14 @@ mod tests {
             request: 1,
             layout: PoolLayout::packed(g, 10),
             prefix_pages: 0,
-            pages: vec![3, 4],
+            pages: vec![LocalPage(3), LocalPage(4)],
             // Nothing to check the state against: there is none.
             state_pages: Vec::new(),
         };
-        let plan = SendPlan::new(&src, &[1, 2], &reg, chunk(0, 0, 128, true)).unwrap();
-        assert!(plan.state.components.is_empty());
+        let plan = SendPlan::new(&src, &lp(&[1, 2]), &reg, chunk(0, 0, 128, true)).unwrap();
+        assert!(plan.state().components().is_empty());
         assert_eq!(plan.descriptor_count(), 2);
-        assert_eq!(plan.kv.runs, vec![run(1, 3, 2)]);
+        assert_eq!(plan.kv().runs(), [run(1, 3, 2)]);
     }
 
     fn err(plan: Result<SendPlan>) -> String {
@@ -758,11 +854,11 @@ mod tests {
         let good = registration(0, vec![1, 2, 3, 4], vec![1, 2, 3, 4]);
         let last = chunk(0, 0, 256, true);
         let s = source(2, 0);
-        assert!(SendPlan::new(&s, &src, &good, last).is_ok());
+        assert!(SendPlan::new(&s, &lp(&src), &good, last).is_ok());
 
         let mut no_draft = good.clone();
         no_draft.layout = PoolLayout::packed(CacheGeometry::target_only(geometry().target), 1000);
-        let e = SendPlan::new(&s, &src, &no_draft, last).unwrap_err();
+        let e = SendPlan::new(&s, &lp(&src), &no_draft, last).unwrap_err();
         assert!(matches!(e, Error::GeometryMismatch { .. }), "{e}");
         assert!(e
             .to_string()
@@ -770,7 +866,7 @@ mod tests {
 
         let mut stride = good.clone();
         stride.layout.page_strides[1] = 8192;
-        let m = err(SendPlan::new(&s, &src, &stride, last));
+        let m = err(SendPlan::new(&s, &lp(&src), &stride, last));
         assert!(
             m.contains("request 7: packed page stride mismatch for target indexer: prefill 8448 B, decode 8192 B"),
             "{m}"
@@ -778,7 +874,7 @@ mod tests {
 
         let mut state = good.clone();
         state.state_pages.pop();
-        let m = err(SendPlan::new(&s, &src, &state, last));
+        let m = err(SendPlan::new(&s, &lp(&src), &state, last));
         assert!(
             m.contains("request 7: state page count mismatch: the prefill sends 4 state pages")
                 && m.contains("the decode registered 3"),
@@ -786,55 +882,55 @@ mod tests {
         );
 
         let mut kv = good.clone();
-        kv.pages.push(9);
-        let m = err(SendPlan::new(&s, &src, &kv, last));
+        kv.pages.push(LocalPage(9));
+        let m = err(SendPlan::new(&s, &lp(&src), &kv, last));
         assert!(
             m.contains("kv page count mismatch") && m.contains("registered 5 (0 cached + 5"),
             "{m}"
         );
 
         let mut far = good.clone();
-        far.pages[2] = 1000;
-        let m = err(SendPlan::new(&s, &src, &far, last));
+        far.pages[2] = LocalPage(1000);
+        let m = err(SendPlan::new(&s, &lp(&src), &far, last));
         assert!(
             m.contains("destination page 1000 at position 2 out of range (the decode pool holds 1000 pages)"),
             "{m}"
         );
         let mut padding = good.clone();
-        padding.state_pages[3] = 0;
-        let m = err(SendPlan::new(&s, &src, &padding, last));
-        assert!(m.contains("destination page 0 at position 3"), "{m}");
+        padding.state_pages[3] = LocalPage(0);
+        let m = err(SendPlan::new(&s, &lp(&src), &padding, last));
+        assert!(m.contains("destination state page 0 at position 3"), "{m}");
 
-        let m = err(SendPlan::new(&s, &[4, 5, 1, 7], &good, last));
+        let m = err(SendPlan::new(&s, &lp(&[4, 5, 1, 7]), &good, last));
         assert!(m.contains("source page 1 at position 2 is reserved"), "{m}");
-        let m = err(SendPlan::new(&s, &[4, 5, 200, 7], &good, last));
+        let m = err(SendPlan::new(&s, &lp(&[4, 5, 200, 7]), &good, last));
         assert!(
             m.contains("source page 200 at position 2 out of range (the prefill group holds 200 logical pages)"),
             "{m}"
         );
-        let m = err(SendPlan::new(&s, &src[..3], &good, last));
+        let m = err(SendPlan::new(&s, &lp(&src[..3]), &good, last));
         assert!(
             m.contains("page table holds 3 pages, chunk 0 needs 4"),
             "{m}"
         );
 
-        let m = err(SendPlan::new(&s, &src, &good, chunk(2, 100, 256, true)));
+        let m = err(SendPlan::new(&s, &lp(&src), &good, chunk(2, 100, 256, true)));
         assert!(
             m.contains("chunk 2 starts at token 100, not a page boundary"),
             "{m}"
         );
         let cached = registration(2, vec![3, 4], vec![1, 2, 3, 4]);
-        let m = err(SendPlan::new(&s, &src, &cached, chunk(0, 64, 256, true)));
+        let m = err(SendPlan::new(&s, &lp(&src), &cached, chunk(0, 64, 256, true)));
         assert!(
             m.contains("inside the decode's cached prefix of 2 pages"),
             "{m}"
         );
-        let m = err(SendPlan::new(&s, &src, &cached, chunk(0, 128, 1000, false)));
+        let m = err(SendPlan::new(&s, &lp(&src), &cached, chunk(0, 128, 1000, false)));
         assert!(
             m.contains("chunk 0 ends at page 15, past the 4 pages"),
             "{m}"
         );
-        let m = err(SendPlan::new(&source(2, 2), &src, &good, last));
+        let m = err(SendPlan::new(&source(2, 2), &lp(&src), &good, last));
         assert!(m.contains("prefill rank 2 of a shard group of 2"), "{m}");
     }
 }

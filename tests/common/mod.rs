@@ -7,6 +7,7 @@ use std::io::Write;
 use std::sync::{Arc, OnceLock};
 
 use kvshard::backend::cuda::CudaBackend;
+use kvshard::backend::Backend;
 use kvshard::gpu::Gpu;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -20,8 +21,18 @@ fn gpu() -> Option<Arc<Gpu>> {
 
 /// A CUDA backend on a fresh stream, or `None` (after saying the test skipped) without a GPU.
 pub fn cuda(test: &str) -> Option<CudaBackend> {
+    open_gpu(test).map(|gpu| CudaBackend::new(gpu).expect("CUDA backend"))
+}
+
+/// The same, shared: what pools, transports and controllers take.
+pub fn cuda_arc(test: &str) -> Option<Arc<dyn Backend>> {
+    cuda(test).map(|b| Arc::new(b) as Arc<dyn Backend>)
+}
+
+/// The GPU, or `None` (after saying the test skipped) without one.
+pub fn open_gpu(test: &str) -> Option<Arc<Gpu>> {
     match gpu() {
-        Some(gpu) => Some(CudaBackend::new(gpu).expect("CUDA backend")),
+        Some(gpu) => Some(gpu),
         None => {
             let why = Gpu::open(0)
                 .err()
@@ -37,6 +48,11 @@ pub fn cuda(test: &str) -> Option<CudaBackend> {
             None
         }
     }
+}
+
+/// A new stream of `gpu` as a shared backend.
+pub fn stream(gpu: &Arc<Gpu>) -> Arc<dyn Backend> {
+    Arc::new(CudaBackend::new(gpu.clone()).expect("CUDA stream"))
 }
 
 /// A seeded RNG; the seed is printed so a failure can be replayed with KVSHARD_SEED.

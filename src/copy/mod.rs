@@ -1,0 +1,34 @@
+//! The copy layer: the one place that turns "these pages of this space into those pages of that
+//! space" into kernel launches and copy-engine programs. `pool`, `transfer` and `hicache` decide
+//! what moves and when; everything that builds a kernel's copy parameters lives here.
+//!
+//! - [`space`]: [`BlockSpace`] (sealed: unsafe code trusts it), [`Staging`], [`RemoteSpace`];
+//! - [`runs`]: the owner-run primitive (pair by position, filter by owner, map to local pages,
+//!   coalesce) that P/D send plans and HiCache transfer plans share;
+//! - [`program`]: [`BlockCopyPlan`] and its prepared [`BlockCopy`], the only builder of
+//!   `kvs_copy_blocks_params` and its pair table, and [`TableStore`] for one-shot launches;
+//! - [`engine`]: copy-engine programs (contiguous runs, 2D copies over layers, batches);
+//! - [`signals`]: per-layer ready counters of signalled copies;
+//! - [`resolver`]: the device side of owner-local resolution.
+//!
+//! ```text
+//!  pool / transfer / hicache (policy: what, when, acks)
+//!        │ plans: OwnedRuns, BlockCopyPlan (pure data, checked against both spaces)
+//!        v
+//!  copy layer ── BlockCopy / TableStore ──> kvs_copy_blocks (kernel or CPU twin)
+//!            └── engine programs ─────────> memcpy / memcpy_2d / memcpy_batch
+//! ```
+
+pub mod engine;
+pub mod program;
+pub mod resolver;
+pub mod runs;
+pub mod signals;
+pub mod space;
+
+pub use engine::{Direction, IoCalls, Layers};
+pub use program::{BlockCopy, BlockCopyPlan, PageSelection, TableBuffer, TableStore};
+pub use resolver::{scratch_rows_device, Resolver};
+pub use runs::{OwnedRuns, Run};
+pub use signals::{CounterWait, LayerSignals};
+pub use space::{BlockSpace, RemoteSpace, SpaceId, Staging};

@@ -1,0 +1,100 @@
+//! Per-layer ready counters: a signalled block copy counts every finished (page, layer pair)
+//! unit into the u32 counter of the pair's model layer, so one launch can publish each layer's
+//! completion on its own, and a consumer stream waits for one layer with no host involvement.
+
+use crate::backend::{Backend, Buffer, MemoryKind};
+use crate::error::{Checked, Error, Result};
+use crate::index::ModelLayer;
+
+/// Per-model-layer u32 ready counters that signalled launches count into.
+///
+/// Counters only grow: each signalled run adds its units to the targets kept here, so the
+/// target of a layer covers every run counted so far. Runs that count into one set of
+/// counters must be enqueued on one stream, in the order they were counted.
+#[derive(Debug)]
+pub struct LayerSignals {
+    counters: Buffer,
+    targets: Vec<u32>,
+}
+
+impl LayerSignals {
+    /// Zeroed counters for `model_layers` layers in `backend`'s device memory (the upload
+    /// waits for `backend`'s stream).
+    pub fn new_sync(backend: &dyn Backend, model_layers: usize) -> Result<Self> {
+        let bytes = model_layers.max(1).mul_or(4, || {
+            format!("ready counters of {model_layers} layers")
+        })?;
+        let counters = backend.alloc(bytes, MemoryKind::Device)?;
+        backend.write_sync(&counters, 0, &vec![0u8; counters.len()])?;
+        Ok(Self {
+            counters,
+            targets: vec![0; model_layers],
+        })
+    }
+
+    /// Model layers counted.
+    pub fn layers(&self) -> usize {
+        self.targets.len()
+    }
+
+    /// The counters, one little-endian u32 per model layer.
+    pub fn counters(&self) -> &Buffer {
+        &self.counters
+    }
+
+    /// What model layer `layer`'s counter reaches once every counted run has landed it.
+    pub fn target(&self, layer: ModelLayer) -> Result<u32> {
+        self.targets.get(layer.0).copied().ok_or(Error::OutOfRange {
+            what: "model layer",
+            index: layer.0 as i64,
+            limit: self.targets.len() as u64,
+        })
+    }
+
+    /// Adds a run's units per layer; returns the readiness of each layer after that run.
+    pub(crate) fn count(&mut self, units: &[u32]) -> Vec<CounterWait> {
+        self.targets
+            .iter_mut()
+            .zip(units)
+            .enumerate()
+            .map(|(layer, (target, &n))| {
+                *target = target.wrapping_add(n);
+                CounterWait {
+                    counters: self.counters.clone(),
+                    layer: ModelLayer(layer),
+                    target: *target,
+                }
+            })
+            .collect()
+    }
+}
+
+/// "Model layer `layer` has landed" as a counter value to wait for.
+#[derive(Debug, Clone)]
+pub struct CounterWait {
+    counters: Buffer,
+    layer: ModelLayer,
+    target: u32,
+}
+
+impl CounterWait {
+    /// Makes later work on `consumer` wait until the layer has landed (no host involvement).
+    pub fn wait(&self, consumer: &dyn Backend) -> Result<()> {
+        consumer.check(&self.counters, "ready counters")?;
+        let addr = self.counters.at(4 * self.layer.0)?;
+        // SAFETY: `addr` is a 4-byte aligned u32 inside the counters allocation (256-byte
+        // aligned base, 4 bytes per layer, checked by `at`) of the consumer's address space
+        // (checked above), which this value keeps alive.
+        unsafe { consumer.wait_counter(addr, self.target) }
+    }
+
+    /// The model layer.
+    pub fn layer(&self) -> ModelLayer {
+        self.layer
+    }
+
+    /// The counter value that means the layer has landed.
+    pub fn target(&self) -> u32 {
+        self.target
+    }
+}

@@ -1,0 +1,349 @@
+//! The staged pipeline: a HiCache transfer through device staging. The copy engine moves host
+//! runs of up to a chunk of pages between the host pool and a device mirror laid out exactly
+//! like it (few, large contiguous copies: what the copy engine is fastest at and what leaves
+//! compute alone), and a relayout places or gathers the scattered device pages between the
+//! mirror and the device pool. Two mirrors are used in turn so the two halves overlap.
+//!
+//! Both relayouts serve every host layout and every device pool: [`Relayout::Kernel`] is one
+//! `kvs_copy_blocks` launch per segment; [`Relayout::CopyEngine`] uses no SM, stacking a
+//! page's layers into one 2D copy where the device layer stride is uniform and the blocks are
+//! whole, and falling back to a copy per layer (engine buffers at arbitrary addresses) or a 2D
+//! copy of a block's rows (token-major `page_first`) where they are not.
+
+use std::sync::Arc;
+
+use super::direct::HostTransfer;
+use super::host_pool::{HostLayout, HostPool};
+use crate::backend::{Backend, Event, Launch};
+use crate::copy::engine::{self, Call, Piece};
+use crate::copy::space::sealed::Sealed as _;
+use crate::copy::{BlockCopy, BlockCopyPlan, BlockSpace, Direction, PageSelection, SpaceId, TableBuffer};
+use crate::error::{Error, Result};
+
+/// How [`HostTransfer::run_staged`] moves pages between its device staging and the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Relayout {
+    /// `kvs_copy_blocks` with `ctas` CTAs: any layout, at HBM speed, but it takes SMs from the
+    /// forward pass while it runs.
+    Kernel {
+        /// CTAs per launch (at least one).
+        ctas: u32,
+    },
+    /// Device-to-device copies on the copy engine: no SM at all.
+    CopyEngine,
+}
+
+impl Relayout {
+    /// Refuses a relayout that cannot run: a kernel of no CTAs.
+    pub(crate) fn check(self) -> Result<()> {
+        match self {
+            Relayout::Kernel { ctas: 0 } => Err(Error::InvalidArgument(
+                "a kernel relayout needs at least one CTA".into(),
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Device staging for [`HostTransfer::run_staged`]: two device mirrors laid out like the host
+/// pool, `chunk` pages each.
+#[derive(Debug)]
+pub struct StagedIo {
+    /// The device pool, host pool and direction the staging serves.
+    made_for: (SpaceId, SpaceId, Direction),
+    layout: HostLayout,
+    chunk: u64,
+    mirrors: [Arc<HostPool>; 2],
+}
+
+impl StagedIo {
+    /// Pages each staging buffer holds.
+    pub fn chunk_pages(&self) -> u64 {
+        self.chunk
+    }
+
+    /// Device bytes the two staging buffers take.
+    pub fn bytes(&self) -> usize {
+        self.mirrors.iter().map(|m| m.bytes()).sum()
+    }
+}
+
+/// A stretch of plan entries whose host pages are consecutive (one copy-engine run per
+/// component on the host side); the device pages may be anything.
+struct Segment {
+    first_entry: usize,
+    pages: u64,
+    host_page: u64,
+}
+
+impl HostTransfer {
+    /// Allocates the double-buffered device staging for [`HostTransfer::run_staged`], `chunk`
+    /// pages per buffer, in `backend`'s device memory.
+    pub fn staging(&self, backend: &dyn Backend, chunk: u64) -> Result<StagedIo> {
+        if chunk == 0 {
+            return Err(Error::InvalidArgument("staging of 0 pages".into()));
+        }
+        let mirrors = [
+            Arc::new(HostPool::device_mirror(backend, &self.host, chunk)?),
+            Arc::new(HostPool::device_mirror(backend, &self.host, chunk)?),
+        ];
+        Ok(StagedIo {
+            made_for: self.staging_key(),
+            layout: self.host.layout(),
+            chunk,
+            mirrors,
+        })
+    }
+
+    fn staging_key(&self) -> (SpaceId, SpaceId, Direction) {
+        (self.device.id(), self.host.id(), self.direction)
+    }
+
+    fn check_staging(&self, staging: &StagedIo) -> Result<()> {
+        if staging.made_for != self.staging_key() {
+            let (_, _, direction) = staging.made_for;
+            return Err(Error::HiCache(format!(
+                "staging made for a {direction:?} between other pools ({} host) used for this {:?}",
+                staging.layout, self.direction
+            )));
+        }
+        Ok(())
+    }
+
+    /// The kernel relayout between mirror `m` and the device pool: mirror positions, the
+    /// transfer's device pages, run a segment at a time.
+    fn relayout_plan(&self, mirror: &HostPool) -> Result<BlockCopyPlan> {
+        let device = PageSelection::Local(self.plan.device_pages().to_vec());
+        let n = self.plan.len();
+        match self.direction {
+            Direction::Load => BlockCopyPlan::new(
+                mirror,
+                PageSelection::Positions,
+                self.device.as_ref(),
+                device,
+                n,
+            ),
+            Direction::Backup => BlockCopyPlan::new(
+                self.device.as_ref(),
+                device,
+                mirror,
+                PageSelection::Positions,
+                n,
+            ),
+        }
+    }
+
+    /// Uploads the kernel relayout's tables for `staging` through `backend`, waiting for the
+    /// upload (use a stream other than the transfer's), taking buffers from `spare` where they
+    /// fit.
+    pub fn prepare_staged_sync(
+        &mut self,
+        backend: &dyn Backend,
+        staging: &StagedIo,
+        spare: &mut Vec<TableBuffer>,
+    ) -> Result<()> {
+        self.check_staging(staging)?;
+        if self.relayout.is_some() || self.plan.is_empty() {
+            return Ok(());
+        }
+        let mut copies = Vec::with_capacity(2);
+        for mirror in &staging.mirrors {
+            let plan = self.relayout_plan(mirror)?;
+            let reuse = take_fit(spare, plan.table_bytes());
+            let (mirror, device): (Arc<dyn BlockSpace>, Arc<dyn BlockSpace>) =
+                (mirror.clone(), self.device.clone());
+            let (src, dst) = match self.direction {
+                Direction::Load => (mirror, device),
+                Direction::Backup => (device, mirror),
+            };
+            copies.push(BlockCopy::prepare_sync(backend, plan, src, dst, reuse)?);
+        }
+        self.relayout = Some(copies);
+        Ok(())
+    }
+
+    /// The plan's entries cut where host pages stop being consecutive or a chunk is full.
+    fn segments(&self, chunk: u64) -> Vec<Segment> {
+        let mut out: Vec<Segment> = Vec::new();
+        for (j, hp) in self.plan.host_pages().iter().enumerate() {
+            match out.last_mut() {
+                Some(s) if s.pages < chunk && s.host_page + s.pages == hp.0 => s.pages += 1,
+                _ => out.push(Segment {
+                    first_entry: j,
+                    pages: 1,
+                    host_page: hp.0,
+                }),
+            }
+        }
+        out
+    }
+
+    /// Copy-engine copies of one segment between the host pool and a mirror: per component one
+    /// contiguous run (page-major layouts) or one 2D copy over the layers (`layer_first`).
+    fn mirror_copies(&self, seg: &Segment, mirror: &HostPool) -> Vec<Call> {
+        let mut calls = Vec::new();
+        for (c, comp) in self.device.components().iter().enumerate() {
+            let host_side = self.host.side(c);
+            let host_at = self.host.base(c, 0) + seg.host_page * host_side.page_stride;
+            let mirror_at = mirror.base(c, 0);
+            let piece = if self.host.layout() == HostLayout::LayerFirst {
+                Piece {
+                    device: mirror_at,
+                    device_pitch: mirror.layer_stride(c).unwrap_or(0),
+                    host: host_at,
+                    host_pitch: self.host.layer_stride(c).unwrap_or(0),
+                    width: seg.pages * comp.block_bytes as u64,
+                    height: comp.layers() as u64,
+                }
+            } else {
+                Piece::contiguous(mirror_at, host_at, seg.pages * comp.page_bytes() as u64)
+            };
+            calls.extend(piece.calls(self.direction));
+        }
+        calls
+    }
+
+    /// Copy-engine copies between a mirror and the device pool for one segment, per (page,
+    /// component): the page's layers stacked into one 2D copy where the device stride is
+    /// uniform and blocks are whole on the mirror, else a copy per layer (a 2D copy of the
+    /// block's rows where the mirror is token-major).
+    fn relayout_copies(&self, seg: &Segment, mirror: &HostPool) -> Vec<Call> {
+        let mut calls = Vec::new();
+        for (c, comp) in self.device.components().iter().enumerate() {
+            let block = comp.block_bytes as u64;
+            let m = mirror.side(c);
+            let whole = comp.rows == 1 || m.row_stride == comp.row_bytes as u64;
+            let stacked = crate::copy::space::sealed::Sealed::layer_stride(self.device.as_ref(), c)
+                .filter(|_| whole && comp.layers() > 1);
+            for j in 0..seg.pages {
+                let dev_page = self.plan.device_pages()[seg.first_entry + j as usize].0;
+                let device_at = |l: usize| self.device.base(c, l) + dev_page * block;
+                let mirror_at = |l: usize| mirror.base(c, l) + j * m.page_stride;
+                let pieces: Vec<Piece> = match stacked {
+                    Some(pitch) => vec![Piece {
+                        device: device_at(0),
+                        device_pitch: pitch,
+                        host: mirror_at(0),
+                        host_pitch: mirror.layer_stride(c).unwrap_or(0),
+                        width: block,
+                        height: comp.layers() as u64,
+                    }],
+                    None if whole => (0..comp.layers())
+                        .map(|l| Piece::contiguous(device_at(l), mirror_at(l), block))
+                        .collect(),
+                    None => (0..comp.layers())
+                        .map(|l| Piece {
+                            device: device_at(l),
+                            device_pitch: comp.row_bytes as u64,
+                            host: mirror_at(l),
+                            host_pitch: m.row_stride,
+                            width: comp.row_bytes as u64,
+                            height: comp.rows as u64,
+                        })
+                        .collect(),
+                };
+                calls.extend(pieces.into_iter().flat_map(|p| p.calls(self.direction)));
+            }
+        }
+        calls
+    }
+
+    /// Every layer through device staging: the copy engine moves host runs of up to
+    /// `staging.chunk_pages()` pages as a few large contiguous copies on `copy`'s stream, and
+    /// the relayout places or gathers the scattered device pages on `relayout`'s stream,
+    /// double-buffered so that both overlap. Everything is ordered after what `copy`'s stream
+    /// held when this was called, and when `copy`'s stream reaches the end of what this
+    /// enqueues, the whole transfer has landed and `staging` may be reused. A kernel relayout
+    /// needs [`HostTransfer::prepare_staged_sync`] first.
+    pub fn run_staged(
+        &self,
+        copy: &dyn Backend,
+        relayout: &dyn Backend,
+        staging: &StagedIo,
+        how: Relayout,
+    ) -> Result<()> {
+        how.check()?;
+        self.check_staging(staging)?;
+        for backend in [copy, relayout] {
+            crate::backend::check_space(
+                backend.address_space(),
+                self.device.address_space(),
+                "the pools",
+            )?;
+        }
+        if self.plan.is_empty() {
+            return Ok(());
+        }
+        let kernels = match how {
+            Relayout::Kernel { ctas } => Some((
+                self.relayout.as_ref().ok_or_else(|| {
+                    Error::HiCache(
+                        "a kernel relayout needs HostTransfer::prepare_staged_sync first".into(),
+                    )
+                })?,
+                Launch::host_io(relayout, ctas),
+            )),
+            Relayout::CopyEngine => None,
+        };
+        // The relayout stream starts after everything enqueued on `copy` so far: the caller's
+        // ordering (a backup's compute event) and an earlier run through the same staging.
+        relayout.wait(&copy.record()?)?;
+        // Per staging buffer: the event after which it may be refilled.
+        let mut free: [Option<Event>; 2] = [None, None];
+        for (i, seg) in self.segments(staging.chunk).iter().enumerate() {
+            let m = i % 2;
+            let mirror = staging.mirrors[m].as_ref();
+            let place = |stream: &dyn Backend| -> Result<()> {
+                match &kernels {
+                    Some((copies, launch)) => copies[m].run_entries(
+                        stream,
+                        seg.first_entry..seg.first_entry + seg.pages as usize,
+                        *launch,
+                    ),
+                    // SAFETY: every piece lies inside the device pool (local pages the plan
+                    // checked, in stored layers of each component) and the mirror (its first
+                    // `seg.pages <= chunk` pages), both held by this transfer / the staging,
+                    // in the stream's address space (checked above).
+                    None => unsafe { engine::submit(stream, self.relayout_copies(seg, mirror)) },
+                }
+            };
+            // SAFETY (mirror copies): every piece lies inside the host pool (its consecutive
+            // pages `seg.host_page..+seg.pages`, checked by the plan) and the mirror's first
+            // `seg.pages` pages, in the copy stream's address space (checked above).
+            match self.direction {
+                Direction::Load => {
+                    if let Some(e) = &free[m] {
+                        copy.wait(e)?;
+                    }
+                    unsafe { engine::submit(copy, self.mirror_copies(seg, mirror))? };
+                    relayout.wait(&copy.record()?)?;
+                    place(relayout)?;
+                    free[m] = Some(relayout.record()?);
+                }
+                Direction::Backup => {
+                    if let Some(e) = &free[m] {
+                        relayout.wait(e)?;
+                    }
+                    place(relayout)?;
+                    copy.wait(&relayout.record()?)?;
+                    unsafe { engine::submit(copy, self.mirror_copies(seg, mirror))? };
+                    free[m] = Some(copy.record()?);
+                }
+            }
+        }
+        // Loads end on the relayout stream: make `copy` reach the end only after both buffers'
+        // last relayouts (backups end on `copy` already).
+        for event in free.iter().flatten() {
+            copy.wait(event)?;
+        }
+        Ok(())
+    }
+}
+
+/// The smallest spare table buffer holding `need` bytes, taken out of `spare`.
+pub(crate) fn take_fit(spare: &mut Vec<TableBuffer>, need: usize) -> Option<TableBuffer> {
+    let at = (0..spare.len())
+        .filter(|&i| spare[i].len() >= need)
+        .min_by_key(|&i| spare[i].len())?;
+    Some(spare.swap_remove(at))
+}
