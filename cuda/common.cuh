@@ -35,7 +35,7 @@ __device__ __forceinline__ void report(const kvs_status& status, uint64_t positi
     atomicMax(reinterpret_cast<unsigned long long*>(status.word), value);
 }
 
-/* Page-interleaved ownership (DOMAIN.md section 3). */
+/* Page-interleaved ownership (docs/design.md, "Ownership"). */
 __device__ __forceinline__ uint32_t page_owner(uint64_t logical_page, uint32_t shard) {
     return static_cast<uint32_t>(logical_page % shard);
 }

@@ -6,7 +6,7 @@
  *   its device alias). A block is `rows` rows of `row_bytes`; when both sides store a block
  *   contiguously the host passes rows = 1, so the hot path has no division. One warp moves one
  *   block with UNROLL 16-byte loads in flight per lane before the matching stores: 4 KB per warp,
- *   128 KB per 1024-thread CTA, which is what keeps PCIe busy for host I/O (see PERFORMANCE.md)
+ *   128 KB per 1024-thread CTA, which is what keeps PCIe busy for host I/O (docs/design.md, "What measured fast")
  *   and is plenty for HBM. Logical page lists are resolved to owner-local pages here, in the
  *   same launch. Per-unit completion counters give per-layer ready signals from one launch.
  * kvs_write_rows: the owned-row write path; a warp resolves a group of 8 tokens once and copies

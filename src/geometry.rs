@@ -1,4 +1,4 @@
-//! Byte layouts of the DSA KV cache (DOMAIN.md section 2): latent rows, indexer page blocks,
+//! Byte layouts of the DSA KV cache (docs/design.md, "Byte layouts"): latent rows, indexer page blocks,
 //! and the geometry of a target pool (L layers) and its single-layer MTP draft pool.
 //!
 //! Geometry is plain data with public fields, because it also describes the *other* side of a

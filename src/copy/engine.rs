@@ -3,7 +3,7 @@
 //! DMA copies: contiguous runs, 2D copies over layers where strides allow, and batch calls.
 //! The program is plain data ([`Call`]s); [`submit`] enqueues it.
 //!
-//! PERFORMANCE.md's lesson, in docs/design.md: the copy engine is fastest, and leaves compute
+//! Why (docs/design.md, "What measured fast"): the copy engine is fastest, and leaves compute
 //! alone, with few large contiguous copies; per-block copies cost ~3.7 us of host time each.
 
 use super::runs::Run;

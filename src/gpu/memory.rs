@@ -1,5 +1,10 @@
 //! Owned device memory and pinned host memory.
 //!
+//! Freeing waits for the device first (`cuCtxSynchronize`, then the free): the driver only says
+//! `cuMemFree` "may" synchronize, and kvshard's safe API promises that no launch, whoever keeps
+//! it in flight, ever touches memory that was freed. Frees are rare (pools, staging, grown
+//! tables), so the wait costs nothing on the hot paths.
+//!
 //! Host memory the GPU reads or writes directly is addressed through its *device alias*, which
 //! the driver gives (`cuMemHostGetDevicePointer`); kvshard never assumes it equals the host
 //! address. Memory an engine already pinned elsewhere can be registered in chunks that never
@@ -51,11 +56,19 @@ impl DeviceAllocation {
     }
 }
 
+/// Waits for every stream of the current context; a context whose work has failed for good
+/// runs nothing any more, so a failure here also means nothing can touch the memory.
+fn quiesce() {
+    // SAFETY: a plain wait on the current context, which every caller bound first.
+    let _ = unsafe { sys::cuCtxSynchronize() }.result();
+}
+
 impl Drop for DeviceAllocation {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: allocated by cuMemAlloc in this context; owners keep the allocation alive
-            // until the work that uses it has completed (see Buffer).
+            quiesce();
+            // SAFETY: allocated by cuMemAlloc in this context; the device has finished every
+            // launch that could use it (quiesce above).
             let _ = unsafe { result::free_sync(self.ptr) };
         }
     }
@@ -128,7 +141,9 @@ impl PinnedAllocation {
 impl Drop for PinnedAllocation {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: allocated by cuMemHostAlloc; no queued work uses it (owners guarantee).
+            quiesce();
+            // SAFETY: allocated by cuMemHostAlloc; the device has finished every launch and
+            // copy that could use it (quiesce above).
             let _ = unsafe { result::free_host(self.host.cast()) };
         }
     }
@@ -259,6 +274,7 @@ impl Drop for HostRegistration {
             chunks().remove(device);
         }
         if self.ctx.bind_to_thread().is_ok() {
+            quiesce();
             for (start, _, _) in &self.chunks {
                 // SAFETY: each chunk was registered by `new` and is unregistered once.
                 let _ = unsafe { sys::cuMemHostUnregister(*start as *mut _) }.result();

@@ -1,4 +1,4 @@
-//! One rank's host pool (DOMAIN.md section 6): per component, one pinned buffer of `pages` pages
+//! One rank's host pool (docs/design.md, "HiCache"): per component, one pinned buffer of `pages` pages
 //! in one of three layouts. The pool is a [`BlockSpace`], so the block-copy kernel reads and
 //! writes it through its device alias with no code of its own; the copy-engine paths in
 //! [`super::io`] use the same address math.

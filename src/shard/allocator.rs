@@ -1,4 +1,4 @@
-//! The rotated-owner page allocator (DOMAIN.md section 3). Every rank of a shard group runs an
+//! The rotated-owner page allocator (docs/design.md, "Ownership"). Every rank of a shard group runs an
 //! identical copy on identical inputs, so all of them agree on every logical page without
 //! talking to each other: the allocator is deterministic and free of hashing or clocks.
 //!

@@ -1,4 +1,4 @@
-//! Page-interleaved ownership math (DOMAIN.md section 3): which rank of an N-way shard group
+//! Page-interleaved ownership math (docs/design.md, "Ownership"): which rank of an N-way shard group
 //! owns a logical page or slot, and where it lives in that rank's physical pool. The device
 //! twins are `page_owner`, `local_page` and `local_row` in `cuda/common.cuh`.
 

@@ -1,4 +1,4 @@
-//! Chunk sequencing and completion (DOMAIN.md section 5, step 5).
+//! Chunk sequencing and completion (docs/design.md, "P/D", step 4).
 //!
 //! Every prefill rank runs a [`Sender`]: it sends every chunk of a request in order, including
 //! chunks it owns nothing of (an empty final chunk above all), and reports one [`ChunkStatus`]

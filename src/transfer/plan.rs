@@ -1,7 +1,7 @@
 //! Send plans: what one prefill rank moves to the decode pool for one chunk of one request, as
 //! plain data built on the CPU without a backend.
 //!
-//! The order of the steps matters (DOMAIN.md section 5). Source and destination pages are paired
+//! The order of the steps matters (docs/design.md, "P/D"). Source and destination pages are paired
 //! by **logical page position** first, because the position is the only index both sides share
 //! (the decode registered one page per position after its cached prefix); the pairs are then
 //! filtered to the positions this rank owns (source logical page `% N == rank`), and only then
