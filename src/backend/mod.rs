@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use crate::abi;
 use crate::error::{Error, Result};
-use crate::gpu::Kernel;
+use crate::gpu::{kernels, KernelFn};
 
 /// Where a buffer lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -331,12 +331,12 @@ pub fn write_units(slots: u64, pairs: u32) -> u64 {
 
 /// The `kvs_resolve` kernel for `p`: one per entry kind and shard-size class (cuda/resolve.cu
 /// says why). The CPU twin reports errors under the same name.
-pub(crate) fn resolve_kernel(p: &abi::kvs_resolve_params) -> Kernel {
+pub(crate) fn resolve_kernel(p: &abi::kvs_resolve_params) -> KernelFn<abi::kvs_resolve_params> {
     match (p.mode == abi::KVS_RESOLVE_TOKENS, p.shard.is_power_of_two()) {
-        (true, true) => Kernel::ResolveTokensPow2,
-        (true, false) => Kernel::ResolveTokens,
-        (false, true) => Kernel::ResolvePagesPow2,
-        (false, false) => Kernel::ResolvePages,
+        (true, true) => kernels::RESOLVE_TOKENS_POW2,
+        (true, false) => kernels::RESOLVE_TOKENS,
+        (false, true) => kernels::RESOLVE_PAGES_POW2,
+        (false, false) => kernels::RESOLVE_PAGES,
     }
 }
 
