@@ -7,13 +7,14 @@
  *   contiguously the host passes rows = 1, so the hot path has no division. One warp moves one
  *   block with COPY_UNROLL 16-byte loads in flight per lane before the matching stores: on the
  *   H200 4 KB per warp, 128 KB per 1024-thread CTA, which is what keeps PCIe busy for host I/O
- *   (see PERFORMANCE.md) and is plenty for HBM; half that on Blackwell (register budgets below). Logical page lists are resolved to owner-local pages here, in the
- *   same launch. Per-unit completion counters give per-layer ready signals from one launch.
+ *   (see PERFORMANCE.md) and is plenty for HBM; half that on Blackwell (register budgets below).
+ *   Logical page lists are resolved to owner-local pages here, in the same launch. Per-unit
+ *   completion counters give per-layer ready signals from one launch.
  * kvs_write_rows: the owned-row write path; a warp resolves a group of KVS_WRITE_GROUP (8)
  *   tokens once and copies their rows for a block of KVS_WRITE_PAIR_BLOCK (4) (layer, component)
- *   pairs (short enough that a small chunk still
- *   spreads over many warps, long enough that skipped groups cost little); the row geometry is a template
- *   constant so index math is multiply-shift.
+ *   pairs (short enough that a small chunk still spreads over many warps, long enough that
+ *   skipped groups cost little); the row geometry is a template constant so index math is
+ *   multiply-shift.
  * kvs_copy_ranges: (src, dst, bytes) descriptors, one warp per descriptor.
  */
 #include "common.cuh"
