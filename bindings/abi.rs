@@ -4,15 +4,28 @@
 
 pub const KVS_PAGE_SIZE: u32 = 64;
 pub const KVS_INDEXER_HEAD_DIM: u32 = 128;
+pub const KVS_INDEXER_ROW_BYTES: u32 = 132;
 pub const KVS_INDEXER_PAGE_BYTES: u32 = 8448;
 pub const KVS_INDEXER_SCALES_OFFSET: u32 = 8192;
 pub const KVS_KV_LORA_RANK: u32 = 512;
 pub const KVS_ROPE_DIM: u32 = 64;
+pub const KVS_LATENT_TRTLLM_ROW_BYTES: u32 = 576;
+pub const KVS_LATENT_SCALED_ROW_BYTES: u32 = 656;
+pub const KVS_LATENT_BF16_ROW_BYTES: u32 = 1152;
+pub const KVS_LATENT_SCALE_TILE: u32 = 128;
+pub const KVS_LATENT_SCALED_SCALES_OFFSET: u32 = 512;
+pub const KVS_LATENT_SCALED_ROPE_OFFSET: u32 = 528;
+pub const KVS_LATENT_INPUT_ROW_BYTES: u32 = 1152;
+pub const KVS_INDEXER_INPUT_ROW_BYTES: u32 = 256;
 pub const KVS_MAX_COMPONENTS: u32 = 4;
 pub const KVS_WRITE_GROUP: u32 = 8;
 pub const KVS_WRITE_PAIR_BLOCK: u32 = 4;
 pub const KVS_RESOLVE_TILE: u32 = 1024;
 pub const KVS_RESOLVE_LINE_NODES: u32 = 16;
+pub const KVS_ELEMENTWISE_THREADS: u32 = 256;
+pub const KVS_RESOLVE_THREADS: u32 = 256;
+pub const KVS_COPY_THREADS: u32 = 1024;
+pub const KVS_WRITE_THREADS: u32 = 512;
 pub const KVS_LATENT_FP8_TRTLLM: u32 = 0;
 pub const KVS_LATENT_FP8_SCALED: u32 = 1;
 pub const KVS_LATENT_BF16: u32 = 2;
@@ -505,7 +518,7 @@ const _: () = {
 pub struct kvs_row_component {
     ///< KVS_ROWS_*
     pub kind: u32,
-    ///< latent: bytes per row (multiple of 16); indexer: 132
+    ///< latent: bytes per row (multiple of 16); indexer: KVS_INDEXER_ROW_BYTES
     pub row_bytes: u32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]

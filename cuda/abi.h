@@ -21,13 +21,29 @@
 
 /* Tokens per page: fixed for the DSA configurations kvshard serves. */
 #define KVS_PAGE_SIZE 64
-/* Indexer: 128 e4m3 key bytes per token, one f32 scale per token, page-major blocks. */
+/* Indexer: 128 e4m3 key bytes per token, one f32 scale per token, page-major blocks: the keys
+   of the page's 64 tokens, then their 64 scales. A token's key and scale are one row of
+   KVS_ROWS_INDEXER. */
 #define KVS_INDEXER_HEAD_DIM 128
+#define KVS_INDEXER_ROW_BYTES 132
 #define KVS_INDEXER_PAGE_BYTES 8448
 #define KVS_INDEXER_SCALES_OFFSET 8192
 /* Latent rows: 512 "nope" + 64 "rope" elements. */
 #define KVS_KV_LORA_RANK 512
 #define KVS_ROPE_DIM 64
+/* Bytes per latent row of each KVS_LATENT_* layout. */
+#define KVS_LATENT_TRTLLM_ROW_BYTES 576
+#define KVS_LATENT_SCALED_ROW_BYTES 656
+#define KVS_LATENT_BF16_ROW_BYTES 1152
+/* The scaled layout quantizes the nope in tiles of 128 elements, one f32 scale each; the scales
+   follow the nope, then the rope as raw bf16. */
+#define KVS_LATENT_SCALE_TILE 128
+#define KVS_LATENT_SCALED_SCALES_OFFSET 512
+#define KVS_LATENT_SCALED_ROPE_OFFSET 528
+/* Quantizer inputs, one bf16 row per token: the 576 latent elements (nope then rope), or the
+   128 indexer key elements. */
+#define KVS_LATENT_INPUT_ROW_BYTES 1152
+#define KVS_INDEXER_INPUT_ROW_BYTES 256
 /* Target latent, target indexer, draft latent, draft indexer. */
 #define KVS_MAX_COMPONENTS 4
 /* kvs_write_rows units: a group of tokens x a block of (layer, component) pairs. The host counts
@@ -39,10 +55,27 @@
 #define KVS_RESOLVE_TILE 1024
 #define KVS_RESOLVE_LINE_NODES 16
 
+/*
+ * Launch shapes: threads per CTA of each kernel family. Where a kernel's __launch_bounds__ use
+ * them, the bounds of every embedded architecture are these; the register budget behind them
+ * may differ by architecture (the kernel files say where and why). The host asks the loaded
+ * module what a kernel allows (Gpu::max_threads), which is what the driver enforces.
+ */
+/* kvs_quantize_latent, kvs_quantize_indexer, kvs_scratch_rows: grid-stride loops over warps
+   (latent: one token each), half-warps (indexer) or threads (scratch), correct at any multiple
+   of 32. They carry no launch bounds: bounds of 256 change the quantizers' H200 code. */
+#define KVS_ELEMENTWISE_THREADS 256
+/* kvs_resolve_*: exactly this many threads, one CTA per KVS_RESOLVE_TILE entries. */
+#define KVS_RESOLVE_THREADS 256
+/* kvs_copy_blocks, kvs_copy_ranges: the most threads per CTA (host I/O wants few, fat CTAs). */
+#define KVS_COPY_THREADS 1024
+/* kvs_write_rows: the most threads per CTA (it sizes the CTA's shared row table). */
+#define KVS_WRITE_THREADS 512
+
 /* kvs_quantize_latent_params.layout */
-#define KVS_LATENT_FP8_TRTLLM 0 /* 576-byte rows: e4m3 nope + e4m3 rope, scale 1.0 */
-#define KVS_LATENT_FP8_SCALED 1 /* 656-byte rows: e4m3 nope, 4 f32 tile scales, bf16 rope */
-#define KVS_LATENT_BF16 2       /* 1152-byte rows: bf16 nope + rope */
+#define KVS_LATENT_FP8_TRTLLM 0 /* KVS_LATENT_TRTLLM_ROW_BYTES: e4m3 nope + e4m3 rope, scale 1.0 */
+#define KVS_LATENT_FP8_SCALED 1 /* KVS_LATENT_SCALED_ROW_BYTES: e4m3 nope, 4 f32 tile scales, bf16 rope */
+#define KVS_LATENT_BF16 2       /* KVS_LATENT_BF16_ROW_BYTES: bf16 nope + rope */
 
 /* kvs_quantize_indexer_params.scale */
 #define KVS_SCALE_UE8M0 0 /* 2^ceil(log2(max(amax,1e-4)/448)), the sharded path */
@@ -216,7 +249,7 @@ typedef struct kvs_copy_blocks_params {
 /** One component of an owned-row write. */
 typedef struct kvs_row_component {
     uint32_t kind;      /**< KVS_ROWS_* */
-    uint32_t row_bytes; /**< latent: bytes per row (multiple of 16); indexer: 132 */
+    uint32_t row_bytes; /**< latent: bytes per row (multiple of 16); indexer: KVS_INDEXER_ROW_BYTES */
 } kvs_row_component;
 
 /**
@@ -273,6 +306,23 @@ typedef struct kvs_bench_read_params {
 #else
 #define KVS_STATIC_ASSERT(c, m) _Static_assert(c, m)
 #endif
+KVS_STATIC_ASSERT(KVS_LATENT_TRTLLM_ROW_BYTES == KVS_KV_LORA_RANK + KVS_ROPE_DIM, "trtllm row");
+KVS_STATIC_ASSERT(KVS_LATENT_SCALED_SCALES_OFFSET == KVS_KV_LORA_RANK, "scales after the nope");
+KVS_STATIC_ASSERT(KVS_LATENT_SCALED_ROPE_OFFSET ==
+                      KVS_LATENT_SCALED_SCALES_OFFSET + 4 * (KVS_KV_LORA_RANK / KVS_LATENT_SCALE_TILE),
+                  "rope after the scales");
+KVS_STATIC_ASSERT(KVS_LATENT_SCALED_ROW_BYTES == KVS_LATENT_SCALED_ROPE_OFFSET + 2 * KVS_ROPE_DIM, "scaled row");
+KVS_STATIC_ASSERT(KVS_LATENT_BF16_ROW_BYTES == 2 * (KVS_KV_LORA_RANK + KVS_ROPE_DIM), "bf16 row");
+KVS_STATIC_ASSERT(KVS_LATENT_INPUT_ROW_BYTES == 2 * (KVS_KV_LORA_RANK + KVS_ROPE_DIM), "latent input row");
+KVS_STATIC_ASSERT(KVS_INDEXER_INPUT_ROW_BYTES == 2 * KVS_INDEXER_HEAD_DIM, "indexer input row");
+KVS_STATIC_ASSERT(KVS_INDEXER_ROW_BYTES == KVS_INDEXER_HEAD_DIM + 4, "indexer row: key + f32 scale");
+KVS_STATIC_ASSERT(KVS_INDEXER_SCALES_OFFSET == KVS_PAGE_SIZE * KVS_INDEXER_HEAD_DIM, "indexer scales");
+KVS_STATIC_ASSERT(KVS_INDEXER_PAGE_BYTES == KVS_PAGE_SIZE * KVS_INDEXER_ROW_BYTES, "indexer block");
+KVS_STATIC_ASSERT(KVS_RESOLVE_TILE % KVS_RESOLVE_THREADS == 0, "resolve tile: whole items per thread");
+KVS_STATIC_ASSERT(KVS_ELEMENTWISE_THREADS % 32 == 0 && KVS_RESOLVE_THREADS % 32 == 0 &&
+                      KVS_COPY_THREADS % 32 == 0 && KVS_WRITE_THREADS % 32 == 0,
+                  "whole warps");
+KVS_STATIC_ASSERT(KVS_COPY_THREADS <= 1024 && KVS_WRITE_THREADS <= 1024, "CUDA's CTA limit");
 KVS_STATIC_ASSERT(sizeof(kvs_status) == 16, "kvs_status");
 KVS_STATIC_ASSERT(sizeof(kvs_quantize_latent_params) == 72, "kvs_quantize_latent_params");
 KVS_STATIC_ASSERT(sizeof(kvs_quantize_indexer_params) == 72, "kvs_quantize_indexer_params");

@@ -5,14 +5,16 @@
  *   contiguous staging buffer, another pool, or pinned host memory in any host layout (through
  *   its device alias). A block is `rows` rows of `row_bytes`; when both sides store a block
  *   contiguously the host passes rows = 1, so the hot path has no division. One warp moves one
- *   block with UNROLL 16-byte loads in flight per lane before the matching stores: 4 KB per warp,
- *   128 KB per 1024-thread CTA, which is what keeps PCIe busy for host I/O (docs/design.md, "What measured fast")
- *   and is plenty for HBM. Logical page lists are resolved to owner-local pages here, in the
- *   same launch. Per-unit completion counters give per-layer ready signals from one launch.
- * kvs_write_rows: the owned-row write path; a warp resolves a group of 8 tokens once and copies
- *   their rows for a block of 4 (layer, component) pairs (short enough that a small chunk still
- *   spreads over many warps, long enough that skipped groups cost little); the row geometry is a template
- *   constant so index math is multiply-shift.
+ *   block with COPY_UNROLL 16-byte loads in flight per lane before the matching stores: on the
+ *   H200 4 KB per warp, 128 KB per 1024-thread CTA, which is what keeps PCIe busy for host I/O
+ *   (docs/design.md, "What measured fast") and is plenty for HBM; half that on Blackwell (register budgets below).
+ *   Logical page lists are resolved to owner-local pages here, in the same launch. Per-unit
+ *   completion counters give per-layer ready signals from one launch.
+ * kvs_write_rows: the owned-row write path; a warp resolves a group of KVS_WRITE_GROUP (8)
+ *   tokens once and copies their rows for a block of KVS_WRITE_PAIR_BLOCK (4) (layer, component)
+ *   pairs (short enough that a small chunk still spreads over many warps, long enough that
+ *   skipped groups cost little); the row geometry is a template constant so index math is
+ *   multiply-shift.
  * kvs_copy_ranges: (src, dst, bytes) descriptors, one warp per descriptor.
  */
 #include "common.cuh"
@@ -21,11 +23,28 @@ using namespace kvs;
 
 namespace {
 
-constexpr uint32_t UNROLL = 8;
-/* Copy kernels may be launched with up to 1024 threads per CTA (host I/O wants few, fat CTAs). */
-constexpr uint32_t MAX_THREADS = 1024;
-/* The write path runs at HBM speed with many CTAs; 512 threads leave it 128 registers. */
-constexpr uint32_t WRITE_THREADS = 512;
+/*
+ * Register budgets. sm_90 (the H200 cubin and the compute_90 PTX) keeps the measured ones:
+ * kvs_copy_blocks at 1024 threads (64 registers) with 8 vectors a lane in flight, kvs_write_rows
+ * at two 512-thread CTAs per SM (64 registers) with 6. Blackwell's ptxas (sm_100a, sm_103a) needs
+ * more registers for the same code, unbounded 104 and 154 where sm_90a needs 74 and 90 (the write
+ * path's three row geometries fit 80 each, not together), so those budgets spilled there. On
+ * Blackwell kvs_copy_blocks keeps its 1024 threads, so every launch shape the host uses stays
+ * valid, with 4 vectors a lane: that fits 64 registers and keeps the 64 KB per CTA that 512
+ * threads with 8 would. kvs_write_rows runs one 512-thread CTA per SM (up to 128 registers) with
+ * 5 vectors a lane, the most that does not spill. Neither Blackwell shape has been measured.
+ */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+constexpr uint32_t COPY_UNROLL = 4;
+constexpr uint32_t WRITE_CTAS_PER_SM = 1;
+constexpr uint32_t WRITE_CHUNK = 5;
+#else
+constexpr uint32_t COPY_UNROLL = 8;
+constexpr uint32_t WRITE_CTAS_PER_SM = 2;
+constexpr uint32_t WRITE_CHUNK = 6;
+#endif
+/* kvs_copy_ranges fits 64 registers with 8 vectors a lane on every architecture. */
+constexpr uint32_t RANGES_UNROLL = 8;
 
 /* The raw id of entry j of a page list (j itself for POSITION): the only memory read it needs. */
 __device__ __forceinline__ int64_t page_id(const kvs_page_list& list, uint64_t j) {
@@ -52,8 +71,9 @@ __device__ __forceinline__ bool resolve_page(const kvs_page_list& list, int64_t 
     return true;
 }
 
-/* One warp copies `vectors` 16-byte vectors; vector i sits at base + offset(i) on each side. */
-template <typename Offset>
+/* One warp copies `vectors` 16-byte vectors, UNROLL per lane in flight; vector i sits at
+ * base + offset(i) on each side. */
+template <uint32_t UNROLL, typename Offset>
 __device__ __forceinline__ void warp_copy(uint64_t src, uint64_t dst, uint32_t vectors, Offset src_offset,
                                           Offset dst_offset) {
     const uint32_t lane = threadIdx.x % 32;
@@ -90,7 +110,7 @@ struct Strided {
 
 } // namespace
 
-extern "C" __global__ void __launch_bounds__(MAX_THREADS) kvs_copy_blocks(const __grid_constant__ kvs_copy_blocks_params p) {
+extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS) kvs_copy_blocks(const __grid_constant__ kvs_copy_blocks_params p) {
     const kvs_layer_pair* pairs = reinterpret_cast<const kvs_layer_pair*>(p.pairs);
     uint32_t* signals = reinterpret_cast<uint32_t*>(p.signals);
     const uint64_t units = p.num_pages * p.num_pairs;
@@ -113,10 +133,11 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) kvs_copy_blocks(const 
             const uint64_t dst = pair.dst + dst_page * c.dst.page_stride;
             const uint32_t vectors_per_row = c.row_bytes / 16;
             if (c.rows == 1) {
-                warp_copy(src, dst, vectors_per_row, Contiguous{}, Contiguous{});
+                warp_copy<COPY_UNROLL>(src, dst, vectors_per_row, Contiguous{}, Contiguous{});
             } else {
-                warp_copy(src, dst, vectors_per_row * c.rows, Strided{vectors_per_row, c.src.row_stride},
-                          Strided{vectors_per_row, c.dst.row_stride});
+                warp_copy<COPY_UNROLL>(src, dst, vectors_per_row * c.rows,
+                                       Strided{vectors_per_row, c.src.row_stride},
+                                       Strided{vectors_per_row, c.dst.row_stride});
             }
         }
         if (signals != nullptr) {
@@ -146,9 +167,9 @@ __device__ __forceinline__ void write_latent_rows(uint64_t src_base, uint64_t ds
                                                   const int64_t* rows) {
     constexpr uint32_t VECTORS = WRITE_GROUP * VPR;
     constexpr uint32_t PER_LANE = (VECTORS + 31) / 32;
-    // 6 vectors a lane in flight: with the many warps this kernel runs, far more bytes are in
-    // flight than HBM needs, and the chunk keeps registers low enough for two CTAs per SM.
-    constexpr uint32_t CHUNK = PER_LANE < 6 ? PER_LANE : 6;
+    // WRITE_CHUNK vectors a lane in flight: with the many warps this kernel runs, far more bytes
+    // are in flight than HBM needs, and the chunk keeps registers within the budget.
+    constexpr uint32_t CHUNK = PER_LANE < WRITE_CHUNK ? PER_LANE : WRITE_CHUNK;
     constexpr uint64_t ROW_BYTES = 16ull * VPR;
     const uint32_t lane = threadIdx.x % 32;
     // The group's staged rows are contiguous, so vector i of the group is at 16 * i.
@@ -176,19 +197,24 @@ __device__ __forceinline__ void write_latent_rows(uint64_t src_base, uint64_t ds
     }
 }
 
-/* One pair's indexer rows of a token group: 8 key vectors per token (2 per lane), then scales. */
+/* 16-byte key vectors per indexer token, and of a token group per lane. */
+constexpr uint32_t KEY_VECTORS = KVS_INDEXER_HEAD_DIM / 16;
+constexpr uint32_t GROUP_KEY_VECTORS_PER_LANE = WRITE_GROUP * KEY_VECTORS / 32;
+static_assert(GROUP_KEY_VECTORS_PER_LANE * 32 == WRITE_GROUP * KEY_VECTORS, "whole key vectors per lane");
+
+/* One pair's indexer rows of a token group: the key vectors, then the scales. */
 __device__ __forceinline__ void write_indexer_rows(uint64_t src_base, uint64_t dst_base, uint64_t first_token,
                                                    const int64_t* rows) {
     const uint32_t lane = threadIdx.x % 32;
-    vec16 r[2];
+    vec16 r[GROUP_KEY_VECTORS_PER_LANE];
     float scale = 0.0f;
 #pragma unroll
-    for (uint32_t u = 0; u < 2; ++u) {
+    for (uint32_t u = 0; u < GROUP_KEY_VECTORS_PER_LANE; ++u) {
         const uint32_t i = lane + 32 * u;
-        const uint64_t token = first_token + i / 8;
-        if (rows[i / 8] >= 0) {
+        const uint64_t token = first_token + i / KEY_VECTORS;
+        if (rows[i / KEY_VECTORS] >= 0) {
             r[u] = load16(src_base + (token / KVS_PAGE_SIZE) * KVS_INDEXER_PAGE_BYTES +
-                                 (token % KVS_PAGE_SIZE) * KVS_INDEXER_HEAD_DIM + 16ull * (i % 8));
+                          (token % KVS_PAGE_SIZE) * KVS_INDEXER_HEAD_DIM + 16ull * (i % KEY_VECTORS));
         }
     }
     const uint64_t scale_token = first_token + lane;
@@ -197,13 +223,13 @@ __device__ __forceinline__ void write_indexer_rows(uint64_t src_base, uint64_t d
                                                 KVS_INDEXER_SCALES_OFFSET + 4 * (scale_token % KVS_PAGE_SIZE));
     }
 #pragma unroll
-    for (uint32_t u = 0; u < 2; ++u) {
+    for (uint32_t u = 0; u < GROUP_KEY_VECTORS_PER_LANE; ++u) {
         const uint32_t i = lane + 32 * u;
-        const int64_t row = rows[i / 8];
+        const int64_t row = rows[i / KEY_VECTORS];
         if (row >= 0) {
             store16(dst_base + (row / KVS_PAGE_SIZE) * KVS_INDEXER_PAGE_BYTES +
-                               (row % KVS_PAGE_SIZE) * KVS_INDEXER_HEAD_DIM + 16ull * (i % 8),
-                           r[u]);
+                        (row % KVS_PAGE_SIZE) * KVS_INDEXER_HEAD_DIM + 16ull * (i % KEY_VECTORS),
+                    r[u]);
         }
     }
     if (lane < WRITE_GROUP && rows[lane] >= 0) {
@@ -220,8 +246,9 @@ __device__ __forceinline__ void write_indexer_rows(uint64_t src_base, uint64_t d
  * local row, bounds), then copies those rows for every pair of its block, so slot work is paid
  * once per WRITE_PAIR_BLOCK layers and a group this rank does not own costs one slot read.
  */
-extern "C" __global__ void __launch_bounds__(WRITE_THREADS, 2) kvs_write_rows(const __grid_constant__ kvs_write_rows_params p) {
-    __shared__ int64_t s_rows[WRITE_THREADS / 32][WRITE_GROUP];
+extern "C" __global__ void __launch_bounds__(KVS_WRITE_THREADS, WRITE_CTAS_PER_SM)
+    kvs_write_rows(const __grid_constant__ kvs_write_rows_params p) {
+    __shared__ int64_t s_rows[KVS_WRITE_THREADS / 32][WRITE_GROUP];
     const kvs_layer_pair* pairs = reinterpret_cast<const kvs_layer_pair*>(p.pairs);
     const int64_t* slots = reinterpret_cast<const int64_t*>(p.slots);
     const uint32_t lane = threadIdx.x % 32;
@@ -266,13 +293,13 @@ extern "C" __global__ void __launch_bounds__(WRITE_THREADS, 2) kvs_write_rows(co
                 const kvs_row_component& c = p.components[pair.component];
                 if (c.kind == KVS_ROWS_INDEXER) {
                     write_indexer_rows(pair.src, pair.dst, first_token, rows);
-                } else if (c.row_bytes == 576) {
-                    write_latent_rows<36>(pair.src, pair.dst, first_token, rows);
-                } else if (c.row_bytes == 656) {
-                    write_latent_rows<41>(pair.src, pair.dst, first_token, rows);
+                } else if (c.row_bytes == KVS_LATENT_TRTLLM_ROW_BYTES) {
+                    write_latent_rows<KVS_LATENT_TRTLLM_ROW_BYTES / 16>(pair.src, pair.dst, first_token, rows);
+                } else if (c.row_bytes == KVS_LATENT_SCALED_ROW_BYTES) {
+                    write_latent_rows<KVS_LATENT_SCALED_ROW_BYTES / 16>(pair.src, pair.dst, first_token, rows);
                 } else {
-                    // Row sizes are validated on the host: the remaining one is 1152.
-                    write_latent_rows<72>(pair.src, pair.dst, first_token, rows);
+                    // Row sizes are validated on the host: the remaining one is the bf16 row.
+                    write_latent_rows<KVS_LATENT_BF16_ROW_BYTES / 16>(pair.src, pair.dst, first_token, rows);
                 }
             }
         }
@@ -281,13 +308,14 @@ extern "C" __global__ void __launch_bounds__(WRITE_THREADS, 2) kvs_write_rows(co
     }
 }
 
-extern "C" __global__ void __launch_bounds__(MAX_THREADS) kvs_copy_ranges(const __grid_constant__ kvs_copy_ranges_params p) {
+extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS) kvs_copy_ranges(const __grid_constant__ kvs_copy_ranges_params p) {
     const kvs_range* ranges = reinterpret_cast<const kvs_range*>(p.ranges);
     const uint32_t lane = threadIdx.x % 32;
     for (uint64_t r = global_warp(); r < p.num_ranges; r += grid_warps()) {
         const kvs_range range = ranges[r];
         if (((range.src | range.dst | range.bytes) & 15) == 0) {
-            warp_copy(range.src, range.dst, static_cast<uint32_t>(range.bytes / 16), Contiguous{}, Contiguous{});
+            warp_copy<RANGES_UNROLL>(range.src, range.dst, static_cast<uint32_t>(range.bytes / 16), Contiguous{},
+                                     Contiguous{});
         } else {
             for (uint64_t b = lane; b < range.bytes; b += 32) {
                 reinterpret_cast<uint8_t*>(range.dst)[b] = reinterpret_cast<const uint8_t*>(range.src)[b];

@@ -20,6 +20,15 @@ using namespace kvs;
 
 namespace {
 
+/* 16-byte vectors of a latent input row; the lane mapping above holds for these shapes only. */
+constexpr uint32_t LATENT_VECTORS = KVS_LATENT_INPUT_ROW_BYTES / 16;
+constexpr uint32_t NOPE_VECTORS = 2 * KVS_KV_LORA_RANK / 16;
+constexpr uint32_t ROPE_VECTORS = 2 * KVS_ROPE_DIM / 16;
+static_assert(NOPE_VECTORS == 2 * 32 && NOPE_VECTORS + ROPE_VECTORS == LATENT_VECTORS, "latent input row");
+static_assert(2 * KVS_LATENT_SCALE_TILE / 16 == 16, "a scale tile per half-warp");
+static_assert(ROPE_VECTORS <= 32, "one rope vector per lane");
+static_assert(KVS_INDEXER_INPUT_ROW_BYTES / 16 == 16, "an indexer row per half-warp");
+
 __device__ __forceinline__ float half_warp_max(float v) {
 #pragma unroll
     for (int offset = 8; offset > 0; offset >>= 1) {
@@ -56,19 +65,19 @@ extern "C" __global__ void kvs_quantize_latent(const __grid_constant__ kvs_quant
         }
         const uint64_t src = p.src + token * p.src_stride;
         if (p.layout == KVS_LATENT_BF16) {
-            const uint64_t dst = p.dst + static_cast<uint64_t>(slot) * 1152;
-            for (uint32_t v = lane; v < 72; v += 32) {
+            const uint64_t dst = p.dst + static_cast<uint64_t>(slot) * KVS_LATENT_BF16_ROW_BYTES;
+            for (uint32_t v = lane; v < LATENT_VECTORS; v += 32) {
                 store16(dst + 16 * v, load16(src + 16 * v));
             }
         } else if (p.layout == KVS_LATENT_FP8_TRTLLM) {
-            const uint64_t dst = p.dst + static_cast<uint64_t>(slot) * 576;
-            for (uint32_t v = lane; v < 72; v += 32) {
+            const uint64_t dst = p.dst + static_cast<uint64_t>(slot) * KVS_LATENT_TRTLLM_ROW_BYTES;
+            for (uint32_t v = lane; v < LATENT_VECTORS; v += 32) {
                 float x[8];
                 unpack_bf16x8(load16(src + 16 * v), x);
                 store8(dst + 8 * v, encode_e4m3x8(x, 1.0f, false));
             }
         } else {
-            const uint64_t dst = p.dst + static_cast<uint64_t>(slot) * 656;
+            const uint64_t dst = p.dst + static_cast<uint64_t>(slot) * KVS_LATENT_SCALED_ROW_BYTES;
 #pragma unroll
             for (uint32_t half = 0; half < 2; ++half) {
                 const uint32_t v = lane + 32 * half;
@@ -79,11 +88,11 @@ extern "C" __global__ void kvs_quantize_latent(const __grid_constant__ kvs_quant
                 store8(dst + 8 * v, encode_e4m3x8(x, scale, scale != 0.0f));
                 if (lane % 16 == 0) {
                     const uint32_t tile = lane / 16 + 2 * half;
-                    *reinterpret_cast<float*>(dst + 512 + 4 * tile) = scale;
+                    *reinterpret_cast<float*>(dst + KVS_LATENT_SCALED_SCALES_OFFSET + 4 * tile) = scale;
                 }
             }
-            if (lane < 8) {
-                store16(dst + 528 + 16 * lane, load16(src + 16 * (64 + lane)));
+            if (lane < ROPE_VECTORS) {
+                store16(dst + KVS_LATENT_SCALED_ROPE_OFFSET + 16 * lane, load16(src + 16 * (NOPE_VECTORS + lane)));
             }
         }
     }

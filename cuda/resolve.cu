@@ -1,10 +1,10 @@
 /*
  * Owner-local index resolution and scratch translation.
  *
- * kvs_resolve_* is a single-pass stream compaction: one CTA of 256 threads per tile of
- * KVS_RESOLVE_TILE (1024) entries. Warp w of a tile holds entries [128w, 128w + 128), lane l
- * item k being entry 128w + 32k + l, so every load is one coalesced 256-byte warp access and the
- * stable order is (warp, item, lane). Per tile:
+ * kvs_resolve_* is a single-pass stream compaction: one CTA of KVS_RESOLVE_THREADS (256)
+ * threads per tile of KVS_RESOLVE_TILE (1024) entries. Warp w of a tile holds entries
+ * [128w, 128w + 128), lane l item k being entry 128w + 32k + l, so every load is one coalesced
+ * 256-byte warp access and the stable order is (warp, item, lane). Per tile:
  *   1. load, test ownership, one ballot per item: its bits are the owning lanes;
  *   2. per-warp totals go through shared memory into the warp's offset and the tile's total;
  *   3. warp 0 adds the total to the Fenwick-tree nodes covering the tile (one relaxed atomic per
@@ -35,10 +35,11 @@ using namespace kvs;
 
 namespace {
 
-constexpr uint32_t RESOLVE_THREADS = 256;
-constexpr uint32_t RESOLVE_WARPS = RESOLVE_THREADS / 32;
-constexpr uint32_t RESOLVE_ITEMS = KVS_RESOLVE_TILE / RESOLVE_THREADS;
-static_assert(RESOLVE_ITEMS * RESOLVE_THREADS == KVS_RESOLVE_TILE, "tile = threads x items");
+/* The register budget (32 at 8 CTAs of 256 threads) that resolve_tile is written for. */
+constexpr uint32_t RESOLVE_CTAS_PER_SM = 8;
+constexpr uint32_t RESOLVE_WARPS = KVS_RESOLVE_THREADS / 32;
+constexpr uint32_t RESOLVE_ITEMS = KVS_RESOLVE_TILE / KVS_RESOLVE_THREADS;
+static_assert(RESOLVE_ITEMS * KVS_RESOLVE_THREADS == KVS_RESOLVE_TILE, "tile = threads x items");
 constexpr uint32_t NODE_SUM_BITS = 40;
 /* The trees interleave by 128-byte lines: node i of tree t is word node_word(i) + 16 t. */
 constexpr uint32_t NODES_PER_LINE = KVS_RESOLVE_LINE_NODES;
@@ -118,7 +119,7 @@ __device__ __forceinline__ void resolve_tile(const kvs_resolve_params& p) {
     uint64_t* state = reinterpret_cast<uint64_t*>(p.tile_state);
     uint64_t* nodes = state + p.parity * NODES_PER_LINE;
     uint64_t* other = state + (p.parity ^ 1) * NODES_PER_LINE;
-    for (uint32_t j = tile * RESOLVE_THREADS + threadIdx.x; j < p.clear_tiles; j += gridDim.x * RESOLVE_THREADS) {
+    for (uint32_t j = tile * KVS_RESOLVE_THREADS + threadIdx.x; j < p.clear_tiles; j += gridDim.x * KVS_RESOLVE_THREADS) {
         other[node_word(j)] = 0;
     }
 
@@ -204,9 +205,10 @@ __device__ __forceinline__ void resolve_tile(const kvs_resolve_params& p) {
     }
 }
 
-#define KVS_RESOLVE_ENTRY(name, tokens, pow2)                                                           \
-    extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS, 8) name(const __grid_constant__ kvs_resolve_params p) { \
-        resolve_tile<tokens, pow2>(p);                                                                  \
+#define KVS_RESOLVE_ENTRY(name, tokens, pow2)                                                \
+    extern "C" __global__ void __launch_bounds__(KVS_RESOLVE_THREADS, RESOLVE_CTAS_PER_SM)   \
+        name(const __grid_constant__ kvs_resolve_params p) {                                 \
+        resolve_tile<tokens, pow2>(p);                                                       \
     }
 /* The host picks one by p.mode and whether p.shard is a power of two. */
 KVS_RESOLVE_ENTRY(kvs_resolve_tokens, true, false)

@@ -28,9 +28,9 @@ pub const INDEXER_PAGE_BYTES: usize = crate::abi::KVS_INDEXER_PAGE_BYTES as usiz
 /// Offset of the scales inside an indexer block.
 pub const INDEXER_SCALES_OFFSET: usize = crate::abi::KVS_INDEXER_SCALES_OFFSET as usize;
 /// Bytes of one token's indexer row (key + scale).
-pub const INDEXER_ROW_BYTES: usize = INDEXER_HEAD_DIM + 4;
+pub const INDEXER_ROW_BYTES: usize = crate::abi::KVS_INDEXER_ROW_BYTES as usize;
 /// Elements per FP8 scale tile of the "scaled" latent layout.
-pub const LATENT_SCALE_TILE: usize = 128;
+pub const LATENT_SCALE_TILE: usize = crate::abi::KVS_LATENT_SCALE_TILE as usize;
 
 /// How a latent KV row is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -50,11 +50,11 @@ impl LatentLayout {
 
     /// Bytes of one token's row.
     pub const fn row_bytes(self) -> usize {
-        match self {
-            Self::Fp8Trtllm => 576,
-            Self::Fp8Scaled => 656,
-            Self::Bf16 => 1152,
-        }
+        (match self {
+            Self::Fp8Trtllm => crate::abi::KVS_LATENT_TRTLLM_ROW_BYTES,
+            Self::Fp8Scaled => crate::abi::KVS_LATENT_SCALED_ROW_BYTES,
+            Self::Bf16 => crate::abi::KVS_LATENT_BF16_ROW_BYTES,
+        }) as usize
     }
 
     /// Bytes of one (page, layer) block.

@@ -11,14 +11,12 @@
 use crate::abi;
 use crate::backend::{upload_i64s_sync, Backend, Buffer};
 use crate::error::{Checked, Error, Result};
-use crate::geometry::{
-    IndexerScale, LatentLayout, INDEXER_HEAD_DIM, INDEXER_PAGE_BYTES, LATENT_DIM, PAGE_SIZE,
-};
+use crate::geometry::{IndexerScale, LatentLayout, INDEXER_PAGE_BYTES, PAGE_SIZE};
 
 /// Bytes of one bf16 input row of the latent quantizer (512 nope + 64 rope).
-pub const LATENT_INPUT_ROW_BYTES: usize = 2 * LATENT_DIM;
+pub const LATENT_INPUT_ROW_BYTES: usize = abi::KVS_LATENT_INPUT_ROW_BYTES as usize;
 /// Bytes of one bf16 input row of the indexer quantizer.
-pub const INDEXER_INPUT_ROW_BYTES: usize = 2 * INDEXER_HEAD_DIM;
+pub const INDEXER_INPUT_ROW_BYTES: usize = abi::KVS_INDEXER_INPUT_ROW_BYTES as usize;
 
 fn check_rows(rows: &[i64], limit: u64, what: &'static str) -> Result<()> {
     match rows.iter().find(|&&s| s >= 0 && s as u64 >= limit) {

@@ -30,14 +30,26 @@ pub(crate) fn quantize_latent(p: &abi::kvs_quantize_latent_params) -> Result<()>
     if p.layout > abi::KVS_LATENT_BF16 {
         return invalid(format!("latent layout code {}", p.layout));
     }
-    check_rows("latent", p.src, p.src_stride, 1152, p.dst)
+    check_rows(
+        "latent",
+        p.src,
+        p.src_stride,
+        u64::from(abi::KVS_LATENT_INPUT_ROW_BYTES),
+        p.dst,
+    )
 }
 
 pub(crate) fn quantize_indexer(p: &abi::kvs_quantize_indexer_params) -> Result<()> {
     if p.scale > abi::KVS_SCALE_PLAIN {
         return invalid(format!("indexer scale code {}", p.scale));
     }
-    check_rows("indexer", p.src, p.src_stride, 256, p.dst)
+    check_rows(
+        "indexer",
+        p.src,
+        p.src_stride,
+        u64::from(abi::KVS_INDEXER_INPUT_ROW_BYTES),
+        p.dst,
+    )
 }
 
 pub(crate) fn resolve(p: &abi::kvs_resolve_params) -> Result<()> {
@@ -117,8 +129,13 @@ pub(crate) fn write_rows(p: &abi::kvs_write_rows_params) -> Result<()> {
     }
     for (i, c) in p.components[..p.num_components as usize].iter().enumerate() {
         let ok = match c.kind {
-            abi::KVS_ROWS_LATENT => matches!(c.row_bytes, 576 | 656 | 1152),
-            abi::KVS_ROWS_INDEXER => c.row_bytes == 132,
+            abi::KVS_ROWS_LATENT => matches!(
+                c.row_bytes,
+                abi::KVS_LATENT_TRTLLM_ROW_BYTES
+                    | abi::KVS_LATENT_SCALED_ROW_BYTES
+                    | abi::KVS_LATENT_BF16_ROW_BYTES
+            ),
+            abi::KVS_ROWS_INDEXER => c.row_bytes == abi::KVS_INDEXER_ROW_BYTES,
             _ => false,
         };
         if !ok {

@@ -14,7 +14,7 @@ use super::{
 use crate::abi;
 use crate::error::{Error, Result};
 use crate::gpu::memory::{registration_cuts, DeviceAllocation, PinnedAllocation};
-use crate::gpu::{Gpu, Kernel, Stream};
+use crate::gpu::{kernels, Gpu, KernelFn, Stream};
 
 /// Threads per CTA of the element-wise kernels (quantizers, scratch translation).
 const THREADS: u32 = 256;
@@ -89,7 +89,7 @@ impl CudaBackend {
         &self.stream
     }
 
-    fn begin(&self, kernel: Kernel) -> Result<abi::kvs_status> {
+    fn begin<P>(&self, kernel: KernelFn<P>) -> Result<abi::kvs_status> {
         let mut tracker = lock(&self.status);
         if tracker.needs_clear() {
             // SAFETY: our own 8-byte status word; stream-ordered before the next launch.
@@ -108,12 +108,15 @@ impl CudaBackend {
 
     /// # Safety
     /// As [`Gpu::launch`].
-    unsafe fn launch<P>(&self, kernel: Kernel, grid: u32, block: u32, params: &P) -> Result<()> {
+    unsafe fn launch<P>(
+        &self,
+        kernel: KernelFn<P>,
+        grid: u32,
+        block: u32,
+        params: &P,
+    ) -> Result<()> {
         // SAFETY: forwarded contract.
-        unsafe {
-            self.gpu
-                .launch(kernel, grid, block, &self.stream, Some(params))
-        }
+        unsafe { self.gpu.launch(kernel, grid, block, &self.stream, params) }
     }
 }
 
@@ -127,7 +130,13 @@ impl Backend for CudaBackend {
     }
 
     fn max_threads(&self, family: KernelFamily) -> u32 {
-        super::compiled_max_threads(family)
+        let kernel = match family {
+            KernelFamily::Copy => crate::gpu::Kernel::CopyBlocks,
+            KernelFamily::WriteRows => crate::gpu::Kernel::WriteRows,
+        };
+        self.gpu
+            .max_threads(kernel)
+            .min(super::compiled_max_threads(family))
     }
 
     fn alloc(&self, len: usize, kind: MemoryKind) -> Result<Buffer> {
@@ -340,10 +349,10 @@ impl Backend for CudaBackend {
         if p.num_tokens == 0 {
             return Ok(());
         }
-        p.status = self.begin(Kernel::QuantizeLatent)?;
+        p.status = self.begin(kernels::QUANTIZE_LATENT)?;
         let grid = self.grid(p.num_tokens, u64::from(THREADS / 32));
         // SAFETY: parameter type matches the kernel; addresses are the caller's contract.
-        unsafe { self.launch(Kernel::QuantizeLatent, grid, THREADS, &p) }
+        unsafe { self.launch(kernels::QUANTIZE_LATENT, grid, THREADS, &p) }
     }
 
     unsafe fn quantize_indexer(&self, mut p: abi::kvs_quantize_indexer_params) -> Result<()> {
@@ -351,10 +360,10 @@ impl Backend for CudaBackend {
         if p.num_tokens == 0 {
             return Ok(());
         }
-        p.status = self.begin(Kernel::QuantizeIndexer)?;
+        p.status = self.begin(kernels::QUANTIZE_INDEXER)?;
         let grid = self.grid(p.num_tokens, u64::from(THREADS / 16));
         // SAFETY: as above.
-        unsafe { self.launch(Kernel::QuantizeIndexer, grid, THREADS, &p) }
+        unsafe { self.launch(kernels::QUANTIZE_INDEXER, grid, THREADS, &p) }
     }
 
     unsafe fn resolve(&self, mut p: abi::kvs_resolve_params) -> Result<()> {
@@ -375,10 +384,10 @@ impl Backend for CudaBackend {
         if p.num_slots == 0 {
             return Ok(());
         }
-        p.status = self.begin(Kernel::ScratchRows)?;
+        p.status = self.begin(kernels::SCRATCH_ROWS)?;
         let grid = self.grid(p.num_slots, u64::from(THREADS));
         // SAFETY: as above.
-        unsafe { self.launch(Kernel::ScratchRows, grid, THREADS, &p) }
+        unsafe { self.launch(kernels::SCRATCH_ROWS, grid, THREADS, &p) }
     }
 
     unsafe fn copy_blocks(&self, mut p: abi::kvs_copy_blocks_params, launch: Launch) -> Result<()> {
@@ -387,7 +396,7 @@ impl Backend for CudaBackend {
         if p.num_pages == 0 || p.num_pairs == 0 {
             return Ok(());
         }
-        p.status = self.begin(Kernel::CopyBlocks)?;
+        p.status = self.begin(kernels::COPY_BLOCKS)?;
         let units = p.num_pages * u64::from(p.num_pairs);
         // SAFETY: as above.
         // Warps take units from this backend's work queue; every launch adds units + warps to
@@ -398,7 +407,7 @@ impl Backend for CudaBackend {
             base: *base,
         };
         // SAFETY: as above; the counter is ours.
-        unsafe { self.launch(Kernel::CopyBlocks, launch.ctas, launch.threads, &p)? };
+        unsafe { self.launch(kernels::COPY_BLOCKS, launch.ctas, launch.threads, &p)? };
         *base += units + u64::from(launch.ctas) * u64::from(launch.threads / 32);
         Ok(())
     }
@@ -409,13 +418,13 @@ impl Backend for CudaBackend {
         if p.num_slots == 0 || p.num_pairs == 0 {
             return Ok(());
         }
-        p.status = self.begin(Kernel::WriteRows)?;
+        p.status = self.begin(kernels::WRITE_ROWS)?;
         // Grid-stride units, no work queue: most units of a sharded write are skipped after one
         // slot read, and warps racing one counter for them measured slower than a grid of one
         // warp per unit (BENCHMARKS.md).
         p.work = abi::kvs_work_queue::default();
         // SAFETY: as above.
-        unsafe { self.launch(Kernel::WriteRows, launch.ctas, launch.threads, &p) }
+        unsafe { self.launch(kernels::WRITE_ROWS, launch.ctas, launch.threads, &p) }
     }
 
     unsafe fn copy_ranges(&self, p: abi::kvs_copy_ranges_params, launch: Launch) -> Result<()> {
@@ -424,7 +433,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         // SAFETY: as above.
-        unsafe { self.launch(Kernel::CopyRanges, launch.ctas, launch.threads, &p) }
+        unsafe { self.launch(kernels::COPY_RANGES, launch.ctas, launch.threads, &p) }
     }
 
     unsafe fn memcpy(&self, dst: u64, src: u64, len: usize) -> Result<()> {

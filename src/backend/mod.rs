@@ -29,6 +29,7 @@ use cudarc::driver::CudaEvent;
 
 use crate::abi;
 use crate::error::{Error, Result};
+use crate::gpu::{kernels, KernelFn};
 
 /// Where a buffer lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -223,9 +224,6 @@ impl Launch {
     }
 }
 
-/// Threads per CTA the copy kernels are compiled for on the H200.
-pub const COPY_THREADS: u32 = 1024;
-
 /// The kernel families a launch shape is chosen for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KernelFamily {
@@ -396,6 +394,17 @@ pub fn write_units(slots: u64, pairs: u32) -> u64 {
         * u64::from(pairs.div_ceil(abi::KVS_WRITE_PAIR_BLOCK))
 }
 
+/// The `kvs_resolve` kernel for `p`: one per entry kind and shard-size class (cuda/resolve.cu
+/// says why). The CPU twin reports errors under the same name.
+pub(crate) fn resolve_kernel(p: &abi::kvs_resolve_params) -> KernelFn<abi::kvs_resolve_params> {
+    match (p.mode == abi::KVS_RESOLVE_TOKENS, p.shard.is_power_of_two()) {
+        (true, true) => kernels::RESOLVE_TOKENS_POW2,
+        (true, false) => kernels::RESOLVE_TOKENS,
+        (false, true) => kernels::RESOLVE_PAGES_POW2,
+        (false, false) => kernels::RESOLVE_PAGES,
+    }
+}
+
 /// Tiles (one CTA each) `kvs_resolve` uses for `entries` entries.
 pub fn resolve_tiles(entries: u64) -> u64 {
     entries.div_ceil(u64::from(abi::KVS_RESOLVE_TILE))
@@ -436,26 +445,11 @@ pub fn upload_i64s_sync(backend: &dyn Backend, values: &[i64]) -> Result<Buffer>
     Ok(buf)
 }
 
-/// The `kvs_resolve` kernel for `p`: one per entry kind and shard-size class (cuda/resolve.cu
-/// says why). The CPU twin reports errors under the same name.
-pub(crate) fn resolve_kernel(p: &abi::kvs_resolve_params) -> crate::gpu::Kernel {
-    use crate::gpu::Kernel;
-    match (p.mode == abi::KVS_RESOLVE_TOKENS, p.shard.is_power_of_two()) {
-        (true, true) => Kernel::ResolveTokensPow2,
-        (true, false) => Kernel::ResolveTokens,
-        (false, true) => Kernel::ResolvePagesPow2,
-        (false, false) => Kernel::ResolvePages,
-    }
-}
-
-/// Threads per CTA each kernel family is compiled for on the H200 (sm_90a): what the CPU twin
-/// accepts, so a launch shape valid there is valid on the GPU.
+/// Threads per CTA each kernel family is compiled for (`cuda/abi.h`): what the CPU twin
+/// accepts, so a launch shape valid there is valid on every embedded architecture.
 pub(crate) fn compiled_max_threads(family: KernelFamily) -> u32 {
     match family {
-        KernelFamily::Copy => COPY_THREADS,
-        KernelFamily::WriteRows => WRITE_THREADS,
+        KernelFamily::Copy => abi::KVS_COPY_THREADS,
+        KernelFamily::WriteRows => abi::KVS_WRITE_THREADS,
     }
 }
-
-/// Threads per CTA of the owned-row write.
-pub const WRITE_THREADS: u32 = 512;

@@ -17,8 +17,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 
-pub use module::Kernel;
 use module::Module;
+pub use module::{kernels, Kernel, KernelFn, RESOURCE_USAGE};
 
 use crate::error::{Error, Result};
 
@@ -133,30 +133,48 @@ impl Gpu {
             .map_err(Error::driver("cuEventCreate"))
     }
 
-    /// Launches `kernel` with one by-value parameter struct (`None` for a kernel without one).
+    /// The most threads per CTA `kernel` can be launched with on this device: what its loaded
+    /// cubin allows (launch bounds and registers), which may differ by architecture.
+    pub fn max_threads(&self, kernel: Kernel) -> u32 {
+        self.module.max_threads(kernel)
+    }
+
+    /// Launches `kernel` with its by-value parameter struct (`()` for a kernel without one).
+    /// A CTA larger than [`Gpu::max_threads`] allows is refused with
+    /// [`Error::InvalidArgument`] before anything is enqueued.
     ///
     /// # Safety
-    /// `params` must be the parameter type `kernel` was compiled with, and every address in it
-    /// must be valid for what the kernel does with it until the launch completes on `stream`.
+    /// Every address in `params` must be valid for what the kernel does with it until the launch
+    /// completes on `stream`.
     pub(crate) unsafe fn launch<P>(
         &self,
-        kernel: Kernel,
+        kernel: KernelFn<P>,
         grid: u32,
         block: u32,
         stream: &Stream,
-        params: Option<&P>,
+        params: &P,
     ) -> Result<()> {
+        let allowed = self.max_threads(kernel.kernel());
+        if block > allowed {
+            return Err(Error::InvalidArgument(format!(
+                "{}: CTA of {block} threads asked, {allowed} allowed by its cubin on this device",
+                kernel.name()
+            )));
+        }
         self.bind()?;
-        let mut args: Vec<*mut std::ffi::c_void> = match params {
-            Some(p) => vec![p as *const P as *mut std::ffi::c_void],
-            None => Vec::new(),
+        // The parameter structs are never zero-sized; `()` stands for no parameter at all.
+        let mut args: Vec<*mut std::ffi::c_void> = if std::mem::size_of::<P>() == 0 {
+            Vec::new()
+        } else {
+            vec![params as *const P as *mut std::ffi::c_void]
         };
-        // SAFETY: the function belongs to the loaded module; the parameter layout and address
-        // validity are the caller's contract above; `args` outlives the call, and the driver
-        // copies the parameter values before cuLaunchKernel returns.
+        // SAFETY: the function belongs to the loaded module and `P` is the struct it takes (the
+        // `kernels` table ties them); address validity is the caller's contract above; `args`
+        // outlives the call, and the driver copies the parameter values before cuLaunchKernel
+        // returns.
         unsafe {
             cudarc::driver::result::launch_kernel(
-                self.module.function(kernel),
+                self.module.function(kernel.kernel()),
                 (grid.max(1), 1, 1),
                 (block, 1, 1),
                 0,
@@ -274,14 +292,14 @@ impl Stream {
 
 /// Reference loads for benchmarks: what a transfer's speed is compared with or run against.
 pub mod bench {
-    use super::{Gpu, Kernel, Stream};
+    use super::{kernels, Gpu, Stream};
     use crate::abi;
     use crate::error::Result;
 
     /// Launches the empty kernel (1 CTA, 32 threads): the fixed cost every launch pays.
     pub fn empty_kernel(gpu: &Gpu, stream: &Stream) -> Result<()> {
         // SAFETY: the kernel takes no parameters and touches no memory.
-        unsafe { gpu.launch::<()>(Kernel::BenchEmpty, 1, 32, stream, None) }
+        unsafe { gpu.launch(kernels::BENCH_EMPTY, 1, 32, stream, &()) }
     }
 
     /// Launches a read of `bytes` (a multiple of 16) at `src` (8 CTAs of 512 threads per SM, one
@@ -294,7 +312,7 @@ pub mod bench {
         let p = abi::kvs_bench_read_params { src, bytes, sink };
         let grid = gpu.info().sm_count * 8;
         // SAFETY: forwarded contract.
-        unsafe { gpu.launch(Kernel::BenchRead, grid, 512, stream, Some(&p)) }
+        unsafe { gpu.launch(kernels::BENCH_READ, grid, 512, stream, &p) }
     }
 
     /// Launches `out[i] = a[i] + b[i]` over `count` bf16 values (a multiple of 8): a
@@ -314,6 +332,86 @@ pub mod bench {
         let p = abi::kvs_bench_add_params { a, b, out, count };
         let grid = gpu.info().sm_count * 8;
         // SAFETY: forwarded contract.
-        unsafe { gpu.launch(Kernel::BenchAdd, grid, 256, stream, Some(&p)) }
+        unsafe { gpu.launch(kernels::BENCH_ADD, grid, 256, stream, &p) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::*;
+    use crate::abi;
+
+    #[test]
+    fn resource_usage_lists_every_kernel_of_every_cubin_without_spills() {
+        let Some(archs) = embedded_archs() else {
+            return;
+        };
+        for arch in archs.split(',').filter(|a| a.starts_with("sm_")) {
+            for kernel in Kernel::ALL {
+                let row: Vec<&str> = RESOURCE_USAGE
+                    .lines()
+                    .map(|l| l.split_whitespace().collect::<Vec<_>>())
+                    .find(|w| w.len() == 7 && w[0] == kernel.name() && w[1] == arch)
+                    .unwrap_or_else(|| panic!("no row for {} on {arch}", kernel.name()));
+                assert_eq!(&row[3..6], ["0", "0", "0"], "{} on {arch}", kernel.name());
+            }
+        }
+    }
+
+    #[test]
+    fn gpu_abi_launch_shapes_fit_and_larger_ctas_are_refused() {
+        let gpu = match Gpu::open(0) {
+            Ok(gpu) => gpu,
+            Err(why) => {
+                assert!(
+                    std::env::var_os("KVSHARD_REQUIRE_GPU").is_none(),
+                    "KVSHARD_REQUIRE_GPU is set but no GPU is usable: {why}"
+                );
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "SKIPPED gpu_abi_launch_shapes_fit_and_larger_ctas_are_refused on the GPU: {why}"
+                );
+                return;
+            }
+        };
+        let shapes = [
+            (Kernel::QuantizeLatent, abi::KVS_ELEMENTWISE_THREADS),
+            (Kernel::QuantizeIndexer, abi::KVS_ELEMENTWISE_THREADS),
+            (Kernel::ScratchRows, abi::KVS_ELEMENTWISE_THREADS),
+            (Kernel::ResolveTokens, abi::KVS_RESOLVE_THREADS),
+            (Kernel::ResolveTokensPow2, abi::KVS_RESOLVE_THREADS),
+            (Kernel::ResolvePages, abi::KVS_RESOLVE_THREADS),
+            (Kernel::ResolvePagesPow2, abi::KVS_RESOLVE_THREADS),
+            (Kernel::CopyBlocks, abi::KVS_COPY_THREADS),
+            (Kernel::CopyRanges, abi::KVS_COPY_THREADS),
+            (Kernel::WriteRows, abi::KVS_WRITE_THREADS),
+        ];
+        for (kernel, threads) in shapes {
+            let allowed = gpu.max_threads(kernel);
+            assert!(
+                allowed >= threads,
+                "{}: {allowed} < {threads}",
+                kernel.name()
+            );
+        }
+        let stream = gpu.new_stream().unwrap();
+        let allowed = gpu.max_threads(Kernel::BenchEmpty);
+        // SAFETY: the kernel takes no parameters and touches no memory.
+        unsafe { gpu.launch(kernels::BENCH_EMPTY, 1, allowed, &stream, &()) }.unwrap();
+        // SAFETY: as above (and it is refused before reaching the driver).
+        let refused = unsafe { gpu.launch(kernels::BENCH_EMPTY, 1, allowed + 32, &stream, &()) };
+        match refused {
+            Err(Error::InvalidArgument(why)) => assert!(
+                why.contains("kvs_bench_empty") && why.contains(&format!("{}", allowed + 32)),
+                "{why}"
+            ),
+            other => panic!(
+                "a CTA of {} threads was not refused: {other:?}",
+                allowed + 32
+            ),
+        }
+        stream.synchronize().unwrap();
     }
 }

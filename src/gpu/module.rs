@@ -1,11 +1,14 @@
 //! The embedded fatbin and its kernels, looked up once by name into a table indexed by
-//! [`Kernel`] (no ad-hoc string lookups at launch time).
+//! [`Kernel`] (no ad-hoc string lookups at launch time), each with the parameter struct it takes
+//! ([`KernelFn`]) and the largest CTA its cubin allows.
 
 use std::ffi::CString;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext};
 
+use crate::abi;
 use crate::error::{Error, Result};
 
 /// The driver wants an image it can read as 8-byte words; `include_bytes!` only promises 1.
@@ -28,8 +31,57 @@ pub(crate) const ARCHS: &str = env!("KVSHARD_KERNEL_ARCHS");
 #[cfg(kvshard_no_kernels)]
 pub(crate) const ARCHS: &str = "";
 
+/// ptxas' resource usage of every kernel on every embedded architecture (registers, spills,
+/// stack, most threads per CTA), as build.rs wrote it; empty when built without kernels.
+#[cfg(not(kvshard_no_kernels))]
+pub const RESOURCE_USAGE: &str = include_str!(env!("KVSHARD_RESOURCE_USAGE"));
+/// Built without kernels: nothing to report.
+#[cfg(kvshard_no_kernels)]
+pub const RESOURCE_USAGE: &str = "";
+
+/// A kernel together with the parameter struct it takes by value, so that launching it with
+/// another struct does not compile. One constant per kernel lives in [`kernels`].
+pub struct KernelFn<P> {
+    kernel: Kernel,
+    params: PhantomData<fn(&P)>,
+}
+
+// Derives would require `P: Clone` and `P: Debug`; a KernelFn is a plain tag whatever `P` is.
+impl<P> Clone for KernelFn<P> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<P> Copy for KernelFn<P> {}
+
+impl<P> std::fmt::Debug for KernelFn<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("KernelFn").field(&self.kernel).finish()
+    }
+}
+
+impl<P> KernelFn<P> {
+    const fn new(kernel: Kernel) -> Self {
+        Self {
+            kernel,
+            params: PhantomData,
+        }
+    }
+
+    /// The kernel.
+    pub const fn kernel(self) -> Kernel {
+        self.kernel
+    }
+
+    /// The kernel's symbol in the fatbin.
+    pub const fn name(self) -> &'static str {
+        self.kernel.name()
+    }
+}
+
 macro_rules! kernels {
-    ($($variant:ident => $name:literal,)*) => {
+    ($($variant:ident => $name:literal, $typed:ident: $params:ty;)*) => {
         /// Every kernel in the embedded module.
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
         pub enum Kernel {
@@ -50,30 +102,41 @@ macro_rules! kernels {
                 }
             }
         }
+
+        /// Every kernel with the parameter struct it takes by value (`()`: none).
+        pub mod kernels {
+            use super::{abi, Kernel, KernelFn};
+
+            $(
+                #[doc = concat!("`", $name, "`")]
+                pub const $typed: KernelFn<$params> = KernelFn::new(Kernel::$variant);
+            )*
+        }
     };
 }
 
 kernels! {
-    QuantizeLatent => "kvs_quantize_latent",
-    QuantizeIndexer => "kvs_quantize_indexer",
-    ResolveTokens => "kvs_resolve_tokens",
-    ResolveTokensPow2 => "kvs_resolve_tokens_pow2",
-    ResolvePages => "kvs_resolve_pages",
-    ResolvePagesPow2 => "kvs_resolve_pages_pow2",
-    ScratchRows => "kvs_scratch_rows",
-    CopyBlocks => "kvs_copy_blocks",
-    WriteRows => "kvs_write_rows",
-    CopyRanges => "kvs_copy_ranges",
-    BenchEmpty => "kvs_bench_empty",
-    BenchAdd => "kvs_bench_add",
-    BenchRead => "kvs_bench_read",
+    QuantizeLatent => "kvs_quantize_latent", QUANTIZE_LATENT: abi::kvs_quantize_latent_params;
+    QuantizeIndexer => "kvs_quantize_indexer", QUANTIZE_INDEXER: abi::kvs_quantize_indexer_params;
+    ResolveTokens => "kvs_resolve_tokens", RESOLVE_TOKENS: abi::kvs_resolve_params;
+    ResolveTokensPow2 => "kvs_resolve_tokens_pow2", RESOLVE_TOKENS_POW2: abi::kvs_resolve_params;
+    ResolvePages => "kvs_resolve_pages", RESOLVE_PAGES: abi::kvs_resolve_params;
+    ResolvePagesPow2 => "kvs_resolve_pages_pow2", RESOLVE_PAGES_POW2: abi::kvs_resolve_params;
+    ScratchRows => "kvs_scratch_rows", SCRATCH_ROWS: abi::kvs_scratch_rows_params;
+    CopyBlocks => "kvs_copy_blocks", COPY_BLOCKS: abi::kvs_copy_blocks_params;
+    WriteRows => "kvs_write_rows", WRITE_ROWS: abi::kvs_write_rows_params;
+    CopyRanges => "kvs_copy_ranges", COPY_RANGES: abi::kvs_copy_ranges_params;
+    BenchEmpty => "kvs_bench_empty", BENCH_EMPTY: ();
+    BenchAdd => "kvs_bench_add", BENCH_ADD: abi::kvs_bench_add_params;
+    BenchRead => "kvs_bench_read", BENCH_READ: abi::kvs_bench_read_params;
 }
 
-/// A loaded module and its function table; unloaded on drop.
+/// A loaded module, its function table and each function's largest CTA; unloaded on drop.
 pub(crate) struct Module {
     ctx: Arc<CudaContext>,
     module: sys::CUmodule,
     functions: Vec<sys::CUfunction>,
+    max_threads: Vec<u32>,
 }
 
 // SAFETY: module and function handles are plain driver handles, usable from any thread once the
@@ -93,19 +156,35 @@ impl Module {
             ctx: ctx.clone(),
             module,
             functions: Vec::with_capacity(Kernel::ALL.len()),
+            max_threads: Vec::with_capacity(Kernel::ALL.len()),
         };
         for kernel in Kernel::ALL {
             let name = CString::new(kernel.name()).expect("kernel names have no NUL");
             // SAFETY: `module` was just loaded in the current context.
             let f = unsafe { result::module::get_function(loaded.module, name) }
                 .map_err(Error::driver("cuModuleGetFunction"))?;
+            // The cubin the driver picked for this device decides it (launch bounds, registers),
+            // and it may differ by architecture.
+            // SAFETY: `f` is a function of the module just loaded in the current context.
+            let max_threads = unsafe {
+                result::function::get_function_attribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
+                )
+            }
+            .map_err(Error::driver("cuFuncGetAttribute"))?;
             loaded.functions.push(f);
+            loaded.max_threads.push(max_threads.max(0) as u32);
         }
         Ok(loaded)
     }
 
     pub(crate) fn function(&self, kernel: Kernel) -> sys::CUfunction {
         self.functions[kernel as usize]
+    }
+
+    pub(crate) fn max_threads(&self, kernel: Kernel) -> u32 {
+        self.max_threads[kernel as usize]
     }
 }
 
