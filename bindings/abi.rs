@@ -547,7 +547,8 @@ pub struct kvs_write_rows_params {
     ///< int64[num_slots]; < 0 skips
     pub slots: u64,
     pub num_slots: u64,
-    ///< logical slots >= slot_limit are reported
+    /**< logical slots >= slot_limit, and slots on the reserved padding
+pages 0..shard, are reported and skipped*/
     pub slot_limit: u64,
     ///< local rows per destination layer: bound on every local row
     pub dst_rows: u64,

@@ -263,7 +263,8 @@ typedef struct kvs_write_rows_params {
     uint64_t pairs; /**< kvs_layer_pair[num_pairs] (signal unused) */
     uint64_t slots; /**< int64[num_slots]; < 0 skips */
     uint64_t num_slots;
-    uint64_t slot_limit; /**< logical slots >= slot_limit are reported */
+    uint64_t slot_limit; /**< logical slots >= slot_limit, and slots on the reserved padding
+                              pages 0..shard, are reported and skipped */
     uint64_t dst_rows;   /**< local rows per destination layer: bound on every local row */
     uint32_t num_pairs;
     uint32_t shard;

@@ -266,9 +266,12 @@ extern "C" __global__ void __launch_bounds__(KVS_WRITE_THREADS, WRITE_CTAS_PER_S
                 const int64_t slot = slots[token];
                 if (slot >= 0) {
                     const uint64_t s = static_cast<uint64_t>(slot);
-                    const bool owned = s < p.slot_limit && page_owner(s / KVS_PAGE_SIZE, p.shard) == p.rank;
+                    // Logical pages 0..shard are every rank's padding page: a slot there is a
+                    // mistake (chunk-relative slots, say) and is reported, never written.
+                    const bool bad = s >= p.slot_limit || s / KVS_PAGE_SIZE < p.shard;
+                    const bool owned = !bad && page_owner(s / KVS_PAGE_SIZE, p.shard) == p.rank;
                     const uint64_t local = local_row(s, p.shard);
-                    if (s >= p.slot_limit || (owned && local >= p.dst_rows)) {
+                    if (bad || (owned && local >= p.dst_rows)) {
                         if (block == 0) {
                             report(p.status, token);
                         }

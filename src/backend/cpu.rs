@@ -690,9 +690,10 @@ fn write_rows(mem: &mut Arena, p: &abi::kvs_write_rows_params) -> Result<()> {
         let mut target = None;
         if slot >= 0 {
             let slot = Slot(slot as u64);
-            let owned = slot.0 < p.slot_limit && placement.slot_owner(slot) == p.rank;
+            let bad = slot.0 >= p.slot_limit || placement.is_reserved(slot.page());
+            let owned = !bad && placement.slot_owner(slot) == p.rank;
             let row = placement.local_row(slot);
-            if slot.0 >= p.slot_limit || (owned && row >= p.dst_rows) {
+            if bad || (owned && row >= p.dst_rows) {
                 report(mem, &p.status, i)?;
             } else if owned {
                 target = Some(row);
