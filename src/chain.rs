@@ -72,7 +72,11 @@ impl RequestChain {
 
     /// Grows the chain to hold `tokens` tokens through `allocator` (all-or-nothing: on error the
     /// chain and the allocator are unchanged); returns the new pages.
-    pub fn grow_to(&mut self, allocator: &mut ShardAllocator, tokens: usize) -> Result<&[LogicalPage]> {
+    pub fn grow_to(
+        &mut self,
+        allocator: &mut ShardAllocator,
+        tokens: usize,
+    ) -> Result<&[LogicalPage]> {
         if allocator.placement() != self.placement {
             return Err(Error::InvalidArgument(format!(
                 "an allocator of shard size {} for a chain of shard size {}",
@@ -168,7 +172,12 @@ impl RequestChain {
     /// The P/D registration of this chain as a decode side's (unsharded) chain: the request's
     /// pages after the decode's cached `prefix_pages` go to this chain's pages, the indexer
     /// state of every position to the same pages.
-    pub fn registration(&self, request: u64, layout: PoolLayout, prefix_pages: usize) -> Result<Registration> {
+    pub fn registration(
+        &self,
+        request: u64,
+        layout: PoolLayout,
+        prefix_pages: usize,
+    ) -> Result<Registration> {
         if self.placement.shard() != 1 {
             return Err(Error::InvalidArgument(format!(
                 "a registration describes an unsharded decode chain; this one is sharded {} ways",
@@ -182,8 +191,14 @@ impl RequestChain {
                 limit: self.pages.len() as u64 + 1,
             });
         }
-        let local: Vec<LocalPage> = self.pages.iter().map(|&p| self.placement.local(p)).collect();
-        prefix_pages.mul_or(PAGE_SIZE, || format!("tokens of {prefix_pages} cached pages"))?;
+        let local: Vec<LocalPage> = self
+            .pages
+            .iter()
+            .map(|&p| self.placement.local(p))
+            .collect();
+        prefix_pages.mul_or(PAGE_SIZE, || {
+            format!("tokens of {prefix_pages} cached pages")
+        })?;
         let registration = Registration {
             request,
             layout,
@@ -232,9 +247,7 @@ mod tests {
         let mut chain = RequestChain::new(p);
         chain.grow_to(&mut alloc, 200).unwrap();
         let g = CacheGeometry::with_draft(PoolGeometry::new(LatentLayout::Fp8Trtllm, 2));
-        let reg = chain
-            .registration(3, PoolLayout::packed(g, 10), 1)
-            .unwrap();
+        let reg = chain.registration(3, PoolLayout::packed(g, 10), 1).unwrap();
         assert_eq!(reg.pages.len(), 3);
         assert_eq!(reg.state_pages.len(), 4);
         assert_eq!(chain.cache_node(1, 0..2).unwrap().start_owner, None);

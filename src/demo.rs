@@ -24,8 +24,12 @@ use crate::backend::{Backend, MemoryKind};
 use crate::chain::RequestChain;
 use crate::copy::RemoteSpace;
 use crate::error::{Error, Result};
-use crate::geometry::{CacheGeometry, Component, IndexerScale, LatentLayout, PoolGeometry, PAGE_SIZE};
-use crate::hicache::{HiCacheController, HostLayout, HostPool, Relayout, Route, Streams, WritePolicy};
+use crate::geometry::{
+    CacheGeometry, Component, IndexerScale, LatentLayout, PoolGeometry, PAGE_SIZE,
+};
+use crate::hicache::{
+    HiCacheController, HostLayout, HostPool, Relayout, Route, Streams, WritePolicy,
+};
 use crate::index::{ModelLayer, StoredLayer};
 use crate::pool::{ChunkStaging, DevicePool, OwnedRowWrite};
 use crate::quantize::{
@@ -92,7 +96,11 @@ impl Config {
 
     /// Physical pages each prefill rank's pool and host pool hold.
     pub fn pages_per_rank(&self) -> u64 {
-        (self.tokens.div_ceil(PAGE_SIZE).div_ceil(self.ranks.max(1) as usize) + 2) as u64
+        (self
+            .tokens
+            .div_ceil(PAGE_SIZE)
+            .div_ceil(self.ranks.max(1) as usize)
+            + 2) as u64
     }
 }
 
@@ -140,7 +148,10 @@ fn send_all(
     cfg: &Config,
 ) -> Result<(u64, f64)> {
     let g = cfg.geometry();
-    let mut decode_alloc = ShardAllocator::new(Placement::unsharded(), crate::copy::BlockSpace::pages(decode.as_ref()))?;
+    let mut decode_alloc = ShardAllocator::new(
+        Placement::unsharded(),
+        crate::copy::BlockSpace::pages(decode.as_ref()),
+    )?;
     let mut decode_chain = RequestChain::new(Placement::unsharded());
     decode_chain.grow_to(&mut decode_alloc, cfg.tokens)?;
     let reg = decode_chain.registration(
@@ -197,7 +208,13 @@ fn send_all(
 fn decode_pool(b: &dyn Backend, cfg: &Config) -> Result<(Arc<DevicePool>, Arc<RemoteSpace>)> {
     let g = cfg.geometry();
     let pages = cfg.tokens.div_ceil(PAGE_SIZE) as u64 + 2;
-    let pool = Arc::new(DevicePool::allocate(b, &g, Placement::unsharded(), 0, pages)?);
+    let pool = Arc::new(DevicePool::allocate(
+        b,
+        &g,
+        Placement::unsharded(),
+        0,
+        pages,
+    )?);
     pool.fill(b, POISON)?;
     let space = Arc::new(RemoteSpace::of(pool.clone(), g)?);
     Ok((pool, space))
@@ -205,7 +222,12 @@ fn decode_pool(b: &dyn Backend, cfg: &Config) -> Result<(Arc<DevicePool>, Arc<Re
 
 /// Runs the demo on `b`, making further streams of the same device with `streams`, and with
 /// the HiCache route `route`.
-pub fn run(b: Arc<dyn Backend>, streams: StreamFactory<'_>, cfg: &Config, route: Route) -> Result<Summary> {
+pub fn run(
+    b: Arc<dyn Backend>,
+    streams: StreamFactory<'_>,
+    cfg: &Config,
+    route: Route,
+) -> Result<Summary> {
     let mut out = Summary::default();
     if cfg.chunk == 0 || cfg.chunk % PAGE_SIZE != 0 || cfg.tokens == 0 {
         return Err(Error::InvalidArgument(format!(
@@ -236,10 +258,19 @@ pub fn run(b: Arc<dyn Backend>, streams: StreamFactory<'_>, cfg: &Config, route:
     let ranks: Vec<Arc<DevicePool>> = (0..cfg.ranks)
         .map(|r| DevicePool::allocate(bk, &g, placement, r, per_rank).map(Arc::new))
         .collect::<Result<_>>()?;
-    let reference = Arc::new(DevicePool::allocate(bk, &g, Placement::unsharded(), 0, pages as u64 + 2)?);
+    let reference = Arc::new(DevicePool::allocate(
+        bk,
+        &g,
+        Placement::unsharded(),
+        0,
+        pages as u64 + 2,
+    )?);
     let mut alloc = ShardAllocator::new(placement, per_rank)?;
     let mut ref_alloc = ShardAllocator::new(Placement::unsharded(), pages as u64 + 2)?;
-    let (mut chain, mut ref_chain) = (RequestChain::new(placement), RequestChain::new(Placement::unsharded()));
+    let (mut chain, mut ref_chain) = (
+        RequestChain::new(placement),
+        RequestChain::new(Placement::unsharded()),
+    );
     let staging = Arc::new(ChunkStaging::new(bk, &reference, cfg.chunk)?);
     let writes: Vec<OwnedRowWrite> = ranks
         .iter()
@@ -255,10 +286,18 @@ pub fn run(b: Arc<dyn Backend>, streams: StreamFactory<'_>, cfg: &Config, route:
         chain.grow_to(&mut alloc, end)?;
         ref_chain.grow_to(&mut ref_alloc, end)?;
         // The chunk's KV: random bytes in every layer, FP8-quantized random rows in layer 0.
-        bk.write_sync(staging.buffer(), 0, &synth::bytes(&mut rng, staging.buffer().len()))?;
+        bk.write_sync(
+            staging.buffer(),
+            0,
+            &synth::bytes(&mut rng, staging.buffer().len()),
+        )?;
         let rows: Vec<i64> = (0..n as i64).collect();
         let latent_in = bk.alloc(n * LATENT_INPUT_ROW_BYTES, MemoryKind::Device)?;
-        bk.write_sync(&latent_in, 0, &synth::bf16_bytes(&mut rng, n * LATENT_INPUT_ROW_BYTES / 2))?;
+        bk.write_sync(
+            &latent_in,
+            0,
+            &synth::bf16_bytes(&mut rng, n * LATENT_INPUT_ROW_BYTES / 2),
+        )?;
         quantize_latent_checked_sync(
             bk,
             LatentLayout::Fp8Trtllm,
@@ -267,7 +306,11 @@ pub fn run(b: Arc<dyn Backend>, streams: StreamFactory<'_>, cfg: &Config, route:
             &staging.layer(Component::TargetLatent, StoredLayer(0))?,
         )?;
         let keys_in = bk.alloc(n * INDEXER_INPUT_ROW_BYTES, MemoryKind::Device)?;
-        bk.write_sync(&keys_in, 0, &synth::bf16_bytes(&mut rng, n * INDEXER_INPUT_ROW_BYTES / 2))?;
+        bk.write_sync(
+            &keys_in,
+            0,
+            &synth::bf16_bytes(&mut rng, n * INDEXER_INPUT_ROW_BYTES / 2),
+        )?;
         quantize_indexer_checked_sync(
             bk,
             IndexerScale::Ue8m0,
@@ -310,7 +353,13 @@ pub fn run(b: Arc<dyn Backend>, streams: StreamFactory<'_>, cfg: &Config, route:
     let (decode, decode_space) = decode_pool(bk, cfg)?;
     let (expected, expected_space) = decode_pool(bk, cfg)?;
     let (sent, pd_ms) = send_all(&b, &ranks, &chain, &decode_space, cfg)?;
-    send_all(&b, std::slice::from_ref(&reference), &ref_chain, &expected_space, cfg)?;
+    send_all(
+        &b,
+        std::slice::from_ref(&reference),
+        &ref_chain,
+        &expected_space,
+        cfg,
+    )?;
     let check = Instant::now();
     let want = expected.snapshot_sync(bk)?;
     if decode.snapshot_sync(bk)? != want {
@@ -332,7 +381,12 @@ pub fn run(b: Arc<dyn Backend>, streams: StreamFactory<'_>, cfg: &Config, route:
     let mut controllers: Vec<HiCacheController> = ranks
         .iter()
         .map(|pool| {
-            let host = Arc::new(HostPool::new(bk, &g, per_rank, HostLayout::PageFirstDirect)?);
+            let host = Arc::new(HostPool::new(
+                bk,
+                &g,
+                per_rank,
+                HostLayout::PageFirstDirect,
+            )?);
             let s = Streams {
                 load: streams()?,
                 backup: streams()?,
@@ -346,19 +400,20 @@ pub fn run(b: Arc<dyn Backend>, streams: StreamFactory<'_>, cfg: &Config, route:
     let node = chain.cache_node(1, 0..chain.pages().len())?;
     // Every controller's streams start after `start` and `b` waits for all of them before `end`:
     // the elapsed time covers every rank's transfer, the ranks running concurrently.
-    let all_ranks = |controllers: &mut [HiCacheController],
-                     stream: fn(&Streams) -> &Arc<dyn Backend>,
-                     work: &mut dyn FnMut(&mut HiCacheController, &crate::backend::Event) -> Result<()>|
-     -> Result<f64> {
-        let start = bk.record_timed()?;
-        for c in controllers.iter_mut() {
-            work(c, &start)?;
-            bk.wait(&stream(c.streams()).record()?)?;
-        }
-        let end = bk.record_timed()?;
-        bk.wait_event_sync(&end)?;
-        bk.elapsed_ms(&start, &end)
-    };
+    let all_ranks =
+        |controllers: &mut [HiCacheController],
+         stream: fn(&Streams) -> &Arc<dyn Backend>,
+         work: &mut dyn FnMut(&mut HiCacheController, &crate::backend::Event) -> Result<()>|
+         -> Result<f64> {
+            let start = bk.record_timed()?;
+            for c in controllers.iter_mut() {
+                work(c, &start)?;
+                bk.wait(&stream(c.streams()).record()?)?;
+            }
+            let end = bk.record_timed()?;
+            bk.wait_event_sync(&end)?;
+            bk.elapsed_ms(&start, &end)
+        };
     let backup_ms = all_ranks(&mut controllers, |s| &s.backup, &mut |c, start| {
         c.access(&node, start, route).map(|_| ())
     })?;

@@ -90,8 +90,8 @@ pub fn quantize_latent_row(layout: LatentLayout, input: &[bf16], row: &mut [u8])
         LatentLayout::Fp8Scaled => {
             let (codes, rest) = row.split_at_mut(KV_LORA_RANK);
             let (scales, rope) = rest.split_at_mut(
-                (crate::abi::KVS_LATENT_SCALED_ROPE_OFFSET - crate::abi::KVS_LATENT_SCALED_SCALES_OFFSET)
-                    as usize,
+                (crate::abi::KVS_LATENT_SCALED_ROPE_OFFSET
+                    - crate::abi::KVS_LATENT_SCALED_SCALES_OFFSET) as usize,
             );
             let (nope, rope_in) = input.split_at(KV_LORA_RANK);
             for (tile, (tile_codes, tile_in)) in codes

@@ -361,7 +361,9 @@ impl CacheGeometry {
     /// Bytes of one page across target and draft, every layer and component, or an overflow.
     pub fn page_bytes_checked(&self) -> Result<usize> {
         self.pools().try_fold(0usize, |sum, p| {
-            sum.add_or(p.page_bytes_checked()?, || "bytes of one page of the cache".into())
+            sum.add_or(p.page_bytes_checked()?, || {
+                "bytes of one page of the cache".into()
+            })
         })
     }
 }
@@ -466,20 +468,22 @@ impl CacheGeometry {
     /// The non-empty components of this cache, in [`Component::ALL`] order.
     pub fn components(&self) -> Vec<ComponentLayout> {
         let target_layers = self.target.num_layers();
-        let latent = |component, pool: &PoolGeometry, model_layers: Vec<ModelLayer>| ComponentLayout {
-            component,
-            model_layers,
-            block_bytes: pool.latent_block_bytes(),
-            rows: pool.page_size,
-            row_bytes: pool.row_bytes(),
-        };
-        let indexer = |component, pool: &PoolGeometry, model_layers: Vec<ModelLayer>| ComponentLayout {
-            component,
-            model_layers,
-            block_bytes: pool.indexer_block_bytes(),
-            rows: 1,
-            row_bytes: pool.indexer_block_bytes(),
-        };
+        let latent =
+            |component, pool: &PoolGeometry, model_layers: Vec<ModelLayer>| ComponentLayout {
+                component,
+                model_layers,
+                block_bytes: pool.latent_block_bytes(),
+                rows: pool.page_size,
+                row_bytes: pool.row_bytes(),
+            };
+        let indexer =
+            |component, pool: &PoolGeometry, model_layers: Vec<ModelLayer>| ComponentLayout {
+                component,
+                model_layers,
+                block_bytes: pool.indexer_block_bytes(),
+                rows: 1,
+                row_bytes: pool.indexer_block_bytes(),
+            };
         let mut out = vec![
             latent(
                 Component::TargetLatent,

@@ -283,8 +283,8 @@ impl Device {
             if counter_reached(counter, value) {
                 return Ok(());
             }
-            let busy = (0..self.streams.len())
-                .find(|&s| s != waiter && !self.streams[s].queue.is_empty());
+            let busy =
+                (0..self.streams.len()).find(|&s| s != waiter && !self.streams[s].queue.is_empty());
             match busy {
                 Some(s) => {
                     self.step(s);
@@ -390,7 +390,9 @@ impl CpuBackend {
         // word; its kernels then run without reporting rejected inputs.
         let status_word = alloc_in(&device, 8, MemoryKind::Device, arena).ok();
         Self {
-            status: Mutex::new(StatusTracker::new(status_word.as_ref().map_or(0, Buffer::addr))),
+            status: Mutex::new(StatusTracker::new(
+                status_word.as_ref().map_or(0, Buffer::addr),
+            )),
             device,
             arena,
             stream,
@@ -443,7 +445,6 @@ impl CpuBackend {
             None => Ok(d),
         }
     }
-
 }
 
 fn window_start(arena: u64) -> u64 {
@@ -851,7 +852,9 @@ impl Backend for CpuBackend {
 
     fn wait(&self, event: &Event) -> Result<()> {
         match event.0 {
-            EventInner::Cpu { arena, stream, seq, .. } if arena == self.arena => self.enqueue(Op::WaitEvent {
+            EventInner::Cpu {
+                arena, stream, seq, ..
+            } if arena == self.arena => self.enqueue(Op::WaitEvent {
                 stream: stream as usize,
                 seq,
             }),
@@ -865,9 +868,9 @@ impl Backend for CpuBackend {
 
     fn is_done(&self, event: &Event) -> Result<bool> {
         match event.0 {
-            EventInner::Cpu { arena, stream, seq, .. } if arena == self.arena => {
-                Ok(self.dev().streams[stream as usize].executed >= seq)
-            }
+            EventInner::Cpu {
+                arena, stream, seq, ..
+            } if arena == self.arena => Ok(self.dev().streams[stream as usize].executed >= seq),
             _ => Err(Error::ForeignMemory {
                 what: "an event".into(),
                 owner: "another backend".into(),
@@ -878,7 +881,9 @@ impl Backend for CpuBackend {
 
     fn wait_event_sync(&self, event: &Event) -> Result<()> {
         match event.0 {
-            EventInner::Cpu { arena, stream, seq, .. } if arena == self.arena => {
+            EventInner::Cpu {
+                arena, stream, seq, ..
+            } if arena == self.arena => {
                 let mut d = self.dev();
                 let stream = stream as usize;
                 d.run_until(stream, seq)?;

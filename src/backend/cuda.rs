@@ -317,9 +317,7 @@ impl Backend for CudaBackend {
 
     fn is_done(&self, event: &Event) -> Result<bool> {
         match &event.0 {
-            EventInner::Cuda(e) => e
-                .try_is_complete()
-                .map_err(Error::driver("cuEventQuery")),
+            EventInner::Cuda(e) => e.try_is_complete().map_err(Error::driver("cuEventQuery")),
             EventInner::Cpu { .. } => Err(Error::ForeignMemory {
                 what: "an event".into(),
                 owner: "a CPU backend".into(),

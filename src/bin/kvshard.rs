@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use clap::{Args, Parser, Subcommand};
 use kvshard::backend::cpu::CpuBackend;
-use kvshard::backend::Backend;
 use kvshard::backend::cuda::CudaBackend;
+use kvshard::backend::Backend;
 use kvshard::demo::{self, Config};
 use kvshard::gpu::{self, topology, Gpu};
 
@@ -80,13 +80,13 @@ fn demo(args: &DemoArgs) -> ExitCode {
             let streams = move || -> kvshard::Result<Arc<dyn Backend>> {
                 Ok(Arc::new(CudaBackend::new(gpu.clone())?))
             };
-            streams().and_then(|b| {
-                demo::run(b, &streams, &args.config(true), demo::default_route(true))
-            })
+            streams()
+                .and_then(|b| demo::run(b, &streams, &args.config(true), demo::default_route(true)))
         }
         None => {
             let cpu = CpuBackend::new();
-            let streams = || -> kvshard::Result<Arc<dyn Backend>> { Ok(Arc::new(cpu.new_stream())) };
+            let streams =
+                || -> kvshard::Result<Arc<dyn Backend>> { Ok(Arc::new(cpu.new_stream())) };
             demo::run(
                 Arc::new(cpu.new_stream()),
                 &streams,

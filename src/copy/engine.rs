@@ -234,22 +234,21 @@ impl Sides<'_> {
                         width: run.pages * block,
                         height,
                     }),
-                    (true, true, _) => pieces.extend(
-                        selected
-                            .iter()
-                            .map(|&l| Piece::contiguous(dev(l, d0), host(l, h0), run.pages * block)),
-                    ),
+                    (true, true, _) => {
+                        pieces.extend(selected.iter().map(|&l| {
+                            Piece::contiguous(dev(l, d0), host(l, h0), run.pages * block)
+                        }))
+                    }
                     // Page-major blocks: a page of every layer is contiguous on the host.
-                    (true, false, Some(pitch)) if all_layers && run.pages <= height => {
-                        pieces.extend((0..run.pages).map(|j| Piece {
+                    (true, false, Some(pitch)) if all_layers && run.pages <= height => pieces
+                        .extend((0..run.pages).map(|j| Piece {
                             device: dev(0, d0 + j),
                             device_pitch: pitch,
                             host: host(0, h0 + j),
                             host_pitch: host_layer_stride,
                             width: block,
                             height,
-                        }))
-                    }
+                        })),
                     (true, false, _) => pieces.extend(selected.iter().map(|&l| {
                         Piece {
                             device: dev(l, d0),
@@ -352,7 +351,11 @@ impl Sides<'_> {
     }
 
     /// One batch call holding every block (every row of token-major latent blocks).
-    pub(crate) fn batch(&self, select: &dyn Fn(ModelLayer) -> bool, direction: Direction) -> Vec<Call> {
+    pub(crate) fn batch(
+        &self,
+        select: &dyn Fn(ModelLayer) -> bool,
+        direction: Direction,
+    ) -> Vec<Call> {
         let pieces = self.block_pieces(select, true);
         if pieces.is_empty() {
             return Vec::new();

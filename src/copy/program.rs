@@ -452,8 +452,7 @@ impl BlockCopyPlan {
         src: &dyn BlockSpace,
         dst: &dyn BlockSpace,
     ) -> Result<()> {
-        for (side, (id, _), space) in [("source", self.src, src), ("destination", self.dst, dst)]
-        {
+        for (side, (id, _), space) in [("source", self.src, src), ("destination", self.dst, dst)] {
             if space.id() != id {
                 return Err(Error::InvalidArgument(format!(
                     "copy planned for {side} {id} used with {}",
@@ -529,10 +528,15 @@ impl BlockCopy {
         } else {
             let table = match reuse {
                 Some(t) if t.0.len() >= bytes.len() && t.0.space() == backend.address_space() => t,
-                _ => TableBuffer(backend.alloc(
-                    bytes.len().checked_next_power_of_two().unwrap_or(bytes.len()),
-                    MemoryKind::Device,
-                )?),
+                _ => TableBuffer(
+                    backend.alloc(
+                        bytes
+                            .len()
+                            .checked_next_power_of_two()
+                            .unwrap_or(bytes.len()),
+                        MemoryKind::Device,
+                    )?,
+                ),
             };
             backend.write_sync(&table.0, 0, &bytes)?;
             Some(table)
@@ -611,7 +615,12 @@ impl BlockCopy {
 
     /// Enqueues the pairs of model layer `layer` only (in a [`BlockCopyPlan::layer_major`]
     /// plan they are one range; otherwise the layer's first to last pair).
-    pub fn run_layer(&self, backend: &dyn Backend, layer: ModelLayer, launch: Launch) -> Result<()> {
+    pub fn run_layer(
+        &self,
+        backend: &dyn Backend,
+        layer: ModelLayer,
+        launch: Launch,
+    ) -> Result<()> {
         let pairs = self
             .layer_pairs
             .get(layer.0)

@@ -143,7 +143,13 @@ impl Resolver {
         &self.count
     }
 
-    fn check(&self, backend: &dyn Backend, n: usize, placement: Placement, rank: u32) -> Result<()> {
+    fn check(
+        &self,
+        backend: &dyn Backend,
+        n: usize,
+        placement: Placement,
+        rank: u32,
+    ) -> Result<()> {
         crate::backend::check_space(backend.address_space(), self.space, "a resolver")?;
         if n > self.capacity {
             return Err(Error::InvalidArgument(format!(

@@ -21,9 +21,9 @@ impl LayerSignals {
     /// Zeroed counters for `model_layers` layers in `backend`'s device memory (the upload
     /// waits for `backend`'s stream).
     pub fn new_sync(backend: &dyn Backend, model_layers: usize) -> Result<Self> {
-        let bytes = model_layers.max(1).mul_or(4, || {
-            format!("ready counters of {model_layers} layers")
-        })?;
+        let bytes = model_layers
+            .max(1)
+            .mul_or(4, || format!("ready counters of {model_layers} layers"))?;
         let counters = backend.alloc(bytes, MemoryKind::Device)?;
         backend.write_sync(&counters, 0, &vec![0u8; counters.len()])?;
         Ok(Self {

@@ -210,8 +210,10 @@ impl Staging {
         }
         let (offset, stride) = self.regions[c];
         // In range: packed_regions laid out `layers` strides of at least pages * block bytes.
-        self.buffer
-            .slice(offset + layer.0 * stride, self.pages as usize * comp.block_bytes)
+        self.buffer.slice(
+            offset + layer.0 * stride,
+            self.pages as usize * comp.block_bytes,
+        )
     }
 }
 

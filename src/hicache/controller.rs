@@ -273,11 +273,16 @@ impl HiCacheController {
             &streams.backup_relayout,
             &streams.tables,
         ] {
-            crate::backend::check_space(stream.address_space(), device.address_space(), "device pool")?;
+            crate::backend::check_space(
+                stream.address_space(),
+                device.address_space(),
+                "device pool",
+            )?;
             crate::backend::check_space(stream.address_space(), host.address_space(), "host pool")?;
         }
         let allocator = ShardAllocator::new(device.placement(), host.pages())?;
-        let signals = LayerSignals::new_sync(streams.tables.as_ref(), device.geometry().model_layers())?;
+        let signals =
+            LayerSignals::new_sync(streams.tables.as_ref(), device.geometry().model_layers())?;
         Ok(Self {
             device,
             host,
@@ -421,7 +426,12 @@ impl HiCacheController {
     /// Everything is checked, and the kernel tables and staging made, before anything is
     /// enqueued. On any error the host pages go back to the allocator, after the backup stream
     /// has passed whatever part of the backup was enqueued.
-    pub fn backup(&mut self, node: &CacheNode, compute: &Event, route: impl Into<Route>) -> Result<u64> {
+    pub fn backup(
+        &mut self,
+        node: &CacheNode,
+        compute: &Event,
+        route: impl Into<Route>,
+    ) -> Result<u64> {
         let route = route.into();
         if self.host_nodes.contains_key(&node.id) {
             return Err(Error::HiCache(format!(
@@ -444,10 +454,11 @@ impl HiCacheController {
             }
             None => self.allocator.alloc_matching(&node.device_pages)?,
         };
-        let transfer = match self.transfer(&node.device_pages, &host_pages, Direction::Backup, route) {
-            Ok(t) => t,
-            Err(e) => return Err(self.give_back(&host_pages, e, false)),
-        };
+        let transfer =
+            match self.transfer(&node.device_pages, &host_pages, Direction::Backup, route) {
+                Ok(t) => t,
+                Err(e) => return Err(self.give_back(&host_pages, e, false)),
+            };
         let enqueued = self.enqueue_backup(&transfer, compute, route);
         let done = match enqueued {
             Ok(done) => done,
@@ -477,7 +488,12 @@ impl HiCacheController {
         Ok(index)
     }
 
-    fn enqueue_backup(&self, transfer: &HostTransfer, compute: &Event, route: Route) -> Result<Event> {
+    fn enqueue_backup(
+        &self,
+        transfer: &HostTransfer,
+        compute: &Event,
+        route: Route,
+    ) -> Result<Event> {
         let backup = self.streams.backup.as_ref();
         backup.wait(compute)?;
         match route {
@@ -503,7 +519,9 @@ impl HiCacheController {
         }
         match self.allocator.free(pages) {
             Ok(()) => error,
-            Err(free) => Error::HiCache(format!("{error}; returning its host pages failed: {free}")),
+            Err(free) => {
+                Error::HiCache(format!("{error}; returning its host pages failed: {free}"))
+            }
         }
     }
 
@@ -688,7 +706,11 @@ impl HiCacheController {
                     *staging = Some(transfer.staging(tables.as_ref(), self.staging_pages)?);
                 }
                 if let (Relayout::Kernel { .. }, Some(staging)) = (how, staging.as_ref()) {
-                    transfer.prepare_staged_sync(tables.as_ref(), staging, &mut self.spare_tables)?;
+                    transfer.prepare_staged_sync(
+                        tables.as_ref(),
+                        staging,
+                        &mut self.spare_tables,
+                    )?;
                 }
             }
         }

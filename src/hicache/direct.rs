@@ -101,8 +101,16 @@ impl HostTransfer {
             pages.iter().find(|p| p.0 >= limit).copied()
         };
         for (side, bad, limit) in [
-            ("device", beyond(plan.device_pages(), device.pages()), device.pages()),
-            ("host", beyond(plan.host_pages(), host.pages()), host.pages()),
+            (
+                "device",
+                beyond(plan.device_pages(), device.pages()),
+                device.pages(),
+            ),
+            (
+                "host",
+                beyond(plan.host_pages(), host.pages()),
+                host.pages(),
+            ),
         ] {
             if let Some(page) = bad {
                 return Err(Error::HiCache(format!(
@@ -239,8 +247,7 @@ impl HostTransfer {
             .components()
             .iter()
             .map(|c| {
-                c.model_layers.iter().filter(|&&m| select(m)).count() as u64
-                    * c.block_bytes as u64
+                c.model_layers.iter().filter(|&&m| select(m)).count() as u64 * c.block_bytes as u64
             })
             .sum();
         Ok(per_page * self.plan.len() as u64)

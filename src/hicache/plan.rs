@@ -114,7 +114,12 @@ impl TransferPlan {
     }
 }
 
-fn check_page(placement: Placement, page: LogicalPage, limit: u64, what: &'static str) -> Result<()> {
+fn check_page(
+    placement: Placement,
+    page: LogicalPage,
+    limit: u64,
+    what: &'static str,
+) -> Result<()> {
     if page.0 >= limit {
         return Err(Error::OutOfRange {
             what,
@@ -192,14 +197,31 @@ mod tests {
         let p = Placement::new(2).unwrap();
         for rank in 0..2 {
             let plan = |d: &[u64], h: &[u64]| TransferPlan::new(p, rank, &lp(d), &lp(h), 10, 10);
-            assert!(matches!(plan(&[4, 5], &[6, 8]), Err(Error::WrongOwner { page: 8, .. })));
-            assert!(matches!(plan(&[4, 1], &[6, 9]), Err(Error::ReservedPage { page: 1, .. })));
-            assert!(matches!(plan(&[4, 20], &[6, 8]), Err(Error::OutOfRange { .. })));
+            assert!(matches!(
+                plan(&[4, 5], &[6, 8]),
+                Err(Error::WrongOwner { page: 8, .. })
+            ));
+            assert!(matches!(
+                plan(&[4, 1], &[6, 9]),
+                Err(Error::ReservedPage { page: 1, .. })
+            ));
+            assert!(matches!(
+                plan(&[4, 20], &[6, 8]),
+                Err(Error::OutOfRange { .. })
+            ));
             assert!(matches!(
                 plan(&[4, 6], &[8, 8]),
-                Err(Error::DuplicatePage { page: 8, first: 0, second: 1, .. })
+                Err(Error::DuplicatePage {
+                    page: 8,
+                    first: 0,
+                    second: 1,
+                    ..
+                })
             ));
-            assert!(matches!(plan(&[4, 4], &[8, 6]), Err(Error::DuplicatePage { page: 4, .. })));
+            assert!(matches!(
+                plan(&[4, 4], &[8, 6]),
+                Err(Error::DuplicatePage { page: 4, .. })
+            ));
             assert!(plan(&[4], &[8, 6]).is_err());
         }
     }

@@ -17,7 +17,9 @@ use super::host_pool::{HostLayout, HostPool};
 use crate::backend::{Backend, Event, Launch};
 use crate::copy::engine::{self, Call, Piece};
 use crate::copy::space::sealed::Sealed as _;
-use crate::copy::{BlockCopy, BlockCopyPlan, BlockSpace, Direction, PageSelection, SpaceId, TableBuffer};
+use crate::copy::{
+    BlockCopy, BlockCopyPlan, BlockSpace, Direction, PageSelection, SpaceId, TableBuffer,
+};
 use crate::error::{Error, Result};
 
 /// How [`HostTransfer::run_staged`] moves pages between its device staging and the pool.

@@ -91,15 +91,18 @@ impl Budget {
 
     /// Splits `req.bytes` for `geometry` sharded by `placement`: scratch first, then as many
     /// whole pages as fit.
-    pub fn plan(req: &BudgetRequest, geometry: &CacheGeometry, placement: Placement) -> Result<Budget> {
+    pub fn plan(
+        req: &BudgetRequest,
+        geometry: &CacheGeometry,
+        placement: Placement,
+    ) -> Result<Budget> {
         geometry.validate()?;
         let (scratch_rows, max_prefix_tokens) = Self::scratch(req, placement.shard())?;
         let row = (geometry.target.row_bytes() + INDEXER_ROW_BYTES) as u64;
         let pools = if geometry.draft.is_some() { 2 } else { 1 };
-        let scratch_bytes = scratch_rows
-            .mul_or(2 * row * pools, || {
-                format!("scratch bytes of {scratch_rows} rows")
-            })?;
+        let scratch_bytes = scratch_rows.mul_or(2 * row * pools, || {
+            format!("scratch bytes of {scratch_rows} rows")
+        })?;
         let page_bytes = geometry.page_bytes_checked()? as u64;
         let Some(rest) = req.bytes.checked_sub(scratch_bytes) else {
             return Err(Error::BudgetTooSmall(format!(

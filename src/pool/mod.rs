@@ -62,7 +62,11 @@ impl PoolBuffers {
     }
 
     /// Bytes each buffer of `component` must hold for `pages` pages, or an overflow.
-    pub fn required_bytes(geometry: &CacheGeometry, component: Component, pages: u64) -> Result<u64> {
+    pub fn required_bytes(
+        geometry: &CacheGeometry,
+        component: Component,
+        pages: u64,
+    ) -> Result<u64> {
         let block = geometry
             .components()
             .iter()
@@ -235,9 +239,8 @@ impl DevicePool {
                 "a pool needs at least 2 pages per layer (page 0 is padding), got {pages}"
             )));
         }
-        (geometry.page_bytes_checked()? as u64).mul_or(pages, || {
-            format!("bytes of {pages} pages of the cache")
-        })?;
+        (geometry.page_bytes_checked()? as u64)
+            .mul_or(pages, || format!("bytes of {pages} pages of the cache"))?;
         placement.logical_capacity(pages)
     }
 
@@ -274,7 +277,10 @@ impl DevicePool {
     /// Distance between consecutive stored layers of `component`, when uniform (pools kvshard
     /// allocates; engine buffers usually are not).
     pub fn layer_stride(&self, component: Component) -> Result<Option<u64>> {
-        Ok(sealed::Sealed::layer_stride(self, self.component_index(component)?))
+        Ok(sealed::Sealed::layer_stride(
+            self,
+            self.component_index(component)?,
+        ))
     }
 
     /// The allocation behind the pool, when kvshard made it.

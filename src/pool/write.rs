@@ -12,7 +12,9 @@ use crate::backend::{upload_i64s_sync, Backend, Buffer, KernelFamily, Launch, Me
 use crate::copy::space::REGION_ALIGN;
 use crate::copy::BlockSpace;
 use crate::error::{Checked, Error, Result};
-use crate::geometry::{Component, ComponentLayout, INDEXER_PAGE_BYTES, INDEXER_ROW_BYTES, PAGE_SIZE};
+use crate::geometry::{
+    Component, ComponentLayout, INDEXER_PAGE_BYTES, INDEXER_ROW_BYTES, PAGE_SIZE,
+};
 use crate::index::{ModelLayer, Slot, StoredLayer};
 
 /// Chunk staging (the "current chunk" part of scratch): per component and stored layer, latent
@@ -202,9 +204,19 @@ impl OwnedRowWrite {
     /// engine's device buffer `slots`, on `backend`'s stream: no allocation, no wait. Slots are
     /// checked by the kernel: a bad one (beyond the logical capacity, or on a reserved padding
     /// page) is skipped and reported by the backend's next `synchronize`.
-    pub fn run(&self, backend: &dyn Backend, slots: &Buffer, n: usize, launch: Launch) -> Result<()> {
+    pub fn run(
+        &self,
+        backend: &dyn Backend,
+        slots: &Buffer,
+        n: usize,
+        launch: Launch,
+    ) -> Result<()> {
         backend.check(slots, "slot buffer")?;
-        crate::backend::check_space(backend.address_space(), self.pool.address_space(), "the pool")?;
+        crate::backend::check_space(
+            backend.address_space(),
+            self.pool.address_space(),
+            "the pool",
+        )?;
         let bytes = n.mul_or(8, || format!("bytes of {n} slots"))?;
         if n > self.staging.tokens || slots.len() < bytes || slots.addr() % 8 != 0 {
             return Err(Error::InvalidArgument(format!(
@@ -227,7 +239,12 @@ impl OwnedRowWrite {
     /// Checks `slots` on the host (every slot inside the logical capacity, on no reserved
     /// padding page, and no two the same), uploads them and runs the write, then waits for it:
     /// a bad slot is an error before anything is written.
-    pub fn run_checked_sync(&self, backend: &dyn Backend, slots: &[Slot], launch: Launch) -> Result<()> {
+    pub fn run_checked_sync(
+        &self,
+        backend: &dyn Backend,
+        slots: &[Slot],
+        launch: Launch,
+    ) -> Result<()> {
         let placement = self.pool.placement();
         let mut seen = HashMap::with_capacity(slots.len());
         for (i, &slot) in slots.iter().enumerate() {

@@ -123,8 +123,14 @@ mod tests {
         assert_eq!(p.slot_owner(Slot(13 * 64 + 5)), 1);
         assert_eq!(p.local_row(Slot(13 * 64 + 5)), 3 * 64 + 5);
         assert!(p.is_reserved(LogicalPage(3)) && !p.is_reserved(LogicalPage(4)));
-        assert_eq!(Placement::new(2).unwrap().logical_capacity(128).unwrap(), 16_384);
-        assert!(Placement::new(2).unwrap().logical_capacity(u64::MAX / 64).is_err());
+        assert_eq!(
+            Placement::new(2).unwrap().logical_capacity(128).unwrap(),
+            16_384
+        );
+        assert!(Placement::new(2)
+            .unwrap()
+            .logical_capacity(u64::MAX / 64)
+            .is_err());
         assert!(Placement::new(0).is_err());
     }
 

@@ -131,4 +131,3 @@ pub fn scratch_rows(slots: &[i64], page_table: &[i64], scratch_rows: u64) -> Res
         })
         .collect()
 }
-

@@ -322,8 +322,8 @@ impl Sender {
             end,
             last,
         };
-        let submitted = SendPlan::new(&self.source, src_pages, &out.registration, chunk)
-            .and_then(|plan| {
+        let submitted =
+            SendPlan::new(&self.source, src_pages, &out.registration, chunk).and_then(|plan| {
                 let completion = self.transport.submit(&plan, &self.pool, &out.dst)?;
                 Ok((plan, completion))
             });

@@ -146,7 +146,9 @@ impl Registration {
                 format!("registered pages of request {request}")
             })
             .and_then(|p| {
-                p.mul_or(PAGE_SIZE, || format!("registered tokens of request {request}"))
+                p.mul_or(PAGE_SIZE, || {
+                    format!("registered tokens of request {request}")
+                })
             })?;
         Ok(())
     }
@@ -331,7 +333,13 @@ fn check_layouts(request: u64, src: &PoolLayout, dst: &PoolLayout) -> Result<()>
 
 /// Checks every source page of a section (owned or not, so all ranks refuse the same chunk):
 /// in the prefill group's logical range and not reserved.
-fn check_sources(request: u64, placement: Placement, src_logical: u64, first: usize, src: &[LogicalPage]) -> Result<()> {
+fn check_sources(
+    request: u64,
+    placement: Placement,
+    src_logical: u64,
+    first: usize,
+    src: &[LogicalPage],
+) -> Result<()> {
     let bad = src
         .iter()
         .enumerate()
@@ -580,7 +588,10 @@ impl SendPlan {
             for c in &section.components {
                 for (side, space, end) in [("source", src, src_end), ("destination", dst, dst_end)]
                 {
-                    let Some(layout) = space.components().iter().find(|l| l.component == c.component)
+                    let Some(layout) = space
+                        .components()
+                        .iter()
+                        .find(|l| l.component == c.component)
                     else {
                         return fail(format!("the {side} holds no {}", c.component));
                     };
@@ -712,7 +723,9 @@ mod tests {
         let dst = vec![100, 101, 102, 103, 104, 105];
         // Owned: positions 0,1,2 (local 5,6,7 -> dst 100,101,102: one run), 4,5 (local 8,9 ->
         // dst 104,105: one run, because the local pages continue but the destination jumps).
-        let plan = SendPlan::new(&source(2, 1), &lp(&src),
+        let plan = SendPlan::new(
+            &source(2, 1),
+            &lp(&src),
             &registration(0, dst.clone(), dst),
             chunk(0, 0, 6 * 64, true),
         )
@@ -792,12 +805,14 @@ mod tests {
         let state: Vec<u64> = (0..10).map(|p| 48 + p).collect();
         let reg = registration(2, dst, state);
         // Tokens [128, 300): pages 2, 3 complete; page 4 (tokens 256..320) waits.
-        let plan = SendPlan::new(&source(1, 0), &lp(&src), &reg, chunk(0, 128, 300, false)).unwrap();
+        let plan =
+            SendPlan::new(&source(1, 0), &lp(&src), &reg, chunk(0, 128, 300, false)).unwrap();
         assert_eq!(plan.kv().positions(), 2..4);
         assert_eq!(plan.kv().runs(), [run(6, 50, 2)]);
         assert!(plan.state().components().is_empty() && plan.state().runs().is_empty());
         // A chunk that completes no page is empty but valid.
-        let plan = SendPlan::new(&source(1, 0), &lp(&src), &reg, chunk(1, 256, 300, false)).unwrap();
+        let plan =
+            SendPlan::new(&source(1, 0), &lp(&src), &reg, chunk(1, 256, 300, false)).unwrap();
         assert!(plan.is_empty() && plan.kv().positions() == (4..4));
         // The final chunk sends the partial page and the state from position 0.
         let plan = SendPlan::new(&source(1, 0), &lp(&src), &reg, chunk(1, 256, 600, true)).unwrap();
@@ -813,7 +828,8 @@ mod tests {
         let src = [9, 10, 11];
         let reg = registration(0, vec![1, 2, 3], vec![1, 2, 3]);
         for rank in 0..8 {
-            let plan = SendPlan::new(&source(8, rank), &lp(&src), &reg, chunk(0, 0, 150, true)).unwrap();
+            let plan =
+                SendPlan::new(&source(8, rank), &lp(&src), &reg, chunk(0, 0, 150, true)).unwrap();
             assert_eq!(plan.is_empty(), !(1..=3).contains(&rank), "rank {rank}");
             assert_eq!(plan.bytes().total() == 0, plan.is_empty());
         }
@@ -914,18 +930,33 @@ mod tests {
             "{m}"
         );
 
-        let m = err(SendPlan::new(&s, &lp(&src), &good, chunk(2, 100, 256, true)));
+        let m = err(SendPlan::new(
+            &s,
+            &lp(&src),
+            &good,
+            chunk(2, 100, 256, true),
+        ));
         assert!(
             m.contains("chunk 2 starts at token 100, not a page boundary"),
             "{m}"
         );
         let cached = registration(2, vec![3, 4], vec![1, 2, 3, 4]);
-        let m = err(SendPlan::new(&s, &lp(&src), &cached, chunk(0, 64, 256, true)));
+        let m = err(SendPlan::new(
+            &s,
+            &lp(&src),
+            &cached,
+            chunk(0, 64, 256, true),
+        ));
         assert!(
             m.contains("inside the decode's cached prefix of 2 pages"),
             "{m}"
         );
-        let m = err(SendPlan::new(&s, &lp(&src), &cached, chunk(0, 128, 1000, false)));
+        let m = err(SendPlan::new(
+            &s,
+            &lp(&src),
+            &cached,
+            chunk(0, 128, 1000, false),
+        ));
         assert!(
             m.contains("chunk 0 ends at page 15, past the 4 pages"),
             "{m}"
