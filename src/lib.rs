@@ -34,6 +34,7 @@ pub mod fp8;
 pub mod geometry;
 pub mod gpu;
 pub mod hicache;
+pub mod ipc;
 pub mod pool;
 pub mod quantize;
 pub mod shard;
