@@ -26,6 +26,22 @@ const POSIX_FD: sys::CUmemAllocationHandleType =
 const FABRIC: sys::CUmemAllocationHandleType =
     sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC;
 
+const VMM_SUPPORTED: sys::CUdevice_attribute =
+    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED;
+const POSIX_FD_SUPPORTED: sys::CUdevice_attribute =
+    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED;
+const FABRIC_SUPPORTED: sys::CUdevice_attribute =
+    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED;
+/// Where the driver's IMEX channel device nodes are; a process needs access to one to allocate
+/// or import memory with fabric handles.
+const IMEX_CHANNELS: &str = "/dev/nvidia-caps-imex-channels";
+
+fn imex_channel_present() -> bool {
+    std::fs::read_dir(IMEX_CHANNELS).is_ok_and(|mut entries| {
+        entries.any(|e| e.is_ok_and(|e| e.file_name().to_string_lossy().starts_with("channel")))
+    })
+}
+
 fn bind(ctx: &Arc<CudaContext>) -> Result<()> {
     ctx.bind_to_thread()
         .map_err(Error::driver("cuCtxSetCurrent"))
@@ -176,8 +192,9 @@ impl ExportableMemory {
     /// Allocates at least `bytes` (rounded up to the granularity) on the context's device.
     ///
     /// Asks for the POSIX fd and fabric handle types together where the device reports fabric
-    /// support; if the driver refuses fabric (no IMEX channel: "operation not permitted"), it
-    /// allocates with the POSIX fd type alone and [`ExportableMemory::fabric_absent`] says why.
+    /// support and an IMEX channel exists; if the driver refuses fabric all the same ("operation
+    /// not permitted"), it allocates with the POSIX fd type alone. Without fabric,
+    /// [`ExportableMemory::fabric_absent`] says why.
     pub fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
         if bytes == 0 {
             return Err(Error::InvalidArgument(
@@ -189,29 +206,32 @@ impl ExportableMemory {
             call,
             source: DriverError(sys::CUresult::CUDA_ERROR_NOT_SUPPORTED),
         };
-        if attribute(
-            ctx,
-            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
-        )? == 0
-        {
+        if attribute(ctx, VMM_SUPPORTED)? == 0 {
             return Err(unsupported(
                 "cuMemCreate (device has no virtual memory management)",
             ));
         }
-        if attribute(ctx, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)? == 0 {
+        if attribute(ctx, POSIX_FD_SUPPORTED)? == 0 {
             return Err(unsupported("cuMemCreate (device has no POSIX fd handles)"));
         }
         let requested = bytes;
-        if attribute(
-            ctx,
-            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED,
-        )? == 0
-        {
+        let no_fabric = if attribute(ctx, FABRIC_SUPPORTED)? == 0 {
+            Some("the device reports no fabric handle support".to_string())
+        } else if !imex_channel_present() {
+            // Asking anyway would only fail with "operation not permitted", an API error that
+            // compute-sanitizer reports in every run.
+            Some(format!(
+                "no IMEX channel ({IMEX_CHANNELS}/channel*): fabric handles need one"
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = no_fabric {
             let mapping = create(ctx, bytes, POSIX_FD)?;
             return Ok(Self {
                 mapping,
                 requested,
-                fabric: Err("the device reports no fabric handle support".into()),
+                fabric: Err(why),
             });
         }
         match create(ctx, bytes, POSIX_FD | FABRIC) {
