@@ -35,6 +35,20 @@
 //! fd kinds), `Register` (decode → prefill: a request's destination pages), `ChunkDone`
 //! (prefill → decode), `EventHandle` (a CUDA interprocess event), `Abort`, `Heartbeat`, `Bye`.
 //!
+//! A session, per prefill rank:
+//!
+//! ```text
+//! decode (Listener)                              prefill rank r (Channel::connect, retrying)
+//!        <──────────── Hello { version, role, rank, shard } ────────────>   both ways
+//! PublishPool { regions, components, .. } ──>    import and map each region (fds attached)
+//!                                           <──  EventHandle (GPU: the rank's interprocess event)
+//! Register { request, pages, .. } ──────────>    write the request's chunks into the pool
+//!                                           <──  ChunkDone { request, chunk, last, .. } per chunk
+//! Abort { request, reason }               <──>   either way, any time
+//! Bye                                     <──>   either way; then the connection closes
+//! Heartbeat                               <──>   every 100 ms both ways, from the channel itself
+//! ```
+//!
 //! **Liveness.** A peer that exits or is killed is seen at once (end of stream). Each side also
 //! sends a `Heartbeat` every [`channel::Liveness::heartbeat`] from a thread of its own, and a
 //! peer silent for [`channel::Liveness::timeout`] (default 750 ms) is reported as
