@@ -138,15 +138,27 @@ fn one_region_pool(pool: u64, memory: MemoryKind, bytes: u64, handle: Option<Han
     })
 }
 
-fn chunk_done(request: u64, chunk: u32, bytes: u64, failed: Option<String>) -> Message {
+/// The report a child of rank `rank` sends for a chunk (every chunk here is a request's last).
+fn chunk_done_from(
+    rank: u32,
+    request: u64,
+    chunk: u32,
+    bytes: u64,
+    failed: Option<String>,
+) -> Message {
     Message::ChunkDone(ChunkDone {
         request,
         chunk,
         last: true,
-        source_rank: env_u64(CHILD_RANK) as u32,
+        source_rank: rank,
         bytes,
         failed,
     })
+}
+
+/// The report this (child) process sends, with the rank it was given.
+fn chunk_done(request: u64, chunk: u32, bytes: u64, failed: Option<String>) -> Message {
+    chunk_done_from(env_u64(CHILD_RANK) as u32, request, chunk, bytes, failed)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -290,23 +302,6 @@ fn shm_memfd_is_shared_with_a_child_process() {
     );
     assert_eq!(next(&mut ch, "parent: bye").message, Message::Bye);
     child.finish(test);
-}
-
-fn chunk_done_from(
-    rank: u32,
-    request: u64,
-    chunk: u32,
-    bytes: u64,
-    failed: Option<String>,
-) -> Message {
-    Message::ChunkDone(ChunkDone {
-        request,
-        chunk,
-        last: true,
-        source_rank: rank,
-        bytes,
-        failed,
-    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -512,13 +507,12 @@ fn dead_peers_are_detected_within_a_second_and_the_rest_are_served() {
     serve_one(&mut chans[0], 200);
 
     // A new connection is accepted and served, then killed from outside.
-    let c = Peer::spawn("serve", listener.path(), 0, 5);
+    let mut c = Peer::spawn("serve", listener.path(), 0, 5);
     let mut ch_c = listener
         .accept_timeout(STARTUP)
         .expect("handshake")
         .expect("C connected");
     serve_one(&mut ch_c, 300);
-    let mut c = c;
     c.0.kill().expect("kill C");
     let since = Instant::now();
     let took = gone_after(&mut ch_c, since, "killed child");
