@@ -184,6 +184,41 @@ pub enum Error {
         /// Second position.
         second: usize,
     },
+    /// An operating-system call failed (shared memory, Unix-domain sockets).
+    #[error("{call} failed: {source}")]
+    Os {
+        /// The system call or operation that failed.
+        call: &'static str,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The peer process of an IPC channel is gone: it closed the connection, was killed, or fell
+    /// silent for longer than the liveness timeout.
+    #[error("IPC peer {} gone: {why}", crate::ipc::peer_label(*.rank))]
+    PeerGone {
+        /// The peer's rank from its `Hello` (`None` before the handshake told it).
+        rank: Option<u32>,
+        /// How it was noticed.
+        why: String,
+    },
+    /// An IPC peer sent bytes the wire protocol refuses; the connection is dropped.
+    #[error("IPC protocol violation by peer {}: {violation}", crate::ipc::peer_label(*.rank))]
+    Protocol {
+        /// The peer's rank from its `Hello` (`None` before the handshake told it).
+        rank: Option<u32>,
+        /// What was wrong.
+        #[source]
+        violation: crate::ipc::ProtocolError,
+    },
+    /// Waiting for an IPC peer (to connect, or to answer the handshake) took too long.
+    #[error("timed out after {waited:?}: {what}")]
+    Timeout {
+        /// What was waited for.
+        what: String,
+        /// How long.
+        waited: std::time::Duration,
+    },
 }
 
 impl Error {

@@ -105,6 +105,7 @@ pub mod geometry;
 pub mod gpu;
 pub mod hicache;
 pub mod index;
+pub mod ipc;
 pub mod pool;
 pub mod quantize;
 pub mod shard;

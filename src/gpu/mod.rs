@@ -12,6 +12,7 @@
 pub mod memory;
 mod module;
 pub mod topology;
+pub mod vmm;
 
 use std::sync::Arc;
 
