@@ -584,7 +584,7 @@ fn quantize_latent(mem: &mut Arena, p: &abi::kvs_quantize_latent_params) -> Resu
             continue;
         }
         let input = bf16s(mem.bytes(p.src + token * p.src_stride, 2 * LATENT_DIM)?);
-        fp8::quantize_latent_row(layout, &input, &mut row);
+        fp8::quantize_latent_row(layout, &input, &mut row)?;
         mem.bytes_mut(p.dst + slot as u64 * row_bytes as u64, row_bytes)?
             .copy_from_slice(&row);
     }
@@ -608,7 +608,7 @@ fn quantize_indexer(mem: &mut Arena, p: &abi::kvs_quantize_indexer_params) -> Re
             continue;
         }
         let keys = bf16s(mem.bytes(p.src + token * p.src_stride, 2 * INDEXER_HEAD_DIM)?);
-        let scale = fp8::quantize_indexer_row(&keys, kind, &mut codes);
+        let scale = fp8::quantize_indexer_row(&keys, kind, &mut codes)?;
         let block = p.dst + (slot as u64 / PAGE_SIZE as u64) * INDEXER_PAGE_BYTES as u64;
         let offset = slot as u64 % PAGE_SIZE as u64;
         mem.bytes_mut(block + offset * INDEXER_HEAD_DIM as u64, INDEXER_HEAD_DIM)?

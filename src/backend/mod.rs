@@ -390,8 +390,9 @@ pub(crate) fn check_space(user: AddressSpace, owner: AddressSpace, what: &str) -
 
 /// Units `kvs_write_rows` splits a write of `slots` tokens over `pairs` layer pairs into.
 pub fn write_units(slots: u64, pairs: u32) -> u64 {
-    slots.div_ceil(u64::from(abi::KVS_WRITE_GROUP))
-        * u64::from(pairs.div_ceil(abi::KVS_WRITE_PAIR_BLOCK))
+    slots
+        .div_ceil(u64::from(abi::KVS_WRITE_GROUP))
+        .saturating_mul(u64::from(pairs.div_ceil(abi::KVS_WRITE_PAIR_BLOCK)))
 }
 
 /// The `kvs_resolve` kernel for `p`: one per entry kind and shard-size class (cuda/resolve.cu
