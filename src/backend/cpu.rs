@@ -201,13 +201,16 @@ impl Arena {
     }
 }
 
+/// An operation that runs whole against the arena.
+type Work = Box<dyn FnOnce(&mut Arena) -> Result<()> + Send>;
+
 /// One queued operation of a stream.
 enum Op {
     /// Runs whole.
-    Run(Box<dyn FnOnce(&mut Arena) -> Result<()> + Send>),
+    Run(Work),
     /// `kvs_copy_blocks`, run unit by unit (unit `u = k * num_pages + j`, as on the GPU).
     Blocks {
-        p: abi::kvs_copy_blocks_params,
+        p: Box<abi::kvs_copy_blocks_params>,
         next: u64,
     },
     /// Waits until stream `stream` has run its first `seq` operations.
@@ -935,7 +938,10 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         p.status = self.begin("kvs_copy_blocks");
-        self.enqueue(Op::Blocks { p, next: 0 })
+        self.enqueue(Op::Blocks {
+            p: Box::new(p),
+            next: 0,
+        })
     }
 
     unsafe fn write_rows(&self, mut p: abi::kvs_write_rows_params, launch: Launch) -> Result<()> {
