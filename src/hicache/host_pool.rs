@@ -485,20 +485,4 @@ impl sealed::Sealed for HostPool {
     }
 }
 
-impl BlockSpace for HostPool {
-    fn id(&self) -> SpaceId {
-        self.id
-    }
-
-    fn address_space(&self) -> AddressSpace {
-        self.space
-    }
-
-    fn components(&self) -> &[ComponentLayout] {
-        &self.components
-    }
-
-    fn pages(&self) -> u64 {
-        self.pages
-    }
-}
+crate::copy::space::block_space!(HostPool);

@@ -266,13 +266,8 @@ impl HostTransfer {
     ) -> Result<()> {
         how.check()?;
         self.check_staging(staging)?;
-        for backend in [copy, relayout] {
-            crate::backend::check_space(
-                backend.address_space(),
-                self.device.address_space(),
-                "the pools",
-            )?;
-        }
+        self.check_backend(copy)?;
+        self.check_backend(relayout)?;
         if self.plan.is_empty() {
             return Ok(());
         }
