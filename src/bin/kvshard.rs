@@ -106,7 +106,12 @@ fn demo(args: &DemoArgs) -> ExitCode {
 
 fn info() -> ExitCode {
     match gpu::embedded_archs() {
-        Some(archs) => println!("kernels: embedded for {archs}"),
+        Some(archs) => {
+            println!("kernels: embedded for {archs}; ptxas resource usage (registers, spills, stack, threads):");
+            for line in gpu::RESOURCE_USAGE.lines() {
+                println!("  {line}");
+            }
+        }
         None => println!("kernels: NOT embedded (built without nvcc 13.0; run scripts/install-cuda.sh and rebuild)"),
     }
     let gpu = match Gpu::open(0) {
