@@ -313,6 +313,12 @@ impl Drop for CpuAllocation {
     fn drop(&mut self) {
         if let Some(device) = self.device.upgrade() {
             let mut d = lock(&device);
+            // As freeing CUDA memory waits for the device (gpu/memory.rs), freeing here first
+            // runs every queued operation: no deferred work ever meets a freed allocation.
+            for s in 0..d.streams.len() {
+                let target = d.streams[s].enqueued;
+                let _ = d.run_until(s, target);
+            }
             if d.arena.allocs.remove(&self.base).is_some() {
                 d.arena.used -= self.len;
             }

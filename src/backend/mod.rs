@@ -170,9 +170,30 @@ impl Buffer {
     }
 }
 
-/// A point in a backend's stream that other streams of the same device can wait for.
+/// A point in a backend's stream that other streams of the same device can wait for. Two
+/// events are equal when they are the same point of the same stream (clones of one record).
 #[derive(Debug, Clone)]
 pub struct Event(EventInner);
+
+impl PartialEq for Event {
+    fn eq(&self, other: &Self) -> bool {
+        match (&self.0, &other.0) {
+            (
+                EventInner::Cpu {
+                    arena, stream, seq, ..
+                },
+                EventInner::Cpu {
+                    arena: a,
+                    stream: s,
+                    seq: q,
+                    ..
+                },
+            ) => (arena, stream, seq) == (a, s, q),
+            (EventInner::Cuda(a), EventInner::Cuda(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
 
 #[derive(Debug, Clone)]
 enum EventInner {

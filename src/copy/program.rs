@@ -497,7 +497,9 @@ impl TableBuffer {
 }
 
 /// A plan uploaded to one backend, ready to run repeatedly. It holds the two spaces it copies
-/// between, so their memory outlives every launch.
+/// between, so their memory outlives every launch. Keep it until its runs have completed:
+/// dropping it earlier frees its tables, which first waits for the device (as every free of
+/// kvshard memory does).
 #[derive(Debug)]
 pub struct BlockCopy {
     plan: BlockCopyPlan,
