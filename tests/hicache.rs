@@ -115,14 +115,11 @@ fn make_pool(
         }
         PoolKind::Wrapped => {
             let components = g.components();
-            let mut buffers = PoolBuffers::default();
             let mut layers: Vec<Vec<Buffer>> = vec![Vec::new(); components.len()];
             let mut spacers = Vec::new();
             let deepest = components.iter().map(|c| c.layers()).max().unwrap_or(0);
-            // Layer by layer across components, from the last layer down, a spacer of growing
-            // size before each buffer: no component's layers are evenly spaced (and, two layers
-            // or more, not even ascending).
-            for l in (0..deepest).rev() {
+            // Layer by layer across components, a spacer of growing size before each buffer.
+            for l in 0..deepest {
                 for (c, comp) in components.iter().enumerate() {
                     if l >= comp.layers() {
                         continue;
@@ -131,28 +128,24 @@ fn make_pool(
                     let need = PoolBuffers::required_bytes(g, comp.component, pages).unwrap();
                     // Engines size buffers in tokens: a few bytes beyond the last page.
                     let buffer = b.alloc(need as usize + 100, MemoryKind::Device).unwrap();
-                    let raw = RawBuffer {
-                        addr: buffer.addr(),
-                        bytes: buffer.len() as u64,
-                    };
-                    match comp.component {
-                        Component::TargetLatent => buffers.target_latent.push(raw),
-                        Component::TargetIndexer => buffers.target_indexer.push(raw),
-                        Component::DraftLatent => buffers.draft_latent.push(raw),
-                        Component::DraftIndexer => buffers.draft_indexer.push(raw),
-                    }
                     layers[c].push(buffer);
                 }
             }
+            // Descending addresses, whatever order the allocator gave: two layers or more are
+            // never evenly spaced upwards (two ascending buffers would be one stride apart).
+            let mut buffers = PoolBuffers::default();
             for (c, comp) in components.iter().enumerate() {
+                layers[c].sort_by_key(|b| std::cmp::Reverse(b.addr()));
                 let raws = match comp.component {
                     Component::TargetLatent => &mut buffers.target_latent,
                     Component::TargetIndexer => &mut buffers.target_indexer,
                     Component::DraftLatent => &mut buffers.draft_latent,
                     Component::DraftIndexer => &mut buffers.draft_indexer,
                 };
-                raws.reverse();
-                layers[c].reverse();
+                raws.extend(layers[c].iter().map(|b| RawBuffer {
+                    addr: b.addr(),
+                    bytes: b.len() as u64,
+                }));
             }
             assert_eq!(buffers.pages_covered(g), Some(pages));
             // SAFETY: every address is a live allocation of `b` holding at least `pages`
