@@ -838,23 +838,33 @@ impl Backend for CpuBackend {
     }
 
     fn record_timed(&self) -> Result<Event> {
-        let d = self.dev();
-        let seq = d.streams[self.stream].enqueued;
+        // The time is stamped by an operation of its own, when the stream reaches it: at once
+        // in immediate mode, when something waits in deferred mode.
+        let at = Arc::new(std::sync::OnceLock::new());
+        let stamp = at.clone();
+        self.run(move |_| {
+            let _ = stamp.set(std::time::Instant::now());
+            Ok(())
+        })?;
+        let seq = self.dev().streams[self.stream].enqueued;
         Ok(Event(EventInner::Cpu {
             arena: self.arena,
             stream: self.stream as u64,
             seq,
-            at: (!d.deferred).then(std::time::Instant::now),
+            at: Some(at),
         }))
     }
 
     fn elapsed_ms(&self, start: &Event, end: &Event) -> Result<f64> {
-        match (&start.0, &end.0) {
-            (EventInner::Cpu { at: Some(a), .. }, EventInner::Cpu { at: Some(b), .. }) => {
-                Ok(b.saturating_duration_since(*a).as_secs_f64() * 1e3)
-            }
+        let time = |e: &Event| match &e.0 {
+            EventInner::Cpu { at: Some(at), .. } => at.get().copied(),
+            _ => None,
+        };
+        match (time(start), time(end)) {
+            (Some(a), Some(b)) => Ok(b.saturating_duration_since(a).as_secs_f64() * 1e3),
             _ => Err(Error::InvalidArgument(
-                "elapsed time needs two timed events of an immediate-mode CPU backend".into(),
+                "elapsed time needs two timed events of this backend that the stream has reached"
+                    .into(),
             )),
         }
     }

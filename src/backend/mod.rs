@@ -197,14 +197,13 @@ impl PartialEq for Event {
 
 #[derive(Debug, Clone)]
 enum EventInner {
-    /// The CPU backend: operation `seq` of stream `stream` of arena `arena`; a timed event of
-    /// an immediate-mode arena also holds when it was recorded (every operation before it had
-    /// run by then).
+    /// The CPU backend: operation `seq` of stream `stream` of arena `arena`; a timed event also
+    /// holds when the stream reached it, stamped by an operation of its own.
     Cpu {
         arena: u64,
         stream: u64,
         seq: u64,
-        at: Option<std::time::Instant>,
+        at: Option<Arc<std::sync::OnceLock<std::time::Instant>>>,
     },
     /// A CUDA event.
     Cuda(Arc<CudaEvent>),

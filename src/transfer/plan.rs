@@ -327,6 +327,18 @@ fn check_layouts(request: u64, src: &PoolLayout, dst: &PoolLayout) -> Result<()>
                 ),
             });
         }
+        // Descriptor offsets are byte offsets inside a layer: a layer must fit them.
+        for (side, layout) in [("prefill", src), ("decode", dst)] {
+            if layout.pages.checked_mul(c.block_bytes as u64).is_none() {
+                return Err(Error::Transfer {
+                    request,
+                    reason: format!(
+                        "the {side} side registered {} pages of {} B {} blocks: more bytes than a layer can address",
+                        layout.pages, c.block_bytes, c.component
+                    ),
+                });
+            }
+        }
     }
     Ok(())
 }
