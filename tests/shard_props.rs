@@ -6,9 +6,18 @@
 
 use std::collections::BTreeSet;
 
+use kvshard::index::{LocalPage, LogicalPage};
 use kvshard::shard::{AllocRequest, ChainStart, Placement, ShardAllocator};
 use kvshard::Error;
 use proptest::prelude::*;
+
+fn lp(pages: &[u64]) -> Vec<LogicalPage> {
+    pages.iter().map(|&p| LogicalPage(p)).collect()
+}
+
+fn raw(pages: &[LogicalPage]) -> Vec<u64> {
+    pages.iter().map(|p| p.0).collect()
+}
 
 #[derive(Debug, Clone)]
 enum Req {
@@ -149,7 +158,7 @@ fn check_invariants(a: &ShardAllocator, m: &Model) -> Result<(), TestCaseError> 
     prop_assert_eq!(chained.len(), m.live.len(), "a live page is held twice");
     for page in 0..u64::from(n) * m.ppr + 2 {
         prop_assert_eq!(
-            a.is_allocated(page),
+            a.is_allocated(LogicalPage(page)),
             m.live.contains(&page),
             "page {}",
             page
@@ -216,13 +225,11 @@ fn batch(a: &mut ShardAllocator, m: &mut Model, reqs: &[Req]) -> Result<(), Test
             for (alloc, (chain, start_owner, first)) in allocations.into_iter().zip(predicted) {
                 prop_assert_eq!(alloc.start_owner, start_owner);
                 prop_assert_eq!(alloc.first_position, first);
-                m.take(&alloc.pages)?;
+                let pages = raw(&alloc.pages);
+                m.take(&pages)?;
                 match chain {
-                    Some(i) => m.chains[i].pages.extend(alloc.pages),
-                    None => m.chains.push(Chain {
-                        start_owner,
-                        pages: alloc.pages,
-                    }),
+                    Some(i) => m.chains[i].pages.extend(pages),
+                    None => m.chains.push(Chain { start_owner, pages }),
                 }
             }
         }
@@ -250,8 +257,9 @@ fn matching(a: &mut ShardAllocator, m: &mut Model, picks: &[u64]) -> Result<(), 
         needs[(p % n) as usize] += 1;
     }
     let before = a.clone();
-    match a.alloc_matching(&inputs) {
+    match a.alloc_matching(&lp(&inputs)) {
         Ok(out) => {
+            let out = raw(&out);
             prop_assert_eq!(m.shortage(&needs), None, "matching should have failed");
             prop_assert_eq!(out.len(), inputs.len());
             for (o, i) in out.iter().zip(&inputs) {
@@ -297,7 +305,7 @@ fn bad_free(
     pages.push(bad_page);
     pages.extend(&good[half..]);
     let before = a.clone();
-    let err = a.free(&pages).expect_err("a bad free must fail");
+    let err = a.free(&lp(&pages)).expect_err("a bad free must fail");
     prop_assert!(*a == before, "failed free changed the allocator");
     let ok = match (bad, &err) {
         (Bad::AlreadyFree, Error::DoubleFree { page }) => *page == bad_page,
@@ -337,14 +345,14 @@ fn run(n: u32, ppr: u64, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let i = chain % m.chains.len();
                 let len = m.chains[i].pages.len();
                 let tail = m.chains[i].pages.split_off(len - pages.min(len));
-                a.free(&tail).unwrap();
+                a.free(&lp(&tail)).unwrap();
                 m.give_back(&tail);
             }
             Op::Matching(picks) => matching(&mut a, &mut m, &picks)?,
             Op::FreeLoose(k) => {
                 let k = k.min(m.loose.len());
                 let freed: Vec<u64> = m.loose.drain(..k).collect();
-                a.free(&freed).unwrap();
+                a.free(&lp(&freed)).unwrap();
                 m.give_back(&freed);
             }
             Op::BadFree { chain, bad, pick } => bad_free(&mut a, &m, chain, bad, pick)?,
@@ -404,7 +412,7 @@ proptest! {
         for (p, &page) in chain.pages.iter().enumerate() {
             let class = (p % n as usize) as u32;
             let round = (p / n as usize) as u64;
-            prop_assert_eq!(page, placement.logical_page(class, 1 + round));
+            prop_assert_eq!(Some(page), placement.logical(class, LocalPage(1 + round)));
         }
     }
 }
@@ -528,7 +536,7 @@ fn exhaustion_names_the_lowest_short_class_and_changes_nothing() {
         ),
         "{err}"
     );
-    let err = a.alloc_matching(&[3, 5, 7, 9]).unwrap_err();
+    let err = a.alloc_matching(&lp(&[3, 5, 7, 9])).unwrap_err();
     assert!(
         matches!(
             err,
@@ -549,8 +557,8 @@ fn exhaustion_names_the_lowest_short_class_and_changes_nothing() {
 fn free_errors_change_nothing() {
     let mut a = alloc(2, 4); // logical pages 0..8, reserved 0 and 1
     let chain = a.alloc(new_chain(3)).unwrap().pages; // [2, 3, 4]
-    assert_eq!(chain, [2, 3, 4]);
-    a.free(&[3]).unwrap();
+    assert_eq!(chain, lp(&[2, 3, 4]));
+    a.free(&lp(&[3])).unwrap();
     let before = a.clone();
     type Case = (&'static [u64], fn(&Error) -> bool);
     let cases: [Case; 6] = [
@@ -573,11 +581,11 @@ fn free_errors_change_nothing() {
         (&[u64::MAX], |e| matches!(e, Error::OutOfRange { .. })),
     ];
     for (pages, expected) in cases {
-        let err = a.free(pages).unwrap_err();
+        let err = a.free(&lp(pages)).unwrap_err();
         assert!(expected(&err), "free {pages:?}: {err}");
         assert_eq!(a, before, "free {pages:?} changed the allocator");
     }
-    a.free(&[2, 4]).unwrap();
+    a.free(&lp(&[2, 4])).unwrap();
     assert_eq!(a.total_free(), 6);
 }
 
@@ -585,15 +593,15 @@ fn free_errors_change_nothing() {
 fn matching_reserved_pages_is_refused() {
     let mut a = alloc(4, 3);
     let before = a.clone();
-    let err = a.alloc_matching(&[5, 2]).unwrap_err();
+    let err = a.alloc_matching(&lp(&[5, 2])).unwrap_err();
     assert!(
         matches!(err, Error::ReservedPage { page: 2, shard: 4 }),
         "{err}"
     );
     assert_eq!(a, before);
     // Pages of a larger pool are fine: only the class matters. Lowest pages go first.
-    let got = a.alloc_matching(&[1001, 6, 13]).unwrap();
-    assert_eq!(got, [5, 6, 9]);
+    let got = a.alloc_matching(&lp(&[1001, 6, 13])).unwrap();
+    assert_eq!(got, lp(&[5, 6, 9]));
 }
 
 #[test]
@@ -610,7 +618,7 @@ fn construction_needs_a_real_page_per_rank() {
     let a = ShardAllocator::new(p, 2).unwrap();
     assert_eq!((a.placement(), a.pages_per_rank()), (p, 2));
     assert_eq!(a.total_free(), 2);
-    assert!(!a.is_allocated(0) && !a.is_allocated(u64::MAX));
+    assert!(!a.is_allocated(LogicalPage(0)) && !a.is_allocated(LogicalPage(u64::MAX)));
 }
 
 #[test]
