@@ -76,7 +76,6 @@ fn demo_passes_on_the_cpu_with_every_hicache_route() {
 /// between the demo's streams would show as wrong bytes. It cannot run yet: the demo times every
 /// stage with `Backend::elapsed_ms`, which refuses the events of a deferred arena.
 #[test]
-#[ignore = "library gap: CpuBackend::elapsed_ms refuses deferred-mode events, and demo::run times every stage"]
 fn demo_passes_on_a_deferred_cpu_backend() {
     let cpu = CpuBackend::deferred();
     let streams = || -> kvshard::Result<Arc<dyn Backend>> { Ok(Arc::new(cpu.new_stream())) };

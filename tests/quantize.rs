@@ -121,7 +121,8 @@ fn cpu_latent_rows_land_at_their_slots_and_nowhere_else() {
                 layout,
                 &row,
                 &mut expected[s as usize * rb..(s as usize + 1) * rb],
-            );
+            )
+            .unwrap();
         }
         assert_eq!(out, expected, "{layout}");
     }
@@ -144,7 +145,7 @@ fn cpu_indexer_blocks_are_page_major() {
         let (page, off) = (s as usize / 64, s as usize % 64);
         let keys = bf16_row(&input[t * INDEXER_INPUT_ROW_BYTES..(t + 1) * INDEXER_INPUT_ROW_BYTES]);
         let mut codes = [0u8; 128];
-        let scale = fp8::quantize_indexer_row(&keys, IndexerScale::Ue8m0, &mut codes);
+        let scale = fp8::quantize_indexer_row(&keys, IndexerScale::Ue8m0, &mut codes).unwrap();
         let block = &out[page * INDEXER_PAGE_BYTES..(page + 1) * INDEXER_PAGE_BYTES];
         assert_eq!(&block[off * 128..off * 128 + 128], &codes);
         assert_eq!(&block[8192 + 4 * off..8196 + 4 * off], &scale.to_le_bytes());
