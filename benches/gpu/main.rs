@@ -51,7 +51,7 @@ fn main() -> ExitCode {
     for unknown in wanted.iter().filter(|w| !known(w)) {
         println!("no gpu benchmark section {unknown} (--list prints them)");
     }
-    if !wanted.is_empty() && !wanted.iter().any(|w| known(&w)) {
+    if !wanted.is_empty() && !wanted.iter().any(known) {
         return ExitCode::SUCCESS;
     }
     let mut ctx = match Ctx::new(quick) {
