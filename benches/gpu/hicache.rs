@@ -80,7 +80,8 @@ pub fn plan(ctx: &mut Ctx, n: usize, device_pages: u64, host_pages: u64) -> Resu
 /// Compares the first and last row of 24 random (entry, component, layer) blocks of a finished
 /// transfer on both sides.
 pub fn verify(
-    ctx: &mut Ctx,
+    backend: &dyn Backend,
+    rng: &mut impl Rng,
     pool: &DevicePool,
     host: &HostPool,
     plan: &TransferPlan,
@@ -89,13 +90,12 @@ pub fn verify(
         return Ok(());
     }
     let comps = pool.geometry().components();
-    let backend = ctx.backend.clone();
     for _ in 0..24 {
-        let j = ctx.rng.random_range(0..plan.len());
-        let comp = &comps[ctx.rng.random_range(0..comps.len())];
-        let l = StoredLayer(ctx.rng.random_range(0..comp.layers()));
+        let j = rng.random_range(0..plan.len());
+        let comp = &comps[rng.random_range(0..comps.len())];
+        let l = StoredLayer(rng.random_range(0..comp.layers()));
         let (dp, hp) = (plan.device_pages()[j], plan.host_pages()[j]);
-        let block = pool.read_block_sync(backend.as_ref(), comp.component, l, dp)?;
+        let block = pool.read_block_sync(backend, comp.component, l, dp)?;
         let host_buffer = host.buffer(comp.component)?;
         for r in [0, comp.rows - 1] {
             let bytes = comp.row_bytes;
@@ -127,7 +127,7 @@ fn ceiling(ctx: &Ctx, dir: Direction) -> (&'static str, f64) {
 /// for the staging it is first given, and would run it against that staging's buffers with any
 /// later one (see the report's library notes).
 pub fn staged(
-    ctx: &Ctx,
+    backend: &dyn Backend,
     pool: &Arc<DevicePool>,
     host: &Arc<HostPool>,
     plan: &TransferPlan,
@@ -136,9 +136,9 @@ pub fn staged(
     how: Relayout,
 ) -> Result<(HostTransfer, StagedIo)> {
     let mut t = HostTransfer::new(pool.clone(), host.clone(), plan.clone(), dir)?;
-    let staging = t.staging(ctx.backend.as_ref(), chunk)?;
+    let staging = t.staging(backend, chunk)?;
     if let Relayout::Kernel { .. } = how {
-        t.prepare_staged_sync(ctx.backend.as_ref(), &staging, &mut Vec::new())?;
+        t.prepare_staged_sync(backend, &staging, &mut Vec::new())?;
     }
     Ok((t, staging))
 }
@@ -186,7 +186,7 @@ pub fn io(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                         matches!(io, IoBackend::PerBlockMemcpy | IoBackend::BatchMemcpy);
                     let reps = ctx.reps(if host_bound || pages >= 2048 { 3 } else { 8 });
                     let stats = ctx.time(reps, || t.run(ctx.backend.as_ref(), io, Layers::All))?;
-                    verify(ctx, &pool, &host, &plan)?;
+                    verify(ctx.backend.as_ref(), &mut ctx.rng, &pool, &host, &plan)?;
                     let calls = t.calls(io, Layers::All)?;
                     report.add(
                         "hicache",
@@ -212,11 +212,12 @@ pub fn io(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                     staged_cases.push((32, Relayout::CopyEngine));
                 }
                 for (chunk, how) in staged_cases {
-                    let (st, staging) = staged(ctx, &pool, &host, &plan, dir, chunk, how)?;
+                    let (st, staging) =
+                        staged(ctx.backend.as_ref(), &pool, &host, &plan, dir, chunk, how)?;
                     let stats = ctx.time(ctx.reps(if pages >= 2048 { 3 } else { 8 }), || {
                         st.run_staged(ctx.backend.as_ref(), &other, &staging, how)
                     })?;
-                    verify(ctx, &pool, &host, &plan)?;
+                    verify(ctx.backend.as_ref(), &mut ctx.rng, &pool, &host, &plan)?;
                     report.add(
                         "hicache",
                         format!("{layout:?} {dir:?} {pages}p x 62 layers, staged copy-engine ({chunk}-page chunks, {how:?} relayout)"),
@@ -231,7 +232,7 @@ pub fn io(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 }
                 if dir == Direction::Load && pages == 512 {
                     per_layer_load(ctx, report, &t, layout)?;
-                    verify(ctx, &pool, &host, &plan)?;
+                    verify(ctx.backend.as_ref(), &mut ctx.rng, &pool, &host, &plan)?;
                 }
             }
         }
@@ -298,7 +299,7 @@ pub fn signalled(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 t.run_signalled(ctx.backend.as_ref(), ctas, &mut signals)
                     .map(drop)
             })?;
-            verify(ctx, &pool, &host, t.plan())?;
+            verify(ctx.backend.as_ref(), &mut ctx.rng, &pool, &host, t.plan())?;
             report.add(
                 "hicache",
                 format!("signalled Load {pages}p x 62 layers, one launch, {ctas} CTAs"),
@@ -388,8 +389,14 @@ pub fn duplex(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             let join = other.record()?;
             ctx.backend.wait(&join)
         })?;
-        verify(ctx, &pool, &host, &load_plan)?;
-        verify(ctx, &pool, &host, &backup_plan)?;
+        verify(ctx.backend.as_ref(), &mut ctx.rng, &pool, &host, &load_plan)?;
+        verify(
+            ctx.backend.as_ref(),
+            &mut ctx.rng,
+            &pool,
+            &host,
+            &backup_plan,
+        )?;
         report.add(
             "hicache",
             format!("{layout:?} Load 512p + Backup 512p at once, copy-engine"),
@@ -405,10 +412,17 @@ pub fn duplex(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             (128, Relayout::Kernel { ctas: STAGED_CTAS }),
             (32, Relayout::CopyEngine),
         ] {
-            let (load, load_staging) =
-                staged(ctx, &pool, &host, &load_plan, Direction::Load, chunk, how)?;
+            let (load, load_staging) = staged(
+                ctx.backend.as_ref(),
+                &pool,
+                &host,
+                &load_plan,
+                Direction::Load,
+                chunk,
+                how,
+            )?;
             let (backup, backup_staging) = staged(
-                ctx,
+                ctx.backend.as_ref(),
                 &pool,
                 &host,
                 &backup_plan,
@@ -424,8 +438,14 @@ pub fn duplex(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 let join = other.record()?;
                 ctx.backend.wait(&join)
             })?;
-            verify(ctx, &pool, &host, &load_plan)?;
-            verify(ctx, &pool, &host, &backup_plan)?;
+            verify(ctx.backend.as_ref(), &mut ctx.rng, &pool, &host, &load_plan)?;
+            verify(
+                ctx.backend.as_ref(),
+                &mut ctx.rng,
+                &pool,
+                &host,
+                &backup_plan,
+            )?;
             report.add(
                 "hicache",
                 format!("{layout:?} Load 512p + Backup 512p at once, staged copy-engine ({chunk}-page chunks, {how:?} relayout)"),

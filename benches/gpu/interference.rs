@@ -349,7 +349,8 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 let (t, staging) = match (host, io) {
                     (None, _) => (None, None),
                     (Some(h), Io::Staged(how)) => {
-                        let (t, staging) = staged(ctx, &pool, h, &plan, dir, 32, how)?;
+                        let (t, staging) =
+                            staged(ctx.backend.as_ref(), &pool, h, &plan, dir, 32, how)?;
                         (Some(t), Some(staging))
                     }
                     (Some(h), _) => {
@@ -419,7 +420,7 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 ctx.backend.synchronize()?;
                 let (with, counted) = long.rate(load.as_ref(), Some((&from, &to)))?;
                 if let (Some(t), Some(h)) = (&t, host) {
-                    verify(ctx, &pool, h, t.plan())?;
+                    verify(ctx.backend.as_ref(), &mut ctx.rng, &pool, h, t.plan())?;
                 }
                 timeline.enqueue(load.as_ref(), compute.stream())?;
                 compute.synchronize()?;

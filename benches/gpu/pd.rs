@@ -21,7 +21,7 @@
 use std::sync::Arc;
 
 use kvshard::abi;
-use kvshard::backend::{Launch, MemoryKind};
+use kvshard::backend::{Backend, Launch, MemoryKind};
 use kvshard::copy::{BlockSpace, RemoteSpace};
 use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry, PAGE_SIZE};
 use kvshard::index::{LocalPage, LogicalPage, StoredLayer};
@@ -43,8 +43,9 @@ const GRIDS: [(u32, u32); 3] = [(1, 1024), (2, 512), (4, 256)];
 
 /// Compares, for every component, its first and last layer at 16 random positions: the decode
 /// block at the position's destination page against the owning rank's local page.
-fn verify(
-    ctx: &mut Ctx,
+pub fn verify(
+    backend: &dyn Backend,
+    rng: &mut impl Rng,
     ranks: &[Arc<DevicePool>],
     src: &[LogicalPage],
     decode: &DevicePool,
@@ -52,20 +53,18 @@ fn verify(
     variant: &str,
 ) -> Result<()> {
     let placement = ranks[0].placement();
-    let backend = ctx.backend.clone();
     for comp in decode.components() {
         for layer in [0, comp.layers() - 1].map(StoredLayer) {
             for _ in 0..16 {
-                let j = ctx.rng.random_range(0..src.len());
+                let j = rng.random_range(0..src.len());
                 let owner = &ranks[placement.owner(src[j]) as usize];
                 let sent = owner.read_block_sync(
-                    backend.as_ref(),
+                    backend,
                     comp.component,
                     layer,
                     placement.local(src[j]),
                 )?;
-                let landed =
-                    decode.read_block_sync(backend.as_ref(), comp.component, layer, dst[j])?;
+                let landed = decode.read_block_sync(backend, comp.component, layer, dst[j])?;
                 if sent != landed {
                     return Err(Error::InvalidArgument(format!(
                         "{variant}: {} {layer} position {j} did not land",
@@ -234,7 +233,15 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             let (stats, launch) =
                 best.ok_or_else(|| Error::InvalidArgument("no grid timed".into()))?;
             backend.synchronize()?;
-            verify(ctx, &ranks, &src, &decode, &dst, "range kernel")?;
+            verify(
+                backend.as_ref(),
+                &mut ctx.rng,
+                &ranks,
+                &src,
+                &decode,
+                &dst,
+                "range kernel",
+            )?;
             report.add(
                 "pd",
                 format!("{case}, range kernel, tables pre-uploaded"),
@@ -321,7 +328,15 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                     completion.wait()?;
                 }
                 backend.synchronize()?;
-                verify(ctx, &ranks, &src, &decode, &dst, name)?;
+                verify(
+                    backend.as_ref(),
+                    &mut ctx.rng,
+                    &ranks,
+                    &src,
+                    &decode,
+                    &dst,
+                    name,
+                )?;
                 report.add("pd", format!("{case}, {name}"), bytes, stats, d2d, note);
             }
         }

@@ -23,9 +23,9 @@ const GRIDS: [(u32, u32); 3] = [(1, 1024), (2, 512), (4, 256)];
 
 /// One side of a copy as the checks read it: the space, and one buffer covering all of it.
 #[derive(Clone, Copy)]
-struct Side<'a> {
-    space: &'a dyn BlockSpace,
-    whole: &'a Buffer,
+pub struct Side<'a> {
+    pub space: &'a dyn BlockSpace,
+    pub whole: &'a Buffer,
 }
 
 impl Side<'_> {
@@ -55,19 +55,19 @@ fn storage(pool: &DevicePool) -> Result<&Buffer> {
 }
 
 /// Compares 48 random (entry, component, layer) blocks of a finished copy.
-fn verify(
-    ctx: &mut Ctx,
+pub fn verify(
+    backend: &dyn Backend,
+    rng: &mut impl Rng,
     src: Side<'_>,
     src_pages: &[LocalPage],
     dst: Side<'_>,
     dst_pages: &[LocalPage],
 ) -> Result<()> {
-    let components = src.space.components().to_vec();
+    let components = src.space.components();
     for _ in 0..48 {
-        let j = ctx.rng.random_range(0..src_pages.len());
-        let comp = &components[ctx.rng.random_range(0..components.len())];
-        let l = StoredLayer(ctx.rng.random_range(0..comp.layers()));
-        let backend = ctx.backend.as_ref();
+        let j = rng.random_range(0..src_pages.len());
+        let comp = &components[rng.random_range(0..components.len())];
+        let l = StoredLayer(rng.random_range(0..comp.layers()));
         if src.block(backend, comp.component, l, src_pages[j])?
             != dst.block(backend, comp.component, l, dst_pages[j])?
         {
@@ -219,7 +219,14 @@ pub fn copies(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 None,
             )?;
             let (stats, note) = best_grid(ctx, &gather, reps)?;
-            verify(ctx, pool_side, &local, staging_side, &positions)?;
+            verify(
+                ctx.backend.as_ref(),
+                &mut ctx.rng,
+                pool_side,
+                &local,
+                staging_side,
+                &positions,
+            )?;
             report.add(
                 "pool",
                 format!("{case} gather kernel"),
@@ -246,7 +253,14 @@ pub fn copies(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 tables,
             )?;
             let (stats, note) = best_grid(ctx, &scatter, reps)?;
-            verify(ctx, staging_side, &positions, pool_side, &local)?;
+            verify(
+                ctx.backend.as_ref(),
+                &mut ctx.rng,
+                staging_side,
+                &positions,
+                pool_side,
+                &local,
+            )?;
             report.add(
                 "pool",
                 format!("{case} scatter kernel"),
@@ -265,7 +279,16 @@ pub fn copies(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                     &ranges,
                     scatter.bytes(),
                     staging.buffer(),
-                    |ctx| verify(ctx, pool_side, &local, staging_side, &positions),
+                    |ctx| {
+                        verify(
+                            ctx.backend.as_ref(),
+                            &mut ctx.rng,
+                            pool_side,
+                            &local,
+                            staging_side,
+                            &positions,
+                        )
+                    },
                 )?;
             }
         }
@@ -275,8 +298,9 @@ pub fn copies(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
 
 /// Compares 48 random owned tokens of a finished write, latent rows of random layers: the row
 /// the pool holds at the token's local row against the chunk staging's row of the token.
-fn verify_write(
-    ctx: &mut Ctx,
+pub fn verify_write(
+    backend: &dyn Backend,
+    rng: &mut impl Rng,
     pool: &DevicePool,
     staging: &ChunkStaging,
     slots: &[i64],
@@ -296,13 +320,12 @@ fn verify_write(
         .ok_or_else(|| Error::InvalidArgument("the pool holds no target latent".into()))?;
     let row = latent.row_bytes;
     for _ in 0..48 {
-        let i = owned[ctx.rng.random_range(0..owned.len())];
-        let l = StoredLayer(ctx.rng.random_range(0..latent.layers()));
+        let i = owned[rng.random_range(0..owned.len())];
+        let l = StoredLayer(rng.random_range(0..latent.layers()));
         let local_row = placement.local_row(Slot(slots[i] as u64));
         let page = LocalPage(local_row / PAGE_SIZE as u64);
         let at = pool.block_addr(Component::TargetLatent, l, page)?
             + (local_row % PAGE_SIZE as u64) * row as u64;
-        let backend = ctx.backend.as_ref();
         let written = backend.read_sync(pool_buffer, (at - pool_buffer.addr()) as usize, row)?;
         let staged = staging.layer(Component::TargetLatent, l)?;
         if written != backend.read_sync(&staged, i * row, row)? {
@@ -359,7 +382,7 @@ pub fn write_path(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             })?;
             // Reports any slot the kernel rejected.
             ctx.backend.synchronize()?;
-            verify_write(ctx, &pool, &staging, &slots)?;
+            verify_write(ctx.backend.as_ref(), &mut ctx.rng, &pool, &staging, &slots)?;
             report.add(
                 "write",
                 format!(
