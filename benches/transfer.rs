@@ -112,10 +112,12 @@ impl Request {
 }
 
 /// The two sides of a request in memory: rank 0's pool and the decode pool, as the transport
-/// reaches it, both of the layouts the request's plan was made for.
+/// reaches it, both of the layouts the request's plan was made for, and the backend whose arena
+/// holds them.
 struct Sides {
     source: DevicePool,
     decode: RemoteSpace,
+    _backend: CpuBackend,
 }
 
 impl Sides {
@@ -141,7 +143,11 @@ impl Sides {
         .expect("the decode pool");
         let decode =
             RemoteSpace::of(Arc::new(decode), layout.geometry.clone()).expect("the decode side");
-        Self { source, decode }
+        Self {
+            source,
+            decode,
+            _backend: backend,
+        }
     }
 }
 

@@ -269,9 +269,10 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                     needs.block_table_bytes
                 )
             };
+            // `None`: the transport as `BackendTransport::new` makes it (CopyMethod::default_for).
             let mut methods = vec![(
                 "block kernel from page lists (CopyMethod::default_for), Transport::submit",
-                default,
+                None,
                 match default {
                     CopyMethod::Blocks(l) => blocks_note(l, " (default_for)"),
                     _ => format!("{}; {default:?}", needs.descriptors()),
@@ -286,13 +287,13 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             if default != CopyMethod::Blocks(per_sm) {
                 methods.push((
                     "block kernel from page lists (2 CTAs/SM), Transport::submit",
-                    CopyMethod::Blocks(per_sm),
+                    Some(CopyMethod::Blocks(per_sm)),
                     blocks_note(per_sm, ""),
                 ));
             }
             methods.push((
                 "range kernel, Transport::submit",
-                CopyMethod::Kernel(launch),
+                Some(CopyMethod::Kernel(launch)),
                 format!(
                     "{}; {n} kvs_copy_ranges launches (1 per chunk) {}x{} of {} pieces, {} B of tables uploaded",
                     needs.descriptors(),
@@ -304,19 +305,22 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             ));
             methods.push((
                 "copy engine, Transport::submit",
-                CopyMethod::CopyEngine,
+                Some(CopyMethod::CopyEngine),
                 format!(
                     "{}; {n} memcpy_batch calls (1 per chunk) of {ranges} entries in all",
                     needs.descriptors()
                 ),
             ));
             for (name, method, note) in methods {
-                if method == CopyMethod::CopyEngine && ranges > 100_000 {
+                if method == Some(CopyMethod::CopyEngine) && ranges > 100_000 {
                     // ~2 s a repeat at the host's ~4 us per entry: measured at 512 pages.
                     continue;
                 }
                 decode.fill(backend.as_ref(), POISON)?;
-                let mut transport = BackendTransport::with_method(backend.clone(), method);
+                let mut transport = match method {
+                    None => BackendTransport::new(backend.clone()),
+                    Some(method) => BackendTransport::with_method(backend.clone(), method),
+                };
                 let mut pending: Vec<Box<dyn Completion>> = Vec::new();
                 let stats = ctx.time(reps, || {
                     for (plan, pool) in plans.iter().zip(&ranks) {
