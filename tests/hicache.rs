@@ -572,6 +572,22 @@ fn staging_of_another_transfer_or_no_ctas_is_refused_before_anything_moves() {
         .unwrap();
     load.run_staged(&b, &other, &load_staging, Relayout::Kernel { ctas: 2 })
         .unwrap();
+    // A kernel relayout prepared for one staging is refused with another (its tables name the
+    // first staging's mirrors), until it is prepared for that one too.
+    let second = load.staging(&b, 1).unwrap();
+    let err = load
+        .run_staged(&b, &other, &second, Relayout::Kernel { ctas: 2 })
+        .unwrap_err();
+    assert!(err.to_string().contains("with this staging"), "{err}");
+    let mut spare = Vec::new();
+    load.prepare_staged_sync(&b, &second, &mut spare).unwrap();
+    assert!(
+        spare.is_empty(),
+        "the first staging's tables went back to the spares and were reused"
+    );
+    load.run_staged(&b, &other, &second, Relayout::Kernel { ctas: 2 })
+        .unwrap();
+    b.synchronize().unwrap();
 }
 
 /// Every relayout and chunk size of the staged path on `w` against the direct copy engine on

@@ -72,8 +72,8 @@ pub struct HostTransfer {
     /// The target's layer count: the draft's model layer, which readiness groups with layer 0.
     draft_layer: Option<ModelLayer>,
     kernel: Option<BlockCopy>,
-    /// The staged kernel relayout, one copy per staging mirror.
-    pub(super) relayout: Option<Vec<BlockCopy>>,
+    /// The staged kernel relayout: the staging it was made for, and one copy per mirror.
+    pub(super) relayout: Option<(crate::copy::SpaceId, Vec<BlockCopy>)>,
 }
 
 impl HostTransfer {
@@ -216,7 +216,7 @@ impl HostTransfer {
     pub fn into_tables(self) -> Vec<TableBuffer> {
         self.kernel
             .into_iter()
-            .chain(self.relayout.into_iter().flatten())
+            .chain(self.relayout.into_iter().flat_map(|(_, copies)| copies))
             .filter_map(BlockCopy::into_tables)
             .collect()
     }

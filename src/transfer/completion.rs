@@ -322,8 +322,9 @@ impl Sender {
             end,
             last,
         };
-        let submitted =
-            SendPlan::new(&self.source, src_pages, &out.registration, chunk).and_then(|plan| {
+        // The registration was validated by `open`, and nothing changes it since.
+        let submitted = SendPlan::of_valid(&self.source, src_pages, &out.registration, chunk)
+            .and_then(|plan| {
                 let completion = self.transport.submit(&plan, &self.pool, &out.dst)?;
                 Ok((plan, completion))
             });
