@@ -2604,7 +2604,10 @@ fn cpu_staged_loads_are_ready_as_a_whole() {
 // GPU
 
 /// A GPU's stream and a second one, or `None` (the test skipped) without a GPU.
-fn gpu_pair(test: &str) -> Option<(Arc<Gpu>, Arc<dyn Backend>, Arc<dyn Backend>)> {
+/// The GPU and two of its streams.
+type GpuPair = (Arc<Gpu>, Arc<dyn Backend>, Arc<dyn Backend>);
+
+fn gpu_pair(test: &str) -> Option<GpuPair> {
     let gpu = common::open_gpu(test)?;
     let (b, other) = (common::stream(&gpu), common::stream(&gpu));
     Some((gpu, b, other))

@@ -114,7 +114,8 @@ fn a_copy_prepared_with_spaces_other_than_its_plans_is_refused() {
         3,
     )
     .unwrap();
-    let cases: [(&str, Arc<dyn BlockSpace>, Arc<dyn BlockSpace>); 3] = [
+    type Space = Arc<dyn BlockSpace>;
+    let cases: [(&str, Space, Space); 3] = [
         ("another source", twin.clone(), staging.clone()),
         (
             "another destination",
