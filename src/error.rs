@@ -151,6 +151,9 @@ pub enum Error {
         /// Why eviction stopped.
         reason: crate::shard::EvictionStall,
     },
+    /// A byte-for-byte check of the demo failed: bytes that must be identical are not.
+    #[error("verification failed: {0}")]
+    Verification(String),
     /// A memory budget cannot hold what it must.
     #[error("memory budget too small: {0}")]
     BudgetTooSmall(String),

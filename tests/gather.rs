@@ -1496,3 +1496,79 @@ fn eviction_frees_until_the_request_fits_or_says_why_not() {
 // ---------------------------------------------------------------------------------------------
 // The pressure demo.
 // ---------------------------------------------------------------------------------------------
+// ---------------------------------------------------------------------------------------------
+// The pressure demo.
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn pressure_demo_passes_on_the_cpu() {
+    use kvshard::demo::{default_route, run_pressure, PressureConfig};
+    let cpu = CpuBackend::new();
+    let streams = || -> kvshard::Result<Arc<dyn Backend>> { Ok(Arc::new(cpu.new_stream())) };
+    let default = PressureConfig::default_for(false);
+    for cfg in [
+        default.clone(),
+        PressureConfig {
+            ranks: 4,
+            draft: false,
+            chunk: 4096,
+            ..default.clone()
+        },
+        PressureConfig {
+            ranks: 1,
+            ..default.clone()
+        },
+    ] {
+        let summary = run_pressure(Arc::new(cpu.new_stream()), &streams, &cfg, default_route(false))
+            .unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
+        let text = summary.lines.join("\n");
+        assert!(text.contains("evicting node 1"), "the prompts evict the prefix:\n{text}");
+        assert!(text.contains("H2D grew from 0 to"), "{text}");
+        assert_eq!(
+            summary.lines.last().map(String::as_str),
+            Some("pressure demo: every check passed")
+        );
+        assert_eq!(text.contains("gathered layer by layer"), cfg.ranks > 1, "{text}");
+    }
+    // A scenario without pressure, or where a prompt cannot fit, is refused up front.
+    for cfg in [
+        PressureConfig {
+            prompt_tokens: 6000,
+            ..default.clone()
+        },
+        PressureConfig {
+            prompt_tokens: 20_000,
+            ..default.clone()
+        },
+        PressureConfig {
+            ranks: 3,
+            ..default.clone()
+        },
+        PressureConfig {
+            prefix_tokens: 100,
+            ..default.clone()
+        },
+    ] {
+        let e = run_pressure(Arc::new(cpu.new_stream()), &streams, &cfg, default_route(false))
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{cfg:?}: {e}");
+    }
+}
+
+#[test]
+fn gpu_pressure_demo_passes_at_the_stated_shape() {
+    use kvshard::backend::cuda::CudaBackend;
+    use kvshard::demo::{default_route, run_pressure, PressureConfig};
+    let Some(gpu) = common::open_gpu("gpu_pressure_demo_passes_at_the_stated_shape") else {
+        return;
+    };
+    let streams = || -> kvshard::Result<Arc<dyn Backend>> {
+        Ok(Arc::new(CudaBackend::new(gpu.clone())?))
+    };
+    let cfg = PressureConfig::default_for(true);
+    let summary = run_pressure(streams().unwrap(), &streams, &cfg, default_route(true)).unwrap();
+    assert_eq!(
+        summary.lines.last().map(String::as_str),
+        Some("pressure demo: every check passed")
+    );
+}
