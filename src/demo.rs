@@ -40,8 +40,8 @@ use crate::quantize::{
     LATENT_INPUT_ROW_BYTES,
 };
 use crate::shard::{
-    evict_until_allocatable, Admission, AdmissionLimits, Candidate, Decision, Deferral,
-    GatherPlan, GatherRequest, Placement, ScratchLayout, ShardAllocator,
+    evict_until_allocatable, Admission, AdmissionLimits, Candidate, Decision, Deferral, GatherPlan,
+    GatherRequest, Placement, ScratchLayout, ShardAllocator,
 };
 use crate::synth::{self, POISON};
 use crate::transfer::{BackendTransport, ChunkEnd, PoolLayout, Receiver, Sender};
@@ -566,11 +566,15 @@ impl PressureConfig {
     /// sizes; one prompt fits the empty device pools; the prefix and a prompt do not (so the
     /// prompts force evictions); the host pools hold the prefix and both prompts.
     pub fn pages_per_rank(&self) -> Result<u64> {
-        let invalid = |why: String| Err(Error::InvalidArgument(format!("pressure scenario: {why}")));
+        let invalid =
+            |why: String| Err(Error::InvalidArgument(format!("pressure scenario: {why}")));
         let page = PAGE_SIZE as u64;
         let stride = u64::from(self.ranks.max(1)) * page;
         if self.chunk == 0 || self.chunk % PAGE_SIZE != 0 {
-            return invalid(format!("chunks of {} tokens (a non-zero multiple of 64)", self.chunk));
+            return invalid(format!(
+                "chunks of {} tokens (a non-zero multiple of 64)",
+                self.chunk
+            ));
         }
         if self.prefix_tokens == 0
             || self.prefix_tokens % PAGE_SIZE != 0
@@ -646,7 +650,11 @@ impl GatherRig {
             scratch: (0..shard)
                 .map(|_| staging(layout.pages()))
                 .collect::<Result<_>>()?,
-            table: ScratchTable::new(b.clone(), logical_pages, usize::try_from(layout.pages()).map_err(|_| Error::overflow("scratch pages"))?)?,
+            table: ScratchTable::new(
+                b.clone(),
+                logical_pages,
+                usize::try_from(layout.pages()).map_err(|_| Error::overflow("scratch pages"))?,
+            )?,
             want: staging(layout.prefix_pages().max(1))?,
             got: staging(layout.prefix_pages().max(1))?,
             layout,
@@ -869,7 +877,10 @@ impl Pressure {
         let bk = b.as_ref();
         let setup = Instant::now();
         let request = GatherRequest::of_chain(chain, prefix_pages)?;
-        let logical = self.alloc.placement().logical_pages(self.alloc.pages_per_rank())?;
+        let logical = self
+            .alloc
+            .placement()
+            .logical_pages(self.alloc.pages_per_rank())?;
         let plan = GatherPlan::new(self.placement, rig.layout, logical, &[request])?;
         let packs = self
             .ranks
@@ -1105,7 +1116,12 @@ pub fn run_pressure(
     let controllers = ranks
         .iter()
         .map(|pool| {
-            let host = Arc::new(HostPool::new(bk, &g, host_pages, HostLayout::PageFirstDirect)?);
+            let host = Arc::new(HostPool::new(
+                bk,
+                &g,
+                host_pages,
+                HostLayout::PageFirstDirect,
+            )?);
             let s = Streams {
                 load: streams()?,
                 backup: streams()?,
@@ -1128,7 +1144,10 @@ pub fn run_pressure(
             max_prefix_tokens: max_prefix,
             chunk_tokens,
         };
-        (limits, Some(GatherRig::new(&b, &g, placement, layout, logical)?))
+        (
+            limits,
+            Some(GatherRig::new(&b, &g, placement, layout, logical)?),
+        )
     } else {
         // Unsharded attention reads the pool itself: no scratch, no gather.
         let limits = AdmissionLimits {

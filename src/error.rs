@@ -119,7 +119,9 @@ pub enum Error {
         expected: u32,
     },
     /// A batch needs more of a region of the attention scratch than the region holds.
-    #[error("the batch needs {needed} tokens of the scratch's {region} region, which holds {limit}")]
+    #[error(
+        "the batch needs {needed} tokens of the scratch's {region} region, which holds {limit}"
+    )]
     ScratchOverflow {
         /// Which region: "prefix" or "chunk".
         region: &'static str,

@@ -113,7 +113,10 @@ impl RefAlloc {
             let (start, first) = match r.chain {
                 ChainStart::New => {
                     let left = |c: usize| self.free_of(c) as i64 - needs[c] as i64;
-                    ((0..n).fold(0, |b, c| if left(c) > left(b) { c } else { b }), 0)
+                    (
+                        (0..n).fold(0, |b, c| if left(c) > left(b) { c } else { b }),
+                        0,
+                    )
                 }
                 ChainStart::Extend {
                     start_owner,
@@ -129,8 +132,8 @@ impl RefAlloc {
             return Err(e);
         }
         if self.sorted {
-            for c in 0..n {
-                if self.free[c].len() < needs[c] {
+            for (c, &need) in needs.iter().enumerate() {
+                if self.free[c].len() < need {
                     self.merge(c);
                 }
             }
@@ -603,7 +606,10 @@ struct Reference {
 
 fn reference(n: u32, layout: ScratchLayout, logical: u64, reqs: &[Req]) -> Reference {
     let n64 = u64::from(n);
-    let block: u64 = reqs.iter().map(|r| (r.prefix.len() as u64).div_ceil(n64)).sum();
+    let block: u64 = reqs
+        .iter()
+        .map(|r| (r.prefix.len() as u64).div_ceil(n64))
+        .sum();
     let chunk: Vec<LogicalPage> = reqs.iter().flat_map(|r| r.chunk.clone()).collect();
     let overflow = if n64 * block > layout.prefix_pages() {
         Some("prefix")
@@ -652,7 +658,8 @@ fn gather_plans_match_the_reference_at_every_shard_size() {
             let gather: Vec<GatherRequest> = reqs.iter().map(Req::gather).collect();
             // Sometimes too small a region, to see the refusals agree.
             let prefix_pages = rng.random_range(0..80u64);
-            let layout = ScratchLayout::new(64 * prefix_pages, rng.random_range(0..40 * 64)).unwrap();
+            let layout =
+                ScratchLayout::new(64 * prefix_pages, rng.random_range(0..40 * 64)).unwrap();
             let want = reference(n, layout, logical, &reqs);
             match GatherPlan::new(placement, layout, logical, &gather) {
                 Ok(plan) => {
@@ -661,10 +668,7 @@ fn gather_plans_match_the_reference_at_every_shard_size() {
                     assert_eq!(plan.gathered_pages(), want.block * u64::from(n));
                     for r in 0..n {
                         assert_eq!(plan.send_list(r).unwrap(), &want.send[r as usize][..]);
-                        let owned = want.send[r as usize]
-                            .iter()
-                            .filter(|p| p.0 != 0)
-                            .count();
+                        let owned = want.send[r as usize].iter().filter(|p| p.0 != 0).count();
                         assert_eq!(plan.owned_pages(r).unwrap(), owned);
                     }
                     let table = plan.page_table().unwrap();
@@ -684,7 +688,10 @@ fn gather_plans_match_the_reference_at_every_shard_size() {
                 Err(e) => panic!("N={n}: {e} for {reqs:?}"),
             }
         }
-        assert!(built > 50 && refused > 10, "N={n}: {built} built, {refused} refused");
+        assert!(
+            built > 50 && refused > 10,
+            "N={n}: {built} built, {refused} refused"
+        );
     }
 }
 
@@ -693,10 +700,12 @@ fn gather_plans_refuse_bad_batches() {
     let p2 = Placement::new(2).unwrap();
     let layout = ScratchLayout::new(64 * 16, 64 * 8).unwrap();
     let plan = |reqs: &[GatherRequest]| GatherPlan::new(p2, layout, 40, reqs);
-    let req = |start, prefix: &'static [u64], chunk: &'static [u64]| {
-        (start, lp(prefix), lp(chunk))
-    };
-    let cases: Vec<((u32, Vec<LogicalPage>, Vec<LogicalPage>), fn(&Error) -> bool)> = vec![
+    let req = |start, prefix: &'static [u64], chunk: &'static [u64]| (start, lp(prefix), lp(chunk));
+    type Case = (
+        (u32, Vec<LogicalPage>, Vec<LogicalPage>),
+        fn(&Error) -> bool,
+    );
+    let cases: Vec<Case> = vec![
         // Owners not cyclic: position 1 of a chain starting at owner 0 must be owner 1.
         (req(0, &[2, 4], &[]), |e| {
             matches!(
@@ -716,9 +725,18 @@ fn gather_plans_refuse_bad_batches() {
             matches!(e, Error::ReservedPage { page: 0, shard: 2 })
         }),
         (req(0, &[40, 3], &[]), |e| {
-            matches!(e, Error::OutOfRange { index: 40, limit: 40, .. })
+            matches!(
+                e,
+                Error::OutOfRange {
+                    index: 40,
+                    limit: 40,
+                    ..
+                }
+            )
         }),
-        (req(2, &[4], &[]), |e| matches!(e, Error::InvalidArgument(_))),
+        (req(2, &[4], &[]), |e| {
+            matches!(e, Error::InvalidArgument(_))
+        }),
         // A page twice in one chain.
         (req(0, &[2, 3, 2, 5], &[]), |e| {
             matches!(
@@ -732,19 +750,16 @@ fn gather_plans_refuse_bad_batches() {
             )
         }),
         // Too many chunk pages: 9 of 8.
-        (
-            req(0, &[], &[2, 3, 4, 5, 6, 7, 8, 9, 10]),
-            |e| {
-                matches!(
-                    e,
-                    Error::ScratchOverflow {
-                        region: "chunk",
-                        needed: 576,
-                        limit: 512
-                    }
-                )
-            },
-        ),
+        (req(0, &[], &[2, 3, 4, 5, 6, 7, 8, 9, 10]), |e| {
+            matches!(
+                e,
+                Error::ScratchOverflow {
+                    region: "chunk",
+                    needed: 576,
+                    limit: 512
+                }
+            )
+        }),
         // 17 prefix pages: a block of 9 per owner, 18 pages > 16.
         (
             req(
@@ -901,8 +916,12 @@ fn raw_table(
     (table, rejected)
 }
 
-/// Bad entries: (pages, scratch pages, table length, trash page, the rejected position).
-fn bad_tables() -> Vec<(Vec<i64>, Vec<i64>, u64, u64, Option<u64>)> {
+/// Raw entries of `kvs_scratch_table`: pages, scratch pages, table length, trash page, and the
+/// position the kernel must reject (if any).
+type RawTable = (Vec<i64>, Vec<i64>, u64, u64, Option<u64>);
+
+/// Bad entries, and a few good ones.
+fn bad_tables() -> Vec<RawTable> {
     vec![
         (vec![1, 3, 7], vec![0, 5, 9], 10, 12, None),
         (vec![], vec![], 6, 3, None),
@@ -1013,9 +1032,8 @@ fn sharded_pools(
     use kvshard::copy::{BlockCopyPlan, PageSelection};
     let placement = Placement::new(n).unwrap();
     let logical = u64::from(n) * ppr;
-    let u = Arc::new(
-        DevicePool::allocate(b.as_ref(), g, Placement::unsharded(), 0, logical).unwrap(),
-    );
+    let u =
+        Arc::new(DevicePool::allocate(b.as_ref(), g, Placement::unsharded(), 0, logical).unwrap());
     let storage = u.storage().unwrap();
     b.write_sync(storage, 0, &synth::bytes(rng, storage.len()))
         .unwrap();
@@ -1037,7 +1055,8 @@ fn sharded_pools(
             pages.len(),
         )
         .unwrap();
-        let copy = BlockCopy::prepare_sync(b.as_ref(), plan, u.clone(), pool.clone(), None).unwrap();
+        let copy =
+            BlockCopy::prepare_sync(b.as_ref(), plan, u.clone(), pool.clone(), None).unwrap();
         copy.run(b.as_ref(), copy_launch(b.as_ref())).unwrap();
         ranks.push(pool);
     }
@@ -1058,8 +1077,8 @@ fn pack(
     let copy_plan = plan
         .pack_plan(pool, &send, |m| only.is_none_or(|o| o == m))
         .unwrap();
-    let copy = BlockCopy::prepare_sync(b.as_ref(), copy_plan, pool.clone(), send.clone(), None)
-        .unwrap();
+    let copy =
+        BlockCopy::prepare_sync(b.as_ref(), copy_plan, pool.clone(), send.clone(), None).unwrap();
     copy.run(b.as_ref(), copy_launch(b.as_ref())).unwrap();
     b.synchronize().unwrap();
     send
@@ -1079,8 +1098,14 @@ fn check_packs(b: Arc<dyn Backend>, seed: u64) -> Vec<Vec<u8>> {
             let list = plan.send_list(r as u32).unwrap();
             let send = pack(&b, &plan, pool, None);
             for (k, &local) in list.iter().enumerate() {
-                let want = pool.read_pages_sync(b.as_ref(), &[local]).unwrap().remove(0);
-                assert!(staging_page(b.as_ref(), &send, k as u64) == want, "N={n} rank {r} entry {k}");
+                let want = pool
+                    .read_pages_sync(b.as_ref(), &[local])
+                    .unwrap()
+                    .remove(0);
+                assert!(
+                    staging_page(b.as_ref(), &send, k as u64) == want,
+                    "N={n} rank {r} entry {k}"
+                );
             }
             out.push(b.read_sync(send.buffer(), 0, send.buffer().len()).unwrap());
             // One layer at a time: the draft's layer (model layer 3), then target layer 1
@@ -1156,9 +1181,14 @@ fn check_all_gather(b: Arc<dyn Backend>, seed: u64) -> Vec<Vec<u8>> {
             b.fill(scratch.buffer(), POISON).unwrap();
             for (owner, send) in sends.iter().enumerate() {
                 let landing = plan.landing_plan(owner as u32, send, &scratch).unwrap();
-                let copy =
-                    BlockCopy::prepare_sync(b.as_ref(), landing, send.clone(), scratch.clone(), None)
-                        .unwrap();
+                let copy = BlockCopy::prepare_sync(
+                    b.as_ref(),
+                    landing,
+                    send.clone(),
+                    scratch.clone(),
+                    None,
+                )
+                .unwrap();
                 copy.run(b.as_ref(), copy_launch(b.as_ref())).unwrap();
             }
             b.synchronize().unwrap();
@@ -1166,13 +1196,22 @@ fn check_all_gather(b: Arc<dyn Backend>, seed: u64) -> Vec<Vec<u8>> {
                 for &page in &r.prefix {
                     let at = table[page.0 as usize] as u64;
                     let want = u.read_pages_sync(b.as_ref(), &[LocalPage(page.0)]).unwrap();
-                    assert!(staging_page(b.as_ref(), &scratch, at) == want[0], "N={n} page {}", page.0);
+                    assert!(
+                        staging_page(b.as_ref(), &scratch, at) == want[0],
+                        "N={n} page {}",
+                        page.0
+                    );
                 }
             }
             for s in plan.gathered_pages()..layout.pages() {
-                assert!(staging_page(b.as_ref(), &scratch, s).iter().all(|&x| x == POISON));
+                assert!(staging_page(b.as_ref(), &scratch, s)
+                    .iter()
+                    .all(|&x| x == POISON));
             }
-            out.push(b.read_sync(scratch.buffer(), 0, scratch.buffer().len()).unwrap());
+            out.push(
+                b.read_sync(scratch.buffer(), 0, scratch.buffer().len())
+                    .unwrap(),
+            );
         }
     }
     out
@@ -1220,7 +1259,13 @@ enum RefDecision {
 }
 
 impl RefAdmission {
-    fn offer(&mut self, n: u32, limits: AdmissionLimits, capacity: u64, c: Candidate) -> RefDecision {
+    fn offer(
+        &mut self,
+        n: u32,
+        limits: AdmissionLimits,
+        capacity: u64,
+        c: Candidate,
+    ) -> RefDecision {
         let n = u128::from(n);
         let block = self.block + (u128::from(c.prefix_len) / 64).div_ceil(n);
         if n * block * 64 > u128::from(limits.max_prefix_tokens) {
@@ -1349,7 +1394,10 @@ fn admission_refuses_what_can_never_fit_and_defers_the_rest() {
             last: false
         }
     );
-    assert_eq!((a.block(), a.chunk_pages(), a.reserved_tokens()), (4, 15, 960 + 128));
+    assert_eq!(
+        (a.block(), a.chunk_pages(), a.reserved_tokens()),
+        (4, 15, 960 + 128)
+    );
     // Now not one page of chunk is left, and the prefix region is still there.
     assert!(matches!(
         a.offer(Candidate {
@@ -1382,7 +1430,16 @@ fn admission_refuses_what_can_never_fit_and_defers_the_rest() {
             extend_len: 64,
         })
         .unwrap_err();
-    assert!(matches!(e, Error::NeverAdmissible { what: "chunk region", .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::NeverAdmissible {
+                what: "chunk region",
+                ..
+            }
+        ),
+        "{e}"
+    );
     // A pool that is full defers even the first request: eviction can fix that.
     let mut full = Admission::new(p2, limits, 200);
     let d = full
@@ -1519,16 +1576,28 @@ fn pressure_demo_passes_on_the_cpu() {
             ..default.clone()
         },
     ] {
-        let summary = run_pressure(Arc::new(cpu.new_stream()), &streams, &cfg, default_route(false))
-            .unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
+        let summary = run_pressure(
+            Arc::new(cpu.new_stream()),
+            &streams,
+            &cfg,
+            default_route(false),
+        )
+        .unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
         let text = summary.lines.join("\n");
-        assert!(text.contains("evicting node 1"), "the prompts evict the prefix:\n{text}");
+        assert!(
+            text.contains("evicting node 1"),
+            "the prompts evict the prefix:\n{text}"
+        );
         assert!(text.contains("H2D grew from 0 to"), "{text}");
         assert_eq!(
             summary.lines.last().map(String::as_str),
             Some("pressure demo: every check passed")
         );
-        assert_eq!(text.contains("gathered layer by layer"), cfg.ranks > 1, "{text}");
+        assert_eq!(
+            text.contains("gathered layer by layer"),
+            cfg.ranks > 1,
+            "{text}"
+        );
     }
     // A scenario without pressure, or where a prompt cannot fit, is refused up front.
     for cfg in [
@@ -1549,8 +1618,13 @@ fn pressure_demo_passes_on_the_cpu() {
             ..default.clone()
         },
     ] {
-        let e = run_pressure(Arc::new(cpu.new_stream()), &streams, &cfg, default_route(false))
-            .unwrap_err();
+        let e = run_pressure(
+            Arc::new(cpu.new_stream()),
+            &streams,
+            &cfg,
+            default_route(false),
+        )
+        .unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{cfg:?}: {e}");
     }
 }
@@ -1562,9 +1636,8 @@ fn gpu_pressure_demo_passes_at_the_stated_shape() {
     let Some(gpu) = common::open_gpu("gpu_pressure_demo_passes_at_the_stated_shape") else {
         return;
     };
-    let streams = || -> kvshard::Result<Arc<dyn Backend>> {
-        Ok(Arc::new(CudaBackend::new(gpu.clone())?))
-    };
+    let streams =
+        || -> kvshard::Result<Arc<dyn Backend>> { Ok(Arc::new(CudaBackend::new(gpu.clone())?)) };
     let cfg = PressureConfig::default_for(true);
     let summary = run_pressure(streams().unwrap(), &streams, &cfg, default_route(true)).unwrap();
     assert_eq!(

@@ -8,8 +8,8 @@ use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::Backend;
 use kvshard::demo::{self, Config, PressureConfig, StreamFactory, Summary};
-use kvshard::hicache::Route;
 use kvshard::gpu::{self, topology, Gpu};
+use kvshard::hicache::Route;
 
 #[derive(Parser)]
 #[command(version, about = "Page-sharded FP8 KV cache data plane for DSA models")]

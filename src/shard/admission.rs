@@ -198,7 +198,9 @@ impl Admission {
 
         let reserved = self
             .reserved
-            .add_or(extend_len, || format!("tokens reserved with request {request}"))?
+            .add_or(extend_len, || {
+                format!("tokens reserved with request {request}")
+            })?
             .add_or(shard * PAGE, || {
                 format!("tokens reserved with request {request}")
             })?;

@@ -151,7 +151,11 @@ impl ShardAllocator {
             );
             free.push(stack);
             let mut release = Vec::new();
-            reserve(&mut release, (pages_per_rank - 1) as usize, "released pages")?;
+            reserve(
+                &mut release,
+                (pages_per_rank - 1) as usize,
+                "released pages",
+            )?;
             released.push(release);
         }
         Ok(Self {
@@ -209,7 +213,8 @@ impl ShardAllocator {
     /// hands out its lowest page next (the stack's top is its last element). No allocation: the
     /// stack holds every page of the class at full capacity.
     fn merge(&mut self, class: usize) {
-        let (Some(stack), Some(released)) = (self.free.get_mut(class), self.released.get_mut(class))
+        let (Some(stack), Some(released)) =
+            (self.free.get_mut(class), self.released.get_mut(class))
         else {
             return;
         };
@@ -223,7 +228,11 @@ impl ShardAllocator {
     /// Merges every class whose stack holds fewer pages than `taken` takes from it.
     fn merge_short(&mut self, taken: &[usize]) {
         for (class, &needed) in taken.iter().enumerate() {
-            if self.free.get(class).is_some_and(|stack| stack.len() < needed) {
+            if self
+                .free
+                .get(class)
+                .is_some_and(|stack| stack.len() < needed)
+            {
                 self.merge(class);
             }
         }
@@ -523,7 +532,8 @@ mod tests {
             })
             .unwrap();
         assert_eq!(next.pages, pages(&[2, 3, 4, 5]));
-        a.free(&[LogicalPage(9), LogicalPage(3), LogicalPage(11)]).unwrap();
+        a.free(&[LogicalPage(9), LogicalPage(3), LogicalPage(11)])
+            .unwrap();
         // Matching merges every class first.
         assert_eq!(
             a.alloc_matching(&pages(&[1001, 1003, 1005])).unwrap(),

@@ -210,8 +210,7 @@ impl GatherPlan {
                 format!("prefix pages per owner of request {request}")
             })?;
             let chain = r.prefix.iter().map(|&p| (p, false));
-            for (at, (page, chunk)) in chain.chain(r.chunk.iter().map(|&p| (p, true))).enumerate()
-            {
+            for (at, (page, chunk)) in chain.chain(r.chunk.iter().map(|&p| (p, true))).enumerate() {
                 check_page(placement, logical_pages, r.start_owner, at, page)?;
                 let this = Seen {
                     position,
@@ -242,8 +241,9 @@ impl GatherPlan {
                 position += 1;
             }
         }
-        let prefix_needed = block
-            .mul_or(shard, || format!("prefix region of {block} pages per owner"))?;
+        let prefix_needed = block.mul_or(shard, || {
+            format!("prefix region of {block} pages per owner")
+        })?;
         if prefix_needed > layout.prefix_pages {
             return Err(Error::ScratchOverflow {
                 region: "prefix",
