@@ -956,6 +956,8 @@ fn scratch_table_twin_reports_bad_entries() {
             }
         }
     }
+    // SAFETY: refused by the parameter check (a table longer than int64 indices reach) before
+    // any address is used.
     let e = unsafe {
         b.scratch_table(abi::kvs_scratch_table_params {
             table_len: u64::MAX,

@@ -141,15 +141,14 @@ pub struct GatherPlan {
     layout: ScratchLayout,
     logical_pages: u64,
     block: u64,
-    /// Per rank: its `block` send entries (owned prefix pages ascending, then local page 0).
-    send: Vec<Vec<LocalPage>>,
-    /// Per rank: how many of its send entries are real pages (the rest is padding).
-    owned: Vec<usize>,
+    /// The batch's distinct prefix pages as (owner, local page), ascending: each owner's run is
+    /// its send list before padding. Nothing is kept per rank, so a plan's size follows the
+    /// batch, not the shard size.
+    prefix: Vec<(u32, LocalPage)>,
     /// Every mapped logical page and its scratch page, ascending by logical page.
     pages: Vec<LogicalPage>,
     scratch: Vec<u64>,
-    /// Distinct prefix pages and chunk pages of the batch.
-    prefix_count: usize,
+    /// Chunk pages of the batch.
     chunk_count: usize,
 }
 
@@ -200,13 +199,13 @@ impl GatherPlan {
         let shard = u64::from(placement.shard());
         let mut block = 0u64;
         let mut seen: HashMap<u64, Seen> = HashMap::new();
-        let mut by_owner: Vec<Vec<u64>> = filled(shard, Vec::new(), "gather owner lists")?;
+        let mut prefix: Vec<(u32, LocalPage)> = Vec::new();
         let mut chunk_pages = Vec::new();
         let mut position = 0usize;
         for (request, r) in requests.iter().enumerate() {
             placement.check_rank(r.start_owner)?;
-            let prefix = r.prefix.len() as u64;
-            block = block.add_or(prefix.div_ceil(shard), || {
+            let k = r.prefix.len() as u64;
+            block = block.add_or(k.div_ceil(shard), || {
                 format!("prefix pages per owner of request {request}")
             })?;
             let chain = r.prefix.iter().map(|&p| (p, false));
@@ -234,7 +233,7 @@ impl GatherPlan {
                         if chunk {
                             chunk_pages.push(page);
                         } else {
-                            by_owner[placement.owner(page) as usize].push(placement.local(page).0);
+                            prefix.push((placement.owner(page), placement.local(page)));
                         }
                     }
                 }
@@ -259,32 +258,27 @@ impl GatherPlan {
                 limit: layout.chunk_pages * PAGE,
             });
         }
-        let mut send = room(shard, "gather send lists")?;
-        let mut owned = room(shard, "gather send counts")?;
+        prefix.sort_unstable();
         let mut mapped: Vec<(LogicalPage, u64)> =
             room(seen.len() as u64, "the gather plan's page map")?;
-        for (owner, mut locals) in by_owner.into_iter().enumerate() {
-            locals.sort_unstable();
+        let mut k = 0u64;
+        for (i, &(owner, local)) in prefix.iter().enumerate() {
+            k = match i.checked_sub(1).map(|before| prefix[before].0) {
+                Some(previous) if previous == owner => k + 1,
+                _ => 0,
+            };
             // At most ceil(K_i / N) prefix pages of each request belong to one owner (the
             // rotation was checked above), so an owner's distinct pages fit its block.
-            if locals.len() as u64 > block {
+            if k >= block {
                 return Err(Error::InvalidArgument(format!(
-                    "owner {owner} holds {} prefix pages of the batch, more than its block of {block}",
-                    locals.len()
+                    "owner {owner} holds more prefix pages of the batch than its block of {block}"
                 )));
             }
-            let mut list = filled(block, LocalPage(0), "a gather send list")?;
-            for (k, &local) in locals.iter().enumerate() {
-                list[k] = LocalPage(local);
-                // In range: the page was checked below `logical_pages`, and the scratch page
-                // below the prefix region, which fits an int64.
-                let logical = local * shard + owner as u64;
-                mapped.push((LogicalPage(logical), owner as u64 * block + k as u64));
-            }
-            owned.push(locals.len());
-            send.push(list);
+            // In range: the page was checked below `logical_pages`, and the scratch page lies
+            // in the prefix region, which was checked to hold `N * block` pages.
+            let logical = local.0 * shard + u64::from(owner);
+            mapped.push((LogicalPage(logical), u64::from(owner) * block + k));
         }
-        let prefix_count = mapped.len();
         for (j, &page) in chunk_pages.iter().enumerate() {
             mapped.push((page, layout.prefix_pages + j as u64));
         }
@@ -295,11 +289,9 @@ impl GatherPlan {
             layout,
             logical_pages,
             block,
-            send,
-            owned,
+            prefix,
             pages,
             scratch,
-            prefix_count,
             chunk_count: chunk_pages.len(),
         })
     }
@@ -333,20 +325,31 @@ impl GatherPlan {
 
     /// Rank `rank`'s send list: its owned prefix pages' local pages ascending, padded with
     /// local page 0 to [`Self::block`] entries.
-    pub fn send_list(&self, rank: u32) -> Result<&[LocalPage]> {
-        self.placement.check_rank(rank)?;
-        Ok(&self.send[rank as usize])
+    pub fn send_list(&self, rank: u32) -> Result<Vec<LocalPage>> {
+        let owned = self.owned(rank)?;
+        let mut list = room(self.block, "a gather send list")?;
+        list.extend(owned.iter().map(|&(_, local)| local));
+        // Fits: `room` reserved `block` entries, at least the owned ones.
+        list.resize(self.block as usize, LocalPage(0));
+        Ok(list)
     }
 
     /// How many entries of rank `rank`'s send list are its pages (the rest is padding).
     pub fn owned_pages(&self, rank: u32) -> Result<usize> {
+        self.owned(rank).map(<[_]>::len)
+    }
+
+    /// Rank `rank`'s run of the sorted prefix pages.
+    fn owned(&self, rank: u32) -> Result<&[(u32, LocalPage)]> {
         self.placement.check_rank(rank)?;
-        Ok(self.owned[rank as usize])
+        let start = self.prefix.partition_point(|&(owner, _)| owner < rank);
+        let end = self.prefix.partition_point(|&(owner, _)| owner <= rank);
+        Ok(&self.prefix[start..end])
     }
 
     /// Distinct prefix pages of the batch.
     pub fn prefix_pages(&self) -> usize {
-        self.prefix_count
+        self.prefix.len()
     }
 
     /// Chunk pages of the batch.
@@ -402,7 +405,7 @@ impl GatherPlan {
         layers: impl Fn(ModelLayer) -> bool,
     ) -> Result<BlockCopyPlan> {
         self.check_pool(pool)?;
-        let list = self.send_list(pool.rank())?.to_vec();
+        let list = self.send_list(pool.rank())?;
         if send.pages() < self.block {
             return Err(Error::InvalidArgument(format!(
                 "a send buffer of {} pages for a block of {} pages",
@@ -449,7 +452,8 @@ impl GatherPlan {
             PageSelection::Positions,
             scratch,
             PageSelection::Local(pages),
-            self.send[owner as usize].len(),
+            // Fits: the pages list above holds `block` entries.
+            self.block as usize,
         )?
         .layer_major())
     }
@@ -507,7 +511,7 @@ impl fmt::Display for GatherPlan {
         write!(
             f,
             "gather of {} prefix pages into {} x {} pages (prefix region {}), {} chunk pages at {}.. (region {}), trash page {}; sends:",
-            self.prefix_count,
+            self.prefix.len(),
             self.placement.shard(),
             self.block,
             l.prefix_pages,
@@ -516,12 +520,18 @@ impl fmt::Display for GatherPlan {
             l.chunk_pages,
             l.trash_page()
         )?;
-        for (rank, owned) in self.owned.iter().enumerate() {
+        // The first ranks only: a plan's text must not grow with the shard size.
+        const SHOWN: u32 = 8;
+        for rank in 0..self.placement.shard().min(SHOWN) {
+            let owned = self.owned(rank).map_or(0, <[_]>::len) as u64;
             write!(
                 f,
                 " rank {rank} {owned} + {} padding",
-                self.block as usize - owned
+                self.block.saturating_sub(owned)
             )?;
+        }
+        if self.placement.shard() > SHOWN {
+            write!(f, " ...")?;
         }
         Ok(())
     }
