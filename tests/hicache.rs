@@ -1079,6 +1079,11 @@ impl Backend for Probe {
         self.settle(unsafe { self.inner.scratch_rows(p) })
     }
 
+    unsafe fn scratch_table(&self, p: abi::kvs_scratch_table_params) -> kvshard::Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        self.settle(unsafe { self.inner.scratch_table(p) })
+    }
+
     unsafe fn copy_blocks(
         &self,
         p: abi::kvs_copy_blocks_params,

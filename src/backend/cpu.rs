@@ -692,6 +692,58 @@ fn scratch_rows(mem: &mut Arena, p: &abi::kvs_scratch_rows_params) -> Result<()>
     Ok(())
 }
 
+/// `count` int64s at `addr`, or an error when they do not fit one allocation.
+fn i64s_at(mem: &Arena, addr: u64, count: u64) -> Result<Vec<i64>> {
+    if count == 0 {
+        return Ok(Vec::new());
+    }
+    let bytes = count
+        .checked_mul(8)
+        .and_then(|b| usize::try_from(b).ok())
+        .ok_or_else(|| Error::overflow(format!("bytes of {count} int64s")))?;
+    Ok(super::i64s_from_bytes(mem.bytes(addr, bytes)?))
+}
+
+fn scratch_table(mem: &mut Arena, p: &abi::kvs_scratch_table_params) -> Result<()> {
+    let pages = i64s_at(mem, p.pages, p.num_entries)?;
+    let scratch = i64s_at(mem, p.scratch_pages, p.num_entries)?;
+    let ok = |s: i64| s >= 0 && (s as u64) < p.trash_page;
+    let len = usize::try_from(p.table_len)
+        .ok()
+        .and_then(|n| n.checked_mul(8))
+        .ok_or_else(|| Error::overflow(format!("a table of {} int64s", p.table_len)))?;
+    let mut table = Vec::with_capacity(len);
+    for l in 0..p.table_len {
+        // check::scratch_table bounds table_len and trash_page to int64.
+        let page = l as i64;
+        // The kernel's lower bound, step for step.
+        let (mut lo, mut hi) = (0usize, pages.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if pages[mid] < page {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        let out = match (pages.get(lo), scratch.get(lo)) {
+            (Some(&found), Some(&s)) if found == page && ok(s) => s,
+            _ => p.trash_page as i64,
+        };
+        table.extend_from_slice(&out.to_le_bytes());
+    }
+    if len > 0 {
+        mem.bytes_mut(p.table, len)?.copy_from_slice(&table);
+    }
+    for (i, (&page, &s)) in pages.iter().zip(&scratch).enumerate() {
+        let unsorted = i > 0 && page <= pages[i - 1];
+        if page < 0 || page as u64 >= p.table_len || unsorted || !ok(s) {
+            report(mem, &p.status, i as u64)?;
+        }
+    }
+    Ok(())
+}
+
 fn write_rows(mem: &mut Arena, p: &abi::kvs_write_rows_params) -> Result<()> {
     let placement = Placement::new(p.shard)?;
     let mut rows = Vec::new();
@@ -945,6 +997,15 @@ impl Backend for CpuBackend {
     unsafe fn scratch_rows(&self, mut p: abi::kvs_scratch_rows_params) -> Result<()> {
         p.status = self.begin("kvs_scratch_rows");
         self.run(move |mem| scratch_rows(mem, &p))
+    }
+
+    unsafe fn scratch_table(&self, mut p: abi::kvs_scratch_table_params) -> Result<()> {
+        check::scratch_table(&p)?;
+        if p.table_len == 0 && p.num_entries == 0 {
+            return Ok(());
+        }
+        p.status = self.begin("kvs_scratch_table");
+        self.run(move |mem| scratch_table(mem, &p))
     }
 
     unsafe fn copy_blocks(&self, mut p: abi::kvs_copy_blocks_params, launch: Launch) -> Result<()> {

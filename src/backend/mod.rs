@@ -359,6 +359,12 @@ pub trait Backend: Send + Sync {
     /// As [`Backend::quantize_latent`].
     unsafe fn scratch_rows(&self, p: abi::kvs_scratch_rows_params) -> Result<()>;
 
+    /// `kvs_scratch_table`.
+    ///
+    /// # Safety
+    /// As [`Backend::quantize_latent`].
+    unsafe fn scratch_table(&self, p: abi::kvs_scratch_table_params) -> Result<()>;
+
     /// `kvs_copy_blocks` with the given grid.
     ///
     /// # Safety
