@@ -827,10 +827,6 @@ mod tests {
     use crate::ipc::wire::Role;
     use std::io::Write;
 
-    fn pair() -> (Channel, Channel) {
-        pair_with(Liveness::default())
-    }
-
     fn pair_with(live: Liveness) -> (Channel, Channel) {
         let (a, b) = UnixStream::pair().unwrap();
         let t = std::thread::spawn(move || {
