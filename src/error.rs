@@ -257,6 +257,17 @@ pub enum Error {
         /// How long.
         waited: std::time::Duration,
     },
+    /// The NCCL library could not be loaded.
+    #[error("no NCCL: libnccl.so.2 could not be loaded (it ships in the nvidia-nccl-cu13 wheel; put its lib folder on LD_LIBRARY_PATH)")]
+    NoNccl,
+    /// An NCCL call failed.
+    #[error("NCCL {call} failed: {reason}")]
+    Nccl {
+        /// The call.
+        call: &'static str,
+        /// NCCL's answer.
+        reason: String,
+    },
 }
 
 impl Error {

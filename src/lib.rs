@@ -106,6 +106,8 @@ pub mod gpu;
 pub mod hicache;
 pub mod index;
 pub mod ipc;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod pool;
 pub mod quantize;
 pub mod shard;

@@ -1,9 +1,14 @@
 //! GPU benchmarks of every kvshard kernel, each next to the copy ceilings measured in the same
 //! run. `cargo bench --bench gpu [-- [--quick] [--list] [SECTION...]]`; sections: resolve, pool,
-//! write, pd, hicache, signal, duplex, interfere (`--list` prints them and exits). Prints a table
+//! write, pd, hicache, signal, duplex, interfere, and allgather (feature `nccl`, two GPUs)
+//! (`--list` prints them and exits). Prints a table
 //! and, when $OUT is set, writes it to $OUT/bench.md. Without a GPU it says it skipped and
 //! exits successfully.
 
+#[cfg(feature = "nccl")]
+mod allgather;
+#[cfg(feature = "nccl")]
+mod cp_gather;
 mod harness;
 mod hicache;
 mod interference;
@@ -26,6 +31,8 @@ const SECTIONS: &[(&str, Section)] = &[
     ("signal", hicache::signalled),
     ("duplex", hicache::duplex),
     ("interfere", interference::run),
+    #[cfg(feature = "nccl")]
+    ("allgather", allgather::run),
 ];
 
 fn main() -> ExitCode {
