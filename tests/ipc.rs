@@ -151,7 +151,7 @@ fn chunk_done_from(
         chunk,
         last: true,
         source_rank: rank,
-        bytes,
+        bytes: [bytes, 0, 0, 0],
         failed,
     })
 }
@@ -386,6 +386,7 @@ fn every_message_round_trips_through_a_child_process() {
         (
             Message::Register(Register {
                 request: 11,
+                pool: 1,
                 prefix_pages: 2,
                 pages: vec![5, 9, 1 << 40, 3],
                 state_pages: vec![17],
@@ -452,6 +453,7 @@ fn gone_after(ch: &mut Channel, since: Instant, what: &str) -> Duration {
 fn register(request: u64, pages: usize) -> Message {
     Message::Register(Register {
         request,
+        pool: 1,
         prefix_pages: 0,
         pages: (0..pages as u64).map(|p| p * 3 + 1).collect(),
         state_pages: vec![],

@@ -58,10 +58,12 @@
 //! [postcard]: https://postcard.jamesmunns.com/wire-format
 
 pub mod channel;
+pub mod pool;
 pub mod shm;
 pub mod wire;
 
 pub use channel::{recv_any, Channel, Listener, Liveness, Received};
+pub use pool::{ExportedPool, ImportedPool, PeerBackend};
 pub use shm::SharedMemory;
 pub use wire::{Message, ProtocolError};
 
