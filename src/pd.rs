@@ -15,7 +15,7 @@
 //! Every process derives the same cases, chains and data from the same [`PdConfig`]: nothing
 //! but the protocol's messages travels between them.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -699,7 +699,7 @@ pub fn prefill_role(cfg: &PdConfig, socket: &Path, rank: u32) -> Result<PrefillS
     )?);
     fill_pool(b.as_ref(), &pool, &pattern(cfg))?;
     let first = cfg.methods.first().copied().unwrap_or(PeerMethod::CopyEngine);
-    let mut endpoint = PrefillEndpoint::connect(
+    let endpoint = PrefillEndpoint::connect(
         socket,
         backend,
         pool,
@@ -707,106 +707,134 @@ pub fn prefill_role(cfg: &PdConfig, socket: &Path, rank: u32) -> Result<PrefillS
         Liveness::default(),
         STARTUP,
     )?;
-    let mut summary = PrefillSummary {
-        served: 0,
-        failed: Vec::new(),
-        closed: String::new(),
-        mapped_after_close: 0,
+    let mut rank_loop = RankLoop {
+        cfg,
+        endpoint,
+        backend: b,
+        queue: VecDeque::new(),
+        aborted: HashSet::new(),
+        summary: PrefillSummary {
+            served: 0,
+            failed: Vec::new(),
+            closed: String::new(),
+            mapped_after_close: 0,
+        },
+        closed: false,
     };
-    let mut queue = Vec::new();
-    loop {
-        let events = endpoint.poll(Duration::from_millis(50))?;
+    while !rank_loop.closed {
+        let events = rank_loop.endpoint.poll(Duration::from_millis(50))?;
+        rank_loop.take(events);
+        while let Some(request) = rank_loop.queue.pop_front() {
+            if rank_loop.send_request(request)? {
+                rank_loop.summary.served += 1;
+            }
+        }
+    }
+    rank_loop.summary.mapped_after_close = rank_loop.endpoint.mapped_pools();
+    Ok(rank_loop.summary)
+}
+
+/// A prefill rank's loop: the requests it was given and what became of them.
+struct RankLoop<'a> {
+    cfg: &'a PdConfig,
+    endpoint: PrefillEndpoint,
+    backend: Arc<dyn Backend>,
+    queue: VecDeque<u64>,
+    aborted: HashSet<u64>,
+    summary: PrefillSummary,
+    closed: bool,
+}
+
+impl RankLoop<'_> {
+    fn take(&mut self, events: Vec<PrefillEvent>) {
+        let rank = self.endpoint.rank();
         for event in events {
             match event {
-                PrefillEvent::Registered { request } => queue.push(request),
+                PrefillEvent::Registered { request } => self.queue.push_back(request),
                 PrefillEvent::Aborted { request, .. } => {
-                    queue.retain(|&r| r != request);
-                    summary.failed.push(request);
+                    self.queue.retain(|&r| r != request);
+                    self.aborted.insert(request);
+                    self.summary.failed.push(request);
                 }
                 PrefillEvent::RegistrationRefused { request, why } => {
                     println!("rank {rank}: request {request} refused: {why}");
-                    summary.failed.push(request);
+                    self.summary.failed.push(request);
                 }
                 PrefillEvent::PoolRefused { pool, why } => {
                     println!("rank {rank}: pool {pool} refused: {why}")
                 }
                 PrefillEvent::PoolImported { .. } => {}
                 PrefillEvent::Closed { why, failed } => {
-                    summary.failed.extend(failed);
-                    summary.closed = why;
-                    summary.mapped_after_close = endpoint.mapped_pools();
-                    return Ok(summary);
+                    self.summary.failed.extend(failed);
+                    self.summary.closed = why;
+                    self.closed = true;
                 }
             }
         }
-        while !queue.is_empty() {
-            let request = queue.remove(0);
-            match send_request(cfg, &mut endpoint, b.as_ref(), request)? {
-                true => summary.served += 1,
-                false => summary.failed.push(request),
-            }
-        }
     }
-}
 
-/// Sends every chunk of `request`; `false` when it failed or was aborted on the way.
-fn send_request(
-    cfg: &PdConfig,
-    endpoint: &mut PrefillEndpoint,
-    b: &dyn Backend,
-    request: u64,
-) -> Result<bool> {
-    let rank = endpoint.rank();
-    let Some((case, iteration, c)) = cfg.case_of(request) else {
-        endpoint.abort(request, "no such case in this run")?;
-        return Ok(false);
-    };
-    endpoint.set_method(c.method)?;
-    let chain = cfg.prefill_chain(c.pages)?;
-    let before = endpoint.stats();
-    let ends = cfg.chunk_ends(PdConfig::tokens(c.pages));
-    let start = b.record_timed()?;
-    for (k, &end) in ends.iter().enumerate() {
-        if k > 0 && !cfg.pace.is_zero() {
-            std::thread::sleep(cfg.pace);
-        }
-        if k > 0 {
-            // An abort (or the decode's end) between chunks stops the request here.
-            let mut stop = false;
-            for event in endpoint.poll(Duration::ZERO)? {
-                match event {
-                    PrefillEvent::Aborted { request: r, .. } if r == request => stop = true,
-                    PrefillEvent::Closed { .. } => stop = true,
-                    _ => {}
+    /// Sends every chunk of `request` (from the decode's cached prefix on); `false` when it
+    /// failed, was aborted or the connection closed on the way (counted where that was seen).
+    fn send_request(&mut self, request: u64) -> Result<bool> {
+        let rank = self.endpoint.rank();
+        let Some((case, iteration, c)) = self.cfg.case_of(request) else {
+            self.endpoint.abort(request, "no such case in this run")?;
+            self.summary.failed.push(request);
+            return Ok(false);
+        };
+        self.endpoint.set_method(c.method)?;
+        let chain = self.cfg.prefill_chain(c.pages)?;
+        let prefix = self
+            .endpoint
+            .registration(request)
+            .map_or(0, |r| r.prefix_pages * PAGE_SIZE);
+        let ends: Vec<ChunkEnd> = self
+            .cfg
+            .chunk_ends(PdConfig::tokens(c.pages))
+            .into_iter()
+            .filter(|e| !matches!(e, ChunkEnd::Partial(t) if *t <= prefix))
+            .collect();
+        let before = self.endpoint.stats();
+        let start = self.backend.record_timed()?;
+        for (k, &end) in ends.iter().enumerate() {
+            if k > 0 {
+                if !self.cfg.pace.is_zero() {
+                    std::thread::sleep(self.cfg.pace);
+                }
+                // An abort (or the decode's end) between chunks stops the request here.
+                let events = self.endpoint.poll(Duration::ZERO)?;
+                self.take(events);
+                if self.closed || self.aborted.contains(&request) {
+                    return Ok(false);
                 }
             }
-            if stop {
-                return Ok(false);
+            match self.endpoint.send(request, chain.pages(), end) {
+                Ok(_) => {}
+                Err(Error::ChunkFailed { reason, .. }) => {
+                    println!("rank {rank}: request {request} failed: {reason}");
+                    self.summary.failed.push(request);
+                    return Ok(false);
+                }
+                // The decode is gone (its Closed event lists the request) or aborted it (its
+                // Aborted event does).
+                Err(Error::PeerGone { .. }) | Err(Error::Transfer { .. }) => return Ok(false),
+                Err(e) => return Err(e),
             }
         }
-        match endpoint.send(request, chain.pages(), end) {
-            Ok(_) => {}
-            Err(Error::ChunkFailed { reason, .. }) => {
-                println!("rank {rank}: request {request} failed: {reason}");
-                return Ok(false);
-            }
-            Err(Error::PeerGone { .. }) | Err(Error::Transfer { .. }) => return Ok(false),
-            Err(e) => return Err(e),
-        }
+        let end = self.backend.record_timed()?;
+        self.backend.wait_event_sync(&end)?;
+        let kernel_ms = self.backend.elapsed_ms(&start, &end)?;
+        let s = self.endpoint.stats();
+        println!(
+            "{TAG} case={case} iter={iteration} rank={rank} kernel_ms={kernel_ms:.4} chunks={} launches={} calls={} descriptors={} rank_bytes={}",
+            s.chunks - before.chunks,
+            s.launches - before.launches,
+            s.copy_calls - before.copy_calls,
+            s.descriptors - before.descriptors,
+            s.bytes - before.bytes,
+        );
+        Ok(true)
     }
-    let end = b.record_timed()?;
-    b.wait_event_sync(&end)?;
-    let kernel_ms = b.elapsed_ms(&start, &end)?;
-    let s = endpoint.stats();
-    println!(
-        "{TAG} case={case} iter={iteration} rank={rank} kernel_ms={kernel_ms:.4} chunks={} launches={} calls={} descriptors={} rank_bytes={}",
-        s.chunks - before.chunks,
-        s.launches - before.launches,
-        s.copy_calls - before.copy_calls,
-        s.descriptors - before.descriptors,
-        s.bytes - before.bytes,
-    );
-    Ok(true)
 }
 
 /// A tagged line's `key=value` fields.
