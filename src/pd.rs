@@ -163,7 +163,10 @@ impl PdConfig {
             return bad(format!("{} prefill ranks", self.ranks));
         }
         if self.pages.is_empty() || self.pages.contains(&0) {
-            return bad(format!("request sizes {:?} (each at least one page)", self.pages));
+            return bad(format!(
+                "request sizes {:?} (each at least one page)",
+                self.pages
+            ));
         }
         if self.methods.is_empty() || self.iterations == 0 || self.chunk_pages == 0 {
             return bad("no method, no iteration or empty chunks".into());
@@ -183,7 +186,11 @@ impl PdConfig {
     pub fn cases(&self) -> Vec<Case> {
         self.pages
             .iter()
-            .flat_map(|&pages| self.methods.iter().map(move |&method| Case { pages, method }))
+            .flat_map(|&pages| {
+                self.methods
+                    .iter()
+                    .map(move |&method| Case { pages, method })
+            })
             .collect()
     }
 
@@ -196,9 +203,7 @@ impl PdConfig {
     pub fn case_of(&self, request: u64) -> Option<(usize, usize, Case)> {
         let k = usize::try_from(request.checked_sub(1)?).ok()?;
         let (case, iteration) = (k / self.iterations, k % self.iterations);
-        self.cases()
-            .get(case)
-            .map(|&c| (case, iteration, c))
+        self.cases().get(case).map(|&c| (case, iteration, c))
     }
 
     /// Tokens of a request of `pages` pages.
@@ -394,8 +399,8 @@ fn layer_range(pool: &DevicePool, c: usize, layer: usize) -> Result<(usize, usiz
         .storage()
         .ok_or_else(|| Error::InvalidArgument("pd pools are allocated by kvshard".into()))?;
     let base = pool.layer_bases(comp.component)?[layer];
-    let offset = usize::try_from(base - storage.addr())
-        .map_err(|_| Error::overflow("a layer offset"))?;
+    let offset =
+        usize::try_from(base - storage.addr()).map_err(|_| Error::overflow("a layer offset"))?;
     Ok((offset, pool.pages() as usize * comp.block_bytes))
 }
 
@@ -424,7 +429,9 @@ pub fn fill_pool(backend: &dyn Backend, pool: &DevicePool, pattern: &Pattern) ->
 }
 
 /// Checks the decode pool after `registration` was sent from `chain`: every registered block
-/// holds its source rank's pattern window, every other block the poison. Waits for `backend`.
+/// holds its source rank's pattern window, and every other block from the page before the
+/// lowest registered page to the page after the highest the poison (reading back only that
+/// window keeps large pools quick to check). Waits for `backend`.
 pub fn verify(
     backend: &dyn Backend,
     pool: &DevicePool,
@@ -438,11 +445,30 @@ pub fn verify(
         .storage()
         .ok_or_else(|| Error::InvalidArgument("pd pools are allocated by kvshard".into()))?;
     let prefix = registration.prefix_pages;
+    let registered = registration.pages.iter().chain(&registration.state_pages);
+    let lo = registered
+        .clone()
+        .map(|p| p.0)
+        .min()
+        .unwrap_or(0)
+        .saturating_sub(1);
+    let hi = registered
+        .map(|p| p.0 + 2)
+        .max()
+        .unwrap_or(0)
+        .min(pool.pages());
+    let window = usize::try_from(lo).map_err(|_| Error::overflow("a page window"))?
+        ..usize::try_from(hi.max(lo)).map_err(|_| Error::overflow("a page window"))?;
     for (c, comp) in pool.components().iter().enumerate() {
         // Latent blocks go where the registration put each position after the prefix; the
         // indexer state of every position goes to its state page.
         let targets: Vec<(usize, LocalPage)> = if comp.component.is_indexer() {
-            registration.state_pages.iter().copied().enumerate().collect()
+            registration
+                .state_pages
+                .iter()
+                .copied()
+                .enumerate()
+                .collect()
         } else {
             registration
                 .pages
@@ -453,23 +479,25 @@ pub fn verify(
         };
         let block = comp.block_bytes;
         for layer in 0..comp.layers() {
-            let (offset, len) = layer_range(pool, c, layer)?;
-            let got = backend.read_sync(storage, offset, len)?;
+            let (offset, _) = layer_range(pool, c, layer)?;
+            let len = window.len() * block;
+            let got = backend.read_sync(storage, offset + window.start * block, len)?;
             let mut want = vec![POISON; len];
             for &(position, dst) in &targets {
                 let src = chain.pages().get(position).ok_or_else(|| {
                     Error::InvalidArgument(format!("position {position} past the chain"))
                 })?;
                 let (rank, local) = (placement.owner(*src), placement.local(*src));
-                let at = dst.0 as usize * block;
+                let at = (dst.0 as usize - window.start) * block;
                 want[at..at + block].copy_from_slice(pattern.block(rank, c, layer, local.0, block));
             }
             if got != want {
-                let page = got
-                    .chunks(block)
-                    .zip(want.chunks(block))
-                    .position(|(g, w)| g != w)
-                    .unwrap_or(0);
+                let page = window.start
+                    + got
+                        .chunks(block)
+                        .zip(want.chunks(block))
+                        .position(|(g, w)| g != w)
+                        .unwrap_or(0);
                 return Err(Error::Transfer {
                     request: registration.request,
                     reason: format!(
@@ -497,8 +525,8 @@ fn gpu_count() -> Result<usize> {
         return Err(Error::NoDriver);
     }
     cudarc::driver::result::init().map_err(Error::driver("cuInit"))?;
-    let n = cudarc::driver::result::device::get_count()
-        .map_err(Error::driver("cuDeviceGetCount"))?;
+    let n =
+        cudarc::driver::result::device::get_count().map_err(Error::driver("cuDeviceGetCount"))?;
     Ok(usize::try_from(n).unwrap_or(0))
 }
 
@@ -588,7 +616,10 @@ pub fn decode_role(cfg: &PdConfig, socket: &Path) -> Result<()> {
     let backend = backend_for(cfg, Role::Decode)?;
     let b = backend.backend();
     let (ceiling_gbps, ceiling_what) = ceiling(cfg, &backend)?;
-    println!("{TAG} ceiling gbps={ceiling_gbps:.1} what={}", ceiling_what.replace(' ', "_"));
+    println!(
+        "{TAG} ceiling gbps={ceiling_gbps:.1} what={}",
+        ceiling_what.replace(' ', "_")
+    );
     let g = cfg.geometry();
     let exported = Arc::new(ExportedPool::allocate(
         &backend,
@@ -607,7 +638,8 @@ pub fn decode_role(cfg: &PdConfig, socket: &Path) -> Result<()> {
     );
     let pool = exported.pool().clone();
     let pattern = pattern(cfg);
-    let mut endpoint = DecodeEndpoint::bind(socket, backend.clone(), cfg.ranks, Liveness::default())?;
+    let mut endpoint =
+        DecodeEndpoint::bind(socket, backend.clone(), cfg.ranks, Liveness::default())?;
     endpoint.wait_for_ranks(STARTUP)?;
     let pool_id = endpoint.publish(exported)?;
     for (case, c) in cfg.cases().into_iter().enumerate() {
@@ -634,7 +666,14 @@ pub fn decode_role(cfg: &PdConfig, socket: &Path) -> Result<()> {
             }
             if verified {
                 let source = cfg.prefill_chain(c.pages)?;
-                verify(b.as_ref(), &pool, &pattern, cfg, &source, &finished.registration)?;
+                verify(
+                    b.as_ref(),
+                    &pool,
+                    &pattern,
+                    cfg,
+                    &source,
+                    &finished.registration,
+                )?;
             }
             println!(
                 "{TAG} case={case} iter={iteration} wall_ms={wall_ms:.4} bytes={} verified={verified}",
@@ -651,7 +690,7 @@ fn wait_finished(endpoint: &mut DecodeEndpoint, request: u64) -> Result<Finished
     loop {
         for event in endpoint.poll(Duration::from_millis(100))? {
             match event {
-                DecodeEvent::Finished(f) if f.request() == request => return Ok(f),
+                DecodeEvent::Finished(f) if f.request() == request => return Ok(*f),
                 DecodeEvent::RankGone { rank, why, .. } => {
                     return Err(Error::PeerGone {
                         rank: Some(rank),
@@ -698,15 +737,13 @@ pub fn prefill_role(cfg: &PdConfig, socket: &Path, rank: u32) -> Result<PrefillS
         cfg.prefill_pages(),
     )?);
     fill_pool(b.as_ref(), &pool, &pattern(cfg))?;
-    let first = cfg.methods.first().copied().unwrap_or(PeerMethod::CopyEngine);
-    let endpoint = PrefillEndpoint::connect(
-        socket,
-        backend,
-        pool,
-        first,
-        Liveness::default(),
-        STARTUP,
-    )?;
+    let first = cfg
+        .methods
+        .first()
+        .copied()
+        .unwrap_or(PeerMethod::CopyEngine);
+    let endpoint =
+        PrefillEndpoint::connect(socket, backend, pool, first, Liveness::default(), STARTUP)?;
     let mut rank_loop = RankLoop {
         cfg,
         endpoint,
@@ -912,38 +949,47 @@ pub fn run(cfg: &PdConfig, exe: &Path) -> Result<Report> {
     cfg.validate()?;
     let socket = std::env::temp_dir().join(format!("kvshard-pd-{}.sock", std::process::id()));
     let lines: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
-    let spawn = |name: String, role: Vec<String>| -> Result<(RoleProcess, std::thread::JoinHandle<()>)> {
-        let mut child = Command::new(exe)
-            .arg("pd")
-            .args(cfg.to_args())
-            .args(role)
-            .arg("--socket")
-            .arg(&socket)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|source| Error::Os {
-                call: "spawn a pd role process",
-                source,
+    let spawn =
+        |name: String, role: Vec<String>| -> Result<(RoleProcess, std::thread::JoinHandle<()>)> {
+            let mut child = Command::new(exe)
+                .arg("pd")
+                .args(cfg.to_args())
+                .args(role)
+                .arg("--socket")
+                .arg(&socket)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .map_err(|source| Error::Os {
+                    call: "spawn a pd role process",
+                    source,
+                })?;
+            let stdout = child.stdout.take().ok_or_else(|| Error::Os {
+                call: "pipe a pd role's output",
+                source: std::io::Error::other("no stdout"),
             })?;
-        let stdout = child.stdout.take().ok_or_else(|| Error::Os {
-            call: "pipe a pd role's output",
-            source: std::io::Error::other("no stdout"),
-        })?;
-        let sink = lines.clone();
-        let tag = name.clone();
-        let reader = std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(std::io::Result::ok) {
-                if line.starts_with(TAG) {
-                    sink.lock().unwrap_or_else(|p| p.into_inner()).push((tag.clone(), line));
-                } else {
-                    println!("[{tag}] {line}");
+            let sink = lines.clone();
+            let tag = name.clone();
+            let reader = std::thread::spawn(move || {
+                for line in BufReader::new(stdout)
+                    .lines()
+                    .map_while(std::io::Result::ok)
+                {
+                    if line.starts_with(TAG) {
+                        sink.lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .push((tag.clone(), line));
+                    } else {
+                        println!("[{tag}] {line}");
+                    }
                 }
-            }
-        });
-        Ok((RoleProcess { name, child }, reader))
-    };
-    let mut processes = vec![spawn("decode".into(), vec!["--role".into(), "decode".into()])?];
+            });
+            Ok((RoleProcess { name, child }, reader))
+        };
+    let mut processes = vec![spawn(
+        "decode".into(),
+        vec!["--role".into(), "decode".into()],
+    )?];
     for r in 0..cfg.ranks {
         processes.push(spawn(
             format!("rank {r}"),
@@ -979,7 +1025,9 @@ fn num(f: &HashMap<String, String>, key: &str) -> f64 {
 /// The report table from the role processes' tagged lines.
 fn table(cfg: &PdConfig, lines: &[(String, String)]) -> String {
     let parsed: Vec<HashMap<String, String>> = lines.iter().map(|(_, l)| fields(l)).collect();
-    let ceiling = parsed.iter().find(|f| f.contains_key("gbps") && f.contains_key("what"));
+    let ceiling = parsed
+        .iter()
+        .find(|f| f.contains_key("gbps") && f.contains_key("what"));
     let (ceiling_gbps, ceiling_what) = ceiling.map_or((0.0, String::new()), |f| {
         (
             num(f, "gbps"),

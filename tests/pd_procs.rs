@@ -72,7 +72,8 @@ fn config(scenario: &str, seed: u64, cpu: bool) -> PdConfig {
             cfg.pages = vec![1, 7, 13];
             cfg.chunk_pages = 3;
             cfg.methods = vec![blocks, PeerMethod::CopyEngine, PeerMethod::PerBlock];
-            cfg.iterations = 1;
+            // On a GPU, the second iteration goes into a pool shared by legacy IPC handles.
+            cfg.iterations = if cpu { 1 } else { 2 };
         }
         // Requests of 6 chunks, sent slowly enough to be killed mid-way; two iterations: the
         // killed one and the one after.
@@ -292,7 +293,7 @@ fn finish_all(
         );
         for e in endpoint.poll(Duration::from_millis(50)).expect("poll") {
             match e {
-                DecodeEvent::Finished(f) => finished.push(f),
+                DecodeEvent::Finished(f) => finished.push(*f),
                 other => others.push(other),
             }
         }
@@ -315,7 +316,8 @@ fn reference(cfg: &PdConfig, pages: u64, registrations: &[Registration]) -> Vec<
             Arc::new(pool)
         })
         .collect();
-    let decode = Arc::new(DevicePool::allocate(b.as_ref(), &g, Placement::unsharded(), 0, pages).unwrap());
+    let decode =
+        Arc::new(DevicePool::allocate(b.as_ref(), &g, Placement::unsharded(), 0, pages).unwrap());
     decode.fill(b.as_ref(), POISON).unwrap();
     let space = Arc::new(RemoteSpace::of(decode.clone(), g).unwrap());
     let mut receiver = Receiver::new();
@@ -331,12 +333,20 @@ fn reference(cfg: &PdConfig, pages: u64, registrations: &[Registration]) -> Vec<
                 if matches!(end, ChunkEnd::Partial(t) if t <= prefix) {
                     continue;
                 }
-                let status = sender.send(reg.request, chain.pages(), end).unwrap().wait().unwrap();
+                let status = sender
+                    .send(reg.request, chain.pages(), end)
+                    .unwrap()
+                    .wait()
+                    .unwrap();
                 receiver.receive(status).unwrap();
             }
         }
     }
-    assert_eq!(receiver.pending_requests(), 0, "every reference request completed");
+    assert_eq!(
+        receiver.pending_requests(),
+        0,
+        "every reference request completed"
+    );
     decode.snapshot_sync(b.as_ref()).unwrap()
 }
 
@@ -359,6 +369,7 @@ fn two_prefill_processes_match(test: &str, cpu: bool) {
     let mut endpoint =
         DecodeEndpoint::bind(&socket, backend.clone(), cfg.ranks, Liveness::default()).unwrap();
     let requests = cfg.cases().len() as u64;
+    let served = requests * cfg.iterations as u64;
     let children: Vec<Peer> = (0..cfg.ranks)
         .map(|rank| {
             Spawn {
@@ -369,7 +380,7 @@ fn two_prefill_processes_match(test: &str, cpu: bool) {
                 cpu,
                 rank,
                 pace_ms: 0,
-                expect: &format!("{requests},0"),
+                expect: &format!("{served},0"),
             }
             .start()
         })
@@ -377,8 +388,10 @@ fn two_prefill_processes_match(test: &str, cpu: bool) {
     // Every request at once, in one decode pool large enough for all; request 4 (7 pages) with
     // a cached prefix of two pages (its chunks start after it; its indexer state covers it).
     let pages: u64 = cfg.cases().iter().map(|c| c.pages as u64).sum::<u64>() + 2;
-    let exported =
-        Arc::new(ExportedPool::allocate(&backend, &cfg.geometry(), Placement::unsharded(), 0, pages).unwrap());
+    let exported = Arc::new(
+        ExportedPool::allocate(&backend, &cfg.geometry(), Placement::unsharded(), 0, pages)
+            .unwrap(),
+    );
     let b = backend.backend();
     exported.pool().fill(b.as_ref(), POISON).unwrap();
     b.synchronize().unwrap();
@@ -395,7 +408,9 @@ fn two_prefill_processes_match(test: &str, cpu: bool) {
     let ids: Vec<u64> = (1..=requests).collect();
     let (finished, others) = finish_all(&mut endpoint, &ids, STARTUP);
     assert!(
-        others.iter().all(|e| matches!(e, DecodeEvent::Joined { .. })),
+        others
+            .iter()
+            .all(|e| matches!(e, DecodeEvent::Joined { .. })),
         "{others:?}"
     );
     for f in &finished {
@@ -404,7 +419,41 @@ fn two_prefill_processes_match(test: &str, cpu: bool) {
     }
     let got = exported.pool().snapshot_sync(b.as_ref()).unwrap();
     let want = reference(&cfg, pages, &registrations);
-    assert!(got == want, "the decode pool differs from the in-process reference");
+    assert!(
+        got == want,
+        "the decode pool differs from the in-process reference"
+    );
+    if let PeerBackend::Cuda(cuda) = &backend {
+        // The same requests again (their second iteration), into a plain cuMemAlloc pool
+        // shared with legacy IPC handles, as an engine's cudaMalloc buffers are.
+        let plain = DevicePool::allocate(
+            b.as_ref(),
+            &cfg.geometry(),
+            Placement::unsharded(),
+            0,
+            pages,
+        )
+        .unwrap();
+        plain.fill(b.as_ref(), POISON).unwrap();
+        let shared = Arc::new(ExportedPool::share_ipc(cuda, Arc::new(plain)).unwrap());
+        assert_eq!(shared.memory(), kvshard::ipc::wire::MemoryKind::CudaIpc);
+        let ipc_pool = endpoint.publish(shared.clone()).unwrap();
+        let mut allocator = ShardAllocator::new(Placement::unsharded(), pages).unwrap();
+        let mut again = Vec::new();
+        for request in requests + 1..=2 * requests {
+            let prefix = if request == requests + 4 { 2 } else { 0 };
+            let (reg, _) = registration_from(&cfg, shared.pool(), request, prefix, &mut allocator);
+            endpoint.register(ipc_pool, reg.clone()).unwrap();
+            again.push(reg.request);
+        }
+        let (finished, _) = finish_all(&mut endpoint, &again, STARTUP);
+        assert!(finished.iter().all(Finished::is_completed), "{finished:?}");
+        let got = shared.pool().snapshot_sync(b.as_ref()).unwrap();
+        assert!(
+            got == want,
+            "the IPC-shared pool differs from the in-process reference"
+        );
+    }
     drop(endpoint);
     for (rank, child) in children.into_iter().enumerate() {
         child.finish(&format!("{test}: rank {rank}"));
@@ -413,7 +462,10 @@ fn two_prefill_processes_match(test: &str, cpu: bool) {
 
 #[test]
 fn cpu_two_prefill_processes_match_the_in_process_reference() {
-    two_prefill_processes_match("cpu_two_prefill_processes_match_the_in_process_reference", true);
+    two_prefill_processes_match(
+        "cpu_two_prefill_processes_match_the_in_process_reference",
+        true,
+    );
 }
 
 #[test]
@@ -459,13 +511,20 @@ fn killed_prefill(test: &str, cpu: bool) {
     let survivor = spawn(0, "1,1");
     let mut victim = spawn(1, "unused");
     let exported = Arc::new(
-        ExportedPool::allocate(&backend, &cfg.geometry(), Placement::unsharded(), 0, cfg.decode_pages())
-            .unwrap(),
+        ExportedPool::allocate(
+            &backend,
+            &cfg.geometry(),
+            Placement::unsharded(),
+            0,
+            cfg.decode_pages(),
+        )
+        .unwrap(),
     );
     let b = backend.backend();
     endpoint.wait_for_ranks(STARTUP).unwrap();
     let pool = endpoint.publish(exported.clone()).unwrap();
-    let mut allocator = ShardAllocator::new(Placement::unsharded(), exported.pool().pages()).unwrap();
+    let mut allocator =
+        ShardAllocator::new(Placement::unsharded(), exported.pool().pages()).unwrap();
     let free = allocator.total_free();
     let (reg, chain) = registration_from(&cfg, exported.pool(), 1, 0, &mut allocator);
     endpoint.register(pool, reg).unwrap();
@@ -475,7 +534,12 @@ fn killed_prefill(test: &str, cpu: bool) {
     loop {
         assert!(start.elapsed() < STARTUP, "rank 1 never sent a chunk");
         let events = endpoint.poll(Duration::from_millis(10)).unwrap();
-        assert!(events.iter().all(|e| matches!(e, DecodeEvent::Joined { .. })), "{events:?}");
+        assert!(
+            events
+                .iter()
+                .all(|e| matches!(e, DecodeEvent::Joined { .. })),
+            "{events:?}"
+        );
         if endpoint.chunks_landed(1).unwrap()[1] >= 1 {
             break;
         }
@@ -484,14 +548,19 @@ fn killed_prefill(test: &str, cpu: bool) {
     let killed = Instant::now();
     let (mut gone, mut failed) = (None, None);
     while failed.is_none() {
-        assert!(killed.elapsed() < 3 * DETECT, "gone {gone:?}, failed {failed:?}");
+        assert!(
+            killed.elapsed() < 3 * DETECT,
+            "gone {gone:?}, failed {failed:?}"
+        );
         for e in endpoint.poll(Duration::from_millis(10)).unwrap() {
             match e {
-                DecodeEvent::RankGone { rank: 1, failed: f, .. } => {
+                DecodeEvent::RankGone {
+                    rank: 1, failed: f, ..
+                } => {
                     assert_eq!(f, vec![1]);
                     gone = Some(killed.elapsed());
                 }
-                DecodeEvent::Finished(f) => failed = Some((f, killed.elapsed())),
+                DecodeEvent::Finished(f) => failed = Some((*f, killed.elapsed())),
                 other => panic!("{other:?}"),
             }
         }
@@ -503,7 +572,12 @@ fn killed_prefill(test: &str, cpu: bool) {
         panic!("{f:?}")
     };
     assert!(failures.iter().any(|r| r.rank == 1), "{failures:?}");
-    assert!(failures.iter().any(|r| r.rank == 0 && r.reason.contains("abort")), "{failures:?}");
+    assert!(
+        failures
+            .iter()
+            .any(|r| r.rank == 0 && r.reason.contains("abort")),
+        "{failures:?}"
+    );
     // Its pages come back.
     allocator.free(chain.pages()).unwrap();
     assert_eq!(allocator.total_free(), free);
@@ -589,7 +663,14 @@ fn killed_decode(test: &str, cpu: bool) {
     let b = backend.backend();
     let placement = Placement::new(cfg.ranks).unwrap();
     let pool = Arc::new(
-        DevicePool::allocate(b.as_ref(), &cfg.geometry(), placement, 0, cfg.prefill_pages()).unwrap(),
+        DevicePool::allocate(
+            b.as_ref(),
+            &cfg.geometry(),
+            placement,
+            0,
+            cfg.prefill_pages(),
+        )
+        .unwrap(),
     );
     pd::fill_pool(b.as_ref(), &pool, &pd::pattern(&cfg)).unwrap();
     let mut endpoint = PrefillEndpoint::connect(
@@ -624,7 +705,10 @@ fn killed_decode(test: &str, cpu: bool) {
     decode.0.kill().unwrap();
     let killed = Instant::now();
     let (why, failed) = loop {
-        assert!(killed.elapsed() < 3 * DETECT, "the decode's end went unnoticed");
+        assert!(
+            killed.elapsed() < 3 * DETECT,
+            "the decode's end went unnoticed"
+        );
         let closed = endpoint
             .poll(Duration::from_millis(10))
             .unwrap()
@@ -654,10 +738,16 @@ fn killed_decode(test: &str, cpu: bool) {
 
 #[test]
 fn cpu_a_killed_decode_fails_the_request_on_every_prefill() {
-    killed_decode("cpu_a_killed_decode_fails_the_request_on_every_prefill", true);
+    killed_decode(
+        "cpu_a_killed_decode_fails_the_request_on_every_prefill",
+        true,
+    );
 }
 
 #[test]
 fn gpu_a_killed_decode_fails_the_request_on_every_prefill() {
-    killed_decode("gpu_a_killed_decode_fails_the_request_on_every_prefill", false);
+    killed_decode(
+        "gpu_a_killed_decode_fails_the_request_on_every_prefill",
+        false,
+    );
 }

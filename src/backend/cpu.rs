@@ -201,13 +201,17 @@ impl Arena {
     }
 }
 
+/// Work an operation does on the arena in one go.
+type Work = Box<dyn FnOnce(&mut Arena) -> Result<()> + Send>;
+
 /// One queued operation of a stream.
 enum Op {
     /// Runs whole.
-    Run(Box<dyn FnOnce(&mut Arena) -> Result<()> + Send>),
-    /// `kvs_copy_blocks`, run unit by unit (unit `u = k * num_pages + j`, as on the GPU).
+    Run(Work),
+    /// `kvs_copy_blocks`, run unit by unit (unit `u = k * num_pages + j`, as on the GPU); the
+    /// parameters are boxed so the queue's other operations stay small.
     Blocks {
-        p: abi::kvs_copy_blocks_params,
+        p: Box<abi::kvs_copy_blocks_params>,
         next: u64,
     },
     /// Waits until stream `stream` has run its first `seq` operations.
@@ -953,7 +957,10 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         p.status = self.begin("kvs_copy_blocks");
-        self.enqueue(Op::Blocks { p, next: 0 })
+        self.enqueue(Op::Blocks {
+            p: Box::new(p),
+            next: 0,
+        })
     }
 
     unsafe fn write_rows(&self, mut p: abi::kvs_write_rows_params, launch: Launch) -> Result<()> {

@@ -10,9 +10,9 @@ use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{Backend, Launch};
 use kvshard::demo::{self, Config};
+use kvshard::gpu::{self, topology, Gpu};
 use kvshard::pd;
 use kvshard::transfer::PeerMethod;
-use kvshard::gpu::{self, topology, Gpu};
 
 #[derive(Parser)]
 #[command(version, about = "Page-sharded FP8 KV cache data plane for DSA models")]
@@ -31,7 +31,7 @@ enum Command {
     /// P/D across processes: a decode process and N prefill processes (on the GPUs, or the CPU
     /// twin), the decode pool mapped into every rank; sends requests with each method, verifies
     /// the bytes and reports GB/s next to the copy ceiling.
-    Pd(PdArgs),
+    Pd(Box<PdArgs>),
 }
 
 #[derive(Args)]

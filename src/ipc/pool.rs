@@ -596,9 +596,8 @@ fn map_regions(backend: &PeerBackend, p: &PublishPool, fds: Vec<OwnedFd>) -> Res
             backend.address_space()
         )))
     };
-    let size = |r: &Region| {
-        crate::error::to_usize(r.bytes, || format!("a region of {} bytes", r.bytes))
-    };
+    let size =
+        |r: &Region| crate::error::to_usize(r.bytes, || format!("a region of {} bytes", r.bytes));
     let mut fds = fds.into_iter();
     let mut mapped = Vec::with_capacity(p.regions.len());
     for r in &p.regions {
@@ -705,7 +704,8 @@ mod tests {
             .unwrap();
         let block = exported.pool().geometry().components()[3].block_bytes;
         // SAFETY: one block of the imported space, in the prefill arena.
-        let buffer = unsafe { Buffer::from_raw(at, block, BufferKind::Device, space.address_space()) };
+        let buffer =
+            unsafe { Buffer::from_raw(at, block, BufferKind::Device, space.address_space()) };
         prefill.write_sync(&buffer, 0, &vec![0x5a; block]).unwrap();
         let seen = exported
             .pool()
@@ -739,15 +739,17 @@ mod tests {
             ImportedPool::import(&PeerBackend::Cpu(cpu.clone()), &p, fds)
         };
         assert!(publication(&|_| {}).is_ok());
-        let e = publication(&|p| p.components[1].layers.pop().map(|_| ()).unwrap_or(()))
-            .unwrap_err();
+        let e =
+            publication(&|p| p.components[1].layers.pop().map(|_| ()).unwrap_or(())).unwrap_err();
         assert!(matches!(e, Error::GeometryMismatch { .. }), "{e}");
         let e = publication(&|p| p.components[0].page_stride = 576 * 64).unwrap_err();
         assert!(e.to_string().contains("page stride"), "{e}");
         let e = publication(&|p| p.components.swap(0, 2)).unwrap_err();
         assert!(matches!(e, Error::GeometryMismatch { .. }), "{e}");
-        let e = publication(&|p| p.geometry = encode_geometry(&CacheGeometry::target_only(geometry().target)).unwrap())
-            .unwrap_err();
+        let e = publication(&|p| {
+            p.geometry = encode_geometry(&CacheGeometry::target_only(geometry().target)).unwrap()
+        })
+        .unwrap_err();
         assert!(matches!(e, Error::GeometryMismatch { .. }), "{e}");
         let e = publication(&|p| p.regions[0].bytes += 4096).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{e}");

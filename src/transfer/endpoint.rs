@@ -73,8 +73,8 @@ pub const CHUNK_EVENTS: usize = 4;
 /// Longest a [`DecodeEndpoint::poll`] sleeps between looks at what its socket poll cannot see:
 /// new connections, events of chunks reported ahead of their copies, exits of gone ranks.
 const LOOK_AGAIN: Duration = Duration::from_millis(20);
-/// The same while a status waits for its event: the copy is about to land.
-const LOOK_AGAIN_EVENTS: Duration = Duration::from_micros(200);
+/// The same while a status waits for its event.
+const LOOK_AGAIN_EVENTS: Duration = Duration::from_micros(50);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -83,9 +83,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// The wire form of a rank's status.
 fn chunk_done(status: &ChunkStatus) -> ChunkDone {
     let (last, bytes, failed) = match &status.result {
-        ChunkResult::Sent { bytes, last } => {
-            (*last, Component::ALL.map(|c| bytes.get(c)), None)
-        }
+        ChunkResult::Sent { bytes, last } => (*last, Component::ALL.map(|c| bytes.get(c)), None),
         ChunkResult::Failed { reason } => (true, [0; 4], Some(reason.clone())),
     };
     ChunkDone {
@@ -221,7 +219,7 @@ pub enum DecodeEvent {
     },
     /// A request is done: every rank has reported its last status, and on failure no rank can
     /// still write its pages. They are the caller's again.
-    Finished(Finished),
+    Finished(Box<Finished>),
     /// Prefill rank `rank` is gone (exited, killed, silent, or broke the protocol); the
     /// requests it was sending are failed (and handed back as they finish).
     RankGone {
@@ -384,8 +382,7 @@ impl DecodeEndpoint {
                 reason: format!("the registration does not describe published pool {pool}"),
             });
         }
-        if let Some(missing) = (0..self.shard).find(|r| !self.links.iter().any(|l| l.rank == *r))
-        {
+        if let Some(missing) = (0..self.shard).find(|r| !self.links.iter().any(|l| l.rank == *r)) {
             return Err(Error::Transfer {
                 request,
                 reason: format!("prefill rank {missing} is not connected"),
@@ -467,13 +464,15 @@ impl DecodeEndpoint {
             if elapsed >= timeout {
                 break;
             }
-            let events_pending = self.links.iter().any(|l| !l.waiting.is_empty());
-            let look = if events_pending {
-                LOOK_AGAIN_EVENTS
+            let left = timeout - elapsed;
+            if self.links.iter().any(|l| !l.waiting.is_empty()) {
+                // A copy is about to land and only its event will say so: look again soon (a
+                // socket poll would round the wait up to a millisecond).
+                std::thread::sleep(left.min(LOOK_AGAIN_EVENTS));
+                self.step(Duration::ZERO, &mut out)?;
             } else {
-                LOOK_AGAIN
-            };
-            self.step((timeout - elapsed).min(look), &mut out)?;
+                self.step(left.min(LOOK_AGAIN), &mut out)?;
+            }
         }
         Ok(out)
     }
@@ -679,7 +678,8 @@ impl DecodeEndpoint {
     /// Gives one status to the receiver; a finished request is handed back, or held while a gone
     /// rank's process may still write its pages.
     fn feed(&mut self, status: ChunkStatus, out: &mut Vec<DecodeEvent>) -> Result<()> {
-        let (request, rank, terminal) = (status.request, status.rank as usize, status.is_terminal());
+        let (request, rank, terminal) =
+            (status.request, status.rank as usize, status.is_terminal());
         let finished = self.receiver.receive(status)?;
         if let Some(open) = self.requests.get_mut(&request) {
             open.next_chunk[rank] += 1;
@@ -699,7 +699,7 @@ impl DecodeEndpoint {
     fn hand_back(&mut self, finished: Finished, gone: Vec<Process>, out: &mut Vec<DecodeEvent>) {
         let grace = self.liveness.timeout;
         if gone.iter().all(|p| p.exited(grace)) {
-            out.push(DecodeEvent::Finished(finished));
+            out.push(DecodeEvent::Finished(Box::new(finished)));
         } else {
             self.held.push((finished, gone));
         }
@@ -710,7 +710,7 @@ impl DecodeEndpoint {
         let mut i = 0;
         while i < self.held.len() {
             if self.held[i].1.iter().all(|p| p.exited(grace)) {
-                out.push(DecodeEvent::Finished(self.held.remove(i).0));
+                out.push(DecodeEvent::Finished(Box::new(self.held.remove(i).0)));
             } else {
                 i += 1;
             }
@@ -757,7 +757,8 @@ impl DecodeEndpoint {
                 let _ = self.abort(request, &format!("prefill rank {rank} is gone"));
             }
         }
-        self.backlog.push(DecodeEvent::RankGone { rank, why, failed });
+        self.backlog
+            .push(DecodeEvent::RankGone { rank, why, failed });
         self.backlog.extend(out);
     }
 }
@@ -1163,7 +1164,8 @@ impl PrefillEndpoint {
                         let why = e.to_string();
                         self.pools.remove(&id);
                         self.refused_pools.insert(id, why.clone());
-                        self.backlog.push(PrefillEvent::PoolRefused { pool: id, why });
+                        self.backlog
+                            .push(PrefillEvent::PoolRefused { pool: id, why });
                     }
                 }
             }
@@ -1292,5 +1294,67 @@ fn sum(a: PeerStats, b: PeerStats) -> PeerStats {
         copy_calls: a.copy_calls + b.copy_calls,
         descriptors: a.descriptors + b.descriptors,
         bytes: a.bytes + b.bytes,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_survive_the_wire() {
+        let mut bytes = ComponentBytes::default();
+        bytes.add(Component::TargetLatent, 7);
+        bytes.add(Component::DraftIndexer, 3);
+        let sent = ChunkStatus {
+            request: 9,
+            rank: 2,
+            chunk: 4,
+            result: ChunkResult::Sent { bytes, last: true },
+        };
+        assert_eq!(chunk_status(&chunk_done(&sent)), sent);
+        let failed = ChunkStatus {
+            request: 9,
+            rank: 1,
+            chunk: 0,
+            result: ChunkResult::Failed {
+                reason: "no".into(),
+            },
+        };
+        let done = chunk_done(&failed);
+        assert!(done.last && done.bytes == [0; 4]);
+        assert_eq!(chunk_status(&done), failed);
+    }
+
+    #[test]
+    fn a_live_process_has_not_exited_and_an_unknown_one_gets_a_grace() {
+        let me = Process {
+            pid: i32::try_from(std::process::id()).ok(),
+            start: proc_stat(std::process::id() as i32).and_then(|(_, s)| s),
+            gone_at: None,
+        };
+        assert!(!me.exited(Duration::ZERO));
+        let reused = Process {
+            start: me.start.map(|s| s + 1),
+            ..me.clone()
+        };
+        assert!(
+            reused.exited(Duration::ZERO),
+            "another process under the same PID"
+        );
+        let unknown = Process {
+            pid: None,
+            start: None,
+            gone_at: Some(Instant::now()),
+        };
+        assert!(!unknown.exited(Duration::from_secs(60)));
+        assert!(unknown.exited(Duration::ZERO));
+    }
+
+    #[test]
+    fn endpoints_can_move_to_other_threads() {
+        fn send<T: Send>() {}
+        send::<DecodeEndpoint>();
+        send::<PrefillEndpoint>();
     }
 }
