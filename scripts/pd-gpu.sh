@@ -17,7 +17,8 @@
 # The kvshard binary: $KVSHARD, else .gpu/kvshard (scripts/stage-gpu.sh), else
 # target/release/kvshard, else it is built (cargo, kernels required).
 # Knobs: PAGES (default 64,256,512,1024,2048,4096), CTAS (8,16,32,64,132), CHUNK (pages per
-# chunk, 64), ITER (3).
+# chunk of the chunked runs, 64), ITER (3), RUNS (run names to run, space-separated; default
+# all), TESTS=0 (skip the tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-$PWD/pd-out}"
@@ -45,13 +46,17 @@ cat "$out/topology.txt"
 
 pages="${PAGES:-64,256,512,1024,2048,4096}"
 ctas="${CTAS:-8,16,32,64,132}"
-common=(--layers 61 --pages "$pages" --methods blocks,ce,naive --ctas "$ctas" --threads 512
-  --chunk-pages "${CHUNK:-64}" --iterations "${ITER:-3}")
+common=(--layers 61 --pages "$pages" --ctas "$ctas" --threads 512 --iterations "${ITER:-3}")
+# Every method in chunks of CHUNK pages; then the two bulk methods with each request in one
+# chunk (what a prefill that sends after its last chunk does).
+chunked=(--chunk-pages "${CHUNK:-64}" --methods blocks,ce,naive)
+whole=(--chunk-pages 4096 --methods blocks,ce)
 
 : >"$out/pd.md"
 run() {
   local name="$1"
   shift
+  if [ -n "${RUNS:-}" ] && [[ " $RUNS " != *" $name "* ]]; then return; fi
   echo "=== $name: $bin pd ${common[*]} $*"
   if "$bin" pd "${common[@]}" "$@" --markdown "$out/$name.md" >"$out/$name.log" 2>&1; then
     r=ok
@@ -65,18 +70,23 @@ run() {
 }
 
 if [ "$gpus" -ge 2 ]; then
-  run pd-gpu0-to-gpu1 --ranks 1 --gpus 1,0
-  run pd-cp2-gpus01-to-gpu1 --ranks 2 --gpus 1,0,1
-  run pd-same-gpu --ranks 1 --gpus 0,0
+  run pd-gpu0-to-gpu1 --ranks 1 --gpus 1,0 "${chunked[@]}"
+  run pd-gpu0-to-gpu1-whole --ranks 1 --gpus 1,0 "${whole[@]}"
+  run pd-cp2-gpus01-to-gpu1 --ranks 2 --gpus 1,0,1 "${chunked[@]}"
+  run pd-cp2-gpus01-to-gpu1-whole --ranks 2 --gpus 1,0,1 "${whole[@]}"
+  run pd-same-gpu --ranks 1 --gpus 0,0 "${chunked[@]}"
 elif [ "$gpus" -eq 1 ]; then
-  run pd-one-gpu --ranks 1 --gpus 0,0
-  run pd-one-gpu-cp2 --ranks 2 --gpus 0,0,0
+  run pd-one-gpu --ranks 1 --gpus 0,0 "${chunked[@]}"
+  run pd-one-gpu-whole --ranks 1 --gpus 0,0 "${whole[@]}"
+  run pd-one-gpu-cp2 --ranks 2 --gpus 0,0,0 "${chunked[@]}"
 else
   echo "no GPU: nothing to run" | tee -a "$out/pd.md"
   exit 1
 fi
 
-if [ -n "$tests" ]; then
+if [ "${TESTS:-1}" = 0 ]; then
+  :
+elif [ -n "$tests" ]; then
   if KVSHARD_REQUIRE_GPU=1 "$tests" gpu_ --test-threads=1 >"$out/tests.log" 2>&1; then r=ok; else r=FAILED; status=1; fi
   echo "tests/pd_procs gpu_: $r ($(grep -E '^test result' "$out/tests.log" | tail -1))" | tee -a "$out/pd.md"
 elif command -v cargo >/dev/null; then

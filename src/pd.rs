@@ -582,6 +582,8 @@ fn ceiling(cfg: &PdConfig, backend: &PeerBackend) -> Result<(f64, String)> {
                 let start = b.record_timed()?;
                 match &peer {
                     Some(g) => {
+                        // The copy is enqueued on the decode's stream, with its context current.
+                        cuda.gpu().bind()?;
                         // SAFETY: both allocations hold `len` bytes and outlive the copy (the
                         // end event is waited for below); the contexts are their devices'.
                         unsafe {
@@ -1093,18 +1095,20 @@ fn table(cfg: &PdConfig, lines: &[(String, String)]) -> String {
             .iter()
             .any(|f| f.get("verified").map(String::as_str) == Some("true"));
         let stream_gbps = gbps(bytes, stream);
+        // The CPU twin's copies say nothing about hardware: no share of a ceiling for them.
+        let share = if cfg.cpu || ceiling_gbps <= 0.0 {
+            "n/a".to_string()
+        } else {
+            format!("{:.0}%", 100.0 * stream_gbps / ceiling_gbps)
+        };
         let _ = writeln!(
             out,
-            "| {} | {} | {:.1} | {:.1} | {:.0}% | {:.1} | {:.1} | {:.1} | {} |",
+            "| {} | {} | {:.1} | {:.1} | {} | {:.1} | {:.1} | {:.1} | {} |",
             c.pages,
             c.method,
             gbps(bytes, wall),
             stream_gbps,
-            if ceiling_gbps > 0.0 {
-                100.0 * stream_gbps / ceiling_gbps
-            } else {
-                0.0
-            },
+            share,
             per_chunk("launches"),
             per_chunk("calls"),
             per_chunk("descriptors"),

@@ -943,6 +943,9 @@ impl PrefillEndpoint {
     /// Moves later requests with `method`; refused while a request is being sent (between its
     /// first and its final chunk).
     pub fn set_method(&mut self, method: PeerMethod) -> Result<()> {
+        if method == self.method {
+            return Ok(());
+        }
         if !self.open.is_empty() {
             return Err(Error::InvalidArgument(format!(
                 "the method cannot change while {} requests are being sent",
