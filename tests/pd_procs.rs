@@ -211,7 +211,13 @@ fn child_prefill(cfg: &PdConfig, socket: &Path) {
     }
 }
 
-/// A decode that registers request 1 and serves until it is killed.
+/// Where a decode child says every rank has landed a chunk of request 1.
+fn marker(socket: &Path) -> PathBuf {
+    socket.with_extension("mid-request")
+}
+
+/// A decode that registers request 1 and serves until it is killed; once every rank has landed
+/// a chunk of it, it says so (the request is then in flight on every rank).
 fn child_decode(cfg: &PdConfig, socket: &Path) {
     let backend = backend(cfg.cpu).expect("decode backend");
     let exported = Arc::new(
@@ -230,8 +236,14 @@ fn child_decode(cfg: &PdConfig, socket: &Path) {
     let pool = endpoint.publish(exported.clone()).expect("publish");
     let (registration, _) = decode_registration(cfg, exported.pool(), 1, 0);
     endpoint.register(pool, registration).expect("register");
+    let mut said = false;
     loop {
-        endpoint.poll(Duration::from_millis(100)).expect("poll");
+        endpoint.poll(Duration::from_millis(10)).expect("poll");
+        let landed = endpoint.chunks_landed(1).unwrap_or_default();
+        if !said && landed.iter().all(|&c| c >= 1) {
+            std::fs::write(marker(socket), b"").expect("marker");
+            said = true;
+        }
     }
 }
 
@@ -701,6 +713,13 @@ fn killed_decode(test: &str, cpu: bool) {
     let ends = cfg.chunk_ends(PdConfig::tokens(cfg.pages[0]));
     endpoint.send(1, chain.pages(), ends[0]).unwrap();
     endpoint.send(1, chain.pages(), ends[1]).unwrap();
+    // Killed once both ranks are mid-request (the other rank has landed a chunk too).
+    let start = Instant::now();
+    while !marker(&socket).exists() {
+        assert!(start.elapsed() < STARTUP, "rank 1 never landed a chunk");
+        assert!(endpoint.poll(Duration::from_millis(10)).unwrap().is_empty());
+    }
+    let _ = std::fs::remove_file(marker(&socket));
 
     decode.0.kill().unwrap();
     let killed = Instant::now();

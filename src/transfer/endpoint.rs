@@ -347,12 +347,32 @@ impl DecodeEndpoint {
         pool.publication(id)?;
         self.next_pool += 1;
         self.pools.push((id, pool));
-        for i in (0..self.channels.len()).rev() {
-            if let Err(e) = self.publish_to(i, id) {
-                self.rank_gone(i, e.to_string());
+        for rank in self.connected_ranks() {
+            if let Some(i) = self.link_of(rank) {
+                if let Err(e) = self.publish_to(i, id) {
+                    self.rank_gone(i, e.to_string());
+                }
             }
         }
         Ok(id)
+    }
+
+    /// The index of `rank`'s link, while it is connected.
+    fn link_of(&self, rank: u32) -> Option<usize> {
+        self.links.iter().position(|l| l.rank == rank)
+    }
+
+    /// Sends `msg` to each of `ranks` still connected; a rank the send fails for is gone.
+    /// Ranks are looked up one by one: a rank going meanwhile moves the others' links.
+    fn send_to(&mut self, ranks: &[u32], msg: &Message) {
+        for &rank in ranks {
+            let Some(i) = self.link_of(rank) else {
+                continue;
+            };
+            if let Err(e) = self.channels[i].send(msg) {
+                self.rank_gone(i, e.to_string());
+            }
+        }
     }
 
     fn publish_to(&mut self, i: usize, id: u64) -> Result<()> {
@@ -410,11 +430,7 @@ impl DecodeEndpoint {
                 gone: Vec::new(),
             },
         );
-        for i in (0..self.channels.len()).rev() {
-            if let Err(e) = self.channels[i].send(&msg) {
-                self.rank_gone(i, e.to_string());
-            }
-        }
+        self.send_to(&self.connected_ranks(), &msg);
         Ok(())
     }
 
@@ -431,14 +447,13 @@ impl DecodeEndpoint {
             request,
             reason: reason.to_string(),
         };
-        let targets: Vec<usize> = (0..self.links.len())
-            .filter(|&i| !open.done[self.links[i].rank as usize])
+        let targets: Vec<u32> = self
+            .links
+            .iter()
+            .map(|l| l.rank)
+            .filter(|&r| !open.done[r as usize])
             .collect();
-        for i in targets.into_iter().rev() {
-            if let Err(e) = self.channels[i].send(&msg) {
-                self.rank_gone(i, e.to_string());
-            }
-        }
+        self.send_to(&targets, &msg);
         Ok(())
     }
 
