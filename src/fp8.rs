@@ -17,6 +17,8 @@
 use float8::F8E4M3;
 use half::bf16;
 
+use crate::error::{Error, Result};
+
 use crate::geometry::{
     IndexerScale, LatentLayout, INDEXER_HEAD_DIM, KV_LORA_RANK, LATENT_DIM, LATENT_SCALE_TILE,
 };
@@ -61,21 +63,31 @@ pub fn indexer_scale(keys: &[bf16], kind: IndexerScale) -> f32 {
     }
 }
 
-/// Quantizes one token's 128 bf16 indexer key elements into `codes`, returning the scale.
-pub fn quantize_indexer_row(keys: &[bf16], kind: IndexerScale, codes: &mut [u8]) -> f32 {
-    debug_assert_eq!(keys.len(), INDEXER_HEAD_DIM);
+fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
+    if got != want {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: {got} elements, {want} expected"
+        )));
+    }
+    Ok(())
+}
+
+/// Quantizes one token's 128 bf16 indexer key elements into 128 `codes`, returning the scale.
+pub fn quantize_indexer_row(keys: &[bf16], kind: IndexerScale, codes: &mut [u8]) -> Result<f32> {
+    check_len("indexer key", keys.len(), INDEXER_HEAD_DIM)?;
+    check_len("indexer codes", codes.len(), INDEXER_HEAD_DIM)?;
     let scale = indexer_scale(keys, kind);
     for (c, k) in codes.iter_mut().zip(keys) {
         *c = encode_e4m3(k.to_f32() / scale);
     }
-    scale
+    Ok(scale)
 }
 
 /// Quantizes one token's 576 bf16 latent elements (512 nope, then 64 rope) into a row of
 /// `layout.row_bytes()` bytes.
-pub fn quantize_latent_row(layout: LatentLayout, input: &[bf16], row: &mut [u8]) {
-    debug_assert_eq!(input.len(), LATENT_DIM);
-    debug_assert_eq!(row.len(), layout.row_bytes());
+pub fn quantize_latent_row(layout: LatentLayout, input: &[bf16], row: &mut [u8]) -> Result<()> {
+    check_len("latent input", input.len(), LATENT_DIM)?;
+    check_len("latent row bytes", row.len(), layout.row_bytes())?;
     match layout {
         LatentLayout::Bf16 => {
             for (chunk, v) in row.chunks_exact_mut(2).zip(input) {
@@ -111,6 +123,7 @@ pub fn quantize_latent_row(layout: LatentLayout, input: &[bf16], row: &mut [u8])
             }
         }
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -212,7 +225,7 @@ mod tests {
         input[130] = bf16::from_f32(896.0); // tile 1 amax 896 -> scale 2
         input[512] = bf16::from_f32(1.5); // rope
         let mut row = vec![0u8; 656];
-        quantize_latent_row(LatentLayout::Fp8Scaled, &input, &mut row);
+        quantize_latent_row(LatentLayout::Fp8Scaled, &input, &mut row).unwrap();
         let scale =
             |t: usize| f32::from_le_bytes(row[512 + 4 * t..516 + 4 * t].try_into().unwrap());
         assert_eq!(scale(0), 3.0 / 448.0);
@@ -229,7 +242,7 @@ mod tests {
             .map(|i| bf16::from_f32(i as f32 / 7.0 - 40.0))
             .collect();
         let mut row = vec![0u8; 576];
-        quantize_latent_row(LatentLayout::Fp8Trtllm, &input, &mut row);
+        quantize_latent_row(LatentLayout::Fp8Trtllm, &input, &mut row).unwrap();
         for (c, v) in row.iter().zip(&input) {
             assert_eq!(*c, encode_e4m3(v.to_f32()));
         }
@@ -241,11 +254,14 @@ mod tests {
             .map(|i| bf16::from_f32(i as f32 - 60.0))
             .collect();
         let mut codes = [0u8; INDEXER_HEAD_DIM];
-        let scale = quantize_indexer_row(&keys, IndexerScale::Ue8m0, &mut codes);
+        let scale = quantize_indexer_row(&keys, IndexerScale::Ue8m0, &mut codes).unwrap();
         assert_eq!(scale, 0.25); // amax 67 -> 67/448 = 0.1496 -> 2^-2
         assert_eq!(decode_e4m3(codes[0]), -240.0);
-        let plain = quantize_indexer_row(&keys, IndexerScale::Plain, &mut codes);
+        let plain = quantize_indexer_row(&keys, IndexerScale::Plain, &mut codes).unwrap();
         assert_eq!(plain, 67.0 / 448.0);
         assert_eq!(decode_e4m3(codes[127]), 448.0);
+        // Wrong lengths are errors, not panics.
+        assert!(quantize_indexer_row(&keys[..5], IndexerScale::Plain, &mut codes).is_err());
+        assert!(quantize_latent_row(LatentLayout::Fp8Scaled, &keys, &mut codes).is_err());
     }
 }

@@ -201,15 +201,14 @@ impl Arena {
     }
 }
 
-/// Work an operation does on the arena in one go.
+/// An operation that runs whole against the arena.
 type Work = Box<dyn FnOnce(&mut Arena) -> Result<()> + Send>;
 
 /// One queued operation of a stream.
 enum Op {
     /// Runs whole.
     Run(Work),
-    /// `kvs_copy_blocks`, run unit by unit (unit `u = k * num_pages + j`, as on the GPU); the
-    /// parameters are boxed so the queue's other operations stay small.
+    /// `kvs_copy_blocks`, run unit by unit (unit `u = k * num_pages + j`, as on the GPU).
     Blocks {
         p: Box<abi::kvs_copy_blocks_params>,
         next: u64,
@@ -314,6 +313,12 @@ impl Drop for CpuAllocation {
     fn drop(&mut self) {
         if let Some(device) = self.device.upgrade() {
             let mut d = lock(&device);
+            // As freeing CUDA memory waits for the device (gpu/memory.rs), freeing here first
+            // runs every queued operation: no deferred work ever meets a freed allocation.
+            for s in 0..d.streams.len() {
+                let target = d.streams[s].enqueued;
+                let _ = d.run_until(s, target);
+            }
             if d.arena.allocs.remove(&self.base).is_some() {
                 d.arena.used -= self.len;
             }
@@ -606,7 +611,7 @@ fn quantize_latent(mem: &mut Arena, p: &abi::kvs_quantize_latent_params) -> Resu
             continue;
         }
         let input = bf16s(mem.bytes(p.src + token * p.src_stride, 2 * LATENT_DIM)?);
-        fp8::quantize_latent_row(layout, &input, &mut row);
+        fp8::quantize_latent_row(layout, &input, &mut row)?;
         mem.bytes_mut(p.dst + slot as u64 * row_bytes as u64, row_bytes)?
             .copy_from_slice(&row);
     }
@@ -630,7 +635,7 @@ fn quantize_indexer(mem: &mut Arena, p: &abi::kvs_quantize_indexer_params) -> Re
             continue;
         }
         let keys = bf16s(mem.bytes(p.src + token * p.src_stride, 2 * INDEXER_HEAD_DIM)?);
-        let scale = fp8::quantize_indexer_row(&keys, kind, &mut codes);
+        let scale = fp8::quantize_indexer_row(&keys, kind, &mut codes)?;
         let block = p.dst + (slot as u64 / PAGE_SIZE as u64) * INDEXER_PAGE_BYTES as u64;
         let offset = slot as u64 % PAGE_SIZE as u64;
         mem.bytes_mut(block + offset * INDEXER_HEAD_DIM as u64, INDEXER_HEAD_DIM)?
@@ -701,6 +706,58 @@ fn scratch_rows(mem: &mut Arena, p: &abi::kvs_scratch_rows_params) -> Result<()>
         }
         mem.bytes_mut(p.out_rows + 8 * i, 8)?
             .copy_from_slice(&row.to_le_bytes());
+    }
+    Ok(())
+}
+
+/// `count` int64s at `addr`, or an error when they do not fit one allocation.
+fn i64s_at(mem: &Arena, addr: u64, count: u64) -> Result<Vec<i64>> {
+    if count == 0 {
+        return Ok(Vec::new());
+    }
+    let bytes = count
+        .checked_mul(8)
+        .and_then(|b| usize::try_from(b).ok())
+        .ok_or_else(|| Error::overflow(format!("bytes of {count} int64s")))?;
+    Ok(super::i64s_from_bytes(mem.bytes(addr, bytes)?))
+}
+
+fn scratch_table(mem: &mut Arena, p: &abi::kvs_scratch_table_params) -> Result<()> {
+    let pages = i64s_at(mem, p.pages, p.num_entries)?;
+    let scratch = i64s_at(mem, p.scratch_pages, p.num_entries)?;
+    let ok = |s: i64| s >= 0 && (s as u64) < p.trash_page;
+    let len = usize::try_from(p.table_len)
+        .ok()
+        .and_then(|n| n.checked_mul(8))
+        .ok_or_else(|| Error::overflow(format!("a table of {} int64s", p.table_len)))?;
+    let mut table = Vec::with_capacity(len);
+    for l in 0..p.table_len {
+        // check::scratch_table bounds table_len and trash_page to int64.
+        let page = l as i64;
+        // The kernel's lower bound, step for step.
+        let (mut lo, mut hi) = (0usize, pages.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if pages[mid] < page {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        let out = match (pages.get(lo), scratch.get(lo)) {
+            (Some(&found), Some(&s)) if found == page && ok(s) => s,
+            _ => p.trash_page as i64,
+        };
+        table.extend_from_slice(&out.to_le_bytes());
+    }
+    if len > 0 {
+        mem.bytes_mut(p.table, len)?.copy_from_slice(&table);
+    }
+    for (i, (&page, &s)) in pages.iter().zip(&scratch).enumerate() {
+        let unsorted = i > 0 && page <= pages[i - 1];
+        if page < 0 || page as u64 >= p.table_len || unsorted || !ok(s) {
+            report(mem, &p.status, i as u64)?;
+        }
     }
     Ok(())
 }
@@ -851,23 +908,33 @@ impl Backend for CpuBackend {
     }
 
     fn record_timed(&self) -> Result<Event> {
-        let d = self.dev();
-        let seq = d.streams[self.stream].enqueued;
+        // The time is stamped by an operation of its own, when the stream reaches it: at once
+        // in immediate mode, when something waits in deferred mode.
+        let at = Arc::new(std::sync::OnceLock::new());
+        let stamp = at.clone();
+        self.run(move |_| {
+            let _ = stamp.set(std::time::Instant::now());
+            Ok(())
+        })?;
+        let seq = self.dev().streams[self.stream].enqueued;
         Ok(Event(EventInner::Cpu {
             arena: self.arena,
             stream: self.stream as u64,
             seq,
-            at: (!d.deferred).then(std::time::Instant::now),
+            at: Some(at),
         }))
     }
 
     fn elapsed_ms(&self, start: &Event, end: &Event) -> Result<f64> {
-        match (&start.0, &end.0) {
-            (EventInner::Cpu { at: Some(a), .. }, EventInner::Cpu { at: Some(b), .. }) => {
-                Ok(b.saturating_duration_since(*a).as_secs_f64() * 1e3)
-            }
+        let time = |e: &Event| match &e.0 {
+            EventInner::Cpu { at: Some(at), .. } => at.get().copied(),
+            _ => None,
+        };
+        match (time(start), time(end)) {
+            (Some(a), Some(b)) => Ok(b.saturating_duration_since(a).as_secs_f64() * 1e3),
             _ => Err(Error::InvalidArgument(
-                "elapsed time needs two timed events of an immediate-mode CPU backend".into(),
+                "elapsed time needs two timed events of this backend that the stream has reached"
+                    .into(),
             )),
         }
     }
@@ -948,6 +1015,15 @@ impl Backend for CpuBackend {
     unsafe fn scratch_rows(&self, mut p: abi::kvs_scratch_rows_params) -> Result<()> {
         p.status = self.begin("kvs_scratch_rows");
         self.run(move |mem| scratch_rows(mem, &p))
+    }
+
+    unsafe fn scratch_table(&self, mut p: abi::kvs_scratch_table_params) -> Result<()> {
+        check::scratch_table(&p)?;
+        if p.table_len == 0 && p.num_entries == 0 {
+            return Ok(());
+        }
+        p.status = self.begin("kvs_scratch_table");
+        self.run(move |mem| scratch_table(mem, &p))
     }
 
     unsafe fn copy_blocks(&self, mut p: abi::kvs_copy_blocks_params, launch: Launch) -> Result<()> {

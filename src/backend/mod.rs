@@ -170,20 +170,40 @@ impl Buffer {
     }
 }
 
-/// A point in a backend's stream that other streams of the same device can wait for.
+/// A point in a backend's stream that other streams of the same device can wait for. Two
+/// events are equal when they are the same point of the same stream (clones of one record).
 #[derive(Debug, Clone)]
 pub struct Event(EventInner);
 
+impl PartialEq for Event {
+    fn eq(&self, other: &Self) -> bool {
+        match (&self.0, &other.0) {
+            (
+                EventInner::Cpu {
+                    arena, stream, seq, ..
+                },
+                EventInner::Cpu {
+                    arena: a,
+                    stream: s,
+                    seq: q,
+                    ..
+                },
+            ) => (arena, stream, seq) == (a, s, q),
+            (EventInner::Cuda(a), EventInner::Cuda(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 enum EventInner {
-    /// The CPU backend: operation `seq` of stream `stream` of arena `arena`; a timed event of
-    /// an immediate-mode arena also holds when it was recorded (every operation before it had
-    /// run by then).
+    /// The CPU backend: operation `seq` of stream `stream` of arena `arena`; a timed event also
+    /// holds when the stream reached it, stamped by an operation of its own.
     Cpu {
         arena: u64,
         stream: u64,
         seq: u64,
-        at: Option<std::time::Instant>,
+        at: Option<Arc<std::sync::OnceLock<std::time::Instant>>>,
     },
     /// A CUDA event.
     Cuda(Arc<CudaEvent>),
@@ -339,6 +359,12 @@ pub trait Backend: Send + Sync {
     /// As [`Backend::quantize_latent`].
     unsafe fn scratch_rows(&self, p: abi::kvs_scratch_rows_params) -> Result<()>;
 
+    /// `kvs_scratch_table`.
+    ///
+    /// # Safety
+    /// As [`Backend::quantize_latent`].
+    unsafe fn scratch_table(&self, p: abi::kvs_scratch_table_params) -> Result<()>;
+
     /// `kvs_copy_blocks` with the given grid.
     ///
     /// # Safety
@@ -390,8 +416,9 @@ pub(crate) fn check_space(user: AddressSpace, owner: AddressSpace, what: &str) -
 
 /// Units `kvs_write_rows` splits a write of `slots` tokens over `pairs` layer pairs into.
 pub fn write_units(slots: u64, pairs: u32) -> u64 {
-    slots.div_ceil(u64::from(abi::KVS_WRITE_GROUP))
-        * u64::from(pairs.div_ceil(abi::KVS_WRITE_PAIR_BLOCK))
+    slots
+        .div_ceil(u64::from(abi::KVS_WRITE_GROUP))
+        .saturating_mul(u64::from(pairs.div_ceil(abi::KVS_WRITE_PAIR_BLOCK)))
 }
 
 /// The `kvs_resolve` kernel for `p`: one per entry kind and shard-size class (cuda/resolve.cu

@@ -5,12 +5,13 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{Backend, Launch};
-use kvshard::demo::{self, Config};
+use kvshard::demo::{self, Config, PressureConfig, StreamFactory, Summary};
 use kvshard::gpu::{self, topology, Gpu};
+use kvshard::hicache::Route;
 use kvshard::pd;
 use kvshard::transfer::PeerMethod;
 
@@ -26,7 +27,9 @@ enum Command {
     /// The kernel build, the GPU (name, SMs, memory) and where it sits (PCIe, NUMA).
     Info,
     /// The end-to-end job: sharded prefill writes, P/D transfer and a HiCache round trip of one
-    /// request, every hand-off checked byte for byte; on the GPU if there is one, else on the CPU.
+    /// request (`--scenario basic`), or the seed's accuracy scenario under memory pressure
+    /// (`--scenario pressure`), every hand-off checked byte for byte; on the GPU if there is
+    /// one, else on the CPU.
     Demo(DemoArgs),
     /// P/D across processes: a decode process and N prefill processes (on the GPUs, or the CPU
     /// twin), the decode pool mapped into every rank; sends requests with each method, verifies
@@ -212,8 +215,21 @@ fn run_pd(cfg: &pd::PdConfig, markdown: Option<&std::path::Path>) -> kvshard::Re
     Ok(())
 }
 
+/// Which job `demo` runs.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Scenario {
+    /// One request through prefill writes, P/D and a HiCache round trip.
+    Basic,
+    /// A seeded prefix written through to the host, two prompts that force evictions, the
+    /// prefix reloaded from the host and gathered into the scratch for the second one's chunks.
+    Pressure,
+}
+
 #[derive(Args)]
 struct DemoArgs {
+    /// Which job to run.
+    #[arg(long, value_enum, default_value = "basic")]
+    scenario: Scenario,
     /// Run on the CPU reference backend even when a GPU is present.
     #[arg(long)]
     cpu: bool,
@@ -223,7 +239,7 @@ struct DemoArgs {
     /// Target layers (default: 61 on the GPU, 4 on the CPU).
     #[arg(long)]
     layers: Option<usize>,
-    /// Request length in tokens.
+    /// Request length in tokens (pressure: each prompt's).
     #[arg(long)]
     tokens: Option<usize>,
     /// Prefill chunk size in tokens (a multiple of 64).
@@ -246,6 +262,32 @@ impl DemoArgs {
             seed: d.seed,
         }
     }
+
+    fn pressure(&self, gpu: bool) -> PressureConfig {
+        let d = PressureConfig::default_for(gpu);
+        PressureConfig {
+            ranks: self.ranks.unwrap_or(d.ranks),
+            layers: self.layers.unwrap_or(d.layers),
+            draft: !self.no_draft && d.draft,
+            prompt_tokens: self.tokens.unwrap_or(d.prompt_tokens),
+            chunk: self.chunk.unwrap_or(d.chunk),
+            ..d
+        }
+    }
+
+    /// Runs the chosen scenario on `b`.
+    fn run(
+        &self,
+        b: Arc<dyn Backend>,
+        streams: StreamFactory<'_>,
+        gpu: bool,
+    ) -> kvshard::Result<Summary> {
+        let route: Route = demo::default_route(gpu);
+        match self.scenario {
+            Scenario::Basic => demo::run(b, streams, &self.config(gpu), route),
+            Scenario::Pressure => demo::run_pressure(b, streams, &self.pressure(gpu), route),
+        }
+    }
 }
 
 fn demo(args: &DemoArgs) -> ExitCode {
@@ -266,19 +308,13 @@ fn demo(args: &DemoArgs) -> ExitCode {
             let streams = move || -> kvshard::Result<Arc<dyn Backend>> {
                 Ok(Arc::new(CudaBackend::new(gpu.clone())?))
             };
-            streams()
-                .and_then(|b| demo::run(b, &streams, &args.config(true), demo::default_route(true)))
+            streams().and_then(|b| args.run(b, &streams, true))
         }
         None => {
             let cpu = CpuBackend::new();
             let streams =
                 || -> kvshard::Result<Arc<dyn Backend>> { Ok(Arc::new(cpu.new_stream())) };
-            demo::run(
-                Arc::new(cpu.new_stream()),
-                &streams,
-                &args.config(false),
-                demo::default_route(false),
-            )
+            args.run(Arc::new(cpu.new_stream()), &streams, false)
         }
     };
     match result {
@@ -292,7 +328,12 @@ fn demo(args: &DemoArgs) -> ExitCode {
 
 fn info() -> ExitCode {
     match gpu::embedded_archs() {
-        Some(archs) => println!("kernels: embedded for {archs}"),
+        Some(archs) => {
+            println!("kernels: embedded for {archs}; ptxas resource usage (registers, spills, stack, threads):");
+            for line in gpu::RESOURCE_USAGE.lines() {
+                println!("  {line}");
+            }
+        }
         None => println!("kernels: NOT embedded (built without nvcc 13.0; run scripts/install-cuda.sh and rebuild)"),
     }
     let gpu = match Gpu::open(0) {

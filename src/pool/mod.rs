@@ -399,20 +399,4 @@ impl sealed::Sealed for DevicePool {
     }
 }
 
-impl BlockSpace for DevicePool {
-    fn id(&self) -> SpaceId {
-        self.id
-    }
-
-    fn address_space(&self) -> AddressSpace {
-        self.space
-    }
-
-    fn components(&self) -> &[ComponentLayout] {
-        &self.components
-    }
-
-    fn pages(&self) -> u64 {
-        self.pages
-    }
-}
+crate::copy::space::block_space!(DevicePool);

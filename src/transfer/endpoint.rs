@@ -1100,8 +1100,9 @@ impl PrefillEndpoint {
     fn failed_chunk(&mut self, request: u64, e: Error) -> Error {
         if self.open.remove(&request) {
             // A chunk that failed while moving leaves the request open in the sender; this
-            // failure is its last status, reported below.
-            let _ = self.sender.abort(request, "a chunk failed");
+            // failure is its last status, reported below. (A chunk refused before it was
+            // enqueued closed it already, which `close` then says.)
+            let _ = self.sender.close(request);
         }
         if let Some(status) = ChunkStatus::from_error(&e) {
             if let Err(gone) = self.report(&status) {

@@ -32,14 +32,15 @@ use crate::pool::DevicePool;
 pub const KERNEL_PIECE_BYTES: u64 = 256 << 10;
 
 /// `ranges` cut into consecutive pieces of at most [`KERNEL_PIECE_BYTES`], in order: the
-/// table [`CopyMethod::Kernel`] launches over. Empty ranges yield no piece.
+/// table [`CopyMethod::Kernel`] launches over. Empty ranges yield no piece; addresses wrap
+/// rather than panic (a range past the end of the address space is garbage in, garbage out).
 pub fn kernel_pieces(ranges: &[abi::kvs_range]) -> impl Iterator<Item = abi::kvs_range> + '_ {
     ranges.iter().flat_map(|r| {
         (0..r.bytes.div_ceil(KERNEL_PIECE_BYTES)).map(move |k| {
             let offset = k * KERNEL_PIECE_BYTES;
             abi::kvs_range {
-                src: r.src + offset,
-                dst: r.dst + offset,
+                src: r.src.wrapping_add(offset),
+                dst: r.dst.wrapping_add(offset),
                 bytes: (r.bytes - offset).min(KERNEL_PIECE_BYTES),
             }
         })
