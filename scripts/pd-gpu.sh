@@ -19,8 +19,27 @@
 # Knobs: PAGES (default 64,256,512,1024,2048,4096), CTAS (8,16,32,64,132), CHUNK (pages per
 # chunk of the chunked runs, 64), ITER (3), RUNS (run names to run, space-separated; default
 # all), TESTS=0 (skip the tests).
+#
+# `scripts/pd-gpu.sh stage` (where the crate builds) puts only what this script runs in .gpu/
+# (git-ignored, a few MB: name it in the device tool's `carry`): kvshard and the pd_procs test.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = stage ]; then
+  set -e
+  cargo build --release --features require-kernels --bin kvshard
+  exe=$(cargo test --release --features require-kernels --test pd_procs --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "pd_procs":
+        print(m["executable"])')
+  mkdir -p .gpu/tests
+  cp target/release/kvshard .gpu/
+  cp "$exe" .gpu/tests/pd_procs
+  git rev-parse --short HEAD >.gpu/COMMIT 2>/dev/null || echo unknown >.gpu/COMMIT
+  du -sh .gpu
+  exit 0
+fi
 out="${OUT:-$PWD/pd-out}"
 mkdir -p "$out"
 status=0
