@@ -108,6 +108,8 @@ pub mod index;
 pub mod ipc;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+#[cfg(feature = "cli")]
+pub mod pd;
 pub mod pool;
 pub mod quantize;
 pub mod shard;

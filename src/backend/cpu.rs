@@ -409,6 +409,13 @@ impl CpuBackend {
         }
     }
 
+    /// Makes memory mapped from elsewhere (shared memory another process exported) an
+    /// allocation of this arena, so the twins read and write it like memory they allocated; it
+    /// is dropped (unmapped) when the last buffer sharing it goes.
+    pub(crate) fn adopt(&self, bytes: Box<dyn HostBytes>, kind: MemoryKind) -> Result<Buffer> {
+        adopt_in(&self.device, bytes, kind, self.arena)
+    }
+
     /// Whether this backend's arena runs work deferred.
     pub fn is_deferred(&self) -> bool {
         lock(&self.device).deferred
@@ -479,7 +486,18 @@ fn alloc_in(
             });
         }
     }
-    let bytes: Box<dyn HostBytes> = Box::new(zeroed(len, kind)?);
+    adopt_in(device, Box::new(zeroed(len, kind)?), kind, arena)
+}
+
+/// Places `bytes` in the arena's window and returns them as a buffer that removes (and drops)
+/// them when its last share goes.
+fn adopt_in(
+    device: &Arc<Mutex<Device>>,
+    bytes: Box<dyn HostBytes>,
+    kind: MemoryKind,
+    arena: u64,
+) -> Result<Buffer> {
+    let len = bytes.bytes().len();
     let base = lock(device).arena.insert(len, bytes)?;
     let owner = Arc::new(CpuAllocation {
         device: Arc::downgrade(device),
