@@ -224,11 +224,7 @@ impl HostFormat {
     }
 
     /// The buffers, and per component its (buffer, first stored layer in the buffer).
-    fn plan(
-        &self,
-        components: &[ComponentLayout],
-        pages: u64,
-    ) -> Result<BufferPlan> {
+    fn plan(&self, components: &[ComponentLayout], pages: u64) -> Result<BufferPlan> {
         let mut groups: Vec<Vec<usize>> = Vec::new();
         for (c, comp) in components.iter().enumerate() {
             let packed_into = match (self.draft, comp.component) {
@@ -1211,7 +1207,7 @@ mod tests {
                                 sglang_indexer(layout, 1, pages).0.iter().product()
                             }
                         } else if draft || comp.component == Component::TargetLatent {
-                            latent_shape.iter().product::<u64>() * 1
+                            latent_shape.iter().product::<u64>()
                         } else {
                             sglang_mla(layout, 1, pages, row).iter().product()
                         };
@@ -1437,20 +1433,27 @@ mod tests {
                     .unwrap()
                     .iter()
                     .map(|l| {
-                        let bytes: Arc<Vec<std::cell::UnsafeCell<u8>>> =
-                            Arc::new((0..l.bytes).map(|_| 0u8.into()).collect());
-                        let ptr = bytes.as_ptr() as *mut u8;
-                        struct Keep(#[allow(dead_code)] Arc<Vec<std::cell::UnsafeCell<u8>>>);
-                        // SAFETY: the bytes are only reached through the arena in this test.
+                        // Engine memory: a heap block the arena reaches through its pointer.
+                        let layout = std::alloc::Layout::from_size_align(l.bytes, 64).unwrap();
+                        struct Keep(*mut u8, std::alloc::Layout);
+                        // SAFETY: the block is only reached through the arena in this test.
                         unsafe impl Send for Keep {}
                         // SAFETY: as Send.
                         unsafe impl Sync for Keep {}
-                        // SAFETY: `l.bytes` live bytes kept alive by `Keep`, touched only
-                        // through the arena.
-                        let buffer = unsafe {
-                            b.adopt(ptr, l.bytes, MemoryKind::PinnedHost, Arc::new(Keep(bytes)))
+                        impl Drop for Keep {
+                            fn drop(&mut self) {
+                                // SAFETY: allocated below with this layout, dropped once.
+                                unsafe { std::alloc::dealloc(self.0, self.1) }
+                            }
                         }
-                        .unwrap();
+                        // SAFETY: a non-zero size.
+                        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+                        assert!(!ptr.is_null());
+                        let keep = Arc::new(Keep(ptr, layout));
+                        // SAFETY: `l.bytes` live bytes kept alive by `keep`, touched only
+                        // through the arena.
+                        let buffer =
+                            unsafe { b.adopt(ptr, l.bytes, MemoryKind::PinnedHost, keep) }.unwrap();
                         assert_eq!(b.host_ptr(&buffer).unwrap(), ptr);
                         HostMemory {
                             memory: buffer,
