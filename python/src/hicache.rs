@@ -514,8 +514,10 @@ impl PyHostPool {
     /// Buffer `index` as a host tensor view in SGLang's shape (`layer_first`
     /// `[L, pages*64, 1, row]`, `page_first` `[pages*64, L, 1, row]`, `page_first_direct`
     /// `[pages, L, 64, 1, row]`; indexer `[L, pages, 8448]` or `[pages, L, 1, 8448]`), uint8
-    /// (bf16 for bf16 latent rows): `torch.from_dlpack(view)` or `numpy.from_dlpack(view)`.
-    fn buffer_view(slf: &Bound<'_, Self>, index: usize) -> PyResult<PyTensorView> {
+    /// (bf16 for bf16 latent rows unless `raw=True`: NumPy has no bfloat16):
+    /// `torch.from_dlpack(view)` or `numpy.from_dlpack(view)`.
+    #[pyo3(signature = (index, *, raw = false))]
+    fn buffer_view(slf: &Bound<'_, Self>, index: usize, raw: bool) -> PyResult<PyTensorView> {
         let this = slf.get();
         let layout = this.inner.buffer_layout(index).py_err()?.clone();
         let comp = this
@@ -525,7 +527,7 @@ impl PyHostPool {
             .find(|c| c.component == layout.components[0])
             .cloned()
             .ok_or_else(|| invalid("host buffer of no component"))?;
-        let (dtype, row) = export_dtype(&comp, this.inner.geometry().target.latent);
+        let (dtype, row) = export_dtype(&comp, this.inner.geometry().target.latent, raw);
         let shape = sglang_shape(this.inner.layout(), &layout, row);
         let d = this.device.get();
         let owner = slf.clone().into_any().unbind();

@@ -55,9 +55,10 @@ pub fn item_sizes(c: &ComponentLayout, latent: LatentLayout) -> (&'static [usize
     }
 }
 
-/// The element type kvshard exports a component's rows as: bytes, or bf16 for bf16 rows.
-pub fn export_dtype(c: &ComponentLayout, latent: LatentLayout) -> (DLDataType, usize) {
-    if c.component.is_indexer() || latent != LatentLayout::Bf16 {
+/// The element type kvshard exports a component's rows as: bytes, or bf16 for bf16 rows unless
+/// `raw` (NumPy has no bfloat16).
+pub fn export_dtype(c: &ComponentLayout, latent: LatentLayout, raw: bool) -> (DLDataType, usize) {
+    if raw || c.component.is_indexer() || latent != LatentLayout::Bf16 {
         (DLDataType::U8, c.row_bytes)
     } else {
         (
@@ -313,11 +314,14 @@ impl PyDevicePool {
     }
 
     /// Stored layer `layer` of `component` as a tensor view (`torch.from_dlpack` /
-    /// `numpy.from_dlpack`): `[pages * 64, row]` latent rows or `[pages, 8448]` indexer blocks.
+    /// `numpy.from_dlpack`): `[pages * 64, row]` latent rows or `[pages, 8448]` indexer blocks,
+    /// uint8 (bf16 rows as bfloat16 unless `raw=True`: NumPy has no bfloat16).
+    #[pyo3(signature = (component, layer, *, raw = false))]
     fn layer_view(
         slf: &Bound<'_, Self>,
         component: &Bound<'_, PyAny>,
         layer: usize,
+        raw: bool,
     ) -> PyResult<PyTensorView> {
         let this = slf.get();
         let component = component_of(component)?;
@@ -328,7 +332,7 @@ impl PyDevicePool {
             .block_addr(component, StoredLayer(layer), LocalPage(0))
             .py_err()?;
         let bytes = pool.pages() as usize * comp.block_bytes;
-        let (dtype, row) = export_dtype(comp, pool.geometry().target.latent);
+        let (dtype, row) = export_dtype(comp, pool.geometry().target.latent, raw);
         let shape = if component.is_indexer() {
             vec![pool.pages() as i64, INDEXER_PAGE_BYTES as i64]
         } else {
@@ -566,11 +570,14 @@ impl PyChunkStaging {
     }
 
     /// The staging of stored layer `layer` of `component` as a tensor view: `[tokens, row]`
-    /// latent rows, or `[ceil(tokens / 64), 8448]` indexer blocks.
+    /// latent rows, or `[ceil(tokens / 64), 8448]` indexer blocks (uint8; bf16 rows as
+    /// bfloat16 unless `raw=True`).
+    #[pyo3(signature = (component, layer, *, raw = false))]
     fn layer_view(
         slf: &Bound<'_, Self>,
         component: &Bound<'_, PyAny>,
         layer: usize,
+        raw: bool,
     ) -> PyResult<PyTensorView> {
         let this = slf.get();
         let component = component_of(component)?;
@@ -580,7 +587,7 @@ impl PyChunkStaging {
             .iter()
             .find(|c| c.component == component)
             .ok_or_else(|| invalid(format!("the staging holds no {component}")))?;
-        let (dtype, row) = export_dtype(comp, this.latent);
+        let (dtype, row) = export_dtype(comp, this.latent, raw);
         let shape = if component.is_indexer() {
             vec![(buf.len() / INDEXER_PAGE_BYTES) as i64, INDEXER_PAGE_BYTES as i64]
         } else {
