@@ -56,6 +56,7 @@ from ._kvshard import (
     LatentLayout,
     LayerReady,
     LayerSignals,
+    LayerWaits,
     LoadAck,
     LoadHandle,
     OwnedRowWrite,

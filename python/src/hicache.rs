@@ -25,7 +25,7 @@ use crate::pool::{export_dtype, view_of, PoolKeep, PyDevicePool, PyKeep};
 use crate::shard::{logical, raw, PyPlacement};
 use crate::tensor::{check, import, PyTensorView, Want};
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -511,7 +511,7 @@ impl PyHostPool {
         Ok(self.inner.buffer_memory(index).py_err()?.addr())
     }
 
-    /// Buffer `index` as a host tensor view in SGLang's shape (`layer_first`
+    /// Buffer `index` as a host (CPU) tensor view in SGLang's shape (`layer_first`
     /// `[L, pages*64, 1, row]`, `page_first` `[pages*64, L, 1, row]`, `page_first_direct`
     /// `[pages, L, 64, 1, row]`; indexer `[L, pages, 8448]` or `[pages, L, 1, 8448]`), uint8
     /// (bf16 for bf16 latent rows unless `raw=True`: NumPy has no bfloat16):
@@ -542,10 +542,7 @@ impl PyHostPool {
                 Ok(unsafe {
                     PyTensorView::contiguous(
                         host as u64,
-                        dlpark::ffi::DLDevice {
-                            device_type: dlpark::ffi::DLDeviceType::CUDAHOST,
-                            device_id: 0,
-                        },
+                        dlpark::ffi::DLDevice::CPU,
                         dtype,
                         shape,
                         keep,
@@ -746,7 +743,7 @@ impl PyTransferPlan {
 
 /// Per-model-layer ready counters signalled loads count into.
 #[pyclass(module = "kvshard", name = "LayerSignals")]
-pub struct PyLayerSignals(LayerSignals);
+pub struct PyLayerSignals(pub(crate) LayerSignals);
 
 #[pymethods]
 impl PyLayerSignals {
@@ -791,13 +788,54 @@ impl PyLayerReady {
     }
 }
 
+/// Every model layer's readiness of one signalled run (one object, so a run costs one Python
+/// allocation whatever the layer count).
+#[pyclass(frozen, module = "kvshard", name = "LayerWaits")]
+pub struct PyLayerWaits {
+    ready: Vec<LayerReady>,
+    device: Py<PyDevice>,
+}
+
+#[pymethods]
+impl PyLayerWaits {
+    /// Model layers.
+    fn __len__(&self) -> usize {
+        self.ready.len()
+    }
+
+    /// Model layer `layer`'s readiness.
+    fn __getitem__(&self, py: Python<'_>, layer: usize) -> PyResult<PyLayerReady> {
+        let ready = self.ready.get(layer).cloned().ok_or_else(|| {
+            pyo3::exceptions::PyIndexError::new_err(format!(
+                "model layer {layer} of {}",
+                self.ready.len()
+            ))
+        })?;
+        Ok(PyLayerReady {
+            ready,
+            device: self.device.clone_ref(py),
+        })
+    }
+
+    /// Makes later work on `stream` wait until model layer `layer` has landed.
+    #[pyo3(signature = (stream, layer))]
+    fn wait_layer(&self, stream: Option<&Bound<'_, PyAny>>, layer: usize) -> PyResult<()> {
+        let b = self.device.get().resolve(stream)?;
+        self.ready
+            .get(layer)
+            .ok_or_else(|| invalid(format!("model layer {layer} of {}", self.ready.len())))?
+            .wait(b.as_ref())
+            .py_err()
+    }
+}
+
 /// One rank's share of a HiCache transfer between a device pool and a host pool, checked and
 /// ready to run (repeatedly) on any I/O backend. It holds both pools.
 #[pyclass(frozen, module = "kvshard", name = "HostTransfer")]
 pub struct PyHostTransfer {
-    inner: Mutex<HostTransfer>,
+    pub(crate) inner: Mutex<HostTransfer>,
     spare: Mutex<Vec<TableBuffer>>,
-    device: Py<PyDevice>,
+    pub(crate) device: Py<PyDevice>,
     #[allow(dead_code)]
     holds: (Py<PyDevicePool>, Py<PyHostPool>),
 }
@@ -869,7 +907,8 @@ impl PyHostTransfer {
     }
 
     /// Enqueues every layer as one kernel launch of `ctas` CTAs counting into `signals`;
-    /// returns each model layer's readiness (the draft's is layer 0's).
+    /// returns every model layer's readiness (the draft's is layer 0's): `waits[i].wait(s)` or
+    /// `waits.wait_layer(s, i)`.
     #[pyo3(signature = (signals, stream = None, *, ctas = 2))]
     fn run_signalled(
         &self,
@@ -877,18 +916,15 @@ impl PyHostTransfer {
         signals: &mut PyLayerSignals,
         stream: Option<&Bound<'_, PyAny>>,
         ctas: u32,
-    ) -> PyResult<Vec<PyLayerReady>> {
+    ) -> PyResult<PyLayerWaits> {
         let b = self.device.get().resolve(stream)?;
         let s = &mut signals.0;
         let waits: Vec<CounterWait> =
             self.with(py, |t, _| t.run_signalled(b.as_ref(), ctas, s))?;
-        Ok(waits
-            .into_iter()
-            .map(|w| PyLayerReady {
-                ready: LayerReady::Counter(w),
-                device: self.device.clone_ref(py),
-            })
-            .collect())
+        Ok(PyLayerWaits {
+            ready: waits.into_iter().map(LayerReady::Counter).collect(),
+            device: self.device.clone_ref(py),
+        })
     }
 
     /// Device staging for `run_staged`: two mirrors of `pages` pages each.
@@ -1150,8 +1186,8 @@ impl PyLoadHandle {
 /// `"staged"` (copy engine through device staging), `"staged_kernel"`.
 #[pyclass(frozen, module = "kvshard", name = "HiCacheController")]
 pub struct PyHiCacheController {
-    inner: Mutex<HiCacheController>,
-    device: Py<PyDevice>,
+    pub(crate) inner: Mutex<HiCacheController>,
+    pub(crate) device: Py<PyDevice>,
     streams: [Py<PyStream>; 5],
     #[allow(dead_code)]
     holds: (Py<PyDevicePool>, Py<PyHostPool>),

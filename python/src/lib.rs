@@ -9,6 +9,7 @@
 //! exceptions of `kvshard._errors`, with kvshard's message. No panic crosses into Python: the
 //! code returns errors, and PyO3 turns any panic that slipped through into an exception.
 
+mod bench;
 mod device;
 mod errors;
 mod geometry;
@@ -52,6 +53,11 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add_function(wrap_pyfunction!(embedded_archs, m)?)?;
     m.add_function(wrap_pyfunction!(driver_present, m)?)?;
+    m.add_function(wrap_pyfunction!(bench::_rust_load_ns, m)?)?;
+    m.add_function(wrap_pyfunction!(bench::_rust_run_signalled_ns, m)?)?;
+    m.add_function(wrap_pyfunction!(bench::_rust_send_ns, m)?)?;
+    m.add_function(wrap_pyfunction!(bench::_rust_bulk_seconds, m)?)?;
+    m.add_function(wrap_pyfunction!(bench::_rust_bulk_send_seconds, m)?)?;
     m.add_class::<device::PyDevice>()?;
     m.add_class::<device::PyStream>()?;
     m.add_class::<device::PyEvent>()?;
@@ -83,6 +89,7 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hicache::PyTransferPlan>()?;
     m.add_class::<hicache::PyLayerSignals>()?;
     m.add_class::<hicache::PyLayerReady>()?;
+    m.add_class::<hicache::PyLayerWaits>()?;
     m.add_class::<hicache::PyHostTransfer>()?;
     m.add_class::<hicache::PyStagedIo>()?;
     m.add_class::<hicache::PyCacheNode>()?;

@@ -515,13 +515,9 @@ pub fn view_of(
             (cpu.host_ptr(&b).py_err()? as u64, DLDevice::CPU)
         }
         (None, Some(g)) if !host => (addr, DLDevice::cuda(g.info().ordinal as i32)),
-        (None, _) => (
-            addr,
-            DLDevice {
-                device_type: dlpark::ffi::DLDeviceType::CUDAHOST,
-                device_id: 0,
-            },
-        ),
+        // Host memory goes out as plain CPU memory (torch and NumPy import kDLCPU; torch
+        // refuses kDLCUDAHost), addressed by its host address.
+        (None, _) => (addr, DLDevice::CPU),
     };
     let keep = Arc::new(KeepInner {
         buffer: None,

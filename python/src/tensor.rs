@@ -55,9 +55,28 @@ pub struct Imported {
     pub object: Py<PyAny>,
 }
 
+/// The legacy default stream sentinel, for CUDA producers that refuse `stream=-1`: they then
+/// order their pending work before the legacy default stream (on the device, no host wait).
+struct LegacyDefault;
+
+// SAFETY: as NoSync: a constant sentinel, the exchange API's ordering declined.
+unsafe impl DlpackStream for LegacyDefault {
+    fn as_python_arg(&self, _py: Python<'_>, device: DLDevice) -> PyResult<StreamArg> {
+        Ok(if device.device_type == DLDeviceType::CUDA {
+            dl_stream::cuda(std::ptr::null_mut())
+        } else {
+            dl_stream::none()
+        })
+    }
+}
+
 /// Reads `object`'s DLPack description without copying or synchronizing.
 pub fn import(object: &Bound<'_, PyAny>) -> PyResult<Imported> {
-    let imported = dlpark::python::from_dlpack(object.as_borrowed(), Some(&NoSync), None)?;
+    let imported = match dlpark::python::from_dlpack(object.as_borrowed(), Some(&NoSync), None) {
+        Ok(t) => t,
+        Err(first) => dlpark::python::from_dlpack(object.as_borrowed(), Some(&LegacyDefault), None)
+            .map_err(|_| first)?,
+    };
     let t = imported
         .validate()
         .map_err(|e| invalid(format!("not a valid DLPack tensor: {e}")))?;

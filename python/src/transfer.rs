@@ -406,7 +406,7 @@ fn copy_method(
 /// copy); `launch`: `(ctas, threads)` of the kernels.
 #[pyclass(module = "kvshard", name = "Sender")]
 pub struct PySender {
-    inner: Mutex<Sender>,
+    pub(crate) inner: Mutex<Sender>,
     pool: Py<PyDevicePool>,
     /// The destination of each open request.
     dst: Mutex<BTreeMap<u64, Py<PyRemoteSpace>>>,
