@@ -468,7 +468,10 @@ class DSAIndexerHostPool:
     def __init__(self, mla: MLAHostPool):
         self.mla = mla
         host = mla.host
-        layout = host.buffer_layouts()[mla._indexer]
+        index = mla._indexer
+        assert index is not None, "a cache without indexer layers has no indexer pool"
+        self._index: int = index
+        layout = host.buffer_layouts()[index]
         self.layout = mla.layout
         self.page_size = PAGE_SIZE
         self.size = mla.size
@@ -477,7 +480,7 @@ class DSAIndexerHostPool:
         self.layer_num = layout.layers
         self.indexer_page_stride_size = layout.block_bytes
         self.indexer_layout_dim = self.indexer_page_stride_size * self.layer_num
-        self.index_k_with_scale_buffer = mla._arrays.of(host, mla._indexer)
+        self.index_k_with_scale_buffer = mla._arrays.of(host, index)
         self.indexer_dtype = self.index_k_with_scale_buffer.dtype
 
     def get_size_per_token(self) -> int:
@@ -529,7 +532,7 @@ class DSAIndexerHostPool:
             )
         ptrs, sizes = [], []
         for start in values[:: self.page_size]:
-            for ptr, n in self.mla.host.page_pointers(self.mla._indexer, start // self.page_size):
+            for ptr, n in self.mla.host.page_pointers(self._index, start // self.page_size):
                 ptrs.append(ptr)
                 sizes.append(n)
         return ptrs, sizes
@@ -537,5 +540,5 @@ class DSAIndexerHostPool:
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
         if self.layout not in ("page_first", "page_first_direct"):
             return False
-        base = self.mla.host.host_ptr(self.mla._indexer) or 0
+        base = self.mla.host.host_ptr(self._index) or 0
         return base % page_size_bytes == 0 and self.indexer_layout_dim % page_size_bytes == 0
