@@ -201,10 +201,7 @@ impl PyDevice {
     /// kvshard's status words on it and waits for that once; later calls with the same stream
     /// reuse the wrapper and never synchronize.
     #[pyo3(signature = (stream = None))]
-    fn stream(
-        slf: &Bound<'_, Self>,
-        stream: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<PyStream> {
+    fn stream(slf: &Bound<'_, Self>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<PyStream> {
         let d = slf.get();
         let backend = d.resolve(stream)?;
         Ok(PyStream::new(backend, slf.clone().unbind()))
@@ -333,10 +330,7 @@ impl PyEvent {
 
 /// The event after which something runs: an Event as is, or the current point of a stream
 /// (recorded now, without waiting).
-pub fn after_event(
-    device: &PyDevice,
-    after: Option<&Bound<'_, PyAny>>,
-) -> PyResult<Option<Event>> {
+pub fn after_event(device: &PyDevice, after: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Event>> {
     let Some(a) = after.filter(|a| !a.is_none()) else {
         return Ok(None);
     };

@@ -8,7 +8,15 @@ use kvshard::geometry::{CacheGeometry, Component, ComponentLayout, LatentLayout,
 use crate::errors::{invalid, IntoPy};
 
 /// How a latent KV row is stored.
-#[pyclass(eq, eq_int, frozen, hash, from_py_object, module = "kvshard", name = "LatentLayout")]
+#[pyclass(
+    eq,
+    eq_int,
+    frozen,
+    hash,
+    from_py_object,
+    module = "kvshard",
+    name = "LatentLayout"
+)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 #[allow(non_camel_case_types, clippy::upper_case_acronyms)]
 pub enum PyLatentLayout {
@@ -79,7 +87,15 @@ pub fn latent_of(v: &Bound<'_, PyAny>) -> PyResult<LatentLayout> {
 }
 
 /// One of the (up to) four byte arrays a rank's cache is made of.
-#[pyclass(eq, eq_int, frozen, hash, from_py_object, module = "kvshard", name = "Component")]
+#[pyclass(
+    eq,
+    eq_int,
+    frozen,
+    hash,
+    from_py_object,
+    module = "kvshard",
+    name = "Component"
+)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 #[allow(non_camel_case_types, clippy::upper_case_acronyms)]
 pub enum PyComponent {
@@ -347,7 +363,11 @@ impl PyCacheGeometry {
 
     /// The non-empty components, in kernel order.
     fn components(&self) -> Vec<PyComponentLayout> {
-        self.0.components().into_iter().map(PyComponentLayout).collect()
+        self.0
+            .components()
+            .into_iter()
+            .map(PyComponentLayout)
+            .collect()
     }
 
     /// Checks the geometry is one kvshard supports.

@@ -13,8 +13,7 @@ use kvshard::hicache::host_pool::{
 };
 use kvshard::hicache::{
     BackupAck, CacheNode, HiCacheController, HostLayout, HostPool, HostTransfer, IoBackend,
-    LayerReady, LoadAck, LoadHandle, Relayout, Route, StagedIo, Streams, TransferPlan,
-    WritePolicy,
+    LayerReady, LoadAck, LoadHandle, Relayout, Route, StagedIo, Streams, TransferPlan, WritePolicy,
 };
 use kvshard::index::{LocalPage, ModelLayer, StoredLayer};
 
@@ -30,7 +29,15 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// How a host pool orders the blocks of a buffer.
-#[pyclass(eq, eq_int, frozen, hash, from_py_object, module = "kvshard", name = "HostLayout")]
+#[pyclass(
+    eq,
+    eq_int,
+    frozen,
+    hash,
+    from_py_object,
+    module = "kvshard",
+    name = "HostLayout"
+)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 #[allow(non_camel_case_types, clippy::upper_case_acronyms)]
 pub enum PyHostLayout {
@@ -120,6 +127,9 @@ fn direction_of(name: &str) -> PyResult<Direction> {
         ))),
     }
 }
+
+/// The `(host address, bytes)` of each registration covering one host tensor.
+type Registrations = Vec<(usize, usize)>;
 
 /// One host buffer: which components it holds, its shape and strides.
 #[pyclass(frozen, module = "kvshard", name = "HostBufferLayout")]
@@ -292,7 +302,7 @@ impl PyHostPool {
         packed_draft: bool,
         sglang: bool,
         indexer_extra_pages: Option<u64>,
-        registrations: Option<Vec<Option<Vec<(usize, usize)>>>>,
+        registrations: Option<Vec<Option<Registrations>>>,
         register: bool,
     ) -> PyResult<Self> {
         let format = format_of(layout, packed_draft, indexer_extra_pages, sglang)?;
@@ -382,9 +392,7 @@ impl PyHostPool {
                     .collect();
                 // SAFETY: the tensors' memory, checked above and kept alive by this object;
                 // the caller asked kvshard to register it (so it is not registered yet).
-                unsafe {
-                    HostPool::register_with(gpu, g, pages, format, &regions, 1 << 30)
-                }
+                unsafe { HostPool::register_with(gpu, g, pages, format, &regions, 1 << 30) }
             }
             (None, Some(gpu)) => {
                 let mut regions = Vec::with_capacity(imported.len());
@@ -919,8 +927,7 @@ impl PyHostTransfer {
     ) -> PyResult<PyLayerWaits> {
         let b = self.device.get().resolve(stream)?;
         let s = &mut signals.0;
-        let waits: Vec<CounterWait> =
-            self.with(py, |t, _| t.run_signalled(b.as_ref(), ctas, s))?;
+        let waits: Vec<CounterWait> = self.with(py, |t, _| t.run_signalled(b.as_ref(), ctas, s))?;
         Ok(PyLayerWaits {
             ready: waits.into_iter().map(LayerReady::Counter).collect(),
             device: self.device.clone_ref(py),
@@ -968,7 +975,10 @@ impl PyHostTransfer {
         ctas: u32,
     ) -> PyResult<()> {
         let d = self.device.get();
-        let (c, r) = (d.resolve(Some(copy_stream))?, d.resolve(Some(relayout_stream))?);
+        let (c, r) = (
+            d.resolve(Some(copy_stream))?,
+            d.resolve(Some(relayout_stream))?,
+        );
         let how = match relayout {
             "copy_engine" | "copy-engine" => Relayout::CopyEngine,
             "kernel" => Relayout::Kernel { ctas },
@@ -1175,7 +1185,9 @@ impl PyLoadHandle {
     #[pyo3(signature = (stream, layer))]
     fn wait_layer(&self, stream: Option<&Bound<'_, PyAny>>, layer: usize) -> PyResult<()> {
         let b = self.device.get().resolve(stream)?;
-        self.inner.wait_layer(b.as_ref(), ModelLayer(layer)).py_err()
+        self.inner
+            .wait_layer(b.as_ref(), ModelLayer(layer))
+            .py_err()
     }
 }
 
@@ -1231,7 +1243,13 @@ impl PyHiCacheController {
         let device = device_pool.get().device.clone_ref(py);
         let dev = device.bind(py);
         let mut made: Vec<Py<PyStream>> = Vec::with_capacity(5);
-        for name in ["load", "backup", "load_relayout", "backup_relayout", "tables"] {
+        for name in [
+            "load",
+            "backup",
+            "load_relayout",
+            "backup_relayout",
+            "tables",
+        ] {
             let given = match streams {
                 Some(s) => s.get_item(name)?,
                 None => None,
@@ -1244,9 +1262,9 @@ impl PyHiCacheController {
                 None => {
                     let b: Arc<dyn Backend> = match &dev.get().kind {
                         crate::device::Kind::Cpu(c) => Arc::new(c.new_stream()),
-                        crate::device::Kind::Cuda(g) => Arc::new(
-                            kvshard::backend::cuda::CudaBackend::new(g.clone()).py_err()?,
-                        ),
+                        crate::device::Kind::Cuda(g) => {
+                            Arc::new(kvshard::backend::cuda::CudaBackend::new(g.clone()).py_err()?)
+                        }
                     };
                     PyStream::new(b, device.clone_ref(py))
                 }
@@ -1261,7 +1279,10 @@ impl PyHiCacheController {
             backup_relayout: backend(3),
             tables: backend(4),
         };
-        let (d, h) = (device_pool.get().inner.clone(), host_pool.get().inner.clone());
+        let (d, h) = (
+            device_pool.get().inner.clone(),
+            host_pool.get().inner.clone(),
+        );
         let policy = policy_of(policy)?;
         let c = py
             .detach(|| HiCacheController::new(d, h, s, policy))

@@ -43,10 +43,7 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KV_LORA_RANK", g::KV_LORA_RANK)?;
     m.add("ROPE_DIM", g::ROPE_DIM)?;
     m.add("INDEXER_HEAD_DIM", g::INDEXER_HEAD_DIM)?;
-    m.add(
-        "MAX_PREFILL_RANKS",
-        kvshard::transfer::MAX_PREFILL_RANKS,
-    )?;
+    m.add("MAX_PREFILL_RANKS", kvshard::transfer::MAX_PREFILL_RANKS)?;
     m.add(
         "DEFAULT_STAGING_PAGES",
         kvshard::hicache::DEFAULT_STAGING_PAGES,

@@ -99,7 +99,13 @@ fn layer_memory(
     let imported = import(t)?;
     check(&imported, want)?;
     keep.objects.push(imported.object.clone_ref(t.py()));
-    adopt_on_cpu(device, &imported.object, imported.ptr, imported.nbytes, keep)
+    adopt_on_cpu(
+        device,
+        &imported.object,
+        imported.ptr,
+        imported.nbytes,
+        keep,
+    )
 }
 
 /// `ptr` as an address of `device`'s space: itself on a GPU; adopted into the arena on the CPU
@@ -309,7 +315,11 @@ impl PyDevicePool {
     /// Address of block (`layer`, local `page`) of `component`.
     fn block_addr(&self, component: &Bound<'_, PyAny>, layer: usize, page: u64) -> PyResult<u64> {
         self.inner
-            .block_addr(component_of(component)?, StoredLayer(layer), LocalPage(page))
+            .block_addr(
+                component_of(component)?,
+                StoredLayer(layer),
+                LocalPage(page),
+            )
             .py_err()
     }
 
@@ -339,7 +349,15 @@ impl PyDevicePool {
             vec![(pool.pages() as usize * PAGE_SIZE) as i64, row as i64]
         };
         let d = this.device.get();
-        view_of(d, addr, bytes, false, dtype, shape, slf.clone().into_any().unbind())
+        view_of(
+            d,
+            addr,
+            bytes,
+            false,
+            dtype,
+            shape,
+            slf.clone().into_any().unbind(),
+        )
     }
 
     /// The bytes of block (`layer`, `page`) of `component`, after prior work on `stream`
@@ -446,7 +464,11 @@ fn wrap_list(
                 item_sizes: sizes,
                 dtypes: names,
                 min_bytes: need,
-                min_why: format!("{} pages of {} B blocks", need / c.block_bytes as u64, c.block_bytes),
+                min_why: format!(
+                    "{} pages of {} B blocks",
+                    need / c.block_bytes as u64,
+                    c.block_bytes
+                ),
                 exact: false,
             };
             layer_memory(d, t, &want, keep)
@@ -475,7 +497,10 @@ fn wrap_stacked(
         item_sizes: sizes,
         dtypes: names,
         min_bytes: need * layers,
-        min_why: format!("{layers} layers x {pages} pages of {} B blocks", c.block_bytes),
+        min_why: format!(
+            "{layers} layers x {pages} pages of {} B blocks",
+            c.block_bytes
+        ),
         exact: false,
     };
     check(&imported, &want)?;
@@ -585,7 +610,10 @@ impl PyChunkStaging {
             .ok_or_else(|| invalid(format!("the staging holds no {component}")))?;
         let (dtype, row) = export_dtype(comp, this.latent, raw);
         let shape = if component.is_indexer() {
-            vec![(buf.len() / INDEXER_PAGE_BYTES) as i64, INDEXER_PAGE_BYTES as i64]
+            vec![
+                (buf.len() / INDEXER_PAGE_BYTES) as i64,
+                INDEXER_PAGE_BYTES as i64,
+            ]
         } else {
             vec![this.inner.tokens() as i64, row as i64]
         };
@@ -625,7 +653,6 @@ impl PyChunkStaging {
 pub fn launch_of(l: Option<(u32, u32)>, default: Launch) -> Launch {
     l.map_or(default, |(ctas, threads)| Launch { ctas, threads })
 }
-
 
 /// A prepared owned-row write from a chunk staging into a pool: every rank persists only the
 /// rows it owns, for every selected layer, in one launch. Holds the staging and the pool.
@@ -746,7 +773,9 @@ impl PyOwnedRowWrite {
             (Some(_), true) => Some(import(slots)?),
             _ => None,
         };
-        if let Some(t) = on_device.filter(|t| t.device.device_type == dlpark::ffi::DLDeviceType::CUDA) {
+        if let Some(t) =
+            on_device.filter(|t| t.device.device_type == dlpark::ffi::DLDeviceType::CUDA)
+        {
             if t.dtype != DLDataType::I64 || !t.compact || t.ptr % 8 != 0 {
                 return Err(invalid(format!(
                     "slots: expected a C-contiguous int64 tensor; got {} of shape {:?}",

@@ -22,7 +22,14 @@ pub fn raw(pages: &[LogicalPage]) -> Vec<u64> {
 /// Sharding of the logical index space over `shard` ranks, page by page: logical page `l` is
 /// owned by rank `l % shard` and is its local page `l // shard`; logical pages `0..shard` are
 /// every rank's padding page 0.
-#[pyclass(frozen, eq, hash, from_py_object, module = "kvshard", name = "Placement")]
+#[pyclass(
+    frozen,
+    eq,
+    hash,
+    from_py_object,
+    module = "kvshard",
+    name = "Placement"
+)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PyPlacement(pub Placement);
 
@@ -309,7 +316,9 @@ impl PyRequestChain {
     /// Host pages a backup of `node` gets from the host allocator.
     #[staticmethod]
     fn host_pages(node: &PyCacheNode, host: &mut PyShardAllocator) -> PyResult<Vec<u64>> {
-        Ok(raw(&RequestChain::host_pages(&node.0, &mut host.0).py_err()?))
+        Ok(raw(
+            &RequestChain::host_pages(&node.0, &mut host.0).py_err()?
+        ))
     }
 
     /// The P/D registration of this (unsharded, decode-side) chain.

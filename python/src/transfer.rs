@@ -328,9 +328,7 @@ impl PyPendingChunk {
     /// The chunk's status once it has landed, None while it is moving; a failure raises
     /// `ChunkFailedError` (its `status` is what to deliver).
     fn poll(&self, py: Python<'_>) -> PyResult<Option<PyChunkStatus>> {
-        let status = py.detach(|| {
-            lock(&self.inner).as_mut().map(|p| p.poll())
-        });
+        let status = py.detach(|| lock(&self.inner).as_mut().map(|p| p.poll()));
         Ok(status
             .ok_or_else(|| invalid("the chunk was already waited for"))?
             .py_err()?
