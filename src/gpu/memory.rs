@@ -285,7 +285,7 @@ impl Drop for HostRegistration {
 
 /// Host memory the engine registered with the driver itself (`cudaHostRegister`, as SGLang's
 /// host pools do): kvshard asks the driver for each registration's device alias and records its
-/// range, so copies are cut where registrations meet ([`registration_cuts`]), and never
+/// range, so copy-engine copies are cut where registrations meet, and never
 /// unregisters it.
 #[derive(Debug)]
 pub struct ForeignRegistration {
