@@ -469,7 +469,8 @@ impl PyHostPool {
         self.inner.bytes()
     }
 
-    /// Where the pages were placed (`"caller thread"`, `"gpu-local node N"`, ...).
+    /// Where the pages were placed: `CallerThread`, `GpuLocal { node: .. }` (next to the GPU),
+    /// `Unplaced(why)`, or `Engine` (the engine's memory).
     #[getter]
     fn numa(&self) -> String {
         format!("{:?}", self.inner.numa())
