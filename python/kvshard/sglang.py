@@ -148,8 +148,14 @@ class MLAHostPool:
     ``MLAHostPool(device, geometry, page_num, layout="page_first", io_backend="kernel",
     packed_draft=True)`` allocates the host pool (pinned on a GPU); ``buffers=[kv, indexer]``
     wraps the engine's own host tensors instead (on a GPU: already registered with
-    ``cudaHostRegister``, as SGLang registers them). ``page_num`` counts the padding page
-    (SGLang: ``size // page_size + 1``). ``ctas``: CTAs of the ``kernel`` I/O backend.
+    ``cudaHostRegister``, as SGLang registers them): SGLang's ``kv_buffer`` and indexer host
+    buffer (packed draft), or those and the sidecar draft's two. ``page_num`` counts the padding
+    page (SGLang: ``size // page_size + 1``). ``ctas``: CTAs of the ``kernel`` I/O backend.
+    ``stream`` (default: torch's current stream on a GPU) is where transfers are enqueued;
+    ``tables_stream`` where kernel tables are uploaded (a stream of its own by default).
+
+    With the sidecar draft (``packed_draft=False``) ``kv_buffer`` holds the target's layers and
+    ``draft_buffer`` the draft's (SGLang's separate draft host pool).
     """
 
     def __init__(

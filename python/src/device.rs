@@ -31,7 +31,9 @@ pub enum Kind {
 /// A device: the CPU reference backend (`Device.cpu()`) or a GPU (`Device.cuda(ordinal)`),
 /// with the streams kvshard has been handed on it.
 ///
-/// Every kvshard object lives on one device; calls refuse streams of another one.
+/// Every kvshard object lives on one device; calls refuse streams of another one. A stream
+/// argument of `None` means the device's default stream: the CPU arena's first stream, or the
+/// GPU's legacy default stream (which torch's default stream is).
 #[pyclass(frozen, module = "kvshard", name = "Device")]
 pub struct PyDevice {
     pub kind: Kind,

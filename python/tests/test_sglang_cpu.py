@@ -89,6 +89,7 @@ def slots(pages):
     return np.asarray([p * PAGE + t for p in pages for t in range(PAGE)], dtype=np.int64)
 
 
+@pytest.mark.filterwarnings("ignore:Kernel io backend does not support")
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("packed", [True, False], ids=["packed-draft", "sidecar-draft"])
 @pytest.mark.parametrize("io", ["kernel", "direct"])
