@@ -183,7 +183,6 @@ impl PyDevicePool {
     #[pyo3(signature = (device, geometry, placement, rank, pages, target_latent, target_indexer = None, draft_latent = None, draft_indexer = None))]
     #[allow(clippy::too_many_arguments)]
     fn wrap(
-        py: Python<'_>,
         device: Py<PyDevice>,
         geometry: &PyCacheGeometry,
         placement: PyPlacement,
@@ -237,7 +236,6 @@ impl PyDevicePool {
         // kept alive by this object, which every user of the pool holds.
         let pool = unsafe { DevicePool::wrap(b.as_ref(), g, placement.0, rank, pages, &buffers) }
             .py_err()?;
-        let _ = py;
         Ok(Self {
             inner: Arc::new(pool),
             device,

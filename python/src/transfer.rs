@@ -5,13 +5,13 @@ use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
 
-use kvshard::backend::Launch;
+use kvshard::backend::{Backend, Launch};
 use kvshard::copy::{BlockSpace, RemoteSpace};
 use kvshard::geometry::Component;
 use kvshard::index::LocalPage;
 use kvshard::transfer::{
     BackendTransport, ChunkEnd, ChunkResult, ChunkStatus, ComponentBytes, CopyMethod, Finished,
-    Outcome, PendingChunk, PoolLayout, Receiver, Registration, Sender,
+    Outcome, PendingChunk, PoolLayout, Receiver, Registration, Sender, Transport,
 };
 
 use crate::device::PyDevice;
@@ -397,14 +397,43 @@ fn copy_method(
     })
 }
 
+/// A transport that enqueues each chunk on the stream of the `send` call that submits it: one
+/// in-process transport per stream, made on first use, with the sender's method.
+struct StreamTransport {
+    current: Arc<Mutex<Arc<dyn Backend>>>,
+    method: CopyMethod,
+    by_stream: BTreeMap<usize, BackendTransport>,
+}
+
+impl Transport for StreamTransport {
+    fn submit(
+        &mut self,
+        plan: &kvshard::transfer::SendPlan,
+        src: &Arc<kvshard::pool::DevicePool>,
+        dst: &Arc<RemoteSpace>,
+    ) -> kvshard::Result<Box<dyn kvshard::transfer::Completion>> {
+        let backend = lock(&self.current).clone();
+        let key = Arc::as_ptr(&backend) as *const () as usize;
+        let method = self.method;
+        self.by_stream
+            .entry(key)
+            .or_insert_with(|| BackendTransport::with_method(backend, method))
+            .submit(plan, src, dst)
+    }
+}
+
 /// The sending side of one prefill rank: plans and enqueues every chunk of its requests from
-/// its pool into each request's destination, on `stream` (in-process: the same GPU, a
-/// peer-mapped pool, or the CPU reference). `method`: `"blocks"` (default; one block-copy
-/// launch per section), `"kernel"` (one range-copy launch) or `"copy_engine"` (one batch
-/// copy); `launch`: `(ctas, threads)` of the kernels.
+/// its pool into each request's destination (in-process: the same GPU, a peer-mapped pool, or
+/// the CPU reference), on the stream each `send` names (default: `stream` given here).
+/// `method`: `"blocks"` (default; one block-copy launch per section), `"kernel"` (one
+/// range-copy launch) or `"copy_engine"` (one batch copy); `launch`: `(ctas, threads)` of the
+/// kernels.
 #[pyclass(module = "kvshard", name = "Sender")]
 pub struct PySender {
     pub(crate) inner: Mutex<Sender>,
+    /// The stream the next submission enqueues on, and the default.
+    current: Arc<Mutex<Arc<dyn Backend>>>,
+    default: Arc<dyn Backend>,
     pool: Py<PyDevicePool>,
     /// The destination of each open request.
     dst: Mutex<BTreeMap<u64, Py<PyRemoteSpace>>>,
@@ -423,9 +452,16 @@ impl PySender {
         let p = pool.get();
         let b = p.device.get().resolve(stream)?;
         let method = copy_method(method, launch, b.as_ref())?;
-        let transport = BackendTransport::with_method(b, method);
+        let current = Arc::new(Mutex::new(b.clone()));
+        let transport = StreamTransport {
+            current: current.clone(),
+            method,
+            by_stream: BTreeMap::new(),
+        };
         Ok(Self {
             inner: Mutex::new(Sender::new(p.inner.clone(), Box::new(transport))),
+            current,
+            default: b,
             pool,
             dst: Mutex::new(BTreeMap::new()),
         })
@@ -452,12 +488,12 @@ impl PySender {
         Ok(())
     }
 
-    /// Enqueues the next chunk of `request` (nothing waits): `pages` is the request's logical
-    /// page of every position prefilled so far, `end` the tokens prefilled so far, `last`
-    /// whether this is the final chunk (it carries the indexer state; a rank owning nothing
-    /// still sends it). A chunk that cannot be planned or enqueued raises `ChunkFailedError`
-    /// (deliver its `status`).
-    #[pyo3(signature = (request, pages, end, *, last = false))]
+    /// Enqueues the next chunk of `request` on `stream` (default: the sender's; nothing
+    /// waits): `pages` is the request's logical page of every position prefilled so far, `end`
+    /// the tokens prefilled so far, `last` whether this is the final chunk (it carries the
+    /// indexer state; a rank owning nothing still sends it). A chunk that cannot be planned or
+    /// enqueued raises `ChunkFailedError` (deliver its `status`).
+    #[pyo3(signature = (request, pages, end, *, last = false, stream = None))]
     fn send(
         &self,
         py: Python<'_>,
@@ -465,7 +501,12 @@ impl PySender {
         pages: Vec<u64>,
         end: usize,
         last: bool,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyPendingChunk> {
+        let backend = match stream {
+            Some(s) if !s.is_none() => self.pool.get().device.get().resolve(Some(s))?,
+            _ => self.default.clone(),
+        };
         let dst = lock(&self.dst)
             .get(&request)
             .map(|d| d.clone_ref(py))
@@ -481,7 +522,11 @@ impl PySender {
             ChunkEnd::Partial(end)
         };
         let pages = logical(&pages);
-        let result = py.detach(|| lock(&self.inner).send(request, &pages, end));
+        let result = py.detach(|| {
+            let mut sender = lock(&self.inner);
+            *lock(&self.current) = backend;
+            sender.send(request, &pages, end)
+        });
         if last || result.is_err() {
             lock(&self.dst).remove(&request);
         }

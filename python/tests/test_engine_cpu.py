@@ -104,12 +104,14 @@ def test_pd_every_rank_sends_every_chunk_and_decode_equals_the_prefill(rng, geom
     receiver = kvshard.Receiver()
     receiver.register(reg, RANKS)
     senders = [kvshard.Sender(pool) for pool, _ in ranks]
+    other = device.new_stream()
     finished = None
     for i, end in enumerate([512, PROMPT]):
         for s in senders:
             if i == 0:
                 s.open(reg, dst)
-            status = s.send(7, chain.pages, end, last=(i == 1)).wait()
+            # The final chunk on another stream than the sender's own.
+            status = s.send(7, chain.pages, end, last=(i == 1), stream=other if i else None).wait()
             assert status.ok and status.rank == s.rank
             finished = receiver.receive(status) or finished
     assert finished is not None and finished.completed
