@@ -67,6 +67,35 @@ impl HostBytes for Box<[u8]> {
     }
 }
 
+/// Memory the caller owns, adopted into an arena ([`CpuBackend::adopt`]).
+struct Adopted {
+    ptr: *mut u8,
+    len: usize,
+    _keep: Arc<dyn Send + Sync>,
+}
+
+// SAFETY: the memory is the caller's, who promised (`CpuBackend::adopt`) it stays valid until
+// `_keep` is dropped and is not touched concurrently with the arena's work; the arena only
+// reaches it under its lock.
+unsafe impl Send for Adopted {}
+
+impl HostBytes for Adopted {
+    fn bytes(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: `len` valid bytes at `ptr` while `_keep` lives (the adopt contract).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: as `bytes`, and writable; `&mut self` is the arena's only access path.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
 /// `len` zeroed bytes, or [`Error::OutOfMemory`]: the allocation is asked of the allocator
 /// fallibly and zeroed by it (calloc: fresh pages are not touched until used).
 fn zeroed(len: usize, kind: MemoryKind) -> Result<Box<[u8]>> {
@@ -414,6 +443,45 @@ impl CpuBackend {
     /// is dropped (unmapped) when the last buffer sharing it goes.
     pub(crate) fn adopt(&self, bytes: Box<dyn HostBytes>, kind: MemoryKind) -> Result<Buffer> {
         adopt_in(&self.device, bytes, kind, self.arena)
+    }
+
+    /// Makes the caller's `len` bytes at `ptr` an allocation of this arena, without copying:
+    /// the returned buffer works like one [`Backend::alloc`] made (kernels and plans address it
+    /// through the arena), while the bytes stay where they are, so the caller (an engine's NumPy
+    /// arrays) sees every write. `keep` is dropped when the last clone of the buffer is.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` must be valid, writable memory that stays valid until `keep` is
+    /// dropped, and that nothing else reads or writes while work of this arena uses it (as
+    /// device memory must not be touched while a kernel uses it).
+    pub unsafe fn adopt_raw(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        kind: MemoryKind,
+        keep: Arc<dyn Send + Sync>,
+    ) -> Result<Buffer> {
+        if ptr.is_null() && len > 0 {
+            return Err(Error::InvalidArgument(
+                "CPU backend: adopting a null pointer".into(),
+            ));
+        }
+        let bytes: Box<dyn HostBytes> = Box::new(Adopted {
+            ptr,
+            len,
+            _keep: keep,
+        });
+        adopt_in(&self.device, bytes, kind, self.arena)
+    }
+
+    /// The host address of the first byte of `buffer` (memory of this arena), for handing the
+    /// bytes to the engine without a copy (a NumPy view). The address stays valid while the
+    /// buffer (or a clone) is alive: an allocation's bytes never move. Nothing is run first: a
+    /// deferred arena's queued work has not touched them yet.
+    pub fn host_ptr(&self, buffer: &Buffer) -> Result<*mut u8> {
+        self.check(buffer, "buffer")?;
+        let mut d = self.dev();
+        Ok(d.arena.bytes_mut(buffer.addr(), buffer.len())?.as_mut_ptr())
     }
 
     /// Whether this backend's arena runs work deferred.

@@ -283,6 +283,58 @@ impl Drop for HostRegistration {
     }
 }
 
+/// Host memory the engine registered with the driver itself (`cudaHostRegister`, as SGLang's
+/// host pools do): kvshard asks the driver for each registration's device alias and records its
+/// range, so copy-engine copies are cut where registrations meet, and never
+/// unregisters it.
+#[derive(Debug)]
+pub struct ForeignRegistration {
+    /// (host start, device alias, bytes) per registration, in address order.
+    chunks: Vec<(usize, u64, usize)>,
+}
+
+impl ForeignRegistration {
+    /// Takes the registrations `ranges` (`(host address, bytes)`, each one registration) as
+    /// they are, asking the driver for each one's device alias; memory the driver does not know
+    /// as registered is refused.
+    ///
+    /// # Safety
+    /// Each range must be host memory registered with `ctx` (exactly one registration per
+    /// range), and stay registered and valid while this value and all work using it are alive.
+    pub unsafe fn new(ctx: &Arc<CudaContext>, ranges: &[(usize, usize)]) -> Result<Self> {
+        ctx.bind_to_thread()
+            .map_err(Error::driver("cuCtxSetCurrent"))?;
+        let mut reg = Self { chunks: Vec::new() };
+        for &(start, bytes) in ranges {
+            let mut device = 0;
+            // SAFETY: the caller guarantees the range is registered memory of this context; the
+            // driver only reads the pointer's value and writes the alias to `device`.
+            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, start as *mut _, 0) }
+                .result()
+                .map_err(Error::driver(
+                    "cuMemHostGetDevicePointer (is the memory registered with this GPU's context?)",
+                ))?;
+            reg.chunks.push((start, device, bytes));
+            chunks().insert(device, device + bytes as u64);
+        }
+        Ok(reg)
+    }
+
+    /// Registrations: (host address, device alias, bytes).
+    pub fn chunks(&self) -> &[(usize, u64, usize)] {
+        &self.chunks
+    }
+}
+
+impl Drop for ForeignRegistration {
+    fn drop(&mut self) {
+        // The engine unregisters its memory itself; only kvshard's record of it goes.
+        for (_, device, _) in &self.chunks {
+            chunks().remove(device);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,20 +1,48 @@
-//! One rank's host pool (docs/design.md, "HiCache"): per component, one pinned buffer of `pages` pages
-//! in one of three layouts. The pool is a [`BlockSpace`], so the block-copy kernel reads and
-//! writes it through its device alias with no code of its own; the copy-engine programs
-//! ([`crate::copy::engine`]) use the same address math.
+//! One rank's host pool (docs/design.md, "HiCache"): pinned host buffers holding `pages` pages of
+//! every component in one of three layouts. The pool is a [`BlockSpace`], so the block-copy
+//! kernel reads and writes it through its device alias with no code of its own; the copy-engine
+//! paths use the same address math.
 //!
-//! Per component with `L` stored layers, blocks of `B` bytes made of `rows` rows of `R` bytes
-//! (latent: 64 rows of the latent row; indexer: one 8,448-byte row per block):
+//! # Buffers
+//!
+//! A pool stores its components in host *buffers* whose arrangement a [`HostFormat`] gives:
+//!
+//! - [`DraftPacking::Separate`] (kvshard's own, and SGLang's "sidecar" draft): one buffer per
+//!   component;
+//! - [`DraftPacking::Packed`] (SGLang's default for NextN/MTP drafts): the draft is the tail layer
+//!   of the target's buffers, so one latent buffer holds `L = target layers + 1` layers and one
+//!   indexer buffer `L = target indexer layers + 1`. The extra layer changes the page and row
+//!   strides of `page_first` and `page_first_direct` even for target rows.
+//!
+//! Indexer buffers may hold more pages than the pool uses ([`HostFormat::indexer_extra_pages`]:
+//! SGLang's indexer host pool has one more page than its latent one), which lengthens their
+//! `layer_first` layer stride; the pool's usable pages ([`BlockSpace::pages`]) stay the latent's.
+//!
+//! # Layouts
+//!
+//! Per buffer with `L` stored layers and `P` pages, blocks of `B` bytes made of `rows` rows of
+//! `R` bytes (latent: 64 rows of the latent row; indexer: one 8,448-byte row per block):
 //!
 //! | layout | shape | layer base | page stride | row stride |
 //! |---|---|---|---|---|
-//! | [`HostLayout::LayerFirst`] | `[L][pages][B]` | `l * pages * B` | `B` | `R` |
-//! | [`HostLayout::PageFirstDirect`] | `[pages][L][B]` | `l * B` | `L * B` | `R` |
-//! | [`HostLayout::PageFirst`], latent | `[pages * 64][L][R]` | `l * R` | `64 * L * R` | `L * R` |
-//! | [`HostLayout::PageFirst`], indexer | `[pages][L][B]` | `l * B` | `L * B` | `B` |
+//! | [`HostLayout::LayerFirst`] | `[L][P][B]` | `l * P * B` | `B` | `R` |
+//! | [`HostLayout::PageFirstDirect`] | `[P][L][B]` | `l * B` | `L * B` | `R` |
+//! | [`HostLayout::PageFirst`], latent | `[P * 64][L][R]` | `l * R` | `64 * L * R` | `L * R` |
+//! | [`HostLayout::PageFirst`], indexer | `[P][L][B]` | `l * B` | `L * B` | `B` |
 //!
-//! Every layout takes `pages * L * B` bytes per component. Local page 0 is the padding page,
-//! as on the device: a pool has at least two pages.
+//! Every layout takes `P * L * B` bytes per buffer. These are SGLang's host pool shapes
+//! (`mem_cache/pool_host/mla.py` and `dsa.py`, sglang 0.5.x) byte for byte. Local page 0 is the
+//! padding page, as on the device: a pool has at least two pages.
+//!
+//! # Memory
+//!
+//! A pool's buffers are allocated pinned ([`HostPool::new`], [`HostPool::new_with`],
+//! [`HostPool::new_numa_local`]), engine memory kvshard registers ([`HostPool::register_with`]),
+//! engine memory the engine registered itself ([`HostPool::adopt_registered`]: SGLang registers
+//! its host buffers with `cudaHostRegister`), or any memory of a backend's address space
+//! ([`HostPool::wrap`]). Device aliases always come from the driver; the host address of each
+//! buffer is kept where it is known ([`HostPool::host_ptr`]), for storage backends that read host
+//! pages directly ([`HostPool::page_spans`]).
 
 use std::sync::Arc;
 
@@ -25,7 +53,7 @@ use crate::copy::space::sealed;
 use crate::copy::{BlockSpace, SpaceId};
 use crate::error::{Checked, Error, Result};
 use crate::geometry::{CacheGeometry, Component, ComponentLayout};
-use crate::gpu::memory::HostRegistration;
+use crate::gpu::memory::{ForeignRegistration, HostRegistration};
 use crate::gpu::{topology, Gpu};
 use crate::index::{LocalPage, StoredLayer};
 
@@ -36,7 +64,10 @@ const OS_PAGE_GRAIN: usize = 64 << 10;
 /// Alignment a registered region must start at (the smallest OS page).
 const REGION_ALIGN: usize = 4096;
 
-/// How a host pool orders the blocks of one component.
+/// Alignment every host buffer must have: the copy kernels move 16-byte words.
+const BUFFER_ALIGN: u64 = 16;
+
+/// How a host pool orders the blocks of one buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum HostLayout {
     /// `[L][pages][block]`: the device pool's order; one layer's pages are contiguous.
@@ -54,13 +85,32 @@ impl HostLayout {
     /// Every layout, for tests and benchmarks that cover each.
     pub const ALL: [HostLayout; 3] = [Self::LayerFirst, Self::PageFirst, Self::PageFirstDirect];
 
-    /// Where the blocks of `component` sit in a pool of `pages` pages in this layout (pools
-    /// that hold their bytes never overflow these; see [`HostPool`]).
+    /// Where the blocks of `component` sit in a buffer of `pages` pages holding that component
+    /// alone, in this layout (pools that hold their bytes never overflow these; see
+    /// [`HostPool`]).
     pub fn strides(self, component: &ComponentLayout, pages: u64) -> LayoutStrides {
-        let layers = component.layers() as u64;
-        let block = component.block_bytes as u64;
-        let row = component.row_bytes as u64;
-        let token_major = self == Self::PageFirst && component.rows > 1;
+        self.buffer_strides(
+            component.layers(),
+            pages,
+            component.block_bytes,
+            component.rows,
+            component.row_bytes,
+        )
+    }
+
+    /// Strides of a buffer of `layers` stored layers and `pages` pages of `block`-byte blocks
+    /// made of `rows` rows of `row` bytes (saturating on sizes no pool can hold).
+    pub fn buffer_strides(
+        self,
+        layers: usize,
+        pages: u64,
+        block: usize,
+        rows: usize,
+        row: usize,
+    ) -> LayoutStrides {
+        let layers = layers as u64;
+        let (block, row) = (block as u64, row as u64);
+        let token_major = self == Self::PageFirst && rows > 1;
         match self {
             Self::LayerFirst => LayoutStrides {
                 layer_stride: pages.saturating_mul(block),
@@ -83,9 +133,26 @@ impl HostLayout {
     /// The contiguous unit of one page of `component` that registration chunks must not split:
     /// one block for [`HostLayout::LayerFirst`], one page of every layer otherwise.
     pub fn page_unit(self, component: &ComponentLayout) -> usize {
+        self.buffer_page_unit(component.layers(), component.block_bytes)
+    }
+
+    /// As [`HostLayout::page_unit`], for a buffer of `layers` layers of `block`-byte blocks.
+    pub fn buffer_page_unit(self, layers: usize, block: usize) -> usize {
         match self {
-            Self::LayerFirst => component.block_bytes,
-            Self::PageFirst | Self::PageFirstDirect => component.page_bytes(),
+            Self::LayerFirst => block,
+            Self::PageFirst | Self::PageFirstDirect => layers.saturating_mul(block),
+        }
+    }
+
+    /// The layout SGLang names `name` (`layer_first`, `page_first`, `page_first_direct`).
+    pub fn from_name(name: &str) -> Result<Self> {
+        match name {
+            "layer_first" => Ok(Self::LayerFirst),
+            "page_first" => Ok(Self::PageFirst),
+            "page_first_direct" => Ok(Self::PageFirstDirect),
+            other => Err(Error::InvalidArgument(format!(
+                "host layout {other:?} (kvshard has layer_first, page_first and page_first_direct)"
+            ))),
         }
     }
 }
@@ -100,7 +167,196 @@ impl std::fmt::Display for HostLayout {
     }
 }
 
-/// Byte distances inside one component of a host pool (see the module table).
+/// Where a host pool keeps the MTP draft's rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum DraftPacking {
+    /// Buffers of their own (kvshard's layout; SGLang's "sidecar" draft, a host pool of its own).
+    #[default]
+    Separate,
+    /// The tail layer of the target's buffers (SGLang's default for NextN drafts: `L = target
+    /// layers + 1`, loaded with `is_draft=True`).
+    Packed,
+}
+
+/// How a host pool arranges its buffers: the layout, where the draft goes, and the extra pages
+/// of indexer buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct HostFormat {
+    /// Block order of every buffer.
+    pub layout: HostLayout,
+    /// Where the draft's rows are.
+    pub draft: DraftPacking,
+    /// Pages indexer buffers hold beyond the pool's pages (never used by transfers; SGLang's
+    /// indexer host pool has one).
+    pub indexer_extra_pages: u64,
+}
+
+impl HostFormat {
+    /// kvshard's own format: one buffer per component, no extra pages.
+    pub const fn kvshard(layout: HostLayout) -> Self {
+        Self {
+            layout,
+            draft: DraftPacking::Separate,
+            indexer_extra_pages: 0,
+        }
+    }
+
+    /// SGLang's host pools (sglang 0.5.x): the indexer buffer one page longer, the draft packed
+    /// into the target's buffers or (`packed_draft = false`) in buffers of its own.
+    pub const fn sglang(layout: HostLayout, packed_draft: bool) -> Self {
+        Self {
+            layout,
+            draft: if packed_draft {
+                DraftPacking::Packed
+            } else {
+                DraftPacking::Separate
+            },
+            indexer_extra_pages: 1,
+        }
+    }
+
+    /// The buffers a pool of `pages` pages of `geometry` has in this format, in order: the
+    /// order regions are handed to [`HostPool::register_with`], [`HostPool::adopt_registered`]
+    /// and [`HostPool::wrap`].
+    pub fn buffers(&self, geometry: &CacheGeometry, pages: u64) -> Result<Vec<HostBufferLayout>> {
+        let components = HostPool::check(geometry, pages)?;
+        Ok(self.plan(&components, pages)?.0)
+    }
+
+    /// The buffers, and per component its (buffer, first stored layer in the buffer).
+    fn plan(&self, components: &[ComponentLayout], pages: u64) -> Result<BufferPlan> {
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        for (c, comp) in components.iter().enumerate() {
+            let packed_into = match (self.draft, comp.component) {
+                (DraftPacking::Packed, Component::DraftLatent) => Some(Component::TargetLatent),
+                (DraftPacking::Packed, Component::DraftIndexer) => Some(Component::TargetIndexer),
+                _ => None,
+            };
+            let host = packed_into.and_then(|target| {
+                groups
+                    .iter()
+                    .position(|g| components[g[0]].component == target)
+            });
+            match host {
+                Some(g) => groups[g].push(c),
+                None => groups.push(vec![c]),
+            }
+        }
+        let mut slots = vec![(0, 0); components.len()];
+        let mut buffers = Vec::with_capacity(groups.len());
+        for (b, group) in groups.iter().enumerate() {
+            let first = &components[group[0]];
+            let mut layers = 0usize;
+            for &c in group {
+                let comp = &components[c];
+                if (comp.block_bytes, comp.rows, comp.row_bytes)
+                    != (first.block_bytes, first.rows, first.row_bytes)
+                {
+                    return Err(Error::GeometryMismatch {
+                        what: format!("{} packed with {}", comp.component, first.component),
+                        expected: format!("{} B blocks", first.block_bytes),
+                        got: format!("{} B blocks", comp.block_bytes),
+                    });
+                }
+                slots[c] = (b, layers);
+                layers += comp.layers();
+            }
+            let buffer_pages = if first.component.is_indexer() {
+                pages.add_or(self.indexer_extra_pages, || {
+                    format!("{pages} + {} indexer pages", self.indexer_extra_pages)
+                })?
+            } else {
+                pages
+            };
+            let what = || format!("bytes of {buffer_pages} host pages of {}", first.component);
+            let bytes = layers
+                .mul_or(first.block_bytes, what)?
+                .mul_or(crate::error::to_usize(buffer_pages, what)?, what)?;
+            // Every stride must fit too (a page-major page stride is layers x block).
+            u64::try_from(bytes).map_err(|_| Error::overflow(what()))?;
+            buffers.push(HostBufferLayout {
+                components: group.iter().map(|&c| components[c].component).collect(),
+                layers,
+                pages: buffer_pages,
+                block_bytes: first.block_bytes,
+                rows: first.rows,
+                row_bytes: first.row_bytes,
+                bytes,
+                strides: self.layout.buffer_strides(
+                    layers,
+                    buffer_pages,
+                    first.block_bytes,
+                    first.rows,
+                    first.row_bytes,
+                ),
+            });
+        }
+        Ok((buffers, slots))
+    }
+}
+
+/// A format's buffers, and per component its (buffer, first stored layer in the buffer).
+type BufferPlan = (Vec<HostBufferLayout>, Vec<(usize, usize)>);
+
+impl From<HostLayout> for HostFormat {
+    fn from(layout: HostLayout) -> Self {
+        Self::kvshard(layout)
+    }
+}
+
+impl std::fmt::Display for HostFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.layout)?;
+        if self.draft == DraftPacking::Packed {
+            f.write_str(", packed draft")?;
+        }
+        if self.indexer_extra_pages > 0 {
+            write!(f, ", {} extra indexer pages", self.indexer_extra_pages)?;
+        }
+        Ok(())
+    }
+}
+
+/// One host buffer of a pool: which components it holds, its size and strides.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct HostBufferLayout {
+    /// Components stored in it, in layer order (the target's, then a packed draft's).
+    pub components: Vec<Component>,
+    /// Stored layers of all its components.
+    pub layers: usize,
+    /// Pages it holds.
+    pub pages: u64,
+    /// Bytes of one (page, layer) block.
+    pub block_bytes: usize,
+    /// Rows of a block (64 latent rows, or 1 for a page-major indexer block).
+    pub rows: usize,
+    /// Bytes of one row.
+    pub row_bytes: usize,
+    /// Bytes of the whole buffer: `pages * layers * block_bytes`.
+    pub bytes: usize,
+    /// Its strides.
+    pub strides: LayoutStrides,
+}
+
+impl HostBufferLayout {
+    /// Whether this buffer holds indexer blocks.
+    pub fn is_indexer(&self) -> bool {
+        self.components.first().is_some_and(|c| c.is_indexer())
+    }
+
+    /// Byte offset (from the buffer's start) of row `row` of block (`layer`, `page`), where
+    /// `layer` counts every layer of the buffer (a packed draft's is the last), or `None`
+    /// outside the buffer.
+    pub fn offset(&self, layer: usize, page: u64, row: usize) -> Option<u64> {
+        if layer >= self.layers || page >= self.pages || row >= self.rows {
+            return None;
+        }
+        let s = self.strides;
+        Some(layer as u64 * s.layer_stride + page * s.page_stride + row as u64 * s.row_stride)
+    }
+}
+
+/// Byte distances inside one buffer of a host pool (see the module table).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LayoutStrides {
     /// Between (layer `l`, page 0) and (layer `l + 1`, page 0).
@@ -124,36 +380,76 @@ pub enum NumaPlacement {
     },
     /// Placement was asked for but NVML is not usable; the pool was allocated anyway.
     Unplaced(String),
+    /// The engine's memory, wherever it put it.
+    Engine,
 }
 
-/// Engine-owned host memory for one component of a [`HostPool::register`]ed pool.
+/// Engine-owned host memory for one buffer of a [`HostPool::register`]ed pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HostRegion {
     /// First byte (host address).
     pub host: *mut u8,
-    /// Bytes; must be exactly the component's size in the pool's layout.
+    /// Bytes; must be exactly the buffer's size in the pool's format.
     pub len: usize,
 }
 
-/// One rank's pinned host pool: per component, `pages` pages in one [`HostLayout`]. Engines
-/// share it as `Arc<HostPool>` with the HiCache controller.
+/// Engine-owned host memory the engine registered with the driver itself, for one buffer of a
+/// [`HostPool::adopt_registered`] pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegisteredRegion {
+    /// First byte (host address).
+    pub host: *mut u8,
+    /// Bytes; must be exactly the buffer's size in the pool's format.
+    pub len: usize,
+    /// The registrations covering it, `(host address, bytes)` in address order, each exactly
+    /// one `cudaHostRegister` call (SGLang keeps them on the tensor as
+    /// `_sglang_cuda_host_registered_ranges`); empty when the region is one registration.
+    pub registrations: Vec<(usize, usize)>,
+}
+
+/// Memory of a backend's address space for one buffer of a [`HostPool::wrap`]ped pool.
+#[derive(Debug, Clone)]
+pub struct HostMemory {
+    /// The buffer, in the backend's address space (a device alias on CUDA).
+    pub memory: Buffer,
+    /// Its host address, where the caller knows it.
+    pub host: Option<*mut u8>,
+}
+
+/// One buffer of a pool: its layout, its memory and, where known, its host address.
+#[derive(Debug)]
+struct HostBuf {
+    layout: HostBufferLayout,
+    memory: Buffer,
+    host: Option<usize>,
+}
+
+/// One rank's pinned host pool: `pages` pages of every component in one [`HostFormat`].
+/// Engines share it as `Arc<HostPool>` with the HiCache controller.
 #[derive(Debug)]
 pub struct HostPool {
     id: SpaceId,
     space: AddressSpace,
     geometry: CacheGeometry,
-    layout: HostLayout,
+    format: HostFormat,
     pages: u64,
     components: Vec<ComponentLayout>,
-    strides: Vec<LayoutStrides>,
-    /// One per component; addresses are device aliases.
-    buffers: Vec<Buffer>,
+    /// Per component: (buffer, first stored layer in the buffer).
+    slots: Vec<(usize, usize)>,
+    buffers: Vec<HostBuf>,
     numa: NumaPlacement,
 }
 
+// SAFETY: the raw host addresses are plain numbers here (never dereferenced by the pool); the
+// memory they name is owned by the buffers' allocations, which are Send + Sync.
+unsafe impl Send for HostMemory {}
+// SAFETY: see Send.
+unsafe impl Sync for HostMemory {}
+
 impl HostPool {
-    /// Allocates a pool of `pages` pages per component through `backend` (pinned, device-mapped
-    /// host memory on CUDA: `cuMemHostAlloc`, addressed through the alias the driver gives).
+    /// Allocates a pool of `pages` pages in kvshard's format ([`HostFormat::kvshard`]) through
+    /// `backend` (pinned, device-mapped host memory on CUDA: `cuMemHostAlloc`, addressed
+    /// through the alias the driver gives).
     ///
     /// Pages land on the NUMA node of the calling thread; [`HostPool::new_numa_local`] places
     /// them next to the GPU instead.
@@ -163,52 +459,74 @@ impl HostPool {
         pages: u64,
         layout: HostLayout,
     ) -> Result<Self> {
+        Self::new_with(backend, geometry, pages, HostFormat::kvshard(layout))
+    }
+
+    /// As [`HostPool::new`], in any [`HostFormat`] (SGLang's: [`HostFormat::sglang`]).
+    pub fn new_with(
+        backend: &dyn Backend,
+        geometry: &CacheGeometry,
+        pages: u64,
+        format: HostFormat,
+    ) -> Result<Self> {
         let components = Self::check(geometry, pages)?;
         Self::allocate(
             backend,
             geometry,
-            layout,
-            pages,
             components,
+            format,
+            pages,
             MemoryKind::PinnedHost,
         )
     }
 
-    /// One `kind` buffer per component, sized for `pages` pages.
+    /// One `kind` buffer per buffer of the format, sized for `pages` pages.
     fn allocate(
         backend: &dyn Backend,
         geometry: &CacheGeometry,
-        layout: HostLayout,
-        pages: u64,
         components: Vec<ComponentLayout>,
+        format: HostFormat,
+        pages: u64,
         kind: MemoryKind,
     ) -> Result<Self> {
-        let buffers = components
-            .iter()
-            .map(|c| backend.alloc(Self::component_bytes(c, pages)?, kind))
-            .collect::<Result<Vec<_>>>()?;
+        let (layouts, slots) = format.plan(&components, pages)?;
+        let mut buffers = Vec::with_capacity(layouts.len());
+        for layout in layouts {
+            let memory = backend.alloc(layout.bytes, kind)?;
+            let host = match (kind, memory.space()) {
+                (MemoryKind::PinnedHost, AddressSpace::Cuda(_)) => host_address(&memory),
+                _ => None,
+            };
+            buffers.push(HostBuf {
+                layout,
+                memory,
+                host,
+            });
+        }
         Ok(Self::assemble(
             backend.address_space(),
             geometry,
-            layout,
+            format,
             pages,
             components,
+            slots,
             buffers,
             NumaPlacement::CallerThread,
         ))
     }
 
-    /// As [`HostPool::new`], allocating from a new thread that NVML binds to the CPUs nearest
-    /// the GPU, so `cuMemHostAlloc`'s first touch puts the pinned pages on the GPU's NUMA node
-    /// (the caller's own affinity is untouched). Without NVML the pool is allocated anyway and
-    /// [`HostPool::numa`] says why it is not placed. A process started under another memory
-    /// policy (`numactl --interleave`) keeps it.
+    /// As [`HostPool::new_with`], allocating from a new thread that NVML binds to the CPUs
+    /// nearest the GPU, so `cuMemHostAlloc`'s first touch puts the pinned pages on the GPU's
+    /// NUMA node (the caller's own affinity is untouched). Without NVML the pool is allocated
+    /// anyway and [`HostPool::numa`] says why it is not placed. A process started under another
+    /// memory policy (`numactl --interleave`) keeps it.
     pub fn new_numa_local(
         backend: &CudaBackend,
         geometry: &CacheGeometry,
         pages: u64,
-        layout: HostLayout,
+        format: impl Into<HostFormat>,
     ) -> Result<Self> {
+        let format = format.into();
         let bus = backend.gpu().info().pci_bus_id.as_str();
         let placement = match topology::topology(bus) {
             Ok(t) => NumaPlacement::GpuLocal { node: t.numa_node },
@@ -217,7 +535,9 @@ impl HostPool {
         let mut pool = std::thread::scope(|scope| {
             scope
                 .spawn(|| {
-                    topology::on_gpu_numa_node(bus, || Self::new(backend, geometry, pages, layout))
+                    topology::on_gpu_numa_node(bus, || {
+                        Self::new_with(backend, geometry, pages, format)
+                    })
                 })
                 .join()
         })
@@ -226,17 +546,12 @@ impl HostPool {
         Ok(pool)
     }
 
-    /// Wraps host memory the engine owns, one region per component (in
-    /// [`CacheGeometry::components`] order), registering each with the driver in chunks of
-    /// about `max_chunk` bytes that never split a page ([`HostLayout::page_unit`]) nor share an
-    /// OS page (chunks are also multiples of 64 KiB, so a chunk may exceed `max_chunk` when one
-    /// such multiple does). Each chunk's device alias is asked of the driver; the chunks of a
-    /// region must form one contiguous device range (they do under unified addressing), else
-    /// the pool is refused, because the copy paths address a component linearly.
+    /// Wraps host memory the engine owns in kvshard's format, one region per component (in
+    /// [`CacheGeometry::components`] order): [`HostPool::register_with`] with
+    /// [`HostFormat::kvshard`].
     ///
     /// # Safety
-    /// Every region must be valid, writable host memory, 4 KiB aligned, not registered already,
-    /// that outlives the pool and all work using it.
+    /// As [`HostPool::register_with`].
     pub unsafe fn register(
         gpu: &Arc<Gpu>,
         geometry: &CacheGeometry,
@@ -245,83 +560,233 @@ impl HostPool {
         regions: &[HostRegion],
         max_chunk: usize,
     ) -> Result<Self> {
-        let components = Self::check(geometry, pages)?;
-        let space = AddressSpace::Cuda(gpu.info().ordinal);
-        if regions.len() != components.len() {
-            return Err(Error::GeometryMismatch {
-                what: "host regions".into(),
-                expected: components.len().to_string(),
-                got: regions.len().to_string(),
-            });
+        // SAFETY: forwarded contract.
+        unsafe {
+            Self::register_with(
+                gpu,
+                geometry,
+                pages,
+                HostFormat::kvshard(layout),
+                regions,
+                max_chunk,
+            )
         }
-        let mut buffers = Vec::with_capacity(components.len());
-        for (c, region) in components.iter().zip(regions) {
-            let len = Self::component_bytes(c, pages)?;
+    }
+
+    /// Wraps host memory the engine owns, one region per buffer of `format`
+    /// ([`HostFormat::buffers`] order), registering each with the driver in chunks of about
+    /// `max_chunk` bytes that never split a page ([`HostLayout::buffer_page_unit`]) nor share
+    /// an OS page (chunks are also multiples of 64 KiB, so a chunk may exceed `max_chunk` when
+    /// one such multiple does). Each chunk's device alias is asked of the driver; the chunks of
+    /// a region must form one contiguous device range (they do under unified addressing), else
+    /// the pool is refused, because the copy paths address a buffer linearly.
+    ///
+    /// # Safety
+    /// Every region must be valid, writable host memory, 4 KiB aligned, not registered already,
+    /// that outlives the pool and all work using it.
+    pub unsafe fn register_with(
+        gpu: &Arc<Gpu>,
+        geometry: &CacheGeometry,
+        pages: u64,
+        format: HostFormat,
+        regions: &[HostRegion],
+        max_chunk: usize,
+    ) -> Result<Self> {
+        let components = Self::check(geometry, pages)?;
+        let (layouts, slots) = format.plan(&components, pages)?;
+        let space = AddressSpace::Cuda(gpu.info().ordinal);
+        check_region_count(layouts.len(), regions.len())?;
+        let mut buffers = Vec::with_capacity(layouts.len());
+        for (layout, region) in layouts.into_iter().zip(regions) {
+            let len = layout.bytes;
+            let name = buffer_name(&layout);
             if region.len != len
                 || region.host.is_null()
                 || region.host as usize % REGION_ALIGN != 0
             {
                 return Err(Error::HiCache(format!(
-                    "{} region at {:p} of {} bytes: needs a non-null {REGION_ALIGN}-byte aligned region of {len} bytes ({layout}, {pages} pages)",
-                    c.component, region.host, region.len
+                    "{name} region at {:p} of {} bytes: needs a non-null {REGION_ALIGN}-byte aligned region of {len} bytes ({format}, {pages} pages)",
+                    region.host, region.len
                 )));
             }
-            let unit = layout.page_unit(c);
+            let unit = format
+                .layout
+                .buffer_page_unit(layout.layers, layout.block_bytes);
             let grain = unit / gcd(unit, OS_PAGE_GRAIN) * OS_PAGE_GRAIN;
             let chunk = (max_chunk / grain).max(1) * grain;
             // SAFETY: the caller guarantees the region (see above).
             let reg =
                 unsafe { HostRegistration::new(gpu.context(), region.host, len, unit, chunk) }?;
-            let base = reg
-                .chunks()
-                .first()
-                .map(|&(_, alias, _)| alias)
-                .ok_or_else(|| {
-                    Error::HiCache(format!("{} region registered no chunk", c.component))
-                })?;
-            let mut expected = base;
-            for &(host, alias, bytes) in reg.chunks() {
-                if alias != expected {
-                    return Err(Error::HiCache(format!(
-                        "{}: the driver mapped the chunk at host {host:#x} to device {alias:#x}, \
-                         not {expected:#x}: the registered region is not one contiguous device range",
-                        c.component
-                    )));
-                }
-                expected = alias + bytes as u64;
-            }
-            buffers.push(Buffer::owned(
-                base,
-                len,
-                MemoryKind::PinnedHost,
-                space,
-                Arc::new(reg),
-            ));
+            let base = linear_alias(&name, reg.chunks())?;
+            buffers.push(HostBuf {
+                memory: Buffer::owned(base, len, MemoryKind::PinnedHost, space, Arc::new(reg)),
+                host: Some(region.host as usize),
+                layout,
+            });
         }
         Ok(Self::assemble(
             space,
             geometry,
-            layout,
+            format,
             pages,
             components,
+            slots,
             buffers,
-            NumaPlacement::CallerThread,
+            NumaPlacement::Engine,
+        ))
+    }
+
+    /// Wraps host memory the engine already registered with the driver (`cudaHostRegister`,
+    /// as SGLang's host pools do), one region per buffer of `format` ([`HostFormat::buffers`]
+    /// order). kvshard asks the driver for the device alias of each registration (refusing
+    /// memory the driver does not know), requires the aliases of a region to form one
+    /// contiguous device range, records the registrations so no copy-engine copy spans two of
+    /// them, and never unregisters them.
+    ///
+    /// # Safety
+    /// Every region must be valid, writable host memory, 16-byte aligned, registered with this
+    /// GPU's context exactly as its `registrations` say (the whole region when they are empty),
+    /// and stay registered and valid while the pool and all work using it are alive.
+    pub unsafe fn adopt_registered(
+        gpu: &Arc<Gpu>,
+        geometry: &CacheGeometry,
+        pages: u64,
+        format: HostFormat,
+        regions: &[RegisteredRegion],
+    ) -> Result<Self> {
+        let components = Self::check(geometry, pages)?;
+        let (layouts, slots) = format.plan(&components, pages)?;
+        let space = AddressSpace::Cuda(gpu.info().ordinal);
+        check_region_count(layouts.len(), regions.len())?;
+        let mut buffers = Vec::with_capacity(layouts.len());
+        for (layout, region) in layouts.into_iter().zip(regions) {
+            let len = layout.bytes;
+            let name = buffer_name(&layout);
+            let start = region.host as usize;
+            if region.len != len || start == 0 || start as u64 % BUFFER_ALIGN != 0 {
+                return Err(Error::HiCache(format!(
+                    "{name} region at {start:#x} of {} bytes: needs a non-null {BUFFER_ALIGN}-byte aligned region of {len} bytes ({format}, {pages} pages)",
+                    region.len
+                )));
+            }
+            let ranges = if region.registrations.is_empty() {
+                vec![(start, len)]
+            } else {
+                region.registrations.clone()
+            };
+            let mut at = start;
+            for &(host, bytes) in &ranges {
+                if host != at || bytes == 0 {
+                    return Err(Error::HiCache(format!(
+                        "{name} region [{start:#x}, +{len}): registration ({host:#x}, {bytes} bytes) does not continue at {at:#x}; the registrations must tile the region in order"
+                    )));
+                }
+                at += bytes;
+            }
+            if at != start + len {
+                return Err(Error::HiCache(format!(
+                    "{name} region [{start:#x}, +{len}): its registrations end at {at:#x}"
+                )));
+            }
+            // SAFETY: the caller guarantees each range is one live registration of this context
+            // (see above).
+            let reg = unsafe { ForeignRegistration::new(gpu.context(), &ranges) }?;
+            let base = linear_alias(&name, reg.chunks())?;
+            buffers.push(HostBuf {
+                memory: Buffer::owned(base, len, MemoryKind::PinnedHost, space, Arc::new(reg)),
+                host: Some(start),
+                layout,
+            });
+        }
+        Ok(Self::assemble(
+            space,
+            geometry,
+            format,
+            pages,
+            components,
+            slots,
+            buffers,
+            NumaPlacement::Engine,
+        ))
+    }
+
+    /// Wraps memory of `backend`'s address space, one buffer per buffer of `format`
+    /// ([`HostFormat::buffers`] order), each exactly the buffer's size and 16-byte aligned: the
+    /// CPU backend's memory (engine memory a `CpuBackend::adopt`ed), or device-visible memory a
+    /// caller mapped itself.
+    ///
+    /// # Safety
+    /// Every buffer must be memory kernels of `backend`'s address space may read and write
+    /// (for CUDA: a device alias of pinned or registered host memory), valid while the pool and
+    /// all work using it are alive; every `host` given must be that memory's host address.
+    pub unsafe fn wrap(
+        backend: &dyn Backend,
+        geometry: &CacheGeometry,
+        pages: u64,
+        format: HostFormat,
+        memory: Vec<HostMemory>,
+    ) -> Result<Self> {
+        let components = Self::check(geometry, pages)?;
+        let (layouts, slots) = format.plan(&components, pages)?;
+        check_region_count(layouts.len(), memory.len())?;
+        let mut buffers = Vec::with_capacity(layouts.len());
+        for (layout, m) in layouts.into_iter().zip(memory) {
+            let name = buffer_name(&layout);
+            backend.check(&m.memory, &name)?;
+            if m.memory.len() != layout.bytes || m.memory.addr() % BUFFER_ALIGN != 0 {
+                return Err(Error::HiCache(format!(
+                    "{name} buffer at {:#x} of {} bytes: needs a {BUFFER_ALIGN}-byte aligned buffer of {} bytes ({format}, {pages} pages)",
+                    m.memory.addr(),
+                    m.memory.len(),
+                    layout.bytes
+                )));
+            }
+            buffers.push(HostBuf {
+                layout,
+                memory: m.memory,
+                host: m.host.map(|h| h as usize),
+            });
+        }
+        Ok(Self::assemble(
+            backend.address_space(),
+            geometry,
+            format,
+            pages,
+            components,
+            slots,
+            buffers,
+            NumaPlacement::Engine,
         ))
     }
 
     /// Device memory laid out exactly like `like` for `pages` pages: where the staged copy-engine
-    /// path lands host runs so that each copy-engine copy is one large contiguous run.
+    /// path lands host runs so that each copy-engine copy is one large contiguous run. The
+    /// staged path moves a page-major buffer's pages as contiguous runs of whole component
+    /// pages, which a packed draft interleaves; such pools are refused (their direct routes
+    /// serve them).
     pub(crate) fn device_mirror(
         backend: &dyn Backend,
         like: &HostPool,
         pages: u64,
     ) -> Result<Self> {
+        let packed = like.buffers.len() < like.components.len();
+        if packed && like.format.layout != HostLayout::LayerFirst {
+            return Err(Error::HiCache(format!(
+                "the staged route does not serve a {} host pool (a packed draft interleaves the target's pages); use a direct route",
+                like.format
+            )));
+        }
+        // A mirror stages a run of the transfer's pages, page 0 included: no padding page, so
+        // one page is a valid staging.
+        if pages == 0 {
+            return Err(Error::InvalidArgument("staging of 0 pages".into()));
+        }
         Self::allocate(
             backend,
             &like.geometry,
-            like.layout,
-            pages,
             like.components.clone(),
+            HostFormat::kvshard(like.format.layout),
+            pages,
             MemoryKind::Device,
         )
     }
@@ -336,38 +801,25 @@ impl HostPool {
         Ok(geometry.components())
     }
 
-    fn component_bytes(c: &ComponentLayout, pages: u64) -> Result<usize> {
-        let what = || format!("bytes of {pages} host pages of {}", c.component);
-        let bytes = c
-            .layers()
-            .mul_or(c.block_bytes, what)?
-            .mul_or(crate::error::to_usize(pages, what)?, what)?;
-        // The strides of every layout must fit too (a page-major row stride is layers x row).
-        u64::try_from(bytes).map_err(|_| Error::overflow(what()))?;
-        Ok(bytes)
-    }
-
+    #[allow(clippy::too_many_arguments)]
     fn assemble(
         space: AddressSpace,
         geometry: &CacheGeometry,
-        layout: HostLayout,
+        format: HostFormat,
         pages: u64,
         components: Vec<ComponentLayout>,
-        buffers: Vec<Buffer>,
+        slots: Vec<(usize, usize)>,
+        buffers: Vec<HostBuf>,
         numa: NumaPlacement,
     ) -> Self {
-        let strides = components
-            .iter()
-            .map(|c| layout.strides(c, pages))
-            .collect();
         Self {
             id: SpaceId::next(),
             space,
             geometry: geometry.clone(),
-            layout,
+            format,
             pages,
             components,
-            strides,
+            slots,
             buffers,
             numa,
         }
@@ -378,29 +830,104 @@ impl HostPool {
         &self.geometry
     }
 
-    /// Layout of every component.
+    /// Layout of every buffer.
     pub fn layout(&self) -> HostLayout {
-        self.layout
+        self.format.layout
     }
 
-    /// Strides of `component`.
+    /// The pool's format.
+    pub fn format(&self) -> HostFormat {
+        self.format
+    }
+
+    /// Strides of `component` (its buffer's).
     pub fn strides(&self, component: Component) -> Result<LayoutStrides> {
-        Ok(self.strides[self.component_index(component)?])
+        let (b, _) = self.slots[self.component_index(component)?];
+        Ok(self.buffers[b].layout.strides)
     }
 
-    /// The buffer of `component`.
+    /// The memory of the buffer holding `component` (with a packed draft, a draft component's
+    /// is the target's).
     pub fn buffer(&self, component: Component) -> Result<&Buffer> {
-        Ok(&self.buffers[self.component_index(component)?])
+        let (b, _) = self.slots[self.component_index(component)?];
+        Ok(&self.buffers[b].memory)
+    }
+
+    /// The buffer holding `component`, and the buffer layer of its stored layer 0.
+    pub fn component_buffer(&self, component: Component) -> Result<(usize, usize)> {
+        Ok(self.slots[self.component_index(component)?])
+    }
+
+    /// The layout of every buffer, in order.
+    pub fn buffer_layouts(&self) -> Vec<&HostBufferLayout> {
+        self.buffers.iter().map(|b| &b.layout).collect()
+    }
+
+    /// The layout of buffer `index`.
+    pub fn buffer_layout(&self, index: usize) -> Result<&HostBufferLayout> {
+        Ok(&self.buf(index)?.layout)
+    }
+
+    /// The memory of buffer `index` (its device alias on CUDA).
+    pub fn buffer_memory(&self, index: usize) -> Result<&Buffer> {
+        Ok(&self.buf(index)?.memory)
+    }
+
+    /// The host address of buffer `index`, where known: memory kvshard allocated pinned on
+    /// CUDA (the driver says), registered or adopted memory, and wrapped memory whose caller
+    /// said. `None` for the CPU backend's own allocations (`CpuBackend::host_ptr` gives theirs).
+    pub fn host_ptr(&self, index: usize) -> Result<Option<*mut u8>> {
+        Ok(self.buf(index)?.host.map(|h| h as *mut u8))
+    }
+
+    fn buf(&self, index: usize) -> Result<&HostBuf> {
+        self.buffers.get(index).ok_or(Error::OutOfRange {
+            what: "host buffer",
+            index: index as i64,
+            limit: self.buffers.len() as u64,
+        })
     }
 
     /// Bytes of the whole pool.
     pub fn bytes(&self) -> usize {
-        self.buffers.iter().map(Buffer::len).sum()
+        self.buffers.iter().map(|b| b.memory.len()).sum()
     }
 
     /// Where the pool's pages were placed.
     pub fn numa(&self) -> &NumaPlacement {
         &self.numa
+    }
+
+    /// Byte offset of row `row` of block (`layer`, `page`) of `component` from the start of
+    /// its buffer.
+    pub fn row_offset(
+        &self,
+        component: Component,
+        layer: StoredLayer,
+        page: LocalPage,
+        row: usize,
+    ) -> Result<u64> {
+        let c = self.component_index(component)?;
+        let comp = &self.components[c];
+        for (what, index, limit) in [
+            ("layer", layer.0 as u64, comp.layers() as u64),
+            ("host page", page.0, self.pages),
+            ("row", row as u64, comp.rows as u64),
+        ] {
+            if index >= limit {
+                return Err(Error::OutOfRange {
+                    what,
+                    index: i64::try_from(index).unwrap_or(i64::MAX),
+                    limit,
+                });
+            }
+        }
+        let (b, first) = self.slots[c];
+        // In range: checked against the component above, and its layers sit inside the buffer.
+        self.buffers[b]
+            .layout
+            .offset(first + layer.0, page.0, row)
+            .ok_or_else(|| Error::HiCache(format!("{component} row outside its buffer")))
     }
 
     /// Address (device alias) of row `row` of block (`layer`, `page`) of `component`.
@@ -411,42 +938,56 @@ impl HostPool {
         page: LocalPage,
         row: usize,
     ) -> Result<u64> {
-        let c = self.component_index(component)?;
-        let s = self.strides[c];
-        let comp = &self.components[c];
-        let (layer, page) = (layer.0, page.0);
-        for (what, index, limit) in [
-            ("layer", layer as u64, comp.layers() as u64),
-            ("host page", page, self.pages),
-            ("row", row as u64, comp.rows as u64),
-        ] {
-            if index >= limit {
-                return Err(Error::OutOfRange {
-                    what,
-                    index: index as i64,
-                    limit,
-                });
-            }
+        let offset = self.row_offset(component, layer, page, row)?;
+        let (b, _) = self.slots[self.component_index(component)?];
+        Ok(self.buffers[b].memory.addr() + offset)
+    }
+
+    /// The byte ranges `(offset from the buffer's start, bytes)` holding local page `page` of
+    /// buffer `index`, every layer of it (a packed draft's too), in layer order: one range in
+    /// the page-major layouts, one per layer in `layer_first`. What a storage backend reads or
+    /// writes for one page (SGLang's `get_page_buffer_meta`).
+    pub fn page_spans(&self, index: usize, page: LocalPage) -> Result<Vec<(u64, u64)>> {
+        let layout = &self.buf(index)?.layout;
+        if page.0 >= layout.pages {
+            return Err(Error::OutOfRange {
+                what: "host page",
+                index: i64::try_from(page.0).unwrap_or(i64::MAX),
+                limit: layout.pages,
+            });
         }
-        Ok(self.buffers[c].addr()
-            + layer as u64 * s.layer_stride
-            + page * s.page_stride
-            + row as u64 * s.row_stride)
+        let s = layout.strides;
+        let block = layout.block_bytes as u64;
+        Ok(match self.format.layout {
+            HostLayout::LayerFirst => (0..layout.layers as u64)
+                .map(|l| (l * s.layer_stride + page.0 * s.page_stride, block))
+                .collect(),
+            HostLayout::PageFirst | HostLayout::PageFirstDirect => {
+                vec![(page.0 * s.page_stride, layout.layers as u64 * block)]
+            }
+        })
     }
 
     /// Every block of the pool in canonical order (component, layer, page, rows in order), the
-    /// same bytes whatever the layout: what byte-identity tests compare.
+    /// same bytes whatever the format: what byte-identity tests compare.
     pub fn snapshot_sync(&self, backend: &dyn Backend) -> Result<Vec<u8>> {
         let mut out = Vec::with_capacity(self.bytes());
+        let raw = self
+            .buffers
+            .iter()
+            .map(|b| backend.read_sync(&b.memory, 0, b.memory.len()))
+            .collect::<Result<Vec<_>>>()?;
         for (c, comp) in self.components.iter().enumerate() {
-            let raw = backend.read_sync(&self.buffers[c], 0, self.buffers[c].len())?;
-            let s = self.strides[c];
-            for l in 0..comp.layers() as u64 {
+            let (b, first) = self.slots[c];
+            let layout = &self.buffers[b].layout;
+            for l in 0..comp.layers() {
                 for p in 0..self.pages {
-                    for r in 0..comp.rows as u64 {
-                        let at =
-                            (l * s.layer_stride + p * s.page_stride + r * s.row_stride) as usize;
-                        out.extend_from_slice(&raw[at..at + comp.row_bytes]);
+                    for r in 0..comp.rows {
+                        let at = layout
+                            .offset(first + l, p, r)
+                            .ok_or_else(|| Error::HiCache("snapshot outside a buffer".into()))?
+                            as usize;
+                        out.extend_from_slice(&raw[b][at..at + comp.row_bytes]);
                     }
                 }
             }
@@ -456,8 +997,68 @@ impl HostPool {
 
     /// Sets every byte of the pool to `byte` (stream-ordered on `backend`).
     pub fn fill(&self, backend: &dyn Backend, byte: u8) -> Result<()> {
-        self.buffers.iter().try_for_each(|b| backend.fill(b, byte))
+        self.buffers
+            .iter()
+            .try_for_each(|b| backend.fill(&b.memory, byte))
     }
+}
+
+/// Refuses a region list of the wrong length.
+fn check_region_count(buffers: usize, given: usize) -> Result<()> {
+    if buffers != given {
+        return Err(Error::GeometryMismatch {
+            what: "host regions (one per buffer of the format)".into(),
+            expected: buffers.to_string(),
+            got: given.to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// A buffer's name in errors: its components.
+fn buffer_name(layout: &HostBufferLayout) -> String {
+    let names: Vec<String> = layout.components.iter().map(|c| c.to_string()).collect();
+    names.join(" + ")
+}
+
+/// The device alias of a region registered as `chunks` (host, alias, bytes), which must be one
+/// contiguous device range because the copy paths address a buffer linearly.
+fn linear_alias(name: &str, chunks: &[(usize, u64, usize)]) -> Result<u64> {
+    let base = chunks
+        .first()
+        .map(|&(_, alias, _)| alias)
+        .ok_or_else(|| Error::HiCache(format!("{name} region registered no chunk")))?;
+    let mut expected = base;
+    for &(host, alias, bytes) in chunks {
+        if alias != expected {
+            return Err(Error::HiCache(format!(
+                "{name}: the driver mapped the chunk at host {host:#x} to device {alias:#x}, \
+                 not {expected:#x}: the registered region is not one contiguous device range"
+            )));
+        }
+        expected = alias + bytes as u64;
+    }
+    Ok(base)
+}
+
+/// The host address of pinned memory kvshard allocated, asked of the driver through its device
+/// alias (`None` when the driver does not say).
+fn host_address(memory: &Buffer) -> Option<usize> {
+    if memory.is_empty() {
+        return None;
+    }
+    let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
+    // SAFETY: one pointer-sized attribute written into `host`; the alias belongs to a live
+    // allocation of the device whose context the allocation just made current on this thread.
+    let asked = unsafe {
+        cudarc::driver::sys::cuPointerGetAttribute(
+            (&mut host as *mut *mut std::ffi::c_void).cast(),
+            cudarc::driver::sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_HOST_POINTER,
+            memory.addr(),
+        )
+    };
+    (asked == cudarc::driver::sys::cudaError_enum::CUDA_SUCCESS && !host.is_null())
+        .then_some(host as usize)
 }
 
 fn gcd(a: usize, b: usize) -> usize {
@@ -470,13 +1071,16 @@ fn gcd(a: usize, b: usize) -> usize {
 
 impl sealed::Sealed for HostPool {
     fn base(&self, c: usize, layer: usize) -> u64 {
-        self.buffers[c].addr() + layer as u64 * self.strides[c].layer_stride
+        let (b, first) = self.slots[c];
+        let buf = &self.buffers[b];
+        buf.memory.addr() + (first + layer) as u64 * buf.layout.strides.layer_stride
     }
 
     fn side(&self, c: usize) -> abi::kvs_block_side {
+        let s = self.buffers[self.slots[c].0].layout.strides;
         abi::kvs_block_side {
-            page_stride: self.strides[c].page_stride,
-            row_stride: self.strides[c].row_stride,
+            page_stride: s.page_stride,
+            row_stride: s.row_stride,
         }
     }
 
@@ -486,3 +1090,424 @@ impl sealed::Sealed for HostPool {
 }
 
 crate::copy::space::block_space!(HostPool);
+
+#[cfg(test)]
+mod tests {
+    //! Offsets checked against SGLang's own tensor shapes (sglang 0.5.x `pool_host/mla.py` and
+    //! `dsa.py`): the byte offset of an element is the dot product of its index with the
+    //! tensor's C-contiguous strides, computed here from the shapes alone.
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::geometry::{LatentLayout, PoolGeometry, INDEXER_PAGE_BYTES, PAGE_SIZE};
+    use crate::index::ModelLayer;
+
+    /// C-contiguous byte strides of `shape` (elements of `item` bytes).
+    fn contiguous(shape: &[u64], item: u64) -> Vec<u64> {
+        let mut strides = vec![item; shape.len()];
+        for d in (0..shape.len().saturating_sub(1)).rev() {
+            strides[d] = strides[d + 1] * shape[d + 1];
+        }
+        strides
+    }
+
+    fn at(shape: &[u64], index: &[u64], item: u64) -> u64 {
+        assert_eq!(shape.len(), index.len());
+        assert!(
+            index.iter().zip(shape).all(|(i, s)| i < s),
+            "{index:?} in {shape:?}"
+        );
+        contiguous(shape, item)
+            .iter()
+            .zip(index)
+            .map(|(s, i)| s * i)
+            .sum()
+    }
+
+    /// SGLang's MLA host `kv_buffer` shape for `layers` layers (target + packed draft) of rows
+    /// of `row` bytes (uint8) and `page_num` pages, and the index of row `r` of (`l`, `p`).
+    fn sglang_mla(layout: HostLayout, layers: u64, page_num: u64, row: u64) -> Vec<u64> {
+        let size = page_num * PAGE_SIZE as u64;
+        match layout {
+            HostLayout::LayerFirst => vec![layers, size, 1, row],
+            HostLayout::PageFirst => vec![size, layers, 1, row],
+            HostLayout::PageFirstDirect => vec![page_num, layers, PAGE_SIZE as u64, 1, row],
+        }
+    }
+
+    fn sglang_mla_index(layout: HostLayout, l: u64, p: u64, r: u64) -> Vec<u64> {
+        let token = p * PAGE_SIZE as u64 + r;
+        match layout {
+            HostLayout::LayerFirst => vec![l, token, 0, 0],
+            HostLayout::PageFirst => vec![token, l, 0, 0],
+            HostLayout::PageFirstDirect => vec![p, l, r, 0, 0],
+        }
+    }
+
+    /// SGLang's DSA indexer host buffer shape: `indexer_page_num = (size + 64 + 1) // 64`.
+    fn sglang_indexer(layout: HostLayout, layers: u64, page_num: u64) -> (Vec<u64>, u64) {
+        let size = page_num * PAGE_SIZE as u64;
+        let pages = (size + PAGE_SIZE as u64 + 1) / PAGE_SIZE as u64;
+        let b = INDEXER_PAGE_BYTES as u64;
+        let shape = match layout {
+            HostLayout::LayerFirst => vec![layers, pages, b],
+            _ => vec![pages, layers, 1, b],
+        };
+        (shape, pages)
+    }
+
+    fn sglang_indexer_index(layout: HostLayout, l: u64, p: u64) -> Vec<u64> {
+        match layout {
+            HostLayout::LayerFirst => vec![l, p, 0],
+            _ => vec![p, l, 0, 0],
+        }
+    }
+
+    fn geometries() -> Vec<CacheGeometry> {
+        let shared = vec![true, false, true, true];
+        vec![
+            CacheGeometry::with_draft(PoolGeometry::with_indexer_layers(
+                LatentLayout::Fp8Scaled,
+                shared.clone(),
+            )),
+            CacheGeometry::target_only(PoolGeometry::with_indexer_layers(
+                LatentLayout::Fp8Trtllm,
+                shared,
+            )),
+            CacheGeometry::with_draft(PoolGeometry::new(LatentLayout::Bf16, 3)),
+        ]
+    }
+
+    #[test]
+    fn every_row_sits_where_sglangs_shapes_put_it() {
+        let pages = 5u64;
+        let b = CpuBackend::new();
+        for g in geometries() {
+            let row = g.target.row_bytes() as u64;
+            let target = g.target.num_layers() as u64;
+            let target_ix = g.target.num_indexer_layers() as u64;
+            for layout in HostLayout::ALL {
+                for packed in [false, true] {
+                    let format = HostFormat::sglang(layout, packed);
+                    let host = HostPool::new_with(&b, &g, pages, format).unwrap();
+                    let draft = g.draft.is_some() && packed;
+                    let latent_layers = target + u64::from(draft);
+                    let ix_layers = target_ix + u64::from(draft);
+                    let latent_shape = sglang_mla(layout, latent_layers, pages, row);
+                    let (ix_shape, ix_pages) = sglang_indexer(layout, ix_layers, pages);
+                    assert_eq!(ix_pages, pages + 1);
+                    for comp in host.components().to_vec() {
+                        let (buf, first) = host.component_buffer(comp.component).unwrap();
+                        let layout_b = host.buffer_layout(buf).unwrap().clone();
+                        let expected_bytes: u64 = if comp.component.is_indexer() {
+                            if draft || comp.component == Component::TargetIndexer {
+                                ix_shape.iter().product()
+                            } else {
+                                sglang_indexer(layout, 1, pages).0.iter().product()
+                            }
+                        } else if draft || comp.component == Component::TargetLatent {
+                            latent_shape.iter().product::<u64>()
+                        } else {
+                            sglang_mla(layout, 1, pages, row).iter().product()
+                        };
+                        let item = 1u64;
+                        assert_eq!(
+                            layout_b.bytes as u64,
+                            expected_bytes * item,
+                            "{layout} {format}"
+                        );
+                        for l in 0..comp.layers() {
+                            for p in [1u64, 3, pages - 1] {
+                                for r in (0..comp.rows).step_by(7) {
+                                    let got = host
+                                        .row_offset(comp.component, StoredLayer(l), LocalPage(p), r)
+                                        .unwrap();
+                                    let hl = (first + l) as u64;
+                                    let want = if comp.component.is_indexer() {
+                                        let shape = if draft
+                                            || comp.component == Component::TargetIndexer
+                                        {
+                                            ix_shape.clone()
+                                        } else {
+                                            sglang_indexer(layout, 1, pages).0
+                                        };
+                                        at(&shape, &sglang_indexer_index(layout, hl, p), 1)
+                                    } else {
+                                        let shape =
+                                            if draft || comp.component == Component::TargetLatent {
+                                                latent_shape.clone()
+                                            } else {
+                                                sglang_mla(layout, 1, pages, row)
+                                            };
+                                        at(&shape, &sglang_mla_index(layout, hl, p, r as u64), 1)
+                                    };
+                                    assert_eq!(
+                                        got, want,
+                                        "{layout} {format} {} layer {l} page {p} row {r}",
+                                        comp.component
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_packed_draft_is_the_tail_layer_of_the_targets_buffers() {
+        let g = &geometries()[0];
+        let b = CpuBackend::new();
+        let pages = 4;
+        let host = HostPool::new_with(
+            &b,
+            g,
+            pages,
+            HostFormat::sglang(HostLayout::PageFirst, true),
+        )
+        .unwrap();
+        let layouts = host.buffer_layouts();
+        assert_eq!(layouts.len(), 2);
+        assert_eq!(
+            layouts[0].components,
+            [Component::TargetLatent, Component::DraftLatent]
+        );
+        assert_eq!(layouts[0].layers, 5);
+        assert_eq!(
+            layouts[1].components,
+            [Component::TargetIndexer, Component::DraftIndexer]
+        );
+        assert_eq!((layouts[1].layers, layouts[1].pages), (4, pages + 1));
+        assert_eq!(
+            host.component_buffer(Component::DraftLatent).unwrap(),
+            (0, 4)
+        );
+        // page_first: a target row is 5 rows (not 4) apart from the next token's.
+        let s = host.strides(Component::TargetLatent).unwrap();
+        assert_eq!(s.row_stride, 5 * 656);
+        assert_eq!(
+            host.buffer(Component::DraftLatent).unwrap().addr(),
+            host.buffer(Component::TargetLatent).unwrap().addr()
+        );
+        // The draft's model layer is the target's count, stored layer 0 of its component.
+        let draft = &host.components()[2];
+        assert_eq!(draft.model_layers, [ModelLayer(4)]);
+        // Separate kvshard format: four buffers, each its component alone.
+        let own = HostPool::new(&b, g, pages, HostLayout::PageFirst).unwrap();
+        assert_eq!(own.buffer_layouts().len(), 4);
+        assert_eq!(
+            own.strides(Component::TargetLatent).unwrap().row_stride,
+            4 * 656
+        );
+    }
+
+    #[test]
+    fn page_spans_are_sglangs_page_buffer_meta() {
+        let g = &geometries()[0];
+        let b = CpuBackend::new();
+        let pages = 6u64;
+        let row = 656u64;
+        for layout in HostLayout::ALL {
+            let host = HostPool::new_with(&b, g, pages, HostFormat::sglang(layout, true)).unwrap();
+            let layers = 5u64;
+            let spans = host.page_spans(0, LocalPage(3)).unwrap();
+            // sglang mla.get_page_buffer_meta: layer_first, per layer
+            // `index * D + layer * size * D`; page layouts `index * layer_num * D` for the page's
+            // first token `index`, elements of `layer_num * 64 * D` (or 64 * D) bytes.
+            let index = 3 * 64;
+            let size = pages * 64;
+            let want: Vec<(u64, u64)> = match layout {
+                HostLayout::LayerFirst => (0..layers)
+                    .map(|l| (index * row + l * size * row, 64 * row))
+                    .collect(),
+                _ => vec![(index * layers * row, layers * 64 * row)],
+            };
+            assert_eq!(spans, want, "{layout}");
+            // dsa.get_page_buffer_meta (page layouts): `page * layer_num * 8448`.
+            if layout != HostLayout::LayerFirst {
+                let ix = host.page_spans(1, LocalPage(3)).unwrap();
+                assert_eq!(ix, vec![(3 * 4 * 8448, 4 * 8448)]);
+            }
+            // The indexer buffer's extra page is addressable, not beyond.
+            assert!(host.page_spans(1, LocalPage(pages)).is_ok());
+            assert!(host.page_spans(1, LocalPage(pages + 1)).is_err());
+            assert!(host.page_spans(0, LocalPage(pages)).is_err());
+        }
+    }
+
+    #[test]
+    fn wrapping_checks_sizes_and_alignment() {
+        let g = &geometries()[1];
+        let b = CpuBackend::new();
+        let format = HostFormat::sglang(HostLayout::LayerFirst, false);
+        let layouts = format.buffers(g, 3).unwrap();
+        let memory: Vec<HostMemory> = layouts
+            .iter()
+            .map(|l| HostMemory {
+                memory: b.alloc(l.bytes, MemoryKind::PinnedHost).unwrap(),
+                host: None,
+            })
+            .collect();
+        // SAFETY: the backend's own allocations, alive with the pool.
+        let host = unsafe { HostPool::wrap(&b, g, 3, format, memory.clone()) }.unwrap();
+        assert_eq!(host.bytes(), layouts.iter().map(|l| l.bytes).sum::<usize>());
+        let mut short = memory.clone();
+        short[1].memory = short[1].memory.slice(0, layouts[1].bytes - 16).unwrap();
+        // SAFETY: as above.
+        let err = unsafe { HostPool::wrap(&b, g, 3, format, short) }.unwrap_err();
+        assert!(err.to_string().contains("target indexer"), "{err}");
+        let other = CpuBackend::new();
+        // SAFETY: as above (refused: another arena).
+        let err = unsafe { HostPool::wrap(&other, g, 3, format, memory.clone()) }.unwrap_err();
+        assert!(matches!(err, Error::ForeignMemory { .. }), "{err}");
+        // SAFETY: as above (refused: one buffer missing).
+        let err = unsafe { HostPool::wrap(&b, g, 3, format, memory[..1].to_vec()) }.unwrap_err();
+        assert!(matches!(err, Error::GeometryMismatch { .. }), "{err}");
+    }
+
+    /// Fills every block of `pool` with bytes that differ by page, layer, component and seed.
+    fn pattern(b: &CpuBackend, pool: &crate::pool::DevicePool, seed: u8) {
+        for (c, comp) in pool.components().to_vec().iter().enumerate() {
+            for l in 0..comp.layers() {
+                for p in 0..pool.pages() {
+                    let addr = pool
+                        .block_addr(comp.component, StoredLayer(l), LocalPage(p))
+                        .unwrap();
+                    let bytes: Vec<u8> = (0..comp.block_bytes)
+                        .map(|i| {
+                            (i as u64 * 7 + p * 31 + l as u64 * 11 + c as u64 * 3) as u8 ^ seed
+                        })
+                        .collect();
+                    // SAFETY: one block of the pool, this arena's memory.
+                    let block = unsafe {
+                        Buffer::from_raw(
+                            addr,
+                            comp.block_bytes,
+                            MemoryKind::Device,
+                            b.address_space(),
+                        )
+                    };
+                    b.write_sync(&block, 0, &bytes).unwrap();
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn packed_and_adopted_pools_round_trip_through_every_direct_route() {
+        use crate::copy::Direction;
+        use crate::hicache::{HostTransfer, IoBackend, Layers, TransferPlan};
+        use crate::index::LogicalPage;
+        use crate::pool::DevicePool;
+        use crate::shard::Placement;
+
+        let b = CpuBackend::new();
+        let g = &geometries()[0];
+        let placement = Placement::new(2).unwrap();
+        let (dev_pages, host_pages) = (8u64, 7u64);
+        let device = Arc::new(DevicePool::allocate(&b, g, placement, 1, dev_pages).unwrap());
+        pattern(&b, &device, 0x5a);
+        // Rank 1's logical pages 3, 5, 7, 11 and 13 (local 1, 2, 3, 5, 6) to host pages 13, 9,
+        // 3, 5, 7 (local 6, 4, 1, 2, 3); logical pages 4 and 6 belong to rank 0.
+        let dev = [3u64, 5, 7, 4, 11, 13].map(LogicalPage);
+        let hst = [13u64, 9, 3, 6, 5, 7].map(LogicalPage);
+        let plan = || TransferPlan::new(placement, 1, &dev, &hst, dev_pages, host_pages).unwrap();
+        let ios = [
+            IoBackend::SmKernel { ctas: 2 },
+            IoBackend::CopyEngine,
+            IoBackend::PerBlockMemcpy,
+            IoBackend::BatchMemcpy,
+        ];
+        let mut reference: Option<Vec<u8>> = None;
+        for layout in HostLayout::ALL {
+            for format in [
+                HostFormat::kvshard(layout),
+                HostFormat::sglang(layout, false),
+                HostFormat::sglang(layout, true),
+            ] {
+                // Engine memory (plain heap bytes) adopted into the arena and wrapped.
+                let memory: Vec<HostMemory> = format
+                    .buffers(g, host_pages)
+                    .unwrap()
+                    .iter()
+                    .map(|l| {
+                        // Engine memory: a heap block the arena reaches through its pointer.
+                        let layout = std::alloc::Layout::from_size_align(l.bytes, 64).unwrap();
+                        struct Keep(*mut u8, std::alloc::Layout);
+                        // SAFETY: the block is only reached through the arena in this test.
+                        unsafe impl Send for Keep {}
+                        // SAFETY: as Send.
+                        unsafe impl Sync for Keep {}
+                        impl Drop for Keep {
+                            fn drop(&mut self) {
+                                // SAFETY: allocated below with this layout, dropped once.
+                                unsafe { std::alloc::dealloc(self.0, self.1) }
+                            }
+                        }
+                        // SAFETY: a non-zero size.
+                        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+                        assert!(!ptr.is_null());
+                        let keep = Arc::new(Keep(ptr, layout));
+                        // SAFETY: `l.bytes` live bytes kept alive by `keep`, touched only
+                        // through the arena.
+                        let buffer =
+                            unsafe { b.adopt_raw(ptr, l.bytes, MemoryKind::PinnedHost, keep) }
+                                .unwrap();
+                        assert_eq!(b.host_ptr(&buffer).unwrap(), ptr);
+                        HostMemory {
+                            memory: buffer,
+                            host: Some(ptr),
+                        }
+                    })
+                    .collect();
+                // SAFETY: adopted memory of this arena, alive with its buffers.
+                let host =
+                    Arc::new(unsafe { HostPool::wrap(&b, g, host_pages, format, memory) }.unwrap());
+                for io in ios {
+                    host.fill(&b, 0xee).unwrap();
+                    let mut backup =
+                        HostTransfer::new(device.clone(), host.clone(), plan(), Direction::Backup)
+                            .unwrap();
+                    backup.prepare_kernel_sync(&b, &mut Vec::new()).unwrap();
+                    backup.run(&b, io, Layers::All).unwrap();
+                    b.synchronize().unwrap();
+                    let snap = host.snapshot_sync(&b).unwrap();
+                    match &reference {
+                        None => reference = Some(snap),
+                        Some(r) => assert!(*r == snap, "{format} {io}: backup differs"),
+                    }
+                    // Reload into a fresh pool, layer by layer, and compare the moved pages.
+                    let back =
+                        Arc::new(DevicePool::allocate(&b, g, placement, 1, dev_pages).unwrap());
+                    back.fill(&b, 0x11).unwrap();
+                    let mut load =
+                        HostTransfer::new(back.clone(), host.clone(), plan(), Direction::Load)
+                            .unwrap();
+                    load.prepare_kernel_sync(&b, &mut Vec::new()).unwrap();
+                    for m in 0..g.model_layers() {
+                        load.run(&b, io, Layers::One(ModelLayer(m))).unwrap();
+                    }
+                    let moved = [1u64, 2, 3, 5, 6].map(LocalPage);
+                    assert!(
+                        back.read_pages_sync(&b, &moved).unwrap()
+                            == device.read_pages_sync(&b, &moved).unwrap(),
+                        "{format} {io}: reload differs"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_staged_mirror_refuses_a_packed_page_major_pool() {
+        let g = &geometries()[0];
+        let b = CpuBackend::new();
+        for layout in HostLayout::ALL {
+            let packed = HostPool::new_with(&b, g, 4, HostFormat::sglang(layout, true)).unwrap();
+            let mirror = HostPool::device_mirror(&b, &packed, 2);
+            assert_eq!(mirror.is_ok(), layout == HostLayout::LayerFirst, "{layout}");
+            let separate = HostPool::new_with(&b, g, 4, HostFormat::sglang(layout, false)).unwrap();
+            assert!(HostPool::device_mirror(&b, &separate, 2).is_ok());
+        }
+    }
+}

@@ -1,0 +1,254 @@
+#!/usr/bin/env python3
+"""What the Python binding costs, measured against the Rust path in the same process and run.
+
+Per call (host time of the call itself, the GPU work waited for outside the timed call):
+  - a 16-page signalled load (``HostTransfer.run_signalled``: one launch, a ready counter per
+    layer) and a 16-page ``HiCacheController.load`` (planning, table upload, the launch);
+  - one P/D chunk (``Sender.send`` of a 16-page final chunk).
+Rust runs the same calls on the same objects in native loops (``kvshard._kvshard._rust_*``);
+the added cost is the difference of the medians (target: at most 5 us).
+
+Bulk (wall time of back-to-back transfers, waited for): 512-page HiCache backups and loads
+(copy engine and SM kernel) and 512-page P/D chunks, through Python and through Rust (target:
+Python within 2% of Rust).
+
+    python bench.py [--iters 2000] [--rounds 3] [--cpu] [--out DIR]
+
+On the GPU it uses the DeepSeek-V3.2 geometry (61 layers + the MTP draft); ``--cpu`` is a dry
+run of every path on the CPU backend with a small geometry (the figures mean nothing there).
+Writes ``bench-python.md`` and ``bench-python.json`` to ``--out`` (default: $OUT, else .).
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import kvshard
+from kvshard import _kvshard as native
+
+NS = 1e-3  # ns -> us
+
+
+def stats(ns):
+    s = sorted(ns)
+    q = lambda f: s[min(len(s) - 1, int(f * len(s)))] * NS
+    return {"median_us": statistics.median(s) * NS, "p10_us": q(0.1), "p90_us": q(0.9), "n": len(s)}
+
+
+def time_calls(fn, iters, after=None):
+    out = []
+    for i in range(iters):
+        t0 = time.perf_counter_ns()
+        r = fn()
+        out.append(time.perf_counter_ns() - t0)
+        if after is not None:
+            after(i, r)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating Rust/Python rounds")
+    ap.add_argument("--bulk-iters", type=int, default=8)
+    ap.add_argument("--cpu", action="store_true", help="dry run on the CPU backend")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+
+    if args.cpu:
+        device = kvshard.Device.cpu()
+        geometry = kvshard.CacheGeometry(kvshard.PoolGeometry("fp8_trtllm", 4), draft=True)
+        pages, bulk = 80, 64
+    else:
+        device = kvshard.Device.cuda(0)
+        geometry = kvshard.CacheGeometry.deepseek_v32()
+        pages, bulk = 600, 512
+    torch = sys.modules.get("torch")
+    if torch is None and not args.cpu:
+        try:
+            import torch  # noqa: F401  (optional: a torch stream as the stream argument)
+        except ImportError:
+            torch = None
+
+    placement = kvshard.Placement(1)
+    pool = kvshard.DevicePool.allocate(device, geometry, placement, 0, pages)
+    pool.fill(0x5A)
+    host = kvshard.HostPool(device, geometry, pages, "page_first_direct", sglang=True, packed_draft=True)
+    host.fill(0xA5)
+    stream = device.new_stream()
+    device.synchronize()
+    results = {"per_call": {}, "bulk": {}}
+
+    def compare(name, rust, python, iters=args.iters):
+        r_all, p_all = [], []
+        for _ in range(args.rounds):
+            r_all += rust(iters)
+            p_all += python(iters)
+        r, p = stats(r_all), stats(p_all)
+        results["per_call"][name] = {
+            "rust": r,
+            "python": p,
+            "added_us": p["median_us"] - r["median_us"],
+        }
+        print(f"{name:48s} rust {r['median_us']:8.2f} us  python {p['median_us']:8.2f} us  added {p['median_us'] - r['median_us']:+6.2f} us", flush=True)
+
+    # 1. A 16-page signalled load, prepared once (the enqueue path alone).
+    small = list(range(1, 17))
+    plan = kvshard.TransferPlan(placement, 0, small, small, pages, pages)
+    load = kvshard.HostTransfer(pool, host, plan, "load")
+    load.prepare_kernel()
+    signals = kvshard.LayerSignals(device, geometry.model_layers)
+
+    def sync_every(i, _r):
+        if i % 64 == 63:
+            stream.synchronize()
+
+    def py_signalled(n, s=stream):
+        out = time_calls(lambda: load.run_signalled(signals, s, ctas=2), n, sync_every)
+        stream.synchronize()
+        return out
+
+    compare(
+        "signalled load, 16 pages (kvshard.Stream)",
+        lambda n: native._rust_run_signalled_ns(load, signals, stream, n, 2),
+        py_signalled,
+    )
+    if torch is not None and not args.cpu:
+        ts = torch.cuda.Stream()
+        device.stream(ts)  # the one-time wrap, outside the timed calls
+        compare(
+            "signalled load, 16 pages (torch.cuda.Stream)",
+            lambda n: native._rust_run_signalled_ns(load, signals, ts, n, 2),
+            lambda n: py_signalled(n, ts),
+        )
+        torch.cuda.synchronize()
+
+    # 2. A 16-page controller load: plan, kernel tables, one signalled launch.
+    ctl = kvshard.HiCacheController(pool, host)
+    node = kvshard.CacheNode(1, small)
+    ctl.backup(node, stream, "copy_engine")
+    ctl.ack_backups(1)
+    ack = lambda _i, _h: ctl.ack_loads(1)
+    compare(
+        "HiCacheController.load, 16 pages, kernel",
+        lambda n: native._rust_load_ns(ctl, 1, small, "kernel", n, 2),
+        lambda n: time_calls(lambda: ctl.load(1, small, None, "kernel"), n, ack),
+        iters=max(args.iters // 4, 50),
+    )
+
+    # 3. One P/D chunk: a 16-page final chunk into a decode pool on the same device.
+    decode = kvshard.DevicePool.allocate(device, geometry, placement, 0, pages)
+    dst = kvshard.RemoteSpace.of(decode)
+    reg = kvshard.Registration(1, kvshard.PoolLayout.of(decode), small, small)
+    sender = kvshard.Sender(pool, stream)
+
+    def py_send(n):
+        out = []
+        for _ in range(n):
+            sender.open(reg, dst)
+            t0 = time.perf_counter_ns()
+            p = sender.send(1, small, 16 * 64, last=True)
+            out.append(time.perf_counter_ns() - t0)
+            p.wait()
+        return out
+
+    compare(
+        "P/D chunk, 16 pages (Sender.send)",
+        lambda n: native._rust_send_ns(sender, reg, dst, small, 16 * 64, n),
+        py_send,
+    )
+
+    # 4. Bulk: 512-page transfers, Python vs Rust, wall time.
+    big = list(range(1, bulk + 1))
+    bplan = kvshard.TransferPlan(placement, 0, big, big, pages, pages)
+    for direction in ["backup", "load"]:
+        t = kvshard.HostTransfer(pool, host, bplan, direction)
+        t.prepare_kernel()
+        for io in ["copy_engine", "kernel"]:
+            nbytes = t.bytes() * args.bulk_iters
+
+            def py_bulk():
+                t.run(stream, io)
+                stream.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(args.bulk_iters):
+                    t.run(stream, io)
+                stream.synchronize()
+                return time.perf_counter() - t0
+
+            rs = [native._rust_bulk_seconds(t, stream, io, args.bulk_iters, 2) for _ in range(args.rounds)]
+            ps = [py_bulk() for _ in range(args.rounds)]
+            rec(results, f"HiCache {direction} {bulk} pages, {io}", nbytes, rs, ps)
+    breg = kvshard.Registration(1, kvshard.PoolLayout.of(decode), big, big)
+
+    def py_bulk_send(first):
+        t0 = time.perf_counter()
+        pend = []
+        for i in range(args.bulk_iters):
+            r = kvshard.Registration(first + i, kvshard.PoolLayout.of(decode), big, big)
+            sender.open(r, dst)
+            pend.append(sender.send(first + i, big, bulk * 64, last=True))
+        for p in pend:
+            p.wait()
+        return time.perf_counter() - t0
+
+    chunk_bytes = bulk * geometry.page_bytes
+    rs, ps = [], []
+    for k in range(args.rounds):
+        rs.append(native._rust_bulk_send_seconds(sender, breg, dst, big, bulk * 64, args.bulk_iters, 1000 + 100 * k))
+        ps.append(py_bulk_send(5000 + 100 * k))
+    rec(results, f"P/D {bulk}-page chunk", chunk_bytes * args.bulk_iters, rs, ps)
+
+    results["device"] = repr(device)
+    results["geometry"] = repr(geometry)
+    results["python"] = platform.python_version()
+    results["kvshard"] = kvshard.__version__
+    results["archs"] = kvshard.embedded_archs()
+    write(args.out, results)
+
+
+def rec(results, name, nbytes, rust_s, python_s):
+    r, p = statistics.median(rust_s), statistics.median(python_s)
+    results["bulk"][name] = {
+        "bytes": nbytes,
+        "rust_gbps": nbytes / r / 1e9,
+        "python_gbps": nbytes / p / 1e9,
+        "python_over_rust": r / p,
+    }
+    print(f"{name:48s} rust {nbytes / r / 1e9:8.2f} GB/s  python {nbytes / p / 1e9:8.2f} GB/s  ratio {r / p:6.3f}", flush=True)
+
+
+def write(out, results):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench-python.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    lines = [
+        f"Python binding vs Rust, same process ({results['device']}, {results['geometry']}, Python {results['python']})",
+        "",
+        "| per call | Rust median (p10-p90) | Python median (p10-p90) | added by Python |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, v in results["per_call"].items():
+        r, p = v["rust"], v["python"]
+        lines.append(
+            f"| {name} | {r['median_us']:.2f} us ({r['p10_us']:.2f}-{r['p90_us']:.2f}) | "
+            f"{p['median_us']:.2f} us ({p['p10_us']:.2f}-{p['p90_us']:.2f}) | **{v['added_us']:+.2f} us** |"
+        )
+    lines += ["", "| bulk (wall time, waited) | Rust | Python | Python / Rust |", "|---|---:|---:|---:|"]
+    for name, v in results["bulk"].items():
+        lines.append(
+            f"| {name} | {v['rust_gbps']:.1f} GB/s | {v['python_gbps']:.1f} GB/s | **{v['python_over_rust']:.3f}** |"
+        )
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "bench-python.md"), "w") as f:
+        f.write(text)
+    print()
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

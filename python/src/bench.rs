@@ -1,0 +1,170 @@
+//! The Rust side of `python/bench.py`: the same calls on the same objects, in native loops, so
+//! one process in one run measures what the Python binding adds per call and whether bulk
+//! throughput through Python matches Rust's. Not part of the public API (underscore names).
+
+use std::time::Instant;
+
+use pyo3::prelude::*;
+
+use kvshard::copy::Layers;
+use kvshard::index::LogicalPage;
+use kvshard::transfer::ChunkEnd;
+
+use crate::errors::IntoPy;
+use crate::hicache::{io_of, lock, route_of, PyHiCacheController, PyHostTransfer, PyLayerSignals};
+use crate::transfer::{PyRegistration, PyRemoteSpace, PySender};
+
+/// Nanoseconds of each of `iters` `HiCacheController::load` calls (node `node` into
+/// `pages`, `route`), each load acked (waited for) outside the timed call.
+#[pyfunction]
+#[pyo3(signature = (controller, node, pages, route, iters, ctas = 2))]
+pub fn _rust_load_ns(
+    py: Python<'_>,
+    controller: &PyHiCacheController,
+    node: u64,
+    pages: Vec<u64>,
+    route: &str,
+    iters: usize,
+    ctas: u32,
+) -> PyResult<Vec<u64>> {
+    let route = route_of(route, ctas)?;
+    let pages: Vec<LogicalPage> = pages.into_iter().map(LogicalPage).collect();
+    py.detach(|| {
+        let mut c = lock(&controller.inner);
+        let mut out = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let t = Instant::now();
+            let h = c.load(node, &pages, None, route)?;
+            out.push(t.elapsed().as_nanos() as u64);
+            drop(h);
+            c.ack_loads(1)?;
+        }
+        Ok(out)
+    })
+    .py_err()
+}
+
+/// Nanoseconds of each of `iters` `HostTransfer::run_signalled` calls on `stream` (synchronized
+/// outside the timed call every 64 runs).
+#[pyfunction]
+#[pyo3(signature = (transfer, signals, stream, iters, ctas = 2))]
+pub fn _rust_run_signalled_ns(
+    py: Python<'_>,
+    transfer: &PyHostTransfer,
+    signals: &mut PyLayerSignals,
+    stream: &Bound<'_, PyAny>,
+    iters: usize,
+    ctas: u32,
+) -> PyResult<Vec<u64>> {
+    let b = transfer.device.get().resolve(Some(stream))?;
+    let s = &mut signals.0;
+    py.detach(|| {
+        let t = lock(&transfer.inner);
+        let mut out = Vec::with_capacity(iters);
+        for i in 0..iters {
+            let start = Instant::now();
+            let waits = t.run_signalled(b.as_ref(), ctas, s)?;
+            out.push(start.elapsed().as_nanos() as u64);
+            drop(waits);
+            if i % 64 == 63 {
+                b.synchronize()?;
+            }
+        }
+        b.synchronize()?;
+        Ok(out)
+    })
+    .py_err()
+}
+
+/// Nanoseconds of each of `iters` `Sender::send` calls of one final chunk (`pages`, `end`
+/// tokens) of `registration` into `dst`; the request is opened before and the chunk waited
+/// for after each timed call.
+#[pyfunction]
+pub fn _rust_send_ns(
+    py: Python<'_>,
+    sender: &PySender,
+    registration: &PyRegistration,
+    dst: &PyRemoteSpace,
+    pages: Vec<u64>,
+    end: usize,
+    iters: usize,
+) -> PyResult<Vec<u64>> {
+    let pages: Vec<LogicalPage> = pages.into_iter().map(LogicalPage).collect();
+    let (reg, dst) = (registration.0.clone(), dst.inner.clone());
+    py.detach(|| {
+        let mut s = lock(&sender.inner);
+        let mut out = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            s.open(reg.clone(), dst.clone())?;
+            let t = Instant::now();
+            let pending = s.send(reg.request, &pages, ChunkEnd::Final(end))?;
+            out.push(t.elapsed().as_nanos() as u64);
+            pending.wait()?;
+        }
+        Ok(out)
+    })
+    .py_err()
+}
+
+/// Wall seconds of `iters` `HostTransfer::run` calls of every layer on `io`, enqueued back to
+/// back on `stream` and waited for (after one warm-up run).
+#[pyfunction]
+#[pyo3(signature = (transfer, stream, io, iters, ctas = 2))]
+pub fn _rust_bulk_seconds(
+    py: Python<'_>,
+    transfer: &PyHostTransfer,
+    stream: &Bound<'_, PyAny>,
+    io: &str,
+    iters: usize,
+    ctas: u32,
+) -> PyResult<f64> {
+    let b = transfer.device.get().resolve(Some(stream))?;
+    let io = io_of(io, ctas)?;
+    py.detach(|| {
+        let t = lock(&transfer.inner);
+        t.run(b.as_ref(), io, Layers::All)?;
+        b.synchronize()?;
+        let start = Instant::now();
+        for _ in 0..iters {
+            t.run(b.as_ref(), io, Layers::All)?;
+        }
+        b.synchronize()?;
+        Ok(start.elapsed().as_secs_f64())
+    })
+    .py_err()
+}
+
+/// Wall seconds of `iters` final chunks (`pages`, `end` tokens) sent back to back, each as its
+/// own request (`registration` with request ids `first_request..`), then waited for.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn _rust_bulk_send_seconds(
+    py: Python<'_>,
+    sender: &PySender,
+    registration: &PyRegistration,
+    dst: &PyRemoteSpace,
+    pages: Vec<u64>,
+    end: usize,
+    iters: usize,
+    first_request: u64,
+) -> PyResult<f64> {
+    let pages: Vec<LogicalPage> = pages.into_iter().map(LogicalPage).collect();
+    let dst = dst.inner.clone();
+    let reg = registration.0.clone();
+    py.detach(|| {
+        let mut s = lock(&sender.inner);
+        let start = Instant::now();
+        let mut pending = Vec::with_capacity(iters);
+        for i in 0..iters as u64 {
+            let mut r = reg.clone();
+            r.request = first_request + i;
+            s.open(r, dst.clone())?;
+            pending.push(s.send(first_request + i, &pages, ChunkEnd::Final(end))?);
+        }
+        for p in pending {
+            p.wait()?;
+        }
+        Ok(start.elapsed().as_secs_f64())
+    })
+    .py_err()
+}

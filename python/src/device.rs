@@ -1,0 +1,344 @@
+//! Devices, streams and events: where kvshard's work runs, on the caller's streams.
+//!
+//! A [`PyDevice`] is the CPU reference backend or one GPU. Every enqueueing call takes a stream:
+//! `None` (the device's default stream), a [`PyStream`], an int `CUstream` handle, or any object
+//! with a `cuda_stream` attribute (`torch.cuda.Stream`) or a `ptr` attribute (CuPy). kvshard
+//! enqueues on the caller's stream and never synchronizes it behind the caller's back; the one
+//! exception is the first use of a given CUDA stream, when kvshard zeroes its two status words
+//! on it and waits for that once (do it up front with [`PyDevice::stream`]).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys;
+use pyo3::prelude::*;
+
+use kvshard::backend::cpu::CpuBackend;
+use kvshard::backend::cuda::CudaBackend;
+use kvshard::backend::{AddressSpace, Backend, Event};
+use kvshard::gpu::Gpu;
+
+use crate::errors::{invalid, IntoPy};
+
+/// What a device is.
+pub enum Kind {
+    /// The CPU reference backend: its arena (and stream 0 of it).
+    Cpu(Arc<CpuBackend>),
+    /// A GPU.
+    Cuda(Arc<Gpu>),
+}
+
+/// A device: the CPU reference backend (`Device.cpu()`) or a GPU (`Device.cuda(ordinal)`),
+/// with the streams kvshard has been handed on it.
+///
+/// Every kvshard object lives on one device; calls refuse streams of another one. A stream
+/// argument of `None` means the device's default stream: the CPU arena's first stream, or the
+/// GPU's legacy default stream (which torch's default stream is).
+#[pyclass(frozen, module = "kvshard", name = "Device")]
+pub struct PyDevice {
+    pub kind: Kind,
+    /// The default stream: the CPU arena's stream 0, or the GPU's legacy default stream.
+    default: Mutex<Option<Arc<dyn Backend>>>,
+    /// CUDA streams borrowed so far, by handle.
+    streams: Mutex<HashMap<usize, Arc<dyn Backend>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl PyDevice {
+    /// The CPU reference backend, when this is it.
+    pub fn cpu(&self) -> Option<&Arc<CpuBackend>> {
+        match &self.kind {
+            Kind::Cpu(b) => Some(b),
+            Kind::Cuda(_) => None,
+        }
+    }
+
+    /// The GPU, when this is one.
+    pub fn gpu(&self) -> Option<&Arc<Gpu>> {
+        match &self.kind {
+            Kind::Cuda(g) => Some(g),
+            Kind::Cpu(_) => None,
+        }
+    }
+
+    /// The address space of this device's memory.
+    pub fn space(&self) -> AddressSpace {
+        match &self.kind {
+            Kind::Cpu(b) => b.address_space(),
+            Kind::Cuda(g) => AddressSpace::Cuda(g.info().ordinal),
+        }
+    }
+
+    /// The default stream's backend.
+    pub fn default_backend(&self) -> PyResult<Arc<dyn Backend>> {
+        let mut d = lock(&self.default);
+        if let Some(b) = d.as_ref() {
+            return Ok(b.clone());
+        }
+        let b: Arc<dyn Backend> = match &self.kind {
+            Kind::Cpu(b) => b.clone(),
+            Kind::Cuda(_) => self.borrowed(0)?,
+        };
+        *d = Some(b.clone());
+        Ok(b)
+    }
+
+    /// The backend enqueuing on CUDA stream `handle` (0: the legacy default stream), made on
+    /// first use.
+    fn borrowed(&self, handle: usize) -> PyResult<Arc<dyn Backend>> {
+        let Kind::Cuda(gpu) = &self.kind else {
+            return Err(invalid(format!(
+                "a CUDA stream handle ({handle:#x}) given to the CPU device; pass a kvshard.Stream of it, or None"
+            )));
+        };
+        let mut streams = lock(&self.streams);
+        if let Some(b) = streams.get(&handle) {
+            return Ok(b.clone());
+        }
+        // SAFETY: the handle is the caller's stream of this device's primary context (the
+        // Python API's documented contract: a live stream of this GPU, kept alive while kvshard
+        // may enqueue on it), or 0, the legacy default stream, which always exists.
+        let stream = unsafe { gpu.borrow_stream(handle as sys::CUstream) };
+        let backend: Arc<dyn Backend> =
+            Arc::new(CudaBackend::with_stream(gpu.clone(), stream).py_err()?);
+        streams.insert(handle, backend.clone());
+        Ok(backend)
+    }
+
+    /// The backend for a Python stream argument (see the module docs).
+    pub fn resolve(&self, stream: Option<&Bound<'_, PyAny>>) -> PyResult<Arc<dyn Backend>> {
+        let Some(s) = stream else {
+            return self.default_backend();
+        };
+        if s.is_none() {
+            return self.default_backend();
+        }
+        if let Ok(own) = s.cast::<PyStream>() {
+            let own = own.get();
+            if own.backend.address_space() != self.space() {
+                return Err(invalid(format!(
+                    "a stream of {} used with {}",
+                    own.backend.address_space(),
+                    self.space()
+                )));
+            }
+            return Ok(own.backend.clone());
+        }
+        self.borrowed(stream_handle(s)?)
+    }
+}
+
+/// The raw handle of a stream object: an int, or its `cuda_stream` (torch) or `ptr` (CuPy).
+pub fn stream_handle(s: &Bound<'_, PyAny>) -> PyResult<usize> {
+    if let Ok(h) = s.extract::<usize>() {
+        return Ok(h);
+    }
+    for attr in ["cuda_stream", "ptr"] {
+        if let Ok(v) = s.getattr(attr) {
+            if let Ok(h) = v.extract::<usize>() {
+                return Ok(h);
+            }
+        }
+    }
+    Err(invalid(format!(
+        "a stream must be None, a kvshard.Stream, an int CUstream handle, or an object with a `cuda_stream` (torch) or `ptr` (CuPy) attribute; got {}",
+        s.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+    )))
+}
+
+#[pymethods]
+impl PyDevice {
+    /// The CPU reference backend: the twin of every kernel, on an address space of its own.
+    /// `deferred=True` runs work only when something waits for it, so per-layer readiness is
+    /// observable without a GPU.
+    #[staticmethod]
+    #[pyo3(name = "cpu", signature = (deferred = false))]
+    fn cpu_backend(deferred: bool) -> Self {
+        let b = if deferred {
+            CpuBackend::deferred()
+        } else {
+            CpuBackend::new()
+        };
+        Self::of(Kind::Cpu(Arc::new(b)))
+    }
+
+    /// GPU `ordinal` (its primary context, the one torch uses). Raises `UnavailableError`
+    /// without a driver, a GPU, or kernels in this build.
+    #[staticmethod]
+    #[pyo3(signature = (ordinal = 0))]
+    fn cuda(py: Python<'_>, ordinal: usize) -> PyResult<Self> {
+        let gpu = py.detach(|| Gpu::open(ordinal)).py_err()?;
+        Ok(Self::of(Kind::Cuda(gpu)))
+    }
+
+    /// `"cpu"` or `"cuda"`.
+    #[getter]
+    fn kind(&self) -> &'static str {
+        match self.kind {
+            Kind::Cpu(_) => "cpu",
+            Kind::Cuda(_) => "cuda",
+        }
+    }
+
+    /// The CUDA ordinal (`None` for the CPU backend).
+    #[getter]
+    fn ordinal(&self) -> Option<usize> {
+        self.gpu().map(|g| g.info().ordinal)
+    }
+
+    /// The GPU's name, compute capability and SM count (`None` for the CPU backend).
+    #[getter]
+    fn info(&self) -> Option<(String, (i32, i32), u32)> {
+        self.gpu().map(|g| {
+            let i = g.info();
+            (i.name.clone(), i.compute_capability, i.sm_count)
+        })
+    }
+
+    /// A kvshard stream on the caller's stream `stream` (an int handle, a `torch.cuda.Stream`,
+    /// a CuPy stream), or the default stream for `None`. Wrapping a CUDA stream zeroes
+    /// kvshard's status words on it and waits for that once; later calls with the same stream
+    /// reuse the wrapper and never synchronize.
+    #[pyo3(signature = (stream = None))]
+    fn stream(slf: &Bound<'_, Self>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<PyStream> {
+        let d = slf.get();
+        let backend = d.resolve(stream)?;
+        Ok(PyStream::new(backend, slf.clone().unbind()))
+    }
+
+    /// A new stream owned by kvshard (CPU: another stream of the arena; CUDA: a non-blocking
+    /// stream).
+    fn new_stream(slf: &Bound<'_, Self>) -> PyResult<PyStream> {
+        let d = slf.get();
+        let backend: Arc<dyn Backend> = match &d.kind {
+            Kind::Cpu(b) => Arc::new(b.new_stream()),
+            Kind::Cuda(g) => Arc::new(CudaBackend::new(g.clone()).py_err()?),
+        };
+        Ok(PyStream::new(backend, slf.clone().unbind()))
+    }
+
+    /// Waits for the default stream and every stream kvshard has been handed, then reports
+    /// the first input any kernel rejected.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let mut all: Vec<Arc<dyn Backend>> = lock(&self.streams).values().cloned().collect();
+        all.push(self.default_backend()?);
+        py.detach(|| all.iter().try_for_each(|b| b.synchronize()))
+            .py_err()
+    }
+
+    fn __repr__(&self) -> String {
+        match &self.kind {
+            Kind::Cpu(b) => format!(
+                "Device.cpu(deferred={})",
+                if b.is_deferred() { "True" } else { "False" }
+            ),
+            Kind::Cuda(g) => format!("Device.cuda({}) # {}", g.info().ordinal, g.info().name),
+        }
+    }
+}
+
+impl PyDevice {
+    fn of(kind: Kind) -> Self {
+        Self {
+            kind,
+            default: Mutex::new(None),
+            streams: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+/// A stream kvshard enqueues on: one of the caller's (borrowed), or one kvshard made.
+#[pyclass(frozen, module = "kvshard", name = "Stream")]
+pub struct PyStream {
+    pub backend: Arc<dyn Backend>,
+    device: Py<PyDevice>,
+}
+
+impl PyStream {
+    pub fn new(backend: Arc<dyn Backend>, device: Py<PyDevice>) -> Self {
+        Self { backend, device }
+    }
+}
+
+#[pymethods]
+impl PyStream {
+    /// The device.
+    #[getter]
+    fn device(&self, py: Python<'_>) -> Py<PyDevice> {
+        self.device.clone_ref(py)
+    }
+
+    /// An event at the current point of the stream (`timed=True`: usable with
+    /// `Event.elapsed_ms`). Does not wait.
+    #[pyo3(signature = (timed = false))]
+    fn record(&self, timed: bool) -> PyResult<PyEvent> {
+        let event = if timed {
+            self.backend.record_timed()
+        } else {
+            self.backend.record()
+        }
+        .py_err()?;
+        Ok(PyEvent {
+            event,
+            backend: self.backend.clone(),
+        })
+    }
+
+    /// Makes later work on this stream wait for `event` (on the device, not the host).
+    fn wait(&self, event: &PyEvent) -> PyResult<()> {
+        self.backend.wait(&event.event).py_err()
+    }
+
+    /// Blocks until everything enqueued so far has run; reports the first input a kernel
+    /// rejected since the last check.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let b = self.backend.clone();
+        py.detach(|| b.synchronize()).py_err()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<kvshard.Stream on {}>", self.backend.address_space())
+    }
+}
+
+/// A point in a stream: other streams can wait for it, the host can poll or wait for it.
+#[pyclass(frozen, module = "kvshard", name = "Event")]
+pub struct PyEvent {
+    pub event: Event,
+    pub backend: Arc<dyn Backend>,
+}
+
+#[pymethods]
+impl PyEvent {
+    /// Whether the work before the event has finished (never blocks).
+    fn query(&self) -> PyResult<bool> {
+        self.backend.is_done(&self.event).py_err()
+    }
+
+    /// Blocks the calling thread until the work before the event has finished.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let (b, e) = (self.backend.clone(), self.event.clone());
+        py.detach(|| b.wait_event_sync(&e)).py_err()
+    }
+
+    /// Milliseconds from this (timed) event to `end`, once both have completed.
+    fn elapsed_ms(&self, end: &PyEvent) -> PyResult<f64> {
+        self.backend.elapsed_ms(&self.event, &end.event).py_err()
+    }
+}
+
+/// The event after which something runs: an Event as is, or the current point of a stream
+/// (recorded now, without waiting).
+pub fn after_event(device: &PyDevice, after: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Event>> {
+    let Some(a) = after.filter(|a| !a.is_none()) else {
+        return Ok(None);
+    };
+    if let Ok(e) = a.cast::<PyEvent>() {
+        return Ok(Some(e.get().event.clone()));
+    }
+    let b = device.resolve(Some(a))?;
+    Ok(Some(b.record().py_err()?))
+}

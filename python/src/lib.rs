@@ -1,0 +1,98 @@
+//! `kvshard._kvshard`: the native half of the `kvshard` Python package (PyO3, abi3).
+//!
+//! The classes wrap kvshard's Rust API one to one: geometry, placement and the rotated
+//! allocator, request chains, the budget, device pools (allocated, or wrapping the engine's
+//! DLPack tensors without a copy) and the owned-row write, P/D senders and receivers, host
+//! pools (kvshard's and SGLang's byte layouts) with their transfers, and the HiCache
+//! controller. Every enqueueing call takes the caller's stream and never synchronizes it
+//! behind the caller's back; long calls release the GIL. kvshard's errors arrive as the
+//! exceptions of `kvshard._errors`, with kvshard's message. No panic crosses into Python: the
+//! code returns errors, and PyO3 turns any panic that slipped through into an exception.
+
+mod bench;
+mod device;
+mod errors;
+mod geometry;
+mod hicache;
+mod pool;
+mod shard;
+mod tensor;
+mod transfer;
+
+use pyo3::prelude::*;
+
+/// Architectures whose kernels this build embeds (None: built without nvcc; GPU calls raise
+/// `UnavailableError` and the CPU backend still runs).
+#[pyfunction]
+fn embedded_archs() -> Option<&'static str> {
+    kvshard::gpu::embedded_archs()
+}
+
+/// Whether the CUDA driver library can be loaded here.
+#[pyfunction]
+fn driver_present() -> bool {
+    kvshard::gpu::driver_present()
+}
+
+#[pymodule(gil_used = false)]
+fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    use kvshard::geometry as g;
+    m.add("PAGE_SIZE", g::PAGE_SIZE)?;
+    m.add("INDEXER_PAGE_BYTES", g::INDEXER_PAGE_BYTES)?;
+    m.add("INDEXER_ROW_BYTES", g::INDEXER_ROW_BYTES)?;
+    m.add("KV_LORA_RANK", g::KV_LORA_RANK)?;
+    m.add("ROPE_DIM", g::ROPE_DIM)?;
+    m.add("INDEXER_HEAD_DIM", g::INDEXER_HEAD_DIM)?;
+    m.add("MAX_PREFILL_RANKS", kvshard::transfer::MAX_PREFILL_RANKS)?;
+    m.add(
+        "DEFAULT_STAGING_PAGES",
+        kvshard::hicache::DEFAULT_STAGING_PAGES,
+    )?;
+    m.add_function(wrap_pyfunction!(embedded_archs, m)?)?;
+    m.add_function(wrap_pyfunction!(driver_present, m)?)?;
+    m.add_function(wrap_pyfunction!(bench::_rust_load_ns, m)?)?;
+    m.add_function(wrap_pyfunction!(bench::_rust_run_signalled_ns, m)?)?;
+    m.add_function(wrap_pyfunction!(bench::_rust_send_ns, m)?)?;
+    m.add_function(wrap_pyfunction!(bench::_rust_bulk_seconds, m)?)?;
+    m.add_function(wrap_pyfunction!(bench::_rust_bulk_send_seconds, m)?)?;
+    m.add_class::<device::PyDevice>()?;
+    m.add_class::<device::PyStream>()?;
+    m.add_class::<device::PyEvent>()?;
+    m.add_class::<tensor::PyTensorView>()?;
+    m.add_class::<geometry::PyLatentLayout>()?;
+    m.add_class::<geometry::PyComponent>()?;
+    m.add_class::<geometry::PyPoolGeometry>()?;
+    m.add_class::<geometry::PyCacheGeometry>()?;
+    m.add_class::<geometry::PyComponentLayout>()?;
+    m.add_class::<shard::PyPlacement>()?;
+    m.add_class::<shard::PyShardAllocator>()?;
+    m.add_class::<shard::PyAllocation>()?;
+    m.add_class::<shard::PyRequestChain>()?;
+    m.add_class::<pool::PyDevicePool>()?;
+    m.add_class::<pool::PyChunkStaging>()?;
+    m.add_class::<pool::PyOwnedRowWrite>()?;
+    m.add_class::<pool::PyBudget>()?;
+    m.add_class::<transfer::PyPoolLayout>()?;
+    m.add_class::<transfer::PyRegistration>()?;
+    m.add_class::<transfer::PyRemoteSpace>()?;
+    m.add_class::<transfer::PyChunkStatus>()?;
+    m.add_class::<transfer::PyPendingChunk>()?;
+    m.add_class::<transfer::PySender>()?;
+    m.add_class::<transfer::PyFinished>()?;
+    m.add_class::<transfer::PyReceiver>()?;
+    m.add_class::<hicache::PyHostLayout>()?;
+    m.add_class::<hicache::PyHostBufferLayout>()?;
+    m.add_class::<hicache::PyHostPool>()?;
+    m.add_class::<hicache::PyTransferPlan>()?;
+    m.add_class::<hicache::PyLayerSignals>()?;
+    m.add_class::<hicache::PyLayerReady>()?;
+    m.add_class::<hicache::PyLayerWaits>()?;
+    m.add_class::<hicache::PyHostTransfer>()?;
+    m.add_class::<hicache::PyStagedIo>()?;
+    m.add_class::<hicache::PyCacheNode>()?;
+    m.add_class::<hicache::PyBackupAck>()?;
+    m.add_class::<hicache::PyLoadAck>()?;
+    m.add_class::<hicache::PyLoadHandle>()?;
+    m.add_class::<hicache::PyHiCacheController>()?;
+    Ok(())
+}

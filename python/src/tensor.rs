@@ -1,0 +1,364 @@
+//! Tensors without copies, both ways, through DLPack.
+//!
+//! - In: [`import`] takes any object with `__dlpack__` (torch, CuPy, JAX, NumPy) and reads its
+//!   address, size, dtype, shape and device without copying or synchronizing (CUDA producers
+//!   are asked with `stream=-1`, "no synchronization": the pools wrap memory, they do not read
+//!   it now). [`check`] holds it against what the geometry expects and says, in a
+//!   `ValueError`, what that was.
+//! - Out: [`PyTensorView`] hands kvshard's own memory (host pools, staging, pools kvshard
+//!   allocated) to the engine as a DLPack producer (`torch.from_dlpack(view)`,
+//!   `numpy.from_dlpack(view)`), keeping the memory alive while any consumer holds it. A view
+//!   is not synchronized with any stream: it is ready when the work that wrote it has run.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use dlpark::ffi::{DLDataType, DLDataTypeCode, DLDevice, DLDeviceType};
+use dlpark::metadata::Dynamic;
+use dlpark::python::consumer::stream as dl_stream;
+use dlpark::python::{DlpackExporter, DlpackStream, ExportRequest, StreamArg};
+use dlpark::{DlpackFlags, Managed};
+use pyo3::prelude::*;
+
+use kvshard::backend::Buffer;
+
+use crate::errors::invalid;
+
+/// Asks CUDA producers for no synchronization (`stream=-1`) and CPU producers for none at all
+/// (NumPy refuses any stream for CPU arrays).
+struct NoSync;
+
+// SAFETY: the stream argument is a constant sentinel; `wait_for_producer` keeps its default
+// (declining the C exchange API's stream ordering, so the standard protocol is used).
+unsafe impl DlpackStream for NoSync {
+    fn as_python_arg(&self, _py: Python<'_>, device: DLDevice) -> PyResult<StreamArg> {
+        Ok(if device.device_type == DLDeviceType::CUDA {
+            dl_stream::no_sync()
+        } else {
+            dl_stream::none()
+        })
+    }
+}
+
+/// What an imported tensor is: its first byte, extent and description. The Python object is
+/// kept so the memory outlives whatever wraps it.
+pub struct Imported {
+    /// Address of the first element (data pointer plus byte offset).
+    pub ptr: u64,
+    /// Bytes of the tensor.
+    pub nbytes: usize,
+    pub device: DLDevice,
+    pub dtype: DLDataType,
+    pub shape: Vec<i64>,
+    /// C-contiguous (compact row-major).
+    pub compact: bool,
+    pub object: Py<PyAny>,
+}
+
+/// The legacy default stream sentinel, for CUDA producers that refuse `stream=-1`: they then
+/// order their pending work before the legacy default stream (on the device, no host wait).
+struct LegacyDefault;
+
+// SAFETY: as NoSync: a constant sentinel, the exchange API's ordering declined.
+unsafe impl DlpackStream for LegacyDefault {
+    fn as_python_arg(&self, _py: Python<'_>, device: DLDevice) -> PyResult<StreamArg> {
+        Ok(if device.device_type == DLDeviceType::CUDA {
+            dl_stream::cuda(std::ptr::null_mut())
+        } else {
+            dl_stream::none()
+        })
+    }
+}
+
+/// Reads `object`'s DLPack description without copying or synchronizing.
+pub fn import(object: &Bound<'_, PyAny>) -> PyResult<Imported> {
+    let imported = match dlpark::python::from_dlpack(object.as_borrowed(), Some(&NoSync), None) {
+        Ok(t) => t,
+        Err(first) => dlpark::python::from_dlpack(object.as_borrowed(), Some(&LegacyDefault), None)
+            .map_err(|_| first)?,
+    };
+    let t = imported
+        .validate()
+        .map_err(|e| invalid(format!("not a valid DLPack tensor: {e}")))?;
+    let compact = t
+        .is_compact()
+        .map_err(|e| invalid(format!("not a valid DLPack tensor: {e}")))?;
+    let ptr = (t.data_ptr() as u64)
+        .checked_add(t.byte_offset())
+        .ok_or_else(|| invalid("tensor address overflows"))?;
+    Ok(Imported {
+        ptr,
+        nbytes: t.num_bytes(),
+        device: t.device(),
+        dtype: t.dtype(),
+        shape: t.shape().to_vec(),
+        compact,
+        object: object.clone().unbind(),
+    })
+    // The capsule's managed tensor is released here; `object` keeps the memory.
+}
+
+/// A dtype's usual name.
+pub fn dtype_name(d: DLDataType) -> String {
+    let base = match (d.code, d.bits) {
+        (DLDataTypeCode::UINT, 8) => "uint8".to_string(),
+        (DLDataTypeCode::INT, 8) => "int8".to_string(),
+        (DLDataTypeCode::UINT, b) => format!("uint{b}"),
+        (DLDataTypeCode::INT, b) => format!("int{b}"),
+        (DLDataTypeCode::FLOAT, b) => format!("float{b}"),
+        (DLDataTypeCode::BFLOAT, 16) => "bfloat16".to_string(),
+        (DLDataTypeCode::BOOL, _) => "bool".to_string(),
+        (DLDataTypeCode::FLOAT8_E4M3FN, _) => "float8_e4m3fn".to_string(),
+        (DLDataTypeCode::FLOAT8_E4M3, _) => "float8_e4m3".to_string(),
+        (DLDataTypeCode::FLOAT8_E5M2, _) => "float8_e5m2".to_string(),
+        (code, bits) => format!("dtype(code {}, {bits} bits)", code.0),
+    };
+    if d.lanes > 1 {
+        format!("{base}x{}", d.lanes)
+    } else {
+        base
+    }
+}
+
+/// A device's usual name.
+pub fn device_name(d: DLDevice) -> String {
+    match d.device_type {
+        DLDeviceType::CPU => "cpu".into(),
+        DLDeviceType::CUDA => format!("cuda:{}", d.device_id),
+        DLDeviceType::CUDAHOST => "cpu (pinned)".into(),
+        other => format!("DLPack device type {} #{}", other.0, d.device_id),
+    }
+}
+
+/// What a wrapped tensor must be.
+pub struct Want {
+    /// What it is for ("target latent buffer of stored layer 3").
+    pub what: String,
+    /// Devices accepted (the first is the one named in errors).
+    pub devices: Vec<DLDevice>,
+    /// Bytes of the row its last dimension must hold.
+    pub row_bytes: usize,
+    /// Element sizes accepted, and their names for the message.
+    pub item_sizes: &'static [usize],
+    pub dtypes: &'static str,
+    /// The fewest bytes it must hold, and why.
+    pub min_bytes: u64,
+    pub min_why: String,
+    /// Exactly `min_bytes` (host buffers), not at least.
+    pub exact: bool,
+}
+
+/// Checks `t` is what `want` says, or says in a `ValueError` what was expected and what came.
+pub fn check(t: &Imported, want: &Want) -> PyResult<()> {
+    let item = (usize::from(t.dtype.bits) * usize::from(t.dtype.lanes)).div_ceil(8);
+    let last = t.shape.last().copied().unwrap_or(1).max(0) as usize;
+    let problems: Vec<String> = [
+        (!want.devices.contains(&t.device)).then(|| {
+            format!(
+                "it is on {}, not {}",
+                device_name(t.device),
+                device_name(want.devices[0])
+            )
+        }),
+        (!t.compact).then(|| "it is not C-contiguous".to_string()),
+        (!want.item_sizes.contains(&item) || t.dtype.bits % 8 != 0)
+            .then(|| format!("its dtype is {}", dtype_name(t.dtype))),
+        (last * item != want.row_bytes).then(|| {
+            format!(
+                "its last dimension holds {} bytes ({last} x {item})",
+                last * item
+            )
+        }),
+        (if want.exact {
+            t.nbytes as u64 != want.min_bytes
+        } else {
+            (t.nbytes as u64) < want.min_bytes
+        })
+        .then(|| format!("it holds {} bytes", t.nbytes)),
+        (t.ptr % 16 != 0).then(|| format!("its address {:#x} is not 16-byte aligned", t.ptr)),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(invalid(format!(
+        "{}: expected a C-contiguous, 16-byte aligned tensor on {} of dtype {} whose last dimension holds one {}-byte row, {} {} bytes ({}); got shape {:?}, dtype {} on {}: {}",
+        want.what,
+        device_name(want.devices[0]),
+        want.dtypes,
+        want.row_bytes,
+        if want.exact { "exactly" } else { "at least" },
+        want.min_bytes,
+        want.min_why,
+        t.shape,
+        dtype_name(t.dtype),
+        device_name(t.device),
+        problems.join(", ")
+    )))
+}
+
+/// What keeps exported memory alive: a kvshard buffer, Python objects, or both.
+#[derive(Default)]
+pub struct KeepInner {
+    pub buffer: Option<Buffer>,
+    pub objects: Vec<Py<PyAny>>,
+}
+
+/// Shared by every capsule exported from a view.
+pub type Keep = Arc<KeepInner>;
+
+/// kvshard memory as a DLPack producer: `torch.from_dlpack(view)`, `numpy.from_dlpack(view)`,
+/// `cupy.from_dlpack(view)` give a tensor over the same bytes, no copy. It is not ordered with
+/// any stream: use it once the work that writes it has run (or on the stream that ran it).
+#[pyclass(frozen, module = "kvshard", name = "TensorView")]
+pub struct PyTensorView {
+    ptr: u64,
+    device: DLDevice,
+    dtype: DLDataType,
+    shape: Vec<i64>,
+    /// In elements.
+    strides: Vec<i64>,
+    keep: Keep,
+}
+
+impl PyTensorView {
+    /// A C-contiguous view of `shape` elements of `dtype` at `ptr`.
+    ///
+    /// # Safety
+    /// The memory must hold the whole shape and stay valid while `keep` lives.
+    pub unsafe fn contiguous(
+        ptr: u64,
+        device: DLDevice,
+        dtype: DLDataType,
+        shape: Vec<i64>,
+        keep: Keep,
+    ) -> Self {
+        let mut strides = vec![1i64; shape.len()];
+        for d in (0..shape.len().saturating_sub(1)).rev() {
+            strides[d] = strides[d + 1] * shape[d + 1];
+        }
+        Self {
+            ptr,
+            device,
+            dtype,
+            shape,
+            strides,
+            keep,
+        }
+    }
+
+    fn export<M: dlpark::ManagedTensorBase>(&self) -> PyResult<Managed<M>> {
+        let prepared = {
+            let meta = Dynamic::new(self.shape.clone(), self.strides.clone());
+            // SAFETY: the metadata is copied into the allocation (nothing borrowed).
+            unsafe { meta.prepare_unchecked_as::<M>() }
+        }
+        .map_err(|e| invalid(format!("DLPack export: {e}")))?;
+        let mut t = prepared.initialize(Box::new(self.keep.clone()));
+        t.set_data(self.ptr as *mut c_void)
+            .set_device(self.device)
+            .set_dtype(self.dtype);
+        // SAFETY: the data pointer holds the whole shape (the constructor's contract), kept
+        // alive by the context installed above until the consumer's deleter runs; shape and
+        // strides live in the allocation; the view is writable (no READ_ONLY flag).
+        Ok(unsafe { t.finish() })
+    }
+}
+
+impl DlpackExporter for PyTensorView {
+    fn device(&self) -> DLDevice {
+        self.device
+    }
+
+    fn flags(&self) -> DlpackFlags {
+        DlpackFlags::empty()
+    }
+
+    fn prepare_export(&self, _py: Python<'_>, _request: &ExportRequest<'_>) -> PyResult<()> {
+        // No producer stream: the memory is ready once the work that wrote it has run, which
+        // the caller orders (module docs).
+        Ok(())
+    }
+
+    fn export_legacy(&self, _py: Python<'_>) -> PyResult<Managed<dlpark::ffi::DLManagedTensor>> {
+        self.export()
+    }
+
+    fn export_versioned(
+        &self,
+        _py: Python<'_>,
+    ) -> PyResult<Managed<dlpark::ffi::DLManagedTensorVersioned>> {
+        self.export()
+    }
+}
+
+#[pymethods]
+impl PyTensorView {
+    /// The DLPack protocol: a capsule over the same bytes.
+    #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
+    fn __dlpack__(
+        &self,
+        py: Python<'_>,
+        stream: Option<&Bound<'_, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(u32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Py<PyAny>> {
+        let request = ExportRequest::parse(stream, max_version, dl_device, copy)?;
+        dlpark::python::export_dlpack(self, py, request)
+    }
+
+    /// The DLPack device: `(type, id)`.
+    fn __dlpack_device__(&self) -> (u32, i32) {
+        (self.device.device_type.0, self.device.device_id)
+    }
+
+    /// Shape, in elements.
+    #[getter]
+    fn shape(&self) -> Vec<i64> {
+        self.shape.clone()
+    }
+
+    /// Strides, in elements.
+    #[getter]
+    fn strides(&self) -> Vec<i64> {
+        self.strides.clone()
+    }
+
+    /// Element type name.
+    #[getter]
+    fn dtype(&self) -> String {
+        dtype_name(self.dtype)
+    }
+
+    /// Address of the first byte (host address for host memory, device address otherwise).
+    #[getter]
+    fn data_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Bytes.
+    #[getter]
+    fn nbytes(&self) -> i64 {
+        let item = (i64::from(self.dtype.bits) + 7) / 8;
+        self.shape.iter().product::<i64>() * item
+    }
+
+    /// `"cpu"`, `"cpu (pinned)"` or `"cuda:N"`.
+    #[getter]
+    fn device(&self) -> String {
+        device_name(self.device)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<kvshard.TensorView {:?} {} on {} at {:#x}>",
+            self.shape,
+            dtype_name(self.dtype),
+            device_name(self.device),
+            self.ptr
+        )
+    }
+}

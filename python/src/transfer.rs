@@ -1,0 +1,655 @@
+//! P/D transfer: registrations, destinations, the per-rank sender and the decode-side receiver.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use pyo3::prelude::*;
+
+use kvshard::backend::{Backend, Launch};
+use kvshard::copy::{BlockSpace, RemoteSpace};
+use kvshard::geometry::Component;
+use kvshard::index::LocalPage;
+use kvshard::transfer::{
+    BackendTransport, ChunkEnd, ChunkResult, ChunkStatus, ComponentBytes, CopyMethod, Finished,
+    Outcome, PendingChunk, PoolLayout, Receiver, Registration, Sender, Transport,
+};
+
+use crate::device::PyDevice;
+use crate::errors::{invalid, IntoPy};
+use crate::geometry::PyCacheGeometry;
+use crate::pool::PyDevicePool;
+use crate::shard::logical;
+
+/// Bytes per component as a dict (`"target_latent"`, ...; only components that moved bytes).
+pub fn bytes_dict(b: &ComponentBytes) -> BTreeMap<&'static str, u64> {
+    Component::ALL
+        .iter()
+        .filter(|&&c| b.get(c) > 0)
+        .map(|&c| (component_key(c), b.get(c)))
+        .collect()
+}
+
+fn component_key(c: Component) -> &'static str {
+    match c {
+        Component::TargetLatent => "target_latent",
+        Component::TargetIndexer => "target_indexer",
+        Component::DraftLatent => "draft_latent",
+        Component::DraftIndexer => "draft_indexer",
+    }
+}
+
+/// How one side of a transfer stores its pages, as it registers them with the other side.
+#[pyclass(frozen, module = "kvshard", name = "PoolLayout")]
+#[derive(Clone)]
+pub struct PyPoolLayout(pub PoolLayout);
+
+#[pymethods]
+impl PyPoolLayout {
+    /// A side storing `pages` pages per layer of every component packed (every DevicePool).
+    #[staticmethod]
+    fn packed(geometry: &PyCacheGeometry, pages: u64) -> Self {
+        Self(PoolLayout::packed(geometry.0.clone(), pages))
+    }
+
+    /// The layout of `pool`.
+    #[staticmethod]
+    fn of(pool: &PyDevicePool) -> Self {
+        Self(PoolLayout::of(&pool.inner))
+    }
+
+    /// Geometry of the side's cache.
+    #[getter]
+    fn geometry(&self) -> PyCacheGeometry {
+        PyCacheGeometry(self.0.geometry.clone())
+    }
+
+    /// Pages per layer.
+    #[getter]
+    fn pages(&self) -> u64 {
+        self.0.pages
+    }
+
+    /// Bytes between consecutive pages of one layer, per component.
+    #[getter]
+    fn page_strides(&self) -> Vec<u64> {
+        self.0.page_strides.clone()
+    }
+}
+
+/// What the decode side registered for one request (sent to every prefill rank): destination
+/// pages of each position after its cached prefix, and of the indexer state from position 0.
+#[pyclass(frozen, module = "kvshard", name = "Registration")]
+#[derive(Clone)]
+pub struct PyRegistration(pub Registration);
+
+#[pymethods]
+impl PyRegistration {
+    #[new]
+    #[pyo3(signature = (request, layout, pages, state_pages, prefix_pages = 0))]
+    fn new(
+        request: u64,
+        layout: &PyPoolLayout,
+        pages: Vec<u64>,
+        state_pages: Vec<u64>,
+        prefix_pages: usize,
+    ) -> PyResult<Self> {
+        let r = Registration {
+            request,
+            layout: layout.0.clone(),
+            prefix_pages,
+            pages: pages.into_iter().map(LocalPage).collect(),
+            state_pages: state_pages.into_iter().map(LocalPage).collect(),
+        };
+        r.validate().py_err()?;
+        Ok(Self(r))
+    }
+
+    /// Request id.
+    #[getter]
+    fn request(&self) -> u64 {
+        self.0.request
+    }
+
+    /// The decode pool's layout.
+    #[getter]
+    fn layout(&self) -> PyPoolLayout {
+        PyPoolLayout(self.0.layout.clone())
+    }
+
+    /// Leading pages the decode already holds.
+    #[getter]
+    fn prefix_pages(&self) -> usize {
+        self.0.prefix_pages
+    }
+
+    /// Destination page of each position from `prefix_pages` on.
+    #[getter]
+    fn pages(&self) -> Vec<u64> {
+        self.0.pages.iter().map(|p| p.0).collect()
+    }
+
+    /// Destination page of the indexer state of each position from 0 on.
+    #[getter]
+    fn state_pages(&self) -> Vec<u64> {
+        self.0.state_pages.iter().map(|p| p.0).collect()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Registration(request={}, prefix_pages={}, {} pages)",
+            self.0.request,
+            self.0.prefix_pages,
+            self.0.pages.len()
+        )
+    }
+}
+
+/// A destination of P/D transfers as this process's kernels reach it: a pool of this process
+/// (`RemoteSpace.of(pool)`), or raw addresses another transport mapped
+/// (`RemoteSpace.from_addresses`).
+#[pyclass(frozen, module = "kvshard", name = "RemoteSpace")]
+pub struct PyRemoteSpace {
+    pub inner: Arc<RemoteSpace>,
+    #[allow(dead_code)]
+    keep: Option<Py<PyAny>>,
+}
+
+#[pymethods]
+impl PyRemoteSpace {
+    /// The destination `pool` (of this process) describes; it keeps the pool alive.
+    #[staticmethod]
+    fn of(pool: Py<PyDevicePool>) -> PyResult<Self> {
+        let p = pool.get();
+        let space = RemoteSpace::of(p.inner.clone(), p.inner.geometry().clone()).py_err()?;
+        Ok(Self {
+            inner: Arc::new(space),
+            keep: Some(pool.into_any()),
+        })
+    }
+
+    /// A destination at raw addresses of `device`: `bases[c][l]` is stored layer `l` of
+    /// component `c` (in `geometry.components()` order), each holding `pages` packed blocks.
+    /// The caller guarantees the memory is mapped, writable by this device's kernels, and
+    /// stays so while the space and any transfer into it are alive (`keep` is held meanwhile).
+    #[staticmethod]
+    #[pyo3(signature = (device, geometry, pages, bases, keep = None))]
+    fn from_addresses(
+        device: &PyDevice,
+        geometry: &PyCacheGeometry,
+        pages: u64,
+        bases: Vec<Vec<u64>>,
+        keep: Option<Py<PyAny>>,
+    ) -> PyResult<Self> {
+        // SAFETY: the Python API's documented contract (above): the caller vouches for the
+        // addresses, as a network transport vouches for memory it registered.
+        let space = unsafe {
+            RemoteSpace::from_raw(
+                device.space(),
+                geometry.0.clone(),
+                pages,
+                bases,
+                Arc::new(()),
+            )
+        }
+        .py_err()?;
+        Ok(Self {
+            inner: Arc::new(space),
+            keep,
+        })
+    }
+
+    /// The destination's geometry.
+    #[getter]
+    fn geometry(&self) -> PyCacheGeometry {
+        PyCacheGeometry(self.inner.geometry().clone())
+    }
+
+    /// Pages per layer.
+    #[getter]
+    fn pages(&self) -> u64 {
+        self.inner.pages()
+    }
+}
+
+/// One rank's report on one chunk of one request: what the decode side must hear.
+#[pyclass(frozen, module = "kvshard", name = "ChunkStatus")]
+#[derive(Clone)]
+pub struct PyChunkStatus(pub ChunkStatus);
+
+#[pymethods]
+impl PyChunkStatus {
+    /// A sent chunk's status (as it arrives over the wire): `bytes` per component name.
+    #[staticmethod]
+    #[pyo3(signature = (request, rank, chunk, last, bytes = None))]
+    fn sent(
+        request: u64,
+        rank: u32,
+        chunk: u32,
+        last: bool,
+        bytes: Option<BTreeMap<String, u64>>,
+    ) -> PyResult<Self> {
+        let mut b = ComponentBytes::default();
+        for (name, n) in bytes.unwrap_or_default() {
+            let c = Component::ALL
+                .into_iter()
+                .find(|&c| component_key(c) == name)
+                .ok_or_else(|| invalid(format!("component {name:?}")))?;
+            b.add(c, n);
+        }
+        Ok(Self(ChunkStatus {
+            request,
+            rank,
+            chunk,
+            result: ChunkResult::Sent { bytes: b, last },
+        }))
+    }
+
+    /// A failed chunk's status (as it arrives over the wire).
+    #[staticmethod]
+    fn failed(request: u64, rank: u32, chunk: u32, reason: String) -> Self {
+        Self(ChunkStatus {
+            request,
+            rank,
+            chunk,
+            result: ChunkResult::Failed { reason },
+        })
+    }
+
+    /// Request id.
+    #[getter]
+    fn request(&self) -> u64 {
+        self.0.request
+    }
+
+    /// The reporting prefill rank.
+    #[getter]
+    fn rank(&self) -> u32 {
+        self.0.rank
+    }
+
+    /// Index of the chunk in the request's send order.
+    #[getter]
+    fn chunk(&self) -> u32 {
+        self.0.chunk
+    }
+
+    /// Whether the chunk's bytes landed (False: it failed).
+    #[getter]
+    fn ok(&self) -> bool {
+        matches!(self.0.result, ChunkResult::Sent { .. })
+    }
+
+    /// Whether this was the request's final chunk.
+    #[getter]
+    fn last(&self) -> bool {
+        matches!(self.0.result, ChunkResult::Sent { last: true, .. })
+    }
+
+    /// Whether this is the rank's last status for the request.
+    #[getter]
+    fn terminal(&self) -> bool {
+        self.0.is_terminal()
+    }
+
+    /// Bytes moved per component.
+    #[getter]
+    fn bytes(&self) -> BTreeMap<&'static str, u64> {
+        match &self.0.result {
+            ChunkResult::Sent { bytes, .. } => bytes_dict(bytes),
+            ChunkResult::Failed { .. } => BTreeMap::new(),
+        }
+    }
+
+    /// Why it failed (None when sent).
+    #[getter]
+    fn reason(&self) -> Option<String> {
+        match &self.0.result {
+            ChunkResult::Failed { reason } => Some(reason.clone()),
+            ChunkResult::Sent { .. } => None,
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<kvshard.ChunkStatus {}>", self.0)
+    }
+}
+
+/// A chunk on its way: poll it, or wait for it. Its status must reach the decode side.
+#[pyclass(frozen, module = "kvshard", name = "PendingChunk")]
+pub struct PyPendingChunk {
+    inner: Mutex<Option<PendingChunk>>,
+    /// The spaces the copies touch (kept until the chunk has landed).
+    #[allow(dead_code)]
+    holds: (Py<PyDevicePool>, Py<PyRemoteSpace>),
+}
+
+#[pymethods]
+impl PyPendingChunk {
+    /// The chunk's status once it has landed, None while it is moving; a failure raises
+    /// `ChunkFailedError` (its `status` is what to deliver).
+    fn poll(&self, py: Python<'_>) -> PyResult<Option<PyChunkStatus>> {
+        let status = py.detach(|| lock(&self.inner).as_mut().map(|p| p.poll()));
+        Ok(status
+            .ok_or_else(|| invalid("the chunk was already waited for"))?
+            .py_err()?
+            .map(PyChunkStatus))
+    }
+
+    /// Waits until the chunk has landed and returns its status (once).
+    fn wait(&self, py: Python<'_>) -> PyResult<PyChunkStatus> {
+        let p = lock(&self.inner)
+            .take()
+            .ok_or_else(|| invalid("the chunk was already waited for"))?;
+        Ok(PyChunkStatus(py.detach(|| p.wait()).py_err()?))
+    }
+
+    /// Request id.
+    #[getter]
+    fn request(&self) -> Option<u64> {
+        lock(&self.inner).as_ref().map(|p| p.request())
+    }
+
+    /// The chunk's index.
+    #[getter]
+    fn chunk(&self) -> Option<u32> {
+        lock(&self.inner).as_ref().map(|p| p.chunk())
+    }
+
+    /// Whether it is the request's final chunk.
+    #[getter]
+    fn last(&self) -> Option<bool> {
+        lock(&self.inner).as_ref().map(|p| p.is_last())
+    }
+
+    /// Bytes it moves, per component.
+    #[getter]
+    fn bytes(&self) -> BTreeMap<&'static str, u64> {
+        lock(&self.inner)
+            .as_ref()
+            .map(|p| bytes_dict(&p.bytes()))
+            .unwrap_or_default()
+    }
+}
+
+/// How a sender's transport moves bytes.
+fn copy_method(
+    name: Option<&str>,
+    launch: Option<(u32, u32)>,
+    b: &dyn kvshard::backend::Backend,
+) -> PyResult<CopyMethod> {
+    let default = CopyMethod::default_for(b);
+    let grid = |default_grid: Launch| {
+        launch.map_or(default_grid, |(ctas, threads)| Launch { ctas, threads })
+    };
+    let default_grid = match default {
+        CopyMethod::Blocks(l) | CopyMethod::Kernel(l) => l,
+        CopyMethod::CopyEngine => Launch::host_io(b, 264),
+    };
+    Ok(match name.unwrap_or("blocks") {
+        "blocks" => CopyMethod::Blocks(grid(default_grid)),
+        "kernel" | "ranges" => CopyMethod::Kernel(grid(default_grid)),
+        "copy_engine" | "copy-engine" => CopyMethod::CopyEngine,
+        other => {
+            return Err(invalid(format!(
+                "copy method {other:?}: expected blocks, kernel or copy_engine"
+            )))
+        }
+    })
+}
+
+/// A transport that enqueues each chunk on the stream of the `send` call that submits it: one
+/// in-process transport per stream, made on first use, with the sender's method.
+struct StreamTransport {
+    current: Arc<Mutex<Arc<dyn Backend>>>,
+    method: CopyMethod,
+    by_stream: BTreeMap<usize, BackendTransport>,
+}
+
+impl Transport for StreamTransport {
+    fn submit(
+        &mut self,
+        plan: &kvshard::transfer::SendPlan,
+        src: &Arc<kvshard::pool::DevicePool>,
+        dst: &Arc<RemoteSpace>,
+    ) -> kvshard::Result<Box<dyn kvshard::transfer::Completion>> {
+        let backend = lock(&self.current).clone();
+        let key = Arc::as_ptr(&backend) as *const () as usize;
+        let method = self.method;
+        self.by_stream
+            .entry(key)
+            .or_insert_with(|| BackendTransport::with_method(backend, method))
+            .submit(plan, src, dst)
+    }
+}
+
+/// The sending side of one prefill rank: plans and enqueues every chunk of its requests from
+/// its pool into each request's destination (in-process: the same GPU, a peer-mapped pool, or
+/// the CPU reference), on the stream each `send` names (default: `stream` given here).
+/// `method`: `"blocks"` (default; one block-copy launch per section), `"kernel"` (one
+/// range-copy launch) or `"copy_engine"` (one batch copy); `launch`: `(ctas, threads)` of the
+/// kernels.
+#[pyclass(module = "kvshard", name = "Sender")]
+pub struct PySender {
+    pub(crate) inner: Mutex<Sender>,
+    /// The stream the next submission enqueues on, and the default.
+    current: Arc<Mutex<Arc<dyn Backend>>>,
+    default: Arc<dyn Backend>,
+    pool: Py<PyDevicePool>,
+    /// The destination of each open request.
+    dst: Mutex<BTreeMap<u64, Py<PyRemoteSpace>>>,
+}
+
+#[pymethods]
+impl PySender {
+    #[new]
+    #[pyo3(signature = (pool, stream = None, method = None, launch = None))]
+    fn new(
+        pool: Py<PyDevicePool>,
+        stream: Option<&Bound<'_, PyAny>>,
+        method: Option<&str>,
+        launch: Option<(u32, u32)>,
+    ) -> PyResult<Self> {
+        let p = pool.get();
+        let b = p.device.get().resolve(stream)?;
+        let method = copy_method(method, launch, b.as_ref())?;
+        let current = Arc::new(Mutex::new(b.clone()));
+        let transport = StreamTransport {
+            current: current.clone(),
+            method,
+            by_stream: BTreeMap::new(),
+        };
+        Ok(Self {
+            inner: Mutex::new(Sender::new(p.inner.clone(), Box::new(transport))),
+            current,
+            default: b,
+            pool,
+            dst: Mutex::new(BTreeMap::new()),
+        })
+    }
+
+    /// This sender's rank.
+    #[getter]
+    fn rank(&self) -> u32 {
+        lock(&self.inner).rank()
+    }
+
+    /// Starts sending a request the decode side registered into `dst`.
+    fn open(
+        &self,
+        py: Python<'_>,
+        registration: &PyRegistration,
+        dst: Py<PyRemoteSpace>,
+    ) -> PyResult<()> {
+        let request = registration.0.request;
+        lock(&self.inner)
+            .open(registration.0.clone(), dst.get().inner.clone())
+            .py_err()?;
+        lock(&self.dst).insert(request, dst.clone_ref(py));
+        Ok(())
+    }
+
+    /// Enqueues the next chunk of `request` on `stream` (default: the sender's; nothing
+    /// waits): `pages` is the request's logical page of every position prefilled so far, `end`
+    /// the tokens prefilled so far, `last` whether this is the final chunk (it carries the
+    /// indexer state; a rank owning nothing still sends it). A chunk that cannot be planned or
+    /// enqueued raises `ChunkFailedError` (deliver its `status`).
+    #[pyo3(signature = (request, pages, end, *, last = false, stream = None))]
+    fn send(
+        &self,
+        py: Python<'_>,
+        request: u64,
+        pages: Vec<u64>,
+        end: usize,
+        last: bool,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyPendingChunk> {
+        let backend = match stream {
+            Some(s) if !s.is_none() => self.pool.get().device.get().resolve(Some(s))?,
+            _ => self.default.clone(),
+        };
+        let dst = lock(&self.dst)
+            .get(&request)
+            .map(|d| d.clone_ref(py))
+            .ok_or_else(|| {
+                PyErr::from(crate::errors::KvError(kvshard::Error::Transfer {
+                    request,
+                    reason: "not open on this sender".into(),
+                }))
+            })?;
+        let end = if last {
+            ChunkEnd::Final(end)
+        } else {
+            ChunkEnd::Partial(end)
+        };
+        let pages = logical(&pages);
+        let result = py.detach(|| {
+            let mut sender = lock(&self.inner);
+            *lock(&self.current) = backend;
+            sender.send(request, &pages, end)
+        });
+        if last || result.is_err() {
+            lock(&self.dst).remove(&request);
+        }
+        Ok(PyPendingChunk {
+            inner: Mutex::new(Some(result.py_err()?)),
+            holds: (self.pool.clone_ref(py), dst),
+        })
+    }
+
+    /// Gives up on `request` on this rank; returns the failed status to deliver.
+    fn abort(&self, request: u64, reason: &str) -> PyResult<PyChunkStatus> {
+        lock(&self.dst).remove(&request);
+        Ok(PyChunkStatus(
+            lock(&self.inner).abort(request, reason).py_err()?,
+        ))
+    }
+
+    /// Requests open on this rank.
+    #[getter]
+    fn pending_requests(&self) -> usize {
+        lock(&self.inner).pending_requests()
+    }
+
+    /// Bytes this rank has enqueued, per component.
+    #[getter]
+    fn bytes_sent(&self) -> BTreeMap<&'static str, u64> {
+        bytes_dict(&lock(&self.inner).bytes_sent())
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A request the decode side is done with: every prefill rank reported its last status.
+#[pyclass(frozen, module = "kvshard", name = "Finished")]
+pub struct PyFinished(pub Finished);
+
+#[pymethods]
+impl PyFinished {
+    /// Request id.
+    #[getter]
+    fn request(&self) -> u64 {
+        self.0.request()
+    }
+
+    /// Whether every rank sent every chunk.
+    #[getter]
+    fn completed(&self) -> bool {
+        self.0.is_completed()
+    }
+
+    /// The registration, handed back (its pages are the decode side's again).
+    #[getter]
+    fn registration(&self) -> PyRegistration {
+        PyRegistration(self.0.registration.clone())
+    }
+
+    /// Bytes of all ranks together, per component.
+    #[getter]
+    fn total_bytes(&self) -> BTreeMap<&'static str, u64> {
+        bytes_dict(&self.0.total_bytes())
+    }
+
+    /// Per failed rank: `(rank, chunk, reason)`.
+    #[getter]
+    fn failures(&self) -> Vec<(u32, u32, String)> {
+        match &self.0.outcome {
+            Outcome::Completed => Vec::new(),
+            Outcome::Failed(f) => f
+                .iter()
+                .map(|f| (f.rank, f.chunk, f.reason.clone()))
+                .collect(),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<kvshard.Finished request {} {}>",
+            self.0.request(),
+            if self.0.is_completed() {
+                "completed"
+            } else {
+                "failed"
+            }
+        )
+    }
+}
+
+/// The decode side: completes a request only once every prefill rank has reported its final
+/// chunk (or failed), so it never reads a page a rank may still write.
+#[pyclass(module = "kvshard", name = "Receiver")]
+pub struct PyReceiver(Receiver);
+
+#[pymethods]
+impl PyReceiver {
+    #[new]
+    fn new() -> Self {
+        Self(Receiver::new())
+    }
+
+    /// Expects `registration` from `prefill_ranks` ranks.
+    fn register(&mut self, registration: &PyRegistration, prefill_ranks: u32) -> PyResult<()> {
+        self.0
+            .register(registration.0.clone(), prefill_ranks)
+            .py_err()
+    }
+
+    /// Takes one rank's status; returns the request once it is finished.
+    fn receive(&mut self, status: &PyChunkStatus) -> PyResult<Option<PyFinished>> {
+        Ok(self.0.receive(status.0.clone()).py_err()?.map(PyFinished))
+    }
+
+    /// `(ranks, ranks_done, failed)` of a request being received, or None.
+    fn progress(&self, request: u64) -> Option<(u32, u32, bool)> {
+        self.0
+            .progress(request)
+            .map(|p| (p.ranks, p.ranks_done, p.failed))
+    }
+
+    /// Requests being received.
+    #[getter]
+    fn pending_requests(&self) -> usize {
+        self.0.pending_requests()
+    }
+}

@@ -1,0 +1,75 @@
+"""Shared fixtures: geometries, engine-style NumPy KV tensors, random non-zero bytes."""
+
+import numpy as np
+import pytest
+
+import kvshard
+
+PAGE = kvshard.PAGE_SIZE
+
+
+def geometries():
+    """A shared-indexer layer with the MTP draft (four components), and a target-only one."""
+    return [
+        kvshard.CacheGeometry(
+            kvshard.PoolGeometry("fp8_trtllm", indexer_layers=[True, True, False, True]),
+            draft=True,
+        ),
+        kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_SCALED, 2)),
+    ]
+
+
+@pytest.fixture(params=[0, 1], ids=["draft-shared-indexer", "target-only-scaled"])
+def geometry(request):
+    return geometries()[request.param]
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(abs(hash(request.node.name)) % (1 << 32))
+
+
+def nonzero(rng, shape):
+    """Random bytes with no zero (so a missed copy never looks right)."""
+    return rng.integers(1, 256, size=shape, dtype=np.uint8)
+
+
+def engine_tensors(geometry, pages, fill=0):
+    """The engine's per-layer KV arrays, SGLang-shaped: latent `[pages*64, 1, row]`, indexer
+    `[pages, 8448]`."""
+    out = {}
+    for c in geometry.components():
+        if c.rows > 1:
+            shape = (pages * PAGE, 1, c.row_bytes)
+        else:
+            shape = (pages, c.row_bytes)
+        out[c.component] = [np.full(shape, fill, np.uint8) for _ in range(c.layers)]
+    return out
+
+
+def wrap(device, geometry, placement, rank, pages, tensors):
+    C = kvshard.Component
+    return kvshard.DevicePool.wrap(
+        device,
+        geometry,
+        placement,
+        rank,
+        pages,
+        tensors[C.TARGET_LATENT],
+        tensors.get(C.TARGET_INDEXER),
+        tensors.get(C.DRAFT_LATENT),
+        tensors.get(C.DRAFT_INDEXER),
+    )
+
+
+def page_bytes(tensors, local_page):
+    """One page of every component and layer of engine tensors, in kvshard's canonical order
+    (component, layer): what `DevicePool.read_pages` returns."""
+    parts = []
+    for c in sorted(tensors, key=lambda c: int(c)):
+        for t in tensors[c]:
+            if t.ndim == 3:
+                parts.append(t[local_page * PAGE : (local_page + 1) * PAGE].tobytes())
+            else:
+                parts.append(t[local_page].tobytes())
+    return b"".join(parts)

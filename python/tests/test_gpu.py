@@ -1,0 +1,319 @@
+"""GPU tests with the machine's own PyTorch: torch tensors as the engine's pools, torch streams,
+round trips byte-identical to torch-computed references, layer waits on a torch stream, the
+SGLang-shaped host pool on memory registered with cudaHostRegister (as SGLang registers it),
+and no hidden synchronization. Skipped (saying why) without torch, a GPU, or kernels in the
+build; KVSHARD_REQUIRE_GPU=1 turns the skip into a failure."""
+
+import os
+import time
+
+import pytest
+
+import kvshard
+
+torch = pytest.importorskip("torch") if os.environ.get("KVSHARD_REQUIRE_GPU") != "1" else __import__("torch")
+
+
+def _why_not():
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA GPU"
+    if kvshard.embedded_archs() is None:
+        return "this kvshard build embeds no kernels (built without nvcc)"
+    return None
+
+
+_reason = _why_not()
+if _reason and os.environ.get("KVSHARD_REQUIRE_GPU") == "1":
+    raise RuntimeError(f"KVSHARD_REQUIRE_GPU=1 but {_reason}")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_reason is not None, reason=_reason or "")]
+
+PAGE = kvshard.PAGE_SIZE
+C = kvshard.Component
+
+
+@pytest.fixture(scope="module")
+def device():
+    return kvshard.Device.cuda(0)
+
+
+def geometry():
+    return kvshard.CacheGeometry(
+        kvshard.PoolGeometry("fp8_trtllm", indexer_layers=[True, True, False, True]), draft=True
+    )
+
+
+def torch_tensors(g, pages, random=False, gen=None):
+    """The engine's per-layer KV tensors on the GPU, SGLang's shapes (uint8)."""
+    out = {}
+    for c in g.components():
+        shape = (pages * PAGE, 1, c.row_bytes) if c.rows > 1 else (pages, c.row_bytes)
+        layers = []
+        for _ in range(c.layers):
+            if random:
+                t = torch.randint(1, 256, shape, dtype=torch.uint8, device="cuda", generator=gen)
+            else:
+                t = torch.zeros(shape, dtype=torch.uint8, device="cuda")
+            layers.append(t)
+        out[c.component] = layers
+    return out
+
+
+def wrap(device, g, placement, rank, pages, t):
+    return kvshard.DevicePool.wrap(
+        device, g, placement, rank, pages,
+        t[C.TARGET_LATENT], t.get(C.TARGET_INDEXER), t.get(C.DRAFT_LATENT), t.get(C.DRAFT_INDEXER),
+    )
+
+
+def page_of(t, component, layer, page):
+    x = t[component][layer]
+    return x[page * PAGE : (page + 1) * PAGE] if x.dim() == 3 else x[page]
+
+
+@pytest.fixture
+def gen():
+    g = torch.Generator(device="cuda")
+    g.manual_seed(1234)
+    return g
+
+
+def test_torch_tensors_as_pools_chunked_owned_row_writes_on_a_torch_stream(device, gen):
+    g, ranks, pages, prompt, chunk = geometry(), 2, 32, 1500, 512
+    placement = kvshard.Placement(ranks)
+    tensors = [torch_tensors(g, pages) for _ in range(ranks)]
+    pools = [wrap(device, g, placement, r, pages, tensors[r]) for r in range(ranks)]
+    alloc = kvshard.ShardAllocator(placement, pages)
+    chain = kvshard.RequestChain(placement)
+    staging = kvshard.ChunkStaging(pools[0], chunk)
+    writers = [kvshard.OwnedRowWrite(staging, p) for p in pools]
+    stream = torch.cuda.Stream()
+    ref = {c.component: [torch.randint(1, 256, (prompt, c.row_bytes) if c.rows > 1 else (-(-prompt // PAGE), c.row_bytes), dtype=torch.uint8, device="cuda", generator=gen) for _ in range(c.layers)] for c in g.components()}
+    torch.cuda.synchronize()  # the pools and references were made on the default stream
+    start = 0
+    with torch.cuda.stream(stream):
+        while start < prompt:
+            end = min(start + chunk, prompt)
+            chain.grow_to(alloc, end)
+            for c in g.components():
+                for layer in range(c.layers):
+                    view = torch.from_dlpack(staging.layer_view(c.component, layer))
+                    if c.rows > 1:
+                        view[: end - start].copy_(ref[c.component][layer][start:end])
+                    else:
+                        n = -(-(end - start) // PAGE)
+                        view[:n].copy_(ref[c.component][layer][start // PAGE : start // PAGE + n])
+            slots = torch.tensor(chain.slots(start, end), dtype=torch.int64, device="cuda")
+            for w in writers:
+                w.run(slots, stream)  # the torch stream, enqueued in order with the copies
+            start = end
+    stream.synchronize()
+    device.synchronize()  # surfaces any slot a kernel rejected
+    # Torch-computed reference: each rank's latent rows at its local rows.
+    for c in g.components():
+        if c.rows == 1:
+            continue
+        for layer in range(c.layers):
+            for r in range(ranks):
+                slots = torch.tensor(chain.slots(0, prompt), device="cuda")
+                pages_of = slots // PAGE
+                mine = (pages_of % ranks) == r
+                local_rows = (slots // (PAGE * ranks)) * PAGE + slots % PAGE
+                got = tensors[r][c.component][layer][:, 0][local_rows[mine]]
+                assert torch.equal(got, ref[c.component][layer][mine]), (c.component, layer, r)
+
+
+def test_pd_round_trip_with_torch_decode_pool(device, gen):
+    g, ranks, pages = geometry(), 2, 24
+    placement = kvshard.Placement(ranks)
+    tensors = [torch_tensors(g, pages, True, gen) for _ in range(ranks)]
+    pools = [wrap(device, g, placement, r, pages, tensors[r]) for r in range(ranks)]
+    alloc = kvshard.ShardAllocator(placement, pages)
+    chain = kvshard.RequestChain(placement)
+    chain.grow_to(alloc, 1000)
+    unsharded = kvshard.Placement(1)
+    dec = torch_tensors(g, pages)
+    decode = wrap(device, g, unsharded, 0, pages, dec)
+    dchain = kvshard.RequestChain(unsharded)
+    dchain.grow_to(kvshard.ShardAllocator(unsharded, pages), 1000)
+    reg = dchain.registration(1, kvshard.PoolLayout.of(decode))
+    dst = kvshard.RemoteSpace.of(decode)
+    rx = kvshard.Receiver()
+    rx.register(reg, ranks)
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()  # the tensors were filled on the default stream
+    done = None
+    for method in ["blocks"]:
+        senders = [kvshard.Sender(p, stream, method) for p in pools]
+        for i, end in enumerate([512, 1000]):
+            for s in senders:
+                if i == 0:
+                    s.open(reg, dst)
+                done = rx.receive(s.send(1, chain.pages, end, last=i == 1).wait()) or done
+    assert done is not None and done.completed
+    for i, page in enumerate(chain.pages):
+        owner, local = page % ranks, page // ranks
+        for c in g.components():
+            for layer in range(c.layers):
+                assert torch.equal(
+                    page_of(dec, c.component, layer, dchain.pages[i]),
+                    page_of(tensors[owner], c.component, layer, local),
+                )
+
+
+@pytest.mark.parametrize("route", ["kernel", "copy_engine", "staged", "staged_kernel"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_hicache_round_trip_and_layer_waits_on_a_torch_stream(device, gen, route, packed):
+    g, pages = geometry(), 40
+    placement = kvshard.Placement(2)
+    t = torch_tensors(g, pages, True, gen)
+    pool = wrap(device, g, placement, 1, pages, t)
+    layout = "layer_first" if packed and route.startswith("staged") else "page_first"
+    host = kvshard.HostPool(device, g, pages, layout, sglang=True, packed_draft=packed)
+    ctl = kvshard.HiCacheController(pool, host)
+    chain_pages = [p for p in range(2, 2 * pages) if p % 2 == 1][:24]
+    # Rank 1's pages only (no shard owner: host pages of the same owner class).
+    node = kvshard.CacheNode(5, chain_pages, None)
+    compute = torch.cuda.current_stream()
+    want = {p: [page_of(t, c.component, l, p // 2).clone() for c in g.components() for l in range(c.layers)] for p in chain_pages}
+    assert ctl.access(node, compute, route) == 0
+    ctl.ack_backups(1)
+    for arrays in t.values():
+        for x in arrays:
+            x.zero_()
+    torch.cuda.synchronize()
+    consumer = torch.cuda.Stream()
+    handle = ctl.load(5, chain_pages, None, route)
+    outs = []
+    with torch.cuda.stream(consumer):
+        for m in range(g.model_layers):
+            handle.wait_layer(consumer, m)
+            # The consumer reads layer m right after its wait, on its own stream.
+            if m < g.target.num_layers:
+                outs.append((m, t[C.TARGET_LATENT][m][: pages * PAGE].clone()))
+    consumer.synchronize()
+    ctl.ack_loads(1)
+    for m, snap in outs:
+        for p in chain_pages:
+            assert torch.equal(snap[(p // 2) * PAGE : (p // 2 + 1) * PAGE], want[p][m]), (route, m, p)
+    for p in chain_pages:
+        got = [page_of(t, c.component, l, p // 2) for c in g.components() for l in range(c.layers)]
+        assert all(torch.equal(a, b) for a, b in zip(got, want[p]))
+
+
+def test_enqueueing_never_synchronizes_the_callers_stream(device, gen):
+    g, pages = geometry(), 16
+    placement = kvshard.Placement(1)
+    t = torch_tensors(g, pages, True, gen)
+    pool = wrap(device, g, placement, 0, pages, t)
+    host = kvshard.HostPool(device, g, pages, "page_first_direct")
+    plan = kvshard.TransferPlan(placement, 0, list(range(1, 9)), list(range(1, 9)), pages, pages)
+    tr = kvshard.HostTransfer(pool, host, plan, "backup")
+    tr.prepare_kernel()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    ks = device.stream(s)  # the one-time wrap (waits once), before the stream is busy
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued ahead
+    t0 = time.perf_counter()
+    for io in ["kernel", "copy_engine"]:
+        tr.run(s, io)
+    e = ks.record()
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 0.2, f"enqueueing took {elapsed:.3f} s: something waited for the stream"
+    assert not e.query(), "the copies ran before the sleep ahead of them on the stream"
+    e.synchronize()
+    assert e.query()
+
+
+def test_sglang_host_pool_on_memory_registered_with_cuda_host_register(device, gen):
+    from kvshard.sglang import MLAHostPool
+
+    g, page_num, pages = geometry(), 12, 16
+    placement = kvshard.Placement(1)
+    t = torch_tensors(g, pages, True, gen)
+    pool = wrap(device, g, placement, 0, pages, t)
+    torch.cuda.synchronize()
+    L, Li = g.target.num_layers + 1, g.target.num_indexer_layers + 1
+    kv = torch.zeros((page_num * PAGE, L, 1, 576), dtype=torch.uint8)
+    ix = torch.zeros((page_num + 1, Li, 1, kvshard.INDEXER_PAGE_BYTES), dtype=torch.uint8)
+    cudart = torch.cuda.cudart()
+    registered = []
+    # SGLang registers in chunks of whole pages of every layer; two chunks for the latent.
+    for buf, unit in [(kv, PAGE * L * 576), (ix, None)]:
+        base, total = buf.data_ptr(), buf.numel()
+        step = unit * (page_num // 2) if unit else total
+        ranges, off = [], 0
+        while off < total:
+            size = min(step, total - off)
+            assert int(cudart.cudaHostRegister(base + off, size, 0)) == 0
+            ranges.append((base + off, size))
+            off += size
+        buf._sglang_cuda_host_registered_ranges = ranges
+        registered += ranges
+    try:
+        host = MLAHostPool(device, g, page_num, "page_first", "kernel", buffers=[kv, ix])
+        dev_pages, host_pages = [2, 9, 3, 14], [1, 6, 7, 11]
+        didx = torch.tensor([p * PAGE + i for p in dev_pages for i in range(PAGE)], dtype=torch.int64)
+        hidx = torch.tensor([p * PAGE + i for p in host_pages for i in range(PAGE)], dtype=torch.int64)
+        for io in ["kernel", "direct"]:
+            kv.zero_()
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                h, d = host.prepare_transfer_indices(hidx, didx, io)
+                host.backup_from_device_all_layer_physical(pool, h, d, io)
+            s.synchronize()
+            # Torch-computed reference: SGLang's page_first indexing [token, layer, 0, :].
+            for dp, hp in zip(dev_pages, host_pages):
+                for layer in range(g.target.num_layers):
+                    assert torch.equal(
+                        kv[hp * PAGE : (hp + 1) * PAGE, layer, 0],
+                        t[C.TARGET_LATENT][layer][dp * PAGE : (dp + 1) * PAGE, 0].cpu(),
+                    )
+                assert torch.equal(
+                    kv[hp * PAGE : (hp + 1) * PAGE, L - 1, 0],
+                    t[C.DRAFT_LATENT][0][dp * PAGE : (dp + 1) * PAGE, 0].cpu(),
+                )
+                assert torch.equal(ix[hp, Li - 1, 0], t[C.DRAFT_INDEXER][0][dp].cpu())
+            # Storage-backend access: host pointers into the engine's own tensors.
+            ptrs, sizes = host.get_page_buffer_meta(hidx[:PAGE])
+            assert ptrs == [kv.data_ptr() + host_pages[0] * L * 576 * PAGE]
+            page = host.get_data_page(host_pages[1] * PAGE)
+            assert torch.equal(page, kv[host_pages[1] * PAGE : (host_pages[1] + 1) * PAGE].flatten())
+            # Reload layer by layer on a torch stream, SGLang's loop with on_layer_done.
+            before = {k: [x.clone() for x in v] for k, v in t.items()}
+            for v in t.values():
+                for x in v:
+                    x.zero_()
+            torch.cuda.synchronize()
+            events = []
+            with torch.cuda.stream(s):
+                host.load_all_layers(pool, hidx, didx, io, on_layer_done=lambda i: events.append(torch.cuda.Event()) or events[-1].record())
+            s.synchronize()
+            assert len(events) == g.target.num_layers
+            for k in t:
+                for a, b in zip(t[k], before[k]):
+                    for dp in dev_pages:
+                        sl = slice(dp * PAGE, (dp + 1) * PAGE) if a.dim() == 3 else slice(dp, dp + 1)
+                        assert torch.equal(a[sl], b[sl]), k
+        del host, page
+        import gc
+
+        gc.collect()
+        torch.cuda.synchronize()
+    finally:
+        for base, _ in registered:
+            cudart.cudaHostUnregister(base)
+
+
+def test_dlpack_from_cupy_when_present(device):
+    cupy = pytest.importorskip("cupy")
+    g = kvshard.CacheGeometry(kvshard.PoolGeometry("fp8_trtllm", 2))
+    pages = 8
+    lat = [cupy.zeros((pages * PAGE, 576), dtype=cupy.uint8) for _ in range(2)]
+    ix = [cupy.zeros((pages, kvshard.INDEXER_PAGE_BYTES), dtype=cupy.uint8) for _ in range(2)]
+    pool = kvshard.DevicePool.wrap(device, g, kvshard.Placement(1), 0, pages, lat, ix)
+    pool.fill(7)
+    device.synchronize()
+    assert int(lat[1][3 * PAGE, 5]) == 7
+    with pytest.raises(ValueError, match="cuda:0"):
+        kvshard.DevicePool.wrap(device, g, kvshard.Placement(1), 0, pages, [x.get() for x in lat], ix)
