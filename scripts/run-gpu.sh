@@ -1,60 +1,112 @@
 #!/usr/bin/env bash
-# Runs the staged binaries (scripts/stage-gpu.sh) on a GPU host: every test with the GPU required,
-# the GPU tests again under compute-sanitizer memcheck and racecheck, then the GPU benchmark.
-# Logs go to $OUT (default ./gpu-out): summary.log, tests.log, sanitizer.log, bench.log, bench.md. Usage: run-gpu.sh [tests|sanitize|bench|all] [bench args]
+# Runs the staged binaries (scripts/stage-gpu.sh) on a GPU host. Steps, in the order given
+# (default: all of them but bench):
+#   tests     every test binary with the GPU required (two-GPU tests too when two GPUs are here)
+#   sanitize  the GPU tests again under compute-sanitizer memcheck and racecheck
+#   demo      kvshard demo, the basic and the pressure scenario
+#   pd        scripts/pd-gpu.sh: P/D across processes (one GPU, or two when present)
+#   python    python/run-gpu-tests.sh on the staged wheel, with its benchmark
+#   bench     the GPU benchmark (arguments after `--` go to it)
+# Writes at most eight files to $OUT (default ./gpu-out): summary.log, tests.log,
+# sanitizer.log, demo.log, pd.md, python.md, bench.md and bench.log. The binaries need
+# glibc >= 2.34 and load libcuda (and libnccl, found in the machine's Python packages) at run
+# time. Usage: run-gpu.sh [STEP...] [-- BENCH ARGS...]
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+repo="$(cd "$here/.." && pwd)"
+[ -d "$here/tests" ] || repo="$(pwd)"
 out="${OUT:-$PWD/gpu-out}"
 mkdir -p "$out"
-what="${1:-all}"
-shift || true
+steps=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+  steps+=("$1")
+  shift
+done
+[ "${1:-}" = "--" ] && shift
+[ ${#steps[@]} -eq 0 ] && steps=(tests sanitize demo pd python)
 export KVSHARD_REQUIRE_GPU=1
+export NCCL_NVLS_ENABLE=0
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+[ "$gpus" -ge 2 ] && export KVSHARD_REQUIRE_GPUS=2
+# libnccl ships inside the machine's Python packages (nvidia-nccl-cu13).
+nccl=$(find / -xdev -name 'libnccl.so.2' -path '*nvidia*' 2>/dev/null | head -1)
+[ -n "$nccl" ] && export LD_LIBRARY_PATH="$(dirname "$nccl")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+blas=$(find / -xdev -name 'libcublas.so.13' 2>/dev/null | head -1)
+[ -n "$blas" ] && export LD_LIBRARY_PATH="$(dirname "$blas"):$LD_LIBRARY_PATH"
 status=0
+say() { echo "$*" | tee -a "$out/summary.log"; }
 
-echo "commit $(cat "$here/COMMIT")  $(date -u +%FT%TZ)" | tee "$out/summary.log"
-nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader \
-  | tee -a "$out/summary.log" || true
+say "commit $(cat "$here/COMMIT" 2>/dev/null)  $(date -u +%FT%TZ)  gpus $gpus  nccl ${nccl:-none}"
+nvidia-smi --query-gpu=index,name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader |
+  tee -a "$out/summary.log" || true
 
-if [ "$what" = tests ] || [ "$what" = all ]; then
-  for t in "$here"/tests/*; do
-    name=$(basename "$t")
-    log="$out/tmp-test.log"
-    if "$t" --test-threads=4 >"$log" 2>&1; then r=ok; else r=FAILED; status=1; fi
-    { echo "===== test $name: $r"; cat "$log"; } >>"$out/tests.log"
-    echo "test $name: $r ($(grep -E '^test result' "$log" | tail -1))" | tee -a "$out/summary.log"
-    rm -f "$log"
-  done
-fi
-
-if [ "$what" = sanitize ] || [ "$what" = all ]; then
-  cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-  for tool in memcheck racecheck; do
+for step in "${steps[@]}"; do
+  start=$(date +%s)
+  case "$step" in
+  tests)
     for t in "$here"/tests/*; do
       name=$(basename "$t")
-      # Only binaries with GPU tests; CPU-only tests gain nothing under the sanitizer.
-      "$t" --list 2>/dev/null | grep -q '^gpu_.*: test' || continue
-      log="$out/tmp-sanitizer.log"
-      if "$cs" --tool "$tool" --error-exitcode 99 "$t" gpu_ --test-threads=1 >"$log" 2>&1; then
-        r=clean
-      else
-        r=FAILED
-        status=1
-      fi
-      { echo "===== $tool $name: $r"; cat "$log"; } >>"$out/sanitizer.log"
-      echo "$tool $name: $r ($(grep -E 'ERROR SUMMARY|test result' "$log" | tail -2 | tr '\n' ' '))" | tee -a "$out/summary.log"
+      log="$out/tmp-test.log"
+      if "$t" --test-threads=4 >"$log" 2>&1; then r=ok; else r=FAILED; status=1; fi
+      { echo "===== test $name: $r"; cat "$log"; } >>"$out/tests.log"
+      say "test $name: $r ($(grep -E '^test result' "$log" | tail -1)) $(grep -c '^SKIPPED' "$log") skipped"
       rm -f "$log"
     done
-  done
-fi
-
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  # The interference benchmark loads cuBLAS at run time; on hosts where it only ships inside a
-  # Python environment (PyTorch's wheels), put that directory on the library path.
-  if ! ldconfig -p | grep -q 'libcublas\.so\.13'; then
-    blas=$(find / -xdev -name 'libcublas.so.13' 2>/dev/null | head -1)
-    [ -n "$blas" ] && export LD_LIBRARY_PATH="$(dirname "$blas")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  fi
-  OUT="$out" "$here/benches/gpu" "$@" 2>&1 | tee "$out/bench.log"
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
-fi
+    ;;
+  sanitize)
+    cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+    for tool in memcheck racecheck; do
+      for t in "$here"/tests/*; do
+        name=$(basename "$t")
+        # NCCL under the sanitizer reports its own internals; its bytes are checked by the test.
+        [ "$name" = nccl ] && continue
+        "$t" --list 2>/dev/null | grep -q '^gpu_.*: test' || continue
+        log="$out/tmp-sanitizer.log"
+        if "$cs" --tool "$tool" --target-processes all --error-exitcode 99 "$t" gpu_ --test-threads=1 >"$log" 2>&1; then
+          r=clean
+        else
+          r=FAILED
+          status=1
+        fi
+        { echo "===== $tool $name: $r"; cat "$log"; } >>"$out/sanitizer.log"
+        say "$tool $name: $r ($(grep -E 'ERROR SUMMARY|test result' "$log" | tail -2 | tr '\n' ' '))"
+        rm -f "$log"
+      done
+    done
+    ;;
+  demo)
+    for scenario in basic pressure; do
+      if "$here/kvshard" demo --scenario "$scenario" >>"$out/demo.log" 2>&1; then r=ok; else r=FAILED; status=1; fi
+      say "demo $scenario: $r"
+    done
+    ;;
+  pd)
+    mkdir -p /tmp/pd-out
+    if KVSHARD="$here/kvshard" OUT=/tmp/pd-out "$repo/scripts/pd-gpu.sh" >/tmp/pd-out/console.log 2>&1; then r=ok; else r=FAILED; status=1; fi
+    { cat /tmp/pd-out/topology.txt; cat /tmp/pd-out/pd.md; echo; echo '```'; cat /tmp/pd-out/tests.log; echo '```'; } >"$out/pd.md" 2>/dev/null
+    say "pd: $r"
+    ;;
+  python)
+    wheel=$(ls "$here"/*.whl 2>/dev/null | head -1)
+    if [ -z "$wheel" ]; then
+      say "python: no staged wheel"
+      status=1
+      continue
+    fi
+    if OUT=/tmp/py-out "$repo/python/run-gpu-tests.sh" "$wheel" --bench >/tmp/py-console.log 2>&1; then r=ok; else r=FAILED; status=1; fi
+    { cat /tmp/py-out/env.log; cat /tmp/py-out/bench-python.md; echo '```'; tail -60 /tmp/py-out/pytest.log; cat /tmp/py-out/bench.log; echo '```'; } >"$out/python.md" 2>/dev/null
+    say "python: $r ($(grep -E 'passed|failed' /tmp/py-out/pytest.log | tail -1))"
+    ;;
+  bench)
+    OUT="$out" "$here/benches/gpu" "$@" 2>&1 | tee "$out/bench.log" >/dev/null
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    say "bench: $(grep -c 'FAILED' "$out/bench.log") sections failed"
+    ;;
+  *)
+    say "unknown step $step"
+    status=1
+    ;;
+  esac
+  say "step $step took $(($(date +%s) - start)) s"
+done
 exit $status

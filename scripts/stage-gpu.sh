@@ -37,6 +37,12 @@ cargo bench --features "$features" --no-run --message-format=json 2>/dev/null | 
     [ "$kind" = bench ] && [ "$name" = gpu ] && cp "$exe" "$stage/benches/$name"
   done
 cp scripts/run-gpu.sh "$stage/"
+# The Python wheel (abi3, kernels embedded) for the GPU pytest and its benchmark.
+venv=target/python-ci-venv
+[ -x "$venv/bin/maturin" ] || { python3 -m venv "$venv" && "$venv/bin/pip" install --quiet "maturin==1.16.*"; }
+rm -f target/wheels/kvshard-*.whl
+"$venv/bin/maturin" build --release --features require-kernels -m python/Cargo.toml --quiet
+cp target/wheels/kvshard-*.whl "$stage/"
 # Symbols are not needed there, and the device tool carries at most 64 MiB.
 find "$stage" -type f -perm -u+x ! -name '*.sh' -exec strip --strip-unneeded {} +
 git rev-parse --short HEAD >"$stage/COMMIT" 2>/dev/null || echo unknown >"$stage/COMMIT"

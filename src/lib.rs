@@ -96,6 +96,8 @@ pub mod abi;
 
 pub mod backend;
 pub mod chain;
+#[cfg(feature = "cli")]
+pub mod cli;
 pub mod copy;
 #[cfg(feature = "cli")]
 pub mod demo;

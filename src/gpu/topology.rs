@@ -37,6 +37,13 @@ pub fn topology(pci_bus_id: &str) -> Result<Topology, String> {
     })
 }
 
+/// Bytes of device memory NVML says are free on the GPU at `pci_bus_id` (`None` without NVML).
+pub fn free_memory(pci_bus_id: &str) -> Option<u64> {
+    let nvml = Nvml::init().ok()?;
+    let device = nvml.device_by_pci_bus_id(pci_bus_id).ok()?;
+    device.memory_info().ok().map(|m| m.free)
+}
+
 /// Runs `f` with the calling thread bound to the CPUs NVML says are closest to the GPU at
 /// `pci_bus_id`, so memory `f` allocates and touches lands on the GPU's NUMA node (Linux first
 /// touch). Without NVML, or where the binding fails, `f` runs unbound: placement is a
