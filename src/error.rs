@@ -219,6 +219,23 @@ pub enum Error {
         /// How long.
         waited: std::time::Duration,
     },
+    /// The NIXL runtime library could not be loaded (feature `nixl`): `why` says what is
+    /// missing and what to install.
+    #[cfg(feature = "nixl")]
+    #[error("NIXL is not available: {why}")]
+    NixlUnavailable {
+        /// What failed, and the install step that fixes it.
+        why: String,
+    },
+    /// A NIXL call failed (feature `nixl`).
+    #[cfg(feature = "nixl")]
+    #[error("NIXL {call} failed: {reason}")]
+    Nixl {
+        /// The NIXL operation.
+        call: &'static str,
+        /// NIXL's status, or what kvshard found wrong.
+        reason: String,
+    },
 }
 
 impl Error {

@@ -21,10 +21,17 @@
 //!   [`DescriptorBatch`] of absolute ranges network engines take.
 //! - [`completion`]: the per-rank [`Sender`] and the decode-side [`Receiver`] that completes a
 //!   request only once every rank has reported its final chunk, and fails it on any failure.
+//! - [`stats`]: the counters every transport keeps (bytes, descriptors, post and transfer time,
+//!   failures), named after the metrics vLLM's NIXL connector and KVBM export.
+//! - `nixl` (feature `nixl`): the transport on NVIDIA's NIXL, for prefill and decode on
+//!   different hosts.
 
 pub mod completion;
 pub mod exec;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod plan;
+pub mod stats;
 
 use std::fmt;
 use std::ops::AddAssign;
@@ -41,6 +48,7 @@ pub use plan::{
     ChunkRange, Descriptor, PoolLayout, PrefillRank, Registration, Section, SectionComponent,
     SendPlan,
 };
+pub use stats::{Metric, MetricKind, Posted, StatsSnapshot, TimeSnapshot, TransferStats};
 
 use crate::geometry::Component;
 
