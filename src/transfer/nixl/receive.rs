@@ -242,23 +242,31 @@ impl NixlTarget {
         Ok(())
     }
 
-    /// Prefill rank `rank` is gone (its control channel said so): every open request it was
-    /// sending fails, once its pending scatters here have run (they write the pool).
-    pub fn rank_gone(&mut self, rank: u32, why: &str) {
+    /// Prefill rank `rank` is gone (its control channel said so): the notices it sent before
+    /// it went are taken first (the chunks they report did land), then every request it was
+    /// still sending fails, once its pending scatters here have run (they write the pool).
+    pub fn rank_gone(&mut self, rank: u32, why: &str) -> Result<()> {
+        let taken = self.take_notifications();
         self.fail_rank(rank, &format!("gone: {why}"));
+        taken
     }
 
     /// Takes NIXL's notifications, scatters bounced sections, and returns the requests that
     /// finished (completed or failed), each exactly once.
     pub fn poll(&mut self) -> Result<Vec<Finished>> {
+        self.take_notifications()?;
+        self.finish_scatters()?;
+        Ok(std::mem::take(&mut self.finished))
+    }
+
+    fn take_notifications(&mut self) -> Result<()> {
         for (from, bytes) in self.agent.notifications()? {
             match Notice::decode(&bytes) {
                 Ok(notice) => self.take(&from, notice)?,
                 Err(_) => self.refused += 1,
             }
         }
-        self.finish_scatters()?;
-        Ok(std::mem::take(&mut self.finished))
+        Ok(())
     }
 
     /// Requests registered and not yet finished.
