@@ -475,6 +475,10 @@ fn prefill_child(socket: &Path, seed: u64, rank: u32, mode: NixlMode, device: Op
                 sender.send(r.registration.request, &r.src_pages, end).expect("send").wait().expect("landed");
             }
         }
+        // The notices of what landed reach the decode before the death: a rank that dies
+        // right after its last transfer completed may take its notice with it, and the decode
+        // then fails that request too (bytes that landed unreported do not count).
+        std::thread::sleep(Duration::from_millis(500));
         // No core dump: writing one would delay the exit the decode is timing.
         let none = rustix::process::Rlimit { current: Some(0), maximum: Some(0) };
         let _ = rustix::process::setrlimit(rustix::process::Resource::Core, none);
@@ -552,4 +556,171 @@ fn gpu_nixl_vram_pools_match_the_reference() {
     for mode in ["auto", "bounce", "coalesced", "per-block"] {
         run(test, seed, mode, "decode", ["prefill", "prefill"], Some(gpus));
     }
+}
+
+/// A decode target and one prefill transport in this process (two agents over UCX), N = 1.
+fn in_process(
+    test: &str,
+    decode_geometry: CacheGeometry,
+    timeout: Duration,
+) -> (NixlTarget, NixlTransport, Arc<DevicePool>, Arc<CpuBackend>) {
+    let cpu = Arc::new(CpuBackend::new());
+    let dst = Arc::new(
+        DevicePool::allocate(cpu.as_ref(), &decode_geometry, Placement::unsharded(), 0, 16)
+            .expect("decode pool"),
+    );
+    let target = NixlTarget::new(
+        NixlBackend::Cpu(cpu.clone()),
+        dst,
+        1,
+        NixlConfig::new(format!("{test}-decode")),
+    )
+    .expect("target");
+    let src = Arc::new(
+        DevicePool::allocate(cpu.as_ref(), &geometry(), Placement::unsharded(), 0, 16)
+            .expect("prefill pool"),
+    );
+    let transport = NixlTransport::new(
+        NixlBackend::Cpu(cpu.clone()),
+        src.clone(),
+        NixlConfig {
+            transfer_timeout: timeout,
+            ..NixlConfig::new(format!("{test}-prefill"))
+        },
+    )
+    .expect("transport");
+    (target, transport, src, cpu)
+}
+
+fn one_request(request: u64) -> Registration {
+    Registration {
+        request,
+        layout: PoolLayout::packed(geometry(), 16),
+        prefix_pages: 0,
+        pages: vec![LocalPage(3), LocalPage(4)],
+        state_pages: vec![LocalPage(5), LocalPage(6)],
+    }
+}
+
+#[test]
+fn nixl_a_geometry_mismatch_refuses_the_peer_on_both_sides() {
+    let test = "nixl_a_geometry_mismatch_refuses_the_peer_on_both_sides";
+    if !nixl_available(test) {
+        return;
+    }
+    // The decode runs without the draft; the prefill with it.
+    let decode = CacheGeometry::target_only(geometry().target);
+    let (mut target, transport, _src, _cpu) = in_process(test, decode, STARTUP);
+    let e = transport
+        .connect(&target.peer_info(0).expect("info"))
+        .expect_err("the prefill refuses the decode's geometry");
+    assert!(matches!(e, kvshard::Error::GeometryMismatch { .. }), "{e}");
+    let e = target
+        .connect(0, &transport.peer_info().expect("info"))
+        .expect_err("the decode refuses the prefill's geometry");
+    assert!(matches!(e, kvshard::Error::GeometryMismatch { .. }), "{e}");
+    // A request the refused rank is part of fails at once; nothing stays open.
+    let mut reg = one_request(7);
+    reg.layout = PoolLayout::packed(CacheGeometry::target_only(geometry().target), 16);
+    target.register(reg).expect("register");
+    let finished = target.poll().expect("poll");
+    assert_eq!(finished.len(), 1);
+    assert!(!finished[0].is_completed());
+    assert_eq!(target.pending_requests(), 0);
+}
+
+#[test]
+fn nixl_a_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served() {
+    let test = "nixl_a_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served";
+    if !nixl_available(test) {
+        return;
+    }
+    let timeout = Duration::from_secs(3);
+    let (mut target, transport, src, cpu) = in_process(test, geometry(), timeout);
+    let remote = transport
+        .connect(&target.peer_info(0).expect("info"))
+        .expect("connect");
+    target
+        .connect(0, &transport.peer_info().expect("info"))
+        .expect("decode connect");
+    let mut sender = Sender::new(src.clone(), Box::new(transport.clone()));
+    let src_pages = [LogicalPage(2), LogicalPage(3)];
+    // One request lands...
+    target.register(one_request(1)).expect("register");
+    sender.open(one_request(1), remote.clone()).expect("open");
+    sender
+        .send(1, &src_pages, ChunkEnd::Final(128))
+        .expect("send")
+        .wait()
+        .expect("landed");
+    let deadline = Instant::now() + STARTUP;
+    let mut finished = Vec::new();
+    while finished.is_empty() && Instant::now() < deadline {
+        finished = target.poll().expect("poll");
+    }
+    assert!(finished[0].is_completed());
+    // ...then the decode vanishes without a word: its agent and memory are gone.
+    drop(target);
+    sender.open(one_request(2), remote).expect("open");
+    let start = Instant::now();
+    let failed = sender
+        .send(2, &src_pages, ChunkEnd::Final(128))
+        .and_then(PendingChunk::wait);
+    let took = start.elapsed();
+    let e = failed.expect_err("a write to a vanished agent fails");
+    assert!(matches!(e, kvshard::Error::ChunkFailed { .. }), "{e}");
+    assert!(took < timeout + Duration::from_secs(2), "failed after {took:?}");
+    let stats = transport.transfer_stats().snapshot();
+    assert_eq!(stats.failed_transfers, 1, "{stats}");
+    // The transport serves a new decode side.
+    let dst = Arc::new(
+        DevicePool::allocate(cpu.as_ref(), &geometry(), Placement::unsharded(), 0, 16)
+            .expect("decode pool"),
+    );
+    let mut target = NixlTarget::new(
+        NixlBackend::Cpu(cpu.clone()),
+        dst,
+        1,
+        NixlConfig::new(format!("{test}-decode2")),
+    )
+    .expect("target");
+    let remote = transport
+        .connect(&target.peer_info(0).expect("info"))
+        .expect("reconnect");
+    target
+        .connect(0, &transport.peer_info().expect("info"))
+        .expect("decode connect");
+    target.register(one_request(3)).expect("register");
+    sender.open(one_request(3), remote).expect("open");
+    sender
+        .send(3, &src_pages, ChunkEnd::Final(128))
+        .expect("send")
+        .wait()
+        .expect("landed");
+    let mut finished = Vec::new();
+    while finished.is_empty() && Instant::now() < deadline {
+        finished = target.poll().expect("poll");
+    }
+    assert!(finished[0].is_completed());
+}
+
+#[test]
+fn nixl_a_peer_reported_gone_fails_chunks_at_once() {
+    let test = "nixl_a_peer_reported_gone_fails_chunks_at_once";
+    if !nixl_available(test) {
+        return;
+    }
+    let (target, transport, src, _cpu) = in_process(test, geometry(), STARTUP);
+    let remote = transport
+        .connect(&target.peer_info(0).expect("info"))
+        .expect("connect");
+    let mut sender = Sender::new(src, Box::new(transport.clone()));
+    sender.open(one_request(1), remote).expect("open");
+    transport.peer_gone("its channel closed");
+    let start = Instant::now();
+    let e = sender
+        .send(1, &[LogicalPage(2), LogicalPage(3)], ChunkEnd::Final(128))
+        .expect_err("refused");
+    assert!(start.elapsed() < Duration::from_secs(1));
+    assert!(e.to_string().contains("gone"), "{e}");
 }
