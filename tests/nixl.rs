@@ -307,6 +307,13 @@ fn child_entry() {
         "decode-expect-death" => decode_child(&socket, seed, device, true),
         "prefill" => prefill_child(&socket, seed, rank, mode, device, false),
         "die" => prefill_child(&socket, seed, rank, mode, device, true),
+        "case_geometry_mismatch_refuses_the_peer_on_both_sides" => {
+            case_geometry_mismatch_refuses_the_peer_on_both_sides()
+        }
+        "case_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served" => {
+            case_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served()
+        }
+        "case_peer_reported_gone_fails_chunks_at_once" => case_peer_reported_gone_fails_chunks_at_once(),
         other => panic!("unknown child role {other}"),
     }
 }
@@ -558,6 +565,17 @@ fn gpu_nixl_vram_pools_match_the_reference() {
     }
 }
 
+/// Runs `case` in a process of its own: several agents are created and destroyed in it, and
+/// NIXL 1.5 was seen corrupting its heap when agents come and go in one process across tests
+/// (in UCX's shared progress thread); an engine creates its agent once per process.
+fn isolated(test: &str, case: &str) {
+    if !nixl_available(test) {
+        return;
+    }
+    let proc = Proc::spawn(case, Path::new("unused"), 0, 0, "auto", None);
+    assert!(proc.finish(test), "{test}: the test process failed (its stderr says why)");
+}
+
 /// A decode target and one prefill transport in this process (two agents over UCX), N = 1.
 fn in_process(
     test: &str,
@@ -604,10 +622,11 @@ fn one_request(request: u64) -> Registration {
 
 #[test]
 fn nixl_a_geometry_mismatch_refuses_the_peer_on_both_sides() {
+    isolated("nixl_a_geometry_mismatch_refuses_the_peer_on_both_sides", "case_geometry_mismatch_refuses_the_peer_on_both_sides");
+}
+
+fn case_geometry_mismatch_refuses_the_peer_on_both_sides() {
     let test = "nixl_a_geometry_mismatch_refuses_the_peer_on_both_sides";
-    if !nixl_available(test) {
-        return;
-    }
     // The decode runs without the draft; the prefill with it.
     let decode = CacheGeometry::target_only(geometry().target);
     let (mut target, transport, _src, _cpu) = in_process(test, decode, STARTUP);
@@ -631,10 +650,11 @@ fn nixl_a_geometry_mismatch_refuses_the_peer_on_both_sides() {
 
 #[test]
 fn nixl_a_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served() {
+    isolated("nixl_a_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served", "case_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served");
+}
+
+fn case_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served() {
     let test = "nixl_a_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served";
-    if !nixl_available(test) {
-        return;
-    }
     let timeout = Duration::from_secs(3);
     let (mut target, transport, src, cpu) = in_process(test, geometry(), timeout);
     let remote = transport
@@ -706,10 +726,11 @@ fn nixl_a_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served()
 
 #[test]
 fn nixl_a_peer_reported_gone_fails_chunks_at_once() {
+    isolated("nixl_a_peer_reported_gone_fails_chunks_at_once", "case_peer_reported_gone_fails_chunks_at_once");
+}
+
+fn case_peer_reported_gone_fails_chunks_at_once() {
     let test = "nixl_a_peer_reported_gone_fails_chunks_at_once";
-    if !nixl_available(test) {
-        return;
-    }
     let (target, transport, src, _cpu) = in_process(test, geometry(), STARTUP);
     let remote = transport
         .connect(&target.peer_info(0).expect("info"))

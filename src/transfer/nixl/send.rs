@@ -274,7 +274,7 @@ impl NixlTransport {
     /// first.
     pub fn connect(&self, peer: &NixlPeer) -> Result<Arc<RemoteSpace>> {
         let mut s = lock(&self.state);
-        s.disconnect("replaced by a new connection");
+        s.disconnect();
         let geometry = geometry_of(&peer.target, peer.draft.as_ref())?;
         s.pool.geometry().validate_pd(&geometry)?;
         let components = geometry.components();
@@ -342,10 +342,14 @@ impl NixlTransport {
 }
 
 impl State {
-    /// Closes the connection (if any): forgets the peer's agent and releases lists and slots.
-    fn disconnect(&mut self, _why: &str) {
+    /// Closes the connection (if any): releases its lists and slots, then forgets the peer's
+    /// agent. In that order: a prepared list of a peer refers to what NIXL holds of it, and
+    /// releasing it after the peer was forgotten corrupts NIXL's heap.
+    fn disconnect(&mut self) {
         if let Some(p) = self.peer.take() {
-            self.agent.forget(&p.agent);
+            let agent = p.agent.clone();
+            drop(p);
+            self.agent.forget(&agent);
         }
     }
 
