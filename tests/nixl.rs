@@ -28,8 +28,8 @@ use std::time::{Duration, Instant};
 use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::Backend;
-use kvshard::copy::RemoteSpace;
 use kvshard::copy::BlockSpace;
+use kvshard::copy::RemoteSpace;
 use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry};
 use kvshard::gpu::Gpu;
 use kvshard::index::{LocalPage, LogicalPage};
@@ -94,7 +94,11 @@ fn requests(seed: u64) -> Vec<Request> {
     let mut decode: Vec<u64> = (1..DECODE_PAGES).collect();
     decode.shuffle(&mut rng);
     let shapes: [(usize, usize, Vec<(usize, bool)>); 5] = [
-        (11, 0, vec![(3 * 64, false), (7 * 64 + 5, false), (11 * 64 - 30, true)]),
+        (
+            11,
+            0,
+            vec![(3 * 64, false), (7 * 64 + 5, false), (11 * 64 - 30, true)],
+        ),
         (9, 0, vec![(2 * 64 + 1, false), (9 * 64, true)]),
         (6, 2, vec![(4 * 64, false), (6 * 64, true)]),
         (1, 0, vec![(40, true)]),
@@ -135,7 +139,8 @@ fn requests(seed: u64) -> Vec<Request> {
 /// Rank `rank`'s pool contents: random, never all zero.
 fn pool_bytes(seed: u64, rank: u32, len: usize) -> Vec<u8> {
     let mut bytes = vec![0u8; len];
-    StdRng::seed_from_u64(seed ^ (u64::from(rank) + 1) * 0x9e37_79b9_7f4a_7c15).fill_bytes(&mut bytes);
+    StdRng::seed_from_u64(seed ^ (u64::from(rank) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+        .fill_bytes(&mut bytes);
     bytes
 }
 
@@ -222,7 +227,14 @@ impl Drop for Proc {
 }
 
 impl Proc {
-    fn spawn(role: &str, socket: &Path, seed: u64, rank: u32, mode: &str, gpu: Option<usize>) -> Proc {
+    fn spawn(
+        role: &str,
+        socket: &Path,
+        seed: u64,
+        rank: u32,
+        mode: &str,
+        gpu: Option<usize>,
+    ) -> Proc {
         let mut cmd = Command::new(std::env::current_exe().expect("test binary path"));
         cmd.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
             .env(CHILD, role)
@@ -264,7 +276,14 @@ fn socket_path(test: &str) -> PathBuf {
 
 /// Runs a decode process and N prefill processes; `roles[r]` is rank r's role. Returns whether
 /// every process succeeded.
-fn run(test: &str, seed: u64, mode: &str, decode_role: &str, roles: [&str; 2], gpus: Option<usize>) {
+fn run(
+    test: &str,
+    seed: u64,
+    mode: &str,
+    decode_role: &str,
+    roles: [&str; 2],
+    gpus: Option<usize>,
+) {
     let socket = socket_path(&format!("{test}-{mode}"));
     let device = |rank: u32| gpus.map(|n| (rank as usize + 1) % n.max(1));
     let decode = Proc::spawn(decode_role, &socket, seed, 0, mode, gpus.map(|_| 0));
@@ -273,7 +292,10 @@ fn run(test: &str, seed: u64, mode: &str, decode_role: &str, roles: [&str; 2], g
         .collect();
     let decode_ok = decode.finish(test);
     let prefill_ok: Vec<bool> = prefills.into_iter().map(|p| p.finish(test)).collect();
-    assert!(decode_ok, "{test} ({mode}): the decode process failed (its stderr says why)");
+    assert!(
+        decode_ok,
+        "{test} ({mode}): the decode process failed (its stderr says why)"
+    );
     for (r, ok) in prefill_ok.iter().enumerate() {
         let expect = roles[r] != "die";
         assert_eq!(*ok, expect, "{test} ({mode}): prefill rank {r} exit");
@@ -313,7 +335,9 @@ fn child_entry() {
         "case_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served" => {
             case_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served()
         }
-        "case_peer_reported_gone_fails_chunks_at_once" => case_peer_reported_gone_fails_chunks_at_once(),
+        "case_peer_reported_gone_fails_chunks_at_once" => {
+            case_peer_reported_gone_fails_chunks_at_once()
+        }
         other => panic!("unknown child role {other}"),
     }
 }
@@ -352,17 +376,19 @@ fn decode_child(socket: &Path, seed: u64, device: Option<usize>, expect_death: b
     let requests = requests(seed);
     // Registered before any rank can send: a notice for an unknown request is refused.
     for r in &requests {
-        target
-            .register(r.registration.clone())
-            .expect("register");
+        target.register(r.registration.clone()).expect("register");
     }
     let listener =
         Listener::bind(socket, Hello::new(Role::Decode, 0, 1), Liveness::default()).expect("bind");
-    let mut channels = listener.accept_n(N as usize, STARTUP).expect("ranks connect");
+    let mut channels = listener
+        .accept_n(N as usize, STARTUP)
+        .expect("ranks connect");
     for ch in &mut channels {
         let rank = ch.peer().rank;
-        ch.send(&Message::NixlPeer(target.peer_info(rank).expect("peer info")))
-            .expect("send NixlPeer");
+        ch.send(&Message::NixlPeer(
+            target.peer_info(rank).expect("peer info"),
+        ))
+        .expect("send NixlPeer");
         let got = ch.recv_timeout(STARTUP).expect("alive").expect("NixlPeer");
         let Message::NixlPeer(peer) = got.message else {
             panic!("expected NixlPeer, got {:?}", got.message);
@@ -382,7 +408,9 @@ fn decode_child(socket: &Path, seed: u64, device: Option<usize>, expect_death: b
             channels.len()
         );
         finished.extend(target.poll().expect("poll"));
-        if let Some((i, r)) = recv_any(&mut channels, Duration::from_millis(1)).expect("poll channels") {
+        if let Some((i, r)) =
+            recv_any(&mut channels, Duration::from_millis(1)).expect("poll channels")
+        {
             let rank = channels[i].peer().rank;
             match r {
                 Ok(m) if m.message == Message::Bye => {
@@ -401,15 +429,33 @@ fn decode_child(socket: &Path, seed: u64, device: Option<usize>, expect_death: b
     assert_eq!(target.pending_requests(), 0, "nothing left open");
     if !expect_death {
         // (A dead rank's notices still in flight when its death is seen are refused.)
-        assert_eq!(target.refused_notifications(), 0, "every notice was expected");
+        assert_eq!(
+            target.refused_notifications(),
+            0,
+            "every notice was expected"
+        );
     }
     finished.sort_by_key(Finished::request);
-    let expected = reference(seed, if expect_death { &requests[..1] } else { &requests });
+    let expected = reference(
+        seed,
+        if expect_death {
+            &requests[..1]
+        } else {
+            &requests
+        },
+    );
     let got = pool.snapshot_sync(backend.as_ref()).expect("snapshot");
     if expect_death {
         let gone = gone_at.expect("rank 1's death was seen");
-        assert!(gone.elapsed() < Duration::from_secs(5), "failures took {:?}", gone.elapsed());
-        assert!(finished[0].is_completed(), "request 1 landed before the death");
+        assert!(
+            gone.elapsed() < Duration::from_secs(5),
+            "failures took {:?}",
+            gone.elapsed()
+        );
+        assert!(
+            finished[0].is_completed(),
+            "request 1 landed before the death"
+        );
         for f in &finished[1..] {
             let Outcome::Failed(failures) = &f.outcome else {
                 panic!("request {} completed although rank 1 died", f.request());
@@ -430,7 +476,10 @@ fn decode_child(socket: &Path, seed: u64, device: Option<usize>, expect_death: b
         for f in &finished {
             assert!(f.is_completed(), "request {}: {:?}", f.request(), f.outcome);
         }
-        assert!(got == expected, "the decode pool differs from the in-process reference");
+        assert!(
+            got == expected,
+            "the decode pool differs from the in-process reference"
+        );
     }
 }
 
@@ -449,25 +498,41 @@ fn page_of(snapshot: &[u8], pool: &DevicePool, page: LocalPage) -> Vec<u8> {
     out
 }
 
-fn prefill_child(socket: &Path, seed: u64, rank: u32, mode: NixlMode, device: Option<usize>, die: bool) {
+fn prefill_child(
+    socket: &Path,
+    seed: u64,
+    rank: u32,
+    mode: NixlMode,
+    device: Option<usize>,
+    die: bool,
+) {
     let nixl = nixl_backend(device);
     let backend = nixl.backend();
     let pool = prefill_pool(backend.as_ref(), seed, rank);
-    let transport =
-        NixlTransport::new(nixl, pool.clone(), config(format!("prefill{rank}"), mode)).expect("transport");
-    let mut ch = Channel::connect(socket, Hello::new(Role::Prefill, rank, N), Liveness::default(), STARTUP)
-        .expect("connect");
+    let transport = NixlTransport::new(nixl, pool.clone(), config(format!("prefill{rank}"), mode))
+        .expect("transport");
+    let mut ch = Channel::connect(
+        socket,
+        Hello::new(Role::Prefill, rank, N),
+        Liveness::default(),
+        STARTUP,
+    )
+    .expect("connect");
     let got = ch.recv_timeout(STARTUP).expect("alive").expect("NixlPeer");
     let Message::NixlPeer(peer) = got.message else {
         panic!("expected NixlPeer, got {:?}", got.message);
     };
-    ch.send(&Message::NixlPeer(transport.peer_info().expect("peer info")))
-        .expect("send NixlPeer");
+    ch.send(&Message::NixlPeer(
+        transport.peer_info().expect("peer info"),
+    ))
+    .expect("send NixlPeer");
     let remote = transport.connect(&peer).expect("connect to the decode");
     let mut sender = Sender::new(pool, Box::new(transport.clone()));
     let requests = requests(seed);
     for r in &requests {
-        sender.open(r.registration.clone(), remote.clone()).expect("open");
+        sender
+            .open(r.registration.clone(), remote.clone())
+            .expect("open");
     }
     let report = |status: Option<ChunkStatus>| {
         if let Some(status) = status {
@@ -477,9 +542,17 @@ fn prefill_child(socket: &Path, seed: u64, rank: u32, mode: NixlMode, device: Op
     if die {
         // Request 1 whole, then the first chunk of request 2, then death mid-request.
         for r in &requests[..DIES_IN as usize] {
-            let chunks = if r.registration.request == DIES_IN { &r.chunks[..1] } else { &r.chunks[..] };
+            let chunks = if r.registration.request == DIES_IN {
+                &r.chunks[..1]
+            } else {
+                &r.chunks[..]
+            };
             for &end in chunks {
-                sender.send(r.registration.request, &r.src_pages, end).expect("send").wait().expect("landed");
+                sender
+                    .send(r.registration.request, &r.src_pages, end)
+                    .expect("send")
+                    .wait()
+                    .expect("landed");
             }
         }
         // The notices of what landed reach the decode before the death: a rank that dies
@@ -487,7 +560,10 @@ fn prefill_child(socket: &Path, seed: u64, rank: u32, mode: NixlMode, device: Op
         // then fails that request too (bytes that landed unreported do not count).
         std::thread::sleep(Duration::from_millis(500));
         // No core dump: writing one would delay the exit the decode is timing.
-        let none = rustix::process::Rlimit { current: Some(0), maximum: Some(0) };
+        let none = rustix::process::Rlimit {
+            current: Some(0),
+            maximum: Some(0),
+        };
         let _ = rustix::process::setrlimit(rustix::process::Resource::Core, none);
         std::process::abort();
     }
@@ -497,7 +573,9 @@ fn prefill_child(socket: &Path, seed: u64, rank: u32, mode: NixlMode, device: Op
     let rounds = requests.iter().map(|r| r.chunks.len()).max().unwrap_or(0);
     for round in 0..rounds {
         for r in &requests {
-            let Some(&end) = r.chunks.get(round) else { continue };
+            let Some(&end) = r.chunks.get(round) else {
+                continue;
+            };
             match sender.send(r.registration.request, &r.src_pages, end) {
                 Ok(p) => pending.push(p),
                 Err(e) => {
@@ -546,7 +624,14 @@ fn nixl_loopback_a_killed_prefill_fails_its_requests_on_the_decode_side() {
         return;
     }
     let seed: u64 = common::rng(test).random();
-    run(test, seed, "auto", "decode-expect-death", ["prefill", "die"], None);
+    run(
+        test,
+        seed,
+        "auto",
+        "decode-expect-death",
+        ["prefill", "die"],
+        None,
+    );
 }
 
 #[test]
@@ -561,7 +646,14 @@ fn gpu_nixl_vram_pools_match_the_reference() {
     let gpus = (0..8).take_while(|&g| Gpu::open(g).is_ok()).count().max(1);
     let seed: u64 = common::rng(test).random();
     for mode in ["auto", "bounce", "coalesced", "per-block"] {
-        run(test, seed, mode, "decode", ["prefill", "prefill"], Some(gpus));
+        run(
+            test,
+            seed,
+            mode,
+            "decode",
+            ["prefill", "prefill"],
+            Some(gpus),
+        );
     }
 }
 
@@ -573,7 +665,10 @@ fn isolated(test: &str, case: &str) {
         return;
     }
     let proc = Proc::spawn(case, Path::new("unused"), 0, 0, "auto", None);
-    assert!(proc.finish(test), "{test}: the test process failed (its stderr says why)");
+    assert!(
+        proc.finish(test),
+        "{test}: the test process failed (its stderr says why)"
+    );
 }
 
 /// A decode target and one prefill transport in this process (two agents over UCX), N = 1.
@@ -584,8 +679,14 @@ fn in_process(
 ) -> (NixlTarget, NixlTransport, Arc<DevicePool>, Arc<CpuBackend>) {
     let cpu = Arc::new(CpuBackend::new());
     let dst = Arc::new(
-        DevicePool::allocate(cpu.as_ref(), &decode_geometry, Placement::unsharded(), 0, 16)
-            .expect("decode pool"),
+        DevicePool::allocate(
+            cpu.as_ref(),
+            &decode_geometry,
+            Placement::unsharded(),
+            0,
+            16,
+        )
+        .expect("decode pool"),
     );
     let target = NixlTarget::new(
         NixlBackend::Cpu(cpu.clone()),
@@ -622,7 +723,10 @@ fn one_request(request: u64) -> Registration {
 
 #[test]
 fn nixl_a_geometry_mismatch_refuses_the_peer_on_both_sides() {
-    isolated("nixl_a_geometry_mismatch_refuses_the_peer_on_both_sides", "case_geometry_mismatch_refuses_the_peer_on_both_sides");
+    isolated(
+        "nixl_a_geometry_mismatch_refuses_the_peer_on_both_sides",
+        "case_geometry_mismatch_refuses_the_peer_on_both_sides",
+    );
 }
 
 fn case_geometry_mismatch_refuses_the_peer_on_both_sides() {
@@ -650,7 +754,10 @@ fn case_geometry_mismatch_refuses_the_peer_on_both_sides() {
 
 #[test]
 fn nixl_a_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served() {
-    isolated("nixl_a_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served", "case_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served");
+    isolated(
+        "nixl_a_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served",
+        "case_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served",
+    );
 }
 
 fn case_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served() {
@@ -689,7 +796,10 @@ fn case_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served() {
     let took = start.elapsed();
     let e = failed.expect_err("a write to a vanished agent fails");
     assert!(matches!(e, kvshard::Error::ChunkFailed { .. }), "{e}");
-    assert!(took < timeout + Duration::from_secs(2), "failed after {took:?}");
+    assert!(
+        took < timeout + Duration::from_secs(2),
+        "failed after {took:?}"
+    );
     let stats = transport.transfer_stats().snapshot();
     assert_eq!(stats.failed_transfers, 1, "{stats}");
     // The transport serves a new decode side.
@@ -726,7 +836,10 @@ fn case_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served() {
 
 #[test]
 fn nixl_a_peer_reported_gone_fails_chunks_at_once() {
-    isolated("nixl_a_peer_reported_gone_fails_chunks_at_once", "case_peer_reported_gone_fails_chunks_at_once");
+    isolated(
+        "nixl_a_peer_reported_gone_fails_chunks_at_once",
+        "case_peer_reported_gone_fails_chunks_at_once",
+    );
 }
 
 fn case_peer_reported_gone_fails_chunks_at_once() {

@@ -330,17 +330,83 @@ impl StatsSnapshot {
         };
         use MetricKind::{Counter, HistogramPart};
         vec![
-            m("kvshard_transfer_chunks_total", Some("vllm:nixl_bytes_transferred_count"), None, Counter, self.chunks as f64),
-            m("kvshard_transfer_empty_chunks_total", None, None, Counter, self.empty_chunks as f64),
-            m("kvshard_transfer_bounced_chunks_total", None, None, Counter, self.bounced_chunks as f64),
-            m("kvshard_transfer_bytes_total", Some("vllm:nixl_bytes_transferred_sum"), Some("kvbm_transfer_d2d_bytes_total"), Counter, self.bytes as f64),
-            m("kvshard_transfer_descriptors_total", Some("vllm:nixl_num_descriptors_sum"), None, Counter, self.descriptors as f64),
-            m("kvshard_transfer_failures_total", Some("vllm:nixl_num_failed_transfers_total"), None, Counter, self.failed_transfers as f64),
-            m("kvshard_transfer_failed_notifications_total", Some("vllm:nixl_num_failed_notifications_total"), None, Counter, self.failed_notifications as f64),
-            m("kvshard_transfer_post_seconds_sum", Some("vllm:nixl_post_time_seconds_sum"), None, HistogramPart, self.post_time.sum.as_secs_f64()),
-            m("kvshard_transfer_post_seconds_count", Some("vllm:nixl_post_time_seconds_count"), None, HistogramPart, self.post_time.count as f64),
-            m("kvshard_transfer_seconds_sum", Some("vllm:nixl_xfer_time_seconds_sum"), None, HistogramPart, self.transfer_time.sum.as_secs_f64()),
-            m("kvshard_transfer_seconds_count", Some("vllm:nixl_xfer_time_seconds_count"), None, HistogramPart, self.transfer_time.count as f64),
+            m(
+                "kvshard_transfer_chunks_total",
+                Some("vllm:nixl_bytes_transferred_count"),
+                None,
+                Counter,
+                self.chunks as f64,
+            ),
+            m(
+                "kvshard_transfer_empty_chunks_total",
+                None,
+                None,
+                Counter,
+                self.empty_chunks as f64,
+            ),
+            m(
+                "kvshard_transfer_bounced_chunks_total",
+                None,
+                None,
+                Counter,
+                self.bounced_chunks as f64,
+            ),
+            m(
+                "kvshard_transfer_bytes_total",
+                Some("vllm:nixl_bytes_transferred_sum"),
+                Some("kvbm_transfer_d2d_bytes_total"),
+                Counter,
+                self.bytes as f64,
+            ),
+            m(
+                "kvshard_transfer_descriptors_total",
+                Some("vllm:nixl_num_descriptors_sum"),
+                None,
+                Counter,
+                self.descriptors as f64,
+            ),
+            m(
+                "kvshard_transfer_failures_total",
+                Some("vllm:nixl_num_failed_transfers_total"),
+                None,
+                Counter,
+                self.failed_transfers as f64,
+            ),
+            m(
+                "kvshard_transfer_failed_notifications_total",
+                Some("vllm:nixl_num_failed_notifications_total"),
+                None,
+                Counter,
+                self.failed_notifications as f64,
+            ),
+            m(
+                "kvshard_transfer_post_seconds_sum",
+                Some("vllm:nixl_post_time_seconds_sum"),
+                None,
+                HistogramPart,
+                self.post_time.sum.as_secs_f64(),
+            ),
+            m(
+                "kvshard_transfer_post_seconds_count",
+                Some("vllm:nixl_post_time_seconds_count"),
+                None,
+                HistogramPart,
+                self.post_time.count as f64,
+            ),
+            m(
+                "kvshard_transfer_seconds_sum",
+                Some("vllm:nixl_xfer_time_seconds_sum"),
+                None,
+                HistogramPart,
+                self.transfer_time.sum.as_secs_f64(),
+            ),
+            m(
+                "kvshard_transfer_seconds_count",
+                Some("vllm:nixl_xfer_time_seconds_count"),
+                None,
+                HistogramPart,
+                self.transfer_time.count as f64,
+            ),
         ]
     }
 
@@ -450,7 +516,13 @@ mod tests {
 
         let s = stats.clone().snapshot();
         assert_eq!(
-            (s.chunks, s.empty_chunks, s.bounced_chunks, s.bytes, s.descriptors),
+            (
+                s.chunks,
+                s.empty_chunks,
+                s.bounced_chunks,
+                s.bytes,
+                s.descriptors
+            ),
             (2, 1, 1, 100, 3)
         );
         assert_eq!((s.failed_transfers, s.failed_notifications), (1, 1));
@@ -458,7 +530,10 @@ mod tests {
         assert_eq!(s.post_time.buckets[0], 2, "both posts under 1 ms");
         assert_eq!(s.transfer_time.count, 1);
         assert_eq!(s.transfer_time.sum, Duration::from_millis(20));
-        assert_eq!(s.transfer_time.buckets[3], 1, "20 ms is in the 25 ms bucket");
+        assert_eq!(
+            s.transfer_time.buckets[3], 1,
+            "20 ms is in the 25 ms bucket"
+        );
         let m = s.metrics();
         let by_vllm = |n: &str| m.iter().find(|x| x.vllm == Some(n)).unwrap().value;
         assert_eq!(by_vllm("vllm:nixl_bytes_transferred_sum"), 100.0);
@@ -466,11 +541,16 @@ mod tests {
         assert_eq!(by_vllm("vllm:nixl_num_failed_transfers_total"), 1.0);
         assert_eq!(by_vllm("vllm:nixl_xfer_time_seconds_sum"), 0.02);
         let text = s.prometheus();
-        assert!(text.contains("kvshard_transfer_bytes_total{transport=\"test\"} 100"), "{text}");
+        assert!(
+            text.contains("kvshard_transfer_bytes_total{transport=\"test\"} 100"),
+            "{text}"
+        );
         assert!(
             text.contains("kvshard_transfer_seconds_bucket{transport=\"test\",le=\"+Inf\"} 1"),
             "{text}"
         );
-        assert!(s.to_string().contains("2 chunks (1 empty, 1 bounced), 100 B in 3 descriptors"));
+        assert!(s
+            .to_string()
+            .contains("2 chunks (1 empty, 1 bounced), 100 B in 3 descriptors"));
     }
 }

@@ -95,8 +95,9 @@ pub(crate) fn pool_regions(pool: &DevicePool) -> Result<Vec<(u64, usize)>> {
     let mut ranges = Vec::new();
     for c in pool.geometry().components() {
         let bytes = crate::error::to_usize(
-            pool.pages()
-                .mul_or(c.block_bytes as u64, || format!("{} layer bytes", c.component))?,
+            pool.pages().mul_or(c.block_bytes as u64, || {
+                format!("{} layer bytes", c.component)
+            })?,
             || format!("{} layer bytes", c.component),
         )?;
         for &base in pool.layer_bases(c.component)? {
@@ -238,7 +239,10 @@ impl BlockSpace for BounceSpace {
 }
 
 /// The index of `component` in `geometry.components()`.
-pub(crate) fn component_index(components: &[ComponentLayout], component: Component) -> Result<usize> {
+pub(crate) fn component_index(
+    components: &[ComponentLayout],
+    component: Component,
+) -> Result<usize> {
     components
         .iter()
         .position(|c| c.component == component)

@@ -104,7 +104,10 @@ impl Notice {
                     request: *request,
                     rank: *rank,
                     chunk: *chunk,
-                    result: ChunkResult::Sent { bytes: b, last: *last },
+                    result: ChunkResult::Sent {
+                        bytes: b,
+                        last: *last,
+                    },
                 })
             }
             Notice::Failed {
@@ -185,7 +188,10 @@ mod tests {
         let mut trailing = free.encode().unwrap();
         trailing.push(0);
         assert!(Notice::decode(&trailing).is_err());
-        assert_eq!(component_of(component_code(Component::DraftIndexer)).unwrap(), Component::DraftIndexer);
+        assert_eq!(
+            component_of(component_code(Component::DraftIndexer)).unwrap(),
+            Component::DraftIndexer
+        );
         assert!(component_of(9).is_err());
     }
 }

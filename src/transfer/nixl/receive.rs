@@ -181,7 +181,11 @@ impl NixlTarget {
             device: memory.device as u32,
             pages: self.pool.pages(),
             layers,
-            slot_pages: if slots.is_empty() { 0 } else { self.config.slot_pages },
+            slot_pages: if slots.is_empty() {
+                0
+            } else {
+                self.config.slot_pages
+            },
             slots: slot_addrs,
         })
     }
@@ -211,7 +215,10 @@ impl NixlTarget {
             }
             Ok(name) => {
                 self.agent.forget(&name);
-                let why = format!("its metadata names agent {name}, its message {}", peer.agent);
+                let why = format!(
+                    "its metadata names agent {name}, its message {}",
+                    peer.agent
+                );
                 self.fail_rank(rank, &why);
                 Err(Error::Nixl {
                     call: "loadRemoteMD",
@@ -232,8 +239,10 @@ impl NixlTarget {
         let request = registration.request;
         let ranks = self.ranks.len() as u32;
         self.receiver.register(registration, ranks)?;
-        self.requests
-            .insert(request, (0..ranks).map(|_| RankProgress::default()).collect());
+        self.requests.insert(
+            request,
+            (0..ranks).map(|_| RankProgress::default()).collect(),
+        );
         for rank in 0..ranks {
             if let RankState::Failed(why) = self.ranks[rank as usize].clone() {
                 self.fail_request_rank(request, rank, &why);
@@ -354,7 +363,9 @@ impl NixlTarget {
                 .get(rank as usize)
                 .and_then(|s| s.get(b.slot as usize))
                 .cloned()
-                .ok_or_else(|| Error::InvalidArgument(format!("bounce slot {} of rank {rank}", b.slot)))?;
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!("bounce slot {} of rank {rank}", b.slot))
+                })?;
             let components = b
                 .components
                 .iter()
@@ -417,7 +428,11 @@ impl NixlTarget {
     /// arrived ahead waits for the ones before it.
     fn deliver(&mut self, status: ChunkStatus) {
         let (request, rank) = (status.request, status.rank as usize);
-        let Some(progress) = self.requests.get_mut(&request).and_then(|r| r.get_mut(rank)) else {
+        let Some(progress) = self
+            .requests
+            .get_mut(&request)
+            .and_then(|r| r.get_mut(rank))
+        else {
             return;
         };
         progress.ahead.insert(status.chunk, status);
@@ -459,7 +474,9 @@ impl NixlTarget {
         let Some(state) = self.ranks.get_mut(rank as usize) else {
             return;
         };
-        if let RankState::Connected(agent) = std::mem::replace(state, RankState::Failed(why.to_string())) {
+        if let RankState::Connected(agent) =
+            std::mem::replace(state, RankState::Failed(why.to_string()))
+        {
             self.agent.forget(&agent);
         }
         let backend = self.device.backend();
@@ -481,7 +498,11 @@ impl NixlTarget {
 
     /// Fails `request` for `rank` at the chunk the Receiver expects next from it.
     fn fail_request_rank(&mut self, request: u64, rank: u32, why: &str) {
-        let Some(progress) = self.requests.get_mut(&request).and_then(|r| r.get_mut(rank as usize)) else {
+        let Some(progress) = self
+            .requests
+            .get_mut(&request)
+            .and_then(|r| r.get_mut(rank as usize))
+        else {
             return;
         };
         if progress.done {

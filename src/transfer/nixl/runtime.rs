@@ -101,7 +101,10 @@ fn open() -> std::result::Result<(), String> {
     // would run the same ones on its first call). RTLD_LOCAL as the stub opens it.
     let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
     if handle.is_null() {
-        return Err(format!("{LIBRARY} could not be loaded ({}): {INSTALL}", dlerror()));
+        return Err(format!(
+            "{LIBRARY} could not be loaded ({}): {INSTALL}",
+            dlerror()
+        ));
     }
     let missing: Vec<&str> = SYMBOLS
         .iter()
@@ -226,8 +229,7 @@ impl Agent {
             capture_telemetry: true,
             ..AgentConfig::default()
         };
-        let agent =
-            RawAgent::new_configured(name, &config).map_err(nixl_error("createAgent"))?;
+        let agent = RawAgent::new_configured(name, &config).map_err(nixl_error("createAgent"))?;
         let (_mems, params) = agent
             .get_plugin_params("UCX")
             .map_err(nixl_error("getPluginParams(UCX)"))?;

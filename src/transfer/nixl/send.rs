@@ -45,7 +45,12 @@ pub(crate) struct ListLayout {
 }
 
 impl ListLayout {
-    pub fn new(components: &[ComponentLayout], pages: u64, slot_pages: u64, slots: u64) -> Result<Self> {
+    pub fn new(
+        components: &[ComponentLayout],
+        pages: u64,
+        slot_pages: u64,
+        slots: u64,
+    ) -> Result<Self> {
         let what = || format!("descriptors of a {pages}-page pool");
         let mut offsets = Vec::with_capacity(components.len());
         let mut blocks = 0u64;
@@ -156,7 +161,10 @@ enum Stage {
         ri: Vec<i32>,
     },
     /// Posted.
-    Moving { request: XferRequest, posted: Instant },
+    Moving {
+        request: XferRequest,
+        posted: Instant,
+    },
     /// Landed.
     Done,
     /// Failed (the failure notice has been sent).
@@ -286,7 +294,10 @@ impl NixlTransport {
         {
             return Err(Error::GeometryMismatch {
                 what: "the decode's published layers".into(),
-                expected: format!("{:?}", components.iter().map(|c| c.layers()).collect::<Vec<_>>()),
+                expected: format!(
+                    "{:?}",
+                    components.iter().map(|c| c.layers()).collect::<Vec<_>>()
+                ),
                 got: format!("{:?}", peer.layers.iter().map(Vec::len).collect::<Vec<_>>()),
             });
         }
@@ -376,7 +387,8 @@ impl State {
         } else {
             (None, Vec::new(), None)
         };
-        let local_layout = ListLayout::new(&components, self.pool.pages(), slot_pages, nslots as u64)?;
+        let local_layout =
+            ListLayout::new(&components, self.pool.pages(), slot_pages, nslots as u64)?;
         let remote_layout = ListLayout::new(&components, peer.pages, slot_pages, nslots as u64)?;
         let pool = &self.pool;
         let device = &self.device;
@@ -465,7 +477,9 @@ impl State {
     fn progress(&mut self) {
         if let Ok(notes) = self.agent.notifications() {
             for (from, bytes) in notes {
-                let Some(peer) = self.peer.as_mut() else { break };
+                let Some(peer) = self.peer.as_mut() else {
+                    break;
+                };
                 if from != peer.agent {
                     continue;
                 }
@@ -529,9 +543,14 @@ impl State {
                 reason: "not connected to a decode side".into(),
             });
         };
-        let request =
-            self.agent
-                .make_write(&peer.local, li, &peer.remote_list, ri, &chunk.notice, chunk.per_block)?;
+        let request = self.agent.make_write(
+            &peer.local,
+            li,
+            &peer.remote_list,
+            ri,
+            &chunk.notice,
+            chunk.per_block,
+        )?;
         self.agent.post(&request)?;
         let now = Instant::now();
         chunk.posted.post_time += now - t0;
@@ -589,7 +608,9 @@ impl State {
                                 Some(before_post + nixl.unwrap_or_else(|| posted.elapsed()));
                             if let Some(slot) = chunk.slot {
                                 // The decode frees the remote side once it has scattered.
-                                if let Some(s) = self.peer.as_mut().and_then(|p| p.slots.get_mut(slot)) {
+                                if let Some(s) =
+                                    self.peer.as_mut().and_then(|p| p.slots.get_mut(slot))
+                                {
                                     s.sending = false;
                                 }
                             }
@@ -635,7 +656,11 @@ impl State {
         if matches!(mode, NixlMode::Coalesced | NixlMode::PerBlock) || peer.slots.is_empty() {
             return None;
         }
-        let sections: Vec<&Section> = plan.sections().into_iter().filter(|s| !s.is_empty()).collect();
+        let sections: Vec<&Section> = plan
+            .sections()
+            .into_iter()
+            .filter(|s| !s.is_empty())
+            .collect();
         let fits = sections
             .iter()
             .all(|s| s.owned_pages() as u64 <= peer.local_layout.slot_pages);
@@ -711,7 +736,10 @@ impl State {
         let slot = self.pick_slot(plan);
         let per_block = self.config.mode == NixlMode::PerBlock;
         let components = self.pool.geometry().components();
-        let peer = self.peer.as_ref().ok_or_else(|| Error::InvalidArgument("no peer".into()))?;
+        let peer = self
+            .peer
+            .as_ref()
+            .ok_or_else(|| Error::InvalidArgument("no peer".into()))?;
         let (mut li, mut ri) = (Vec::new(), Vec::new());
         let mut bounced = Vec::new();
         let mut descriptors = 0u64;
