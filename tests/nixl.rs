@@ -235,7 +235,20 @@ impl Proc {
         mode: &str,
         gpu: Option<usize>,
     ) -> Proc {
+        Self::spawn_with(role, socket, seed, rank, mode, gpu, &[])
+    }
+
+    fn spawn_with(
+        role: &str,
+        socket: &Path,
+        seed: u64,
+        rank: u32,
+        mode: &str,
+        gpu: Option<usize>,
+        env: &[(&str, &Path)],
+    ) -> Proc {
         let mut cmd = Command::new(std::env::current_exe().expect("test binary path"));
+        cmd.envs(env.iter().copied());
         cmd.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
             .env(CHILD, role)
             .env(SOCKET, socket)
@@ -302,6 +315,22 @@ fn run(
     }
 }
 
+/// Says Bye and waits (bounded) for the decode to close the connection: a process that exits
+/// right after its Bye can be seen gone before its Bye is read (the decode's heartbeat meets a
+/// closed socket first).
+fn say_bye(mut ch: Channel) {
+    if ch.send(&Message::Bye).is_err() {
+        return;
+    }
+    let deadline = Instant::now() + STARTUP;
+    while Instant::now() < deadline {
+        match ch.recv_timeout(Duration::from_millis(100)) {
+            Ok(_) => {}
+            Err(_) => return,
+        }
+    }
+}
+
 /// Entry point of every child process; a no-op in an ordinary run.
 #[test]
 fn child_entry() {
@@ -329,6 +358,16 @@ fn child_entry() {
         "decode-expect-death" => decode_child(&socket, seed, device, true),
         "prefill" => prefill_child(&socket, seed, rank, mode, device, false),
         "die" => prefill_child(&socket, seed, rank, mode, device, true),
+        bench if bench.starts_with("bench-") => {
+            let out = PathBuf::from(std::env::var(BENCH_OUT).expect("bench out dir"));
+            let (role, n) = bench.rsplit_once('-').expect("bench role");
+            let n: u32 = n.parse().expect("bench N");
+            if role == "bench-decode" {
+                bench_decode_child(&socket, n, device, &out);
+            } else {
+                bench_prefill_child(&socket, rank, n, device, &out);
+            }
+        }
         "case_geometry_mismatch_refuses_the_peer_on_both_sides" => {
             case_geometry_mismatch_refuses_the_peer_on_both_sides()
         }
@@ -417,6 +456,11 @@ fn decode_child(socket: &Path, seed: u64, device: Option<usize>, expect_death: b
                     channels.remove(i);
                 }
                 Ok(m) => panic!("decode: unexpected {:?}", m.message),
+                // A rank that said Bye and exited can be seen gone (its Bye unread yet) once
+                // every request has finished: that is its normal end.
+                Err(_) if finished.len() == requests.len() => {
+                    channels.remove(i);
+                }
                 Err(e) => {
                     assert!(expect_death, "decode: rank {rank} gone: {e}");
                     gone_at = Some(Instant::now());
@@ -598,8 +642,7 @@ fn prefill_child(
     if mode == NixlMode::Bounce {
         assert!(stats.bounced_chunks > 0, "{stats}");
     }
-    // The decode may already have closed (everything it waited for has landed).
-    let _ = ch.bye();
+    say_bye(ch);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -857,4 +900,301 @@ fn case_peer_reported_gone_fails_chunks_at_once() {
         .expect_err("refused");
     assert!(start.elapsed() < Duration::from_secs(1));
     assert!(e.to_string().contains("gone"), "{e}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Benchmark (ignored: run it on purpose, BENCHMARKS.md says how)
+
+const BENCH_OUT: &str = "KVSHARD_NIXL_BENCH_OUT";
+const BENCH_MODES: [(&str, NixlMode); 4] = [
+    ("coalesced", NixlMode::Coalesced),
+    ("bounce", NixlMode::Bounce),
+    ("per-block", NixlMode::PerBlock),
+    ("auto", NixlMode::Auto),
+];
+/// Timed iterations per (mode, pages), after one untimed warm-up.
+const BENCH_ITERS: usize = 3;
+
+/// The benchmark's cache: GLM-5-like on a GPU (61 layers, every one with an indexer, and the
+/// MTP draft: 2.81 MB a page), the tests' small one on the CPU.
+fn bench_geometry(gpu: bool) -> CacheGeometry {
+    if gpu {
+        CacheGeometry::with_draft(PoolGeometry::new(LatentLayout::Fp8Trtllm, 61))
+    } else {
+        geometry()
+    }
+}
+
+fn bench_sizes(gpu: bool) -> Vec<u64> {
+    if gpu {
+        vec![64, 256, 512, 1024, 4096]
+    } else {
+        vec![64, 256]
+    }
+}
+
+fn bench_request(mode: usize, size: usize, iteration: usize) -> u64 {
+    ((mode * 16 + size) * 16 + iteration) as u64 + 1
+}
+
+/// The bench request of `pages` pages: position i is logical page N + i (owner i mod N, local
+/// page 1 + i / N: a rank's pages are contiguous on its side) and decode page 1 + i (a rank's
+/// pages sit N apart there: the sharded layout's worst case for descriptors).
+fn bench_registration(
+    geometry: &CacheGeometry,
+    request: u64,
+    pages: u64,
+    decode_pages: u64,
+) -> Registration {
+    let dst: Vec<LocalPage> = (1..=pages).map(LocalPage).collect();
+    Registration {
+        request,
+        layout: PoolLayout::packed(geometry.clone(), decode_pages),
+        prefix_pages: 0,
+        pages: dst.clone(),
+        state_pages: dst,
+    }
+}
+
+fn bench_decode_child(socket: &Path, n: u32, device: Option<usize>, out: &Path) {
+    let gpu = device.is_some();
+    let g = bench_geometry(gpu);
+    let sizes = bench_sizes(gpu);
+    let max = *sizes.iter().max().unwrap_or(&64);
+    let nixl = nixl_backend(device);
+    let backend = nixl.backend();
+    let pool = Arc::new(
+        DevicePool::allocate(backend.as_ref(), &g, Placement::unsharded(), 0, max + 1)
+            .expect("decode pool"),
+    );
+    let mut cfg = NixlConfig::new("bench-decode");
+    cfg.slot_pages = max.div_ceil(u64::from(n)).min(512);
+    cfg.slots = 1;
+    let mut target = NixlTarget::new(nixl, pool, n, cfg).expect("target");
+    let listener =
+        Listener::bind(socket, Hello::new(Role::Decode, 0, 1), Liveness::default()).expect("bind");
+    let mut channels = listener
+        .accept_n(n as usize, STARTUP)
+        .expect("ranks connect");
+    for ch in &mut channels {
+        let got = ch.recv_timeout(STARTUP).expect("alive").expect("NixlPeer");
+        let Message::NixlPeer(peer) = got.message else {
+            panic!("expected NixlPeer, got {:?}", got.message);
+        };
+        target.connect(ch.peer().rank, &peer).expect("connect rank");
+    }
+    let mut expected = 0;
+    for m in 0..BENCH_MODES.len() {
+        for (s, &pages) in sizes.iter().enumerate() {
+            for it in 0..=BENCH_ITERS {
+                let reg = bench_registration(&g, bench_request(m, s, it), pages, max + 1);
+                target.register(reg).expect("register");
+                expected += 1;
+            }
+        }
+    }
+    // Every rank starts once every request is registered.
+    for ch in &mut channels {
+        let rank = ch.peer().rank;
+        ch.send(&Message::NixlPeer(target.peer_info(rank).expect("info")))
+            .expect("start");
+    }
+    let start = Instant::now();
+    let mut lines = String::new();
+    let mut done = 0;
+    while done < expected || !channels.is_empty() {
+        for f in target.poll().expect("poll") {
+            assert!(f.is_completed(), "request {}: {:?}", f.request(), f.outcome);
+            done += 1;
+            lines.push_str(&format!(
+                "{} {}\n",
+                f.request(),
+                start.elapsed().as_micros()
+            ));
+        }
+        if let Some((i, r)) = recv_any(&mut channels, Duration::from_micros(200)).expect("poll") {
+            match r {
+                Ok(m) if m.message == Message::Bye => {
+                    channels.remove(i);
+                }
+                // Gone after its Bye, with everything landed: its normal end.
+                Err(_) if done == expected => {
+                    channels.remove(i);
+                }
+                other => panic!("decode: unexpected {other:?}"),
+            }
+        }
+    }
+    std::fs::write(out.join("decode.txt"), lines).expect("write results");
+}
+
+fn bench_prefill_child(socket: &Path, rank: u32, n: u32, device: Option<usize>, out: &Path) {
+    let gpu = device.is_some();
+    let g = bench_geometry(gpu);
+    let sizes = bench_sizes(gpu);
+    let max = *sizes.iter().max().unwrap_or(&64);
+    let nixl = nixl_backend(device);
+    let backend = nixl.backend();
+    let local = max.div_ceil(u64::from(n)) + 2;
+    let pool = Arc::new(
+        DevicePool::allocate(
+            backend.as_ref(),
+            &g,
+            Placement::new(n).expect("placement"),
+            rank,
+            local,
+        )
+        .expect("prefill pool"),
+    );
+    pool.fill(backend.as_ref(), 0x5A).expect("fill");
+    backend.synchronize().expect("sync");
+    let transport = NixlTransport::new(
+        nixl,
+        pool.clone(),
+        NixlConfig::new(format!("bench-prefill{rank}")),
+    )
+    .expect("transport");
+    let mut ch = Channel::connect(
+        socket,
+        Hello::new(Role::Prefill, rank, n),
+        Liveness::default(),
+        STARTUP,
+    )
+    .expect("connect");
+    ch.send(&Message::NixlPeer(transport.peer_info().expect("info")))
+        .expect("send NixlPeer");
+    let got = ch.recv_timeout(STARTUP).expect("alive").expect("start");
+    let Message::NixlPeer(peer) = got.message else {
+        panic!("expected NixlPeer, got {:?}", got.message);
+    };
+    let remote = transport.connect(&peer).expect("connect to the decode");
+    let stats = transport.transfer_stats();
+    let mut sender = Sender::new(pool, Box::new(transport.clone()));
+    let mut lines = String::new();
+    for (m, (name, mode)) in BENCH_MODES.iter().enumerate() {
+        transport.set_mode(*mode);
+        for (s, &pages) in sizes.iter().enumerate() {
+            let src: Vec<LogicalPage> = (0..pages).map(|i| LogicalPage(u64::from(n) + i)).collect();
+            for it in 0..=BENCH_ITERS {
+                let id = bench_request(m, s, it);
+                sender
+                    .open(bench_registration(&g, id, pages, max + 1), remote.clone())
+                    .expect("open");
+                // Every mode starts from free slots (a bounced chunk frees its slot only once
+                // the decode has scattered it).
+                assert!(transport.wait_for_slots(STARTUP), "bounce slots stay busy");
+                let before = stats.snapshot();
+                let t0 = Instant::now();
+                sender
+                    .send(id, &src, ChunkEnd::Final(pages as usize * 64))
+                    .expect("send")
+                    .wait()
+                    .expect("landed");
+                let wall = t0.elapsed();
+                let after = stats.snapshot();
+                if it == 0 {
+                    continue;
+                }
+                lines.push_str(&format!(
+                    "{name} {pages} {} {} {} {} {} {}\n",
+                    after.descriptors - before.descriptors,
+                    (after.post_time.sum - before.post_time.sum).as_micros(),
+                    (after.transfer_time.sum - before.transfer_time.sum).as_micros(),
+                    after.bytes - before.bytes,
+                    wall.as_micros(),
+                    after.bounced_chunks - before.bounced_chunks,
+                ));
+            }
+        }
+    }
+    std::fs::write(out.join(format!("rank{rank}.txt")), lines).expect("write results");
+    say_bye(ch);
+}
+
+/// NIXL P/D throughput per mode, pages and N: a decode process and N prefill processes (on a
+/// GPU host: the decode on GPU 0, the prefill ranks on GPU 1 when there is one, GLM-5-like
+/// geometry, 64 to 4,096 pages; here: the CPU over TCP, small), one final chunk per request,
+/// every rank sending its pages of the request at once. Prints a Markdown table.
+#[test]
+#[ignore = "a benchmark: run with --ignored (BENCHMARKS.md)"]
+fn bench_nixl_pd() {
+    let test = "bench_nixl_pd";
+    if !nixl_available(test) {
+        return;
+    }
+    let gpus = (0..8).take_while(|&g| Gpu::open(g).is_ok()).count();
+    let shards: Vec<u32> = std::env::var("KVSHARD_NIXL_BENCH_N")
+        .ok()
+        .map(|v| v.split(',').filter_map(|x| x.parse().ok()).collect())
+        .unwrap_or_else(|| vec![1, 2, 8]);
+    let mut table = String::from(
+        "| mode | N | pages | descriptors/rank | post ms (mean/rank) | transfer ms (max rank) | post/transfer | GB/s (all ranks) | bounced |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for &n in &shards {
+        let out =
+            std::env::temp_dir().join(format!("kvshard-nixl-bench-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        std::fs::create_dir_all(&out).expect("out dir");
+        let socket = socket_path(&format!("bench-{n}"));
+        let (decode_gpu, prefill_gpu) = match gpus {
+            0 => (None, None),
+            1 => (Some(0), Some(0)),
+            _ => (Some(0), Some(1)),
+        };
+        let spawn = |role: &str, rank: u32, gpu: Option<usize>| {
+            Proc::spawn_with(
+                role,
+                &socket,
+                0,
+                rank,
+                "auto",
+                gpu,
+                &[(BENCH_OUT, out.as_path())],
+            )
+        };
+        let decode = spawn(&format!("bench-decode-{n}"), 0, decode_gpu);
+        let ranks: Vec<Proc> = (0..n)
+            .map(|r| spawn(&format!("bench-prefill-{n}"), r, prefill_gpu))
+            .collect();
+        assert!(decode.finish(test), "bench decode (N = {n}) failed");
+        for r in ranks {
+            assert!(r.finish(test), "bench prefill (N = {n}) failed");
+        }
+        // mode pages -> per rank (descriptors, post us, transfer us, bytes, wall us, bounced)
+        let mut rows: std::collections::BTreeMap<(usize, u64), Vec<[u64; 6]>> = Default::default();
+        for r in 0..n {
+            let text = std::fs::read_to_string(out.join(format!("rank{r}.txt"))).expect("results");
+            for line in text.lines() {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                let m = BENCH_MODES
+                    .iter()
+                    .position(|(name, _)| *name == f[0])
+                    .expect("mode");
+                let v: Vec<u64> = f[1..].iter().map(|x| x.parse().expect("number")).collect();
+                rows.entry((m, v[0]))
+                    .or_default()
+                    .push([v[1], v[2], v[3], v[4], v[5], v[6]]);
+            }
+        }
+        for ((m, pages), v) in rows {
+            let k = v.len() as f64;
+            let per_rank = f64::from(n);
+            let iters = k / per_rank;
+            let desc = v.iter().map(|x| x[0]).sum::<u64>() as f64 / k;
+            let post = v.iter().map(|x| x[1]).sum::<u64>() as f64 / k / 1e3;
+            let xfer = v.iter().map(|x| x[2]).max().unwrap_or(0) as f64 / 1e3;
+            let bytes = v.iter().map(|x| x[3]).sum::<u64>() as f64 / iters;
+            let wall = v.iter().map(|x| x[4]).max().unwrap_or(1) as f64 / 1e6;
+            let bounced = v.iter().map(|x| x[5]).sum::<u64>();
+            table.push_str(&format!(
+                "| {} | {n} | {pages} | {desc:.0} | {post:.3} | {xfer:.3} | {:.1}% | {:.1} | {bounced}/{} |\n",
+                BENCH_MODES[m].0,
+                100.0 * post / xfer.max(1e-9),
+                bytes / wall / 1e9,
+                v.len(),
+            ));
+        }
+        let _ = std::fs::remove_dir_all(&out);
+    }
+    let _ = writeln!(std::io::stderr(), "{table}");
 }

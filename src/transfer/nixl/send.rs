@@ -350,6 +350,38 @@ impl NixlTransport {
     pub fn transfer_stats(&self) -> TransferStats {
         self.stats.clone()
     }
+
+    /// Waits up to `timeout` until every bounce slot is free on both sides (the decode side
+    /// has scattered every bounced chunk); whether they are. Chunks never wait for a slot (a
+    /// chunk that finds none goes coalesced): an engine that wants the next chunk bounced, a
+    /// benchmark say, waits here first.
+    pub fn wait_for_slots(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            {
+                let mut s = lock(&self.state);
+                s.progress();
+                let free = s
+                    .peer
+                    .as_ref()
+                    .is_none_or(|p| p.slots.iter().all(|x| !x.sending && !x.remote_busy));
+                if free {
+                    return true;
+                }
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(WAIT_STEP);
+        }
+    }
+
+    /// Posts later chunks with `mode` (benchmarks compare modes on one connection). Bouncing
+    /// needs the slots a connection made in [`NixlMode::Auto`] or [`NixlMode::Bounce`] sets
+    /// up; without them chunks go coalesced.
+    pub fn set_mode(&self, mode: NixlMode) {
+        lock(&self.state).config.mode = mode;
+    }
 }
 
 impl State {
