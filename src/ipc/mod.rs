@@ -33,7 +33,9 @@
 //! **Messages.** `PublishPool` (decode → prefill: the pool's memory kind, regions, per-component
 //! layer offsets, page stride and pages, and a geometry blob; one descriptor per region for the
 //! fd kinds), `Register` (decode → prefill: a request's destination pages), `ChunkDone`
-//! (prefill → decode), `EventHandle` (a CUDA interprocess event), `Abort`, `Heartbeat`, `Bye`.
+//! (prefill → decode), `EventHandle` (a CUDA interprocess event), `Abort`, `Heartbeat`, `Bye`,
+//! `NixlPeer` (either way: a NIXL agent's metadata, geometry and the memory the peer may address;
+//! see `transfer::nixl`).
 //!
 //! A session, per prefill rank:
 //!

@@ -613,17 +613,21 @@ impl State {
                     if let Some(why) = gone {
                         return Err(self.fail(chunk, format!("the decode side is gone: {why}")));
                     }
-                    if !self.device.backend().is_done(event)? {
+                    let packed = self.device.backend().is_done(event);
+                    let packed = match packed {
+                        Ok(packed) => packed,
+                        Err(e) => return Err(self.fail(chunk, format!("packing failed: {e}"))),
+                    };
+                    if !packed {
                         if Instant::now() > chunk.deadline {
                             let e = self.fail(chunk, "packing did not finish in time".into());
                             return Err(e);
                         }
                         return Ok(false);
                     }
-                    let Stage::Packing { li, ri, .. } =
-                        std::mem::replace(&mut chunk.stage, Stage::Done)
-                    else {
-                        unreachable!("matched above")
+                    let (li, ri) = match &mut chunk.stage {
+                        Stage::Packing { li, ri, .. } => (std::mem::take(li), std::mem::take(ri)),
+                        _ => (Vec::new(), Vec::new()),
                     };
                     if let Err(e) = self.post(chunk, &li, &ri) {
                         return Err(self.fail(chunk, e.to_string()));
