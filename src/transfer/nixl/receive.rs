@@ -232,9 +232,10 @@ impl NixlTarget {
         }
     }
 
-    /// Starts receiving a request sent by every prefill rank of this target. Ranks already
-    /// refused or gone fail it at once (the next [`Self::poll`] returns it when no rank is
-    /// left writing).
+    /// Starts receiving a request sent by every prefill rank of this target. Register it before
+    /// the ranks hear of it (before sending them its registration): a notice for a request not
+    /// registered here is refused, not kept. Ranks already refused or gone fail it at once (the
+    /// next [`Self::poll`] returns it when no rank is left writing).
     pub fn register(&mut self, registration: Registration) -> Result<()> {
         let request = registration.request;
         let ranks = self.ranks.len() as u32;
@@ -371,8 +372,8 @@ impl NixlTarget {
                 .iter()
                 .map(|&c| component_of(c))
                 .collect::<Result<Vec<_>>>()?;
-            // Checked in full: entries within the slot, destination pages in the pool and
-            // distinct, the same components on both sides.
+            // Checked in full, here and at launch: destination pages in the pool and distinct,
+            // the same components on both sides, no more entries than the slot holds.
             let plan = BlockCopyPlan::new(
                 space.as_ref(),
                 PageSelection::Positions,
@@ -381,13 +382,6 @@ impl NixlTarget {
                 b.pages.len(),
             )?
             .only_components(space.as_ref(), &components);
-            if b.pages.len() as u64 > space.pages() {
-                return Err(Error::OutOfRange {
-                    what: "bounce entries",
-                    index: b.pages.len() as i64,
-                    limit: space.pages() + 1,
-                });
-            }
             let src: Arc<dyn BlockSpace> = space;
             self.store.launch(&plan, &src, &dst, launch)?;
         }
