@@ -1,19 +1,28 @@
 //! P/D send planning on the CPU: `SendPlan::new` for a whole request sent as one final chunk
 //! (its latent KV and the indexer state of every position: the most one call plans), 1K to 128K
 //! tokens, N = 2 and 8, 61-layer target + draft with 576-byte rows; and the resolution of the
-//! plan into absolute ranges (`DescriptorBatch::resolve`) against registered addresses.
-//! Descriptor counts before and after coalescing are printed once, to stderr.
+//! plan into absolute ranges (`DescriptorBatch::resolve`) against the sending rank's pool and
+//! the decode pool as a transport sees it (a `RemoteSpace`). Descriptor counts before and after
+//! coalescing are printed once, to stderr.
 //!
 //! Pages are handed out the way a fresh server does: every owner's free list in order on the
 //! prefill side, consecutive pages on the decode side. "fragmented" shuffles both.
 //!
+//! The resolution runs against real pools of the CPU reference backend, sized for the request:
+//! resolving computes addresses and never touches the bytes, and the backend's allocations are
+//! zeroed lazily, so the pools cost address space, not memory.
+//!
 //! `cargo bench --bench transfer`
 
 use std::hint::black_box;
+use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvshard::geometry::{CacheGeometry, ComponentLayout, LatentLayout, PoolGeometry, PAGE_SIZE};
-use kvshard::pool::BlockSpace;
+use kvshard::backend::cpu::CpuBackend;
+use kvshard::copy::RemoteSpace;
+use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry, PAGE_SIZE};
+use kvshard::index::{LocalPage, LogicalPage};
+use kvshard::pool::DevicePool;
 use kvshard::shard::Placement;
 use kvshard::transfer::{
     ChunkRange, DescriptorBatch, PoolLayout, PrefillRank, Registration, SendPlan,
@@ -34,7 +43,7 @@ fn geometry() -> CacheGeometry {
 /// position, both in order or shuffled.
 struct Request {
     source: PrefillRank,
-    src_pages: Vec<u64>,
+    src_pages: Vec<LogicalPage>,
     registration: Registration,
     chunk: ChunkRange,
 }
@@ -42,8 +51,10 @@ struct Request {
 fn request(tokens: usize, n: u32, fragmented: bool) -> Request {
     let mut rng = StdRng::seed_from_u64(7);
     let pages = tokens.div_ceil(PAGE_SIZE);
-    // Twice what the request needs, so shuffled free lists scatter it.
-    let rank_pages = 2 * pages.div_ceil(n as usize) as u64 + 1;
+    // Shuffled free lists hold twice what the request needs, so that they scatter it; in-order
+    // ones exactly what it needs (the plan is the same either way).
+    let spread = if fragmented { 2 } else { 1 };
+    let rank_pages = spread * pages.div_ceil(n as usize) as u64 + 1;
     let free: Vec<Vec<u64>> = (0..n)
         .map(|_| {
             let mut v: Vec<u64> = (1..rank_pages).collect();
@@ -56,11 +67,11 @@ fn request(tokens: usize, n: u32, fragmented: bool) -> Request {
     let src_pages = (0..pages)
         .map(|j| {
             let owner = j as u32 % n;
-            free[owner as usize][j / n as usize] * u64::from(n) + u64::from(owner)
+            LogicalPage(free[owner as usize][j / n as usize] * u64::from(n) + u64::from(owner))
         })
         .collect();
-    let decode_pages = 2 * pages as u64 + 1;
-    let mut dst: Vec<u64> = (1..decode_pages).collect();
+    let decode_pages = spread * pages as u64 + 1;
+    let mut dst: Vec<LocalPage> = (1..decode_pages).map(LocalPage).collect();
     if fragmented {
         dst.shuffle(&mut rng);
     }
@@ -100,49 +111,43 @@ impl Request {
     }
 }
 
-/// Registered memory of one side: layer bases and page counts, never dereferenced (what a
-/// transfer engine knows of the remote side).
-struct Registered {
-    components: Vec<ComponentLayout>,
-    pages: u64,
-    bases: Vec<Vec<u64>>,
+/// The two sides of a request in memory: rank 0's pool and the decode pool, as the transport
+/// reaches it, both of the layouts the request's plan was made for, and the backend whose arena
+/// holds them.
+struct Sides {
+    source: DevicePool,
+    decode: RemoteSpace,
+    _backend: CpuBackend,
 }
 
-impl Registered {
-    fn new(layout: &PoolLayout, base: u64) -> Self {
-        let components = layout.geometry.components();
-        let mut next = base;
-        let bases = components
-            .iter()
-            .map(|c| {
-                (0..c.layers())
-                    .map(|_| {
-                        let at = next;
-                        next += layout.pages * c.block_bytes as u64;
-                        at
-                    })
-                    .collect()
-            })
-            .collect();
+impl Sides {
+    fn new(req: &Request) -> Self {
+        let backend = CpuBackend::new();
+        let source = &req.source;
+        let source = DevicePool::allocate(
+            &backend,
+            &source.layout.geometry,
+            source.placement,
+            source.rank,
+            source.layout.pages,
+        )
+        .expect("the prefill rank's pool");
+        let layout = &req.registration.layout;
+        let decode = DevicePool::allocate(
+            &backend,
+            &layout.geometry,
+            Placement::unsharded(),
+            0,
+            layout.pages,
+        )
+        .expect("the decode pool");
+        let decode =
+            RemoteSpace::of(Arc::new(decode), layout.geometry.clone()).expect("the decode side");
         Self {
-            components,
-            pages: layout.pages,
-            bases,
+            source,
+            decode,
+            _backend: backend,
         }
-    }
-}
-
-impl BlockSpace for Registered {
-    fn components(&self) -> &[ComponentLayout] {
-        &self.components
-    }
-
-    fn pages(&self) -> u64 {
-        self.pages
-    }
-
-    fn layer_base(&self, c: usize, layer: usize) -> u64 {
-        self.bases[c][layer]
     }
 }
 
@@ -199,8 +204,7 @@ fn planning(c: &mut Criterion) {
         for &tokens in &TOKENS {
             let req = request(tokens, n, false);
             let plan = req.plan();
-            let src = Registered::new(&req.source.layout, 1 << 40);
-            let dst = Registered::new(&req.registration.layout, 1 << 44);
+            let sides = Sides::new(&req);
             group.throughput(Throughput::Elements(plan.descriptor_count() as u64));
             group.bench_with_input(
                 BenchmarkId::new(format!("N{n}"), tokens),
@@ -208,7 +212,7 @@ fn planning(c: &mut Criterion) {
                 |b, plan| {
                     b.iter(|| {
                         black_box(
-                            DescriptorBatch::resolve(black_box(plan), &src, &dst)
+                            DescriptorBatch::resolve(black_box(plan), &sides.source, &sides.decode)
                                 .expect("resolves"),
                         )
                     })

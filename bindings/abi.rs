@@ -332,6 +332,59 @@ const _: () = {
         "Offset of field: kvs_scratch_rows_params::status",
     ][::std::mem::offset_of!(kvs_scratch_rows_params, status) - 48usize];
 };
+/** Scratch page table of a CP prefill batch (src/shard/gather.rs): for every logical page l below
+ table_len, table[l] = scratch_pages[i] where pages[i] == l (the entry the lower-bound binary
+ search of l in `pages` finds), or trash_page when l is not mapped. Entries must have strictly
+ ascending pages below table_len and scratch pages below trash_page (every mapped page lies in
+ the prefix or chunk region, before the trash page); a bad entry is reported at its position
+ and a page whose entry has a bad scratch page maps to trash_page. (Unsorted entries are
+ reported too; the table then holds whatever the search finds, the same on every backend.)*/
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
+pub struct kvs_scratch_table_params {
+    ///< int64[num_entries]: mapped logical pages, strictly ascending
+    pub pages: u64,
+    ///< int64[num_entries]: the scratch page of each
+    pub scratch_pages: u64,
+    pub num_entries: u64,
+    ///< int64[table_len]: output, one scratch page per logical page
+    pub table: u64,
+    ///< logical pages of the shard group, at most INT64_MAX
+    pub table_len: u64,
+    ///< the scratch slot's last page, at most INT64_MAX
+    pub trash_page: u64,
+    pub status: kvs_status,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    [
+        "Size of kvs_scratch_table_params",
+    ][::std::mem::size_of::<kvs_scratch_table_params>() - 64usize];
+    [
+        "Alignment of kvs_scratch_table_params",
+    ][::std::mem::align_of::<kvs_scratch_table_params>() - 8usize];
+    [
+        "Offset of field: kvs_scratch_table_params::pages",
+    ][::std::mem::offset_of!(kvs_scratch_table_params, pages) - 0usize];
+    [
+        "Offset of field: kvs_scratch_table_params::scratch_pages",
+    ][::std::mem::offset_of!(kvs_scratch_table_params, scratch_pages) - 8usize];
+    [
+        "Offset of field: kvs_scratch_table_params::num_entries",
+    ][::std::mem::offset_of!(kvs_scratch_table_params, num_entries) - 16usize];
+    [
+        "Offset of field: kvs_scratch_table_params::table",
+    ][::std::mem::offset_of!(kvs_scratch_table_params, table) - 24usize];
+    [
+        "Offset of field: kvs_scratch_table_params::table_len",
+    ][::std::mem::offset_of!(kvs_scratch_table_params, table_len) - 32usize];
+    [
+        "Offset of field: kvs_scratch_table_params::trash_page",
+    ][::std::mem::offset_of!(kvs_scratch_table_params, trash_page) - 40usize];
+    [
+        "Offset of field: kvs_scratch_table_params::status",
+    ][::std::mem::offset_of!(kvs_scratch_table_params, status) - 48usize];
+};
 /// How one side of a block copy addresses the blocks of one component.
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]

@@ -61,9 +61,10 @@
  * may differ by architecture (the kernel files say where and why). The host asks the loaded
  * module what a kernel allows (Gpu::max_threads), which is what the driver enforces.
  */
-/* kvs_quantize_latent, kvs_quantize_indexer, kvs_scratch_rows: grid-stride loops over warps
-   (latent: one token each), half-warps (indexer) or threads (scratch), correct at any multiple
-   of 32. They carry no launch bounds: bounds of 256 change the quantizers' H200 code. */
+/* kvs_quantize_latent, kvs_quantize_indexer, kvs_scratch_rows, kvs_scratch_table: grid-stride
+   loops over warps (latent: one token each), half-warps (indexer) or threads (scratch rows,
+   scratch table), correct at any multiple of 32. They carry no launch bounds: bounds of 256
+   change the quantizers' H200 code. */
 #define KVS_ELEMENTWISE_THREADS 256
 /* kvs_resolve_*: exactly this many threads, one CTA per KVS_RESOLVE_TILE entries. */
 #define KVS_RESOLVE_THREADS 256
@@ -184,6 +185,25 @@ typedef struct kvs_scratch_rows_params {
     uint64_t out_rows;     /**< int64[num_slots]; -1 for padding and reported entries */
     kvs_status status;
 } kvs_scratch_rows_params;
+
+/**
+ * Scratch page table of a CP prefill batch (src/shard/gather.rs): for every logical page l below
+ * table_len, table[l] = scratch_pages[i] where pages[i] == l (the entry the lower-bound binary
+ * search of l in `pages` finds), or trash_page when l is not mapped. Entries must have strictly
+ * ascending pages below table_len and scratch pages below trash_page (every mapped page lies in
+ * the prefix or chunk region, before the trash page); a bad entry is reported at its position
+ * and a page whose entry has a bad scratch page maps to trash_page. (Unsorted entries are
+ * reported too; the table then holds whatever the search finds, the same on every backend.)
+ */
+typedef struct kvs_scratch_table_params {
+    uint64_t pages;         /**< int64[num_entries]: mapped logical pages, strictly ascending */
+    uint64_t scratch_pages; /**< int64[num_entries]: the scratch page of each */
+    uint64_t num_entries;
+    uint64_t table;      /**< int64[table_len]: output, one scratch page per logical page */
+    uint64_t table_len;  /**< logical pages of the shard group, at most INT64_MAX */
+    uint64_t trash_page; /**< the scratch slot's last page, at most INT64_MAX */
+    kvs_status status;
+} kvs_scratch_table_params;
 
 /** How one side of a block copy addresses the blocks of one component. */
 typedef struct kvs_block_side {
@@ -329,6 +349,7 @@ KVS_STATIC_ASSERT(sizeof(kvs_quantize_latent_params) == 72, "kvs_quantize_latent
 KVS_STATIC_ASSERT(sizeof(kvs_quantize_indexer_params) == 72, "kvs_quantize_indexer_params");
 KVS_STATIC_ASSERT(sizeof(kvs_resolve_params) == 96, "kvs_resolve_params");
 KVS_STATIC_ASSERT(sizeof(kvs_scratch_rows_params) == 64, "kvs_scratch_rows_params");
+KVS_STATIC_ASSERT(sizeof(kvs_scratch_table_params) == 64, "kvs_scratch_table_params");
 KVS_STATIC_ASSERT(sizeof(kvs_block_component) == 40, "kvs_block_component");
 KVS_STATIC_ASSERT(sizeof(kvs_layer_pair) == 24, "kvs_layer_pair");
 KVS_STATIC_ASSERT(sizeof(kvs_page_list) == 32, "kvs_page_list");

@@ -152,21 +152,17 @@ impl RequestChain {
         })
     }
 
-    /// The host pages a backup of `node` gets from the host allocator: along the node's owner
-    /// rotation when it has a shard owner, else of the same owner classes as its device pages.
-    pub fn host_pages(node: &CacheNode, host: &mut ShardAllocator) -> Result<Vec<LogicalPage>> {
-        match node.start_owner {
-            Some(start_owner) => Ok(host
-                .alloc(AllocRequest {
-                    chain: ChainStart::Extend {
-                        start_owner,
-                        prefix_tokens: 0,
-                    },
-                    pages: node.device_pages.len(),
-                })?
-                .pages),
-            None => host.alloc_matching(&node.device_pages),
-        }
+    /// The HiCache node of positions `pages` (with id `id`) and the host pages its backup gets
+    /// from the host allocator `host` ([`CacheNode::alloc_host_pages`]).
+    pub fn backup_pages(
+        &self,
+        id: u64,
+        pages: Range<usize>,
+        host: &mut ShardAllocator,
+    ) -> Result<(CacheNode, Vec<LogicalPage>)> {
+        let node = self.cache_node(id, pages)?;
+        let host_pages = node.alloc_host_pages(host)?;
+        Ok((node, host_pages))
     }
 
     /// The P/D registration of this chain as a decode side's (unsharded) chain: the request's

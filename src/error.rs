@@ -118,6 +118,44 @@ pub enum Error {
         /// The rank the operation needs.
         expected: u32,
     },
+    /// A batch needs more of a region of the attention scratch than the region holds.
+    #[error(
+        "the batch needs {needed} tokens of the scratch's {region} region, which holds {limit}"
+    )]
+    ScratchOverflow {
+        /// Which region: "prefix" or "chunk".
+        region: &'static str,
+        /// Tokens the batch needs there.
+        needed: u64,
+        /// Tokens the region holds.
+        limit: u64,
+    },
+    /// A request can never be admitted: alone, as the first request of a scheduling pass, it
+    /// already exceeds a limit of the batch.
+    #[error("request {request} of the scheduling pass can never be admitted: its {what} needs {needed} tokens, the limit is {limit}")]
+    NeverAdmissible {
+        /// Position of the request among those offered in the pass.
+        request: usize,
+        /// What it exceeds: "prefix region" or "chunk region".
+        what: &'static str,
+        /// Tokens it needs there.
+        needed: u64,
+        /// Tokens the batch may use there.
+        limit: u64,
+    },
+    /// Eviction cannot make a request's tokens allocatable.
+    #[error("cannot make {needed} tokens allocatable (admission capacity {capacity}): {reason}")]
+    EvictionStalled {
+        /// Tokens the request needs (its overhead included).
+        needed: u64,
+        /// The allocator's admission capacity when eviction stopped.
+        capacity: u64,
+        /// Why eviction stopped.
+        reason: crate::shard::EvictionStall,
+    },
+    /// A byte-for-byte check of the demo failed: bytes that must be identical are not.
+    #[error("verification failed: {0}")]
+    Verification(String),
     /// A memory budget cannot hold what it must.
     #[error("memory budget too small: {0}")]
     BudgetTooSmall(String),
@@ -234,6 +272,17 @@ pub enum Error {
         /// The NIXL operation.
         call: &'static str,
         /// NIXL's status, or what kvshard found wrong.
+        reason: String,
+    },
+    /// The NCCL library could not be loaded.
+    #[error("no NCCL: libnccl.so.2 could not be loaded (it ships in the nvidia-nccl-cu13 wheel; put its lib folder on LD_LIBRARY_PATH)")]
+    NoNccl,
+    /// An NCCL call failed.
+    #[error("NCCL {call} failed: {reason}")]
+    Nccl {
+        /// The call.
+        call: &'static str,
+        /// NCCL's answer.
         reason: String,
     },
 }

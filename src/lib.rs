@@ -106,6 +106,10 @@ pub mod gpu;
 pub mod hicache;
 pub mod index;
 pub mod ipc;
+#[cfg(feature = "nccl")]
+pub mod nccl;
+#[cfg(feature = "cli")]
+pub mod pd;
 pub mod pool;
 pub mod quantize;
 pub mod shard;

@@ -1,23 +1,32 @@
-//! HiCache: host pool layouts, owner-aware planning, transfers on every I/O backend and the
-//! controller's ordering, acks and policies. Each transfer is checked on the CPU reference
-//! against its meaning (owned blocks moved, everything else still poisoned), and on the GPU
-//! against the CPU result byte for byte.
+//! HiCache: host pool layouts, owner-aware planning, transfers on every route (the four direct
+//! I/O backends and both staged relayouts) for every host layout, on device pools kvshard
+//! allocated and on pools wrapping separately allocated per-layer buffers, and the controller's
+//! ordering, acks, policies, per-layer readiness and failure handling. Each transfer is checked
+//! on the CPU reference against its meaning (owned blocks moved, everything else still
+//! poisoned), and on the GPU against the CPU result byte for byte. Per-layer readiness is
+//! checked on the CPU too, with the deferred CPU backend: a consumer that waited for layer 0
+//! sees layer 0 (and the MTP draft) landed and the last layer not yet.
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kvshard::abi;
 use kvshard::backend::cpu::CpuBackend;
-use kvshard::backend::{Backend, Buffer, Copy2d, Launch, MemoryKind};
-use kvshard::geometry::{CacheGeometry, ComponentLayout, LatentLayout, PoolGeometry};
+use kvshard::backend::{
+    AddressSpace, Backend, Buffer, Copy2d, Event, KernelFamily, Launch, MemoryKind,
+};
+use kvshard::copy::BlockSpace;
+use kvshard::geometry::{CacheGeometry, Component, ComponentLayout, LatentLayout, PoolGeometry};
+use kvshard::gpu::Gpu;
 use kvshard::hicache::{
     pages_of_tokens, CacheNode, Direction, HiCacheController, HostLayout, HostPool, HostTransfer,
     IoBackend, IoCalls, LayerReady, LayerSignals, Layers, Relayout, Route, Streams, TransferPlan,
     WritePolicy, DEFAULT_STAGING_PAGES,
 };
-use kvshard::pool::{BlockSpace, DevicePool, PoolBuffers};
+use kvshard::index::{LocalPage, LogicalPage, ModelLayer, Slot, StoredLayer};
+use kvshard::pool::{DevicePool, PoolBuffers, RawBuffer};
 use kvshard::shard::{AllocRequest, ChainStart, Placement, ShardAllocator};
 use kvshard::synth::{self, POISON};
 use kvshard::Error;
@@ -34,6 +43,18 @@ const IOS: [IoBackend; 4] = [
     IoBackend::BatchMemcpy,
 ];
 
+/// Every route: the four direct I/O backends, then staging with either relayout.
+const ROUTES: [Route; 6] = [
+    Route::Direct(IoBackend::SmKernel { ctas: 2 }),
+    Route::Direct(IoBackend::CopyEngine),
+    Route::Direct(IoBackend::PerBlockMemcpy),
+    Route::Direct(IoBackend::BatchMemcpy),
+    Route::Staged(Relayout::Kernel { ctas: 2 }),
+    Route::Staged(Relayout::CopyEngine),
+];
+
+const RELAYOUTS: [Relayout; 2] = [Relayout::Kernel { ctas: 2 }, Relayout::CopyEngine];
+
 fn geometries() -> Vec<CacheGeometry> {
     vec![
         // A shared-indexer layer (1) and the draft: four components, single-layer ones too.
@@ -45,20 +66,130 @@ fn geometries() -> Vec<CacheGeometry> {
     ]
 }
 
-fn random_pool<B: Backend>(
-    b: &B,
+fn lp(pages: &[u64]) -> Vec<LogicalPage> {
+    pages.iter().map(|&p| LogicalPage(p)).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device pools
+
+/// How a test's device pool is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PoolKind {
+    /// `DevicePool::allocate`: one allocation, a uniform layer stride.
+    Allocated,
+    /// `DevicePool::wrap` over per-layer buffers allocated one by one from the same backend,
+    /// with spacers between them: no uniform layer stride, as an engine's buffers.
+    Wrapped,
+}
+
+const KINDS: [PoolKind; 2] = [PoolKind::Allocated, PoolKind::Wrapped];
+
+/// A device pool and the memory behind it. Declared before what uses the pool, so it is
+/// dropped last.
+struct TestPool {
+    pool: Arc<DevicePool>,
+    /// What random data is written into: the pool's storage, or its layer buffers.
+    buffers: Vec<Buffer>,
+    /// Spacers between wrapped layer buffers, kept so the addresses stay as they are.
+    _spacers: Vec<Buffer>,
+}
+
+fn make_pool(
+    b: &dyn Backend,
+    g: &CacheGeometry,
+    placement: Placement,
+    rank: u32,
+    pages: u64,
+    kind: PoolKind,
+) -> TestPool {
+    match kind {
+        PoolKind::Allocated => {
+            let pool = DevicePool::allocate(b, g, placement, rank, pages).unwrap();
+            let buffers = vec![pool.storage().unwrap().clone()];
+            TestPool {
+                pool: Arc::new(pool),
+                buffers,
+                _spacers: Vec::new(),
+            }
+        }
+        PoolKind::Wrapped => {
+            let components = g.components();
+            let mut layers: Vec<Vec<Buffer>> = vec![Vec::new(); components.len()];
+            let mut spacers = Vec::new();
+            let deepest = components.iter().map(|c| c.layers()).max().unwrap_or(0);
+            // Layer by layer across components, a spacer of growing size before each buffer.
+            for l in 0..deepest {
+                for (c, comp) in components.iter().enumerate() {
+                    if l >= comp.layers() {
+                        continue;
+                    }
+                    spacers.push(b.alloc(4096 * (1 + l + 3 * c), MemoryKind::Device).unwrap());
+                    let need = PoolBuffers::required_bytes(g, comp.component, pages).unwrap();
+                    // Engines size buffers in tokens: a few bytes beyond the last page.
+                    let buffer = b.alloc(need as usize + 100, MemoryKind::Device).unwrap();
+                    layers[c].push(buffer);
+                }
+            }
+            // Descending addresses, whatever order the allocator gave: two layers or more are
+            // never evenly spaced upwards (two ascending buffers would be one stride apart).
+            let mut buffers = PoolBuffers::default();
+            for (c, comp) in components.iter().enumerate() {
+                layers[c].sort_by_key(|b| std::cmp::Reverse(b.addr()));
+                let raws = match comp.component {
+                    Component::TargetLatent => &mut buffers.target_latent,
+                    Component::TargetIndexer => &mut buffers.target_indexer,
+                    Component::DraftLatent => &mut buffers.draft_latent,
+                    Component::DraftIndexer => &mut buffers.draft_indexer,
+                };
+                raws.extend(layers[c].iter().map(|b| RawBuffer {
+                    addr: b.addr(),
+                    bytes: b.len() as u64,
+                }));
+            }
+            assert_eq!(buffers.pages_covered(g), Some(pages));
+            // SAFETY: every address is a live allocation of `b` holding at least `pages`
+            // blocks; the buffers are kept with the pool.
+            let pool = unsafe { DevicePool::wrap(b, g, placement, rank, pages, &buffers) }.unwrap();
+            for comp in &components {
+                let stride = pool.layer_stride(comp.component).unwrap();
+                assert_eq!(stride, None, "{}: a wrapped pool's layers", comp.component);
+            }
+            TestPool {
+                pool: Arc::new(pool),
+                buffers: layers.into_iter().flatten().collect(),
+                _spacers: spacers,
+            }
+        }
+    }
+}
+
+impl TestPool {
+    /// Random bytes everywhere, from `seed`.
+    fn randomize(&self, b: &dyn Backend, seed: u64) {
+        let mut rng = StdRng::seed_from_u64(seed);
+        for buffer in &self.buffers {
+            b.write_sync(buffer, 0, &synth::bytes(&mut rng, buffer.len()))
+                .unwrap();
+        }
+    }
+}
+
+/// A pool kvshard allocated, random bytes everywhere.
+fn random_pool(
+    b: &dyn Backend,
     g: &CacheGeometry,
     placement: Placement,
     rank: u32,
     seed: u64,
-) -> DevicePool {
-    let pool = DevicePool::allocate(b, g, placement, rank, DEVICE_PAGES).unwrap();
-    let storage = pool.storage().unwrap();
-    let mut rng = StdRng::seed_from_u64(seed);
-    b.write(storage, 0, &synth::bytes(&mut rng, storage.len()))
-        .unwrap();
-    pool
+) -> Arc<DevicePool> {
+    let p = make_pool(b, g, placement, rank, DEVICE_PAGES, PoolKind::Allocated);
+    p.randomize(b, seed);
+    p.pool
 }
+
+// ---------------------------------------------------------------------------------------------
+// Nodes and expectations
 
 /// An allocator that has handed out and taken back a few chains, so what it allocates next
 /// mixes runs of consecutive local pages with jumps.
@@ -84,9 +215,9 @@ fn scrambled(rng: &mut impl Rng, placement: Placement, pages: u64) -> ShardAlloc
 /// backup gives it, and the device pages a later load brings it back to.
 #[derive(Debug, Clone)]
 struct Node {
-    device: Vec<u64>,
-    host: Vec<u64>,
-    reload: Vec<u64>,
+    device: Vec<LogicalPage>,
+    host: Vec<LogicalPage>,
+    reload: Vec<LogicalPage>,
 }
 
 fn node(rng: &mut impl Rng, placement: Placement, pages: usize) -> Node {
@@ -110,7 +241,6 @@ fn node(rng: &mut impl Rng, placement: Placement, pages: usize) -> Node {
     }
 }
 
-/// Offset of block (`c`, `l`, `p`) in a canonical snapshot of `pages` pages.
 /// Rank `rank`'s plan pairing `node`'s device pages with its host pages.
 fn node_plan(placement: Placement, rank: u32, node: &Node) -> TransferPlan {
     TransferPlan::new(
@@ -124,6 +254,7 @@ fn node_plan(placement: Placement, rank: u32, node: &Node) -> TransferPlan {
     .unwrap()
 }
 
+/// Offset of block (`c`, `l`, `p`) in a canonical snapshot of `pages` pages.
 fn canon(components: &[ComponentLayout], pages: u64, c: usize, l: usize, p: u64) -> usize {
     let before: usize = components[..c]
         .iter()
@@ -133,25 +264,21 @@ fn canon(components: &[ComponentLayout], pages: u64, c: usize, l: usize, p: u64)
 }
 
 /// `dst` with the owned pairs' blocks of `src` copied in (both canonical snapshots).
-#[allow(clippy::too_many_arguments)]
 fn expect_moved(
     components: &[ComponentLayout],
-    placement: Placement,
-    rank: u32,
-    src: &[u8],
-    src_pages: (&[u64], u64),
-    dst: &mut [u8],
-    dst_pages: (&[u64], u64),
+    (placement, rank): (Placement, u32),
+    (src, src_pages, src_total): (&[u8], &[LogicalPage], u64),
+    (dst, dst_pages, dst_total): (&mut [u8], &[LogicalPage], u64),
 ) {
-    for (&s, &d) in src_pages.0.iter().zip(dst_pages.0) {
+    for (&s, &d) in src_pages.iter().zip(dst_pages) {
         if placement.owner(s) != rank {
             continue;
         }
-        let (s, d) = (placement.local_page(s), placement.local_page(d));
+        let (s, d) = (placement.local(s).0, placement.local(d).0);
         for (c, comp) in components.iter().enumerate() {
             for l in 0..comp.layers() {
-                let from = canon(components, src_pages.1, c, l, s);
-                let to = canon(components, dst_pages.1, c, l, d);
+                let from = canon(components, src_total, c, l, s);
+                let to = canon(components, dst_total, c, l, d);
                 let b = comp.block_bytes;
                 dst[to..to + b].copy_from_slice(&src[from..from + b]);
             }
@@ -165,42 +292,65 @@ struct Trip {
     reloaded: Vec<u8>,
 }
 
-/// Backs `node` up from a random pool of `rank` into a poisoned host pool, then loads it into a
-/// poisoned device pool, with `io` both ways; returns every pool's bytes.
-fn round_trip<B: Backend>(
-    b: &B,
-    g: &CacheGeometry,
-    layout: HostLayout,
-    placement: Placement,
-    rank: u32,
-    io: IoBackend,
-    node: &Node,
-) -> Trip {
-    round_trip_with(b, g, layout, placement, rank, node, &|t| {
-        t.run(b, io, Layers::All).unwrap()
-    })
+/// Asserts that a round trip of `rank`'s pages put exactly its owned pages of `source` (at
+/// `device` pages) into `host` (at `host_pages`; every other byte poison) and from there into
+/// `reloaded` (at `reload` pages; every other byte as in `device_base`).
+fn assert_round_trip(
+    components: &[ComponentLayout],
+    owner: (Placement, u32),
+    (source, host, reloaded): (&[u8], &[u8], &[u8]),
+    (device, host_pages, reload): (&[LogicalPage], &[LogicalPage], &[LogicalPage]),
+    device_base: Vec<u8>,
+    case: &str,
+) {
+    let mut want_host = vec![POISON; host.len()];
+    expect_moved(
+        components,
+        owner,
+        (source, device, DEVICE_PAGES),
+        (&mut want_host, host_pages, HOST_PAGES),
+    );
+    assert!(host == want_host, "{case}: host");
+    let mut want_device = device_base;
+    expect_moved(
+        components,
+        owner,
+        (host, host_pages, HOST_PAGES),
+        (&mut want_device, reload, DEVICE_PAGES),
+    );
+    assert!(reloaded == want_device, "{case}: reloaded device pool");
 }
 
-/// As [`round_trip`], moving each direction with `run` (which leaves `b`'s stream ordered after
-/// everything it enqueued).
-fn round_trip_with<B: Backend>(
-    b: &B,
-    g: &CacheGeometry,
+// ---------------------------------------------------------------------------------------------
+// Round trips of one HostTransfer each way
+
+/// Where a round trip runs: its backend (and a second stream of it, for staged relayouts),
+/// the cache, the host layout, the rank and how its device pools are made.
+struct Where<'a> {
+    b: &'a dyn Backend,
+    other: &'a dyn Backend,
+    g: &'a CacheGeometry,
     layout: HostLayout,
     placement: Placement,
     rank: u32,
-    node: &Node,
-    run: &dyn Fn(&HostTransfer<'_>),
-) -> Trip {
-    let source = random_pool(b, g, placement, rank, 7 + u64::from(rank));
-    let host = HostPool::new(b, g, HOST_PAGES, layout).unwrap();
+    kind: PoolKind,
+}
+
+/// Backs `node` up from a random pool of the rank into a poisoned host pool, then loads it
+/// into a poisoned device pool, moving each direction with `run` (which leaves `w.b`'s stream
+/// ordered after everything it enqueued); returns every pool's bytes.
+fn round_trip_with(w: &Where<'_>, node: &Node, run: &dyn Fn(&mut HostTransfer)) -> Trip {
+    let b = w.b;
+    let source = make_pool(b, w.g, w.placement, w.rank, DEVICE_PAGES, w.kind);
+    source.randomize(b, 7 + u64::from(w.rank));
+    let reloaded = make_pool(b, w.g, w.placement, w.rank, DEVICE_PAGES, w.kind);
+    reloaded.pool.fill(b, POISON).unwrap();
+    let host = Arc::new(HostPool::new(b, w.g, HOST_PAGES, w.layout).unwrap());
     host.fill(b, POISON).unwrap();
-    let reloaded = DevicePool::allocate(b, g, placement, rank, DEVICE_PAGES).unwrap();
-    reloaded.fill(b, POISON).unwrap();
-    let plan = |device: &[u64]| {
+    let plan = |device: &[LogicalPage]| {
         TransferPlan::new(
-            placement,
-            rank,
+            w.placement,
+            w.rank,
             device,
             &node.host,
             DEVICE_PAGES,
@@ -208,66 +358,67 @@ fn round_trip_with<B: Backend>(
         )
         .unwrap()
     };
-    let mut backup =
-        HostTransfer::new(&source, &host, plan(&node.device), Direction::Backup).unwrap();
-    backup.prepare_kernel(b, None).unwrap();
-    run(&backup);
-    let mut load =
-        HostTransfer::new(&reloaded, &host, plan(&node.reload), Direction::Load).unwrap();
-    load.prepare_kernel(b, None).unwrap();
-    run(&load);
+    let mut backup = HostTransfer::new(
+        source.pool.clone(),
+        host.clone(),
+        plan(&node.device),
+        Direction::Backup,
+    )
+    .unwrap();
+    run(&mut backup);
+    let mut load = HostTransfer::new(
+        reloaded.pool.clone(),
+        host.clone(),
+        plan(&node.reload),
+        Direction::Load,
+    )
+    .unwrap();
+    run(&mut load);
     b.synchronize().unwrap();
     Trip {
-        source: source.snapshot(b).unwrap(),
-        host: host.snapshot(b).unwrap(),
-        reloaded: reloaded.snapshot(b).unwrap(),
+        source: source.pool.snapshot_sync(b).unwrap(),
+        host: host.snapshot_sync(b).unwrap(),
+        reloaded: reloaded.pool.snapshot_sync(b).unwrap(),
     }
 }
 
-/// Asserts that a round trip of `rank`'s pages put exactly its owned pages of `source` (at
-/// `device` pages) into `host` (at `host_pages`; every other byte poison) and from there into
-/// `reloaded` (at `reload` pages; every other byte as in `device_base`).
-fn assert_round_trip(
-    components: &[ComponentLayout],
-    (placement, rank): (Placement, u32),
-    (source, host, reloaded): (&[u8], &[u8], &[u8]),
-    (device, host_pages, reload): (&[u64], &[u64], &[u64]),
-    device_base: Vec<u8>,
-    case: &str,
-) {
-    let mut want_host = vec![POISON; host.len()];
-    expect_moved(
-        components,
-        placement,
-        rank,
-        source,
-        (device, DEVICE_PAGES),
-        &mut want_host,
-        (host_pages, HOST_PAGES),
-    );
-    assert!(host == want_host, "{case}: host");
-    let mut want_device = device_base;
-    expect_moved(
-        components,
-        placement,
-        rank,
-        host,
-        (host_pages, HOST_PAGES),
-        &mut want_device,
-        (reload, DEVICE_PAGES),
-    );
-    assert!(reloaded == want_device, "{case}: reloaded device pool");
+/// Runs `t` on `route` with `w`'s streams (staged: `chunk`-page staging buffers, dropped once
+/// `w.b` has passed them).
+fn run_route(w: &Where<'_>, t: &mut HostTransfer, route: Route, chunk: u64) {
+    match route {
+        Route::Direct(io) => {
+            if matches!(io, IoBackend::SmKernel { .. }) {
+                t.prepare_kernel_sync(w.other, &mut Vec::new()).unwrap();
+            }
+            t.run(w.b, io, Layers::All).unwrap();
+        }
+        Route::Staged(how) => {
+            let staging = t.staging(w.b, chunk).unwrap();
+            if matches!(how, Relayout::Kernel { .. }) {
+                t.prepare_staged_sync(w.other, &staging, &mut Vec::new())
+                    .unwrap();
+            }
+            t.run_staged(w.b, w.other, &staging, how).unwrap();
+            // The staging is dropped here: `w.b` reaching this point means all has landed.
+            w.b.synchronize().unwrap();
+        }
+    }
 }
 
-/// Calls `f(geometry, placement, rank, node)` for every test geometry, N in {1, 2, 4} and the
-/// ranks `ranks(N)` names, with one node of 3N + 1 random pages per (geometry, N).
+fn round_trip(w: &Where<'_>, route: Route, node: &Node) -> Trip {
+    round_trip_with(w, node, &|t| run_route(w, t, route, 2))
+}
+
+/// Calls `f(geometry, placement, rank, node)` for every test geometry, every N of `shards` and
+/// the ranks `ranks(N)` names, with one node of 3N + 1 random pages per (geometry, N).
 fn for_each_rank(
     rng: &mut impl Rng,
+    shards: &[u32],
     ranks: impl Fn(u32) -> Vec<u32>,
     mut f: impl FnMut(&CacheGeometry, Placement, u32, &Node),
 ) {
     for g in geometries() {
-        for n in [1u32, 2, 4] {
+        for &n in shards {
             let placement = Placement::new(n).unwrap();
             let node = node(rng, placement, 3 * n as usize + 1);
             for rank in ranks(n) {
@@ -292,66 +443,78 @@ fn edge_ranks(n: u32) -> Vec<u32> {
 fn cpu_round_trips_move_exactly_the_owned_pages_for_every_layout_and_backend() {
     let mut rng = common::rng("cpu_round_trips");
     let b = CpuBackend::new();
-    for_each_rank(&mut rng, all_ranks, |g, placement, rank, node| {
-        for layout in HostLayout::ALL {
-            for io in IOS {
-                let trip = round_trip(&b, g, layout, placement, rank, io, node);
-                assert_round_trip(
-                    &g.components(),
-                    (placement, rank),
-                    (&trip.source, &trip.host, &trip.reloaded),
-                    (&node.device, &node.host, &node.reload),
-                    vec![POISON; trip.reloaded.len()],
-                    &format!("N={} rank {rank} {layout} {io}", placement.shard()),
-                );
+    let other = b.new_stream();
+    for_each_rank(
+        &mut rng,
+        &[1, 2, 4],
+        all_ranks,
+        |g, placement, rank, node| {
+            for layout in HostLayout::ALL {
+                let w = Where {
+                    b: &b,
+                    other: &other,
+                    g,
+                    layout,
+                    placement,
+                    rank,
+                    kind: PoolKind::Allocated,
+                };
+                for io in IOS {
+                    let trip = round_trip(&w, Route::Direct(io), node);
+                    assert_round_trip(
+                        &g.components(),
+                        (placement, rank),
+                        (&trip.source, &trip.host, &trip.reloaded),
+                        (&node.device, &node.host, &node.reload),
+                        vec![POISON; trip.reloaded.len()],
+                        &format!("N={} rank {rank} {layout} {io}", placement.shard()),
+                    );
+                }
             }
-        }
-    });
-}
-
-/// A round trip through double-buffered device staging with `chunk`-page buffers, the copy engine
-/// on `b` and the relayout kernel on `other`.
-fn staged_round_trip<B: Backend>(
-    (b, other): (&B, &B),
-    g: &CacheGeometry,
-    (layout, how): (HostLayout, Relayout),
-    placement: Placement,
-    rank: u32,
-    chunk: u64,
-    node: &Node,
-) -> Trip {
-    round_trip_with(b, g, layout, placement, rank, node, &|t| {
-        let staging = t.staging(b, chunk).unwrap();
-        t.run_staged(b, other, &staging, how).unwrap();
-        // The staging buffers are dropped here: `b` reaching this point means all has landed.
-        b.synchronize().unwrap();
-    })
-}
-
-/// The relayouts a host layout supports: the copy engine needs whole blocks on the host side.
-fn relayouts(layout: HostLayout) -> Vec<Relayout> {
-    let mut out = vec![Relayout::Kernel { ctas: 2 }];
-    if layout != HostLayout::PageFirst {
-        out.push(Relayout::CopyEngine);
-    }
-    out
+        },
+    );
 }
 
 #[test]
-fn copy_engine_relayout_refuses_token_major_rows() {
+fn every_route_round_trips_on_every_host_layout_for_allocated_and_wrapped_pools() {
+    let mut rng = common::rng("every_route_round_trips_on_every_host_layout");
     let b = CpuBackend::new();
-    let g = &geometries()[0];
-    let placement = Placement::new(1).unwrap();
-    let pool = DevicePool::allocate(&b, g, placement, 0, DEVICE_PAGES).unwrap();
-    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirst).unwrap();
-    let plan = TransferPlan::new(placement, 0, &[1, 2], &[1, 2], DEVICE_PAGES, HOST_PAGES).unwrap();
-    let mut t = HostTransfer::new(&pool, &host, plan, Direction::Load).unwrap();
-    t.prepare_kernel(&b, None).unwrap();
-    let staging = t.staging(&b, 2).unwrap();
-    let err = t
-        .run_staged(&b, &b.new_stream(), &staging, Relayout::CopyEngine)
-        .unwrap_err();
-    assert!(err.to_string().contains("whole blocks"), "{err}");
+    let other = b.new_stream();
+    for_each_rank(
+        &mut rng,
+        &[1, 2, 3],
+        all_ranks,
+        |g, placement, rank, node| {
+            for layout in HostLayout::ALL {
+                for kind in KINDS {
+                    let w = Where {
+                        b: &b,
+                        other: &other,
+                        g,
+                        layout,
+                        placement,
+                        rank,
+                        kind,
+                    };
+                    for route in ROUTES {
+                        let trip = round_trip(&w, route, node);
+                        let case = format!(
+                            "N={} rank {rank} {layout} {kind:?} pool, {route}",
+                            placement.shard()
+                        );
+                        assert_round_trip(
+                            &g.components(),
+                            (placement, rank),
+                            (&trip.source, &trip.host, &trip.reloaded),
+                            (&node.device, &node.host, &node.reload),
+                            vec![POISON; trip.reloaded.len()],
+                            &case,
+                        );
+                    }
+                }
+            }
+        },
+    );
 }
 
 #[test]
@@ -359,56 +522,96 @@ fn staging_of_another_transfer_or_no_ctas_is_refused_before_anything_moves() {
     let b = CpuBackend::new();
     let g = &geometries()[0];
     let placement = Placement::new(1).unwrap();
-    let pool = DevicePool::allocate(&b, g, placement, 0, DEVICE_PAGES).unwrap();
-    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirstDirect).unwrap();
-    let plan = TransferPlan::new(placement, 0, &[1, 2], &[1, 2], DEVICE_PAGES, HOST_PAGES).unwrap();
-    let mut load = HostTransfer::new(&pool, &host, plan.clone(), Direction::Load).unwrap();
-    let mut backup = HostTransfer::new(&pool, &host, plan, Direction::Backup).unwrap();
-    load.prepare_kernel(&b, None).unwrap();
-    backup.prepare_kernel(&b, None).unwrap();
+    let pool = Arc::new(DevicePool::allocate(&b, g, placement, 0, DEVICE_PAGES).unwrap());
+    let host = Arc::new(HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirstDirect).unwrap());
+    let plan = TransferPlan::new(
+        placement,
+        0,
+        &lp(&[1, 2]),
+        &lp(&[1, 2]),
+        DEVICE_PAGES,
+        HOST_PAGES,
+    )
+    .unwrap();
+    let mut load =
+        HostTransfer::new(pool.clone(), host.clone(), plan.clone(), Direction::Load).unwrap();
+    let mut backup = HostTransfer::new(pool, host.clone(), plan, Direction::Backup).unwrap();
     let load_staging = load.staging(&b, 2).unwrap();
-    let before = b.read(host.buffer(0).unwrap(), 0, 4096).unwrap();
+    assert_eq!(load_staging.chunk_pages(), 2);
+    assert!(load.staging(&b, 0).is_err());
+    let target_latent = host.buffer(Component::TargetLatent).unwrap();
+    let before = b.read_sync(target_latent, 0, 4096).unwrap();
     let other = b.new_stream();
-    for how in [Relayout::Kernel { ctas: 2 }, Relayout::CopyEngine] {
+    for how in RELAYOUTS {
         let err = backup
             .run_staged(&b, &other, &load_staging, how)
             .unwrap_err();
         assert!(err.to_string().contains("staging made for a Load"), "{err}");
     }
+    let err = backup
+        .prepare_staged_sync(&b, &load_staging, &mut Vec::new())
+        .unwrap_err();
+    assert!(err.to_string().contains("staging made for a Load"), "{err}");
     let err = load
         .run_staged(&b, &other, &load_staging, Relayout::Kernel { ctas: 0 })
         .unwrap_err();
-    assert!(err.to_string().contains("0 CTAs"), "{err}");
+    assert!(err.to_string().contains("at least one CTA"), "{err}");
+    // A kernel relayout needs its tables first; the copy engine does not.
+    let err = load
+        .run_staged(&b, &other, &load_staging, Relayout::Kernel { ctas: 2 })
+        .unwrap_err();
+    assert!(err.to_string().contains("prepare_staged_sync"), "{err}");
+    // Nor does the SM kernel run without its tables.
+    let err = load
+        .run(&b, IoBackend::SmKernel { ctas: 2 }, Layers::All)
+        .unwrap_err();
+    assert!(err.to_string().contains("prepare_kernel_sync"), "{err}");
     b.synchronize().unwrap();
-    assert_eq!(b.read(host.buffer(0).unwrap(), 0, 4096).unwrap(), before);
+    assert_eq!(b.read_sync(target_latent, 0, 4096).unwrap(), before);
+    load.prepare_staged_sync(&b, &load_staging, &mut Vec::new())
+        .unwrap();
+    load.run_staged(&b, &other, &load_staging, Relayout::Kernel { ctas: 2 })
+        .unwrap();
+    // A kernel relayout prepared for one staging is refused with another (its tables name the
+    // first staging's mirrors), until it is prepared for that one too.
+    let second = load.staging(&b, 1).unwrap();
+    let err = load
+        .run_staged(&b, &other, &second, Relayout::Kernel { ctas: 2 })
+        .unwrap_err();
+    assert!(err.to_string().contains("with this staging"), "{err}");
+    let mut spare = Vec::new();
+    load.prepare_staged_sync(&b, &second, &mut spare).unwrap();
+    assert!(
+        spare.is_empty(),
+        "the first staging's tables went back to the spares and were reused"
+    );
+    load.run_staged(&b, &other, &second, Relayout::Kernel { ctas: 2 })
+        .unwrap();
+    b.synchronize().unwrap();
 }
 
-/// Every relayout and chunk size of the staged path on `b` (+ `other`) against the direct copy
-/// engine on the CPU reference, for every layout, rank `rank` of `placement`.
-fn staged_matches_direct<B: Backend>(
-    (b, other): (&B, &B),
-    g: &CacheGeometry,
-    placement: Placement,
-    rank: u32,
-    chunks: &[u64],
-    node: &Node,
-) {
+/// Every relayout and chunk size of the staged path on `w` against the direct copy engine on
+/// the CPU reference, for every layout (token-major `page_first` included: both relayouts
+/// serve it).
+fn staged_matches_direct(w: &Where<'_>, chunks: &[u64], node: &Node) {
     let cpu = CpuBackend::new();
+    let cpu_other = cpu.new_stream();
     for layout in HostLayout::ALL {
-        let want = round_trip(
-            &cpu,
-            g,
+        let reference = Where {
+            b: &cpu,
+            other: &cpu_other,
             layout,
-            placement,
-            rank,
-            IoBackend::CopyEngine,
-            node,
-        );
+            ..*w
+        };
+        let want = round_trip(&reference, Route::Direct(IoBackend::CopyEngine), node);
+        let here = Where { layout, ..*w };
         for &chunk in chunks {
-            for how in relayouts(layout) {
-                let got =
-                    staged_round_trip((b, other), g, (layout, how), placement, rank, chunk, node);
-                let case = format!("N={} {layout} {how:?} chunk {chunk}", placement.shard());
+            for how in RELAYOUTS {
+                let got = round_trip_with(&here, node, &|t| {
+                    run_route(&here, t, Route::Staged(how), chunk)
+                });
+                let case = format!("N={} {layout} {how:?} chunk {chunk}", w.placement.shard());
+                assert!(want.source == got.source, "{case}: random source differs");
                 assert!(want.host == got.host, "{case}: host");
                 assert!(want.reloaded == got.reloaded, "{case}: reloaded");
             }
@@ -425,22 +628,17 @@ fn staged_round_trips_equal_the_direct_ones() {
         for n in [1u32, 2] {
             let placement = Placement::new(n).unwrap();
             let node = node(&mut rng, placement, 3 * n as usize + 1);
-            staged_matches_direct((&b, &other), &g, placement, 0, &[1, 2, 64], &node);
+            let w = Where {
+                b: &b,
+                other: &other,
+                g: &g,
+                layout: HostLayout::LayerFirst,
+                placement,
+                rank: 0,
+                kind: PoolKind::Allocated,
+            };
+            staged_matches_direct(&w, &[1, 2, 64], &node);
         }
-    }
-}
-
-#[test]
-fn gpu_staged_round_trips_match_cpu_byte_for_byte() {
-    let Some(gpu) = common::cuda("gpu_staged_round_trips_match_cpu_byte_for_byte") else {
-        return;
-    };
-    let other = kvshard::backend::cuda::CudaBackend::new(gpu.gpu().clone()).unwrap();
-    let mut rng = common::rng("gpu_staged_round_trips_match_cpu_byte_for_byte");
-    for g in geometries() {
-        let placement = Placement::new(2).unwrap();
-        let node = node(&mut rng, placement, 7);
-        staged_matches_direct((&gpu, &other), &g, placement, 1, &[1, 3], &node);
     }
 }
 
@@ -451,11 +649,13 @@ fn layouts_place_blocks_where_domain_md_says_and_tile_their_buffers() {
     let (pages, b36, b84) = (5u64, 36_864u64, 8448u64);
     for layout in HostLayout::ALL {
         let host = HostPool::new(&b, g, pages, layout).unwrap();
-        let base = |c: usize| host.buffer(c).unwrap().addr();
+        let base = |c: Component| host.buffer(c).unwrap().addr();
+        let row = |c, l, p, r| host.row_addr(c, StoredLayer(l), LocalPage(p), r);
         // Target latent (3 layers of 64 rows of 576 B): layer 2, page 3, row 5.
-        let latent = host.row_addr(0, 2, 3, 5).unwrap() - base(0);
+        let latent = row(Component::TargetLatent, 2, 3, 5).unwrap() - base(Component::TargetLatent);
         // Target indexer (layers 0 and 2 stored as 0 and 1): stored layer 1, page 4.
-        let indexer = host.row_addr(1, 1, 4, 0).unwrap() - base(1);
+        let indexer =
+            row(Component::TargetIndexer, 1, 4, 0).unwrap() - base(Component::TargetIndexer);
         let (want_latent, want_indexer) = match layout {
             HostLayout::LayerFirst => (2 * 5 * b36 + 3 * b36 + 5 * 576, 5 * b84 + 4 * b84),
             HostLayout::PageFirstDirect => (3 * (3 * b36) + 2 * b36 + 5 * 576, 4 * 2 * b84 + b84),
@@ -466,26 +666,30 @@ fn layouts_place_blocks_where_domain_md_says_and_tile_their_buffers() {
         };
         assert_eq!((latent, indexer), (want_latent, want_indexer), "{layout}");
         // Every row of every block, over all layers and pages, tiles its buffer exactly once.
-        for (c, comp) in host.components().iter().enumerate() {
+        for comp in host.components() {
+            let c = comp.component;
             let mut rows: Vec<u64> = (0..comp.layers())
                 .flat_map(|l| (0..pages).map(move |p| (l, p)))
                 .flat_map(|(l, p)| (0..comp.rows).map(move |r| (l, p, r)))
-                .map(|(l, p, r)| host.row_addr(c, l, p, r).unwrap() - base(c))
+                .map(|(l, p, r)| row(c, l, p, r).unwrap() - base(c))
                 .collect();
             rows.sort_unstable();
             let tiled = rows
                 .iter()
                 .enumerate()
                 .all(|(i, &at)| at == i as u64 * comp.row_bytes as u64);
-            assert!(tiled, "{layout} {}", comp.component);
+            assert!(tiled, "{layout} {c}");
             assert_eq!(
                 host.buffer(c).unwrap().len(),
                 rows.len() * comp.row_bytes,
-                "{layout} {}",
-                comp.component
+                "{layout} {c}"
             );
         }
-        assert!(host.row_addr(0, 3, 0, 0).is_err() && host.row_addr(0, 0, 5, 0).is_err());
+        assert!(row(Component::TargetLatent, 3, 0, 0).is_err());
+        assert!(row(Component::TargetLatent, 0, 5, 0).is_err());
+        assert!(row(Component::TargetLatent, 0, 0, 64).is_err());
+        assert_eq!(host.layout(), layout);
+        assert_eq!(host.pages(), pages);
     }
 }
 
@@ -493,12 +697,24 @@ fn layouts_place_blocks_where_domain_md_says_and_tile_their_buffers() {
 fn every_layout_holds_the_same_canonical_bytes_after_a_backup() {
     let mut rng = common::rng("every_layout_holds_the_same_canonical_bytes");
     let b = CpuBackend::new();
+    let other = b.new_stream();
     let g = &geometries()[0];
     let placement = Placement::new(2).unwrap();
     let node = node(&mut rng, placement, 9);
     let snapshots: Vec<Vec<u8>> = HostLayout::ALL
         .iter()
-        .map(|&layout| round_trip(&b, g, layout, placement, 1, IoBackend::CopyEngine, &node).host)
+        .map(|&layout| {
+            let w = Where {
+                b: &b,
+                other: &other,
+                g,
+                layout,
+                placement,
+                rank: 1,
+                kind: PoolKind::Allocated,
+            };
+            round_trip(&w, Route::Direct(IoBackend::CopyEngine), &node).host
+        })
         .collect();
     assert!(snapshots.windows(2).all(|w| w[0] == w[1]));
     assert!(snapshots[0].iter().any(|&x| x != POISON));
@@ -508,27 +724,48 @@ fn every_layout_holds_the_same_canonical_bytes_after_a_backup() {
 fn per_layer_runs_add_up_to_the_whole_transfer() {
     let mut rng = common::rng("per_layer_runs_add_up");
     let b = CpuBackend::new();
+    let other = b.new_stream();
     let g = &geometries()[0];
     let placement = Placement::new(2).unwrap();
     let node = node(&mut rng, placement, 9);
+    let draft = ModelLayer(g.target.num_layers());
     for layout in HostLayout::ALL {
+        let w = Where {
+            b: &b,
+            other: &other,
+            g,
+            layout,
+            placement,
+            rank: 0,
+            kind: PoolKind::Allocated,
+        };
         for io in IOS {
-            let whole = round_trip(&b, g, layout, placement, 0, io, &node).host;
+            let whole = round_trip(&w, Route::Direct(io), &node).host;
             let source = random_pool(&b, g, placement, 0, 7);
-            let host = HostPool::new(&b, g, HOST_PAGES, layout).unwrap();
+            let host = Arc::new(HostPool::new(&b, g, HOST_PAGES, layout).unwrap());
             host.fill(&b, POISON).unwrap();
             let plan = node_plan(placement, 0, &node);
-            let mut t = HostTransfer::new(&source, &host, plan, Direction::Backup).unwrap();
-            t.prepare_kernel(&b, None).unwrap();
+            let mut t = HostTransfer::new(source, host.clone(), plan, Direction::Backup).unwrap();
+            t.prepare_kernel_sync(&b, &mut Vec::new()).unwrap();
+            // The draft's layer is read with target layer 0 (one readiness group): running
+            // every group once moves everything once.
+            assert_eq!(t.group(draft), ModelLayer(0));
+            assert_eq!(
+                t.bytes(Layers::One(draft)).unwrap(),
+                t.bytes(Layers::One(ModelLayer(0))).unwrap()
+            );
             let mut bytes = 0;
-            for m in 0..g.model_layers() {
+            for m in (0..g.model_layers()).map(ModelLayer) {
+                if t.group(m) != m {
+                    continue;
+                }
                 t.run(&b, io, Layers::One(m)).unwrap();
                 bytes += t.bytes(Layers::One(m)).unwrap();
             }
             assert_eq!(bytes, t.bytes(Layers::All).unwrap());
-            assert!(host.snapshot(&b).unwrap() == whole, "{layout} {io}");
+            assert!(host.snapshot_sync(&b).unwrap() == whole, "{layout} {io}");
             assert!(matches!(
-                t.run(&b, io, Layers::One(4)),
+                t.run(&b, io, Layers::One(ModelLayer(4))),
                 Err(Error::OutOfRange { index: 4, .. })
             ));
         }
@@ -543,74 +780,150 @@ fn signalled_runs_count_every_layer_to_its_target() {
     let placement = Placement::new(2).unwrap();
     let node = node(&mut rng, placement, 9);
     let source = random_pool(&b, g, placement, 1, 3);
-    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirst).unwrap();
+    let host = Arc::new(HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirst).unwrap());
     let plan = node_plan(placement, 1, &node);
     let owned = plan.len() as u32;
-    let mut t = HostTransfer::new(&source, &host, plan, Direction::Backup).unwrap();
-    let mut signals = LayerSignals::new(&b, g.model_layers()).unwrap();
+    let mut t = HostTransfer::new(source, host, plan, Direction::Backup).unwrap();
+    let mut signals = LayerSignals::new_sync(&b, g.model_layers()).unwrap();
     assert!(
         t.run_signalled(&b, 2, &mut signals).is_err(),
         "tables missing"
     );
-    t.prepare_kernel(&b, None).unwrap();
+    t.prepare_kernel_sync(&b, &mut Vec::new()).unwrap();
     for round in 1..=2u32 {
         let waits = t.run_signalled(&b, 2, &mut signals).unwrap();
-        // Model layers 0 and 2 have latent + indexer, layer 1 latent only, 3 is the draft's two.
-        let per_layer = [2, 1, 2, 2].map(|pairs| round * pairs * owned);
+        // Readiness group 0 is target layer 0 (latent + indexer) and the draft's layer (latent
+        // + indexer); layer 1 has latent only, layer 2 latent + indexer. The draft's model
+        // layer (3) counts into group 0 and is ready with it.
+        let per_layer = [4, 1, 2, 4].map(|pairs| round * pairs * owned);
         let targets: Vec<u32> = waits.iter().map(|w| w.target()).collect();
         assert_eq!(targets, per_layer, "round {round}");
-        let counters = b.read(signals.counters(), 0, 16).unwrap();
+        let layers: Vec<ModelLayer> = waits.iter().map(|w| w.layer()).collect();
+        assert_eq!(layers, [0, 1, 2, 0].map(ModelLayer));
+        let counters = b.read_sync(signals.counters(), 0, 16).unwrap();
         let counted: Vec<u32> = counters
             .chunks(4)
             .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
             .collect();
-        assert_eq!(counted, per_layer);
-        for w in &waits {
+        assert_eq!(counted, [4, 1, 2, 0].map(|pairs| round * pairs * owned));
+        for (m, w) in waits.iter().enumerate() {
+            assert_eq!(signals.target(ModelLayer(m)).unwrap(), counted[m]);
             w.wait(&b).unwrap();
-            LayerReady::<()>::Counter(w.clone()).wait(&b).unwrap();
+            LayerReady::Counter(w.clone()).wait(&b).unwrap();
         }
     }
-    let mut wrong = LayerSignals::new(&b, 3).unwrap();
+    assert!(signals.target(ModelLayer(4)).is_err());
+    let mut wrong = LayerSignals::new_sync(&b, 3).unwrap();
     assert!(matches!(
         t.run_signalled(&b, 2, &mut wrong),
         Err(Error::GeometryMismatch { .. })
     ));
 }
 
-/// A CPU backend that counts what it is asked to do and can hold its events incomplete, to
-/// check call counts and the controller's ack logic against events that are not done yet.
+// ---------------------------------------------------------------------------------------------
+// A backend that counts, holds and fails
+
+/// Backend calls a [`Probe`] can fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Call {
+    Alloc,
+    WriteSync,
+    EnqueueWrite,
+    Fill,
+    Record,
+    Wait,
+    WaitCounter,
+    CopyBlocks,
+    CopyRanges,
+    Memcpy,
+    Memcpy2d,
+    MemcpyBatch,
+}
+
+/// Every call a backup makes on some stream.
+const FAULTABLE: [Call; 12] = [
+    Call::Alloc,
+    Call::WriteSync,
+    Call::EnqueueWrite,
+    Call::Fill,
+    Call::Record,
+    Call::Wait,
+    Call::WaitCounter,
+    Call::CopyBlocks,
+    Call::CopyRanges,
+    Call::Memcpy,
+    Call::Memcpy2d,
+    Call::MemcpyBatch,
+];
+
+/// Fails the `left`-th of the next calls of `calls`, once.
+struct Fault {
+    calls: Vec<Call>,
+    left: usize,
+    fired: Option<Call>,
+}
+
+type StreamMaker = Arc<dyn Fn() -> Arc<dyn Backend> + Send + Sync>;
+
+/// A backend that delegates to another, counting what it is asked to do, optionally holding
+/// its work, and failing a chosen call on demand.
+///
+/// On the CPU it runs over a deferred arena: work it is given runs at once ("settles") unless
+/// the probe is held, and then only when something waits for it (a `synchronize`, another
+/// stream's wait), so the controller's acks can be checked against work that is not done yet.
 struct Probe {
-    cpu: CpuBackend,
-    calls: Mutex<IoCalls>,
-    allocs: Mutex<usize>,
-    syncs: Mutex<usize>,
+    inner: Arc<dyn Backend>,
+    make: StreamMaker,
+    settle: bool,
     held: AtomicBool,
-    gates: Mutex<Vec<Arc<AtomicBool>>>,
+    calls: Mutex<IoCalls>,
+    allocs: AtomicUsize,
+    syncs: AtomicUsize,
+    fault: Mutex<Option<Fault>>,
 }
 
 impl Probe {
-    fn new() -> Self {
-        Self::on(CpuBackend::new())
+    /// A probe over a new deferred CPU arena.
+    fn cpu() -> Arc<Self> {
+        let root = CpuBackend::deferred();
+        Self::over(
+            Arc::new(move || Arc::new(root.new_stream()) as Arc<dyn Backend>),
+            true,
+        )
     }
 
-    fn on(cpu: CpuBackend) -> Self {
-        Self {
-            cpu,
-            calls: Mutex::new(IoCalls::default()),
-            allocs: Mutex::new(0),
-            syncs: Mutex::new(0),
+    /// A probe over a new stream of `gpu`.
+    fn gpu(gpu: &Arc<Gpu>) -> Arc<Self> {
+        let gpu = gpu.clone();
+        Self::over(Arc::new(move || common::stream(&gpu)), false)
+    }
+
+    fn over(make: StreamMaker, settle: bool) -> Arc<Self> {
+        Arc::new(Self {
+            inner: make(),
+            make,
+            settle,
             held: AtomicBool::new(false),
-            gates: Mutex::new(Vec::new()),
-        }
+            calls: Mutex::new(IoCalls::default()),
+            allocs: AtomicUsize::new(0),
+            syncs: AtomicUsize::new(0),
+            fault: Mutex::new(None),
+        })
     }
 
-    fn stream(&self) -> Self {
-        Self::on(self.cpu.new_stream())
+    /// A probe over another stream of the same device.
+    fn stream(&self) -> Arc<Self> {
+        Self::over(self.make.clone(), self.settle)
     }
 
-    /// Events recorded from now on stay incomplete until `synchronize`.
+    /// Work enqueued from now on waits until something waits for it.
     fn hold(&self) {
         self.held.store(true, Ordering::SeqCst);
+    }
+
+    /// Work enqueued from now on runs at once again.
+    fn release(&self) {
+        self.held.store(false, Ordering::SeqCst);
     }
 
     fn take_calls(&self) -> IoCalls {
@@ -618,83 +931,157 @@ impl Probe {
     }
 
     fn syncs(&self) -> usize {
-        *self.syncs.lock().unwrap()
+        self.syncs.load(Ordering::SeqCst)
     }
 
     fn allocs(&self) -> usize {
-        *self.allocs.lock().unwrap()
+        self.allocs.load(Ordering::SeqCst)
+    }
+
+    /// Fails the `k`-th of the next calls of `calls` (counting from 1).
+    fn arm(&self, calls: &[Call], k: usize) {
+        *self.fault.lock().unwrap() = Some(Fault {
+            calls: calls.to_vec(),
+            left: k,
+            fired: None,
+        });
+    }
+
+    /// Clears the fault; returns the call it failed, if it fired.
+    fn disarm(&self) -> Option<Call> {
+        self.fault.lock().unwrap().take().and_then(|f| f.fired)
+    }
+
+    fn enter(&self, call: Call) -> kvshard::Result<()> {
+        let mut fault = self.fault.lock().unwrap();
+        if let Some(f) = fault.as_mut() {
+            if f.fired.is_none() && f.calls.contains(&call) {
+                f.left -= 1;
+                if f.left == 0 {
+                    f.fired = Some(call);
+                    return Err(match call {
+                        Call::Alloc => Error::OutOfMemory {
+                            what: "an injected allocation failure".into(),
+                            bytes: 0,
+                            memory: "device",
+                        },
+                        _ => Error::InvalidArgument(format!("injected failure of {call:?}")),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs what was just enqueued, unless held (or not a deferred CPU arena).
+    fn settle(&self, result: kvshard::Result<()>) -> kvshard::Result<()> {
+        result?;
+        if self.settle && !self.held.load(Ordering::SeqCst) {
+            self.inner.synchronize()?;
+        }
+        Ok(())
     }
 }
 
 impl Backend for Probe {
-    type Event = Arc<AtomicBool>;
-
     fn name(&self) -> &'static str {
         "probe"
     }
 
-    fn alloc(&self, len: usize, kind: MemoryKind) -> kvshard::Result<Buffer> {
-        *self.allocs.lock().unwrap() += 1;
-        self.cpu.alloc(len, kind)
+    fn address_space(&self) -> AddressSpace {
+        self.inner.address_space()
     }
 
-    fn write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> kvshard::Result<()> {
-        self.cpu.write(dst, offset, data)
+    fn max_threads(&self, family: KernelFamily) -> u32 {
+        self.inner.max_threads(family)
+    }
+
+    fn alloc(&self, len: usize, kind: MemoryKind) -> kvshard::Result<Buffer> {
+        self.enter(Call::Alloc)?;
+        self.allocs.fetch_add(1, Ordering::SeqCst);
+        self.inner.alloc(len, kind)
+    }
+
+    fn write_sync(&self, dst: &Buffer, offset: usize, data: &[u8]) -> kvshard::Result<()> {
+        self.enter(Call::WriteSync)?;
+        self.inner.write_sync(dst, offset, data)
     }
 
     fn enqueue_write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> kvshard::Result<()> {
-        self.cpu.enqueue_write(dst, offset, data)
+        self.enter(Call::EnqueueWrite)?;
+        self.settle(self.inner.enqueue_write(dst, offset, data))
     }
 
-    fn read(&self, src: &Buffer, offset: usize, len: usize) -> kvshard::Result<Vec<u8>> {
-        self.cpu.read(src, offset, len)
+    fn read_sync(&self, src: &Buffer, offset: usize, len: usize) -> kvshard::Result<Vec<u8>> {
+        self.inner.read_sync(src, offset, len)
     }
 
     fn fill(&self, dst: &Buffer, byte: u8) -> kvshard::Result<()> {
-        self.cpu.fill(dst, byte)
+        self.enter(Call::Fill)?;
+        self.settle(self.inner.fill(dst, byte))
     }
 
     fn synchronize(&self) -> kvshard::Result<()> {
-        *self.syncs.lock().unwrap() += 1;
-        self.held.store(false, Ordering::SeqCst);
-        for g in self.gates.lock().unwrap().drain(..) {
-            g.store(true, Ordering::SeqCst);
-        }
-        self.cpu.synchronize()
+        self.syncs.fetch_add(1, Ordering::SeqCst);
+        self.inner.synchronize()
     }
 
-    fn record(&self) -> kvshard::Result<Self::Event> {
-        let gate = Arc::new(AtomicBool::new(!self.held.load(Ordering::SeqCst)));
-        self.gates.lock().unwrap().push(gate.clone());
-        Ok(gate)
+    fn record(&self) -> kvshard::Result<Event> {
+        self.enter(Call::Record)?;
+        self.inner.record()
     }
 
-    fn wait(&self, _event: &Self::Event) -> kvshard::Result<()> {
-        Ok(())
+    fn record_timed(&self) -> kvshard::Result<Event> {
+        self.enter(Call::Record)?;
+        self.inner.record_timed()
     }
 
-    fn is_done(&self, event: &Self::Event) -> kvshard::Result<bool> {
-        Ok(event.load(Ordering::SeqCst))
+    fn elapsed_ms(&self, start: &Event, end: &Event) -> kvshard::Result<f64> {
+        self.inner.elapsed_ms(start, end)
+    }
+
+    fn wait(&self, event: &Event) -> kvshard::Result<()> {
+        self.enter(Call::Wait)?;
+        self.settle(self.inner.wait(event))
+    }
+
+    fn is_done(&self, event: &Event) -> kvshard::Result<bool> {
+        self.inner.is_done(event)
+    }
+
+    fn wait_event_sync(&self, event: &Event) -> kvshard::Result<()> {
+        self.inner.wait_event_sync(event)
     }
 
     unsafe fn wait_counter(&self, addr: u64, value: u32) -> kvshard::Result<()> {
-        unsafe { self.cpu.wait_counter(addr, value) }
+        self.enter(Call::WaitCounter)?;
+        // SAFETY: the caller's contract, passed on.
+        self.settle(unsafe { self.inner.wait_counter(addr, value) })
     }
 
     unsafe fn quantize_latent(&self, p: abi::kvs_quantize_latent_params) -> kvshard::Result<()> {
-        unsafe { self.cpu.quantize_latent(p) }
+        // SAFETY: the caller's contract, passed on.
+        self.settle(unsafe { self.inner.quantize_latent(p) })
     }
 
     unsafe fn quantize_indexer(&self, p: abi::kvs_quantize_indexer_params) -> kvshard::Result<()> {
-        unsafe { self.cpu.quantize_indexer(p) }
+        // SAFETY: the caller's contract, passed on.
+        self.settle(unsafe { self.inner.quantize_indexer(p) })
     }
 
     unsafe fn resolve(&self, p: abi::kvs_resolve_params) -> kvshard::Result<()> {
-        unsafe { self.cpu.resolve(p) }
+        // SAFETY: the caller's contract, passed on.
+        self.settle(unsafe { self.inner.resolve(p) })
     }
 
     unsafe fn scratch_rows(&self, p: abi::kvs_scratch_rows_params) -> kvshard::Result<()> {
-        unsafe { self.cpu.scratch_rows(p) }
+        // SAFETY: the caller's contract, passed on.
+        self.settle(unsafe { self.inner.scratch_rows(p) })
+    }
+
+    unsafe fn scratch_table(&self, p: abi::kvs_scratch_table_params) -> kvshard::Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        self.settle(unsafe { self.inner.scratch_table(p) })
     }
 
     unsafe fn copy_blocks(
@@ -702,8 +1089,10 @@ impl Backend for Probe {
         p: abi::kvs_copy_blocks_params,
         launch: Launch,
     ) -> kvshard::Result<()> {
+        self.enter(Call::CopyBlocks)?;
         self.calls.lock().unwrap().launches += 1;
-        unsafe { self.cpu.copy_blocks(p, launch) }
+        // SAFETY: the caller's contract, passed on.
+        self.settle(unsafe { self.inner.copy_blocks(p, launch) })
     }
 
     unsafe fn write_rows(
@@ -711,7 +1100,8 @@ impl Backend for Probe {
         p: abi::kvs_write_rows_params,
         launch: Launch,
     ) -> kvshard::Result<()> {
-        unsafe { self.cpu.write_rows(p, launch) }
+        // SAFETY: the caller's contract, passed on.
+        self.settle(unsafe { self.inner.write_rows(p, launch) })
     }
 
     unsafe fn copy_ranges(
@@ -719,51 +1109,124 @@ impl Backend for Probe {
         p: abi::kvs_copy_ranges_params,
         launch: Launch,
     ) -> kvshard::Result<()> {
-        unsafe { self.cpu.copy_ranges(p, launch) }
+        self.enter(Call::CopyRanges)?;
+        // SAFETY: the caller's contract, passed on.
+        self.settle(unsafe { self.inner.copy_ranges(p, launch) })
     }
 
     unsafe fn memcpy(&self, dst: u64, src: u64, len: usize) -> kvshard::Result<()> {
+        self.enter(Call::Memcpy)?;
         self.calls.lock().unwrap().memcpy += 1;
-        unsafe { self.cpu.memcpy(dst, src, len) }
+        // SAFETY: the caller's contract, passed on.
+        self.settle(unsafe { self.inner.memcpy(dst, src, len) })
     }
 
     unsafe fn memcpy_2d(&self, copy: &Copy2d) -> kvshard::Result<()> {
+        self.enter(Call::Memcpy2d)?;
         self.calls.lock().unwrap().memcpy_2d += 1;
-        unsafe { self.cpu.memcpy_2d(copy) }
+        // SAFETY: the caller's contract, passed on.
+        self.settle(unsafe { self.inner.memcpy_2d(copy) })
     }
 
     unsafe fn memcpy_batch(&self, ranges: &[abi::kvs_range]) -> kvshard::Result<()> {
-        let mut calls = self.calls.lock().unwrap();
-        calls.batch_calls += 1;
-        calls.batch_entries += ranges.len();
-        unsafe { self.cpu.memcpy_batch(ranges) }
+        self.enter(Call::MemcpyBatch)?;
+        {
+            let mut calls = self.calls.lock().unwrap();
+            calls.batch_calls += 1;
+            calls.batch_entries += ranges.len();
+        }
+        // SAFETY: the caller's contract, passed on.
+        self.settle(unsafe { self.inner.memcpy_batch(ranges) })
+    }
+}
+
+/// A controller's five streams as probes, kept to inspect them.
+struct ProbeStreams {
+    load: Arc<Probe>,
+    backup: Arc<Probe>,
+    load_relayout: Arc<Probe>,
+    backup_relayout: Arc<Probe>,
+    tables: Arc<Probe>,
+}
+
+impl ProbeStreams {
+    fn new(b: &Probe) -> Self {
+        Self {
+            load: b.stream(),
+            backup: b.stream(),
+            load_relayout: b.stream(),
+            backup_relayout: b.stream(),
+            tables: b.stream(),
+        }
+    }
+
+    fn streams(&self) -> Streams {
+        Streams {
+            load: self.load.clone(),
+            backup: self.backup.clone(),
+            load_relayout: self.load_relayout.clone(),
+            backup_relayout: self.backup_relayout.clone(),
+            tables: self.tables.clone(),
+        }
+    }
+}
+
+/// Five plain streams of `make`'s device.
+fn plain_streams(make: &dyn Fn() -> Arc<dyn Backend>) -> Streams {
+    Streams {
+        load: make(),
+        backup: make(),
+        load_relayout: make(),
+        backup_relayout: make(),
+        tables: make(),
+    }
+}
+
+fn cache_node(id: u64, pages: &[u64]) -> CacheNode {
+    CacheNode {
+        id,
+        device_pages: lp(pages),
+        start_owner: None,
     }
 }
 
 #[test]
 fn backends_submit_the_calls_they_promise() {
-    let b = Probe::new();
+    let b = Probe::cpu();
     let g = &geometries()[0]; // target latent 3 layers, indexer 2, draft latent 1, indexer 1
     let placement = Placement::new(2).unwrap();
     // Rank 0's pairs: local device 2,3,4 with host 5,6,7 (one run of 3), then 9 with 2.
-    let device = [4, 6, 8, 18, 5];
-    let host = [10, 12, 14, 4, 3];
-    let pool = random_pool(&b, g, placement, 0, 1);
+    let device = lp(&[4, 6, 8, 18, 5]);
+    let host = lp(&[10, 12, 14, 4, 3]);
+    let pool = random_pool(b.as_ref(), g, placement, 0, 1);
     let blocks = 3 + 2 + 1 + 1;
     for layout in HostLayout::ALL {
-        let hp = HostPool::new(&b, g, HOST_PAGES, layout).unwrap();
+        let hp = Arc::new(HostPool::new(b.as_ref(), g, HOST_PAGES, layout).unwrap());
         let plan =
             TransferPlan::new(placement, 0, &device, &host, DEVICE_PAGES, HOST_PAGES).unwrap();
         assert_eq!(plan.runs().len(), 2);
         for direction in [Direction::Backup, Direction::Load] {
-            let mut t = HostTransfer::new(&pool, &hp, plan.clone(), direction).unwrap();
-            t.prepare_kernel(&b, None).unwrap();
+            let mut t =
+                HostTransfer::new(pool.clone(), hp.clone(), plan.clone(), direction).unwrap();
+            t.prepare_kernel_sync(b.as_ref(), &mut Vec::new()).unwrap();
+            b.take_calls();
             for io in IOS {
-                for layers in [Layers::All, Layers::One(0), Layers::One(3)] {
+                let layers = [
+                    Layers::All,
+                    Layers::One(ModelLayer(0)),
+                    Layers::One(ModelLayer(2)),
+                    Layers::One(ModelLayer(3)),
+                ];
+                for layers in layers {
                     let promised = t.calls(io, layers).unwrap();
-                    t.run(&b, io, layers).unwrap();
+                    t.run(b.as_ref(), io, layers).unwrap();
                     assert_eq!(b.take_calls(), promised, "{layout} {io} {layers:?}");
                 }
+                // The draft's layer is layer 0's readiness group: the same calls.
+                assert_eq!(
+                    t.calls(io, Layers::One(ModelLayer(3))).unwrap(),
+                    t.calls(io, Layers::One(ModelLayer(0))).unwrap()
+                );
             }
             let all = |io| t.calls(io, Layers::All).unwrap();
             assert_eq!(all(IoBackend::SmKernel { ctas: 4 }).launches, 1);
@@ -808,7 +1271,7 @@ fn backends_submit_the_calls_they_promise() {
 
 #[test]
 fn engine_pools_without_a_uniform_layer_stride_fall_back_to_one_batch_per_call() {
-    let b = Probe::new();
+    let b = Probe::cpu();
     let g = CacheGeometry::target_only(PoolGeometry::new(LatentLayout::Fp8Trtllm, 3));
     let placement = Placement::unsharded();
     // Allocated interleaved, so neither component's layers are evenly spaced.
@@ -824,25 +1287,43 @@ fn engine_pools_without_a_uniform_layer_stride_fall_back_to_one_batch_per_call()
         alloc(8448),
         alloc(8448),
     );
+    let raw = |b: &Buffer| RawBuffer {
+        addr: b.addr(),
+        bytes: b.len() as u64,
+    };
     let buffers = PoolBuffers {
-        target_latent: vec![l0.addr(), l1.addr(), l2.addr()],
-        target_indexer: vec![i0.addr(), i1.addr(), i2.addr()],
+        target_latent: vec![raw(&l0), raw(&l1), raw(&l2)],
+        target_indexer: vec![raw(&i0), raw(&i1), raw(&i2)],
         ..PoolBuffers::default()
     };
-    // SAFETY: every address is a live allocation of `b` holding DEVICE_PAGES blocks.
-    let pool = unsafe { DevicePool::wrap(&b, &g, placement, 0, DEVICE_PAGES, &buffers) }.unwrap();
-    assert_eq!((pool.layer_stride(0), pool.layer_stride(1)), (None, None));
-    let host = HostPool::new(&b, &g, HOST_PAGES, HostLayout::LayerFirst).unwrap();
+    // An undersized buffer is refused.
+    let mut short = buffers.clone();
+    short.target_indexer[2].bytes -= 1;
+    // SAFETY: every address is a live allocation of `b`; the pools do not outlive them.
+    let refused = unsafe { DevicePool::wrap(b.as_ref(), &g, placement, 0, DEVICE_PAGES, &short) };
+    assert!(matches!(refused, Err(Error::InvalidArgument(_))));
+    // SAFETY: as above, each holding DEVICE_PAGES blocks.
+    let pool =
+        unsafe { DevicePool::wrap(b.as_ref(), &g, placement, 0, DEVICE_PAGES, &buffers) }.unwrap();
+    assert!(pool.storage().is_none());
+    assert_eq!(
+        (
+            pool.layer_stride(Component::TargetLatent).unwrap(),
+            pool.layer_stride(Component::TargetIndexer).unwrap()
+        ),
+        (None, None)
+    );
+    let host = Arc::new(HostPool::new(b.as_ref(), &g, HOST_PAGES, HostLayout::LayerFirst).unwrap());
     let plan = TransferPlan::new(
         placement,
         0,
-        &[1, 2, 3, 7],
-        &[4, 5, 6, 1],
+        &lp(&[1, 2, 3, 7]),
+        &lp(&[4, 5, 6, 1]),
         DEVICE_PAGES,
         HOST_PAGES,
     )
     .unwrap();
-    let t = HostTransfer::new(&pool, &host, plan, Direction::Backup).unwrap();
+    let t = HostTransfer::new(Arc::new(pool), host.clone(), plan, Direction::Backup).unwrap();
     let calls = t.calls(IoBackend::CopyEngine, Layers::All).unwrap();
     // Two runs x (3 latent + 3 indexer layers), each one contiguous range.
     assert_eq!(
@@ -853,15 +1334,13 @@ fn engine_pools_without_a_uniform_layer_stride_fall_back_to_one_batch_per_call()
             ..IoCalls::default()
         }
     );
-    t.run(&b, IoBackend::CopyEngine, Layers::All).unwrap();
+    t.run(b.as_ref(), IoBackend::CopyEngine, Layers::All)
+        .unwrap();
+    let indexer = host.buffer(Component::TargetIndexer).unwrap();
     assert_eq!(
-        b.read(&i1, 3 * 8448, 8448).unwrap(),
-        b.read(
-            host.buffer(1).unwrap(),
-            (HOST_PAGES as usize + 6) * 8448,
-            8448
-        )
-        .unwrap()
+        b.read_sync(&i1, 3 * 8448, 8448).unwrap(),
+        b.read_sync(indexer, (HOST_PAGES as usize + 6) * 8448, 8448)
+            .unwrap()
     );
 }
 
@@ -869,7 +1348,14 @@ fn engine_pools_without_a_uniform_layer_stride_fall_back_to_one_batch_per_call()
 fn planning_refuses_bad_pairs_identically_on_every_rank() {
     let placement = Placement::new(2).unwrap();
     let plan = |rank: u32, device: &[u64], host: &[u64]| {
-        TransferPlan::new(placement, rank, device, host, DEVICE_PAGES, HOST_PAGES)
+        TransferPlan::new(
+            placement,
+            rank,
+            &lp(device),
+            &lp(host),
+            DEVICE_PAGES,
+            HOST_PAGES,
+        )
     };
     for rank in 0..2 {
         assert!(matches!(
@@ -901,7 +1387,11 @@ fn planning_refuses_bad_pairs_identically_on_every_rank() {
         ));
         assert!(matches!(
             plan(rank, &[4, 6, 4], &[6, 8, 10]),
-            Err(Error::HiCache(_))
+            Err(Error::DuplicatePage { page: 4, .. })
+        ));
+        assert!(matches!(
+            plan(rank, &[4, 6], &[6, 6]),
+            Err(Error::DuplicatePage { page: 6, .. })
         ));
         assert!(matches!(
             plan(rank, &[4, 6], &[6, 8, 10]),
@@ -909,125 +1399,195 @@ fn planning_refuses_bad_pairs_identically_on_every_rank() {
         ));
     }
     assert!(TransferPlan::new(placement, 2, &[], &[], 4, 4).is_err());
-    let tokens: Vec<u64> = (256..384).collect();
-    assert_eq!(pages_of_tokens(&tokens).unwrap(), vec![4, 5]);
+    let tokens: Vec<Slot> = (256..384).map(Slot).collect();
+    assert_eq!(pages_of_tokens(&tokens).unwrap(), lp(&[4, 5]));
     assert!(matches!(
         pages_of_tokens(&tokens[1..65]),
         Err(Error::HiCache(_))
     ));
+    assert!(matches!(
+        pages_of_tokens(&tokens[..100]),
+        Err(Error::MisalignedPrefix { tokens: 100, .. })
+    ));
 }
+
+#[test]
+fn host_pools_refuse_bad_shapes() {
+    let b = CpuBackend::new();
+    let g = &geometries()[0];
+    assert!(HostPool::new(&b, g, 1, HostLayout::LayerFirst).is_err());
+    let mut bad = g.clone();
+    bad.target.page_size = 32;
+    assert!(HostPool::new(&b, &bad, 4, HostLayout::LayerFirst).is_err());
+    let other = CacheGeometry::target_only(PoolGeometry::new(LatentLayout::Fp8Trtllm, 3));
+    let pool = Arc::new(DevicePool::allocate(&b, &other, Placement::unsharded(), 0, 4).unwrap());
+    let host = Arc::new(HostPool::new(&b, g, 4, HostLayout::PageFirst).unwrap());
+    let plan = TransferPlan::new(Placement::unsharded(), 0, &lp(&[1]), &lp(&[1]), 4, 4).unwrap();
+    assert!(matches!(
+        HostTransfer::new(pool.clone(), host, plan.clone(), Direction::Load),
+        Err(Error::GeometryMismatch { .. })
+    ));
+    let same = Arc::new(HostPool::new(&b, &other, 4, HostLayout::PageFirst).unwrap());
+    let sharded =
+        Arc::new(DevicePool::allocate(&b, &other, Placement::new(2).unwrap(), 0, 4).unwrap());
+    assert!(matches!(
+        HostTransfer::new(sharded, same.clone(), plan.clone(), Direction::Load),
+        Err(Error::HiCache(_))
+    ));
+    // A host pool of another backend's memory is refused, by the transfer and the controller.
+    let elsewhere = CpuBackend::new();
+    let foreign = Arc::new(HostPool::new(&elsewhere, &other, 4, HostLayout::PageFirst).unwrap());
+    assert!(matches!(
+        HostTransfer::new(pool.clone(), foreign.clone(), plan.clone(), Direction::Load),
+        Err(Error::ForeignMemory { .. })
+    ));
+    let streams = plain_streams(&|| Arc::new(b.new_stream()) as Arc<dyn Backend>);
+    assert!(matches!(
+        HiCacheController::new(
+            pool.clone(),
+            foreign,
+            streams.clone(),
+            WritePolicy::WriteBack
+        ),
+        Err(Error::ForeignMemory { .. })
+    ));
+    let other_streams = plain_streams(&|| Arc::new(elsewhere.new_stream()) as Arc<dyn Backend>);
+    assert!(matches!(
+        HiCacheController::new(pool, same, other_streams, WritePolicy::WriteBack),
+        Err(Error::ForeignMemory { .. })
+    ));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The controller
 
 /// A compute-stream event that has completed.
-fn done() -> Arc<AtomicBool> {
-    Arc::new(AtomicBool::new(true))
-}
-
-fn streams(b: &Probe) -> Streams<Probe> {
-    Streams {
-        load: b.stream(),
-        backup: b.stream(),
-        load_relayout: b.stream(),
-        backup_relayout: b.stream(),
-        tables: b.stream(),
-    }
+fn done(b: &dyn Backend) -> Event {
+    b.record().unwrap()
 }
 
 #[test]
 fn controller_acks_backups_in_fifo_order_only_once_complete() {
-    let b = Probe::new();
+    let b = Probe::cpu();
     let g = &geometries()[0];
     let placement = Placement::new(2).unwrap();
-    let pool = random_pool(&b, g, placement, 0, 5);
-    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirstDirect).unwrap();
-    let mut ctl =
-        HiCacheController::new(&pool, &host, streams(&b), WritePolicy::WriteBack).unwrap();
-    let node = |id, device_pages| CacheNode {
-        id,
-        device_pages,
-        start_owner: None,
-    };
+    let pool = random_pool(b.as_ref(), g, placement, 0, 5);
+    let host =
+        Arc::new(HostPool::new(b.as_ref(), g, HOST_PAGES, HostLayout::PageFirstDirect).unwrap());
+    let ps = ProbeStreams::new(&b);
+    let mut ctl = HiCacheController::new(pool, host, ps.streams(), WritePolicy::WriteBack).unwrap();
     let io = IoBackend::CopyEngine;
-    ctl.streams().backup.hold();
-    assert_eq!(ctl.backup(&node(10, &[4, 5]), &done(), io).unwrap(), 0);
-    assert_eq!(ctl.backup(&node(11, &[6, 7, 8]), &done(), io).unwrap(), 1);
+    let now = done(b.as_ref());
+    ps.backup.hold();
+    assert_eq!(ctl.backup(&cache_node(10, &[4, 5]), &now, io).unwrap(), 0);
+    assert_eq!(
+        ctl.backup(&cache_node(11, &[6, 7, 8]), &now, io).unwrap(),
+        1
+    );
+    assert_eq!(ctl.pending_backups(), 2);
     assert_eq!(ctl.poll_backups().unwrap(), 0, "nothing is complete yet");
     assert!(ctl.host_pages(10).is_none(), "no host pages before the ack");
     // Acking waits for the backup stream, then pops in order.
     let acks = ctl.ack_backups(1).unwrap();
-    assert_eq!(ctl.streams().backup.syncs(), 1);
+    assert_eq!(ps.backup.syncs(), 1);
     assert_eq!((acks[0].index, acks[0].node), (0, 10));
     assert_eq!(ctl.poll_backups().unwrap(), 1);
-    assert_eq!(ctl.backup(&node(12, &[10]), &done(), io).unwrap(), 2);
+    ps.backup.release();
+    assert_eq!(ctl.backup(&cache_node(12, &[10]), &now, io).unwrap(), 2);
     assert_eq!(ctl.poll_backups().unwrap(), 2);
     let acks = ctl.ack_backups(2).unwrap();
     assert_eq!(acks.iter().map(|a| a.index).collect::<Vec<_>>(), vec![1, 2]);
-    assert_eq!(
-        ctl.streams().backup.syncs(),
-        1,
-        "complete acks do not block"
-    );
+    assert_eq!(ps.backup.syncs(), 1, "complete acks do not block");
     // Rank 0 owns pages 6 and 8 of node 11: two pages of every layer and component.
     assert_eq!(acks[0].bytes, 2 * g.page_bytes() as u64);
     assert!(ctl.ack_backups(1).is_err());
     assert_eq!(ctl.host_pages(11), Some(acks[0].host_pages.as_slice()));
     assert!(
-        ctl.backup(&node(11, &[12]), &done(), io).is_err(),
+        ctl.backup(&cache_node(11, &[12]), &now, io).is_err(),
         "already on host"
     );
 }
 
 #[test]
 fn kernel_tables_are_reused_once_their_transfer_is_acked() {
-    let b = Probe::new();
+    let b = Probe::cpu();
     let g = &geometries()[0];
     let placement = Placement::new(2).unwrap();
-    let pool = random_pool(&b, g, placement, 0, 6);
-    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirst).unwrap();
-    let mut ctl =
-        HiCacheController::new(&pool, &host, streams(&b), WritePolicy::WriteThrough).unwrap();
+    let pool = random_pool(b.as_ref(), g, placement, 0, 6);
+    let host = Arc::new(HostPool::new(b.as_ref(), g, HOST_PAGES, HostLayout::PageFirst).unwrap());
+    let ps = ProbeStreams::new(&b);
+    let mut ctl = HiCacheController::new(
+        pool.clone(),
+        host.clone(),
+        ps.streams(),
+        WritePolicy::WriteThrough,
+    )
+    .unwrap();
     let io = IoBackend::SmKernel { ctas: 2 };
-    let node = |id, device_pages| CacheNode {
-        id,
-        device_pages,
-        start_owner: None,
-    };
-    let signals = ctl.streams().tables.allocs();
-    ctl.backup(&node(1, &[4, 6, 8]), &done(), io).unwrap();
-    ctl.backup(&node(2, &[10, 12]), &done(), io).unwrap();
-    assert_eq!(ctl.streams().tables.allocs(), signals + 2);
+    let now = done(b.as_ref());
+    let signals = ps.tables.allocs();
+    ctl.backup(&cache_node(1, &[4, 6, 8]), &now, io).unwrap();
+    ctl.backup(&cache_node(2, &[10, 12]), &now, io).unwrap();
+    assert_eq!(ps.tables.allocs(), signals + 2);
     ctl.ack_backups(2).unwrap();
     // Smaller or equal tables fit the buffers the acked backups gave back.
-    let h = ctl.load(1, &[14, 16, 18], None, io).unwrap();
-    ctl.backup(&node(3, &[20, 22]), &done(), io).unwrap();
-    assert_eq!(ctl.streams().tables.allocs(), signals + 2);
+    let h = ctl.load(1, &lp(&[14, 16, 18]), None, io).unwrap();
+    ctl.backup(&cache_node(3, &[20, 22]), &now, io).unwrap();
+    assert_eq!(ps.tables.allocs(), signals + 2);
     assert_eq!(h.index(), 0);
 
-    // A buffer too small for a transfer's tables is refused.
-    let plan = TransferPlan::new(placement, 0, &[4], &[4], DEVICE_PAGES, HOST_PAGES).unwrap();
-    let mut t = HostTransfer::new(&pool, &host, plan, Direction::Load).unwrap();
-    let small = b
-        .alloc(t.kernel_table_bytes() - 8, MemoryKind::Device)
-        .unwrap();
-    assert!(matches!(
-        t.prepare_kernel(&b, Some(small)),
-        Err(Error::InvalidArgument(_))
-    ));
-    let fits = b.alloc(t.kernel_table_bytes(), MemoryKind::Device).unwrap();
-    let addr = fits.addr();
-    t.prepare_kernel(&b, Some(fits)).unwrap();
-    t.run(&b, io, Layers::All).unwrap();
-    assert_eq!(t.into_kernel_tables().map(|t| t.addr()), Some(addr));
+    // A transfer's tables go back to its owner once it is done, for the next to reuse; a
+    // spare too small for the next one stays spare.
+    let plan = |device: &[u64]| {
+        TransferPlan::new(
+            placement,
+            0,
+            &lp(device),
+            &lp(device),
+            DEVICE_PAGES,
+            HOST_PAGES,
+        )
+        .unwrap()
+    };
+    let transfer = |device: &[u64]| {
+        HostTransfer::new(pool.clone(), host.clone(), plan(device), Direction::Load)
+    };
+    let mut spare = Vec::new();
+    let mut small = transfer(&[4]).unwrap();
+    let before = b.allocs();
+    small.prepare_kernel_sync(b.as_ref(), &mut spare).unwrap();
+    assert_eq!(b.allocs(), before + 1);
+    small.run(b.as_ref(), io, Layers::All).unwrap();
+    b.synchronize().unwrap();
+    spare = small.into_tables();
+    assert_eq!(spare.len(), 1);
+    let small_table = spare[0].len();
+    assert!(small_table >= 7 * 24 + 16, "{small_table}");
+    let mut again = transfer(&[6]).unwrap();
+    again.prepare_kernel_sync(b.as_ref(), &mut spare).unwrap();
+    assert_eq!(b.allocs(), before + 1, "reused");
+    assert!(spare.is_empty());
+    again.run(b.as_ref(), io, Layers::All).unwrap();
+    b.synchronize().unwrap();
+    spare = again.into_tables();
+    let mut big = transfer(&[4, 6, 8, 10, 12, 14, 16, 18, 20, 22]).unwrap();
+    assert!(big.kernel_table_bytes() > small_table);
+    big.prepare_kernel_sync(b.as_ref(), &mut spare).unwrap();
+    assert_eq!(b.allocs(), before + 2, "too small to reuse");
+    assert_eq!(spare.len(), 1, "the small one stays spare");
+    big.run(b.as_ref(), io, Layers::All).unwrap();
+    b.synchronize().unwrap();
 }
 
 /// One shard group: a controller per rank over its own pools, all given the same calls.
-struct Group<'p> {
-    ranks: Vec<HiCacheController<'p, Probe>>,
+struct Group {
+    ranks: Vec<HiCacheController>,
 }
 
-impl<'p> Group<'p> {
+impl Group {
     fn each<T>(
         &mut self,
-        mut f: impl FnMut(&mut HiCacheController<'p, Probe>) -> kvshard::Result<T>,
+        mut f: impl FnMut(&mut HiCacheController) -> kvshard::Result<T>,
     ) -> Vec<T> {
         self.ranks.iter_mut().map(|c| f(c).unwrap()).collect()
     }
@@ -1035,17 +1595,17 @@ impl<'p> Group<'p> {
 
 #[test]
 fn ranks_that_own_nothing_still_submit_signal_and_ack() {
-    let b = Probe::new();
+    let b = Probe::cpu();
     let g = &geometries()[0];
     let placement = Placement::new(4).unwrap();
-    let pools: Vec<DevicePool> = (0..4)
-        .map(|r| random_pool(&b, g, placement, r, 9))
+    let pools: Vec<Arc<DevicePool>> = (0..4)
+        .map(|r| random_pool(b.as_ref(), g, placement, r, 9))
         .collect();
-    let hosts: Vec<HostPool> = (0..4)
+    let hosts: Vec<Arc<HostPool>> = (0..4)
         .map(|_| {
-            let h = HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirst).unwrap();
-            h.fill(&b, POISON).unwrap();
-            h
+            let h = HostPool::new(b.as_ref(), g, HOST_PAGES, HostLayout::PageFirst).unwrap();
+            h.fill(b.as_ref(), POISON).unwrap();
+            Arc::new(h)
         })
         .collect();
     let mut group = Group {
@@ -1053,35 +1613,38 @@ fn ranks_that_own_nothing_still_submit_signal_and_ack() {
             .iter()
             .zip(&hosts)
             .map(|(p, h)| {
-                HiCacheController::new(p, h, streams(&b), WritePolicy::WriteThrough).unwrap()
+                let ps = ProbeStreams::new(&b);
+                HiCacheController::new(
+                    p.clone(),
+                    h.clone(),
+                    ps.streams(),
+                    WritePolicy::WriteThrough,
+                )
+                .unwrap()
             })
             .collect(),
     };
     // Pages of owners 0 and 1 only: ranks 2 and 3 own nothing.
-    let device = [4u64, 5, 8, 9];
-    let n = CacheNode {
-        id: 1,
-        device_pages: &device,
-        start_owner: None,
-    };
-    for io in [IoBackend::SmKernel { ctas: 2 }, IoBackend::CopyEngine] {
-        let indices = group.each(|c| c.access(&n, &done(), io));
+    let n = cache_node(1, &[4, 5, 8, 9]);
+    let now = done(b.as_ref());
+    for route in ROUTES {
+        let indices = group.each(|c| c.access(&n, &now, route));
         assert!(indices.iter().all(|&i| i == indices[0] && i.is_some()));
         let ready = group.each(|c| c.poll_backups());
         assert_eq!(ready, vec![1; 4]);
         let acks = group.each(|c| c.ack_backups(1));
         let bytes: Vec<u64> = acks.iter().map(|a| a[0].bytes).collect();
         let page = g.page_bytes() as u64;
-        assert_eq!(bytes, vec![2 * page, 2 * page, 0, 0]);
+        assert_eq!(bytes, vec![2 * page, 2 * page, 0, 0], "{route}");
         assert!(acks
             .iter()
             .all(|a| a[0].host_pages == acks[0][0].host_pages));
-        let reload = [12u64, 13, 16, 17];
-        let handles = group.each(|c| c.load(1, &reload, None, io));
+        let reload = lp(&[12, 13, 16, 17]);
+        let handles = group.each(|c| c.load(1, &reload, None, route));
         for (c, h) in group.ranks.iter().zip(&handles) {
             assert_eq!(h.layers().len(), g.model_layers());
-            for layer in 0..g.model_layers() {
-                h.wait_layer(&c.streams().load, layer).unwrap();
+            for layer in (0..g.model_layers()).map(ModelLayer) {
+                h.wait_layer(c.streams().load.as_ref(), layer).unwrap();
             }
         }
         assert_eq!(group.each(|c| c.poll_loads()), vec![1; 4]);
@@ -1091,116 +1654,116 @@ fn ranks_that_own_nothing_still_submit_signal_and_ack() {
             .all(|l| l[0].index == loads[0][0].index && l[0].node == 1));
         assert_eq!(loads[3][0].bytes, 0);
         group.each(|c| c.free_host(1));
+        // Evicting drops the node's hit count: the next access backs it up again.
+        group.each(|c| c.evict(&n, &now, route));
     }
     // The idle ranks' pools never changed.
     for r in 2..4 {
-        assert!(hosts[r].snapshot(&b).unwrap().iter().all(|&x| x == POISON));
-        let fresh = random_pool(&b, g, placement, r as u32, 9);
-        assert!(pools[r].snapshot(&b).unwrap() == fresh.snapshot(&b).unwrap());
+        assert!(hosts[r]
+            .snapshot_sync(b.as_ref())
+            .unwrap()
+            .iter()
+            .all(|&x| x == POISON));
+        let fresh = random_pool(b.as_ref(), g, placement, r as u32, 9);
+        assert!(
+            pools[r].snapshot_sync(b.as_ref()).unwrap() == fresh.snapshot_sync(b.as_ref()).unwrap()
+        );
     }
 }
 
 #[test]
 fn write_policies_back_up_on_the_access_or_eviction_they_name() {
-    let b = Probe::new();
+    let b = Probe::cpu();
     let g = &geometries()[0];
     let placement = Placement::new(2).unwrap();
-    let pool = random_pool(&b, g, placement, 1, 2);
-    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::LayerFirst).unwrap();
+    let pool = random_pool(b.as_ref(), g, placement, 1, 2);
+    let host = Arc::new(HostPool::new(b.as_ref(), g, HOST_PAGES, HostLayout::LayerFirst).unwrap());
     let io = IoBackend::SmKernel { ctas: 1 };
-    let device = [5u64, 6, 7];
-    let n = CacheNode {
-        id: 3,
-        device_pages: &device,
-        start_owner: None,
+    let n = cache_node(3, &[5, 6, 7]);
+    let now = done(b.as_ref());
+    let controller = |policy| {
+        let ps = ProbeStreams::new(&b);
+        let ctl = HiCacheController::new(pool.clone(), host.clone(), ps.streams(), policy).unwrap();
+        (ctl, ps)
     };
-    let mut through =
-        HiCacheController::new(&pool, &host, streams(&b), WritePolicy::WriteThrough).unwrap();
-    assert_eq!(through.access(&n, &done(), io).unwrap(), Some(0));
+    let (mut through, _ps) = controller(WritePolicy::WriteThrough);
+    assert_eq!(through.policy(), WritePolicy::WriteThrough);
+    assert_eq!(through.access(&n, &now, io).unwrap(), Some(0));
     assert_eq!(
-        through.access(&n, &done(), io).unwrap(),
+        through.access(&n, &now, io).unwrap(),
         None,
         "already backed up"
     );
     assert_eq!(
-        through.evict(&n, &done(), io).unwrap().len(),
+        through.evict(&n, &now, io).unwrap().len(),
         1,
         "evict waits for it"
     );
-    assert!(through.evict(&n, &done(), io).unwrap().is_empty());
+    assert!(through.evict(&n, &now, io).unwrap().is_empty());
 
-    let mut selective = HiCacheController::new(
-        &pool,
-        &host,
-        streams(&b),
-        WritePolicy::WriteThroughSelective,
-    )
-    .unwrap();
-    assert_eq!(selective.access(&n, &done(), io).unwrap(), None);
-    assert_eq!(selective.access(&n, &done(), io).unwrap(), Some(0));
-    let other = CacheNode { id: 4, ..n };
-    assert_eq!(selective.access(&other, &done(), io).unwrap(), None);
+    let (mut selective, _ps) = controller(WritePolicy::WriteThroughSelective);
+    assert_eq!(selective.access(&n, &now, io).unwrap(), None);
+    assert_eq!(selective.access(&n, &now, io).unwrap(), Some(0));
+    let other = CacheNode { id: 4, ..n.clone() };
+    assert_eq!(selective.access(&other, &now, io).unwrap(), None);
     assert!(
-        selective.evict(&other, &done(), io).unwrap().is_empty(),
+        selective.evict(&other, &now, io).unwrap().is_empty(),
         "one hit: dropped"
     );
     assert_eq!(selective.pending_backups(), 1);
 
-    let mut back =
-        HiCacheController::new(&pool, &host, streams(&b), WritePolicy::WriteBack).unwrap();
+    let (mut back, ps) = controller(WritePolicy::WriteBack);
     for _ in 0..3 {
-        assert_eq!(back.access(&n, &done(), io).unwrap(), None);
+        assert_eq!(back.access(&n, &now, io).unwrap(), None);
     }
     assert_eq!(back.pending_backups(), 0);
-    back.streams().backup.hold();
-    let acks = back.evict(&n, &done(), io).unwrap();
-    assert_eq!(
-        back.streams().backup.syncs(),
-        1,
-        "write-back eviction blocks"
-    );
+    ps.backup.hold();
+    let acks = back.evict(&n, &now, io).unwrap();
+    assert_eq!(ps.backup.syncs(), 1, "write-back eviction blocks");
     assert_eq!((acks.len(), acks[0].node), (1, 3));
     // The node's bytes are on the host: load them back elsewhere and compare.
     // Rank 1 moves 5 -> 9 and 7 -> 13: local 2 -> 4 and 3 -> 6.
-    let reload = [9u64, 10, 13];
-    let h = back.load(3, &reload, None, IoBackend::CopyEngine).unwrap();
+    let h = back
+        .load(3, &lp(&[9, 10, 13]), None, IoBackend::CopyEngine)
+        .unwrap();
     assert_eq!(h.index(), 0);
     assert_eq!(
         back.ack_loads(1).unwrap()[0].bytes,
         2 * g.page_bytes() as u64
     );
-    for (c, comp) in pool.components().iter().enumerate() {
-        for l in 0..comp.layers() {
+    for comp in pool.components() {
+        for l in (0..comp.layers()).map(StoredLayer) {
             let read = |p: u64| {
-                let at = pool.block_addr(c, l, p).unwrap();
-                // SAFETY: one block of the pool.
-                let block = unsafe { Buffer::from_raw(at, comp.block_bytes, MemoryKind::Device) };
-                b.read(&block, 0, comp.block_bytes).unwrap()
+                pool.read_block_sync(b.as_ref(), comp.component, l, LocalPage(p))
+                    .unwrap()
             };
-            assert_eq!(read(2), read(4), "{} layer {l}", comp.component);
-            assert_eq!(read(3), read(6), "{} layer {l}", comp.component);
+            assert_eq!(read(2), read(4), "{} {l}", comp.component);
+            assert_eq!(read(3), read(6), "{} {l}", comp.component);
         }
     }
 }
 
 #[test]
 fn a_start_owner_of_zero_is_an_owner() {
-    let b = Probe::new();
+    let b = Probe::cpu();
     let g = &geometries()[1];
     let placement = Placement::new(2).unwrap();
-    let pool = random_pool(&b, g, placement, 0, 4);
-    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirstDirect).unwrap();
+    let pool = random_pool(b.as_ref(), g, placement, 0, 4);
+    let host =
+        Arc::new(HostPool::new(b.as_ref(), g, HOST_PAGES, HostLayout::PageFirstDirect).unwrap());
+    let ps = ProbeStreams::new(&b);
     let mut ctl =
-        HiCacheController::new(&pool, &host, streams(&b), WritePolicy::WriteThrough).unwrap();
+        HiCacheController::new(pool, host, ps.streams(), WritePolicy::WriteThrough).unwrap();
     let io = IoBackend::CopyEngine;
+    let now = done(b.as_ref());
     // A chain segment starting at owner 0: its host pages follow the rotation from 0.
-    let starts_at_0 = [6u64, 9, 10];
-    let node = |id, device_pages, start_owner| CacheNode {
+    let node = |id, pages: &[u64], start_owner| CacheNode {
         id,
-        device_pages,
+        device_pages: lp(pages),
         start_owner,
     };
-    ctl.backup(&node(1, &starts_at_0, Some(0)), &done(), io)
+    let starts_at_0 = [6u64, 9, 10];
+    ctl.backup(&node(1, &starts_at_0, Some(0)), &now, io)
         .unwrap();
     let ack = ctl.ack_backups(1).unwrap().remove(0);
     assert_eq!(ack.start_owner, Some(0));
@@ -1211,15 +1774,14 @@ fn a_start_owner_of_zero_is_an_owner() {
     let starts_at_1 = [5u64, 12, 7];
     let free = ctl.host_allocator().total_free();
     let err = ctl
-        .backup(&node(2, &starts_at_1, Some(0)), &done(), io)
+        .backup(&node(2, &starts_at_1, Some(0)), &now, io)
         .unwrap_err();
     assert!(matches!(err, Error::WrongOwner { .. }), "{err}");
     assert_eq!(ctl.host_allocator().total_free(), free);
     assert_eq!(ctl.pending_backups(), 0);
     // Without a shard owner the same pages back up with matching owner classes.
     assert_eq!(
-        ctl.backup(&node(2, &starts_at_1, None), &done(), io)
-            .unwrap(),
+        ctl.backup(&node(2, &starts_at_1, None), &now, io).unwrap(),
         1
     );
     let ack = ctl.ack_backups(1).unwrap().remove(0);
@@ -1227,76 +1789,79 @@ fn a_start_owner_of_zero_is_an_owner() {
     let owners: Vec<u32> = ack.host_pages.iter().map(|&p| placement.owner(p)).collect();
     assert_eq!(owners, vec![1, 0, 1]);
     let err = ctl
-        .backup(&node(3, &starts_at_0, Some(2)), &done(), io)
+        .backup(&node(3, &starts_at_0, Some(2)), &now, io)
         .unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    assert_eq!(ctl.host_allocator().total_free(), free - 3);
 }
 
 #[test]
 fn refused_operations_change_nothing() {
-    let b = Probe::new();
+    let b = Probe::cpu();
     let g = &geometries()[0];
     let placement = Placement::new(2).unwrap();
-    let pool = random_pool(&b, g, placement, 0, 8);
-    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::LayerFirst).unwrap();
-    host.fill(&b, POISON).unwrap();
-    let before = pool.snapshot(&b).unwrap();
-    let mut ctl =
-        HiCacheController::new(&pool, &host, streams(&b), WritePolicy::WriteThrough).unwrap();
+    let pool = random_pool(b.as_ref(), g, placement, 0, 8);
+    let host = Arc::new(HostPool::new(b.as_ref(), g, HOST_PAGES, HostLayout::LayerFirst).unwrap());
+    host.fill(b.as_ref(), POISON).unwrap();
+    let before = pool.snapshot_sync(b.as_ref()).unwrap();
+    let ps = ProbeStreams::new(&b);
+    let mut ctl = HiCacheController::new(
+        pool.clone(),
+        host.clone(),
+        ps.streams(),
+        WritePolicy::WriteThrough,
+    )
+    .unwrap();
     let io = IoBackend::SmKernel { ctas: 2 };
+    let now = done(b.as_ref());
     let free = ctl.host_allocator().total_free();
     for bad in [&[4u64, 1][..], &[4, 24], &[4, 6, 4]] {
-        let n = CacheNode {
-            id: 1,
-            device_pages: bad,
-            start_owner: None,
-        };
-        assert!(ctl.backup(&n, &done(), io).is_err(), "{bad:?}");
+        assert!(
+            ctl.backup(&cache_node(1, bad), &now, io).is_err(),
+            "{bad:?}"
+        );
     }
     assert_eq!(ctl.host_allocator().total_free(), free);
     assert_eq!(ctl.pending_backups(), 0);
-    assert!(host.snapshot(&b).unwrap().iter().all(|&x| x == POISON));
+    assert!(host
+        .snapshot_sync(b.as_ref())
+        .unwrap()
+        .iter()
+        .all(|&x| x == POISON));
     // Loads of unknown or unacked nodes, and loads into wrong owners, are refused too.
-    assert!(ctl.load(1, &[4], None, io).is_err());
-    let n = CacheNode {
-        id: 2,
-        device_pages: &[4, 6],
-        start_owner: None,
-    };
-    assert_eq!(ctl.backup(&n, &done(), io).unwrap(), 0);
-    assert!(ctl.load(2, &[8, 10], None, io).is_err(), "backup not acked");
+    assert!(ctl.load(1, &lp(&[4]), None, io).is_err());
+    assert_eq!(ctl.backup(&cache_node(2, &[4, 6]), &now, io).unwrap(), 0);
+    assert!(
+        ctl.load(2, &lp(&[8, 10]), None, io).is_err(),
+        "backup not acked"
+    );
     assert!(ctl.free_host(2).is_err(), "backup in flight");
     ctl.ack_backups(1).unwrap();
     assert!(matches!(
-        ctl.load(2, &[8, 11], None, io),
+        ctl.load(2, &lp(&[8, 11]), None, io),
         Err(Error::WrongOwner { .. })
     ));
     assert_eq!(ctl.pending_loads(), 0);
-    let h = ctl.load(2, &[8, 10], None, io).unwrap();
+    let h = ctl.load(2, &lp(&[8, 10]), None, io).unwrap();
     assert!(ctl.free_host(2).is_err(), "load pending");
+    assert!(ctl.free_host(3).is_err(), "never on the host");
     assert_eq!(h.index(), 0);
+    assert!(h
+        .wait_layer(ps.load.as_ref(), ModelLayer(g.model_layers()))
+        .is_err());
     ctl.ack_loads(1).unwrap();
     ctl.free_host(2).unwrap();
     assert_eq!(ctl.host_allocator().total_free(), free);
     // Pages 4 and 6 were copied to 8 and 10 (local 2, 3 -> 4, 5); the rest is unchanged.
-    let after = pool.snapshot(&b).unwrap();
-    let comps = pool.components();
+    let after = pool.snapshot_sync(b.as_ref()).unwrap();
     let mut expected = before.clone();
     expect_moved(
-        comps,
-        placement,
-        0,
-        &before,
-        (&[4, 6], DEVICE_PAGES),
-        &mut expected,
-        (&[8, 10], DEVICE_PAGES),
+        pool.components(),
+        (placement, 0),
+        (&before, &lp(&[4, 6]), DEVICE_PAGES),
+        (&mut expected, &lp(&[8, 10]), DEVICE_PAGES),
     );
     assert!(after == expected);
-}
-
-/// The routes through the staging a host layout supports.
-fn staged_routes(layout: HostLayout) -> Vec<Route> {
-    relayouts(layout).into_iter().map(Route::Staged).collect()
 }
 
 /// One rank's controller round trip: the source pool, the host pool after the acked backup, the
@@ -1304,33 +1869,31 @@ fn staged_routes(layout: HostLayout) -> Vec<Route> {
 struct ControllerTrip {
     source: Vec<u8>,
     host: Vec<u8>,
-    host_pages: Vec<u64>,
+    host_pages: Vec<LogicalPage>,
     reloaded: Vec<u8>,
     bytes: (u64, u64),
 }
 
-/// Backs `node` up through a controller of rank `rank` on `streams` (random device pool,
-/// poisoned host pool) on `route`, then loads it back into its reload pages on `route`, a
-/// consumer on `b` waiting for every layer before the pools are read.
-#[allow(clippy::too_many_arguments)]
-fn controller_trip<B: Backend>(
-    b: &B,
-    streams: Streams<B>,
-    g: &CacheGeometry,
-    layout: HostLayout,
-    placement: Placement,
-    rank: u32,
-    route: Route,
-    node: &Node,
-) -> ControllerTrip {
-    let pool = random_pool(b, g, placement, rank, 11 + u64::from(rank));
-    let host = HostPool::new(b, g, HOST_PAGES, layout).unwrap();
+/// Backs `node` up through a controller of the rank on `streams` (random device pool of `w`'s
+/// kind, poisoned host pool) on `route`, then loads it back into its reload pages on `route`,
+/// a consumer on `w.b` waiting for every layer before the pools are read.
+fn controller_trip(w: &Where<'_>, streams: Streams, route: Route, node: &Node) -> ControllerTrip {
+    let b = w.b;
+    let pool = make_pool(b, w.g, w.placement, w.rank, DEVICE_PAGES, w.kind);
+    pool.randomize(b, 11 + u64::from(w.rank));
+    let host = Arc::new(HostPool::new(b, w.g, HOST_PAGES, w.layout).unwrap());
     host.fill(b, POISON).unwrap();
-    let source = pool.snapshot(b).unwrap();
-    let mut ctl = HiCacheController::new(&pool, &host, streams, WritePolicy::WriteBack).unwrap();
+    let source = pool.pool.snapshot_sync(b).unwrap();
+    let mut ctl = HiCacheController::new(
+        pool.pool.clone(),
+        host.clone(),
+        streams,
+        WritePolicy::WriteBack,
+    )
+    .unwrap();
     let n = CacheNode {
         id: 1,
-        device_pages: &node.device,
+        device_pages: node.device.clone(),
         start_owner: None,
     };
     // What `b` did so far stands for the forward pass that wrote the pages.
@@ -1339,94 +1902,138 @@ fn controller_trip<B: Backend>(
     let backup = ctl.ack_backups(1).unwrap().remove(0);
     let written = b.record().unwrap();
     let h = ctl.load(1, &node.reload, Some(&written), route).unwrap();
-    assert_eq!(h.layers().len(), g.model_layers());
-    for layer in 0..g.model_layers() {
+    assert_eq!(h.layers().len(), w.g.model_layers());
+    for layer in (0..w.g.model_layers()).map(ModelLayer) {
         h.wait_layer(b, layer).unwrap();
     }
     let load = ctl.ack_loads(1).unwrap().remove(0);
     assert_eq!((load.index, load.node), (0, 1));
     ControllerTrip {
         source,
-        host: host.snapshot(b).unwrap(),
+        host: host.snapshot_sync(b).unwrap(),
         host_pages: backup.host_pages,
-        reloaded: pool.snapshot(b).unwrap(),
+        reloaded: pool.pool.snapshot_sync(b).unwrap(),
         bytes: (backup.bytes, load.bytes),
     }
 }
 
 #[test]
-fn controller_round_trips_through_the_staging_move_exactly_the_owned_pages() {
-    let mut rng = common::rng("controller_round_trips_through_the_staging");
-    let b = Probe::new();
-    for_each_rank(&mut rng, all_ranks, |g, placement, rank, node| {
-        let owned = node
-            .device
-            .iter()
-            .filter(|&&p| placement.owner(p) == rank)
-            .count() as u64;
-        let bytes = owned * g.page_bytes() as u64;
-        for layout in HostLayout::ALL {
-            for route in staged_routes(layout) {
-                let case = format!("N={} rank {rank} {layout} {route}", placement.shard());
-                let trip =
-                    controller_trip(&b, streams(&b), g, layout, placement, rank, route, node);
-                assert_eq!(trip.bytes, (bytes, bytes), "{case}");
-                assert_round_trip(
-                    &g.components(),
-                    (placement, rank),
-                    (&trip.source, &trip.host, &trip.reloaded),
-                    (&node.device, &trip.host_pages, &node.reload),
-                    trip.source.clone(),
-                    &case,
-                );
+fn controller_round_trips_through_every_route_move_exactly_the_owned_pages() {
+    let mut rng = common::rng("controller_round_trips_through_every_route");
+    let root = CpuBackend::new();
+    let b = root.new_stream();
+    let make = || Arc::new(root.new_stream()) as Arc<dyn Backend>;
+    for_each_rank(
+        &mut rng,
+        &[1, 2, 4],
+        all_ranks,
+        |g, placement, rank, node| {
+            let owned = node
+                .device
+                .iter()
+                .filter(|&&p| placement.owner(p) == rank)
+                .count() as u64;
+            let bytes = owned * g.page_bytes() as u64;
+            for layout in HostLayout::ALL {
+                // Wrapped pools on the first rank only: every rank of them is covered by
+                // HostTransfer round trips (every_route_round_trips_on_every_host_layout...).
+                let kinds = if rank == 0 { &KINDS[..] } else { &KINDS[..1] };
+                for &kind in kinds {
+                    let w = Where {
+                        b: &b,
+                        other: &b,
+                        g,
+                        layout,
+                        placement,
+                        rank,
+                        kind,
+                    };
+                    for route in ROUTES {
+                        let case = format!(
+                            "N={} rank {rank} {layout} {kind:?} pool, {route}",
+                            placement.shard()
+                        );
+                        let trip = controller_trip(&w, plain_streams(&make), route, node);
+                        assert_eq!(trip.bytes, (bytes, bytes), "{case}");
+                        assert_round_trip(
+                            &g.components(),
+                            (placement, rank),
+                            (&trip.source, &trip.host, &trip.reloaded),
+                            (&node.device, &trip.host_pages, &node.reload),
+                            trip.source.clone(),
+                            &case,
+                        );
+                    }
+                }
             }
-        }
-    });
+        },
+    );
 }
 
 #[test]
 fn controller_acks_in_fifo_order_across_mixed_routes() {
-    let b = Probe::new();
+    let b = Probe::cpu();
     let g = &geometries()[0];
     let placement = Placement::new(2).unwrap();
-    let pool = random_pool(&b, g, placement, 0, 5);
-    let before = pool.snapshot(&b).unwrap();
-    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirstDirect).unwrap();
+    let pool = random_pool(b.as_ref(), g, placement, 0, 5);
+    let before = pool.snapshot_sync(b.as_ref()).unwrap();
+    let host =
+        Arc::new(HostPool::new(b.as_ref(), g, HOST_PAGES, HostLayout::PageFirstDirect).unwrap());
+    let ps = ProbeStreams::new(&b);
     let mut ctl =
-        HiCacheController::new(&pool, &host, streams(&b), WritePolicy::WriteBack).unwrap();
+        HiCacheController::new(pool.clone(), host, ps.streams(), WritePolicy::WriteBack).unwrap();
     let routes = [
         Route::Staged(Relayout::CopyEngine),
         IoBackend::CopyEngine.into(),
         Route::Staged(Relayout::Kernel { ctas: 2 }),
         IoBackend::SmKernel { ctas: 2 }.into(),
+        IoBackend::PerBlockMemcpy.into(),
         Route::Staged(Relayout::CopyEngine),
+        IoBackend::BatchMemcpy.into(),
     ];
-    // Rank 0 owns the even pages: 1, 2, 0, 1 and 1 of each node.
-    let device: [&[u64]; 5] = [&[4, 5], &[6, 7, 8], &[9], &[10, 11], &[3, 2]];
-    let reload: [&[u64]; 5] = [&[12, 13], &[14, 15, 16], &[17], &[18, 19], &[21, 20]];
-    let owned = [1u64, 2, 0, 1, 1];
-    ctl.streams().backup.hold();
+    // Rank 0 owns the even pages: 1, 2, 0, 1, 1, 1 and 2 of each node.
+    let device: [&[u64]; 7] = [
+        &[4, 5],
+        &[6, 7, 8],
+        &[9],
+        &[10, 11],
+        &[3, 2],
+        &[13, 12],
+        &[14, 16],
+    ];
+    let reload: [&[u64]; 7] = [
+        &[12, 13],
+        &[14, 15, 16],
+        &[17],
+        &[18, 19],
+        &[21, 20],
+        &[23, 22],
+        &[2, 4],
+    ];
+    let owned = [1u64, 2, 0, 1, 1, 1, 2];
+    let now = done(b.as_ref());
+    // Held: nothing completes until acked (the relayouts of staged routes are held too, so that
+    // no wait of theirs runs the backup stream early).
+    ps.backup.hold();
+    ps.backup_relayout.hold();
     for (i, (&route, pages)) in routes.iter().zip(device).enumerate() {
-        let n = CacheNode {
-            id: 10 + i as u64,
-            device_pages: pages,
-            start_owner: None,
-        };
-        assert_eq!(ctl.backup(&n, &done(), route).unwrap(), i as u64, "{route}");
+        let n = cache_node(10 + i as u64, pages);
+        assert_eq!(ctl.backup(&n, &now, route).unwrap(), i as u64, "{route}");
     }
     assert_eq!(ctl.poll_backups().unwrap(), 0, "nothing is complete yet");
     let acks = ctl.ack_backups(routes.len()).unwrap();
-    assert_eq!(ctl.streams().backup.syncs(), 1);
+    assert_eq!(ps.backup.syncs(), 1);
     let order: Vec<(u64, u64, u64)> = acks.iter().map(|a| (a.index, a.node, a.bytes)).collect();
     let page = g.page_bytes() as u64;
-    let want: Vec<(u64, u64, u64)> = (0..5)
+    let want: Vec<(u64, u64, u64)> = (0..routes.len() as u64)
         .map(|i| (i, 10 + i, owned[i as usize] * page))
         .collect();
     assert_eq!(order, want);
     // Loads in the opposite route order, held too: queue indices and acks in submission order.
-    ctl.streams().load.hold();
+    ps.load.hold();
+    ps.load_relayout.hold();
     for (i, (&route, pages)) in routes.iter().rev().zip(reload).enumerate() {
-        let h = ctl.load(10 + i as u64, pages, None, route).unwrap();
+        let h = ctl.load(10 + i as u64, &lp(pages), None, route).unwrap();
         assert_eq!(h.index(), i as u64, "{route}");
         assert_eq!(h.layers().len(), g.model_layers());
         let events = h.layers().iter().all(|l| matches!(l, LayerReady::Event(_)));
@@ -1441,7 +2048,7 @@ fn controller_acks_in_fifo_order_across_mixed_routes() {
     }
     assert_eq!(ctl.poll_loads().unwrap(), 0, "nothing is complete yet");
     let loads = ctl.ack_loads(routes.len()).unwrap();
-    assert_eq!(ctl.streams().load.syncs(), 1);
+    assert_eq!(ps.load.syncs(), 1);
     let order: Vec<(u64, u64, u64)> = loads.iter().map(|a| (a.index, a.node, a.bytes)).collect();
     assert_eq!(order, want);
     // Every node came back where it was loaded; nothing else changed.
@@ -1449,78 +2056,86 @@ fn controller_acks_in_fifo_order_across_mixed_routes() {
     for (pages, to) in device.iter().zip(reload) {
         expect_moved(
             pool.components(),
-            placement,
-            0,
-            &before,
-            (pages, DEVICE_PAGES),
-            &mut expected,
-            (to, DEVICE_PAGES),
+            (placement, 0),
+            (&before, &lp(pages), DEVICE_PAGES),
+            (&mut expected, &lp(to), DEVICE_PAGES),
         );
     }
-    assert!(pool.snapshot(&b).unwrap() == expected);
+    assert!(pool.snapshot_sync(b.as_ref()).unwrap() == expected);
 }
 
 #[test]
 fn staged_backups_back_to_back_reuse_one_staging() {
-    let b = Probe::new();
+    let b = Probe::cpu();
     let g = &geometries()[1];
     let placement = Placement::unsharded();
     let (pages, nodes) = (70u64, 3u64);
     let (device_pages, host_pages) = (pages * nodes + 2, pages * nodes + 2);
-    let pool = DevicePool::allocate(&b, g, placement, 0, device_pages).unwrap();
+    let pool = Arc::new(DevicePool::allocate(b.as_ref(), g, placement, 0, device_pages).unwrap());
     let storage = pool.storage().unwrap();
     let mut rng = common::rng("staged_backups_back_to_back_reuse_one_staging");
-    b.write(storage, 0, &synth::bytes(&mut rng, storage.len()))
+    b.write_sync(storage, 0, &synth::bytes(&mut rng, storage.len()))
         .unwrap();
-    let before = pool.snapshot(&b).unwrap();
-    let host = HostPool::new(&b, g, host_pages, HostLayout::PageFirstDirect).unwrap();
-    host.fill(&b, POISON).unwrap();
-    let mut ctl =
-        HiCacheController::new(&pool, &host, streams(&b), WritePolicy::WriteBack).unwrap();
+    let before = pool.snapshot_sync(b.as_ref()).unwrap();
+    let host =
+        Arc::new(HostPool::new(b.as_ref(), g, host_pages, HostLayout::PageFirstDirect).unwrap());
+    host.fill(b.as_ref(), POISON).unwrap();
+    let ps = ProbeStreams::new(&b);
+    let mut ctl = HiCacheController::new(
+        pool.clone(),
+        host.clone(),
+        ps.streams(),
+        WritePolicy::WriteBack,
+    )
+    .unwrap();
     assert_eq!(ctl.staging_pages(), DEFAULT_STAGING_PAGES);
     assert_eq!((DEFAULT_STAGING_PAGES, ctl.staging_bytes()), (32, 0));
     let staging_bytes = 2 * 32 * g.page_bytes();
     // Three nodes of 70 pages (chunks of 32, 32 and 6): one in order, one reversed, one every
     // other page of the rest, so the relayout scatters.
-    let chain: Vec<Vec<u64>> = vec![
-        (1..=70).collect(),
-        (71..=140).rev().collect(),
-        (141..=210)
+    let chain: Vec<Vec<LogicalPage>> = vec![
+        lp(&(1..=70).collect::<Vec<_>>()),
+        lp(&(71..=140).rev().collect::<Vec<_>>()),
+        lp(&(141..=210)
             .step_by(2)
             .chain((142..=210).step_by(2))
-            .collect(),
+            .collect::<Vec<_>>()),
     ];
     let routes = [
         Route::Staged(Relayout::CopyEngine),
         Route::Staged(Relayout::Kernel { ctas: 2 }),
         Route::Staged(Relayout::CopyEngine),
     ];
-    ctl.streams().backup.hold();
-    let tables = ctl.streams().tables.allocs();
+    // Tables for a kernel relayout: one block copy per staging buffer.
+    let new_tables = [0, 2, 0];
+    let now = done(b.as_ref());
+    ps.backup.hold();
+    ps.backup_relayout.hold();
+    let mut allocs = ps.tables.allocs();
     for (i, (pages, &route)) in chain.iter().zip(&routes).enumerate() {
         let n = CacheNode {
             id: i as u64,
-            device_pages: pages,
+            device_pages: pages.clone(),
             start_owner: None,
         };
-        assert_eq!(ctl.backup(&n, &done(), route).unwrap(), i as u64);
+        assert_eq!(ctl.backup(&n, &now, route).unwrap(), i as u64);
         assert_eq!(ctl.staging_bytes(), staging_bytes, "made once, for backups");
+        let made = ps.tables.allocs() - allocs;
         if i == 0 {
-            assert!(
-                ctl.streams().tables.allocs() > tables + 1,
-                "staging and tables"
-            );
+            // Two staging buffers of one device mirror per component.
+            assert_eq!(made, 2 * g.components().len(), "staging");
+        } else {
+            assert_eq!(made, new_tables[i], "{route}: only its own tables");
         }
+        allocs = ps.tables.allocs();
     }
-    // After the first backup only each backup's own kernel tables were allocated.
-    let made = ctl.streams().tables.allocs();
     let n = CacheNode {
         id: 9,
-        device_pages: &[211],
+        device_pages: lp(&[211]),
         start_owner: None,
     };
-    ctl.backup(&n, &done(), routes[0]).unwrap();
-    assert_eq!(ctl.streams().tables.allocs(), made + 1);
+    ctl.backup(&n, &now, routes[0]).unwrap();
+    assert_eq!(ps.tables.allocs(), allocs, "the staging is reused");
     assert!(
         ctl.set_staging_pages(16).is_err(),
         "no resize while the staging may be in use"
@@ -1530,32 +2145,23 @@ fn staged_backups_back_to_back_reuse_one_staging() {
         acks.iter().map(|a| a.index).collect::<Vec<_>>(),
         [0, 1, 2, 3]
     );
-    let mut expected = vec![POISON; host.snapshot(&b).unwrap().len()];
+    let mut expected = vec![POISON; host.snapshot_sync(b.as_ref()).unwrap().len()];
     for (pages, ack) in chain.iter().zip(&acks) {
         assert_eq!(ack.bytes, 70 * g.page_bytes() as u64);
-        let owned = (pages.as_slice(), device_pages);
-        let moved = (ack.host_pages.as_slice(), host_pages);
         expect_moved(
             pool.components(),
-            placement,
-            0,
-            &before,
-            owned,
-            &mut expected,
-            moved,
+            (placement, 0),
+            (&before, pages, device_pages),
+            (&mut expected, &ack.host_pages, host_pages),
         );
     }
-    let backed_up = host.snapshot(&b).unwrap();
+    let backed_up = host.snapshot_sync(b.as_ref()).unwrap();
     // Node 9's page was backed up too.
-    let (one, one_host) = ([211u64], acks[3].host_pages.as_slice());
     expect_moved(
         pool.components(),
-        placement,
-        0,
-        &before,
-        (&one, device_pages),
-        &mut expected,
-        (one_host, host_pages),
+        (placement, 0),
+        (&before, &lp(&[211]), device_pages),
+        (&mut expected, &acks[3].host_pages, host_pages),
     );
     assert!(
         backed_up == expected,
@@ -1568,7 +2174,8 @@ fn staged_backups_back_to_back_reuse_one_staging() {
     ));
     ctl.set_staging_pages(24).unwrap();
     assert_eq!((ctl.staging_pages(), ctl.staging_bytes()), (24, 0));
-    ctl.streams().load.hold();
+    ps.load.hold();
+    ps.load_relayout.hold();
     for (i, &route) in routes.iter().enumerate() {
         let into = &chain[(i + 1) % chain.len()];
         assert_eq!(
@@ -1582,161 +2189,567 @@ fn staged_backups_back_to_back_reuse_one_staging() {
     let mut reloaded = before.clone();
     for (i, ack) in acks.iter().take(3).enumerate() {
         let into = &chain[(i + 1) % chain.len()];
-        let moved = (ack.host_pages.as_slice(), host_pages);
-        let comps = pool.components();
         expect_moved(
-            comps,
-            placement,
-            0,
-            &backed_up,
-            moved,
-            &mut reloaded,
-            (into, device_pages),
+            pool.components(),
+            (placement, 0),
+            (&backed_up, &ack.host_pages, host_pages),
+            (&mut reloaded, into, device_pages),
         );
     }
     assert!(
-        pool.snapshot(&b).unwrap() == reloaded,
+        pool.snapshot_sync(b.as_ref()).unwrap() == reloaded,
         "device pool after three staged loads"
     );
 }
 
 #[test]
 fn refused_routes_change_nothing() {
-    let b = Probe::new();
+    let b = Probe::cpu();
     let g = &geometries()[0];
     let placement = Placement::new(2).unwrap();
-    let pool = random_pool(&b, g, placement, 0, 8);
-    let before = pool.snapshot(&b).unwrap();
-    // Token-major page_first rows are not whole blocks: no copy-engine relayout.
-    let host = HostPool::new(&b, g, HOST_PAGES, HostLayout::PageFirst).unwrap();
-    host.fill(&b, POISON).unwrap();
+    let pool = random_pool(b.as_ref(), g, placement, 0, 8);
+    let before = pool.snapshot_sync(b.as_ref()).unwrap();
+    let host = Arc::new(HostPool::new(b.as_ref(), g, HOST_PAGES, HostLayout::PageFirst).unwrap());
+    host.fill(b.as_ref(), POISON).unwrap();
+    let ps = ProbeStreams::new(&b);
     let mut ctl = HiCacheController::new(
-        &pool,
-        &host,
-        streams(&b),
+        pool.clone(),
+        host.clone(),
+        ps.streams(),
         WritePolicy::WriteThroughSelective,
     )
     .unwrap();
     let refused = [
-        Route::Staged(Relayout::CopyEngine),
         Route::Staged(Relayout::Kernel { ctas: 0 }),
         IoBackend::SmKernel { ctas: 0 }.into(),
     ];
     let device = [4u64, 6, 7];
-    let n = CacheNode {
-        id: 1,
-        device_pages: &device,
-        start_owner: None,
-    };
+    let n = cache_node(1, &device);
+    let now = done(b.as_ref());
     let free: Vec<usize> = (0..2).map(|r| ctl.host_allocator().free_pages(r)).collect();
-    let allocs = ctl.streams().tables.allocs();
-    let unchanged = |ctl: &HiCacheController<'_, Probe>| {
+    let allocs = ps.tables.allocs();
+    let unchanged = |ctl: &HiCacheController| {
         let now: Vec<usize> = (0..2).map(|r| ctl.host_allocator().free_pages(r)).collect();
         assert_eq!(now, free);
-        assert!((1..2 * HOST_PAGES).all(|p| !ctl.host_allocator().is_allocated(p)));
+        assert!((1..2 * HOST_PAGES).all(|p| !ctl.host_allocator().is_allocated(LogicalPage(p))));
         assert_eq!((ctl.pending_backups(), ctl.pending_loads()), (0, 0));
         assert_eq!(ctl.staging_bytes(), 0);
-        assert_eq!(ctl.streams().tables.allocs(), allocs);
-        assert!(host.snapshot(&b).unwrap().iter().all(|&x| x == POISON));
-        assert!(pool.snapshot(&b).unwrap() == before);
+        assert_eq!(ps.tables.allocs(), allocs);
+        assert!(host
+            .snapshot_sync(b.as_ref())
+            .unwrap()
+            .iter()
+            .all(|&x| x == POISON));
+        assert!(pool.snapshot_sync(b.as_ref()).unwrap() == before);
     };
     for route in refused {
-        let err = ctl.backup(&n, &done(), route).unwrap_err();
-        match route {
-            Route::Staged(Relayout::CopyEngine) => {
-                assert!(matches!(err, Error::HiCache(_)), "{err}");
-                assert!(err.to_string().contains("whole blocks"), "{err}");
-            }
-            _ => assert!(matches!(err, Error::InvalidArgument(_)), "{route}: {err}"),
-        }
+        let err = ctl.backup(&n, &now, route).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{route}: {err}");
         // Refused accesses are not counted: two of them do not make the node due.
-        assert!(ctl.access(&n, &done(), route).is_err(), "{route}");
-        assert!(ctl.evict(&n, &done(), route).is_err(), "{route}");
-        assert!(ctl.load(1, &device, None, route).is_err(), "{route}");
+        assert!(ctl.access(&n, &now, route).is_err(), "{route}");
+        assert!(ctl.evict(&n, &now, route).is_err(), "{route}");
+        assert!(ctl.load(1, &lp(&device), None, route).is_err(), "{route}");
         unchanged(&ctl);
     }
-    let io = Route::Staged(Relayout::Kernel { ctas: 2 });
-    assert_eq!(
-        ctl.access(&n, &done(), io).unwrap(),
-        None,
-        "first counted hit"
-    );
-    assert_eq!(
-        ctl.access(&n, &done(), io).unwrap(),
-        Some(0),
-        "no index lost"
-    );
+    // Token-major page_first is no reason to refuse the copy-engine relayout any more.
+    let io = Route::Staged(Relayout::CopyEngine);
+    assert_eq!(ctl.access(&n, &now, io).unwrap(), None, "first counted hit");
+    assert_eq!(ctl.access(&n, &now, io).unwrap(), Some(0), "no index lost");
     ctl.ack_backups(1).unwrap();
     // A load on a refused route changes nothing either; the next one gets index 0.
-    let reload = [8u64, 10, 11];
+    let reload = lp(&[8, 10, 11]);
     for route in refused {
         assert!(ctl.load(1, &reload, None, route).is_err(), "{route}");
         assert_eq!(ctl.pending_loads(), 0);
     }
     assert_eq!(ctl.load(1, &reload, None, io).unwrap().index(), 0);
     assert_eq!(ctl.ack_loads(1).unwrap()[0].node, 1);
+    let mut expected = before.clone();
+    expect_moved(
+        pool.components(),
+        (placement, 0),
+        (&before, &lp(&device), DEVICE_PAGES),
+        (&mut expected, &reload, DEVICE_PAGES),
+    );
+    assert!(pool.snapshot_sync(b.as_ref()).unwrap() == expected);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A failed backup leaks nothing (issue 13 #5)
+
+/// Which of the controller's streams a fault is injected into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Faulty {
+    Backup,
+    BackupRelayout,
+    Tables,
+}
+
+/// For `route`, fails the k-th faultable call on the `faulty` stream of a backup, for k = 1, 2,
+/// ... until a backup makes fewer such calls than k, each k on a fresh controller (so the
+/// staging and kernel tables a first staged or kernel backup makes fail at every step too): every
+/// failed backup returns an error and leaves the host allocator and the pending backups as they
+/// were, and a backup of the same node with the fault cleared succeeds, acks and holds the
+/// node's bytes. Returns how many faults fired.
+fn failed_backups_leak_nothing(b: &Arc<Probe>, route: Route, faulty: Faulty) -> usize {
+    let g = &geometries()[0];
+    let placement = Placement::new(2).unwrap();
+    let pool = random_pool(b.as_ref(), g, placement, 0, 21);
+    let source = pool.snapshot_sync(b.as_ref()).unwrap();
+    let host = Arc::new(HostPool::new(b.as_ref(), g, HOST_PAGES, HostLayout::PageFirst).unwrap());
+    host.fill(b.as_ref(), POISON).unwrap();
+    let ps = ProbeStreams::new(b);
+    // Backups run only when acked (or when a failed one is cleaned up), as on a busy GPU.
+    ps.backup.hold();
+    ps.backup_relayout.hold();
+    let stream = match faulty {
+        Faulty::Backup => &ps.backup,
+        Faulty::BackupRelayout => &ps.backup_relayout,
+        Faulty::Tables => &ps.tables,
+    };
+    // Rank 0 owns 4, 6, 8 and 10 (local 2, 3, 4, 5: one run).
+    let node = cache_node(5, &[4, 5, 6, 7, 8, 10]);
+    let now = done(b.as_ref());
+    let mut fired = 0;
+    for k in 1.. {
+        let case = format!("{route}, fault {k} on the {faulty:?} stream");
+        let mut ctl = HiCacheController::new(
+            pool.clone(),
+            host.clone(),
+            ps.streams(),
+            WritePolicy::WriteBack,
+        )
+        .unwrap();
+        // A small staging, so a staged backup runs several segments through both buffers.
+        ctl.set_staging_pages(2).unwrap();
+        // Another node's backup sits in the queue, unacked, the whole time (on a route that
+        // makes no staging or tables).
+        let other = cache_node(1, &[12, 14]);
+        assert_eq!(ctl.backup(&other, &now, IoBackend::CopyEngine).unwrap(), 0);
+        let free = ctl.host_allocator().total_free();
+        stream.arm(&FAULTABLE, k);
+        let result = ctl.backup(&node, &now, route);
+        let call = stream.disarm();
+        let passed = result.is_ok();
+        let index = match result {
+            Ok(index) => {
+                assert!(call.is_none(), "{case}: the fault fired, the backup passed");
+                index
+            }
+            Err(e) => {
+                let call = call.expect("an error without the fault");
+                assert!(e.to_string().contains("injected"), "{case} ({call:?}): {e}");
+                fired += 1;
+                assert_eq!(ctl.host_allocator().total_free(), free, "{case} ({call:?})");
+                assert_eq!(ctl.pending_backups(), 1, "{case} ({call:?})");
+                assert!(ctl.host_pages(node.id).is_none(), "{case}");
+                // The fault cleared, the same node backs up.
+                ctl.backup(&node, &now, route)
+                    .unwrap_or_else(|e| panic!("{case} ({call:?}), then: {e}"))
+            }
+        };
+        assert_eq!(index, 1, "{case}: no queue index lost");
+        let acks = ctl.ack_backups(2).unwrap();
+        assert_eq!((acks[0].node, acks[1].node), (other.id, node.id), "{case}");
+        assert_eq!(acks[1].bytes, 4 * g.page_bytes() as u64, "{case}");
+        // The acked host pages hold the node's owned blocks.
+        let held = host.snapshot_sync(b.as_ref()).unwrap();
+        let mut want = held.clone();
+        expect_moved(
+            pool.components(),
+            (placement, 0),
+            (&source, &node.device_pages, DEVICE_PAGES),
+            (&mut want, &acks[1].host_pages, HOST_PAGES),
+        );
+        assert!(held == want, "{case}: host pages after the retry");
+        if passed {
+            break;
+        }
+    }
+    fired
 }
 
 #[test]
-fn host_pools_refuse_bad_shapes() {
-    let b = CpuBackend::new();
+fn a_failed_backup_leaks_nothing_whichever_call_fails() {
+    let b = Probe::cpu();
+    for route in ROUTES {
+        let staged = matches!(route, Route::Staged(_));
+        let kernel = matches!(route, Route::Direct(IoBackend::SmKernel { .. }));
+        for faulty in [Faulty::Backup, Faulty::BackupRelayout, Faulty::Tables] {
+            let fired = failed_backups_leak_nothing(&b, route, faulty);
+            eprintln!("{route}: {fired} faults on the {faulty:?} stream");
+            let expected = match faulty {
+                // The wait for compute, the copies, the completion event at least.
+                Faulty::Backup => fired >= 3,
+                Faulty::BackupRelayout => (fired > 0) == staged,
+                // Kernel tables; the staging (and a kernel relayout's tables).
+                Faulty::Tables => (fired > 0) == (staged || kernel),
+            };
+            assert!(expected, "{route}: {fired} faults on the {faulty:?} stream");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-layer readiness on the CPU (deferred backend)
+
+/// How a load publishes its layers' readiness.
+#[derive(Debug, Clone, Copy)]
+enum Loader {
+    /// `HiCacheController::load` on a route.
+    Controller(Route),
+    /// `HostTransfer::run_signalled` straight, with its own ready counters.
+    Signalled,
+}
+
+/// What a consumer saw of a load: per model layer of interest, whether every block of the
+/// node had landed and whether every block was still poison, right after it waited for layer 0
+/// only; whether the pool held exactly the node after it waited for the last target layer; and
+/// whether the draft's readiness is layer 0's.
+#[derive(Debug)]
+struct Readiness {
+    layer0: (bool, bool),
+    draft: (bool, bool),
+    last: (bool, bool),
+    complete: bool,
+    draft_is_layer0: bool,
+}
+
+/// Whether two readiness entries are the same: one counter and target, or one event.
+fn same_readiness(a: &LayerReady, b: &LayerReady) -> bool {
+    match (a, b) {
+        (LayerReady::Counter(x), LayerReady::Counter(y)) => {
+            x.layer() == y.layer() && x.target() == y.target()
+        }
+        // Events are opaque: a CPU event's debug form names its stream and position.
+        (LayerReady::Event(x), LayerReady::Event(y)) => format!("{x:?}") == format!("{y:?}"),
+        _ => false,
+    }
+}
+
+/// Backs a node of 6 pages up from a random pool (on a deferred CPU backend), poisons the pool,
+/// loads the node back with `loader` and watches it from a consumer stream.
+fn readiness(loader: Loader, layout: HostLayout) -> Readiness {
+    let root = CpuBackend::deferred();
     let g = &geometries()[0];
-    assert!(HostPool::new(&b, g, 1, HostLayout::LayerFirst).is_err());
-    let mut bad = g.clone();
-    bad.target.page_size = 32;
-    assert!(HostPool::new(&b, &bad, 4, HostLayout::LayerFirst).is_err());
-    let other = CacheGeometry::target_only(PoolGeometry::new(LatentLayout::Fp8Trtllm, 3));
-    let pool = DevicePool::allocate(&b, &other, Placement::unsharded(), 0, 4).unwrap();
-    let host = HostPool::new(&b, g, 4, HostLayout::PageFirst).unwrap();
-    let plan = TransferPlan::new(Placement::unsharded(), 0, &[1], &[1], 4, 4).unwrap();
-    assert!(matches!(
-        HostTransfer::new(&pool, &host, plan.clone(), Direction::Load),
-        Err(Error::GeometryMismatch { .. })
-    ));
-    let same = HostPool::new(&b, &other, 4, HostLayout::PageFirst).unwrap();
-    let sharded = DevicePool::allocate(&b, &other, Placement::new(2).unwrap(), 0, 4).unwrap();
-    assert!(matches!(
-        HostTransfer::new(&sharded, &same, plan, Direction::Load),
-        Err(Error::HiCache(_))
-    ));
+    let (placement, pages) = (Placement::unsharded(), 8u64);
+    let pool = Arc::new(DevicePool::allocate(&root, g, placement, 0, pages).unwrap());
+    let storage = pool.storage().unwrap();
+    let mut rng = StdRng::seed_from_u64(31);
+    root.write_sync(storage, 0, &synth::bytes(&mut rng, storage.len()))
+        .unwrap();
+    let source = pool.snapshot_sync(&root).unwrap();
+    let host = Arc::new(HostPool::new(&root, g, pages, layout).unwrap());
+    host.fill(&root, POISON).unwrap();
+    let node = cache_node(1, &[1, 2, 3, 4, 5, 6]);
+    let local: Vec<LocalPage> = (1..=6).map(LocalPage).collect();
+    let streams = plain_streams(&|| Arc::new(root.new_stream()) as Arc<dyn Backend>);
+    let consumer = root.new_stream();
+    let components = g.components();
+    let draft = ModelLayer(g.target.num_layers());
+    let last = ModelLayer(g.target.num_layers() - 1);
+    // Every block of the node in model layer `m`: (all landed, all still poison).
+    let state = |m: ModelLayer| {
+        let (mut landed, mut poison) = (true, true);
+        for (c, comp) in components.iter().enumerate() {
+            let Some(l) = comp.stored_layer(m) else {
+                continue;
+            };
+            for &p in &local {
+                let got = pool
+                    .read_block_sync(&consumer, comp.component, l, p)
+                    .unwrap();
+                let at = canon(&components, pages, c, l.0, p.0);
+                landed &= got[..] == source[at..at + comp.block_bytes];
+                poison &= got.iter().all(|&x| x == POISON);
+            }
+        }
+        (landed, poison)
+    };
+    let mut expected = vec![POISON; source.len()];
+    expect_moved(
+        &components,
+        (placement, 0),
+        (&source, &node.device_pages, pages),
+        (&mut expected, &node.device_pages, pages),
+    );
+    let observe = |layers: &[LayerReady]| {
+        assert_eq!(layers.len(), g.model_layers());
+        layers[0].wait(&consumer).unwrap();
+        let (layer0, draft_state, last_state) = (state(ModelLayer(0)), state(draft), state(last));
+        layers[last.0].wait(&consumer).unwrap();
+        Readiness {
+            layer0,
+            draft: draft_state,
+            last: last_state,
+            complete: pool.snapshot_sync(&consumer).unwrap() == expected,
+            draft_is_layer0: same_readiness(&layers[draft.0], &layers[0]),
+        }
+    };
+    match loader {
+        Loader::Controller(route) => {
+            let mut ctl =
+                HiCacheController::new(pool.clone(), host.clone(), streams, WritePolicy::WriteBack)
+                    .unwrap();
+            let compute = root.record().unwrap();
+            ctl.backup(&node, &compute, route).unwrap();
+            ctl.ack_backups(1).unwrap();
+            pool.fill(&root, POISON).unwrap();
+            let poisoned = root.record().unwrap();
+            let handle = ctl
+                .load(1, &node.device_pages, Some(&poisoned), route)
+                .unwrap();
+            let seen = observe(handle.layers());
+            if let (Route::Direct(IoBackend::SmKernel { .. }), LayerReady::Counter(c)) =
+                (route, &handle.layers()[draft.0])
+            {
+                assert_eq!(c.layer(), ModelLayer(0), "the draft counts into layer 0");
+            }
+            assert_eq!(ctl.ack_loads(1).unwrap()[0].node, 1);
+            seen
+        }
+        Loader::Signalled => {
+            let plan = TransferPlan::new(
+                placement,
+                0,
+                &node.device_pages,
+                &node.device_pages,
+                pages,
+                pages,
+            )
+            .unwrap();
+            let backup =
+                HostTransfer::new(pool.clone(), host.clone(), plan.clone(), Direction::Backup)
+                    .unwrap();
+            // After the host pool's poison (deferred on `root` until something waits for it).
+            streams.backup.wait(&root.record().unwrap()).unwrap();
+            backup
+                .run(streams.backup.as_ref(), IoBackend::CopyEngine, Layers::All)
+                .unwrap();
+            streams.backup.synchronize().unwrap();
+            pool.fill(&root, POISON).unwrap();
+            let load = streams.load.as_ref();
+            load.wait(&root.record().unwrap()).unwrap();
+            let mut t =
+                HostTransfer::new(pool.clone(), host.clone(), plan, Direction::Load).unwrap();
+            t.prepare_kernel_sync(streams.tables.as_ref(), &mut Vec::new())
+                .unwrap();
+            let mut signals =
+                LayerSignals::new_sync(streams.tables.as_ref(), g.model_layers()).unwrap();
+            let waits = t.run_signalled(load, 2, &mut signals).unwrap();
+            assert_eq!(waits[draft.0].layer(), ModelLayer(0));
+            let layers: Vec<LayerReady> = waits.into_iter().map(LayerReady::Counter).collect();
+            let seen = observe(&layers);
+            load.synchronize().unwrap();
+            seen
+        }
+    }
+}
+
+/// The loaders whose layers become ready one by one.
+const PER_LAYER: [Loader; 5] = [
+    Loader::Controller(Route::Direct(IoBackend::SmKernel { ctas: 2 })),
+    Loader::Controller(Route::Direct(IoBackend::CopyEngine)),
+    Loader::Controller(Route::Direct(IoBackend::PerBlockMemcpy)),
+    Loader::Controller(Route::Direct(IoBackend::BatchMemcpy)),
+    Loader::Signalled,
+];
+
+const STAGED: [Loader; 2] = [
+    Loader::Controller(Route::Staged(Relayout::Kernel { ctas: 2 })),
+    Loader::Controller(Route::Staged(Relayout::CopyEngine)),
+];
+
+#[test]
+fn cpu_layer_zero_is_consumable_before_the_last_layer_lands() {
+    for layout in HostLayout::ALL {
+        for loader in PER_LAYER {
+            let seen = readiness(loader, layout);
+            let case = format!("{layout} {loader:?}: {seen:?}");
+            assert_eq!(
+                seen.layer0,
+                (true, false),
+                "{case}: layer 0 once it is ready"
+            );
+            assert_eq!(seen.last, (false, true), "{case}: the last layer then");
+            assert!(
+                seen.complete,
+                "{case}: everything once the last layer is ready"
+            );
+        }
+    }
+}
+
+#[test]
+fn cpu_the_mtp_draft_is_ready_with_layer_0() {
+    for layout in HostLayout::ALL {
+        for loader in PER_LAYER.into_iter().chain(STAGED) {
+            let seen = readiness(loader, layout);
+            let case = format!("{layout} {loader:?}: {seen:?}");
+            assert_eq!(seen.draft, (true, false), "{case}: the draft with layer 0");
+            assert!(seen.draft_is_layer0, "{case}: the draft's readiness");
+        }
+    }
+}
+
+#[test]
+fn cpu_staged_loads_are_ready_as_a_whole() {
+    for layout in HostLayout::ALL {
+        for loader in STAGED {
+            let seen = readiness(loader, layout);
+            let case = format!("{layout} {loader:?}: {seen:?}");
+            assert_eq!(seen.layer0, (true, false), "{case}");
+            assert_eq!(seen.last, (true, false), "{case}: ready with layer 0");
+            assert!(seen.complete, "{case}");
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
 // GPU
 
+/// A GPU's stream and a second one, or `None` (the test skipped) without a GPU.
+/// The GPU and two of its streams.
+type GpuPair = (Arc<Gpu>, Arc<dyn Backend>, Arc<dyn Backend>);
+
+fn gpu_pair(test: &str) -> Option<GpuPair> {
+    let gpu = common::open_gpu(test)?;
+    let (b, other) = (common::stream(&gpu), common::stream(&gpu));
+    Some((gpu, b, other))
+}
+
+/// The route's round trip on the GPU and on the CPU reference: byte for byte the same.
+fn gpu_matches_cpu(gpu: &Where<'_>, route: Route, node: &Node) {
+    let cpu = CpuBackend::new();
+    let cpu_other = cpu.new_stream();
+    let reference = Where {
+        b: &cpu,
+        other: &cpu_other,
+        ..*gpu
+    };
+    let case = format!(
+        "N={} rank {} {} {:?} pool, {route}",
+        gpu.placement.shard(),
+        gpu.rank,
+        gpu.layout,
+        gpu.kind
+    );
+    let want = round_trip(&reference, route, node);
+    let got = round_trip(gpu, route, node);
+    assert!(want.source == got.source, "{case}: random source differs");
+    assert!(want.host == got.host, "{case}: host");
+    assert!(want.reloaded == got.reloaded, "{case}: reloaded");
+}
+
 #[test]
 fn gpu_round_trips_match_cpu_byte_for_byte() {
-    let Some(gpu) = common::cuda("gpu_round_trips_match_cpu_byte_for_byte") else {
+    let Some((_gpu, b, other)) = gpu_pair("gpu_round_trips_match_cpu_byte_for_byte") else {
         return;
     };
     let mut rng = common::rng("gpu_round_trips_match_cpu_byte_for_byte");
-    let cpu = CpuBackend::new();
-    for_each_rank(&mut rng, edge_ranks, |g, placement, rank, node| {
-        for layout in HostLayout::ALL {
-            for io in IOS {
-                let case = format!("N={} rank {rank} {layout} {io}", placement.shard());
-                let want = round_trip(&cpu, g, layout, placement, rank, io, node);
-                let got = round_trip(&gpu, g, layout, placement, rank, io, node);
-                assert!(want.source == got.source, "random source differs");
-                assert!(want.host == got.host, "{case}: host");
-                assert!(want.reloaded == got.reloaded, "{case}: reloaded");
+    for_each_rank(
+        &mut rng,
+        &[1, 2, 4],
+        edge_ranks,
+        |g, placement, rank, node| {
+            for layout in HostLayout::ALL {
+                let w = Where {
+                    b: b.as_ref(),
+                    other: other.as_ref(),
+                    g,
+                    layout,
+                    placement,
+                    rank,
+                    kind: PoolKind::Allocated,
+                };
+                for io in IOS {
+                    gpu_matches_cpu(&w, Route::Direct(io), node);
+                }
             }
+        },
+    );
+}
+
+#[test]
+fn gpu_every_route_on_every_host_layout_matches_cpu() {
+    let Some((_gpu, b, other)) = gpu_pair("gpu_every_route_on_every_host_layout_matches_cpu")
+    else {
+        return;
+    };
+    let mut rng = common::rng("gpu_every_route_on_every_host_layout_matches_cpu");
+    for_each_rank(
+        &mut rng,
+        &[1, 2, 3],
+        edge_ranks,
+        |g, placement, rank, node| {
+            for layout in HostLayout::ALL {
+                for kind in KINDS {
+                    let w = Where {
+                        b: b.as_ref(),
+                        other: other.as_ref(),
+                        g,
+                        layout,
+                        placement,
+                        rank,
+                        kind,
+                    };
+                    for route in ROUTES {
+                        gpu_matches_cpu(&w, route, node);
+                    }
+                }
+            }
+        },
+    );
+}
+
+#[test]
+fn gpu_staged_round_trips_match_cpu_byte_for_byte() {
+    let Some((_gpu, b, other)) = gpu_pair("gpu_staged_round_trips_match_cpu_byte_for_byte") else {
+        return;
+    };
+    let mut rng = common::rng("gpu_staged_round_trips_match_cpu_byte_for_byte");
+    for g in geometries() {
+        let placement = Placement::new(2).unwrap();
+        let node = node(&mut rng, placement, 7);
+        for kind in KINDS {
+            let w = Where {
+                b: b.as_ref(),
+                other: other.as_ref(),
+                g: &g,
+                layout: HostLayout::LayerFirst,
+                placement,
+                rank: 1,
+                kind,
+            };
+            staged_matches_direct(&w, &[1, 3], &node);
         }
-    });
+    }
 }
 
 #[test]
 fn gpu_registered_and_numa_local_host_pools_round_trip() {
-    let Some(gpu) = common::cuda("gpu_registered_and_numa_local_host_pools_round_trip") else {
+    let name = "gpu_registered_and_numa_local_host_pools_round_trip";
+    let Some(cuda) = common::cuda(name) else {
         return;
     };
-    let mut rng = common::rng("gpu_registered_and_numa_local_host_pools_round_trip");
+    let gpu = cuda.gpu().clone();
+    let mut rng = common::rng(name);
     let g = &geometries()[0];
     let placement = Placement::new(2).unwrap();
     let node = node(&mut rng, placement, 9);
     let cpu = CpuBackend::new();
+    let cpu_other = cpu.new_stream();
     for layout in HostLayout::ALL {
-        let want = round_trip(&cpu, g, layout, placement, 1, IoBackend::CopyEngine, &node);
+        let reference = Where {
+            b: &cpu,
+            other: &cpu_other,
+            g,
+            layout,
+            placement,
+            rank: 1,
+            kind: PoolKind::Allocated,
+        };
+        let want = round_trip(&reference, Route::Direct(IoBackend::CopyEngine), &node);
         // Engine-owned memory, registered in chunks of a few pages each.
         let sizes: Vec<usize> = g
             .components()
@@ -1747,7 +2760,7 @@ fn gpu_registered_and_numa_local_host_pools_round_trip() {
             .iter()
             .map(|&s| std::alloc::Layout::from_size_align(s, 4096).unwrap())
             .collect();
-        // SAFETY: non-zero sizes; freed below after the pool is dropped.
+        // SAFETY: non-zero sizes; freed below after the pools are dropped.
         let memory: Vec<*mut u8> = layouts
             .iter()
             .map(|&l| unsafe { std::alloc::alloc_zeroed(l) })
@@ -1763,20 +2776,23 @@ fn gpu_registered_and_numa_local_host_pools_round_trip() {
             // several per component in layer_first.
             // SAFETY: the regions are live, aligned, unregistered, and outlive the pool.
             let registered =
-                unsafe { HostPool::register(gpu.gpu(), g, HOST_PAGES, layout, &regions, 1) }
-                    .unwrap();
-            let numa = HostPool::new_numa_local(&gpu, g, HOST_PAGES, layout).unwrap();
+                unsafe { HostPool::register(&gpu, g, HOST_PAGES, layout, &regions, 1) }.unwrap();
+            let numa = HostPool::new_numa_local(&cuda, g, HOST_PAGES, layout).unwrap();
             eprintln!("{layout}: NUMA placement {:?}", numa.numa());
-            for host in [&registered, &numa] {
+            for host in [Arc::new(registered), Arc::new(numa)] {
                 for io in [IoBackend::CopyEngine, IoBackend::SmKernel { ctas: 2 }] {
-                    host.fill(&gpu, POISON).unwrap();
-                    let source = random_pool(&gpu, g, placement, 1, 8);
+                    host.fill(&cuda, POISON).unwrap();
+                    let source = random_pool(&cuda, g, placement, 1, 8);
                     let plan = node_plan(placement, 1, &node);
-                    let mut t = HostTransfer::new(&source, host, plan, Direction::Backup).unwrap();
-                    t.prepare_kernel(&gpu, None).unwrap();
-                    t.run(&gpu, io, Layers::All).unwrap();
-                    gpu.synchronize().unwrap();
-                    assert!(host.snapshot(&gpu).unwrap() == want.host, "{layout} {io}");
+                    let mut t =
+                        HostTransfer::new(source, host.clone(), plan, Direction::Backup).unwrap();
+                    t.prepare_kernel_sync(&cuda, &mut Vec::new()).unwrap();
+                    t.run(&cuda, io, Layers::All).unwrap();
+                    cuda.synchronize().unwrap();
+                    assert!(
+                        host.snapshot_sync(&cuda).unwrap() == want.host,
+                        "{layout} {io}"
+                    );
                 }
             }
         }
@@ -1787,86 +2803,96 @@ fn gpu_registered_and_numa_local_host_pools_round_trip() {
     }
 }
 
-/// Loads a large node on `io` through the controller while a consumer stream waits for layer 0
-/// only and then snapshots one block of layer 0 and one of the last layer: layer 0 must have
-/// landed and, on a direct route, the last layer not yet; a staged load is ready as a whole, so
-/// there the last layer must have landed too.
-fn layer_zero_lands_first(io: impl Into<Route>) {
-    let io = io.into();
-    let whole = matches!(io, Route::Staged(_));
-    let name = format!("gpu_layer_zero_is_consumable_before_the_last_layer_lands ({io})");
-    let Some(gpu) = common::cuda(&name) else {
+/// Loads a large node (61 layers and the draft) on `route` through the controller while a
+/// consumer stream waits for layer 0 only and then copies one block of layer 0, of the draft
+/// and of the last layer: layer 0 and the draft must have landed and, on a direct route, the
+/// last layer not yet; a staged load is ready as a whole, so there the last layer must have
+/// landed too.
+fn layer_zero_lands_first(route: impl Into<Route>) {
+    let route = route.into();
+    let whole = matches!(route, Route::Staged(_));
+    let name = format!("gpu_layer_zero_is_consumable_before_the_last_layer_lands ({route})");
+    let Some(gpu) = common::open_gpu(&name) else {
         return;
     };
-    let dev = gpu.gpu().clone();
-    let new = || kvshard::backend::cuda::CudaBackend::new(dev.clone()).unwrap();
-    let g = CacheGeometry::target_only(PoolGeometry::new(LatentLayout::Fp8Trtllm, 61));
-    let pages = 256usize;
+    let b = common::stream(&gpu);
+    let g = CacheGeometry::with_draft(PoolGeometry::new(LatentLayout::Fp8Trtllm, 61));
+    let pages = 256u64;
     let placement = Placement::unsharded();
-    let pool = DevicePool::allocate(&gpu, &g, placement, 0, pages as u64 + 2).unwrap();
-    let host = HostPool::new(&gpu, &g, pages as u64 + 2, HostLayout::PageFirstDirect).unwrap();
-    let streams = Streams {
-        load: new(),
-        backup: new(),
-        load_relayout: new(),
-        backup_relayout: new(),
-        tables: new(),
-    };
-    let mut ctl = HiCacheController::new(&pool, &host, streams, WritePolicy::WriteBack).unwrap();
+    let pool = Arc::new(DevicePool::allocate(b.as_ref(), &g, placement, 0, pages + 2).unwrap());
+    let host =
+        Arc::new(HostPool::new(b.as_ref(), &g, pages + 2, HostLayout::PageFirstDirect).unwrap());
+    let streams = plain_streams(&|| common::stream(&gpu));
+    let mut ctl =
+        HiCacheController::new(pool.clone(), host, streams.clone(), WritePolicy::WriteBack)
+            .unwrap();
     const LANDED: u8 = 0x3C;
-    pool.fill(&gpu, LANDED).unwrap();
-    gpu.synchronize().unwrap();
-    let device: Vec<u64> = (1..=pages as u64).collect();
-    let n = CacheNode {
-        id: 1,
-        device_pages: &device,
-        start_owner: None,
+    pool.fill(b.as_ref(), LANDED).unwrap();
+    b.synchronize().unwrap();
+    let device: Vec<u64> = (1..=pages).collect();
+    let n = cache_node(1, &device);
+    let compute = b.record().unwrap();
+    assert_eq!(ctl.evict(&n, &compute, route).unwrap().len(), 1);
+    pool.fill(b.as_ref(), POISON).unwrap();
+    let poisoned = b.record().unwrap();
+    let handle = ctl
+        .load(1, &n.device_pages, Some(&poisoned), route)
+        .unwrap();
+    let consumer = common::stream(&gpu);
+    handle.wait_layer(consumer.as_ref(), ModelLayer(0)).unwrap();
+    let last_page = LocalPage(pages);
+    let probes = [
+        (Component::TargetLatent, 0, true),
+        (Component::TargetIndexer, 0, true),
+        (Component::DraftLatent, 0, true),
+        (Component::DraftIndexer, 0, true),
+        (Component::TargetLatent, 60, whole),
+        (Component::TargetIndexer, 60, whole),
+    ];
+    let block = |c: Component| {
+        g.components()
+            .iter()
+            .find(|l| l.component == c)
+            .unwrap()
+            .block_bytes
     };
-    let compute = gpu.record().unwrap();
-    assert_eq!(ctl.evict(&n, &compute, io).unwrap().len(), 1);
-    pool.fill(&gpu, POISON).unwrap();
-    let poisoned = gpu.record().unwrap();
-    let handle = ctl.load(1, &device, Some(&poisoned), io).unwrap();
-    let consumer = new();
-    handle.wait_layer(&consumer, 0).unwrap();
-    let probe = consumer.alloc(2 * 36_864, MemoryKind::Device).unwrap();
-    let last_page = *device.last().unwrap();
-    for (i, layer) in [0usize, 60].into_iter().enumerate() {
-        let block = pool.block_addr(0, layer, last_page).unwrap();
-        // SAFETY: one latent block of the pool into one half of the probe buffer.
-        unsafe { consumer.memcpy(probe.addr() + i as u64 * 36_864, block, 36_864) }.unwrap();
+    let total: usize = probes.iter().map(|&(c, _, _)| block(c)).sum();
+    let probe = consumer.alloc(total, MemoryKind::Device).unwrap();
+    let mut at = 0;
+    for &(c, layer, _) in &probes {
+        let addr = pool.block_addr(c, StoredLayer(layer), last_page).unwrap();
+        // SAFETY: one block of the pool into its own part of the probe buffer.
+        unsafe { consumer.memcpy(probe.addr() + at as u64, addr, block(c)) }.unwrap();
+        at += block(c);
     }
     consumer.synchronize().unwrap();
-    ctl.streams().load.synchronize().unwrap();
-    let seen = consumer.read(&probe, 0, probe.len()).unwrap();
-    assert!(
-        seen[..36_864].iter().all(|&x| x == LANDED),
-        "{io}: layer 0 had not landed when its signal fired"
-    );
-    if whole {
+    streams.load.synchronize().unwrap();
+    let seen = consumer.read_sync(&probe, 0, total).unwrap();
+    let mut at = 0;
+    for &(c, layer, landed) in &probes {
+        let bytes = &seen[at..at + block(c)];
+        at += block(c);
+        let want = if landed { LANDED } else { POISON };
         assert!(
-            seen[36_864..].iter().all(|&x| x == LANDED),
-            "{io}: a staged load's layer 0 was ready before its last layer had landed"
-        );
-    } else {
-        assert!(
-            seen[36_864..].iter().all(|&x| x == POISON),
-            "{io}: the last layer had landed before layer 0 was consumed"
+            bytes.iter().all(|&x| x == want),
+            "{route}: {c} stored layer {layer} once layer 0 was ready (expected {})",
+            if landed { "landed" } else { "not yet landed" }
         );
     }
     assert_eq!(ctl.ack_loads(1).unwrap()[0].node, 1);
-    for (c, comp) in pool.components().iter().enumerate() {
-        for layer in [0, 30, 60] {
-            let at = pool.block_addr(c, layer, 1).unwrap();
-            let len = pages * comp.block_bytes;
-            // SAFETY: pages 1..=pages of one layer buffer of the pool.
-            let loaded = unsafe { Buffer::from_raw(at, len, MemoryKind::Device) };
-            let bytes = gpu.read(&loaded, 0, len).unwrap();
-            assert!(
-                bytes.iter().all(|&x| x == LANDED),
-                "{io}: {} layer {layer}",
-                comp.component
-            );
+    for comp in pool.components() {
+        let layers = [0, 30, 60].into_iter().filter(|&l| l < comp.layers());
+        for layer in layers.map(StoredLayer) {
+            for page in (1..=pages).step_by(5).map(LocalPage) {
+                let bytes = pool
+                    .read_block_sync(b.as_ref(), comp.component, layer, page)
+                    .unwrap();
+                assert!(
+                    bytes.iter().all(|&x| x == LANDED),
+                    "{route}: {} {layer} {page}",
+                    comp.component
+                );
+            }
         }
     }
 }
@@ -1889,35 +2915,70 @@ fn gpu_staged_loads_are_ready_as_a_whole() {
 
 #[test]
 fn gpu_controller_round_trips_match_cpu_byte_for_byte() {
-    let Some(gpu) = common::cuda("gpu_controller_round_trips_match_cpu_byte_for_byte") else {
+    let Some((gpu, b, _)) = gpu_pair("gpu_controller_round_trips_match_cpu_byte_for_byte") else {
         return;
     };
-    let dev = gpu.gpu().clone();
-    let new = || kvshard::backend::cuda::CudaBackend::new(dev.clone()).unwrap();
-    let gpu_streams = || Streams {
-        load: new(),
-        backup: new(),
-        load_relayout: new(),
-        backup_relayout: new(),
-        tables: new(),
-    };
     let mut rng = common::rng("gpu_controller_round_trips_match_cpu_byte_for_byte");
-    let cpu = Probe::new();
-    for_each_rank(&mut rng, edge_ranks, |g, placement, rank, node| {
-        for layout in HostLayout::ALL {
-            let direct = Route::from(IoBackend::SmKernel { ctas: 2 });
-            for route in staged_routes(layout).into_iter().chain([direct]) {
-                let case = format!("N={} rank {rank} {layout} {route}", placement.shard());
-                let want =
-                    controller_trip(&cpu, streams(&cpu), g, layout, placement, rank, route, node);
-                let got =
-                    controller_trip(&gpu, gpu_streams(), g, layout, placement, rank, route, node);
-                assert!(want.source == got.source, "random source differs");
-                assert_eq!(want.host_pages, got.host_pages, "{case}");
-                assert_eq!(want.bytes, got.bytes, "{case}");
-                assert!(want.host == got.host, "{case}: host");
-                assert!(want.reloaded == got.reloaded, "{case}: reloaded");
+    let root = CpuBackend::new();
+    let cpu = root.new_stream();
+    let cpu_stream = || Arc::new(root.new_stream()) as Arc<dyn Backend>;
+    let gpu_stream = || common::stream(&gpu);
+    for_each_rank(
+        &mut rng,
+        &[1, 2, 4],
+        edge_ranks,
+        |g, placement, rank, node| {
+            for layout in HostLayout::ALL {
+                for kind in KINDS {
+                    let cpu_at = Where {
+                        b: &cpu,
+                        other: &cpu,
+                        g,
+                        layout,
+                        placement,
+                        rank,
+                        kind,
+                    };
+                    let gpu_at = Where {
+                        b: b.as_ref(),
+                        other: b.as_ref(),
+                        ..cpu_at
+                    };
+                    for route in ROUTES {
+                        let case = format!(
+                            "N={} rank {rank} {layout} {kind:?} pool, {route}",
+                            placement.shard()
+                        );
+                        let want =
+                            controller_trip(&cpu_at, plain_streams(&cpu_stream), route, node);
+                        let got = controller_trip(&gpu_at, plain_streams(&gpu_stream), route, node);
+                        assert!(want.source == got.source, "{case}: random source differs");
+                        assert_eq!(want.host_pages, got.host_pages, "{case}");
+                        assert_eq!(want.bytes, got.bytes, "{case}");
+                        assert!(want.host == got.host, "{case}: host");
+                        assert!(want.reloaded == got.reloaded, "{case}: reloaded");
+                    }
+                }
             }
+        },
+    );
+}
+
+#[test]
+fn gpu_a_failed_backup_leaks_nothing() {
+    let Some(gpu) = common::open_gpu("gpu_a_failed_backup_leaks_nothing") else {
+        return;
+    };
+    let b = Probe::gpu(&gpu);
+    for route in [
+        Route::Direct(IoBackend::SmKernel { ctas: 2 }),
+        Route::Direct(IoBackend::CopyEngine),
+        Route::Staged(Relayout::Kernel { ctas: 2 }),
+        Route::Staged(Relayout::CopyEngine),
+    ] {
+        for faulty in [Faulty::Backup, Faulty::BackupRelayout, Faulty::Tables] {
+            let fired = failed_backups_leak_nothing(&b, route, faulty);
+            eprintln!("{route}: {fired} faults on the {faulty:?} stream");
         }
-    });
+    }
 }

@@ -151,7 +151,7 @@ fn chunk_done_from(
         chunk,
         last: true,
         source_rank: rank,
-        bytes,
+        bytes: [bytes, 0, 0, 0],
         failed,
     })
 }
@@ -386,6 +386,7 @@ fn every_message_round_trips_through_a_child_process() {
         (
             Message::Register(Register {
                 request: 11,
+                pool: 1,
                 prefix_pages: 2,
                 pages: vec![5, 9, 1 << 40, 3],
                 state_pages: vec![17],
@@ -452,6 +453,7 @@ fn gone_after(ch: &mut Channel, since: Instant, what: &str) -> Duration {
 fn register(request: u64, pages: usize) -> Message {
     Message::Register(Register {
         request,
+        pool: 1,
         prefix_pages: 0,
         pages: (0..pages as u64).map(|p| p * 3 + 1).collect(),
         state_pages: vec![],
@@ -612,11 +614,11 @@ fn garbage_and_oversized_frames_are_refused() {
     // Another protocol version.
     let (a, mut raw) = raw_pair();
     let mut other = hello_frame();
-    other[4] = 2;
+    other[4..6].copy_from_slice(&(wire::VERSION + 1).to_le_bytes());
     raw.write_all(&other).expect("write");
     assert!(matches!(
         violation(handshake(a)),
-        ProtocolError::Version { theirs: 2, .. }
+        ProtocolError::Version { theirs, .. } if theirs == wire::VERSION + 1
     ));
 
     // A first message that is not Hello.

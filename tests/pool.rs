@@ -4,13 +4,17 @@
 
 mod common;
 
+use std::sync::Arc;
+
 use kvshard::backend::cpu::CpuBackend;
-use kvshard::backend::{Backend, Launch, MemoryKind};
-use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry};
-use kvshard::pool::{
-    BlockCopy, BlockCopyPlan, BlockSpace, ChunkStaging, DevicePool, OwnedRowWrite, PageSelection,
-    PoolBuffers, Staging,
+use kvshard::backend::{upload_i64s_sync, Backend, Buffer, Launch, MemoryKind};
+use kvshard::copy::{BlockCopy, BlockCopyPlan, BlockSpace, PageSelection, Staging};
+use kvshard::geometry::{
+    CacheGeometry, Component, LatentLayout, PoolGeometry, INDEXER_HEAD_DIM, INDEXER_PAGE_BYTES,
+    INDEXER_SCALES_OFFSET, PAGE_SIZE,
 };
+use kvshard::index::{LocalPage, LogicalPage, ModelLayer, Slot, StoredLayer};
+use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite, PoolBuffers, RawBuffer};
 use kvshard::shard::Placement;
 use kvshard::synth::{self, POISON};
 use kvshard::Error;
@@ -33,112 +37,146 @@ fn geometries() -> Vec<CacheGeometry> {
     ]
 }
 
+fn seeded(seed: u64) -> rand::rngs::StdRng {
+    <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(seed)
+}
+
 /// A pool whose every byte is random (the same bytes for the same seed on any backend).
-fn random_pool<B: Backend>(
-    b: &B,
+fn random_pool(
+    b: &dyn Backend,
     g: &CacheGeometry,
     placement: Placement,
     rank: u32,
     pages: u64,
     seed: u64,
-) -> DevicePool {
+) -> Arc<DevicePool> {
     let pool = DevicePool::allocate(b, g, placement, rank, pages).unwrap();
     let storage = pool.storage().unwrap();
-    let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(seed);
-    b.write(storage, 0, &synth::bytes(&mut rng, storage.len()))
+    b.write_sync(storage, 0, &synth::bytes(&mut seeded(seed), storage.len()))
         .unwrap();
-    pool
+    Arc::new(pool)
 }
 
-/// Logical pages of `pages`-page ranks: random, distinct, non-reserved, with padding entries.
-fn logical_pages(rng: &mut impl Rng, placement: Placement, pages: u64, n: usize) -> Vec<i64> {
-    let logical = placement.logical_pages(pages) as usize;
-    let shard = placement.shard() as i64;
-    let perm = synth::permutation(rng, logical - shard as usize);
-    (0..n)
-        .map(|i| if i % 7 == 6 { -1 } else { perm[i] + shard })
+/// `n` random, distinct, non-reserved logical pages of a group of `pages`-page ranks (every
+/// rank's, so each rank moves only its share).
+fn logical_pages(
+    rng: &mut impl Rng,
+    placement: Placement,
+    pages: u64,
+    n: usize,
+) -> Vec<LogicalPage> {
+    let shard = u64::from(placement.shard());
+    let logical = placement.logical_pages(pages).unwrap();
+    synth::permutation(rng, (logical - shard) as usize)
+        .into_iter()
+        .take(n)
+        .map(|p| LogicalPage(p as u64 + shard))
         .collect()
 }
 
-/// The block bytes of `space`'s component `c`, layer `l`, page `p`, read back.
-fn block<B: Backend>(b: &B, space: &dyn BlockSpace, c: usize, l: usize, p: u64) -> Vec<u8> {
+/// The bytes of block (`layer`, `page`) of `component` of `space`, read back through `b`.
+fn block(
+    b: &dyn Backend,
+    space: &dyn BlockSpace,
+    component: Component,
+    layer: usize,
+    page: u64,
+) -> Vec<u8> {
+    let addr = space
+        .block_addr(component, StoredLayer(layer), LocalPage(page))
+        .unwrap();
+    let c = space.component_index(component).unwrap();
     let bytes = space.components()[c].block_bytes;
-    let addr = space.layer_base(c, l) + p * space.block_side(c).page_stride;
-    // SAFETY: inside the space's layer buffer.
-    let buf = unsafe { kvshard::backend::Buffer::from_raw(addr, bytes, MemoryKind::Device) };
-    b.read(&buf, 0, bytes).unwrap()
+    // SAFETY: block_addr checked the block lies inside the space, which the caller holds.
+    let buf = unsafe { Buffer::from_raw(addr, bytes, MemoryKind::Device, space.address_space()) };
+    b.read_sync(&buf, 0, bytes).unwrap()
+}
+
+/// Prepares `plan` between `src` and `dst` and runs it whole.
+fn copy(b: &dyn Backend, plan: BlockCopyPlan, src: Arc<dyn BlockSpace>, dst: Arc<dyn BlockSpace>) {
+    BlockCopy::prepare_sync(b, plan, src, dst, None)
+        .unwrap()
+        .run(b, LAUNCH)
+        .unwrap();
 }
 
 struct Outcome {
     staging: Vec<u8>,
     pool: Vec<u8>,
     other: Vec<u8>,
+    unsharded: Vec<u8>,
 }
 
-/// Gather rank `rank`'s pages into staging, scatter staging into a second pool of the same rank,
-/// and copy pool to pool; returns every buffer's bytes.
-fn gather_scatter<B: Backend>(b: &B, g: &CacheGeometry, n: u32, rank: u32, ids: &[i64]) -> Outcome {
+/// Gathers rank `rank`'s pages into staging, scatters the staging into a second pool of the same
+/// rank, and copies pool to an unsharded pool layer by layer; returns every buffer's bytes.
+fn gather_scatter(
+    b: &dyn Backend,
+    g: &CacheGeometry,
+    n: u32,
+    rank: u32,
+    pages: &[LogicalPage],
+) -> Outcome {
     let placement = Placement::new(n).unwrap();
-    let pages = 40;
-    let pool = random_pool(b, g, placement, rank, pages, 7);
-    let staging = Staging::new(b, g, ids.len() as u64).unwrap();
+    let entries = pages.len();
+    let pool = random_pool(b, g, placement, rank, 40, 7);
+    let staging = Arc::new(Staging::new(b, g, entries as u64).unwrap());
     b.fill(staging.buffer(), POISON).unwrap();
     let logical = PageSelection::Logical {
-        ids: ids.to_vec(),
+        pages: pages.to_vec(),
         placement,
         rank,
     };
     let plan = BlockCopyPlan::new(
-        &pool,
+        pool.as_ref(),
         logical.clone(),
-        &staging,
+        staging.as_ref(),
         PageSelection::Positions,
-        ids.len(),
+        entries,
     )
     .unwrap();
-    BlockCopy::prepare(b, &plan, &pool, &staging)
-        .unwrap()
-        .run(b, LAUNCH)
-        .unwrap();
+    copy(b, plan, pool.clone(), staging.clone());
 
-    let other = DevicePool::allocate(b, g, placement, rank, pages).unwrap();
+    let other = Arc::new(DevicePool::allocate(b, g, placement, rank, 40).unwrap());
     other.fill(b, POISON).unwrap();
     let plan = BlockCopyPlan::new(
-        &staging,
+        staging.as_ref(),
         PageSelection::Positions,
-        &other,
+        other.as_ref(),
         logical.clone(),
-        ids.len(),
+        entries,
     )
     .unwrap();
-    BlockCopy::prepare(b, &plan, &staging, &other)
-        .unwrap()
-        .run(b, LAUNCH)
-        .unwrap();
-    // Pool to pool, into an unsharded pool at shifted local pages (a decode-style destination).
-    let unsharded =
-        DevicePool::allocate(b, g, Placement::unsharded(), 0, ids.len() as u64 + 1).unwrap();
+    copy(b, plan, staging.clone(), other.clone());
+
+    // Pool to pool, into an unsharded pool at shifted local pages (a decode-style destination),
+    // one model layer per launch.
+    let unsharded = Arc::new(
+        DevicePool::allocate(b, g, Placement::unsharded(), 0, entries as u64 + 1).unwrap(),
+    );
     unsharded.fill(b, POISON).unwrap();
-    let dst: Vec<i64> = (0..ids.len() as i64).map(|j| j + 1).collect();
+    let dst = (1..=entries as u64).map(LocalPage).collect();
     let plan = BlockCopyPlan::new(
-        &pool,
+        pool.as_ref(),
         logical,
-        &unsharded,
+        unsharded.as_ref(),
         PageSelection::Local(dst),
-        ids.len(),
+        entries,
     )
-    .unwrap();
-    BlockCopy::prepare(b, &plan, &pool, &unsharded)
-        .unwrap()
-        .run(b, LAUNCH)
-        .unwrap();
+    .unwrap()
+    .layer_major();
+    let layers = plan.model_layers();
+    let layered = BlockCopy::prepare_sync(b, plan, pool.clone(), unsharded.clone(), None).unwrap();
+    for m in 0..layers {
+        layered.run_layer(b, ModelLayer(m), LAUNCH).unwrap();
+    }
     b.synchronize().unwrap();
-    let mut other_bytes = other.snapshot(b).unwrap();
-    other_bytes.extend(unsharded.snapshot(b).unwrap());
     Outcome {
-        staging: b.read(staging.buffer(), 0, staging.buffer().len()).unwrap(),
-        pool: pool.snapshot(b).unwrap(),
-        other: other_bytes,
+        staging: b
+            .read_sync(staging.buffer(), 0, staging.buffer().len())
+            .unwrap(),
+        pool: pool.snapshot_sync(b).unwrap(),
+        other: other.snapshot_sync(b).unwrap(),
+        unsharded: unsharded.snapshot_sync(b).unwrap(),
     }
 }
 
@@ -149,31 +187,34 @@ fn cpu_gather_takes_exactly_the_owned_pages() {
     for g in geometries() {
         let placement = Placement::new(4).unwrap();
         let pool = random_pool(&b, &g, placement, 1, 30, 3);
-        let ids = logical_pages(&mut rng, placement, 30, 50);
-        let staging = Staging::new(&b, &g, ids.len() as u64).unwrap();
+        let pages = logical_pages(&mut rng, placement, 30, 50);
+        let staging = Arc::new(Staging::new(&b, &g, pages.len() as u64).unwrap());
         b.fill(staging.buffer(), POISON).unwrap();
         let sel = PageSelection::Logical {
-            ids: ids.clone(),
+            pages: pages.clone(),
             placement,
             rank: 1,
         };
-        let plan =
-            BlockCopyPlan::new(&pool, sel, &staging, PageSelection::Positions, ids.len()).unwrap();
-        let owned = ids.iter().filter(|&&p| p >= 0 && p % 4 == 1).count();
+        let plan = BlockCopyPlan::new(
+            pool.as_ref(),
+            sel,
+            staging.as_ref(),
+            PageSelection::Positions,
+            pages.len(),
+        )
+        .unwrap();
+        let owned = pages.iter().filter(|p| p.0 % 4 == 1).count();
         assert_eq!(plan.moved_entries(), owned);
         assert_eq!(plan.bytes(), owned as u64 * g.page_bytes() as u64);
-        BlockCopy::prepare(&b, &plan, &pool, &staging)
-            .unwrap()
-            .run(&b, LAUNCH)
-            .unwrap();
-        for (c, comp) in pool.components().iter().enumerate() {
+        copy(&b, plan, pool.clone(), staging.clone());
+        for comp in pool.components() {
             for l in 0..comp.layers() {
-                for (j, &id) in ids.iter().enumerate() {
-                    let got = block(&b, &staging, c, l, j as u64);
-                    if id >= 0 && id % 4 == 1 {
+                for (j, &page) in pages.iter().enumerate() {
+                    let got = block(&b, staging.as_ref(), comp.component, l, j as u64);
+                    if page.0 % 4 == 1 {
                         assert_eq!(
                             got,
-                            block(&b, &pool, c, l, id as u64 / 4),
+                            block(&b, pool.as_ref(), comp.component, l, page.0 / 4),
                             "{} layer {l} entry {j}",
                             comp.component
                         );
@@ -195,29 +236,119 @@ fn cpu_scatter_inverts_gather_and_pool_copies_match() {
     let b = CpuBackend::new();
     let g = &geometries()[0];
     let placement = Placement::new(2).unwrap();
-    let ids = logical_pages(&mut rng, placement, 40, 60);
-    let out = gather_scatter(&b, g, 2, 0, &ids);
-    // The scattered pool holds the source's owned pages and poison elsewhere.
+    let pages = logical_pages(&mut rng, placement, 40, 60);
+    let out = gather_scatter(&b, g, 2, 0, &pages);
+    // The same random bytes as the pool gather_scatter made.
     let src = random_pool(&b, g, placement, 0, 40, 7);
-    let owned: Vec<u64> = ids
-        .iter()
-        .filter(|&&p| p >= 0 && p % 2 == 0)
-        .map(|&p| p as u64 / 2)
-        .collect();
-    let mut offset = 0;
-    for (c, comp) in src.components().iter().enumerate() {
+    assert!(
+        out.pool == src.snapshot_sync(&b).unwrap(),
+        "the source changed"
+    );
+    // The scattered pool holds the source's owned pages and poison elsewhere; the unsharded
+    // pool holds entry j's page at local page j + 1 when rank 0 owns it, poison otherwise.
+    let local_of = |page: LogicalPage| (page.0 % 2 == 0).then_some(page.0 / 2);
+    let owned: Vec<u64> = pages.iter().filter_map(|&p| local_of(p)).collect();
+    let (mut other_at, mut unsharded_at) = (0, 0);
+    for comp in src.components() {
+        let bytes = comp.block_bytes;
         for l in 0..comp.layers() {
             for p in 0..40u64 {
-                let got = &out.other[offset..offset + comp.block_bytes];
+                let got = &out.other[other_at..other_at + bytes];
                 if owned.contains(&p) {
-                    assert_eq!(got, &block(&b, &src, c, l, p)[..]);
+                    assert_eq!(got, &block(&b, src.as_ref(), comp.component, l, p)[..]);
                 } else {
                     assert!(got.iter().all(|&x| x == POISON));
                 }
-                offset += comp.block_bytes;
+                other_at += bytes;
+            }
+            for p in 0..=pages.len() {
+                let got = &out.unsharded[unsharded_at..unsharded_at + bytes];
+                match p.checked_sub(1).and_then(|j| local_of(pages[j])) {
+                    Some(local) => {
+                        assert_eq!(got, &block(&b, src.as_ref(), comp.component, l, local)[..])
+                    }
+                    None => assert!(got.iter().all(|&x| x == POISON), "page {p}"),
+                }
+                unsharded_at += bytes;
             }
         }
     }
+    assert_eq!(
+        (other_at, unsharded_at),
+        (out.other.len(), out.unsharded.len())
+    );
+}
+
+#[test]
+fn cpu_entry_windows_and_single_layers_compose_the_whole_copy() {
+    let mut rng = common::rng("cpu_entry_windows_and_single_layers_compose_the_whole_copy");
+    let b = CpuBackend::new();
+    let g = &geometries()[0];
+    let placement = Placement::new(2).unwrap();
+    let pool = random_pool(&b, g, placement, 1, 40, 9);
+    let pages = logical_pages(&mut rng, placement, 40, 33);
+    let sel = PageSelection::Logical {
+        pages: pages.clone(),
+        placement,
+        rank: 1,
+    };
+    let into = |staging: &Arc<Staging>| {
+        b.fill(staging.buffer(), POISON).unwrap();
+        let plan = BlockCopyPlan::new(
+            pool.as_ref(),
+            sel.clone(),
+            staging.as_ref(),
+            PageSelection::Positions,
+            pages.len(),
+        )
+        .unwrap()
+        .layer_major();
+        BlockCopy::prepare_sync(&b, plan, pool.clone(), staging.clone(), None).unwrap()
+    };
+    let read = |staging: &Staging| {
+        b.read_sync(staging.buffer(), 0, staging.buffer().len())
+            .unwrap()
+    };
+    let staging = Arc::new(Staging::new(&b, g, pages.len() as u64).unwrap());
+    into(&staging).run(&b, LAUNCH).unwrap();
+    let whole = read(&staging);
+    assert!(whole.iter().any(|&x| x != POISON));
+    let layered = into(&staging);
+    for m in 0..layered.plan().model_layers() {
+        layered.run_layer(&b, ModelLayer(m), LAUNCH).unwrap();
+    }
+    assert!(read(&staging) == whole, "layer by layer differs");
+    // A window of entries addresses staging positions from 0, as a staged transfer does.
+    let window = Arc::new(Staging::new(&b, g, 10).unwrap());
+    let windows = into(&window);
+    for start in (0..pages.len()).step_by(10) {
+        let end = (start + 10).min(pages.len());
+        b.fill(window.buffer(), POISON).unwrap();
+        windows.run_entries(&b, start..end, LAUNCH).unwrap();
+        for comp in g.components() {
+            for l in 0..comp.layers() {
+                for j in start..end {
+                    assert_eq!(
+                        block(&b, window.as_ref(), comp.component, l, (j - start) as u64),
+                        block(&b, staging.as_ref(), comp.component, l, j as u64),
+                        "{} layer {l} entry {j}",
+                        comp.component
+                    );
+                }
+            }
+        }
+    }
+    let err = windows.run_entries(&b, 0..11, LAUNCH).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::OutOfRange {
+                what: "staging position",
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[test]
@@ -228,15 +359,12 @@ fn gpu_gather_scatter_match_cpu_byte_for_byte() {
     let mut rng = common::rng("gpu_gather_scatter_match_cpu_byte_for_byte");
     for g in geometries() {
         for n in [1u32, 2, 4, 8] {
-            let ids = logical_pages(
-                &mut rng,
-                Placement::new(n).unwrap(),
-                40,
-                70.min(40 * n as usize - n as usize),
-            );
+            let placement = Placement::new(n).unwrap();
+            let count = 70.min(40 * n as usize - n as usize);
+            let pages = logical_pages(&mut rng, placement, 40, count);
             for rank in [0, n - 1] {
-                let cpu = gather_scatter(&CpuBackend::new(), &g, n, rank, &ids);
-                let gpu_out = gather_scatter(&gpu, &g, n, rank, &ids);
+                let cpu = gather_scatter(&CpuBackend::new(), &g, n, rank, &pages);
+                let gpu_out = gather_scatter(&gpu, &g, n, rank, &pages);
                 assert!(
                     cpu.staging == gpu_out.staging,
                     "N={n} rank {rank}: staging differs"
@@ -249,45 +377,73 @@ fn gpu_gather_scatter_match_cpu_byte_for_byte() {
                     cpu.other == gpu_out.other,
                     "N={n} rank {rank}: scattered pools differ"
                 );
+                assert!(
+                    cpu.unsharded == gpu_out.unsharded,
+                    "N={n} rank {rank}: layer-by-layer pool copies differ"
+                );
             }
         }
     }
 }
 
-/// Stages a random chunk, writes the owned rows of rank `rank` of `n`, returns the pool bytes.
-fn write_chunk<B: Backend>(b: &B, g: &CacheGeometry, n: u32, rank: u32, slots: &[i64]) -> Vec<u8> {
-    let placement = Placement::new(n).unwrap();
-    let pool = DevicePool::allocate(b, g, placement, rank, 24).unwrap();
-    pool.fill(b, POISON).unwrap();
-    let staging = ChunkStaging::new(b, &pool, slots.len()).unwrap();
-    let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(11);
-    b.write(
-        staging.buffer(),
-        0,
-        &synth::bytes(&mut rng, staging.buffer().len()),
-    )
-    .unwrap();
-    let write = OwnedRowWrite::prepare(b, &staging, &pool, |_| true).unwrap();
-    write
-        .run_checked(
-            b,
-            slots,
-            Launch {
-                ctas: 16,
-                threads: 512,
-            },
-        )
-        .unwrap();
-    pool.snapshot(b).unwrap()
+/// How a chunk's slots reach the write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Slots {
+    /// The engine's device buffer, padding (-1) included, with kvshard's grid or `ctas` CTAs.
+    Device { ctas: Option<u32> },
+    /// Checked on the host (no padding allowed).
+    Checked,
 }
 
-/// Distinct random logical slots of `n` ranks of 24 pages, skipping the reserved pages.
-fn chunk_slots(rng: &mut impl Rng, n: u32, tokens: usize) -> Vec<i64> {
+/// Stages a random chunk (seed 11), writes the owned rows of rank `rank` of `n` into a poisoned
+/// pool of 24 pages, returns the pool and the staging.
+fn write_chunk(
+    b: &dyn Backend,
+    g: &CacheGeometry,
+    n: u32,
+    rank: u32,
+    slots: &[i64],
+    how: Slots,
+) -> (Arc<DevicePool>, Arc<ChunkStaging>) {
+    let placement = Placement::new(n).unwrap();
+    let pool = Arc::new(DevicePool::allocate(b, g, placement, rank, 24).unwrap());
+    pool.fill(b, POISON).unwrap();
+    let staging = Arc::new(ChunkStaging::new(b, &pool, slots.len()).unwrap());
+    b.write_sync(
+        staging.buffer(),
+        0,
+        &synth::bytes(&mut seeded(11), staging.buffer().len()),
+    )
+    .unwrap();
+    let write = OwnedRowWrite::prepare_sync(b, staging.clone(), pool.clone(), |_| true).unwrap();
+    match how {
+        Slots::Device { ctas } => {
+            let buf = upload_i64s_sync(b, slots).unwrap();
+            let launch = match ctas {
+                Some(ctas) => Launch { ctas, threads: 512 },
+                None => write.launch(b, slots.len()),
+            };
+            write.run(b, &buf, slots.len(), launch).unwrap();
+            b.synchronize().unwrap();
+        }
+        Slots::Checked => {
+            let slots: Vec<Slot> = slots.iter().map(|&s| Slot(s as u64)).collect();
+            write
+                .run_checked_sync(b, &slots, write.launch(b, slots.len()))
+                .unwrap();
+        }
+    }
+    (pool, staging)
+}
+
+/// Distinct random logical slots of `n` ranks of 24 pages, skipping the reserved pages; every
+/// eleventh is padding (-1) when `padding`.
+fn chunk_slots(rng: &mut impl Rng, n: u32, tokens: usize, padding: bool) -> Vec<i64> {
     let reserved = 64 * n as usize;
     let perm = synth::permutation(rng, 24 * 64 * n as usize - reserved);
     (0..tokens)
         .map(|i| {
-            if i % 11 == 10 {
+            if padding && i % 11 == 10 {
                 -1
             } else {
                 perm[i] + reserved as i64
@@ -296,73 +452,79 @@ fn chunk_slots(rng: &mut impl Rng, n: u32, tokens: usize) -> Vec<i64> {
         .collect()
 }
 
+/// Checks `pool` holds exactly the rows of `slots` rank `rank` owns, from `staging`, and
+/// poison everywhere else.
+fn check_owned_rows(b: &dyn Backend, pool: &DevicePool, staging: &ChunkStaging, slots: &[i64]) {
+    let (placement, rank) = (pool.placement(), pool.rank());
+    let owned: Vec<(usize, u64)> = slots
+        .iter()
+        .enumerate()
+        .filter(|&(_, &s)| s >= 0 && placement.slot_owner(Slot(s as u64)) == rank)
+        .map(|(i, &s)| (i, placement.local_row(Slot(s as u64))))
+        .collect();
+    let page = PAGE_SIZE as u64;
+    for comp in pool.components() {
+        for l in 0..comp.layers() {
+            let layer = staging.layer(comp.component, StoredLayer(l)).unwrap();
+            let src = b.read_sync(&layer, 0, layer.len()).unwrap();
+            let mut written = 0;
+            for p in 0..pool.pages() {
+                let blk = block(b, pool, comp.component, l, p);
+                for ro in 0..PAGE_SIZE {
+                    let row = p * page + ro as u64;
+                    let token = owned.iter().find(|&&(_, r)| r == row).map(|&(i, _)| i);
+                    let (got, want): (Vec<&[u8]>, Vec<&[u8]>) = if comp.component.is_indexer() {
+                        let k = INDEXER_HEAD_DIM;
+                        let s = INDEXER_SCALES_OFFSET;
+                        let got =
+                            vec![&blk[ro * k..(ro + 1) * k], &blk[s + 4 * ro..s + 4 * ro + 4]];
+                        let want = token.map_or_else(Vec::new, |i| {
+                            let (sb, so) = (i / PAGE_SIZE * INDEXER_PAGE_BYTES, i % PAGE_SIZE);
+                            vec![
+                                &src[sb + so * k..sb + (so + 1) * k],
+                                &src[sb + s + 4 * so..sb + s + 4 * so + 4],
+                            ]
+                        });
+                        (got, want)
+                    } else {
+                        let r = comp.row_bytes;
+                        let got = vec![&blk[ro * r..(ro + 1) * r]];
+                        let want = token.map_or_else(Vec::new, |i| vec![&src[i * r..(i + 1) * r]]);
+                        (got, want)
+                    };
+                    if token.is_some() {
+                        written += 1;
+                        assert_eq!(got, want, "{} layer {l} row {row}", comp.component);
+                    } else {
+                        assert!(
+                            got.iter().all(|part| part.iter().all(|&x| x == POISON)),
+                            "{} layer {l} row {row} is no owned token's",
+                            comp.component
+                        );
+                    }
+                }
+            }
+            assert_eq!(written, owned.len());
+        }
+    }
+}
+
 #[test]
 fn cpu_write_path_persists_owned_rows_only() {
     let mut rng = common::rng("cpu_write_path_persists_owned_rows_only");
     let b = CpuBackend::new();
     let g = &geometries()[0];
     let (n, rank) = (4, 2);
-    let slots = chunk_slots(&mut rng, n, 300);
-    let placement = Placement::new(n).unwrap();
-    let pool = DevicePool::allocate(&b, g, placement, rank, 24).unwrap();
-    pool.fill(&b, POISON).unwrap();
-    let staging = ChunkStaging::new(&b, &pool, slots.len()).unwrap();
-    b.write(
-        staging.buffer(),
-        0,
-        &synth::bytes(&mut rng, staging.buffer().len()),
-    )
-    .unwrap();
-    let write = OwnedRowWrite::prepare(&b, &staging, &pool, |_| true).unwrap();
-    write.run_checked(&b, &slots, LAUNCH).unwrap();
-    let row_of = |slot: u64| placement.local_row(slot);
-    for (c, comp) in pool.components().iter().enumerate() {
-        for l in 0..comp.layers() {
-            let src = b
-                .read(
-                    &staging.layer(c, l).unwrap(),
-                    0,
-                    staging.layer(c, l).unwrap().len(),
-                )
-                .unwrap();
-            let dst = &block(&b, &pool, c, l, 0).len(); // block size sanity
-            assert_eq!(*dst, comp.block_bytes);
-            for (i, &s) in slots.iter().enumerate() {
-                if s < 0 || placement.slot_owner(s as u64) != rank {
-                    continue;
-                }
-                let row = row_of(s as u64);
-                let blk = block(&b, &pool, c, l, row / 64);
-                if comp.component.is_indexer() {
-                    let (sb, so) = (i / 64 * 8448, i % 64);
-                    let ro = (row % 64) as usize;
-                    assert_eq!(
-                        &blk[ro * 128..ro * 128 + 128],
-                        &src[sb + so * 128..sb + so * 128 + 128]
-                    );
-                    assert_eq!(
-                        &blk[8192 + 4 * ro..8196 + 4 * ro],
-                        &src[sb + 8192 + 4 * so..sb + 8196 + 4 * so]
-                    );
-                } else {
-                    let r = comp.row_bytes;
-                    let ro = (row % 64) as usize;
-                    assert_eq!(&blk[ro * r..(ro + 1) * r], &src[i * r..(i + 1) * r]);
-                }
-            }
-        }
-    }
-    // Rows nobody owns here stay poisoned: count written latent rows of layer 0.
-    let owned = slots
-        .iter()
-        .filter(|&&s| s >= 0 && placement.slot_owner(s as u64) == rank)
-        .count();
-    let layer0: Vec<u8> = (0..24).flat_map(|p| block(&b, &pool, 0, 0, p)).collect();
-    let written = layer0
-        .chunks(576)
-        .filter(|r| r.iter().any(|&x| x != POISON))
-        .count();
-    assert_eq!(written, owned);
+    // Device slots with padding.
+    let slots = chunk_slots(&mut rng, n, 300, true);
+    let (pool, staging) = write_chunk(&b, g, n, rank, &slots, Slots::Device { ctas: None });
+    check_owned_rows(&b, &pool, &staging, &slots);
+    // Host-checked slots land the same way as the same slots from a device buffer.
+    let slots = chunk_slots(&mut rng, n, 200, false);
+    let (pool, staging) = write_chunk(&b, g, n, rank, &slots, Slots::Checked);
+    check_owned_rows(&b, &pool, &staging, &slots);
+    let (device, _) = write_chunk(&b, g, n, rank, &slots, Slots::Device { ctas: Some(1) });
+    assert!(pool.snapshot_sync(&b).unwrap() == device.snapshot_sync(&b).unwrap());
 }
 
 #[test]
@@ -374,14 +536,20 @@ fn gpu_write_path_matches_cpu_byte_for_byte() {
     for g in geometries() {
         for n in [1u32, 2, 4, 8] {
             for tokens in [1, 63, 64, 777] {
-                let slots = chunk_slots(&mut rng, n, tokens);
+                let slots = chunk_slots(&mut rng, n, tokens, true);
                 for rank in [0, n - 1] {
-                    let cpu = write_chunk(&CpuBackend::new(), &g, n, rank, &slots);
-                    let gpu_out = write_chunk(&gpu, &g, n, rank, &slots);
-                    assert!(
-                        cpu == gpu_out,
-                        "N={n} rank {rank} {tokens} tokens: pools differ"
-                    );
+                    for how in [
+                        Slots::Device { ctas: None },
+                        Slots::Device { ctas: Some(3) },
+                    ] {
+                        let cpu = CpuBackend::new();
+                        let want = write_chunk(&cpu, &g, n, rank, &slots, how).0;
+                        let got = write_chunk(&gpu, &g, n, rank, &slots, how).0;
+                        assert!(
+                            want.snapshot_sync(&cpu).unwrap() == got.snapshot_sync(&gpu).unwrap(),
+                            "N={n} rank {rank} {tokens} tokens {how:?}: pools differ"
+                        );
+                    }
                 }
             }
         }
@@ -393,8 +561,8 @@ fn wrapped_engine_buffers_behave_like_owned_pools() {
     let mut rng = common::rng("wrapped_engine_buffers_behave_like_owned_pools");
     let b = CpuBackend::new();
     let g = geometries().remove(0);
-    // Separate allocations per layer: no uniform layer stride.
-    let layers: Vec<_> = g
+    // Separate allocations per layer, of different sizes: no uniform layer stride.
+    let layers: Vec<Buffer> = g
         .components()
         .iter()
         .flat_map(|c| {
@@ -406,40 +574,82 @@ fn wrapped_engine_buffers_behave_like_owned_pools() {
                 .collect::<Vec<_>>()
         })
         .collect();
-    let addrs: Vec<u64> = layers.iter().map(|l| l.addr()).collect();
+    let raw: Vec<RawBuffer> = layers
+        .iter()
+        .map(|l| RawBuffer {
+            addr: l.addr(),
+            bytes: l.len() as u64,
+        })
+        .collect();
     let buffers = PoolBuffers {
-        target_latent: addrs[0..5].to_vec(),
-        target_indexer: addrs[5..8].to_vec(),
-        draft_latent: vec![addrs[8]],
-        draft_indexer: vec![addrs[9]],
+        target_latent: raw[0..5].to_vec(),
+        target_indexer: raw[5..8].to_vec(),
+        draft_latent: vec![raw[8]],
+        draft_indexer: vec![raw[9]],
     };
+    assert_eq!(buffers.pages_covered(&g), Some(10));
     let placement = Placement::new(2).unwrap();
-    // SAFETY: every address is a live allocation of `b` holding 10 blocks of its component.
-    let pool = unsafe { DevicePool::wrap(&b, &g, placement, 1, 10, &buffers) }.unwrap();
-    assert_eq!(pool.layer_stride(0), None);
-    for l in &layers {
-        b.write(l, 0, &synth::bytes(&mut rng, l.len())).unwrap();
-    }
-    let ids = vec![3i64, 5, 7, -1, 9];
-    let staging = Staging::new(&b, &g, 5).unwrap();
-    let sel = PageSelection::Logical {
-        ids,
-        placement,
-        rank: 1,
-    };
-    let plan = BlockCopyPlan::new(&pool, sel, &staging, PageSelection::Positions, 5).unwrap();
-    BlockCopy::prepare(&b, &plan, &pool, &staging)
-        .unwrap()
-        .run(&b, LAUNCH)
-        .unwrap();
-    assert_eq!(block(&b, &staging, 1, 2, 2), block(&b, &pool, 1, 2, 3));
+    // SAFETY: every address is a live allocation of `b` holding at least 10 blocks of its
+    // component; `layers` outlives the pool.
+    let pool = Arc::new(unsafe { DevicePool::wrap(&b, &g, placement, 1, 10, &buffers) }.unwrap());
+    assert_eq!(pool.layer_stride(Component::TargetLatent).unwrap(), None);
+    let addrs: Vec<u64> = raw.iter().map(|r| r.addr).collect();
     assert_eq!(
-        b.read(pool.layer_table(), 0, 8).unwrap(),
-        addrs[0].to_le_bytes()
+        pool.layer_bases(Component::TargetLatent).unwrap(),
+        &addrs[0..5]
     );
+    assert_eq!(
+        pool.layer_bases(Component::DraftIndexer).unwrap(),
+        &addrs[9..]
+    );
+    for l in &layers {
+        b.write_sync(l, 0, &synth::bytes(&mut rng, l.len()))
+            .unwrap();
+    }
+    // An owned pool with the same blocks gathers the same bytes.
+    let owned = Arc::new(DevicePool::allocate(&b, &g, placement, 1, 10).unwrap());
+    let all: Vec<LocalPage> = (0..10).map(LocalPage).collect();
+    let plan = BlockCopyPlan::new(
+        pool.as_ref(),
+        PageSelection::Local(all.clone()),
+        owned.as_ref(),
+        PageSelection::Local(all),
+        10,
+    )
+    .unwrap();
+    copy(&b, plan, pool.clone(), owned.clone());
+    assert!(owned.snapshot_sync(&b).unwrap() == pool.snapshot_sync(&b).unwrap());
+    assert_ne!(owned.layer_stride(Component::TargetLatent).unwrap(), None);
+    let pages = [3, 5, 7, 9].map(LogicalPage).to_vec();
+    let gather = |src: &Arc<DevicePool>| {
+        let staging = Arc::new(Staging::new(&b, &g, 4).unwrap());
+        b.fill(staging.buffer(), POISON).unwrap();
+        let sel = PageSelection::Logical {
+            pages: pages.clone(),
+            placement,
+            rank: 1,
+        };
+        let plan = BlockCopyPlan::new(
+            src.as_ref(),
+            sel,
+            staging.as_ref(),
+            PageSelection::Positions,
+            4,
+        )
+        .unwrap();
+        copy(&b, plan, src.clone(), staging.clone());
+        staging
+    };
+    let staging = gather(&pool);
+    assert_eq!(
+        block(&b, staging.as_ref(), Component::TargetIndexer, 2, 2),
+        block(&b, pool.as_ref(), Component::TargetIndexer, 2, 3)
+    );
+    let bytes = |s: &Staging| b.read_sync(s.buffer(), 0, s.buffer().len()).unwrap();
+    assert!(bytes(&staging) == bytes(&gather(&owned)));
 
     let mut wrong = buffers.clone();
-    wrong.target_indexer.push(addrs[0]);
+    wrong.target_indexer.push(raw[0]);
     // SAFETY: refused before any address is used.
     let err = unsafe { DevicePool::wrap(&b, &g, placement, 1, 10, &wrong) }.unwrap_err();
     assert!(
@@ -447,6 +657,11 @@ fn wrapped_engine_buffers_behave_like_owned_pools() {
             .contains("target indexer buffers: expected 3, got 4"),
         "{err}"
     );
+    let mut misaligned = buffers.clone();
+    misaligned.draft_latent[0].addr += 8;
+    // SAFETY: refused before any address is used.
+    let err = unsafe { DevicePool::wrap(&b, &g, placement, 1, 10, &misaligned) }.unwrap_err();
+    assert!(err.to_string().contains("16-byte aligned"), "{err}");
 }
 
 #[test]
@@ -454,16 +669,25 @@ fn bad_copies_are_refused_before_anything_moves() {
     let b = CpuBackend::new();
     let g = &geometries()[0];
     let placement = Placement::new(2).unwrap();
-    let pool = DevicePool::allocate(&b, g, placement, 0, 8).unwrap();
-    let staging = Staging::new(&b, g, 4).unwrap();
-    let sel = |ids: Vec<i64>| PageSelection::Logical {
-        ids,
+    let pool = Arc::new(DevicePool::allocate(&b, g, placement, 0, 8).unwrap());
+    let staging = Arc::new(Staging::new(&b, g, 4).unwrap());
+    b.fill(staging.buffer(), POISON).unwrap();
+    let sel = |pages: &[u64]| PageSelection::Logical {
+        pages: pages.iter().map(|&p| LogicalPage(p)).collect(),
         placement,
         rank: 0,
     };
-    let plan = |ids| BlockCopyPlan::new(&pool, sel(ids), &staging, PageSelection::Positions, 2);
+    let plan = |pages: &[u64]| {
+        BlockCopyPlan::new(
+            pool.as_ref(),
+            sel(pages),
+            staging.as_ref(),
+            PageSelection::Positions,
+            pages.len(),
+        )
+    };
     assert!(matches!(
-        plan(vec![4, 16]),
+        plan(&[4, 16]),
         Err(Error::OutOfRange {
             index: 16,
             limit: 16,
@@ -471,31 +695,66 @@ fn bad_copies_are_refused_before_anything_moves() {
         })
     ));
     assert!(matches!(
-        plan(vec![1, 4]),
+        plan(&[1, 4]),
         Err(Error::ReservedPage { page: 1, shard: 2 })
     ));
-    assert!(BlockCopyPlan::new(
-        &pool,
-        sel(vec![4; 5]),
-        &staging,
+    // More entries than the staging holds: a positions side is checked per launch (a staged
+    // transfer runs a long plan in windows), so the run is refused and nothing lands.
+    let long = plan(&[4; 5]).unwrap();
+    let err = BlockCopy::prepare_sync(&b, long, pool.clone(), staging.clone(), None)
+        .unwrap()
+        .run(&b, LAUNCH)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::OutOfRange {
+                what: "staging position",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(b
+        .read_sync(staging.buffer(), 0, staging.buffer().len())
+        .unwrap()
+        .iter()
+        .all(|&x| x == POISON));
+    let err = BlockCopyPlan::new(
+        pool.as_ref(),
+        sel(&[4, 6]),
+        staging.as_ref(),
         PageSelection::Positions,
-        5
+        3,
     )
-    .is_err());
+    .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
     let other = CacheGeometry::target_only(PoolGeometry::new(LatentLayout::Fp8Trtllm, 5));
     let small = Staging::new(&b, &other, 4).unwrap();
-    let err = BlockCopyPlan::new(&pool, sel(vec![4, 6]), &small, PageSelection::Positions, 2)
-        .unwrap_err();
+    let err = BlockCopyPlan::new(
+        pool.as_ref(),
+        sel(&[4, 6]),
+        &small,
+        PageSelection::Positions,
+        2,
+    )
+    .unwrap_err();
     assert!(matches!(err, Error::GeometryMismatch { .. }), "{err}");
     assert!(
         DevicePool::allocate(&b, g, placement, 2, 8).is_err(),
         "rank outside the shard"
     );
+    assert!(
+        DevicePool::allocate(&b, g, placement, 0, 1).is_err(),
+        "no page besides the padding page"
+    );
     // A write with an out-of-range slot writes nothing.
-    let chunk = ChunkStaging::new(&b, &pool, 2).unwrap();
+    let chunk = Arc::new(ChunkStaging::new(&b, &pool, 2).unwrap());
     pool.fill(&b, POISON).unwrap();
-    let write = OwnedRowWrite::prepare(&b, &chunk, &pool, |_| true).unwrap();
-    let err = write.run_checked(&b, &[128, 1 << 20], LAUNCH).unwrap_err();
+    let write = OwnedRowWrite::prepare_sync(&b, chunk, pool.clone(), |_| true).unwrap();
+    let err = write
+        .run_checked_sync(&b, &[Slot(128), Slot(1 << 20)], LAUNCH)
+        .unwrap_err();
     assert!(
         matches!(
             err,
@@ -506,31 +765,43 @@ fn bad_copies_are_refused_before_anything_moves() {
         ),
         "{err}"
     );
-    assert!(pool.snapshot(&b).unwrap().iter().all(|&x| x == POISON));
+    let err = write
+        .run_checked_sync(&b, &[Slot(130), Slot(130)], LAUNCH)
+        .unwrap_err();
+    assert!(matches!(err, Error::DuplicatePage { .. }), "{err}");
+    assert!(pool.snapshot_sync(&b).unwrap().iter().all(|&x| x == POISON));
 }
 
-/// Gathers rank 1's pages of `ids` into poisoned staging with grid `launch`; returns the staging.
-fn gather_once<B: Backend>(
-    b: &B,
-    pool: &DevicePool,
-    staging: &Staging,
-    ids: &[i64],
+/// Gathers rank 1's pages of `pages` into poisoned staging with grid `launch`; returns the
+/// staging.
+fn gather_once(
+    b: &dyn Backend,
+    pool: &Arc<DevicePool>,
+    staging: &Arc<Staging>,
+    pages: &[LogicalPage],
     launch: Launch,
 ) -> Vec<u8> {
-    let placement = pool.placement();
     let sel = PageSelection::Logical {
-        ids: ids.to_vec(),
-        placement,
+        pages: pages.to_vec(),
+        placement: pool.placement(),
         rank: 1,
     };
-    let plan = BlockCopyPlan::new(pool, sel, staging, PageSelection::Positions, ids.len()).unwrap();
+    let plan = BlockCopyPlan::new(
+        pool.as_ref(),
+        sel,
+        staging.as_ref(),
+        PageSelection::Positions,
+        pages.len(),
+    )
+    .unwrap();
     b.fill(staging.buffer(), POISON).unwrap();
-    BlockCopy::prepare(b, &plan, pool, staging)
+    BlockCopy::prepare_sync(b, plan, pool.clone(), staging.clone(), None)
         .unwrap()
         .run(b, launch)
         .unwrap();
     b.synchronize().unwrap();
-    b.read(staging.buffer(), 0, staging.buffer().len()).unwrap()
+    b.read_sync(staging.buffer(), 0, staging.buffer().len())
+        .unwrap()
 }
 
 /// The CUDA backend hands its copy kernels a work queue whose base it advances after every
@@ -546,17 +817,17 @@ fn gpu_work_queue_stays_in_step_across_launches() {
     let placement = Placement::new(2).unwrap();
     let pool_gpu = random_pool(&gpu, g, placement, 1, 40, 5);
     let pool_cpu = random_pool(&cpu, g, placement, 1, 40, 5);
-    let staging_gpu = Staging::new(&gpu, g, 60).unwrap();
-    let staging_cpu = Staging::new(&cpu, g, 60).unwrap();
+    let staging_gpu = Arc::new(Staging::new(&gpu, g, 60).unwrap());
+    let staging_cpu = Arc::new(Staging::new(&cpu, g, 60).unwrap());
     for round in 0..40 {
         let n = rng.random_range(1..60);
-        let ids = logical_pages(&mut rng, placement, 40, n);
+        let pages = logical_pages(&mut rng, placement, 40, n);
         let launch = Launch {
             ctas: rng.random_range(1..9),
             threads: 32 * rng.random_range(1..33),
         };
-        let want = gather_once(&cpu, &pool_cpu, &staging_cpu, &ids, launch);
-        let got = gather_once(&gpu, &pool_gpu, &staging_gpu, &ids, launch);
+        let want = gather_once(&cpu, &pool_cpu, &staging_cpu, &pages, launch);
+        let got = gather_once(&gpu, &pool_gpu, &staging_gpu, &pages, launch);
         assert!(want == got, "round {round}: {n} pages with {launch:?}");
     }
 }

@@ -1,14 +1,16 @@
 //! FP8 quantizers: the CPU reference against the format, and the kernels against the reference,
-//! byte for byte, on random data with poisoned outputs.
+//! byte for byte, on random data with poisoned outputs. Both entry points run: the enqueue-only
+//! one on the engine's device rows, and the host-checked one that waits.
 
 mod common;
 
 use half::bf16;
 use kvshard::backend::cpu::CpuBackend;
-use kvshard::backend::{i64s_to_bytes, Backend, MemoryKind};
+use kvshard::backend::{upload_i64s_sync, Backend, Buffer, MemoryKind};
 use kvshard::geometry::{IndexerScale, LatentLayout, INDEXER_PAGE_BYTES, LATENT_DIM, PAGE_SIZE};
 use kvshard::quantize::{
-    quantize_indexer, quantize_latent, INDEXER_INPUT_ROW_BYTES, LATENT_INPUT_ROW_BYTES,
+    quantize_indexer, quantize_indexer_checked_sync, quantize_latent, quantize_latent_checked_sync,
+    INDEXER_INPUT_ROW_BYTES, LATENT_INPUT_ROW_BYTES,
 };
 use kvshard::synth::{self, POISON};
 use kvshard::{abi, fp8, Error};
@@ -26,7 +28,7 @@ fn latent_input(rng: &mut impl Rng, tokens: usize) -> Vec<u8> {
     input
 }
 
-/// Distinct random slots in `0..rows`, every fifth one padding.
+/// Distinct random rows in `0..rows`, every fifth one padding.
 fn slots(rng: &mut impl Rng, tokens: usize, rows: usize) -> Vec<i64> {
     let perm = synth::permutation(rng, rows);
     (0..tokens)
@@ -34,38 +36,65 @@ fn slots(rng: &mut impl Rng, tokens: usize, rows: usize) -> Vec<i64> {
         .collect()
 }
 
-fn run_latent<B: Backend>(
-    b: &B,
+fn upload(b: &dyn Backend, bytes: &[u8]) -> Buffer {
+    let buf = b.alloc(bytes.len(), MemoryKind::Device).unwrap();
+    b.write_sync(&buf, 0, bytes).unwrap();
+    buf
+}
+
+fn poisoned(b: &dyn Backend, len: usize) -> Buffer {
+    let buf = b.alloc(len, MemoryKind::Device).unwrap();
+    b.fill(&buf, POISON).unwrap();
+    buf
+}
+
+/// Quantizes through both entry points into two poisoned destinations; they must agree. Returns
+/// the destination's bytes.
+fn run_latent(
+    b: &dyn Backend,
     layout: LatentLayout,
     input: &[u8],
     slots: &[i64],
     rows: usize,
 ) -> Vec<u8> {
-    let src = b.alloc(input.len(), MemoryKind::Device).unwrap();
-    b.write(&src, 0, input).unwrap();
-    let dst = b
-        .alloc(rows * layout.row_bytes(), MemoryKind::Device)
-        .unwrap();
-    b.fill(&dst, POISON).unwrap();
-    quantize_latent(b, layout, &src, slots, &dst).unwrap();
-    b.read(&dst, 0, dst.len()).unwrap()
+    let src = upload(b, input);
+    let checked = poisoned(b, rows * layout.row_bytes());
+    quantize_latent_checked_sync(b, layout, &src, slots, &checked).unwrap();
+    let device = poisoned(b, rows * layout.row_bytes());
+    let rows_buf = upload_i64s_sync(b, slots).unwrap();
+    quantize_latent(b, layout, &src, &rows_buf, slots.len(), &device).unwrap();
+    b.synchronize().unwrap();
+    let out = b.read_sync(&checked, 0, checked.len()).unwrap();
+    assert!(
+        out == b.read_sync(&device, 0, device.len()).unwrap(),
+        "{}: {layout}: the two entry points differ",
+        b.name()
+    );
+    out
 }
 
-fn run_indexer<B: Backend>(
-    b: &B,
+/// As [`run_latent`], for the indexer.
+fn run_indexer(
+    b: &dyn Backend,
     scale: IndexerScale,
     input: &[u8],
     slots: &[i64],
     pages: usize,
 ) -> Vec<u8> {
-    let src = b.alloc(input.len(), MemoryKind::Device).unwrap();
-    b.write(&src, 0, input).unwrap();
-    let dst = b
-        .alloc(pages * INDEXER_PAGE_BYTES, MemoryKind::Device)
-        .unwrap();
-    b.fill(&dst, POISON).unwrap();
-    quantize_indexer(b, scale, &src, slots, &dst).unwrap();
-    b.read(&dst, 0, dst.len()).unwrap()
+    let src = upload(b, input);
+    let checked = poisoned(b, pages * INDEXER_PAGE_BYTES);
+    quantize_indexer_checked_sync(b, scale, &src, slots, &checked).unwrap();
+    let device = poisoned(b, pages * INDEXER_PAGE_BYTES);
+    let rows_buf = upload_i64s_sync(b, slots).unwrap();
+    quantize_indexer(b, scale, &src, &rows_buf, slots.len(), &device).unwrap();
+    b.synchronize().unwrap();
+    let out = b.read_sync(&checked, 0, checked.len()).unwrap();
+    assert!(
+        out == b.read_sync(&device, 0, device.len()).unwrap(),
+        "{}: {scale:?}: the two entry points differ",
+        b.name()
+    );
+    out
 }
 
 fn bf16_row(bytes: &[u8]) -> Vec<bf16> {
@@ -92,7 +121,8 @@ fn cpu_latent_rows_land_at_their_slots_and_nowhere_else() {
                 layout,
                 &row,
                 &mut expected[s as usize * rb..(s as usize + 1) * rb],
-            );
+            )
+            .unwrap();
         }
         assert_eq!(out, expected, "{layout}");
     }
@@ -115,7 +145,7 @@ fn cpu_indexer_blocks_are_page_major() {
         let (page, off) = (s as usize / 64, s as usize % 64);
         let keys = bf16_row(&input[t * INDEXER_INPUT_ROW_BYTES..(t + 1) * INDEXER_INPUT_ROW_BYTES]);
         let mut codes = [0u8; 128];
-        let scale = fp8::quantize_indexer_row(&keys, IndexerScale::Ue8m0, &mut codes);
+        let scale = fp8::quantize_indexer_row(&keys, IndexerScale::Ue8m0, &mut codes).unwrap();
         let block = &out[page * INDEXER_PAGE_BYTES..(page + 1) * INDEXER_PAGE_BYTES];
         assert_eq!(&block[off * 128..off * 128 + 128], &codes);
         assert_eq!(&block[8192 + 4 * off..8196 + 4 * off], &scale.to_le_bytes());
@@ -135,9 +165,9 @@ fn out_of_range_slots_are_rejected_before_anything_is_written() {
     let src = b
         .alloc(2 * LATENT_INPUT_ROW_BYTES, MemoryKind::Device)
         .unwrap();
-    let dst = b.alloc(4 * 576, MemoryKind::Device).unwrap();
-    b.fill(&dst, POISON).unwrap();
-    let err = quantize_latent(&b, LatentLayout::Fp8Trtllm, &src, &[1, 4], &dst).unwrap_err();
+    let dst = poisoned(&b, 4 * 576);
+    let err =
+        quantize_latent_checked_sync(&b, LatentLayout::Fp8Trtllm, &src, &[1, 4], &dst).unwrap_err();
     assert!(
         matches!(
             err,
@@ -149,8 +179,68 @@ fn out_of_range_slots_are_rejected_before_anything_is_written() {
         ),
         "{err}"
     );
+    let keys = b
+        .alloc(2 * INDEXER_INPUT_ROW_BYTES, MemoryKind::Device)
+        .unwrap();
+    let blocks = poisoned(&b, INDEXER_PAGE_BYTES);
+    let err = quantize_indexer_checked_sync(&b, IndexerScale::Plain, &keys, &[0, 64], &blocks)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::OutOfRange {
+                index: 64,
+                limit: 64,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    for buf in [&dst, &blocks] {
+        assert!(b
+            .read_sync(buf, 0, buf.len())
+            .unwrap()
+            .iter()
+            .all(|&x| x == POISON));
+    }
+}
+
+#[test]
+fn short_or_misaligned_buffers_are_refused() {
+    let b = CpuBackend::new();
+    let src = b
+        .alloc(2 * LATENT_INPUT_ROW_BYTES, MemoryKind::Device)
+        .unwrap();
+    let rows = upload_i64s_sync(&b, &[0, 1, 2]).unwrap();
+    let dst = poisoned(&b, 4 * 576);
+    let layout = LatentLayout::Fp8Trtllm;
+    let cases = [
+        (
+            "three rows of a two-row input",
+            quantize_latent(&b, layout, &src, &rows, 3, &dst),
+        ),
+        (
+            "a row buffer short of two int64s",
+            quantize_latent(&b, layout, &src, &rows.slice(0, 15).unwrap(), 2, &dst),
+        ),
+        (
+            "a misaligned row buffer",
+            quantize_latent(&b, layout, &src, &rows.slice(4, 16).unwrap(), 2, &dst),
+        ),
+        (
+            "a misaligned destination",
+            quantize_latent(&b, layout, &src, &rows, 2, &dst.slice(8, 576).unwrap()),
+        ),
+    ];
+    for (what, got) in cases {
+        assert!(
+            matches!(got, Err(Error::InvalidArgument(_))),
+            "{what}: {got:?}"
+        );
+    }
+    b.synchronize().unwrap();
     assert!(b
-        .read(&dst, 0, dst.len())
+        .read_sync(&dst, 0, dst.len())
         .unwrap()
         .iter()
         .all(|&x| x == POISON));
@@ -163,7 +253,7 @@ fn gpu_latent_quantizer_matches_cpu_byte_for_byte() {
     };
     let mut rng = common::rng("gpu_latent_quantizer_matches_cpu_byte_for_byte");
     for (tokens, rows) in [(1, 1), (37, 64), (5000, 6000)] {
-        let input = latent_input(&mut rng, tokens.max(1));
+        let input = latent_input(&mut rng, tokens);
         let slots = slots(&mut rng, tokens, rows);
         for layout in LatentLayout::ALL {
             let cpu = run_latent(&CpuBackend::new(), layout, &input, &slots, rows);
@@ -203,17 +293,36 @@ fn gpu_indexer_quantizer_matches_cpu_byte_for_byte() {
     }
 }
 
+/// Three rows of 0x3C bytes for rows [0, 9, 1] of a two-row destination: row 9 is out of range.
+fn bad_row_inputs(b: &dyn Backend) -> (Buffer, Buffer, Buffer) {
+    let src = upload(b, &vec![0x3C; 3 * LATENT_INPUT_ROW_BYTES]);
+    let slots = upload_i64s_sync(b, &[0, 9, 1]).unwrap();
+    let dst = poisoned(b, 2 * 576);
+    (src, slots, dst)
+}
+
+/// After a launch that met row 9 at position 1: the next synchronize names the kernel and the
+/// position, once; the in-range rows were written.
+fn check_reported(b: &dyn Backend, dst: &Buffer) {
+    match b.synchronize() {
+        Err(Error::KernelRejected { kernel, position }) => {
+            assert_eq!((kernel, position), ("kvs_quantize_latent", 1))
+        }
+        other => panic!("{}: expected a rejection, got {other:?}", b.name()),
+    }
+    let out = b.read_sync(dst, 0, dst.len()).unwrap();
+    assert!(
+        out.iter().all(|&x| x != POISON),
+        "{}: in-range rows written",
+        b.name()
+    );
+    assert!(b.synchronize().is_ok(), "a report is delivered once");
+}
+
 /// The raw entry point with device-resident slots: the kernel skips the bad slot, writes the
 /// rest, and the next synchronize names the kernel and the first bad position, on both backends.
-fn raw_bad_slot_is_reported<B: Backend>(b: &B) {
-    let src = b
-        .alloc(3 * LATENT_INPUT_ROW_BYTES, MemoryKind::Device)
-        .unwrap();
-    b.write(&src, 0, &vec![0x3C; src.len()]).unwrap();
-    let slots = b.alloc(24, MemoryKind::Device).unwrap();
-    b.write(&slots, 0, &i64s_to_bytes(&[0, 9, 1])).unwrap();
-    let dst = b.alloc(2 * 576, MemoryKind::Device).unwrap();
-    b.fill(&dst, POISON).unwrap();
+fn raw_bad_slot_is_reported(b: &dyn Backend) {
+    let (src, slots, dst) = bad_row_inputs(b);
     let p = abi::kvs_quantize_latent_params {
         src: src.addr(),
         src_stride: LATENT_INPUT_ROW_BYTES as u64,
@@ -227,30 +336,27 @@ fn raw_bad_slot_is_reported<B: Backend>(b: &B) {
     // SAFETY: every address is a live buffer of `b` covering what the kernel reads and writes
     // for in-range slots; the out-of-range slot is the point of the test.
     unsafe { b.quantize_latent(p).unwrap() };
-    match b.synchronize() {
-        Err(Error::KernelRejected { kernel, position }) => {
-            assert_eq!((kernel, position), ("kvs_quantize_latent", 1))
-        }
-        other => panic!("{}: expected a rejection, got {other:?}", b.name()),
-    }
-    let out = b.read(&dst, 0, dst.len()).unwrap();
-    assert!(
-        out.iter().all(|&x| x != POISON),
-        "{}: in-range rows written",
-        b.name()
-    );
-    assert!(b.synchronize().is_ok(), "a report is delivered once");
+    check_reported(b, &dst);
+}
+
+/// The safe enqueue-only entry point reports a bad device row the same way.
+fn device_rows_bad_slot_is_reported(b: &dyn Backend) {
+    let (src, slots, dst) = bad_row_inputs(b);
+    quantize_latent(b, LatentLayout::Fp8Trtllm, &src, &slots, 3, &dst).unwrap();
+    check_reported(b, &dst);
 }
 
 #[test]
-fn raw_bad_slot_is_reported_on_cpu() {
+fn bad_slots_are_reported_on_cpu() {
     raw_bad_slot_is_reported(&CpuBackend::new());
+    device_rows_bad_slot_is_reported(&CpuBackend::new());
 }
 
 #[test]
-fn gpu_raw_bad_slot_is_reported() {
-    if let Some(gpu) = common::cuda("gpu_raw_bad_slot_is_reported") {
+fn gpu_bad_slots_are_reported() {
+    if let Some(gpu) = common::cuda("gpu_bad_slots_are_reported") {
         raw_bad_slot_is_reported(&gpu);
+        device_rows_bad_slot_is_reported(&gpu);
     }
 }
 
@@ -259,8 +365,8 @@ fn cpu_streams_share_memory_but_not_status() {
     let a = CpuBackend::new();
     let b = a.new_stream();
     let buf = a.alloc(16, MemoryKind::Device).unwrap();
-    b.write(&buf, 0, &[7; 16]).unwrap();
-    assert_eq!(a.read(&buf, 0, 16).unwrap(), vec![7; 16]);
+    b.write_sync(&buf, 0, &[7; 16]).unwrap();
+    assert_eq!(a.read_sync(&buf, 0, 16).unwrap(), vec![7; 16]);
     raw_bad_slot_is_reported(&b);
     assert!(
         a.synchronize().is_ok(),

@@ -5,10 +5,10 @@
 mod common;
 
 use kvshard::backend::cpu::CpuBackend;
-use kvshard::backend::{i64s_from_bytes, upload_i64s, Backend, Buffer, MemoryKind};
-use kvshard::shard::{
-    resolve_owned, scratch_rows, scratch_rows_device, Placement, ResolveMode, Resolved, Resolver,
-};
+use kvshard::backend::{i64s_from_bytes, upload_i64s_sync, Backend, Buffer, MemoryKind};
+use kvshard::copy::{scratch_rows_device, Resolver};
+use kvshard::index::LocalPage;
+use kvshard::shard::{resolve_owned, scratch_rows, Placement, ResolveMode, Resolved};
 use kvshard::synth::POISON;
 use kvshard::Error;
 use rand::Rng;
@@ -83,8 +83,8 @@ impl Outputs {
 
 /// Poisons every output, enqueues the raw launch, waits and reads `n` entries' worth back.
 #[allow(clippy::too_many_arguments)]
-fn run_device<B: Backend>(
-    b: &B,
+fn run_device(
+    b: &dyn Backend,
     resolver: &mut Resolver,
     input: &Buffer,
     n: usize,
@@ -110,9 +110,9 @@ fn run_device<B: Backend>(
     };
     b.synchronize().unwrap();
     Outputs {
-        count: b.read(resolver.count_buffer(), 0, 8).unwrap(),
-        positions: b.read(resolver.positions(), 0, 4 * n).unwrap(),
-        local: b.read(resolver.local(), 0, 8 * n).unwrap(),
+        count: b.read_sync(resolver.count_buffer(), 0, 8).unwrap(),
+        positions: b.read_sync(resolver.positions(), 0, 4 * n).unwrap(),
+        local: b.read_sync(resolver.local(), 0, 8 * n).unwrap(),
     }
 }
 
@@ -157,8 +157,10 @@ fn reference_partitions_the_entries_over_the_ranks() {
                     seen[i as usize] = true;
                     // The local index maps back to the entry on this rank.
                     let back = match mode {
-                        ResolveMode::Tokens => p.logical_page(rank, local / 64) * 64 + local % 64,
-                        ResolveMode::Pages => p.logical_page(rank, local),
+                        ResolveMode::Tokens => {
+                            p.logical(rank, LocalPage(local / 64)).unwrap().0 * 64 + local % 64
+                        }
+                        ResolveMode::Pages => p.logical(rank, LocalPage(local)).unwrap().0,
                     };
                     assert_eq!(back as i64, input[i as usize], "{mode:?} N={shard}");
                 }
@@ -192,9 +194,9 @@ fn reference_rejects_out_of_range_entries_and_ranks() {
 }
 
 /// Every (N, rank, mode) over one input, on one resolver, against the reference.
-fn matches_reference<B: Backend>(b: &B, input: &[i64]) {
+fn matches_reference(b: &dyn Backend, input: &[i64]) {
     let n = input.len();
-    let buf = upload_i64s(b, input).unwrap();
+    let buf = upload_i64s_sync(b, input).unwrap();
     let mut resolver = Resolver::new(b, n).unwrap();
     for shard in SHARDS {
         let p = placement(shard);
@@ -209,7 +211,9 @@ fn matches_reference<B: Backend>(b: &B, input: &[i64]) {
                     b.name(),
                     got.diff(&want)
                 );
-                let safe = resolver.resolve(b, &buf, n, p, rank, mode, LIMIT).unwrap();
+                let safe = resolver
+                    .resolve_sync(b, &buf, n, p, rank, mode, LIMIT)
+                    .unwrap();
                 assert!(safe == expected, "{}: safe resolve differs", b.name());
             }
         }
@@ -228,13 +232,16 @@ fn cpu_twin_matches_the_reference() {
 fn empty_resolution_launches_nothing() {
     let b = CpuBackend::new();
     let mut resolver = Resolver::new(&b, 16).unwrap();
-    let input = upload_i64s(&b, &[5; 16]).unwrap();
+    let input = upload_i64s_sync(&b, &[5; 16]).unwrap();
     b.fill(resolver.count_buffer(), POISON).unwrap();
     let got = resolver
-        .resolve(&b, &input, 0, placement(2), 1, ResolveMode::Tokens, 10)
+        .resolve_sync(&b, &input, 0, placement(2), 1, ResolveMode::Tokens, 10)
         .unwrap();
     assert_eq!(got, Resolved::default());
-    assert_eq!(b.read(resolver.count_buffer(), 0, 8).unwrap(), [POISON; 8]);
+    assert_eq!(
+        b.read_sync(resolver.count_buffer(), 0, 8).unwrap(),
+        [POISON; 8]
+    );
     // The raw entry point leaves a count device consumers can read.
     // SAFETY: nothing is read from `entries` for n == 0; the resolver was made on `b`.
     unsafe {
@@ -243,7 +250,7 @@ fn empty_resolution_launches_nothing() {
             .unwrap()
     };
     b.synchronize().unwrap();
-    assert_eq!(b.read(resolver.count_buffer(), 0, 8).unwrap(), [0; 8]);
+    assert_eq!(b.read_sync(resolver.count_buffer(), 0, 8).unwrap(), [0; 8]);
 }
 
 #[test]
@@ -257,23 +264,26 @@ fn resolver_arguments_are_checked() {
     }
     let mut resolver = Resolver::new(&b, 8).unwrap();
     assert_eq!(resolver.capacity(), 8);
-    let input = upload_i64s(&b, &[1; 10]).unwrap();
+    let input = upload_i64s_sync(&b, &[1; 10]).unwrap();
     let p = placement(4);
     let mode = ResolveMode::Pages;
     let misaligned = input.slice(4, 64).unwrap();
     let cases = [
         (
             "over capacity",
-            resolver.resolve(&b, &input, 9, p, 0, mode, 10),
+            resolver.resolve_sync(&b, &input, 9, p, 0, mode, 10),
         ),
-        ("rank >= N", resolver.resolve(&b, &input, 8, p, 4, mode, 10)),
+        (
+            "rank >= N",
+            resolver.resolve_sync(&b, &input, 8, p, 4, mode, 10),
+        ),
         (
             "short input",
-            resolver.resolve(&b, &input.slice(0, 56).unwrap(), 8, p, 0, mode, 10),
+            resolver.resolve_sync(&b, &input.slice(0, 56).unwrap(), 8, p, 0, mode, 10),
         ),
         (
             "misaligned input",
-            resolver.resolve(&b, &misaligned, 8, p, 0, mode, 10),
+            resolver.resolve_sync(&b, &misaligned, 8, p, 0, mode, 10),
         ),
     ];
     for (what, got) in cases {
@@ -286,12 +296,14 @@ fn resolver_arguments_are_checked() {
     let raw = unsafe { resolver.resolve_device(&b, misaligned.addr(), 8, p, 0, mode, 10) };
     assert!(matches!(raw, Err(Error::InvalidArgument(_))), "{raw:?}");
     // The checks consumed nothing: the resolver still works.
-    let got = resolver.resolve(&b, &input, 8, p, 1, mode, 10).unwrap();
+    let got = resolver
+        .resolve_sync(&b, &input, 8, p, 1, mode, 10)
+        .unwrap();
     assert_eq!(got.positions, (0..8).collect::<Vec<_>>());
 }
 
 /// Entries over seven tiles with three out-of-range ones; 2100 (exactly the limit) is first.
-fn bad_entry_is_rejected<B: Backend>(b: &B) {
+fn bad_entry_is_rejected(b: &dyn Backend) {
     let mut input: Vec<i64> = (0..3 * 2048 + 100).map(|i| i % 1000).collect();
     for (at, value) in [(5000, 1001), (2100, 1000), (6000, i64::MAX)] {
         input[at] = value;
@@ -301,9 +313,9 @@ fn bad_entry_is_rejected<B: Backend>(b: &B) {
         matches!(err, Error::OutOfRange { index: 1000, .. }),
         "{err}"
     );
-    let buf = upload_i64s(b, &input).unwrap();
+    let buf = upload_i64s_sync(b, &input).unwrap();
     let mut resolver = Resolver::new(b, input.len()).unwrap();
-    let got = resolver.resolve(
+    let got = resolver.resolve_sync(
         b,
         &buf,
         input.len(),
@@ -321,7 +333,7 @@ fn bad_entry_is_rejected<B: Backend>(b: &B) {
     }
     // The report is consumed: the next resolution of good entries succeeds.
     let good = resolver
-        .resolve(b, &buf, 2000, placement(2), 1, ResolveMode::Pages, 1000)
+        .resolve_sync(b, &buf, 2000, placement(2), 1, ResolveMode::Pages, 1000)
         .unwrap();
     assert_eq!(good.positions.len(), 1000, "{}", b.name());
 }
@@ -356,7 +368,7 @@ fn gpu_resolve_matches_cpu_byte_for_byte() {
     // others; the twin runs once at this size too.
     let n = 4 << 20;
     let input = entries(&mut rng, n);
-    let buf = upload_i64s(&gpu, &input).unwrap();
+    let buf = upload_i64s_sync(&gpu, &input).unwrap();
     let mut resolver = Resolver::new(&gpu, n).unwrap();
     let mut combos: Vec<(u32, u32)> = (0..4).map(|rank| (4, rank)).collect();
     combos.extend([(1, 0), (2, 1), (3, 2), (6, 5), (8, 7)]);
@@ -372,7 +384,7 @@ fn gpu_resolve_matches_cpu_byte_for_byte() {
                 got.diff(&want)
             );
             if (shard, rank, mode) == (8, 7, ResolveMode::Tokens) {
-                let cpu_buf = upload_i64s(&cpu, &input).unwrap();
+                let cpu_buf = upload_i64s_sync(&cpu, &input).unwrap();
                 let mut cpu_resolver = Resolver::new(&cpu, n).unwrap();
                 let twin = run_device(&cpu, &mut cpu_resolver, &cpu_buf, n, p, rank, mode, LIMIT);
                 assert!(twin == want, "CPU twin at 4M: {}", twin.diff(&want));
@@ -401,10 +413,13 @@ fn gpu_resolve_matches_cpu_byte_for_byte() {
             got.diff(&want)
         );
     }
-    // A resolver is tied to the backend it was made on.
+    // A resolver is tied to the address space it was made in.
     let mut cpu_resolver = Resolver::new(&cpu, 16).unwrap();
-    let wrong = cpu_resolver.resolve(&gpu, &buf, 16, p, 0, ResolveMode::Pages, LIMIT);
-    assert!(matches!(wrong, Err(Error::InvalidArgument(_))), "{wrong:?}");
+    let wrong = cpu_resolver.resolve_sync(&gpu, &buf, 16, p, 0, ResolveMode::Pages, LIMIT);
+    assert!(
+        matches!(wrong, Err(Error::ForeignMemory { .. })),
+        "{wrong:?}"
+    );
 }
 
 #[test]
@@ -448,7 +463,7 @@ fn scratch_reference_translates_and_refuses_bad_slots() {
 }
 
 /// Random mapped slots (padding ~10%) through `kvs_scratch_rows` against the reference.
-fn scratch_matches_reference<B: Backend>(b: &B, rng: &mut impl Rng, n: usize) {
+fn scratch_matches_reference(b: &dyn Backend, rng: &mut impl Rng, n: usize) {
     let pages = n.div_ceil(64) + 3;
     // A random injective map onto scratch pages, leaving every third logical page unmapped.
     let mut table: Vec<i64> = kvshard::synth::permutation(rng, pages);
@@ -470,12 +485,12 @@ fn scratch_matches_reference<B: Backend>(b: &B, rng: &mut impl Rng, n: usize) {
         .collect();
     let rows = pages as u64 * 64;
     let expected = scratch_rows(&slots, &table, rows).unwrap();
-    let slot_buf = upload_i64s(b, &slots).unwrap();
-    let table_buf = upload_i64s(b, &table).unwrap();
+    let slot_buf = upload_i64s_sync(b, &slots).unwrap();
+    let table_buf = upload_i64s_sync(b, &table).unwrap();
     let out = b.alloc(8 * n + 8, MemoryKind::Device).unwrap();
     b.fill(&out, POISON).unwrap();
     scratch_rows_device(b, &slot_buf, n, &table_buf, pages, rows, &out).unwrap();
-    let got = b.read(&out, 0, out.len()).unwrap();
+    let got = b.read_sync(&out, 0, out.len()).unwrap();
     assert!(
         i64s_from_bytes(&got[..8 * n]) == expected,
         "{}: n={n}",
@@ -485,10 +500,10 @@ fn scratch_matches_reference<B: Backend>(b: &B, rng: &mut impl Rng, n: usize) {
 }
 
 /// A slot on an unmapped page: -1 for it, the rest written, the smallest position reported.
-fn scratch_bad_slot_is_rejected<B: Backend>(b: &B) {
+fn scratch_bad_slot_is_rejected(b: &dyn Backend) {
     // Page 3 maps to 2^58: its row would wrap around 64 bits into range if multiplied first.
-    let table = upload_i64s(b, &[1, -1, 0, 1 << 58]).unwrap();
-    let slots = upload_i64s(b, &[3, 130, 70, 64, -1, 197]).unwrap();
+    let table = upload_i64s_sync(b, &[1, -1, 0, 1 << 58]).unwrap();
+    let slots = upload_i64s_sync(b, &[3, 130, 70, 64, -1, 197]).unwrap();
     let out = b.alloc(48, MemoryKind::Device).unwrap();
     b.fill(&out, POISON).unwrap();
     match scratch_rows_device(b, &slots, 6, &table, 4, 128, &out) {
@@ -497,7 +512,7 @@ fn scratch_bad_slot_is_rejected<B: Backend>(b: &B) {
         }
         other => panic!("{}: expected a rejection, got {other:?}", b.name()),
     }
-    let got = i64s_from_bytes(&b.read(&out, 0, 48).unwrap());
+    let got = i64s_from_bytes(&b.read_sync(&out, 0, 48).unwrap());
     assert_eq!(got, [67, 2, -1, -1, -1, -1], "{}", b.name());
 }
 
@@ -530,7 +545,7 @@ fn gpu_scratch_translation_matches_cpu() {
 #[test]
 fn raw_launch_with_bad_tile_state_is_refused() {
     let b = CpuBackend::new();
-    let input = upload_i64s(&b, &[1; 2048]).unwrap();
+    let input = upload_i64s_sync(&b, &[1; 2048]).unwrap();
     let outputs = b.alloc(12 * 2048 + 8, MemoryKind::Device).unwrap();
     let state = b.alloc(2 * 8 * 16, MemoryKind::Device).unwrap();
     let good = kvshard::abi::kvs_resolve_params {

@@ -4,21 +4,33 @@
 //! destination, the decode's cached prefix untouched, the indexer state of the whole sequence,
 //! poison everywhere else). Covered: with and without the draft, shared-indexer layers,
 //! decode-side cached prefixes, empty chunks and empty final chunks, coalesced and scattered
-//! pages, both executors; completion bookkeeping and failure injection; validation errors. The
-//! GPU runs the same requests (all ranks on one GPU, one stream each) and must match the CPU
-//! reference byte for byte, for the kernel and the copy-engine executor.
+//! pages, every copy method; chunks sent one at a time and pipelined (every chunk of the request
+//! enqueued before the first wait); completion bookkeeping and failure injection at submission
+//! and in flight; validation errors; descriptor batches and block copies against the spaces a
+//! plan was made for. The GPU runs the same requests (all ranks on one GPU, one stream each)
+//! and must match the CPU reference byte for byte, for every copy method.
 
 mod common;
 
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use kvshard::abi;
 use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::{Backend, Launch};
-use kvshard::geometry::{CacheGeometry, ComponentLayout, LatentLayout, PoolGeometry, PAGE_SIZE};
-use kvshard::pool::{BlockCopy, BlockCopyPlan, BlockSpace, DevicePool, PageSelection};
+use kvshard::copy::{BlockCopy, BlockCopyPlan, BlockSpace, PageSelection, RemoteSpace, Staging};
+use kvshard::geometry::{
+    CacheGeometry, Component, ComponentLayout, LatentLayout, PoolGeometry, PAGE_SIZE,
+};
+use kvshard::index::{LocalPage, LogicalPage, StoredLayer};
+use kvshard::pool::DevicePool;
 use kvshard::shard::Placement;
 use kvshard::synth::{self, POISON};
 use kvshard::transfer::{
-    BackendTransport, ChunkEnd, ChunkResult, ChunkStatus, ComponentBytes, CopyMethod,
-    DescriptorBatch, Finished, Outcome, PoolLayout, Receiver, Registration, Sender, Transport,
+    block_copies, kernel_pieces, BackendTransport, ChunkEnd, ChunkRange, ChunkResult, ChunkStatus,
+    Completion, ComponentBytes, CopyMethod, DescriptorBatch, Finished, Outcome, PendingChunk,
+    PoolLayout, PrefillRank, Receiver, Registration, SendPlan, Sender, Transport,
+    KERNEL_PIECE_BYTES, MAX_PREFILL_RANKS,
 };
 use kvshard::{Error, Result};
 use rand::rngs::StdRng;
@@ -38,6 +50,26 @@ const SHARDS: [u32; 4] = [1, 2, 4, 8];
 /// Pages of the decode pool.
 const DECODE_PAGES: u64 = 40;
 const REQUEST: u64 = 42;
+
+/// A CPU backend's streams: the first one, and a maker of more streams of the same arena.
+struct CpuStreams {
+    root: CpuBackend,
+}
+
+impl CpuStreams {
+    fn new(deferred: bool) -> Self {
+        let root = if deferred {
+            CpuBackend::deferred()
+        } else {
+            CpuBackend::new()
+        };
+        Self { root }
+    }
+
+    fn stream(&self) -> Arc<dyn Backend> {
+        Arc::new(self.root.new_stream())
+    }
+}
 
 /// One request to send.
 #[derive(Debug, Clone)]
@@ -59,6 +91,16 @@ impl Case {
 
     fn pages(&self) -> usize {
         self.tokens().div_ceil(PAGE_SIZE)
+    }
+
+    /// Where chunk `i` ends, as the sender takes it.
+    fn end(&self, i: usize) -> ChunkEnd {
+        let tokens = self.chunk_ends[i];
+        if i + 1 == self.chunk_ends.len() {
+            ChunkEnd::Final(tokens)
+        } else {
+            ChunkEnd::Partial(tokens)
+        }
     }
 }
 
@@ -133,7 +175,7 @@ fn prefill_pages(
     rank_pages: u64,
     pages: usize,
     contiguous: bool,
-) -> Vec<u64> {
+) -> Vec<LogicalPage> {
     let start = rng.random_range(0..n);
     let free: Vec<Vec<u64>> = (0..n)
         .map(|_| {
@@ -150,24 +192,24 @@ fn prefill_pages(
             let owner = (start + j as u32) % n;
             let local = free[owner as usize][next[owner as usize]];
             next[owner as usize] += 1;
-            local * u64::from(n) + u64::from(owner)
+            LogicalPage(local * u64::from(n) + u64::from(owner))
         })
         .collect()
 }
 
 /// The decode page of every position: consecutive, or distinct random pages of the pool.
-fn decode_pages(rng: &mut StdRng, pages: usize, contiguous: bool) -> Vec<u64> {
+fn decode_pages(rng: &mut StdRng, pages: usize, contiguous: bool) -> Vec<LocalPage> {
     if contiguous {
-        (3..3 + pages as u64).collect()
+        (3..3 + pages as u64).map(LocalPage).collect()
     } else {
-        let mut v: Vec<u64> = (1..DECODE_PAGES).collect();
+        let mut v: Vec<LocalPage> = (1..DECODE_PAGES).map(LocalPage).collect();
         v.shuffle(rng);
         v.truncate(pages);
         v
     }
 }
 
-fn registration(case: &Case, dec: &[u64], decode: &DevicePool) -> Registration {
+fn registration(case: &Case, dec: &[LocalPage], decode: &DevicePool) -> Registration {
     Registration {
         request: REQUEST,
         layout: PoolLayout::of(decode),
@@ -215,47 +257,61 @@ fn difference(components: &[ComponentLayout], pages: u64, a: &[u8], b: &[u8]) ->
     Some(format!("byte {at}"))
 }
 
-/// Writes `data` into block (`c`, `layer`, `page`) of a pool kvshard allocated.
-fn write_block<B: Backend>(
-    b: &B,
+/// Writes `data` into block (`component`, `layer`, `page`) of a pool kvshard allocated.
+fn write_block(
+    b: &dyn Backend,
     pool: &DevicePool,
-    c: usize,
+    component: Component,
     layer: usize,
-    page: u64,
+    page: LocalPage,
     data: &[u8],
 ) {
     let storage = pool.storage().unwrap();
-    let offset = pool.block_addr(c, layer, page).unwrap() - storage.addr();
-    b.write(storage, offset as usize, data).unwrap();
+    let at = pool
+        .block_addr(component, StoredLayer(layer), page)
+        .unwrap();
+    b.write_sync(storage, (at - storage.addr()) as usize, data)
+        .unwrap();
 }
 
-/// A decode pool: poison, except the latent blocks of the cached prefix, which hold bytes of
-/// their own (a transfer must leave them alone).
-fn decode_pool<B: Backend>(b: &B, case: &Case, dec: &[u64], seed: u64) -> DevicePool {
-    let pool =
-        DevicePool::allocate(b, &case.geometry, Placement::unsharded(), 0, DECODE_PAGES).unwrap();
+/// A decode pool of `geometry` (poison, except the latent blocks of the cached prefix, which
+/// hold bytes of their own: a transfer must leave them alone) and the destination it is to the
+/// prefill ranks.
+fn decode_pool_of(
+    b: &dyn Backend,
+    geometry: &CacheGeometry,
+    prefix: &[LocalPage],
+    seed: u64,
+) -> (Arc<DevicePool>, Arc<RemoteSpace>) {
+    let pool = Arc::new(
+        DevicePool::allocate(b, geometry, Placement::unsharded(), 0, DECODE_PAGES).unwrap(),
+    );
     pool.fill(b, POISON).unwrap();
     let mut rng = StdRng::seed_from_u64(seed);
-    for (c, comp) in pool.components().iter().enumerate() {
+    for comp in pool.components() {
         if comp.component.is_indexer() {
             continue;
         }
         for layer in 0..comp.layers() {
-            for &page in &dec[..case.prefix_pages] {
-                write_block(
-                    b,
-                    &pool,
-                    c,
-                    layer,
-                    page,
-                    &synth::bytes(&mut rng, comp.block_bytes),
-                );
+            for &page in prefix {
+                let data = synth::bytes(&mut rng, comp.block_bytes);
+                write_block(b, &pool, comp.component, layer, page, &data);
             }
         }
     }
     // The ranks write on streams of their own: the poison must have landed first.
     b.synchronize().unwrap();
-    pool
+    let space = Arc::new(RemoteSpace::of(pool.clone(), geometry.clone()).unwrap());
+    (pool, space)
+}
+
+fn decode_pool(
+    b: &dyn Backend,
+    case: &Case,
+    dec: &[LocalPage],
+    seed: u64,
+) -> (Arc<DevicePool>, Arc<RemoteSpace>) {
+    decode_pool_of(b, &case.geometry, &dec[..case.prefix_pages], seed)
 }
 
 /// What the decode pool must hold afterwards, computed from the reference bytes alone: latent
@@ -266,8 +322,8 @@ fn expected(
     before: &[u8],
     reference: &[u8],
     reference_pages: u64,
-    src: &[u64],
-    dec: &[u64],
+    src: &[LogicalPage],
+    dec: &[LocalPage],
 ) -> Vec<u8> {
     let components = case.geometry.components();
     let mut out = before.to_vec();
@@ -277,8 +333,9 @@ fn expected(
                 continue;
             }
             for layer in 0..comp.layers() {
-                let from = block_offset(&components, reference_pages, c, layer, s);
-                let to = block_offset(&components, DECODE_PAGES, c, layer, d);
+                // The reference pool is unsharded: logical page l is its page l.
+                let from = block_offset(&components, reference_pages, c, layer, s.0);
+                let to = block_offset(&components, DECODE_PAGES, c, layer, d.0);
                 out[to..to + comp.block_bytes]
                     .copy_from_slice(&reference[from..from + comp.block_bytes]);
             }
@@ -289,7 +346,7 @@ fn expected(
 
 /// Bytes rank `rank` of `n` must move: its positions after the prefix for latent components,
 /// its positions from 0 for indexer ones.
-fn owed_bytes(case: &Case, src: &[u64], n: u32, rank: u32) -> ComponentBytes {
+fn owed_bytes(case: &Case, src: &[LogicalPage], n: u32, rank: u32) -> ComponentBytes {
     let mut out = ComponentBytes::default();
     for comp in case.geometry.components() {
         let first = if comp.component.is_indexer() {
@@ -299,7 +356,7 @@ fn owed_bytes(case: &Case, src: &[u64], n: u32, rank: u32) -> ComponentBytes {
         };
         let owned = src[first..]
             .iter()
-            .filter(|&&p| p % u64::from(n) == u64::from(rank))
+            .filter(|&&p| p.0 % u64::from(n) == u64::from(rank))
             .count();
         out.add(
             comp.component,
@@ -309,6 +366,16 @@ fn owed_bytes(case: &Case, src: &[u64], n: u32, rank: u32) -> ComponentBytes {
     out
 }
 
+/// How the chunks of a request are sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Chunk by chunk: every rank enqueues a chunk, then every rank's chunk is waited for.
+    Lockstep,
+    /// Every rank enqueues every chunk of the request before the first wait; then the chunks
+    /// are waited for in order. On a deferred CPU backend nothing has moved before the waits.
+    Pipelined,
+}
+
 /// What sending one request produced.
 struct Sent {
     finished: Finished,
@@ -316,58 +383,99 @@ struct Sent {
     rank_bytes: Vec<ComponentBytes>,
 }
 
+/// One prefill rank: its stream and its pool.
+type Rank = (Arc<dyn Backend>, Arc<DevicePool>);
+
 /// Sends every chunk of `case` from every rank in `ranks` (a random rank order per chunk) into
 /// `decode`, delivering each status to a receiver; checks the request finishes exactly with
-/// the last status and leaves nothing pending anywhere.
-fn send_request<B: Backend>(
-    ranks: &[(&B, &DevicePool)],
-    decode: &DevicePool,
+/// the last status and leaves nothing pending anywhere. With `untouched` (a deferred backend),
+/// pipelined chunks are checked not to have moved a byte before the first wait: `untouched`
+/// reads the decode pool without running the ranks' streams.
+#[allow(clippy::too_many_arguments)]
+fn send_request(
+    ranks: &[Rank],
+    decode: &Arc<RemoteSpace>,
     method: CopyMethod,
     case: &Case,
-    src: &[u64],
+    src: &[LogicalPage],
     reg: &Registration,
     rng: &mut StdRng,
+    mode: Mode,
+    untouched: Option<&dyn Fn() -> bool>,
 ) -> Sent {
     let n = ranks.len() as u32;
-    let mut transports: Vec<_> = ranks
+    let mut senders: Vec<Sender> = ranks
         .iter()
-        .map(|(b, _)| BackendTransport::new(*b, method))
+        .map(|(b, pool)| {
+            let transport = BackendTransport::with_method(b.clone(), method);
+            Sender::new(pool.clone(), Box::new(transport))
+        })
         .collect();
-    let mut senders: Vec<_> = ranks.iter().map(|(_, pool)| Sender::new(pool)).collect();
     let mut receiver = Receiver::new();
     receiver.register(reg.clone(), n).unwrap();
     for s in &mut senders {
-        s.open(reg.clone()).unwrap();
+        s.open(reg.clone(), decode.clone()).unwrap();
     }
     let mut statuses = Vec::new();
     let mut finished = None;
-    for (i, &end) in case.chunk_ends.iter().enumerate() {
-        let end = if i + 1 == case.chunk_ends.len() {
-            ChunkEnd::Final(end)
-        } else {
-            ChunkEnd::Partial(end)
-        };
-        let tokens = match end {
-            ChunkEnd::Partial(t) | ChunkEnd::Final(t) => t,
-        };
-        // The prefill page table holds the pages of the tokens prefilled so far.
-        let table = &src[..tokens.div_ceil(PAGE_SIZE)];
-        let mut order: Vec<usize> = (0..ranks.len()).collect();
-        order.shuffle(rng);
-        for r in order {
-            let status = senders[r]
-                .send(&mut transports[r], decode, REQUEST, table, end)
-                .unwrap();
-            assert!(
-                matches!(status.result, ChunkResult::Sent { .. }),
-                "{status}"
-            );
-            assert!(
-                finished.is_none(),
-                "finished before every rank reported: {status}"
-            );
-            statuses.push(status.clone());
-            finished = receiver.receive(status).unwrap();
+    let mut deliver = |pending: PendingChunk| {
+        let status = pending.wait().unwrap();
+        assert!(
+            matches!(status.result, ChunkResult::Sent { .. }),
+            "{status}"
+        );
+        assert!(
+            finished.is_none(),
+            "finished before every rank reported: {status}"
+        );
+        statuses.push(status.clone());
+        finished = receiver.receive(status).unwrap();
+    };
+    // The prefill page table holds the pages of the tokens prefilled so far.
+    let table = |i: usize| &src[..case.chunk_ends[i].div_ceil(PAGE_SIZE)];
+    match mode {
+        Mode::Lockstep => {
+            for i in 0..case.chunk_ends.len() {
+                let mut order: Vec<usize> = (0..ranks.len()).collect();
+                order.shuffle(rng);
+                let pending: Vec<PendingChunk> = order
+                    .iter()
+                    .map(|&r| senders[r].send(REQUEST, table(i), case.end(i)).unwrap())
+                    .collect();
+                pending.into_iter().for_each(&mut deliver);
+            }
+        }
+        Mode::Pipelined => {
+            let mut queues: Vec<VecDeque<PendingChunk>> = senders
+                .iter_mut()
+                .map(|s| {
+                    (0..case.chunk_ends.len())
+                        .map(|i| {
+                            let p = s.send(REQUEST, table(i), case.end(i)).unwrap();
+                            assert_eq!((p.request(), p.chunk() as usize), (REQUEST, i));
+                            assert_eq!(p.is_last(), i + 1 == case.chunk_ends.len());
+                            p
+                        })
+                        .collect()
+                })
+                .collect();
+            // Every chunk of the request is enqueued and the senders are done with it.
+            assert!(senders.iter().all(|s| s.pending_requests() == 0));
+            if let Some(untouched) = untouched {
+                for q in &mut queues {
+                    for p in q.iter_mut().filter(|p| p.bytes().total() > 0) {
+                        assert!(p.poll().unwrap().is_none(), "landed before a wait: {p:?}");
+                    }
+                }
+                assert!(untouched(), "bytes moved before the first wait");
+            }
+            for _ in 0..case.chunk_ends.len() {
+                let mut order: Vec<usize> = (0..ranks.len()).collect();
+                order.shuffle(rng);
+                for r in order {
+                    deliver(queues[r].pop_front().unwrap());
+                }
+            }
         }
     }
     let finished = finished.expect("finished with the last status");
@@ -387,15 +495,20 @@ struct Run {
     unsharded: Vec<u8>,
     expected: Vec<u8>,
     sent: Sent,
-    src: Vec<u64>,
+    src: Vec<LogicalPage>,
 }
 
-fn run_case<B: Backend>(
-    base: &B,
-    stream: &dyn Fn() -> B,
+/// Runs `case` from `n` ranks, each on a stream of its own made by `stream`, checking on the
+/// way that a pipelined send moved nothing before its first wait when `deferred`.
+#[allow(clippy::too_many_arguments)]
+fn run_case(
+    base: &Arc<dyn Backend>,
+    stream: &dyn Fn() -> Arc<dyn Backend>,
     case: &Case,
     n: u32,
     method: CopyMethod,
+    mode: Mode,
+    deferred: bool,
     seed: u64,
 ) -> Run {
     let mut rng = StdRng::seed_from_u64(seed);
@@ -407,71 +520,90 @@ fn run_case<B: Backend>(
 
     // The reference: logical page l at page l of one unsharded pool, random bytes. It is also
     // the pool of the unsharded prefill.
-    let reference_pages = placement.logical_pages(per_rank);
-    let reference =
-        DevicePool::allocate(base, g, Placement::unsharded(), 0, reference_pages).unwrap();
+    let reference_pages = placement.logical_pages(per_rank).unwrap();
+    let reference = Arc::new(
+        DevicePool::allocate(base.as_ref(), g, Placement::unsharded(), 0, reference_pages).unwrap(),
+    );
     let storage = reference.storage().unwrap();
-    base.write(storage, 0, &synth::bytes(&mut rng, storage.len()))
+    base.write_sync(storage, 0, &synth::bytes(&mut rng, storage.len()))
         .unwrap();
 
     // Prefill ranks: garbage everywhere, the reference bytes at their owned pages.
-    let backends: Vec<B> = (0..n).map(|_| stream()).collect();
-    let ids: Vec<i64> = src.iter().map(|&p| p as i64).collect();
-    let pools: Vec<DevicePool> = backends
-        .iter()
-        .enumerate()
-        .map(|(r, b)| {
-            let pool = DevicePool::allocate(b, g, placement, r as u32, per_rank).unwrap();
+    let local: Vec<LocalPage> = src.iter().map(|p| LocalPage(p.0)).collect();
+    let ranks: Vec<Rank> = (0..n)
+        .map(|r| {
+            let b = stream();
+            let pool =
+                Arc::new(DevicePool::allocate(b.as_ref(), g, placement, r, per_rank).unwrap());
             let storage = pool.storage().unwrap();
-            b.write(storage, 0, &synth::bytes(&mut rng, storage.len()))
+            b.write_sync(storage, 0, &synth::bytes(&mut rng, storage.len()))
                 .unwrap();
             let plan = BlockCopyPlan::new(
-                &reference,
-                PageSelection::Local(ids.clone()),
-                &pool,
+                reference.as_ref(),
+                PageSelection::Local(local.clone()),
+                pool.as_ref(),
                 PageSelection::Logical {
-                    ids: ids.clone(),
+                    pages: src.clone(),
                     placement,
-                    rank: r as u32,
+                    rank: r,
                 },
-                ids.len(),
+                src.len(),
             )
             .unwrap();
-            BlockCopy::prepare(b, &plan, &reference, &pool)
-                .unwrap()
-                .run(b, LAUNCH)
-                .unwrap();
+            let copy =
+                BlockCopy::prepare_sync(b.as_ref(), plan, reference.clone(), pool.clone(), None)
+                    .unwrap();
+            copy.run(b.as_ref(), LAUNCH).unwrap();
+            // The copy's tables must outlive the launch: keep it until the stream has run it.
             b.synchronize().unwrap();
-            pool
+            drop(copy);
+            (b, pool)
         })
         .collect();
 
     let prefix_seed = rng.random();
-    let sharded_decode = decode_pool(base, case, &dec, prefix_seed);
-    let before = sharded_decode.snapshot(base).unwrap();
+    let (sharded_decode, sharded_space) = decode_pool(base.as_ref(), case, &dec, prefix_seed);
+    let before = sharded_decode.snapshot_sync(base.as_ref()).unwrap();
     let reg = registration(case, &dec, &sharded_decode);
-    let ranks: Vec<(&B, &DevicePool)> = backends.iter().zip(&pools).collect();
-    let sent = send_request(&ranks, &sharded_decode, method, case, &src, &reg, &mut rng);
-
-    let unsharded_decode = decode_pool(base, case, &dec, prefix_seed);
-    let solo = stream();
-    send_request(
-        &[(&solo, &reference)],
-        &unsharded_decode,
+    // Reading on `base` runs none of the ranks' streams.
+    let untouched = || sharded_decode.snapshot_sync(base.as_ref()).unwrap() == before;
+    let check: Option<&dyn Fn() -> bool> = if deferred && mode == Mode::Pipelined {
+        Some(&untouched)
+    } else {
+        None
+    };
+    let sent = send_request(
+        &ranks,
+        &sharded_space,
         method,
         case,
         &src,
         &reg,
         &mut rng,
+        mode,
+        check,
+    );
+
+    let (unsharded_decode, unsharded_space) = decode_pool(base.as_ref(), case, &dec, prefix_seed);
+    send_request(
+        &[(stream(), reference.clone())],
+        &unsharded_space,
+        method,
+        case,
+        &src,
+        &reg,
+        &mut rng,
+        mode,
+        None,
     );
 
     Run {
-        sharded: sharded_decode.snapshot(base).unwrap(),
-        unsharded: unsharded_decode.snapshot(base).unwrap(),
+        sharded: sharded_decode.snapshot_sync(base.as_ref()).unwrap(),
+        unsharded: unsharded_decode.snapshot_sync(base.as_ref()).unwrap(),
         expected: expected(
             case,
             &before,
-            &reference.snapshot(base).unwrap(),
+            &reference.snapshot_sync(base.as_ref()).unwrap(),
             reference_pages,
             &src,
             &dec,
@@ -481,8 +613,8 @@ fn run_case<B: Backend>(
     }
 }
 
-fn check_run(case: &Case, n: u32, method: CopyMethod, run: &Run) {
-    let what = format!("{} N={n} {method:?}", case.name);
+fn check_run(case: &Case, n: u32, method: CopyMethod, mode: Mode, run: &Run) {
+    let what = format!("{} N={n} {method:?} {mode:?}", case.name);
     let components = case.geometry.components();
     if let Some(at) = difference(&components, DECODE_PAGES, &run.unsharded, &run.expected) {
         panic!("{what}: the unsharded send differs from the expectation at {at}");
@@ -517,12 +649,69 @@ fn check_run(case: &Case, n: u32, method: CopyMethod, run: &Run) {
 #[test]
 fn cpu_sharded_sends_match_an_unsharded_prefill() {
     let mut rng = common::rng("cpu_sharded_sends_match_an_unsharded_prefill");
-    let base = CpuBackend::new();
+    let cpu = CpuStreams::new(false);
+    let base = cpu.stream();
     for case in cases() {
         for n in SHARDS {
             for method in METHODS {
-                let run = run_case(&base, &|| base.new_stream(), &case, n, method, rng.random());
-                check_run(&case, n, method, &run);
+                let mode = Mode::Lockstep;
+                let run = run_case(
+                    &base,
+                    &|| cpu.stream(),
+                    &case,
+                    n,
+                    method,
+                    mode,
+                    false,
+                    rng.random(),
+                );
+                check_run(&case, n, method, mode, &run);
+            }
+        }
+    }
+}
+
+#[test]
+fn pipelined_chunks_land_only_when_waited_for_and_match_lockstep_sends() {
+    let mut rng = common::rng("pipelined_chunks_land_only_when_waited_for");
+    // Deferred: enqueued chunks run only when waited for, so "nothing moved before the first
+    // wait" is observable, and the waits run them in order.
+    let cpu = CpuStreams::new(true);
+    let base = cpu.stream();
+    let immediate = CpuStreams::new(false);
+    let immediate_base = immediate.stream();
+    for case in cases() {
+        for n in SHARDS {
+            for method in METHODS {
+                let seed = rng.random();
+                let run = run_case(
+                    &base,
+                    &|| cpu.stream(),
+                    &case,
+                    n,
+                    method,
+                    Mode::Pipelined,
+                    true,
+                    seed,
+                );
+                check_run(&case, n, method, Mode::Pipelined, &run);
+                // The same request chunk by chunk on an immediate backend: byte-identical.
+                let lockstep = run_case(
+                    &immediate_base,
+                    &|| immediate.stream(),
+                    &case,
+                    n,
+                    method,
+                    Mode::Lockstep,
+                    false,
+                    seed,
+                );
+                assert!(
+                    lockstep.sharded == run.sharded,
+                    "{} N={n} {method:?}: pipelined and lockstep sends differ",
+                    case.name
+                );
+                assert_eq!(lockstep.sent.finished, run.sent.finished);
             }
         }
     }
@@ -531,20 +720,27 @@ fn cpu_sharded_sends_match_an_unsharded_prefill() {
 #[test]
 fn ranks_owning_nothing_still_send_an_empty_final_chunk() {
     let mut rng = common::rng("ranks_owning_nothing_still_send_an_empty_final_chunk");
-    let base = CpuBackend::new();
+    let cpu = CpuStreams::new(false);
+    let base = cpu.stream();
     let all = cases();
+    let method = CopyMethod::CopyEngine;
+    let run = |case: &Case, n: u32, seed: u64| {
+        let run = run_case(
+            &base,
+            &|| cpu.stream(),
+            case,
+            n,
+            method,
+            Mode::Lockstep,
+            false,
+            seed,
+        );
+        check_run(case, n, method, Mode::Lockstep, &run);
+        run
+    };
     // One page in the final chunk and no state: 7 of 8 ranks have nothing to send in it.
-    let one_page = &all[3];
-    let run = run_case(
-        &base,
-        &|| base.new_stream(),
-        one_page,
-        8,
-        CopyMethod::CopyEngine,
-        rng.random(),
-    );
-    check_run(one_page, 8, CopyMethod::CopyEngine, &run);
-    let empty_finals = run
+    let one_page = run(&all[3], 8, rng.random());
+    let empty_finals = one_page
         .sent
         .statuses
         .iter()
@@ -559,17 +755,8 @@ fn ranks_owning_nothing_still_send_an_empty_final_chunk() {
         .count();
     assert_eq!(empty_finals, 7);
     // Three pages with their state: 5 of 8 ranks own nothing of the whole request.
-    let short = &all[4];
-    let run = run_case(
-        &base,
-        &|| base.new_stream(),
-        short,
-        8,
-        CopyMethod::CopyEngine,
-        rng.random(),
-    );
-    check_run(short, 8, CopyMethod::CopyEngine, &run);
-    let idle = run
+    let short = run(&all[4], 8, rng.random());
+    let idle = short
         .sent
         .finished
         .bytes
@@ -578,17 +765,13 @@ fn ranks_owning_nothing_still_send_an_empty_final_chunk() {
         .count();
     assert_eq!(idle, 5);
     // A chunk that ends inside the decode's cached prefix sends nothing on any rank.
-    let cached = &all[2];
-    let run = run_case(
-        &base,
-        &|| base.new_stream(),
-        cached,
-        4,
-        CopyMethod::CopyEngine,
-        rng.random(),
-    );
-    check_run(cached, 4, CopyMethod::CopyEngine, &run);
-    let first: Vec<_> = run.sent.statuses.iter().filter(|s| s.chunk == 0).collect();
+    let cached = run(&all[2], 4, rng.random());
+    let first: Vec<_> = cached
+        .sent
+        .statuses
+        .iter()
+        .filter(|s| s.chunk == 0)
+        .collect();
     assert_eq!(first.len(), 4);
     assert!(first.iter().all(|s| s.result
         == ChunkResult::Sent {
@@ -597,64 +780,107 @@ fn ranks_owning_nothing_still_send_an_empty_final_chunk() {
         }));
 }
 
-/// A transport that fails its `fail_on`-th submission (counting from 1), and records whether
-/// it was waited for after that (a sender must drain before it reports the failure).
-struct Failing<T> {
-    inner: T,
+/// A transport that fails its `fail_on`-th submission (counting from 1): at submission (nothing
+/// is enqueued) or, with `in_flight`, once the chunk has moved (its completion reports the
+/// failure, as a transfer engine that detects an error on completion does).
+struct Failing {
+    inner: BackendTransport,
     fail_on: usize,
+    in_flight: bool,
     submitted: usize,
-    drained_after_failure: bool,
 }
 
-impl<T: Transport> Transport for Failing<T> {
-    fn submit(&mut self, batch: &DescriptorBatch<'_>) -> Result<()> {
-        self.submitted += 1;
-        if self.submitted == self.fail_on {
-            return Err(Error::Transfer {
-                request: batch.request(),
-                reason: format!("injected failure of submission {}", self.submitted),
-            });
+struct FailingCompletion {
+    inner: Box<dyn Completion>,
+    request: u64,
+    submission: usize,
+}
+
+impl FailingCompletion {
+    fn error(&self) -> Error {
+        Error::Transfer {
+            request: self.request,
+            reason: format!(
+                "injected failure of submission {} in flight",
+                self.submission
+            ),
         }
-        self.inner.submit(batch)
+    }
+}
+
+impl Completion for FailingCompletion {
+    fn poll(&mut self) -> Result<bool> {
+        match self.inner.poll()? {
+            true => Err(self.error()),
+            false => Ok(false),
+        }
     }
 
     fn wait(&mut self) -> Result<()> {
-        self.drained_after_failure |= self.submitted >= self.fail_on && self.fail_on > 0;
-        self.inner.wait()
+        self.inner.wait()?;
+        Err(self.error())
     }
 }
 
-/// Sends a 3-chunk request from 4 ranks, rank 2's transport failing its second chunk. The
-/// other ranks either go on sending (`abort` false) or are told to abort once the decode side
-/// sees the failure. Either way the request ends failed on both sides, every status is
-/// accepted, and nothing stays pending.
-fn fail_mid_request(abort: bool, seed: u64) {
+impl Transport for Failing {
+    fn submit(
+        &mut self,
+        plan: &SendPlan,
+        src: &Arc<DevicePool>,
+        dst: &Arc<RemoteSpace>,
+    ) -> Result<Box<dyn Completion>> {
+        self.submitted += 1;
+        let failing = self.submitted == self.fail_on;
+        if failing && !self.in_flight {
+            return Err(Error::Transfer {
+                request: plan.request(),
+                reason: format!("injected failure of submission {}", self.submitted),
+            });
+        }
+        let inner = self.inner.submit(plan, src, dst)?;
+        if failing {
+            return Ok(Box::new(FailingCompletion {
+                inner,
+                request: plan.request(),
+                submission: self.submitted,
+            }));
+        }
+        Ok(inner)
+    }
+}
+
+/// Sends a 3-chunk request from 4 ranks, rank 2's transport failing its second chunk (at
+/// submission, or in flight). The other ranks either go on sending (`abort` false) or are told
+/// to abort once the decode side sees the failure. Either way the request ends failed on both
+/// sides, every status is accepted, and nothing stays pending.
+fn fail_mid_request(abort: bool, in_flight: bool, seed: u64) {
     let case = &cases()[0];
     let n = 4u32;
-    let b = CpuBackend::new();
+    let cpu = CpuStreams::new(false);
+    let b = cpu.stream();
     let mut rng = StdRng::seed_from_u64(seed);
     let placement = Placement::new(n).unwrap();
     let per_rank = rank_pages(case, n);
     let src = prefill_pages(&mut rng, n, per_rank, case.pages(), false);
     let dec = decode_pages(&mut rng, case.pages(), false);
-    let pools: Vec<DevicePool> = (0..n)
-        .map(|r| DevicePool::allocate(&b, &case.geometry, placement, r, per_rank).unwrap())
-        .collect();
-    let decode = decode_pool(&b, case, &dec, 1);
+    let (decode, space) = decode_pool(b.as_ref(), case, &dec, 1);
     let reg = registration(case, &dec, &decode);
-    let mut senders: Vec<_> = pools.iter().map(Sender::new).collect();
-    let mut transports: Vec<Failing<_>> = (0..n)
-        .map(|r| Failing {
-            inner: BackendTransport::new(&b, CopyMethod::CopyEngine),
-            fail_on: if r == 2 { 2 } else { 0 },
-            submitted: 0,
-            drained_after_failure: false,
+    let mut senders: Vec<Sender> = (0..n)
+        .map(|r| {
+            let pool = DevicePool::allocate(b.as_ref(), &case.geometry, placement, r, per_rank);
+            let transport = Failing {
+                inner: BackendTransport::with_method(cpu.stream(), CopyMethod::CopyEngine),
+                fail_on: if r == 2 { 2 } else { 0 },
+                in_flight,
+                submitted: 0,
+            };
+            Sender::new(Arc::new(pool.unwrap()), Box::new(transport))
         })
         .collect();
     let mut receiver = Receiver::new();
     receiver.register(reg.clone(), n).unwrap();
     for s in &mut senders {
-        s.open(reg.clone()).unwrap();
+        s.open(reg.clone(), space.clone()).unwrap();
     }
     let mut delivered = 0;
     // Whether the decode side has seen the failure (and, with `abort`, the control plane told
@@ -669,45 +895,53 @@ fn fail_mid_request(abort: bool, seed: u64) {
         delivered += 1;
         finished = receiver.receive(status).unwrap();
     };
-    for (i, &tokens) in case.chunk_ends.iter().enumerate() {
-        let last = i + 1 == case.chunk_ends.len();
-        let end = if last {
-            ChunkEnd::Final(tokens)
-        } else {
-            ChunkEnd::Partial(tokens)
-        };
-        let table = &src[..tokens.div_ceil(PAGE_SIZE)];
-        for r in 0..n as usize {
+    for i in 0..case.chunk_ends.len() {
+        let table = &src[..case.chunk_ends[i].div_ceil(PAGE_SIZE)];
+        for (r, sender) in senders.iter_mut().enumerate() {
             if abort && decode_failed {
                 // The decode side saw the failure and the control plane tells the rest to stop.
-                if let Ok(status) = senders[r].abort(REQUEST, "the decode side failed the request")
-                {
+                if let Ok(status) = sender.abort(REQUEST, "the decode side failed the request") {
                     deliver(&mut receiver, status);
                 }
                 continue;
             }
-            match senders[r].send(&mut transports[r], &decode, REQUEST, table, end) {
+            let status = match sender.send(REQUEST, table, case.end(i)) {
+                Ok(pending) => pending.wait(),
+                Err(e) => Err(e),
+            };
+            match status {
                 Ok(status) => {
-                    let failed = matches!(status.result, ChunkResult::Failed { .. });
-                    assert_eq!(failed, r == 2 && i == 1, "{status}");
-                    if failed {
-                        assert!(status.is_terminal());
-                        assert_eq!(
-                            senders[r].pending_requests(),
-                            0,
-                            "failed on the prefill side at once"
-                        );
-                    }
+                    assert!(!(r == 2 && i == 1), "the injected failure went unseen");
+                    assert!(
+                        matches!(status.result, ChunkResult::Sent { .. }),
+                        "{status}"
+                    );
                     deliver(&mut receiver, status);
-                    if failed {
-                        let p = receiver.progress(REQUEST).unwrap();
-                        assert!(p.failed && p.ranks_done < n, "{p:?}");
-                        decode_failed = true;
+                }
+                Err(e) if r == 2 && i == 1 => {
+                    let status = ChunkStatus::from_error(&e).expect("a chunk failure");
+                    assert!(status.is_terminal() && status.rank == 2 && status.chunk == 1);
+                    if in_flight {
+                        // The sender enqueued the chunk and moved on; the engine closes the
+                        // request on this rank. The abort's own status is not delivered: the
+                        // failure already was the rank's last.
+                        assert_eq!(sender.pending_requests(), 1);
+                        sender.abort(REQUEST, "chunk 1 failed").unwrap();
                     }
+                    assert_eq!(
+                        sender.pending_requests(),
+                        0,
+                        "failed on the prefill side at once"
+                    );
+                    deliver(&mut receiver, status);
+                    let p = receiver.progress(REQUEST).unwrap();
+                    assert!(p.failed && p.ranks_done < n, "{p:?}");
+                    decode_failed = true;
                 }
                 Err(e) => {
                     // Only the failed rank refuses to go on with the request.
-                    assert!(r == 2 && i == 2, "{e}");
+                    assert!(r == 2 && i == 2, "rank {r} chunk {i}: {e}");
+                    assert!(ChunkStatus::from_error(&e).is_none(), "{e}");
                     assert!(e.to_string().contains("not open on prefill rank 2"), "{e}");
                 }
             }
@@ -743,83 +977,108 @@ fn fail_mid_request(abort: bool, seed: u64) {
     }
     assert_eq!(receiver.pending_requests(), 0);
     assert!(senders.iter().all(|s| s.pending_requests() == 0));
-    assert!(transports[2].drained_after_failure);
 }
 
 #[test]
 fn a_failed_chunk_fails_the_request_on_both_sides_and_leaks_nothing() {
     let mut rng = common::rng("a_failed_chunk_fails_the_request_on_both_sides_and_leaks_nothing");
-    fail_mid_request(false, rng.random());
-    fail_mid_request(true, rng.random());
+    for in_flight in [false, true] {
+        for abort in [false, true] {
+            fail_mid_request(abort, in_flight, rng.random());
+        }
+    }
 }
 
 #[test]
 fn invalid_requests_fail_before_any_byte_moves() {
-    let b = CpuBackend::new();
+    let cpu = CpuStreams::new(false);
+    let b = cpu.stream();
     let case = &cases()[0];
     let n = 2u32;
     let placement = Placement::new(n).unwrap();
-    let pools: Vec<DevicePool> = (0..n)
-        .map(|r| DevicePool::allocate(&b, &case.geometry, placement, r, 20).unwrap())
+    let pools: Vec<Arc<DevicePool>> = (0..n)
+        .map(|r| {
+            let pool = DevicePool::allocate(b.as_ref(), &case.geometry, placement, r, 20);
+            Arc::new(pool.unwrap())
+        })
         .collect();
-    let src: Vec<u64> = (0..case.pages() as u64).map(|p| 2 + p).collect();
-    let dec: Vec<u64> = (1..=case.pages() as u64).collect();
-    let decode = decode_pool(&b, case, &dec, 1);
-    let before = decode.snapshot(&b).unwrap();
+    let src: Vec<LogicalPage> = (0..case.pages() as u64)
+        .map(|p| LogicalPage(2 + p))
+        .collect();
+    let dec: Vec<LocalPage> = (1..=case.pages() as u64).map(LocalPage).collect();
+    let (decode, space) = decode_pool(b.as_ref(), case, &dec, 1);
+    let before = decode.snapshot_sync(b.as_ref()).unwrap();
     let good = registration(case, &dec, &decode);
+    let senders = || -> Vec<Sender> {
+        pools
+            .iter()
+            .map(|p| {
+                let t = BackendTransport::with_method(cpu.stream(), CopyMethod::CopyEngine);
+                Sender::new(p.clone(), Box::new(t))
+            })
+            .collect()
+    };
 
-    // A destination page outside the decode pool, in the first chunk's pages.
+    // A destination page outside the decode pool: the registration itself is refused by both
+    // sides, before any chunk.
     let mut far = good.clone();
-    far.pages[3] = DECODE_PAGES + 7;
+    far.pages[3] = LocalPage(DECODE_PAGES + 7);
+    let far_message =
+        "request 42: destination page 47 at position 3 out of range (the decode pool holds 40 pages)";
+    let e = Receiver::new().register(far.clone(), n).unwrap_err();
+    assert!(e.to_string().contains(far_message), "{e}");
+    for mut s in senders() {
+        let e = s.open(far.clone(), space.clone()).unwrap_err();
+        assert!(e.to_string().contains(far_message), "{e}");
+        assert_eq!(s.pending_requests(), 0);
+    }
+
     // The indexer state registered for one page too few.
     let mut state = good.clone();
     state.state_pages.pop();
     // The decode registered its indexer blocks with another stride.
     let mut stride = good.clone();
     stride.layout.page_strides[1] += 64;
-    // The decode runs no draft.
+    // The decode runs no draft (and its destination holds none).
+    let target_only = CacheGeometry::target_only(case.geometry.target.clone());
+    let (_, target_space) = decode_pool_of(b.as_ref(), &target_only, &[], 1);
     let mut no_draft = good.clone();
-    no_draft.layout = PoolLayout::packed(
-        CacheGeometry::target_only(case.geometry.target.clone()),
-        DECODE_PAGES,
-    );
+    no_draft.layout = PoolLayout::packed(target_only, DECODE_PAGES);
     let expectations = [
-        (far, 0, "request 42: destination page 47 at position 3 out of range (the decode pool holds 40 pages)"),
-        (stride, 0, "request 42: packed page stride mismatch for target indexer: prefill 8448 B, decode 8512 B"),
-        (no_draft, 0, "request 42: prefill vs decode: draft pool present: expected true, got false"),
+        (stride, &space, 0, "request 42: packed page stride mismatch for target indexer: prefill 8448 B, decode 8512 B"),
+        (no_draft, &target_space, 0, "request 42: prefill vs decode: draft pool present: expected true, got false"),
         // Last: its first two chunks go through.
-        (state, 2, "request 42: state page count mismatch: the prefill sends 16 state pages (positions 0..16), the decode registered 15"),
+        (state, &space, 2, "request 42: state page count mismatch: the prefill sends 16 state pages (positions 0..16), the decode registered 15"),
     ];
-    for (reg, failing_chunk, message) in expectations {
+    for (reg, dst, failing_chunk, message) in expectations {
         let mut receiver = Receiver::new();
         receiver.register(reg.clone(), n).unwrap();
-        let mut senders: Vec<_> = pools.iter().map(Sender::new).collect();
         let mut finished = None;
-        for (r, sender) in senders.iter_mut().enumerate() {
-            sender.open(reg.clone()).unwrap();
-            let mut transport = BackendTransport::new(&b, CopyMethod::CopyEngine);
-            for (i, &tokens) in case.chunk_ends.iter().enumerate() {
-                let end = if i + 1 == case.chunk_ends.len() {
-                    ChunkEnd::Final(tokens)
-                } else {
-                    ChunkEnd::Partial(tokens)
-                };
-                let status = sender
-                    .send(&mut transport, &decode, REQUEST, &src, end)
-                    .unwrap();
-                let ChunkResult::Failed { reason } = &status.result else {
-                    assert!(i < failing_chunk, "rank {r} chunk {i}: {status}");
-                    finished = receiver.receive(status).unwrap();
-                    continue;
-                };
-                // Every rank refuses the same chunk: it checks all pages, not only its own.
-                assert_eq!(i, failing_chunk, "rank {r}: {reason}");
-                assert!(
-                    reason.contains(message),
-                    "rank {r}: {reason}\nexpected: {message}"
-                );
-                finished = receiver.receive(status).unwrap();
-                break;
+        for (r, mut sender) in senders().into_iter().enumerate() {
+            sender.open(reg.clone(), dst.clone()).unwrap();
+            for i in 0..case.chunk_ends.len() {
+                match sender.send(REQUEST, &src, case.end(i)) {
+                    Ok(pending) => {
+                        assert!(i < failing_chunk, "rank {r} chunk {i}: {pending:?}");
+                        finished = receiver.receive(pending.wait().unwrap()).unwrap();
+                    }
+                    Err(e) => {
+                        // Every rank refuses the same chunk: it checks all pages, not only
+                        // its own.
+                        assert_eq!(i, failing_chunk, "rank {r}: {e}");
+                        let status = ChunkStatus::from_error(&e).expect("a chunk failure");
+                        let ChunkResult::Failed { reason } = &status.result else {
+                            panic!("{status}");
+                        };
+                        assert!(
+                            reason.contains(message),
+                            "rank {r}: {reason}\nexpected: {message}"
+                        );
+                        assert_eq!((status.rank, status.chunk), (r as u32, i as u32));
+                        finished = receiver.receive(status).unwrap();
+                        break;
+                    }
+                }
             }
             assert_eq!(sender.pending_requests(), 0);
         }
@@ -828,7 +1087,7 @@ fn invalid_requests_fail_before_any_byte_moves() {
         assert_eq!(receiver.pending_requests(), 0);
         if failing_chunk == 0 {
             assert!(
-                decode.snapshot(&b).unwrap() == before,
+                decode.snapshot_sync(b.as_ref()).unwrap() == before,
                 "{message}: bytes moved before the failure"
             );
         }
@@ -837,7 +1096,7 @@ fn invalid_requests_fail_before_any_byte_moves() {
 
 fn sent(chunk: u32, bytes: u64, last: bool) -> ChunkStatus {
     let mut b = ComponentBytes::default();
-    b.add(kvshard::geometry::Component::TargetLatent, bytes);
+    b.add(Component::TargetLatent, bytes);
     ChunkStatus {
         request: REQUEST,
         rank: 1,
@@ -848,19 +1107,31 @@ fn sent(chunk: u32, bytes: u64, last: bool) -> ChunkStatus {
 
 #[test]
 fn the_receiver_refuses_unknown_duplicate_and_out_of_order_statuses() {
-    let b = CpuBackend::new();
+    let cpu = CpuStreams::new(false);
+    let b = cpu.stream();
     let case = &cases()[1];
-    let decode = decode_pool(&b, case, &[1, 2], 0);
-    let reg = registration(case, &(1..=16).collect::<Vec<_>>(), &decode);
+    let (decode, space) = decode_pool(b.as_ref(), case, &[], 0);
+    let dec: Vec<LocalPage> = (1..=16).map(LocalPage).collect();
+    let reg = registration(case, &dec, &decode);
     let mut rx = Receiver::new();
     let err = |r: Result<Option<Finished>>| r.unwrap_err().to_string();
     assert!(err(rx.receive(sent(0, 1, false)))
         .contains("request 42: status of chunk 0 from prefill rank 1: not registered"));
-    assert!(rx
-        .register(reg.clone(), 0)
-        .unwrap_err()
-        .to_string()
-        .contains("at least one prefill rank"));
+    for ranks in [0, MAX_PREFILL_RANKS + 1] {
+        let e = rx.register(reg.clone(), ranks).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!(
+                "{ranks} prefill ranks (a request needs 1 to {MAX_PREFILL_RANKS})"
+            )),
+            "{e}"
+        );
+    }
+    let mut twice = reg.clone();
+    twice.pages[1] = twice.pages[0];
+    assert!(matches!(
+        rx.register(twice.clone(), 2),
+        Err(Error::Transfer { request: 42, .. })
+    ));
     rx.register(reg.clone(), 2).unwrap();
     assert!(rx
         .register(reg.clone(), 2)
@@ -914,22 +1185,47 @@ fn the_receiver_refuses_unknown_duplicate_and_out_of_order_statuses() {
     assert!(rx.progress(REQUEST).is_none());
     assert!(err(rx.receive(sent(2, 1, true))).contains("not registered"));
 
-    // The prefill side refuses what it does not know, and opening twice.
-    let pool = DevicePool::allocate(&b, &case.geometry, Placement::new(2).unwrap(), 1, 20).unwrap();
-    let mut tx = Sender::new(&pool);
-    let mut t = BackendTransport::new(&b, CopyMethod::CopyEngine);
-    let e = tx
-        .send(&mut t, &decode, REQUEST, &[], ChunkEnd::Final(0))
-        .unwrap_err();
+    // The prefill side refuses what it does not know, bad registrations, destinations the
+    // registration does not describe, and opening twice.
+    let pool = DevicePool::allocate(
+        b.as_ref(),
+        &case.geometry,
+        Placement::new(2).unwrap(),
+        1,
+        20,
+    )
+    .unwrap();
+    let transport = BackendTransport::with_method(cpu.stream(), CopyMethod::CopyEngine);
+    let mut tx = Sender::new(Arc::new(pool), Box::new(transport));
+    let e = tx.send(REQUEST, &[], ChunkEnd::Final(0)).unwrap_err();
     assert!(
         e.to_string()
             .contains("request 42: not open on prefill rank 1"),
         "{e}"
     );
+    assert!(ChunkStatus::from_error(&e).is_none(), "nothing to report");
     assert!(tx.abort(REQUEST, "why").is_err());
-    tx.open(reg.clone()).unwrap();
+    let e = tx.open(twice, space.clone()).unwrap_err();
+    assert!(matches!(e, Error::Transfer { request: 42, .. }), "{e}");
+    let (_, smaller) = {
+        let small = Arc::new(
+            DevicePool::allocate(b.as_ref(), &case.geometry, Placement::unsharded(), 0, 20)
+                .unwrap(),
+        );
+        let space = RemoteSpace::of(small.clone(), case.geometry.clone()).unwrap();
+        (small, Arc::new(space))
+    };
+    let e = tx.open(reg.clone(), smaller).unwrap_err();
+    assert!(
+        e.to_string().contains(
+            "the registration describes a decode pool of 40 pages; the destination holds 20"
+        ),
+        "{e}"
+    );
+    assert_eq!(tx.pending_requests(), 0);
+    tx.open(reg.clone(), space.clone()).unwrap();
     assert!(tx
-        .open(reg)
+        .open(reg, space)
         .unwrap_err()
         .to_string()
         .contains("already open on prefill rank 1"));
@@ -940,36 +1236,298 @@ fn the_receiver_refuses_unknown_duplicate_and_out_of_order_statuses() {
             reason: "aborted: cancelled".into()
         }
     );
+    assert!(aborted.is_terminal());
     assert_eq!(tx.pending_requests(), 0);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Executors: what used to be the unit tests of src/transfer/exec.rs.
+
+fn exec_geometry() -> CacheGeometry {
+    CacheGeometry::with_draft(PoolGeometry::new(LatentLayout::Fp8Trtllm, 2))
+}
+
+/// Rank 0 of 2 sends positions 0..40 (logical pages 2..42: it owns the even positions, local
+/// pages 1..=20) into decode pages 1..=20 (even positions) and 30..=49 (odd ones), so its 20
+/// pages coalesce into one run.
+fn exec_setup(b: &dyn Backend) -> (Arc<DevicePool>, Arc<DevicePool>, SendPlan) {
+    let g = exec_geometry();
+    let src = DevicePool::allocate(b, &g, Placement::new(2).unwrap(), 0, 48).unwrap();
+    let dst = DevicePool::allocate(b, &g, Placement::unsharded(), 0, 64).unwrap();
+    let src_pages: Vec<LogicalPage> = (0..40).map(|p| LogicalPage(2 + p)).collect();
+    let dst_pages: Vec<LocalPage> = (0..40)
+        .map(|p| LocalPage(if p % 2 == 0 { 1 + p / 2 } else { 30 + p / 2 }))
+        .collect();
+    let reg = Registration {
+        request: 3,
+        layout: PoolLayout::of(&dst),
+        prefix_pages: 0,
+        pages: dst_pages.clone(),
+        state_pages: dst_pages,
+    };
+    let plan = SendPlan::new(
+        &PrefillRank::of(&src),
+        &src_pages,
+        &reg,
+        ChunkRange {
+            index: 0,
+            start: 0,
+            end: 40 * 64,
+            last: true,
+        },
+    )
+    .unwrap();
+    assert_eq!(plan.kv().runs().len(), 1);
+    assert_eq!(plan.kv().owned_pages(), 20);
+    (Arc::new(src), Arc::new(dst), plan)
+}
+
+#[test]
+fn kernel_pieces_tile_each_range_exactly() {
+    let piece = KERNEL_PIECE_BYTES;
+    let ranges = [
+        abi::kvs_range {
+            src: 0x1000,
+            dst: 0x9000_0000,
+            bytes: 2 * piece + 48,
+        },
+        abi::kvs_range {
+            src: 0x5000_0000,
+            dst: 0x7000,
+            bytes: 0,
+        },
+        abi::kvs_range {
+            src: 0x6000_0000,
+            dst: 0x8000,
+            bytes: piece,
+        },
+    ];
+    let pieces: Vec<_> = kernel_pieces(&ranges).collect();
+    let expect = |src, dst, bytes| abi::kvs_range { src, dst, bytes };
+    assert_eq!(
+        pieces,
+        vec![
+            expect(0x1000, 0x9000_0000, piece),
+            expect(0x1000 + piece, 0x9000_0000 + piece, piece),
+            expect(0x1000 + 2 * piece, 0x9000_0000 + 2 * piece, 48),
+            expect(0x6000_0000, 0x8000, piece),
+        ]
+    );
+}
+
+#[test]
+fn batches_resolve_offsets_against_layer_bases() {
+    let b = CpuBackend::new();
+    let (src, dst, plan) = exec_setup(&b);
+    let batch = DescriptorBatch::resolve(&plan, src.as_ref(), dst.as_ref()).unwrap();
+    assert_eq!(batch.ranges().len(), plan.descriptor_count());
+    assert_eq!(batch.bytes(), plan.bytes());
+    let summed: u64 = batch.ranges().iter().map(|r| r.bytes).sum();
+    assert_eq!(summed, plan.bytes().total());
+    for (r, d) in batch.ranges().iter().zip(plan.descriptors()) {
+        let src_base = src.layer_bases(d.component).unwrap()[d.layer];
+        let dst_base = dst.layer_bases(d.component).unwrap()[d.layer];
+        assert_eq!(r.src, src_base + d.src_offset);
+        assert_eq!(r.dst, dst_base + d.dst_offset);
+        assert_eq!(r.bytes, d.bytes);
+    }
+    assert_eq!(
+        (
+            batch.request(),
+            batch.rank(),
+            batch.chunk(),
+            batch.is_last()
+        ),
+        (3, 0, 0, true)
+    );
+    assert!(!batch.is_empty());
+    assert!(batch
+        .to_string()
+        .starts_with("request 3 rank 0 chunk 0 final:"));
+    // The decode side as a remote destination resolves to the same addresses.
+    let remote = RemoteSpace::of(dst.clone(), exec_geometry()).unwrap();
+    let via_remote = DescriptorBatch::resolve(&plan, src.as_ref(), &remote).unwrap();
+    assert_eq!(via_remote.ranges(), batch.ranges());
+}
+
+#[test]
+fn batches_and_block_copies_refuse_spaces_the_plan_was_not_made_for() {
+    let b = CpuBackend::new();
+    let (src, dst, plan) = exec_setup(&b);
+    let g = exec_geometry();
+    // Both resolutions check the plan against the actual spaces the same way.
+    let refuse = |src: &dyn BlockSpace, dst: &dyn BlockSpace| -> Vec<String> {
+        vec![
+            DescriptorBatch::resolve(&plan, src, dst)
+                .unwrap_err()
+                .to_string(),
+            block_copies(&plan, src, dst).unwrap_err().to_string(),
+        ]
+    };
+    // Fewer pages than the plan addresses.
+    let small = DevicePool::allocate(&b, &g, Placement::unsharded(), 0, 8).unwrap();
+    for e in refuse(src.as_ref(), &small) {
+        assert!(
+            e.contains("request 3: the plan moves target latent pages up to page 20, the destination holds 8 pages per layer"),
+            "{e}"
+        );
+    }
+    // No draft.
+    let other = CacheGeometry::target_only(PoolGeometry::new(LatentLayout::Fp8Trtllm, 2));
+    let no_draft = DevicePool::allocate(&b, &other, Placement::unsharded(), 0, 64).unwrap();
+    for e in refuse(src.as_ref(), &no_draft) {
+        assert!(e.contains("the destination holds no draft latent"), "{e}");
+    }
+    // More layers.
+    let three = CacheGeometry::with_draft(PoolGeometry::new(LatentLayout::Fp8Trtllm, 3));
+    let deeper = DevicePool::allocate(&b, &three, Placement::new(2).unwrap(), 0, 48).unwrap();
+    for e in refuse(&deeper, dst.as_ref()) {
+        assert!(
+            e.contains("the source holds 3 target latent layers, the plan moves 2"),
+            "{e}"
+        );
+    }
+    // Staging stores blocks packed like a pool: a plan runs from it if it holds the pages.
+    let staging = Staging::new(&b, &g, 21).unwrap();
+    assert!(DescriptorBatch::resolve(&plan, &staging, dst.as_ref()).is_ok());
+    assert!(block_copies(&plan, &staging, dst.as_ref()).is_ok());
+    let staging = Staging::new(&b, &g, 20).unwrap();
+    for e in refuse(&staging, dst.as_ref()) {
+        assert!(
+            e.contains("up to page 20, the source holds 20 pages"),
+            "{e}"
+        );
+    }
+    // Every transport method refuses a destination too small, before enqueuing anything.
+    let small = Arc::new(small);
+    small.fill(&b, POISON).unwrap();
+    let small_remote = Arc::new(RemoteSpace::of(small.clone(), g.clone()).unwrap());
+    let b: Arc<dyn Backend> = Arc::new(b);
+    for method in METHODS {
+        let mut t = BackendTransport::with_method(b.clone(), method);
+        assert_eq!(t.method(), method);
+        let e = t.submit(&plan, &src, &small_remote).err().unwrap();
+        assert!(
+            e.to_string().contains("the destination holds 8 pages"),
+            "{e}"
+        );
+    }
+    assert!(small
+        .snapshot_sync(b.as_ref())
+        .unwrap()
+        .iter()
+        .all(|&x| x == POISON));
+    // A block copy planned between two spaces runs between those two only, on their backend.
+    let copies = block_copies(&plan, src.as_ref(), dst.as_ref()).unwrap();
+    assert_eq!(copies.len(), 2, "the latent section and the state section");
+    let twin =
+        Arc::new(DevicePool::allocate(b.as_ref(), &g, Placement::unsharded(), 0, 64).unwrap());
+    let e = BlockCopy::prepare_sync(b.as_ref(), copies[0].clone(), src.clone(), twin, None)
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("copy planned for destination"),
+        "{e}"
+    );
+    let foreign = CpuBackend::new();
+    let e = BlockCopy::prepare_sync(&foreign, copies[0].clone(), src.clone(), dst.clone(), None)
+        .unwrap_err();
+    assert!(matches!(e, Error::ForeignMemory { .. }), "{e}");
+}
+
+#[test]
+fn every_copy_method_copies_the_same_bytes() {
+    let b: Arc<dyn Backend> = Arc::new(CpuBackend::new());
+    let mut rng = common::rng("every_copy_method_copies_the_same_bytes");
+    let (src, dst, plan) = exec_setup(b.as_ref());
+    let storage = src.storage().unwrap();
+    b.write_sync(storage, 0, &synth::bytes(&mut rng, storage.len()))
+        .unwrap();
+    let remote = Arc::new(RemoteSpace::of(dst.clone(), exec_geometry()).unwrap());
+    let batch = DescriptorBatch::resolve(&plan, src.as_ref(), dst.as_ref()).unwrap();
+    // The coalesced latent run (20 pages, 720 KB) is longer than a kernel piece.
+    assert!(batch.ranges().iter().any(|r| r.bytes > KERNEL_PIECE_BYTES));
+    let mut outs = Vec::new();
+    for method in METHODS {
+        dst.fill(b.as_ref(), POISON).unwrap();
+        let mut t = BackendTransport::with_method(b.clone(), method);
+        let mut done = t.submit(&plan, &src, &remote).unwrap();
+        done.wait().unwrap();
+        assert!(done.poll().unwrap());
+        outs.push(dst.snapshot_sync(b.as_ref()).unwrap());
+    }
+    assert!(outs[0] == outs[1], "kernel and copy engine differ");
+    assert!(outs[0] == outs[2], "kernel and block copies differ");
+    // 20 of 64 pages of every layer landed; the rest stays poisoned.
+    let landed = outs[0].iter().filter(|&&x| x != POISON).count();
+    assert!(landed > 0 && landed < outs[0].len() / 2, "{landed}");
+    // Exactly the owned pages' blocks, at their destinations.
+    for d in plan.descriptors() {
+        let s = src.layer_bases(d.component).unwrap()[d.layer] + d.src_offset;
+        let t = dst.layer_bases(d.component).unwrap()[d.layer] + d.dst_offset;
+        let (sb, tb) = (src.storage().unwrap(), dst.storage().unwrap());
+        let want = b
+            .read_sync(sb, (s - sb.addr()) as usize, d.bytes as usize)
+            .unwrap();
+        let got = b
+            .read_sync(tb, (t - tb.addr()) as usize, d.bytes as usize)
+            .unwrap();
+        assert!(want == got, "{d:?}");
+    }
+    // The default method is the block copy.
+    let t = BackendTransport::new(b.clone());
+    assert!(matches!(t.method(), CopyMethod::Blocks(_)), "{t:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// GPU
+
 #[test]
 fn gpu_sends_match_cpu_byte_for_byte() {
-    let Some(gpu) = common::cuda("gpu_sends_match_cpu_byte_for_byte") else {
+    let Some(gpu) = common::open_gpu("gpu_sends_match_cpu_byte_for_byte") else {
         return;
     };
     let mut rng = common::rng("gpu_sends_match_cpu_byte_for_byte");
-    let cpu = CpuBackend::new();
-    let device = gpu.gpu().clone();
-    let stream = || kvshard::backend::cuda::CudaBackend::new(device.clone()).unwrap();
+    let cpu = CpuStreams::new(false);
+    let cpu_base = cpu.stream();
+    let gpu_base = common::stream(&gpu);
     for case in cases() {
         for n in SHARDS {
             for method in METHODS {
-                let seed = rng.random();
-                let reference = run_case(&cpu, &|| cpu.new_stream(), &case, n, method, seed);
-                check_run(&case, n, method, &reference);
-                let run = run_case(&gpu, &stream, &case, n, method, seed);
-                check_run(&case, n, method, &run);
-                let components = case.geometry.components();
-                if let Some(at) =
-                    difference(&components, DECODE_PAGES, &run.sharded, &reference.sharded)
-                {
-                    panic!(
-                        "{} N={n} {method:?}: the GPU decode pool differs from the CPU one at {at}",
-                        case.name
+                for mode in [Mode::Lockstep, Mode::Pipelined] {
+                    let seed = rng.random();
+                    let reference = run_case(
+                        &cpu_base,
+                        &|| cpu.stream(),
+                        &case,
+                        n,
+                        method,
+                        mode,
+                        false,
+                        seed,
                     );
+                    check_run(&case, n, method, mode, &reference);
+                    let run = run_case(
+                        &gpu_base,
+                        &|| common::stream(&gpu),
+                        &case,
+                        n,
+                        method,
+                        mode,
+                        false,
+                        seed,
+                    );
+                    check_run(&case, n, method, mode, &run);
+                    let components = case.geometry.components();
+                    if let Some(at) =
+                        difference(&components, DECODE_PAGES, &run.sharded, &reference.sharded)
+                    {
+                        panic!(
+                            "{} N={n} {method:?} {mode:?}: the GPU decode pool differs from the CPU one at {at}",
+                            case.name
+                        );
+                    }
+                    assert_eq!(run.sent.finished, reference.sent.finished);
                 }
-                assert_eq!(run.sent.finished, reference.sent.finished);
             }
         }
     }

@@ -38,6 +38,7 @@ pub struct Stats {
 impl Stats {
     fn of(mut ms: Vec<f64>) -> Stats {
         ms.sort_by(f64::total_cmp);
+        // Callers always time at least one repeat (`Ctx::reps` of a positive count).
         Stats {
             median: ms[ms.len() / 2],
             min: ms[0],
@@ -49,7 +50,10 @@ impl Stats {
 /// Everything a section needs.
 pub struct Ctx {
     pub gpu: Arc<Gpu>,
-    pub backend: CudaBackend,
+    /// The harness stream: every timed repeat, its L2 flush and its events run on it. Shared
+    /// (`Arc`) because transports and pools take `Arc<dyn Backend>` ([`Ctx::shared`]); kept as
+    /// the concrete type for its raw stream (bench kernels, cuBLAS, events).
+    pub backend: Arc<CudaBackend>,
     pub ceilings: Ceilings,
     pub quick: bool,
     flush: Buffer,
@@ -59,7 +63,7 @@ pub struct Ctx {
 impl Ctx {
     pub fn new(quick: bool) -> Result<Ctx> {
         let gpu = Gpu::open(0)?;
-        let backend = CudaBackend::new(gpu.clone())?;
+        let backend = Arc::new(CudaBackend::new(gpu.clone())?);
         let flush = backend.alloc(FLUSH_BYTES, MemoryKind::Device)?;
         let mut ctx = Ctx {
             gpu,
@@ -76,6 +80,11 @@ impl Ctx {
         };
         ctx.ceilings = ctx.measure_ceilings()?;
         Ok(ctx)
+    }
+
+    /// The harness backend as the shared, object-safe handle the library takes.
+    pub fn shared(&self) -> Arc<dyn Backend> {
+        self.backend.clone()
     }
 
     pub fn reps(&self, full: usize) -> usize {
@@ -133,7 +142,7 @@ impl Ctx {
     /// Fills `buf` with `tile` repeated: uploaded once, then doubled on the device.
     pub fn fill_tiled(&self, buf: &Buffer, tile: &[u8]) -> Result<()> {
         let n = tile.len().min(buf.len());
-        self.backend.write(buf, 0, &tile[..n])?;
+        self.backend.write_sync(buf, 0, &tile[..n])?;
         let mut done = n;
         while done < buf.len() {
             let len = done.min(buf.len() - done);

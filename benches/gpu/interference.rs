@@ -8,6 +8,7 @@
 //! the same clocks. SM clock and board power, sampled through NVML, show the power cap at work.
 
 use std::ffi::c_void;
+use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::cublas::{result as blas, sys as blas_sys};
@@ -21,7 +22,7 @@ use kvshard::hicache::{
 use kvshard::{Error, Result};
 
 use crate::harness::{Ctx, Report};
-use crate::hicache::{device_pool, host_pool, plan, STAGED_CTAS};
+use crate::hicache::{device_pool, host_pool, plan, staged, verify, STAGED_CTAS};
 use nvml_wrapper::bitmasks::device::ThrottleReasons;
 use nvml_wrapper::enum_wrappers::device::Clock;
 use nvml_wrapper::Nvml;
@@ -139,7 +140,7 @@ impl Load for Gemm {
 }
 
 struct Add {
-    gpu: std::sync::Arc<kvshard::gpu::Gpu>,
+    gpu: Arc<kvshard::gpu::Gpu>,
     a: Buffer,
     b: Buffer,
     out: Buffer,
@@ -331,7 +332,7 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             load.enqueue(compute.stream())?;
         }
         compute.synchronize()?;
-        let mut cases: Vec<(Option<&HostPool>, Io)> = vec![(None, Io::Contiguous)];
+        let mut cases: Vec<(Option<&Arc<HostPool>>, Io)> = vec![(None, Io::Contiguous)];
         for host in &hosts {
             let mut ios = vec![
                 Io::Staged(Relayout::CopyEngine),
@@ -345,17 +346,18 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
         }
         for dir in [Direction::Load, Direction::Backup] {
             for &(host, io) in &cases {
-                let t = match host {
-                    Some(h) => {
-                        let mut t = HostTransfer::new(&pool, h, plan.clone(), dir)?;
-                        t.prepare_kernel(&ctx.backend, None)?;
-                        Some(t)
+                let (t, staging) = match (host, io) {
+                    (None, _) => (None, None),
+                    (Some(h), Io::Staged(how)) => {
+                        let (t, staging) =
+                            staged(ctx.backend.as_ref(), &pool, h, &plan, dir, 32, how)?;
+                        (Some(t), Some(staging))
                     }
-                    None => None,
-                };
-                let staging = match (&t, io) {
-                    (Some(t), Io::Staged(_)) => Some(t.staging(&ctx.backend, 32)?),
-                    _ => None,
+                    (Some(h), _) => {
+                        let mut t = HostTransfer::new(pool.clone(), h.clone(), plan.clone(), dir)?;
+                        t.prepare_kernel_sync(ctx.backend.as_ref(), &mut Vec::new())?;
+                        (Some(t), None)
+                    }
                 };
                 let bytes = t
                     .as_ref()
@@ -376,11 +378,13 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                             ),
                         }
                     },
-                    (Io::Direct(io), Some(t), _) => t.run(&ctx.backend, io, Layers::All),
+                    (Io::Direct(io), Some(t), _) => t.run(ctx.backend.as_ref(), io, Layers::All),
                     (Io::Staged(how), Some(t), Some(s)) => {
-                        t.run_staged(&ctx.backend, &relayout, s, how)
+                        t.run_staged(ctx.backend.as_ref(), &relayout, s, how)
                     }
-                    _ => unreachable!("every case has its transfer and staging"),
+                    _ => Err(Error::InvalidArgument(
+                        "an interference case without its transfer or staging".into(),
+                    )),
                 };
                 let reps = ctx.reps(10);
                 let idle = ctx.time(reps, run)?;
@@ -415,6 +419,9 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 compute.synchronize()?;
                 ctx.backend.synchronize()?;
                 let (with, counted) = long.rate(load.as_ref(), Some((&from, &to)))?;
+                if let (Some(t), Some(h)) = (&t, host) {
+                    verify(ctx.backend.as_ref(), &mut ctx.rng, &pool, h, t.plan())?;
+                }
                 timeline.enqueue(load.as_ref(), compute.stream())?;
                 compute.synchronize()?;
                 let after = timeline.rate(load.as_ref(), None)?.0;

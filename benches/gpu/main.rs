@@ -1,8 +1,14 @@
 //! GPU benchmarks of every kvshard kernel, each next to the copy ceilings measured in the same
-//! run. `cargo bench --bench gpu [-- [--quick] [SECTION...]]`; sections: resolve, pool, write, pd,
-//! hicache, signal, duplex, interfere. Prints a table and, when $OUT is set, writes it to
-//! $OUT/bench.md. Without a GPU it says it skipped.
+//! run. `cargo bench --bench gpu [-- [--quick] [--list] [SECTION...]]`; sections: resolve, pool,
+//! write, pd, hicache, signal, duplex, interfere, and allgather (feature `nccl`, two GPUs)
+//! (`--list` prints them and exits). Prints a table
+//! and, when $OUT is set, writes it to $OUT/bench.md. Without a GPU it says it skipped and
+//! exits successfully.
 
+#[cfg(feature = "nccl")]
+mod allgather;
+#[cfg(feature = "nccl")]
+mod cp_gather;
 mod harness;
 mod hicache;
 mod interference;
@@ -25,6 +31,8 @@ const SECTIONS: &[(&str, Section)] = &[
     ("signal", hicache::signalled),
     ("duplex", hicache::duplex),
     ("interfere", interference::run),
+    #[cfg(feature = "nccl")]
+    ("allgather", allgather::run),
 ];
 
 fn main() -> ExitCode {
@@ -32,12 +40,27 @@ fn main() -> ExitCode {
         .skip(1)
         .filter(|a| a != "--bench")
         .collect();
+    if args.iter().any(|a| a == "--list") {
+        for (name, _) in SECTIONS {
+            println!("{name}");
+        }
+        return ExitCode::SUCCESS;
+    }
     let quick = args.iter().any(|a| a == "--quick");
     let wanted: Vec<&str> = args
         .iter()
         .map(String::as_str)
         .filter(|a| !a.starts_with("--"))
         .collect();
+    // Names that are no section (a `cargo bench FILTER` meant for the criterion benches reaches
+    // this binary too) are ignored, as criterion ignores filters that match nothing.
+    let known = |w: &&str| SECTIONS.iter().any(|(name, _)| name == w);
+    for unknown in wanted.iter().filter(|w| !known(w)) {
+        println!("no gpu benchmark section {unknown} (--list prints them)");
+    }
+    if !wanted.is_empty() && !wanted.iter().any(known) {
+        return ExitCode::SUCCESS;
+    }
     let mut ctx = match Ctx::new(quick) {
         Ok(ctx) => ctx,
         Err(e) => {

@@ -76,6 +76,17 @@ pub(crate) fn resolve(p: &abi::kvs_resolve_params) -> Result<()> {
     Ok(())
 }
 
+pub(crate) fn scratch_table(p: &abi::kvs_scratch_table_params) -> Result<()> {
+    // Table entries and logical pages are int64s on both sides.
+    if i64::try_from(p.table_len).is_err() || i64::try_from(p.trash_page).is_err() {
+        return invalid(format!(
+            "scratch table of {} logical pages with trash page {} (both at most 2^63 - 1)",
+            p.table_len, p.trash_page
+        ));
+    }
+    Ok(())
+}
+
 fn check_page_list(side: &str, l: &abi::kvs_page_list) -> Result<()> {
     match l.kind {
         abi::KVS_INDEX_POSITION | abi::KVS_INDEX_LOCAL => Ok(()),

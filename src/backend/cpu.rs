@@ -201,13 +201,16 @@ impl Arena {
     }
 }
 
+/// An operation that runs whole against the arena.
+type Work = Box<dyn FnOnce(&mut Arena) -> Result<()> + Send>;
+
 /// One queued operation of a stream.
 enum Op {
     /// Runs whole.
-    Run(Box<dyn FnOnce(&mut Arena) -> Result<()> + Send>),
+    Run(Work),
     /// `kvs_copy_blocks`, run unit by unit (unit `u = k * num_pages + j`, as on the GPU).
     Blocks {
-        p: abi::kvs_copy_blocks_params,
+        p: Box<abi::kvs_copy_blocks_params>,
         next: u64,
     },
     /// Waits until stream `stream` has run its first `seq` operations.
@@ -310,6 +313,12 @@ impl Drop for CpuAllocation {
     fn drop(&mut self) {
         if let Some(device) = self.device.upgrade() {
             let mut d = lock(&device);
+            // As freeing CUDA memory waits for the device (gpu/memory.rs), freeing here first
+            // runs every queued operation: no deferred work ever meets a freed allocation.
+            for s in 0..d.streams.len() {
+                let target = d.streams[s].enqueued;
+                let _ = d.run_until(s, target);
+            }
             if d.arena.allocs.remove(&self.base).is_some() {
                 d.arena.used -= self.len;
             }
@@ -400,6 +409,13 @@ impl CpuBackend {
         }
     }
 
+    /// Makes memory mapped from elsewhere (shared memory another process exported) an
+    /// allocation of this arena, so the twins read and write it like memory they allocated; it
+    /// is dropped (unmapped) when the last buffer sharing it goes.
+    pub(crate) fn adopt(&self, bytes: Box<dyn HostBytes>, kind: MemoryKind) -> Result<Buffer> {
+        adopt_in(&self.device, bytes, kind, self.arena)
+    }
+
     /// Whether this backend's arena runs work deferred.
     pub fn is_deferred(&self) -> bool {
         lock(&self.device).deferred
@@ -484,7 +500,18 @@ fn alloc_in(
             });
         }
     }
-    let bytes: Box<dyn HostBytes> = Box::new(zeroed(len, kind)?);
+    adopt_in(device, Box::new(zeroed(len, kind)?), kind, arena)
+}
+
+/// Places `bytes` in the arena's window and returns them as a buffer that removes (and drops)
+/// them when its last share goes.
+fn adopt_in(
+    device: &Arc<Mutex<Device>>,
+    bytes: Box<dyn HostBytes>,
+    kind: MemoryKind,
+    arena: u64,
+) -> Result<Buffer> {
+    let len = bytes.bytes().len();
     let base = lock(device).arena.insert(len, bytes)?;
     let owner = Arc::new(CpuAllocation {
         device: Arc::downgrade(device),
@@ -697,6 +724,58 @@ fn scratch_rows(mem: &mut Arena, p: &abi::kvs_scratch_rows_params) -> Result<()>
     Ok(())
 }
 
+/// `count` int64s at `addr`, or an error when they do not fit one allocation.
+fn i64s_at(mem: &Arena, addr: u64, count: u64) -> Result<Vec<i64>> {
+    if count == 0 {
+        return Ok(Vec::new());
+    }
+    let bytes = count
+        .checked_mul(8)
+        .and_then(|b| usize::try_from(b).ok())
+        .ok_or_else(|| Error::overflow(format!("bytes of {count} int64s")))?;
+    Ok(super::i64s_from_bytes(mem.bytes(addr, bytes)?))
+}
+
+fn scratch_table(mem: &mut Arena, p: &abi::kvs_scratch_table_params) -> Result<()> {
+    let pages = i64s_at(mem, p.pages, p.num_entries)?;
+    let scratch = i64s_at(mem, p.scratch_pages, p.num_entries)?;
+    let ok = |s: i64| s >= 0 && (s as u64) < p.trash_page;
+    let len = usize::try_from(p.table_len)
+        .ok()
+        .and_then(|n| n.checked_mul(8))
+        .ok_or_else(|| Error::overflow(format!("a table of {} int64s", p.table_len)))?;
+    let mut table = Vec::with_capacity(len);
+    for l in 0..p.table_len {
+        // check::scratch_table bounds table_len and trash_page to int64.
+        let page = l as i64;
+        // The kernel's lower bound, step for step.
+        let (mut lo, mut hi) = (0usize, pages.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if pages[mid] < page {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        let out = match (pages.get(lo), scratch.get(lo)) {
+            (Some(&found), Some(&s)) if found == page && ok(s) => s,
+            _ => p.trash_page as i64,
+        };
+        table.extend_from_slice(&out.to_le_bytes());
+    }
+    if len > 0 {
+        mem.bytes_mut(p.table, len)?.copy_from_slice(&table);
+    }
+    for (i, (&page, &s)) in pages.iter().zip(&scratch).enumerate() {
+        let unsorted = i > 0 && page <= pages[i - 1];
+        if page < 0 || page as u64 >= p.table_len || unsorted || !ok(s) {
+            report(mem, &p.status, i as u64)?;
+        }
+    }
+    Ok(())
+}
+
 fn write_rows(mem: &mut Arena, p: &abi::kvs_write_rows_params) -> Result<()> {
     let placement = Placement::new(p.shard)?;
     let mut rows = Vec::new();
@@ -843,23 +922,33 @@ impl Backend for CpuBackend {
     }
 
     fn record_timed(&self) -> Result<Event> {
-        let d = self.dev();
-        let seq = d.streams[self.stream].enqueued;
+        // The time is stamped by an operation of its own, when the stream reaches it: at once
+        // in immediate mode, when something waits in deferred mode.
+        let at = Arc::new(std::sync::OnceLock::new());
+        let stamp = at.clone();
+        self.run(move |_| {
+            let _ = stamp.set(std::time::Instant::now());
+            Ok(())
+        })?;
+        let seq = self.dev().streams[self.stream].enqueued;
         Ok(Event(EventInner::Cpu {
             arena: self.arena,
             stream: self.stream as u64,
             seq,
-            at: (!d.deferred).then(std::time::Instant::now),
+            at: Some(at),
         }))
     }
 
     fn elapsed_ms(&self, start: &Event, end: &Event) -> Result<f64> {
-        match (&start.0, &end.0) {
-            (EventInner::Cpu { at: Some(a), .. }, EventInner::Cpu { at: Some(b), .. }) => {
-                Ok(b.saturating_duration_since(*a).as_secs_f64() * 1e3)
-            }
+        let time = |e: &Event| match &e.0 {
+            EventInner::Cpu { at: Some(at), .. } => at.get().copied(),
+            _ => None,
+        };
+        match (time(start), time(end)) {
+            (Some(a), Some(b)) => Ok(b.saturating_duration_since(a).as_secs_f64() * 1e3),
             _ => Err(Error::InvalidArgument(
-                "elapsed time needs two timed events of an immediate-mode CPU backend".into(),
+                "elapsed time needs two timed events of this backend that the stream has reached"
+                    .into(),
             )),
         }
     }
@@ -942,6 +1031,15 @@ impl Backend for CpuBackend {
         self.run(move |mem| scratch_rows(mem, &p))
     }
 
+    unsafe fn scratch_table(&self, mut p: abi::kvs_scratch_table_params) -> Result<()> {
+        check::scratch_table(&p)?;
+        if p.table_len == 0 && p.num_entries == 0 {
+            return Ok(());
+        }
+        p.status = self.begin("kvs_scratch_table");
+        self.run(move |mem| scratch_table(mem, &p))
+    }
+
     unsafe fn copy_blocks(&self, mut p: abi::kvs_copy_blocks_params, launch: Launch) -> Result<()> {
         check::copy_blocks(&p)?;
         launch.validate(self.max_threads(KernelFamily::Copy))?;
@@ -949,7 +1047,10 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         p.status = self.begin("kvs_copy_blocks");
-        self.enqueue(Op::Blocks { p, next: 0 })
+        self.enqueue(Op::Blocks {
+            p: Box::new(p),
+            next: 0,
+        })
     }
 
     unsafe fn write_rows(&self, mut p: abi::kvs_write_rows_params, launch: Launch) -> Result<()> {

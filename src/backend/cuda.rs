@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::gpu::memory::{registration_cuts, DeviceAllocation, PinnedAllocation};
 use crate::gpu::{kernels, Gpu, KernelFn, Stream};
 
-/// Threads per CTA of the element-wise kernels (quantizers, scratch translation).
+/// Threads per CTA of the element-wise kernels (quantizers, scratch translation and tables).
 const THREADS: u32 = 256;
 /// Bytes of the device pattern host buffers are filled from.
 const FILL_CHUNK: usize = 16 << 20;
@@ -386,6 +386,18 @@ impl Backend for CudaBackend {
         let grid = self.grid(p.num_slots, u64::from(THREADS));
         // SAFETY: as above.
         unsafe { self.launch(kernels::SCRATCH_ROWS, grid, THREADS, &p) }
+    }
+
+    unsafe fn scratch_table(&self, mut p: abi::kvs_scratch_table_params) -> Result<()> {
+        check::scratch_table(&p)?;
+        let threads = u64::max(p.table_len, p.num_entries);
+        if threads == 0 {
+            return Ok(());
+        }
+        p.status = self.begin(kernels::SCRATCH_TABLE)?;
+        let grid = self.grid(threads, u64::from(THREADS));
+        // SAFETY: as above.
+        unsafe { self.launch(kernels::SCRATCH_TABLE, grid, THREADS, &p) }
     }
 
     unsafe fn copy_blocks(&self, mut p: abi::kvs_copy_blocks_params, launch: Launch) -> Result<()> {

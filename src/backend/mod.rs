@@ -175,20 +175,40 @@ impl Buffer {
     }
 }
 
-/// A point in a backend's stream that other streams of the same device can wait for.
+/// A point in a backend's stream that other streams of the same device can wait for. Two
+/// events are equal when they are the same point of the same stream (clones of one record).
 #[derive(Debug, Clone)]
 pub struct Event(EventInner);
 
+impl PartialEq for Event {
+    fn eq(&self, other: &Self) -> bool {
+        match (&self.0, &other.0) {
+            (
+                EventInner::Cpu {
+                    arena, stream, seq, ..
+                },
+                EventInner::Cpu {
+                    arena: a,
+                    stream: s,
+                    seq: q,
+                    ..
+                },
+            ) => (arena, stream, seq) == (a, s, q),
+            (EventInner::Cuda(a), EventInner::Cuda(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 enum EventInner {
-    /// The CPU backend: operation `seq` of stream `stream` of arena `arena`; a timed event of
-    /// an immediate-mode arena also holds when it was recorded (every operation before it had
-    /// run by then).
+    /// The CPU backend: operation `seq` of stream `stream` of arena `arena`; a timed event also
+    /// holds when the stream reached it, stamped by an operation of its own.
     Cpu {
         arena: u64,
         stream: u64,
         seq: u64,
-        at: Option<std::time::Instant>,
+        at: Option<Arc<std::sync::OnceLock<std::time::Instant>>>,
     },
     /// A CUDA event.
     Cuda(Arc<CudaEvent>),
@@ -343,6 +363,12 @@ pub trait Backend: Send + Sync {
     /// # Safety
     /// As [`Backend::quantize_latent`].
     unsafe fn scratch_rows(&self, p: abi::kvs_scratch_rows_params) -> Result<()>;
+
+    /// `kvs_scratch_table`.
+    ///
+    /// # Safety
+    /// As [`Backend::quantize_latent`].
+    unsafe fn scratch_table(&self, p: abi::kvs_scratch_table_params) -> Result<()>;
 
     /// `kvs_copy_blocks` with the given grid.
     ///

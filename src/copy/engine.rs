@@ -1,7 +1,7 @@
 //! Copy-engine programs: page pairs between a device-side space (pages of packed blocks, one
 //! buffer per stored layer) and a host-side space (any HiCache layout) turned into few, large
 //! DMA copies: contiguous runs, 2D copies over layers where strides allow, and batch calls.
-//! The program is plain data ([`Call`]s); [`submit`] enqueues it.
+//! The program is plain data (a list of calls), enqueued by one function.
 //!
 //! Why (docs/design.md, "What measured fast"): the copy engine is fastest, and leaves compute
 //! alone, with few large contiguous copies; per-block copies cost ~3.7 us of host time each.

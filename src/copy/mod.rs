@@ -9,7 +9,8 @@
 //!   `kvs_copy_blocks_params` and its pair table, and [`TableStore`] for one-shot launches;
 //! - [`engine`]: copy-engine programs (contiguous runs, 2D copies over layers, batches);
 //! - [`signals`]: per-layer ready counters of signalled copies;
-//! - [`resolver`]: the device side of owner-local resolution.
+//! - [`resolver`]: the device side of owner-local resolution;
+//! - [`scratch`]: the device side of a gather plan's scratch page table.
 //!
 //! ```text
 //!  pool / transfer / hicache (policy: what, when, acks)
@@ -23,6 +24,7 @@ pub mod engine;
 pub mod program;
 pub mod resolver;
 pub mod runs;
+pub mod scratch;
 pub mod signals;
 pub mod space;
 
@@ -30,5 +32,6 @@ pub use engine::{Direction, IoCalls, Layers};
 pub use program::{BlockCopy, BlockCopyPlan, PageSelection, TableBuffer, TableStore};
 pub use resolver::{scratch_rows_device, Resolver};
 pub use runs::{OwnedRuns, Run};
+pub use scratch::ScratchTable;
 pub use signals::{CounterWait, LayerSignals};
 pub use space::{BlockSpace, RemoteSpace, SpaceId, Staging};

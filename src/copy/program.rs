@@ -9,7 +9,7 @@
 //! ownership of exactly those spaces (anything else is refused), so the memory a launch
 //! touches stays allocated while the copy can run.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::fmt;
 use std::ops::Range;
 use std::sync::Arc;
@@ -169,20 +169,20 @@ fn check_len(got: usize, entries: usize, side: &str) -> Result<()> {
 }
 
 /// Refuses a page listed twice: two entries would write one block, racing on the GPU, and one
-/// position's data would be lost.
+/// position's data would be lost. Sorts (page, position) pairs: no hashing on the hot path of
+/// planning every chunk.
 pub(crate) fn check_distinct(pages: impl Iterator<Item = u64>, what: &'static str) -> Result<()> {
-    let mut seen = HashMap::new();
-    for (i, page) in pages.enumerate() {
-        if let Some(first) = seen.insert(page, i) {
-            return Err(Error::DuplicatePage {
-                what,
-                page,
-                first,
-                second: i,
-            });
-        }
+    let mut sorted: Vec<(u64, usize)> = pages.enumerate().map(|(i, p)| (p, i)).collect();
+    sorted.sort_unstable();
+    match sorted.windows(2).find(|w| w[0].0 == w[1].0) {
+        Some(w) => Err(Error::DuplicatePage {
+            what,
+            page: w[0].0,
+            first: w[0].1,
+            second: w[1].1,
+        }),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// A block copy as plain data: what moves where, checked against both spaces.
@@ -497,7 +497,9 @@ impl TableBuffer {
 }
 
 /// A plan uploaded to one backend, ready to run repeatedly. It holds the two spaces it copies
-/// between, so their memory outlives every launch.
+/// between, so their memory outlives every launch. Keep it until its runs have completed:
+/// dropping it earlier frees its tables, which first waits for the device (as every free of
+/// kvshard memory does).
 #[derive(Debug)]
 pub struct BlockCopy {
     plan: BlockCopyPlan,

@@ -28,9 +28,9 @@ fn check_i64s(buffer: &Buffer, count: usize, align: u64, what: &str) -> Result<(
 }
 
 /// Translates `n` token slots into scratch rows on `backend` (`kvs_scratch_rows`): `out[i]`
-/// gets the row [`scratch_rows`] gives for `slots[i]`, or -1 for padding. The first `table_len`
+/// gets the row [`crate::shard::scratch_rows`] gives for `slots[i]`, or -1 for padding. The first `table_len`
 /// int64s of `page_table` map logical pages to scratch pages. Waits for the kernel; a slot it
-/// rejects (see [`scratch_rows`]) gets -1 and fails the call with [`Error::KernelRejected`]
+/// rejects (see [`crate::shard::scratch_rows`]) gets -1 and fails the call with [`Error::KernelRejected`]
 /// naming the smallest such position, after every other row has been written.
 pub fn scratch_rows_device(
     backend: &dyn Backend,
@@ -174,7 +174,7 @@ impl Resolver {
     /// - the resolver must be used with the backend it was made on (only its kind is checked)
     ///   and must outlive the launch;
     /// - launches of one resolver must never overlap: a launch (this one or a later one, also
-    ///   through [`Self::resolve`]) may be enqueued on another stream than the previous one only
+    ///   through [`Self::resolve_sync`]) may be enqueued on another stream than the previous one only
     ///   once the previous one has finished.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn resolve_device(

@@ -109,6 +109,31 @@ pub trait BlockSpace: sealed::Sealed + Send + Sync + fmt::Debug {
     }
 }
 
+/// Implements [`BlockSpace`] for a type that keeps its identity, address space, components and
+/// page count in fields named `id`, `space`, `components` and `pages`.
+macro_rules! block_space {
+    ($ty:ty) => {
+        impl $crate::copy::BlockSpace for $ty {
+            fn id(&self) -> $crate::copy::SpaceId {
+                self.id
+            }
+
+            fn address_space(&self) -> $crate::backend::AddressSpace {
+                self.space
+            }
+
+            fn components(&self) -> &[$crate::geometry::ComponentLayout] {
+                &self.components
+            }
+
+            fn pages(&self) -> u64 {
+                self.pages
+            }
+        }
+    };
+}
+pub(crate) use block_space;
+
 /// Checks two block spaces hold the same components with the same block shapes.
 pub(crate) fn check_same_components(a: &[ComponentLayout], b: &[ComponentLayout]) -> Result<()> {
     if a.len() != b.len() {
@@ -162,6 +187,7 @@ pub(crate) fn packed_regions(
 #[derive(Debug)]
 pub struct Staging {
     id: SpaceId,
+    space: AddressSpace,
     components: Vec<ComponentLayout>,
     pages: u64,
     regions: Vec<(usize, usize)>,
@@ -185,6 +211,7 @@ impl Staging {
         let buffer = backend.alloc(total, kind)?;
         Ok(Self {
             id: SpaceId::next(),
+            space: backend.address_space(),
             components,
             pages,
             regions,
@@ -232,23 +259,7 @@ impl sealed::Sealed for Staging {
     }
 }
 
-impl BlockSpace for Staging {
-    fn id(&self) -> SpaceId {
-        self.id
-    }
-
-    fn address_space(&self) -> AddressSpace {
-        self.buffer.space()
-    }
-
-    fn components(&self) -> &[ComponentLayout] {
-        &self.components
-    }
-
-    fn pages(&self) -> u64 {
-        self.pages
-    }
-}
+block_space!(Staging);
 
 /// A destination registered by another side of a transfer: the base address of every stored
 /// layer of every component, and the layout they follow (packed blocks of `pages` pages per
@@ -404,20 +415,4 @@ impl sealed::Sealed for RemoteSpace {
     }
 }
 
-impl BlockSpace for RemoteSpace {
-    fn id(&self) -> SpaceId {
-        self.id
-    }
-
-    fn address_space(&self) -> AddressSpace {
-        self.space
-    }
-
-    fn components(&self) -> &[ComponentLayout] {
-        &self.components
-    }
-
-    fn pages(&self) -> u64 {
-        self.pages
-    }
-}
+block_space!(RemoteSpace);

@@ -123,6 +123,7 @@ kernels! {
     ResolvePages => "kvs_resolve_pages", RESOLVE_PAGES: abi::kvs_resolve_params;
     ResolvePagesPow2 => "kvs_resolve_pages_pow2", RESOLVE_PAGES_POW2: abi::kvs_resolve_params;
     ScratchRows => "kvs_scratch_rows", SCRATCH_ROWS: abi::kvs_scratch_rows_params;
+    ScratchTable => "kvs_scratch_table", SCRATCH_TABLE: abi::kvs_scratch_table_params;
     CopyBlocks => "kvs_copy_blocks", COPY_BLOCKS: abi::kvs_copy_blocks_params;
     WriteRows => "kvs_write_rows", WRITE_ROWS: abi::kvs_write_rows_params;
     CopyRanges => "kvs_copy_ranges", COPY_RANGES: abi::kvs_copy_ranges_params;

@@ -7,8 +7,10 @@
 //!   buffers an engine already has.
 //! - [`IpcEvent`]: an interprocess event, recorded by one process and waited on by another.
 //!
-//! Every type owns its driver handle and releases it on drop; nothing here synchronizes: the
-//! caller keeps memory alive until the work that uses it (in any process) has completed.
+//! Every type owns its driver handle and releases it on drop. Unmapping memory first waits for
+//! this process's work on the device (`cuCtxSynchronize`, as freeing kvshard's own memory does),
+//! so no launch of this process touches an unmapped range; work of *other* processes is the
+//! protocol's business (the P/D endpoints in `transfer::endpoint` order it).
 
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
@@ -151,13 +153,23 @@ impl Mapping {
     }
 }
 
+/// Waits for every stream of the current context: work still queued may use a range about to be
+/// unmapped. A context whose work failed for good runs nothing any more, so a failure here also
+/// means nothing can touch the memory.
+fn quiesce() {
+    // SAFETY: a plain wait on the current context, which every caller bound first.
+    let _ = unsafe { sys::cuCtxSynchronize() }.result();
+}
+
 impl Drop for Mapping {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_err() {
             return;
         }
         if self.mapped {
-            // SAFETY: mapped by `new` at this range; owners guarantee no queued work uses it.
+            quiesce();
+            // SAFETY: mapped by `new` at this range; this process's work that could use it has
+            // finished (quiesce above).
             let _ = unsafe { sys::cuMemUnmap(self.ptr, self.size) }.result();
         }
         // SAFETY: the handle is owned by this value and released once; the physical memory goes
@@ -502,6 +514,14 @@ impl IpcMemHandle {
     }
 }
 
+/// The `cuMemAlloc` allocation (base address and bytes) device address `ptr` lies in: what a
+/// legacy IPC handle shares, since an engine's buffer may be a piece of a larger allocation
+/// (PyTorch's caching allocator hands out such pieces).
+pub fn allocation_of(ctx: &Arc<CudaContext>, ptr: u64) -> Result<(u64, usize)> {
+    bind(ctx)?;
+    address_range(ptr)
+}
+
 fn address_range(ptr: u64) -> Result<(u64, usize)> {
     let (mut base, mut size) = (0, 0);
     // SAFETY: the driver writes the two outputs; an address it does not know is an error.
@@ -575,7 +595,9 @@ impl IpcMapping {
 impl Drop for IpcMapping {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: opened by `open` and closed once; owners guarantee no queued work uses it.
+            quiesce();
+            // SAFETY: opened by `open` and closed once; this process's work that could use it
+            // has finished (quiesce above).
             let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) }.result();
         }
     }

@@ -151,6 +151,26 @@ pub struct CacheNode {
     pub start_owner: Option<u32>,
 }
 
+impl CacheNode {
+    /// Allocates the host pages a backup of this node gets from the host allocator: along the
+    /// node's owner rotation when it has a shard owner, else of the same owner classes as its
+    /// device pages. All or nothing.
+    pub fn alloc_host_pages(&self, host: &mut ShardAllocator) -> Result<Vec<LogicalPage>> {
+        match self.start_owner {
+            Some(start_owner) => Ok(host
+                .alloc(AllocRequest {
+                    chain: ChainStart::Extend {
+                        start_owner,
+                        prefix_tokens: 0,
+                    },
+                    pages: self.device_pages.len(),
+                })?
+                .pages),
+            None => host.alloc_matching(&self.device_pages),
+        }
+    }
+}
+
 /// A completed backup, acked in submission order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BackupAck {
@@ -265,7 +285,7 @@ impl HiCacheController {
         streams: Streams,
         policy: WritePolicy,
     ) -> Result<Self> {
-        crate::copy::space::check_same_components(device.components(), host.components())?;
+        super::direct::check_pools(&device, &host)?;
         for stream in [
             &streams.load,
             &streams.backup,
@@ -273,12 +293,8 @@ impl HiCacheController {
             &streams.backup_relayout,
             &streams.tables,
         ] {
-            crate::backend::check_space(
-                stream.address_space(),
-                device.address_space(),
-                "device pool",
-            )?;
-            crate::backend::check_space(stream.address_space(), host.address_space(), "host pool")?;
+            // check_pools put both pools in one address space.
+            crate::backend::check_space(stream.address_space(), device.address_space(), "pools")?;
         }
         let allocator = ShardAllocator::new(device.placement(), host.pages())?;
         let signals =
@@ -440,20 +456,7 @@ impl HiCacheController {
             )));
         }
         check_route(route)?;
-        let host_pages = match node.start_owner {
-            Some(start_owner) => {
-                self.allocator
-                    .alloc(AllocRequest {
-                        chain: ChainStart::Extend {
-                            start_owner,
-                            prefix_tokens: 0,
-                        },
-                        pages: node.device_pages.len(),
-                    })?
-                    .pages
-            }
-            None => self.allocator.alloc_matching(&node.device_pages)?,
-        };
+        let host_pages = node.alloc_host_pages(&mut self.allocator)?;
         let transfer =
             match self.transfer(&node.device_pages, &host_pages, Direction::Backup, route) {
                 Ok(t) => t,

@@ -72,8 +72,8 @@ pub struct HostTransfer {
     /// The target's layer count: the draft's model layer, which readiness groups with layer 0.
     draft_layer: Option<ModelLayer>,
     kernel: Option<BlockCopy>,
-    /// The staged kernel relayout, one copy per staging mirror.
-    pub(super) relayout: Option<Vec<BlockCopy>>,
+    /// The staged kernel relayout: the staging it was made for, and one copy per mirror.
+    pub(super) relayout: Option<(crate::copy::SpaceId, Vec<BlockCopy>)>,
 }
 
 impl HostTransfer {
@@ -86,8 +86,7 @@ impl HostTransfer {
         plan: TransferPlan,
         direction: Direction,
     ) -> Result<Self> {
-        crate::copy::space::check_same_components(device.components(), host.components())?;
-        crate::backend::check_space(device.address_space(), host.address_space(), "host pool")?;
+        check_pools(&device, &host)?;
         if plan.placement() != device.placement() || plan.rank() != device.rank() {
             return Err(Error::HiCache(format!(
                 "plan for rank {} of {} used with the device pool of rank {} of {}",
@@ -217,7 +216,7 @@ impl HostTransfer {
     pub fn into_tables(self) -> Vec<TableBuffer> {
         self.kernel
             .into_iter()
-            .chain(self.relayout.into_iter().flatten())
+            .chain(self.relayout.into_iter().flat_map(|(_, copies)| copies))
             .filter_map(BlockCopy::into_tables)
             .collect()
     }
@@ -289,6 +288,15 @@ impl HostTransfer {
         Ok(n)
     }
 
+    /// Checks `backend` runs in the pools' address space.
+    pub(super) fn check_backend(&self, backend: &dyn Backend) -> Result<()> {
+        crate::backend::check_space(
+            backend.address_space(),
+            self.device.address_space(),
+            "the pools",
+        )
+    }
+
     fn kernel(&self) -> Result<&BlockCopy> {
         self.kernel.as_ref().ok_or_else(|| {
             Error::HiCache(
@@ -302,11 +310,7 @@ impl HostTransfer {
     /// no pages of enqueues nothing.
     pub fn run(&self, backend: &dyn Backend, io: IoBackend, layers: Layers) -> Result<()> {
         self.check_layers(layers)?;
-        crate::backend::check_space(
-            backend.address_space(),
-            self.device.address_space(),
-            "the pools",
-        )?;
+        self.check_backend(backend)?;
         if self.plan.is_empty() {
             return Ok(());
         }
@@ -356,4 +360,11 @@ impl HostTransfer {
             .map(|m| waits[self.group(ModelLayer(m)).0].clone())
             .collect())
     }
+}
+
+/// Checks a device pool and a host pool can back each other: the same components, in one
+/// address space.
+pub(super) fn check_pools(device: &DevicePool, host: &HostPool) -> Result<()> {
+    crate::copy::space::check_same_components(device.components(), host.components())?;
+    crate::backend::check_space(device.address_space(), host.address_space(), "host pool")
 }

@@ -1,7 +1,7 @@
 //! One rank's host pool (docs/design.md, "HiCache"): per component, one pinned buffer of `pages` pages
 //! in one of three layouts. The pool is a [`BlockSpace`], so the block-copy kernel reads and
-//! writes it through its device alias with no code of its own; the copy-engine paths in
-//! [`super::io`] use the same address math.
+//! writes it through its device alias with no code of its own; the copy-engine programs
+//! ([`crate::copy::engine`]) use the same address math.
 //!
 //! Per component with `L` stored layers, blocks of `B` bytes made of `rows` rows of `R` bytes
 //! (latent: 64 rows of the latent row; indexer: one 8,448-byte row per block):
@@ -485,20 +485,4 @@ impl sealed::Sealed for HostPool {
     }
 }
 
-impl BlockSpace for HostPool {
-    fn id(&self) -> SpaceId {
-        self.id
-    }
-
-    fn address_space(&self) -> AddressSpace {
-        self.space
-    }
-
-    fn components(&self) -> &[ComponentLayout] {
-        &self.components
-    }
-
-    fn pages(&self) -> u64 {
-        self.pages
-    }
-}
+crate::copy::space::block_space!(HostPool);

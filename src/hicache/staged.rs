@@ -68,6 +68,11 @@ impl StagedIo {
     pub fn bytes(&self) -> usize {
         self.mirrors.iter().map(|m| m.bytes()).sum()
     }
+
+    /// The staging's identity (its first mirror's): what a prepared kernel relayout is tied to.
+    pub fn id(&self) -> SpaceId {
+        self.mirrors[0].id()
+    }
 }
 
 /// A stretch of plan entries whose host pages are consecutive (one copy-engine run per
@@ -145,8 +150,13 @@ impl HostTransfer {
         spare: &mut Vec<TableBuffer>,
     ) -> Result<()> {
         self.check_staging(staging)?;
-        if self.relayout.is_some() || self.plan.is_empty() {
+        let id = staging.id();
+        if self.plan.is_empty() || matches!(&self.relayout, Some((made, _)) if *made == id) {
             return Ok(());
+        }
+        // Prepared for another staging: its tables name the other mirrors; make them anew.
+        if let Some((_, old)) = self.relayout.take() {
+            spare.extend(old.into_iter().filter_map(BlockCopy::into_tables));
         }
         let mut copies = Vec::with_capacity(2);
         for mirror in &staging.mirrors {
@@ -160,7 +170,7 @@ impl HostTransfer {
             };
             copies.push(BlockCopy::prepare_sync(backend, plan, src, dst, reuse)?);
         }
-        self.relayout = Some(copies);
+        self.relayout = Some((id, copies));
         Ok(())
     }
 
@@ -266,23 +276,22 @@ impl HostTransfer {
     ) -> Result<()> {
         how.check()?;
         self.check_staging(staging)?;
-        for backend in [copy, relayout] {
-            crate::backend::check_space(
-                backend.address_space(),
-                self.device.address_space(),
-                "the pools",
-            )?;
-        }
+        self.check_backend(copy)?;
+        self.check_backend(relayout)?;
         if self.plan.is_empty() {
             return Ok(());
         }
         let kernels = match how {
             Relayout::Kernel { ctas } => Some((
-                self.relayout.as_ref().ok_or_else(|| {
-                    Error::HiCache(
-                        "a kernel relayout needs HostTransfer::prepare_staged_sync first".into(),
-                    )
-                })?,
+                match &self.relayout {
+                    Some((made, copies)) if *made == staging.id() => copies,
+                    _ => {
+                        return Err(Error::HiCache(
+                            "a kernel relayout needs HostTransfer::prepare_staged_sync with this staging first"
+                                .into(),
+                        ))
+                    }
+                },
                 Launch::host_io(relayout, ctas),
             )),
             Relayout::CopyEngine => None,

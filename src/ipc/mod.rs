@@ -1,9 +1,11 @@
 //! Cross-process building blocks for prefill/decode disaggregation on one host.
 //!
 //! Prefill and decode run as separate processes, one per GPU. The decode process allocates its KV
-//! pool as exportable memory ([`crate::gpu::vmm`] on a GPU, [`shm::SharedMemory`] on the CPU twin)
-//! and publishes it over a [`channel::Channel`]; each prefill process imports and maps it and
-//! writes pages straight into it, then reports every chunk back over the same channel.
+//! pool as exportable memory ([`crate::gpu::vmm`] on a GPU, [`shm::SharedMemory`] on the CPU twin;
+//! [`pool::ExportedPool`]) and publishes it over a [`channel::Channel`]; each prefill process
+//! imports and maps it ([`pool::ImportedPool`]) and writes pages straight into it, then reports
+//! every chunk back over the same channel. The P/D protocol on top of these messages, as library
+//! types, is [`crate::transfer::endpoint`].
 //!
 //! # The control channel protocol
 //!
@@ -30,12 +32,15 @@
 //! read the peer's; a frame of another version or a first message that is not `Hello` ends the
 //! connection.
 //!
-//! **Messages.** `PublishPool` (decode → prefill: the pool's memory kind, regions, per-component
-//! layer offsets, page stride and pages, and a geometry blob; one descriptor per region for the
-//! fd kinds), `Register` (decode → prefill: a request's destination pages), `ChunkDone`
-//! (prefill → decode), `EventHandle` (a CUDA interprocess event), `Abort`, `Heartbeat`, `Bye`,
-//! `NixlPeer` (either way: a NIXL agent's metadata, geometry and the memory the peer may address;
-//! see `transfer::nixl`).
+//! **Messages.** `PublishPool` (decode → prefill: the pool's id and memory kind, regions,
+//! per-component layer offsets, page stride and pages, and its geometry, postcard-encoded by
+//! [`pool::encode_geometry`]; one descriptor per region for the fd kinds), `Register` (decode →
+//! prefill: a request's pool, cached prefix, destination pages after it and indexer-state pages
+//! from position 0), `ChunkDone` (prefill → decode: request, chunk, final, source rank, bytes per
+//! component or the failure), `EventHandle` (a CUDA interprocess event), `Abort`, `Heartbeat`,
+//! `Bye`,
+//! `NixlPeer` (either way: a NIXL agent's metadata, geometry and the memory the peer may
+//! address; see `transfer::nixl`).
 //!
 //! A session, per prefill rank:
 //!
@@ -43,8 +48,8 @@
 //! decode (Listener)                              prefill rank r (Channel::connect, retrying)
 //!        <──────────── Hello { version, role, rank, shard } ────────────>   both ways
 //! PublishPool { regions, components, .. } ──>    import and map each region (fds attached)
-//!                                           <──  EventHandle (GPU: the rank's interprocess event)
-//! Register { request, pages, .. } ──────────>    write the request's chunks into the pool
+//!                                           <──  EventHandle x E (GPU: the rank's events)
+//! Register { request, pool, pages, .. } ────>    write the request's chunks into the pool
 //!                                           <──  ChunkDone { request, chunk, last, .. } per chunk
 //! Abort { request, reason }               <──>   either way, any time
 //! Bye                                     <──>   either way; then the connection closes
@@ -60,10 +65,12 @@
 //! [postcard]: https://postcard.jamesmunns.com/wire-format
 
 pub mod channel;
+pub mod pool;
 pub mod shm;
 pub mod wire;
 
 pub use channel::{recv_any, Channel, Listener, Liveness, Received};
+pub use pool::{ExportedPool, ImportedPool, PeerBackend};
 pub use shm::SharedMemory;
 pub use wire::{Message, ProtocolError};
 

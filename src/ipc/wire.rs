@@ -8,8 +8,10 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// The first four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"KVSC";
-/// Protocol version; every frame carries it and the handshake compares it.
-pub const VERSION: u16 = 1;
+/// Protocol version; every frame carries it and the handshake compares it. Version 2: `Register`
+/// names its pool and lists the pages after the cached prefix, `ChunkDone` counts bytes per
+/// component.
+pub const VERSION: u16 = 2;
 /// Bytes in a frame header.
 pub const HEADER_BYTES: usize = 12;
 /// Largest payload a frame may carry (1 MiB: a pool description of hundreds of layers is a few
@@ -337,16 +339,18 @@ impl PublishPool {
     }
 }
 
-/// Decode → prefill: where a request's pages go.
+/// Decode → prefill: where a request's pages go (a `transfer::Registration` on the wire).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Register {
     /// Request id.
     pub request: u64,
-    /// How many leading entries of `pages` already hold the KV (a prefix-cache hit): not sent.
+    /// The published pool ([`PublishPool::pool`]) the pages belong to.
+    pub pool: u64,
+    /// Leading pages of the sequence the decode already holds (a prefix-cache hit): never sent.
     pub prefix_pages: u64,
-    /// The decode pool page of every page of the request, in order, prefix included.
+    /// The decode pool page of every sequence position from `prefix_pages` on.
     pub pages: Vec<u64>,
-    /// The decode pool pages of the request's indexer state.
+    /// The decode pool page of the indexer state of every sequence position from 0 on.
     pub state_pages: Vec<u64>,
 }
 
@@ -361,8 +365,9 @@ pub struct ChunkDone {
     pub last: bool,
     /// The prefill rank that wrote it.
     pub source_rank: u32,
-    /// Bytes written.
-    pub bytes: u64,
+    /// Bytes written per component, in the order target latent, target indexer, draft latent,
+    /// draft indexer.
+    pub bytes: [u64; 4],
     /// Why the chunk failed; `None` when it landed.
     pub failed: Option<String>,
 }
@@ -502,11 +507,6 @@ impl Message {
             Message::NixlPeer(p) if p.slots.is_empty() != (p.slot_pages == 0) => Err(invalid(
                 format!("{} bounce slots of {} pages", p.slots.len(), p.slot_pages),
             )),
-            Message::Register(r) if r.prefix_pages > r.pages.len() as u64 => Err(invalid(format!(
-                "prefix of {} pages in a request of {}",
-                r.prefix_pages,
-                r.pages.len()
-            ))),
             _ => Ok(()),
         }
     }

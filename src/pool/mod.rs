@@ -130,10 +130,31 @@ impl DevicePool {
         rank: u32,
         pages: u64,
     ) -> Result<Self> {
+        Self::allocate_with(geometry, placement, rank, pages, |total| {
+            backend.alloc(total, MemoryKind::Device)
+        })
+    }
+
+    /// [`DevicePool::allocate`] with the one allocation made by `alloc`, given the bytes the
+    /// pool needs: memory other processes can map (`ipc::ExportedPool`). The pool belongs to
+    /// the address space of the buffer `alloc` returns, which must hold at least those bytes.
+    pub(crate) fn allocate_with(
+        geometry: &CacheGeometry,
+        placement: Placement,
+        rank: u32,
+        pages: u64,
+        alloc: impl FnOnce(usize) -> Result<Buffer>,
+    ) -> Result<Self> {
         let logical_capacity = Self::check(geometry, placement, rank, pages)?;
         let components = geometry.components();
         let (regions, total) = packed_regions(&components, pages)?;
-        let storage = backend.alloc(total, MemoryKind::Device)?;
+        let storage = alloc(total)?;
+        if storage.len() < total {
+            return Err(Error::InvalidArgument(format!(
+                "a pool of {total} bytes given an allocation of {}",
+                storage.len()
+            )));
+        }
         let bases = regions
             .iter()
             .zip(&components)
@@ -145,7 +166,7 @@ impl DevicePool {
             .collect();
         Ok(Self {
             id: SpaceId::next(),
-            space: backend.address_space(),
+            space: storage.space(),
             geometry: geometry.clone(),
             placement,
             rank,
@@ -378,20 +399,4 @@ impl sealed::Sealed for DevicePool {
     }
 }
 
-impl BlockSpace for DevicePool {
-    fn id(&self) -> SpaceId {
-        self.id
-    }
-
-    fn address_space(&self) -> AddressSpace {
-        self.space
-    }
-
-    fn components(&self) -> &[ComponentLayout] {
-        &self.components
-    }
-
-    fn pages(&self) -> u64 {
-        self.pages
-    }
-}
+crate::copy::space::block_space!(DevicePool);

@@ -2,10 +2,19 @@
 //! identical copy on identical inputs, so all of them agree on every logical page without
 //! talking to each other: the allocator is deterministic and free of hashing or clocks.
 //!
-//! Layout: one free stack per owner class `c` (logical pages `l >= N` with `l % N == c`), plus
-//! one state byte per logical page. Stacks make alloc and free O(pages); the state bytes let
-//! free tell a double free from a page that was never handed out. A fresh class stack holds its
-//! pages highest at the bottom, so a fresh allocator hands out each class's lowest pages first.
+//! Layout: one free stack per owner class `c` (logical pages `l >= N` with `l % N == c`), one
+//! release list per class, and one state byte per logical page. Stacks make alloc and free
+//! O(pages); the state bytes let free tell a double free from a page that was never handed out.
+//! A fresh class stack holds its pages highest at the bottom, so a fresh allocator hands out
+//! each class's lowest pages first.
+//!
+//! Release order (SGLang's `release_pages` and `merge_and_sort_free`): freed pages go to their
+//! class's release list, not back onto the stack, and a class's release list is merged into its
+//! stack, the whole stack sorted so that pages come out in ascending order again, when the class
+//! runs short of what an extension (`alloc`, `alloc_batch`) takes from it, and before every
+//! `alloc_matching`. Pushed straight back, a freed chain would come out last-freed-first, in
+//! descending local order, and the transfers of the pages reusing it (P/D descriptors, HiCache
+//! runs) would stop coalescing. Released pages are free: they count in every free count.
 //!
 //! Every multi-page operation is all-or-nothing: it validates and counts first, and touches the
 //! stacks only once the whole operation is known to succeed.
@@ -68,27 +77,31 @@ pub struct ShardAllocator {
     pages_per_rank: u64,
     /// Free logical pages of each owner class; the next page handed out is the last.
     free: Vec<Vec<LogicalPage>>,
+    /// Pages of each owner class freed since its last merge (in any order: a merge sorts).
+    released: Vec<Vec<LogicalPage>>,
     /// Indexed by logical page.
     state: Vec<PageState>,
 }
 
 impl Clone for ShardAllocator {
-    /// Keeps each free stack's full capacity (a derived clone would trim it to the length), so
-    /// frees on the clone never reallocate a stack, as on the original.
+    /// Keeps each free stack's and release list's full capacity (a derived clone would trim it
+    /// to the length), so frees and merges on the clone never reallocate, as on the original.
     fn clone(&self) -> Self {
-        let free = self
-            .free
-            .iter()
-            .map(|stack| {
-                let mut copy = Vec::with_capacity(stack.capacity());
-                copy.extend_from_slice(stack);
-                copy
-            })
-            .collect();
+        let keep_capacity = |lists: &[Vec<LogicalPage>]| {
+            lists
+                .iter()
+                .map(|list| {
+                    let mut copy = Vec::with_capacity(list.capacity());
+                    copy.extend_from_slice(list);
+                    copy
+                })
+                .collect()
+        };
         Self {
             placement: self.placement,
             pages_per_rank: self.pages_per_rank,
-            free,
+            free: keep_capacity(&self.free),
+            released: keep_capacity(&self.released),
             state: self.state.clone(),
         }
     }
@@ -122,10 +135,14 @@ impl ShardAllocator {
         reserve(&mut state, total, "page states")?;
         state.resize(total, PageState::NeverAllocated);
         let mut free = Vec::new();
+        let mut released = Vec::new();
         reserve(&mut free, shard as usize, "owner classes")?;
+        reserve(&mut released, shard as usize, "owner classes")?;
         for class in 0..placement.shard() {
+            // Both lists hold every page of the class at full capacity, so neither a free nor a
+            // merge ever allocates (nor fails to). Fits: the product with `shard` fit in usize
+            // above.
             let mut stack = Vec::new();
-            // Fits: the product with `shard` fit in usize above.
             reserve(&mut stack, (pages_per_rank - 1) as usize, "free pages")?;
             stack.extend(
                 (1..pages_per_rank)
@@ -133,11 +150,19 @@ impl ShardAllocator {
                     .map(|local| LogicalPage(local * shard + u64::from(class))),
             );
             free.push(stack);
+            let mut release = Vec::new();
+            reserve(
+                &mut release,
+                (pages_per_rank - 1) as usize,
+                "released pages",
+            )?;
+            released.push(release);
         }
         Ok(Self {
             placement,
             pages_per_rank,
             free,
+            released,
             state,
         })
     }
@@ -152,21 +177,65 @@ impl ShardAllocator {
         self.pages_per_rank
     }
 
-    /// Free pages of owner class `owner`; 0 for an owner outside the group.
+    /// Free pages of owner class `owner` (released ones included); 0 for an owner outside the
+    /// group.
     pub fn free_pages(&self, owner: u32) -> usize {
-        self.free.get(owner as usize).map_or(0, Vec::len)
+        self.class_free(owner as usize)
     }
 
     /// Free pages over all owner classes.
     pub fn total_free(&self) -> usize {
-        self.free.iter().map(Vec::len).sum()
+        (0..self.free.len()).map(|c| self.class_free(c)).sum()
+    }
+
+    /// Freed pages of owner class `owner` waiting in its release list for the next merge; 0
+    /// for an owner outside the group.
+    pub fn released_pages(&self, owner: u32) -> usize {
+        self.released.get(owner as usize).map_or(0, Vec::len)
     }
 
     /// Tokens the group can still admit whatever start owners new chains get:
     /// `N * 64 * min_r(free_r)`.
     pub fn admission_capacity(&self) -> u64 {
-        let min_free = self.free.iter().map(Vec::len).min().unwrap_or(0) as u64;
+        let min_free = (0..self.free.len())
+            .map(|c| self.class_free(c))
+            .min()
+            .unwrap_or(0) as u64;
         self.token_stride() * min_free
+    }
+
+    /// Free pages of class index `class`: its stack and its release list.
+    fn class_free(&self, class: usize) -> usize {
+        self.free.get(class).map_or(0, Vec::len) + self.released.get(class).map_or(0, Vec::len)
+    }
+
+    /// Moves class `class`'s release list into its stack and sorts the stack descending, so it
+    /// hands out its lowest page next (the stack's top is its last element). No allocation: the
+    /// stack holds every page of the class at full capacity.
+    fn merge(&mut self, class: usize) {
+        let (Some(stack), Some(released)) =
+            (self.free.get_mut(class), self.released.get_mut(class))
+        else {
+            return;
+        };
+        if released.is_empty() {
+            return;
+        }
+        stack.append(released);
+        stack.sort_unstable_by(|a, b| b.cmp(a));
+    }
+
+    /// Merges every class whose stack holds fewer pages than `taken` takes from it.
+    fn merge_short(&mut self, taken: &[usize]) {
+        for (class, &needed) in taken.iter().enumerate() {
+            if self
+                .free
+                .get(class)
+                .is_some_and(|stack| stack.len() < needed)
+            {
+                self.merge(class);
+            }
+        }
     }
 
     /// Tokens each admitted request reserves on top of its own length: `N * 64`, the rounding
@@ -184,6 +253,7 @@ impl ShardAllocator {
         let mut taken = vec![0usize; self.free.len()];
         let plan = self.plan(&request, &mut taken)?;
         self.check_supply(&taken)?;
+        self.merge_short(&taken);
         Ok(self.commit(&request, plan))
     }
 
@@ -193,7 +263,8 @@ impl ShardAllocator {
     /// lowest rank), counting the pages the earlier requests of this batch take. The batch
     /// commits only if every owner class can supply what the whole batch needs from it;
     /// otherwise it fails with [`Error::Exhausted`] for the lowest short class and nothing
-    /// changes.
+    /// changes. A class whose stack is short of the batch's share merges its release list
+    /// first, as SGLang's `alloc_extend` does for the whole batch.
     pub fn alloc_batch(&mut self, requests: &[AllocRequest]) -> Result<Vec<Allocation>> {
         let mut taken = vec![0usize; self.free.len()];
         let plans = requests
@@ -201,6 +272,7 @@ impl ShardAllocator {
             .map(|request| self.plan(request, &mut taken))
             .collect::<Result<Vec<_>>>()?;
         self.check_supply(&taken)?;
+        self.merge_short(&taken);
         Ok(requests
             .iter()
             .zip(plans)
@@ -212,6 +284,8 @@ impl ShardAllocator {
     /// copy of each page lands on the rank that holds the original. The given pages may belong
     /// to another pool of the same placement (host copies of device pages), so only their class
     /// matters; reserved padding pages have nothing to copy and are refused. All or nothing.
+    /// Every release list is merged first (once the call is known to succeed), so the new pages
+    /// of each class come out ascending and a reload's runs coalesce.
     pub fn alloc_matching(&mut self, pages: &[LogicalPage]) -> Result<Vec<LogicalPage>> {
         let mut by_class = vec![Vec::new(); self.free.len()];
         for (i, &page) in pages.iter().enumerate() {
@@ -222,6 +296,9 @@ impl ShardAllocator {
         }
         let taken: Vec<usize> = by_class.iter().map(Vec::len).collect();
         self.check_supply(&taken)?;
+        for class in 0..self.free.len() {
+            self.merge(class);
+        }
         let mut out = vec![LogicalPage(0); pages.len()];
         for (stack, positions) in self.free.iter_mut().zip(&by_class) {
             let at = stack.len().saturating_sub(positions.len());
@@ -233,8 +310,9 @@ impl ShardAllocator {
         Ok(out)
     }
 
-    /// Returns every page of `pages` to its owner class, or none of them: a page out of range,
-    /// reserved, never handed out, already free, or given twice fails the whole call.
+    /// Returns every page of `pages` to its owner class's release list, or none of them: a page
+    /// out of range, reserved, never handed out, already free, or given twice fails the whole
+    /// call.
     pub fn free(&mut self, pages: &[LogicalPage]) -> Result<()> {
         // Marking pages freed as we go catches duplicates within the call; on error the marks
         // made so far are undone, and they all belonged to distinct pages that were allocated.
@@ -248,7 +326,8 @@ impl ShardAllocator {
         }
         for &page in pages {
             let class = self.placement.owner(page) as usize;
-            self.free[class].push(page);
+            // No reallocation: the list was made with room for every page of its class.
+            self.released[class].push(page);
         }
         Ok(())
     }
@@ -301,9 +380,9 @@ impl ShardAllocator {
     fn emptiest_owner(&self, taken: &[usize]) -> u32 {
         let mut best = 0;
         let mut best_left = i128::MIN;
-        for (owner, (stack, &t)) in self.free.iter().zip(taken).enumerate() {
+        for (owner, &t) in taken.iter().enumerate() {
             // Signed: an over-drawn class (the batch will fail) must still rank below the rest.
-            let left = stack.len() as i128 - t as i128;
+            let left = self.class_free(owner) as i128 - t as i128;
             if left > best_left {
                 best = owner as u32;
                 best_left = left;
@@ -313,12 +392,13 @@ impl ShardAllocator {
     }
 
     fn check_supply(&self, taken: &[usize]) -> Result<()> {
-        for (owner, (stack, &needed)) in self.free.iter().zip(taken).enumerate() {
-            if needed > stack.len() {
+        for (owner, &needed) in taken.iter().enumerate() {
+            let free = self.class_free(owner);
+            if needed > free {
                 return Err(Error::Exhausted {
                     owner: owner as u32,
                     needed,
-                    free: stack.len(),
+                    free,
                 });
             }
         }
@@ -361,7 +441,8 @@ impl ShardAllocator {
     }
 
     /// Hands out the pages of a planned request. Only called once [`Self::check_supply`] has
-    /// passed for the whole operation, so every class holds at least the share taken from it.
+    /// passed for the whole operation and [`Self::merge_short`] has merged every class whose
+    /// stack was short of it, so every stack holds at least the share taken from it.
     fn commit(&mut self, request: &AllocRequest, plan: Plan) -> Allocation {
         let shard = self.free.len();
         let mut pages = vec![LogicalPage(0); request.pages];
@@ -414,6 +495,52 @@ fn class_share(class: u32, start: u32, pages: usize, shard: u32) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn pages(raw: &[u64]) -> Vec<LogicalPage> {
+        raw.iter().map(|&p| LogicalPage(p)).collect()
+    }
+
+    #[test]
+    fn freed_pages_come_back_in_ascending_order() {
+        let mut a = ShardAllocator::new(Placement::new(2).unwrap(), 6).unwrap();
+        let chain = a
+            .alloc(AllocRequest {
+                chain: ChainStart::New,
+                pages: 6,
+            })
+            .unwrap();
+        assert_eq!(chain.pages, pages(&[2, 3, 4, 5, 6, 7]));
+        a.free(&chain.pages).unwrap();
+        // Released, not yet merged: still free, and the stack's own pages go first.
+        assert_eq!((a.free_pages(0), a.released_pages(0)), (5, 3));
+        let small = a
+            .alloc(AllocRequest {
+                chain: ChainStart::New,
+                pages: 4,
+            })
+            .unwrap();
+        assert_eq!(small.pages, pages(&[8, 9, 10, 11]));
+        // Class 0 has 0 pages left on its stack for 2: merged, lowest first (last-freed-first
+        // would give 6, 4).
+        let next = a
+            .alloc(AllocRequest {
+                chain: ChainStart::Extend {
+                    start_owner: 0,
+                    prefix_tokens: 0,
+                },
+                pages: 4,
+            })
+            .unwrap();
+        assert_eq!(next.pages, pages(&[2, 3, 4, 5]));
+        a.free(&[LogicalPage(9), LogicalPage(3), LogicalPage(11)])
+            .unwrap();
+        // Matching merges every class first.
+        assert_eq!(
+            a.alloc_matching(&pages(&[1001, 1003, 1005])).unwrap(),
+            pages(&[3, 7, 9])
+        );
+        assert_eq!(a.released_pages(1), 0);
+    }
 
     #[test]
     fn class_share_matches_counting_positions() {

@@ -1,11 +1,18 @@
-//! Page-interleaved sharding (docs/design.md, "Ownership"): ownership math, the rotated owner
-//! allocator and the owner-local resolution reference. Pure CPU math: nothing here touches a
-//! backend.
+//! Page-interleaved sharding (docs/design.md, "Ownership" and "Prefill"): ownership math, the
+//! rotated owner allocator, the owner-local resolution reference, and a CP prefill batch's
+//! admission and gather plan. Pure CPU math: nothing here touches a backend.
 
+mod admission;
 mod allocator;
+mod gather;
 mod placement;
 mod resolve;
 
+pub use admission::{
+    evict_until_allocatable, Admission, AdmissionLimits, Candidate, Decision, Deferral, Eviction,
+    EvictionStall,
+};
 pub use allocator::{AllocRequest, Allocation, ChainStart, ShardAllocator};
+pub use gather::{GatherPlan, GatherRequest, ScratchLayout};
 pub use placement::Placement;
 pub use resolve::{resolve_owned, scratch_rows, ResolveMode, Resolved};

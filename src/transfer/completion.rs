@@ -295,8 +295,8 @@ impl Sender {
     /// A chunk that cannot be planned or enqueued fails the request on this rank (it is
     /// closed here) and comes back as [`Error::ChunkFailed`]; a failure while the chunk moves
     /// comes back the same way from [`PendingChunk::poll`] / [`PendingChunk::wait`], and the
-    /// engine then [`Sender::abort`]s the request. Either way, deliver
-    /// [`ChunkStatus::from_error`] to the decode side. A request that is not open is an
+    /// engine then [`Sender::close`]s the request. Either way, deliver
+    /// [`ChunkStatus::from_error`] to the decode side: it is the rank's last status. A request that is not open is an
     /// [`Error::Transfer`].
     pub fn send(
         &mut self,
@@ -323,8 +323,9 @@ impl Sender {
             end,
             last,
         };
-        let submitted =
-            SendPlan::new(&self.source, src_pages, &out.registration, chunk).and_then(|plan| {
+        // The registration was validated by `open`, and nothing changes it since.
+        let submitted = SendPlan::of_valid(&self.source, src_pages, &out.registration, chunk)
+            .and_then(|plan| {
                 let completion = self.transport.submit(&plan, &self.pool, &out.dst)?;
                 Ok((plan, completion))
             });
@@ -379,6 +380,22 @@ impl Sender {
                 reason: format!("aborted: {reason}"),
             },
         })
+    }
+
+    /// Closes `request` on this rank without a status of its own: after one of its chunks
+    /// failed while moving, the failure ([`ChunkStatus::from_error`]) already is the rank's last
+    /// status for the request, and the decode side takes no other.
+    pub fn close(&mut self, request: u64) -> Result<()> {
+        self.requests
+            .remove(&request)
+            .map(|_| ())
+            .ok_or_else(|| Error::Transfer {
+                request,
+                reason: format!(
+                    "cannot close: not open on prefill rank {}",
+                    self.source.rank
+                ),
+            })
     }
 
     /// Requests open on this rank (neither finished nor failed).

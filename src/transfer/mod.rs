@@ -21,13 +21,19 @@
 //!   [`DescriptorBatch`] of absolute ranges network engines take.
 //! - [`completion`]: the per-rank [`Sender`] and the decode-side [`Receiver`] that completes a
 //!   request only once every rank has reported its final chunk, and fails it on any failure.
+//! - [`peer`]: [`PeerTransport`], sending into a decode pool of another process mapped into this
+//!   one (one launch per chunk, a copy-engine batch, or the per-block baseline);
+//! - [`endpoint`]: the cross-process protocol as library types, [`DecodeEndpoint`] and
+//!   [`PrefillEndpoint`], over the control channel of [`crate::ipc`].
 //! - [`stats`]: the counters every transport keeps (bytes, descriptors, post and transfer time,
 //!   failures), named after the metrics vLLM's NIXL connector and KVBM export.
 //! - `nixl` (feature `nixl`): the transport on NVIDIA's NIXL, for prefill and decode on
 //!   different hosts.
 
 pub mod completion;
+pub mod endpoint;
 pub mod exec;
+pub mod peer;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 pub mod plan;
@@ -40,10 +46,12 @@ pub use completion::{
     ChunkEnd, ChunkResult, ChunkStatus, Finished, Outcome, PendingChunk, Progress, RankFailure,
     Receiver, Sender, MAX_PREFILL_RANKS,
 };
+pub use endpoint::{DecodeEndpoint, DecodeEvent, PrefillEndpoint, PrefillEvent, CHUNK_EVENTS};
 pub use exec::{
     block_copies, kernel_pieces, BackendTransport, Completion, CopyMethod, DescriptorBatch,
     Transport, KERNEL_PIECE_BYTES,
 };
+pub use peer::{PeerMethod, PeerStats, PeerTransport};
 pub use plan::{
     ChunkRange, Descriptor, PoolLayout, PrefillRank, Registration, Section, SectionComponent,
     SendPlan,

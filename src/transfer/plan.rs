@@ -327,6 +327,18 @@ fn check_layouts(request: u64, src: &PoolLayout, dst: &PoolLayout) -> Result<()>
                 ),
             });
         }
+        // Descriptor offsets are byte offsets inside a layer: a layer must fit them.
+        for (side, layout) in [("prefill", src), ("decode", dst)] {
+            if layout.pages.checked_mul(c.block_bytes as u64).is_none() {
+                return Err(Error::Transfer {
+                    request,
+                    reason: format!(
+                        "the {side} side registered {} pages of {} B {} blocks: more bytes than a layer can address",
+                        layout.pages, c.block_bytes, c.component
+                    ),
+                });
+            }
+        }
     }
     Ok(())
 }
@@ -372,6 +384,19 @@ impl SendPlan {
         registration: &Registration,
         chunk: ChunkRange,
     ) -> Result<Self> {
+        registration.validate()?;
+        Self::of_valid(source, src_pages, registration, chunk)
+    }
+
+    /// [`SendPlan::new`] for a registration [`Registration::validate`] has accepted (a
+    /// [`Sender`](super::Sender) validates each registration once, when it is opened, not for
+    /// every chunk).
+    pub(crate) fn of_valid(
+        source: &PrefillRank,
+        src_pages: &[LogicalPage],
+        registration: &Registration,
+        chunk: ChunkRange,
+    ) -> Result<Self> {
         let request = registration.request;
         let fail = |reason: String| Err(Error::Transfer { request, reason });
         let (placement, rank) = (source.placement, source.rank);
@@ -380,7 +405,6 @@ impl SendPlan {
             return fail(format!("prefill rank {rank} of a shard group of {shard}"));
         }
         check_layouts(request, &source.layout, &registration.layout)?;
-        registration.validate()?;
 
         let index = chunk.index;
         if chunk.start % PAGE_SIZE != 0 {

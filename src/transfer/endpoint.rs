@@ -1,0 +1,1379 @@
+//! P/D across processes on one host: the decode process publishes its pool(s) and per-request
+//! registrations over the control channel ([`crate::ipc`]), N prefill processes attach, map the
+//! pool and write every chunk straight into it ([`PeerTransport`]), and chunk completions flow
+//! back. [`DecodeEndpoint`] and [`PrefillEndpoint`] are the two sides of that protocol as library
+//! types; an engine with a bootstrap of its own can replace them and drive the same pieces
+//! itself ([`ExportedPool`], [`ImportedPool`], [`PeerTransport`], [`Sender`], [`Receiver`]).
+//!
+//! # The protocol
+//!
+//! One Unix-domain socket per prefill rank, framed messages of [`crate::ipc::wire`]:
+//!
+//! ```text
+//! decode (DecodeEndpoint::bind)                 prefill rank r of N (PrefillEndpoint::connect)
+//!   <─────────────── Hello { role, rank r, shard N } ───────────────>   both ways
+//!                                          <──  EventHandle x E (GPU only: the rank's ring of
+//!                                               interprocess events, before any ChunkDone)
+//!   PublishPool { pool, memory, regions, .. } ──>  map the pool (fds by SCM_RIGHTS, or fabric
+//!                                                  or IPC handles), check its geometry
+//!   Register { request, pool, pages, .. } ────>  the request's destination pages
+//!                                          <──  ChunkDone { request, chunk, last, rank, bytes }
+//!                                               per chunk, in order, the final one included
+//!                                               (an empty final chunk when r owns nothing)
+//!   Abort { request, reason } ────────────────>  answered by a failed ChunkDone
+//!   (heartbeats both ways; EOF or 750 ms of silence: the peer is gone)
+//! ```
+//!
+//! - **Completion.** A rank reports every chunk of every request, in order, including chunks it
+//!   owns nothing of; a failure (a plan that does not validate, an abort) is a `ChunkDone` with
+//!   `failed` set and is the rank's last status for the request. The decode completes a request
+//!   only after one final status from each of the N ranks ([`Receiver`]), exactly as in-process.
+//! - **Ordering with events (GPU).** A rank that sent E event handles records event `k mod E`
+//!   on its stream right before its k-th `ChunkDone` (counting every `ChunkDone` it sends, in
+//!   order) and sends the `ChunkDone` at once, without waiting for the copy; the decode takes
+//!   the status only once that event has completed. A later record of the same event completes
+//!   later in the same stream, so waiting for a newer record is never wrong, only later. A rank
+//!   without events (the CPU twin) sends a `ChunkDone` only once the chunk has landed.
+//! - **Failures.** A rank that exits, is killed, or falls silent is gone within a second (the
+//!   channel's end of stream or liveness timeout): every open request it was sending fails on
+//!   the decode side, whose other ranks are told to abort it. A failed request's pages are
+//!   handed back ([`DecodeEvent::Finished`]) once no rank can write them any more: every live
+//!   rank has answered and the process of every gone rank has exited (a hung process keeps them
+//!   held until it does). When the decode is gone, a prefill fails every request it was sending,
+//!   waits for its own copies to land and unmaps the pools ([`PrefillEvent::Closed`]); the engine
+//!   then frees the requests' pages.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::os::fd::AsFd;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::completion::{
+    ChunkEnd, ChunkResult, ChunkStatus, Finished, PendingChunk, Receiver, Sender,
+};
+use super::peer::{PeerMethod, PeerStats, PeerTransport};
+use super::plan::{PoolLayout, Registration};
+use super::ComponentBytes;
+use crate::copy::RemoteSpace;
+use crate::error::{Error, Result};
+use crate::geometry::Component;
+use crate::gpu::vmm::IpcEvent;
+use crate::gpu::Stream;
+use crate::index::{LocalPage, LogicalPage};
+use crate::ipc::wire::{self, ChunkDone, Handle64, Hello, Register, Role};
+use crate::ipc::{recv_any, Channel, ExportedPool, ImportedPool, Listener, Liveness, Message};
+use crate::ipc::{PeerBackend, Received};
+use crate::pool::DevicePool;
+
+/// Interprocess events a GPU prefill rank shares: enough that the decode falling a few chunks
+/// behind still waits for the chunk it asks about rather than a much later one.
+pub const CHUNK_EVENTS: usize = 4;
+
+/// Longest a [`DecodeEndpoint::poll`] sleeps between looks at what its socket poll cannot see:
+/// new connections, events of chunks reported ahead of their copies, exits of gone ranks.
+const LOOK_AGAIN: Duration = Duration::from_millis(20);
+/// The same while a status waits for its event.
+const LOOK_AGAIN_EVENTS: Duration = Duration::from_micros(50);
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The wire form of a rank's status.
+fn chunk_done(status: &ChunkStatus) -> ChunkDone {
+    let (last, bytes, failed) = match &status.result {
+        ChunkResult::Sent { bytes, last } => (*last, Component::ALL.map(|c| bytes.get(c)), None),
+        ChunkResult::Failed { reason } => (true, [0; 4], Some(reason.clone())),
+    };
+    ChunkDone {
+        request: status.request,
+        chunk: status.chunk,
+        last,
+        source_rank: status.rank,
+        bytes,
+        failed,
+    }
+}
+
+/// The status a `ChunkDone` reports.
+fn chunk_status(done: &ChunkDone) -> ChunkStatus {
+    let result = match &done.failed {
+        Some(reason) => ChunkResult::Failed {
+            reason: reason.clone(),
+        },
+        None => {
+            let mut bytes = ComponentBytes::default();
+            for (c, b) in Component::ALL.into_iter().zip(done.bytes) {
+                bytes.add(c, b);
+            }
+            ChunkResult::Sent {
+                bytes,
+                last: done.last,
+            }
+        }
+    };
+    ChunkStatus {
+        request: done.request,
+        rank: done.source_rank,
+        chunk: done.chunk,
+        result,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode side
+
+/// A process on the other end of a connection, as far as telling that it has exited goes.
+#[derive(Debug, Clone)]
+struct Process {
+    /// From `SO_PEERCRED`; `None` when the peer is in another PID namespace.
+    pid: Option<i32>,
+    /// Its start time (`/proc/<pid>/stat` field 22), so a reused PID is not mistaken for it.
+    start: Option<u64>,
+    /// When it was found gone: a process of unknown PID is given one liveness timeout more.
+    gone_at: Option<Instant>,
+}
+
+/// State and start time of a process, from `/proc/<pid>/stat` (`None`: no such process).
+fn proc_stat(pid: i32) -> Option<(char, Option<u64>)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name is in parentheses and may contain anything: fields follow the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    let start = fields.nth(18).and_then(|s| s.parse().ok());
+    Some((state, start))
+}
+
+impl Process {
+    fn of(channel: &Channel) -> Self {
+        let pid = rustix::net::sockopt::socket_peercred(channel)
+            .ok()
+            .map(|c| c.pid.as_raw_nonzero().get())
+            .filter(|&p| p > 0);
+        let start = pid.and_then(proc_stat).and_then(|(_, s)| s);
+        Process {
+            pid,
+            start,
+            gone_at: None,
+        }
+    }
+
+    /// Whether the process can no longer touch anything: exited (a zombie has released its
+    /// memory and devices) or replaced by another process of the same PID.
+    fn exited(&self, grace: Duration) -> bool {
+        match self.pid {
+            Some(pid) => match proc_stat(pid) {
+                None => true,
+                Some((state, start)) => matches!(state, 'Z' | 'X') || start != self.start,
+            },
+            None => self.gone_at.is_none_or(|at| at.elapsed() >= grace),
+        }
+    }
+}
+
+/// What a rank reported that the decode takes once its copy has landed.
+#[derive(Debug)]
+enum Waiting {
+    /// A `ChunkDone`, covered by event `slot` of the rank's ring (`None`: already landed).
+    Status(ChunkStatus, Option<usize>),
+    /// The rank gave the request up (`Abort` from a prefill): its next status is a failure.
+    Abort { request: u64, reason: String },
+}
+
+/// One connected prefill rank.
+struct RankLink {
+    rank: u32,
+    process: Process,
+    /// Its interprocess events, in the order their handles came.
+    events: Vec<IpcEvent>,
+    /// `ChunkDone`s seen so far: the next one is covered by event `covered mod E`.
+    covered: u64,
+    waiting: VecDeque<Waiting>,
+}
+
+/// A request the decode side has registered and not yet handed back.
+#[derive(Debug)]
+struct Open {
+    /// Per rank: the next chunk expected, and whether its last status is in.
+    next_chunk: Vec<u32>,
+    done: Vec<bool>,
+    /// Processes of ranks that vanished while the request was open.
+    gone: Vec<Process>,
+}
+
+/// What happened on the decode side.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DecodeEvent {
+    /// Prefill rank `rank` connected and was sent every published pool.
+    Joined {
+        /// The rank.
+        rank: u32,
+    },
+    /// A connection was refused (wrong role or shard, a rank already connected, a failed
+    /// handshake or publication).
+    Refused {
+        /// Why.
+        why: String,
+    },
+    /// A request is done: every rank has reported its last status, and on failure no rank can
+    /// still write its pages. They are the caller's again.
+    Finished(Box<Finished>),
+    /// Prefill rank `rank` is gone (exited, killed, silent, or broke the protocol); the
+    /// requests it was sending are failed (and handed back as they finish).
+    RankGone {
+        /// The rank.
+        rank: u32,
+        /// How it was noticed.
+        why: String,
+        /// Requests it had not finished.
+        failed: Vec<u64>,
+    },
+}
+
+/// The decode side of cross-process P/D: publishes pools, registers requests with every prefill
+/// rank of the group, and tracks their chunk statuses (module docs: the protocol).
+pub struct DecodeEndpoint {
+    listener: Listener,
+    backend: PeerBackend,
+    shard: u32,
+    liveness: Liveness,
+    /// Connected ranks: channels (as [`recv_any`] takes them) and their state, index-aligned.
+    channels: Vec<Channel>,
+    links: Vec<RankLink>,
+    pools: Vec<(u64, Arc<ExportedPool>)>,
+    next_pool: u64,
+    receiver: Receiver,
+    requests: HashMap<u64, Open>,
+    /// Failed requests waiting for gone ranks' processes to exit.
+    held: Vec<(Finished, Vec<Process>)>,
+    backlog: Vec<DecodeEvent>,
+}
+
+impl std::fmt::Debug for DecodeEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeEndpoint")
+            .field("path", &self.listener.path())
+            .field("shard", &self.shard)
+            .field("ranks", &self.connected_ranks())
+            .field("requests", &self.requests.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl DecodeEndpoint {
+    /// Listens at `path` for the `shard` ranks of a prefill group, pools on `backend`.
+    pub fn bind(
+        path: impl AsRef<Path>,
+        backend: PeerBackend,
+        shard: u32,
+        liveness: Liveness,
+    ) -> Result<Self> {
+        if shard == 0 || shard > super::MAX_PREFILL_RANKS {
+            return Err(Error::InvalidArgument(format!(
+                "a prefill group of {shard} ranks (1 to {})",
+                super::MAX_PREFILL_RANKS
+            )));
+        }
+        let listener = Listener::bind(path, Hello::new(Role::Decode, 0, 1), liveness)?;
+        Ok(Self {
+            listener,
+            backend,
+            shard,
+            liveness,
+            channels: Vec::new(),
+            links: Vec::new(),
+            pools: Vec::new(),
+            next_pool: 1,
+            receiver: Receiver::new(),
+            requests: HashMap::new(),
+            held: Vec::new(),
+            backlog: Vec::new(),
+        })
+    }
+
+    /// The socket's path.
+    pub fn path(&self) -> &Path {
+        self.listener.path()
+    }
+
+    /// The prefill group's size N.
+    pub fn shard(&self) -> u32 {
+        self.shard
+    }
+
+    /// Ranks connected now, in rank order.
+    pub fn connected_ranks(&self) -> Vec<u32> {
+        let mut ranks: Vec<u32> = self.links.iter().map(|l| l.rank).collect();
+        ranks.sort_unstable();
+        ranks
+    }
+
+    /// Waits up to `timeout` until every rank of the group is connected; what happened meanwhile
+    /// is kept for the next [`DecodeEndpoint::poll`].
+    pub fn wait_for_ranks(&mut self, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        while self.links.len() < self.shard as usize {
+            let elapsed = start.elapsed();
+            if elapsed >= timeout {
+                return Err(Error::Timeout {
+                    what: format!(
+                        "{} of {} prefill ranks connected to {}",
+                        self.links.len(),
+                        self.shard,
+                        self.listener.path().display()
+                    ),
+                    waited: elapsed,
+                });
+            }
+            let mut events = Vec::new();
+            self.step((timeout - elapsed).min(LOOK_AGAIN), &mut events)?;
+            self.backlog.extend(events);
+        }
+        Ok(())
+    }
+
+    /// Publishes `pool` (in this endpoint's backend) to every rank, now and as they join;
+    /// returns its id, which registrations name.
+    pub fn publish(&mut self, pool: Arc<ExportedPool>) -> Result<u64> {
+        crate::backend::check_space(
+            self.backend.address_space(),
+            crate::copy::BlockSpace::address_space(pool.pool().as_ref()),
+            "the published pool",
+        )?;
+        let id = self.next_pool;
+        // Checked once here, so a pool that cannot be described fails the call, not a join.
+        pool.publication(id)?;
+        self.next_pool += 1;
+        self.pools.push((id, pool));
+        for rank in self.connected_ranks() {
+            if let Some(i) = self.link_of(rank) {
+                if let Err(e) = self.publish_to(i, id) {
+                    self.rank_gone(i, e.to_string());
+                }
+            }
+        }
+        Ok(id)
+    }
+
+    /// The index of `rank`'s link, while it is connected.
+    fn link_of(&self, rank: u32) -> Option<usize> {
+        self.links.iter().position(|l| l.rank == rank)
+    }
+
+    /// Sends `msg` to each of `ranks` still connected; a rank the send fails for is gone.
+    /// Ranks are looked up one by one: a rank going meanwhile moves the others' links.
+    fn send_to(&mut self, ranks: &[u32], msg: &Message) {
+        for &rank in ranks {
+            let Some(i) = self.link_of(rank) else {
+                continue;
+            };
+            if let Err(e) = self.channels[i].send(msg) {
+                self.rank_gone(i, e.to_string());
+            }
+        }
+    }
+
+    fn publish_to(&mut self, i: usize, id: u64) -> Result<()> {
+        let Some((_, pool)) = self.pools.iter().find(|(p, _)| *p == id) else {
+            return Ok(());
+        };
+        let (msg, fds) = pool.publication(id)?;
+        let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+        self.channels[i].send_with_fds(&msg, &borrowed)
+    }
+
+    /// Registers a request with every rank of the group: its pages of pool `pool` (an id from
+    /// [`DecodeEndpoint::publish`]) are written by the ranks from now on. Refused, changing
+    /// nothing, when the registration does not validate, does not describe the pool, or a rank
+    /// is not connected.
+    pub fn register(&mut self, pool: u64, registration: Registration) -> Result<()> {
+        let request = registration.request;
+        let Some((_, exported)) = self.pools.iter().find(|(p, _)| *p == pool) else {
+            return Err(Error::Transfer {
+                request,
+                reason: format!("pool {pool} was never published"),
+            });
+        };
+        if registration.layout != PoolLayout::of(exported.pool()) {
+            return Err(Error::Transfer {
+                request,
+                reason: format!("the registration does not describe published pool {pool}"),
+            });
+        }
+        if let Some(missing) = (0..self.shard).find(|r| !self.links.iter().any(|l| l.rank == *r)) {
+            return Err(Error::Transfer {
+                request,
+                reason: format!("prefill rank {missing} is not connected"),
+            });
+        }
+        let msg = Message::Register(Register {
+            request,
+            pool,
+            prefix_pages: registration.prefix_pages as u64,
+            pages: registration.pages.iter().map(|p| p.0).collect(),
+            state_pages: registration.state_pages.iter().map(|p| p.0).collect(),
+        });
+        // Encoded before anything changes, so a registration too large for a frame is refused.
+        wire::encode(&msg, 0).map_err(|e| Error::Transfer {
+            request,
+            reason: format!("cannot be sent: {e}"),
+        })?;
+        self.receiver.register(registration, self.shard)?;
+        let n = self.shard as usize;
+        self.requests.insert(
+            request,
+            Open {
+                next_chunk: vec![0; n],
+                done: vec![false; n],
+                gone: Vec::new(),
+            },
+        );
+        self.send_to(&self.connected_ranks(), &msg);
+        Ok(())
+    }
+
+    /// Gives up `request`: every rank still sending it is told to abort and answers with a
+    /// failed status; the request is handed back failed once all have.
+    pub fn abort(&mut self, request: u64, reason: &str) -> Result<()> {
+        let Some(open) = self.requests.get(&request) else {
+            return Err(Error::Transfer {
+                request,
+                reason: "cannot abort: not registered (unknown, or already finished)".into(),
+            });
+        };
+        let msg = Message::Abort {
+            request,
+            reason: reason.to_string(),
+        };
+        let targets: Vec<u32> = self
+            .links
+            .iter()
+            .map(|l| l.rank)
+            .filter(|&r| !open.done[r as usize])
+            .collect();
+        self.send_to(&targets, &msg);
+        Ok(())
+    }
+
+    /// Per rank, the chunks of `request` that have landed (`None` once it is handed back).
+    pub fn chunks_landed(&self, request: u64) -> Option<Vec<u32>> {
+        self.requests.get(&request).map(|o| o.next_chunk.clone())
+    }
+
+    /// Requests registered and not yet handed back.
+    pub fn pending_requests(&self) -> usize {
+        self.requests.len() + self.held.len()
+    }
+
+    /// Waits up to `timeout` for something to happen and returns what did (empty when nothing
+    /// did): ranks joining or going, requests finishing. Call it regularly: it also accepts
+    /// connections, takes statuses whose copies have landed and notices silent ranks.
+    pub fn poll(&mut self, timeout: Duration) -> Result<Vec<DecodeEvent>> {
+        let start = Instant::now();
+        let mut out = std::mem::take(&mut self.backlog);
+        self.step(Duration::ZERO, &mut out)?;
+        while out.is_empty() {
+            let elapsed = start.elapsed();
+            if elapsed >= timeout {
+                break;
+            }
+            let left = timeout - elapsed;
+            if self.links.iter().any(|l| !l.waiting.is_empty()) {
+                // A copy is about to land and only its event will say so: look again soon (a
+                // socket poll would round the wait up to a millisecond).
+                std::thread::sleep(left.min(LOOK_AGAIN_EVENTS));
+                self.step(Duration::ZERO, &mut out)?;
+            } else {
+                self.step(left.min(LOOK_AGAIN), &mut out)?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// One round: accepts waiting connections, takes messages (waiting up to `wait` for the
+    /// first), takes statuses whose copies landed, hands back held requests whose gone ranks
+    /// have exited.
+    fn step(&mut self, wait: Duration, out: &mut Vec<DecodeEvent>) -> Result<()> {
+        self.accept_pending(out);
+        self.receive_ready(wait, out)?;
+        self.release_landed(out)?;
+        self.release_held(out);
+        Ok(())
+    }
+
+    /// Accepts every connection waiting now.
+    fn accept_pending(&mut self, out: &mut Vec<DecodeEvent>) {
+        loop {
+            let channel = match self.listener.accept_timeout(Duration::ZERO) {
+                Ok(Some(ch)) => ch,
+                Ok(None) => return,
+                Err(e) => {
+                    out.push(DecodeEvent::Refused { why: e.to_string() });
+                    continue;
+                }
+            };
+            let peer = channel.peer().clone();
+            let why = if peer.role != Role::Prefill {
+                Some("a decode peer connected to a decode endpoint".to_string())
+            } else if peer.shard != self.shard {
+                Some(format!(
+                    "rank {} of a group of {}, this decode serves a group of {}",
+                    peer.rank, peer.shard, self.shard
+                ))
+            } else if peer.rank >= self.shard {
+                Some(format!("rank {} of a group of {}", peer.rank, self.shard))
+            } else if self.links.iter().any(|l| l.rank == peer.rank) {
+                Some(format!("rank {} is connected already", peer.rank))
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                out.push(DecodeEvent::Refused { why });
+                continue;
+            }
+            self.links.push(RankLink {
+                rank: peer.rank,
+                process: Process::of(&channel),
+                events: Vec::new(),
+                covered: 0,
+                waiting: VecDeque::new(),
+            });
+            self.channels.push(channel);
+            let i = self.channels.len() - 1;
+            let ids: Vec<u64> = self.pools.iter().map(|(id, _)| *id).collect();
+            let published = ids.into_iter().try_for_each(|id| self.publish_to(i, id));
+            match published {
+                Ok(()) => out.push(DecodeEvent::Joined { rank: peer.rank }),
+                Err(e) => {
+                    self.drop_link(i);
+                    out.push(DecodeEvent::Refused {
+                        why: format!("rank {}: publishing the pools failed: {e}", peer.rank),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Takes messages until none comes within `wait` (zero: only those already there).
+    fn receive_ready(&mut self, wait: Duration, out: &mut Vec<DecodeEvent>) -> Result<()> {
+        let mut wait = wait;
+        loop {
+            let Some((i, received)) = recv_any(&mut self.channels, wait)? else {
+                return Ok(());
+            };
+            wait = Duration::ZERO;
+            match received {
+                Ok(r) => {
+                    if let Err(why) = self.take(i, r) {
+                        self.rank_gone(i, why);
+                    }
+                }
+                Err(e) => self.rank_gone(i, e.to_string()),
+            }
+            out.append(&mut self.backlog);
+        }
+    }
+
+    /// Handles one message of link `i`; an error is a protocol violation that ends the link.
+    fn take(&mut self, i: usize, r: Received) -> std::result::Result<(), String> {
+        let rank = self.links[i].rank;
+        match r.message {
+            Message::ChunkDone(done) => {
+                if done.source_rank != rank {
+                    return Err(format!(
+                        "protocol violation: rank {rank} reported a chunk of rank {}",
+                        done.source_rank
+                    ));
+                }
+                if !self.requests.contains_key(&done.request) {
+                    return Err(format!(
+                        "protocol violation: a status of request {}, which is not open",
+                        done.request
+                    ));
+                }
+                let link = &mut self.links[i];
+                let slot = (!link.events.is_empty())
+                    .then(|| (link.covered % link.events.len() as u64) as usize);
+                link.covered += 1;
+                link.waiting
+                    .push_back(Waiting::Status(chunk_status(&done), slot));
+                Ok(())
+            }
+            Message::EventHandle { handle } => self.open_event(i, handle),
+            Message::Abort { request, reason } => {
+                if self.requests.contains_key(&request) {
+                    self.links[i]
+                        .waiting
+                        .push_back(Waiting::Abort { request, reason });
+                }
+                Ok(())
+            }
+            Message::Bye => Err("said Bye".into()),
+            other => Err(format!(
+                "protocol violation: a prefill rank sent {}",
+                other.name()
+            )),
+        }
+    }
+
+    fn open_event(&mut self, i: usize, handle: Handle64) -> std::result::Result<(), String> {
+        let link = &mut self.links[i];
+        if link.covered > 0 {
+            return Err("protocol violation: an event handle after its first ChunkDone".into());
+        }
+        let PeerBackend::Cuda(cuda) = &self.backend else {
+            return Err("sent an interprocess event, but this decode runs on the CPU".into());
+        };
+        let event = IpcEvent::open(cuda.gpu().context(), &handle.0)
+            .map_err(|e| format!("cannot open its interprocess event: {e}"))?;
+        link.events.push(event);
+        Ok(())
+    }
+
+    /// Takes, rank by rank and in order, every status whose copy has landed.
+    fn release_landed(&mut self, out: &mut Vec<DecodeEvent>) -> Result<()> {
+        let mut i = 0;
+        while i < self.links.len() {
+            let mut broken = None;
+            loop {
+                let link = &mut self.links[i];
+                let ready = match link.waiting.front() {
+                    None => break,
+                    Some(Waiting::Status(_, Some(slot))) => match link.events[*slot].query() {
+                        Ok(ready) => ready,
+                        Err(e) => {
+                            broken = Some(format!("its interprocess event failed: {e}"));
+                            break;
+                        }
+                    },
+                    Some(_) => true,
+                };
+                if !ready {
+                    break;
+                }
+                let Some(front) = link.waiting.pop_front() else {
+                    break;
+                };
+                let rank = link.rank;
+                let status = match front {
+                    Waiting::Status(status, _) => status,
+                    Waiting::Abort { request, reason } => {
+                        let Some(open) = self.requests.get(&request) else {
+                            continue;
+                        };
+                        if open.done[rank as usize] {
+                            continue;
+                        }
+                        ChunkStatus {
+                            request,
+                            rank,
+                            chunk: open.next_chunk[rank as usize],
+                            result: ChunkResult::Failed {
+                                reason: format!("aborted by the prefill rank: {reason}"),
+                            },
+                        }
+                    }
+                };
+                if let Err(e) = self.feed(status, out) {
+                    broken = Some(format!("protocol violation: {e}"));
+                    break;
+                }
+            }
+            match broken {
+                Some(why) => self.rank_gone(i, why),
+                None => i += 1,
+            }
+        }
+        out.append(&mut self.backlog);
+        Ok(())
+    }
+
+    /// Gives one status to the receiver; a finished request is handed back, or held while a gone
+    /// rank's process may still write its pages.
+    fn feed(&mut self, status: ChunkStatus, out: &mut Vec<DecodeEvent>) -> Result<()> {
+        let (request, rank, terminal) =
+            (status.request, status.rank as usize, status.is_terminal());
+        let finished = self.receiver.receive(status)?;
+        if let Some(open) = self.requests.get_mut(&request) {
+            open.next_chunk[rank] += 1;
+            open.done[rank] = terminal;
+        }
+        if let Some(finished) = finished {
+            let gone = self
+                .requests
+                .remove(&request)
+                .map(|o| o.gone)
+                .unwrap_or_default();
+            self.hand_back(finished, gone, out);
+        }
+        Ok(())
+    }
+
+    fn hand_back(&mut self, finished: Finished, gone: Vec<Process>, out: &mut Vec<DecodeEvent>) {
+        let grace = self.liveness.timeout;
+        if gone.iter().all(|p| p.exited(grace)) {
+            out.push(DecodeEvent::Finished(Box::new(finished)));
+        } else {
+            self.held.push((finished, gone));
+        }
+    }
+
+    fn release_held(&mut self, out: &mut Vec<DecodeEvent>) {
+        let grace = self.liveness.timeout;
+        let mut i = 0;
+        while i < self.held.len() {
+            if self.held[i].1.iter().all(|p| p.exited(grace)) {
+                out.push(DecodeEvent::Finished(Box::new(self.held.remove(i).0)));
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn drop_link(&mut self, i: usize) -> RankLink {
+        // Dropping the channel shuts the socket down: the peer sees the end at once.
+        drop(self.channels.swap_remove(i));
+        self.links.swap_remove(i)
+    }
+
+    /// Link `i` is gone: fails every open request it had not finished (telling the other ranks
+    /// to abort them) and reports it.
+    fn rank_gone(&mut self, i: usize, why: String) {
+        let mut link = self.drop_link(i);
+        link.process.gone_at = Some(Instant::now());
+        let rank = link.rank;
+        let mut failed: Vec<u64> = self
+            .requests
+            .iter()
+            .filter(|(_, o)| !o.done[rank as usize])
+            .map(|(&r, _)| r)
+            .collect();
+        failed.sort_unstable();
+        let mut out = Vec::new();
+        for &request in &failed {
+            let Some(open) = self.requests.get_mut(&request) else {
+                continue;
+            };
+            open.gone.push(link.process.clone());
+            let status = ChunkStatus {
+                request,
+                rank,
+                chunk: open.next_chunk[rank as usize],
+                result: ChunkResult::Failed {
+                    reason: format!("prefill rank {rank} gone: {why}"),
+                },
+            };
+            // The receiver expects exactly this status (the rank's next, not yet done), so it
+            // cannot refuse it.
+            let _ = self.feed(status, &mut out);
+            if self.requests.contains_key(&request) {
+                let _ = self.abort(request, &format!("prefill rank {rank} is gone"));
+            }
+        }
+        self.backlog
+            .push(DecodeEvent::RankGone { rank, why, failed });
+        self.backlog.extend(out);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill side
+
+/// A GPU rank's ring of interprocess events and the stream they are recorded on.
+struct EventRing {
+    events: Vec<IpcEvent>,
+    next: usize,
+    stream: Stream,
+}
+
+impl EventRing {
+    /// Records the next event after everything enqueued so far.
+    fn record(&mut self) -> Result<()> {
+        let event = &self.events[self.next % self.events.len()];
+        event.record(&self.stream)?;
+        self.next += 1;
+        Ok(())
+    }
+}
+
+/// What happened on a prefill rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PrefillEvent {
+    /// A decode pool was mapped: registrations may name it.
+    PoolImported {
+        /// The decode's id of the pool.
+        pool: u64,
+    },
+    /// A published pool could not be mapped or does not fit this rank's cache; requests naming
+    /// it fail at once.
+    PoolRefused {
+        /// The decode's id of the pool.
+        pool: u64,
+        /// Why.
+        why: String,
+    },
+    /// A request was registered: send its chunks with [`PrefillEndpoint::send`].
+    Registered {
+        /// The request.
+        request: u64,
+    },
+    /// A registration was refused (it does not validate, or names a pool that was not mapped);
+    /// the decode was told.
+    RegistrationRefused {
+        /// The request.
+        request: u64,
+        /// Why.
+        why: String,
+    },
+    /// The decode gave the request up; nothing more is sent for it. Its pages are the
+    /// engine's to free.
+    Aborted {
+        /// The request.
+        request: u64,
+        /// The decode's reason.
+        reason: String,
+    },
+    /// The endpoint is closed: the decode is gone (or a copy failed after it was reported). Every
+    /// request it was sending is failed, its copies have landed and the pools are unmapped; the
+    /// requests' pages are the engine's to free.
+    Closed {
+        /// Why.
+        why: String,
+        /// The requests it was sending, or had been registered.
+        failed: Vec<u64>,
+    },
+}
+
+/// The prefill side of cross-process P/D: one rank's connection to the decode, its mapped
+/// decode pools and its sender (module docs: the protocol).
+pub struct PrefillEndpoint {
+    channel: Option<Channel>,
+    backend: PeerBackend,
+    pool: Arc<DevicePool>,
+    method: PeerMethod,
+    sender: Sender,
+    stats: Arc<Mutex<PeerStats>>,
+    /// What earlier transports of this endpoint submitted.
+    stats_before: PeerStats,
+    events: Option<EventRing>,
+    pools: HashMap<u64, ImportedPool>,
+    refused_pools: HashMap<u64, String>,
+    /// Registered, not yet opened in the sender (the first send opens them).
+    registered: HashMap<u64, (Registration, Arc<RemoteSpace>)>,
+    open: HashSet<u64>,
+    /// Chunks reported ahead of their copies (GPU), oldest first.
+    inflight: VecDeque<PendingChunk>,
+    closed: Option<String>,
+    backlog: Vec<PrefillEvent>,
+}
+
+impl std::fmt::Debug for PrefillEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefillEndpoint")
+            .field("rank", &self.rank())
+            .field("method", &self.method)
+            .field("pools", &self.pools.len())
+            .field("open", &self.open.len())
+            .field("closed", &self.closed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PrefillEndpoint {
+    /// Connects rank `pool.rank()` of a group of `pool.placement().shard()` to the decode
+    /// listening at `path` (retrying until it listens, within `timeout`), sending with
+    /// `method` on `backend`, where `pool` lives. On a GPU it shares its interprocess events.
+    pub fn connect(
+        path: impl AsRef<Path>,
+        backend: PeerBackend,
+        pool: Arc<DevicePool>,
+        method: PeerMethod,
+        liveness: Liveness,
+        timeout: Duration,
+    ) -> Result<Self> {
+        crate::backend::check_space(
+            backend.address_space(),
+            crate::copy::BlockSpace::address_space(pool.as_ref()),
+            "the prefill pool",
+        )?;
+        let hello = Hello::new(Role::Prefill, pool.rank(), pool.placement().shard());
+        let mut channel = Channel::connect(path, hello, liveness, timeout)?;
+        let events = match &backend {
+            PeerBackend::Cpu(_) => None,
+            PeerBackend::Cuda(cuda) => {
+                let ctx = cuda.gpu().context();
+                let events = (0..CHUNK_EVENTS)
+                    .map(|_| IpcEvent::new(ctx))
+                    .collect::<Result<Vec<_>>>()?;
+                for e in &events {
+                    channel.send(&Message::EventHandle {
+                        handle: Handle64(e.handle()?),
+                    })?;
+                }
+                Some(EventRing {
+                    events,
+                    next: 0,
+                    stream: cuda.stream().clone(),
+                })
+            }
+        };
+        let transport = PeerTransport::new(backend.backend(), method);
+        let stats = transport.stats();
+        Ok(Self {
+            channel: Some(channel),
+            sender: Sender::new(pool.clone(), Box::new(transport)),
+            backend,
+            pool,
+            method,
+            stats,
+            stats_before: PeerStats::default(),
+            events,
+            pools: HashMap::new(),
+            refused_pools: HashMap::new(),
+            registered: HashMap::new(),
+            open: HashSet::new(),
+            inflight: VecDeque::new(),
+            closed: None,
+            backlog: Vec::new(),
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> u32 {
+        self.pool.rank()
+    }
+
+    /// This rank's pool.
+    pub fn pool(&self) -> &Arc<DevicePool> {
+        &self.pool
+    }
+
+    /// How chunks are moved.
+    pub fn method(&self) -> PeerMethod {
+        self.method
+    }
+
+    /// Moves later requests with `method`; refused while a request is being sent (between its
+    /// first and its final chunk).
+    pub fn set_method(&mut self, method: PeerMethod) -> Result<()> {
+        if method == self.method {
+            return Ok(());
+        }
+        if !self.open.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "the method cannot change while {} requests are being sent",
+                self.open.len()
+            )));
+        }
+        self.replace_transport(method);
+        Ok(())
+    }
+
+    fn replace_transport(&mut self, method: PeerMethod) {
+        let done = *lock(&self.stats);
+        self.stats_before = sum(self.stats_before, done);
+        let transport = PeerTransport::new(self.backend.backend(), method);
+        self.stats = transport.stats();
+        // The old transport's tables and the spaces its launches keep go with it (freeing
+        // device memory waits for the device first).
+        self.sender = Sender::new(self.pool.clone(), Box::new(transport));
+        self.method = method;
+    }
+
+    /// What this rank has submitted so far.
+    pub fn stats(&self) -> PeerStats {
+        sum(self.stats_before, *lock(&self.stats))
+    }
+
+    /// The registration of `request`, while it is registered and not finished here.
+    pub fn registration(&self, request: u64) -> Option<&Registration> {
+        self.registered.get(&request).map(|(r, _)| r)
+    }
+
+    /// Decode pools mapped into this process now.
+    pub fn mapped_pools(&self) -> usize {
+        self.pools.len()
+    }
+
+    /// Why the endpoint is closed (`None` while it is open).
+    pub fn closed(&self) -> Option<&str> {
+        self.closed.as_deref()
+    }
+
+    /// Waits up to `timeout` for something to happen and returns what did: pools, registrations
+    /// and aborts from the decode, or the end of the connection. Call it regularly: it also
+    /// notices copies that failed after they were reported.
+    pub fn poll(&mut self, timeout: Duration) -> Result<Vec<PrefillEvent>> {
+        let start = Instant::now();
+        let mut out = std::mem::take(&mut self.backlog);
+        loop {
+            self.check_inflight();
+            out.append(&mut self.backlog);
+            let Some(channel) = self.channel.as_mut() else {
+                return Ok(out);
+            };
+            let left = if out.is_empty() {
+                timeout.saturating_sub(start.elapsed())
+            } else {
+                Duration::ZERO
+            };
+            match channel.recv_timeout(left) {
+                Ok(Some(r)) => self.take(r),
+                Ok(None) => return Ok(out),
+                Err(e) => self.close(e.to_string()),
+            }
+            out.append(&mut self.backlog);
+        }
+    }
+
+    /// Sends the next chunk of `request` (registered with this rank; the first send opens it):
+    /// `src_pages` is the request's logical page of every sequence position prefilled so far.
+    /// The chunk is reported to the decode (on the GPU as soon as it is enqueued, its event
+    /// recorded; on the CPU once it has landed). Returns the bytes it moves.
+    ///
+    /// A chunk that cannot be planned or enqueued fails the request on both sides and comes
+    /// back as [`Error::ChunkFailed`]; a closed endpoint is [`Error::PeerGone`].
+    pub fn send(
+        &mut self,
+        request: u64,
+        src_pages: &[LogicalPage],
+        end: ChunkEnd,
+    ) -> Result<ComponentBytes> {
+        if let Some(why) = &self.closed {
+            return Err(Error::PeerGone {
+                rank: Some(0),
+                why: why.clone(),
+            });
+        }
+        if let Some((registration, space)) = self.registered.remove(&request) {
+            if let Err(e) = self.sender.open(registration, space) {
+                let status = ChunkStatus {
+                    request,
+                    rank: self.rank(),
+                    chunk: 0,
+                    result: ChunkResult::Failed {
+                        reason: e.to_string(),
+                    },
+                };
+                self.report(&status)?;
+                return Err(Error::ChunkFailed {
+                    request,
+                    rank: self.rank(),
+                    chunk: 0,
+                    reason: e.to_string(),
+                });
+            }
+            self.open.insert(request);
+        }
+        let last = matches!(end, ChunkEnd::Final(_));
+        match self.sender.send(request, src_pages, end) {
+            Ok(pending) => {
+                let bytes = pending.bytes();
+                if last {
+                    self.open.remove(&request);
+                }
+                let status = if self.events.is_some() {
+                    let status = ChunkStatus {
+                        request,
+                        rank: self.rank(),
+                        chunk: pending.chunk(),
+                        result: ChunkResult::Sent { bytes, last },
+                    };
+                    self.inflight.push_back(pending);
+                    status
+                } else {
+                    match pending.wait() {
+                        Ok(status) => status,
+                        Err(e) => return Err(self.failed_chunk(request, e)),
+                    }
+                };
+                self.report(&status)?;
+                Ok(bytes)
+            }
+            Err(e) => Err(self.failed_chunk(request, e)),
+        }
+    }
+
+    /// Reports a chunk that failed (the sender closed the request) and returns the error.
+    fn failed_chunk(&mut self, request: u64, e: Error) -> Error {
+        if self.open.remove(&request) {
+            // A chunk that failed while moving leaves the request open in the sender; this
+            // failure is its last status, reported below. (A chunk refused before it was
+            // enqueued closed it already, which `close` then says.)
+            let _ = self.sender.close(request);
+        }
+        if let Some(status) = ChunkStatus::from_error(&e) {
+            if let Err(gone) = self.report(&status) {
+                return gone;
+            }
+        }
+        e
+    }
+
+    /// Gives up `request` on this rank (the engine cancelled it): the decode is told with a
+    /// failed status. Nothing is done for a request that is not registered here.
+    pub fn abort(&mut self, request: u64, reason: &str) -> Result<()> {
+        let status = if self.registered.remove(&request).is_some() {
+            Some(ChunkStatus {
+                request,
+                rank: self.rank(),
+                chunk: 0,
+                result: ChunkResult::Failed {
+                    reason: format!("aborted: {reason}"),
+                },
+            })
+        } else if self.open.remove(&request) {
+            self.sender.abort(request, reason).ok()
+        } else {
+            None
+        };
+        match status {
+            Some(status) => self.report(&status),
+            None => Ok(()),
+        }
+    }
+
+    /// Says goodbye to the decode and closes the connection.
+    pub fn bye(mut self) -> Result<()> {
+        self.drain_inflight();
+        match self.channel.take() {
+            Some(channel) => channel.bye(),
+            None => Ok(()),
+        }
+    }
+
+    /// Sends a status, after recording the event that covers it (GPU).
+    fn report(&mut self, status: &ChunkStatus) -> Result<()> {
+        let sent = match (&mut self.channel, &mut self.events) {
+            (None, _) => {
+                return Err(Error::PeerGone {
+                    rank: Some(0),
+                    why: self.closed.clone().unwrap_or_default(),
+                })
+            }
+            (Some(channel), events) => events
+                .as_mut()
+                .map_or(Ok(()), EventRing::record)
+                .and_then(|()| channel.send(&Message::ChunkDone(chunk_done(status)))),
+        };
+        if let Err(e) = &sent {
+            self.close(e.to_string());
+        }
+        sent
+    }
+
+    /// Handles one message from the decode.
+    fn take(&mut self, r: Received) {
+        match r.message {
+            Message::PublishPool(p) => {
+                let id = p.pool;
+                let imported = ImportedPool::import(&self.backend, &p, r.fds).and_then(|pool| {
+                    self.pool.geometry().validate_pd(pool.geometry())?;
+                    Ok(pool)
+                });
+                match imported {
+                    Ok(pool) => {
+                        self.refused_pools.remove(&id);
+                        self.pools.insert(id, pool);
+                        self.backlog.push(PrefillEvent::PoolImported { pool: id });
+                    }
+                    Err(e) => {
+                        let why = e.to_string();
+                        self.pools.remove(&id);
+                        self.refused_pools.insert(id, why.clone());
+                        self.backlog
+                            .push(PrefillEvent::PoolRefused { pool: id, why });
+                    }
+                }
+            }
+            Message::Register(reg) => self.register(reg),
+            Message::Abort { request, reason } => {
+                let known = self.registered.contains_key(&request) || self.open.contains(&request);
+                if known {
+                    let result = self.abort(request, &reason);
+                    if result.is_ok() {
+                        self.backlog.push(PrefillEvent::Aborted { request, reason });
+                    }
+                }
+            }
+            Message::Bye => self.close("the decode said Bye".into()),
+            other => self.close(format!(
+                "protocol violation: the decode sent {}",
+                other.name()
+            )),
+        }
+    }
+
+    fn register(&mut self, reg: Register) {
+        let request = reg.request;
+        if self.registered.contains_key(&request) || self.open.contains(&request) {
+            self.close(format!(
+                "protocol violation: request {request} registered twice"
+            ));
+            return;
+        }
+        let checked = match self.pools.get(&reg.pool) {
+            None => Err(match self.refused_pools.get(&reg.pool) {
+                Some(why) => format!("pool {} was refused: {why}", reg.pool),
+                None => format!("pool {} was never published", reg.pool),
+            }),
+            Some(pool) => crate::error::to_usize(reg.prefix_pages, || "a prefix".into())
+                .and_then(|prefix_pages| {
+                    let registration = Registration {
+                        request,
+                        layout: pool.layout(),
+                        prefix_pages,
+                        pages: reg.pages.iter().map(|&p| LocalPage(p)).collect(),
+                        state_pages: reg.state_pages.iter().map(|&p| LocalPage(p)).collect(),
+                    };
+                    registration.validate()?;
+                    Ok((registration, pool.space().clone()))
+                })
+                .map_err(|e| e.to_string()),
+        };
+        match checked {
+            Ok(entry) => {
+                self.registered.insert(request, entry);
+                self.backlog.push(PrefillEvent::Registered { request });
+            }
+            Err(why) => {
+                let status = ChunkStatus {
+                    request,
+                    rank: self.rank(),
+                    chunk: 0,
+                    result: ChunkResult::Failed {
+                        reason: format!("registration refused: {why}"),
+                    },
+                };
+                if self.report(&status).is_ok() {
+                    self.backlog
+                        .push(PrefillEvent::RegistrationRefused { request, why });
+                }
+            }
+        }
+    }
+
+    /// Drops chunks whose copies have landed; a copy that failed after it was reported closes
+    /// the endpoint (its status is out already, and the device state is in doubt).
+    fn check_inflight(&mut self) {
+        while let Some(front) = self.inflight.front_mut() {
+            match front.poll() {
+                Ok(Some(_)) => {
+                    self.inflight.pop_front();
+                }
+                Ok(None) => return,
+                Err(e) => {
+                    self.inflight.pop_front();
+                    self.close(format!("a reported chunk failed on the device: {e}"));
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Waits for every reported copy (errors are moot once the endpoint closes).
+    fn drain_inflight(&mut self) {
+        for pending in self.inflight.drain(..) {
+            let _ = pending.wait();
+        }
+    }
+
+    /// Closes the endpoint: fails every request, waits for this rank's copies, unmaps the pools.
+    fn close(&mut self, why: String) {
+        if self.closed.is_some() {
+            return;
+        }
+        let mut failed: Vec<u64> = self
+            .open
+            .drain()
+            .chain(self.registered.drain().map(|(r, _)| r))
+            .collect();
+        failed.sort_unstable();
+        for &request in &failed {
+            let _ = self.sender.abort(request, &why);
+        }
+        self.drain_inflight();
+        // A fresh transport drops the spaces the old one's launches kept; with the imported
+        // pools gone, the mappings go (unmapping waits for this process's device work first).
+        let method = self.method;
+        self.replace_transport(method);
+        self.pools.clear();
+        self.channel = None;
+        self.closed = Some(why.clone());
+        self.backlog.push(PrefillEvent::Closed { why, failed });
+    }
+}
+
+fn sum(a: PeerStats, b: PeerStats) -> PeerStats {
+    PeerStats {
+        chunks: a.chunks + b.chunks,
+        launches: a.launches + b.launches,
+        copy_calls: a.copy_calls + b.copy_calls,
+        descriptors: a.descriptors + b.descriptors,
+        bytes: a.bytes + b.bytes,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_survive_the_wire() {
+        let mut bytes = ComponentBytes::default();
+        bytes.add(Component::TargetLatent, 7);
+        bytes.add(Component::DraftIndexer, 3);
+        let sent = ChunkStatus {
+            request: 9,
+            rank: 2,
+            chunk: 4,
+            result: ChunkResult::Sent { bytes, last: true },
+        };
+        assert_eq!(chunk_status(&chunk_done(&sent)), sent);
+        let failed = ChunkStatus {
+            request: 9,
+            rank: 1,
+            chunk: 0,
+            result: ChunkResult::Failed {
+                reason: "no".into(),
+            },
+        };
+        let done = chunk_done(&failed);
+        assert!(done.last && done.bytes == [0; 4]);
+        assert_eq!(chunk_status(&done), failed);
+    }
+
+    #[test]
+    fn a_live_process_has_not_exited_and_an_unknown_one_gets_a_grace() {
+        let me = Process {
+            pid: i32::try_from(std::process::id()).ok(),
+            start: proc_stat(std::process::id() as i32).and_then(|(_, s)| s),
+            gone_at: None,
+        };
+        assert!(!me.exited(Duration::ZERO));
+        let reused = Process {
+            start: me.start.map(|s| s + 1),
+            ..me.clone()
+        };
+        assert!(
+            reused.exited(Duration::ZERO),
+            "another process under the same PID"
+        );
+        let unknown = Process {
+            pid: None,
+            start: None,
+            gone_at: Some(Instant::now()),
+        };
+        assert!(!unknown.exited(Duration::from_secs(60)));
+        assert!(unknown.exited(Duration::ZERO));
+    }
+
+    #[test]
+    fn endpoints_can_move_to_other_threads() {
+        fn send<T: Send>() {}
+        send::<DecodeEndpoint>();
+        send::<PrefillEndpoint>();
+    }
+}
