@@ -83,17 +83,19 @@ struct Request {
     chunks: Vec<ChunkEnd>,
 }
 
+/// A request's pages, cached prefix pages, and chunk ends as (tokens, final).
+type Shape = (usize, usize, Vec<(usize, bool)>);
+
 /// Requests of (pages, cached prefix pages, chunk ends as (tokens, final)): several chunks,
 /// a cached prefix, a one-page request (a rank owns nothing: its empty final chunk), and one
 /// larger than a bounce slot.
 fn requests(seed: u64) -> Vec<Request> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let placement = Placement::new(N).expect("placement");
     let mut logical: Vec<u64> = (u64::from(N)..PREFILL_PAGES * u64::from(N)).collect();
     logical.shuffle(&mut rng);
     let mut decode: Vec<u64> = (1..DECODE_PAGES).collect();
     decode.shuffle(&mut rng);
-    let shapes: [(usize, usize, Vec<(usize, bool)>); 5] = [
+    let shapes: [Shape; 5] = [
         (
             11,
             0,
@@ -104,7 +106,6 @@ fn requests(seed: u64) -> Vec<Request> {
         (1, 0, vec![(40, true)]),
         (20, 0, vec![(20 * 64, true)]),
     ];
-    let _ = placement;
     shapes
         .into_iter()
         .enumerate()

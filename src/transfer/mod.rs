@@ -33,9 +33,9 @@
 pub mod completion;
 pub mod endpoint;
 pub mod exec;
-pub mod peer;
 #[cfg(feature = "nixl")]
 pub mod nixl;
+pub mod peer;
 pub mod plan;
 pub mod stats;
 
