@@ -257,6 +257,23 @@ pub enum Error {
         /// How long.
         waited: std::time::Duration,
     },
+    /// The NIXL runtime library could not be loaded (feature `nixl`): `why` says what is
+    /// missing and what to install.
+    #[cfg(feature = "nixl")]
+    #[error("NIXL is not available: {why}")]
+    NixlUnavailable {
+        /// What failed, and the install step that fixes it.
+        why: String,
+    },
+    /// A NIXL call failed (feature `nixl`).
+    #[cfg(feature = "nixl")]
+    #[error("NIXL {call} failed: {reason}")]
+    Nixl {
+        /// The NIXL operation.
+        call: &'static str,
+        /// NIXL's status, or what kvshard found wrong.
+        reason: String,
+    },
     /// The NCCL library could not be loaded.
     #[error("no NCCL: libnccl.so.2 could not be loaded (it ships in the nvidia-nccl-cu13 wheel; put its lib folder on LD_LIBRARY_PATH)")]
     NoNccl,

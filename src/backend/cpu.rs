@@ -489,6 +489,20 @@ impl CpuBackend {
         lock(&self.device).deferred
     }
 
+    /// The process address of arena bytes `[addr, addr + len)`, which must lie inside one live
+    /// allocation of this arena: what a transfer engine registers and moves when it runs on the
+    /// CPU twin (NIXL's DRAM memory, where the arena's "device" memory is host memory).
+    ///
+    /// Allocations never move, so the address stays valid while the allocation behind `addr`
+    /// is alive (a [`Buffer`] of it is held). Reading or writing through it is outside the
+    /// arena's lock: the caller orders such access with the backend's own work on those bytes
+    /// (by waiting for the stream), just as a DMA engine's access to device memory must be.
+    pub fn host_address(&self, addr: u64, len: usize) -> Result<usize> {
+        let d = self.dev();
+        let bytes = d.arena.bytes(addr, len)?;
+        Ok(bytes.as_ptr() as usize)
+    }
+
     fn dev(&self) -> MutexGuard<'_, Device> {
         lock(&self.device)
     }

@@ -48,6 +48,10 @@ pub enum AddressSpace {
     Cpu(u64),
     /// CUDA device `ordinal` (its device memory and the device aliases of pinned host memory).
     Cuda(usize),
+    /// Memory of another process, possibly on another host, that only a transfer engine
+    /// reaches (a NIXL peer's pool): no backend runs in it, so every kernel and copy refuses it
+    /// ([`Error::ForeignMemory`]). Each such destination gets an id of its own.
+    Remote(u64),
 }
 
 impl fmt::Display for AddressSpace {
@@ -55,6 +59,7 @@ impl fmt::Display for AddressSpace {
         match self {
             Self::Cpu(id) => write!(f, "CPU backend arena {id}"),
             Self::Cuda(ordinal) => write!(f, "CUDA device {ordinal}"),
+            Self::Remote(id) => write!(f, "remote memory {id}"),
         }
     }
 }

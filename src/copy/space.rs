@@ -378,6 +378,23 @@ impl RemoteSpace {
         })
     }
 
+    /// A destination in another process (another host), described by the addresses its owner
+    /// registered with a transfer engine: `bases[c][l]` is stored layer `l` of component `c` of
+    /// `geometry.components()`, holding `pages` packed blocks, as the remote side addresses it.
+    ///
+    /// Safe, unlike [`RemoteSpace::from_raw`]: its address space is a fresh
+    /// [`AddressSpace::Remote`] that no backend runs in, so no kernel or copy of this process
+    /// ever dereferences these addresses (every one checks the space first); only a transfer
+    /// engine reads them, as offsets into memory the remote side registered. The shape is
+    /// checked as for `from_raw`.
+    pub fn unmapped(geometry: CacheGeometry, pages: u64, bases: Vec<Vec<u64>>) -> Result<Self> {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let space = AddressSpace::Remote(NEXT.fetch_add(1, Ordering::Relaxed));
+        // SAFETY: the space is one no backend belongs to (above), so the contract of
+        // `from_raw` (memory kernels of this process may write) is never relied on.
+        unsafe { Self::from_raw(space, geometry, pages, bases, Arc::new(())) }
+    }
+
     /// The destination's cache geometry.
     pub fn geometry(&self) -> &CacheGeometry {
         &self.geometry

@@ -38,7 +38,9 @@
 //! prefill: a request's pool, cached prefix, destination pages after it and indexer-state pages
 //! from position 0), `ChunkDone` (prefill → decode: request, chunk, final, source rank, bytes per
 //! component or the failure), `EventHandle` (a CUDA interprocess event), `Abort`, `Heartbeat`,
-//! `Bye`.
+//! `Bye`,
+//! `NixlPeer` (either way: a NIXL agent's metadata, geometry and the memory the peer may
+//! address; see `transfer::nixl`).
 //!
 //! A session, per prefill rank:
 //!

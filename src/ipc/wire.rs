@@ -372,6 +372,55 @@ pub struct ChunkDone {
     pub failed: Option<String>,
 }
 
+/// One pool's geometry as numbers: a [`NixlPeer`] carries the sender's, and the receiver
+/// checks it against its own before any byte moves.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WirePool {
+    /// Bytes of one token's latent row (576: FP8 "trtllm", 656: FP8 "scaled", 1152: bf16).
+    pub latent_row_bytes: u32,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// Indexer key elements per token.
+    pub indexer_head_dim: u32,
+    /// Elements per indexer scale.
+    pub indexer_quant_block: u32,
+    /// Per layer: whether it has its own indexer buffer.
+    pub indexer_layers: Vec<bool>,
+}
+
+/// Either way (the NIXL transport): this side's NIXL agent, and the memory of it the peer may
+/// address. The decode side sends its pool and the bounce slots it keeps for the receiving
+/// rank; a prefill rank sends its agent (the decode answers on it when it frees a bounce slot)
+/// and its geometry, with no memory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NixlPeer {
+    /// The NIXL agent's name (unique among the peers).
+    pub agent: String,
+    /// The agent's metadata (`getLocalMD`): what the peer loads to reach this side.
+    pub metadata: Vec<u8>,
+    /// The target pool's geometry.
+    pub target: WirePool,
+    /// The draft pool's geometry, when the draft runs.
+    pub draft: Option<WirePool>,
+    /// Whether addresses are GPU memory (NIXL VRAM) rather than host memory (DRAM).
+    pub vram: bool,
+    /// The GPU the memory is on (0 for host memory).
+    pub device: u32,
+    /// Pages per layer of the pool (0: none published).
+    pub pages: u64,
+    /// Per component of the geometry (in its order), per stored layer: the address of the
+    /// layer's page 0, as the agent registered it.
+    pub layers: Vec<Vec<u64>>,
+    /// Pages one bounce slot holds (0: no bounce slots).
+    pub slot_pages: u64,
+    /// Address of each bounce slot this side keeps for the peer: per component, its pages
+    /// page-major (`[component][page][layer][block]`).
+    pub slots: Vec<u64>,
+}
+
+/// Most bounce slots a [`NixlPeer`] may announce.
+pub const MAX_NIXL_SLOTS: usize = 64;
+
 /// Everything that travels on the control channel.
 ///
 /// The variant order is part of the wire format: append new variants, never reorder.
@@ -401,6 +450,8 @@ pub enum Message {
     Heartbeat,
     /// The sender is closing the connection on purpose.
     Bye,
+    /// Either way: the sender's NIXL agent and memory (the NIXL transport).
+    NixlPeer(NixlPeer),
 }
 
 impl Message {
@@ -415,6 +466,7 @@ impl Message {
             Message::Abort { .. } => "Abort",
             Message::Heartbeat => "Heartbeat",
             Message::Bye => "Bye",
+            Message::NixlPeer(_) => "NixlPeer",
         }
     }
 
@@ -448,6 +500,13 @@ impl Message {
         };
         match self {
             Message::PublishPool(p) => p.check().map_err(invalid),
+            Message::NixlPeer(p) if p.slots.len() > MAX_NIXL_SLOTS => Err(invalid(format!(
+                "{} bounce slots, over the limit of {MAX_NIXL_SLOTS}",
+                p.slots.len()
+            ))),
+            Message::NixlPeer(p) if p.slots.is_empty() != (p.slot_pages == 0) => Err(invalid(
+                format!("{} bounce slots of {} pages", p.slots.len(), p.slot_pages),
+            )),
             _ => Ok(()),
         }
     }

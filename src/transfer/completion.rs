@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use super::exec::{Completion, Transport};
 use super::plan::{ChunkRange, PrefillRank, Registration, SendPlan};
+use super::stats::TransferStats;
 use super::ComponentBytes;
 use crate::copy::RemoteSpace;
 use crate::error::{Error, Result};
@@ -405,6 +406,11 @@ impl Sender {
     /// Physical bytes this rank has enqueued, per component, over all requests.
     pub fn bytes_sent(&self) -> ComponentBytes {
         self.sent
+    }
+
+    /// The transport's counters ([`Transport::stats`]), when it keeps them.
+    pub fn stats(&self) -> Option<TransferStats> {
+        self.transport.stats()
     }
 }
 

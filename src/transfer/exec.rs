@@ -17,8 +17,10 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::plan::SendPlan;
+use super::stats::{Posted, TransferStats};
 use super::ComponentBytes;
 use crate::abi;
 use crate::backend::{Backend, Event, KernelFamily, Launch};
@@ -175,6 +177,12 @@ pub trait Completion: Send {
 
     /// Waits until everything the chunk moved has landed, or returns the failure.
     fn wait(&mut self) -> Result<()>;
+
+    /// Once the chunk has landed, how long it took to move, when the transport knows better
+    /// than the host's wall clock (device events, a transfer engine's telemetry).
+    fn transfer_time(&self) -> Option<Duration> {
+        None
+    }
 }
 
 /// Something that moves chunks: an in-process backend ([`BackendTransport`]), a peer mapping,
@@ -189,6 +197,13 @@ pub trait Transport: Send {
         src: &Arc<DevicePool>,
         dst: &Arc<RemoteSpace>,
     ) -> Result<Box<dyn Completion>>;
+
+    /// The transport's transfer counters ([`super::stats`]), shared: they keep counting after
+    /// the transport is boxed into a [`Sender`](super::Sender). `None` for a transport that
+    /// keeps none.
+    fn stats(&self) -> Option<TransferStats> {
+        None
+    }
 }
 
 /// How a [`BackendTransport`] moves bytes.
@@ -216,10 +231,12 @@ impl CopyMethod {
     }
 }
 
-/// A completion of in-process work: an event of the backend's stream, and what must stay
-/// alive until the stream passes it.
+/// A completion of in-process work: an event of the backend's stream (timed, with the timed
+/// event recorded before the work, so the device time can be read), and what must stay alive
+/// until the stream passes it.
 struct StreamCompletion {
     backend: Arc<dyn Backend>,
+    started: Option<Event>,
     event: Option<Event>,
     _keep: Vec<Arc<dyn BlockSpace>>,
 }
@@ -238,6 +255,14 @@ impl Completion for StreamCompletion {
         }
         Ok(())
     }
+
+    fn transfer_time(&self) -> Option<Duration> {
+        let (start, end) = (self.started.as_ref()?, self.event.as_ref()?);
+        // Only a completed pair of timed events has an elapsed time (a deferred CPU backend's
+        // have none): the caller falls back to the wall clock.
+        let ms = self.backend.elapsed_ms(start, end).ok()?;
+        Duration::try_from_secs_f64(ms / 1e3).ok()
+    }
 }
 
 /// Executes chunks on a backend whose address space holds both the source and the
@@ -245,6 +270,7 @@ impl Completion for StreamCompletion {
 pub struct BackendTransport {
     store: TableStore,
     method: CopyMethod,
+    stats: TransferStats,
 }
 
 impl fmt::Debug for BackendTransport {
@@ -269,6 +295,7 @@ impl BackendTransport {
         Self {
             store: TableStore::new(backend),
             method,
+            stats: TransferStats::new("backend"),
         }
     }
 
@@ -285,6 +312,38 @@ impl Transport for BackendTransport {
         src: &Arc<DevicePool>,
         dst: &Arc<RemoteSpace>,
     ) -> Result<Box<dyn Completion>> {
+        let started = Instant::now();
+        let result = self.enqueue(plan, src, dst);
+        match result {
+            Ok(completion) => {
+                self.stats.posted(&Posted {
+                    bytes: plan.bytes().total(),
+                    descriptors: plan.descriptor_count() as u64,
+                    post_time: started.elapsed(),
+                    bounced: false,
+                });
+                Ok(self.stats.track(completion, started))
+            }
+            Err(e) => {
+                self.stats.failed();
+                Err(e)
+            }
+        }
+    }
+
+    fn stats(&self) -> Option<TransferStats> {
+        Some(self.stats.clone())
+    }
+}
+
+impl BackendTransport {
+    /// Enqueues `plan`'s copies; what [`Transport::submit`] times and counts.
+    fn enqueue(
+        &mut self,
+        plan: &SendPlan,
+        src: &Arc<DevicePool>,
+        dst: &Arc<RemoteSpace>,
+    ) -> Result<Box<dyn Completion>> {
         let backend = self.store.backend().clone();
         let src_space: Arc<dyn BlockSpace> = src.clone();
         let dst_space: Arc<dyn BlockSpace> = dst.clone();
@@ -292,10 +351,12 @@ impl Transport for BackendTransport {
             plan.check_spaces(src_space.as_ref(), dst_space.as_ref())?;
             return Ok(Box::new(StreamCompletion {
                 backend,
+                started: None,
                 event: None,
                 _keep: Vec::new(),
             }));
         }
+        let started = backend.record_timed()?;
         match self.method {
             CopyMethod::Blocks(launch) => {
                 for copy in block_copies(plan, src_space.as_ref(), dst_space.as_ref())? {
@@ -325,7 +386,8 @@ impl Transport for BackendTransport {
             }
         }
         Ok(Box::new(StreamCompletion {
-            event: Some(backend.record()?),
+            started: Some(started),
+            event: Some(backend.record_timed()?),
             backend,
             _keep: vec![src_space, dst_space],
         }))

@@ -25,12 +25,19 @@
 //!   one (one launch per chunk, a copy-engine batch, or the per-block baseline);
 //! - [`endpoint`]: the cross-process protocol as library types, [`DecodeEndpoint`] and
 //!   [`PrefillEndpoint`], over the control channel of [`crate::ipc`].
+//! - [`stats`]: the counters every transport keeps (bytes, descriptors, post and transfer time,
+//!   failures), named after the metrics vLLM's NIXL connector and KVBM export.
+//! - `nixl` (feature `nixl`): the transport on NVIDIA's NIXL, for prefill and decode on
+//!   different hosts.
 
 pub mod completion;
 pub mod endpoint;
 pub mod exec;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod peer;
 pub mod plan;
+pub mod stats;
 
 use std::fmt;
 use std::ops::AddAssign;
@@ -49,6 +56,7 @@ pub use plan::{
     ChunkRange, Descriptor, PoolLayout, PrefillRank, Registration, Section, SectionComponent,
     SendPlan,
 };
+pub use stats::{Metric, MetricKind, Posted, StatsSnapshot, TimeSnapshot, TransferStats};
 
 use crate::geometry::Component;
 

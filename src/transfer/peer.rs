@@ -19,9 +19,11 @@
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use super::exec::{BackendTransport, Completion, CopyMethod, Transport};
 use super::plan::SendPlan;
+use super::stats::{Posted, TransferStats};
 use crate::backend::{check_space, Backend, Event, Launch};
 use crate::copy::{BlockSpace, RemoteSpace};
 use crate::error::Result;
@@ -71,6 +73,8 @@ pub struct PeerTransport {
     /// The block and copy-engine executors (the per-block baseline needs neither).
     inner: BackendTransport,
     stats: Arc<Mutex<PeerStats>>,
+    /// The counters every transport keeps ([`Transport::stats`]).
+    transfer: TransferStats,
 }
 
 impl fmt::Debug for PeerTransport {
@@ -94,6 +98,7 @@ impl PeerTransport {
             backend,
             method,
             stats: Arc::default(),
+            transfer: TransferStats::new("peer"),
         }
     }
 
@@ -167,12 +172,50 @@ impl Transport for PeerTransport {
         src: &Arc<DevicePool>,
         dst: &Arc<RemoteSpace>,
     ) -> Result<Box<dyn Completion>> {
+        let started = Instant::now();
         let mut counted = PeerStats {
             chunks: 1,
             bytes: plan.bytes().total(),
             ..PeerStats::default()
         };
-        let completion = match self.method {
+        match self.enqueue(plan, src, dst, &mut counted) {
+            Ok(completion) => {
+                // The per-block baseline posts its copies; the others what a descriptor-based
+                // engine would have posted for the plan.
+                let descriptors = match self.method {
+                    PeerMethod::PerBlock => counted.descriptors,
+                    _ => plan.descriptor_count() as u64,
+                };
+                self.transfer.posted(&Posted {
+                    bytes: counted.bytes,
+                    descriptors,
+                    post_time: started.elapsed(),
+                    bounced: false,
+                });
+                Ok(self.transfer.track(completion, started))
+            }
+            Err(e) => {
+                self.transfer.failed();
+                Err(e)
+            }
+        }
+    }
+
+    fn stats(&self) -> Option<TransferStats> {
+        Some(self.transfer.clone())
+    }
+}
+
+impl PeerTransport {
+    /// Enqueues a chunk, counting it into `counted` and [`PeerTransport::stats`].
+    fn enqueue(
+        &mut self,
+        plan: &SendPlan,
+        src: &Arc<DevicePool>,
+        dst: &Arc<RemoteSpace>,
+        counted: &mut PeerStats,
+    ) -> Result<Box<dyn Completion>> {
+        let completion: Box<dyn Completion> = match self.method {
             PeerMethod::PerBlock => {
                 let copies = self.per_block(plan, src, dst)?;
                 counted.copy_calls = copies;

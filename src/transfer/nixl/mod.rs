@@ -1,0 +1,200 @@
+//! P/D across hosts on NVIDIA's NIXL (feature `nixl`): the prefill ranks' [`NixlTransport`]
+//! writes each chunk into the decode pool through NIXL (UCX underneath: RDMA, NVLink/CUDA IPC,
+//! TCP), and the decode side's [`NixlTarget`] turns NIXL's notifications into the chunk
+//! statuses its [`Receiver`](super::Receiver) completes requests from, unchanged.
+//!
+//! ```text
+//! decode: NixlTarget (pool + bounce slots per rank)       prefill rank r: NixlTransport
+//!   peer_info(r) ──────────── NixlPeer (control channel) ───────────> connect(peer) -> RemoteSpace
+//!   connect(r, peer) <─────── NixlPeer (its agent, geometry) ──────── peer_info()
+//!   register(registration) ── Register (the engine's) ──────────────> Sender::open(.., RemoteSpace)
+//!                                                                     Sender::send: one NIXL write
+//!   poll(): notices ─> scatter bounced sections ─> Receiver <──────── per chunk (indices into
+//!           (in chunk order per rank)           <── notification ──   lists prepared once), its
+//!                                                                     notice riding on it
+//!           SlotFree(slot) ─────────────── notification ────────────> the slot may be reused
+//! ```
+//!
+//! **Registration.** Each side registers its pool once (its allocation, or the engine's layer
+//! buffers): DRAM on the CPU backend (the arena's allocations are host memory), VRAM on a GPU.
+//! The decode side also registers its bounce slots (`slots` per prefill rank), the prefill side
+//! its own. Agents meet over the control channel ([`crate::ipc`]) with a
+//! [`NixlPeer`](crate::ipc::wire::NixlPeer) message each way: agent metadata, geometry (checked
+//! against one's own before any byte moves: the wrong geometry refuses the peer on both
+//! sides) and the addresses to write to.
+//!
+//! **Descriptor lists.** On connecting, a prefill rank prepares two lists once: its pool's
+//! (page, layer) blocks followed by every prefix of its bounce slots, and the same of the decode
+//! side (the decode's pool blocks, and the slots kept for this rank). A chunk is then one
+//! transfer request made by indices into the two lists (`makeXferReq`), with the chunk's notice
+//! as its notification: writes (push), never reads.
+//!
+//! **Few descriptors.** Per section (the chunk's latent KV; the final chunk's indexer state):
+//! - *coalesced*: the block indices of every owned page, run by run; NIXL merges the blocks of
+//!   a run that are contiguous on both sides, so one descriptor per run and layer is posted.
+//!   A rank's owned pages sit N apart on the decode side, so for N > 1 a run is one page;
+//! - *bounce*: the rank packs its owned pages of the section into a registered slot with a
+//!   block copy (page-major: the k pages of a component are contiguous whatever k is), posts one
+//!   descriptor per component into the matching slot of the decode side, and the decode
+//!   scatters the slot into its pages with a block copy once the notice arrives, then frees
+//!   the slot with a `SlotFree` notice;
+//! - *per block*: one descriptor per (page, layer), unmerged: the field's practice, a baseline.
+//!
+//! [`NixlMode::Auto`] picks per chunk: bounce when a slot is free on both sides, every section
+//! fits a slot, and the coalesced plan's mean descriptor is under
+//! [`NixlConfig::bounce_below`] bytes (512 KiB by default). Why that rule: posting costs about
+//! a microsecond per descriptor, and a packing or scattering copy costs about `bytes / 1 TB/s`
+//! on an H200 on each side, so the bounce pays off when descriptors are small: 36 KB latent
+//! blocks (one page per run, N > 1) bounce; runs of tens of pages (N = 1) go coalesced. The
+//! constants are first estimates, for the lead's GPU measurement to confirm (BENCHMARKS.md).
+//!
+//! **Completion.** Every chunk produces exactly one notice, sent by NIXL with the chunk's
+//! transfer (so it arrives only after the bytes have landed), alone for a chunk that moved
+//! nothing (the empty final chunk), or alone as a failure. The decode side orders notices per
+//! (request, rank) by chunk before they reach the [`Receiver`](super::Receiver), whose
+//! one-final-status-per-rank rule then works unchanged.
+//!
+//! **Failures.** A transfer NIXL reports failed, or that has not landed within
+//! [`NixlConfig::transfer_timeout`], fails its chunk on the prefill side and sends a failure
+//! notice; a peer whose control channel reports it gone ([`NixlTransport::peer_gone`],
+//! [`NixlTarget::rank_gone`]) fails every open request with it on this side, within the
+//! channel's liveness timeout; a geometry mismatch refuses the peer on both sides, and every
+//! request involving it fails. Requests with other peers continue. Nothing leaks: requests,
+//! prepared lists, registrations and remote metadata are released when done or when their
+//! peer goes; a request still moving when its completion is dropped is kept until NIXL is done
+//! with it.
+
+mod memory;
+mod notice;
+mod receive;
+mod runtime;
+mod send;
+
+use std::time::Duration;
+
+pub use memory::NixlBackend;
+pub use receive::NixlTarget;
+pub use runtime::load;
+pub use send::NixlTransport;
+
+use crate::error::{Error, Result};
+use crate::geometry::{CacheGeometry, LatentLayout, PoolGeometry};
+use crate::ipc::wire::WirePool;
+
+/// How a [`NixlTransport`] posts each chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NixlMode {
+    /// Bounce or coalesced per chunk, by the rule in the module docs.
+    Auto,
+    /// Coalesced runs only.
+    Coalesced,
+    /// Bounce whenever a slot is free on both sides and the sections fit a slot; coalesced
+    /// otherwise.
+    Bounce,
+    /// One descriptor per (page, layer) block, unmerged (the baseline).
+    PerBlock,
+}
+
+/// Settings of either side.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NixlConfig {
+    /// The NIXL agent's name: unique among the agents that meet.
+    pub agent: String,
+    /// How chunks are posted (prefill side).
+    pub mode: NixlMode,
+    /// Pages one bounce slot holds (decode side; the prefill side takes the decode's figure).
+    /// A slot holds that many pages of every component: `slot_pages x page bytes` each side.
+    /// 0 disables bouncing.
+    pub slot_pages: u64,
+    /// Bounce slots per prefill rank (decode side; at most
+    /// [`MAX_NIXL_SLOTS`](crate::ipc::wire::MAX_NIXL_SLOTS)).
+    pub slots: usize,
+    /// [`NixlMode::Auto`] bounces a chunk whose coalesced descriptors average fewer bytes.
+    pub bounce_below: u64,
+    /// A transfer that has not landed this long after it was posted fails.
+    pub transfer_timeout: Duration,
+}
+
+impl NixlConfig {
+    /// Defaults for agent `agent`: [`NixlMode::Auto`], 2 slots of 64 pages per rank, bounce
+    /// under 512 KiB per descriptor, 30 s transfer timeout.
+    pub fn new(agent: impl Into<String>) -> Self {
+        Self {
+            agent: agent.into(),
+            mode: NixlMode::Auto,
+            slot_pages: 64,
+            slots: 2,
+            bounce_below: 512 << 10,
+            transfer_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+fn wire_pool(p: &PoolGeometry) -> WirePool {
+    WirePool {
+        latent_row_bytes: p.latent.row_bytes() as u32,
+        page_size: p.page_size as u32,
+        indexer_head_dim: p.indexer_head_dim as u32,
+        indexer_quant_block: p.indexer_quant_block as u32,
+        indexer_layers: p.indexer_layers.clone(),
+    }
+}
+
+fn pool_of(w: &WirePool) -> Result<PoolGeometry> {
+    let latent = LatentLayout::ALL
+        .into_iter()
+        .find(|l| l.row_bytes() == w.latent_row_bytes as usize)
+        .ok_or_else(|| {
+            Error::InvalidGeometry(format!(
+                "the peer's latent rows are {} B, a layout kvshard does not know",
+                w.latent_row_bytes
+            ))
+        })?;
+    Ok(PoolGeometry {
+        latent,
+        page_size: w.page_size as usize,
+        indexer_head_dim: w.indexer_head_dim as usize,
+        indexer_quant_block: w.indexer_quant_block as usize,
+        indexer_layers: w.indexer_layers.clone(),
+    })
+}
+
+/// The wire form of a geometry: (target, draft).
+pub(crate) fn wire_geometry(g: &CacheGeometry) -> (WirePool, Option<WirePool>) {
+    (wire_pool(&g.target), g.draft.as_ref().map(wire_pool))
+}
+
+/// The geometry a peer announced, validated.
+pub(crate) fn geometry_of(target: &WirePool, draft: Option<&WirePool>) -> Result<CacheGeometry> {
+    let g = CacheGeometry {
+        target: pool_of(target)?,
+        draft: draft.map(pool_of).transpose()?,
+    };
+    g.validate()?;
+    Ok(g)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn geometry_round_trips_through_the_wire() {
+        for g in [
+            CacheGeometry::with_draft(PoolGeometry::with_indexer_layers(
+                LatentLayout::Fp8Scaled,
+                vec![true, false, true],
+            )),
+            CacheGeometry::target_only(PoolGeometry::new(LatentLayout::Bf16, 2)),
+        ] {
+            let (t, d) = wire_geometry(&g);
+            assert_eq!(geometry_of(&t, d.as_ref()).unwrap(), g);
+        }
+        let (mut t, _) = wire_geometry(&CacheGeometry::target_only(PoolGeometry::new(
+            LatentLayout::Fp8Trtllm,
+            1,
+        )));
+        t.latent_row_bytes = 100;
+        assert!(geometry_of(&t, None).is_err());
+    }
+}

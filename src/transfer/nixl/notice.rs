@@ -1,0 +1,197 @@
+//! The notifications the two sides exchange through NIXL: a prefill rank's report on one chunk
+//! (sent with the chunk's transfer, so it arrives only once the bytes have landed; alone for a
+//! chunk that moved nothing, or that failed), and the decode side's release of a bounce slot.
+//!
+//! Each is a 5-byte header (magic `KVSN`, version) and a postcard-encoded [`Notice`]; anything
+//! else in an agent's notification stream is refused, not guessed at.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::geometry::Component;
+use crate::transfer::{ChunkResult, ChunkStatus, ComponentBytes};
+
+const MAGIC: [u8; 4] = *b"KVSN";
+const VERSION: u8 = 1;
+
+/// A section of a chunk that went through a bounce slot: the decode side scatters entry `j` of
+/// the slot's `components` into pool page `pages[j]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Bounced {
+    /// The slot (of those the decode keeps for this rank).
+    pub slot: u32,
+    /// Components of the section ([`Component::ALL`] indices).
+    pub components: Vec<u8>,
+    /// Destination page of each packed entry, in entry order.
+    pub pages: Vec<u64>,
+}
+
+/// One notification.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum Notice {
+    /// Prefill → decode: a chunk's bytes have landed (sections not listed in `bounced` went
+    /// straight into the pool's pages).
+    Chunk {
+        request: u64,
+        rank: u32,
+        chunk: u32,
+        last: bool,
+        /// Bytes per component, [`Component::ALL`] order.
+        bytes: [u64; 4],
+        bounced: Vec<Bounced>,
+    },
+    /// Prefill → decode: a chunk failed (the rank's last status for the request).
+    Failed {
+        request: u64,
+        rank: u32,
+        chunk: u32,
+        reason: String,
+    },
+    /// Decode → prefill: the decode has scattered bounce slot `slot`; it may be written again.
+    SlotFree { slot: u32 },
+}
+
+/// The index of `c` in [`Component::ALL`].
+pub(crate) fn component_code(c: Component) -> u8 {
+    Component::ALL.iter().position(|&x| x == c).unwrap_or(0) as u8
+}
+
+/// The component of a [`component_code`].
+pub(crate) fn component_of(code: u8) -> Result<Component> {
+    Component::ALL
+        .get(code as usize)
+        .copied()
+        .ok_or_else(|| Error::InvalidArgument(format!("component code {code} in a notice")))
+}
+
+impl Notice {
+    /// The notice of a rank's status (without bounce sections).
+    pub fn of_status(status: &ChunkStatus, bounced: Vec<Bounced>) -> Self {
+        match &status.result {
+            ChunkResult::Sent { bytes, last } => Notice::Chunk {
+                request: status.request,
+                rank: status.rank,
+                chunk: status.chunk,
+                last: *last,
+                bytes: Component::ALL.map(|c| bytes.get(c)),
+                bounced,
+            },
+            ChunkResult::Failed { reason } => Notice::Failed {
+                request: status.request,
+                rank: status.rank,
+                chunk: status.chunk,
+                reason: reason.clone(),
+            },
+        }
+    }
+
+    /// The status a prefill notice reports (`None` for a slot release).
+    pub fn status(&self) -> Option<ChunkStatus> {
+        match self {
+            Notice::Chunk {
+                request,
+                rank,
+                chunk,
+                last,
+                bytes,
+                ..
+            } => {
+                let mut b = ComponentBytes::default();
+                for (c, n) in Component::ALL.into_iter().zip(bytes) {
+                    b.add(c, *n);
+                }
+                Some(ChunkStatus {
+                    request: *request,
+                    rank: *rank,
+                    chunk: *chunk,
+                    result: ChunkResult::Sent {
+                        bytes: b,
+                        last: *last,
+                    },
+                })
+            }
+            Notice::Failed {
+                request,
+                rank,
+                chunk,
+                reason,
+            } => Some(ChunkStatus {
+                request: *request,
+                rank: *rank,
+                chunk: *chunk,
+                result: ChunkResult::Failed {
+                    reason: reason.clone(),
+                },
+            }),
+            Notice::SlotFree { .. } => None,
+        }
+    }
+
+    /// The notification's bytes.
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        let mut head = MAGIC.to_vec();
+        head.push(VERSION);
+        postcard::to_extend(self, head)
+            .map_err(|e| Error::InvalidArgument(format!("cannot encode a NIXL notice: {e}")))
+    }
+
+    /// Parses one notification: exactly one notice of this version, no trailing bytes.
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        let bad = |why: String| Error::Nixl {
+            call: "notification",
+            reason: why,
+        };
+        let (head, body) = bytes
+            .split_at_checked(5)
+            .ok_or_else(|| bad(format!("{} bytes: too short", bytes.len())))?;
+        if head[..4] != MAGIC || head[4] != VERSION {
+            return Err(bad(format!("header {head:02x?} is not a kvshard notice")));
+        }
+        let (notice, rest) =
+            postcard::take_from_bytes::<Notice>(body).map_err(|e| bad(e.to_string()))?;
+        if !rest.is_empty() {
+            return Err(bad(format!("{} trailing bytes", rest.len())));
+        }
+        Ok(notice)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notices_round_trip_and_garbage_is_refused() {
+        let mut bytes = ComponentBytes::default();
+        bytes.add(Component::DraftLatent, 7);
+        let status = ChunkStatus {
+            request: 3,
+            rank: 1,
+            chunk: 2,
+            result: ChunkResult::Sent { bytes, last: true },
+        };
+        let bounced = vec![Bounced {
+            slot: 1,
+            components: vec![component_code(Component::TargetLatent)],
+            pages: vec![5, 9, 1 << 40],
+        }];
+        let n = Notice::of_status(&status, bounced);
+        let back = Notice::decode(&n.encode().unwrap()).unwrap();
+        assert_eq!(back, n);
+        assert_eq!(back.status(), Some(status));
+        let free = Notice::SlotFree { slot: 3 };
+        assert_eq!(Notice::decode(&free.encode().unwrap()).unwrap(), free);
+        assert!(free.status().is_none());
+
+        assert!(Notice::decode(b"KVS").is_err());
+        assert!(Notice::decode(b"HELLO WORLD").is_err());
+        let mut trailing = free.encode().unwrap();
+        trailing.push(0);
+        assert!(Notice::decode(&trailing).is_err());
+        assert_eq!(
+            component_of(component_code(Component::DraftIndexer)).unwrap(),
+            Component::DraftIndexer
+        );
+        assert!(component_of(9).is_err());
+    }
+}
