@@ -43,7 +43,8 @@ PY
 status=0
 python3 -m pytest python/tests -v -rs "$@" 2>&1 | tee "$out/pytest.log" || status=$?
 if [[ $bench == 1 ]]; then
-  python3 python/bench.py --out "$out" 2>&1 | tee "$out/bench.log" || status=$?
+  # -P: the script's folder (python/, with the source package) does not go first on sys.path.
+  python3 -P python/bench.py --out "$out" 2>&1 | tee "$out/bench.log" || status=$?
 fi
 rm -rf "$site"
 exit $status

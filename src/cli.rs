@@ -38,7 +38,11 @@ pub const MAX_LAYERS: usize = 4096;
 
 /// The command line.
 #[derive(Parser, Debug)]
-#[command(name = "kvshard", version, about = "Page-sharded FP8 KV cache data plane for DSA models")]
+#[command(
+    name = "kvshard",
+    version,
+    about = "Page-sharded FP8 KV cache data plane for DSA models"
+)]
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -334,8 +338,7 @@ fn demo(args: &DemoArgs) -> ExitCode {
         }
         None => {
             let cpu = CpuBackend::new();
-            let streams =
-                || -> crate::Result<Arc<dyn Backend>> { Ok(Arc::new(cpu.new_stream())) };
+            let streams = || -> crate::Result<Arc<dyn Backend>> { Ok(Arc::new(cpu.new_stream())) };
             args.run(Arc::new(cpu.new_stream()), &streams, false)
         }
     };
@@ -411,7 +414,10 @@ where
         let line = if code == 0 {
             text
         } else {
-            text.lines().next().unwrap_or("invalid arguments").to_string()
+            text.lines()
+                .next()
+                .unwrap_or("invalid arguments")
+                .to_string()
         };
         (line, code)
     })?;
@@ -436,14 +442,17 @@ fn bounds(ranks: Option<u32>, layers: Option<usize>) -> Result<(), String> {
     }
     if let Some(l) = layers {
         if l == 0 || l > MAX_LAYERS {
-            return Err(format!("--layers {l}: a model has 1 to {MAX_LAYERS} target layers"));
+            return Err(format!(
+                "--layers {l}: a model has 1 to {MAX_LAYERS} target layers"
+            ));
         }
     }
     Ok(())
 }
 
 fn mul(a: u64, b: u64, what: &str) -> Result<u64, String> {
-    a.checked_mul(b).ok_or_else(|| format!("{what} overflows 64 bits"))
+    a.checked_mul(b)
+        .ok_or_else(|| format!("{what} overflows 64 bits"))
 }
 
 impl DemoArgs {
@@ -459,7 +468,10 @@ impl DemoArgs {
                         c.chunk, c.tokens
                     ));
                 }
-                let page = c.geometry().page_bytes_checked().map_err(|e| e.to_string())? as u64;
+                let page = c
+                    .geometry()
+                    .page_bytes_checked()
+                    .map_err(|e| e.to_string())? as u64;
                 let pages = (c.tokens as u64).div_ceil(64) + 2;
                 let per_rank = c.pages_per_rank();
                 // The ranks' pools, the reference, three decode pools, the staging.
@@ -469,13 +481,20 @@ impl DemoArgs {
                 let device = mul(pools, page, "device bytes")?
                     .checked_add(mul((c.chunk as u64).div_ceil(64), page, "staging bytes")?)
                     .ok_or("device bytes overflow 64 bits")?;
-                let host = mul(mul(per_rank, u64::from(c.ranks), "host pages")?, page, "host bytes")?;
+                let host = mul(
+                    mul(per_rank, u64::from(c.ranks), "host pages")?,
+                    page,
+                    "host bytes",
+                )?;
                 Ok(MemoryNeed { device, host })
             }
             Scenario::Pressure => {
                 let c = self.pressure(gpu);
                 let per_rank = c.pages_per_rank().map_err(|e| e.to_string())?;
-                let page = c.geometry().page_bytes_checked().map_err(|e| e.to_string())? as u64;
+                let page = c
+                    .geometry()
+                    .page_bytes_checked()
+                    .map_err(|e| e.to_string())? as u64;
                 let pool_pages = mul(per_rank, u64::from(c.ranks), "pool pages")?;
                 let reference = ((c.prefix_tokens + 2 * c.prompt_tokens) as u64).div_ceil(64) + 2;
                 // The ranks' pools, the reference, two decode pools, staging and scratch slots
@@ -487,7 +506,11 @@ impl DemoArgs {
                     page,
                     "device bytes",
                 )?;
-                let host = mul(mul(pool_pages, c.host_factor, "host pages")?, page, "host bytes")?;
+                let host = mul(
+                    mul(pool_pages, c.host_factor, "host pages")?,
+                    page,
+                    "host bytes",
+                )?;
                 Ok(MemoryNeed { device, host })
             }
         }
@@ -500,7 +523,10 @@ impl PdArgs {
         bounds(self.ranks, self.layers)?;
         let c = self.config(cpu)?;
         c.validate().map_err(|e| e.to_string())?;
-        let page = c.geometry().page_bytes_checked().map_err(|e| e.to_string())? as u64;
+        let page = c
+            .geometry()
+            .page_bytes_checked()
+            .map_err(|e| e.to_string())? as u64;
         let pages = mul(c.prefill_pages(), u64::from(c.ranks), "prefill pages")?
             .checked_add(mul(c.decode_pages(), 2, "decode pages")?)
             .ok_or("pages overflow 64 bits")?;
@@ -515,7 +541,11 @@ impl PdArgs {
 fn host_available() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    line.split_whitespace().nth(1)?.parse::<u64>().ok()?.checked_mul(1024)
+    line.split_whitespace()
+        .nth(1)?
+        .parse::<u64>()
+        .ok()?
+        .checked_mul(1024)
 }
 
 /// Bytes of device memory NVML says are free on GPU 0.
@@ -529,9 +559,15 @@ fn fits(need: MemoryNeed, gpu: bool, lower: &str) -> Result<(), String> {
     let gb = |b: u64| b as f64 / 1e9;
     let host = host_available();
     let checks: [(&str, u64, Option<u64>); 2] = if gpu {
-        [("device", need.device, device_available()), ("pinned host", need.host, host)]
+        [
+            ("device", need.device, device_available()),
+            ("pinned host", need.host, host),
+        ]
     } else {
-        [("host", need.device.saturating_add(need.host), host), ("", 0, None)]
+        [
+            ("host", need.device.saturating_add(need.host), host),
+            ("", 0, None),
+        ]
     };
     for (what, bytes, available) in checks {
         if let Some(available) = available {

@@ -380,8 +380,20 @@ fn two_prefill_processes_match(test: &str, cpu: bool) {
     let socket = socket_path(test);
     let mut endpoint =
         DecodeEndpoint::bind(&socket, backend.clone(), cfg.ranks, Liveness::default()).unwrap();
-    let requests = cfg.cases().len() as u64;
-    let served = requests * cfg.iterations as u64;
+    let cases = cfg.cases().len();
+    let served = (cases * cfg.iterations) as u64;
+    // One batch per iteration: every case once, in case order, so each batch lands in the
+    // same decode pages and must produce the same pool.
+    let batch = |iteration: usize| -> Vec<u64> {
+        (0..cases)
+            .map(|case| cfg.request_id(case, iteration))
+            .collect()
+    };
+    // The fourth case (7 pages) has a cached prefix of two pages.
+    let prefix_of = |request: u64| match cfg.case_of(request) {
+        Some((3, _, _)) => 2,
+        _ => 0,
+    };
     let children: Vec<Peer> = (0..cfg.ranks)
         .map(|rank| {
             Spawn {
@@ -397,8 +409,8 @@ fn two_prefill_processes_match(test: &str, cpu: bool) {
             .start()
         })
         .collect();
-    // Every request at once, in one decode pool large enough for all; request 4 (7 pages) with
-    // a cached prefix of two pages (its chunks start after it; its indexer state covers it).
+    // Every request of a batch at once, in one decode pool large enough for all; the 7-page
+    // case with a cached prefix (its chunks start after it; its indexer state covers it).
     let pages: u64 = cfg.cases().iter().map(|c| c.pages as u64).sum::<u64>() + 2;
     let exported = Arc::new(
         ExportedPool::allocate(&backend, &cfg.geometry(), Placement::unsharded(), 0, pages)
@@ -411,14 +423,19 @@ fn two_prefill_processes_match(test: &str, cpu: bool) {
     let pool = endpoint.publish(exported.clone()).unwrap();
     let mut allocator = ShardAllocator::new(Placement::unsharded(), pages).unwrap();
     let mut registrations = Vec::new();
-    for request in 1..=requests {
-        let prefix = if request == 4 { 2 } else { 0 };
-        let (reg, _) = registration_from(&cfg, exported.pool(), request, prefix, &mut allocator);
+    let first = batch(0);
+    for &request in &first {
+        let (reg, _) = registration_from(
+            &cfg,
+            exported.pool(),
+            request,
+            prefix_of(request),
+            &mut allocator,
+        );
         endpoint.register(pool, reg.clone()).unwrap();
         registrations.push(reg);
     }
-    let ids: Vec<u64> = (1..=requests).collect();
-    let (finished, others) = finish_all(&mut endpoint, &ids, STARTUP);
+    let (finished, others) = finish_all(&mut endpoint, &first, STARTUP);
     assert!(
         others
             .iter()
@@ -452,9 +469,14 @@ fn two_prefill_processes_match(test: &str, cpu: bool) {
         let ipc_pool = endpoint.publish(shared.clone()).unwrap();
         let mut allocator = ShardAllocator::new(Placement::unsharded(), pages).unwrap();
         let mut again = Vec::new();
-        for request in requests + 1..=2 * requests {
-            let prefix = if request == requests + 4 { 2 } else { 0 };
-            let (reg, _) = registration_from(&cfg, shared.pool(), request, prefix, &mut allocator);
+        for request in batch(1) {
+            let (reg, _) = registration_from(
+                &cfg,
+                shared.pool(),
+                request,
+                prefix_of(request),
+                &mut allocator,
+            );
             endpoint.register(ipc_pool, reg.clone()).unwrap();
             again.push(reg.request);
         }
