@@ -264,21 +264,32 @@ impl Proc {
             }
             None => {
                 // DRAM over TCP on the loopback: what works on a machine with no RDMA and no
-                // GPU, and what the CI runs.
-                cmd.env("UCX_TLS", "tcp,self").env("UCX_NET_DEVICES", "lo");
+                // GPU, and what the CI runs. Where a GPU is present, NIXL refuses a UCX_TLS
+                // without a CUDA transport, even for DRAM-only agents.
+                let tls = if Gpu::open(0).is_ok() {
+                    "tcp,self,cuda_copy"
+                } else {
+                    "tcp,self"
+                };
+                cmd.env("UCX_TLS", tls).env("UCX_NET_DEVICES", "lo");
             }
         }
         Proc(cmd.spawn().expect("spawn child test process"))
     }
 
     /// Waits (bounded) for the child to exit; returns whether it succeeded.
-    fn finish(mut self, what: &str) -> bool {
-        let deadline = Instant::now() + STARTUP * 2;
+    fn finish(self, what: &str) -> bool {
+        self.finish_within(what, STARTUP * 2)
+    }
+
+    /// The same, waiting up to `limit`.
+    fn finish_within(mut self, what: &str, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
         loop {
             match self.0.try_wait().expect("wait for child") {
                 Some(status) => return status.success(),
                 None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
-                None => panic!("{what}: child still running after {:?}", STARTUP * 2),
+                None => panic!("{what}: child still running after {limit:?}"),
             }
         }
     }
@@ -926,8 +937,18 @@ fn bench_geometry(gpu: bool) -> CacheGeometry {
     }
 }
 
+/// How long a benchmark's decode process may run: eight ranks sharing one GPU take minutes.
+const BENCH_LIMIT: Duration = Duration::from_secs(900);
+
+/// Request sizes in pages: `KVSHARD_NIXL_BENCH_PAGES` (comma-separated), else 64 to 4,096 on a
+/// GPU host and 64 and 256 here.
 fn bench_sizes(gpu: bool) -> Vec<u64> {
-    if gpu {
+    let chosen: Vec<u64> = std::env::var("KVSHARD_NIXL_BENCH_PAGES")
+        .map(|v| v.split(',').filter_map(|x| x.parse().ok()).collect())
+        .unwrap_or_default();
+    if !chosen.is_empty() {
+        chosen
+    } else if gpu {
         vec![64, 256, 512, 1024, 4096]
     } else {
         vec![64, 256]
@@ -1093,6 +1114,12 @@ fn bench_prefill_child(socket: &Path, rank: u32, n: u32, device: Option<usize>, 
                     .expect("landed");
                 let wall = t0.elapsed();
                 let after = stats.snapshot();
+                // Keep reading the control channel: the decode's heartbeats fill the socket
+                // buffer of a rank that stops reading, and the decode then rightly reports it
+                // gone (a long run with eight ranks fills it in about 30 s).
+                if let Some(got) = ch.recv_timeout(Duration::ZERO).expect("decode alive") {
+                    panic!("unexpected message during the benchmark: {:?}", got.message);
+                }
                 if it == 0 {
                     continue;
                 }
@@ -1157,7 +1184,10 @@ fn bench_nixl_pd() {
         let ranks: Vec<Proc> = (0..n)
             .map(|r| spawn(&format!("bench-prefill-{n}"), r, prefill_gpu))
             .collect();
-        assert!(decode.finish(test), "bench decode (N = {n}) failed");
+        assert!(
+            decode.finish_within(test, BENCH_LIMIT),
+            "bench decode (N = {n}) failed"
+        );
         for r in ranks {
             assert!(r.finish(test), "bench prefill (N = {n}) failed");
         }
