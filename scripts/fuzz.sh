@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Runs every cargo-fuzz target on the stable toolchain for SECONDS each (default 12: the whole
-# set stays inside CI's 60-second budget), starting from and growing the corpus committed under
-# fuzz/corpus. A crash fails the run and leaves its input under fuzz/artifacts/TARGET/.
-# Longer runs: scripts/fuzz.sh 3600, or one target: scripts/fuzz.sh 600 send_plan.
+# set stays inside CI's 60-second budget), starting from the corpus committed under fuzz/corpus.
+# New inputs go to target/fuzz-corpus/TARGET (git-ignored), so a CI run leaves the checkout
+# clean; FUZZ_GROW=1 writes them into fuzz/corpus instead, to commit after a long run.
+# A crash fails the run and leaves its input under fuzz/artifacts/TARGET/.
+# Longer runs: FUZZ_GROW=1 scripts/fuzz.sh 3600, or one target: scripts/fuzz.sh 600 send_plan.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds="${1:-12}"
@@ -20,8 +22,14 @@ export RUSTC_BOOTSTRAP=1
 cargo fuzz build --sanitizer none -O
 for t in "${targets[@]}"; do
   mkdir -p "fuzz/corpus/$t"
+  # libFuzzer writes new inputs into the first corpus folder it is given.
+  corpora=("fuzz/corpus/$t")
+  if [ "${FUZZ_GROW:-0}" != 1 ]; then
+    mkdir -p "target/fuzz-corpus/$t"
+    corpora=("target/fuzz-corpus/$t" "fuzz/corpus/$t")
+  fi
   echo "fuzz $t for ${seconds}s"
-  cargo fuzz run --sanitizer none -O "$t" "fuzz/corpus/$t" -- -max_total_time="$seconds" 2>&1 | grep -E "^Done|panicked|ERROR|SUMMARY" || true
+  cargo fuzz run --sanitizer none -O "$t" "${corpora[@]}" -- -max_total_time="$seconds" 2>&1 | grep -E "^Done|panicked|ERROR|SUMMARY" || true
   # cargo fuzz run exits non-zero on a crash; PIPESTATUS keeps that visible under pipefail.
   [ "${PIPESTATUS[0]}" = 0 ] || { echo "fuzz target $t FAILED" >&2; exit 1; }
 done
