@@ -314,21 +314,14 @@ impl Transport for BackendTransport {
     ) -> Result<Box<dyn Completion>> {
         let started = Instant::now();
         let result = self.enqueue(plan, src, dst);
-        match result {
-            Ok(completion) => {
-                self.stats.posted(&Posted {
-                    bytes: plan.bytes().total(),
-                    descriptors: plan.descriptor_count() as u64,
-                    post_time: started.elapsed(),
-                    bounced: false,
-                });
-                Ok(self.stats.track(completion, started))
-            }
-            Err(e) => {
-                self.stats.failed();
-                Err(e)
-            }
-        }
+        self.stats.submitted(started, result, || {
+            Some(Posted {
+                bytes: plan.bytes().total(),
+                descriptors: plan.descriptor_count() as u64,
+                post_time: started.elapsed(),
+                bounced: false,
+            })
+        })
     }
 
     fn stats(&self) -> Option<TransferStats> {

@@ -178,27 +178,22 @@ impl Transport for PeerTransport {
             bytes: plan.bytes().total(),
             ..PeerStats::default()
         };
-        match self.enqueue(plan, src, dst, &mut counted) {
-            Ok(completion) => {
-                // The per-block baseline posts its copies; the others what a descriptor-based
-                // engine would have posted for the plan.
-                let descriptors = match self.method {
-                    PeerMethod::PerBlock => counted.descriptors,
-                    _ => plan.descriptor_count() as u64,
-                };
-                self.transfer.posted(&Posted {
-                    bytes: counted.bytes,
-                    descriptors,
-                    post_time: started.elapsed(),
-                    bounced: false,
-                });
-                Ok(self.transfer.track(completion, started))
-            }
-            Err(e) => {
-                self.transfer.failed();
-                Err(e)
-            }
-        }
+        let result = self.enqueue(plan, src, dst, &mut counted);
+        let method = self.method;
+        self.transfer.submitted(started, result, || {
+            // The per-block baseline posts its copies; the others what a descriptor-based
+            // engine would have posted for the plan.
+            let descriptors = match method {
+                PeerMethod::PerBlock => counted.descriptors,
+                _ => plan.descriptor_count() as u64,
+            };
+            Some(Posted {
+                bytes: counted.bytes,
+                descriptors,
+                post_time: started.elapsed(),
+                bounced: false,
+            })
+        })
     }
 
     fn stats(&self) -> Option<TransferStats> {

@@ -178,6 +178,30 @@ impl TransferStats {
         }
     }
 
+    /// What every [`Transport::submit`](super::Transport::submit) does with its outcome: a
+    /// chunk enqueued at `started` is counted as `posted` says (`None` where the transport
+    /// counted its posting itself) and its completion tracked; a failed one counts as failed
+    /// and its error is returned.
+    pub fn submitted(
+        &self,
+        started: Instant,
+        result: Result<Box<dyn Completion>>,
+        posted: impl FnOnce() -> Option<Posted>,
+    ) -> Result<Box<dyn Completion>> {
+        match result {
+            Ok(completion) => {
+                if let Some(p) = posted() {
+                    self.posted(&p);
+                }
+                Ok(self.track(completion, started))
+            }
+            Err(e) => {
+                self.failed();
+                Err(e)
+            }
+        }
+    }
+
     /// Wraps `inner`, the completion of a chunk posted at `started`, so that its landing
     /// counts its transfer time (the completion's own [`Completion::transfer_time`] when it
     /// has one, else the wall time since `started`) and its failure counts a failed transfer,

@@ -936,19 +936,14 @@ impl Transport for NixlTransport {
             let mut s = lock(&self.state);
             s.submit(plan, src, dst, started)
         };
-        match chunk {
-            Ok(chunk) => Ok(self.stats.track(
-                Box::new(NixlCompletion {
-                    state: self.state.clone(),
-                    chunk: Some(chunk),
-                }),
-                started,
-            )),
-            Err(e) => {
-                self.stats.failed();
-                Err(e)
-            }
-        }
+        let completion = chunk.map(|chunk| -> Box<dyn Completion> {
+            Box::new(NixlCompletion {
+                state: self.state.clone(),
+                chunk: Some(chunk),
+            })
+        });
+        // The chunk's posting was counted where it was posted (bounced or not).
+        self.stats.submitted(started, completion, || None)
     }
 
     fn stats(&self) -> Option<TransferStats> {
