@@ -1,8 +1,8 @@
 //! The rotated-owner allocator against a model: random sequences of batches (new chains and
 //! extensions of live ones), tail frees, matching allocations and bad frees, with the model
 //! predicting every start owner and every exhaustion by counting chain positions one by one
-//! (not with the allocator's closed form). After every step the invariants of DOMAIN.md
-//! section 3 are checked; a failed step must leave the allocator equal to its snapshot.
+//! (not with the allocator's closed form). After every step the invariants of
+//! docs/design.md ("Ownership") are checked; a failed step must leave the allocator equal to its snapshot.
 
 use std::collections::BTreeSet;
 

@@ -166,7 +166,7 @@ fn rank_pages(case: &Case, n: u32) -> u64 {
     case.pages().div_ceil(n as usize) as u64 + 4
 }
 
-/// The logical page of every position on `n` ranks of `rank_pages` pages (DOMAIN.md section 3):
+/// The logical page of every position on `n` ranks of `rank_pages` pages (docs/design.md, "Ownership"):
 /// position j is owned by `(start + j) % n` and takes that owner's next free local page, from
 /// a free list in order or shuffled.
 fn prefill_pages(
