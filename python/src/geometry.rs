@@ -30,25 +30,11 @@ pub enum PyLatentLayout {
     BF16,
 }
 
-impl From<PyLatentLayout> for LatentLayout {
-    fn from(l: PyLatentLayout) -> Self {
-        match l {
-            PyLatentLayout::FP8_TRTLLM => Self::Fp8Trtllm,
-            PyLatentLayout::FP8_SCALED => Self::Fp8Scaled,
-            PyLatentLayout::BF16 => Self::Bf16,
-        }
-    }
-}
-
-impl From<LatentLayout> for PyLatentLayout {
-    fn from(l: LatentLayout) -> Self {
-        match l {
-            LatentLayout::Fp8Trtllm => Self::FP8_TRTLLM,
-            LatentLayout::Fp8Scaled => Self::FP8_SCALED,
-            LatentLayout::Bf16 => Self::BF16,
-        }
-    }
-}
+mirror_enum!(PyLatentLayout <=> LatentLayout {
+    FP8_TRTLLM = Fp8Trtllm,
+    FP8_SCALED = Fp8Scaled,
+    BF16 = Bf16,
+});
 
 #[pymethods]
 impl PyLatentLayout {
@@ -109,27 +95,12 @@ pub enum PyComponent {
     DRAFT_INDEXER,
 }
 
-impl From<PyComponent> for Component {
-    fn from(c: PyComponent) -> Self {
-        match c {
-            PyComponent::TARGET_LATENT => Self::TargetLatent,
-            PyComponent::TARGET_INDEXER => Self::TargetIndexer,
-            PyComponent::DRAFT_LATENT => Self::DraftLatent,
-            PyComponent::DRAFT_INDEXER => Self::DraftIndexer,
-        }
-    }
-}
-
-impl From<Component> for PyComponent {
-    fn from(c: Component) -> Self {
-        match c {
-            Component::TargetLatent => Self::TARGET_LATENT,
-            Component::TargetIndexer => Self::TARGET_INDEXER,
-            Component::DraftLatent => Self::DRAFT_LATENT,
-            Component::DraftIndexer => Self::DRAFT_INDEXER,
-        }
-    }
-}
+mirror_enum!(PyComponent <=> Component {
+    TARGET_LATENT = TargetLatent,
+    TARGET_INDEXER = TargetIndexer,
+    DRAFT_LATENT = DraftLatent,
+    DRAFT_INDEXER = DraftIndexer,
+});
 
 #[pymethods]
 impl PyComponent {

@@ -49,25 +49,11 @@ pub enum PyHostLayout {
     PAGE_FIRST_DIRECT,
 }
 
-impl From<PyHostLayout> for HostLayout {
-    fn from(l: PyHostLayout) -> Self {
-        match l {
-            PyHostLayout::LAYER_FIRST => Self::LayerFirst,
-            PyHostLayout::PAGE_FIRST => Self::PageFirst,
-            PyHostLayout::PAGE_FIRST_DIRECT => Self::PageFirstDirect,
-        }
-    }
-}
-
-impl From<HostLayout> for PyHostLayout {
-    fn from(l: HostLayout) -> Self {
-        match l {
-            HostLayout::LayerFirst => Self::LAYER_FIRST,
-            HostLayout::PageFirst => Self::PAGE_FIRST,
-            HostLayout::PageFirstDirect => Self::PAGE_FIRST_DIRECT,
-        }
-    }
-}
+mirror_enum!(PyHostLayout <=> HostLayout {
+    LAYER_FIRST = LayerFirst,
+    PAGE_FIRST = PageFirst,
+    PAGE_FIRST_DIRECT = PageFirstDirect,
+});
 
 #[pymethods]
 impl PyHostLayout {

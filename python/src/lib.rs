@@ -9,6 +9,28 @@
 //! exceptions of `kvshard._errors`, with kvshard's message. No panic crosses into Python: the
 //! code returns errors, and PyO3 turns any panic that slipped through into an exception.
 
+/// Both `From` conversions between a Python enum and the kvshard enum it mirrors, from one
+/// table of variant pairs, so the two directions cannot disagree.
+macro_rules! mirror_enum {
+    ($py:ident <=> $rs:ident { $($p:ident = $r:ident),+ $(,)? }) => {
+        impl From<$py> for $rs {
+            fn from(v: $py) -> Self {
+                match v {
+                    $($py::$p => Self::$r,)+
+                }
+            }
+        }
+
+        impl From<$rs> for $py {
+            fn from(v: $rs) -> Self {
+                match v {
+                    $($rs::$r => Self::$p,)+
+                }
+            }
+        }
+    };
+}
+
 mod bench;
 mod device;
 mod errors;
