@@ -592,48 +592,37 @@ impl HostPool {
         regions: &[HostRegion],
         max_chunk: usize,
     ) -> Result<Self> {
-        let components = Self::check(geometry, pages)?;
-        let (layouts, slots) = format.plan(&components, pages)?;
         let space = AddressSpace::Cuda(gpu.info().ordinal);
-        check_region_count(layouts.len(), regions.len())?;
-        let mut buffers = Vec::with_capacity(layouts.len());
-        for (layout, region) in layouts.into_iter().zip(regions) {
-            let len = layout.bytes;
-            let name = buffer_name(&layout);
-            if region.len != len
-                || region.host.is_null()
-                || region.host as usize % REGION_ALIGN != 0
-            {
-                return Err(Error::HiCache(format!(
+        Self::engine_buffers(
+            space,
+            geometry,
+            pages,
+            format,
+            regions.iter(),
+            |layout, name, region| {
+                let len = layout.bytes;
+                if region.len != len
+                    || region.host.is_null()
+                    || region.host as usize % REGION_ALIGN != 0
+                {
+                    return Err(Error::HiCache(format!(
                     "{name} region at {:p} of {} bytes: needs a non-null {REGION_ALIGN}-byte aligned region of {len} bytes ({format}, {pages} pages)",
                     region.host, region.len
                 )));
-            }
-            let unit = format
-                .layout
-                .buffer_page_unit(layout.layers, layout.block_bytes);
-            let grain = unit / gcd(unit, OS_PAGE_GRAIN) * OS_PAGE_GRAIN;
-            let chunk = (max_chunk / grain).max(1) * grain;
-            // SAFETY: the caller guarantees the region (see above).
-            let reg =
-                unsafe { HostRegistration::new(gpu.context(), region.host, len, unit, chunk) }?;
-            let base = linear_alias(&name, reg.chunks())?;
-            buffers.push(HostBuf {
-                memory: Buffer::owned(base, len, MemoryKind::PinnedHost, space, Arc::new(reg)),
-                host: Some(region.host as usize),
-                layout,
-            });
-        }
-        Ok(Self::assemble(
-            space,
-            geometry,
-            format,
-            pages,
-            components,
-            slots,
-            buffers,
-            NumaPlacement::Engine,
-        ))
+                }
+                let unit = format
+                    .layout
+                    .buffer_page_unit(layout.layers, layout.block_bytes);
+                let grain = unit / gcd(unit, OS_PAGE_GRAIN) * OS_PAGE_GRAIN;
+                let chunk = (max_chunk / grain).max(1) * grain;
+                // SAFETY: the caller guarantees the region (see above).
+                let reg =
+                    unsafe { HostRegistration::new(gpu.context(), region.host, len, unit, chunk) }?;
+                let base = linear_alias(name, reg.chunks())?;
+                let memory = Buffer::owned(base, len, MemoryKind::PinnedHost, space, Arc::new(reg));
+                Ok((memory, Some(region.host as usize)))
+            },
+        )
     }
 
     /// Wraps host memory the engine already registered with the driver (`cudaHostRegister`,
@@ -654,60 +643,49 @@ impl HostPool {
         format: HostFormat,
         regions: &[RegisteredRegion],
     ) -> Result<Self> {
-        let components = Self::check(geometry, pages)?;
-        let (layouts, slots) = format.plan(&components, pages)?;
         let space = AddressSpace::Cuda(gpu.info().ordinal);
-        check_region_count(layouts.len(), regions.len())?;
-        let mut buffers = Vec::with_capacity(layouts.len());
-        for (layout, region) in layouts.into_iter().zip(regions) {
-            let len = layout.bytes;
-            let name = buffer_name(&layout);
-            let start = region.host as usize;
-            if region.len != len || start == 0 || start as u64 % BUFFER_ALIGN != 0 {
-                return Err(Error::HiCache(format!(
+        Self::engine_buffers(
+            space,
+            geometry,
+            pages,
+            format,
+            regions.iter(),
+            |layout, name, region| {
+                let len = layout.bytes;
+                let start = region.host as usize;
+                if region.len != len || start == 0 || start as u64 % BUFFER_ALIGN != 0 {
+                    return Err(Error::HiCache(format!(
                     "{name} region at {start:#x} of {} bytes: needs a non-null {BUFFER_ALIGN}-byte aligned region of {len} bytes ({format}, {pages} pages)",
                     region.len
                 )));
-            }
-            let ranges = if region.registrations.is_empty() {
-                vec![(start, len)]
-            } else {
-                region.registrations.clone()
-            };
-            let mut at = start;
-            for &(host, bytes) in &ranges {
-                if host != at || bytes == 0 {
-                    return Err(Error::HiCache(format!(
+                }
+                let ranges = if region.registrations.is_empty() {
+                    vec![(start, len)]
+                } else {
+                    region.registrations.clone()
+                };
+                let mut at = start;
+                for &(host, bytes) in &ranges {
+                    if host != at || bytes == 0 {
+                        return Err(Error::HiCache(format!(
                         "{name} region [{start:#x}, +{len}): registration ({host:#x}, {bytes} bytes) does not continue at {at:#x}; the registrations must tile the region in order"
                     )));
+                    }
+                    at += bytes;
                 }
-                at += bytes;
-            }
-            if at != start + len {
-                return Err(Error::HiCache(format!(
-                    "{name} region [{start:#x}, +{len}): its registrations end at {at:#x}"
-                )));
-            }
-            // SAFETY: the caller guarantees each range is one live registration of this context
-            // (see above).
-            let reg = unsafe { ForeignRegistration::new(gpu.context(), &ranges) }?;
-            let base = linear_alias(&name, reg.chunks())?;
-            buffers.push(HostBuf {
-                memory: Buffer::owned(base, len, MemoryKind::PinnedHost, space, Arc::new(reg)),
-                host: Some(start),
-                layout,
-            });
-        }
-        Ok(Self::assemble(
-            space,
-            geometry,
-            format,
-            pages,
-            components,
-            slots,
-            buffers,
-            NumaPlacement::Engine,
-        ))
+                if at != start + len {
+                    return Err(Error::HiCache(format!(
+                        "{name} region [{start:#x}, +{len}): its registrations end at {at:#x}"
+                    )));
+                }
+                // SAFETY: the caller guarantees each range is one live registration of this context
+                // (see above).
+                let reg = unsafe { ForeignRegistration::new(gpu.context(), &ranges) }?;
+                let base = linear_alias(name, reg.chunks())?;
+                let memory = Buffer::owned(base, len, MemoryKind::PinnedHost, space, Arc::new(reg));
+                Ok((memory, Some(start)))
+            },
+        )
     }
 
     /// Wraps memory of `backend`'s address space, one buffer per buffer of `format`
@@ -726,29 +704,53 @@ impl HostPool {
         format: HostFormat,
         memory: Vec<HostMemory>,
     ) -> Result<Self> {
-        let components = Self::check(geometry, pages)?;
-        let (layouts, slots) = format.plan(&components, pages)?;
-        check_region_count(layouts.len(), memory.len())?;
-        let mut buffers = Vec::with_capacity(layouts.len());
-        for (layout, m) in layouts.into_iter().zip(memory) {
-            let name = buffer_name(&layout);
-            backend.check(&m.memory, &name)?;
-            if m.memory.len() != layout.bytes || m.memory.addr() % BUFFER_ALIGN != 0 {
-                return Err(Error::HiCache(format!(
+        let space = backend.address_space();
+        Self::engine_buffers(
+            space,
+            geometry,
+            pages,
+            format,
+            memory.into_iter(),
+            |layout, name, m| {
+                backend.check(&m.memory, name)?;
+                if m.memory.len() != layout.bytes || m.memory.addr() % BUFFER_ALIGN != 0 {
+                    return Err(Error::HiCache(format!(
                     "{name} buffer at {:#x} of {} bytes: needs a {BUFFER_ALIGN}-byte aligned buffer of {} bytes ({format}, {pages} pages)",
                     m.memory.addr(),
                     m.memory.len(),
                     layout.bytes
                 )));
-            }
+                }
+                Ok((m.memory, m.host.map(|h| h as usize)))
+            },
+        )
+    }
+
+    /// A pool of the engine's memory in `space`, one buffer per buffer of `format`, each made
+    /// by `buffer` from its layout, its name and the caller's region for it (checked, and
+    /// registered where that is needed): the buffer and its host address, if any.
+    fn engine_buffers<R>(
+        space: AddressSpace,
+        geometry: &CacheGeometry,
+        pages: u64,
+        format: HostFormat,
+        regions: impl ExactSizeIterator<Item = R>,
+        mut buffer: impl FnMut(&HostBufferLayout, &str, R) -> Result<(Buffer, Option<usize>)>,
+    ) -> Result<Self> {
+        let components = Self::check(geometry, pages)?;
+        let (layouts, slots) = format.plan(&components, pages)?;
+        check_region_count(layouts.len(), regions.len())?;
+        let mut buffers = Vec::with_capacity(layouts.len());
+        for (layout, region) in layouts.into_iter().zip(regions) {
+            let (memory, host) = buffer(&layout, &buffer_name(&layout), region)?;
             buffers.push(HostBuf {
                 layout,
-                memory: m.memory,
-                host: m.host.map(|h| h as usize),
+                memory,
+                host,
             });
         }
         Ok(Self::assemble(
-            backend.address_space(),
+            space,
             geometry,
             format,
             pages,
