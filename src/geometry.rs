@@ -450,6 +450,18 @@ impl ComponentLayout {
         self.model_layers.get(layer.0).copied()
     }
 
+    /// `layer`, checked against this component's stored layers.
+    pub fn check_layer(&self, layer: StoredLayer) -> Result<StoredLayer> {
+        if layer.0 >= self.layers() {
+            return Err(Error::OutOfRange {
+                what: "stored layer",
+                index: i64::try_from(layer.0).unwrap_or(i64::MAX),
+                limit: self.layers() as u64,
+            });
+        }
+        Ok(layer)
+    }
+
     /// Strides of a space storing this component packed: pages one block apart, rows back to back.
     pub fn packed_side(&self) -> crate::abi::kvs_block_side {
         crate::abi::kvs_block_side {

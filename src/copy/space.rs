@@ -89,14 +89,7 @@ pub trait BlockSpace: sealed::Sealed + Send + Sync + fmt::Debug {
     /// Address of (`layer`, local `page`) of `component`, checked against the space.
     fn block_addr(&self, component: Component, layer: StoredLayer, page: LocalPage) -> Result<u64> {
         let c = self.component_index(component)?;
-        let layout = &self.components()[c];
-        if layer.0 >= layout.layers() {
-            return Err(Error::OutOfRange {
-                what: "stored layer",
-                index: layer.0 as i64,
-                limit: layout.layers() as u64,
-            });
-        }
+        self.components()[c].check_layer(layer)?;
         if page.0 >= self.pages() {
             return Err(Error::OutOfRange {
                 what: "local page",
@@ -165,12 +158,23 @@ pub(crate) fn packed_regions(
     pages: u64,
 ) -> Result<(Vec<(usize, usize)>, usize)> {
     let what = |c: &ComponentLayout| format!("{pages} pages of {} blocks", c.component);
+    layer_regions(components, what, |c| {
+        crate::error::to_usize(pages, || what(c))?.mul_or(c.block_bytes, || what(c))
+    })
+}
+
+/// Byte offset of each component region and its layer stride in one allocation holding every
+/// stored layer of every component back to back, `layer_bytes(c)` per layer of `c` rounded up
+/// to [`REGION_ALIGN`], and the total; an overflow names `what(c)`.
+pub(crate) fn layer_regions(
+    components: &[ComponentLayout],
+    what: impl Fn(&ComponentLayout) -> String,
+    layer_bytes: impl Fn(&ComponentLayout) -> Result<usize>,
+) -> Result<(Vec<(usize, usize)>, usize)> {
     let mut offset = 0usize;
     let mut regions = Vec::with_capacity(components.len());
     for c in components {
-        let pages = crate::error::to_usize(pages, || what(c))?;
-        let stride = pages
-            .mul_or(c.block_bytes, || what(c))?
+        let stride = layer_bytes(c)?
             .checked_next_multiple_of(REGION_ALIGN)
             .ok_or_else(|| Error::overflow(what(c)))?;
         regions.push((offset, stride));
@@ -228,13 +232,7 @@ impl Staging {
     pub fn layer(&self, component: Component, layer: StoredLayer) -> Result<Buffer> {
         let c = self.component_index(component)?;
         let comp = &self.components[c];
-        if layer.0 >= comp.layers() {
-            return Err(Error::OutOfRange {
-                what: "stored layer",
-                index: layer.0 as i64,
-                limit: comp.layers() as u64,
-            });
-        }
+        comp.check_layer(layer)?;
         let (offset, stride) = self.regions[c];
         // In range: packed_regions laid out `layers` strides of at least pages * block bytes.
         self.buffer.slice(

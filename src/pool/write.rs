@@ -9,7 +9,7 @@ use std::sync::Arc;
 use super::DevicePool;
 use crate::abi;
 use crate::backend::{upload_i64s_sync, Backend, Buffer, KernelFamily, Launch, MemoryKind};
-use crate::copy::space::REGION_ALIGN;
+use crate::copy::space::layer_regions;
 use crate::copy::BlockSpace;
 use crate::error::{Checked, Error, Result};
 use crate::geometry::{
@@ -43,16 +43,11 @@ impl ChunkStaging {
     /// memory.
     pub fn new(backend: &dyn Backend, pool: &DevicePool, tokens: usize) -> Result<Self> {
         let components = pool.components().to_vec();
-        let mut regions = Vec::new();
-        let mut total = 0usize;
-        for c in &components {
-            let what = || format!("staging of {tokens} tokens of {}", c.component);
-            let stride = layer_bytes(c, tokens)?
-                .checked_next_multiple_of(REGION_ALIGN)
-                .ok_or_else(|| Error::overflow(what()))?;
-            regions.push((total, stride));
-            total = stride.mul_or(c.layers(), what)?.add_or(total, what)?;
-        }
+        let (regions, total) = layer_regions(
+            &components,
+            |c| format!("staging of {tokens} tokens of {}", c.component),
+            |c| layer_bytes(c, tokens),
+        )?;
         let buffer = backend.alloc(total, MemoryKind::Device)?;
         Ok(Self {
             components,
@@ -80,13 +75,7 @@ impl ChunkStaging {
             .position(|l| l.component == component)
             .ok_or_else(|| Error::InvalidArgument(format!("the staging holds no {component}")))?;
         let comp = &self.components[c];
-        if layer.0 >= comp.layers() {
-            return Err(Error::OutOfRange {
-                what: "stored layer",
-                index: layer.0 as i64,
-                limit: comp.layers() as u64,
-            });
-        }
+        comp.check_layer(layer)?;
         let (offset, stride) = self.regions[c];
         // In range: `new` laid out `layers` strides of at least layer_bytes each.
         self.buffer
