@@ -4,7 +4,9 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::runtime::Memory;
+use nixl_sys::RegistrationHandle;
+
+use super::runtime::{Agent, Memory};
 use crate::abi;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
@@ -80,6 +82,40 @@ impl NixlBackend {
         }
     }
 
+    /// Registers `[addr, addr + len)` of this backend's memory with `agent`, at the address
+    /// NIXL sees it by; deregistered when the handle drops.
+    ///
+    /// # Safety
+    /// The range must stay valid until the handle has been dropped.
+    pub(crate) unsafe fn register(
+        &self,
+        agent: &Agent,
+        addr: u64,
+        len: usize,
+    ) -> Result<RegistrationHandle> {
+        let at = self.nixl_address(addr, len)?;
+        // SAFETY: memory of this backend, of the kind `memory()` says; the caller keeps it
+        // valid until the handle has dropped.
+        unsafe { agent.register(at as usize, len, self.memory()) }
+    }
+
+    /// Registers every region of `pool` (memory of this backend) with `agent`.
+    ///
+    /// # Safety
+    /// The caller holds `pool` until every returned handle has been dropped.
+    pub(crate) unsafe fn register_pool(
+        &self,
+        agent: &Agent,
+        pool: &DevicePool,
+    ) -> Result<Vec<RegistrationHandle>> {
+        pool_regions(pool)?
+            .into_iter()
+            // SAFETY: the pool's memory (its allocation, or buffers `wrap`'s contract keeps
+            // valid while the pool lives), which the caller holds for as long as the handles.
+            .map(|(addr, len)| unsafe { self.register(agent, addr, len) })
+            .collect()
+    }
+
     /// Checks `space` is memory of this backend.
     pub(crate) fn check_space(&self, space: &dyn BlockSpace, what: &str) -> Result<()> {
         crate::backend::check_space(self.backend().address_space(), space.address_space(), what)
@@ -88,7 +124,7 @@ impl NixlBackend {
 
 /// The contiguous regions holding every layer buffer of `pool` (kvshard's own allocation, or
 /// the engine's layer buffers with adjacent ones merged), as (address, bytes) of its backend.
-pub(crate) fn pool_regions(pool: &DevicePool) -> Result<Vec<(u64, usize)>> {
+fn pool_regions(pool: &DevicePool) -> Result<Vec<(u64, usize)>> {
     if let Some(storage) = pool.storage() {
         return Ok(vec![(storage.addr(), storage.len())]);
     }

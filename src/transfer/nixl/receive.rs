@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use nixl_sys::RegistrationHandle;
 
-use super::memory::{pool_regions, BounceSpace, NixlBackend};
+use super::memory::{BounceSpace, NixlBackend};
 use super::notice::{component_of, Bounced, Notice};
 use super::runtime::Agent;
 use super::{geometry_of, wire_geometry, NixlConfig};
@@ -108,24 +108,17 @@ impl NixlTarget {
             )));
         }
         let agent = Agent::new(&config.agent)?;
-        let memory = device.memory();
-        let mut registrations = Vec::new();
-        for (addr, len) in pool_regions(&pool)? {
-            let at = device.nixl_address(addr, len)?;
-            // SAFETY: the region is the pool's memory, which the target holds (`pool`) for as
-            // long as the registration, dropped first.
-            registrations.push(unsafe { agent.register(at as usize, len, memory)? });
-        }
+        // SAFETY: the target holds `pool` for as long as the registrations, dropped first.
+        let mut registrations = unsafe { device.register_pool(&agent, &pool)? };
         let bounce = config.slot_pages > 0 && config.slots > 0;
         let (slot_buffer, slots) = if bounce {
             let backend = device.backend();
             let total = config.slots * ranks as usize;
             let (buffer, spaces) =
                 BounceSpace::allocate(backend.as_ref(), pool.geometry(), config.slot_pages, total)?;
-            let at = device.nixl_address(buffer.addr(), buffer.len())?;
             // SAFETY: this target's allocation, kept (`_slot_buffer`) until the registration
             // has dropped.
-            registrations.push(unsafe { agent.register(at as usize, buffer.len(), memory)? });
+            registrations.push(unsafe { device.register(&agent, buffer.addr(), buffer.len())? });
             let per_rank = spaces.chunks(config.slots).map(<[_]>::to_vec).collect();
             (Some(buffer), per_rank)
         } else {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use nixl_sys::{RegistrationHandle, XferRequest};
 
-use super::memory::{component_index, pool_regions, BounceSpace, NixlBackend};
+use super::memory::{component_index, BounceSpace, NixlBackend};
 use super::notice::{component_code, Bounced, Notice};
 use super::runtime::{Agent, Memory, Prepared, Progress};
 use super::{geometry_of, wire_geometry, NixlConfig, NixlMode};
@@ -228,15 +228,8 @@ impl NixlTransport {
         device.check()?;
         device.check_space(pool.as_ref(), "the prefill pool")?;
         let agent = Agent::new(&config.agent)?;
-        let memory = device.memory();
-        let mut registrations = Vec::new();
-        for (addr, len) in pool_regions(&pool)? {
-            let at = device.nixl_address(addr, len)?;
-            // SAFETY: the region is memory of the pool (its allocation, or buffers `wrap`'s
-            // contract keeps valid while the pool lives), which the state holds (`pool`) for
-            // as long as the registration; `memory` is the kind of the device's memory.
-            registrations.push(unsafe { agent.register(at as usize, len, memory)? });
-        }
+        // SAFETY: the state holds `pool` for as long as the registrations.
+        let registrations = unsafe { device.register_pool(&agent, &pool)? };
         let stats = TransferStats::new("nixl");
         let state = State {
             zombies: Vec::new(),
@@ -411,10 +404,12 @@ impl State {
         let (slot_buffer, spaces, registration) = if nslots > 0 {
             let (buffer, spaces) =
                 BounceSpace::allocate(backend.as_ref(), geometry, slot_pages, nslots)?;
-            let at = self.device.nixl_address(buffer.addr(), buffer.len())?;
             // SAFETY: the buffer is this side's allocation, kept by the peer (`_slot_buffer`)
             // for as long as the registration, which drops first.
-            let reg = unsafe { self.agent.register(at as usize, buffer.len(), memory)? };
+            let reg = unsafe {
+                self.device
+                    .register(&self.agent, buffer.addr(), buffer.len())?
+            };
             (Some(buffer), spaces, Some(reg))
         } else {
             (None, Vec::new(), None)
