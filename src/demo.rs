@@ -265,6 +265,36 @@ fn decode_pool(
     Ok((pool, space))
 }
 
+/// A write-through HiCache controller per rank pool, each with a page_first_direct host pool of
+/// `host_pages` pages and its own streams.
+fn write_through_controllers(
+    bk: &dyn Backend,
+    g: &CacheGeometry,
+    ranks: &[Arc<DevicePool>],
+    host_pages: u64,
+    streams: StreamFactory<'_>,
+) -> Result<Vec<HiCacheController>> {
+    ranks
+        .iter()
+        .map(|pool| {
+            let host = Arc::new(HostPool::new(
+                bk,
+                g,
+                host_pages,
+                HostLayout::PageFirstDirect,
+            )?);
+            let s = Streams {
+                load: streams()?,
+                backup: streams()?,
+                load_relayout: streams()?,
+                backup_relayout: streams()?,
+                tables: streams()?,
+            };
+            HiCacheController::new(pool.clone(), host, s, WritePolicy::WriteThrough)
+        })
+        .collect()
+}
+
 /// Runs the demo on `b`, making further streams of the same device with `streams`, and with
 /// the HiCache route `route`.
 pub fn run(
@@ -428,25 +458,7 @@ pub fn run(
     ));
 
     // 4: HiCache: write-through backups, eviction, reload into new pages, resend.
-    let mut controllers: Vec<HiCacheController> = ranks
-        .iter()
-        .map(|pool| {
-            let host = Arc::new(HostPool::new(
-                bk,
-                &g,
-                per_rank,
-                HostLayout::PageFirstDirect,
-            )?);
-            let s = Streams {
-                load: streams()?,
-                backup: streams()?,
-                load_relayout: streams()?,
-                backup_relayout: streams()?,
-                tables: streams()?,
-            };
-            HiCacheController::new(pool.clone(), host, s, WritePolicy::WriteThrough)
-        })
-        .collect::<Result<_>>()?;
+    let mut controllers = write_through_controllers(bk, &g, &ranks, per_rank, streams)?;
     let node = chain.cache_node(1, 0..chain.pages().len())?;
     let backup_ms = on_all_ranks(bk, &mut controllers, |s| &s.backup, &mut |c, start| {
         c.access(&node, start, route).map(|_| ())
@@ -1126,25 +1138,7 @@ pub fn run_pressure(
         .chain(std::iter::once(&reference))
         .map(|p| OwnedRowWrite::prepare_sync(bk, staging.clone(), p.clone(), |_| true))
         .collect::<Result<_>>()?;
-    let controllers = ranks
-        .iter()
-        .map(|pool| {
-            let host = Arc::new(HostPool::new(
-                bk,
-                &g,
-                host_pages,
-                HostLayout::PageFirstDirect,
-            )?);
-            let s = Streams {
-                load: streams()?,
-                backup: streams()?,
-                load_relayout: streams()?,
-                backup_relayout: streams()?,
-                tables: streams()?,
-            };
-            HiCacheController::new(pool.clone(), host, s, WritePolicy::WriteThrough)
-        })
-        .collect::<Result<_>>()?;
+    let controllers = write_through_controllers(bk, &g, &ranks, host_pages, streams)?;
     // One request per batch here: the scratch holds one context's prefix (C = 1).
     let mut budget = BudgetRequest::new(u64::MAX, cfg.prompt_tokens as u64, cfg.chunk as u64);
     budget.contexts = 1;
