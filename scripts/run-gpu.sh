@@ -5,6 +5,8 @@
 #   sanitize  the GPU tests again under compute-sanitizer memcheck and racecheck
 #   demo      kvshard demo, the basic and the pressure scenario
 #   pd        scripts/pd-gpu.sh: P/D across processes (one GPU, or two when present)
+#   pressure  kvshard pd --scenario pressure: the seed's topology, a process per rank and decode
+#             (the report goes after pd's in pd.md; PRESSURE_ARGS adds flags)
 #   python    python/run-gpu-tests.sh on the staged wheel, with its benchmark
 #   bench     the GPU benchmark (arguments after `--` go to it)
 # Writes at most eight files to $OUT (default ./gpu-out): summary.log, tests.log,
@@ -25,6 +27,8 @@ done
 [ "${1:-}" = "--" ] && shift
 [ ${#steps[@]} -eq 0 ] && steps=(tests sanitize demo pd python)
 export KVSHARD_REQUIRE_GPU=1
+# The tests that start kvshard processes run the staged binary.
+export KVSHARD_BIN="$here/kvshard"
 export NCCL_NVLS_ENABLE=0
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 [ "$gpus" -ge 2 ] && export KVSHARD_REQUIRE_GPUS=2
@@ -85,6 +89,13 @@ for step in "${steps[@]}"; do
     if KVSHARD="$here/kvshard" OUT=/tmp/pd-out "$repo/scripts/pd-gpu.sh" >/tmp/pd-out/console.log 2>&1; then r=ok; else r=FAILED; status=1; fi
     { cat /tmp/pd-out/topology.txt; cat /tmp/pd-out/pd.md; echo; echo '```'; cat /tmp/pd-out/tests.log; echo '```'; } >"$out/pd.md" 2>/dev/null
     say "pd: $r"
+    ;;
+  pressure)
+    log=/tmp/pressure-console.log
+    # shellcheck disable=SC2086
+    if "$here/kvshard" pd --scenario pressure ${PRESSURE_ARGS:-} --markdown /tmp/pressure.md >"$log" 2>&1; then r=ok; else r=FAILED; status=1; fi
+    { echo; echo "## pd --scenario pressure ${PRESSURE_ARGS:-}"; cat /tmp/pressure.md; echo; echo '```'; tail -80 "$log"; echo '```'; } >>"$out/pd.md" 2>/dev/null
+    say "pressure: $r"
     ;;
   python)
     wheel=$(ls "$here"/*.whl 2>/dev/null | head -1)

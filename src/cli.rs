@@ -59,15 +59,32 @@ enum Command {
     Demo(DemoArgs),
     /// P/D across processes: a decode process and N prefill processes (on the GPUs, or the CPU
     /// twin), the decode pool mapped into every rank; sends requests with each method, verifies
-    /// the bytes and reports GB/s next to the copy ceiling.
+    /// the bytes and reports GB/s next to the copy ceiling (`--scenario transfer`). Or the seed's
+    /// topology (`--scenario pressure`): CP prefill ranks with the CP gather, write-through and
+    /// reload, sending every chunk to each of the decodes, one process per GPU.
     Pd(Box<PdArgs>),
+}
+
+/// Which job `pd` runs.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
+enum PdScenario {
+    /// Request sizes x methods from N ranks to one decode.
+    Transfer,
+    /// The seed's topology under memory pressure, every rank and decode a process.
+    Pressure,
 }
 
 #[derive(Args, Debug)]
 struct PdArgs {
+    /// Which job to run.
+    #[arg(long, value_enum, default_value = "transfer")]
+    scenario: PdScenario,
     /// Run on the CPU twin (memfd pools) even when a GPU is present.
     #[arg(long)]
     cpu: bool,
+    /// Decode processes (pressure scenario; default 2).
+    #[arg(long)]
+    decodes: Option<u32>,
     /// Prefill processes (the CP group's N).
     #[arg(long)]
     ranks: Option<u32>,
@@ -112,9 +129,15 @@ struct PdArgs {
     /// The prefill process's rank.
     #[arg(long, hide = true)]
     rank: Option<u32>,
-    /// The decode's socket.
+    /// The decode's socket (pressure: the decodes' sockets' stem).
     #[arg(long, hide = true)]
     socket: Option<PathBuf>,
+    /// The CP group memory of the pressure scenario's ranks.
+    #[arg(long, hide = true)]
+    group: Option<PathBuf>,
+    /// The pressure scenario's ranks all-gather over NCCL.
+    #[arg(long, hide = true)]
+    nccl: bool,
     /// Pause between a rank's chunks, in milliseconds.
     #[arg(long, hide = true)]
     pace_ms: Option<u64>,
@@ -176,6 +199,78 @@ impl PdArgs {
     }
 }
 
+impl PdArgs {
+    /// The pressure scenario's run: its defaults, with what the flags say.
+    fn pressure_config(&self, cpu: bool) -> Result<pd::pressure::PressurePdConfig, String> {
+        let mut c = pd::pressure::PressurePdConfig::default_for(cpu);
+        let sc = &mut c.scenario;
+        sc.ranks = self.ranks.unwrap_or(sc.ranks);
+        sc.layers = self.layers.unwrap_or(sc.layers);
+        sc.draft = !self.no_draft && sc.draft;
+        sc.seed = self.seed.unwrap_or(sc.seed);
+        c.decodes = self.decodes.unwrap_or(c.decodes);
+        c.gpus = self.gpus.clone().unwrap_or_default();
+        c.nccl = self.nccl;
+        match (&self.methods, &self.ctas) {
+            (Some(names), _) if names.len() == 1 && names[0] != "blocks" => {
+                c.method = pd::parse_method(&names[0]).map_err(|e| e.to_string())?
+            }
+            (None, Some(ctas)) if ctas.len() == 1 => {
+                c.method = PeerMethod::Blocks(Launch {
+                    ctas: ctas[0],
+                    threads: self.threads.unwrap_or(512),
+                })
+            }
+            (None, None) => {}
+            _ => {
+                return Err(
+                    "the pressure scenario sends with one method: --methods M or --ctas C".into(),
+                )
+            }
+        }
+        c.validate().map_err(|e| e.to_string())?;
+        Ok(c)
+    }
+}
+
+/// `kvshard pd --scenario pressure`: the run, or one of its role processes.
+fn pressure_command(args: &PdArgs, cpu: bool) -> crate::Result<()> {
+    let invalid = |e: String| crate::Error::InvalidArgument(e);
+    let mut cfg = args.pressure_config(cpu).map_err(invalid)?;
+    let socket = args.socket.clone().unwrap_or_default();
+    let group = args.group.clone().unwrap_or_default();
+    match (args.role.as_deref(), args.rank) {
+        (None, _) => {
+            let present = if cpu { 0 } else { pd::gpu_count()? };
+            cfg.nccl = pd::pressure::nccl_possible(&cfg, present);
+            let exe = std::env::current_exe().map_err(|source| crate::Error::Os {
+                call: "find the running executable",
+                source,
+            })?;
+            say!(
+                "pd pressure: {} prefill ranks and {} decodes on {}",
+                cfg.scenario.ranks,
+                cfg.decodes,
+                if cfg.cpu { "the CPU twin" } else { "GPUs" }
+            );
+            let report = pd::pressure::run(&cfg, &exe)?;
+            say!("{}", report.markdown);
+            if let Some(path) = &args.markdown {
+                std::fs::write(path, &report.markdown).map_err(|source| crate::Error::Os {
+                    call: "write the report",
+                    source,
+                })?;
+            }
+            Ok(())
+        }
+        (Some("decode"), Some(d)) => pd::pressure::decode_role(&cfg, &socket, d),
+        (Some("prefill"), Some(r)) => pd::pressure::rank_role(&cfg, &socket, &group, r),
+        (Some(role), _) => Err(invalid(format!(
+            "unknown role {role:?} (or a role without --rank)"
+        ))),
+    }
+}
+
 fn pd_command(args: &PdArgs) -> ExitCode {
     let cpu = args.cpu
         || match (&args.role, Gpu::open(0)) {
@@ -185,6 +280,15 @@ fn pd_command(args: &PdArgs) -> ExitCode {
                 true
             }
         };
+    if args.scenario == PdScenario::Pressure {
+        return match pressure_command(args, cpu) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                say!("pd pressure FAILED: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let cfg = match args.config(cpu) {
         Ok(cfg) => cfg,
         Err(e) => {
@@ -521,6 +625,14 @@ impl PdArgs {
     /// What the run needs on the GPU or the CPU twin.
     fn memory(&self, cpu: bool) -> Result<MemoryNeed, String> {
         bounds(self.ranks, self.layers)?;
+        if self.scenario == PdScenario::Pressure {
+            let c = self.pressure_config(cpu)?;
+            let need = c.memory().map_err(|e| e.to_string())?;
+            return Ok(MemoryNeed {
+                device: need.0,
+                host: need.1,
+            });
+        }
         let c = self.config(cpu)?;
         c.validate().map_err(|e| e.to_string())?;
         let page = c
@@ -605,7 +717,11 @@ impl Cli {
                 }
                 let cpu = args.cpu || Gpu::open(0).is_err();
                 let need = args.memory(cpu)?;
-                fits(need, !cpu, "--pages, --layers or --ranks")
+                let lower = match args.scenario {
+                    PdScenario::Transfer => "--pages, --layers or --ranks",
+                    PdScenario::Pressure => "--layers, --ranks or --decodes",
+                };
+                fits(need, !cpu, lower)
             }
         }
     }

@@ -60,3 +60,19 @@ pub fn bytes(rng: &mut impl Rng, n: usize) -> Vec<u8> {
     rng.fill(&mut v[..]);
     v
 }
+
+/// SplitMix64's finalizer: a well-mixed 64-bit hash of `x`.
+pub fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// A generator seeded by `parts` (a seed and what the data belongs to): every process that
+/// names the same parts draws the same bytes.
+pub fn seeded(parts: &[u64]) -> rand::rngs::StdRng {
+    use rand::SeedableRng;
+    let seed = parts.iter().fold(0u64, |acc, &p| mix(acc ^ mix(p)));
+    rand::rngs::StdRng::seed_from_u64(seed)
+}

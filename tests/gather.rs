@@ -1555,9 +1555,6 @@ fn eviction_frees_until_the_request_fits_or_says_why_not() {
 // ---------------------------------------------------------------------------------------------
 // The pressure demo.
 // ---------------------------------------------------------------------------------------------
-// ---------------------------------------------------------------------------------------------
-// The pressure demo.
-// ---------------------------------------------------------------------------------------------
 
 #[test]
 fn pressure_demo_passes_on_the_cpu() {
@@ -1593,10 +1590,10 @@ fn pressure_demo_passes_on_the_cpu() {
         assert!(text.contains("H2D grew from 0 to"), "{text}");
         assert_eq!(
             summary.lines.last().map(String::as_str),
-            Some("pressure demo: every check passed")
+            Some("pressure scenario: every check passed")
         );
         assert_eq!(
-            text.contains("gathered layer by layer"),
+            text.contains("its prefix was gathered"),
             cfg.ranks > 1,
             "{text}"
         );
@@ -1644,6 +1641,6 @@ fn gpu_pressure_demo_passes_at_the_stated_shape() {
     let summary = run_pressure(streams().unwrap(), &streams, &cfg, default_route(true)).unwrap();
     assert_eq!(
         summary.lines.last().map(String::as_str),
-        Some("pressure demo: every check passed")
+        Some("pressure scenario: every check passed")
     );
 }

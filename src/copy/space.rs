@@ -205,6 +205,12 @@ impl Staging {
         Self::for_components(backend, geometry.components(), pages, MemoryKind::Device)
     }
 
+    /// Bytes a staging of `pages` pages of `geometry` holds (what [`Staging::new`] allocates).
+    pub fn required_bytes(geometry: &CacheGeometry, pages: u64) -> Result<usize> {
+        geometry.validate()?;
+        packed_regions(&geometry.components(), pages).map(|(_, total)| total)
+    }
+
     pub(crate) fn for_components(
         backend: &dyn Backend,
         components: Vec<ComponentLayout>,

@@ -65,6 +65,7 @@
 //! [postcard]: https://postcard.jamesmunns.com/wire-format
 
 pub mod channel;
+pub mod group;
 pub mod pool;
 pub mod shm;
 pub mod wire;

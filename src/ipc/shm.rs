@@ -99,6 +99,29 @@ impl SharedMemory {
         Ok(Self { fd, ptr, len })
     }
 
+    /// A path another process of this user can open, while this one lives, to map the same
+    /// memory with [`SharedMemory::open`] (the memfd through `/proc/<pid>/fd`): how a parent
+    /// hands shared memory to the processes it starts without passing descriptors.
+    pub fn proc_path(&self) -> std::path::PathBuf {
+        use std::os::fd::AsRawFd;
+        format!("/proc/{}/fd/{}", std::process::id(), self.fd.as_raw_fd()).into()
+    }
+
+    /// Maps the shared memory at `path` (a [`proc_path`](Self::proc_path) of its creator),
+    /// which must hold exactly `len` bytes sealed against shrinking, as [`from_fd`](Self::from_fd)
+    /// checks.
+    pub fn open(path: &std::path::Path, len: usize) -> Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|source| Error::Os {
+                call: "open shared memory",
+                source,
+            })?;
+        Self::from_fd(OwnedFd::from(file), len)
+    }
+
     /// A new descriptor of the same memory, to send to another process.
     pub fn export_fd(&self) -> Result<OwnedFd> {
         self.fd.try_clone().map_err(|source| Error::Os {

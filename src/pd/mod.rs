@@ -15,6 +15,8 @@
 //! Every process derives the same cases, chains and data from the same [`PdConfig`]: nothing
 //! but the protocol's messages travels between them.
 
+pub mod pressure;
+
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader};
@@ -50,11 +52,11 @@ const PATTERN_SPAN: usize = 8 << 20;
 /// do (the partial page is sent whole with the final chunk).
 const TAIL_TOKENS: usize = 16;
 /// How long processes wait for each other to start and connect.
-const STARTUP: Duration = Duration::from_secs(120);
+pub(crate) const STARTUP: Duration = Duration::from_secs(120);
 /// How long one request may take before the decode gives up.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
+pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
 /// Prefix of the machine-readable lines the role processes print for [`run`].
-const TAG: &str = "@pd";
+pub(crate) const TAG: &str = "@pd";
 
 /// One run of `kvshard pd`, identical in every process of it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -351,13 +353,6 @@ pub struct Pattern {
     seed: u64,
 }
 
-fn splitmix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
 impl Pattern {
     /// The source of `seed`, long enough for blocks of up to `max_block` bytes.
     pub fn new(seed: u64, max_block: usize) -> Self {
@@ -368,9 +363,11 @@ impl Pattern {
 
     /// The bytes of block (`rank`, component index `component`, `layer`, local `page`).
     pub fn block(&self, rank: u32, component: usize, layer: usize, page: u64, len: usize) -> &[u8] {
-        let key = splitmix(
+        let key = crate::synth::mix(
             self.seed
-                ^ splitmix(u64::from(rank) << 48 ^ (component as u64) << 40 ^ (layer as u64) << 32)
+                ^ crate::synth::mix(
+                    u64::from(rank) << 48 ^ (component as u64) << 40 ^ (layer as u64) << 32,
+                )
                 ^ page,
         );
         let span = (self.bytes.len() - len.min(self.bytes.len())) as u64 + 1;
@@ -393,7 +390,7 @@ pub fn pattern(cfg: &PdConfig) -> Pattern {
 
 /// The bytes of one stored layer of component index `c` of `pool` (an allocated pool: layers
 /// are slices of its storage).
-fn layer_range(pool: &DevicePool, c: usize, layer: usize) -> Result<(usize, usize)> {
+pub(crate) fn layer_range(pool: &DevicePool, c: usize, layer: usize) -> Result<(usize, usize)> {
     let comp = &pool.components()[c];
     let storage = pool
         .storage()
@@ -441,6 +438,27 @@ pub fn verify(
     registration: &Registration,
 ) -> Result<()> {
     let placement = Placement::new(cfg.ranks)?;
+    verify_landed(backend, pool, registration, &mut |c, layer, position| {
+        let src = chain
+            .pages()
+            .get(position)
+            .ok_or_else(|| Error::InvalidArgument(format!("position {position} past the chain")))?;
+        let block = pool.components()[c].block_bytes;
+        let (rank, local) = (placement.owner(*src), placement.local(*src));
+        Ok(pattern.block(rank, c, layer, local.0, block).to_vec())
+    })
+}
+
+/// Checks the decode pool after `registration` landed: every registered block equals what
+/// `expected` says the block of (component index, stored layer, sequence position) is, and
+/// every other block from the page before the lowest registered page to the page after the
+/// highest holds the poison. Waits for `backend`.
+pub(crate) fn verify_landed(
+    backend: &dyn Backend,
+    pool: &DevicePool,
+    registration: &Registration,
+    expected: &mut dyn FnMut(usize, usize, usize) -> Result<Vec<u8>>,
+) -> Result<()> {
     let storage = pool
         .storage()
         .ok_or_else(|| Error::InvalidArgument("pd pools are allocated by kvshard".into()))?;
@@ -484,12 +502,15 @@ pub fn verify(
             let got = backend.read_sync(storage, offset + window.start * block, len)?;
             let mut want = vec![POISON; len];
             for &(position, dst) in &targets {
-                let src = chain.pages().get(position).ok_or_else(|| {
-                    Error::InvalidArgument(format!("position {position} past the chain"))
-                })?;
-                let (rank, local) = (placement.owner(*src), placement.local(*src));
                 let at = (dst.0 as usize - window.start) * block;
-                want[at..at + block].copy_from_slice(pattern.block(rank, c, layer, local.0, block));
+                let bytes = expected(c, layer, position)?;
+                if bytes.len() != block {
+                    return Err(Error::Verification(format!(
+                        "{} bytes expected of a {block}-byte block",
+                        bytes.len()
+                    )));
+                }
+                want[at..at + block].copy_from_slice(&bytes);
             }
             if got != want {
                 let page = window.start
@@ -511,16 +532,16 @@ pub fn verify(
     Ok(())
 }
 
-fn backend_for(cfg: &PdConfig, role: Role) -> Result<PeerBackend> {
-    if cfg.cpu {
+/// The backend of a role process: the CPU twin, or the GPU `gpu_of` picks from the count.
+pub(crate) fn open_backend(cpu: bool, gpu_of: impl FnOnce(usize) -> usize) -> Result<PeerBackend> {
+    if cpu {
         return Ok(PeerBackend::Cpu(Arc::new(CpuBackend::new())));
     }
-    let gpus = gpu_count()?;
-    let gpu = Gpu::open(cfg.gpu_of(role, gpus))?;
+    let gpu = Gpu::open(gpu_of(gpu_count()?))?;
     Ok(PeerBackend::Cuda(Arc::new(CudaBackend::new(gpu)?)))
 }
 
-fn gpu_count() -> Result<usize> {
+pub(crate) fn gpu_count() -> Result<usize> {
     if !crate::gpu::driver_present() {
         return Err(Error::NoDriver);
     }
@@ -530,7 +551,7 @@ fn gpu_count() -> Result<usize> {
     Ok(usize::try_from(n).unwrap_or(0))
 }
 
-fn gbps(bytes: u64, ms: f64) -> f64 {
+pub(crate) fn gbps(bytes: u64, ms: f64) -> f64 {
     if ms > 0.0 {
         bytes as f64 / ms / 1e6
     } else {
@@ -538,11 +559,14 @@ fn gbps(bytes: u64, ms: f64) -> f64 {
     }
 }
 
-/// The copy ceiling of the run, measured from the decode process: the peer copy engine moving
-/// 1 GiB from the first rank's GPU into the decode's when they differ (`cuMemcpyPeerAsync`), a
-/// local device copy of 1 GiB on one GPU, a 32 MiB copy on the CPU twin. Best of four
-/// (the first also touches every page).
-fn ceiling(cfg: &PdConfig, backend: &PeerBackend) -> Result<(f64, String)> {
+/// The copy ceiling of a run, measured from a decode process: the peer copy engine moving 1 GiB
+/// from `source`'s GPU (the first rank's) into the decode's when they differ
+/// (`cuMemcpyPeerAsync`), a local device copy of 1 GiB on one GPU, a 32 MiB copy on the CPU
+/// twin. Best of four (the first also touches every page).
+pub(crate) fn ceiling(
+    backend: &PeerBackend,
+    source: impl FnOnce(usize) -> usize,
+) -> Result<(f64, String)> {
     let (len, what) = match backend {
         PeerBackend::Cpu(_) => (
             32usize << 20,
@@ -568,7 +592,7 @@ fn ceiling(cfg: &PdConfig, backend: &PeerBackend) -> Result<(f64, String)> {
         }
         PeerBackend::Cuda(cuda) => {
             let here = cuda.gpu().info().ordinal;
-            let there = cfg.gpu_of(Role::Prefill(0), gpu_count()?);
+            let there = source(gpu_count()?);
             let peer = (there != here).then(|| Gpu::open(there)).transpose()?;
             let src = match &peer {
                 Some(g) => DeviceAllocation::new(g.context(), len)?,
@@ -615,9 +639,9 @@ fn ceiling(cfg: &PdConfig, backend: &PeerBackend) -> Result<(f64, String)> {
 /// case in turn, waits for each, verifies the first of each case and prints what it measured.
 pub fn decode_role(cfg: &PdConfig, socket: &Path) -> Result<()> {
     cfg.validate()?;
-    let backend = backend_for(cfg, Role::Decode)?;
+    let backend = open_backend(cfg.cpu, |n| cfg.gpu_of(Role::Decode, n))?;
     let b = backend.backend();
-    let (ceiling_gbps, ceiling_what) = ceiling(cfg, &backend)?;
+    let (ceiling_gbps, ceiling_what) = ceiling(&backend, |n| cfg.gpu_of(Role::Prefill(0), n))?;
     println!(
         "{TAG} ceiling gbps={ceiling_gbps:.1} what={}",
         ceiling_what.replace(' ', "_")
@@ -729,7 +753,7 @@ pub struct PrefillSummary {
 /// its case's method, until the decode closes the connection.
 pub fn prefill_role(cfg: &PdConfig, socket: &Path, rank: u32) -> Result<PrefillSummary> {
     cfg.validate()?;
-    let backend = backend_for(cfg, Role::Prefill(rank))?;
+    let backend = open_backend(cfg.cpu, |n| cfg.gpu_of(Role::Prefill(rank), n))?;
     let b = backend.backend();
     let pool = Arc::new(DevicePool::allocate(
         b.as_ref(),
@@ -877,7 +901,7 @@ impl RankLoop<'_> {
 }
 
 /// A tagged line's `key=value` fields.
-fn fields(line: &str) -> HashMap<String, String> {
+pub(crate) fn fields(line: &str) -> HashMap<String, String> {
     line.split_whitespace()
         .filter_map(|f| f.split_once('='))
         .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -950,24 +974,53 @@ pub struct Report {
 pub fn run(cfg: &PdConfig, exe: &Path) -> Result<Report> {
     cfg.validate()?;
     let socket = std::env::temp_dir().join(format!("kvshard-pd-{}.sock", std::process::id()));
+    let mut args = vec!["pd".to_string()];
+    args.extend(cfg.to_args());
+    args.push("--socket".into());
+    args.push(socket.display().to_string());
+    let mut roles = vec![("decode".to_string(), vec!["--role".into(), "decode".into()])];
+    for r in 0..cfg.ranks {
+        roles.push((
+            format!("rank {r}"),
+            vec![
+                "--role".into(),
+                "prefill".into(),
+                "--rank".into(),
+                r.to_string(),
+            ],
+        ));
+    }
+    let lines = run_roles(exe, &args, roles);
+    let _ = std::fs::remove_file(&socket);
+    Ok(Report {
+        markdown: table(cfg, &lines?),
+    })
+}
+
+/// Starts `exe ARGS ROLE_ARGS` for every (name, role arguments) of `roles`, forwards what they
+/// print (prefixed with the name) and returns their tagged lines with the name of the process
+/// that printed each, once every process has exited; the first that fails (or a run past its
+/// time) gets the others killed and fails the run.
+pub(crate) fn run_roles(
+    exe: &Path,
+    args: &[String],
+    roles: Vec<(String, Vec<String>)>,
+) -> Result<Vec<(String, String)>> {
     let lines: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
     let spawn =
         |name: String, role: Vec<String>| -> Result<(RoleProcess, std::thread::JoinHandle<()>)> {
             let mut child = Command::new(exe)
-                .arg("pd")
-                .args(cfg.to_args())
+                .args(args)
                 .args(role)
-                .arg("--socket")
-                .arg(&socket)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::inherit())
                 .spawn()
                 .map_err(|source| Error::Os {
-                    call: "spawn a pd role process",
+                    call: "spawn a role process",
                     source,
                 })?;
             let stdout = child.stdout.take().ok_or_else(|| Error::Os {
-                call: "pipe a pd role's output",
+                call: "pipe a role's output",
                 source: std::io::Error::other("no stdout"),
             })?;
             let sink = lines.clone();
@@ -988,26 +1041,14 @@ pub fn run(cfg: &PdConfig, exe: &Path) -> Result<Report> {
             });
             Ok((RoleProcess { name, child }, reader))
         };
-    let mut processes = vec![spawn(
-        "decode".into(),
-        vec!["--role".into(), "decode".into()],
-    )?];
-    for r in 0..cfg.ranks {
-        processes.push(spawn(
-            format!("rank {r}"),
-            vec![
-                "--role".into(),
-                "prefill".into(),
-                "--rank".into(),
-                r.to_string(),
-            ],
-        )?);
+    let mut processes = Vec::with_capacity(roles.len());
+    for (name, role) in roles {
+        processes.push(spawn(name, role)?);
     }
     let failures = wait_all(&mut processes);
     for (_, reader) in processes {
         let _ = reader.join();
     }
-    let _ = std::fs::remove_file(&socket);
     if !failures.is_empty() {
         return Err(Error::InvalidArgument(format!(
             "pd run failed: {}",
@@ -1015,12 +1056,10 @@ pub fn run(cfg: &PdConfig, exe: &Path) -> Result<Report> {
         )));
     }
     let lines = std::mem::take(&mut *lines.lock().unwrap_or_else(|p| p.into_inner()));
-    Ok(Report {
-        markdown: table(cfg, &lines),
-    })
+    Ok(lines)
 }
 
-fn num(f: &HashMap<String, String>, key: &str) -> f64 {
+pub(crate) fn num(f: &HashMap<String, String>, key: &str) -> f64 {
     f.get(key).and_then(|v| v.parse().ok()).unwrap_or(0.0)
 }
 

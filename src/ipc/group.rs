@@ -1,0 +1,214 @@
+//! What the prefill processes of one CP group share on one host: a rendezvous in shared memory.
+//!
+//! The process that starts the group creates it ([`GroupMemory::create`]) and hands its
+//! [`SharedMemory::proc_path`] to every rank, which maps it ([`GroupMemory::join`]). It holds:
+//!
+//! | bytes | what |
+//! |---|---|
+//! | 0..8 | magic `KVSGROUP` |
+//! | 8..16 | ranks N |
+//! | 16..24 | slot bytes S |
+//! | 24..32 | 1 once rank 0 published the NCCL id |
+//! | 32..160 | the NCCL unique id |
+//! | 192 + 64 r | rank r's barrier counter (one cache line each) |
+//! | slots + r S | rank r's slot: what it contributes to a host-staged all-gather |
+//!
+//! The counters and the flag are only ever touched atomically; a slot is written by its rank
+//! between two barriers and read by the others after the first, so no byte is read while it is
+//! written. Every wait has a deadline: a rank that died leaves the others with
+//! [`Error::Timeout`], never a hang.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::error::{Checked, Error, Result};
+use crate::ipc::shm::SharedMemory;
+
+const MAGIC: &[u8; 8] = b"KVSGROUP";
+const NCCL_READY: usize = 24;
+const NCCL_ID: usize = 32;
+/// Bytes of an NCCL unique id.
+pub const NCCL_ID_BYTES: usize = 128;
+const COUNTERS: usize = 192;
+const LINE: usize = 64;
+/// Slots start on a page of their own.
+const SLOT_ALIGN: usize = 4096;
+/// Pause between looks at the counters while waiting.
+const POLL: Duration = Duration::from_micros(50);
+
+/// One process's mapping of a CP group's shared memory.
+#[derive(Debug)]
+pub struct GroupMemory {
+    shm: SharedMemory,
+    ranks: u32,
+    rank: u32,
+    slot_bytes: usize,
+    /// Barriers this rank has passed.
+    step: u64,
+    timeout: Duration,
+}
+
+fn slots_at(ranks: u32) -> Result<usize> {
+    let counters = (ranks as usize).mul_or(LINE, || "group counters".into())?;
+    let end = COUNTERS.add_or(counters, || "group header".into())?;
+    Ok(end.div_ceil(SLOT_ALIGN) * SLOT_ALIGN)
+}
+
+/// Bytes of the shared memory of a group of `ranks` ranks with slots of `slot_bytes`.
+pub fn group_bytes(ranks: u32, slot_bytes: usize) -> Result<usize> {
+    if ranks == 0 {
+        return Err(Error::InvalidArgument("a CP group of 0 ranks".into()));
+    }
+    let slots = (ranks as usize).mul_or(slot_bytes, || "group slots".into())?;
+    slots_at(ranks)?.add_or(slots, || "group memory".into())
+}
+
+impl GroupMemory {
+    /// Creates the shared memory of a group of `ranks` ranks whose slots hold `slot_bytes` (0:
+    /// no host-staged all-gather, only the barrier and the NCCL id). The creator keeps it alive
+    /// while the ranks run and gives them its [`SharedMemory::proc_path`].
+    pub fn create(ranks: u32, slot_bytes: usize) -> Result<SharedMemory> {
+        let len = group_bytes(ranks, slot_bytes)?;
+        let shm = SharedMemory::create("kvshard-cp-group", len)?;
+        shm.write_at(0, MAGIC)?;
+        shm.write_at(8, &u64::from(ranks).to_le_bytes())?;
+        shm.write_at(16, &(slot_bytes as u64).to_le_bytes())?;
+        Ok(shm)
+    }
+
+    /// Maps the group at `path` as rank `rank` of `ranks`, with slots of `slot_bytes`; refuses a
+    /// group made for another shape. Waits give up after `timeout`.
+    pub fn join(
+        path: &Path,
+        rank: u32,
+        ranks: u32,
+        slot_bytes: usize,
+        timeout: Duration,
+    ) -> Result<Self> {
+        if rank >= ranks {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank} of a CP group of {ranks}"
+            )));
+        }
+        let shm = SharedMemory::open(path, group_bytes(ranks, slot_bytes)?)?;
+        let mut header = [0u8; 24];
+        shm.read_at(0, &mut header)?;
+        let word = |i: usize| u64::from_le_bytes(header[i..i + 8].try_into().unwrap_or([0; 8]));
+        if &header[..8] != MAGIC || word(8) != u64::from(ranks) || word(16) != slot_bytes as u64 {
+            return Err(Error::InvalidArgument(format!(
+                "{} is not the shared memory of a CP group of {ranks} ranks with {slot_bytes}-byte slots",
+                path.display()
+            )));
+        }
+        Ok(Self {
+            shm,
+            ranks,
+            rank,
+            slot_bytes,
+            step: 0,
+            timeout,
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Ranks of the group.
+    pub fn ranks(&self) -> u32 {
+        self.ranks
+    }
+
+    /// Bytes of each slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    /// The atomic word at `offset` of the header (a multiple of 8 below the slots).
+    fn word(&self, offset: usize) -> &AtomicU64 {
+        debug_assert!(offset % 8 == 0 && offset + 8 <= COUNTERS + self.ranks as usize * LINE);
+        // SAFETY: the mapping is page-aligned and lives as long as `self`, so `offset` (a
+        // multiple of 8 inside the header, as every caller passes) is an aligned, live u64;
+        // every process touches these words only through atomics, never through the copies
+        // that read and write slots (which start past the header).
+        unsafe { &*self.shm.as_ptr().add(offset).cast::<AtomicU64>() }
+    }
+
+    fn wait_until(&self, what: impl Fn() -> String, done: impl Fn() -> bool) -> Result<()> {
+        let start = Instant::now();
+        while !done() {
+            if start.elapsed() > self.timeout {
+                return Err(Error::Timeout {
+                    what: what(),
+                    waited: start.elapsed(),
+                });
+            }
+            std::thread::sleep(POLL);
+        }
+        Ok(())
+    }
+
+    /// Waits until every rank has reached this barrier (the same number of barriers each).
+    pub fn barrier(&mut self) -> Result<()> {
+        self.step += 1;
+        let step = self.step;
+        self.word(COUNTERS + self.rank as usize * LINE)
+            .store(step, Ordering::Release);
+        self.wait_until(
+            || format!("CP group barrier {step} (every rank of {})", self.ranks),
+            || {
+                (0..self.ranks as usize)
+                    .all(|r| self.word(COUNTERS + r * LINE).load(Ordering::Acquire) >= step)
+            },
+        )
+    }
+
+    /// Rank 0 publishes the NCCL unique id the others join with.
+    pub fn publish_nccl_id(&self, id: &[u8; NCCL_ID_BYTES]) -> Result<()> {
+        if self.rank != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "rank {} publishing the NCCL id (rank 0 does)",
+                self.rank
+            )));
+        }
+        self.shm.write_at(NCCL_ID, id)?;
+        self.word(NCCL_READY).store(1, Ordering::Release);
+        Ok(())
+    }
+
+    /// The NCCL unique id rank 0 published, waiting for it.
+    pub fn nccl_id(&self) -> Result<[u8; NCCL_ID_BYTES]> {
+        self.wait_until(
+            || "the NCCL id from rank 0".into(),
+            || self.word(NCCL_READY).load(Ordering::Acquire) == 1,
+        )?;
+        let mut id = [0u8; NCCL_ID_BYTES];
+        self.shm.read_at(NCCL_ID, &mut id)?;
+        Ok(id)
+    }
+
+    fn slot_offset(&self, rank: u32, len: usize) -> Result<usize> {
+        if rank >= self.ranks || len > self.slot_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "{len} bytes of slot {rank} (a group of {} ranks, {}-byte slots)",
+                self.ranks, self.slot_bytes
+            )));
+        }
+        let at = (rank as usize).mul_or(self.slot_bytes, || "a slot offset".into())?;
+        slots_at(self.ranks)?.add_or(at, || "a slot offset".into())
+    }
+
+    /// Writes `data` at the start of this rank's slot (between two barriers).
+    pub fn write_slot(&self, data: &[u8]) -> Result<()> {
+        self.shm
+            .write_at(self.slot_offset(self.rank, data.len())?, data)
+    }
+
+    /// Reads the start of rank `rank`'s slot into `buf` (after the barrier that follows its
+    /// write).
+    pub fn read_slot(&self, rank: u32, buf: &mut [u8]) -> Result<()> {
+        self.shm.read_at(self.slot_offset(rank, buf.len())?, buf)
+    }
+}
