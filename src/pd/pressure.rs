@@ -26,7 +26,7 @@ use super::{
     REQUEST_TIMEOUT, STARTUP, TAG,
 };
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{Backend, Event, Launch};
+use crate::backend::{Backend, Event, Launch, MemoryKind};
 use crate::chain::RequestChain;
 use crate::copy::BlockSpace;
 use crate::demo::pressure::{
@@ -572,6 +572,7 @@ pub fn decode_role(cfg: &PressurePdConfig, socket: &Path, index: u32) -> Result<
             "{TAG} kind=ceiling gbps={gbps:.1} what={}",
             what.replace(' ', "_")
         );
+        println!("{TAG} kind=h2d gbps={:.1}", h2d_ceiling(b.as_ref())?);
     }
     let g = sc.geometry();
     let unsharded = Placement::unsharded();
@@ -649,6 +650,24 @@ pub fn decode_role(cfg: &PressurePdConfig, socket: &Path, index: u32) -> Result<
         );
     }
     Ok(())
+}
+
+/// The pinned host-to-device ceiling the reloads are measured against: one copy-engine copy of
+/// 1 GiB (32 MiB on the CPU twin) from pinned host memory, best of four.
+fn h2d_ceiling(b: &dyn Backend) -> Result<f64> {
+    let len: usize = if b.name() == "cpu" { 32 << 20 } else { 1 << 30 };
+    let host = b.alloc(len, MemoryKind::PinnedHost)?;
+    let device = b.alloc(len, MemoryKind::Device)?;
+    let mut best = f64::MAX;
+    for _ in 0..4 {
+        let start = b.record_timed()?;
+        // SAFETY: two live allocations of `len` bytes of this backend, held past the wait.
+        unsafe { b.memcpy(device.addr(), host.addr(), len)? };
+        let end = b.record_timed()?;
+        b.wait_event_sync(&end)?;
+        best = best.min(b.elapsed_ms(&start, &end)?);
+    }
+    Ok(gbps(len as u64, best))
 }
 
 /// Checks decode pool `pool` after `finished` landed: each block equals the reference's block
@@ -838,30 +857,49 @@ fn table(cfg: &PressurePdConfig, lines: &[(String, String)]) -> String {
             )
         })
         .collect();
+    let h2d = kind("h2d").next().map_or(0.0, |f| num(f, "gbps"));
     let _ = writeln!(
         out,
-        "\n| rank | prefix reload H2D bytes | ms | GB/s | share of the reload during other ranks' P/D sends |"
+        "\npinned H2D ceiling (one copy-engine copy, this run): {h2d:.1} GB/s\n\n| rank | prefix reload H2D bytes | ms | GB/s | % of the H2D ceiling | share of the reload during other ranks' P/D sends | during other ranks' reloads |"
     );
-    let _ = writeln!(out, "|---:|---:|---:|---:|---:|");
-    for f in kind("reload") {
-        let rank = num(f, "rank");
-        let others: Vec<(f64, f64)> = send_windows
+    let _ = writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|");
+    let reload_windows: Vec<(f64, (f64, f64))> = kind("reload")
+        .map(|f| {
+            (
+                num(f, "rank"),
+                (num(f, "start_us") / 1e3, num(f, "end_us") / 1e3),
+            )
+        })
+        .collect();
+    // The share of a rank's reload window other ranks' windows of `windows` cover.
+    let during = |rank: f64, window: (f64, f64), windows: &[(f64, (f64, f64))]| {
+        let others: Vec<(f64, f64)> = windows
             .iter()
             .filter(|(r, _)| *r != rank)
             .map(|&(_, w)| w)
             .collect();
-        let window = (num(f, "start_us") / 1e3, num(f, "end_us") / 1e3);
-        let during = if others.is_empty() {
+        if others.is_empty() {
             "n/a (one rank)".to_string()
         } else {
             format!("{:.0}%", 100.0 * covered(window, &others))
+        }
+    };
+    for f in kind("reload") {
+        let rank = num(f, "rank");
+        let window = (num(f, "start_us") / 1e3, num(f, "end_us") / 1e3);
+        let g = gbps(num(f, "bytes") as u64, num(f, "ms"));
+        let of_h2d = if cfg.cpu || h2d <= 0.0 {
+            "n/a".to_string()
+        } else {
+            format!("{:.0}%", 100.0 * g / h2d)
         };
         let _ = writeln!(
             out,
-            "| {rank} | {} | {:.2} | {:.1} | {during} |",
+            "| {rank} | {} | {:.2} | {g:.1} | {of_h2d} | {} | {} |",
             num(f, "bytes"),
             num(f, "ms"),
-            gbps(num(f, "bytes") as u64, num(f, "ms")),
+            during(rank, window, &send_windows),
+            during(rank, window, &reload_windows),
         );
     }
     let _ = writeln!(
