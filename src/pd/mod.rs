@@ -23,7 +23,7 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use rand::{RngCore, SeedableRng};
 
@@ -668,6 +668,7 @@ pub fn decode_role(cfg: &PdConfig, socket: &Path) -> Result<()> {
         DecodeEndpoint::bind(socket, backend.clone(), cfg.ranks, Liveness::default())?;
     endpoint.wait_for_ranks(STARTUP)?;
     let pool_id = endpoint.publish(exported)?;
+    let mut watch = DecodeWatch::new(endpoint);
     for (case, c) in cfg.cases().into_iter().enumerate() {
         for iteration in 0..cfg.iterations {
             let request = cfg.request_id(case, iteration);
@@ -681,8 +682,8 @@ pub fn decode_role(cfg: &PdConfig, socket: &Path) -> Result<()> {
             chain.grow_to(&mut allocator, PdConfig::tokens(c.pages))?;
             let registration = chain.registration(request, PoolLayout::of(&pool), 0)?;
             let start = Instant::now();
-            endpoint.register(pool_id, registration)?;
-            let finished = wait_finished(&mut endpoint, request)?;
+            watch.endpoint.register(pool_id, registration)?;
+            let (finished, _) = watch.wait(request)?;
             let wall_ms = start.elapsed().as_secs_f64() * 1e3;
             if !finished.is_completed() {
                 return Err(Error::Transfer {
@@ -710,13 +711,27 @@ pub fn decode_role(cfg: &PdConfig, socket: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Polls until `request` finishes; a rank going is an error.
-fn wait_finished(endpoint: &mut DecodeEndpoint, request: u64) -> Result<Finished> {
-    let start = Instant::now();
-    loop {
-        for event in endpoint.poll(Duration::from_millis(100))? {
+/// A decode's endpoint and the requests it has seen finish, each with when it was seen.
+pub(crate) struct DecodeWatch {
+    pub(crate) endpoint: DecodeEndpoint,
+    finished: HashMap<u64, (Finished, SystemTime)>,
+}
+
+impl DecodeWatch {
+    pub(crate) fn new(endpoint: DecodeEndpoint) -> Self {
+        Self {
+            endpoint,
+            finished: HashMap::new(),
+        }
+    }
+
+    /// Takes what the ranks said within `timeout`; a rank going is an error.
+    pub(crate) fn poll(&mut self, timeout: Duration) -> Result<()> {
+        for event in self.endpoint.poll(timeout)? {
             match event {
-                DecodeEvent::Finished(f) if f.request() == request => return Ok(*f),
+                DecodeEvent::Finished(f) => {
+                    self.finished.insert(f.request(), (*f, SystemTime::now()));
+                }
                 DecodeEvent::RankGone { rank, why, .. } => {
                     return Err(Error::PeerGone {
                         rank: Some(rank),
@@ -727,11 +742,23 @@ fn wait_finished(endpoint: &mut DecodeEndpoint, request: u64) -> Result<Finished
                 _ => {}
             }
         }
-        if start.elapsed() > REQUEST_TIMEOUT {
-            return Err(Error::Timeout {
-                what: format!("request {request}"),
-                waited: start.elapsed(),
-            });
+        Ok(())
+    }
+
+    /// Polls until `request` has finished (within [`REQUEST_TIMEOUT`]).
+    pub(crate) fn wait(&mut self, request: u64) -> Result<(Finished, SystemTime)> {
+        let start = Instant::now();
+        loop {
+            if let Some(done) = self.finished.remove(&request) {
+                return Ok(done);
+            }
+            if start.elapsed() > REQUEST_TIMEOUT {
+                return Err(Error::Timeout {
+                    what: format!("request {request}"),
+                    waited: start.elapsed(),
+                });
+            }
+            self.poll(Duration::from_millis(20))?;
         }
     }
 }

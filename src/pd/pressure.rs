@@ -22,8 +22,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::{
-    ceiling, fields, gbps, layer_range, num, open_backend, run_roles, verify_landed, Report,
-    REQUEST_TIMEOUT, STARTUP, TAG,
+    ceiling, fields, gbps, layer_range, num, open_backend, run_roles, verify_landed, DecodeWatch,
+    Report, REQUEST_TIMEOUT, STARTUP, TAG,
 };
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, Event, Launch, MemoryKind};
@@ -41,8 +41,7 @@ use crate::pool::DevicePool;
 use crate::shard::{Placement, ShardAllocator};
 use crate::synth::POISON;
 use crate::transfer::{
-    ChunkEnd, DecodeEndpoint, DecodeEvent, Finished, PeerMethod, PoolLayout, PrefillEndpoint,
-    PrefillEvent,
+    ChunkEnd, DecodeEndpoint, Finished, PeerMethod, PoolLayout, PrefillEndpoint, PrefillEvent,
 };
 
 /// One run of the scenario across processes, identical in every process of it.
@@ -494,55 +493,16 @@ pub fn rank_role(cfg: &PressurePdConfig, socket: &Path, group: &Path, rank: u32)
 
 /// A decode's side of the scenario: it receives while it replays the reference.
 struct DecodeReceive {
-    endpoint: DecodeEndpoint,
-    /// Requests finished so far, with when the decode saw them finish.
-    finished: HashMap<u64, (Finished, SystemTime)>,
+    watch: DecodeWatch,
     /// The reference's chain of each prompt.
     refs: HashMap<u64, RequestChain>,
     /// The reference pool, once a prompt is prefilled.
     reference: Option<Arc<DevicePool>>,
 }
 
-impl DecodeReceive {
-    fn take(&mut self, timeout: Duration) -> Result<()> {
-        for event in self.endpoint.poll(timeout)? {
-            match event {
-                DecodeEvent::Finished(f) => {
-                    self.finished.insert(f.request(), (*f, SystemTime::now()));
-                }
-                DecodeEvent::RankGone { rank, why, .. } => {
-                    return Err(Error::PeerGone {
-                        rank: Some(rank),
-                        why,
-                    })
-                }
-                DecodeEvent::Refused { why } => println!("decode: refused a connection: {why}"),
-                _ => {}
-            }
-        }
-        Ok(())
-    }
-
-    fn wait(&mut self, request: u64) -> Result<(Finished, SystemTime)> {
-        let start = Instant::now();
-        loop {
-            if let Some(done) = self.finished.remove(&request) {
-                return Ok(done);
-            }
-            if start.elapsed() > REQUEST_TIMEOUT {
-                return Err(Error::Timeout {
-                    what: format!("request {request}"),
-                    waited: start.elapsed(),
-                });
-            }
-            self.take(Duration::from_millis(20))?;
-        }
-    }
-}
-
 impl Prompts for DecodeReceive {
     fn chunk_written(&mut self, _: &Scenario, _: u64, _: &RequestChain, _: ChunkEnd) -> Result<()> {
-        self.take(Duration::ZERO)
+        self.watch.poll(Duration::ZERO)
     }
 
     fn prompt_done(
@@ -606,8 +566,7 @@ pub fn decode_role(cfg: &PressurePdConfig, socket: &Path, index: u32) -> Result<
         )?;
     }
     let mut receive = DecodeReceive {
-        endpoint,
-        finished: HashMap::new(),
+        watch: DecodeWatch::new(endpoint),
         refs: HashMap::new(),
         reference: None,
     };
@@ -629,7 +588,7 @@ pub fn decode_role(cfg: &PressurePdConfig, socket: &Path, index: u32) -> Result<
         .clone()
         .ok_or_else(|| Error::Verification("the scenario ended without its reference".into()))?;
     // Both first, then the checks: a request is timed when the decode sees it finish.
-    let landed = [receive.wait(PROMPT_1)?, receive.wait(PROMPT_2)?];
+    let landed = [receive.watch.wait(PROMPT_1)?, receive.watch.wait(PROMPT_2)?];
     for (request, (finished, done)) in [PROMPT_1, PROMPT_2].into_iter().zip(landed) {
         if !finished.is_completed() {
             return Err(Error::Transfer {
