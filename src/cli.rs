@@ -65,6 +65,17 @@ enum Command {
     Pd(Box<PdArgs>),
 }
 
+/// How the pressure scenario's ranks all-gather.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
+enum GatherArg {
+    /// NCCL where it can run, else host shared memory.
+    Auto,
+    /// NCCL (each rank on a GPU of its own); refused where it cannot run.
+    Nccl,
+    /// Host shared memory (the CPU twin's, and ranks sharing a GPU).
+    Host,
+}
+
 /// Which job `pd` runs.
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
 enum PdScenario {
@@ -135,9 +146,10 @@ struct PdArgs {
     /// The CP group memory of the pressure scenario's ranks.
     #[arg(long, hide = true)]
     group: Option<PathBuf>,
-    /// The pressure scenario's ranks all-gather over NCCL.
-    #[arg(long, hide = true)]
-    nccl: bool,
+    /// How the pressure scenario's ranks all-gather prefix pages: `auto` (NCCL when each rank
+    /// has a GPU of its own and libnccl loads, else through host shared memory), `nccl`, `host`.
+    #[arg(long, value_enum)]
+    all_gather: Option<GatherArg>,
     /// Pause between a rank's chunks, in milliseconds.
     #[arg(long, hide = true)]
     pace_ms: Option<u64>,
@@ -210,7 +222,7 @@ impl PdArgs {
         sc.seed = self.seed.unwrap_or(sc.seed);
         c.decodes = self.decodes.unwrap_or(c.decodes);
         c.gpus = self.gpus.clone().unwrap_or_default();
-        c.nccl = self.nccl;
+        c.nccl = self.all_gather == Some(GatherArg::Nccl);
         match (&self.methods, &self.ctas) {
             (Some(names), _) if names.len() == 1 && names[0] != "blocks" => {
                 c.method = pd::parse_method(&names[0]).map_err(|e| e.to_string())?
@@ -242,7 +254,18 @@ fn pressure_command(args: &PdArgs, cpu: bool) -> crate::Result<()> {
     match (args.role.as_deref(), args.rank) {
         (None, _) => {
             let present = if cpu { 0 } else { pd::gpu_count()? };
-            cfg.nccl = pd::pressure::nccl_possible(&cfg, present);
+            let possible = pd::pressure::nccl_possible(&cfg, present);
+            cfg.nccl = match args.all_gather.unwrap_or(GatherArg::Auto) {
+                GatherArg::Auto => possible,
+                GatherArg::Host => false,
+                GatherArg::Nccl if possible => true,
+                GatherArg::Nccl => {
+                    return Err(invalid(
+                        "--all-gather nccl needs each rank on a GPU of its own, the nccl feature and libnccl"
+                            .into(),
+                    ))
+                }
+            };
             let exe = std::env::current_exe().map_err(|source| crate::Error::Os {
                 call: "find the running executable",
                 source,

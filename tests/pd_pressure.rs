@@ -72,6 +72,20 @@ fn cpu_cp2_with_two_decodes_is_byte_identical_to_the_unsharded_reference() {
     let table = run_pressure(&["--cpu"]);
     assert_verified(&table, 2, 2);
     assert!(table.contains("all-gather: host shared memory"), "{table}");
+    // NCCL where it cannot run is refused up front, not tried.
+    let out = Command::new(kvshard_bin())
+        .args([
+            "pd",
+            "--scenario",
+            "pressure",
+            "--cpu",
+            "--all-gather",
+            "nccl",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("NCCL needs GPUs"));
 }
 
 #[test]

@@ -209,9 +209,8 @@ impl PressurePdConfig {
         if !sc.draft {
             args.push("--no-draft".into());
         }
-        if self.nccl {
-            args.push("--nccl".into());
-        }
+        args.push("--all-gather".into());
+        args.push(if self.nccl { "nccl" } else { "host" }.into());
         if !self.gpus.is_empty() {
             args.push("--gpus".into());
             args.push(
