@@ -256,4 +256,11 @@ fn group_memory_refuses_other_shapes_and_out_of_range_slots_and_times_out_alone(
         group_bytes(2, usize::MAX),
         Err(Error::Overflow { .. })
     ));
+    // A plain file of the right size is no group: it is not sealed, and whoever holds it could
+    // truncate it under the mapping.
+    let plain = std::env::temp_dir().join(format!("kvshard-group-{}", std::process::id()));
+    std::fs::write(&plain, vec![0u8; group_bytes(2, 100).unwrap()]).unwrap();
+    let e = GroupMemory::join(&plain, 0, 2, 100, t).unwrap_err();
+    std::fs::remove_file(&plain).unwrap();
+    assert!(e.to_string().contains("sealed"), "{e}");
 }

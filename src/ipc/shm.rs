@@ -67,7 +67,11 @@ impl SharedMemory {
                 stat.st_size
             )));
         }
-        let seals = rustix::fs::fcntl_get_seals(&fd).map_err(os("fcntl(F_GET_SEALS)"))?;
+        // A file that cannot carry seals (not a memfd) answers EINVAL: it has none.
+        let seals = match rustix::fs::fcntl_get_seals(&fd) {
+            Err(rustix::io::Errno::INVAL) => SealFlags::empty(),
+            other => other.map_err(os("fcntl(F_GET_SEALS)"))?,
+        };
         if !seals.contains(SealFlags::SHRINK) {
             return Err(Error::InvalidArgument(
                 "shared memory descriptor is not sealed against shrinking (its creator could \
