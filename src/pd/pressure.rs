@@ -279,10 +279,11 @@ impl RankSends {
             for event in ep.poll(timeout)? {
                 match event {
                     PrefillEvent::Closed { why, .. } => {
+                        // A decode says Hello as rank 0: which decode is in `why`.
                         return Err(Error::PeerGone {
-                            rank: Some(d as u32),
+                            rank: Some(0),
                             why: format!("decode {d}: {why}"),
-                        })
+                        });
                     }
                     PrefillEvent::Aborted { request, .. }
                     | PrefillEvent::RegistrationRefused { request, .. } => {
