@@ -17,13 +17,13 @@ use super::{
     decode_pool, demo_geometry, gbps, on_all_ranks, send_all, timed, write_through_controllers,
     SendShape, StreamFactory, Summary,
 };
-use crate::backend::{Backend, KernelFamily, Launch};
+use crate::backend::{Backend, Buffer, KernelFamily, Launch};
 use crate::chain::RequestChain;
 use crate::copy::{BlockCopy, BlockCopyPlan, BlockSpace, PageSelection, ScratchTable, Staging};
 use crate::error::{Checked, Error, Result};
 use crate::geometry::{CacheGeometry, PAGE_SIZE};
 use crate::hicache::{CacheNode, HiCacheController, Route};
-use crate::index::{LocalPage, LogicalPage, ModelLayer};
+use crate::index::{LocalPage, LogicalPage, ModelLayer, StoredLayer};
 use crate::ipc::group::GroupMemory;
 use crate::pool::{Budget, BudgetRequest, ChunkStaging, DevicePool, OwnedRowWrite};
 use crate::shard::{
@@ -580,14 +580,23 @@ impl Scenario {
                 report.setup_ms += setup.elapsed().as_secs_f64() * 1e3;
                 let pack_ms = timed(bk, || packs.iter().try_for_each(|c| c.run(bk, launch)))?;
                 let exchange = Instant::now();
+                // Only the block's pages of each stored layer travel: the send buffers are
+                // sized for the longest prefix the scratch holds.
                 let own = group.rank();
-                let send = &rig.sends[own as usize];
-                group.write_slot(&bk.read_sync(send.buffer(), 0, send.buffer().len())?)?;
+                let mine = block_regions(&rig.sends[own as usize], plan.block())?;
+                let mut bytes = Vec::with_capacity(mine.iter().map(Buffer::len).sum());
+                for region in &mine {
+                    bytes.extend(bk.read_sync(region, 0, region.len())?);
+                }
+                group.write_slot(&bytes)?;
                 group.barrier()?;
-                let mut bytes = vec![0u8; send.buffer().len()];
                 for owner in (0..group.ranks()).filter(|&o| o != own) {
                     group.read_slot(owner, &mut bytes)?;
-                    bk.write_sync(rig.sends[owner as usize].buffer(), 0, &bytes)?;
+                    let mut at = 0;
+                    for region in block_regions(&rig.sends[owner as usize], plan.block())? {
+                        bk.write_sync(&region, 0, &bytes[at..at + region.len()])?;
+                        at += region.len();
+                    }
                 }
                 // Nobody packs the next prefix into its slot before every rank has read this one.
                 group.barrier()?;
@@ -688,6 +697,24 @@ fn write_chunk(
     let ms = timed(bk, || w.run(bk, &device_slots, n, w.launch(bk, n)))?;
     bk.synchronize()?;
     Ok((slots, ms))
+}
+
+/// The first `pages` pages of every stored layer of `staging`, component by component: where a
+/// send buffer holds a block of that many pages.
+fn block_regions(staging: &Staging, pages: u64) -> Result<Vec<Buffer>> {
+    let mut regions = Vec::new();
+    for comp in staging.components() {
+        for layer in 0..comp.layers() {
+            let bytes = crate::error::to_usize(pages, || "block pages".into())?
+                .mul_or(comp.block_bytes, || "a block's bytes".into())?;
+            regions.push(
+                staging
+                    .layer(comp.component, StoredLayer(layer))?
+                    .slice(0, bytes)?,
+            );
+        }
+    }
+    Ok(regions)
 }
 
 /// The device copies of a gather: each local rank's pack into its send buffer, and the landing
