@@ -117,10 +117,20 @@ fn gpu_cp2_with_two_decodes_is_byte_identical_to_the_unsharded_reference() {
 
 #[test]
 fn cpu_a_killed_rank_fails_every_other_process_which_all_exit() {
+    // Early (the other rank is sending prompt 1), and once prompt 1 is sent (the other rank
+    // soon waits for it at the CP group's barrier before prompt 2's first gather).
+    for (k, line) in ["seed:", "prompt 1:"].iter().enumerate() {
+        killed_rank(k, line);
+    }
+}
+
+/// Runs the scenario's processes and kills rank 1 once it has printed a line starting `after`.
+fn killed_rank(k: usize, after: &str) {
     // The ranks refuse a group of another shape: its slots are the scenario's send buffers.
     let cfg = kvshard::pd::pressure::PressurePdConfig::default_for(true);
     let group = GroupMemory::create(2, cfg.slot_bytes().unwrap()).unwrap();
-    let socket = std::env::temp_dir().join(format!("kvshard-pressure-kill-{}", std::process::id()));
+    let socket =
+        std::env::temp_dir().join(format!("kvshard-pressure-kill-{}-{k}", std::process::id()));
     let common_args = |role: &str, index: u32| {
         let mut args: Vec<String> = ["pd", "--scenario", "pressure", "--cpu", "--socket"]
             .map(String::from)
@@ -143,20 +153,21 @@ fn cpu_a_killed_rank_fails_every_other_process_which_all_exit() {
             .spawn()
             .unwrap()
     };
-    let mut decodes = vec![spawn("decode", 0), spawn("decode", 1)];
+    let mut decodes = [spawn("decode", 0), spawn("decode", 1)];
     let mut rank0 = spawn("prefill", 0);
     let mut rank1 = spawn("prefill", 1);
-    // Kill rank 1 once it has written part of the seed.
+    // Kill rank 1 once it is where `after` says.
     let lines = BufReader::new(rank1.stdout.take().unwrap());
     for line in lines.lines().map_while(Result::ok) {
-        if line.starts_with("seed:") {
+        if line.starts_with(after) {
             break;
         }
     }
     rank1.kill().unwrap();
     rank1.wait().unwrap();
     let start = Instant::now();
-    let deadline = Duration::from_secs(30);
+    // Well inside every timeout of the run (the group's waits, the channels' liveness).
+    let deadline = Duration::from_secs(10);
     for (name, child) in decodes
         .iter_mut()
         .map(|c| ("decode", c))
@@ -175,13 +186,13 @@ fn cpu_a_killed_rank_fails_every_other_process_which_all_exit() {
         assert!(!status.success(), "{name} succeeded without rank 1");
     }
     let mut said = String::new();
-    for d in &mut decodes {
-        std::io::Read::read_to_string(d.stderr.as_mut().unwrap(), &mut said).unwrap();
-        std::io::Read::read_to_string(d.stdout.as_mut().unwrap(), &mut said).unwrap();
+    for p in decodes.iter_mut().chain([&mut rank0]) {
+        std::io::Read::read_to_string(p.stderr.as_mut().unwrap(), &mut said).unwrap();
+        std::io::Read::read_to_string(p.stdout.as_mut().unwrap(), &mut said).unwrap();
     }
     assert!(
         said.contains("rank 1"),
-        "the decodes name the gone rank:\n{said}"
+        "killed after {after:?}: the others name the gone rank:\n{said}"
     );
     for d in 0..2 {
         let _ = std::fs::remove_file(format!("{}.{d}", socket.display()));

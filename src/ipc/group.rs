@@ -10,13 +10,14 @@
 //! | 16..24 | slot bytes S |
 //! | 24..32 | 1 once rank 0 published the NCCL id |
 //! | 32..160 | the NCCL unique id |
-//! | 192 + 64 r | rank r's barrier counter (one cache line each) |
+//! | 192 + 64 r | rank r's line: its barrier counter, PID and process start time |
 //! | slots + r S | rank r's slot: what it contributes to a host-staged all-gather |
 //!
-//! The counters and the flag are only ever touched atomically; a slot is written by its rank
-//! between two barriers and read by the others after the first, so no byte is read while it is
-//! written. Every wait has a deadline: a rank that died leaves the others with
-//! [`Error::Timeout`], never a hang.
+//! The header's words are only ever touched atomically; a slot is written by its rank between two
+//! barriers and read by the others after the first, so no byte is read while it is written. A
+//! wait ends early with [`Error::PeerGone`] when a rank it waits for has exited (its PID and
+//! start time, which every rank records when it joins, checked in `/proc`; the ranks of a group
+//! run in one PID namespace), and otherwise with [`Error::Timeout`] at its deadline: never a hang.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -36,6 +37,11 @@ const LINE: usize = 64;
 const SLOT_ALIGN: usize = 4096;
 /// Pause between looks at the counters while waiting.
 const POLL: Duration = Duration::from_micros(50);
+/// How often a wait checks that the ranks it waits for are still there.
+const LIVENESS: Duration = Duration::from_millis(10);
+/// Offsets in a rank's line.
+const PID: usize = 8;
+const START: usize = 16;
 
 /// One process's mapping of a CP group's shared memory.
 #[derive(Debug)]
@@ -101,14 +107,46 @@ impl GroupMemory {
                 path.display()
             )));
         }
-        Ok(Self {
+        let group = Self {
             shm,
             ranks,
             rank,
             slot_bytes,
             step: 0,
             timeout,
-        })
+        };
+        let pid = std::process::id();
+        let start = i32::try_from(pid)
+            .ok()
+            .and_then(crate::ipc::proc_stat)
+            .and_then(|(_, start)| start)
+            .unwrap_or(0);
+        group
+            .word(group.line(rank) + START)
+            .store(start, Ordering::Relaxed);
+        group
+            .word(group.line(rank) + PID)
+            .store(u64::from(pid), Ordering::Release);
+        Ok(group)
+    }
+
+    fn line(&self, rank: u32) -> usize {
+        COUNTERS + rank as usize * LINE
+    }
+
+    /// Why rank `rank` can no longer arrive: it joined and its process has exited (or its PID
+    /// now names another process). `None` while it runs or has not joined yet.
+    fn gone(&self, rank: u32) -> Option<String> {
+        let pid = self.word(self.line(rank) + PID).load(Ordering::Acquire);
+        let pid = i32::try_from(pid).ok().filter(|&p| p > 0)?;
+        let start = self.word(self.line(rank) + START).load(Ordering::Relaxed);
+        match crate::ipc::proc_stat(pid) {
+            None | Some(('Z' | 'X', _)) => Some(format!("rank {rank} (pid {pid}) exited")),
+            Some((_, Some(now))) if start != 0 && now != start => Some(format!(
+                "rank {rank} (pid {pid}) exited; its pid names another process"
+            )),
+            Some(_) => None,
+        }
     }
 
     /// This rank.
@@ -136,9 +174,29 @@ impl GroupMemory {
         unsafe { &*self.shm.as_ptr().add(offset).cast::<AtomicU64>() }
     }
 
-    fn wait_until(&self, what: impl Fn() -> String, done: impl Fn() -> bool) -> Result<()> {
+    /// Waits until `done`, failing as soon as one of the ranks `waited_on` names has exited,
+    /// or at the deadline.
+    fn wait_until(
+        &self,
+        what: impl Fn() -> String,
+        done: impl Fn() -> bool,
+        waited_on: impl Fn() -> Vec<u32>,
+    ) -> Result<()> {
         let start = Instant::now();
+        let mut looked = start;
         while !done() {
+            if looked.elapsed() >= LIVENESS {
+                looked = Instant::now();
+                let gone = waited_on()
+                    .into_iter()
+                    .find_map(|r| self.gone(r).map(|why| (r, why)));
+                if let Some((rank, why)) = gone {
+                    return Err(Error::PeerGone {
+                        rank: Some(rank),
+                        why: format!("{why} while rank {} waited for {}", self.rank, what()),
+                    });
+                }
+            }
             if start.elapsed() > self.timeout {
                 return Err(Error::Timeout {
                     what: what(),
@@ -154,14 +212,17 @@ impl GroupMemory {
     pub fn barrier(&mut self) -> Result<()> {
         self.step += 1;
         let step = self.step;
-        self.word(COUNTERS + self.rank as usize * LINE)
+        self.word(self.line(self.rank))
             .store(step, Ordering::Release);
+        let behind = || -> Vec<u32> {
+            (0..self.ranks)
+                .filter(|&r| self.word(self.line(r)).load(Ordering::Acquire) < step)
+                .collect()
+        };
         self.wait_until(
             || format!("CP group barrier {step} (every rank of {})", self.ranks),
-            || {
-                (0..self.ranks as usize)
-                    .all(|r| self.word(COUNTERS + r * LINE).load(Ordering::Acquire) >= step)
-            },
+            || behind().is_empty(),
+            behind,
         )
     }
 
@@ -183,6 +244,7 @@ impl GroupMemory {
         self.wait_until(
             || "the NCCL id from rank 0".into(),
             || self.word(NCCL_READY).load(Ordering::Acquire) == 1,
+            || vec![0],
         )?;
         let mut id = [0u8; NCCL_ID_BYTES];
         self.shm.read_at(NCCL_ID, &mut id)?;
@@ -210,5 +272,35 @@ impl GroupMemory {
     /// write).
     pub fn read_slot(&self, rank: u32, buf: &mut [u8]) -> Result<()> {
         self.shm.read_at(self.slot_offset(rank, buf.len())?, buf)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wait_ends_at_once_when_a_rank_it_waits_for_has_exited() {
+        let shm = GroupMemory::create(2, 0).unwrap();
+        let long = Duration::from_secs(60);
+        let mut g = GroupMemory::join(&shm.proc_path(), 0, 2, 0, long).unwrap();
+        // Rank 1 joined from a process that has exited since (reaped: its PID names nothing,
+        // or by now another process with another start time).
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        g.word(g.line(1) + START).store(1, Ordering::Relaxed);
+        g.word(g.line(1) + PID)
+            .store(u64::from(pid), Ordering::Release);
+        let start = Instant::now();
+        let e = g.barrier().unwrap_err();
+        assert!(matches!(e, Error::PeerGone { .. }), "{e}");
+        assert!(e.to_string().contains("rank 1"), "{e}");
+        assert!(start.elapsed() < Duration::from_secs(5));
+        // A rank that never joined is waited for until the deadline.
+        let other = GroupMemory::create(2, 0).unwrap();
+        let short = Duration::from_millis(50);
+        let mut alone = GroupMemory::join(&other.proc_path(), 0, 2, 0, short).unwrap();
+        assert!(matches!(alone.barrier(), Err(Error::Timeout { .. })));
     }
 }

@@ -61,6 +61,7 @@ use crate::geometry::Component;
 use crate::gpu::vmm::IpcEvent;
 use crate::gpu::Stream;
 use crate::index::{LocalPage, LogicalPage};
+use crate::ipc::proc_stat;
 use crate::ipc::wire::{self, ChunkDone, Handle64, Hello, Register, Role};
 use crate::ipc::{recv_any, Channel, ExportedPool, ImportedPool, Listener, Liveness, Message};
 use crate::ipc::{PeerBackend, Received};
@@ -133,17 +134,6 @@ struct Process {
     start: Option<u64>,
     /// When it was found gone: a process of unknown PID is given one liveness timeout more.
     gone_at: Option<Instant>,
-}
-
-/// State and start time of a process, from `/proc/<pid>/stat` (`None`: no such process).
-fn proc_stat(pid: i32) -> Option<(char, Option<u64>)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name is in parentheses and may contain anything: fields follow the last ')'.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let mut fields = rest.split_whitespace();
-    let state = fields.next()?.chars().next()?;
-    let start = fields.nth(18).and_then(|s| s.parse().ok());
-    Some((state, start))
 }
 
 impl Process {
