@@ -491,18 +491,18 @@ pub fn rank_role(cfg: &PressurePdConfig, socket: &Path, group: &Path, rank: u32)
 // A decode.
 // ---------------------------------------------------------------------------------------------
 
-/// A decode's side of the scenario: it receives while it replays the reference.
-struct DecodeReceive {
-    watch: DecodeWatch,
+/// What a decode keeps of its replay of the scenario: the reference and its prompts' chains.
+#[derive(Default)]
+struct Replay {
     /// The reference's chain of each prompt.
     refs: HashMap<u64, RequestChain>,
     /// The reference pool, once a prompt is prefilled.
     reference: Option<Arc<DevicePool>>,
 }
 
-impl Prompts for DecodeReceive {
+impl Prompts for Replay {
     fn chunk_written(&mut self, _: &Scenario, _: u64, _: &RequestChain, _: ChunkEnd) -> Result<()> {
-        self.watch.poll(Duration::ZERO)
+        Ok(())
     }
 
     fn prompt_done(
@@ -518,9 +518,9 @@ impl Prompts for DecodeReceive {
     }
 }
 
-/// Decode `index`: publishes its pool to every rank, registers both prompts, replays the
-/// reference and checks every block that landed against it. Decode 0 also measures the copy
-/// ceiling first.
+/// Decode `index`: publishes its pool to every rank, registers both prompts, waits for both
+/// (polling only, so each is timed when it finishes), then replays the reference and checks
+/// every block that landed against it. Decode 0 also measures the copy ceilings first.
 pub fn decode_role(cfg: &PressurePdConfig, socket: &Path, index: u32) -> Result<()> {
     cfg.validate()?;
     let sc = &cfg.scenario;
@@ -565,11 +565,9 @@ pub fn decode_role(cfg: &PressurePdConfig, socket: &Path, index: u32) -> Result<
             chain.registration(request, PoolLayout::of(&pool), 0)?,
         )?;
     }
-    let mut receive = DecodeReceive {
-        watch: DecodeWatch::new(endpoint),
-        refs: HashMap::new(),
-        reference: None,
-    };
+    let mut watch = DecodeWatch::new(endpoint);
+    let landed = [watch.wait(PROMPT_1)?, watch.wait(PROMPT_2)?];
+    let mut replay = Replay::default();
     let local = Local {
         pools: Vec::new(),
         all_gather: AllGather::InProcess,
@@ -581,14 +579,12 @@ pub fn decode_role(cfg: &PressurePdConfig, socket: &Path, index: u32) -> Result<
         sc,
         route,
         local,
-        &mut receive,
+        &mut replay,
     )?;
-    let reference = receive
+    let reference = replay
         .reference
         .clone()
         .ok_or_else(|| Error::Verification("the scenario ended without its reference".into()))?;
-    // Both first, then the checks: a request is timed when the decode sees it finish.
-    let landed = [receive.watch.wait(PROMPT_1)?, receive.watch.wait(PROMPT_2)?];
     for (request, (finished, done)) in [PROMPT_1, PROMPT_2].into_iter().zip(landed) {
         if !finished.is_completed() {
             return Err(Error::Transfer {
@@ -596,7 +592,7 @@ pub fn decode_role(cfg: &PressurePdConfig, socket: &Path, index: u32) -> Result<
                 reason: format!("failed: {:?}", finished.outcome),
             });
         }
-        let ref_chain = receive.refs.get(&request).ok_or_else(|| {
+        let ref_chain = replay.refs.get(&request).ok_or_else(|| {
             Error::Verification(format!("no reference chain of request {request}"))
         })?;
         let check = Instant::now();
