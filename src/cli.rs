@@ -266,25 +266,13 @@ fn pressure_command(args: &PdArgs, cpu: bool) -> crate::Result<()> {
                     ))
                 }
             };
-            let exe = std::env::current_exe().map_err(|source| crate::Error::Os {
-                call: "find the running executable",
-                source,
-            })?;
             say!(
                 "pd pressure: {} prefill ranks and {} decodes on {}",
                 cfg.scenario.ranks,
                 cfg.decodes,
                 if cfg.cpu { "the CPU twin" } else { "GPUs" }
             );
-            let report = pd::pressure::run(&cfg, &exe)?;
-            say!("{}", report.markdown);
-            if let Some(path) = &args.markdown {
-                std::fs::write(path, &report.markdown).map_err(|source| crate::Error::Os {
-                    call: "write the report",
-                    source,
-                })?;
-            }
-            Ok(())
+            report_run(args.markdown.as_deref(), |exe| pd::pressure::run(&cfg, exe))
         }
         (Some("decode"), Some(d)) => pd::pressure::decode_role(&cfg, &socket, d),
         (Some("prefill"), Some(r)) => pd::pressure::rank_role(&cfg, &socket, &group, r),
@@ -348,16 +336,25 @@ fn pd_command(args: &PdArgs) -> ExitCode {
 }
 
 fn run_pd(cfg: &pd::PdConfig, markdown: Option<&std::path::Path>) -> crate::Result<()> {
-    let exe = std::env::current_exe().map_err(|source| crate::Error::Os {
-        call: "find the running executable",
-        source,
-    })?;
     say!(
         "pd: decode + {} prefill processes on {}",
         cfg.ranks,
         if cfg.cpu { "the CPU twin" } else { "GPUs" }
     );
-    let report = pd::run(cfg, &exe)?;
+    report_run(markdown, |exe| pd::run(cfg, exe))
+}
+
+/// Runs a `pd` scenario's processes (this executable again, `run` given its path), prints the
+/// report and writes it to `markdown` when asked.
+fn report_run(
+    markdown: Option<&std::path::Path>,
+    run: impl FnOnce(&std::path::Path) -> crate::Result<pd::Report>,
+) -> crate::Result<()> {
+    let exe = std::env::current_exe().map_err(|source| crate::Error::Os {
+        call: "find the running executable",
+        source,
+    })?;
+    let report = run(&exe)?;
     say!("{}", report.markdown);
     if let Some(path) = markdown {
         std::fs::write(path, &report.markdown).map_err(|source| crate::Error::Os {

@@ -33,7 +33,7 @@ use crate::backend::{Backend, Launch, MemoryKind};
 use crate::chain::RequestChain;
 use crate::copy::BlockSpace;
 use crate::error::{Error, Result};
-use crate::geometry::{CacheGeometry, LatentLayout, PoolGeometry, PAGE_SIZE};
+use crate::geometry::{CacheGeometry, PAGE_SIZE};
 use crate::gpu::memory::DeviceAllocation;
 use crate::gpu::Gpu;
 use crate::index::LocalPage;
@@ -147,15 +147,7 @@ impl PdConfig {
     /// The cache every process holds: FP8 "trtllm" latent rows, every fourth target layer
     /// sharing its indexer.
     pub fn geometry(&self) -> CacheGeometry {
-        let target = PoolGeometry::with_indexer_layers(
-            LatentLayout::Fp8Trtllm,
-            (0..self.layers).map(|i| i % 4 != 3).collect(),
-        );
-        if self.draft {
-            CacheGeometry::with_draft(target)
-        } else {
-            CacheGeometry::target_only(target)
-        }
+        crate::demo::demo_geometry(self.layers, self.draft)
     }
 
     /// Checks the run makes sense before any process starts.
@@ -559,6 +551,14 @@ pub(crate) fn gbps(bytes: u64, ms: f64) -> f64 {
     }
 }
 
+/// The best of four runs of the copy `copy` enqueues on `b`, in milliseconds (the first also
+/// touches every page).
+pub(crate) fn best_of_four(b: &dyn Backend, mut copy: impl FnMut() -> Result<()>) -> Result<f64> {
+    (0..4).try_fold(f64::MAX, |best, _| {
+        Ok(best.min(crate::demo::timed(b, &mut copy)?))
+    })
+}
+
 /// The copy ceiling of a run, measured from a decode process: the peer copy engine moving 1 GiB
 /// from `source`'s GPU (the first rank's) into the decode's when they differ
 /// (`cuMemcpyPeerAsync`), a local device copy of 1 GiB on one GPU, a 32 MiB copy on the CPU
@@ -576,19 +576,15 @@ pub(crate) fn ceiling(
     };
     let b = backend.backend();
     let dst = b.alloc(len, MemoryKind::Device)?;
-    let mut best = f64::MAX;
+    let best;
     let mut what = what;
     match backend {
         PeerBackend::Cpu(_) => {
             let src = b.alloc(len, MemoryKind::Device)?;
-            for _ in 0..4 {
-                let start = b.record_timed()?;
-                // SAFETY: two live allocations of `len` bytes of this backend.
-                unsafe { b.memcpy(dst.addr(), src.addr(), len)? };
-                let end = b.record_timed()?;
-                b.wait_event_sync(&end)?;
-                best = best.min(b.elapsed_ms(&start, &end)?);
-            }
+            // SAFETY: two live allocations of `len` bytes of this backend, held past the wait.
+            best = best_of_four(b.as_ref(), || unsafe {
+                b.memcpy(dst.addr(), src.addr(), len)
+            })?;
         }
         PeerBackend::Cuda(cuda) => {
             let here = cuda.gpu().info().ordinal;
@@ -602,8 +598,7 @@ pub(crate) fn ceiling(
                 Some(_) => format!("peer copy engine GPU {there} -> GPU {here}, 1 GiB"),
                 None => format!("local D2D copy on GPU {here}, 1 GiB"),
             };
-            for _ in 0..4 {
-                let start = b.record_timed()?;
+            best = best_of_four(b.as_ref(), || {
                 match &peer {
                     Some(g) => {
                         // The copy is enqueued on the decode's stream, with its context current.
@@ -626,10 +621,8 @@ pub(crate) fn ceiling(
                     // SAFETY: two live device allocations of `len` bytes on this GPU.
                     None => unsafe { b.memcpy(dst.addr(), src.ptr(), len)? },
                 }
-                let end = b.record_timed()?;
-                b.wait_event_sync(&end)?;
-                best = best.min(b.elapsed_ms(&start, &end)?);
-            }
+                Ok(())
+            })?;
         }
     }
     Ok((gbps(len as u64, best), what))

@@ -22,8 +22,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::{
-    ceiling, fields, gbps, layer_range, num, open_backend, run_roles, verify_landed, DecodeWatch,
-    Report, REQUEST_TIMEOUT, STARTUP, TAG,
+    best_of_four, ceiling, fields, gbps, layer_range, num, open_backend, run_roles, verify_landed,
+    DecodeWatch, Report, REQUEST_TIMEOUT, STARTUP, TAG,
 };
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, Event, Launch, MemoryKind};
@@ -613,15 +613,8 @@ fn h2d_ceiling(b: &dyn Backend) -> Result<f64> {
     let len: usize = if b.name() == "cpu" { 32 << 20 } else { 1 << 30 };
     let host = b.alloc(len, MemoryKind::PinnedHost)?;
     let device = b.alloc(len, MemoryKind::Device)?;
-    let mut best = f64::MAX;
-    for _ in 0..4 {
-        let start = b.record_timed()?;
-        // SAFETY: two live allocations of `len` bytes of this backend, held past the wait.
-        unsafe { b.memcpy(device.addr(), host.addr(), len)? };
-        let end = b.record_timed()?;
-        b.wait_event_sync(&end)?;
-        best = best.min(b.elapsed_ms(&start, &end)?);
-    }
+    // SAFETY: two live allocations of `len` bytes of this backend, held past the wait.
+    let best = best_of_four(b, || unsafe { b.memcpy(device.addr(), host.addr(), len) })?;
     Ok(gbps(len as u64, best))
 }
 
