@@ -797,28 +797,21 @@ fn table(cfg: &PressurePdConfig, lines: &[(String, String)]) -> String {
             );
         }
     }
-    let send_windows: Vec<(f64, (f64, f64))> = kind("send")
-        .map(|f| {
-            (
-                num(f, "rank"),
-                (num(f, "first_us") / 1e3, num(f, "done_us") / 1e3),
-            )
-        })
-        .collect();
+    // The rank and the wall-clock window (ms) of every line of kind `k`, from its fields `from`
+    // and `to`.
+    let windows = |k: &'static str, from: &str, to: &str| -> Vec<(f64, (f64, f64))> {
+        kind(k)
+            .map(|f| (num(f, "rank"), (num(f, from) / 1e3, num(f, to) / 1e3)))
+            .collect()
+    };
+    let send_windows = windows("send", "first_us", "done_us");
     let h2d = kind("h2d").next().map_or(0.0, |f| num(f, "gbps"));
     let _ = writeln!(
         out,
         "\npinned H2D ceiling (one copy-engine copy, this run): {h2d:.1} GB/s\n\n| rank | prefix reload H2D bytes | ms | GB/s | % of the H2D ceiling | share of the reload during other ranks' P/D sends | during other ranks' reloads |"
     );
     let _ = writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|");
-    let reload_windows: Vec<(f64, (f64, f64))> = kind("reload")
-        .map(|f| {
-            (
-                num(f, "rank"),
-                (num(f, "start_us") / 1e3, num(f, "end_us") / 1e3),
-            )
-        })
-        .collect();
+    let reload_windows = windows("reload", "start_us", "end_us");
     // The share of a rank's reload window other ranks' windows of `windows` cover.
     let during = |rank: f64, window: (f64, f64), windows: &[(f64, (f64, f64))]| {
         let others: Vec<(f64, f64)> = windows
@@ -832,9 +825,7 @@ fn table(cfg: &PressurePdConfig, lines: &[(String, String)]) -> String {
             format!("{:.0}%", 100.0 * covered(window, &others))
         }
     };
-    for f in kind("reload") {
-        let rank = num(f, "rank");
-        let window = (num(f, "start_us") / 1e3, num(f, "end_us") / 1e3);
+    for (f, &(rank, window)) in kind("reload").zip(&reload_windows) {
         let g = gbps(num(f, "bytes") as u64, num(f, "ms"));
         let of_h2d = if cfg.cpu || h2d <= 0.0 {
             "n/a".to_string()
