@@ -125,7 +125,7 @@ fn main() -> Result<()> {
             if i == 0 {
                 s.open(reg.clone(), dst.clone())?;
             }
-            let status = s.send(reg.request, chain.pages(), at)?.wait()?;
+            let status = s.send(reg.request, chain.pages()?, at)?.wait_sync()?;
             done = receiver.receive(status)?.or(done);
         }
     }
@@ -156,7 +156,7 @@ fn main() -> Result<()> {
             HiCacheController::new(p.clone(), host, s, WritePolicy::WriteThrough)
         })
         .collect::<Result<Vec<_>>>()?;
-    let node = chain.cache_node(7, 0..chain.pages().len())?;
+    let node = chain.cache_node(7, 0..chain.page_count())?;
     let compute = b.record()?;
     let owned = |pages: &[kvshard::index::LogicalPage], rank: usize| -> Vec<LocalPage> {
         pages
@@ -166,21 +166,21 @@ fn main() -> Result<()> {
             .collect()
     };
     let before: Vec<_> = (0..ranks.len())
-        .map(|r| ranks[r].read_pages_sync(b.as_ref(), &owned(chain.pages(), r)))
+        .map(|r| ranks[r].read_pages_sync(b.as_ref(), &owned(chain.pages()?, r)))
         .collect::<Result<_>>()?;
     for c in &mut controllers {
         c.access(&node, &compute, IoBackend::CopyEngine)?;
-        c.ack_backups(1)?;
+        c.ack_backups_sync(1)?;
     }
 
     // Eviction: the controller forgets nothing on the host; the engine frees the device pages.
     for c in &mut controllers {
-        c.evict(&node, &compute, IoBackend::CopyEngine)?;
+        c.evict_sync(&node, &compute, IoBackend::CopyEngine)?;
     }
-    alloc.free(chain.pages())?;
+    chain.free(&mut alloc)?;
 
     // Reload into new pages of the same owners, consuming layer by layer.
-    let reloaded = alloc.alloc_matching(chain.pages())?;
+    let reloaded = alloc.alloc_matching(&node.device_pages)?;
     let consumer = streams();
     for c in &mut controllers {
         let handle = c.load(
@@ -193,7 +193,7 @@ fn main() -> Result<()> {
             // The attention of `layer` would run on `consumer` right after this wait.
             handle.wait_layer(consumer.as_ref(), ModelLayer(layer))?;
         }
-        c.ack_loads(1)?;
+        c.ack_loads_sync(1)?;
     }
     consumer.synchronize()?;
     let after: Vec<_> = (0..ranks.len())
@@ -204,10 +204,10 @@ fn main() -> Result<()> {
             "reloaded pages differ from the backup".into(),
         ));
     }
-    let reloaded_chain = RequestChain::cached(cp, chain.start_owner().unwrap_or(0), reloaded)?;
+    let reloaded_chain = RequestChain::cached(&alloc, chain.start_owner().unwrap_or(0), reloaded)?;
     println!(
         "HiCache: {} pages backed up, evicted and reloaded into new pages (start owner {:?}), byte-identical",
-        reloaded_chain.pages().len(),
+        reloaded_chain.page_count(),
         reloaded_chain.start_owner(),
     );
     Ok(())

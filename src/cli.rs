@@ -153,6 +153,11 @@ struct PdArgs {
     /// Pause between a rank's chunks, in milliseconds.
     #[arg(long, hide = true)]
     pace_ms: Option<u64>,
+    /// How long a decode waits for a request, in milliseconds, from its registration to every
+    /// rank's last status; past it the run fails naming the ranks and chunks that never came
+    /// (default 300000).
+    #[arg(long)]
+    deadline_ms: Option<u64>,
 }
 
 impl PdArgs {
@@ -207,6 +212,9 @@ impl PdArgs {
             gpus: self.gpus.clone().unwrap_or_default(),
             seed: self.seed.unwrap_or(d.seed),
             pace: std::time::Duration::from_millis(self.pace_ms.unwrap_or(0)),
+            deadline: self
+                .deadline_ms
+                .map_or(d.deadline, std::time::Duration::from_millis),
         })
     }
 }
@@ -223,6 +231,9 @@ impl PdArgs {
         c.decodes = self.decodes.unwrap_or(c.decodes);
         c.gpus = self.gpus.clone().unwrap_or_default();
         c.nccl = self.all_gather == Some(GatherArg::Nccl);
+        if let Some(ms) = self.deadline_ms {
+            c.deadline = std::time::Duration::from_millis(ms);
+        }
         match (&self.methods, &self.ctas) {
             (Some(names), _) if names.len() == 1 && names[0] != "blocks" => {
                 c.method = pd::parse_method(&names[0]).map_err(|e| e.to_string())?

@@ -285,6 +285,41 @@ pub enum Error {
         /// NCCL's answer.
         reason: String,
     },
+    /// A request chain was used after one of its pages was freed (and maybe handed to another
+    /// request): the chain no longer owns it.
+    #[error(
+        "stale chain: logical page {page} at chain position {position} was freed since the chain \
+         took it (generation {taken}, now {current})"
+    )]
+    StaleChain {
+        /// The logical page.
+        page: u64,
+        /// Its position in the chain.
+        position: usize,
+        /// The page's generation when the chain took it.
+        taken: u64,
+        /// Its generation now.
+        current: u64,
+    },
+    /// A request chain was used with another allocator than the one its pages came from.
+    #[error("a chain of allocator {chain} was used with allocator {allocator}")]
+    ForeignAllocator {
+        /// The identity of the chain's allocator.
+        chain: u64,
+        /// The identity of the allocator it was used with.
+        allocator: u64,
+    },
+    /// A page that must be handed out now is not: never allocated, or freed since.
+    #[error("logical page {page} is not allocated (never handed out, or freed since)")]
+    NotAllocated {
+        /// The logical page.
+        page: u64,
+    },
+    /// A P/D request's deadline passed before every prefill rank had reported its last status
+    /// (a final chunk never sent, a status never delivered, a rank gone silent): the request,
+    /// and per rank whose last status never came, the chunks that did arrive.
+    #[error("{0}")]
+    TransferDeadline(crate::transfer::Overdue),
 }
 
 impl Error {

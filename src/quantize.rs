@@ -9,7 +9,7 @@
 //!   host, refuse a bad one before anything runs, upload them and wait.
 
 use crate::abi;
-use crate::backend::{upload_i64s_sync, Backend, Buffer};
+use crate::backend::{ordered, upload_reused_sync, Backend, Buffer};
 use crate::error::{Checked, Error, Result};
 use crate::geometry::{IndexerScale, LatentLayout, INDEXER_PAGE_BYTES, PAGE_SIZE};
 
@@ -85,11 +85,18 @@ pub fn quantize_latent(
         layout: layout.abi(),
         ..Default::default()
     };
-    // SAFETY: every buffer belongs to the backend and holds what the kernel reads (`tokens`
-    // input rows and int64 rows) or writes (the kernel bounds every row by `dst_rows`, whole
-    // rows of `dst`); the caller's borrows keep the buffers' allocations alive, and kvshard's
-    // allocations synchronize on free, so no launch outlives them.
-    unsafe { backend.quantize_latent(params) }
+    ordered(
+        backend,
+        &[input.usage(), slots.usage()],
+        &[dst.usage()],
+        || {
+            // SAFETY: every buffer belongs to the backend and holds what the kernel reads
+            // (`tokens` input rows and int64 rows) or writes (the kernel bounds every row by
+            // `dst_rows`, whole rows of `dst`); their usages keep the memory until the launch has
+            // run, and order it after other streams' conflicting work.
+            unsafe { backend.quantize_latent(params) }
+        },
+    )
 }
 
 /// Enqueues quantizing `tokens` bf16 indexer keys of `input` (rows of
@@ -114,8 +121,15 @@ pub fn quantize_indexer(
         scale: scale.abi(),
         ..Default::default()
     };
-    // SAFETY: as in quantize_latent; the kernel bounds every row by whole pages of `dst`.
-    unsafe { backend.quantize_indexer(params) }
+    ordered(
+        backend,
+        &[input.usage(), slots.usage()],
+        &[dst.usage()],
+        || {
+            // SAFETY: as in quantize_latent; the kernel bounds every row by whole pages of `dst`.
+            unsafe { backend.quantize_indexer(params) }
+        },
+    )
 }
 
 /// Quantizes `rows.len()` bf16 rows of `input` into the latent buffer `dst` at rows `rows[i]`
@@ -128,8 +142,8 @@ pub fn quantize_latent_checked_sync(
     dst: &Buffer,
 ) -> Result<()> {
     check_rows(rows, (dst.len() / layout.row_bytes()) as u64, "latent row")?;
-    let slots = upload_i64s_sync(backend, rows)?;
-    quantize_latent(backend, layout, input, &slots, rows.len(), dst)?;
+    let slots = upload_reused_sync(backend, rows)?;
+    quantize_latent(backend, layout, input, slots.buffer(), rows.len(), dst)?;
     backend.synchronize()
 }
 
@@ -144,7 +158,7 @@ pub fn quantize_indexer_checked_sync(
 ) -> Result<()> {
     let limit = ((dst.len() / INDEXER_PAGE_BYTES) as u64).saturating_mul(PAGE_SIZE as u64);
     check_rows(rows, limit, "indexer row")?;
-    let slots = upload_i64s_sync(backend, rows)?;
-    quantize_indexer(backend, scale, input, &slots, rows.len(), dst)?;
+    let slots = upload_reused_sync(backend, rows)?;
+    quantize_indexer(backend, scale, input, slots.buffer(), rows.len(), dst)?;
     backend.synchronize()
 }

@@ -988,6 +988,10 @@ impl Backend for Probe {
         "probe"
     }
 
+    fn stream_id(&self) -> kvshard::backend::StreamId {
+        self.inner.stream_id()
+    }
+
     fn address_space(&self) -> AddressSpace {
         self.inner.address_space()
     }
@@ -1488,19 +1492,19 @@ fn controller_acks_backups_in_fifo_order_only_once_complete() {
     assert_eq!(ctl.poll_backups().unwrap(), 0, "nothing is complete yet");
     assert!(ctl.host_pages(10).is_none(), "no host pages before the ack");
     // Acking waits for the backup stream, then pops in order.
-    let acks = ctl.ack_backups(1).unwrap();
+    let acks = ctl.ack_backups_sync(1).unwrap();
     assert_eq!(ps.backup.syncs(), 1);
     assert_eq!((acks[0].index, acks[0].node), (0, 10));
     assert_eq!(ctl.poll_backups().unwrap(), 1);
     ps.backup.release();
     assert_eq!(ctl.backup(&cache_node(12, &[10]), &now, io).unwrap(), 2);
     assert_eq!(ctl.poll_backups().unwrap(), 2);
-    let acks = ctl.ack_backups(2).unwrap();
+    let acks = ctl.ack_backups_sync(2).unwrap();
     assert_eq!(acks.iter().map(|a| a.index).collect::<Vec<_>>(), vec![1, 2]);
     assert_eq!(ps.backup.syncs(), 1, "complete acks do not block");
     // Rank 0 owns pages 6 and 8 of node 11: two pages of every layer and component.
     assert_eq!(acks[0].bytes, 2 * g.page_bytes() as u64);
-    assert!(ctl.ack_backups(1).is_err());
+    assert!(ctl.ack_backups_sync(1).is_err());
     assert_eq!(ctl.host_pages(11), Some(acks[0].host_pages.as_slice()));
     assert!(
         ctl.backup(&cache_node(11, &[12]), &now, io).is_err(),
@@ -1529,7 +1533,7 @@ fn kernel_tables_are_reused_once_their_transfer_is_acked() {
     ctl.backup(&cache_node(1, &[4, 6, 8]), &now, io).unwrap();
     ctl.backup(&cache_node(2, &[10, 12]), &now, io).unwrap();
     assert_eq!(ps.tables.allocs(), signals + 2);
-    ctl.ack_backups(2).unwrap();
+    ctl.ack_backups_sync(2).unwrap();
     // Smaller or equal tables fit the buffers the acked backups gave back.
     let h = ctl.load(1, &lp(&[14, 16, 18]), None, io).unwrap();
     ctl.backup(&cache_node(3, &[20, 22]), &now, io).unwrap();
@@ -1632,7 +1636,7 @@ fn ranks_that_own_nothing_still_submit_signal_and_ack() {
         assert!(indices.iter().all(|&i| i == indices[0] && i.is_some()));
         let ready = group.each(|c| c.poll_backups());
         assert_eq!(ready, vec![1; 4]);
-        let acks = group.each(|c| c.ack_backups(1));
+        let acks = group.each(|c| c.ack_backups_sync(1));
         let bytes: Vec<u64> = acks.iter().map(|a| a[0].bytes).collect();
         let page = g.page_bytes() as u64;
         assert_eq!(bytes, vec![2 * page, 2 * page, 0, 0], "{route}");
@@ -1648,14 +1652,14 @@ fn ranks_that_own_nothing_still_submit_signal_and_ack() {
             }
         }
         assert_eq!(group.each(|c| c.poll_loads()), vec![1; 4]);
-        let loads = group.each(|c| c.ack_loads(1));
+        let loads = group.each(|c| c.ack_loads_sync(1));
         assert!(loads
             .iter()
             .all(|l| l[0].index == loads[0][0].index && l[0].node == 1));
         assert_eq!(loads[3][0].bytes, 0);
         group.each(|c| c.free_host(1));
         // Evicting drops the node's hit count: the next access backs it up again.
-        group.each(|c| c.evict(&n, &now, route));
+        group.each(|c| c.evict_sync(&n, &now, route));
     }
     // The idle ranks' pools never changed.
     for r in 2..4 {
@@ -1695,11 +1699,11 @@ fn write_policies_back_up_on_the_access_or_eviction_they_name() {
         "already backed up"
     );
     assert_eq!(
-        through.evict(&n, &now, io).unwrap().len(),
+        through.evict_sync(&n, &now, io).unwrap().len(),
         1,
         "evict waits for it"
     );
-    assert!(through.evict(&n, &now, io).unwrap().is_empty());
+    assert!(through.evict_sync(&n, &now, io).unwrap().is_empty());
 
     let (mut selective, _ps) = controller(WritePolicy::WriteThroughSelective);
     assert_eq!(selective.access(&n, &now, io).unwrap(), None);
@@ -1707,7 +1711,7 @@ fn write_policies_back_up_on_the_access_or_eviction_they_name() {
     let other = CacheNode { id: 4, ..n.clone() };
     assert_eq!(selective.access(&other, &now, io).unwrap(), None);
     assert!(
-        selective.evict(&other, &now, io).unwrap().is_empty(),
+        selective.evict_sync(&other, &now, io).unwrap().is_empty(),
         "one hit: dropped"
     );
     assert_eq!(selective.pending_backups(), 1);
@@ -1718,7 +1722,7 @@ fn write_policies_back_up_on_the_access_or_eviction_they_name() {
     }
     assert_eq!(back.pending_backups(), 0);
     ps.backup.hold();
-    let acks = back.evict(&n, &now, io).unwrap();
+    let acks = back.evict_sync(&n, &now, io).unwrap();
     assert_eq!(ps.backup.syncs(), 1, "write-back eviction blocks");
     assert_eq!((acks.len(), acks[0].node), (1, 3));
     // The node's bytes are on the host: load them back elsewhere and compare.
@@ -1728,7 +1732,7 @@ fn write_policies_back_up_on_the_access_or_eviction_they_name() {
         .unwrap();
     assert_eq!(h.index(), 0);
     assert_eq!(
-        back.ack_loads(1).unwrap()[0].bytes,
+        back.ack_loads_sync(1).unwrap()[0].bytes,
         2 * g.page_bytes() as u64
     );
     for comp in pool.components() {
@@ -1765,7 +1769,7 @@ fn a_start_owner_of_zero_is_an_owner() {
     let starts_at_0 = [6u64, 9, 10];
     ctl.backup(&node(1, &starts_at_0, Some(0)), &now, io)
         .unwrap();
-    let ack = ctl.ack_backups(1).unwrap().remove(0);
+    let ack = ctl.ack_backups_sync(1).unwrap().remove(0);
     assert_eq!(ack.start_owner, Some(0));
     let owners: Vec<u32> = ack.host_pages.iter().map(|&p| placement.owner(p)).collect();
     assert_eq!(owners, vec![0, 1, 0]);
@@ -1784,7 +1788,7 @@ fn a_start_owner_of_zero_is_an_owner() {
         ctl.backup(&node(2, &starts_at_1, None), &now, io).unwrap(),
         1
     );
-    let ack = ctl.ack_backups(1).unwrap().remove(0);
+    let ack = ctl.ack_backups_sync(1).unwrap().remove(0);
     assert_eq!(ack.start_owner, None);
     let owners: Vec<u32> = ack.host_pages.iter().map(|&p| placement.owner(p)).collect();
     assert_eq!(owners, vec![1, 0, 1]);
@@ -1836,7 +1840,7 @@ fn refused_operations_change_nothing() {
         "backup not acked"
     );
     assert!(ctl.free_host(2).is_err(), "backup in flight");
-    ctl.ack_backups(1).unwrap();
+    ctl.ack_backups_sync(1).unwrap();
     assert!(matches!(
         ctl.load(2, &lp(&[8, 11]), None, io),
         Err(Error::WrongOwner { .. })
@@ -1849,7 +1853,7 @@ fn refused_operations_change_nothing() {
     assert!(h
         .wait_layer(ps.load.as_ref(), ModelLayer(g.model_layers()))
         .is_err());
-    ctl.ack_loads(1).unwrap();
+    ctl.ack_loads_sync(1).unwrap();
     ctl.free_host(2).unwrap();
     assert_eq!(ctl.host_allocator().total_free(), free);
     // Pages 4 and 6 were copied to 8 and 10 (local 2, 3 -> 4, 5); the rest is unchanged.
@@ -1899,14 +1903,14 @@ fn controller_trip(w: &Where<'_>, streams: Streams, route: Route, node: &Node) -
     // What `b` did so far stands for the forward pass that wrote the pages.
     let compute = b.record().unwrap();
     assert_eq!(ctl.backup(&n, &compute, route).unwrap(), 0);
-    let backup = ctl.ack_backups(1).unwrap().remove(0);
+    let backup = ctl.ack_backups_sync(1).unwrap().remove(0);
     let written = b.record().unwrap();
     let h = ctl.load(1, &node.reload, Some(&written), route).unwrap();
     assert_eq!(h.layers().len(), w.g.model_layers());
     for layer in (0..w.g.model_layers()).map(ModelLayer) {
         h.wait_layer(b, layer).unwrap();
     }
-    let load = ctl.ack_loads(1).unwrap().remove(0);
+    let load = ctl.ack_loads_sync(1).unwrap().remove(0);
     assert_eq!((load.index, load.node), (0, 1));
     ControllerTrip {
         source,
@@ -2021,7 +2025,7 @@ fn controller_acks_in_fifo_order_across_mixed_routes() {
         assert_eq!(ctl.backup(&n, &now, route).unwrap(), i as u64, "{route}");
     }
     assert_eq!(ctl.poll_backups().unwrap(), 0, "nothing is complete yet");
-    let acks = ctl.ack_backups(routes.len()).unwrap();
+    let acks = ctl.ack_backups_sync(routes.len()).unwrap();
     assert_eq!(ps.backup.syncs(), 1);
     let order: Vec<(u64, u64, u64)> = acks.iter().map(|a| (a.index, a.node, a.bytes)).collect();
     let page = g.page_bytes() as u64;
@@ -2047,7 +2051,7 @@ fn controller_acks_in_fifo_order_across_mixed_routes() {
         }
     }
     assert_eq!(ctl.poll_loads().unwrap(), 0, "nothing is complete yet");
-    let loads = ctl.ack_loads(routes.len()).unwrap();
+    let loads = ctl.ack_loads_sync(routes.len()).unwrap();
     assert_eq!(ps.load.syncs(), 1);
     let order: Vec<(u64, u64, u64)> = loads.iter().map(|a| (a.index, a.node, a.bytes)).collect();
     assert_eq!(order, want);
@@ -2140,7 +2144,7 @@ fn staged_backups_back_to_back_reuse_one_staging() {
         ctl.set_staging_pages(16).is_err(),
         "no resize while the staging may be in use"
     );
-    let acks = ctl.ack_backups(4).unwrap();
+    let acks = ctl.ack_backups_sync(4).unwrap();
     assert_eq!(
         acks.iter().map(|a| a.index).collect::<Vec<_>>(),
         [0, 1, 2, 3]
@@ -2184,7 +2188,7 @@ fn staged_backups_back_to_back_reuse_one_staging() {
         );
     }
     assert_eq!(ctl.staging_bytes(), 2 * 24 * g.page_bytes(), "loads only");
-    let loads = ctl.ack_loads(3).unwrap();
+    let loads = ctl.ack_loads_sync(3).unwrap();
     assert_eq!(loads.iter().map(|l| l.node).collect::<Vec<_>>(), [0, 1, 2]);
     let mut reloaded = before.clone();
     for (i, ack) in acks.iter().take(3).enumerate() {
@@ -2247,7 +2251,7 @@ fn refused_routes_change_nothing() {
         assert!(matches!(err, Error::InvalidArgument(_)), "{route}: {err}");
         // Refused accesses are not counted: two of them do not make the node due.
         assert!(ctl.access(&n, &now, route).is_err(), "{route}");
-        assert!(ctl.evict(&n, &now, route).is_err(), "{route}");
+        assert!(ctl.evict_sync(&n, &now, route).is_err(), "{route}");
         assert!(ctl.load(1, &lp(&device), None, route).is_err(), "{route}");
         unchanged(&ctl);
     }
@@ -2255,7 +2259,7 @@ fn refused_routes_change_nothing() {
     let io = Route::Staged(Relayout::CopyEngine);
     assert_eq!(ctl.access(&n, &now, io).unwrap(), None, "first counted hit");
     assert_eq!(ctl.access(&n, &now, io).unwrap(), Some(0), "no index lost");
-    ctl.ack_backups(1).unwrap();
+    ctl.ack_backups_sync(1).unwrap();
     // A load on a refused route changes nothing either; the next one gets index 0.
     let reload = lp(&[8, 10, 11]);
     for route in refused {
@@ -2263,7 +2267,7 @@ fn refused_routes_change_nothing() {
         assert_eq!(ctl.pending_loads(), 0);
     }
     assert_eq!(ctl.load(1, &reload, None, io).unwrap().index(), 0);
-    assert_eq!(ctl.ack_loads(1).unwrap()[0].node, 1);
+    assert_eq!(ctl.ack_loads_sync(1).unwrap()[0].node, 1);
     let mut expected = before.clone();
     expect_moved(
         pool.components(),
@@ -2349,7 +2353,7 @@ fn failed_backups_leak_nothing(b: &Arc<Probe>, route: Route, faulty: Faulty) -> 
             }
         };
         assert_eq!(index, 1, "{case}: no queue index lost");
-        let acks = ctl.ack_backups(2).unwrap();
+        let acks = ctl.ack_backups_sync(2).unwrap();
         assert_eq!((acks[0].node, acks[1].node), (other.id, node.id), "{case}");
         assert_eq!(acks[1].bytes, 4 * g.page_bytes() as u64, "{case}");
         // The acked host pages hold the node's owned blocks.
@@ -2456,9 +2460,19 @@ fn readiness(loader: Loader, layout: HostLayout) -> Readiness {
                 continue;
             };
             for &p in &local {
-                let got = pool
-                    .read_block_sync(&consumer, comp.component, l, p)
-                    .unwrap();
+                // What the engine's attention reads: its own view of the block, ordered by the
+                // layer's readiness only (a kvshard read would wait for the whole load).
+                let addr = pool.block_addr(comp.component, l, p).unwrap();
+                // SAFETY: one block of the pool, alive for the whole test.
+                let view = unsafe {
+                    Buffer::from_raw(
+                        addr,
+                        comp.block_bytes,
+                        MemoryKind::Device,
+                        pool.address_space(),
+                    )
+                };
+                let got = consumer.read_sync(&view, 0, comp.block_bytes).unwrap();
                 let at = canon(&components, pages, c, l.0, p.0);
                 landed &= got[..] == source[at..at + comp.block_bytes];
                 poison &= got.iter().all(|&x| x == POISON);
@@ -2493,7 +2507,7 @@ fn readiness(loader: Loader, layout: HostLayout) -> Readiness {
                     .unwrap();
             let compute = root.record().unwrap();
             ctl.backup(&node, &compute, route).unwrap();
-            ctl.ack_backups(1).unwrap();
+            ctl.ack_backups_sync(1).unwrap();
             pool.fill(&root, POISON).unwrap();
             let poisoned = root.record().unwrap();
             let handle = ctl
@@ -2505,7 +2519,7 @@ fn readiness(loader: Loader, layout: HostLayout) -> Readiness {
             {
                 assert_eq!(c.layer(), ModelLayer(0), "the draft counts into layer 0");
             }
-            assert_eq!(ctl.ack_loads(1).unwrap()[0].node, 1);
+            assert_eq!(ctl.ack_loads_sync(1).unwrap()[0].node, 1);
             seen
         }
         Loader::Signalled => {
@@ -2832,7 +2846,7 @@ fn layer_zero_lands_first(route: impl Into<Route>) {
     let device: Vec<u64> = (1..=pages).collect();
     let n = cache_node(1, &device);
     let compute = b.record().unwrap();
-    assert_eq!(ctl.evict(&n, &compute, route).unwrap().len(), 1);
+    assert_eq!(ctl.evict_sync(&n, &compute, route).unwrap().len(), 1);
     pool.fill(b.as_ref(), POISON).unwrap();
     let poisoned = b.record().unwrap();
     let handle = ctl
@@ -2879,7 +2893,7 @@ fn layer_zero_lands_first(route: impl Into<Route>) {
             if landed { "landed" } else { "not yet landed" }
         );
     }
-    assert_eq!(ctl.ack_loads(1).unwrap()[0].node, 1);
+    assert_eq!(ctl.ack_loads_sync(1).unwrap()[0].node, 1);
     for comp in pool.components() {
         let layers = [0, 30, 60].into_iter().filter(|&l| l < comp.layers());
         for layer in layers.map(StoredLayer) {

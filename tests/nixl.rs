@@ -25,7 +25,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvshard::backend::cpu::CpuBackend;
+use kvshard::backend::cpu::{CpuBackend, StreamOrder};
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::Backend;
 use kvshard::copy::BlockSpace;
@@ -40,8 +40,8 @@ use kvshard::shard::Placement;
 use kvshard::synth::POISON;
 use kvshard::transfer::nixl::{NixlBackend, NixlConfig, NixlMode, NixlTarget, NixlTransport};
 use kvshard::transfer::{
-    BackendTransport, ChunkEnd, ChunkStatus, Finished, Outcome, PendingChunk, PoolLayout,
-    Registration, Sender,
+    BackendTransport, ChunkEnd, ChunkStatus, Finished, MissingChunks, Outcome, PendingChunk,
+    PoolLayout, Registration, Sender, DEFAULT_DEADLINE,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -191,7 +191,7 @@ fn reference(seed: u64, requests: &[Request]) -> Vec<u8> {
                 sender
                     .send(r.registration.request, &r.src_pages, end)
                     .expect("send")
-                    .wait()
+                    .wait_sync()
                     .expect("landed");
             }
         }
@@ -389,8 +389,17 @@ fn child_entry() {
         "case_peer_reported_gone_fails_chunks_at_once" => {
             case_peer_reported_gone_fails_chunks_at_once()
         }
+        "case_missing_final_chunk_is_overdue_at_the_deadline" => {
+            case_missing_final_chunk_is_overdue_at_the_deadline()
+        }
         other => panic!("unknown child role {other}"),
     }
+}
+
+/// A CPU backend in immediate order, whatever `KVSHARD_CPU_STREAMS` says: NIXL reads and writes
+/// its arena without waiting for any stream, so a deferred order is refused.
+fn immediate_cpu() -> Arc<CpuBackend> {
+    Arc::new(CpuBackend::with_order(StreamOrder::Immediate))
 }
 
 fn nixl_backend(device: Option<usize>) -> NixlBackend {
@@ -399,7 +408,7 @@ fn nixl_backend(device: Option<usize>) -> NixlBackend {
             let gpu = Gpu::open(ordinal).expect("GPU");
             NixlBackend::Cuda(Arc::new(CudaBackend::new(gpu).expect("CUDA backend")))
         }
-        None => NixlBackend::Cpu(Arc::new(CpuBackend::new())),
+        None => NixlBackend::Cpu(immediate_cpu()),
     }
 }
 
@@ -476,7 +485,9 @@ fn decode_child(socket: &Path, seed: u64, device: Option<usize>, expect_death: b
                 Err(e) => {
                     assert!(expect_death, "decode: rank {rank} gone: {e}");
                     gone_at = Some(Instant::now());
-                    target.rank_gone(rank, &e.to_string()).expect("rank gone");
+                    target
+                        .rank_gone_sync(rank, &e.to_string())
+                        .expect("rank gone");
                     channels.remove(i);
                 }
             }
@@ -607,7 +618,7 @@ fn prefill_child(
                 sender
                     .send(r.registration.request, &r.src_pages, end)
                     .expect("send")
-                    .wait()
+                    .wait_sync()
                     .expect("landed");
             }
         }
@@ -646,7 +657,7 @@ fn prefill_child(
         }
     }
     for p in pending {
-        p.wait().expect("landed");
+        p.wait_sync().expect("landed");
     }
     let stats = transport.transfer_stats().snapshot();
     let _ = writeln!(std::io::stderr(), "rank {rank} {mode:?}: {stats}");
@@ -726,13 +737,15 @@ fn isolated(test: &str, case: &str) {
     );
 }
 
-/// A decode target and one prefill transport in this process (two agents over UCX), N = 1.
+/// A decode target (requests due `deadline` after registration) and one prefill transport
+/// (transfers failing `timeout` after posting) in this process (two agents over UCX), N = 1.
 fn in_process(
     test: &str,
     decode_geometry: CacheGeometry,
     timeout: Duration,
+    deadline: Duration,
 ) -> (NixlTarget, NixlTransport, Arc<DevicePool>, Arc<CpuBackend>) {
-    let cpu = Arc::new(CpuBackend::new());
+    let cpu = immediate_cpu();
     let dst = Arc::new(
         DevicePool::allocate(
             cpu.as_ref(),
@@ -747,7 +760,10 @@ fn in_process(
         NixlBackend::Cpu(cpu.clone()),
         dst,
         1,
-        NixlConfig::new(format!("{test}-decode")),
+        NixlConfig {
+            deadline,
+            ..NixlConfig::new(format!("{test}-decode"))
+        },
     )
     .expect("target");
     let src = Arc::new(
@@ -788,7 +804,7 @@ fn case_geometry_mismatch_refuses_the_peer_on_both_sides() {
     let test = "nixl_a_geometry_mismatch_refuses_the_peer_on_both_sides";
     // The decode runs without the draft; the prefill with it.
     let decode = CacheGeometry::target_only(geometry().target);
-    let (mut target, transport, _src, _cpu) = in_process(test, decode, STARTUP);
+    let (mut target, transport, _src, _cpu) = in_process(test, decode, STARTUP, DEFAULT_DEADLINE);
     let e = transport
         .connect(&target.peer_info(0).expect("info"))
         .expect_err("the prefill refuses the decode's geometry");
@@ -818,7 +834,7 @@ fn nixl_a_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served()
 fn case_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served() {
     let test = "nixl_a_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served";
     let timeout = Duration::from_secs(3);
-    let (mut target, transport, src, cpu) = in_process(test, geometry(), timeout);
+    let (mut target, transport, src, cpu) = in_process(test, geometry(), timeout, DEFAULT_DEADLINE);
     let remote = transport
         .connect(&target.peer_info(0).expect("info"))
         .expect("connect");
@@ -833,7 +849,7 @@ fn case_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served() {
     sender
         .send(1, &src_pages, ChunkEnd::Final(128))
         .expect("send")
-        .wait()
+        .wait_sync()
         .expect("landed");
     let deadline = Instant::now() + STARTUP;
     let mut finished = Vec::new();
@@ -847,7 +863,7 @@ fn case_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served() {
     let start = Instant::now();
     let failed = sender
         .send(2, &src_pages, ChunkEnd::Final(128))
-        .and_then(PendingChunk::wait);
+        .and_then(PendingChunk::wait_sync);
     let took = start.elapsed();
     let e = failed.expect_err("a write to a vanished agent fails");
     assert!(matches!(e, kvshard::Error::ChunkFailed { .. }), "{e}");
@@ -880,7 +896,7 @@ fn case_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served() {
     sender
         .send(3, &src_pages, ChunkEnd::Final(128))
         .expect("send")
-        .wait()
+        .wait_sync()
         .expect("landed");
     let mut finished = Vec::new();
     while finished.is_empty() && Instant::now() < deadline {
@@ -899,7 +915,7 @@ fn nixl_a_peer_reported_gone_fails_chunks_at_once() {
 
 fn case_peer_reported_gone_fails_chunks_at_once() {
     let test = "nixl_a_peer_reported_gone_fails_chunks_at_once";
-    let (target, transport, src, _cpu) = in_process(test, geometry(), STARTUP);
+    let (target, transport, src, _cpu) = in_process(test, geometry(), STARTUP, DEFAULT_DEADLINE);
     let remote = transport
         .connect(&target.peer_info(0).expect("info"))
         .expect("connect");
@@ -912,6 +928,81 @@ fn case_peer_reported_gone_fails_chunks_at_once() {
         .expect_err("refused");
     assert!(start.elapsed() < Duration::from_secs(1));
     assert!(e.to_string().contains("gone"), "{e}");
+}
+
+#[test]
+fn nixl_a_missing_final_chunk_is_overdue_at_the_deadline() {
+    isolated(
+        "nixl_a_missing_final_chunk_is_overdue_at_the_deadline",
+        "case_missing_final_chunk_is_overdue_at_the_deadline",
+    );
+}
+
+fn case_missing_final_chunk_is_overdue_at_the_deadline() {
+    let test = "nixl_a_missing_final_chunk_is_overdue_at_the_deadline";
+    let deadline = Duration::from_secs(2);
+    let (mut target, transport, src, _cpu) = in_process(test, geometry(), STARTUP, deadline);
+    let remote = transport
+        .connect(&target.peer_info(0).expect("info"))
+        .expect("connect");
+    target
+        .connect(0, &transport.peer_info().expect("info"))
+        .expect("decode connect");
+    let registered = Instant::now();
+    target.register(one_request(1)).expect("register");
+    let mut sender = Sender::new(src, Box::new(transport.clone()));
+    sender.open(one_request(1), remote).expect("open");
+    // The first page lands; the final chunk never comes.
+    sender
+        .send(1, &[LogicalPage(2), LogicalPage(3)], ChunkEnd::Partial(64))
+        .expect("send")
+        .wait_sync()
+        .expect("landed");
+    let overdue = loop {
+        let overdue = target.expire().expect("expire");
+        if !overdue.is_empty() {
+            break overdue;
+        }
+        assert!(target.poll().expect("poll").is_empty());
+        assert!(
+            registered.elapsed() < deadline + Duration::from_secs(2),
+            "not overdue past its deadline"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert!(registered.elapsed() >= deadline);
+    assert_eq!(overdue.len(), 1);
+    assert_eq!((overdue[0].request, overdue[0].deadline), (1, deadline));
+    assert_eq!(
+        overdue[0].missing,
+        vec![MissingChunks {
+            rank: 0,
+            received: 1
+        }],
+        "chunk 0's notice arrived, the final chunk's never did"
+    );
+    let e = kvshard::Error::from(overdue[0].clone());
+    assert!(
+        e.to_string()
+            .contains("prefill rank 0: chunks 0..=0 arrived, chunk 1 onward missing"),
+        "{e}"
+    );
+    // Aborted on the rank: its failure notice hands the request back, failed.
+    let status = sender
+        .abort(1, "the decode's deadline passed")
+        .expect("abort");
+    transport.report(&status).expect("report");
+    let start = Instant::now();
+    let finished = loop {
+        let finished = target.poll().expect("poll");
+        if !finished.is_empty() {
+            break finished;
+        }
+        assert!(start.elapsed() < STARTUP, "the abort never arrived");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert!(!finished[0].is_completed());
+    assert_eq!(target.pending_requests(), 0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1104,13 +1195,16 @@ fn bench_prefill_child(socket: &Path, rank: u32, n: u32, device: Option<usize>, 
                     .expect("open");
                 // Every mode starts from free slots (a bounced chunk frees its slot only once
                 // the decode has scattered it).
-                assert!(transport.wait_for_slots(STARTUP), "bounce slots stay busy");
+                assert!(
+                    transport.wait_for_slots_sync(STARTUP),
+                    "bounce slots stay busy"
+                );
                 let before = stats.snapshot();
                 let t0 = Instant::now();
                 sender
                     .send(id, &src, ChunkEnd::Final(pages as usize * 64))
                     .expect("send")
-                    .wait()
+                    .wait_sync()
                     .expect("landed");
                 let wall = t0.elapsed();
                 let after = stats.snapshot();

@@ -217,11 +217,11 @@ fn group_memory_barriers_exchange_slots_and_hand_out_the_nccl_id() {
                 if rank == 0 {
                     g.publish_nccl_id(&[7; NCCL_ID_BYTES]).unwrap();
                 }
-                assert_eq!(g.nccl_id().unwrap(), [7; NCCL_ID_BYTES]);
+                assert_eq!(g.nccl_id_sync().unwrap(), [7; NCCL_ID_BYTES]);
                 for round in 0..20u8 {
                     let mine = vec![round ^ rank as u8; slot];
                     g.write_slot(&mine).unwrap();
-                    g.barrier().unwrap();
+                    g.barrier_sync().unwrap();
                     for other in 0..ranks {
                         let mut got = vec![0; slot];
                         g.read_slot(other, &mut got).unwrap();
@@ -230,7 +230,7 @@ fn group_memory_barriers_exchange_slots_and_hand_out_the_nccl_id() {
                             "round {round}"
                         );
                     }
-                    g.barrier().unwrap();
+                    g.barrier_sync().unwrap();
                 }
             })
         })
@@ -257,8 +257,8 @@ fn group_memory_refuses_other_shapes_and_out_of_range_slots_and_times_out_alone(
         Err(Error::InvalidArgument(_))
     ));
     // Rank 0 never comes: the barrier and the id give up instead of hanging.
-    assert!(matches!(g.barrier(), Err(Error::Timeout { .. })));
-    assert!(matches!(g.nccl_id(), Err(Error::Timeout { .. })));
+    assert!(matches!(g.barrier_sync(), Err(Error::Timeout { .. })));
+    assert!(matches!(g.nccl_id_sync(), Err(Error::Timeout { .. })));
     assert!(matches!(
         GroupMemory::create(0, 1),
         Err(Error::InvalidArgument(_))

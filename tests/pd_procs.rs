@@ -7,7 +7,9 @@
 //! - a prefill process killed mid-request is detected within a second, the request fails on the
 //!   decode, its pages come back, and a restarted rank serves the next request;
 //! - a decode process killed mid-request is detected by every prefill within a second, which
-//!   fails the request, unmaps the decode pool and returns its pages.
+//!   fails the request, unmaps the decode pool and returns its pages;
+//! - a prefill rank that never sends its final chunk fails `kvshard pd`'s decode within its
+//!   deadline, with the error naming the request, the rank and the chunks that never came.
 //!
 //! Peer processes are this test binary run again with `--exact child_entry` and the role in
 //! `KVSHARD_PD_CHILD`; `child_entry` does nothing in an ordinary run.
@@ -31,8 +33,8 @@ use kvshard::pool::DevicePool;
 use kvshard::shard::{Placement, ShardAllocator};
 use kvshard::synth::POISON;
 use kvshard::transfer::{
-    BackendTransport, ChunkEnd, DecodeEndpoint, DecodeEvent, Finished, Outcome, PeerMethod,
-    PoolLayout, PrefillEndpoint, PrefillEvent, Receiver, Registration, Sender,
+    BackendTransport, ChunkEnd, DecodeEndpoint, DecodeEvent, Finished, MissingChunks, Outcome,
+    PeerMethod, PoolLayout, PrefillEndpoint, PrefillEvent, Receiver, Registration, Sender,
 };
 use kvshard::Error;
 use rand::Rng;
@@ -74,6 +76,13 @@ fn config(scenario: &str, seed: u64, cpu: bool) -> PdConfig {
             cfg.methods = vec![blocks, PeerMethod::CopyEngine, PeerMethod::PerBlock];
             // On a GPU, the second iteration goes into a pool shared by legacy IPC handles.
             cfg.iterations = if cpu { 1 } else { 2 };
+        }
+        // One request of 6 chunks, whose final chunk one rank never sends.
+        "skip" => {
+            cfg.pages = vec![12];
+            cfg.chunk_pages = 2;
+            cfg.methods = vec![blocks];
+            cfg.iterations = 1;
         }
         // Requests of 6 chunks, sent slowly enough to be killed mid-way; two iterations: the
         // killed one and the one after.
@@ -182,7 +191,69 @@ fn child_entry() {
     match role.as_str() {
         "prefill" => child_prefill(&cfg, &socket),
         "decode" => child_decode(&cfg, &socket),
+        "skip-final" => child_skip_final(&cfg, &socket),
         other => panic!("unknown child role {other}"),
+    }
+}
+
+/// Where a rank that skips its final chunk says it has sent every other chunk of request 1.
+fn skipped(socket: &Path) -> PathBuf {
+    socket.with_extension("final-skipped")
+}
+
+/// A prefill rank that sends every chunk of request 1 but the final one, then stays connected
+/// (heartbeats and all: silent only about the request) until the decode closes.
+fn child_skip_final(cfg: &PdConfig, socket: &Path) {
+    let rank = env_u64(RANK) as u32;
+    let backend = backend(cfg.cpu).expect("backend");
+    let b = backend.backend();
+    let placement = Placement::new(cfg.ranks).unwrap();
+    let pool = Arc::new(
+        DevicePool::allocate(
+            b.as_ref(),
+            &cfg.geometry(),
+            placement,
+            rank,
+            cfg.prefill_pages(),
+        )
+        .unwrap(),
+    );
+    pd::fill_pool_sync(b.as_ref(), &pool, &pd::pattern(cfg)).unwrap();
+    let mut endpoint = PrefillEndpoint::connect(
+        socket,
+        backend,
+        pool,
+        cfg.methods[0],
+        Liveness::default(),
+        STARTUP,
+    )
+    .expect("connect");
+    let start = Instant::now();
+    while !endpoint
+        .poll_sync(Duration::from_millis(20))
+        .unwrap()
+        .contains(&PrefillEvent::Registered { request: 1 })
+    {
+        assert!(start.elapsed() < STARTUP, "request 1 never registered");
+    }
+    let chain = cfg.prefill_chain(cfg.pages[0]).unwrap();
+    let ends = cfg.chunk_ends(PdConfig::tokens(cfg.pages[0]));
+    for &end in &ends[..ends.len() - 1] {
+        endpoint.send(1, chain.pages().unwrap(), end).unwrap();
+    }
+    std::fs::write(skipped(socket), b"").expect("marker");
+    // The decode gives the request up at its deadline (an abort this rank answers), then
+    // closes the connection.
+    let start = Instant::now();
+    loop {
+        assert!(start.elapsed() < STARTUP, "the decode never closed");
+        let events = endpoint.poll_sync(Duration::from_millis(20)).unwrap();
+        if events
+            .iter()
+            .any(|e| matches!(e, PrefillEvent::Closed { .. }))
+        {
+            return;
+        }
     }
 }
 
@@ -232,13 +303,13 @@ fn child_decode(cfg: &PdConfig, socket: &Path) {
     );
     let mut endpoint =
         DecodeEndpoint::bind(socket, backend, cfg.ranks, Liveness::default()).expect("bind");
-    endpoint.wait_for_ranks(STARTUP).expect("ranks");
+    endpoint.wait_for_ranks_sync(STARTUP).expect("ranks");
     let pool = endpoint.publish(exported.clone()).expect("publish");
     let (registration, _) = decode_registration(cfg, exported.pool(), 1, 0);
     endpoint.register(pool, registration).expect("register");
     let mut said = false;
     loop {
-        endpoint.poll(Duration::from_millis(10)).expect("poll");
+        endpoint.poll_sync(Duration::from_millis(10)).expect("poll");
         let landed = endpoint.chunks_landed(1).unwrap_or_default();
         if !said && landed.iter().all(|&c| c >= 1) {
             std::fs::write(marker(socket), b"").expect("marker");
@@ -303,7 +374,7 @@ fn finish_all(
             start.elapsed() < limit,
             "requests {requests:?} not finished after {limit:?}; finished {finished:?}, events {others:?}"
         );
-        for e in endpoint.poll(Duration::from_millis(50)).expect("poll") {
+        for e in endpoint.poll_sync(Duration::from_millis(50)).expect("poll") {
             match e {
                 DecodeEvent::Finished(f) => finished.push(*f),
                 other => others.push(other),
@@ -324,7 +395,7 @@ fn reference(cfg: &PdConfig, pages: u64, registrations: &[Registration]) -> Vec<
         .map(|r| {
             let pool =
                 DevicePool::allocate(b.as_ref(), &g, placement, r, cfg.prefill_pages()).unwrap();
-            pd::fill_pool(b.as_ref(), &pool, &pattern).unwrap();
+            pd::fill_pool_sync(b.as_ref(), &pool, &pattern).unwrap();
             Arc::new(pool)
         })
         .collect();
@@ -346,9 +417,9 @@ fn reference(cfg: &PdConfig, pages: u64, registrations: &[Registration]) -> Vec<
                     continue;
                 }
                 let status = sender
-                    .send(reg.request, chain.pages(), end)
+                    .send(reg.request, chain.pages().unwrap(), end)
                     .unwrap()
-                    .wait()
+                    .wait_sync()
                     .unwrap();
                 receiver.receive(status).unwrap();
             }
@@ -419,7 +490,7 @@ fn two_prefill_processes_match(test: &str, cpu: bool) {
     let b = backend.backend();
     exported.pool().fill(b.as_ref(), POISON).unwrap();
     b.synchronize().unwrap();
-    endpoint.wait_for_ranks(STARTUP).unwrap();
+    endpoint.wait_for_ranks_sync(STARTUP).unwrap();
     let pool = endpoint.publish(exported.clone()).unwrap();
     let mut allocator = ShardAllocator::new(Placement::unsharded(), pages).unwrap();
     let mut registrations = Vec::new();
@@ -555,7 +626,7 @@ fn killed_prefill(test: &str, cpu: bool) {
         .unwrap(),
     );
     let b = backend.backend();
-    endpoint.wait_for_ranks(STARTUP).unwrap();
+    endpoint.wait_for_ranks_sync(STARTUP).unwrap();
     let pool = endpoint.publish(exported.clone()).unwrap();
     let mut allocator =
         ShardAllocator::new(Placement::unsharded(), exported.pool().pages()).unwrap();
@@ -567,7 +638,7 @@ fn killed_prefill(test: &str, cpu: bool) {
     let start = Instant::now();
     loop {
         assert!(start.elapsed() < STARTUP, "rank 1 never sent a chunk");
-        let events = endpoint.poll(Duration::from_millis(10)).unwrap();
+        let events = endpoint.poll_sync(Duration::from_millis(10)).unwrap();
         assert!(
             events
                 .iter()
@@ -586,7 +657,7 @@ fn killed_prefill(test: &str, cpu: bool) {
             killed.elapsed() < 3 * DETECT,
             "gone {gone:?}, failed {failed:?}"
         );
-        for e in endpoint.poll(Duration::from_millis(10)).unwrap() {
+        for e in endpoint.poll_sync(Duration::from_millis(10)).unwrap() {
             match e {
                 DecodeEvent::RankGone {
                     rank: 1, failed: f, ..
@@ -613,7 +684,7 @@ fn killed_prefill(test: &str, cpu: bool) {
         "{failures:?}"
     );
     // Its pages come back.
-    allocator.free(chain.pages()).unwrap();
+    allocator.free(chain.pages().unwrap()).unwrap();
     assert_eq!(allocator.total_free(), free);
     let _ = victim.0.wait();
 
@@ -622,7 +693,7 @@ fn killed_prefill(test: &str, cpu: bool) {
     let start = Instant::now();
     while endpoint.connected_ranks() != [0, 1] {
         assert!(start.elapsed() < STARTUP, "rank 1 did not rejoin");
-        endpoint.poll(Duration::from_millis(20)).unwrap();
+        endpoint.poll_sync(Duration::from_millis(20)).unwrap();
     }
     exported.pool().fill(b.as_ref(), POISON).unwrap();
     b.synchronize().unwrap();
@@ -631,7 +702,7 @@ fn killed_prefill(test: &str, cpu: bool) {
     let (finished, _) = finish_all(&mut endpoint, &[2], STARTUP);
     assert!(finished[0].is_completed(), "{:?}", finished[0]);
     let source = cfg.prefill_chain(cfg.pages[0]).unwrap();
-    pd::verify(
+    pd::verify_sync(
         b.as_ref(),
         exported.pool(),
         &pd::pattern(&cfg),
@@ -706,7 +777,7 @@ fn killed_decode(test: &str, cpu: bool) {
         )
         .unwrap(),
     );
-    pd::fill_pool(b.as_ref(), &pool, &pd::pattern(&cfg)).unwrap();
+    pd::fill_pool_sync(b.as_ref(), &pool, &pd::pattern(&cfg)).unwrap();
     let mut endpoint = PrefillEndpoint::connect(
         &socket,
         backend,
@@ -719,7 +790,7 @@ fn killed_decode(test: &str, cpu: bool) {
     let start = Instant::now();
     loop {
         assert!(start.elapsed() < STARTUP, "request 1 never registered");
-        let events = endpoint.poll(Duration::from_millis(20)).unwrap();
+        let events = endpoint.poll_sync(Duration::from_millis(20)).unwrap();
         if events.contains(&PrefillEvent::Registered { request: 1 }) {
             break;
         }
@@ -733,13 +804,16 @@ fn killed_decode(test: &str, cpu: bool) {
         .grow_to(&mut allocator, PdConfig::tokens(cfg.pages[0]))
         .unwrap();
     let ends = cfg.chunk_ends(PdConfig::tokens(cfg.pages[0]));
-    endpoint.send(1, chain.pages(), ends[0]).unwrap();
-    endpoint.send(1, chain.pages(), ends[1]).unwrap();
+    endpoint.send(1, chain.pages().unwrap(), ends[0]).unwrap();
+    endpoint.send(1, chain.pages().unwrap(), ends[1]).unwrap();
     // Killed once both ranks are mid-request (the other rank has landed a chunk too).
     let start = Instant::now();
     while !marker(&socket).exists() {
         assert!(start.elapsed() < STARTUP, "rank 1 never landed a chunk");
-        assert!(endpoint.poll(Duration::from_millis(10)).unwrap().is_empty());
+        assert!(endpoint
+            .poll_sync(Duration::from_millis(10))
+            .unwrap()
+            .is_empty());
     }
     let _ = std::fs::remove_file(marker(&socket));
 
@@ -751,7 +825,7 @@ fn killed_decode(test: &str, cpu: bool) {
             "the decode's end went unnoticed"
         );
         let closed = endpoint
-            .poll(Duration::from_millis(10))
+            .poll_sync(Duration::from_millis(10))
             .unwrap()
             .into_iter()
             .find_map(|e| match e {
@@ -767,10 +841,10 @@ fn killed_decode(test: &str, cpu: bool) {
     assert_eq!(failed, vec![1], "{why}");
     assert_eq!(endpoint.mapped_pools(), 0);
     assert!(endpoint.closed().is_some());
-    let more = endpoint.send(1, chain.pages(), ends[2]);
+    let more = endpoint.send(1, chain.pages().unwrap(), ends[2]);
     assert!(matches!(more, Err(Error::PeerGone { .. })), "{more:?}");
     // The engine frees the request's pages.
-    let pages: Vec<LogicalPage> = chain.pages().to_vec();
+    let pages: Vec<LogicalPage> = chain.pages().unwrap().to_vec();
     allocator.free(&pages).unwrap();
     assert_eq!(allocator.total_free(), free);
     let _ = decode.0.wait();
@@ -789,6 +863,101 @@ fn cpu_a_killed_decode_fails_the_request_on_every_prefill() {
 fn gpu_a_killed_decode_fails_the_request_on_every_prefill() {
     killed_decode(
         "gpu_a_killed_decode_fails_the_request_on_every_prefill",
+        false,
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// (d) a final chunk that never comes
+
+fn missing_final(test: &str, cpu: bool) {
+    if !cpu && common::open_gpu(test).is_none() {
+        return;
+    }
+    let seed: u64 = common::rng(test).random();
+    let deadline = Duration::from_secs(2);
+    let mut cfg = config("skip", seed, cpu);
+    cfg.deadline = deadline;
+    let socket = socket_path(test);
+    let _ = std::fs::remove_file(skipped(&socket));
+    let spawn = |role: &'static str, rank: u32, expect: &str| {
+        Spawn {
+            role,
+            scenario: "skip",
+            socket: &socket,
+            seed,
+            cpu,
+            rank,
+            pace_ms: 0,
+            expect,
+        }
+        .start()
+    };
+    // Rank 0 serves the request whole; rank 1 never sends its final chunk.
+    let rank0 = spawn("prefill", 0, "1,0");
+    let rank1 = spawn("skip-final", 1, "");
+    // This process is `kvshard pd`'s decode.
+    let decode = {
+        let (cfg, socket) = (cfg.clone(), socket.clone());
+        std::thread::spawn(move || (pd::decode_role(&cfg, &socket), Instant::now()))
+    };
+    let start = Instant::now();
+    while !skipped(&socket).exists() {
+        assert!(
+            start.elapsed() < STARTUP && !decode.is_finished(),
+            "rank 1 never sent its chunks"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The request was registered before rank 1 could send a chunk of it.
+    let sent = Instant::now();
+    let (result, ended) = decode.join().expect("the decode thread");
+    let _ = std::fs::remove_file(skipped(&socket));
+    let e = result.expect_err("the decode must fail");
+    let Error::TransferDeadline(overdue) = &e else {
+        panic!("{e}");
+    };
+    let chunks = cfg.chunk_ends(PdConfig::tokens(cfg.pages[0])).len() as u32;
+    assert_eq!(overdue.request, 1, "{e}");
+    assert_eq!(overdue.deadline, deadline, "{e}");
+    assert_eq!(
+        overdue.missing,
+        vec![MissingChunks {
+            rank: 1,
+            received: chunks - 1
+        }],
+        "{e}"
+    );
+    let message = e.to_string();
+    assert!(
+        message.contains(&format!(
+            "request 1: no last status within its deadline of 2s from 1 of its 2 prefill ranks; prefill rank 1: chunks 0..={} arrived, chunk {} onward missing",
+            chunks - 2,
+            chunks - 1
+        )),
+        "{message}"
+    );
+    let took = ended.duration_since(sent);
+    assert!(
+        took < deadline + Duration::from_secs(1),
+        "failed {took:?} after rank 1's last chunk"
+    );
+    rank0.finish(&format!("{test}: rank 0"));
+    rank1.finish(&format!("{test}: rank 1"));
+}
+
+#[test]
+fn cpu_a_missing_final_chunk_fails_the_pd_decode_within_its_deadline() {
+    missing_final(
+        "cpu_a_missing_final_chunk_fails_the_pd_decode_within_its_deadline",
+        true,
+    );
+}
+
+#[test]
+fn gpu_a_missing_final_chunk_fails_the_pd_decode_within_its_deadline() {
+    missing_final(
+        "gpu_a_missing_final_chunk_fails_the_pd_decode_within_its_deadline",
         false,
     );
 }

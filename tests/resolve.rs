@@ -6,7 +6,7 @@ mod common;
 
 use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::{i64s_from_bytes, upload_i64s_sync, Backend, Buffer, MemoryKind};
-use kvshard::copy::{scratch_rows_device, Resolver};
+use kvshard::copy::{scratch_rows_device_sync, Resolver};
 use kvshard::index::LocalPage;
 use kvshard::shard::{resolve_owned, scratch_rows, Placement, ResolveMode, Resolved};
 use kvshard::synth::POISON;
@@ -489,7 +489,7 @@ fn scratch_matches_reference(b: &dyn Backend, rng: &mut impl Rng, n: usize) {
     let table_buf = upload_i64s_sync(b, &table).unwrap();
     let out = b.alloc(8 * n + 8, MemoryKind::Device).unwrap();
     b.fill(&out, POISON).unwrap();
-    scratch_rows_device(b, &slot_buf, n, &table_buf, pages, rows, &out).unwrap();
+    scratch_rows_device_sync(b, &slot_buf, n, &table_buf, pages, rows, &out).unwrap();
     let got = b.read_sync(&out, 0, out.len()).unwrap();
     assert!(
         i64s_from_bytes(&got[..8 * n]) == expected,
@@ -506,7 +506,7 @@ fn scratch_bad_slot_is_rejected(b: &dyn Backend) {
     let slots = upload_i64s_sync(b, &[3, 130, 70, 64, -1, 197]).unwrap();
     let out = b.alloc(48, MemoryKind::Device).unwrap();
     b.fill(&out, POISON).unwrap();
-    match scratch_rows_device(b, &slots, 6, &table, 4, 128, &out) {
+    match scratch_rows_device_sync(b, &slots, 6, &table, 4, 128, &out) {
         Err(Error::KernelRejected { kernel, position }) => {
             assert_eq!((kernel, position), ("kvs_scratch_rows", 2), "{}", b.name())
         }
@@ -525,7 +525,7 @@ fn scratch_translation_on_cpu() {
     }
     scratch_bad_slot_is_rejected(&b);
     let small = b.alloc(8, MemoryKind::Device).unwrap();
-    let err = scratch_rows_device(&b, &small, 2, &small, 1, 64, &small).unwrap_err();
+    let err = scratch_rows_device_sync(&b, &small, 2, &small, 1, 64, &small).unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
 }
 

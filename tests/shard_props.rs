@@ -1027,14 +1027,14 @@ mod edges {
             match op {
                 ChainOp::Grow(tokens) => {
                     let (chain_before, alloc_before) = (chain.clone(), alloc.clone());
-                    let had = chain.pages().len();
+                    let had = chain.page_count();
                     match chain.grow_to(&mut alloc, tokens) {
                         Ok(new) => {
                             let want = tokens.div_ceil(PAGE_SIZE).saturating_sub(had);
                             prop_assert_eq!(new.len(), want);
                             prop_assert!(chain.capacity() >= tokens);
                             let b = chain.start_owner().unwrap_or(0);
-                            for (i, &page) in chain.pages().iter().enumerate() {
+                            for (i, &page) in chain.pages().unwrap().iter().enumerate() {
                                 let owner = (u64::from(b) + i as u64) % u64::from(shard);
                                 prop_assert_eq!(u64::from(placement.owner(page)), owner);
                                 prop_assert!(alloc.is_allocated(page));
@@ -1049,7 +1049,7 @@ mod edges {
                     Ok(slots) => {
                         prop_assert_eq!(slots.len(), b - a);
                         for (t, s) in (a..b).zip(&slots) {
-                            prop_assert_eq!(s.page(), chain.pages()[t / PAGE_SIZE]);
+                            prop_assert_eq!(s.page(), chain.pages().unwrap()[t / PAGE_SIZE]);
                             prop_assert_eq!(s.offset(), t % PAGE_SIZE);
                         }
                     }
@@ -1057,7 +1057,7 @@ mod edges {
                 },
                 ChainOp::Node(id, a, b) => match chain.cache_node(id, a..b) {
                     Ok(node) => {
-                        prop_assert_eq!(&node.device_pages[..], &chain.pages()[a..b]);
+                        prop_assert_eq!(&node.device_pages[..], &chain.pages().unwrap()[a..b]);
                         prop_assert_eq!(node.id, id);
                         // Sharded nodes carry their first page's owner (none before the chain's first page).
                         prop_assert_eq!(
@@ -1077,7 +1077,7 @@ mod edges {
                             Err(_) => prop_assert!(host == before),
                         }
                     }
-                    Err(_) => prop_assert!(a > b || b > chain.pages().len()),
+                    Err(_) => prop_assert!(a > b || b > chain.page_count()),
                 },
                 ChainOp::Register(request, pages, prefix) => {
                     let layout = PoolLayout::packed(g.clone(), pages);
@@ -1086,26 +1086,26 @@ mod edges {
                             prop_assert_eq!(shard, 1);
                             prop_assert_eq!(reg.request, request);
                             prop_assert_eq!(reg.prefix_pages, prefix);
-                            prop_assert_eq!(reg.pages.len() + prefix, chain.pages().len());
-                            prop_assert_eq!(reg.state_pages.len(), chain.pages().len());
+                            prop_assert_eq!(reg.pages.len() + prefix, chain.page_count());
+                            prop_assert_eq!(reg.state_pages.len(), chain.page_count());
                             prop_assert!(reg.validate().is_ok());
                         }
                         Err(_) => prop_assert!(
                             shard != 1
-                                || prefix > chain.pages().len()
-                                || chain.pages().iter().any(|p| p.0 >= pages)
+                                || prefix > chain.page_count()
+                                || chain.pages().unwrap().iter().any(|p| p.0 >= pages)
                         ),
                     }
                 }
                 ChainOp::Cached(start_owner, pages) => {
                     let pages: Vec<LogicalPage> = pages.into_iter().map(LogicalPage).collect();
-                    if let Ok(cached) = RequestChain::cached(placement, start_owner, pages.clone())
-                    {
+                    if let Ok(cached) = RequestChain::cached(&alloc, start_owner, pages.clone()) {
                         prop_assert_eq!(cached.start_owner(), Some(start_owner));
-                        prop_assert_eq!(cached.pages(), &pages[..]);
+                        prop_assert_eq!(cached.pages().unwrap(), &pages[..]);
                         for (i, &page) in pages.iter().enumerate() {
                             let owner = (u64::from(start_owner) + i as u64) % u64::from(shard);
                             prop_assert_eq!(u64::from(placement.owner(page)), owner);
+                            prop_assert!(alloc.is_allocated(page));
                         }
                     }
                 }

@@ -366,7 +366,7 @@ fn pd_setup(
     let dst = Arc::new(RemoteSpace::of(decode.clone(), geometry()).unwrap());
     PdSetup {
         pool,
-        src_pages: chain.pages().to_vec(),
+        src_pages: chain.pages().unwrap().to_vec(),
         decode,
         dst,
     }
@@ -601,7 +601,7 @@ impl Completion for Failing {
         Err(Error::InvalidArgument("the link went down".into()))
     }
 
-    fn wait(&mut self) -> kvshard::Result<()> {
+    fn wait_sync(&mut self) -> kvshard::Result<()> {
         Err(Error::InvalidArgument("the link went down".into()))
     }
 }
@@ -619,7 +619,7 @@ impl Transport for FailsWhileMoving {
 
 /// Old API: a failed chunk was a status among the sent ones. Now it is an
 /// `Err(Error::ChunkFailed)`, from `Sender::send` (refused before it moves) or from
-/// `PendingChunk::wait` / `poll` (failed while moving); `ChunkStatus::from_error` turns it into
+/// `PendingChunk::wait_sync` / `poll` (failed while moving); `ChunkStatus::from_error` turns it into
 /// the failed status the decode side must hear, and the `Receiver` finishes the request as
 /// failed once every rank has reported.
 #[test]
@@ -656,7 +656,7 @@ fn a_failed_chunk_is_an_err_whose_status_fails_the_request_on_the_receiver() {
     let sent = rank1
         .send(9, &local.src_pages, ChunkEnd::Final(256))
         .unwrap()
-        .wait()
+        .wait_sync()
         .unwrap();
     assert!(matches!(sent.result, ChunkResult::Sent { last: true, .. }));
     let finished = receiver
@@ -690,7 +690,7 @@ fn a_failed_chunk_is_an_err_whose_status_fails_the_request_on_the_receiver() {
         matches!(polled, Error::ChunkFailed { chunk: 0, .. }),
         "{polled}"
     );
-    let err = pending.wait().unwrap_err();
+    let err = pending.wait_sync().unwrap_err();
     assert!(
         matches!(&err, Error::ChunkFailed { request: 9, rank: 0, chunk: 0, reason } if reason.contains("the link went down")),
         "{err}"
@@ -709,25 +709,33 @@ fn a_failed_chunk_is_an_err_whose_status_fails_the_request_on_the_receiver() {
     assert_eq!(ChunkStatus::from_error(&Error::KernelsMissing), None);
 }
 
+/// An untracked view of `buf` (what an engine's own kernel reads): kvshard does not order it.
+fn engine_view(buf: &Buffer) -> Buffer {
+    // SAFETY: the same range of a live allocation, used only while `buf` is alive.
+    unsafe { Buffer::from_raw(buf.addr(), buf.len(), buf.kind(), buf.space()) }
+}
+
 /// `CpuBackend::deferred` runs work only when something waits for it: an event is not done
-/// until waited on, another stream does not see the bytes before it waits, and does after.
+/// until waited on, an engine's untracked read on another stream does not see the bytes before
+/// it waits, and does after. kvshard's own (tracked) read is ordered after the writes anyway.
 #[test]
 fn a_deferred_cpu_event_is_done_only_once_waited_on_and_the_waiting_stream_sees_the_bytes() {
     let b = CpuBackend::deferred();
     assert!(b.is_deferred());
     let consumer = b.new_stream();
     let x = b.alloc(4096, MemoryKind::Device).unwrap();
+    let view = engine_view(&x);
     b.fill(&x, 3).unwrap();
     b.enqueue_write(&x, 0, &[9; 16]).unwrap();
     let e = b.record().unwrap();
     assert!(!b.is_done(&e).unwrap(), "nothing waited yet");
     assert!(
         consumer
-            .read_sync(&x, 0, 4096)
+            .read_sync(&view, 0, 4096)
             .unwrap()
             .iter()
             .all(|&v| v == 0),
-        "a stream that did not wait sees the fresh (zeroed) allocation"
+        "an untracked read on a stream that did not wait sees the fresh (zeroed) allocation"
     );
     assert!(!b.is_done(&e).unwrap());
     consumer.wait(&e).unwrap();
@@ -786,8 +794,10 @@ fn a_deferred_signalled_copy_lands_layer_by_layer() {
     let waits = copy.run_signalled(&b, LAUNCH, &mut signals).unwrap();
     assert_eq!(waits.len(), 4);
     let consumer = b.new_stream();
+    // The engine's attention reads a layer through its own (untracked) view, ordered by the
+    // layer's counter only: a tracked read would wait for the whole copy.
     let layer = |c: Component, l: usize| {
-        let buf = staging.layer(c, StoredLayer(l)).unwrap();
+        let buf = engine_view(&staging.layer(c, StoredLayer(l)).unwrap());
         consumer.read_sync(&buf, 0, buf.len()).unwrap()
     };
     waits[0].wait(&consumer).unwrap();

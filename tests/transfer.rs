@@ -14,6 +14,7 @@ mod common;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kvshard::abi;
 use kvshard::backend::cpu::CpuBackend;
@@ -28,9 +29,9 @@ use kvshard::shard::Placement;
 use kvshard::synth::{self, POISON};
 use kvshard::transfer::{
     block_copies, kernel_pieces, BackendTransport, ChunkEnd, ChunkRange, ChunkResult, ChunkStatus,
-    Completion, ComponentBytes, CopyMethod, DescriptorBatch, Finished, Outcome, PendingChunk,
-    PoolLayout, PrefillRank, Receiver, Registration, SendPlan, Sender, Transport,
-    KERNEL_PIECE_BYTES, MAX_PREFILL_RANKS,
+    Completion, ComponentBytes, CopyMethod, DescriptorBatch, Finished, MissingChunks, Outcome,
+    Overdue, PendingChunk, PoolLayout, PrefillRank, Receiver, Registration, SendPlan, Sender,
+    Transport, DEFAULT_DEADLINE, KERNEL_PIECE_BYTES, MAX_PREFILL_RANKS,
 };
 use kvshard::{Error, Result};
 use rand::rngs::StdRng;
@@ -50,6 +51,8 @@ const SHARDS: [u32; 4] = [1, 2, 4, 8];
 /// Pages of the decode pool.
 const DECODE_PAGES: u64 = 40;
 const REQUEST: u64 = 42;
+/// How late past its deadline a request may be reported overdue on a loaded test machine.
+const SLACK: Duration = Duration::from_secs(2);
 
 /// A CPU backend's streams: the first one, and a maker of more streams of the same arena.
 struct CpuStreams {
@@ -419,7 +422,7 @@ fn send_request(
     let mut statuses = Vec::new();
     let mut finished = None;
     let mut deliver = |pending: PendingChunk| {
-        let status = pending.wait().unwrap();
+        let status = pending.wait_sync().unwrap();
         assert!(
             matches!(status.result, ChunkResult::Sent { .. }),
             "{status}"
@@ -565,8 +568,20 @@ fn run_case(
     let (sharded_decode, sharded_space) = decode_pool(base.as_ref(), case, &dec, prefix_seed);
     let before = sharded_decode.snapshot_sync(base.as_ref()).unwrap();
     let reg = registration(case, &dec, &sharded_decode);
-    // Reading on `base` runs none of the ranks' streams.
-    let untouched = || sharded_decode.snapshot_sync(base.as_ref()).unwrap() == before;
+    // Reading on `base` through an untracked view (as another process reading the decode pool
+    // would) runs none of the ranks' streams; a kvshard read would wait for their sends.
+    let storage = sharded_decode.storage().unwrap();
+    // SAFETY: the decode pool's whole allocation, alive for the whole test.
+    let view = unsafe {
+        kvshard::backend::Buffer::from_raw(
+            storage.addr(),
+            storage.len(),
+            storage.kind(),
+            storage.space(),
+        )
+    };
+    let raw_before = base.read_sync(&view, 0, view.len()).unwrap();
+    let untouched = || base.read_sync(&view, 0, view.len()).unwrap() == raw_before;
     let check: Option<&dyn Fn() -> bool> = if deferred && mode == Mode::Pipelined {
         Some(&untouched)
     } else {
@@ -816,8 +831,8 @@ impl Completion for FailingCompletion {
         }
     }
 
-    fn wait(&mut self) -> Result<()> {
-        self.inner.wait()?;
+    fn wait_sync(&mut self) -> Result<()> {
+        self.inner.wait_sync()?;
         Err(self.error())
     }
 }
@@ -906,7 +921,7 @@ fn fail_mid_request(abort: bool, in_flight: bool, seed: u64) {
                 continue;
             }
             let status = match sender.send(REQUEST, table, case.end(i)) {
-                Ok(pending) => pending.wait(),
+                Ok(pending) => pending.wait_sync(),
                 Err(e) => Err(e),
             };
             match status {
@@ -989,6 +1004,292 @@ fn a_failed_chunk_fails_the_request_on_both_sides_and_leaks_nothing() {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Nothing hangs silently: a request's deadline, and chunks dropped before their status was
+// taken.
+
+/// Request `REQUEST` of the first case (3 chunks), opened on the senders of its `n` ranks.
+struct OpenRequest {
+    _cpu: CpuStreams,
+    case: Case,
+    src: Vec<LogicalPage>,
+    reg: Registration,
+    /// The decode pool, as the ranks reach it.
+    space: Arc<RemoteSpace>,
+    senders: Vec<Sender>,
+}
+
+impl OpenRequest {
+    fn new(n: u32, seed: u64) -> Self {
+        let case = cases().remove(0);
+        let cpu = CpuStreams::new(false);
+        let b = cpu.stream();
+        let mut rng = StdRng::seed_from_u64(seed);
+        let placement = Placement::new(n).unwrap();
+        let per_rank = rank_pages(&case, n);
+        let src = prefill_pages(&mut rng, n, per_rank, case.pages(), false);
+        let dec = decode_pages(&mut rng, case.pages(), false);
+        let (decode, space) = decode_pool(b.as_ref(), &case, &dec, 1);
+        let reg = registration(&case, &dec, &decode);
+        let senders = (0..n)
+            .map(|r| {
+                let pool = DevicePool::allocate(b.as_ref(), &case.geometry, placement, r, per_rank);
+                let transport = BackendTransport::new(cpu.stream());
+                let mut sender = Sender::new(Arc::new(pool.unwrap()), Box::new(transport));
+                sender.open(reg.clone(), space.clone()).unwrap();
+                sender
+            })
+            .collect();
+        Self {
+            _cpu: cpu,
+            case,
+            src,
+            reg,
+            space,
+            senders,
+        }
+    }
+
+    /// Sends chunk `i` of `request` from `rank`, still pending.
+    fn send(&mut self, request: u64, rank: usize, i: usize) -> Result<PendingChunk> {
+        let table = &self.src[..self.case.chunk_ends[i].div_ceil(PAGE_SIZE)];
+        self.senders[rank].send(request, table, self.case.end(i))
+    }
+
+    /// Sends chunk `i` of `request` from `rank` and returns its status once it has landed.
+    fn landed(&mut self, request: u64, rank: usize, i: usize) -> ChunkStatus {
+        self.send(request, rank, i).unwrap().wait_sync().unwrap()
+    }
+}
+
+/// Calls [`Receiver::expire`] until it reports something; returns that and how long after
+/// `registered` it came. Fails past `limit`.
+fn expire_within(
+    receiver: &mut Receiver,
+    registered: Instant,
+    limit: Duration,
+) -> (Vec<Overdue>, Duration) {
+    loop {
+        let overdue = receiver.expire();
+        if !overdue.is_empty() {
+            return (overdue, registered.elapsed());
+        }
+        assert!(
+            registered.elapsed() < limit,
+            "nothing reported overdue {limit:?} after the registration"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn a_missing_final_chunk_fails_the_request_within_its_deadline_naming_rank_and_chunks() {
+    let deadline = Duration::from_millis(300);
+    let mut o = OpenRequest::new(4, 11);
+    let mut receiver = Receiver::with_deadline(deadline);
+    assert_eq!(receiver.deadline(), deadline);
+    let registered = Instant::now();
+    receiver.register(o.reg.clone(), 4).unwrap();
+    for rank in 0..4 {
+        // Rank 2 never sends its final chunk (chunk 2).
+        let chunks = if rank == 2 { 2 } else { 3 };
+        for i in 0..chunks {
+            let status = o.landed(REQUEST, rank, i);
+            assert_eq!(receiver.receive(status).unwrap(), None);
+        }
+    }
+    assert!(receiver.expire().is_empty(), "overdue before its deadline");
+    let (overdue, after) = expire_within(&mut receiver, registered, deadline + SLACK);
+    assert!(after >= deadline, "reported overdue after {after:?}");
+    assert_eq!(
+        overdue,
+        vec![Overdue {
+            request: REQUEST,
+            deadline,
+            ranks: 4,
+            missing: vec![MissingChunks {
+                rank: 2,
+                received: 2
+            }],
+        }]
+    );
+    let e = Error::from(overdue[0].clone());
+    assert!(matches!(&e, Error::TransferDeadline(o) if o.request == REQUEST));
+    let message = e.to_string();
+    assert!(
+        message.contains("request 42: no last status within its deadline of 300ms from 1 of its 4 prefill ranks; prefill rank 2: chunks 0..=1 arrived, chunk 2 onward missing (the final chunk among them)"),
+        "{message}"
+    );
+    // Reported once; the request is failed, its pages held while rank 2 may still write them.
+    assert!(receiver.expire().is_empty());
+    let p = receiver.progress(REQUEST).unwrap();
+    assert!(p.failed && p.overdue && p.ranks_done == 3, "{p:?}");
+    // The control plane aborts it on rank 2, whose answer hands the request back.
+    let aborted = o.senders[2]
+        .abort(REQUEST, "the decode's deadline passed")
+        .unwrap();
+    assert_eq!(aborted.chunk, 2);
+    let finished = receiver
+        .receive(aborted)
+        .unwrap()
+        .expect("every rank reported");
+    let Outcome::Failed(failures) = &finished.outcome else {
+        panic!("{:?}", finished.outcome);
+    };
+    assert_eq!(failures.len(), 2, "{failures:?}");
+    assert!(failures.iter().all(|f| (f.rank, f.chunk) == (2, 2)));
+    assert!(
+        failures[0].reason.contains("no last status within"),
+        "{failures:?}"
+    );
+    assert!(failures[1].reason.starts_with("aborted: "), "{failures:?}");
+    assert_eq!(finished.registration, o.reg);
+    assert_eq!(receiver.pending_requests(), 0);
+}
+
+#[test]
+fn a_silent_rank_fails_the_request_within_its_own_deadline() {
+    let deadline = Duration::from_millis(200);
+    let mut o = OpenRequest::new(2, 12);
+    // The receiver's default is long; this request gets a deadline of its own.
+    let mut receiver = Receiver::new();
+    assert_eq!(receiver.deadline(), DEFAULT_DEADLINE);
+    let registered = Instant::now();
+    receiver
+        .register_with_deadline(o.reg.clone(), 2, deadline)
+        .unwrap();
+    for i in 0..3 {
+        let status = o.landed(REQUEST, 0, i);
+        assert_eq!(receiver.receive(status).unwrap(), None);
+    }
+    // Rank 1 says nothing at all.
+    let (overdue, after) = expire_within(&mut receiver, registered, deadline + SLACK);
+    assert!(after >= deadline, "reported overdue after {after:?}");
+    assert_eq!(
+        overdue[0].missing,
+        vec![MissingChunks {
+            rank: 1,
+            received: 0
+        }]
+    );
+    let message = Error::from(overdue[0].clone()).to_string();
+    assert!(
+        message.contains("request 42: no last status within its deadline of 200ms from 1 of its 2 prefill ranks; prefill rank 1: no chunk arrived (chunk 0 onward missing, the final chunk among them)"),
+        "{message}"
+    );
+    // Rank 1 is known gone (its process exited): the decode answers for it at the chunk it
+    // owes, and the pages come back.
+    let gone = ChunkStatus {
+        request: REQUEST,
+        rank: 1,
+        chunk: overdue[0].missing[0].received,
+        result: ChunkResult::Failed {
+            reason: "prefill rank 1 gone".into(),
+        },
+    };
+    let finished = receiver.receive(gone).unwrap().expect("finished");
+    assert!(!finished.is_completed());
+    assert_eq!(receiver.pending_requests(), 0);
+}
+
+#[test]
+fn a_dropped_pending_chunk_is_reported_not_lost() {
+    let mut o = OpenRequest::new(2, 13);
+    let mut receiver = Receiver::with_deadline(Duration::from_millis(300));
+    // Request 43 goes to the same pages: a rank whose engine never takes its dropped chunk.
+    let mut ignored = o.reg.clone();
+    ignored.request = REQUEST + 1;
+    let registered = Instant::now();
+    for reg in [&o.reg, &ignored] {
+        receiver.register(reg.clone(), 2).unwrap();
+    }
+    for s in &mut o.senders {
+        s.open(ignored.clone(), o.space.clone()).unwrap();
+    }
+
+    // Rank 0 drops chunk 0 unpolled: its next send of the request reports it, as the failure
+    // the decode side must hear, and the request is closed on the rank.
+    drop(o.send(REQUEST, 0, 0).unwrap());
+    let e = o.send(REQUEST, 0, 1).unwrap_err();
+    assert!(
+        matches!(&e, Error::ChunkFailed { request: REQUEST, rank: 0, chunk: 0, reason } if reason.contains("chunk 0 was dropped on prefill rank 0 before its status was taken")),
+        "{e}"
+    );
+    assert!(o.send(REQUEST, 0, 1).is_err(), "closed on the rank");
+    assert_eq!(
+        receiver
+            .receive(ChunkStatus::from_error(&e).unwrap())
+            .unwrap(),
+        None
+    );
+
+    // Rank 1: chunk 0 polled to its status and then dropped is delivered, not reported.
+    let mut first = o.send(REQUEST, 1, 0).unwrap();
+    let status = first.poll().unwrap().expect("landed at once on the CPU");
+    drop(first);
+    assert!(o.senders[1].take_dropped().is_empty());
+    assert_eq!(receiver.receive(status).unwrap(), None);
+    let status = o.landed(REQUEST, 1, 1);
+    assert_eq!(receiver.receive(status).unwrap(), None);
+    // Its final chunk dropped: the request is no longer open on the rank, and only
+    // `take_dropped` reports it, once.
+    drop(o.send(REQUEST, 1, 2).unwrap());
+    let dropped = o.senders[1].take_dropped();
+    assert_eq!(dropped.len(), 1, "{dropped:?}");
+    assert_eq!(
+        (dropped[0].request, dropped[0].rank, dropped[0].chunk),
+        (REQUEST, 1, 2)
+    );
+    assert!(dropped[0].is_terminal());
+    assert!(o.senders[1].take_dropped().is_empty());
+    let finished = receiver
+        .receive(dropped[0].clone())
+        .unwrap()
+        .expect("every rank reported");
+    let Outcome::Failed(failures) = &finished.outcome else {
+        panic!("{:?}", finished.outcome);
+    };
+    assert_eq!(
+        failures
+            .iter()
+            .map(|f| (f.rank, f.chunk))
+            .collect::<Vec<_>>(),
+        vec![(0, 0), (1, 2)]
+    );
+    assert!(failures.iter().all(|f| f.reason.contains("was dropped")));
+
+    // Request 43: rank 0 lands everything, rank 1 drops its second chunk and nobody takes the
+    // report; the decode's deadline names the rank and the chunk that never arrived.
+    for i in 0..3 {
+        let status = o.landed(REQUEST + 1, 0, i);
+        assert_eq!(receiver.receive(status).unwrap(), None);
+    }
+    let status = o.landed(REQUEST + 1, 1, 0);
+    assert_eq!(receiver.receive(status).unwrap(), None);
+    drop(o.send(REQUEST + 1, 1, 1).unwrap());
+    let (overdue, after) = expire_within(
+        &mut receiver,
+        registered,
+        Duration::from_millis(300) + SLACK,
+    );
+    assert!(after >= Duration::from_millis(300), "{after:?}");
+    assert_eq!(overdue.len(), 1);
+    assert_eq!(overdue[0].request, REQUEST + 1);
+    assert_eq!(
+        overdue[0].missing,
+        vec![MissingChunks {
+            rank: 1,
+            received: 1
+        }]
+    );
+    // The rank's report is still there to deliver: it hands the request back.
+    let dropped = o.senders[1].take_dropped();
+    assert_eq!((dropped[0].request, dropped[0].chunk), (REQUEST + 1, 1));
+    assert!(receiver.receive(dropped[0].clone()).unwrap().is_some());
+    assert_eq!(receiver.pending_requests(), 0);
+    assert!(o.senders.iter().all(|s| s.pending_requests() == 0));
+}
+
 #[test]
 fn invalid_requests_fail_before_any_byte_moves() {
     let cpu = CpuStreams::new(false);
@@ -1060,7 +1361,7 @@ fn invalid_requests_fail_before_any_byte_moves() {
                 match sender.send(REQUEST, &src, case.end(i)) {
                     Ok(pending) => {
                         assert!(i < failing_chunk, "rank {r} chunk {i}: {pending:?}");
-                        finished = receiver.receive(pending.wait().unwrap()).unwrap();
+                        finished = receiver.receive(pending.wait_sync().unwrap()).unwrap();
                     }
                     Err(e) => {
                         // Every rank refuses the same chunk: it checks all pages, not only
@@ -1451,7 +1752,7 @@ fn every_copy_method_copies_the_same_bytes() {
         dst.fill(b.as_ref(), POISON).unwrap();
         let mut t = BackendTransport::with_method(b.clone(), method);
         let mut done = t.submit(&plan, &src, &remote).unwrap();
-        done.wait().unwrap();
+        done.wait_sync().unwrap();
         assert!(done.poll().unwrap());
         outs.push(dst.snapshot_sync(b.as_ref()).unwrap());
     }

@@ -122,7 +122,7 @@ fn rank_main(rank: u32, shape: &Shape, id: NcclId) -> Result<Figures> {
     let chains = batch(shape, placement)?;
     let requests = chains
         .iter()
-        .map(|c| GatherRequest::of_chain(c, c.pages().len()))
+        .map(|c| GatherRequest::of_chain(c, c.page_count()))
         .collect::<Result<Vec<_>>>()?;
     let prefix_tokens = (shape.requests * shape.prefix_pages + 2 * shape.requests) as u64 * 128;
     let layout = ScratchLayout::new(prefix_tokens, 64)?;

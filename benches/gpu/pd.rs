@@ -329,7 +329,7 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                     Ok(())
                 })?;
                 for mut completion in pending {
-                    completion.wait()?;
+                    completion.wait_sync()?;
                 }
                 backend.synchronize()?;
                 verify(

@@ -11,8 +11,11 @@ host pool interface on top.
 
 Work runs on a ``Device``: ``Device.cpu()`` (the reference twin of every kernel, NumPy arrays
 as tensors) or ``Device.cuda(0)`` (torch/CuPy/JAX tensors). Every enqueueing call takes the
-caller's stream (``None``, a ``kvshard.Stream``, an int ``CUstream``, a ``torch.cuda.Stream``)
-and never synchronizes it behind the caller's back; long calls release the GIL.
+caller's stream (``None``, a ``kvshard.Stream``, an int ``CUstream``, a ``torch.cuda.Stream``;
+``None`` is torch's current stream on a GPU when torch is in use) and never synchronizes it
+behind the caller's back; ``after=`` also takes ``torch.cuda.Event``. Long calls release the
+GIL. Memory kvshard writes into must be writable (``ReadOnlyError`` otherwise), and wrapped
+NumPy arrays cannot be resized while their pool lives.
 """
 
 from . import _errors
@@ -23,6 +26,7 @@ from ._errors import (
     InvalidArgumentError,
     KvshardError,
     OutOfMemoryError,
+    ReadOnlyError,
     TransferError,
     UnavailableError,
 )

@@ -22,6 +22,12 @@ class InvalidArgumentError(KvshardError, ValueError):
     """A bad argument, tensor, geometry, page or index."""
 
 
+class ReadOnlyError(InvalidArgumentError):
+    """A read-only array or tensor (a NumPy array with ``writeable=False``, a memmap opened with
+    mode ``"r"``, an array over ``bytes``) handed where kvshard writes: refused before anything
+    is written."""
+
+
 class OutOfMemoryError(KvshardError, MemoryError):
     """An allocation, budget or owner class cannot hold what was asked."""
 
@@ -59,6 +65,7 @@ class HiCacheError(KvshardError):
 __all__ = [
     "KvshardError",
     "InvalidArgumentError",
+    "ReadOnlyError",
     "OutOfMemoryError",
     "UnavailableError",
     "DriverError",

@@ -5,9 +5,15 @@ import builtins
 from enum import Enum
 from typing import Any, Optional, Sequence, Union
 
-# A stream argument: None (the device's default stream), a kvshard.Stream, an int CUstream
-# handle, or an object with a `cuda_stream` (torch.cuda.Stream) or `ptr` (CuPy) attribute.
+# A stream argument: None, a kvshard.Stream, an int CUstream handle, or an object with a
+# `cuda_stream` (torch.cuda.Stream) or `ptr` (CuPy) attribute. None means, on a GPU, torch's
+# current stream (torch.cuda.current_stream(ordinal)) when torch is loaded and has initialized
+# CUDA, else the legacy default stream; on the CPU backend, the arena's first stream.
 StreamLike = Any
+# What an `after=` argument waits for: a kvshard.Event, a torch.cuda.Event (any object with a
+# `cuda_event` handle; one never recorded is nothing to wait for), or a stream (StreamLike: the
+# work queued on it so far).
+AfterLike = Any
 # Any object with __dlpack__ (torch, CuPy, JAX, NumPy) or a sequence of int64 (for slots).
 TensorLike = Any
 LatentLike = Union["LatentLayout", str]
@@ -212,7 +218,7 @@ class ShardAllocator:
 class RequestChain:
     def __init__(self, placement: Placement) -> None: ...
     @staticmethod
-    def cached(placement: Placement, start_owner: int, pages: Sequence[int]) -> RequestChain: ...
+    def cached(allocator: ShardAllocator, start_owner: int, pages: Sequence[int]) -> RequestChain: ...
     @property
     def start_owner(self) -> Optional[int]: ...
     @property
@@ -240,6 +246,9 @@ class Budget:
     logical_capacity: int
 
 class DevicePool:
+    """One rank's device pool: allocated by kvshard, or wrapping the engine's writable tensors
+    (read-only ones raise ReadOnlyError; wrapped NumPy arrays cannot be resized while it lives)."""
+
     @staticmethod
     def allocate(device: Device, geometry: CacheGeometry, placement: Placement, rank: int, pages: int) -> DevicePool: ...
     @staticmethod
@@ -377,7 +386,7 @@ class Sender:
     def rank(self) -> int: ...
     def open(self, registration: Registration, dst: RemoteSpace) -> None: ...
     def send(
-        self, request: int, pages: Sequence[int], end: int, *, last: bool = False, stream: StreamLike = None
+        self, request: int, pages: Sequence[int], end: int, *, last: bool, stream: StreamLike = None
     ) -> PendingChunk: ...
     def abort(self, request: int, reason: str) -> ChunkStatus: ...
     @property
@@ -426,6 +435,9 @@ class HostBufferLayout:
     def is_indexer(self) -> bool: ...
 
 class HostPool:
+    """One rank's host pool: allocated, or wrapping the engine's writable host tensors
+    (read-only ones raise ReadOnlyError; wrapped NumPy arrays cannot be resized while it lives)."""
+
     def __init__(
         self,
         device: Device,
@@ -588,11 +600,11 @@ class HiCacheController:
     def load_stream(self) -> Stream: ...
     @property
     def backup_stream(self) -> Stream: ...
-    def access(self, node: CacheNode, after: Union[Event, StreamLike], route: Route = "copy_engine", *, ctas: int = 2) -> Optional[int]: ...
-    def backup(self, node: CacheNode, after: Union[Event, StreamLike], route: Route = "copy_engine", *, ctas: int = 2) -> int: ...
-    def evict(self, node: CacheNode, after: Union[Event, StreamLike], route: Route = "copy_engine", *, ctas: int = 2) -> list[BackupAck]: ...
+    def access(self, node: CacheNode, after: AfterLike, route: Route = "copy_engine", *, ctas: int = 2) -> Optional[int]: ...
+    def backup(self, node: CacheNode, after: AfterLike, route: Route = "copy_engine", *, ctas: int = 2) -> int: ...
+    def evict(self, node: CacheNode, after: AfterLike, route: Route = "copy_engine", *, ctas: int = 2) -> list[BackupAck]: ...
     def load(
-        self, node: int, device_pages: Sequence[int], after: Union[None, Event, StreamLike] = None, route: Route = "kernel", *, ctas: int = 2
+        self, node: int, device_pages: Sequence[int], after: AfterLike = None, route: Route = "kernel", *, ctas: int = 2
     ) -> LoadHandle: ...
     def free_host(self, node: int) -> None: ...
     def host_pages(self, node: int) -> Optional[list[int]]: ...

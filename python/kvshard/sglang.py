@@ -182,6 +182,8 @@ class MLAHostPool:
         self.pin_memory = device.kind == "cuda"
         self.kvshard_device = device
         self.ctas = ctas
+        # None is resolved by kvshard at every transfer: torch's current stream on a GPU when
+        # torch is in use (as SGLang's own transfers run), the default stream otherwise.
         self.stream = stream
         self._tables = tables_stream if tables_stream is not None else device.new_stream()
         self.geometry = geometry
@@ -269,14 +271,6 @@ class MLAHostPool:
             raise kvshard.InvalidArgumentError(f"Unsupported IO backend: {io_backend}")
         return "kernel" if io == "kernel" else "copy_engine"
 
-    def _stream(self):
-        if self.stream is not None:
-            return self.stream
-        torch = _torch()
-        if torch is not None and self.kvshard_device.kind == "cuda":
-            return torch.cuda.current_stream(self.kvshard_device.ordinal)
-        return None
-
     @staticmethod
     def _pool(device_pool) -> "kvshard.DevicePool":
         if isinstance(device_pool, kvshard.DevicePool):
@@ -331,7 +325,7 @@ class MLAHostPool:
             return
         io = self._io(io_backend)
         t = self._transfer(device_pool, host_indices, device_indices, "load", io)
-        t.run(self._stream(), io, layer_id, ctas=self.ctas)
+        t.run(self.stream, io, layer_id, ctas=self.ctas)
 
     def load_to_device_per_layer_physical(
         self,
@@ -353,7 +347,7 @@ class MLAHostPool:
         """Backs up every layer (every component, the draft's too) on the current stream."""
         io = self._io(io_backend)
         t = self._transfer(device_pool, host_indices, device_indices, "backup", io)
-        t.run(self._stream(), io, None, ctas=self.ctas)
+        t.run(self.stream, io, None, ctas=self.ctas)
 
     def backup_from_device_all_layer_physical(
         self, device_pool, host_indices, device_indices, io_backend: str

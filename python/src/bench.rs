@@ -37,7 +37,7 @@ pub fn _rust_load_ns(
             let h = c.load(node, &pages, None, route)?;
             out.push(t.elapsed().as_nanos() as u64);
             drop(h);
-            c.ack_loads(1)?;
+            c.ack_loads_sync(1)?;
         }
         Ok(out)
     })
@@ -99,7 +99,7 @@ pub fn _rust_send_ns(
             let t = Instant::now();
             let pending = s.send(reg.request, &pages, ChunkEnd::Final(end))?;
             out.push(t.elapsed().as_nanos() as u64);
-            pending.wait()?;
+            pending.wait_sync()?;
         }
         Ok(out)
     })
@@ -162,7 +162,7 @@ pub fn _rust_bulk_send_seconds(
             pending.push(s.send(first_request + i, &pages, ChunkEnd::Final(end))?);
         }
         for p in pending {
-            p.wait()?;
+            p.wait_sync()?;
         }
         Ok(start.elapsed().as_secs_f64())
     })

@@ -1,24 +1,29 @@
 //! Devices, streams and events: where kvshard's work runs, on the caller's streams.
 //!
 //! A [`PyDevice`] is the CPU reference backend or one GPU. Every enqueueing call takes a stream:
-//! `None` (the device's default stream), a [`PyStream`], an int `CUstream` handle, or any object
-//! with a `cuda_stream` attribute (`torch.cuda.Stream`) or a `ptr` attribute (CuPy). kvshard
-//! enqueues on the caller's stream and never synchronizes it behind the caller's back; the one
-//! exception is the first use of a given CUDA stream, when kvshard zeroes its two status words
-//! on it and waits for that once (do it up front with [`PyDevice::stream`]).
+//! `None` (on a GPU, torch's current stream when the process uses torch, else the legacy
+//! default stream; on the CPU backend, the arena's first stream), a [`PyStream`], an int
+//! `CUstream` handle, or any object with a `cuda_stream` attribute (`torch.cuda.Stream`) or a
+//! `ptr` attribute (CuPy). An `after=` argument also takes events: a [`PyEvent`] or a
+//! `torch.cuda.Event` (any object with a `cuda_event` handle); see [`after_event`]. kvshard
+//! enqueues on the caller's stream and never synchronizes it behind the caller's back (the
+//! first use of a CUDA stream zeroes kvshard's two status words on it, stream-ordered, without
+//! waiting).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyDict;
 
 use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{AddressSpace, Backend, Event};
 use kvshard::gpu::Gpu;
 
-use crate::errors::{invalid, IntoPy};
+use crate::errors::{invalid, IntoPy, KvError};
 
 /// What a device is.
 pub enum Kind {
@@ -32,8 +37,10 @@ pub enum Kind {
 /// with the streams kvshard has been handed on it.
 ///
 /// Every kvshard object lives on one device; calls refuse streams of another one. A stream
-/// argument of `None` means the device's default stream: the CPU arena's first stream, or the
-/// GPU's legacy default stream (which torch's default stream is).
+/// argument of `None` means, on a GPU, torch's current stream of this GPU
+/// (`torch.cuda.current_stream(ordinal)`) when torch is loaded (kvshard never imports it) and
+/// has initialized CUDA, and the legacy default stream otherwise (torch's default stream, the
+/// only one it can have before that); on the CPU backend, the arena's first stream.
 #[pyclass(frozen, module = "kvshard", name = "Device")]
 pub struct PyDevice {
     pub kind: Kind,
@@ -41,6 +48,10 @@ pub struct PyDevice {
     default: Mutex<Option<Arc<dyn Backend>>>,
     /// CUDA streams borrowed so far, by handle.
     streams: Mutex<HashMap<usize, Arc<dyn Backend>>>,
+    /// A stream of kvshard's that turns foreign CUDA events (`torch.cuda.Event`) into kvshard
+    /// events: it waits for the foreign event and records one of its own. Made on first use;
+    /// the lock also keeps one wait and its record together.
+    carrier: Mutex<Option<Arc<CudaBackend>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -110,12 +121,9 @@ impl PyDevice {
 
     /// The backend for a Python stream argument (see the module docs).
     pub fn resolve(&self, stream: Option<&Bound<'_, PyAny>>) -> PyResult<Arc<dyn Backend>> {
-        let Some(s) = stream else {
-            return self.default_backend();
+        let Some(s) = stream.filter(|s| !s.is_none()) else {
+            return self.implicit();
         };
-        if s.is_none() {
-            return self.default_backend();
-        }
         if let Ok(own) = s.cast::<PyStream>() {
             let own = own.get();
             if own.backend.address_space() != self.space() {
@@ -129,6 +137,86 @@ impl PyDevice {
         }
         self.borrowed(stream_handle(s)?)
     }
+
+    /// The stream a `None` stream argument means: on a GPU, torch's current stream when the
+    /// process uses torch (the stream the engine's own kernels are on), else the default.
+    fn implicit(&self) -> PyResult<Arc<dyn Backend>> {
+        if let Kind::Cuda(gpu) = &self.kind {
+            let ordinal = gpu.info().ordinal;
+            if let Some(handle) = Python::attach(|py| torch_current_stream(py, ordinal))? {
+                return self.borrowed(handle);
+            }
+        }
+        self.default_backend()
+    }
+
+    /// A kvshard event that completes once the foreign CUDA event `raw` (of this GPU's
+    /// context) has: the carrier stream waits for `raw`, then records. None for handle 0 (torch
+    /// creates its event on the first record: one never recorded is nothing to wait for).
+    fn foreign_event(&self, raw: usize) -> PyResult<Option<Event>> {
+        let Kind::Cuda(gpu) = &self.kind else {
+            return Err(invalid(format!(
+                "a CUDA event (handle {raw:#x}) given to the CPU device; pass a kvshard.Event, a kvshard.Stream or None"
+            )));
+        };
+        if raw == 0 {
+            return Ok(None);
+        }
+        let mut carrier = lock(&self.carrier);
+        let c = match carrier.as_ref() {
+            Some(c) => c.clone(),
+            None => {
+                let c = Arc::new(CudaBackend::new(gpu.clone()).py_err()?);
+                *carrier = Some(c.clone());
+                c
+            }
+        };
+        gpu.bind().py_err()?;
+        // SAFETY: the carrier's stream is kvshard's own, alive with `c`; `raw` is the caller's
+        // live event of this device's primary context (the documented contract of `after=`,
+        // as for stream handles). A wait on an event never recorded is a no-op in CUDA.
+        unsafe {
+            cudarc::driver::result::stream::wait_event(
+                c.stream().raw(),
+                raw as sys::CUevent,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|source| {
+            PyErr::from(KvError(kvshard::Error::Driver {
+                call: "cuStreamWaitEvent",
+                source,
+            }))
+        })?;
+        c.record().py_err().map(Some)
+    }
+}
+
+/// `sys.modules`, looked up once: torch counts as in use when it is in there (kvshard never
+/// imports it).
+static SYS_MODULES: PyOnceLock<Py<PyDict>> = PyOnceLock::new();
+
+/// The raw handle of torch's current stream on GPU `ordinal`, when the process has loaded torch
+/// and torch has initialized CUDA. Before that torch's current stream can only be its default
+/// stream, the legacy default stream kvshard's default already is, and asking torch would
+/// initialize its CUDA state behind the engine's back.
+fn torch_current_stream(py: Python<'_>, ordinal: usize) -> PyResult<Option<usize>> {
+    let modules = SYS_MODULES.get_or_try_init(py, || -> PyResult<Py<PyDict>> {
+        Ok(py
+            .import("sys")?
+            .getattr("modules")?
+            .cast_into::<PyDict>()?
+            .unbind())
+    })?;
+    let Some(torch) = modules.bind(py).get_item("torch")? else {
+        return Ok(None);
+    };
+    let cuda = torch.getattr("cuda")?;
+    if !cuda.call_method0("is_initialized")?.is_truthy()? {
+        return Ok(None);
+    }
+    let stream = cuda.call_method1("current_stream", (ordinal,))?;
+    Ok(Some(stream_handle(&stream)?))
 }
 
 /// The raw handle of a stream object: an int, or its `cuda_stream` (torch) or `ptr` (CuPy).
@@ -199,7 +287,8 @@ impl PyDevice {
     }
 
     /// A kvshard stream on the caller's stream `stream` (an int handle, a `torch.cuda.Stream`,
-    /// a CuPy stream), or the default stream for `None`. Wrapping a CUDA stream zeroes
+    /// a CuPy stream), or on the stream `None` means (torch's current stream on a GPU when the
+    /// process uses torch, else the default stream). Wrapping a CUDA stream zeroes
     /// kvshard's status words on it and waits for that once; later calls with the same stream
     /// reuse the wrapper and never synchronize.
     #[pyo3(signature = (stream = None))]
@@ -246,6 +335,7 @@ impl PyDevice {
             kind,
             default: Mutex::new(None),
             streams: Mutex::new(HashMap::new()),
+            carrier: Mutex::new(None),
         }
     }
 }
@@ -330,14 +420,23 @@ impl PyEvent {
     }
 }
 
-/// The event after which something runs: an Event as is, or the current point of a stream
-/// (recorded now, without waiting).
+/// The event after which something runs (None: nothing to wait for): a kvshard Event as is; a
+/// foreign CUDA event (`torch.cuda.Event`: any object with a `cuda_event` handle) carried into
+/// a kvshard event (one never recorded, handle 0, is nothing to wait for); or the current
+/// point of a stream (a kvshard Stream, a `torch.cuda.Stream`, a CuPy stream, an int
+/// handle), recorded now, without waiting: the work queued on it so far.
 pub fn after_event(device: &PyDevice, after: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Event>> {
     let Some(a) = after.filter(|a| !a.is_none()) else {
         return Ok(None);
     };
     if let Ok(e) = a.cast::<PyEvent>() {
         return Ok(Some(e.get().event.clone()));
+    }
+    if let Ok(handle) = a.getattr("cuda_event") {
+        let raw = handle.extract::<usize>().map_err(|_| {
+            invalid("after: an event's `cuda_event` must be its int CUevent handle")
+        })?;
+        return device.foreign_event(raw);
     }
     let b = device.resolve(Some(a))?;
     Ok(Some(b.record().py_err()?))

@@ -21,6 +21,7 @@ struct Classes {
     transfer: Py<PyType>,
     chunk_failed: Py<PyType>,
     hicache: Py<PyType>,
+    read_only: Py<PyType>,
 }
 
 static CLASSES: PyOnceLock<Classes> = PyOnceLock::new();
@@ -40,6 +41,7 @@ fn classes(py: Python<'_>) -> PyResult<&Classes> {
             transfer: get("TransferError")?,
             chunk_failed: get("ChunkFailedError")?,
             hicache: get("HiCacheError")?,
+            read_only: get("ReadOnlyError")?,
         })
     })
 }
@@ -120,6 +122,18 @@ pub fn invalid(message: impl Into<String>) -> PyErr {
     let message = message.into();
     Python::attach(|py| match classes(py) {
         Ok(c) => PyErr::from_type(c.invalid.bind(py).clone(), message),
+        Err(_) => PyValueError::new_err(message),
+    })
+}
+
+/// A `ReadOnlyError` (an `InvalidArgumentError`, so also a `ValueError`) with `message`: memory
+/// kvshard would write into, marked read-only by its producer (a read-only NumPy array, a memmap
+/// opened with mode `"r"`, an array over `bytes`). Writing into it anyway could crash the
+/// interpreter (a read-only mapping) or change an immutable object, so it is refused up front.
+pub fn read_only(message: impl Into<String>) -> PyErr {
+    let message = message.into();
+    Python::attach(|py| match classes(py) {
+        Ok(c) => PyErr::from_type(c.read_only.bind(py).clone(), message),
         Err(_) => PyValueError::new_err(message),
     })
 }

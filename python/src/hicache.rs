@@ -22,7 +22,7 @@ use crate::errors::{invalid, IntoPy};
 use crate::geometry::{component_of, PyCacheGeometry, PyComponent, PyComponentLayout};
 use crate::pool::{export_dtype, view_of, PoolKeep, PyDevicePool, PyKeep};
 use crate::shard::{logical, raw, PyPlacement};
-use crate::tensor::{check, import, PyTensorView, Want};
+use crate::tensor::{check, import_writable, PyTensorView, Want};
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -274,7 +274,9 @@ impl PyHostPool {
     /// each registration when there were several (read from SGLang's
     /// `_sglang_cuda_host_registered_ranges` when present), or `register=True` has kvshard
     /// register unregistered, 4 KiB-aligned memory itself. On the CPU backend the arrays are
-    /// adopted into its arena.
+    /// adopted into its arena. Backups write into the tensors: a read-only one is refused with
+    /// `ReadOnlyError`, and each is held (a buffer export, a weak reference) so NumPy refuses
+    /// to resize it while the pool lives.
     #[staticmethod]
     #[pyo3(signature = (device, geometry, pages, buffers, layout, *, packed_draft = false, sglang = false, indexer_extra_pages = None, registrations = None, register = false))]
     #[allow(clippy::too_many_arguments)]
@@ -317,7 +319,8 @@ impl PyHostPool {
         let mut keep = PoolKeep::default();
         let mut imported = Vec::with_capacity(tensors.len());
         for (i, (t, l)) in tensors.iter().zip(&layouts).enumerate() {
-            let it = import(t)?;
+            let what = format!("host buffer {i} ({:?})", l.components);
+            let it = import_writable(t, &what, &mut keep.objects)?;
             let comp = g
                 .components()
                 .into_iter()
@@ -325,7 +328,7 @@ impl PyHostPool {
                 .ok_or_else(|| invalid("host buffer of no component"))?;
             let (sizes, names) = crate::pool::item_sizes(&comp, g.target.latent);
             let want = Want {
-                what: format!("host buffer {i} ({:?})", l.components),
+                what,
                 devices: crate::pool::dl_devices(d, true),
                 row_bytes: l.row_bytes,
                 item_sizes: sizes,
@@ -338,7 +341,6 @@ impl PyHostPool {
                 exact: true,
             };
             check(&it, &want)?;
-            keep.objects.push(it.object.clone_ref(py));
             imported.push(it);
         }
         let pool = match (d.cpu(), d.gpu()) {
@@ -1298,8 +1300,9 @@ impl PyHiCacheController {
     }
 
     /// Records an access (insertion or hit) of `node`; backs it up when the policy says so,
-    /// after `after` (an Event, or the compute stream's current point). Returns the backup's
-    /// queue index when one was submitted.
+    /// after `after`: a kvshard or torch event, or a stream (its current point: the work
+    /// queued on it so far); None is the current point of the stream `None` means. Returns the
+    /// backup's queue index when one was submitted.
     #[pyo3(signature = (node, after, route = "copy_engine", *, ctas = 2))]
     fn access(
         &self,
@@ -1315,8 +1318,8 @@ impl PyHiCacheController {
         self.with(py, |c| c.access(&n, &compute, route))
     }
 
-    /// Backs `node` up after `after`: allocates its host pages, copies every layer of this
-    /// rank's pages on the backup stream. Returns the queue index.
+    /// Backs `node` up after `after` (as in `access`): allocates its host pages, copies every
+    /// layer of this rank's pages on the backup stream. Returns the queue index.
     #[pyo3(signature = (node, after, route = "copy_engine", *, ctas = 2))]
     fn backup(
         &self,
@@ -1332,8 +1335,8 @@ impl PyHiCacheController {
         self.with(py, |c| c.backup(&n, &compute, route))
     }
 
-    /// `node` is leaving the device pool (write-back backs it up first, blocking); returns
-    /// the acks popped up to its backup.
+    /// `node` is leaving the device pool (write-back backs it up first, after `after` as in
+    /// `access`, blocking); returns the acks popped up to its backup.
     #[pyo3(signature = (node, after, route = "copy_engine", *, ctas = 2))]
     fn evict(
         &self,
@@ -1347,15 +1350,16 @@ impl PyHiCacheController {
         let compute = self.compute(Some(after))?;
         let n = node.0.clone();
         Ok(self
-            .with(py, |c| c.evict(&n, &compute, route))?
+            .with(py, |c| c.evict_sync(&n, &compute, route))?
             .into_iter()
             .map(PyBackupAck)
             .collect())
     }
 
-    /// Loads backed-up node `node` into logical `device_pages` on the load stream (after
-    /// `after` when given). `"kernel"`: one launch with a ready counter per layer; copy-engine
-    /// routes layer after layer; staged routes every layer at once.
+    /// Loads backed-up node `node` into logical `device_pages` on the load stream, after
+    /// `after` when given (a kvshard or torch event, or a stream's current point; None: right
+    /// away). `"kernel"`: one launch with a ready counter per layer; copy-engine routes layer
+    /// after layer; staged routes every layer at once.
     #[pyo3(signature = (node, device_pages, after = None, route = "kernel", *, ctas = 2))]
     fn load(
         &self,
@@ -1399,7 +1403,7 @@ impl PyHiCacheController {
     /// Pops the `count` oldest backups (blocks until they completed).
     fn ack_backups(&self, py: Python<'_>, count: usize) -> PyResult<Vec<PyBackupAck>> {
         Ok(self
-            .with(py, |c| c.ack_backups(count))?
+            .with(py, |c| c.ack_backups_sync(count))?
             .into_iter()
             .map(PyBackupAck)
             .collect())
@@ -1408,7 +1412,7 @@ impl PyHiCacheController {
     /// Pops the `count` oldest loads (blocks until they completed).
     fn ack_loads(&self, py: Python<'_>, count: usize) -> PyResult<Vec<PyLoadAck>> {
         Ok(self
-            .with(py, |c| c.ack_loads(count))?
+            .with(py, |c| c.ack_loads_sync(count))?
             .into_iter()
             .map(PyLoadAck)
             .collect())
@@ -1460,12 +1464,13 @@ impl PyHiCacheController {
 }
 
 impl PyHiCacheController {
-    /// The compute event of an `after` argument.
+    /// The compute event of an `after` argument: None, or a torch event never recorded, is the
+    /// current point of the stream `None` means (torch's current stream when torch is in use).
     fn compute(&self, after: Option<&Bound<'_, PyAny>>) -> PyResult<kvshard::backend::Event> {
         let d = self.device.get();
         match after_event(d, after)? {
             Some(e) => Ok(e),
-            None => d.default_backend()?.record().py_err(),
+            None => d.resolve(None)?.record().py_err(),
         }
     }
 }

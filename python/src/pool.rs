@@ -20,7 +20,7 @@ use crate::device::PyDevice;
 use crate::errors::{invalid, IntoPy};
 use crate::geometry::{component_of, PyCacheGeometry, PyComponentLayout};
 use crate::shard::PyPlacement;
-use crate::tensor::{check, import, KeepInner, PyTensorView, Want};
+use crate::tensor::{check, import, import_writable, KeepInner, PyTensorView, Want};
 
 /// A Python object as an `Arc<dyn Send + Sync>` keep-alive.
 pub struct PyKeep(#[allow(dead_code)] pub Py<PyAny>);
@@ -96,9 +96,8 @@ fn layer_memory(
     want: &Want,
     keep: &mut PoolKeep,
 ) -> PyResult<RawBuffer> {
-    let imported = import(t)?;
+    let imported = import_writable(t, &want.what, &mut keep.objects)?;
     check(&imported, want)?;
-    keep.objects.push(imported.object.clone_ref(t.py()));
     adopt_on_cpu(
         device,
         &imported.object,
@@ -177,8 +176,11 @@ impl PyDevicePool {
     /// or one tensor whose first dimension is the layer count. Every tensor must be
     /// C-contiguous on the device (NumPy arrays for the CPU backend), its last dimension one
     /// row (a latent row; an 8,448-byte indexer block), and hold at least `pages` pages: a
-    /// mismatch is a `ValueError` saying what was expected. The pool keeps the tensors alive;
-    /// they must not be resized or freed while work uses them.
+    /// mismatch is a `ValueError` saying what was expected. kvshard writes into them, so a
+    /// read-only one (a memmap opened with mode `"r"`, an array over `bytes`) is refused with
+    /// `ReadOnlyError`. The pool keeps the tensors alive, and holds a buffer export and a weak
+    /// reference of each, so NumPy refuses to resize a wrapped array; they must not be freed
+    /// or reallocated (torch's `resize_`) while work uses them.
     #[staticmethod]
     #[pyo3(signature = (device, geometry, placement, rank, pages, target_latent, target_indexer = None, draft_latent = None, draft_indexer = None))]
     #[allow(clippy::too_many_arguments)]
@@ -486,10 +488,11 @@ fn wrap_stacked(
     pages: u64,
     keep: &mut PoolKeep,
 ) -> PyResult<Vec<RawBuffer>> {
-    let imported = import(t)?;
     let layers = c.layers() as u64;
+    let what = format!("{} tensor (all {} stored layers)", c.component, c.layers());
+    let imported = import_writable(t, &what, &mut keep.objects)?;
     let want = Want {
-        what: format!("{} tensor (all {} stored layers)", c.component, c.layers()),
+        what,
         devices: dl_devices(d, false),
         row_bytes: c.row_bytes,
         item_sizes: sizes,
@@ -510,7 +513,6 @@ fn wrap_stacked(
             want.what, imported.shape
         )));
     }
-    keep.objects.push(imported.object.clone_ref(t.py()));
     let whole = adopt_on_cpu(d, &imported.object, imported.ptr, imported.nbytes, keep)?;
     Ok((0..layers)
         .map(|l| RawBuffer {

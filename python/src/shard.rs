@@ -266,11 +266,12 @@ impl PyRequestChain {
         Self(RequestChain::new(placement.0))
     }
 
-    /// A chain continuing a cached prefix whose position 0 is owned by `start_owner`.
+    /// A chain continuing a cached prefix (pages `allocator` handed out and still holds) whose
+    /// position 0 is owned by `start_owner`.
     #[staticmethod]
-    fn cached(placement: PyPlacement, start_owner: u32, pages: Vec<u64>) -> PyResult<Self> {
+    fn cached(allocator: &PyShardAllocator, start_owner: u32, pages: Vec<u64>) -> PyResult<Self> {
         Ok(Self(
-            RequestChain::cached(placement.0, start_owner, logical(&pages)).py_err()?,
+            RequestChain::cached(&allocator.0, start_owner, logical(&pages)).py_err()?,
         ))
     }
 
@@ -280,10 +281,10 @@ impl PyRequestChain {
         self.0.start_owner()
     }
 
-    /// Logical pages, in position order.
+    /// Logical pages, in position order (refused once the chain is stale).
     #[getter]
-    fn pages(&self) -> Vec<u64> {
-        raw(self.0.pages())
+    fn pages(&self) -> PyResult<Vec<u64>> {
+        Ok(raw(self.0.pages().py_err()?))
     }
 
     /// Tokens the pages hold.
@@ -338,7 +339,7 @@ impl PyRequestChain {
         format!(
             "RequestChain(start_owner={:?}, {} pages)",
             self.0.start_owner(),
-            self.0.pages().len()
+            self.0.page_count()
         )
     }
 }

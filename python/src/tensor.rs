@@ -4,7 +4,8 @@
 //!   address, size, dtype, shape and device without copying or synchronizing (CUDA producers
 //!   are asked with `stream=-1`, "no synchronization": the pools wrap memory, they do not read
 //!   it now). [`check`] holds it against what the geometry expects and says, in a
-//!   `ValueError`, what that was.
+//!   `ValueError`, what that was. [`import_writable`] is the import of memory kvshard writes
+//!   into: it refuses read-only producers and holds the tensor so NumPy cannot reallocate it.
 //! - Out: [`PyTensorView`] hands kvshard's own memory (host pools, staging, pools kvshard
 //!   allocated) to the engine as a DLPack producer (`torch.from_dlpack(view)`,
 //!   `numpy.from_dlpack(view)`), keeping the memory alive while any consumer holds it. A view
@@ -19,10 +20,11 @@ use dlpark::python::consumer::stream as dl_stream;
 use dlpark::python::{DlpackExporter, DlpackStream, ExportRequest, StreamArg};
 use dlpark::{DlpackFlags, Managed};
 use pyo3::prelude::*;
+use pyo3::types::{PyMemoryView, PyWeakrefReference};
 
 use kvshard::backend::Buffer;
 
-use crate::errors::invalid;
+use crate::errors::{invalid, read_only};
 
 /// Asks CUDA producers for no synchronization (`stream=-1`) and CPU producers for none at all
 /// (NumPy refuses any stream for CPU arrays).
@@ -52,6 +54,9 @@ pub struct Imported {
     pub shape: Vec<i64>,
     /// C-contiguous (compact row-major).
     pub compact: bool,
+    /// The producer marked it read-only (DLPack's `READ_ONLY` flag; only versioned capsules
+    /// carry it, and NumPy refuses to export a read-only array through a legacy one).
+    pub read_only: bool,
     pub object: Py<PyAny>,
 }
 
@@ -77,6 +82,7 @@ pub fn import(object: &Bound<'_, PyAny>) -> PyResult<Imported> {
         Err(first) => dlpark::python::from_dlpack(object.as_borrowed(), Some(&LegacyDefault), None)
             .map_err(|_| first)?,
     };
+    let read_only = imported.flags().contains(DlpackFlags::READ_ONLY);
     let t = imported
         .validate()
         .map_err(|e| invalid(format!("not a valid DLPack tensor: {e}")))?;
@@ -93,9 +99,58 @@ pub fn import(object: &Bound<'_, PyAny>) -> PyResult<Imported> {
         dtype: t.dtype(),
         shape: t.shape().to_vec(),
         compact,
+        read_only,
         object: object.clone().unbind(),
     })
     // The capsule's managed tensor is released here; `object` keeps the memory.
+}
+
+/// Imports `object` as memory kvshard will write into (`what` names it in errors), and pushes
+/// onto `keep` what must live as long as kvshard may write there.
+///
+/// - A read-only producer is refused with `ReadOnlyError`: one whose buffer export is
+///   read-only, or whose DLPack capsule carries `READ_ONLY`. Writing into a read-only mapping
+///   (`np.memmap(mode="r")`) crashes the interpreter; into an array over `bytes`, it changes an
+///   immutable object.
+/// - For producers with the buffer protocol (NumPy), a buffer export (a `memoryview`) is kept:
+///   exporters that track exports (`bytearray`, `mmap`) refuse to resize or close under it.
+/// - A weak reference is kept: NumPy refuses `ndarray.resize` on an array with weak
+///   references, even with `refcheck=False`, which otherwise reallocates the memory under
+///   kvshard (it checks neither buffer exports nor, with `refcheck=False`, references).
+/// - The object itself is kept, so its memory outlives the wrapper.
+pub fn import_writable(
+    object: &Bound<'_, PyAny>,
+    what: &str,
+    keep: &mut Vec<Py<PyAny>>,
+) -> PyResult<Imported> {
+    // Before the DLPack import: NumPy < 2.1 cannot say "read-only" through DLPack at all (it
+    // raises BufferError), while its buffer export always says it.
+    let export = PyMemoryView::from(object).ok();
+    if let Some(view) = &export {
+        if view.getattr("readonly")?.extract::<bool>()? {
+            return Err(refused(what));
+        }
+    }
+    let imported = import(object)?;
+    if imported.read_only {
+        return Err(refused(what));
+    }
+    keep.push(imported.object.clone_ref(object.py()));
+    keep.extend(export.map(|v| v.into_any().unbind()));
+    // Objects without weak reference support (no `__weakref__` slot) are held all the same;
+    // only NumPy's resize guard relies on it.
+    keep.extend(
+        PyWeakrefReference::new(object)
+            .ok()
+            .map(|w| w.into_any().unbind()),
+    );
+    Ok(imported)
+}
+
+fn refused(what: &str) -> PyErr {
+    read_only(format!(
+        "{what}: the tensor is read-only (a NumPy array with writeable=False, a memmap opened with mode 'r', an array over bytes), and kvshard writes into it; pass writable memory"
+    ))
 }
 
 /// A dtype's usual name.

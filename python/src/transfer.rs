@@ -340,7 +340,7 @@ impl PyPendingChunk {
         let p = lock(&self.inner)
             .take()
             .ok_or_else(|| invalid("the chunk was already waited for"))?;
-        Ok(PyChunkStatus(py.detach(|| p.wait()).py_err()?))
+        Ok(PyChunkStatus(py.detach(|| p.wait_sync()).py_err()?))
     }
 
     /// Request id.
@@ -424,16 +424,19 @@ impl Transport for StreamTransport {
 
 /// The sending side of one prefill rank: plans and enqueues every chunk of its requests from
 /// its pool into each request's destination (in-process: the same GPU, a peer-mapped pool, or
-/// the CPU reference), on the stream each `send` names (default: `stream` given here).
+/// the CPU reference), on the stream each `send` names (default: `stream` given here; when
+/// that is None too, the stream None means at the time of the `send`: torch's current stream
+/// when torch is in use).
 /// `method`: `"blocks"` (default; one block-copy launch per section), `"kernel"` (one
 /// range-copy launch) or `"copy_engine"` (one batch copy); `launch`: `(ctas, threads)` of the
 /// kernels.
 #[pyclass(module = "kvshard", name = "Sender")]
 pub struct PySender {
     pub(crate) inner: Mutex<Sender>,
-    /// The stream the next submission enqueues on, and the default.
+    /// The stream the next submission enqueues on, and the default (None: resolved at each
+    /// `send`, since torch's current stream may change between sends).
     current: Arc<Mutex<Arc<dyn Backend>>>,
-    default: Arc<dyn Backend>,
+    default: Option<Arc<dyn Backend>>,
     pool: Py<PyDevicePool>,
     /// The destination of each open request.
     dst: Mutex<BTreeMap<u64, Py<PyRemoteSpace>>>,
@@ -451,6 +454,7 @@ impl PySender {
     ) -> PyResult<Self> {
         let p = pool.get();
         let b = p.device.get().resolve(stream)?;
+        let default = stream.filter(|s| !s.is_none()).map(|_| b.clone());
         let method = copy_method(method, launch, b.as_ref())?;
         let current = Arc::new(Mutex::new(b.clone()));
         let transport = StreamTransport {
@@ -461,7 +465,7 @@ impl PySender {
         Ok(Self {
             inner: Mutex::new(Sender::new(p.inner.clone(), Box::new(transport))),
             current,
-            default: b,
+            default,
             pool,
             dst: Mutex::new(BTreeMap::new()),
         })
@@ -490,10 +494,11 @@ impl PySender {
 
     /// Enqueues the next chunk of `request` on `stream` (default: the sender's; nothing
     /// waits): `pages` is the request's logical page of every position prefilled so far, `end`
-    /// the tokens prefilled so far, `last` whether this is the final chunk (it carries the
+    /// the tokens prefilled so far, `last` (required, keyword-only: a forgotten final chunk
+    /// would leave the decode side waiting) whether this is the final chunk (it carries the
     /// indexer state; a rank owning nothing still sends it). A chunk that cannot be planned or
     /// enqueued raises `ChunkFailedError` (deliver its `status`).
-    #[pyo3(signature = (request, pages, end, *, last = false, stream = None))]
+    #[pyo3(signature = (request, pages, end, *, last, stream = None))]
     fn send(
         &self,
         py: Python<'_>,
@@ -503,9 +508,9 @@ impl PySender {
         last: bool,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyPendingChunk> {
-        let backend = match stream {
-            Some(s) if !s.is_none() => self.pool.get().device.get().resolve(Some(s))?,
-            _ => self.default.clone(),
+        let backend = match (stream.filter(|s| !s.is_none()), &self.default) {
+            (None, Some(default)) => default.clone(),
+            (given, _) => self.pool.get().device.get().resolve(given)?,
         };
         let dst = lock(&self.dst)
             .get(&request)

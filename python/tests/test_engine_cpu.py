@@ -165,12 +165,14 @@ def test_hicache_write_through_evict_and_reload_layer_by_layer(rng, geometry, ro
         assert c.host_pages(7) is not None
     for c in controllers:
         c.evict(node, compute, route)
-    alloc.free(chain.pages)
+    # The chain goes stale once its pages are freed: what the reload mirrors is kept first.
+    evicted = chain.pages
+    alloc.free(evicted)
     for _, tensors in ranks:
         for arrays in tensors.values():
             for a in arrays:
                 a[...] = 0
-    reloaded = alloc.alloc_matching(chain.pages)
+    reloaded = alloc.alloc_matching(evicted)
     consumer = device.new_stream()
     for c in controllers:
         handle = c.load(7, reloaded, route=route)
@@ -180,10 +182,10 @@ def test_hicache_write_through_evict_and_reload_layer_by_layer(rng, geometry, ro
         assert [a.node for a in c.ack_loads(1)] == [7]
     consumer.synchronize()
     for r in range(RANKS):
-        for old, new in zip(chain.pages, reloaded):
+        for old, new in zip(evicted, reloaded):
             if placement.owner(old) == r:
                 assert page_bytes(ranks[r][1], placement.local(new)) == before[r][old]
-    kvshard.RequestChain.cached(placement, chain.start_owner, reloaded)
+    kvshard.RequestChain.cached(alloc, chain.start_owner, reloaded)
 
 
 def test_the_staged_route_refuses_a_packed_page_major_host_pool(rng):

@@ -1,7 +1,8 @@
 """GPU tests with the machine's own PyTorch: torch tensors as the engine's pools, torch streams,
 round trips byte-identical to torch-computed references, layer waits on a torch stream, the
 SGLang-shaped host pool on memory registered with cudaHostRegister (as SGLang registers it),
-and no hidden synchronization. Skipped (saying why) without torch, a GPU, or kernels in the
+no hidden synchronization, `stream=None` as torch's current stream, and `after=` waits on torch
+events and streams. Skipped (saying why) without torch, a GPU, or kernels in the
 build; KVSHARD_REQUIRE_GPU=1 turns the skip into a failure."""
 
 import os
@@ -211,7 +212,7 @@ def test_enqueueing_never_synchronizes_the_callers_stream(device, gen):
     tr.prepare_kernel()
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
-    ks = device.stream(s)  # the one-time wrap (waits once), before the stream is busy
+    ks = device.stream(s)  # the one-time wrap, before the stream is busy
     with torch.cuda.stream(s):
         torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued ahead
     t0 = time.perf_counter()
@@ -223,6 +224,58 @@ def test_enqueueing_never_synchronizes_the_callers_stream(device, gen):
     assert not e.query(), "the copies ran before the sleep ahead of them on the stream"
     e.synchronize()
     assert e.query()
+
+
+def test_stream_none_is_torchs_current_stream(device):
+    """With torch in use, a call given no stream enqueues on torch's current stream: a fill
+    issued inside `torch.cuda.stream(s)` lands after the sleep and the torch write queued on s
+    before it (on the legacy default stream it would run at once, under torch's write)."""
+    g, pages = geometry(), 8
+    t = torch_tensors(g, pages)
+    pool = wrap(device, g, kvshard.Placement(1), 0, pages, t)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    device.stream(s)  # the one-time wrap, before the stream is busy
+    x = t[C.TARGET_LATENT][0]
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(500_000_000)
+        x.fill_(1)
+        pool.fill(5)
+    s.synchronize()
+    assert bool((x == 5).all())
+
+
+@pytest.mark.parametrize("after", ["torch_event", "torch_stream", "torch_current_stream"])
+def test_after_waits_for_torch_events_and_streams(device, after):
+    """A backup after a torch event, a torch stream, or None (torch's current stream) copies
+    what the work queued before it wrote, not what was there (the work is behind a sleep)."""
+    g, pages = geometry(), 16
+    t = torch_tensors(g, pages)
+    pool = wrap(device, g, kvshard.Placement(1), 0, pages, t)
+    host = kvshard.HostPool(device, g, pages, "page_first")
+    ctl = kvshard.HiCacheController(pool, host)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    for i in range(2):
+        node = kvshard.CacheNode(i + 1, [2 + 2 * i, 3 + 2 * i])
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(500_000_000)
+            for arrays in t.values():
+                for x in arrays:
+                    x.fill_(7 + i)  # the forward pass writing the node's pages
+            e = torch.cuda.Event()
+            e.record(s)
+            if after == "torch_current_stream":
+                ctl.backup(node, None)
+        if after != "torch_current_stream":
+            ctl.backup(node, e if after == "torch_event" else s)
+        (ack,) = ctl.ack_backups(1)
+        kv = torch.from_dlpack(host.buffer_view(0))  # [pages * 64, L, 1, row]: the target latent
+        for hp in ack.host_pages:
+            assert bool((kv[hp * PAGE : (hp + 1) * PAGE] == 7 + i).all()), (after, i, hp)
+    # An event never recorded is nothing to wait for.
+    assert ctl.backup(kvshard.CacheNode(9, [8]), torch.cuda.Event()) == 2
+    ctl.ack_backups(1)
 
 
 def test_sglang_host_pool_on_memory_registered_with_cuda_host_register(device, gen):

@@ -8,15 +8,29 @@
 //! read as an unrelated allocation. [`CpuBackend::new_stream`] makes another stream of the same
 //! arena, like a second CUDA stream of one device.
 //!
-//! Work runs in one of two modes:
-//! - **immediate** ([`CpuBackend::new`]): an operation runs when it is enqueued, so every event
-//!   is complete as soon as it is recorded;
-//! - **deferred** ([`CpuBackend::deferred`]): operations queue up per stream and run only when
-//!   something waits for them (a `_sync` call or `synchronize` of their stream, another
-//!   stream's wait on an event or a counter). A counter wait runs the other streams one
-//!   block-copy unit at a time, lowest stream first, until the counter arrives: deterministic,
-//!   and fine-grained enough that per-layer readiness is observable without a GPU (a consumer
-//!   that waited for layer 0 sees layer 0 landed and the last layer not yet).
+//! Work runs in one of three orders ([`StreamOrder`]):
+//! - **immediate**: an operation runs when it is enqueued, so every event is complete as soon
+//!   as it is recorded;
+//! - **deferred**: operations queue up per stream and run only when something waits for them
+//!   (a `_sync` call or `synchronize` of their stream, another stream's wait on an event or a
+//!   counter). A counter wait runs the other streams one block-copy unit at a time, lowest
+//!   stream first, until the counter arrives: deterministic, and fine-grained enough that
+//!   per-layer readiness is observable without a GPU (a consumer that waited for layer 0 sees
+//!   layer 0 landed and the last layer not yet);
+//! - **adversarial**: deferred, and whenever the host waits for a stream, a seeded coin decides
+//!   whether every other stream's queued work runs first or stays queued. Only recorded
+//!   events and counters order streams, so work that should have waited for another stream
+//!   and did not reads the old bytes (the other stream runs later) or has its bytes
+//!   overwritten (the other stream runs first): an ordering bug fails on the CPU, in CI, as
+//!   it would on a GPU only sometimes. Asking whether an event is done runs its stream up to
+//!   it, as a GPU makes progress on its own.
+//!
+//! [`CpuBackend::new`] takes its order from `KVSHARD_CPU_STREAMS` (`immediate`, `deferred`,
+//! `adversarial` or `adversarial:SEED`; immediate when unset). The repository's cargo
+//! configuration sets it to `adversarial` for every test run.
+//!
+//! Freeing memory never runs queued work: an allocation whose queued work has not run stays in
+//! the arena until it has (`super::usage`).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,8 +40,8 @@ use half::bf16;
 
 use super::status::{raise, StatusTracker};
 use super::{
-    check, AddressSpace, Backend, Buffer, Copy2d, Event, EventInner, KernelFamily, Launch,
-    MemoryKind,
+    check, count_host_sync, ordered, sweep, AddressSpace, Backend, Buffer, Copy2d, Event,
+    EventInner, KernelFamily, Launch, MemoryKind, StreamId,
 };
 use crate::abi;
 use crate::error::{Error, Result};
@@ -251,17 +265,55 @@ enum Op {
 #[derive(Default)]
 struct StreamState {
     queue: VecDeque<Op>,
-    /// Operations enqueued, and run, so far.
+    /// Operations enqueued, and run, so far; `progress` mirrors `executed` for events, which
+    /// read it without the arena's lock.
     enqueued: u64,
     executed: u64,
+    progress: Arc<AtomicU64>,
     /// The first error a deferred operation met; reported by the next synchronize.
     error: Option<Error>,
+}
+
+/// When queued work runs (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamOrder {
+    /// Every operation runs when it is enqueued.
+    Immediate,
+    /// Operations run when something waits for them.
+    Deferred,
+    /// Deferred, and each host wait runs the other streams first or last, by a coin seeded
+    /// with this value.
+    Adversarial(u64),
+}
+
+impl StreamOrder {
+    /// The order `KVSHARD_CPU_STREAMS` names: `immediate` (also when unset), `deferred`,
+    /// `adversarial` (seed 0) or `adversarial:SEED`.
+    pub fn from_env() -> Result<Self> {
+        let value = std::env::var("KVSHARD_CPU_STREAMS").unwrap_or_default();
+        match value.as_str() {
+            "" | "immediate" => Ok(Self::Immediate),
+            "deferred" => Ok(Self::Deferred),
+            "adversarial" => Ok(Self::Adversarial(0)),
+            other => other
+                .strip_prefix("adversarial:")
+                .and_then(|seed| seed.parse().ok())
+                .map(Self::Adversarial)
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "KVSHARD_CPU_STREAMS={other}: expected immediate, deferred, adversarial or adversarial:SEED"
+                    ))
+                }),
+        }
+    }
 }
 
 struct Device {
     arena: Arena,
     streams: Vec<StreamState>,
-    deferred: bool,
+    order: StreamOrder,
+    /// The adversarial coin's state (splitmix64).
+    coin: u64,
 }
 
 fn counter_reached(counter: u32, value: u32) -> bool {
@@ -288,7 +340,11 @@ impl Device {
         };
         match rest {
             Some(op) => self.streams[s].queue.push_front(op),
-            None => self.streams[s].executed += 1,
+            None => {
+                let st = &mut self.streams[s];
+                st.executed += 1;
+                st.progress.store(st.executed, Ordering::Release);
+            }
         }
         if let Err(e) = result {
             self.streams[s].error.get_or_insert(e);
@@ -304,6 +360,26 @@ impl Device {
             }
         }
         Ok(())
+    }
+
+    /// Before the host waits for stream `s`: in adversarial order, a coin decides whether every
+    /// other stream's queued work runs now (before `s`) or stays queued (after it).
+    fn before_host_wait(&mut self, s: usize) {
+        if !matches!(self.order, StreamOrder::Adversarial(_)) {
+            return;
+        }
+        // splitmix64: a well-mixed, reproducible sequence from the seed.
+        self.coin = self.coin.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.coin;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        if (z ^ (z >> 31)) & 1 == 0 {
+            return;
+        }
+        for other in (0..self.streams.len()).filter(|&o| o != s) {
+            let target = self.streams[other].enqueued;
+            let _ = self.run_until(other, target);
+        }
     }
 
     /// Runs the other streams, one step at a time (lowest stream first), until the counter at
@@ -341,13 +417,10 @@ struct CpuAllocation {
 impl Drop for CpuAllocation {
     fn drop(&mut self) {
         if let Some(device) = self.device.upgrade() {
+            // Runs nothing: the allocation's usage (`super::usage`) drops this only once the
+            // work kvshard queued on it has run. Work queued on it without its usage being told
+            // meets a missing allocation and fails, where a GPU would read freed memory.
             let mut d = lock(&device);
-            // As freeing CUDA memory waits for the device (gpu/memory.rs), freeing here first
-            // runs every queued operation: no deferred work ever meets a freed allocation.
-            for s in 0..d.streams.len() {
-                let target = d.streams[s].enqueued;
-                let _ = d.run_until(s, target);
-            }
             if d.arena.allocs.remove(&self.base).is_some() {
                 d.arena.used -= self.len;
             }
@@ -385,18 +458,24 @@ impl Default for CpuBackend {
 }
 
 impl CpuBackend {
-    /// A backend with a fresh arena, in immediate mode.
+    /// A backend with a fresh arena, in the order `KVSHARD_CPU_STREAMS` names (immediate when
+    /// unset; an unreadable value is reported on stderr and runs immediate).
     pub fn new() -> Self {
-        Self::with_mode(false)
+        let order = StreamOrder::from_env().unwrap_or_else(|e| {
+            eprintln!("kvshard: {e}; running the CPU backend in immediate order");
+            StreamOrder::Immediate
+        });
+        Self::with_order(order)
     }
 
-    /// A backend with a fresh arena, in deferred mode (see the module docs): work runs only when
-    /// something waits for it, so ordering between streams is observable.
+    /// A backend with a fresh arena, in deferred order (see the module docs): work runs only
+    /// when something waits for it, so ordering between streams is observable.
     pub fn deferred() -> Self {
-        Self::with_mode(true)
+        Self::with_order(StreamOrder::Deferred)
     }
 
-    fn with_mode(deferred: bool) -> Self {
+    /// A backend with a fresh arena in `order`.
+    pub fn with_order(order: StreamOrder) -> Self {
         let id = NEXT_ARENA.fetch_add(1, Ordering::Relaxed);
         let device = Arc::new(Mutex::new(Device {
             arena: Arena {
@@ -407,7 +486,11 @@ impl CpuBackend {
                 limit: machine_memory().unwrap_or(u64::MAX),
             },
             streams: Vec::new(),
-            deferred,
+            order,
+            coin: match order {
+                StreamOrder::Adversarial(seed) => seed,
+                _ => 0,
+            },
         }));
         Self::stream_of(device, id)
     }
@@ -484,9 +567,14 @@ impl CpuBackend {
         Ok(d.arena.bytes_mut(buffer.addr(), buffer.len())?.as_mut_ptr())
     }
 
-    /// Whether this backend's arena runs work deferred.
+    /// Whether this backend's arena defers work (deferred or adversarial order).
     pub fn is_deferred(&self) -> bool {
-        lock(&self.device).deferred
+        self.order() != StreamOrder::Immediate
+    }
+
+    /// The order this backend's arena runs work in.
+    pub fn order(&self) -> StreamOrder {
+        lock(&self.device).order
     }
 
     /// The process address of arena bytes `[addr, addr + len)`, which must lie inside one live
@@ -518,7 +606,7 @@ impl CpuBackend {
         let s = &mut d.streams[self.stream];
         s.queue.push_back(op);
         s.enqueued += 1;
-        if d.deferred {
+        if d.order != StreamOrder::Immediate {
             return Ok(());
         }
         let target = d.streams[self.stream].enqueued;
@@ -533,15 +621,28 @@ impl CpuBackend {
         self.enqueue(Op::Run(Box::new(f)))
     }
 
-    /// Runs everything queued on this stream; returns the first error a deferred operation met.
+    /// Runs everything queued on this stream (the host waits for it); returns the first error a
+    /// deferred operation met.
     fn drain(&self) -> Result<MutexGuard<'_, Device>> {
+        count_host_sync();
         let mut d = self.dev();
+        d.before_host_wait(self.stream);
         let target = d.streams[self.stream].enqueued;
         d.run_until(self.stream, target)?;
         match d.streams[self.stream].error.take() {
             Some(e) => Err(e),
             None => Ok(d),
         }
+    }
+}
+
+impl Drop for CpuBackend {
+    /// A stream handle that goes leaves its queued work to run, as a destroyed CUDA stream's
+    /// work still completes: here it runs now, so no event of it stays pending for ever.
+    fn drop(&mut self) {
+        let mut d = self.dev();
+        let target = d.streams[self.stream].enqueued;
+        let _ = d.run_until(self.stream, target);
     }
 }
 
@@ -926,42 +1027,58 @@ impl Backend for CpuBackend {
         super::compiled_max_threads(family)
     }
 
+    fn stream_id(&self) -> StreamId {
+        StreamId::Cpu {
+            arena: self.arena,
+            stream: self.stream as u64,
+        }
+    }
+
     fn alloc(&self, len: usize, kind: MemoryKind) -> Result<Buffer> {
+        sweep();
         alloc_in(&self.device, len, kind, self.arena)
     }
 
     fn write_sync(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
         self.check(dst, "write destination")?;
         let at = dst.slice(offset, data.len())?.addr();
-        self.drain()?
-            .arena
-            .bytes_mut(at, data.len())?
-            .copy_from_slice(data);
-        Ok(())
+        ordered(self, &[], &[dst.usage()], || {
+            self.drain()?
+                .arena
+                .bytes_mut(at, data.len())?
+                .copy_from_slice(data);
+            Ok(())
+        })
     }
 
     fn enqueue_write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
         self.check(dst, "write destination")?;
         let at = dst.slice(offset, data.len())?.addr();
         let data = data.to_vec();
-        self.run(move |mem| {
-            mem.bytes_mut(at, data.len())?.copy_from_slice(&data);
-            Ok(())
+        ordered(self, &[], &[dst.usage()], || {
+            self.run(move |mem| {
+                mem.bytes_mut(at, data.len())?.copy_from_slice(&data);
+                Ok(())
+            })
         })
     }
 
     fn read_sync(&self, src: &Buffer, offset: usize, len: usize) -> Result<Vec<u8>> {
         self.check(src, "read source")?;
         let at = src.slice(offset, len)?.addr();
-        Ok(self.drain()?.arena.bytes(at, len)?.to_vec())
+        ordered(self, &[src.usage()], &[], || {
+            Ok(self.drain()?.arena.bytes(at, len)?.to_vec())
+        })
     }
 
     fn fill(&self, dst: &Buffer, byte: u8) -> Result<()> {
         self.check(dst, "fill destination")?;
         let (at, len) = (dst.addr(), dst.len());
-        self.run(move |mem| {
-            mem.bytes_mut(at, len)?.fill(byte);
-            Ok(())
+        ordered(self, &[], &[dst.usage()], || {
+            self.run(move |mem| {
+                mem.bytes_mut(at, len)?.fill(byte);
+                Ok(())
+            })
         })
     }
 
@@ -976,15 +1093,18 @@ impl Backend for CpuBackend {
                 None => 0,
             }
         };
+        sweep();
         lock(&self.status).check(word)
     }
 
     fn record(&self) -> Result<Event> {
-        let seq = self.dev().streams[self.stream].enqueued;
+        let d = self.dev();
+        let s = &d.streams[self.stream];
         Ok(Event(EventInner::Cpu {
             arena: self.arena,
             stream: self.stream as u64,
-            seq,
+            seq: s.enqueued,
+            progress: s.progress.clone(),
             at: None,
         }))
     }
@@ -998,11 +1118,13 @@ impl Backend for CpuBackend {
             let _ = stamp.set(std::time::Instant::now());
             Ok(())
         })?;
-        let seq = self.dev().streams[self.stream].enqueued;
+        let d = self.dev();
+        let s = &d.streams[self.stream];
         Ok(Event(EventInner::Cpu {
             arena: self.arena,
             stream: self.stream as u64,
-            seq,
+            seq: s.enqueued,
+            progress: s.progress.clone(),
             at: Some(at),
         }))
     }
@@ -1041,7 +1163,14 @@ impl Backend for CpuBackend {
         match event.0 {
             EventInner::Cpu {
                 arena, stream, seq, ..
-            } if arena == self.arena => Ok(self.dev().streams[stream as usize].executed >= seq),
+            } if arena == self.arena => {
+                let mut d = self.dev();
+                if matches!(d.order, StreamOrder::Adversarial(_)) {
+                    // A GPU gets on with queued work while the host asks; here asking does it.
+                    d.run_until(stream as usize, seq)?;
+                }
+                Ok(d.streams[stream as usize].executed >= seq)
+            }
             _ => Err(Error::ForeignMemory {
                 what: "an event".into(),
                 owner: "another backend".into(),
@@ -1055,8 +1184,10 @@ impl Backend for CpuBackend {
             EventInner::Cpu {
                 arena, stream, seq, ..
             } if arena == self.arena => {
+                count_host_sync();
                 let mut d = self.dev();
                 let stream = stream as usize;
+                d.before_host_wait(stream);
                 d.run_until(stream, seq)?;
                 match d.streams[stream].error.take() {
                     Some(e) => Err(e),

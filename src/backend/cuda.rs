@@ -8,8 +8,8 @@ use cudarc::driver::{result, sys};
 
 use super::status::StatusTracker;
 use super::{
-    check, AddressSpace, Backend, Buffer, Copy2d, Event, EventInner, KernelFamily, Launch,
-    MemoryKind,
+    check, count_host_sync, ordered, sweep, AddressSpace, Backend, Buffer, Copy2d, Event,
+    EventInner, KernelFamily, Launch, MemoryKind, StreamId, Usage,
 };
 use crate::abi;
 use crate::error::{Error, Result};
@@ -27,15 +27,25 @@ const BATCH_LIMIT: usize = 32 * 1024;
 pub struct CudaBackend {
     gpu: Arc<Gpu>,
     stream: Stream,
-    status_word: DeviceAllocation,
+    status_word: Arc<DeviceAllocation>,
     status: Mutex<StatusTracker>,
     /// `kvs_copy_blocks`' work-queue counter (`kvs_work_queue`) and its value after everything
     /// enqueued so far: launches on this one stream each add units + warps to it.
-    work_counter: DeviceAllocation,
+    work_counter: Arc<DeviceAllocation>,
     work_base: Mutex<u64>,
+    /// Keeps the status word and the work counter, which every launch may write, until the
+    /// stream has passed the last work enqueued before the backend was dropped.
+    own: Usage,
     /// Device memory host fills copy from (the driver refuses memsets of registered host
     /// memory through its device alias); reused, and rewritten in stream order, by every fill.
-    pattern: Mutex<Option<DeviceAllocation>>,
+    pattern: Mutex<Option<Buffer>>,
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // Marks where the stream is now on `own`, so the memory launches write outlives them.
+        let _ = ordered(self, &[], &[&self.own], || Ok(()));
+    }
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -58,16 +68,19 @@ impl CudaBackend {
     }
 
     /// A backend enqueuing on `stream` (which may be the engine's, see [`Gpu::borrow_stream`]).
+    ///
+    /// Creating one clears its two status words on the stream, without waiting: later work on
+    /// the stream follows the clears.
     pub fn with_stream(gpu: Arc<Gpu>, stream: Stream) -> Result<Self> {
-        let status_word = DeviceAllocation::new(gpu.context(), 8)?;
-        let work_counter = DeviceAllocation::new(gpu.context(), 8)?;
+        let status_word = Arc::new(DeviceAllocation::new(gpu.context(), 8)?);
+        let work_counter = Arc::new(DeviceAllocation::new(gpu.context(), 8)?);
         for word in [&status_word, &work_counter] {
             // SAFETY: an 8-byte allocation just made on this device; the stream is live.
             unsafe { result::memset_d8_async(word.ptr(), 0, 8, stream.raw()) }
                 .map_err(Error::driver("cuMemsetD8Async"))?;
         }
-        stream.synchronize()?;
         let status = Mutex::new(StatusTracker::new(status_word.ptr()));
+        let own = Usage::new(Some(Box::new((status_word.clone(), work_counter.clone()))));
         Ok(Self {
             gpu,
             stream,
@@ -75,6 +88,7 @@ impl CudaBackend {
             status,
             work_counter,
             work_base: Mutex::new(0),
+            own,
             pattern: Mutex::new(None),
         })
     }
@@ -106,78 +120,9 @@ impl CudaBackend {
         units.div_ceil(per_cta).clamp(1, cap) as u32
     }
 
-    /// # Safety
-    /// As [`Gpu::launch`].
-    unsafe fn launch<P>(
-        &self,
-        kernel: KernelFn<P>,
-        grid: u32,
-        block: u32,
-        params: &P,
-    ) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.gpu.launch(kernel, grid, block, &self.stream, params) }
-    }
-}
-
-impl Backend for CudaBackend {
-    fn name(&self) -> &'static str {
-        "cuda"
-    }
-
-    fn address_space(&self) -> AddressSpace {
-        AddressSpace::Cuda(self.gpu.info().ordinal)
-    }
-
-    fn max_threads(&self, family: KernelFamily) -> u32 {
-        let kernel = match family {
-            KernelFamily::Copy => crate::gpu::Kernel::CopyBlocks,
-            KernelFamily::WriteRows => crate::gpu::Kernel::WriteRows,
-        };
-        self.gpu
-            .max_threads(kernel)
-            .min(super::compiled_max_threads(family))
-    }
-
-    fn alloc(&self, len: usize, kind: MemoryKind) -> Result<Buffer> {
-        let oom = |e: Error| match e {
-            Error::Driver { source, .. }
-                if source.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY =>
-            {
-                Error::OutOfMemory {
-                    what: "a CUDA allocation".into(),
-                    bytes: len as u64,
-                    memory: match kind {
-                        MemoryKind::Device => "device",
-                        MemoryKind::PinnedHost => "pinned host",
-                    },
-                }
-            }
-            other => other,
-        };
-        let space = self.address_space();
-        Ok(match kind {
-            MemoryKind::Device => {
-                let a = DeviceAllocation::new(self.gpu.context(), len).map_err(oom)?;
-                Buffer::owned(a.ptr(), len, kind, space, Arc::new(a))
-            }
-            MemoryKind::PinnedHost => {
-                let a = PinnedAllocation::new(self.gpu.context(), len).map_err(oom)?;
-                Buffer::owned(a.device_ptr(), len, kind, space, Arc::new(a))
-            }
-        })
-    }
-
-    fn write_sync(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
-        self.enqueue_write(dst, offset, data)?;
-        self.stream.synchronize()
-    }
-
-    fn enqueue_write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
-        self.check(dst, "write destination")?;
-        if data.is_empty() {
-            return Ok(());
-        }
+    /// Enqueues the copy of `data` into `dst` at `offset` (checked by the caller), staged so
+    /// the caller may reuse `data` at once.
+    fn enqueue_bytes(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
         let at = dst.slice(offset, data.len())?.addr();
         self.gpu.bind()?;
         // From pageable memory the driver stages the bytes before cuMemcpyAsync returns; from
@@ -210,6 +155,88 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    /// # Safety
+    /// As [`Gpu::launch`].
+    unsafe fn launch<P>(
+        &self,
+        kernel: KernelFn<P>,
+        grid: u32,
+        block: u32,
+        params: &P,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.gpu.launch(kernel, grid, block, &self.stream, params) }
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn stream_id(&self) -> StreamId {
+        StreamId::Cuda(self.stream.raw() as u64)
+    }
+
+    fn address_space(&self) -> AddressSpace {
+        AddressSpace::Cuda(self.gpu.info().ordinal)
+    }
+
+    fn max_threads(&self, family: KernelFamily) -> u32 {
+        let kernel = match family {
+            KernelFamily::Copy => crate::gpu::Kernel::CopyBlocks,
+            KernelFamily::WriteRows => crate::gpu::Kernel::WriteRows,
+        };
+        self.gpu
+            .max_threads(kernel)
+            .min(super::compiled_max_threads(family))
+    }
+
+    fn alloc(&self, len: usize, kind: MemoryKind) -> Result<Buffer> {
+        let oom = |e: Error| match e {
+            Error::Driver { source, .. }
+                if source.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY =>
+            {
+                Error::OutOfMemory {
+                    what: "a CUDA allocation".into(),
+                    bytes: len as u64,
+                    memory: match kind {
+                        MemoryKind::Device => "device",
+                        MemoryKind::PinnedHost => "pinned host",
+                    },
+                }
+            }
+            other => other,
+        };
+        sweep();
+        let space = self.address_space();
+        Ok(match kind {
+            MemoryKind::Device => {
+                let a = DeviceAllocation::new(self.gpu.context(), len).map_err(oom)?;
+                Buffer::owned(a.ptr(), len, kind, space, Arc::new(a))
+            }
+            MemoryKind::PinnedHost => {
+                let a = PinnedAllocation::new(self.gpu.context(), len).map_err(oom)?;
+                Buffer::owned(a.device_ptr(), len, kind, space, Arc::new(a))
+            }
+        })
+    }
+
+    fn write_sync(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
+        self.enqueue_write(dst, offset, data)?;
+        self.stream.synchronize()
+    }
+
+    fn enqueue_write(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
+        self.check(dst, "write destination")?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        ordered(self, &[], &[dst.usage()], || {
+            self.enqueue_bytes(dst, offset, data)
+        })
+    }
+
     fn read_sync(&self, src: &Buffer, offset: usize, len: usize) -> Result<Vec<u8>> {
         self.check(src, "read source")?;
         let at = src.slice(offset, len)?.addr();
@@ -218,14 +245,17 @@ impl Backend for CudaBackend {
             return Ok(out);
         }
         self.gpu.bind()?;
-        for (dst, src, len) in cut_at_registrations(out.as_mut_ptr() as u64, at, len as u64) {
-            // SAFETY: `out` holds len bytes and outlives the copy (we synchronize before
-            // returning); the source is device memory or pinned host memory of this device,
-            // resolved by unified addressing.
-            unsafe { sys::cuMemcpyAsync(dst, src, len as usize, self.stream.raw()) }
-                .result()
-                .map_err(Error::driver("cuMemcpyAsync"))?;
-        }
+        ordered(self, &[src.usage()], &[], || {
+            for (dst, src, len) in cut_at_registrations(out.as_mut_ptr() as u64, at, len as u64) {
+                // SAFETY: `out` holds len bytes and outlives the copy (we synchronize before
+                // returning); the source is device memory or pinned host memory of this
+                // device, resolved by unified addressing.
+                unsafe { sys::cuMemcpyAsync(dst, src, len as usize, self.stream.raw()) }
+                    .result()
+                    .map_err(Error::driver("cuMemcpyAsync"))?;
+            }
+            Ok(())
+        })?;
         self.stream.synchronize()?;
         Ok(out)
     }
@@ -234,39 +264,41 @@ impl Backend for CudaBackend {
         self.check(dst, "fill destination")?;
         self.gpu.bind()?;
         if dst.kind() == MemoryKind::Device {
-            // SAFETY: the range is the whole live buffer.
-            return unsafe {
-                result::memset_d8_async(dst.addr(), byte, dst.len(), self.stream.raw())
-            }
-            .map_err(Error::driver("cuMemsetD8Async"));
+            return ordered(self, &[], &[dst.usage()], || {
+                // SAFETY: the range is the whole live buffer.
+                unsafe { result::memset_d8_async(dst.addr(), byte, dst.len(), self.stream.raw()) }
+                    .map_err(Error::driver("cuMemsetD8Async"))
+            });
         }
         // Host buffers are filled by copying from a device pattern, all in stream order: a
         // later fill rewrites the pattern only after this one's copies have read it.
         let mut pattern = lock(&self.pattern);
         let want = FILL_CHUNK.min(dst.len()).max(1);
         if pattern.as_ref().is_none_or(|p| p.len() < want) {
-            *pattern = Some(DeviceAllocation::new(self.gpu.context(), FILL_CHUNK)?);
+            *pattern = Some(self.alloc(FILL_CHUNK, MemoryKind::Device)?);
         }
         let Some(p) = pattern.as_ref() else {
             return Ok(());
         };
-        // SAFETY: our own pattern allocation of at least `want` bytes.
-        unsafe { result::memset_d8_async(p.ptr(), byte, want, self.stream.raw()) }
-            .map_err(Error::driver("cuMemsetD8Async"))?;
-        let mut done = 0;
-        while done < dst.len() {
-            let len = want.min(dst.len() - done);
-            // SAFETY: both ranges are inside live buffers; the pattern lives as long as this
-            // backend, whose stream the copy runs on.
-            unsafe { self.memcpy(dst.addr() + done as u64, p.ptr(), len)? };
-            done += len;
-        }
-        Ok(())
+        ordered(self, &[], &[p.usage(), dst.usage()], || {
+            // SAFETY: our own pattern allocation of at least `want` bytes.
+            unsafe { result::memset_d8_async(p.addr(), byte, want, self.stream.raw()) }
+                .map_err(Error::driver("cuMemsetD8Async"))?;
+            let mut done = 0;
+            while done < dst.len() {
+                let len = want.min(dst.len() - done);
+                // SAFETY: both ranges are inside live buffers, kept until the stream has passed
+                // the copy (the usages record it).
+                unsafe { self.memcpy(dst.addr() + done as u64, p.addr(), len)? };
+                done += len;
+            }
+            Ok(())
+        })
     }
-
     fn synchronize(&self) -> Result<()> {
         self.gpu.bind()?;
         self.stream.synchronize()?;
+        sweep();
         let mut tracker = lock(&self.status);
         if !tracker.has_pending() {
             return Ok(());
@@ -283,18 +315,24 @@ impl Backend for CudaBackend {
     fn record(&self) -> Result<Event> {
         let e = self.gpu.new_event(false)?;
         self.stream.record(&e)?;
-        Ok(Event(EventInner::Cuda(Arc::new(e))))
+        Ok(Event(EventInner::Cuda {
+            event: Arc::new(e),
+            stream: self.stream.raw() as u64,
+        }))
     }
 
     fn record_timed(&self) -> Result<Event> {
         let e = self.gpu.new_event(true)?;
         self.stream.record(&e)?;
-        Ok(Event(EventInner::Cuda(Arc::new(e))))
+        Ok(Event(EventInner::Cuda {
+            event: Arc::new(e),
+            stream: self.stream.raw() as u64,
+        }))
     }
 
     fn elapsed_ms(&self, start: &Event, end: &Event) -> Result<f64> {
         match (&start.0, &end.0) {
-            (EventInner::Cuda(a), EventInner::Cuda(b)) => a
+            (EventInner::Cuda { event: a, .. }, EventInner::Cuda { event: b, .. }) => a
                 .elapsed_ms(b)
                 .map(f64::from)
                 .map_err(Error::driver("cuEventElapsedTime")),
@@ -306,7 +344,7 @@ impl Backend for CudaBackend {
 
     fn wait(&self, event: &Event) -> Result<()> {
         match &event.0 {
-            EventInner::Cuda(e) => self.stream.wait(e),
+            EventInner::Cuda { event, .. } => self.stream.wait(event),
             EventInner::Cpu { .. } => Err(Error::ForeignMemory {
                 what: "an event".into(),
                 owner: "a CPU backend".into(),
@@ -317,7 +355,9 @@ impl Backend for CudaBackend {
 
     fn is_done(&self, event: &Event) -> Result<bool> {
         match &event.0 {
-            EventInner::Cuda(e) => e.try_is_complete().map_err(Error::driver("cuEventQuery")),
+            EventInner::Cuda { event, .. } => event
+                .try_is_complete()
+                .map_err(Error::driver("cuEventQuery")),
             EventInner::Cpu { .. } => Err(Error::ForeignMemory {
                 what: "an event".into(),
                 owner: "a CPU backend".into(),
@@ -328,7 +368,12 @@ impl Backend for CudaBackend {
 
     fn wait_event_sync(&self, event: &Event) -> Result<()> {
         match &event.0 {
-            EventInner::Cuda(e) => e.synchronize().map_err(Error::driver("cuEventSynchronize")),
+            EventInner::Cuda { event, .. } => {
+                count_host_sync();
+                event
+                    .synchronize()
+                    .map_err(Error::driver("cuEventSynchronize"))
+            }
             EventInner::Cpu { .. } => Err(Error::ForeignMemory {
                 what: "an event".into(),
                 owner: "a CPU backend".into(),

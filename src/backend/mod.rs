@@ -15,12 +15,24 @@
 //! and size first and build the parameters from memory they hold.
 //!
 //! Nothing a backend does synchronizes its stream unless the method's name ends in `_sync` or
-//! is [`Backend::synchronize`].
+//! is [`Backend::synchronize`], and nothing synchronizes the whole device ([`sync_counts`]
+//! counts both kinds of wait). Memory is freed only after the work kvshard queued on it has
+//! completed, and work kvshard queues on one stream waits for the conflicting work it queued on
+//! others ([`Usage`]).
 
 mod check;
 pub mod cpu;
 pub mod cuda;
 mod status;
+mod sync_count;
+mod upload;
+mod usage;
+
+pub(crate) use sync_count::{count_device_sync, count_host_sync};
+pub use sync_count::{sync_counts, SyncCounts};
+pub(crate) use upload::upload_i64s_sync as upload_reused_sync;
+pub(crate) use usage::{kept, ordered, sweep};
+pub use usage::{pending_frees, StreamId, Usage};
 
 use std::fmt;
 use std::sync::Arc;
@@ -65,14 +77,15 @@ impl fmt::Display for AddressSpace {
 }
 
 /// A range of backend memory: an address kernels use, a length, the address space it belongs
-/// to, and (for memory kvshard allocated) a share of the allocation that keeps it alive.
+/// to, and its [`Usage`]: the work queued on it and (for memory kvshard allocated) a share of
+/// the allocation, which is freed only once the last share is gone and that work has completed.
 #[derive(Clone)]
 pub struct Buffer {
     addr: u64,
     len: usize,
     kind: MemoryKind,
     space: AddressSpace,
-    owner: Option<Arc<dyn Send + Sync>>,
+    usage: Usage,
 }
 
 impl fmt::Debug for Buffer {
@@ -82,7 +95,7 @@ impl fmt::Debug for Buffer {
             .field("len", &self.len)
             .field("kind", &self.kind)
             .field("space", &self.space)
-            .field("owned", &self.owner.is_some())
+            .field("usage", &self.usage)
             .finish()
     }
 }
@@ -100,8 +113,22 @@ impl Buffer {
             len,
             kind,
             space,
-            owner: Some(owner),
+            usage: Usage::new(Some(Box::new(owner))),
         }
+    }
+
+    /// This buffer's range, tracked by `usage` instead of its own record: a space shares one
+    /// record among all of its buffers, and `usage` keeps this buffer's memory alive.
+    pub(crate) fn tracked_by(&self, usage: &Usage) -> Buffer {
+        Buffer {
+            usage: usage.clone(),
+            ..self.clone()
+        }
+    }
+
+    /// The record of the work queued on this buffer's memory.
+    pub fn usage(&self) -> &Usage {
+        &self.usage
     }
 
     /// Wraps memory kvshard does not own (an engine's device buffers, say) in `space` (a
@@ -116,7 +143,7 @@ impl Buffer {
             len,
             kind,
             space,
-            owner: None,
+            usage: Usage::new(None),
         }
     }
 
@@ -153,7 +180,7 @@ impl Buffer {
                 len,
                 kind: self.kind,
                 space: self.space,
-                owner: self.owner.clone(),
+                usage: self.usage.clone(),
             }),
             _ => Err(Error::InvalidArgument(format!(
                 "slice [{offset}, {offset}+{len}) of a {}-byte buffer",
@@ -194,8 +221,48 @@ impl PartialEq for Event {
                     ..
                 },
             ) => (arena, stream, seq) == (a, s, q),
-            (EventInner::Cuda(a), EventInner::Cuda(b)) => Arc::ptr_eq(a, b),
+            (EventInner::Cuda { event: a, .. }, EventInner::Cuda { event: b, .. }) => {
+                Arc::ptr_eq(a, b)
+            }
             _ => false,
+        }
+    }
+}
+
+impl Event {
+    /// An event that never completes: what stands for work whose own event could not be
+    /// recorded, so the memory it uses is never freed under it.
+    pub(crate) fn never() -> Event {
+        Event(EventInner::Cpu {
+            arena: u64::MAX,
+            stream: u64::MAX,
+            seq: u64::MAX,
+            progress: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            at: None,
+        })
+    }
+
+    /// The stream the event was recorded on.
+    pub fn stream_id(&self) -> StreamId {
+        match &self.0 {
+            EventInner::Cpu { arena, stream, .. } => StreamId::Cpu {
+                arena: *arena,
+                stream: *stream,
+            },
+            EventInner::Cuda { stream, .. } => StreamId::Cuda(*stream),
+        }
+    }
+
+    /// Whether the work before the event has completed, asked without waiting. A CUDA error
+    /// (a context whose work failed for good) is returned as it is.
+    pub fn is_complete(&self) -> Result<bool> {
+        match &self.0 {
+            EventInner::Cpu { progress, seq, .. } => {
+                Ok(progress.load(std::sync::atomic::Ordering::Acquire) >= *seq)
+            }
+            EventInner::Cuda { event, .. } => event
+                .try_is_complete()
+                .map_err(Error::driver("cuEventQuery")),
         }
     }
 }
@@ -203,15 +270,17 @@ impl PartialEq for Event {
 #[derive(Debug, Clone)]
 enum EventInner {
     /// The CPU backend: operation `seq` of stream `stream` of arena `arena`; a timed event also
-    /// holds when the stream reached it, stamped by an operation of its own.
+    /// holds when the stream reached it, stamped by an operation of its own. `progress` is how
+    /// many operations the stream has run, so completion is known without the arena's lock.
     Cpu {
         arena: u64,
         stream: u64,
         seq: u64,
+        progress: Arc<std::sync::atomic::AtomicU64>,
         at: Option<Arc<std::sync::OnceLock<std::time::Instant>>>,
     },
-    /// A CUDA event.
-    Cuda(Arc<CudaEvent>),
+    /// A CUDA event, and the stream (by its handle) it was recorded on.
+    Cuda { event: Arc<CudaEvent>, stream: u64 },
 }
 
 /// Grid shape of a copy kernel: transfers share SMs with the forward pass, so the caller picks.
@@ -283,6 +352,9 @@ pub struct Copy2d {
 pub trait Backend: Send + Sync {
     /// Short name ("cpu", "cuda").
     fn name(&self) -> &'static str;
+
+    /// The stream this backend enqueues on.
+    fn stream_id(&self) -> StreamId;
 
     /// The address space this backend's buffers belong to.
     fn address_space(&self) -> AddressSpace;
@@ -467,7 +539,8 @@ pub fn i64s_to_bytes(values: &[i64]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
-/// Uploads `values` into a new device buffer of `backend`, waiting for the copy.
+/// Uploads `values` into a new device buffer of `backend`, waiting for the copy (its one use
+/// is set-up: per-call uploads go through a reused table, see `copy::TableStore`).
 pub fn upload_i64s_sync(backend: &dyn Backend, values: &[i64]) -> Result<Buffer> {
     let bytes = crate::error::Checked::mul_or(values.len(), 8, || {
         format!("bytes of {} int64s", values.len())

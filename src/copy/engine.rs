@@ -9,7 +9,7 @@
 use super::runs::Run;
 use super::space::BlockSpace;
 use crate::abi;
-use crate::backend::{Backend, Copy2d};
+use crate::backend::{ordered, Backend, Copy2d};
 use crate::error::Result;
 use crate::index::{LocalPage, ModelLayer};
 
@@ -25,6 +25,20 @@ pub enum Direction {
     Load,
     /// Device to host (D2H).
     Backup,
+}
+
+impl Direction {
+    /// The side read and the side written, of a device-side and a host-side space.
+    pub(crate) fn read_and_written<'a>(
+        self,
+        device: &'a dyn BlockSpace,
+        host: &'a dyn BlockSpace,
+    ) -> (&'a dyn BlockSpace, &'a dyn BlockSpace) {
+        match self {
+            Direction::Load => (host, device),
+            Direction::Backup => (device, host),
+        }
+    }
 }
 
 /// Which model layers a call moves (model layers number the target's layers, then the draft's).
@@ -161,23 +175,31 @@ impl IoCalls {
     }
 }
 
-/// Enqueues `calls` on `backend`.
+/// Enqueues `calls` on `backend`, ordered after conflicting work of other streams on the
+/// memory they read (`from`) and write (`to`), whose usages then keep it until they have run.
 ///
 /// # Safety
-/// Every piece must lie inside memory of `backend`'s address space that stays valid until the
-/// copies complete.
-pub(crate) unsafe fn submit(backend: &dyn Backend, calls: Vec<Call>) -> Result<()> {
-    for call in calls {
-        // SAFETY: the caller's contract covers every call.
-        unsafe {
-            match call {
-                Call::Memcpy(c) => backend.memcpy(c.dst, c.src, c.width as usize)?,
-                Call::Memcpy2d(c) => backend.memcpy_2d(&c)?,
-                Call::Batch(ranges) => backend.memcpy_batch(&ranges)?,
+/// Every piece must read inside memory `from` tracks and write inside memory `to` tracks, in
+/// `backend`'s address space.
+pub(crate) unsafe fn submit(
+    backend: &dyn Backend,
+    calls: Vec<Call>,
+    from: &dyn BlockSpace,
+    to: &dyn BlockSpace,
+) -> Result<()> {
+    ordered(backend, &[from.usage()], &[to.usage()], || {
+        for call in calls {
+            // SAFETY: the caller's contract covers every call.
+            unsafe {
+                match call {
+                    Call::Memcpy(c) => backend.memcpy(c.dst, c.src, c.width as usize)?,
+                    Call::Memcpy2d(c) => backend.memcpy_2d(&c)?,
+                    Call::Batch(ranges) => backend.memcpy_batch(&ranges)?,
+                }
             }
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// The device and host sides of a HiCache-shaped transfer, with the pages it moves: `runs`

@@ -30,7 +30,7 @@ pub mod space;
 
 pub use engine::{Direction, IoCalls, Layers};
 pub use program::{BlockCopy, BlockCopyPlan, PageSelection, TableBuffer, TableStore};
-pub use resolver::{scratch_rows_device, Resolver};
+pub use resolver::{scratch_rows_device_sync, Resolver};
 pub use runs::{OwnedRuns, Run};
 pub use scratch::ScratchTable;
 pub use signals::{CounterWait, LayerSignals};

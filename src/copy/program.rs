@@ -17,7 +17,9 @@ use std::sync::Arc;
 use super::signals::{CounterWait, LayerSignals};
 use super::space::{check_same_components, BlockSpace, SpaceId};
 use crate::abi;
-use crate::backend::{check_space, AddressSpace, Backend, Buffer, Event, Launch, MemoryKind};
+use crate::backend::{
+    check_space, ordered, AddressSpace, Backend, Buffer, Event, Launch, MemoryKind, Usage,
+};
 use crate::error::{Error, Result};
 use crate::geometry::Component;
 use crate::index::{LocalPage, LogicalPage, ModelLayer};
@@ -497,9 +499,10 @@ impl TableBuffer {
 }
 
 /// A plan uploaded to one backend, ready to run repeatedly. It holds the two spaces it copies
-/// between, so their memory outlives every launch. Keep it until its runs have completed:
-/// dropping it earlier frees its tables, which first waits for the device (as every free of
-/// kvshard memory does).
+/// between; every launch records itself on their usages and the tables', so dropping the copy,
+/// or handing its tables to the next one ([`BlockCopy::into_tables`]), while runs are still
+/// queued is safe: the memory stays until they have run, and a new upload into the tables is
+/// ordered after them.
 #[derive(Debug)]
 pub struct BlockCopy {
     plan: BlockCopyPlan,
@@ -511,11 +514,27 @@ pub struct BlockCopy {
 }
 
 impl BlockCopy {
-    /// Uploads `plan`'s tables through `backend`, waiting for the upload (use a stream other
-    /// than the one copies run on), into `reuse` when it is large enough, else into a new
-    /// allocation (rounded up to a power of two so later copies of similar size can reuse it).
-    /// `src` and `dst` must be the spaces the plan was made for, in `backend`'s address space.
+    /// [`BlockCopy::prepare`], then waits for `backend`'s stream (the upload and whatever was
+    /// queued before it).
     pub fn prepare_sync(
+        backend: &dyn Backend,
+        plan: BlockCopyPlan,
+        src: Arc<dyn BlockSpace>,
+        dst: Arc<dyn BlockSpace>,
+        reuse: Option<TableBuffer>,
+    ) -> Result<Self> {
+        let copy = Self::prepare(backend, plan, src, dst, reuse)?;
+        backend.synchronize()?;
+        Ok(copy)
+    }
+
+    /// Enqueues the upload of `plan`'s tables on `backend`'s stream, without waiting, into
+    /// `reuse` when it is large enough, else into a new allocation (rounded up to a power of
+    /// two so later copies of similar size can reuse it). Runs on any stream are ordered after
+    /// the upload, and an upload into reused tables after the runs still reading them (the
+    /// tables' usage). `src` and `dst` must be the spaces the plan was made for, in `backend`'s
+    /// address space.
+    pub fn prepare(
         backend: &dyn Backend,
         plan: BlockCopyPlan,
         src: Arc<dyn BlockSpace>,
@@ -540,7 +559,7 @@ impl BlockCopy {
                     )?,
                 ),
             };
-            backend.write_sync(&table.0, 0, &bytes)?;
+            backend.enqueue_write(&table.0, 0, &bytes)?;
             Some(table)
         };
         Ok(Self {
@@ -563,7 +582,8 @@ impl BlockCopy {
         self.plan.bytes()
     }
 
-    /// The tables, for the next copy to reuse once every run of this one has completed.
+    /// The tables, for the next copy to reuse: an upload into them is ordered after the runs
+    /// of this copy still queued.
     pub fn into_tables(self) -> Option<TableBuffer> {
         self.tables
     }
@@ -574,7 +594,7 @@ impl BlockCopy {
         pairs: Range<usize>,
         entries: Range<usize>,
         launch: Launch,
-        signals: u64,
+        signals: Option<&Buffer>,
     ) -> Result<()> {
         self.plan.check_window(entries.len())?;
         check_space(
@@ -593,15 +613,26 @@ impl BlockCopy {
         if pairs.is_empty() || entries.is_empty() {
             return Ok(());
         }
-        let params = self
-            .plan
-            .params(tables.0.addr(), self.offsets, pairs, entries, signals);
-        // SAFETY: the pairs are (component, layer) bases of the two spaces this copy holds (so
-        // they stay allocated), checked to be the ones the plan was made for and to live in the
-        // backend's address space; every page the lists name was checked below its space's
-        // page count, and the kernel re-checks them against the same limits; the tables are
-        // this copy's own device memory, holding every pair and id the ranges name.
-        unsafe { backend.copy_blocks(params, launch) }
+        let params = self.plan.params(
+            tables.0.addr(),
+            self.offsets,
+            pairs,
+            entries,
+            signals.map_or(0, Buffer::addr),
+        );
+        let reads = [self.src.usage(), tables.0.usage()];
+        let mut writes = vec![self.dst.usage()];
+        writes.extend(signals.map(Buffer::usage));
+        ordered(backend, &reads, &writes, || {
+            // SAFETY: the pairs are (component, layer) bases of the two spaces this copy holds,
+            // checked to be the ones the plan was made for and to live in the backend's address
+            // space; their usages (and the tables') keep the memory until the launch has run,
+            // whatever is dropped or reused meanwhile, and order it after conflicting work of
+            // other streams; every page the lists name was checked below its space's page
+            // count, and the kernel re-checks them against the same limits; the tables are this
+            // copy's own device memory, holding every pair and id the ranges name.
+            unsafe { backend.copy_blocks(params, launch) }
+        })
     }
 
     /// Enqueues the whole copy on `backend` with grid `launch`.
@@ -611,7 +642,7 @@ impl BlockCopy {
             0..self.plan.pairs.len(),
             0..self.plan.entries,
             launch,
-            0,
+            None,
         )
     }
 
@@ -632,7 +663,7 @@ impl BlockCopy {
                 index: layer.0 as i64,
                 limit: self.layer_pairs.len() as u64,
             })?;
-        self.launch(backend, pairs, 0..self.plan.entries, launch, 0)
+        self.launch(backend, pairs, 0..self.plan.entries, launch, None)
     }
 
     /// Enqueues entries `entries` only (a segment of a staged transfer): entry `j` of the launch
@@ -650,7 +681,7 @@ impl BlockCopy {
                 limit: self.plan.entries as u64 + 1,
             });
         }
-        self.launch(backend, 0..self.plan.pairs.len(), entries, launch, 0)
+        self.launch(backend, 0..self.plan.pairs.len(), entries, launch, None)
     }
 
     /// Enqueues the whole copy, counting every finished unit into `signals`; returns, per model
@@ -680,7 +711,7 @@ impl BlockCopy {
             0..self.plan.pairs.len(),
             0..self.plan.entries,
             launch,
-            signals.counters().addr(),
+            Some(signals.counters()),
         )?;
         Ok(signals.count(&units))
     }
@@ -784,11 +815,16 @@ impl TableStore {
             0..plan.entries,
             0,
         );
-        // SAFETY: as in BlockCopy::launch: the spaces are the plan's, in the backend's address
-        // space, and kept alive below until the stream has passed the launch; the tables were
-        // just uploaded, in stream order, into this store's memory, which a later upload
-        // rewrites only after this launch in stream order (one backend, one stream).
-        unsafe { self.backend.copy_blocks(params, launch)? };
+        let table = self.table.as_ref().map(Buffer::usage);
+        let reads: Vec<&Usage> = [src.usage()].into_iter().chain(table).collect();
+        ordered(self.backend.as_ref(), &reads, &[dst.usage()], || {
+            // SAFETY: as in BlockCopy::launch: the spaces are the plan's, in the backend's
+            // address space, and kept alive below (and by their usages) until the stream has
+            // passed the launch; the tables were just uploaded, in stream order, into this
+            // store's memory, which a later upload rewrites only after this launch in stream
+            // order (one backend, one stream).
+            unsafe { self.backend.copy_blocks(params, launch) }
+        })?;
         self.inflight.push_back((self.backend.record()?, keep));
         Ok(())
     }
@@ -824,9 +860,15 @@ impl TableStore {
             ranges: table,
             num_ranges: ranges.len() as u64,
         };
-        // SAFETY: the caller checked every range against the two spaces, which are kept alive
-        // until the stream has passed the launch; the table is this store's, stream-ordered.
-        unsafe { self.backend.copy_ranges(params, launch)? };
+        let table = self.table.as_ref().map(Buffer::usage);
+        let reads: Vec<&Usage> = table.into_iter().collect();
+        let writes = [spaces[0].usage(), spaces[1].usage()];
+        ordered(self.backend.as_ref(), &reads, &writes, || {
+            // SAFETY: the caller checked every range against the two spaces, which are kept
+            // alive until the stream has passed the launch (here and by their usages); the
+            // table is this store's, stream-ordered.
+            unsafe { self.backend.copy_ranges(params, launch) }
+        })?;
         self.inflight.push_back((self.backend.record()?, keep));
         Ok(())
     }

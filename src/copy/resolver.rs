@@ -2,13 +2,13 @@
 //! `kvs_resolve` launches need besides the input (the outputs, sized for a fixed capacity, and
 //! the tile state: two Fenwick trees of tile counts that launches alternate between, each
 //! launch zeroing what the previous one left in the other tree, so the state is cleared only at
-//! creation), and [`scratch_rows_device`] runs `kvs_scratch_rows`. The CPU references they are
+//! creation), and [`scratch_rows_device_sync`] runs `kvs_scratch_rows`. The CPU references they are
 //! tested against are `crate::shard::resolve_owned` and `crate::shard::scratch_rows`.
 
 use crate::abi;
 use crate::backend::{
-    i64s_from_bytes, resolve_state_bytes, resolve_state_tiles, resolve_tiles, AddressSpace,
-    Backend, Buffer, MemoryKind,
+    i64s_from_bytes, ordered, resolve_state_bytes, resolve_state_tiles, resolve_tiles,
+    AddressSpace, Backend, Buffer, MemoryKind,
 };
 use crate::error::{Error, Result};
 use crate::shard::{Placement, ResolveMode, Resolved};
@@ -32,7 +32,7 @@ fn check_i64s(buffer: &Buffer, count: usize, align: u64, what: &str) -> Result<(
 /// int64s of `page_table` map logical pages to scratch pages. Waits for the kernel; a slot it
 /// rejects (see [`crate::shard::scratch_rows`]) gets -1 and fails the call with [`Error::KernelRejected`]
 /// naming the smallest such position, after every other row has been written.
-pub fn scratch_rows_device(
+pub fn scratch_rows_device_sync(
     backend: &dyn Backend,
     slots: &Buffer,
     n: usize,
@@ -60,10 +60,17 @@ pub fn scratch_rows_device(
         out_rows: out.addr(),
         ..Default::default()
     };
-    // SAFETY: the kernel reads slots[0..n], reads page_table only below table_len, and writes
-    // out[0..n]; each buffer was checked to hold that many aligned int64s, and the caller's
-    // borrows keep them alive until the synchronize below has seen the work finish.
-    unsafe { backend.scratch_rows(params)? };
+    ordered(
+        backend,
+        &[slots.usage(), page_table.usage()],
+        &[out.usage()],
+        || {
+            // SAFETY: the kernel reads slots[0..n], reads page_table only below table_len, and
+            // writes out[0..n]; each buffer was checked to hold that many aligned int64s, and
+            // their usages keep them until the launch has run.
+            unsafe { backend.scratch_rows(params) }
+        },
+    )?;
     backend.synchronize()
 }
 
@@ -212,10 +219,19 @@ impl Resolver {
             clear_tiles: self.trees.dirty,
             ..Default::default()
         };
-        // SAFETY: the outputs hold `capacity >= n` elements and the tile state two trees of one
-        // node per tile of `capacity` entries, the one this launch uses zero (see `Trees`); the
-        // input and the ordering are the caller's contract.
-        unsafe { backend.resolve(params)? };
+        let outputs = [
+            self.positions.usage(),
+            self.local.usage(),
+            self.count.usage(),
+            self.tile_state.usage(),
+        ];
+        ordered(backend, &[], &outputs, || {
+            // SAFETY: the outputs hold `capacity >= n` elements and the tile state two trees of
+            // one node per tile of `capacity` entries, the one this launch uses zero (see
+            // `Trees`), all kept by their usages until the launch has run; the input and the
+            // ordering are the caller's contract.
+            unsafe { backend.resolve(params) }
+        })?;
         self.trees.launched(resolve_tiles(n as u64) as u32);
         Ok(())
     }

@@ -7,7 +7,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::abi;
-use crate::backend::{i64s_to_bytes, Backend, Buffer, MemoryKind};
+use crate::backend::{i64s_to_bytes, ordered, Backend, Buffer, MemoryKind};
 use crate::error::{Checked, Error, Result};
 use crate::shard::GatherPlan;
 
@@ -107,11 +107,18 @@ impl ScratchTable {
             trash_page: plan.layout().trash_page(),
             ..Default::default()
         };
-        // SAFETY: the three buffers are this table's own device memory on its backend, alive
-        // as long as it is (and freeing it waits for the device); `pages` and `scratch` hold
-        // `capacity >= n` int64s, written in stream order just before, and the next build's
-        // writes are ordered after this kernel on the same stream; `table` holds
-        // `logical_pages` int64s, all the kernel writes.
-        unsafe { backend.scratch_table(params) }
+        ordered(
+            backend,
+            &[self.pages.usage(), self.scratch.usage()],
+            &[self.table.usage()],
+            || {
+                // SAFETY: the three buffers are this table's own device memory on its backend,
+                // kept by their usages until the launch has run; `pages` and `scratch` hold
+                // `capacity >= n` int64s, written in stream order just before, and the next
+                // build's writes are ordered after this kernel; `table` holds `logical_pages`
+                // int64s, all the kernel writes.
+                unsafe { backend.scratch_table(params) }
+            },
+        )
     }
 }

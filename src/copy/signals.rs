@@ -2,7 +2,7 @@
 //! unit into the u32 counter of the pair's model layer, so one launch can publish each layer's
 //! completion on its own, and a consumer stream waits for one layer with no host involvement.
 
-use crate::backend::{Backend, Buffer, MemoryKind};
+use crate::backend::{kept, Backend, Buffer, MemoryKind};
 use crate::error::{Checked, Error, Result};
 use crate::index::ModelLayer;
 
@@ -82,10 +82,14 @@ impl CounterWait {
     pub fn wait(&self, consumer: &dyn Backend) -> Result<()> {
         consumer.check(&self.counters, "ready counters")?;
         let addr = self.counters.at(4 * self.layer.0)?;
-        // SAFETY: `addr` is a 4-byte aligned u32 inside the counters allocation (256-byte
-        // aligned base, 4 bytes per layer, checked by `at`) of the consumer's address space
-        // (checked above), which this value keeps alive.
-        unsafe { consumer.wait_counter(addr, self.target) }
+        // Recorded on the counters' usage without waiting for their writer (the copy that
+        // counts into them is what this waits for, layer by layer).
+        kept(consumer, &[self.counters.usage()], || {
+            // SAFETY: `addr` is a 4-byte aligned u32 inside the counters allocation (256-byte
+            // aligned base, 4 bytes per layer, checked by `at`) of the consumer's address
+            // space (checked above), which its usage keeps until the wait is over.
+            unsafe { consumer.wait_counter(addr, self.target) }
+        })
     }
 
     /// The model layer.

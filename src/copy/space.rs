@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::abi;
-use crate::backend::{AddressSpace, Backend, Buffer, MemoryKind};
+use crate::backend::{AddressSpace, Backend, Buffer, MemoryKind, Usage};
 use crate::error::{Checked, Error, Result};
 use crate::geometry::{CacheGeometry, Component, ComponentLayout};
 use crate::index::{LocalPage, StoredLayer};
@@ -47,6 +47,9 @@ pub(crate) mod sealed {
         fn side(&self, c: usize) -> abi::kvs_block_side;
         /// Number of stored layers of component index `c`.
         fn layer_count(&self, c: usize) -> usize;
+        /// The record of the work queued on the space's memory, which keeps that memory until
+        /// the work has completed: every launch that touches the space reports to it.
+        fn usage(&self) -> &crate::backend::Usage;
         /// The distance between consecutive stored layers of component index `c`, when it is
         /// one stride (pools kvshard allocates, host pools); `None` for engine buffers at
         /// arbitrary addresses, or a single layer.
@@ -261,6 +264,10 @@ impl sealed::Sealed for Staging {
     fn side(&self, c: usize) -> abi::kvs_block_side {
         self.components[c].packed_side()
     }
+
+    fn usage(&self) -> &Usage {
+        self.buffer.usage()
+    }
 }
 
 block_space!(Staging);
@@ -279,8 +286,9 @@ pub struct RemoteSpace {
     pages: u64,
     /// Per component, per stored layer.
     bases: Vec<Vec<u64>>,
-    /// Whatever keeps the memory mapped (the pool itself, a peer mapping).
-    _keep: Arc<dyn Send + Sync>,
+    /// The work queued on the destination; it holds whatever keeps the memory mapped (the
+    /// pool itself, a peer mapping) until that work has completed.
+    usage: Usage,
 }
 
 impl fmt::Debug for RemoteSpace {
@@ -294,7 +302,8 @@ impl fmt::Debug for RemoteSpace {
 }
 
 impl RemoteSpace {
-    /// The destination `space` describes, in this process: it keeps `space` alive.
+    /// The destination `space` describes, in this process: it shares `space`'s usage, which
+    /// keeps the memory alive while work through either is queued.
     pub fn of<S: BlockSpace + 'static>(space: Arc<S>, geometry: CacheGeometry) -> Result<Self> {
         geometry.validate()?;
         check_same_components(&geometry.components(), space.components())?;
@@ -320,7 +329,9 @@ impl RemoteSpace {
             pages: space.pages(),
             components,
             bases,
-            _keep: space,
+            // The space's own record: the destination is the same memory, so work through
+            // either is ordered with work through the other, and kept as the space's memory is.
+            usage: space.usage().clone(),
         })
     }
 
@@ -378,7 +389,7 @@ impl RemoteSpace {
             pages,
             components,
             bases,
-            _keep: keep,
+            usage: Usage::new(Some(Box::new(keep))),
         })
     }
 
@@ -416,6 +427,10 @@ impl sealed::Sealed for RemoteSpace {
 
     fn side(&self, c: usize) -> abi::kvs_block_side {
         self.components[c].packed_side()
+    }
+
+    fn usage(&self) -> &Usage {
+        &self.usage
     }
 }
 

@@ -220,10 +220,10 @@ pub(crate) fn send_all(
                 } else {
                     ChunkEnd::Partial(end)
                 };
-                pending.push(s.send(reg.request, chain.pages(), at)?);
+                pending.push(s.send(reg.request, chain.pages()?, at)?);
             }
             for p in pending {
-                if let Some(f) = receiver.receive(p.wait()?)? {
+                if let Some(f) = receiver.receive(p.wait_sync()?)? {
                     finished = Some(f);
                 }
             }
@@ -409,10 +409,10 @@ pub fn run(
         }
         begin = end;
     }
-    let owners: Vec<u32> = chain.pages().iter().map(|&p| placement.owner(p)).collect();
+    let owners: Vec<u32> = chain.pages()?.iter().map(|&p| placement.owner(p)).collect();
     out.say(format!(
         "prefill: {} pages, start owner {}, owners {:?}{}; owned-row writes moved {} bytes in {:.2} ms ({:.1} GB/s); setup {:.1} ms",
-        chain.pages().len(),
+        chain.page_count(),
         chain.start_owner().unwrap_or(0),
         &owners[..owners.len().min(12)],
         if owners.len() > 12 { " ..." } else { "" },
@@ -457,32 +457,29 @@ pub fn run(
 
     // 4: HiCache: write-through backups, eviction, reload into new pages, resend.
     let mut controllers = write_through_controllers(bk, &g, &ranks, per_rank, streams)?;
-    let node = chain.cache_node(1, 0..chain.pages().len())?;
+    let node = chain.cache_node(1, 0..chain.page_count())?;
     let backup_ms = on_all_ranks(bk, &mut controllers, |s| &s.backup, &mut |c, start| {
         c.access(&node, start, route).map(|_| ())
     })?;
     let mut backed_up = 0u64;
     for c in &mut controllers {
-        backed_up += c.ack_backups(1)?.iter().map(|a| a.bytes).sum::<u64>();
+        backed_up += c.ack_backups_sync(1)?.iter().map(|a| a.bytes).sum::<u64>();
     }
     let compute = bk.record()?;
     for (c, pool) in controllers.iter_mut().zip(&ranks) {
-        c.evict(&node, &compute, route)?;
+        c.evict_sync(&node, &compute, route)?;
         pool.fill(bk, POISON)?;
     }
-    alloc.free(chain.pages())?;
-    let reloaded = RequestChain::cached(
-        placement,
-        chain.start_owner().unwrap_or(0),
-        alloc.alloc_matching(chain.pages())?,
-    )?;
+    chain.free(&mut alloc)?;
+    let pages = alloc.alloc_matching(&node.device_pages)?;
+    let reloaded = RequestChain::cached(&alloc, chain.start_owner().unwrap_or(0), pages)?;
     let load_ms = on_all_ranks(bk, &mut controllers, |s| &s.load, &mut |c, start| {
-        let handle = c.load(node.id, reloaded.pages(), Some(start), route)?;
+        let handle = c.load(node.id, reloaded.pages()?, Some(start), route)?;
         handle.wait_layer(bk, ModelLayer(0))
     })?;
     let mut loaded = 0u64;
     for c in &mut controllers {
-        loaded += c.ack_loads(1)?.iter().map(|a| a.bytes).sum::<u64>();
+        loaded += c.ack_loads_sync(1)?.iter().map(|a| a.bytes).sum::<u64>();
     }
     let (again, again_space) = decode_pool(bk, &g, cfg.tokens)?;
     send_all(&b, &ranks, &reloaded, &again_space, &shape)?;
@@ -493,7 +490,7 @@ pub fn run(
     }
     out.say(format!(
         "HiCache ({route}): {} pages backed up by every rank, {} bytes in {:.2} ms ({:.1} GB/s), evicted, reloaded into new pages of the same owners, {} bytes in {:.2} ms ({:.1} GB/s); resent decode pool byte-identical",
-        chain.pages().len(),
+        chain.page_count(),
         backed_up,
         backup_ms,
         gbps(backed_up, backup_ms),

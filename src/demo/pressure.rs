@@ -419,7 +419,7 @@ impl Scenario {
             };
             let compute = bk.record()?;
             for c in controllers.iter_mut() {
-                c.evict(&node, &compute, route)?;
+                c.evict_sync(&node, &compute, route)?;
             }
             for pool in ranks {
                 let pages = node.device_pages.clone();
@@ -491,7 +491,7 @@ impl Scenario {
                 }
             };
             let end = done + extend;
-            let prefix_pages = chain.pages().len();
+            let prefix_pages = chain.page_count();
             chain.grow_to(&mut self.alloc, end)?;
             ref_chain.grow_to(&mut self.ref_alloc, end)?;
             // The chunk's KV: random bytes in every layer of the staging, the same in every
@@ -589,7 +589,7 @@ impl Scenario {
                     bytes.extend(bk.read_sync(region, 0, region.len())?);
                 }
                 group.write_slot(&bytes)?;
-                group.barrier()?;
+                group.barrier_sync()?;
                 for owner in (0..group.ranks()).filter(|&o| o != own) {
                     group.read_slot(owner, &mut bytes)?;
                     let mut at = 0;
@@ -599,7 +599,7 @@ impl Scenario {
                     }
                 }
                 // Nobody packs the next prefix into its slot before every rank has read this one.
-                group.barrier()?;
+                group.barrier_sync()?;
                 report.exchange_ms += exchange.elapsed().as_secs_f64() * 1e3;
                 let land_ms = timed(bk, || landings.iter().try_for_each(|c| c.run(bk, launch)))?;
                 report.add_gather(&packs, &landings, pack_ms + land_ms);
@@ -637,7 +637,7 @@ impl Scenario {
             0,
             crate::error::to_usize(logical.saturating_mul(8), || "table bytes".into())?,
         )?);
-        let prefix = &chain.pages()[..prefix_pages];
+        let prefix = &chain.pages()?[..prefix_pages];
         let mut scratch_pages = Vec::with_capacity(prefix_pages);
         for page in prefix {
             let s = usize::try_from(page.0)
@@ -647,7 +647,7 @@ impl Scenario {
                 .ok_or_else(|| Error::overflow(format!("{page} in the page table")))?;
             scratch_pages.push(LocalPage(s as u64));
         }
-        let ref_pages: Vec<LocalPage> = ref_chain.pages()[..prefix_pages]
+        let ref_pages: Vec<LocalPage> = ref_chain.pages()?[..prefix_pages]
             .iter()
             .map(|p| LocalPage(p.0))
             .collect();
@@ -785,7 +785,7 @@ impl Scenario {
         )?;
         let mut moved = Moved::default();
         for c in &mut self.controllers {
-            moved.bytes += c.ack_backups(1)?.iter().map(|a| a.bytes).sum::<u64>();
+            moved.bytes += c.ack_backups_sync(1)?.iter().map(|a| a.bytes).sum::<u64>();
         }
         moved.ms = ms;
         Ok(moved)
@@ -802,7 +802,7 @@ impl Scenario {
         })?;
         let mut moved = Moved::default();
         for c in &mut self.controllers {
-            moved.bytes += c.ack_loads(1)?.iter().map(|a| a.bytes).sum::<u64>();
+            moved.bytes += c.ack_loads_sync(1)?.iter().map(|a| a.bytes).sum::<u64>();
         }
         moved.ms = ms;
         Ok(moved)
@@ -1014,7 +1014,7 @@ pub(crate) fn run_scenario(
         cfg.prefix_tokens,
         false,
     )?;
-    let seed_node = seed.cache_node(SEED_NODE, 0..seed.pages().len())?;
+    let seed_node = seed.cache_node(SEED_NODE, 0..seed.page_count())?;
     let backup = s.backup(&seed_node)?;
     s.evictable.push_back(seed_node.clone());
     out.say(format!(
@@ -1040,7 +1040,7 @@ pub(crate) fn run_scenario(
         ));
     }
     let sent = prompts.prompt_done(&s, PROMPT_1, &p1, &p1_ref)?;
-    let p1_node = p1.cache_node(PROMPT_1, 0..p1.pages().len())?;
+    let p1_node = p1.cache_node(PROMPT_1, 0..p1.page_count())?;
     let backup = s.backup(&p1_node)?;
     s.evictable.push_back(p1_node);
     out.say(format!(
@@ -1067,8 +1067,8 @@ pub(crate) fn run_scenario(
         ));
     }
     let start_owner = seed.start_owner().unwrap_or(0);
-    let mut p2 = RequestChain::cached(placement, start_owner, pages.clone())?;
-    let mut p2_ref = RequestChain::cached(unsharded, 0, seed_ref.pages().to_vec())?;
+    let mut p2 = RequestChain::cached(&s.alloc, start_owner, pages.clone())?;
+    let mut p2_ref = RequestChain::cached(&s.ref_alloc, 0, seed_ref.pages()?.to_vec())?;
     let r = s.prefill(
         PROMPT_2,
         Some(&mut *prompts),
@@ -1079,7 +1079,7 @@ pub(crate) fn run_scenario(
         true,
     )?;
     let sent = prompts.prompt_done(&s, PROMPT_2, &p2, &p2_ref)?;
-    let p2_node = p2.cache_node(PROMPT_2, seed.pages().len()..p2.pages().len())?;
+    let p2_node = p2.cache_node(PROMPT_2, seed.page_count()..p2.page_count())?;
     let backup = s.backup(&p2_node)?;
     s.evictable.push_back(CacheNode {
         device_pages: pages,

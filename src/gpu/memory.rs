@@ -1,9 +1,11 @@
 //! Owned device memory and pinned host memory.
 //!
-//! Freeing waits for the device first (`cuCtxSynchronize`, then the free): the driver only says
-//! `cuMemFree` "may" synchronize, and kvshard's safe API promises that no launch, whoever keeps
-//! it in flight, ever touches memory that was freed. Frees are rare (pools, staging, grown
-//! tables), so the wait costs nothing on the hot paths.
+//! Freeing waits for nothing: these allocations reach the rest of kvshard only inside a
+//! [`crate::backend::Buffer`], whose usage record drops the allocation only after every event
+//! of the work queued on it has completed (`backend::usage`). So no launch still queued can
+//! touch memory freed here, and no free waits for the engine's streams. (The driver documents
+//! that `cuMemFree` of `cuMemAlloc` memory "may" synchronize by itself; kvshard allocates and
+//! frees nothing in steady state, only when pools, staging or grown tables come and go.)
 //!
 //! Host memory the GPU reads or writes directly is addressed through its *device alias*, which
 //! the driver gives (`cuMemHostGetDevicePointer`); kvshard never assumes it equals the host
@@ -56,19 +58,11 @@ impl DeviceAllocation {
     }
 }
 
-/// Waits for every stream of the current context; a context whose work has failed for good
-/// runs nothing any more, so a failure here also means nothing can touch the memory.
-fn quiesce() {
-    // SAFETY: a plain wait on the current context, which every caller bound first.
-    let _ = unsafe { sys::cuCtxSynchronize() }.result();
-}
-
 impl Drop for DeviceAllocation {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {
-            quiesce();
-            // SAFETY: allocated by cuMemAlloc in this context; the device has finished every
-            // launch that could use it (quiesce above).
+            // SAFETY: allocated by cuMemAlloc in this context; the work queued on it has
+            // completed (its usage record drops it only then, see the module docs).
             let _ = unsafe { result::free_sync(self.ptr) };
         }
     }
@@ -141,9 +135,8 @@ impl PinnedAllocation {
 impl Drop for PinnedAllocation {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {
-            quiesce();
-            // SAFETY: allocated by cuMemHostAlloc; the device has finished every launch and
-            // copy that could use it (quiesce above).
+            // SAFETY: allocated by cuMemHostAlloc; the work queued on it has completed (its
+            // usage record drops it only then, see the module docs).
             let _ = unsafe { result::free_host(self.host.cast()) };
         }
     }
@@ -274,9 +267,9 @@ impl Drop for HostRegistration {
             chunks().remove(device);
         }
         if self.ctx.bind_to_thread().is_ok() {
-            quiesce();
             for (start, _, _) in &self.chunks {
-                // SAFETY: each chunk was registered by `new` and is unregistered once.
+                // SAFETY: each chunk was registered by `new` and is unregistered once, after the
+                // work queued on it has completed (its usage record drops it only then).
                 let _ = unsafe { sys::cuMemHostUnregister(*start as *mut _) }.result();
             }
         }

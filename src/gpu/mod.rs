@@ -250,8 +250,10 @@ impl Stream {
         &self.inner
     }
 
-    /// Blocks until all work enqueued so far has finished.
+    /// Blocks until all work enqueued so far has finished (counted in
+    /// [`crate::backend::sync_counts`]).
     pub fn synchronize(&self) -> Result<()> {
+        crate::backend::count_host_sync();
         self.inner
             .synchronize()
             .map_err(Error::driver("cuStreamSynchronize"))

@@ -10,7 +10,7 @@
 //!   writing the pages, copy every layer, and are acked strictly in submission order, only once
 //!   complete. [`HiCacheController::poll_backups`] counts the acks ready now: a shard group
 //!   agrees on the minimum over its ranks and each rank then pops exactly that many with
-//!   [`HiCacheController::ack_backups`], so ack counts stay in step.
+//!   [`HiCacheController::ack_backups_sync`], so ack counts stay in step.
 //! - Loads (H2D) return a [`LoadHandle`] whose per-layer readiness a consumer waits on layer by
 //!   layer: on the SM kernel, one launch with a ready counter per layer; on the copy-engine
 //!   backends, the layer's copies followed by an event, layer after layer; through the staging
@@ -27,7 +27,7 @@
 //! Host pages come from a [`ShardAllocator`] over the host pool: a node with a shard owner gets
 //! host pages along its owner rotation; a node without one gets pages of the same owner classes
 //! as its device pages. Device pages are the engine's: the controller never allocates or frees
-//! them, and after [`HiCacheController::evict`] returns the engine frees (or reuses) the
+//! them, and after [`HiCacheController::evict_sync`] returns the engine frees (or reuses) the
 //! node's device pages itself.
 //!
 //! The controller holds its pools and streams (`Arc`s), so an engine keeps one per rank with no
@@ -414,7 +414,7 @@ impl HiCacheController {
     /// host yet is backed up first; a backup of the node still in flight is waited for. Both
     /// block (on the backup stream) and pop, in FIFO order, every ack up to the node's, which
     /// are returned. A write-through node never backed up is simply dropped.
-    pub fn evict(
+    pub fn evict_sync(
         &mut self,
         node: &CacheNode,
         compute: &Event,
@@ -431,7 +431,7 @@ impl HiCacheController {
         }
         self.hits.remove(&node.id);
         match self.backups.iter().position(|p| p.ack.node == node.id) {
-            Some(at) => self.ack_backups(at + 1),
+            Some(at) => self.ack_backups_sync(at + 1),
             None => Ok(Vec::new()),
         }
     }
@@ -460,12 +460,12 @@ impl HiCacheController {
         let transfer =
             match self.transfer(&node.device_pages, &host_pages, Direction::Backup, route) {
                 Ok(t) => t,
-                Err(e) => return Err(self.give_back(&host_pages, e, false)),
+                Err(e) => return Err(self.give_back(&host_pages, e)),
             };
         let enqueued = self.enqueue_backup(&transfer, compute, route);
         let done = match enqueued {
             Ok(done) => done,
-            Err(e) => return Err(self.give_back(&host_pages, e, true)),
+            Err(e) => return Err(self.give_back(&host_pages, e)),
         };
         let bytes = transfer.bytes(Layers::All)?;
         let index = self.next_backup;
@@ -511,15 +511,10 @@ impl HiCacheController {
         backup.record()
     }
 
-    /// Returns `pages` to the host allocator after a failed backup, first letting the backup
-    /// stream pass whatever was enqueued (`enqueued`), so no copy is still writing them; hands
-    /// back the error to report.
-    fn give_back(&mut self, pages: &[LogicalPage], error: Error, enqueued: bool) -> Error {
-        if enqueued {
-            // A stream that cannot be synchronized has failed for good: nothing enqueued on it
-            // runs any more, so its pages are free either way.
-            let _ = self.streams.backup.synchronize();
-        }
+    /// Returns `pages` to the host allocator after a failed backup; hands back the error to
+    /// report. Nothing waits: whatever of the backup was enqueued is recorded on the host
+    /// pool's usage, so a later transfer into those pages is ordered after it.
+    fn give_back(&mut self, pages: &[LogicalPage], error: Error) -> Error {
         match self.allocator.free(pages) {
             Ok(()) => error,
             Err(free) => {
@@ -642,7 +637,7 @@ impl HiCacheController {
 
     /// Pops the `count` oldest backups, in submission order. If any of them has not completed,
     /// this first blocks until the backup stream is idle.
-    pub fn ack_backups(&mut self, count: usize) -> Result<Vec<BackupAck>> {
+    pub fn ack_backups_sync(&mut self, count: usize) -> Result<Vec<BackupAck>> {
         let done = pop_completed(self.streams.backup.as_ref(), &mut self.backups, count)?;
         let acks = self.recycle(done);
         for ack in &acks {
@@ -655,7 +650,7 @@ impl HiCacheController {
 
     /// Pops the `count` oldest loads, in submission order. If any of them has not completed,
     /// this first blocks until the load stream is idle.
-    pub fn ack_loads(&mut self, count: usize) -> Result<Vec<LoadAck>> {
+    pub fn ack_loads_sync(&mut self, count: usize) -> Result<Vec<LoadAck>> {
         let done = pop_completed(self.streams.load.as_ref(), &mut self.loads, count)?;
         Ok(self.recycle(done))
     }
@@ -697,7 +692,7 @@ impl HiCacheController {
         let tables = self.streams.tables.clone();
         match route {
             Route::Direct(IoBackend::SmKernel { .. }) => {
-                transfer.prepare_kernel_sync(tables.as_ref(), &mut self.spare_tables)?
+                transfer.prepare_kernel(tables.as_ref(), &mut self.spare_tables)?
             }
             Route::Direct(_) => {}
             Route::Staged(how) => {
@@ -709,11 +704,7 @@ impl HiCacheController {
                     *staging = Some(transfer.staging(tables.as_ref(), self.staging_pages)?);
                 }
                 if let (Relayout::Kernel { .. }, Some(staging)) = (how, staging.as_ref()) {
-                    transfer.prepare_staged_sync(
-                        tables.as_ref(),
-                        staging,
-                        &mut self.spare_tables,
-                    )?;
+                    transfer.prepare_staged(tables.as_ref(), staging, &mut self.spare_tables)?;
                 }
             }
         }

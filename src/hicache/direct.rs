@@ -201,18 +201,29 @@ impl HostTransfer {
         backend: &dyn Backend,
         spare: &mut Vec<TableBuffer>,
     ) -> Result<()> {
+        self.prepare_kernel(backend, spare)?;
+        backend.synchronize()
+    }
+
+    /// [`HostTransfer::prepare_kernel_sync`] without the wait: the upload is enqueued on
+    /// `backend`'s stream, and the runs on any stream are ordered after it.
+    pub fn prepare_kernel(
+        &mut self,
+        backend: &dyn Backend,
+        spare: &mut Vec<TableBuffer>,
+    ) -> Result<()> {
         if self.kernel.is_some() || self.plan.is_empty() {
             return Ok(());
         }
         let plan = self.kernel_plan()?;
         let reuse = super::staged::take_fit(spare, plan.table_bytes());
         let (src, dst) = self.ends();
-        self.kernel = Some(BlockCopy::prepare_sync(backend, plan, src, dst, reuse)?);
+        self.kernel = Some(BlockCopy::prepare(backend, plan, src, dst, reuse)?);
         Ok(())
     }
 
-    /// The tables of every prepared copy, to reuse once every run of this transfer has
-    /// completed.
+    /// The tables of every prepared copy, for later transfers to reuse: an upload into them is
+    /// ordered after the runs of this transfer still queued.
     pub fn into_tables(self) -> Vec<TableBuffer> {
         self.kernel
             .into_iter()
@@ -328,7 +339,10 @@ impl HostTransfer {
                 // with it), at local pages `new` checked against both pools' page counts, in
                 // stored layers of each component; the backend runs in their address space
                 // (checked above).
-                unsafe { engine::submit(backend, self.program(io, layers)) }
+                let (from, to) = self
+                    .direction
+                    .read_and_written(self.device.as_ref(), self.host.as_ref());
+                unsafe { engine::submit(backend, self.program(io, layers), from, to) }
             }
         }
     }

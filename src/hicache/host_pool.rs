@@ -48,7 +48,7 @@ use std::sync::Arc;
 
 use crate::abi;
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{AddressSpace, Backend, Buffer, MemoryKind};
+use crate::backend::{AddressSpace, Backend, Buffer, MemoryKind, Usage};
 use crate::copy::space::sealed;
 use crate::copy::{BlockSpace, SpaceId};
 use crate::error::{Checked, Error, Result};
@@ -438,6 +438,7 @@ pub struct HostPool {
     slots: Vec<(usize, usize)>,
     buffers: Vec<HostBuf>,
     numa: NumaPlacement,
+    usage: Usage,
 }
 
 // SAFETY: the raw host addresses are plain numbers here (never dereferenced by the pool); the
@@ -811,10 +812,18 @@ impl HostPool {
         pages: u64,
         components: Vec<ComponentLayout>,
         slots: Vec<(usize, usize)>,
-        buffers: Vec<HostBuf>,
+        mut buffers: Vec<HostBuf>,
         numa: NumaPlacement,
     ) -> Self {
+        // One record for the whole pool, holding every buffer's memory until the work queued
+        // on the pool has completed; the buffers the pool hands out report to it too.
+        let kept: Vec<Buffer> = buffers.iter().map(|b| b.memory.clone()).collect();
+        let usage = Usage::new(Some(Box::new(kept)));
+        for b in &mut buffers {
+            b.memory = b.memory.tracked_by(&usage);
+        }
         Self {
+            usage,
             id: SpaceId::next(),
             space,
             geometry: geometry.clone(),
@@ -1088,6 +1097,10 @@ impl sealed::Sealed for HostPool {
 
     fn layer_count(&self, c: usize) -> usize {
         self.components[c].layers()
+    }
+
+    fn usage(&self) -> &Usage {
+        &self.usage
     }
 }
 

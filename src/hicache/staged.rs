@@ -149,6 +149,19 @@ impl HostTransfer {
         staging: &StagedIo,
         spare: &mut Vec<TableBuffer>,
     ) -> Result<()> {
+        self.prepare_staged(backend, staging, spare)?;
+        backend.synchronize()
+    }
+
+    /// [`HostTransfer::prepare_staged_sync`] without the wait: the uploads are enqueued on
+    /// `backend`'s stream, and the relayouts on any stream are ordered after them; tables
+    /// handed back while a run of the old ones is queued are rewritten only after it.
+    pub fn prepare_staged(
+        &mut self,
+        backend: &dyn Backend,
+        staging: &StagedIo,
+        spare: &mut Vec<TableBuffer>,
+    ) -> Result<()> {
         self.check_staging(staging)?;
         let id = staging.id();
         if self.plan.is_empty() || matches!(&self.relayout, Some((made, _)) if *made == id) {
@@ -168,7 +181,7 @@ impl HostTransfer {
                 Direction::Load => (mirror, device),
                 Direction::Backup => (device, mirror),
             };
-            copies.push(BlockCopy::prepare_sync(backend, plan, src, dst, reuse)?);
+            copies.push(BlockCopy::prepare(backend, plan, src, dst, reuse)?);
         }
         self.relayout = Some((id, copies));
         Ok(())
@@ -315,7 +328,14 @@ impl HostTransfer {
                     // checked, in stored layers of each component) and the mirror (its first
                     // `seg.pages <= chunk` pages), both held by this transfer / the staging,
                     // in the stream's address space (checked above).
-                    None => unsafe { engine::submit(stream, self.relayout_copies(seg, mirror)) },
+                    None => {
+                        let (from, to) = self
+                            .direction
+                            .read_and_written(self.device.as_ref(), mirror);
+                        unsafe {
+                            engine::submit(stream, self.relayout_copies(seg, mirror), from, to)
+                        }
+                    }
                 }
             };
             // SAFETY (mirror copies): every piece lies inside the host pool (its consecutive
@@ -326,7 +346,8 @@ impl HostTransfer {
                     if let Some(e) = &free[m] {
                         copy.wait(e)?;
                     }
-                    unsafe { engine::submit(copy, self.mirror_copies(seg, mirror))? };
+                    let (from, to) = self.direction.read_and_written(mirror, self.host.as_ref());
+                    unsafe { engine::submit(copy, self.mirror_copies(seg, mirror), from, to)? };
                     relayout.wait(&copy.record()?)?;
                     place(relayout)?;
                     free[m] = Some(relayout.record()?);
@@ -337,7 +358,8 @@ impl HostTransfer {
                     }
                     place(relayout)?;
                     copy.wait(&relayout.record()?)?;
-                    unsafe { engine::submit(copy, self.mirror_copies(seg, mirror))? };
+                    let (from, to) = self.direction.read_and_written(mirror, self.host.as_ref());
+                    unsafe { engine::submit(copy, self.mirror_copies(seg, mirror), from, to)? };
                     free[m] = Some(copy.record()?);
                 }
             }

@@ -208,8 +208,9 @@ impl GroupMemory {
         Ok(())
     }
 
-    /// Waits until every rank has reached this barrier (the same number of barriers each).
-    pub fn barrier(&mut self) -> Result<()> {
+    /// Blocks the host until every rank has reached this barrier (the same number of barriers
+    /// each), at most the join's timeout.
+    pub fn barrier_sync(&mut self) -> Result<()> {
         self.step += 1;
         let step = self.step;
         self.word(self.line(self.rank))
@@ -239,8 +240,9 @@ impl GroupMemory {
         Ok(())
     }
 
-    /// The NCCL unique id rank 0 published, waiting for it.
-    pub fn nccl_id(&self) -> Result<[u8; NCCL_ID_BYTES]> {
+    /// The NCCL unique id rank 0 published, blocking the host until it is there (at most the
+    /// join's timeout).
+    pub fn nccl_id_sync(&self) -> Result<[u8; NCCL_ID_BYTES]> {
         self.wait_until(
             || "the NCCL id from rank 0".into(),
             || self.word(NCCL_READY).load(Ordering::Acquire) == 1,
@@ -293,7 +295,7 @@ mod tests {
         g.word(g.line(1) + PID)
             .store(u64::from(pid), Ordering::Release);
         let start = Instant::now();
-        let e = g.barrier().unwrap_err();
+        let e = g.barrier_sync().unwrap_err();
         assert!(matches!(e, Error::PeerGone { .. }), "{e}");
         assert!(e.to_string().contains("rank 1"), "{e}");
         assert!(start.elapsed() < Duration::from_secs(5));
@@ -301,6 +303,6 @@ mod tests {
         let other = GroupMemory::create(2, 0).unwrap();
         let short = Duration::from_millis(50);
         let mut alone = GroupMemory::join(&other.proc_path(), 0, 2, 0, short).unwrap();
-        assert!(matches!(alone.barrier(), Err(Error::Timeout { .. })));
+        assert!(matches!(alone.barrier_sync(), Err(Error::Timeout { .. })));
     }
 }

@@ -12,6 +12,11 @@
 //! ceiling measured in the same run (the peer copy engine across two GPUs, a local copy on one
 //! GPU or the CPU), and what each chunk needed (launches, copy-engine calls, descriptors).
 //!
+//! Nothing waits forever: the decode gives every request [`PdConfig::deadline`] from its
+//! registration (`--deadline-ms`), and a request still missing a rank's last status then fails
+//! the run with [`Error::TransferDeadline`], naming the request, the ranks and the chunks that
+//! arrived.
+//!
 //! Every process derives the same cases, chains and data from the same [`PdConfig`]: nothing
 //! but the protocol's messages travels between them.
 
@@ -43,7 +48,7 @@ use crate::shard::{Placement, ShardAllocator};
 use crate::synth::POISON;
 use crate::transfer::{
     ChunkEnd, DecodeEndpoint, DecodeEvent, Finished, PeerMethod, PoolLayout, PrefillEndpoint,
-    PrefillEvent, Registration,
+    PrefillEvent, Registration, DEFAULT_DEADLINE,
 };
 
 /// Bytes of the random source every block is a window of.
@@ -53,7 +58,8 @@ const PATTERN_SPAN: usize = 8 << 20;
 const TAIL_TOKENS: usize = 16;
 /// How long processes wait for each other to start and connect.
 pub(crate) const STARTUP: Duration = Duration::from_secs(120);
-/// How long one request may take before the decode gives up.
+/// How long a rank waits for the decodes to end a run after its last request, and what bounds
+/// a run's processes with [`STARTUP`].
 pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
 /// Prefix of the machine-readable lines the role processes print for [`run`].
 pub(crate) const TAG: &str = "@pd";
@@ -84,6 +90,9 @@ pub struct PdConfig {
     pub seed: u64,
     /// Pause between a rank's chunks (tests use it to land a kill mid-request).
     pub pace: Duration,
+    /// How long the decode waits for a request, from its registration to every rank's last
+    /// status, before the run fails with [`Error::TransferDeadline`].
+    pub deadline: Duration,
 }
 
 /// One case: a request size and the method it is sent with.
@@ -126,6 +135,7 @@ impl PdConfig {
                 gpus: Vec::new(),
                 seed: 7,
                 pace: Duration::ZERO,
+                deadline: DEFAULT_DEADLINE,
             }
         } else {
             Self {
@@ -140,6 +150,7 @@ impl PdConfig {
                 gpus: Vec::new(),
                 seed: 7,
                 pace: Duration::ZERO,
+                deadline: DEFAULT_DEADLINE,
             }
         }
     }
@@ -286,6 +297,8 @@ impl PdConfig {
             self.seed.to_string(),
             "--pace-ms".into(),
             self.pace.as_millis().to_string(),
+            "--deadline-ms".into(),
+            self.deadline.as_millis().to_string(),
         ];
         if self.cpu {
             args.push("--cpu".into());
@@ -393,8 +406,9 @@ pub(crate) fn layer_range(pool: &DevicePool, c: usize, layer: usize) -> Result<(
     Ok((offset, pool.pages() as usize * comp.block_bytes))
 }
 
-/// Fills every block of `pool` (rank `rank`'s) with its pattern window, one write per layer.
-pub fn fill_pool(backend: &dyn Backend, pool: &DevicePool, pattern: &Pattern) -> Result<()> {
+/// Fills every block of `pool` (rank `rank`'s) with its pattern window, one write per layer
+/// (each blocks the host until written).
+pub fn fill_pool_sync(backend: &dyn Backend, pool: &DevicePool, pattern: &Pattern) -> Result<()> {
     let storage = pool
         .storage()
         .ok_or_else(|| Error::InvalidArgument("pd pools are allocated by kvshard".into()))?;
@@ -420,8 +434,8 @@ pub fn fill_pool(backend: &dyn Backend, pool: &DevicePool, pattern: &Pattern) ->
 /// Checks the decode pool after `registration` was sent from `chain`: every registered block
 /// holds its source rank's pattern window, and every other block from the page before the
 /// lowest registered page to the page after the highest the poison (reading back only that
-/// window keeps large pools quick to check). Waits for `backend`.
-pub fn verify(
+/// window keeps large pools quick to check). Blocks the host until `backend` has caught up.
+pub fn verify_sync(
     backend: &dyn Backend,
     pool: &DevicePool,
     pattern: &Pattern,
@@ -432,7 +446,7 @@ pub fn verify(
     let placement = Placement::new(cfg.ranks)?;
     verify_landed(backend, pool, registration, &mut |c, layer, position| {
         let src = chain
-            .pages()
+            .pages()?
             .get(position)
             .ok_or_else(|| Error::InvalidArgument(format!("position {position} past the chain")))?;
         let block = pool.components()[c].block_bytes;
@@ -659,7 +673,8 @@ pub fn decode_role(cfg: &PdConfig, socket: &Path) -> Result<()> {
     let pattern = pattern(cfg);
     let mut endpoint =
         DecodeEndpoint::bind(socket, backend.clone(), cfg.ranks, Liveness::default())?;
-    endpoint.wait_for_ranks(STARTUP)?;
+    endpoint.set_deadline(cfg.deadline);
+    endpoint.wait_for_ranks_sync(STARTUP)?;
     let pool_id = endpoint.publish(exported)?;
     let mut watch = DecodeWatch::new(endpoint);
     for (case, c) in cfg.cases().into_iter().enumerate() {
@@ -676,7 +691,7 @@ pub fn decode_role(cfg: &PdConfig, socket: &Path) -> Result<()> {
             let registration = chain.registration(request, PoolLayout::of(&pool), 0)?;
             let start = Instant::now();
             watch.endpoint.register(pool_id, registration)?;
-            let (finished, _) = watch.wait(request)?;
+            let (finished, _) = watch.wait_sync(request)?;
             let wall_ms = start.elapsed().as_secs_f64() * 1e3;
             if !finished.is_completed() {
                 return Err(Error::Transfer {
@@ -686,7 +701,7 @@ pub fn decode_role(cfg: &PdConfig, socket: &Path) -> Result<()> {
             }
             if verified {
                 let source = cfg.prefill_chain(c.pages)?;
-                verify(
+                verify_sync(
                     b.as_ref(),
                     &pool,
                     &pattern,
@@ -718,9 +733,10 @@ impl DecodeWatch {
         }
     }
 
-    /// Takes what the ranks said within `timeout`; a rank going is an error.
-    pub(crate) fn poll(&mut self, timeout: Duration) -> Result<()> {
-        for event in self.endpoint.poll(timeout)? {
+    /// Takes what the ranks said within `timeout`; a rank going, or a request's deadline
+    /// passing ([`Error::TransferDeadline`]), is an error.
+    fn poll_sync(&mut self, timeout: Duration) -> Result<()> {
+        for event in self.endpoint.poll_sync(timeout)? {
             match event {
                 DecodeEvent::Finished(f) => {
                     self.finished.insert(f.request(), (*f, SystemTime::now()));
@@ -731,27 +747,35 @@ impl DecodeWatch {
                         why,
                     })
                 }
+                DecodeEvent::Overdue(overdue) => return Err(overdue.into()),
                 DecodeEvent::Refused { why } => println!("decode: refused a connection: {why}"),
-                _ => {}
+                DecodeEvent::Joined { .. } => {}
             }
         }
         Ok(())
     }
 
-    /// Polls until `request` has finished (within [`REQUEST_TIMEOUT`]).
-    pub(crate) fn wait(&mut self, request: u64) -> Result<(Finished, SystemTime)> {
+    /// Polls until `request`, registered with the endpoint, has finished: within the
+    /// endpoint's deadline, or [`Error::TransferDeadline`] says what never arrived.
+    pub(crate) fn wait_sync(&mut self, request: u64) -> Result<(Finished, SystemTime)> {
         let start = Instant::now();
+        // The endpoint reports a request it tracks overdue at its deadline: one still waited
+        // for a poll later was never registered there.
+        let limit = self
+            .endpoint
+            .deadline()
+            .saturating_add(Duration::from_secs(1));
         loop {
             if let Some(done) = self.finished.remove(&request) {
                 return Ok(done);
             }
-            if start.elapsed() > REQUEST_TIMEOUT {
+            if start.elapsed() > limit {
                 return Err(Error::Timeout {
-                    what: format!("request {request}"),
+                    what: format!("request {request}, which the decode never registered"),
                     waited: start.elapsed(),
                 });
             }
-            self.poll(Duration::from_millis(20))?;
+            self.poll_sync(Duration::from_millis(20))?;
         }
     }
 }
@@ -782,7 +806,7 @@ pub fn prefill_role(cfg: &PdConfig, socket: &Path, rank: u32) -> Result<PrefillS
         rank,
         cfg.prefill_pages(),
     )?);
-    fill_pool(b.as_ref(), &pool, &pattern(cfg))?;
+    fill_pool_sync(b.as_ref(), &pool, &pattern(cfg))?;
     let first = cfg
         .methods
         .first()
@@ -805,7 +829,7 @@ pub fn prefill_role(cfg: &PdConfig, socket: &Path, rank: u32) -> Result<PrefillS
         closed: false,
     };
     while !rank_loop.closed {
-        let events = rank_loop.endpoint.poll(Duration::from_millis(50))?;
+        let events = rank_loop.endpoint.poll_sync(Duration::from_millis(50))?;
         rank_loop.take(events);
         while let Some(request) = rank_loop.queue.pop_front() {
             if rank_loop.send_request(request)? {
@@ -885,13 +909,13 @@ impl RankLoop<'_> {
                     std::thread::sleep(self.cfg.pace);
                 }
                 // An abort (or the decode's end) between chunks stops the request here.
-                let events = self.endpoint.poll(Duration::ZERO)?;
+                let events = self.endpoint.poll_sync(Duration::ZERO)?;
                 self.take(events);
                 if self.closed || self.aborted.contains(&request) {
                     return Ok(false);
                 }
             }
-            match self.endpoint.send(request, chain.pages(), end) {
+            match self.endpoint.send(request, chain.pages()?, end) {
                 Ok(_) => {}
                 Err(Error::ChunkFailed { reason, .. }) => {
                     println!("rank {rank}: request {request} failed: {reason}");

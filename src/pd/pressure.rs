@@ -42,6 +42,7 @@ use crate::shard::{Placement, ShardAllocator};
 use crate::synth::POISON;
 use crate::transfer::{
     ChunkEnd, DecodeEndpoint, Finished, PeerMethod, PoolLayout, PrefillEndpoint, PrefillEvent,
+    DEFAULT_DEADLINE,
 };
 
 /// One run of the scenario across processes, identical in every process of it.
@@ -60,6 +61,10 @@ pub struct PressurePdConfig {
     pub nccl: bool,
     /// GPUs: each rank's, then each decode's; empty: the default placement (module docs).
     pub gpus: Vec<usize>,
+    /// How long a decode waits for each prompt, from its registration (both are registered up
+    /// front) to every rank's last status, before the run fails with
+    /// [`Error::TransferDeadline`].
+    pub deadline: Duration,
 }
 
 /// Where a process of the run is.
@@ -85,6 +90,7 @@ impl PressurePdConfig {
             }),
             nccl: false,
             gpus: Vec::new(),
+            deadline: DEFAULT_DEADLINE,
         }
     }
 
@@ -202,6 +208,8 @@ impl PressurePdConfig {
             super::method_name(&self.method),
             "--seed".into(),
             sc.seed.to_string(),
+            "--deadline-ms".into(),
+            self.deadline.as_millis().to_string(),
         ];
         if self.cpu {
             args.push("--cpu".into());
@@ -276,7 +284,7 @@ impl RankSends {
     /// Takes what the decodes said; a decode that closed, aborted or refused fails the rank.
     fn take(&mut self, timeout: Duration) -> Result<()> {
         for (d, ep) in self.endpoints.iter_mut().enumerate() {
-            for event in ep.poll(timeout)? {
+            for event in ep.poll_sync(timeout)? {
                 match event {
                     PrefillEvent::Closed { why, .. } => {
                         // A decode says Hello as rank 0: which decode is in `why`.
@@ -334,7 +342,7 @@ impl RankSends {
                 });
             }
             for ep in &mut self.endpoints {
-                ep.poll(Duration::from_millis(20))?;
+                ep.poll_sync(Duration::from_millis(20))?;
             }
         }
         Ok(())
@@ -360,7 +368,7 @@ impl Prompts for RankSends {
         }
         let start = self.b.record_timed()?;
         for ep in &mut self.endpoints {
-            ep.send(request, chain.pages(), end)?;
+            ep.send(request, chain.pages()?, end)?;
         }
         self.timed.push((start, self.b.record_timed()?));
         self.take(Duration::ZERO)
@@ -408,7 +416,7 @@ fn nccl_all_gather(backend: &PeerBackend, group: &GroupMemory) -> Result<AllGath
         group.publish_nccl_id(&id.to_bytes())?;
         id
     } else {
-        NcclId::from_bytes(group.nccl_id()?)
+        NcclId::from_bytes(group.nccl_id_sync()?)
     };
     Ok(AllGather::Nccl {
         group: NcclGroup::join(cuda, id, group.rank(), group.ranks())?,
@@ -552,7 +560,8 @@ pub fn decode_role(cfg: &PressurePdConfig, socket: &Path, index: u32) -> Result<
         sc.ranks,
         Liveness::default(),
     )?;
-    endpoint.wait_for_ranks(STARTUP)?;
+    endpoint.set_deadline(cfg.deadline);
+    endpoint.wait_for_ranks_sync(STARTUP)?;
     let pool_id = endpoint.publish(exported)?;
     let mut alloc = ShardAllocator::new(unsharded, pool.pages())?;
     for request in [PROMPT_1, PROMPT_2] {
@@ -566,7 +575,7 @@ pub fn decode_role(cfg: &PressurePdConfig, socket: &Path, index: u32) -> Result<
         )?;
     }
     let mut watch = DecodeWatch::new(endpoint);
-    let landed = [watch.wait(PROMPT_1)?, watch.wait(PROMPT_2)?];
+    let landed = [watch.wait_sync(PROMPT_1)?, watch.wait_sync(PROMPT_2)?];
     let mut replay = Replay::default();
     let local = Local {
         pools: Vec::new(),
@@ -642,7 +651,7 @@ fn verify_against(
             .unwrap_or(&[]);
         let block = reference.components()[c].block_bytes;
         let page = ref_chain
-            .pages()
+            .pages()?
             .get(position)
             .ok_or_else(|| Error::Verification(format!("position {position} past the chain")))?;
         let at = page.0 as usize * block;

@@ -20,7 +20,7 @@ pub use write::{ChunkStaging, OwnedRowWrite};
 use std::fmt;
 
 use crate::abi;
-use crate::backend::{AddressSpace, Backend, Buffer, MemoryKind};
+use crate::backend::{AddressSpace, Backend, Buffer, MemoryKind, Usage};
 use crate::copy::space::{packed_regions, sealed};
 use crate::copy::{BlockSpace, SpaceId};
 use crate::error::{Checked, Error, Result};
@@ -105,6 +105,9 @@ pub struct DevicePool {
     bases: Vec<Vec<u64>>,
     /// The allocation behind the pool when kvshard made it.
     storage: Option<Buffer>,
+    /// The work queued on the pool: the storage's own record, or one of its own for an
+    /// engine's buffers (the engine keeps their memory).
+    usage: Usage,
 }
 
 impl fmt::Debug for DevicePool {
@@ -174,6 +177,7 @@ impl DevicePool {
             logical_capacity,
             components,
             bases,
+            usage: storage.usage().clone(),
             storage: Some(storage),
         })
     }
@@ -248,6 +252,7 @@ impl DevicePool {
             components,
             bases,
             storage: None,
+            usage: Usage::new(None),
         })
     }
 
@@ -314,7 +319,10 @@ impl DevicePool {
         let len = self.pages as usize * self.components[c].block_bytes;
         // SAFETY: the range is one layer buffer of this pool (allocated, or promised by
         // `wrap`'s contract to hold `pages` blocks), alive as long as the pool.
-        unsafe { Buffer::from_raw(self.bases[c][layer], len, MemoryKind::Device, self.space) }
+        let raw =
+            unsafe { Buffer::from_raw(self.bases[c][layer], len, MemoryKind::Device, self.space) };
+        // Work on the layer is work on the pool: it reports to the pool's usage.
+        raw.tracked_by(&self.usage)
     }
 
     /// The bytes of block (`layer`, `page`) of `component`, read after prior work on
@@ -396,6 +404,10 @@ impl sealed::Sealed for DevicePool {
 
     fn layer_count(&self, c: usize) -> usize {
         self.bases[c].len()
+    }
+
+    fn usage(&self) -> &Usage {
+        &self.usage
     }
 }
 

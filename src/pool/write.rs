@@ -8,8 +8,11 @@ use std::sync::Arc;
 
 use super::DevicePool;
 use crate::abi;
-use crate::backend::{upload_i64s_sync, Backend, Buffer, KernelFamily, Launch, MemoryKind};
+use crate::backend::{
+    ordered, upload_reused_sync, Backend, Buffer, KernelFamily, Launch, MemoryKind,
+};
 use crate::copy::space::layer_regions;
+use crate::copy::space::sealed::Sealed as _;
 use crate::copy::BlockSpace;
 use crate::error::{Checked, Error, Result};
 use crate::geometry::{
@@ -217,12 +220,20 @@ impl OwnedRowWrite {
         let mut params = self.params;
         params.slots = slots.addr();
         params.num_slots = n as u64;
-        // SAFETY: staging and pool addresses come from the two spaces this write holds (alive
-        // with it), both checked to be in the backend's address space; the slot buffer holds
-        // `n` aligned int64s of that space; the kernel bounds-checks every slot and local row
-        // (against the pool's capacity) before writing, and reads staging rows below `n`, which
-        // is at most the staging's capacity.
-        unsafe { backend.write_rows(params, launch) }
+        let reads = [
+            self.staging.buffer.usage(),
+            slots.usage(),
+            self._pairs.usage(),
+        ];
+        ordered(backend, &reads, &[self.pool.usage()], || {
+            // SAFETY: staging and pool addresses come from the two spaces this write holds,
+            // both checked to be in the backend's address space, whose usages (and the slot
+            // buffer's and the pair table's) keep the memory until the launch has run; the
+            // slot buffer holds `n` aligned int64s of that space; the kernel bounds-checks
+            // every slot and local row (against the pool's capacity) before writing, and reads
+            // staging rows below `n`, which is at most the staging's capacity.
+            unsafe { backend.write_rows(params, launch) }
+        })
     }
 
     /// Checks `slots` on the host (every slot inside the logical capacity, on no reserved
@@ -260,8 +271,8 @@ impl OwnedRowWrite {
             }
         }
         let raw: Vec<i64> = slots.iter().map(|s| s.0 as i64).collect();
-        let buf = upload_i64s_sync(backend, &raw)?;
-        self.run(backend, &buf, slots.len(), launch)?;
+        let buf = upload_reused_sync(backend, &raw)?;
+        self.run(backend, buf.buffer(), slots.len(), launch)?;
         backend.synchronize()
     }
 }

@@ -3,8 +3,10 @@
 //! talking to each other: the allocator is deterministic and free of hashing or clocks.
 //!
 //! Layout: one free stack per owner class `c` (logical pages `l >= N` with `l % N == c`), one
-//! release list per class, and one state byte per logical page. Stacks make alloc and free
-//! O(pages); the state bytes let free tell a double free from a page that was never handed out.
+//! release list per class, and one generation per logical page. Stacks make alloc and free
+//! O(pages); the generations let free tell a double free from a page that was never handed out,
+//! and let a [`RequestChain`](crate::chain::RequestChain) tell its pages from pages freed and
+//! handed out again since it took them (docs/design.md, "Ownership").
 //! A fresh class stack holds its pages highest at the bottom, so a fresh allocator hands out
 //! each class's lowest pages first.
 //!
@@ -18,6 +20,10 @@
 //!
 //! Every multi-page operation is all-or-nothing: it validates and counts first, and touches the
 //! stacks only once the whole operation is known to succeed.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::geometry::PAGE_SIZE;
@@ -67,11 +73,89 @@ enum PageState {
     Freed,
 }
 
+impl PageState {
+    /// The state a page's generation encodes: every alloc and every free bumps it by one, so it
+    /// is 0 before the first alloc, odd while allocated and even (> 0) once freed.
+    fn of(generation: u64) -> Self {
+        match generation {
+            0 => Self::NeverAllocated,
+            g if g % 2 == 1 => Self::Allocated,
+            _ => Self::Freed,
+        }
+    }
+}
+
+/// Source of allocator identities: [`ShardAllocator::new`] and every clone take the next one, so
+/// no two allocators of the process share one.
+static NEXT_ALLOCATOR_ID: AtomicU64 = AtomicU64::new(1);
+
+/// One allocator's identity and the generation of each of its logical pages ([`PageState::of`]).
+///
+/// Shared, behind an `Arc`, by the allocator (its only writer) and the chains grown through it,
+/// so a chain checks that its pages are still its own with `&self` alone (docs/design.md,
+/// "Ownership"). The generations are atomics only because of that sharing: the allocator's
+/// `&mut self` already orders its writes, so every access is relaxed.
+pub(crate) struct PageGenerations {
+    id: u64,
+    /// Indexed by logical page.
+    pages: Vec<AtomicU64>,
+}
+
+impl PageGenerations {
+    /// The allocator's identity (what [`Error::ForeignAllocator`] names).
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The generation of `page` now (0, never handed out, for a page beyond the allocator).
+    pub(crate) fn get(&self, page: LogicalPage) -> u64 {
+        usize::try_from(page.0)
+            .ok()
+            .and_then(|p| self.pages.get(p))
+            .map_or(0, |g| g.load(Ordering::Relaxed))
+    }
+
+    /// Moves `page` (in range: the allocator checked it) to its next generation. Wrapping: a
+    /// page would need 2^64 allocs and frees to get there.
+    fn bump(&self, page: LogicalPage) {
+        let g = &self.pages[page.0 as usize];
+        g.store(g.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+    }
+
+    /// Undoes [`Self::bump`] of `page` (a failed all-or-nothing free).
+    fn unbump(&self, page: LogicalPage) {
+        let g = &self.pages[page.0 as usize];
+        g.store(g.load(Ordering::Relaxed).wrapping_sub(1), Ordering::Relaxed);
+    }
+}
+
+/// Identities are compared (what a chain's equality needs): two handles are equal when they are
+/// the same allocator's.
+impl PartialEq for PageGenerations {
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id
+    }
+}
+
+impl Eq for PageGenerations {}
+
+impl fmt::Debug for PageGenerations {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "allocator #{} ({} pages)", self.id, self.pages.len())
+    }
+}
+
 /// The logical-level rotated-owner page allocator every rank of a shard group runs identically.
 ///
-/// Clones compare equal exactly when they would behave identically from then on, which is what
-/// the all-or-nothing guarantees are tested against.
-#[derive(Debug, PartialEq, Eq)]
+/// Each allocator has an identity of its own, and the chains grown through it belong to it
+/// ([`RequestChain`](crate::chain::RequestChain)). A clone is a replica: given the same calls it
+/// hands out the same pages (so every rank may run its own copy), but it gets a new identity, and
+/// a chain belongs to the copy it grew through: pages freed in one copy are not freed in another,
+/// so a chain checked against another copy's pages would be checked against the wrong facts.
+///
+/// Clones compare equal exactly when they would hand out and free the same pages from then on
+/// (identities aside), which is what the all-or-nothing guarantees are tested against.
+#[derive(Debug)]
 pub struct ShardAllocator {
     placement: Placement,
     pages_per_rank: u64,
@@ -79,13 +163,32 @@ pub struct ShardAllocator {
     free: Vec<Vec<LogicalPage>>,
     /// Pages of each owner class freed since its last merge (in any order: a merge sorts).
     released: Vec<Vec<LogicalPage>>,
-    /// Indexed by logical page.
-    state: Vec<PageState>,
+    /// The identity and page generations, shared with the chains grown through this allocator.
+    generations: Arc<PageGenerations>,
 }
+
+impl PartialEq for ShardAllocator {
+    fn eq(&self, other: &Self) -> bool {
+        self.placement == other.placement
+            && self.pages_per_rank == other.pages_per_rank
+            && self.free == other.free
+            && self.released == other.released
+            && self.generations.pages.len() == other.generations.pages.len()
+            && self
+                .generations
+                .pages
+                .iter()
+                .zip(&other.generations.pages)
+                .all(|(a, b)| a.load(Ordering::Relaxed) == b.load(Ordering::Relaxed))
+    }
+}
+
+impl Eq for ShardAllocator {}
 
 impl Clone for ShardAllocator {
     /// Keeps each free stack's and release list's full capacity (a derived clone would trim it
-    /// to the length), so frees and merges on the clone never reallocate, as on the original.
+    /// to the length), so frees and merges on the clone never reallocate, as on the original;
+    /// copies the page generations under a new identity (see [`ShardAllocator`]).
     fn clone(&self) -> Self {
         let keep_capacity = |lists: &[Vec<LogicalPage>]| {
             lists
@@ -102,7 +205,15 @@ impl Clone for ShardAllocator {
             pages_per_rank: self.pages_per_rank,
             free: keep_capacity(&self.free),
             released: keep_capacity(&self.released),
-            state: self.state.clone(),
+            generations: Arc::new(PageGenerations {
+                id: NEXT_ALLOCATOR_ID.fetch_add(1, Ordering::Relaxed),
+                pages: self
+                    .generations
+                    .pages
+                    .iter()
+                    .map(|g| AtomicU64::new(g.load(Ordering::Relaxed)))
+                    .collect(),
+            }),
         }
     }
 }
@@ -131,9 +242,9 @@ impl ShardAllocator {
                     "{pages_per_rank} pages per rank x {shard} ranks does not fit in memory"
                 ))
             })?;
-        let mut state = Vec::new();
-        reserve(&mut state, total, "page states")?;
-        state.resize(total, PageState::NeverAllocated);
+        let mut generations = Vec::new();
+        reserve(&mut generations, total, "page generations")?;
+        generations.resize_with(total, || AtomicU64::new(0));
         let mut free = Vec::new();
         let mut released = Vec::new();
         reserve(&mut free, shard as usize, "owner classes")?;
@@ -163,8 +274,27 @@ impl ShardAllocator {
             pages_per_rank,
             free,
             released,
-            state,
+            generations: Arc::new(PageGenerations {
+                id: NEXT_ALLOCATOR_ID.fetch_add(1, Ordering::Relaxed),
+                pages: generations,
+            }),
         })
+    }
+
+    /// The identity and page generations a chain grown through this allocator keeps.
+    pub(crate) fn generations(&self) -> &Arc<PageGenerations> {
+        &self.generations
+    }
+
+    /// The generation of `page`, which must be handed out now: a page beyond the allocator, a
+    /// reserved page, or one never handed out or freed since is refused.
+    pub(crate) fn allocated_generation(&self, page: LogicalPage) -> Result<u64> {
+        self.check_page(page)?;
+        let generation = self.generations.get(page);
+        match PageState::of(generation) {
+            PageState::Allocated => Ok(generation),
+            _ => Err(Error::NotAllocated { page: page.0 }),
+        }
     }
 
     /// The placement the allocator serves.
@@ -313,13 +443,20 @@ impl ShardAllocator {
     /// Returns every page of `pages` to its owner class's release list, or none of them: a page
     /// out of range, reserved, never handed out, already free, or given twice fails the whole
     /// call.
+    ///
+    /// Raw pages are what an engine that tracks pages itself frees (radix-tree nodes, SGLang's
+    /// release list); a page freed and handed to another request since cannot be told from the
+    /// one it was. A chain's pages are freed through [`RequestChain::free`], which refuses a
+    /// stale chain.
+    ///
+    /// [`RequestChain::free`]: crate::chain::RequestChain::free
     pub fn free(&mut self, pages: &[LogicalPage]) -> Result<()> {
         // Marking pages freed as we go catches duplicates within the call; on error the marks
         // made so far are undone, and they all belonged to distinct pages that were allocated.
         for (i, &page) in pages.iter().enumerate() {
             if let Err(e) = self.mark_freed(page) {
                 for &done in &pages[..i] {
-                    self.state[done.0 as usize] = PageState::Allocated;
+                    self.generations.unbump(done);
                 }
                 return Err(e);
             }
@@ -334,14 +471,12 @@ impl ShardAllocator {
 
     /// Whether logical page `page` is currently handed out.
     pub fn is_allocated(&self, page: LogicalPage) -> bool {
-        usize::try_from(page.0)
-            .ok()
-            .and_then(|p| self.state.get(p))
-            .is_some_and(|&s| s == PageState::Allocated)
+        PageState::of(self.generations.get(page)) == PageState::Allocated
     }
 
-    fn mark_freed(&mut self, page: LogicalPage) -> Result<()> {
-        let limit = self.state.len() as u64;
+    /// Refuses a page beyond the allocator or a reserved one.
+    fn check_page(&self, page: LogicalPage) -> Result<()> {
+        let limit = self.generations.pages.len() as u64;
         if page.0 >= limit {
             return Err(Error::OutOfRange {
                 what: "logical page",
@@ -352,10 +487,14 @@ impl ShardAllocator {
         if self.placement.is_reserved(page) {
             return Err(self.reserved(page));
         }
-        let state = &mut self.state[page.0 as usize];
-        match *state {
+        Ok(())
+    }
+
+    fn mark_freed(&mut self, page: LogicalPage) -> Result<()> {
+        self.check_page(page)?;
+        match PageState::of(self.generations.get(page)) {
             PageState::Allocated => {
-                *state = PageState::Freed;
+                self.generations.bump(page);
                 Ok(())
             }
             PageState::Freed => Err(Error::DoubleFree { page: page.0 }),
@@ -470,7 +609,7 @@ impl ShardAllocator {
 
     fn mark_allocated(&mut self, pages: &[LogicalPage]) {
         for &page in pages {
-            self.state[page.0 as usize] = PageState::Allocated;
+            self.generations.bump(page);
         }
     }
 }

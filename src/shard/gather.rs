@@ -115,8 +115,9 @@ pub struct GatherRequest<'a> {
 impl<'a> GatherRequest<'a> {
     /// The request of `chain` whose first `prefix_pages` pages are its cached prefix and whose
     /// remaining pages are its current chunk (an engine grows the chain for the chunk first).
+    /// Refused for a stale chain ([`RequestChain::pages`]).
     pub fn of_chain(chain: &'a RequestChain, prefix_pages: usize) -> Result<Self> {
-        let pages = chain.pages();
+        let pages = chain.pages()?;
         if prefix_pages > pages.len() {
             return Err(Error::OutOfRange {
                 what: "cached prefix pages",

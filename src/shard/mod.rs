@@ -12,6 +12,7 @@ pub use admission::{
     evict_until_allocatable, Admission, AdmissionLimits, Candidate, Decision, Deferral, Eviction,
     EvictionStall,
 };
+pub(crate) use allocator::PageGenerations;
 pub use allocator::{AllocRequest, Allocation, ChainStart, ShardAllocator};
 pub use gather::{GatherPlan, GatherRequest, ScratchLayout};
 pub use placement::Placement;

@@ -12,10 +12,29 @@
 //! every rank has reported its last status (the other ranks may still be writing into its pages,
 //! unless told to [`Sender::abort`]), then hands its registration back so the pages can be
 //! freed. A finished request leaves no state behind on either side.
+//!
+//! Nothing hangs silently:
+//! - **Deadlines.** Every request the [`Receiver`] tracks has a deadline, counted from its
+//!   registration ([`DEFAULT_DEADLINE`], or [`Receiver::with_deadline`], or per request
+//!   [`Receiver::register_with_deadline`]). [`Receiver::expire`] returns each request whose
+//!   deadline passed before every rank's last status as an [`Overdue`] (the
+//!   [`Error::TransferDeadline`] it converts into): the request, and per rank whose last status
+//!   never came, the chunks that did. A missing final chunk, a rank that went silent and a
+//!   status that was never delivered all end there, within the deadline. The request is then
+//!   failed, but its pages stay held until every rank has reported its last status (abort the
+//!   ranks named; a rank that can write no more, its process gone, is answered for with a
+//!   failed status at the chunk it owes): a rank that is only late may still be writing them.
+//! - **Dropped chunks.** A [`PendingChunk`] dropped before its status was taken (by
+//!   [`PendingChunk::poll`] or [`PendingChunk::wait_sync`]) is reported by its [`Sender`]: the
+//!   next [`Sender::send`] of the request fails with [`Error::ChunkFailed`] naming the dropped
+//!   chunk, and [`Sender::take_dropped`] hands out its failed status (what the decode side
+//!   must hear) for a request that is sent no more. The engine delivers that status like any
+//!   other failure; a status never delivered still ends at the decode side's deadline.
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use super::exec::{Completion, Transport};
 use super::plan::{ChunkRange, PrefillRank, Registration, SendPlan};
@@ -30,6 +49,12 @@ use crate::pool::DevicePool;
 /// Most prefill ranks one request may be sent by: a bound on what a registration makes the
 /// decode side hold, far above any context-parallel group.
 pub const MAX_PREFILL_RANKS: u32 = 4096;
+
+/// How long the decode side waits for a request by default, from its registration to every
+/// prefill rank's last status: SGLang's decode waits as long for a request's KV
+/// (`SGLANG_DISAGGREGATION_WAITING_TIMEOUT`, 300 s), long enough for a long prompt's chunked
+/// prefill queued behind others, short enough that a lost request's pages come back.
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(300);
 
 /// Where a chunk ends: the tokens of the request prefilled so far.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -129,8 +154,23 @@ struct Outgoing {
     sent_until: usize,
 }
 
+/// A chunk dropped before its status was taken.
+#[derive(Debug, Clone, Copy)]
+struct Dropped {
+    request: u64,
+    chunk: u32,
+}
+
+/// The chunks dropped before their status was taken, in drop order, shared by a [`Sender`]
+/// and its [`PendingChunk`]s.
+type DroppedQueue = Mutex<Vec<Dropped>>;
+
 /// A chunk on its way: poll it or wait for it. Its status goes to the decode side once it has
 /// landed; a failure comes back as [`Error::ChunkFailed`], never as a status to overlook.
+///
+/// Dropped before its status was taken ([`Self::poll`] returning a status or an error,
+/// [`Self::wait_sync`]), it is reported to its [`Sender`] (module docs: dropped chunks): the
+/// decode side would otherwise wait for a status that never comes.
 #[must_use = "a chunk's status must reach the decode side once it has landed"]
 pub struct PendingChunk {
     request: u64,
@@ -139,6 +179,10 @@ pub struct PendingChunk {
     last: bool,
     bytes: ComponentBytes,
     completion: Box<dyn Completion>,
+    /// Whether the chunk's status (or its failure) was handed out.
+    delivered: bool,
+    /// Where a drop before then is reported (nowhere once the sender is gone).
+    dropped: Weak<DroppedQueue>,
 }
 
 impl fmt::Debug for PendingChunk {
@@ -195,21 +239,55 @@ impl PendingChunk {
         }
     }
 
-    /// The chunk's status once it has landed (`None` while it is still moving).
+    /// The chunk's status once it has landed (`None` while it is still moving). Never blocks.
     pub fn poll(&mut self) -> Result<Option<ChunkStatus>> {
         match self.completion.poll() {
-            Ok(true) => Ok(Some(self.sent())),
+            Ok(true) => {
+                self.delivered = true;
+                Ok(Some(self.sent()))
+            }
             Ok(false) => Ok(None),
+            Err(e) => {
+                self.delivered = true;
+                Err(self.failed(e))
+            }
+        }
+    }
+
+    /// Blocks the host until the chunk has landed ([`Completion::wait_sync`]) and returns its
+    /// status.
+    pub fn wait_sync(mut self) -> Result<ChunkStatus> {
+        self.delivered = true;
+        match self.completion.wait_sync() {
+            Ok(()) => Ok(self.sent()),
             Err(e) => Err(self.failed(e)),
         }
     }
 
-    /// Waits until the chunk has landed and returns its status.
-    pub fn wait(mut self) -> Result<ChunkStatus> {
-        match self.completion.wait() {
-            Ok(()) => Ok(self.sent()),
-            Err(e) => Err(self.failed(e)),
+    /// The status the chunk will have once it has landed, handed out now: for a transport that
+    /// reports a chunk ahead of its copy, covered by an event the decode side waits for
+    /// (`PrefillEndpoint` on a GPU). Keep the chunk and poll it to see a failure in flight.
+    pub(crate) fn reported(&mut self) -> ChunkStatus {
+        self.delivered = true;
+        self.sent()
+    }
+}
+
+impl Drop for PendingChunk {
+    fn drop(&mut self) {
+        if self.delivered {
+            return;
         }
+        let Some(queue) = self.dropped.upgrade() else {
+            return;
+        };
+        queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Dropped {
+                request: self.request,
+                chunk: self.chunk,
+            });
     }
 }
 
@@ -222,6 +300,8 @@ pub struct Sender {
     transport: Box<dyn Transport>,
     requests: HashMap<u64, Outgoing>,
     sent: ComponentBytes,
+    /// Chunks dropped before their status was taken, reported by their [`PendingChunk`]s.
+    dropped: Arc<DroppedQueue>,
 }
 
 impl fmt::Debug for Sender {
@@ -243,6 +323,7 @@ impl Sender {
             transport,
             requests: HashMap::new(),
             sent: ComponentBytes::default(),
+            dropped: Arc::default(),
         }
     }
 
@@ -294,10 +375,12 @@ impl Sender {
     ///
     /// A chunk that cannot be planned or enqueued fails the request on this rank (it is
     /// closed here) and comes back as [`Error::ChunkFailed`]; a failure while the chunk moves
-    /// comes back the same way from [`PendingChunk::poll`] / [`PendingChunk::wait`], and the
+    /// comes back the same way from [`PendingChunk::poll`] / [`PendingChunk::wait_sync`], and the
     /// engine then [`Sender::close`]s the request. Either way, deliver
-    /// [`ChunkStatus::from_error`] to the decode side: it is the rank's last status. A request that is not open is an
-    /// [`Error::Transfer`].
+    /// [`ChunkStatus::from_error`] to the decode side: it is the rank's last status. So is a
+    /// chunk of the request dropped before its status was taken: the request is closed and this
+    /// call fails with the dropped chunk's [`Error::ChunkFailed`]. A request that is not open is
+    /// an [`Error::Transfer`].
     pub fn send(
         &mut self,
         request: u64,
@@ -305,6 +388,15 @@ impl Sender {
         end: ChunkEnd,
     ) -> Result<PendingChunk> {
         let rank = self.source.rank;
+        if let Some(chunk) = self.dropped_of(request) {
+            self.requests.remove(&request);
+            return Err(Error::ChunkFailed {
+                request,
+                rank,
+                chunk,
+                reason: dropped_reason(chunk, rank),
+            });
+        }
         let Some(out) = self.requests.get_mut(&request) else {
             return Err(Error::Transfer {
                 request,
@@ -345,6 +437,8 @@ impl Sender {
                     last,
                     bytes,
                     completion,
+                    delivered: false,
+                    dropped: Arc::downgrade(&self.dropped),
                 })
             }
             Err(e) => {
@@ -361,9 +455,14 @@ impl Sender {
 
     /// Gives up on `request` on this rank (the decode side failed it, a chunk failed while
     /// moving, or the prefill was cancelled): the returned failed status is the rank's last
-    /// for the request.
+    /// for the request. When a chunk of it was dropped before its status was taken, that
+    /// chunk's failure is the status (the decode side expects no later chunk).
     pub fn abort(&mut self, request: u64, reason: &str) -> Result<ChunkStatus> {
-        let Some(out) = self.requests.remove(&request) else {
+        let open = self.requests.remove(&request);
+        if let Some(chunk) = self.dropped_of(request) {
+            return Ok(self.dropped_status(request, chunk));
+        }
+        let Some(out) = open else {
             return Err(Error::Transfer {
                 request,
                 reason: format!(
@@ -384,18 +483,73 @@ impl Sender {
 
     /// Closes `request` on this rank without a status of its own: after one of its chunks
     /// failed while moving, the failure ([`ChunkStatus::from_error`]) already is the rank's last
-    /// status for the request, and the decode side takes no other.
+    /// status for the request, and the decode side takes no other (a chunk of it dropped since
+    /// is forgotten with it).
     pub fn close(&mut self, request: u64) -> Result<()> {
-        self.requests
-            .remove(&request)
-            .map(|_| ())
-            .ok_or_else(|| Error::Transfer {
+        let dropped = self.dropped_of(request).is_some();
+        match self.requests.remove(&request) {
+            Some(_) => Ok(()),
+            None if dropped => Ok(()),
+            None => Err(Error::Transfer {
                 request,
                 reason: format!(
                     "cannot close: not open on prefill rank {}",
                     self.source.rank
                 ),
+            }),
+        }
+    }
+
+    /// The failed statuses of chunks dropped before their status was taken, one per request
+    /// (its earliest dropped chunk), in the order they were dropped; each is handed out once,
+    /// here or by [`Sender::send`] / [`Sender::abort`]. Deliver each to the decode side: it is
+    /// the rank's last status for its request, which is closed here. Call it regularly (every
+    /// scheduling step): a dropped final chunk is reported nowhere else.
+    pub fn take_dropped(&mut self) -> Vec<ChunkStatus> {
+        let dropped = std::mem::take(&mut *self.lock_dropped());
+        let mut earliest: Vec<Dropped> = Vec::new();
+        for d in dropped {
+            match earliest.iter_mut().find(|e| e.request == d.request) {
+                Some(e) => e.chunk = e.chunk.min(d.chunk),
+                None => earliest.push(d),
+            }
+        }
+        earliest
+            .into_iter()
+            .map(|d| {
+                self.requests.remove(&d.request);
+                self.dropped_status(d.request, d.chunk)
             })
+            .collect()
+    }
+
+    fn lock_dropped(&self) -> std::sync::MutexGuard<'_, Vec<Dropped>> {
+        self.dropped.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes every dropped chunk of `request` from the queue; returns the earliest.
+    fn dropped_of(&mut self, request: u64) -> Option<u32> {
+        let mut earliest: Option<u32> = None;
+        self.lock_dropped().retain(|d| {
+            if d.request != request {
+                return true;
+            }
+            earliest = Some(earliest.map_or(d.chunk, |e| e.min(d.chunk)));
+            false
+        });
+        earliest
+    }
+
+    /// The failed status of dropped chunk `chunk` of `request`.
+    fn dropped_status(&self, request: u64, chunk: u32) -> ChunkStatus {
+        ChunkStatus {
+            request,
+            rank: self.source.rank,
+            chunk,
+            result: ChunkResult::Failed {
+                reason: dropped_reason(chunk, self.source.rank),
+            },
+        }
     }
 
     /// Requests open on this rank (neither finished nor failed).
@@ -412,6 +566,13 @@ impl Sender {
     pub fn stats(&self) -> Option<TransferStats> {
         self.transport.stats()
     }
+}
+
+/// Why a dropped chunk failed its request.
+fn dropped_reason(chunk: u32, rank: u32) -> String {
+    format!(
+        "chunk {chunk} was dropped on prefill rank {rank} before its status was taken, so the decode side never heard of it"
+    )
 }
 
 /// A rank's failure of a request.
@@ -474,8 +635,11 @@ pub struct Progress {
     pub ranks: u32,
     /// Ranks that have reported their last status.
     pub ranks_done: u32,
-    /// Whether some rank failed it (it then only waits for the others' last statuses).
+    /// Whether some rank failed it, or its deadline passed (it then only waits for the others'
+    /// last statuses).
     pub failed: bool,
+    /// Whether its deadline passed ([`Receiver::expire`] reported it).
+    pub overdue: bool,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -485,28 +649,136 @@ struct RankProgress {
     bytes: ComponentBytes,
 }
 
+/// What arrived from one prefill rank of a request that is overdue: every chunk before
+/// `received`, in order, and not its last status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MissingChunks {
+    /// The prefill rank.
+    pub rank: u32,
+    /// Chunks whose status arrived: `0..received`. Chunk `received` and every later one, the
+    /// final chunk among them, never did.
+    pub received: u32,
+}
+
+impl fmt::Display for MissingChunks {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.received {
+            0 => write!(
+                f,
+                "prefill rank {}: no chunk arrived (chunk 0 onward missing, the final chunk among them)",
+                self.rank
+            ),
+            n => write!(
+                f,
+                "prefill rank {}: chunks 0..={} arrived, chunk {n} onward missing (the final chunk among them)",
+                self.rank,
+                n - 1
+            ),
+        }
+    }
+}
+
+/// A request whose deadline passed before every prefill rank had reported its last status:
+/// what [`Receiver::expire`] returns, and the [`Error::TransferDeadline`] it converts into.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Overdue {
+    /// Request id.
+    pub request: u64,
+    /// The request's deadline, counted from its registration.
+    pub deadline: Duration,
+    /// Prefill ranks sending it.
+    pub ranks: u32,
+    /// The ranks whose last status never came, in rank order, with the chunks that did.
+    pub missing: Vec<MissingChunks>,
+}
+
+impl fmt::Display for Overdue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "request {}: no last status within its deadline of {:?} from {} of its {} prefill ranks",
+            self.request,
+            self.deadline,
+            self.missing.len(),
+            self.ranks
+        )?;
+        for m in &self.missing {
+            write!(f, "; {m}")?;
+        }
+        Ok(())
+    }
+}
+
+impl From<Overdue> for Error {
+    fn from(overdue: Overdue) -> Self {
+        Error::TransferDeadline(overdue)
+    }
+}
+
 #[derive(Debug)]
 struct Incoming {
     registration: Registration,
     ranks: Vec<RankProgress>,
     failures: Vec<RankFailure>,
+    deadline: Duration,
+    /// When the deadline passes (`None`: never, a deadline too long for the clock).
+    due: Option<Instant>,
+    /// Whether [`Receiver::expire`] has reported it.
+    overdue: bool,
 }
 
-/// The decode side: tracks the chunk statuses of every registered request.
-#[derive(Debug, Default)]
+/// The decode side: tracks the chunk statuses of every registered request, each within its
+/// deadline (module docs).
+#[derive(Debug)]
 pub struct Receiver {
     requests: HashMap<u64, Incoming>,
+    deadline: Duration,
+}
+
+impl Default for Receiver {
+    fn default() -> Self {
+        Self::with_deadline(DEFAULT_DEADLINE)
+    }
 }
 
 impl Receiver {
-    /// A receiver tracking nothing.
+    /// A receiver tracking nothing, its requests due [`DEFAULT_DEADLINE`] after registration.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// A receiver tracking nothing, its requests due `deadline` after registration.
+    pub fn with_deadline(deadline: Duration) -> Self {
+        Self {
+            requests: HashMap::new(),
+            deadline,
+        }
+    }
+
+    /// The deadline of requests registered without one of their own.
+    pub fn deadline(&self) -> Duration {
+        self.deadline
+    }
+
+    /// Sets the deadline of requests registered from now on without one of their own.
+    pub fn set_deadline(&mut self, deadline: Duration) {
+        self.deadline = deadline;
+    }
+
     /// Starts tracking a request sent by `prefill_ranks` ranks (the prefill group's N, at most
-    /// [`MAX_PREFILL_RANKS`]). The registration is validated first.
+    /// [`MAX_PREFILL_RANKS`]), due [`Receiver::deadline`] from now. The registration is
+    /// validated first.
     pub fn register(&mut self, registration: Registration, prefill_ranks: u32) -> Result<()> {
+        self.register_with_deadline(registration, prefill_ranks, self.deadline)
+    }
+
+    /// [`Receiver::register`], the request due `deadline` from now.
+    pub fn register_with_deadline(
+        &mut self,
+        registration: Registration,
+        prefill_ranks: u32,
+        deadline: Duration,
+    ) -> Result<()> {
         let request = registration.request;
         if prefill_ranks == 0 || prefill_ranks > MAX_PREFILL_RANKS {
             return Err(Error::Transfer {
@@ -529,9 +801,59 @@ impl Receiver {
                 registration,
                 ranks: vec![RankProgress::default(); prefill_ranks as usize],
                 failures: Vec::new(),
+                deadline,
+                due: Instant::now().checked_add(deadline),
+                overdue: false,
             },
         );
         Ok(())
+    }
+
+    /// Fails every request whose deadline has passed before every rank reported its last
+    /// status, and returns each once, in request order, naming the ranks whose last status
+    /// never came and the chunks that did. Call it regularly (what the waits of the endpoints
+    /// do). Never blocks.
+    ///
+    /// An overdue request is failed (each missing rank's failure is recorded at the chunk it
+    /// owes) but still tracked: a rank that is only late may still write its pages, so they are
+    /// handed back ([`Finished`], failed) once every rank has reported its last status. Tell
+    /// the ranks named to abort it; for a rank that can write no more (its process is gone),
+    /// [`Receiver::receive`] a failed status at the chunk it owes (`received`).
+    pub fn expire(&mut self) -> Vec<Overdue> {
+        let now = Instant::now();
+        let mut overdue: Vec<Overdue> = Vec::new();
+        for (&request, incoming) in &mut self.requests {
+            if incoming.overdue || incoming.due.is_none_or(|due| now < due) {
+                continue;
+            }
+            incoming.overdue = true;
+            let missing: Vec<MissingChunks> = (0u32..)
+                .zip(&incoming.ranks)
+                .filter(|(_, p)| !p.done)
+                .map(|(rank, p)| MissingChunks {
+                    rank,
+                    received: p.next_chunk,
+                })
+                .collect();
+            for m in &missing {
+                incoming.failures.push(RankFailure {
+                    rank: m.rank,
+                    chunk: m.received,
+                    reason: format!(
+                        "no last status within the request's deadline of {:?}",
+                        incoming.deadline
+                    ),
+                });
+            }
+            overdue.push(Overdue {
+                request,
+                deadline: incoming.deadline,
+                ranks: incoming.ranks.len() as u32,
+                missing,
+            });
+        }
+        overdue.sort_unstable_by_key(|o| o.request);
+        overdue
     }
 
     /// Takes one status. Returns the finished request once every rank has reported its last
@@ -608,6 +930,7 @@ impl Receiver {
             ranks: i.ranks.len() as u32,
             ranks_done: i.ranks.iter().filter(|p| p.done).count() as u32,
             failed: !i.failures.is_empty(),
+            overdue: i.overdue,
         })
     }
 

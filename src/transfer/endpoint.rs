@@ -42,6 +42,12 @@
 //!   held until it does). When the decode is gone, a prefill fails every request it was sending,
 //!   waits for its own copies to land and unmaps the pools ([`PrefillEvent::Closed`]); the engine
 //!   then frees the requests' pages.
+//! - **Deadlines.** Every request is due [`DecodeEndpoint::deadline`] after its registration
+//!   ([`DEFAULT_DEADLINE`](super::DEFAULT_DEADLINE) unless [`DecodeEndpoint::set_deadline`]
+//!   says otherwise). A request still missing a rank's last status then (a final chunk never
+//!   sent, a rank alive but silent about it) is reported as [`DecodeEvent::Overdue`], naming the
+//!   ranks and the chunks that did arrive, and those ranks are told to abort it; it is handed
+//!   back, failed, once they have answered (or are gone and have exited), as any failed request.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::fd::AsFd;
@@ -50,7 +56,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::completion::{
-    ChunkEnd, ChunkResult, ChunkStatus, Finished, PendingChunk, Receiver, Sender,
+    ChunkEnd, ChunkResult, ChunkStatus, Finished, Overdue, PendingChunk, Receiver, Sender,
 };
 use super::peer::{PeerMethod, PeerStats, PeerTransport};
 use super::plan::{PoolLayout, Registration};
@@ -71,8 +77,9 @@ use crate::pool::DevicePool;
 /// behind still waits for the chunk it asks about rather than a much later one.
 pub const CHUNK_EVENTS: usize = 4;
 
-/// Longest a [`DecodeEndpoint::poll`] sleeps between looks at what its socket poll cannot see:
-/// new connections, events of chunks reported ahead of their copies, exits of gone ranks.
+/// Longest a [`DecodeEndpoint::poll_sync`] sleeps between looks at what its socket poll cannot
+/// see: new connections, events of chunks reported ahead of their copies, exits of gone ranks,
+/// deadlines passing.
 const LOOK_AGAIN: Duration = Duration::from_millis(20);
 /// The same while a status waits for its event.
 const LOOK_AGAIN_EVENTS: Duration = Duration::from_micros(50);
@@ -220,6 +227,11 @@ pub enum DecodeEvent {
         /// Requests it had not finished.
         failed: Vec<u64>,
     },
+    /// A request's deadline passed before every rank had reported its last status (the
+    /// [`Error::TransferDeadline`] it converts into): it is failed, the ranks named were told
+    /// to abort it, and it is handed back ([`DecodeEvent::Finished`]) once they have answered,
+    /// or are gone and have exited.
+    Overdue(Overdue),
 }
 
 /// The decode side of cross-process P/D: publishes pools, registers requests with every prefill
@@ -300,9 +312,20 @@ impl DecodeEndpoint {
         ranks
     }
 
-    /// Waits up to `timeout` until every rank of the group is connected; what happened meanwhile
-    /// is kept for the next [`DecodeEndpoint::poll`].
-    pub fn wait_for_ranks(&mut self, timeout: Duration) -> Result<()> {
+    /// How long a request may take, from its registration to every rank's last status, before
+    /// it is reported [`DecodeEvent::Overdue`].
+    pub fn deadline(&self) -> Duration {
+        self.receiver.deadline()
+    }
+
+    /// Sets the deadline of requests registered from now on (module docs: deadlines).
+    pub fn set_deadline(&mut self, deadline: Duration) {
+        self.receiver.set_deadline(deadline);
+    }
+
+    /// Blocks the host up to `timeout` until every rank of the group is connected; what
+    /// happened meanwhile is kept for the next [`DecodeEndpoint::poll_sync`].
+    pub fn wait_for_ranks_sync(&mut self, timeout: Duration) -> Result<()> {
         let start = Instant::now();
         while self.links.len() < self.shard as usize {
             let elapsed = start.elapsed();
@@ -375,7 +398,8 @@ impl DecodeEndpoint {
     }
 
     /// Registers a request with every rank of the group: its pages of pool `pool` (an id from
-    /// [`DecodeEndpoint::publish`]) are written by the ranks from now on. Refused, changing
+    /// [`DecodeEndpoint::publish`]) are written by the ranks from now on, within
+    /// [`DecodeEndpoint::deadline`] from now. Refused, changing
     /// nothing, when the registration does not validate, does not describe the pool, or a rank
     /// is not connected.
     pub fn register(&mut self, pool: u64, registration: Registration) -> Result<()> {
@@ -457,10 +481,11 @@ impl DecodeEndpoint {
         self.requests.len() + self.held.len()
     }
 
-    /// Waits up to `timeout` for something to happen and returns what did (empty when nothing
-    /// did): ranks joining or going, requests finishing. Call it regularly: it also accepts
-    /// connections, takes statuses whose copies have landed and notices silent ranks.
-    pub fn poll(&mut self, timeout: Duration) -> Result<Vec<DecodeEvent>> {
+    /// Blocks the host up to `timeout` (zero: not at all) for something to happen and returns
+    /// what did (empty when nothing did): ranks joining or going, requests finishing or overdue.
+    /// Call it regularly: it also accepts connections, takes statuses whose copies have landed,
+    /// notices silent ranks and passed deadlines.
+    pub fn poll_sync(&mut self, timeout: Duration) -> Result<Vec<DecodeEvent>> {
         let start = Instant::now();
         let mut out = std::mem::take(&mut self.backlog);
         self.step(Duration::ZERO, &mut out)?;
@@ -483,14 +508,31 @@ impl DecodeEndpoint {
     }
 
     /// One round: accepts waiting connections, takes messages (waiting up to `wait` for the
-    /// first), takes statuses whose copies landed, hands back held requests whose gone ranks
-    /// have exited.
+    /// first), takes statuses whose copies landed, reports overdue requests, hands back held
+    /// requests whose gone ranks have exited.
     fn step(&mut self, wait: Duration, out: &mut Vec<DecodeEvent>) -> Result<()> {
         self.accept_pending(out);
         self.receive_ready(wait, out)?;
         self.release_landed(out)?;
+        self.expire(out);
         self.release_held(out);
         Ok(())
+    }
+
+    /// Reports every request whose deadline passed (statuses that landed counted first) and
+    /// tells the ranks it misses to abort it: each answers with a failed status, which hands
+    /// the request back once every rank has.
+    fn expire(&mut self, out: &mut Vec<DecodeEvent>) {
+        for overdue in self.receiver.expire() {
+            let reason = format!(
+                "the decode's deadline of {:?} for it passed",
+                overdue.deadline
+            );
+            // Registered here as long as the receiver tracks it, so the abort cannot fail.
+            let _ = self.abort(overdue.request, &reason);
+            out.push(DecodeEvent::Overdue(overdue));
+            out.append(&mut self.backlog);
+        }
     }
 
     /// Accepts every connection waiting now.
@@ -992,10 +1034,10 @@ impl PrefillEndpoint {
         self.closed.as_deref()
     }
 
-    /// Waits up to `timeout` for something to happen and returns what did: pools, registrations
-    /// and aborts from the decode, or the end of the connection. Call it regularly: it also
-    /// notices copies that failed after they were reported.
-    pub fn poll(&mut self, timeout: Duration) -> Result<Vec<PrefillEvent>> {
+    /// Blocks the host up to `timeout` (zero: not at all) for something to happen and returns
+    /// what did: pools, registrations and aborts from the decode, or the end of the connection.
+    /// Call it regularly: it also notices copies that failed after they were reported.
+    pub fn poll_sync(&mut self, timeout: Duration) -> Result<Vec<PrefillEvent>> {
         let start = Instant::now();
         let mut out = std::mem::take(&mut self.backlog);
         loop {
@@ -1021,7 +1063,8 @@ impl PrefillEndpoint {
     /// Sends the next chunk of `request` (registered with this rank; the first send opens it):
     /// `src_pages` is the request's logical page of every sequence position prefilled so far.
     /// The chunk is reported to the decode (on the GPU as soon as it is enqueued, its event
-    /// recorded; on the CPU once it has landed). Returns the bytes it moves.
+    /// recorded: nothing waits; on the CPU twin, whose copies run on the calling thread, once it
+    /// has landed). Returns the bytes it moves.
     ///
     /// A chunk that cannot be planned or enqueued fails the request on both sides and comes
     /// back as [`Error::ChunkFailed`]; a closed endpoint is [`Error::PeerGone`].
@@ -1065,16 +1108,12 @@ impl PrefillEndpoint {
                     self.open.remove(&request);
                 }
                 let status = if self.events.is_some() {
-                    let status = ChunkStatus {
-                        request,
-                        rank: self.rank(),
-                        chunk: pending.chunk(),
-                        result: ChunkResult::Sent { bytes, last },
-                    };
+                    let mut pending = pending;
+                    let status = pending.reported();
                     self.inflight.push_back(pending);
                     status
                 } else {
-                    match pending.wait() {
+                    match pending.wait_sync() {
                         Ok(status) => status,
                         Err(e) => return Err(self.failed_chunk(request, e)),
                     }
@@ -1125,8 +1164,9 @@ impl PrefillEndpoint {
         }
     }
 
-    /// Says goodbye to the decode and closes the connection.
-    pub fn bye(mut self) -> Result<()> {
+    /// Says goodbye to the decode and closes the connection, once this rank's reported copies
+    /// have landed: blocks the host until the device has passed them.
+    pub fn bye_sync(mut self) -> Result<()> {
         self.drain_inflight();
         match self.channel.take() {
             Some(channel) => channel.bye(),
@@ -1266,7 +1306,7 @@ impl PrefillEndpoint {
     /// Waits for every reported copy (errors are moot once the endpoint closes).
     fn drain_inflight(&mut self) {
         for pending in self.inflight.drain(..) {
-            let _ = pending.wait();
+            let _ = pending.wait_sync();
         }
     }
 

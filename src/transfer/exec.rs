@@ -172,11 +172,13 @@ pub fn block_copies(
 
 /// A submitted chunk's completion: poll it, or wait for it.
 pub trait Completion: Send {
-    /// Whether everything the chunk moved has landed; a failure is an `Err`.
+    /// Whether everything the chunk moved has landed; a failure is an `Err`. Never blocks.
     fn poll(&mut self) -> Result<bool>;
 
-    /// Waits until everything the chunk moved has landed, or returns the failure.
-    fn wait(&mut self) -> Result<()>;
+    /// Blocks the host until everything the chunk moved has landed, or returns the failure: on
+    /// a stream, until the device has passed the chunk's event; on a transfer engine, at most
+    /// its transfer timeout.
+    fn wait_sync(&mut self) -> Result<()>;
 
     /// Once the chunk has landed, how long it took to move, when the transport knows better
     /// than the host's wall clock (device events, a transfer engine's telemetry).
@@ -249,7 +251,7 @@ impl Completion for StreamCompletion {
         }
     }
 
-    fn wait(&mut self) -> Result<()> {
+    fn wait_sync(&mut self) -> Result<()> {
         if let Some(e) = &self.event {
             self.backend.wait_event_sync(e)?;
         }
@@ -371,11 +373,15 @@ impl BackendTransport {
                         "a transfer space",
                     )?;
                 }
-                // SAFETY: every range lies inside a (component, layer) buffer of the two spaces
-                // (DescriptorBatch::resolve checked every run against their pages, layers and
-                // blocks), which are in the backend's address space (checked above) and kept
-                // alive by the completion until the stream has passed the copies.
-                unsafe { backend.memcpy_batch(batch.ranges())? };
+                let (from, to) = (src_space.usage(), dst_space.usage());
+                crate::backend::ordered(backend.as_ref(), &[from], &[to], || {
+                    // SAFETY: every range lies inside a (component, layer) buffer of the two
+                    // spaces (DescriptorBatch::resolve checked every run against their pages,
+                    // layers and blocks), which are in the backend's address space (checked
+                    // above) and kept alive by their usages and the completion until the stream
+                    // has passed the copies.
+                    unsafe { backend.memcpy_batch(batch.ranges()) }
+                })?;
             }
         }
         Ok(Box::new(StreamCompletion {

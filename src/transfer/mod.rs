@@ -8,9 +8,12 @@
 //!                              per chunk: SendPlan (plain data, CPU, no backend)
 //!                                         Transport::submit -> Completion (kernel, copy
 //!                                         engine, CPU reference, peer map, NIXL, ...)
-//!                              PendingChunk::poll / wait -> ChunkStatus, or Err(ChunkFailed)
+//!                              PendingChunk::poll / wait_sync -> ChunkStatus, or
+//!                              Err(ChunkFailed); a chunk dropped undelivered: Sender::send /
+//!                              take_dropped report it
 //! Receiver::receive <─(wire)── ChunkStatus (bytes per component, or the failure)
 //! Finished: after one final status from each of the N ranks
+//! Receiver::expire: Overdue (Error::TransferDeadline) when the deadline passes first
 //! ```
 //!
 //! - [`plan`]: pairs source and destination pages by logical page position, keeps this rank's
@@ -20,7 +23,8 @@
 //! - [`exec`]: the [`Transport`] trait and the in-process [`BackendTransport`]; the
 //!   [`DescriptorBatch`] of absolute ranges network engines take.
 //! - [`completion`]: the per-rank [`Sender`] and the decode-side [`Receiver`] that completes a
-//!   request only once every rank has reported its final chunk, and fails it on any failure.
+//!   request only once every rank has reported its final chunk, fails it on any failure, and
+//!   reports it [`Overdue`] when its deadline passes first.
 //! - [`peer`]: [`PeerTransport`], sending into a decode pool of another process mapped into this
 //!   one (one launch per chunk, a copy-engine batch, or the per-block baseline);
 //! - [`endpoint`]: the cross-process protocol as library types, [`DecodeEndpoint`] and
@@ -43,8 +47,8 @@ use std::fmt;
 use std::ops::AddAssign;
 
 pub use completion::{
-    ChunkEnd, ChunkResult, ChunkStatus, Finished, Outcome, PendingChunk, Progress, RankFailure,
-    Receiver, Sender, MAX_PREFILL_RANKS,
+    ChunkEnd, ChunkResult, ChunkStatus, Finished, MissingChunks, Outcome, Overdue, PendingChunk,
+    Progress, RankFailure, Receiver, Sender, DEFAULT_DEADLINE, MAX_PREFILL_RANKS,
 };
 pub use endpoint::{DecodeEndpoint, DecodeEvent, PrefillEndpoint, PrefillEvent, CHUNK_EVENTS};
 pub use exec::{

@@ -25,6 +25,7 @@ use super::exec::{BackendTransport, Completion, CopyMethod, Transport};
 use super::plan::SendPlan;
 use super::stats::{Posted, TransferStats};
 use crate::backend::{check_space, Backend, Event, Launch};
+use crate::copy::space::sealed::Sealed as _;
 use crate::copy::{BlockSpace, RemoteSpace};
 use crate::error::Result;
 use crate::index::StoredLayer;
@@ -125,25 +126,30 @@ impl PeerTransport {
         check_space(space, src.address_space(), "the source pool")?;
         check_space(space, dst.address_space(), "the destination")?;
         let mut copies = 0;
-        for section in plan.sections() {
-            if section.is_empty() {
-                continue;
-            }
-            let owned = section.owned();
-            for c in section.components() {
-                for layer in 0..c.layers {
-                    for (&s, &d) in owned.src_pages().iter().zip(owned.dst_pages()) {
-                        let from = src.block_addr(c.component, StoredLayer(layer), s)?;
-                        let to = dst.block_addr(c.component, StoredLayer(layer), d)?;
-                        // SAFETY: both blocks were checked inside their spaces (block_addr),
-                        // which are in this backend's address space (checked above) and kept
-                        // alive by the completion until the stream has passed the copy.
-                        unsafe { self.backend.memcpy(to, from, c.item as usize)? };
-                        copies += 1;
+        let (reads, writes) = ([src.usage()], [dst.usage()]);
+        crate::backend::ordered(self.backend.as_ref(), &reads, &writes, || {
+            for section in plan.sections() {
+                if section.is_empty() {
+                    continue;
+                }
+                let owned = section.owned();
+                for c in section.components() {
+                    for layer in 0..c.layers {
+                        for (&s, &d) in owned.src_pages().iter().zip(owned.dst_pages()) {
+                            let from = src.block_addr(c.component, StoredLayer(layer), s)?;
+                            let to = dst.block_addr(c.component, StoredLayer(layer), d)?;
+                            // SAFETY: both blocks were checked inside their spaces
+                            // (block_addr), which are in this backend's address space (checked
+                            // above) and kept alive by their usages and the completion until
+                            // the stream has passed the copy.
+                            unsafe { self.backend.memcpy(to, from, c.item as usize)? };
+                            copies += 1;
+                        }
                     }
                 }
             }
-        }
+            Ok(())
+        })?;
         Ok(copies)
     }
 }
@@ -160,7 +166,7 @@ impl Completion for PeerCompletion {
         self.backend.is_done(&self.event)
     }
 
-    fn wait(&mut self) -> Result<()> {
+    fn wait_sync(&mut self) -> Result<()> {
         self.backend.wait_event_sync(&self.event)
     }
 }

@@ -258,8 +258,8 @@ impl Completion for Tracked {
         r
     }
 
-    fn wait(&mut self) -> Result<()> {
-        let r = self.inner.wait();
+    fn wait_sync(&mut self) -> Result<()> {
+        let r = self.inner.wait_sync();
         self.count(&r, true);
         r
     }
@@ -503,7 +503,7 @@ mod tests {
                 Err(_) => Err(Error::InvalidArgument("boom".into())),
             }
         }
-        fn wait(&mut self) -> Result<()> {
+        fn wait_sync(&mut self) -> Result<()> {
             self.poll().map(|_| ())
         }
         fn transfer_time(&self) -> Option<Duration> {
@@ -528,14 +528,14 @@ mod tests {
         assert!(landed.poll().unwrap());
         // Counted once, however often it is polled.
         assert!(landed.poll().unwrap());
-        landed.wait().unwrap();
+        landed.wait_sync().unwrap();
         let mut pending = stats.track(Box::new(Fixed(Ok(false), None)), Instant::now());
         assert!(!pending.poll().unwrap());
         let mut failed = stats.track(
             Box::new(Fixed(Err(Error::InvalidArgument(String::new())), None)),
             Instant::now(),
         );
-        assert!(failed.poll().is_err() && failed.wait().is_err());
+        assert!(failed.poll().is_err() && failed.wait_sync().is_err());
         stats.failed_notification();
 
         let s = stats.clone().snapshot();

@@ -254,6 +254,10 @@ impl sealed::Sealed for BounceSpace {
     fn layer_count(&self, c: usize) -> usize {
         self.components[c].layers()
     }
+
+    fn usage(&self) -> &crate::backend::Usage {
+        self.buffer.usage()
+    }
 }
 
 impl BlockSpace for BounceSpace {

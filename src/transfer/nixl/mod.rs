@@ -57,8 +57,10 @@
 //! **Failures.** A transfer NIXL reports failed, or that has not landed within
 //! [`NixlConfig::transfer_timeout`], fails its chunk on the prefill side and sends a failure
 //! notice; a peer whose control channel reports it gone ([`NixlTransport::peer_gone`],
-//! [`NixlTarget::rank_gone`]) fails every open request with it on this side, within the
-//! channel's liveness timeout; a geometry mismatch refuses the peer on both sides, and every
+//! [`NixlTarget::rank_gone_sync`]) fails every open request with it on this side, within the
+//! channel's liveness timeout; a request still missing a rank's last status at its
+//! [`NixlConfig::deadline`] (a notice lost, a final chunk never sent) is reported by
+//! [`NixlTarget::expire`], naming the ranks and the chunks that arrived; a geometry mismatch refuses the peer on both sides, and every
 //! request involving it fails. Requests with other peers continue. Nothing leaks: requests,
 //! prepared lists, registrations and remote metadata are released when done or when their
 //! peer goes; a request still moving when its completion is dropped is kept until NIXL is done
@@ -111,13 +113,17 @@ pub struct NixlConfig {
     pub slots: usize,
     /// [`NixlMode::Auto`] bounces a chunk whose coalesced descriptors average fewer bytes.
     pub bounce_below: u64,
-    /// A transfer that has not landed this long after it was posted fails.
+    /// A transfer that has not landed this long after it was posted fails (prefill side).
     pub transfer_timeout: Duration,
+    /// How long the decode side waits for a request, from its registration to every rank's
+    /// last status, before [`NixlTarget::expire`] reports it overdue (decode side).
+    pub deadline: Duration,
 }
 
 impl NixlConfig {
     /// Defaults for agent `agent`: [`NixlMode::Auto`], 2 slots of 64 pages per rank, bounce
-    /// under 512 KiB per descriptor, 30 s transfer timeout.
+    /// under 512 KiB per descriptor, 30 s transfer timeout, requests due
+    /// [`DEFAULT_DEADLINE`](crate::transfer::DEFAULT_DEADLINE) after registration.
     pub fn new(agent: impl Into<String>) -> Self {
         Self {
             agent: agent.into(),
@@ -126,6 +132,7 @@ impl NixlConfig {
             slots: 2,
             bounce_below: 512 << 10,
             transfer_timeout: Duration::from_secs(30),
+            deadline: crate::transfer::DEFAULT_DEADLINE,
         }
     }
 }

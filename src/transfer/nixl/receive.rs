@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::index::LocalPage;
 use crate::ipc::wire::{NixlPeer, MAX_NIXL_SLOTS};
 use crate::pool::DevicePool;
-use crate::transfer::{ChunkResult, ChunkStatus, Finished, Receiver, Registration};
+use crate::transfer::{ChunkResult, ChunkStatus, Finished, Overdue, Receiver, Registration};
 
 /// What the decode side knows of one prefill rank.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,7 +51,8 @@ struct RankProgress {
 /// rank registered with it, and the [`Receiver`] of the requests being received.
 ///
 /// Drive it with [`Self::poll`], which takes NIXL's notifications and returns the requests
-/// that finished; tell it about ranks the control channel reports gone ([`Self::rank_gone`]).
+/// that finished, and [`Self::expire`], which returns those whose deadline passed; tell it
+/// about ranks the control channel reports gone ([`Self::rank_gone_sync`]).
 pub struct NixlTarget {
     scatters: VecDeque<Scatter>,
     store: TableStore,
@@ -127,7 +128,7 @@ impl NixlTarget {
         Ok(Self {
             scatters: VecDeque::new(),
             store: TableStore::new(device.backend()),
-            receiver: Receiver::new(),
+            receiver: Receiver::with_deadline(config.deadline),
             requests: HashMap::new(),
             finished: Vec::new(),
             ranks: vec![RankState::Unknown; ranks as usize],
@@ -247,8 +248,9 @@ impl NixlTarget {
 
     /// Prefill rank `rank` is gone (its control channel said so): the notices it sent before
     /// it went are taken first (the chunks they report did land), then every request it was
-    /// still sending fails, once its pending scatters here have run (they write the pool).
-    pub fn rank_gone(&mut self, rank: u32, why: &str) -> Result<()> {
+    /// still sending fails, once its pending scatters here have run (they write the pool):
+    /// blocks the host until the device has passed them.
+    pub fn rank_gone_sync(&mut self, rank: u32, why: &str) -> Result<()> {
         let taken = self.take_notifications();
         self.fail_rank(rank, &format!("gone: {why}"));
         taken
@@ -260,6 +262,18 @@ impl NixlTarget {
         self.take_notifications()?;
         self.finish_scatters()?;
         Ok(std::mem::take(&mut self.finished))
+    }
+
+    /// Takes NIXL's notifications (a status that came counts), then fails and returns, once
+    /// each, the requests whose [`NixlConfig::deadline`] passed before every rank's last status
+    /// ([`Receiver::expire`]): the request, and the ranks whose last status never came with the
+    /// chunks that did (each the [`Error::TransferDeadline`] it converts into). The request is
+    /// handed back by [`Self::poll`], failed, once every rank has reported its last status:
+    /// tell the ranks named to abort it over the control channel, and report a rank gone
+    /// ([`Self::rank_gone_sync`]). Never blocks.
+    pub fn expire(&mut self) -> Result<Vec<Overdue>> {
+        self.take_notifications()?;
+        Ok(self.receiver.expire())
     }
 
     fn take_notifications(&mut self) -> Result<()> {

@@ -29,7 +29,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// How long [`Completion::wait`] sleeps between looks at a moving transfer.
+/// How long [`Completion::wait_sync`] sleeps between looks at a moving transfer.
 const WAIT_STEP: Duration = Duration::from_micros(20);
 
 /// Index math of one side's prepared list: the pool's blocks (`[component][layer][page]`),
@@ -344,11 +344,11 @@ impl NixlTransport {
         self.stats.clone()
     }
 
-    /// Waits up to `timeout` until every bounce slot is free on both sides (the decode side
-    /// has scattered every bounced chunk); whether they are. Chunks never wait for a slot (a
-    /// chunk that finds none goes coalesced): an engine that wants the next chunk bounced, a
-    /// benchmark say, waits here first.
-    pub fn wait_for_slots(&self, timeout: Duration) -> bool {
+    /// Blocks the host up to `timeout` until every bounce slot is free on both sides (the
+    /// decode side has scattered every bounced chunk); whether they are. Chunks never wait for
+    /// a slot (a chunk that finds none goes coalesced): an engine that wants the next chunk
+    /// bounced, a benchmark say, waits here first.
+    pub fn wait_for_slots_sync(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         loop {
             {
@@ -891,7 +891,8 @@ impl Completion for NixlCompletion {
         s.advance(chunk)
     }
 
-    fn wait(&mut self) -> Result<()> {
+    fn wait_sync(&mut self) -> Result<()> {
+        // Bounded: a transfer that has not landed within the transfer timeout fails its poll.
         loop {
             if self.poll()? {
                 return Ok(());

@@ -1,0 +1,256 @@
+"""The Python API's contract on the CPU backend: memory kvshard writes into must be writable and
+stay where it is (read-only arrays refused with ``ReadOnlyError``, wrapped NumPy arrays pinned
+against ``resize``), a P/D chunk says whether it is the last, and torch's streams and events
+are understood without torch: a stand-in module in ``sys.modules`` that has the attributes
+kvshard reads of ``torch.cuda`` (``is_initialized``, ``current_stream``, ``Stream.cuda_stream``,
+``Event.cuda_event``). On the CPU backend ``stream=None`` never asks torch; the GPU side
+(torch's current stream, waits on torch events) is in ``test_gpu.py``, with the real torch."""
+
+import gc
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import kvshard
+from conftest import PAGE, engine_tensors, wrap
+
+C = kvshard.Component
+PAGES = 8
+
+
+def small():
+    return kvshard.CacheGeometry(kvshard.PoolGeometry("fp8_trtllm", 2))
+
+
+def write_page_one(device, geometry, tensors, byte):
+    """Wraps `tensors` and persists `byte` into every row of logical page 1 with the owned-row
+    write: what a forward pass does to the engine's arrays."""
+    pool = wrap(device, geometry, kvshard.Placement(1), 0, PAGES, tensors)
+    staging = kvshard.ChunkStaging(pool, PAGE)
+    for c in geometry.components():
+        for layer in range(c.layers):
+            np.from_dlpack(staging.layer_view(c.component, layer))[...] = byte
+    kvshard.OwnedRowWrite(staging, pool).run_checked(list(range(PAGE, 2 * PAGE)))
+    device.synchronize()
+    return pool
+
+
+def test_a_read_only_memmap_is_refused_and_a_writable_one_written(tmp_path):
+    g, d = small(), kvshard.Device.cpu()
+    shape = (PAGES * PAGE, 1, 576)
+    path = tmp_path / "kv.bin"
+    before = bytes(range(256)) * (PAGES * PAGE * 576 // 256)
+    path.write_bytes(before)
+    tensors = engine_tensors(g, PAGES)
+    tensors[C.TARGET_LATENT][1] = np.memmap(path, np.uint8, mode="r", shape=shape)
+    # Writing through a read-only mapping would kill the interpreter (SIGSEGV): refused first.
+    with pytest.raises(kvshard.ReadOnlyError, match="stored layer 1: the tensor is read-only") as e:
+        write_page_one(d, g, tensors, 0xAB)
+    assert isinstance(e.value, kvshard.InvalidArgumentError) and isinstance(e.value, ValueError)
+    assert path.read_bytes() == before
+    # The same file mapped writable is the engine's memory like any array.
+    tensors[C.TARGET_LATENT][1] = np.memmap(path, np.uint8, mode="r+", shape=shape)
+    pool = write_page_one(d, g, tensors, 0xAB)
+    tensors[C.TARGET_LATENT][1].flush()
+    after = path.read_bytes()
+    row = 576 * PAGE
+    assert after[row : 2 * row] == bytes([0xAB]) * row
+    assert after[:row] == before[:row] and after[2 * row :] == before[2 * row :]
+    del pool
+
+
+def test_an_array_over_bytes_is_refused_and_the_bytes_stay_unchanged():
+    g, d = small(), kvshard.Device.cpu()
+    n = PAGES * PAGE * 576
+    immutable = bytes(range(1, 256)) * (n // 255) + bytes(n % 255)
+    frozen = np.frombuffer(immutable, np.uint8)
+    assert not frozen.flags.writeable
+    tensors = engine_tensors(g, PAGES)
+    tensors[C.TARGET_LATENT][0] = frozen.reshape(PAGES * PAGE, 1, 576)
+    with pytest.raises(kvshard.ReadOnlyError, match="read-only"):
+        write_page_one(d, g, tensors, 0xCD)
+    # A producer with DLPack alone (no buffer protocol, like torch) says read-only through the
+    # capsule's READ_ONLY flag; one tensor holding both layers goes through the same check.
+    stacked = np.frombuffer(immutable * 2, np.uint8).reshape(2, PAGES * PAGE, 576)
+    with pytest.raises(kvshard.ReadOnlyError, match="all 2 stored layers"):
+        kvshard.DevicePool.wrap(d, g, kvshard.Placement(1), 0, PAGES, DlpackOnly(stacked), tensors[C.TARGET_INDEXER])
+    assert immutable == bytes(range(1, 256)) * (n // 255) + bytes(n % 255)
+    # The same producer of writable memory is accepted.
+    writable = np.zeros((2, PAGES * PAGE, 576), np.uint8)
+    kvshard.DevicePool.wrap(d, g, kvshard.Placement(1), 0, PAGES, DlpackOnly(writable), tensors[C.TARGET_INDEXER])
+
+
+class DlpackOnly:
+    """An array seen through DLPack alone, as kvshard sees a torch or CuPy tensor."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def host_buffers(device, geometry, pages):
+    """Zeroed host arrays of the sizes and rows of `HostPool`'s `page_first` buffers."""
+    layouts = kvshard.HostPool(device, geometry, pages, "page_first").buffer_layouts()
+    return [np.zeros((b.bytes // b.row_bytes, b.row_bytes), np.uint8) for b in layouts]
+
+
+def test_read_only_host_buffers_are_refused():
+    g, d = small(), kvshard.Device.cpu()
+    bufs = host_buffers(d, g, PAGES)
+    kvshard.HostPool.wrap(d, g, PAGES, bufs, "page_first")  # writable: accepted
+    bufs[1] = bufs[1].copy()
+    bufs[1].flags.writeable = False
+    with pytest.raises(kvshard.ReadOnlyError, match=r"host buffer 1 \(\[TargetIndexer\]\)"):
+        kvshard.HostPool.wrap(d, g, PAGES, bufs, "page_first")
+
+
+def resize_refused(array):
+    """Whether NumPy refuses to reallocate `array` in place (refcheck=False skips only the
+    reference count check)."""
+    try:
+        array.resize(array.size * 2, refcheck=False)
+    except ValueError as e:
+        assert "cannot resize" in str(e)
+        return True
+    return False
+
+
+def test_a_wrapped_array_cannot_be_resized_while_its_pool_lives():
+    g, d = small(), kvshard.Device.cpu()
+    tensors = engine_tensors(g, PAGES)
+    latent = tensors[C.TARGET_LATENT][1]
+    # An array like it is reallocated by resize(refcheck=False), which would leave a pool
+    # over it writing into freed memory.
+    assert not resize_refused(np.zeros_like(latent))
+    pool = wrap(d, g, kvshard.Placement(1), 0, PAGES, tensors)
+    assert resize_refused(latent)
+    assert latent.shape == (PAGES * PAGE, 1, 576)
+    pool.fill(9)
+    d.synchronize()
+    assert (latent == 9).all()
+    # The hold is the pool's: gone with it.
+    del pool
+    gc.collect()
+    assert not resize_refused(latent)
+
+
+def test_a_wrapped_host_array_cannot_be_resized_while_its_pool_lives():
+    g, d = small(), kvshard.Device.cpu()
+    bufs = host_buffers(d, g, PAGES)
+    host = kvshard.HostPool.wrap(d, g, PAGES, bufs, "page_first")
+    assert all(resize_refused(b) for b in bufs)
+    host.fill(4)
+    d.synchronize()
+    assert all((b == 4).all() for b in bufs)
+    del host
+    gc.collect()
+    assert not resize_refused(bufs[0])
+
+
+def test_send_requires_last_as_a_keyword():
+    g, d = small(), kvshard.Device.cpu()
+    unsharded = kvshard.Placement(1)
+    src = kvshard.DevicePool.allocate(d, g, unsharded, 0, PAGES)
+    dst = kvshard.DevicePool.allocate(d, g, unsharded, 0, PAGES)
+    reg = kvshard.Registration(1, kvshard.PoolLayout.of(dst), [1, 2], [1, 2])
+    sender = kvshard.Sender(src)
+    sender.open(reg, kvshard.RemoteSpace.of(dst))
+    with pytest.raises(TypeError, match="last"):
+        sender.send(1, [1, 2], 2 * PAGE)
+    with pytest.raises(TypeError):
+        sender.send(1, [1, 2], 2 * PAGE, True)  # positional: keyword-only
+    # Nothing was sent: the request is still open, and the final chunk goes through.
+    assert sender.pending_requests == 1
+    assert sender.send(1, [1, 2], 2 * PAGE, last=True).wait().last
+
+
+@pytest.fixture
+def fake_torch(monkeypatch):
+    """A stand-in `torch` in `sys.modules` with the duck-typed attributes kvshard reads, and
+    the list of what was asked of it."""
+    asked = []
+
+    class Stream:
+        """torch.cuda.Stream's: the raw CUstream as `cuda_stream`."""
+
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+    class Event:
+        """torch.cuda.Event's: the raw CUevent as `cuda_event` (0 until first recorded)."""
+
+        def __init__(self, handle=0):
+            self.cuda_event = handle
+
+    def is_initialized():
+        asked.append("is_initialized")
+        return True
+
+    def current_stream(device=None):
+        asked.append(("current_stream", device))
+        return Stream(0x5000)
+
+    torch = types.ModuleType("torch")
+    torch.cuda = types.SimpleNamespace(
+        Stream=Stream, Event=Event, is_initialized=is_initialized, current_stream=current_stream
+    )
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    return torch, asked
+
+
+def test_stream_none_on_the_cpu_backend_never_asks_torch(fake_torch):
+    _, asked = fake_torch
+    g, d = small(), kvshard.Device.cpu()
+    unsharded = kvshard.Placement(1)
+    tensors = engine_tensors(g, PAGES)
+    pool = write_page_one(d, g, tensors, 0x5A)
+    d.stream()
+    assert pool.read_block(C.TARGET_LATENT, 0, 1) == bytes([0x5A]) * (PAGE * 576)
+    host = kvshard.HostPool(d, g, PAGES, "page_first")
+    ctl = kvshard.HiCacheController(pool, host)
+    node = kvshard.CacheNode(3, [1])
+    assert ctl.access(node, None) == 0
+    ctl.ack_backups(1)
+    handle = ctl.load(3, [2])
+    for layer in range(g.model_layers):
+        handle.wait_layer(None, layer)
+    ctl.ack_loads(1)
+    dst = kvshard.DevicePool.allocate(d, g, unsharded, 0, PAGES)
+    sender = kvshard.Sender(pool)
+    sender.open(kvshard.Registration(1, kvshard.PoolLayout.of(dst), [3], [3]), kvshard.RemoteSpace.of(dst))
+    assert sender.send(1, [2], PAGE, last=True).wait().ok
+    d.synchronize()
+    # Page 1 backed up, loaded into page 2, sent into page 3 of another pool: on the arena's
+    # default stream throughout, torch never consulted.
+    assert dst.read_block(C.TARGET_LATENT, 1, 3) == bytes([0x5A]) * (PAGE * 576)
+    assert asked == []
+
+
+def test_after_understands_torch_events_and_streams(fake_torch):
+    torch, asked = fake_torch
+    g, d = small(), kvshard.Device.cpu()
+    pool = kvshard.DevicePool.allocate(d, g, kvshard.Placement(1), 0, PAGES)
+    ctl = kvshard.HiCacheController(pool, kvshard.HostPool(d, g, PAGES, "page_first"))
+    # torch's events and streams are CUDA objects: refused on the CPU backend, each for what
+    # it is (a stream of unknown kind would be "a stream must be ...").
+    for recorded in [0x1234, 0]:
+        with pytest.raises(kvshard.InvalidArgumentError, match="a CUDA event .* given to the CPU device"):
+            ctl.backup(kvshard.CacheNode(1, [1]), torch.cuda.Event(recorded))
+    with pytest.raises(kvshard.InvalidArgumentError, match="a CUDA stream handle .* given to the CPU device"):
+        ctl.load(1, [2], torch.cuda.Stream(0x77))
+    with pytest.raises(kvshard.InvalidArgumentError, match="a stream must be"):
+        ctl.backup(kvshard.CacheNode(1, [1]), object())
+    # kvshard's own events and streams are taken on any device.
+    compute = d.new_stream()
+    pool.fill(6, compute)
+    assert ctl.backup(kvshard.CacheNode(1, [1]), compute.record()) == 0
+    assert ctl.backup(kvshard.CacheNode(2, [2]), compute) == 1
+    assert [a.node for a in ctl.ack_backups(2)] == [1, 2]
+    assert asked == []

@@ -1,0 +1,515 @@
+//! The asynchronous contract (docs/design.md, "Streams, lifetimes and waits"): work kvshard
+//! queues keeps every buffer, table and pool it uses until it has run, waits on the device for
+//! conflicting work kvshard queued on other streams, and only `_sync` calls block the host.
+//!
+//! Each test runs on CPU backends whose streams run work only when something waits for it
+//! (deferred), and in adversarial order (each host wait runs the other streams first or last
+//! by a seeded coin), so a missing dependency gives wrong bytes or a missing allocation here,
+//! deterministically, instead of sometimes on a GPU.
+
+use std::sync::Arc;
+
+use kvshard::backend::cpu::{CpuBackend, StreamOrder};
+use kvshard::backend::{pending_frees, sync_counts, upload_i64s_sync, Backend, Launch, SyncCounts};
+use kvshard::chain::RequestChain;
+use kvshard::copy::{BlockCopy, BlockCopyPlan, PageSelection, RemoteSpace, Staging};
+use kvshard::geometry::{CacheGeometry, Component, LatentLayout, PoolGeometry};
+use kvshard::hicache::{
+    Direction, HiCacheController, HostLayout, HostPool, HostTransfer, IoBackend, Layers, Relayout,
+    Route, Streams, TransferPlan, WritePolicy,
+};
+use kvshard::index::{LocalPage, LogicalPage, ModelLayer, StoredLayer};
+use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite};
+use kvshard::shard::{Placement, ShardAllocator};
+use kvshard::synth::{self, POISON};
+use kvshard::transfer::{BackendTransport, ChunkEnd, PoolLayout, Sender};
+
+const LAUNCH: Launch = Launch {
+    ctas: 4,
+    threads: 256,
+};
+const PAGES: u64 = 16;
+const TOKENS: usize = 256;
+
+/// Every order a test runs in: deferred, and adversarial with seeds that take both sides of
+/// the coin at the first host waits.
+const ORDERS: [StreamOrder; 5] = [
+    StreamOrder::Deferred,
+    StreamOrder::Adversarial(0),
+    StreamOrder::Adversarial(1),
+    StreamOrder::Adversarial(2),
+    StreamOrder::Adversarial(7),
+];
+
+/// Two target layers (the second shares its indexer) and the MTP draft.
+fn geometry() -> CacheGeometry {
+    CacheGeometry::with_draft(PoolGeometry::with_indexer_layers(
+        LatentLayout::Fp8Trtllm,
+        vec![true, false],
+    ))
+}
+
+fn seeded(seed: u64) -> rand::rngs::StdRng {
+    <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(seed)
+}
+
+fn random_pool(b: &dyn Backend, seed: u64) -> Arc<DevicePool> {
+    let pool = DevicePool::allocate(b, &geometry(), Placement::unsharded(), 0, PAGES).unwrap();
+    let storage = pool.storage().unwrap();
+    b.write_sync(storage, 0, &synth::bytes(&mut seeded(seed), storage.len()))
+        .unwrap();
+    Arc::new(pool)
+}
+
+fn poisoned_pool(b: &dyn Backend) -> Arc<DevicePool> {
+    let pool = DevicePool::allocate(b, &geometry(), Placement::unsharded(), 0, PAGES).unwrap();
+    pool.fill(b, POISON).unwrap();
+    Arc::new(pool)
+}
+
+fn local(pages: &[u64]) -> Vec<LocalPage> {
+    pages.iter().map(|&p| LocalPage(p)).collect()
+}
+
+fn logical(pages: &[u64]) -> Vec<LogicalPage> {
+    pages.iter().map(|&p| LogicalPage(p)).collect()
+}
+
+/// Old behaviour: a copy's tables handed to the next copy (`into_tables`, then
+/// `prepare_sync(.., reuse)` on another stream) were rewritten before the first copy's queued
+/// run read them, which then copied by the second copy's tables into the wrong pool.
+#[test]
+fn tables_reused_while_a_run_is_queued_are_rewritten_only_after_it() {
+    for order in ORDERS {
+        let b = CpuBackend::with_order(order);
+        let other = b.new_stream();
+        let g = geometry();
+        let src = random_pool(&b, 1);
+        let dst = Arc::new(Staging::new(&b, &g, 4).unwrap());
+        let unrelated = Arc::new(Staging::new(&b, &g, 1).unwrap());
+        b.fill(dst.buffer(), POISON).unwrap();
+        b.fill(unrelated.buffer(), POISON).unwrap();
+        b.synchronize().unwrap();
+        let first = BlockCopyPlan::new(
+            src.as_ref(),
+            PageSelection::Local(local(&[1, 3, 5, 7])),
+            dst.as_ref(),
+            PageSelection::Positions,
+            4,
+        )
+        .unwrap();
+        let copy = BlockCopy::prepare_sync(&b, first, src.clone(), dst.clone(), None).unwrap();
+        copy.run(&b, LAUNCH).unwrap();
+        let tables = copy.into_tables();
+        let second = BlockCopyPlan::new(
+            src.as_ref(),
+            PageSelection::Local(local(&[2])),
+            unrelated.as_ref(),
+            PageSelection::Positions,
+            1,
+        )
+        .unwrap();
+        let copy = BlockCopy::prepare_sync(&other, second, src.clone(), unrelated.clone(), tables)
+            .unwrap();
+        copy.run(&other, LAUNCH).unwrap();
+        other.synchronize().unwrap();
+        b.synchronize().unwrap();
+        let block = g.target.latent_block_bytes();
+        let layer = |s: &Staging| s.layer(Component::TargetLatent, StoredLayer(1)).unwrap();
+        for (j, page) in [1, 3, 5, 7].into_iter().enumerate() {
+            let got = b.read_sync(&layer(&dst), j * block, block).unwrap();
+            let want = src
+                .read_block_sync(&b, Component::TargetLatent, StoredLayer(1), LocalPage(page))
+                .unwrap();
+            assert!(got == want, "{order:?}: page {page} of the first copy");
+        }
+        let got = b.read_sync(&layer(&unrelated), 0, block).unwrap();
+        let want = src
+            .read_block_sync(&b, Component::TargetLatent, StoredLayer(1), LocalPage(2))
+            .unwrap();
+        assert!(got == want, "{order:?}: the second copy");
+    }
+}
+
+/// Old behaviour: preparing a staged transfer for a second staging while a run through the
+/// first was queued rewrote the tables that run read: it reported Ok and landed none of its
+/// bytes.
+#[test]
+fn a_staged_preparation_while_a_staged_run_is_queued_leaves_the_run_correct() {
+    for order in ORDERS {
+        let b = CpuBackend::with_order(order);
+        let other = b.new_stream();
+        let g = geometry();
+        let placement = Placement::unsharded();
+        let host = Arc::new(HostPool::new(&b, &g, PAGES, HostLayout::PageFirst).unwrap());
+        for c in g.components() {
+            let buf = host.buffer(c.component).unwrap();
+            b.write_sync(buf, 0, &synth::bytes(&mut seeded(3), buf.len()))
+                .unwrap();
+        }
+        let (device, host_pages) = ([2, 5, 6], [1, 2, 3]);
+        let plan = TransferPlan::new(
+            placement,
+            0,
+            &logical(&device),
+            &logical(&host_pages),
+            PAGES,
+            PAGES,
+        )
+        .unwrap();
+        let load_into = |pool: &Arc<DevicePool>| {
+            HostTransfer::new(pool.clone(), host.clone(), plan.clone(), Direction::Load).unwrap()
+        };
+        // The reference: the same load through the copy engine, alone.
+        let reference = poisoned_pool(&b);
+        load_into(&reference)
+            .run(&b, IoBackend::CopyEngine, Layers::All)
+            .unwrap();
+        let pool = poisoned_pool(&b);
+        let mut load = load_into(&pool);
+        let first = load.staging(&b, 2).unwrap();
+        let second = load.staging(&b, 2).unwrap();
+        let how = Relayout::Kernel { ctas: 2 };
+        // Tables are uploaded on a stream of their own, as the HiCache controller does.
+        let tables = b.new_stream();
+        load.prepare_staged_sync(&tables, &first, &mut Vec::new())
+            .unwrap();
+        load.run_staged(&b, &other, &first, how).unwrap();
+        let mut spare = Vec::new();
+        load.prepare_staged_sync(&tables, &second, &mut spare)
+            .unwrap();
+        // The second preparation took the first one's tables back to reuse them.
+        assert!(spare.is_empty(), "{order:?}");
+        b.synchronize().unwrap();
+        other.synchronize().unwrap();
+        let got = pool.read_pages_sync(&b, &local(&device)).unwrap();
+        let want = reference.read_pages_sync(&b, &local(&device)).unwrap();
+        assert!(got == want, "{order:?}: the queued load landed its bytes");
+    }
+}
+
+/// Dropping the last handle of a pool (and the copy reading it) while the copy is queued
+/// parks the pool's memory until the copy has run; nothing blocks the host meanwhile.
+#[test]
+fn a_pool_dropped_with_a_copy_queued_stays_until_the_copy_ran() {
+    for order in ORDERS {
+        let b = CpuBackend::with_order(order);
+        let g = geometry();
+        let src = random_pool(&b, 4);
+        let want = src
+            .read_block_sync(&b, Component::TargetLatent, StoredLayer(0), LocalPage(3))
+            .unwrap();
+        let dst = Arc::new(Staging::new(&b, &g, 1).unwrap());
+        let plan = BlockCopyPlan::new(
+            src.as_ref(),
+            PageSelection::Local(local(&[3])),
+            dst.as_ref(),
+            PageSelection::Positions,
+            1,
+        )
+        .unwrap();
+        let copy = BlockCopy::prepare_sync(&b, plan, src, dst.clone(), None).unwrap();
+        let before = sync_counts();
+        copy.run(&b, LAUNCH).unwrap();
+        drop(copy);
+        assert!(
+            pending_frees() >= 1,
+            "{order:?}: the source waits for its copy"
+        );
+        assert_eq!(sync_counts() - before, SyncCounts::default(), "{order:?}");
+        b.synchronize().unwrap();
+        let layer = dst.layer(Component::TargetLatent, StoredLayer(0)).unwrap();
+        let got = b.read_sync(&layer, 0, layer.len()).unwrap();
+        assert!(
+            got == want,
+            "{order:?}: the copy read the dropped pool's bytes"
+        );
+    }
+}
+
+/// One rank of an engine (unsharded, so every page is its own): its pool, chunk staging and
+/// writer, with the compute stream they run on.
+struct Rank {
+    cpu: CpuBackend,
+    compute: Arc<dyn Backend>,
+    pool: Arc<DevicePool>,
+    staging: Arc<ChunkStaging>,
+    writer: OwnedRowWrite,
+    alloc: ShardAllocator,
+}
+
+impl Rank {
+    fn new(order: StreamOrder) -> Self {
+        let cpu = CpuBackend::with_order(order);
+        let compute: Arc<dyn Backend> = Arc::new(cpu.new_stream());
+        let pool = poisoned_pool(compute.as_ref());
+        let staging = Arc::new(ChunkStaging::new(compute.as_ref(), &pool, TOKENS).unwrap());
+        let writer =
+            OwnedRowWrite::prepare_sync(compute.as_ref(), staging.clone(), pool.clone(), |_| true)
+                .unwrap();
+        let alloc = ShardAllocator::new(Placement::unsharded(), PAGES).unwrap();
+        Self {
+            cpu,
+            compute,
+            pool,
+            staging,
+            writer,
+            alloc,
+        }
+    }
+
+    /// The chain's slots for its first `TOKENS` tokens, uploaded once (set-up, not per chunk).
+    fn slots(&self, chain: &RequestChain) -> kvshard::backend::Buffer {
+        let raw: Vec<i64> = chain
+            .slots(0..TOKENS)
+            .unwrap()
+            .iter()
+            .map(|s| s.0 as i64)
+            .collect();
+        upload_i64s_sync(self.compute.as_ref(), &raw).unwrap()
+    }
+
+    /// Enqueues the forward pass's KV for one chunk (bytes from `seed`) and the owned-row write
+    /// of it into `slots`, on the compute stream: nothing waits.
+    fn write(&self, slots: &kvshard::backend::Buffer, seed: u64) {
+        let bytes = synth::bytes(&mut seeded(seed), self.staging.buffer().len());
+        self.compute
+            .enqueue_write(self.staging.buffer(), 0, &bytes)
+            .unwrap();
+        let launch = self.writer.launch(self.compute.as_ref(), TOKENS);
+        self.writer
+            .run(self.compute.as_ref(), slots, TOKENS, launch)
+            .unwrap();
+    }
+
+    fn controller(&self) -> HiCacheController {
+        let g = geometry();
+        let host = Arc::new(HostPool::new(&self.cpu, &g, PAGES, HostLayout::PageFirst).unwrap());
+        let stream = || -> Arc<dyn Backend> { Arc::new(self.cpu.new_stream()) };
+        let streams = Streams {
+            load: stream(),
+            backup: stream(),
+            load_relayout: stream(),
+            backup_relayout: stream(),
+            tables: stream(),
+        };
+        HiCacheController::new(self.pool.clone(), host, streams, WritePolicy::WriteThrough).unwrap()
+    }
+}
+
+/// An engine mistake that passed silently: a P/D send on its own stream right after an
+/// owned-row write on the compute stream, with no event between them, sent stale bytes.
+#[test]
+fn a_send_on_another_stream_after_a_write_sends_the_written_bytes() {
+    for order in ORDERS {
+        let mut rank = Rank::new(order);
+        let mut chain = RequestChain::new(Placement::unsharded());
+        chain.grow_to(&mut rank.alloc, TOKENS).unwrap();
+        let slots = rank.slots(&chain);
+        let decode = poisoned_pool(&rank.cpu);
+        let mut decode_alloc = ShardAllocator::new(Placement::unsharded(), PAGES).unwrap();
+        let mut decode_chain = RequestChain::new(Placement::unsharded());
+        decode_chain.grow_to(&mut decode_alloc, TOKENS).unwrap();
+        let reg = decode_chain
+            .registration(1, PoolLayout::of(&decode), 0)
+            .unwrap();
+        let dst = Arc::new(RemoteSpace::of(decode.clone(), geometry()).unwrap());
+        let send_stream: Arc<dyn Backend> = Arc::new(rank.cpu.new_stream());
+        let mut sender = Sender::new(
+            rank.pool.clone(),
+            Box::new(BackendTransport::new(send_stream)),
+        );
+        sender.open(reg.clone(), dst).unwrap();
+        rank.write(&slots, 5);
+        let pending = sender
+            .send(reg.request, chain.pages().unwrap(), ChunkEnd::Final(TOKENS))
+            .unwrap();
+        pending.wait_sync().unwrap();
+        rank.compute.synchronize().unwrap();
+        let pages: Vec<LocalPage> = chain
+            .pages()
+            .unwrap()
+            .iter()
+            .map(|p| LocalPage(p.0))
+            .collect();
+        let dpages: Vec<LocalPage> = decode_chain
+            .pages()
+            .unwrap()
+            .iter()
+            .map(|p| LocalPage(p.0))
+            .collect();
+        let sent = decode
+            .read_pages_sync(rank.compute.as_ref(), &dpages)
+            .unwrap();
+        let written = rank
+            .pool
+            .read_pages_sync(rank.compute.as_ref(), &pages)
+            .unwrap();
+        assert!(
+            sent == written,
+            "{order:?}: the decode got the written bytes"
+        );
+    }
+}
+
+/// An engine mistake that passed silently: pages written again (a new request) before their
+/// backup ran put the new bytes in the host cache. The new write now waits for the backup.
+#[test]
+fn pages_rewritten_before_their_backup_ran_back_up_the_old_bytes() {
+    for order in ORDERS {
+        let mut rank = Rank::new(order);
+        let mut c = rank.controller();
+        let mut chain = RequestChain::new(Placement::unsharded());
+        chain.grow_to(&mut rank.alloc, TOKENS).unwrap();
+        let slots = rank.slots(&chain);
+        let pages: Vec<LocalPage> = chain
+            .pages()
+            .unwrap()
+            .iter()
+            .map(|p| LocalPage(p.0))
+            .collect();
+        rank.write(&slots, 6);
+        let backed = rank
+            .pool
+            .read_pages_sync(rank.compute.as_ref(), &pages)
+            .unwrap();
+        let node = chain.cache_node(3, 0..chain.page_count()).unwrap();
+        let done = rank.compute.record().unwrap();
+        c.access(&node, &done, IoBackend::CopyEngine).unwrap();
+        // The engine reuses the pages at once: a new request's chunk lands in them.
+        rank.write(&slots, 7);
+        c.ack_backups_sync(1).unwrap();
+        // Reload the backup into the same pages and compare with what was backed up.
+        let handle = c
+            .load(
+                node.id,
+                &node.device_pages,
+                None,
+                Route::Direct(IoBackend::CopyEngine),
+            )
+            .unwrap();
+        handle
+            .wait_layer(rank.compute.as_ref(), ModelLayer(0))
+            .unwrap();
+        c.ack_loads_sync(1).unwrap();
+        let reloaded = rank
+            .pool
+            .read_pages_sync(rank.compute.as_ref(), &pages)
+            .unwrap();
+        assert!(
+            reloaded == backed,
+            "{order:?}: the backup holds the first request's bytes"
+        );
+    }
+}
+
+/// An engine mistake that raced on a GPU and passed on the CPU: kvshard work reading reloaded
+/// pages before the load's layer signal. kvshard's own reads now wait for the load.
+#[test]
+fn a_kvshard_read_of_reloaded_pages_before_their_signal_sees_the_loaded_bytes() {
+    for order in ORDERS {
+        let mut rank = Rank::new(order);
+        let mut c = rank.controller();
+        let mut chain = RequestChain::new(Placement::unsharded());
+        chain.grow_to(&mut rank.alloc, TOKENS).unwrap();
+        let slots = rank.slots(&chain);
+        let pages: Vec<LocalPage> = chain
+            .pages()
+            .unwrap()
+            .iter()
+            .map(|p| LocalPage(p.0))
+            .collect();
+        rank.write(&slots, 8);
+        let backed = rank
+            .pool
+            .read_pages_sync(rank.compute.as_ref(), &pages)
+            .unwrap();
+        let node = chain.cache_node(4, 0..chain.page_count()).unwrap();
+        let done = rank.compute.record().unwrap();
+        c.access(&node, &done, IoBackend::CopyEngine).unwrap();
+        c.ack_backups_sync(1).unwrap();
+        rank.pool.fill(rank.compute.as_ref(), POISON).unwrap();
+        let _handle = c
+            .load(
+                node.id,
+                &node.device_pages,
+                None,
+                Route::Direct(IoBackend::SmKernel { ctas: 2 }),
+            )
+            .unwrap();
+        let consumer = rank.cpu.new_stream();
+        let got = rank.pool.read_pages_sync(&consumer, &pages).unwrap();
+        assert!(got == backed, "{order:?}: the read waited for the load");
+        c.ack_loads_sync(1).unwrap();
+    }
+}
+
+/// The steady state of an engine (a chunk written, sent, backed up, a cached prefix reloaded
+/// layer by layer) blocks the host nowhere and never waits for the whole device: only the
+/// `_sync` calls at the end do.
+#[test]
+fn an_engines_steady_state_blocks_nothing_outside_sync_calls() {
+    for order in ORDERS {
+        let mut rank = Rank::new(order);
+        let mut c = rank.controller();
+        // Set-up: a prefix written and backed up, acked.
+        let mut prefix = RequestChain::new(Placement::unsharded());
+        prefix.grow_to(&mut rank.alloc, TOKENS).unwrap();
+        rank.write(&rank.slots(&prefix), 10);
+        let cached = prefix.cache_node(5, 0..prefix.page_count()).unwrap();
+        let done = rank.compute.record().unwrap();
+        c.access(&cached, &done, IoBackend::CopyEngine).unwrap();
+        c.ack_backups_sync(1).unwrap();
+        let reload_into = rank.alloc.alloc_matching(&cached.device_pages).unwrap();
+        // A new request, with its P/D destination.
+        let mut chain = RequestChain::new(Placement::unsharded());
+        chain.grow_to(&mut rank.alloc, TOKENS).unwrap();
+        let slots = rank.slots(&chain);
+        let decode = poisoned_pool(&rank.cpu);
+        let mut decode_alloc = ShardAllocator::new(Placement::unsharded(), PAGES).unwrap();
+        let mut decode_chain = RequestChain::new(Placement::unsharded());
+        decode_chain.grow_to(&mut decode_alloc, TOKENS).unwrap();
+        let reg = decode_chain
+            .registration(1, PoolLayout::of(&decode), 0)
+            .unwrap();
+        let dst = Arc::new(RemoteSpace::of(decode.clone(), geometry()).unwrap());
+        let send_stream: Arc<dyn Backend> = Arc::new(rank.cpu.new_stream());
+        let mut sender = Sender::new(
+            rank.pool.clone(),
+            Box::new(BackendTransport::new(send_stream)),
+        );
+        sender.open(reg.clone(), dst).unwrap();
+        let consumer = rank.cpu.new_stream();
+        let node = chain.cache_node(6, 0..chain.page_count()).unwrap();
+
+        let before = sync_counts();
+        rank.write(&slots, 9);
+        let mut pending = sender
+            .send(reg.request, chain.pages().unwrap(), ChunkEnd::Final(TOKENS))
+            .unwrap();
+        let done = rank.compute.record().unwrap();
+        c.access(&node, &done, IoBackend::CopyEngine).unwrap();
+        let handle = c
+            .load(
+                cached.id,
+                &reload_into,
+                None,
+                Route::Direct(IoBackend::SmKernel { ctas: 2 }),
+            )
+            .unwrap();
+        for layer in 0..geometry().model_layers() {
+            handle.wait_layer(&consumer, ModelLayer(layer)).unwrap();
+        }
+        let _ = pending.poll().unwrap();
+        let _ = c.poll_backups().unwrap();
+        let blocked = sync_counts() - before;
+        assert_eq!(blocked, SyncCounts::default(), "{order:?}: {blocked:?}");
+
+        pending.wait_sync().unwrap();
+        c.ack_backups_sync(1).unwrap();
+        c.ack_loads_sync(1).unwrap();
+        consumer.synchronize().unwrap();
+        assert!(sync_counts().host_blocking > before.host_blocking);
+        assert_eq!(sync_counts().device_wide, before.device_wide);
+    }
+}
