@@ -27,6 +27,8 @@ done
 [ "${1:-}" = "--" ] && shift
 [ ${#steps[@]} -eq 0 ] && steps=(tests sanitize demo pd python)
 export KVSHARD_REQUIRE_GPU=1
+# The CPU twin in the order every cargo test run uses here (.cargo/config.toml): adversarial.
+export KVSHARD_CPU_STREAMS="${KVSHARD_CPU_STREAMS:-adversarial}"
 # The tests that start kvshard processes run the staged binary.
 export KVSHARD_BIN="$here/kvshard"
 export NCCL_NVLS_ENABLE=0

@@ -9,6 +9,8 @@
 
 use std::sync::Arc;
 
+mod common;
+
 use kvshard::backend::cpu::{CpuBackend, StreamOrder};
 use kvshard::backend::{pending_frees, sync_counts, upload_i64s_sync, Backend, Launch, SyncCounts};
 use kvshard::chain::RequestChain;
@@ -81,12 +83,30 @@ fn logical(pages: &[u64]) -> Vec<LogicalPage> {
 #[test]
 fn tables_reused_while_a_run_is_queued_are_rewritten_only_after_it() {
     for order in ORDERS {
-        let b = CpuBackend::with_order(order);
-        let other = b.new_stream();
+        let cpu = CpuBackend::with_order(order);
+        tables_reused(&cpu, &cpu.new_stream(), &format!("{order:?}"));
+    }
+}
+
+#[test]
+fn gpu_tables_reused_while_a_run_is_queued_are_rewritten_only_after_it() {
+    let test = "gpu_tables_reused_while_a_run_is_queued_are_rewritten_only_after_it";
+    let Some(gpu) = common::open_gpu(test) else {
+        return;
+    };
+    tables_reused(
+        common::stream(&gpu).as_ref(),
+        common::stream(&gpu).as_ref(),
+        "H200",
+    );
+}
+
+fn tables_reused(b: &dyn Backend, other: &dyn Backend, order: &str) {
+    {
         let g = geometry();
-        let src = random_pool(&b, 1);
-        let dst = Arc::new(Staging::new(&b, &g, 4).unwrap());
-        let unrelated = Arc::new(Staging::new(&b, &g, 1).unwrap());
+        let src = random_pool(b, 1);
+        let dst = Arc::new(Staging::new(b, &g, 4).unwrap());
+        let unrelated = Arc::new(Staging::new(b, &g, 1).unwrap());
         b.fill(dst.buffer(), POISON).unwrap();
         b.fill(unrelated.buffer(), POISON).unwrap();
         b.synchronize().unwrap();
@@ -98,8 +118,8 @@ fn tables_reused_while_a_run_is_queued_are_rewritten_only_after_it() {
             4,
         )
         .unwrap();
-        let copy = BlockCopy::prepare_sync(&b, first, src.clone(), dst.clone(), None).unwrap();
-        copy.run(&b, LAUNCH).unwrap();
+        let copy = BlockCopy::prepare_sync(b, first, src.clone(), dst.clone(), None).unwrap();
+        copy.run(b, LAUNCH).unwrap();
         let tables = copy.into_tables();
         let second = BlockCopyPlan::new(
             src.as_ref(),
@@ -109,9 +129,9 @@ fn tables_reused_while_a_run_is_queued_are_rewritten_only_after_it() {
             1,
         )
         .unwrap();
-        let copy = BlockCopy::prepare_sync(&other, second, src.clone(), unrelated.clone(), tables)
-            .unwrap();
-        copy.run(&other, LAUNCH).unwrap();
+        let copy =
+            BlockCopy::prepare_sync(other, second, src.clone(), unrelated.clone(), tables).unwrap();
+        copy.run(other, LAUNCH).unwrap();
         other.synchronize().unwrap();
         b.synchronize().unwrap();
         let block = g.target.latent_block_bytes();
@@ -119,15 +139,15 @@ fn tables_reused_while_a_run_is_queued_are_rewritten_only_after_it() {
         for (j, page) in [1, 3, 5, 7].into_iter().enumerate() {
             let got = b.read_sync(&layer(&dst), j * block, block).unwrap();
             let want = src
-                .read_block_sync(&b, Component::TargetLatent, StoredLayer(1), LocalPage(page))
+                .read_block_sync(b, Component::TargetLatent, StoredLayer(1), LocalPage(page))
                 .unwrap();
-            assert!(got == want, "{order:?}: page {page} of the first copy");
+            assert!(got == want, "{order}: page {page} of the first copy");
         }
         let got = b.read_sync(&layer(&unrelated), 0, block).unwrap();
         let want = src
-            .read_block_sync(&b, Component::TargetLatent, StoredLayer(1), LocalPage(2))
+            .read_block_sync(b, Component::TargetLatent, StoredLayer(1), LocalPage(2))
             .unwrap();
-        assert!(got == want, "{order:?}: the second copy");
+        assert!(got == want, "{order}: the second copy");
     }
 }
 
@@ -193,13 +213,28 @@ fn a_staged_preparation_while_a_staged_run_is_queued_leaves_the_run_correct() {
 #[test]
 fn a_pool_dropped_with_a_copy_queued_stays_until_the_copy_ran() {
     for order in ORDERS {
-        let b = CpuBackend::with_order(order);
+        pool_dropped(&CpuBackend::with_order(order), &format!("{order:?}"));
+    }
+}
+
+/// On the GPU (under compute-sanitizer memcheck, a free under the copy is an error).
+#[test]
+fn gpu_a_pool_dropped_with_a_copy_queued_stays_until_the_copy_ran() {
+    let test = "gpu_a_pool_dropped_with_a_copy_queued_stays_until_the_copy_ran";
+    let Some(gpu) = common::open_gpu(test) else {
+        return;
+    };
+    pool_dropped(common::stream(&gpu).as_ref(), "H200");
+}
+
+fn pool_dropped(b: &dyn Backend, order: &str) {
+    {
         let g = geometry();
-        let src = random_pool(&b, 4);
+        let src = random_pool(b, 4);
         let want = src
-            .read_block_sync(&b, Component::TargetLatent, StoredLayer(0), LocalPage(3))
+            .read_block_sync(b, Component::TargetLatent, StoredLayer(0), LocalPage(3))
             .unwrap();
-        let dst = Arc::new(Staging::new(&b, &g, 1).unwrap());
+        let dst = Arc::new(Staging::new(b, &g, 1).unwrap());
         let plan = BlockCopyPlan::new(
             src.as_ref(),
             PageSelection::Local(local(&[3])),
@@ -208,29 +243,30 @@ fn a_pool_dropped_with_a_copy_queued_stays_until_the_copy_ran() {
             1,
         )
         .unwrap();
-        let copy = BlockCopy::prepare_sync(&b, plan, src, dst.clone(), None).unwrap();
+        let copy = BlockCopy::prepare_sync(b, plan, src, dst.clone(), None).unwrap();
         let before = sync_counts();
-        copy.run(&b, LAUNCH).unwrap();
+        copy.run(b, LAUNCH).unwrap();
         drop(copy);
         assert!(
             pending_frees() >= 1,
-            "{order:?}: the source waits for its copy"
+            "{order}: the source waits for its copy"
         );
-        assert_eq!(sync_counts() - before, SyncCounts::default(), "{order:?}");
+        assert_eq!(sync_counts() - before, SyncCounts::default(), "{order}");
         b.synchronize().unwrap();
         let layer = dst.layer(Component::TargetLatent, StoredLayer(0)).unwrap();
         let got = b.read_sync(&layer, 0, layer.len()).unwrap();
         assert!(
             got == want,
-            "{order:?}: the copy read the dropped pool's bytes"
+            "{order}: the copy read the dropped pool's bytes"
         );
     }
 }
 
 /// One rank of an engine (unsharded, so every page is its own): its pool, chunk staging and
-/// writer, with the compute stream they run on.
+/// writer, with the compute stream they run on, on the CPU twin or a GPU.
 struct Rank {
-    cpu: CpuBackend,
+    /// Makes another stream of the same device.
+    streams: Box<dyn Fn() -> Arc<dyn Backend>>,
     compute: Arc<dyn Backend>,
     pool: Arc<DevicePool>,
     staging: Arc<ChunkStaging>,
@@ -241,7 +277,11 @@ struct Rank {
 impl Rank {
     fn new(order: StreamOrder) -> Self {
         let cpu = CpuBackend::with_order(order);
-        let compute: Arc<dyn Backend> = Arc::new(cpu.new_stream());
+        Self::on(Box::new(move || Arc::new(cpu.new_stream())))
+    }
+
+    fn on(streams: Box<dyn Fn() -> Arc<dyn Backend>>) -> Self {
+        let compute = streams();
         let pool = poisoned_pool(compute.as_ref());
         let staging = Arc::new(ChunkStaging::new(compute.as_ref(), &pool, TOKENS).unwrap());
         let writer =
@@ -249,7 +289,7 @@ impl Rank {
                 .unwrap();
         let alloc = ShardAllocator::new(Placement::unsharded(), PAGES).unwrap();
         Self {
-            cpu,
+            streams,
             compute,
             pool,
             staging,
@@ -284,8 +324,10 @@ impl Rank {
 
     fn controller(&self) -> HiCacheController {
         let g = geometry();
-        let host = Arc::new(HostPool::new(&self.cpu, &g, PAGES, HostLayout::PageFirst).unwrap());
-        let stream = || -> Arc<dyn Backend> { Arc::new(self.cpu.new_stream()) };
+        let host = Arc::new(
+            HostPool::new(self.compute.as_ref(), &g, PAGES, HostLayout::PageFirst).unwrap(),
+        );
+        let stream = || (self.streams)();
         let streams = Streams {
             load: stream(),
             backup: stream(),
@@ -302,11 +344,25 @@ impl Rank {
 #[test]
 fn a_send_on_another_stream_after_a_write_sends_the_written_bytes() {
     for order in ORDERS {
-        let mut rank = Rank::new(order);
+        send_after_write(Rank::new(order), &format!("{order:?}"));
+    }
+}
+
+#[test]
+fn gpu_a_send_on_another_stream_after_a_write_sends_the_written_bytes() {
+    let test = "gpu_a_send_on_another_stream_after_a_write_sends_the_written_bytes";
+    let Some(gpu) = common::open_gpu(test) else {
+        return;
+    };
+    send_after_write(Rank::on(Box::new(move || common::stream(&gpu))), "H200");
+}
+
+fn send_after_write(mut rank: Rank, order: &str) {
+    {
         let mut chain = RequestChain::new(Placement::unsharded());
         chain.grow_to(&mut rank.alloc, TOKENS).unwrap();
         let slots = rank.slots(&chain);
-        let decode = poisoned_pool(&rank.cpu);
+        let decode = poisoned_pool(rank.compute.as_ref());
         let mut decode_alloc = ShardAllocator::new(Placement::unsharded(), PAGES).unwrap();
         let mut decode_chain = RequestChain::new(Placement::unsharded());
         decode_chain.grow_to(&mut decode_alloc, TOKENS).unwrap();
@@ -314,7 +370,7 @@ fn a_send_on_another_stream_after_a_write_sends_the_written_bytes() {
             .registration(1, PoolLayout::of(&decode), 0)
             .unwrap();
         let dst = Arc::new(RemoteSpace::of(decode.clone(), geometry()).unwrap());
-        let send_stream: Arc<dyn Backend> = Arc::new(rank.cpu.new_stream());
+        let send_stream: Arc<dyn Backend> = (rank.streams)();
         let mut sender = Sender::new(
             rank.pool.clone(),
             Box::new(BackendTransport::new(send_stream)),
@@ -345,10 +401,7 @@ fn a_send_on_another_stream_after_a_write_sends_the_written_bytes() {
             .pool
             .read_pages_sync(rank.compute.as_ref(), &pages)
             .unwrap();
-        assert!(
-            sent == written,
-            "{order:?}: the decode got the written bytes"
-        );
+        assert!(sent == written, "{order}: the decode got the written bytes");
     }
 }
 
@@ -357,7 +410,21 @@ fn a_send_on_another_stream_after_a_write_sends_the_written_bytes() {
 #[test]
 fn pages_rewritten_before_their_backup_ran_back_up_the_old_bytes() {
     for order in ORDERS {
-        let mut rank = Rank::new(order);
+        rewritten_before_backup(Rank::new(order), &format!("{order:?}"));
+    }
+}
+
+#[test]
+fn gpu_pages_rewritten_before_their_backup_ran_back_up_the_old_bytes() {
+    let test = "gpu_pages_rewritten_before_their_backup_ran_back_up_the_old_bytes";
+    let Some(gpu) = common::open_gpu(test) else {
+        return;
+    };
+    rewritten_before_backup(Rank::on(Box::new(move || common::stream(&gpu))), "H200");
+}
+
+fn rewritten_before_backup(mut rank: Rank, order: &str) {
+    {
         let mut c = rank.controller();
         let mut chain = RequestChain::new(Placement::unsharded());
         chain.grow_to(&mut rank.alloc, TOKENS).unwrap();
@@ -398,7 +465,7 @@ fn pages_rewritten_before_their_backup_ran_back_up_the_old_bytes() {
             .unwrap();
         assert!(
             reloaded == backed,
-            "{order:?}: the backup holds the first request's bytes"
+            "{order}: the backup holds the first request's bytes"
         );
     }
 }
@@ -437,8 +504,11 @@ fn a_kvshard_read_of_reloaded_pages_before_their_signal_sees_the_loaded_bytes() 
                 Route::Direct(IoBackend::SmKernel { ctas: 2 }),
             )
             .unwrap();
-        let consumer = rank.cpu.new_stream();
-        let got = rank.pool.read_pages_sync(&consumer, &pages).unwrap();
+        let consumer = (rank.streams)();
+        let got = rank
+            .pool
+            .read_pages_sync(consumer.as_ref(), &pages)
+            .unwrap();
         assert!(got == backed, "{order:?}: the read waited for the load");
         c.ack_loads_sync(1).unwrap();
     }
@@ -450,7 +520,23 @@ fn a_kvshard_read_of_reloaded_pages_before_their_signal_sees_the_loaded_bytes() 
 #[test]
 fn an_engines_steady_state_blocks_nothing_outside_sync_calls() {
     for order in ORDERS {
-        let mut rank = Rank::new(order);
+        steady_state_blocks_nothing(Rank::new(order), &format!("{order:?}"));
+    }
+}
+
+/// The same on the GPU, on kvshard's own streams.
+#[test]
+fn gpu_an_engines_steady_state_blocks_nothing_outside_sync_calls() {
+    let Some(gpu) =
+        common::open_gpu("gpu_an_engines_steady_state_blocks_nothing_outside_sync_calls")
+    else {
+        return;
+    };
+    steady_state_blocks_nothing(Rank::on(Box::new(move || common::stream(&gpu))), "H200");
+}
+
+fn steady_state_blocks_nothing(mut rank: Rank, case: &str) {
+    {
         let mut c = rank.controller();
         // Set-up: a prefix written and backed up, acked.
         let mut prefix = RequestChain::new(Placement::unsharded());
@@ -465,7 +551,7 @@ fn an_engines_steady_state_blocks_nothing_outside_sync_calls() {
         let mut chain = RequestChain::new(Placement::unsharded());
         chain.grow_to(&mut rank.alloc, TOKENS).unwrap();
         let slots = rank.slots(&chain);
-        let decode = poisoned_pool(&rank.cpu);
+        let decode = poisoned_pool(rank.compute.as_ref());
         let mut decode_alloc = ShardAllocator::new(Placement::unsharded(), PAGES).unwrap();
         let mut decode_chain = RequestChain::new(Placement::unsharded());
         decode_chain.grow_to(&mut decode_alloc, TOKENS).unwrap();
@@ -473,13 +559,13 @@ fn an_engines_steady_state_blocks_nothing_outside_sync_calls() {
             .registration(1, PoolLayout::of(&decode), 0)
             .unwrap();
         let dst = Arc::new(RemoteSpace::of(decode.clone(), geometry()).unwrap());
-        let send_stream: Arc<dyn Backend> = Arc::new(rank.cpu.new_stream());
+        let send_stream: Arc<dyn Backend> = (rank.streams)();
         let mut sender = Sender::new(
             rank.pool.clone(),
             Box::new(BackendTransport::new(send_stream)),
         );
         sender.open(reg.clone(), dst).unwrap();
-        let consumer = rank.cpu.new_stream();
+        let consumer = (rank.streams)();
         let node = chain.cache_node(6, 0..chain.page_count()).unwrap();
 
         let before = sync_counts();
@@ -498,12 +584,14 @@ fn an_engines_steady_state_blocks_nothing_outside_sync_calls() {
             )
             .unwrap();
         for layer in 0..geometry().model_layers() {
-            handle.wait_layer(&consumer, ModelLayer(layer)).unwrap();
+            handle
+                .wait_layer(consumer.as_ref(), ModelLayer(layer))
+                .unwrap();
         }
         let _ = pending.poll().unwrap();
         let _ = c.poll_backups().unwrap();
         let blocked = sync_counts() - before;
-        assert_eq!(blocked, SyncCounts::default(), "{order:?}: {blocked:?}");
+        assert_eq!(blocked, SyncCounts::default(), "{case}: {blocked:?}");
 
         pending.wait_sync().unwrap();
         c.ack_backups_sync(1).unwrap();

@@ -24,12 +24,11 @@ mod check;
 pub mod cpu;
 pub mod cuda;
 mod status;
-mod sync_count;
 mod upload;
 mod usage;
 
-pub(crate) use sync_count::{count_device_sync, count_host_sync};
-pub use sync_count::{sync_counts, SyncCounts};
+pub(crate) use crate::gpu::sync_count::count_host_sync;
+pub use crate::gpu::sync_count::{sync_counts, SyncCounts};
 pub(crate) use upload::upload_i64s_sync as upload_reused_sync;
 pub(crate) use usage::{kept, ordered, sweep};
 pub use usage::{pending_frees, StreamId, Usage};

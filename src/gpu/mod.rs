@@ -11,6 +11,7 @@
 
 pub mod memory;
 mod module;
+pub(crate) mod sync_count;
 pub mod topology;
 pub mod vmm;
 
@@ -251,9 +252,9 @@ impl Stream {
     }
 
     /// Blocks until all work enqueued so far has finished (counted in
-    /// [`crate::backend::sync_counts`]).
+    /// `backend::sync_counts`).
     pub fn synchronize(&self) -> Result<()> {
-        crate::backend::count_host_sync();
+        sync_count::count_host_sync();
         self.inner
             .synchronize()
             .map_err(Error::driver("cuStreamSynchronize"))

@@ -157,7 +157,7 @@ impl Mapping {
 /// unmapped. A context whose work failed for good runs nothing any more, so a failure here also
 /// means nothing can touch the memory.
 fn quiesce() {
-    crate::backend::count_device_sync();
+    super::sync_count::count_device_sync();
     // SAFETY: a plain wait on the current context, which every caller bound first.
     let _ = unsafe { sys::cuCtxSynchronize() }.result();
 }
