@@ -12,7 +12,9 @@ use std::sync::Arc;
 mod common;
 
 use kvshard::backend::cpu::{CpuBackend, StreamOrder};
-use kvshard::backend::{pending_frees, sync_counts, upload_i64s_sync, Backend, Launch, SyncCounts};
+use kvshard::backend::{
+    pending_frees, sync_counts, upload_i64s_sync, Backend, Buffer, Launch, MemoryKind, SyncCounts,
+};
 use kvshard::chain::RequestChain;
 use kvshard::copy::{BlockCopy, BlockCopyPlan, PageSelection, RemoteSpace, Staging};
 use kvshard::geometry::{CacheGeometry, Component, LatentLayout, PoolGeometry};
@@ -213,7 +215,8 @@ fn a_staged_preparation_while_a_staged_run_is_queued_leaves_the_run_correct() {
 #[test]
 fn a_pool_dropped_with_a_copy_queued_stays_until_the_copy_ran() {
     for order in ORDERS {
-        pool_dropped(&CpuBackend::with_order(order), &format!("{order:?}"));
+        let b = CpuBackend::with_order(order);
+        pool_dropped(&b, &b.new_stream(), &format!("{order:?}"));
     }
 }
 
@@ -224,10 +227,13 @@ fn gpu_a_pool_dropped_with_a_copy_queued_stays_until_the_copy_ran() {
     let Some(gpu) = common::open_gpu(test) else {
         return;
     };
-    pool_dropped(common::stream(&gpu).as_ref(), "H200");
+    let (b, release) = (common::stream(&gpu), common::stream(&gpu));
+    pool_dropped(b.as_ref(), release.as_ref(), "H200");
 }
 
-fn pool_dropped(b: &dyn Backend, order: &str) {
+/// `b` copies out of a pool whose last handle goes while the copy is held back (the stream
+/// waits on a gate `release` opens afterwards, so the copy is queued however fast the device).
+fn pool_dropped(b: &dyn Backend, release: &dyn Backend, order: &str) {
     {
         let g = geometry();
         let src = random_pool(b, 4);
@@ -244,7 +250,11 @@ fn pool_dropped(b: &dyn Backend, order: &str) {
         )
         .unwrap();
         let copy = BlockCopy::prepare_sync(b, plan, src, dst.clone(), None).unwrap();
+        let gate = b.alloc(4, MemoryKind::Device).unwrap();
+        b.write_sync(&gate, 0, &[0; 4]).unwrap();
         let before = sync_counts();
+        // SAFETY: a 4-byte aligned word of `b`, alive until both streams are synchronized.
+        unsafe { b.wait_counter(gate.addr(), 1) }.unwrap();
         copy.run(b, LAUNCH).unwrap();
         drop(copy);
         assert!(
@@ -252,6 +262,13 @@ fn pool_dropped(b: &dyn Backend, order: &str) {
             "{order}: the source waits for its copy"
         );
         assert_eq!(sync_counts() - before, SyncCounts::default(), "{order}");
+        // Opens the gate from another stream, untracked (as another engine's kernel would).
+        // SAFETY: the same word, alive until both streams are synchronized.
+        let word = unsafe { Buffer::from_raw(gate.addr(), 4, MemoryKind::Device, gate.space()) };
+        release
+            .enqueue_write(&word, 0, &1u32.to_le_bytes())
+            .unwrap();
+        release.synchronize().unwrap();
         b.synchronize().unwrap();
         let layer = dst.layer(Component::TargetLatent, StoredLayer(0)).unwrap();
         let got = b.read_sync(&layer, 0, layer.len()).unwrap();

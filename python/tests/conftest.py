@@ -1,9 +1,17 @@
-"""Shared fixtures: geometries, engine-style NumPy KV tensors, random non-zero bytes."""
+"""Shared fixtures: geometries, engine-style NumPy KV tensors, random non-zero bytes.
 
-import numpy as np
-import pytest
+The CPU backend runs in adversarial stream order here, as in the Rust suites: work runs only
+when something waits for it, and every host wait runs the other streams first or last by a
+seeded coin, so a missing wait fails here rather than sometimes on a GPU."""
 
-import kvshard
+import os
+
+os.environ.setdefault("KVSHARD_CPU_STREAMS", "adversarial")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import kvshard  # noqa: E402
 
 PAGE = kvshard.PAGE_SIZE
 

@@ -52,6 +52,11 @@ def write_prompt(device, geometry, rng):
         slots = np.asarray(chain.slots(start, end), dtype=np.int64)
         for w in writers:
             w.run(slots)
+        # The next chunk is written into the staging by the host, which kvshard cannot order:
+        # wait for this chunk's writes to have read it (a forward pass on the stream would be
+        # ordered by the stream itself).
+        for pool, _ in ranks:
+            pool.device.synchronize()
         start = end
     for pool, _ in ranks:
         pool.device.synchronize()
