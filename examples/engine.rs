@@ -58,6 +58,7 @@ fn engine_pool(
 }
 
 fn main() -> Result<()> {
+    let syncs = kvshard::backend::sync_counts();
     let cpu = CpuBackend::new();
     let b: Arc<dyn Backend> = Arc::new(cpu.new_stream());
     let g = CacheGeometry::with_draft(PoolGeometry::with_indexer_layers(
@@ -210,5 +211,17 @@ fn main() -> Result<()> {
         reloaded_chain.page_count(),
         reloaded_chain.start_owner(),
     );
+    // Only the `_sync` calls above blocked, each on its own stream; none waited for the device.
+    let syncs = kvshard::backend::sync_counts() - syncs;
+    println!(
+        "waits: {} host-blocking (all in _sync calls), {} device-wide",
+        syncs.host_blocking, syncs.device_wide
+    );
+    if syncs.device_wide != 0 {
+        return Err(kvshard::Error::InvalidArgument(format!(
+            "{} device-wide synchronizations",
+            syncs.device_wide
+        )));
+    }
     Ok(())
 }
