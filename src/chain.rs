@@ -19,7 +19,9 @@ use crate::error::{Checked, Error, Result};
 use crate::geometry::PAGE_SIZE;
 use crate::hicache::CacheNode;
 use crate::index::{LocalPage, LogicalPage, Slot};
-use crate::shard::{AllocRequest, ChainStart, PageGenerations, Placement, ShardAllocator};
+use crate::shard::{
+    AllocRequest, ChainStart, GatherRequest, PageGenerations, Placement, ShardAllocator,
+};
 use crate::transfer::{PoolLayout, Registration};
 
 /// One request's chain of logical pages, bound to the allocator they came from.
@@ -306,6 +308,29 @@ impl RequestChain {
         };
         registration.validate()?;
         Ok(registration)
+    }
+}
+
+impl<'a> GatherRequest<'a> {
+    /// The request of `chain` whose first `prefix_pages` pages are its cached prefix and whose
+    /// remaining pages are its current chunk (an engine grows the chain for the chunk first).
+    /// Refused for a stale chain ([`RequestChain::pages`]).
+    pub fn of_chain(chain: &'a RequestChain, prefix_pages: usize) -> Result<Self> {
+        let pages = chain.pages()?;
+        if prefix_pages > pages.len() {
+            return Err(Error::OutOfRange {
+                what: "cached prefix pages",
+                index: i64::try_from(prefix_pages).unwrap_or(i64::MAX),
+                limit: pages.len() as u64 + 1,
+            });
+        }
+        let (prefix, chunk) = pages.split_at(prefix_pages);
+        Ok(Self {
+            // An empty chain has no owner yet and nothing to check.
+            start_owner: chain.start_owner().unwrap_or(0),
+            prefix,
+            chunk,
+        })
     }
 }
 

@@ -11,8 +11,7 @@ use std::fmt;
 use crate::error::{Checked, Error, Result};
 use crate::index::{ModelLayer, StoredLayer};
 
-/// Tokens per page.
-pub const PAGE_SIZE: usize = crate::abi::KVS_PAGE_SIZE as usize;
+pub use crate::index::PAGE_SIZE;
 /// Latent "nope" elements per token.
 pub const KV_LORA_RANK: usize = crate::abi::KVS_KV_LORA_RANK as usize;
 /// Latent rope elements per token.

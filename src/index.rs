@@ -15,7 +15,8 @@
 
 use std::fmt;
 
-use crate::geometry::PAGE_SIZE;
+/// Tokens per page.
+pub const PAGE_SIZE: usize = crate::abi::KVS_PAGE_SIZE as usize;
 
 macro_rules! index {
     ($(#[$doc:meta])* $name:ident($raw:ty), $label:literal) => {

@@ -216,7 +216,7 @@ impl HostTransfer {
             return Ok(());
         }
         let plan = self.kernel_plan()?;
-        let reuse = super::staged::take_fit(spare, plan.table_bytes());
+        let reuse = take_fit(spare, plan.table_bytes());
         let (src, dst) = self.ends();
         self.kernel = Some(BlockCopy::prepare(backend, plan, src, dst, reuse)?);
         Ok(())
@@ -381,4 +381,12 @@ impl HostTransfer {
 pub(super) fn check_pools(device: &DevicePool, host: &HostPool) -> Result<()> {
     crate::copy::space::check_same_components(device.components(), host.components())?;
     crate::backend::check_space(device.address_space(), host.address_space(), "host pool")
+}
+
+/// The smallest spare table buffer holding `need` bytes, taken out of `spare`.
+pub(crate) fn take_fit(spare: &mut Vec<TableBuffer>, need: usize) -> Option<TableBuffer> {
+    let at = (0..spare.len())
+        .filter(|&i| spare[i].len() >= need)
+        .min_by_key(|&i| spare[i].len())?;
+    Some(spare.swap_remove(at))
 }

@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use super::direct::HostTransfer;
+use super::direct::{take_fit, HostTransfer};
 use super::host_pool::{HostLayout, HostPool};
 use crate::backend::{Backend, Event, Launch};
 use crate::copy::engine::{self, Call, Piece};
@@ -371,12 +371,4 @@ impl HostTransfer {
         }
         Ok(())
     }
-}
-
-/// The smallest spare table buffer holding `need` bytes, taken out of `spare`.
-pub(crate) fn take_fit(spare: &mut Vec<TableBuffer>, need: usize) -> Option<TableBuffer> {
-    let at = (0..spare.len())
-        .filter(|&i| spare[i].len() >= need)
-        .min_by_key(|&i| spare[i].len())?;
-    Some(spare.swap_remove(at))
 }

@@ -75,14 +75,6 @@ pub use pool::{ExportedPool, ImportedPool, PeerBackend};
 pub use shm::SharedMemory;
 pub use wire::{Message, ProtocolError};
 
-/// How an error names a peer: by the rank its `Hello` gave, or as not yet known.
-pub(crate) fn peer_label(rank: Option<u32>) -> String {
-    match rank {
-        Some(rank) => format!("rank {rank}"),
-        None => "(before its Hello)".to_string(),
-    }
-}
-
 /// State and start time of a process, from `/proc/<pid>/stat` (`None`: no such process): how a
 /// peer that exited is told from one that is only slow, and from a new process that reused its
 /// PID.

@@ -30,9 +30,8 @@ use crate::copy::{BlockSpace, RemoteSpace};
 use crate::error::{Error, Result};
 use crate::geometry::{CacheGeometry, LatentLayout, PoolGeometry};
 use crate::gpu::vmm::{self, ExportableMemory, ImportedMemory, IpcMapping, IpcMemHandle};
-use crate::pool::DevicePool;
+use crate::pool::{DevicePool, PoolLayout};
 use crate::shard::Placement;
-use crate::transfer::PoolLayout;
 
 /// Where a process keeps its pools and maps another process's: the CPU twin's arena, or one GPU
 /// (a stream of it: transfers enqueue there).

@@ -1,91 +1,19 @@
 //! The wire format of the control channel: frame header, messages and limits.
 //!
 //! Geometry and page numbers travel as plain numbers and strings, so this module depends on no
-//! other kvshard type: the two processes may be built from different revisions of the crate as
+//! other kvshard type (its limits and `ProtocolError` are defined with the error type): the two processes may be built from different revisions of the crate as
 //! long as they speak the same [`VERSION`].
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-/// The first four bytes of every frame.
-pub const MAGIC: [u8; 4] = *b"KVSC";
-/// Protocol version; every frame carries it and the handshake compares it. Version 2: `Register`
-/// names its pool and lists the pages after the cached prefix, `ChunkDone` counts bytes per
-/// component.
-pub const VERSION: u16 = 2;
+// The limits a violation names, and the violation itself, sit with the error type (the bottom of
+// the crate) so it depends on nothing above it.
+pub use crate::error::causes::{ProtocolError, MAGIC, MAX_FDS, MAX_PAYLOAD_BYTES, VERSION};
+
 /// Bytes in a frame header.
 pub const HEADER_BYTES: usize = 12;
-/// Largest payload a frame may carry (1 MiB: a pool description of hundreds of layers is a few
-/// KiB; the cap bounds what a misbehaving peer can make the receiver buffer).
-pub const MAX_PAYLOAD_BYTES: usize = 1 << 20;
-/// Most file descriptors one frame may carry.
-pub const MAX_FDS: usize = 16;
 /// Bytes in a CUDA IPC or fabric handle.
 pub const HANDLE_BYTES: usize = 64;
-
-/// What a peer sent that the protocol refuses.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum ProtocolError {
-    /// The frame does not start with [`MAGIC`]: not a kvshard peer, or the stream lost sync.
-    #[error("bad frame magic {found:02x?} (expected {MAGIC:02x?})")]
-    BadMagic {
-        /// The four bytes found.
-        found: [u8; 4],
-    },
-    /// The peer speaks another protocol version.
-    #[error("peer speaks protocol version {theirs}, this side {ours}")]
-    Version {
-        /// [`VERSION`].
-        ours: u16,
-        /// The peer's.
-        theirs: u16,
-    },
-    /// A frame's payload is over [`MAX_PAYLOAD_BYTES`].
-    #[error("frame payload of {bytes} bytes is over the limit of {limit}")]
-    FrameTooLarge {
-        /// Declared (or, when sending, encoded) payload bytes.
-        bytes: u64,
-        /// [`MAX_PAYLOAD_BYTES`].
-        limit: usize,
-    },
-    /// More file descriptors than [`MAX_FDS`] arrived or were declared.
-    #[error("{count} file descriptors, over the limit of {limit}")]
-    TooManyFds {
-        /// Descriptors declared, received or pending.
-        count: usize,
-        /// The limit that applies.
-        limit: usize,
-    },
-    /// A frame carried another number of file descriptors than its header or message calls for.
-    #[error("{what} calls for {expected} file descriptors, {got} came")]
-    FdCount {
-        /// The frame header or the message kind.
-        what: &'static str,
-        /// Descriptors it calls for.
-        expected: usize,
-        /// Descriptors that came.
-        got: usize,
-    },
-    /// The payload is not one well-formed message.
-    #[error("undecodable payload: {0}")]
-    Decode(String),
-    /// A well-formed message arrived where the protocol expects another.
-    #[error("expected {expected}, got {got}")]
-    Unexpected {
-        /// What the protocol expects.
-        expected: &'static str,
-        /// The message that came.
-        got: &'static str,
-    },
-    /// A message's fields contradict each other.
-    #[error("inconsistent {message}: {why}")]
-    Invalid {
-        /// The message kind.
-        message: &'static str,
-        /// What is wrong.
-        why: String,
-    },
-}
 
 /// A frame header: how many descriptors and payload bytes follow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -12,9 +12,12 @@
 //! use it (writer, sender, HiCache controller).
 
 mod budget;
+mod gather;
+pub(crate) mod layout;
 mod write;
 
 pub use budget::{Budget, BudgetRequest, DEFAULT_CONTEXTS};
+pub(crate) use layout::PoolLayout;
 pub use write::{ChunkStaging, OwnedRowWrite};
 
 use std::fmt;

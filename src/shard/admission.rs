@@ -24,6 +24,9 @@ use crate::error::{Checked, Error, Result};
 use crate::geometry::PAGE_SIZE;
 use crate::shard::{Placement, ShardAllocator};
 
+// Defined with the error type, which carries it (`Error::EvictionStalled`).
+pub use crate::error::causes::EvictionStall;
+
 const PAGE: u64 = PAGE_SIZE as u64;
 
 /// The scratch limits of one batch. Unsharded engines (N = 1) have no scratch and pass
@@ -237,36 +240,6 @@ impl Admission {
     /// Requests admitted so far.
     pub fn admitted(&self) -> usize {
         self.admitted
-    }
-}
-
-/// Why [`evict_until_allocatable`] stopped short.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum EvictionStall {
-    /// Even an empty pool admits only `most` tokens.
-    NeverFits {
-        /// The admission capacity of the empty pool.
-        most: u64,
-    },
-    /// The eviction callback's last call freed no page (after `calls` calls): nothing more is
-    /// evictable.
-    NothingFreed {
-        /// Calls made, the fruitless one included.
-        calls: usize,
-    },
-}
-
-impl fmt::Display for EvictionStall {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::NeverFits { most } => {
-                write!(f, "even an empty pool admits only {most} tokens")
-            }
-            Self::NothingFreed { calls } => write!(
-                f,
-                "the eviction callback freed nothing on call {calls}: nothing more is evictable"
-            ),
-        }
     }
 }
 

@@ -30,12 +30,9 @@ use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::fmt;
 
-use crate::chain::RequestChain;
-use crate::copy::{BlockCopyPlan, BlockSpace, PageSelection, Staging};
 use crate::error::{Checked, Error, Result};
 use crate::geometry::PAGE_SIZE;
-use crate::index::{LocalPage, LogicalPage, ModelLayer};
-use crate::pool::DevicePool;
+use crate::index::{LocalPage, LogicalPage};
 use crate::shard::Placement;
 
 const PAGE: u64 = PAGE_SIZE as u64;
@@ -110,29 +107,6 @@ pub struct GatherRequest<'a> {
     pub prefix: &'a [LogicalPage],
     /// Logical pages of the current chunk, in chain order, right after the prefix.
     pub chunk: &'a [LogicalPage],
-}
-
-impl<'a> GatherRequest<'a> {
-    /// The request of `chain` whose first `prefix_pages` pages are its cached prefix and whose
-    /// remaining pages are its current chunk (an engine grows the chain for the chunk first).
-    /// Refused for a stale chain ([`RequestChain::pages`]).
-    pub fn of_chain(chain: &'a RequestChain, prefix_pages: usize) -> Result<Self> {
-        let pages = chain.pages()?;
-        if prefix_pages > pages.len() {
-            return Err(Error::OutOfRange {
-                what: "cached prefix pages",
-                index: i64::try_from(prefix_pages).unwrap_or(i64::MAX),
-                limit: pages.len() as u64 + 1,
-            });
-        }
-        let (prefix, chunk) = pages.split_at(prefix_pages);
-        Ok(Self {
-            // An empty chain has no owner yet and nothing to check.
-            start_owner: chain.start_owner().unwrap_or(0),
-            prefix,
-            chunk,
-        })
-    }
 }
 
 /// A batch's gather plan: per rank its send list, per mapped logical page its scratch page.
@@ -392,84 +366,6 @@ impl GatherPlan {
             table[page.0 as usize] = scratch as i64;
         }
         Ok(table)
-    }
-
-    /// The pack of `pool`'s rank's send list into its send buffer `send` (staging of at least
-    /// [`Self::block`] pages, entry `k` of the list to page `k`), for the model layers `layers`
-    /// accepts (every one, or one layer during its forward), latent and indexer, pairs in layer
-    /// order so that `BlockCopy::run_layer` packs one layer. A plan of the copy layer: prepare
-    /// it once (`BlockCopy::prepare_sync`) and run it per layer or whole.
-    pub fn pack_plan(
-        &self,
-        pool: &DevicePool,
-        send: &Staging,
-        layers: impl Fn(ModelLayer) -> bool,
-    ) -> Result<BlockCopyPlan> {
-        self.check_pool(pool)?;
-        let list = self.send_list(pool.rank())?;
-        if send.pages() < self.block {
-            return Err(Error::InvalidArgument(format!(
-                "a send buffer of {} pages for a block of {} pages",
-                send.pages(),
-                self.block
-            )));
-        }
-        let entries = list.len();
-        Ok(BlockCopyPlan::new(
-            pool,
-            PageSelection::Local(list),
-            send,
-            PageSelection::Positions,
-            entries,
-        )?
-        .retain_layers(layers)
-        .layer_major())
-    }
-
-    /// What an all-gather does with owner `owner`'s send buffer `send`: its [`Self::block`]
-    /// pages land on pages `owner * block ..` of a scratch slot `scratch` (staging of at least
-    /// [`Self::gathered_pages`] pages, shaped like the pools). Running it for every owner into
-    /// every rank's scratch emulates the all-gather with device copies (one process, one GPU).
-    pub fn landing_plan(
-        &self,
-        owner: u32,
-        send: &Staging,
-        scratch: &Staging,
-    ) -> Result<BlockCopyPlan> {
-        self.placement.check_rank(owner)?;
-        if scratch.pages() < self.gathered_pages() || send.pages() < self.block {
-            return Err(Error::InvalidArgument(format!(
-                "a scratch of {} pages and a send buffer of {} pages for {} gathered pages of blocks of {}",
-                scratch.pages(),
-                send.pages(),
-                self.gathered_pages(),
-                self.block
-            )));
-        }
-        let first = u64::from(owner) * self.block;
-        let pages = (first..first + self.block).map(LocalPage).collect();
-        Ok(BlockCopyPlan::new(
-            send,
-            PageSelection::Positions,
-            scratch,
-            PageSelection::Local(pages),
-            // Fits: the pages list above holds `block` entries.
-            self.block as usize,
-        )?
-        .layer_major())
-    }
-
-    fn check_pool(&self, pool: &DevicePool) -> Result<()> {
-        if pool.placement() != self.placement || pool.logical_pages() != self.logical_pages {
-            return Err(Error::InvalidArgument(format!(
-                "a pool of {} ranks and {} logical pages for a gather plan of {} ranks and {} logical pages",
-                pool.placement().shard(),
-                pool.logical_pages(),
-                self.placement.shard(),
-                self.logical_pages
-            )));
-        }
-        Ok(())
     }
 }
 

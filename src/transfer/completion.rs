@@ -36,15 +36,18 @@ use std::fmt;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use super::exec::{Completion, Transport};
 use super::plan::{ChunkRange, PrefillRank, Registration, SendPlan};
 use super::stats::TransferStats;
+use super::transport::{Completion, Transport};
 use super::ComponentBytes;
 use crate::copy::RemoteSpace;
 use crate::error::{Error, Result};
 use crate::geometry::PAGE_SIZE;
 use crate::index::LogicalPage;
 use crate::pool::DevicePool;
+
+// Defined with the error type, which carries them (`Error::TransferDeadline`).
+pub use crate::error::causes::{MissingChunks, Overdue};
 
 /// Most prefill ranks one request may be sent by: a bound on what a registration makes the
 /// decode side hold, far above any context-parallel group.
@@ -647,72 +650,6 @@ struct RankProgress {
     next_chunk: u32,
     done: bool,
     bytes: ComponentBytes,
-}
-
-/// What arrived from one prefill rank of a request that is overdue: every chunk before
-/// `received`, in order, and not its last status.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MissingChunks {
-    /// The prefill rank.
-    pub rank: u32,
-    /// Chunks whose status arrived: `0..received`. Chunk `received` and every later one, the
-    /// final chunk among them, never did.
-    pub received: u32,
-}
-
-impl fmt::Display for MissingChunks {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.received {
-            0 => write!(
-                f,
-                "prefill rank {}: no chunk arrived (chunk 0 onward missing, the final chunk among them)",
-                self.rank
-            ),
-            n => write!(
-                f,
-                "prefill rank {}: chunks 0..={} arrived, chunk {n} onward missing (the final chunk among them)",
-                self.rank,
-                n - 1
-            ),
-        }
-    }
-}
-
-/// A request whose deadline passed before every prefill rank had reported its last status:
-/// what [`Receiver::expire`] returns, and the [`Error::TransferDeadline`] it converts into.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Overdue {
-    /// Request id.
-    pub request: u64,
-    /// The request's deadline, counted from its registration.
-    pub deadline: Duration,
-    /// Prefill ranks sending it.
-    pub ranks: u32,
-    /// The ranks whose last status never came, in rank order, with the chunks that did.
-    pub missing: Vec<MissingChunks>,
-}
-
-impl fmt::Display for Overdue {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "request {}: no last status within its deadline of {:?} from {} of its {} prefill ranks",
-            self.request,
-            self.deadline,
-            self.missing.len(),
-            self.ranks
-        )?;
-        for m in &self.missing {
-            write!(f, "; {m}")?;
-        }
-        Ok(())
-    }
-}
-
-impl From<Overdue> for Error {
-    fn from(overdue: Overdue) -> Self {
-        Error::TransferDeadline(overdue)
-    }
 }
 
 #[derive(Debug)]

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use super::plan::SendPlan;
 use super::stats::{Posted, TransferStats};
+use super::transport::{Completion, Transport};
 use super::ComponentBytes;
 use crate::abi;
 use crate::backend::{Backend, Event, KernelFamily, Launch};
@@ -168,44 +169,6 @@ pub fn block_copies(
             .only_components(src, &components))
         })
         .collect()
-}
-
-/// A submitted chunk's completion: poll it, or wait for it.
-pub trait Completion: Send {
-    /// Whether everything the chunk moved has landed; a failure is an `Err`. Never blocks.
-    fn poll(&mut self) -> Result<bool>;
-
-    /// Blocks the host until everything the chunk moved has landed, or returns the failure: on
-    /// a stream, until the device has passed the chunk's event; on a transfer engine, at most
-    /// its transfer timeout.
-    fn wait_sync(&mut self) -> Result<()>;
-
-    /// Once the chunk has landed, how long it took to move, when the transport knows better
-    /// than the host's wall clock (device events, a transfer engine's telemetry).
-    fn transfer_time(&self) -> Option<Duration> {
-        None
-    }
-}
-
-/// Something that moves chunks: an in-process backend ([`BackendTransport`]), a peer mapping,
-/// or a network transfer engine (NIXL) that posts the chunk in `submit` and polls it through
-/// the returned completion.
-pub trait Transport: Send {
-    /// Starts moving every page of `plan` from `src` into `dst`. An empty plan is valid and
-    /// moves nothing. The completion keeps whatever the transfer needs alive until it lands.
-    fn submit(
-        &mut self,
-        plan: &SendPlan,
-        src: &Arc<DevicePool>,
-        dst: &Arc<RemoteSpace>,
-    ) -> Result<Box<dyn Completion>>;
-
-    /// The transport's transfer counters ([`super::stats`]), shared: they keep counting after
-    /// the transport is boxed into a [`Sender`](super::Sender). `None` for a transport that
-    /// keeps none.
-    fn stats(&self) -> Option<TransferStats> {
-        None
-    }
 }
 
 /// How a [`BackendTransport`] moves bytes.

@@ -42,6 +42,7 @@ pub mod nixl;
 pub mod peer;
 pub mod plan;
 pub mod stats;
+pub mod transport;
 
 use std::fmt;
 use std::ops::AddAssign;
@@ -52,8 +53,7 @@ pub use completion::{
 };
 pub use endpoint::{DecodeEndpoint, DecodeEvent, PrefillEndpoint, PrefillEvent, CHUNK_EVENTS};
 pub use exec::{
-    block_copies, kernel_pieces, BackendTransport, Completion, CopyMethod, DescriptorBatch,
-    Transport, KERNEL_PIECE_BYTES,
+    block_copies, kernel_pieces, BackendTransport, CopyMethod, DescriptorBatch, KERNEL_PIECE_BYTES,
 };
 pub use peer::{PeerMethod, PeerStats, PeerTransport};
 pub use plan::{
@@ -61,6 +61,7 @@ pub use plan::{
     SendPlan,
 };
 pub use stats::{Metric, MetricKind, Posted, StatsSnapshot, TimeSnapshot, TransferStats};
+pub use transport::{Completion, Transport};
 
 use crate::geometry::Component;
 

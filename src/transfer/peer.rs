@@ -21,9 +21,10 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::exec::{BackendTransport, Completion, CopyMethod, Transport};
+use super::exec::{BackendTransport, CopyMethod};
 use super::plan::SendPlan;
 use super::stats::{Posted, TransferStats};
+use super::transport::{Completion, Transport};
 use crate::backend::{check_space, Backend, Event, Launch};
 use crate::copy::space::sealed::Sealed as _;
 use crate::copy::{BlockSpace, RemoteSpace};

@@ -28,46 +28,13 @@ use super::ComponentBytes;
 use crate::copy::program::check_distinct;
 use crate::copy::{BlockSpace, OwnedRuns, Run};
 use crate::error::{Checked, Error, Result};
-use crate::geometry::{CacheGeometry, Component, PAGE_SIZE};
+use crate::geometry::{Component, PAGE_SIZE};
 use crate::index::{LocalPage, LogicalPage};
 use crate::pool::DevicePool;
 use crate::shard::Placement;
 
-/// How one side of a transfer stores its pages, as it registers them with the other side (the
-/// decode side's layout arrives over the wire, so nothing here is trusted).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PoolLayout {
-    /// Geometry of the side's cache.
-    pub geometry: CacheGeometry,
-    /// Pages per layer (an unsharded decode pool: its pages; a prefill rank: its local pages).
-    pub pages: u64,
-    /// Bytes between consecutive pages of one layer, per component of
-    /// [`CacheGeometry::components`], in that order: the "item length" engines register.
-    /// Transfers move whole pages of packed layers, so each must equal the component's block.
-    pub page_strides: Vec<u64>,
-}
-
-impl PoolLayout {
-    /// A side storing `pages` pages per layer of every component packed (page `p` of a layer
-    /// at `p * block_bytes`), as every [`DevicePool`] does.
-    pub fn packed(geometry: CacheGeometry, pages: u64) -> Self {
-        let page_strides = geometry
-            .components()
-            .iter()
-            .map(|c| c.block_bytes as u64)
-            .collect();
-        Self {
-            geometry,
-            pages,
-            page_strides,
-        }
-    }
-
-    /// The layout of `pool`.
-    pub fn of(pool: &DevicePool) -> Self {
-        Self::packed(pool.geometry().clone(), pool.pages())
-    }
-}
+// Defined with the pools it describes (ipc describes pools with it too, below transfer).
+pub use crate::pool::layout::PoolLayout;
 
 /// The prefill rank a plan is made for: its place in the shard group and its pool's layout.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -689,7 +656,7 @@ impl fmt::Display for SendPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::geometry::{LatentLayout, PoolGeometry, INDEXER_PAGE_BYTES};
+    use crate::geometry::{CacheGeometry, LatentLayout, PoolGeometry, INDEXER_PAGE_BYTES};
 
     const LATENT: u64 = 36_864;
     const INDEXER: u64 = INDEXER_PAGE_BYTES as u64;

@@ -18,9 +18,9 @@ use crate::error::{Checked, Error, Result};
 use crate::geometry::{CacheGeometry, ComponentLayout};
 use crate::ipc::wire::NixlPeer;
 use crate::pool::DevicePool;
-use crate::transfer::exec::{Completion, Transport};
 use crate::transfer::plan::{Section, SendPlan};
 use crate::transfer::stats::{Posted, TransferStats};
+use crate::transfer::transport::{Completion, Transport};
 use crate::transfer::{ChunkResult, ChunkStatus};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

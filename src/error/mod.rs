@@ -3,12 +3,19 @@
 
 use cudarc::driver::DriverError;
 
+pub(crate) mod causes;
+
+// Public through the modules they describe: `shard::EvictionStall`, `ipc::ProtocolError`,
+// `transfer::{Overdue, MissingChunks}`.
+use causes::{EvictionStall, Overdue, ProtocolError};
+
 /// Result alias used across kvshard.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong in kvshard.
+// Exhaustive (not `#[non_exhaustive]`): the Python binding maps every variant to an exception
+// class without a catch-all, so a new variant does not compile until it is mapped there too.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum Error {
     /// This build embeds no CUDA kernels (nvcc was absent when it was compiled).
     #[error(
@@ -151,7 +158,7 @@ pub enum Error {
         /// The allocator's admission capacity when eviction stopped.
         capacity: u64,
         /// Why eviction stopped.
-        reason: crate::shard::EvictionStall,
+        reason: EvictionStall,
     },
     /// A byte-for-byte check of the demo failed: bytes that must be identical are not.
     #[error("verification failed: {0}")]
@@ -233,7 +240,7 @@ pub enum Error {
     },
     /// The peer process of an IPC channel is gone: it closed the connection, was killed, or fell
     /// silent for longer than the liveness timeout.
-    #[error("IPC peer {} gone: {why}", crate::ipc::peer_label(*.rank))]
+    #[error("IPC peer {} gone: {why}", causes::peer_label(*.rank))]
     PeerGone {
         /// The peer's rank from its `Hello` (`None` before the handshake told it).
         rank: Option<u32>,
@@ -241,13 +248,13 @@ pub enum Error {
         why: String,
     },
     /// An IPC peer sent bytes the wire protocol refuses; the connection is dropped.
-    #[error("IPC protocol violation by peer {}: {violation}", crate::ipc::peer_label(*.rank))]
+    #[error("IPC protocol violation by peer {}: {violation}", causes::peer_label(*.rank))]
     Protocol {
         /// The peer's rank from its `Hello` (`None` before the handshake told it).
         rank: Option<u32>,
         /// What was wrong.
         #[source]
-        violation: crate::ipc::ProtocolError,
+        violation: ProtocolError,
     },
     /// Waiting for an IPC peer (to connect, or to answer the handshake) took too long.
     #[error("timed out after {waited:?}: {what}")]
@@ -319,7 +326,7 @@ pub enum Error {
     /// (a final chunk never sent, a status never delivered, a rank gone silent): the request,
     /// and per rank whose last status never came, the chunks that did arrive.
     #[error("{0}")]
-    TransferDeadline(crate::transfer::Overdue),
+    TransferDeadline(Overdue),
 }
 
 impl Error {
