@@ -31,7 +31,14 @@
 
 pub mod controller;
 pub mod direct;
-pub mod host_pool;
+/// The host pools, defined with the device pools (`pool/host`) and re-exported here, where
+/// HiCache and engines use them.
+pub mod host_pool {
+    pub use crate::pool::host::{
+        DraftPacking, HostBufferLayout, HostFormat, HostLayout, HostMemory, HostPool, HostRegion,
+        LayoutStrides, NumaPlacement, RegisteredRegion,
+    };
+}
 pub mod plan;
 pub mod signals;
 pub mod staged;

@@ -13,6 +13,7 @@
 
 mod budget;
 mod gather;
+pub(crate) mod host;
 pub(crate) mod layout;
 mod write;
 
