@@ -34,23 +34,21 @@
 //! - `nixl` (feature `nixl`): the transport on NVIDIA's NIXL, for prefill and decode on
 //!   different hosts.
 
-pub mod completion;
 pub mod endpoint;
 pub mod exec;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 pub mod peer;
 pub mod plan;
+mod receive;
+mod send;
 pub mod stats;
+mod status;
 pub mod transport;
 
 use std::fmt;
 use std::ops::AddAssign;
 
-pub use completion::{
-    ChunkEnd, ChunkResult, ChunkStatus, Finished, MissingChunks, Outcome, Overdue, PendingChunk,
-    Progress, RankFailure, Receiver, Sender, DEFAULT_DEADLINE, MAX_PREFILL_RANKS,
-};
 pub use endpoint::{DecodeEndpoint, DecodeEvent, PrefillEndpoint, PrefillEvent, CHUNK_EVENTS};
 pub use exec::{
     block_copies, kernel_pieces, BackendTransport, CopyMethod, DescriptorBatch, KERNEL_PIECE_BYTES,
@@ -60,7 +58,13 @@ pub use plan::{
     ChunkRange, Descriptor, PoolLayout, PrefillRank, Registration, Section, SectionComponent,
     SendPlan,
 };
+pub use receive::{
+    Finished, MissingChunks, Outcome, Overdue, Progress, RankFailure, Receiver, DEFAULT_DEADLINE,
+    MAX_PREFILL_RANKS,
+};
+pub use send::{ChunkEnd, PendingChunk, Sender};
 pub use stats::{Metric, MetricKind, Posted, StatsSnapshot, TimeSnapshot, TransferStats};
+pub use status::{ChunkResult, ChunkStatus};
 pub use transport::{Completion, Transport};
 
 use crate::geometry::Component;

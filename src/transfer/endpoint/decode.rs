@@ -7,8 +7,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::super::completion::{ChunkResult, ChunkStatus, Finished, Overdue, Receiver};
 use super::super::plan::{PoolLayout, Registration};
+use super::super::{ChunkResult, ChunkStatus, Finished, Overdue, Receiver};
 use crate::error::{Error, Result};
 use crate::gpu::vmm::IpcEvent;
 use crate::ipc::proc_stat;

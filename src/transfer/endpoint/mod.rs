@@ -52,8 +52,8 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use super::completion::{ChunkResult, ChunkStatus};
 use super::ComponentBytes;
+use super::{ChunkResult, ChunkStatus};
 use crate::geometry::Component;
 use crate::ipc::wire::ChunkDone;
 

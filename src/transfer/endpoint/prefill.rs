@@ -6,10 +6,10 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::super::completion::{ChunkEnd, ChunkResult, ChunkStatus, PendingChunk, Sender};
 use super::super::peer::{PeerMethod, PeerStats, PeerTransport};
 use super::super::plan::Registration;
 use super::super::ComponentBytes;
+use super::super::{ChunkEnd, ChunkResult, ChunkStatus, PendingChunk, Sender};
 use crate::copy::RemoteSpace;
 use crate::error::{Error, Result};
 use crate::gpu::vmm::IpcEvent;
