@@ -1,6 +1,8 @@
-//! Compiles every `cuda/*.cu` with nvcc 13.0.x into one fatbin (sm_90a, sm_100a, sm_103a cubins
-//! plus compute_90 PTX) that the crate embeds. Without nvcc the crate still builds: it warns,
-//! sets `cfg(kvshard_no_kernels)`, and every GPU entry point returns `Error::KernelsMissing`.
+//! Compiles every `cuda/*.cu` (one job per file) with nvcc 13.0.x into one fatbin (sm_90a,
+//! sm_100a, sm_103a cubins plus compute_90 PTX) that the crate embeds. `cuda/bench.cu`, the
+//! benchmark kernels, only with feature `bench-kernels`: the fatbin engines embed carries no
+//! kernel they never launch. Without nvcc the crate still builds: it warns, sets
+//! `cfg(kvshard_no_kernels)`, and every GPU entry point returns `Error::KernelsMissing`.
 //! Feature `require-kernels` turns a missing or wrong nvcc into a build failure.
 //!
 //! The same nvcc call reports ptxas' resource usage of every cubin. A kernel that spills or has a
@@ -24,6 +26,8 @@ const GENCODE: &[&str] = &[
 const EMBEDDED: &str = "sm_90a,sm_100a,sm_103a,compute_90";
 /// PTX from newer nvcc is rejected by driver 580 (CUDA 13.0) on the H200 hosts.
 const NVCC_RELEASE: &str = "release 13.0";
+/// The benchmark kernels' file, compiled only with feature `bench-kernels`.
+const BENCH_SOURCE: &str = "bench.cu";
 
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(kvshard_no_kernels)");
@@ -75,13 +79,16 @@ fn build(out: &Path, fatbin: &Path) -> Result<Vec<Usage>, String> {
     }
 
     let cuda = Path::new(env!("CARGO_MANIFEST_DIR")).join("cuda");
+    let bench = env::var_os("CARGO_FEATURE_BENCH_KERNELS").is_some();
     let mut sources: Vec<PathBuf> = std::fs::read_dir(&cuda)
         .map_err(|e| format!("cannot read {}: {e}", cuda.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "cu"))
+        .filter(|p| bench || p.file_name().is_none_or(|n| n != BENCH_SOURCE))
         .collect();
     sources.sort();
-    // nvcc builds one fatbin from one translation unit, so the kernels are compiled together.
+    // nvcc builds one fatbin from one translation unit, so the job files are compiled together;
+    // each includes what it uses (common.cuh, abi.h) and nothing of another job's.
     let unity = out.join("kvshard_all.cu");
     let body: String = sources
         .iter()

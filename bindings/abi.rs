@@ -26,6 +26,7 @@ pub const KVS_ELEMENTWISE_THREADS: u32 = 256;
 pub const KVS_RESOLVE_THREADS: u32 = 256;
 pub const KVS_COPY_THREADS: u32 = 1024;
 pub const KVS_WRITE_THREADS: u32 = 512;
+pub const KVS_COPY_RANGE_MAX_BYTES: u64 = 4294967296;
 pub const KVS_LATENT_FP8_TRTLLM: u32 = 0;
 pub const KVS_LATENT_FP8_SCALED: u32 = 1;
 pub const KVS_LATENT_BF16: u32 = 2;
@@ -675,19 +676,21 @@ const _: () = {
         "Offset of field: kvs_range::bytes",
     ][::std::mem::offset_of!(kvs_range, bytes) - 16usize];
 };
-/// Copy every range of a table (P/D descriptors executed on the GPU).
+/** Copy every range of a table (P/D descriptors executed on the GPU). A range longer than
+ KVS_COPY_RANGE_MAX_BYTES is skipped and reported as its position in the table.*/
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
 pub struct kvs_copy_ranges_params {
     ///< kvs_range[num_ranges]
     pub ranges: u64,
     pub num_ranges: u64,
+    pub status: kvs_status,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
     [
         "Size of kvs_copy_ranges_params",
-    ][::std::mem::size_of::<kvs_copy_ranges_params>() - 16usize];
+    ][::std::mem::size_of::<kvs_copy_ranges_params>() - 32usize];
     [
         "Alignment of kvs_copy_ranges_params",
     ][::std::mem::align_of::<kvs_copy_ranges_params>() - 8usize];
@@ -697,6 +700,9 @@ const _: () = {
     [
         "Offset of field: kvs_copy_ranges_params::num_ranges",
     ][::std::mem::offset_of!(kvs_copy_ranges_params, num_ranges) - 8usize];
+    [
+        "Offset of field: kvs_copy_ranges_params::status",
+    ][::std::mem::offset_of!(kvs_copy_ranges_params, status) - 16usize];
 };
 /// Benchmark load: out[i] = a[i] + b[i] over bf16, a memory-bound stand-in for a forward pass.
 #[repr(C)]

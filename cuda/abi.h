@@ -73,6 +73,12 @@
 /* kvs_write_rows: the most threads per CTA (it sizes the CTA's shared row table). */
 #define KVS_WRITE_THREADS 512
 
+/* kvs_copy_ranges: the longest range (4 GiB) one entry may describe. One warp copies a range and
+   counts its 16-byte vectors in 32 bits; a longer entry is skipped and reported, by the kernel
+   and its CPU twin alike, instead of being narrowed. The host builds its tables from pieces of
+   far less (transfer::KERNEL_PIECE_BYTES) and refuses a longer range before uploading. */
+#define KVS_COPY_RANGE_MAX_BYTES 0x100000000ull
+
 /* kvs_quantize_latent_params.layout */
 #define KVS_LATENT_FP8_TRTLLM 0 /* KVS_LATENT_TRTLLM_ROW_BYTES: e4m3 nope + e4m3 rope, scale 1.0 */
 #define KVS_LATENT_FP8_SCALED 1 /* KVS_LATENT_SCALED_ROW_BYTES: e4m3 nope, 4 f32 tile scales, bf16 rope */
@@ -301,11 +307,18 @@ typedef struct kvs_range {
     uint64_t bytes;
 } kvs_range;
 
-/** Copy every range of a table (P/D descriptors executed on the GPU). */
+/**
+ * Copy every range of a table (P/D descriptors executed on the GPU). A range longer than
+ * KVS_COPY_RANGE_MAX_BYTES is skipped and reported as its position in the table.
+ */
 typedef struct kvs_copy_ranges_params {
     uint64_t ranges; /**< kvs_range[num_ranges] */
     uint64_t num_ranges;
+    kvs_status status;
 } kvs_copy_ranges_params;
+
+/* The benchmark kernels (cuda/bench.cu) are built only with the cargo feature `bench-kernels`;
+   their parameter structs stay here, the one ABI source, whether built or not. */
 
 /** Benchmark load: out[i] = a[i] + b[i] over bf16, a memory-bound stand-in for a forward pass. */
 typedef struct kvs_bench_add_params {
@@ -357,7 +370,7 @@ KVS_STATIC_ASSERT(sizeof(kvs_work_queue) == 16, "kvs_work_queue");
 KVS_STATIC_ASSERT(sizeof(kvs_copy_blocks_params) == 288, "kvs_copy_blocks_params");
 KVS_STATIC_ASSERT(sizeof(kvs_write_rows_params) == 120, "kvs_write_rows_params");
 KVS_STATIC_ASSERT(sizeof(kvs_range) == 24, "kvs_range");
-KVS_STATIC_ASSERT(sizeof(kvs_copy_ranges_params) == 16, "kvs_copy_ranges_params");
+KVS_STATIC_ASSERT(sizeof(kvs_copy_ranges_params) == 32, "kvs_copy_ranges_params");
 KVS_STATIC_ASSERT(sizeof(kvs_bench_add_params) == 32, "kvs_bench_add_params");
 KVS_STATIC_ASSERT(sizeof(kvs_bench_read_params) == 24, "kvs_bench_read_params");
 

@@ -2,7 +2,13 @@
  * Benchmark-only kernels: the empty launch that bounds every small kernel's time, a read of a
  * buffer that bounds every kernel reading it once, and a memory-bound bf16 add standing in for a
  * forward pass that competes for HBM with transfers.
+ *
+ * Built only with the cargo feature `bench-kernels` (build.rs), which the GPU benchmark enables:
+ * the fatbin an engine embeds carries no kernel it never launches. Their host side is
+ * `gpu::bench`, which exists only with the feature too.
  */
+#include <cuda_bf16.h>
+
 #include "common.cuh"
 
 extern "C" __global__ void kvs_bench_empty() {}

@@ -1,12 +1,11 @@
 /*
- * Device helpers shared by every kvshard kernel: status reporting, page-interleaved owner math,
- * 16-byte packed access and the FP8 E4M3 encoder. Every function here has a CPU twin in Rust
- * (src/shard, src/fp8.rs, src/backend/cpu.rs) with the same semantics.
+ * Device helpers shared by the kernel files (one job each): status reporting, page-interleaved
+ * owner math, 16-byte packed access and the spreading of work units over warps. Every function
+ * here has a CPU twin in Rust (src/shard, src/backend/cpu.rs, src/backend/status.rs) with the
+ * same semantics. Helpers of one job live in its file.
  */
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp8.h>
 #include <stdint.h>
 
 #include "abi.h"
@@ -47,54 +46,6 @@ __device__ __forceinline__ uint64_t local_page(uint64_t logical_page, uint32_t s
 __device__ __forceinline__ uint64_t local_row(uint64_t logical_slot, uint32_t shard) {
     return (logical_slot / (static_cast<uint64_t>(shard) * KVS_PAGE_SIZE)) * KVS_PAGE_SIZE +
            logical_slot % KVS_PAGE_SIZE;
-}
-
-/*
- * f32 -> e4m3 with round-to-nearest-even and saturation to +-448. NaN becomes 0x7F whatever
- * its sign, so the result never depends on how the hardware propagates a NaN's sign.
- */
-__device__ __forceinline__ uint8_t encode_e4m3(float x) {
-    if (isnan(x)) {
-        return 0x7F;
-    }
-    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
-}
-
-__device__ __forceinline__ float bf16_bits_to_float(uint16_t bits) {
-    return __uint_as_float(static_cast<uint32_t>(bits) << 16);
-}
-
-/* The 8 bf16 values of a 16-byte vector, widened to f32. */
-__device__ __forceinline__ void unpack_bf16x8(vec16 v, float out[8]) {
-    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        out[2 * i] = __uint_as_float(words[i] << 16);
-        out[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
-    }
-}
-
-/* Packs 8 e4m3 codes of x[i] / scale (or x[i] when divide is false) into 8 bytes. */
-__device__ __forceinline__ uint2 encode_e4m3x8(const float x[8], float scale, bool divide) {
-    uint32_t lo = 0;
-    uint32_t hi = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float a = divide ? x[i] / scale : x[i];
-        const float b = divide ? x[i + 4] / scale : x[i + 4];
-        lo |= static_cast<uint32_t>(encode_e4m3(a)) << (8 * i);
-        hi |= static_cast<uint32_t>(encode_e4m3(b)) << (8 * i);
-    }
-    return make_uint2(lo, hi);
-}
-
-__device__ __forceinline__ float absmax8(const float x[8]) {
-    float m = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        m = fmaxf(m, fabsf(x[i]));
-    }
-    return m;
 }
 
 /* Number of warps in the grid and this warp's global index. */

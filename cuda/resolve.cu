@@ -1,5 +1,6 @@
 /*
- * Owner-local index resolution and scratch translation.
+ * Owner-local index resolution: which entries of a token or page list this rank owns, in order,
+ * and their local rows or pages. (Translating slots into scratch rows is scratch.cu's.)
  *
  * kvs_resolve_* is a single-pass stream compaction: one CTA of KVS_RESOLVE_THREADS (256)
  * threads per tile of KVS_RESOLVE_TILE (1024) entries. Warp w of a tile holds entries
@@ -27,7 +28,7 @@
  * scans rely on too).
  *
  * Bytes: reads 8 B per entry, writes 12 B per owned entry; the floor is that over the device
- * copy bandwidth.
+ * copy bandwidth. Versions that lost to this one are kept in benches/kernels/.
  */
 #include "common.cuh"
 
@@ -215,31 +216,3 @@ KVS_RESOLVE_ENTRY(kvs_resolve_tokens, true, false)
 KVS_RESOLVE_ENTRY(kvs_resolve_tokens_pow2, true, true)
 KVS_RESOLVE_ENTRY(kvs_resolve_pages, false, false)
 KVS_RESOLVE_ENTRY(kvs_resolve_pages_pow2, false, true)
-
-extern "C" __global__ void kvs_scratch_rows(const __grid_constant__ kvs_scratch_rows_params p) {
-    const int64_t* slots = reinterpret_cast<const int64_t*>(p.slots);
-    const int64_t* table = reinterpret_cast<const int64_t*>(p.page_table);
-    int64_t* out = reinterpret_cast<int64_t*>(p.out_rows);
-    const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-    for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < p.num_slots;
-         i += stride) {
-        const int64_t slot = slots[i];
-        int64_t row = -1;
-        if (slot >= 0) {
-            const uint64_t page = static_cast<uint64_t>(slot) / KVS_PAGE_SIZE;
-            const int64_t scratch_page = page < p.table_len ? table[page] : -1;
-            // Bound the page before multiplying, so a huge table entry cannot wrap into range.
-            const bool mapped = scratch_page >= 0 &&
-                                static_cast<uint64_t>(scratch_page) < (p.scratch_rows + KVS_PAGE_SIZE - 1) / KVS_PAGE_SIZE;
-            const uint64_t candidate = mapped ? static_cast<uint64_t>(scratch_page) * KVS_PAGE_SIZE +
-                                                    static_cast<uint64_t>(slot) % KVS_PAGE_SIZE
-                                              : p.scratch_rows;
-            if (candidate < p.scratch_rows) {
-                row = static_cast<int64_t>(candidate);
-            } else {
-                report(p.status, i);
-            }
-        }
-        out[i] = row;
-    }
-}

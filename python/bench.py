@@ -61,7 +61,7 @@ def main():
 
     if args.cpu:
         device = kvshard.Device.cpu()
-        geometry = kvshard.CacheGeometry(kvshard.PoolGeometry("fp8_trtllm", 4), draft=True)
+        geometry = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 4), draft=True)
         pages, bulk = 80, 64
     else:
         device = kvshard.Device.cuda(0)
@@ -77,7 +77,7 @@ def main():
     placement = kvshard.Placement(1)
     pool = kvshard.DevicePool.allocate(device, geometry, placement, 0, pages)
     pool.fill(0x5A)
-    host = kvshard.HostPool(device, geometry, pages, "page_first_direct", sglang=True, packed_draft=True)
+    host = kvshard.HostPool(device, geometry, pages, kvshard.HostLayout.PAGE_FIRST_DIRECT, sglang=True, packed_draft=True)
     host.fill(0xA5)
     stream = device.new_stream()
     device.synchronize()
@@ -99,7 +99,7 @@ def main():
     # 1. A 16-page signalled load, prepared once (the enqueue path alone).
     small = list(range(1, 17))
     plan = kvshard.TransferPlan(placement, 0, small, small, pages, pages)
-    load = kvshard.HostTransfer(pool, host, plan, "load")
+    load = kvshard.HostTransfer(pool, host, plan, kvshard.Direction.LOAD)
     load.prepare_kernel()
     signals = kvshard.LayerSignals(device, geometry.model_layers)
 
@@ -130,13 +130,13 @@ def main():
     # 2. A 16-page controller load: plan, kernel tables, one signalled launch.
     ctl = kvshard.HiCacheController(pool, host)
     node = kvshard.CacheNode(1, small)
-    ctl.backup(node, stream, "copy_engine")
+    ctl.backup(node, stream, kvshard.Route.COPY_ENGINE)
     ctl.ack_backups(1)
     ack = lambda _i, _h: ctl.ack_loads(1)
     compare(
         "HiCacheController.load, 16 pages, kernel",
-        lambda n: native._rust_load_ns(ctl, 1, small, "kernel", n, 2),
-        lambda n: time_calls(lambda: ctl.load(1, small, None, "kernel"), n, ack),
+        lambda n: native._rust_load_ns(ctl, 1, small, kvshard.Route.KERNEL, n, 2),
+        lambda n: time_calls(lambda: ctl.load(1, small, None, kvshard.Route.KERNEL), n, ack),
         iters=max(args.iters // 4, 50),
     )
 
@@ -165,10 +165,11 @@ def main():
     # 4. Bulk: 512-page transfers, Python vs Rust, wall time.
     big = list(range(1, bulk + 1))
     bplan = kvshard.TransferPlan(placement, 0, big, big, pages, pages)
-    for direction in ["backup", "load"]:
-        t = kvshard.HostTransfer(pool, host, bplan, direction)
+    # Labelled by name, as in BENCHMARKS.md.
+    for direction, way in [("backup", kvshard.Direction.BACKUP), ("load", kvshard.Direction.LOAD)]:
+        t = kvshard.HostTransfer(pool, host, bplan, way)
         t.prepare_kernel()
-        for io in ["copy_engine", "kernel"]:
+        for name, io in [("copy_engine", kvshard.IoBackend.COPY_ENGINE), ("kernel", kvshard.IoBackend.KERNEL)]:
             nbytes = t.bytes() * args.bulk_iters
 
             def py_bulk():
@@ -182,7 +183,7 @@ def main():
 
             rs = [native._rust_bulk_seconds(t, stream, io, args.bulk_iters, 2) for _ in range(args.rounds)]
             ps = [py_bulk() for _ in range(args.rounds)]
-            rec(results, f"HiCache {direction} {bulk} pages, {io}", nbytes, rs, ps)
+            rec(results, f"HiCache {direction} {bulk} pages, {name}", nbytes, rs, ps)
     breg = kvshard.Registration(1, kvshard.PoolLayout.of(decode), big, big)
 
     def py_bulk_send(first):

@@ -9,6 +9,7 @@
 #   processes); the ceiling is the local D2D copy;
 # - two or more GPUs: prefill on GPU 0 -> decode on GPU 1, then CP2 prefill on GPUs 0 and 1 ->
 #   decode on GPU 1; the ceiling is the peer copy engine (cuMemcpyPeerAsync, GPU 0 -> GPU 1).
+#   (`--gpus` names each rank's GPU, then the decode's.)
 #
 # Then the GPU tests of tests/pd_procs (two processes on one GPU: byte identity, VMM and legacy
 # IPC pools, killed prefill, killed decode) with the GPU required.
@@ -26,8 +27,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = stage ]; then
   set -e
-  cargo build --release --features require-kernels --bin kvshard
-  exe=$(cargo test --release --features require-kernels --test pd_procs --no-run --message-format=json 2>/dev/null |
+  cargo build --release -p kvshard-cli --features require-kernels --bin kvshard
+  exe=$(cargo test --release -p kvshard-cli --features require-kernels --test pd_procs --no-run --message-format=json 2>/dev/null |
     python3 -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line)
@@ -49,7 +50,7 @@ for candidate in .gpu/kvshard target/release/kvshard; do
   if [ -z "$bin" ] && [ -x "$candidate" ]; then bin="$candidate"; fi
 done
 if [ -z "$bin" ]; then
-  cargo build --release --features require-kernels --bin kvshard || exit 1
+  cargo build --release -p kvshard-cli --features require-kernels --bin kvshard || exit 1
   bin=target/release/kvshard
 fi
 tests=""
@@ -89,10 +90,10 @@ run() {
 }
 
 if [ "$gpus" -ge 2 ]; then
-  run pd-gpu0-to-gpu1 --ranks 1 --gpus 1,0 "${chunked[@]}"
-  run pd-gpu0-to-gpu1-whole --ranks 1 --gpus 1,0 "${whole[@]}"
-  run pd-cp2-gpus01-to-gpu1 --ranks 2 --gpus 1,0,1 "${chunked[@]}"
-  run pd-cp2-gpus01-to-gpu1-whole --ranks 2 --gpus 1,0,1 "${whole[@]}"
+  run pd-gpu0-to-gpu1 --ranks 1 --gpus 0,1 "${chunked[@]}"
+  run pd-gpu0-to-gpu1-whole --ranks 1 --gpus 0,1 "${whole[@]}"
+  run pd-cp2-gpus01-to-gpu1 --ranks 2 --gpus 0,1,1 "${chunked[@]}"
+  run pd-cp2-gpus01-to-gpu1-whole --ranks 2 --gpus 0,1,1 "${whole[@]}"
   run pd-same-gpu --ranks 1 --gpus 0,0 "${chunked[@]}"
 elif [ "$gpus" -eq 1 ]; then
   run pd-one-gpu --ranks 1 --gpus 0,0 "${chunked[@]}"
@@ -109,7 +110,7 @@ elif [ -n "$tests" ]; then
   if KVSHARD_REQUIRE_GPU=1 "$tests" gpu_ --test-threads=1 >"$out/tests.log" 2>&1; then r=ok; else r=FAILED; status=1; fi
   echo "tests/pd_procs gpu_: $r ($(grep -E '^test result' "$out/tests.log" | tail -1))" | tee -a "$out/pd.md"
 elif command -v cargo >/dev/null; then
-  if KVSHARD_REQUIRE_GPU=1 cargo test --release --features require-kernels --test pd_procs -- gpu_ --test-threads=1 >"$out/tests.log" 2>&1; then r=ok; else r=FAILED; status=1; fi
+  if KVSHARD_REQUIRE_GPU=1 cargo test --release -p kvshard-cli --features require-kernels --test pd_procs -- gpu_ --test-threads=1 >"$out/tests.log" 2>&1; then r=ok; else r=FAILED; status=1; fi
   echo "tests/pd_procs gpu_: $r ($(grep -E '^test result' "$out/tests.log" | tail -1))" | tee -a "$out/pd.md"
 fi
 cat "$out/pd.md"

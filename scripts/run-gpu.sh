@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the staged binaries (scripts/stage-gpu.sh) on a GPU host. Steps, in the order given
 # (default: all of them but bench):
-#   tests     every test binary with the GPU required (two-GPU tests too when two GPUs are here)
+#   tests     every test binary with the GPU required (two-GPU tests too when two GPUs are here):
+#             the library's and the applications' (cli/: demo, pd_procs, pd_pressure, flags, nccl)
 #   sanitize  the GPU tests again under compute-sanitizer memcheck and racecheck
 #   demo      kvshard demo, the basic and the pressure scenario
 #   pd        scripts/pd-gpu.sh: P/D across processes (one GPU, or two when present)
@@ -29,7 +30,7 @@ done
 export KVSHARD_REQUIRE_GPU=1
 # The CPU twin in the order every cargo test run uses here (.cargo/config.toml): adversarial.
 export KVSHARD_CPU_STREAMS="${KVSHARD_CPU_STREAMS:-adversarial}"
-# The tests that start kvshard processes run the staged binary.
+# The applications' tests that start kvshard processes (pd_pressure, flags) run the staged binary.
 export KVSHARD_BIN="$here/kvshard"
 export NCCL_NVLS_ENABLE=0
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds every test and benchmark binary in release mode with kernels required, and stages them,
-# with the kvshard binary and scripts/run-gpu.sh, in .gpu/ (git-ignored). A GPU host needs no
+# Builds every test and benchmark binary in release mode with kernels required (the library's and
+# the applications', cli/), and stages them, with the kvshard binary and scripts/run-gpu.sh, in
+# .gpu/ (git-ignored). A GPU host needs no
 # Rust: copy .gpu/ there (or name it in the device tool's `carry`) and run `.gpu/run-gpu.sh`.
 # Binaries built on Debian 12 need glibc >= 2.34 and only libc/libgcc_s; libcuda is loaded at
 # run time.
@@ -20,20 +21,26 @@ for line in sys.stdin:
 '
 }
 
+# Both crates have these features (kvshard-cli forwards them to kvshard); the workspace's
+# default members are the library and the applications.
 features="require-kernels nccl"
-cargo build --release --features "$features" --bin kvshard
+cargo build --release -p kvshard-cli --features "$features" --bin kvshard
 cp target/release/kvshard "$stage/"
 cargo test --release --features "$features" --no-run --message-format=json 2>/dev/null | list |
   while read -r kind name exe; do
     case "$kind" in
-      lib) cp "$exe" "$stage/tests/unit" ;;
+      # Each crate's unit tests: unit-kvshard, unit-kvshard_cli.
+      lib) cp "$exe" "$stage/tests/unit-$name" ;;
       # The bindings check needs libclang and the source tree: it runs where the crate is built.
       test) [ "$name" = bindings ] || cp "$exe" "$stage/tests/$name" ;;
     esac
   done
-cargo bench --features "$features" --no-run --message-format=json 2>/dev/null | list |
+# The benchmark kernels and gpu::bench exist only with `bench-kernels`; the tests above run the
+# fatbin engines get, without them.
+cargo bench -p kvshard-cli --features "$features bench-kernels" --no-run --message-format=json 2>/dev/null | list |
   while read -r kind name exe; do
-    # Only the GPU benchmark: the criterion benches measure CPU paths, here.
+    # Only the GPU benchmark (the applications' crate holds it: it measures with their
+    # measurement module); the library's criterion benches measure CPU paths, here.
     # (an `if`: a false test as the loop's last command would fail the pipeline)
     if [ "$kind" = bench ] && [ "$name" = gpu ]; then cp "$exe" "$stage/benches/$name"; fi
   done

@@ -19,7 +19,7 @@ export CUDA_HOME
 
 rm -rf "$out"
 mkdir -p "$out/lib" "$out/ucx" "$out/plugins"
-bin="$(cargo test --release --features "require-kernels nixl" --test nixl --no-run \
+bin="$(cargo test --release -p kvshard --features "require-kernels nixl" --test nixl --no-run \
   --message-format=json 2>/dev/null |
   python3 -c 'import json,sys
 for l in sys.stdin:

@@ -96,11 +96,7 @@ pub mod abi;
 
 pub mod backend;
 pub mod chain;
-#[cfg(feature = "cli")]
-pub mod cli;
 pub mod copy;
-#[cfg(feature = "cli")]
-pub mod demo;
 pub mod error;
 pub mod fp8;
 pub mod geometry;
@@ -110,13 +106,9 @@ pub mod index;
 pub mod ipc;
 #[cfg(feature = "nccl")]
 pub mod nccl;
-#[cfg(feature = "cli")]
-pub mod pd;
 pub mod pool;
 pub mod quantize;
 pub mod shard;
-#[cfg(feature = "cli")]
-pub mod synth;
 pub mod transfer;
 
 pub use error::{Error, Result};

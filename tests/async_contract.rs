@@ -5,12 +5,14 @@
 //! Each test runs on CPU backends whose streams run work only when something waits for it
 //! (deferred), and in adversarial order (each host wait runs the other streams first or last
 //! by a seeded coin), so a missing dependency gives wrong bytes or a missing allocation here,
-//! deterministically, instead of sometimes on a GPU.
+//! deterministically, instead of sometimes on a GPU. The behaviours an engine meets on a GPU
+//! run there too, from the same body (`gpu_*`).
 
 use std::sync::Arc;
 
 mod common;
 
+use common::synth::{self, POISON};
 use kvshard::backend::cpu::{CpuBackend, StreamOrder};
 use kvshard::backend::{
     pending_frees, sync_counts, upload_i64s_sync, Backend, Launch, MemoryKind, SyncCounts,
@@ -25,7 +27,6 @@ use kvshard::hicache::{
 use kvshard::index::{LocalPage, LogicalPage, ModelLayer, StoredLayer};
 use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite};
 use kvshard::shard::{Placement, ShardAllocator};
-use kvshard::synth::{self, POISON};
 use kvshard::transfer::{BackendTransport, ChunkEnd, PoolLayout, Sender};
 
 const LAUNCH: Launch = Launch {
@@ -79,32 +80,15 @@ fn logical(pages: &[u64]) -> Vec<LogicalPage> {
     pages.iter().map(|&p| LogicalPage(p)).collect()
 }
 
-/// Old behaviour: a copy's tables handed to the next copy (`into_tables`, then
-/// `prepare_sync(.., reuse)` on another stream) were rewritten before the first copy's queued
-/// run read them, which then copied by the second copy's tables into the wrong pool.
-#[test]
-fn tables_reused_while_a_run_is_queued_are_rewritten_only_after_it() {
-    for order in ORDERS {
-        let cpu = CpuBackend::with_order(order);
-        tables_reused(&cpu, &cpu.new_stream(), &format!("{order:?}"));
-    }
-}
-
-#[test]
-fn gpu_tables_reused_while_a_run_is_queued_are_rewritten_only_after_it() {
-    let test = "gpu_tables_reused_while_a_run_is_queued_are_rewritten_only_after_it";
-    let Some(gpu) = common::open_gpu(test) else {
-        return;
-    };
-    tables_reused(
-        common::stream(&gpu).as_ref(),
-        common::stream(&gpu).as_ref(),
-        "H200",
-    );
-}
-
-fn tables_reused(b: &dyn Backend, other: &dyn Backend, order: &str) {
-    {
+// Old behaviour: a copy's tables handed to the next copy (`into_tables`, then
+// `prepare_sync(.., reuse)` on another stream) were rewritten before the first copy's
+// queued run read them, which then copied by the second copy's tables into the wrong pool.
+common::on_cpu_and_gpu!(
+    tables_reused_while_a_run_is_queued_are_rewritten_only_after_it,
+    ORDERS,
+    |device| {
+        let (b, other) = (device.stream(), device.stream());
+        let (b, other) = (b.as_ref(), other.as_ref());
         let g = geometry();
         let src = random_pool(b, 1);
         let dst = Arc::new(Staging::new(b, &g, 4).unwrap());
@@ -143,15 +127,15 @@ fn tables_reused(b: &dyn Backend, other: &dyn Backend, order: &str) {
             let want = src
                 .read_block_sync(b, Component::TargetLatent, StoredLayer(1), LocalPage(page))
                 .unwrap();
-            assert!(got == want, "{order}: page {page} of the first copy");
+            assert!(got == want, "{device}: page {page} of the first copy");
         }
         let got = b.read_sync(&layer(&unrelated), 0, block).unwrap();
         let want = src
             .read_block_sync(b, Component::TargetLatent, StoredLayer(1), LocalPage(2))
             .unwrap();
-        assert!(got == want, "{order}: the second copy");
+        assert!(got == want, "{device}: the second copy");
     }
-}
+);
 
 /// Old behaviour: preparing a staged transfer for a second staging while a run through the
 /// first was queued rewrote the tables that run read: it reported Ok and landed none of its
@@ -210,32 +194,20 @@ fn a_staged_preparation_while_a_staged_run_is_queued_leaves_the_run_correct() {
     }
 }
 
-/// Dropping the last handle of a pool (and the copy reading it) while the copy is queued
-/// parks the pool's memory until the copy has run; nothing blocks the host meanwhile.
-#[test]
-fn a_pool_dropped_with_a_copy_queued_stays_until_the_copy_ran() {
-    for order in ORDERS {
-        pool_dropped(&CpuBackend::with_order(order), 0, &format!("{order:?}"));
-    }
-}
-
-/// On the GPU (under compute-sanitizer memcheck, a free under the copy is an error).
-#[test]
-fn gpu_a_pool_dropped_with_a_copy_queued_stays_until_the_copy_ran() {
-    let test = "gpu_a_pool_dropped_with_a_copy_queued_stays_until_the_copy_ran";
-    let Some(gpu) = common::open_gpu(test) else {
-        return;
-    };
-    // 8 GiB of fill ahead of the copy (milliseconds of device time) keeps it queued while the
-    // host drops the pool and looks (microseconds). A gate the stream waits on would do it
-    // exactly, but compute-sanitizer serializes streams and would never open it.
-    pool_dropped(common::stream(&gpu).as_ref(), 8 << 30, "H200");
-}
-
-/// `b` copies out of a pool whose last handle goes while the copy is still queued, behind
-/// `busy` bytes of fill (none needed where nothing runs until waited for).
-fn pool_dropped(b: &dyn Backend, busy: usize, order: &str) {
-    {
+// Dropping the last handle of a pool (and the copy reading it) while the copy is queued
+// parks the pool's memory until the copy has run; nothing blocks the host meanwhile. (On
+// the GPU under compute-sanitizer memcheck, a free under the copy is an error.)
+common::on_cpu_and_gpu!(
+    a_pool_dropped_with_a_copy_queued_stays_until_the_copy_ran,
+    ORDERS,
+    |device| {
+        let b = device.stream();
+        let b = b.as_ref();
+        // On the GPU, 8 GiB of fill ahead of the copy (milliseconds of device time) keeps it
+        // queued while the host drops the pool and looks (microseconds). A gate the stream
+        // waits on would do it exactly, but compute-sanitizer serializes streams and would
+        // never open it. The CPU twin runs nothing until something waits: no fill needed.
+        let busy: usize = if device.is_gpu() { 8 << 30 } else { 0 };
         let g = geometry();
         let src = random_pool(b, 4);
         let want = src
@@ -264,21 +236,21 @@ fn pool_dropped(b: &dyn Backend, busy: usize, order: &str) {
         // for, only parked is possible.)
         let parked = pending_frees() >= 1;
         let ran = ran.is_complete().unwrap();
-        assert!(parked || ran, "{order}: the source waits for its copy");
+        assert!(parked || ran, "{device}: the source waits for its copy");
         assert!(
             parked || busy > 0,
-            "{order}: nothing ran, so the source is parked"
+            "{device}: nothing ran, so the source is parked"
         );
-        assert_eq!(sync_counts() - before, SyncCounts::default(), "{order}");
+        assert_eq!(sync_counts() - before, SyncCounts::default(), "{device}");
         b.synchronize().unwrap();
         let layer = dst.layer(Component::TargetLatent, StoredLayer(0)).unwrap();
         let got = b.read_sync(&layer, 0, layer.len()).unwrap();
         assert!(
             got == want,
-            "{order}: the copy read the dropped pool's bytes"
+            "{device}: the copy read the dropped pool's bytes"
         );
     }
-}
+);
 
 /// One rank of an engine (unsharded, so every page is its own): its pool, chunk staging and
 /// writer, with the compute stream they run on, on the CPU twin or a GPU.
@@ -357,26 +329,14 @@ impl Rank {
     }
 }
 
-/// An engine mistake that passed silently: a P/D send on its own stream right after an
-/// owned-row write on the compute stream, with no event between them, sent stale bytes.
-#[test]
-fn a_send_on_another_stream_after_a_write_sends_the_written_bytes() {
-    for order in ORDERS {
-        send_after_write(Rank::new(order), &format!("{order:?}"));
-    }
-}
-
-#[test]
-fn gpu_a_send_on_another_stream_after_a_write_sends_the_written_bytes() {
-    let test = "gpu_a_send_on_another_stream_after_a_write_sends_the_written_bytes";
-    let Some(gpu) = common::open_gpu(test) else {
-        return;
-    };
-    send_after_write(Rank::on(Box::new(move || common::stream(&gpu))), "H200");
-}
-
-fn send_after_write(mut rank: Rank, order: &str) {
-    {
+// An engine mistake that passed silently: a P/D send on its own stream right after an
+// owned-row write on the compute stream, with no event between them, sent stale bytes.
+common::on_cpu_and_gpu!(
+    a_send_on_another_stream_after_a_write_sends_the_written_bytes,
+    ORDERS,
+    |device| {
+        let case = device.to_string();
+        let mut rank = Rank::on(Box::new(move || device.stream()));
         let mut chain = RequestChain::new(Placement::unsharded());
         chain.grow_to(&mut rank.alloc, TOKENS).unwrap();
         let slots = rank.slots(&chain);
@@ -419,30 +379,19 @@ fn send_after_write(mut rank: Rank, order: &str) {
             .pool
             .read_pages_sync(rank.compute.as_ref(), &pages)
             .unwrap();
-        assert!(sent == written, "{order}: the decode got the written bytes");
+        assert!(sent == written, "{case}: the decode got the written bytes");
     }
-}
+);
 
-/// An engine mistake that passed silently: pages written again (a new request) before their
-/// backup ran put the new bytes in the host cache. The new write now waits for the backup.
-#[test]
-fn pages_rewritten_before_their_backup_ran_back_up_the_old_bytes() {
-    for order in ORDERS {
-        rewritten_before_backup(Rank::new(order), &format!("{order:?}"));
-    }
-}
-
-#[test]
-fn gpu_pages_rewritten_before_their_backup_ran_back_up_the_old_bytes() {
-    let test = "gpu_pages_rewritten_before_their_backup_ran_back_up_the_old_bytes";
-    let Some(gpu) = common::open_gpu(test) else {
-        return;
-    };
-    rewritten_before_backup(Rank::on(Box::new(move || common::stream(&gpu))), "H200");
-}
-
-fn rewritten_before_backup(mut rank: Rank, order: &str) {
-    {
+// An engine mistake that passed silently: pages written again (a new request) before
+// their backup ran put the new bytes in the host cache. The new write now waits for the
+// backup.
+common::on_cpu_and_gpu!(
+    pages_rewritten_before_their_backup_ran_back_up_the_old_bytes,
+    ORDERS,
+    |device| {
+        let case = device.to_string();
+        let mut rank = Rank::on(Box::new(move || device.stream()));
         let mut c = rank.controller();
         let mut chain = RequestChain::new(Placement::unsharded());
         chain.grow_to(&mut rank.alloc, TOKENS).unwrap();
@@ -483,10 +432,10 @@ fn rewritten_before_backup(mut rank: Rank, order: &str) {
             .unwrap();
         assert!(
             reloaded == backed,
-            "{order}: the backup holds the first request's bytes"
+            "{case}: the backup holds the first request's bytes"
         );
     }
-}
+);
 
 /// An engine mistake that raced on a GPU and passed on the CPU: kvshard work reading reloaded
 /// pages before the load's layer signal. kvshard's own reads now wait for the load.
@@ -532,29 +481,15 @@ fn a_kvshard_read_of_reloaded_pages_before_their_signal_sees_the_loaded_bytes() 
     }
 }
 
-/// The steady state of an engine (a chunk written, sent, backed up, a cached prefix reloaded
-/// layer by layer) blocks the host nowhere and never waits for the whole device: only the
-/// `_sync` calls at the end do.
-#[test]
-fn an_engines_steady_state_blocks_nothing_outside_sync_calls() {
-    for order in ORDERS {
-        steady_state_blocks_nothing(Rank::new(order), &format!("{order:?}"));
-    }
-}
-
-/// The same on the GPU, on kvshard's own streams.
-#[test]
-fn gpu_an_engines_steady_state_blocks_nothing_outside_sync_calls() {
-    let Some(gpu) =
-        common::open_gpu("gpu_an_engines_steady_state_blocks_nothing_outside_sync_calls")
-    else {
-        return;
-    };
-    steady_state_blocks_nothing(Rank::on(Box::new(move || common::stream(&gpu))), "H200");
-}
-
-fn steady_state_blocks_nothing(mut rank: Rank, case: &str) {
-    {
+// The steady state of an engine (a chunk written, sent, backed up, a cached prefix
+// reloaded layer by layer) blocks the host nowhere and never waits for the whole device:
+// only the `_sync` calls at the end do. On the GPU, on kvshard's own streams.
+common::on_cpu_and_gpu!(
+    an_engines_steady_state_blocks_nothing_outside_sync_calls,
+    ORDERS,
+    |device| {
+        let case = device.to_string();
+        let mut rank = Rank::on(Box::new(move || device.stream()));
         let mut c = rank.controller();
         // Set-up: a prefix written and backed up, acked.
         let mut prefix = RequestChain::new(Placement::unsharded());
@@ -618,4 +553,4 @@ fn steady_state_blocks_nothing(mut rank: Rank, case: &str) {
         assert!(sync_counts().host_blocking > before.host_blocking);
         assert_eq!(sync_counts().device_wide, before.device_wide);
     }
-}
+);

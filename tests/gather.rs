@@ -1,16 +1,17 @@
-//! The CP prefill data path (issue 14): gather plans, the scratch page table kernel, the pack of
-//! send lists, a one-GPU all-gather emulation, the scratch budget, batch admission, the
-//! eviction helper and the allocator's release order, each against a straightforward reference
-//! at N in {1, 2, 3, 4, 8}; and the pressure demo. GPU tests (`gpu_*`) compare the CUDA kernels
-//! with their CPU twins byte for byte and print SKIPPED without a GPU.
+//! The CP prefill data path: gather plans, the scratch page table kernel, the pack of send
+//! lists, a one-GPU all-gather emulation, the scratch budget, batch admission, the eviction
+//! helper and the allocator's release order, each against a straightforward reference at N in
+//! {1, 2, 3, 4, 8} (the pressure demo's tests are the applications', cli/tests/demo.rs). What
+//! runs on a device runs from one body on the CPU twin (`cpu_*`) and on the GPU (`gpu_*`,
+//! SKIPPED without one), which must also make the same bytes as the twin.
 
 mod common;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
+use common::synth::{self, POISON};
 use kvshard::abi;
-use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::{i64s_from_bytes, upload_i64s_sync, Backend, Launch};
 use kvshard::backend::{KernelFamily, MemoryKind};
 use kvshard::copy::{BlockCopy, BlockSpace, ScratchTable, Staging};
@@ -23,7 +24,6 @@ use kvshard::shard::{
     ChainStart, Decision, Deferral, EvictionStall, GatherPlan, GatherRequest, Placement,
     ScratchLayout, ShardAllocator,
 };
-use kvshard::synth::{self, POISON};
 use kvshard::transfer::{ChunkRange, PoolLayout, PrefillRank, Registration, SendPlan};
 use kvshard::Error;
 use rand::rngs::StdRng;
@@ -527,7 +527,7 @@ fn scratch_budget_follows_the_rule_at_every_shard_size() {
             assert_eq!(b.scratch_bytes, 2 * rows * row * 2, "draft doubles");
         }
     }
-    // The issue's example: a 4,097-token context at N = 2 needs whole rounds of 2 pages.
+    // A 4,097-token context at N = 2 needs whole rounds of 2 pages.
     let mut req = BudgetRequest::new(1 << 40, 4097, 64);
     req.contexts = 1;
     assert_eq!(Budget::scratch(&req, 2).unwrap(), (4224 + 64 + 64, 4224));
@@ -847,35 +847,23 @@ fn read_table(b: &dyn Backend, t: &ScratchTable) -> Vec<i64> {
     )
 }
 
-fn check_tables_against_plans(b: Arc<dyn Backend>, rng: &mut StdRng) {
+// One scratch table rebuilt for random plans holds each plan's page table; a plan of
+// another index space is refused.
+common::on_cpu_and_gpu!(scratch_table_matches_the_plans, |device| {
+    let (b, mut rng) = (device.stream(), device.rng());
     for n in SHARDS {
         let ppr = 48;
         let mut table = ScratchTable::new(b.clone(), u64::from(n) * ppr, 512).unwrap();
         b.fill(table.table(), POISON).unwrap();
         for _ in 0..20 {
-            let plan = random_plan(rng, n, ppr);
+            let plan = random_plan(&mut rng, n, ppr);
             table.build(&plan).unwrap();
             assert_eq!(read_table(b.as_ref(), &table), plan.page_table().unwrap());
         }
-        let other = random_plan(rng, n, ppr + 1);
+        let other = random_plan(&mut rng, n, ppr + 1);
         assert!(table.build(&other).is_err(), "another index space");
     }
-}
-
-#[test]
-fn scratch_table_twin_matches_the_plans() {
-    let mut rng = common::rng("scratch_table_twin_matches_the_plans");
-    check_tables_against_plans(Arc::new(CpuBackend::new()), &mut rng);
-}
-
-#[test]
-fn gpu_scratch_table_matches_the_plans() {
-    let Some(gpu) = common::cuda_arc("gpu_scratch_table_matches_the_plans") else {
-        return;
-    };
-    let mut rng = common::rng("gpu_scratch_table_matches_the_plans");
-    check_tables_against_plans(gpu, &mut rng);
-}
+});
 
 /// Runs `kvs_scratch_table` on raw entries; returns the table and the rejected position.
 fn raw_table(
@@ -920,6 +908,9 @@ fn raw_table(
 /// position the kernel must reject (if any).
 type RawTable = (Vec<i64>, Vec<i64>, u64, u64, Option<u64>);
 
+/// What one `kvs_scratch_table` run made: the table and the rejected position.
+type Made = (Vec<i64>, Option<u64>);
+
 /// Bad entries, and a few good ones.
 fn bad_tables() -> Vec<RawTable> {
     vec![
@@ -937,27 +928,53 @@ fn bad_tables() -> Vec<RawTable> {
     ]
 }
 
-#[test]
-fn scratch_table_twin_reports_bad_entries() {
-    let b = CpuBackend::new();
-    for (pages, scratch, len, trash, rejected) in bad_tables() {
-        let (table, got) = raw_table(&b, &pages, &scratch, len, trash);
-        assert_eq!(got, rejected, "{pages:?} -> {scratch:?}");
-        // Where the entries are sorted, the table is the plain map.
+// `kvs_scratch_table` reports the first bad entry (pages not ascending, a page beyond the
+// table or negative, a scratch page at or beyond the trash page) and maps what it cannot
+// place to the trash page; a table longer than int64 indices reach is refused before any
+// address is used. Random entries (unsorted and out of range as they come) and a large
+// sorted table give the GPU the same bytes to make as the twin.
+common::on_cpu_and_gpu!(scratch_table_reports_bad_entries, |device| -> Vec<Made> {
+    let b = device.stream();
+    let mut rng = device.rng();
+    // Where the entries are sorted, the table is the plain map.
+    let check_map = |pages: &[i64], scratch: &[i64], len: u64, trash: u64, table: &[i64]| {
         if pages.windows(2).all(|w| w[0] < w[1]) {
-            for (l, &t) in table.iter().enumerate() {
-                let want = pages
-                    .iter()
-                    .position(|&p| p == l as i64)
-                    .map(|i| scratch[i])
-                    .filter(|&s| s >= 0 && (s as u64) < trash)
-                    .unwrap_or(trash as i64);
-                assert_eq!(t, want, "{pages:?} -> {scratch:?} at {l}");
+            let mut want = vec![trash as i64; len as usize];
+            for (&page, &s) in pages.iter().zip(scratch) {
+                if (0..len as i64).contains(&page) && (0..trash as i64).contains(&s) {
+                    want[page as usize] = s;
+                }
             }
+            assert!(table == want, "{pages:?} -> {scratch:?}");
         }
+    };
+    let mut cases = bad_tables();
+    let sorted: Vec<i64> = (0..100_000).map(|i| 3 * i + 1).collect();
+    let scratch: Vec<i64> = (0..100_000).map(|i| (i * 7) % 250_000).collect();
+    cases.push((sorted, scratch, 300_001, 250_000, None));
+    let mut out = Vec::new();
+    for (pages, scratch, len, trash, rejected) in cases {
+        let (table, got) = raw_table(b.as_ref(), &pages, &scratch, len, trash);
+        assert_eq!(
+            got,
+            rejected,
+            "{} entries from {:?}",
+            pages.len(),
+            pages.first()
+        );
+        check_map(&pages, &scratch, len, trash, &table);
+        out.push((table, got));
     }
-    // SAFETY: refused by the parameter check (a table longer than int64 indices reach) before
-    // any address is used.
+    for _ in 0..20 {
+        let k = rng.random_range(0..300);
+        let pages: Vec<i64> = (0..k).map(|_| rng.random_range(-3..400)).collect();
+        let scratch: Vec<i64> = (0..k).map(|_| rng.random_range(-3..300)).collect();
+        let (table, got) = raw_table(b.as_ref(), &pages, &scratch, 350, 280);
+        check_map(&pages, &scratch, 350, 280, &table);
+        out.push((table, got));
+    }
+    // SAFETY: refused by the parameter check (a table longer than int64 indices reach)
+    // before any address is used.
     let e = unsafe {
         b.scratch_table(abi::kvs_scratch_table_params {
             table_len: u64::MAX,
@@ -966,36 +983,8 @@ fn scratch_table_twin_reports_bad_entries() {
     }
     .unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
-}
-
-#[test]
-fn gpu_scratch_table_matches_the_cpu_twin_on_bad_entries() {
-    let Some(gpu) = common::cuda("gpu_scratch_table_matches_the_cpu_twin_on_bad_entries") else {
-        return;
-    };
-    let cpu = CpuBackend::new();
-    let mut rng = common::rng("gpu_scratch_table_matches_the_cpu_twin_on_bad_entries");
-    let mut cases = bad_tables();
-    // Random entries, unsorted and out of range as they come; and a large sorted table.
-    for _ in 0..20 {
-        let k = rng.random_range(0..300);
-        let pages: Vec<i64> = (0..k).map(|_| rng.random_range(-3..400)).collect();
-        let scratch: Vec<i64> = (0..k).map(|_| rng.random_range(-3..300)).collect();
-        cases.push((pages, scratch, 350, 280, None));
-    }
-    let sorted: Vec<i64> = (0..100_000).map(|i| 3 * i + 1).collect();
-    let scratch: Vec<i64> = (0..100_000).map(|i| (i * 7) % 250_000).collect();
-    cases.push((sorted, scratch, 300_001, 250_000, None));
-    for (pages, scratch, len, trash, expected) in cases {
-        let want = raw_table(&cpu, &pages, &scratch, len, trash);
-        let got = raw_table(&gpu, &pages, &scratch, len, trash);
-        assert!(got.0 == want.0, "tables differ for {} entries", pages.len());
-        assert_eq!(got.1, want.1);
-        if let Some(e) = expected {
-            assert_eq!(got.1, Some(e));
-        }
-    }
-}
+    out
+});
 
 // ---------------------------------------------------------------------------------------------
 // Pack and the all-gather emulation.
@@ -1086,157 +1075,130 @@ fn pack(
     send
 }
 
-/// Packs every rank of a random batch, every layer and one layer at a time, and checks the send
-/// buffers against the pools; returns every send buffer's bytes (for the CPU / GPU comparison).
-fn check_packs(b: Arc<dyn Backend>, seed: u64) -> Vec<Vec<u8>> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let g = small();
-    let mut out = Vec::new();
-    for n in [1, 2, 3, 4] {
-        let ppr = 24;
-        let (_, pools) = sharded_pools(&b, &g, n, ppr, &mut rng);
-        let plan = random_plan(&mut rng, n, ppr);
-        for (r, pool) in pools.iter().enumerate() {
-            let list = plan.send_list(r as u32).unwrap();
-            let send = pack(&b, &plan, pool, None);
-            for (k, &local) in list.iter().enumerate() {
-                let want = pool
-                    .read_pages_sync(b.as_ref(), &[local])
-                    .unwrap()
-                    .remove(0);
-                assert!(
-                    staging_page(b.as_ref(), &send, k as u64) == want,
-                    "N={n} rank {r} entry {k}"
-                );
-            }
-            out.push(b.read_sync(send.buffer(), 0, send.buffer().len()).unwrap());
-            // One layer at a time: the draft's layer (model layer 3), then target layer 1
-            // (which shares its indexer, so only its latent moves).
-            for layer in [3, 1] {
-                let one = pack(&b, &plan, pool, Some(ModelLayer(layer)));
-                for c in send.components() {
-                    for l in 0..c.layers() {
-                        let moved = c.model_layers[l] == ModelLayer(layer);
-                        let buf = one.layer(c.component, StoredLayer(l)).unwrap();
-                        let want = send.layer(c.component, StoredLayer(l)).unwrap();
-                        let len = list.len() * c.block_bytes;
-                        let got = b.read_sync(&buf, 0, len).unwrap();
-                        if moved {
-                            assert!(got == b.read_sync(&want, 0, len).unwrap());
-                        } else {
-                            assert!(got.iter().all(|&x| x == POISON), "{} {l}", c.component);
-                        }
-                    }
-                }
-                out.push(b.read_sync(one.buffer(), 0, one.buffer().len()).unwrap());
-            }
-        }
-    }
-    out
-}
-
-#[test]
-fn pack_writes_the_send_lists_every_layer_or_one() {
-    check_packs(Arc::new(CpuBackend::new()), 5);
-}
-
-#[test]
-fn gpu_pack_matches_the_cpu_twin() {
-    let Some(gpu) = common::cuda_arc("gpu_pack_matches_the_cpu_twin") else {
-        return;
-    };
-    let want = check_packs(Arc::new(CpuBackend::new()), 6);
-    let got = check_packs(gpu, 6);
-    assert_eq!(got.len(), want.len());
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert!(g == w, "send buffer {i} differs from the CPU twin");
-    }
-}
-
-/// Every rank packs its send list, device copies land every send buffer in every rank's
-/// scratch (owner-major, as an all-gather would), and the scratch read through the page table
-/// (built by the kernel) equals the unsharded pool's pages in logical order; the chunk region
-/// and the trash page stay untouched. Returns every scratch's bytes.
-fn check_all_gather(b: Arc<dyn Backend>, seed: u64) -> Vec<Vec<u8>> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let g = small();
-    let mut out = Vec::new();
-    for n in [1, 2, 3, 4, 8] {
-        let ppr = 16;
-        let (u, pools) = sharded_pools(&b, &g, n, ppr, &mut rng);
-        let reqs = loop {
-            let reqs = random_batch(&mut rng, n, ppr);
-            if reqs.iter().any(|r| !r.prefix.is_empty()) {
-                break reqs;
-            }
-        };
-        let gather: Vec<GatherRequest> = reqs.iter().map(Req::gather).collect();
-        let layout = ScratchLayout::new(64 * 80, 64 * 30).unwrap();
-        let logical = u64::from(n) * ppr;
-        let plan = GatherPlan::new(Placement::new(n).unwrap(), layout, logical, &gather).unwrap();
-        let sends: Vec<Arc<Staging>> = pools.iter().map(|p| pack(&b, &plan, p, None)).collect();
-        let mut table = ScratchTable::new(b.clone(), logical, 256).unwrap();
-        table.build(&plan).unwrap();
-        let table = read_table(b.as_ref(), &table);
-        for _rank in 0..n {
-            let scratch = Arc::new(Staging::new(b.as_ref(), &g, layout.pages()).unwrap());
-            b.fill(scratch.buffer(), POISON).unwrap();
-            for (owner, send) in sends.iter().enumerate() {
-                let landing = plan.landing_plan(owner as u32, send, &scratch).unwrap();
-                let copy = BlockCopy::prepare_sync(
-                    b.as_ref(),
-                    landing,
-                    send.clone(),
-                    scratch.clone(),
-                    None,
-                )
-                .unwrap();
-                copy.run(b.as_ref(), copy_launch(b.as_ref())).unwrap();
-            }
-            b.synchronize().unwrap();
-            for r in &reqs {
-                for &page in &r.prefix {
-                    let at = table[page.0 as usize] as u64;
-                    let want = u.read_pages_sync(b.as_ref(), &[LocalPage(page.0)]).unwrap();
+// Every rank of a random batch packs its send list, every layer and one layer at a time:
+// each send buffer holds the rank's listed pages in order, and a one-layer pack only that
+// layer's blocks.
+common::on_cpu_and_gpu!(
+    pack_writes_the_send_lists_every_layer_or_one,
+    |device| -> Vec<Vec<u8>> {
+        let b = device.stream();
+        let mut rng = device.rng();
+        let g = small();
+        let mut out = Vec::new();
+        for n in [1, 2, 3, 4] {
+            let ppr = 24;
+            let (_, pools) = sharded_pools(&b, &g, n, ppr, &mut rng);
+            let plan = random_plan(&mut rng, n, ppr);
+            for (r, pool) in pools.iter().enumerate() {
+                let list = plan.send_list(r as u32).unwrap();
+                let send = pack(&b, &plan, pool, None);
+                for (k, &local) in list.iter().enumerate() {
+                    let want = pool
+                        .read_pages_sync(b.as_ref(), &[local])
+                        .unwrap()
+                        .remove(0);
                     assert!(
-                        staging_page(b.as_ref(), &scratch, at) == want[0],
-                        "N={n} page {}",
-                        page.0
+                        staging_page(b.as_ref(), &send, k as u64) == want,
+                        "N={n} rank {r} entry {k}"
                     );
                 }
+                out.push(b.read_sync(send.buffer(), 0, send.buffer().len()).unwrap());
+                // One layer at a time: the draft's layer (model layer 3), then target layer 1
+                // (which shares its indexer, so only its latent moves).
+                for layer in [3, 1] {
+                    let one = pack(&b, &plan, pool, Some(ModelLayer(layer)));
+                    for c in send.components() {
+                        for l in 0..c.layers() {
+                            let moved = c.model_layers[l] == ModelLayer(layer);
+                            let buf = one.layer(c.component, StoredLayer(l)).unwrap();
+                            let want = send.layer(c.component, StoredLayer(l)).unwrap();
+                            let len = list.len() * c.block_bytes;
+                            let got = b.read_sync(&buf, 0, len).unwrap();
+                            if moved {
+                                assert!(got == b.read_sync(&want, 0, len).unwrap());
+                            } else {
+                                assert!(got.iter().all(|&x| x == POISON), "{} {l}", c.component);
+                            }
+                        }
+                    }
+                    out.push(b.read_sync(one.buffer(), 0, one.buffer().len()).unwrap());
+                }
             }
-            for s in plan.gathered_pages()..layout.pages() {
-                assert!(staging_page(b.as_ref(), &scratch, s)
-                    .iter()
-                    .all(|&x| x == POISON));
-            }
-            out.push(
-                b.read_sync(scratch.buffer(), 0, scratch.buffer().len())
-                    .unwrap(),
-            );
         }
+        out
     }
-    out
-}
+);
 
-#[test]
-fn all_gather_emulation_reads_back_the_unsharded_pool() {
-    check_all_gather(Arc::new(CpuBackend::new()), 8);
-}
-
-#[test]
-fn gpu_all_gather_emulation_reads_back_the_unsharded_pool() {
-    let Some(gpu) = common::cuda_arc("gpu_all_gather_emulation_reads_back_the_unsharded_pool")
-    else {
-        return;
-    };
-    let want = check_all_gather(Arc::new(CpuBackend::new()), 9);
-    let got = check_all_gather(gpu, 9);
-    assert_eq!(got.len(), want.len());
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert!(g == w, "scratch {i} differs from the CPU twin");
+// Every rank packs its send list, device copies land every send buffer in every rank's
+// scratch (owner-major, as an all-gather would), and the scratch read through the page
+// table (built by the kernel) equals the unsharded pool's pages in logical order; the chunk
+// region and the trash page stay untouched.
+common::on_cpu_and_gpu!(
+    all_gather_emulation_reads_back_the_unsharded_pool,
+    |device| -> Vec<Vec<u8>> {
+        let b = device.stream();
+        let mut rng = device.rng();
+        let g = small();
+        let mut out = Vec::new();
+        for n in [1, 2, 3, 4, 8] {
+            let ppr = 16;
+            let (u, pools) = sharded_pools(&b, &g, n, ppr, &mut rng);
+            let reqs = loop {
+                let reqs = random_batch(&mut rng, n, ppr);
+                if reqs.iter().any(|r| !r.prefix.is_empty()) {
+                    break reqs;
+                }
+            };
+            let gather: Vec<GatherRequest> = reqs.iter().map(Req::gather).collect();
+            let layout = ScratchLayout::new(64 * 80, 64 * 30).unwrap();
+            let logical = u64::from(n) * ppr;
+            let plan =
+                GatherPlan::new(Placement::new(n).unwrap(), layout, logical, &gather).unwrap();
+            let sends: Vec<Arc<Staging>> = pools.iter().map(|p| pack(&b, &plan, p, None)).collect();
+            let mut table = ScratchTable::new(b.clone(), logical, 256).unwrap();
+            table.build(&plan).unwrap();
+            let table = read_table(b.as_ref(), &table);
+            for _rank in 0..n {
+                let scratch = Arc::new(Staging::new(b.as_ref(), &g, layout.pages()).unwrap());
+                b.fill(scratch.buffer(), POISON).unwrap();
+                for (owner, send) in sends.iter().enumerate() {
+                    let landing = plan.landing_plan(owner as u32, send, &scratch).unwrap();
+                    let copy = BlockCopy::prepare_sync(
+                        b.as_ref(),
+                        landing,
+                        send.clone(),
+                        scratch.clone(),
+                        None,
+                    )
+                    .unwrap();
+                    copy.run(b.as_ref(), copy_launch(b.as_ref())).unwrap();
+                }
+                b.synchronize().unwrap();
+                for r in &reqs {
+                    for &page in &r.prefix {
+                        let at = table[page.0 as usize] as u64;
+                        let want = u.read_pages_sync(b.as_ref(), &[LocalPage(page.0)]).unwrap();
+                        assert!(
+                            staging_page(b.as_ref(), &scratch, at) == want[0],
+                            "N={n} page {}",
+                            page.0
+                        );
+                    }
+                }
+                for s in plan.gathered_pages()..layout.pages() {
+                    assert!(staging_page(b.as_ref(), &scratch, s)
+                        .iter()
+                        .all(|&x| x == POISON));
+                }
+                out.push(
+                    b.read_sync(scratch.buffer(), 0, scratch.buffer().len())
+                        .unwrap(),
+                );
+            }
+        }
+        out
     }
-}
+);
 
 // ---------------------------------------------------------------------------------------------
 // Admission and eviction.
@@ -1550,97 +1512,4 @@ fn eviction_frees_until_the_request_fits_or_says_why_not() {
         let e = evict_until_allocatable(&mut a, 0, |_| unreachable!()).unwrap();
         assert_eq!((e.calls, e.pages_freed), (0, 0));
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The pressure demo.
-// ---------------------------------------------------------------------------------------------
-
-#[test]
-fn pressure_demo_passes_on_the_cpu() {
-    use kvshard::demo::{default_route, run_pressure, PressureConfig};
-    let cpu = CpuBackend::new();
-    let streams = || -> kvshard::Result<Arc<dyn Backend>> { Ok(Arc::new(cpu.new_stream())) };
-    let default = PressureConfig::default_for(false);
-    for cfg in [
-        default.clone(),
-        PressureConfig {
-            ranks: 4,
-            draft: false,
-            chunk: 4096,
-            ..default.clone()
-        },
-        PressureConfig {
-            ranks: 1,
-            ..default.clone()
-        },
-    ] {
-        let summary = run_pressure(
-            Arc::new(cpu.new_stream()),
-            &streams,
-            &cfg,
-            default_route(false),
-        )
-        .unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
-        let text = summary.lines.join("\n");
-        assert!(
-            text.contains("evicting node 1"),
-            "the prompts evict the prefix:\n{text}"
-        );
-        assert!(text.contains("H2D grew from 0 to"), "{text}");
-        assert_eq!(
-            summary.lines.last().map(String::as_str),
-            Some("pressure scenario: every check passed")
-        );
-        assert_eq!(
-            text.contains("its prefix was gathered"),
-            cfg.ranks > 1,
-            "{text}"
-        );
-    }
-    // A scenario without pressure, or where a prompt cannot fit, is refused up front.
-    for cfg in [
-        PressureConfig {
-            prompt_tokens: 6000,
-            ..default.clone()
-        },
-        PressureConfig {
-            prompt_tokens: 20_000,
-            ..default.clone()
-        },
-        PressureConfig {
-            ranks: 3,
-            ..default.clone()
-        },
-        PressureConfig {
-            prefix_tokens: 100,
-            ..default.clone()
-        },
-    ] {
-        let e = run_pressure(
-            Arc::new(cpu.new_stream()),
-            &streams,
-            &cfg,
-            default_route(false),
-        )
-        .unwrap_err();
-        assert!(matches!(e, Error::InvalidArgument(_)), "{cfg:?}: {e}");
-    }
-}
-
-#[test]
-fn gpu_pressure_demo_passes_at_the_stated_shape() {
-    use kvshard::backend::cuda::CudaBackend;
-    use kvshard::demo::{default_route, run_pressure, PressureConfig};
-    let Some(gpu) = common::open_gpu("gpu_pressure_demo_passes_at_the_stated_shape") else {
-        return;
-    };
-    let streams =
-        || -> kvshard::Result<Arc<dyn Backend>> { Ok(Arc::new(CudaBackend::new(gpu.clone())?)) };
-    let cfg = PressureConfig::default_for(true);
-    let summary = run_pressure(streams().unwrap(), &streams, &cfg, default_route(true)).unwrap();
-    assert_eq!(
-        summary.lines.last().map(String::as_str),
-        Some("pressure scenario: every check passed")
-    );
 }

@@ -25,6 +25,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::synth::POISON;
 use kvshard::backend::cpu::{CpuBackend, StreamOrder};
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::Backend;
@@ -37,7 +38,6 @@ use kvshard::ipc::wire::{Hello, Role};
 use kvshard::ipc::{recv_any, Channel, Listener, Liveness, Message};
 use kvshard::pool::DevicePool;
 use kvshard::shard::Placement;
-use kvshard::synth::POISON;
 use kvshard::transfer::nixl::{NixlBackend, NixlConfig, NixlMode, NixlTarget, NixlTransport};
 use kvshard::transfer::{
     BackendTransport, ChunkEnd, ChunkStatus, Finished, MissingChunks, Outcome, PendingChunk,

@@ -1,9 +1,11 @@
-//! FP8 quantizers: the CPU reference against the format, and the kernels against the reference,
-//! byte for byte, on random data with poisoned outputs. Both entry points run: the enqueue-only
-//! one on the engine's device rows, and the host-checked one that waits.
+//! FP8 quantizers: the CPU twin (`cpu_*`) and the kernels (`gpu_*`, SKIPPED without a GPU)
+//! against the format's reference codecs, byte for byte, from one body each, on random data
+//! with poisoned outputs. Both entry points run: the enqueue-only one on the engine's device
+//! rows, and the host-checked one that waits.
 
 mod common;
 
+use common::synth::{self, POISON};
 use half::bf16;
 use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::{upload_i64s_sync, Backend, Buffer, MemoryKind};
@@ -12,7 +14,6 @@ use kvshard::quantize::{
     quantize_indexer, quantize_indexer_checked_sync, quantize_latent, quantize_latent_checked_sync,
     INDEXER_INPUT_ROW_BYTES, LATENT_INPUT_ROW_BYTES,
 };
-use kvshard::synth::{self, POISON};
 use kvshard::{abi, fp8, Error};
 use rand::Rng;
 
@@ -104,60 +105,79 @@ fn bf16_row(bytes: &[u8]) -> Vec<bf16> {
         .collect()
 }
 
-#[test]
-fn cpu_latent_rows_land_at_their_slots_and_nowhere_else() {
-    let mut rng = common::rng("cpu_latent_rows_land_at_their_slots_and_nowhere_else");
-    let (tokens, rows) = (50, 80);
-    let input = latent_input(&mut rng, tokens);
-    let slots = slots(&mut rng, tokens, rows);
-    for layout in LatentLayout::ALL {
-        let out = run_latent(&CpuBackend::new(), layout, &input, &slots, rows);
-        let rb = layout.row_bytes();
-        let mut expected = vec![POISON; rows * rb];
-        for (t, &s) in slots.iter().enumerate().filter(|(_, &s)| s >= 0) {
-            let row =
-                bf16_row(&input[t * LATENT_INPUT_ROW_BYTES..(t + 1) * LATENT_INPUT_ROW_BYTES]);
-            fp8::quantize_latent_row(
-                layout,
-                &row,
-                &mut expected[s as usize * rb..(s as usize + 1) * rb],
-            )
-            .unwrap();
+// Every token's latent row lands at its slot, quantized as the format's reference does, in
+// every layout and at sizes from one row to thousands; padding tokens write nothing and every
+// other row stays poisoned.
+common::on_cpu_and_gpu!(latent_rows_land_at_their_slots_and_nowhere_else, |device| {
+    let (b, mut rng) = (device.stream(), device.rng());
+    for (tokens, rows) in [(1, 1), (37, 64), (50, 80), (5000, 6000)] {
+        let input = latent_input(&mut rng, tokens);
+        let slots = slots(&mut rng, tokens, rows);
+        for layout in LatentLayout::ALL {
+            let out = run_latent(b.as_ref(), layout, &input, &slots, rows);
+            let rb = layout.row_bytes();
+            let mut expected = vec![POISON; rows * rb];
+            for (t, &s) in slots.iter().enumerate().filter(|(_, &s)| s >= 0) {
+                let row =
+                    bf16_row(&input[t * LATENT_INPUT_ROW_BYTES..(t + 1) * LATENT_INPUT_ROW_BYTES]);
+                fp8::quantize_latent_row(
+                    layout,
+                    &row,
+                    &mut expected[s as usize * rb..(s as usize + 1) * rb],
+                )
+                .unwrap();
+            }
+            assert!(out == expected, "{layout}, {tokens} tokens");
         }
-        assert_eq!(out, expected, "{layout}");
     }
-}
+});
 
-#[test]
-fn cpu_indexer_blocks_are_page_major() {
-    let mut rng = common::rng("cpu_indexer_blocks_are_page_major");
-    let (tokens, pages) = (70, 3);
-    let input = synth::bf16_bytes(&mut rng, tokens * 128);
-    let slots = slots(&mut rng, tokens, pages * PAGE_SIZE);
-    let out = run_indexer(
-        &CpuBackend::new(),
-        IndexerScale::Ue8m0,
-        &input,
-        &slots,
-        pages,
-    );
-    for (t, &s) in slots.iter().enumerate().filter(|(_, &s)| s >= 0) {
-        let (page, off) = (s as usize / 64, s as usize % 64);
-        let keys = bf16_row(&input[t * INDEXER_INPUT_ROW_BYTES..(t + 1) * INDEXER_INPUT_ROW_BYTES]);
-        let mut codes = [0u8; 128];
-        let scale = fp8::quantize_indexer_row(&keys, IndexerScale::Ue8m0, &mut codes).unwrap();
-        let block = &out[page * INDEXER_PAGE_BYTES..(page + 1) * INDEXER_PAGE_BYTES];
-        assert_eq!(&block[off * 128..off * 128 + 128], &codes);
-        assert_eq!(&block[8192 + 4 * off..8196 + 4 * off], &scale.to_le_bytes());
+// Every token's indexer key lands in its page's block, page-major (the codes of the page's 64
+// rows, then their scales), quantized as the reference does with either scale format, the FP8
+// edge values included; the scales of rows no token wrote stay poisoned.
+common::on_cpu_and_gpu!(indexer_blocks_are_page_major, |device| {
+    let (b, mut rng) = (device.stream(), device.rng());
+    for (tokens, pages) in [(1, 1), (63, 2), (70, 3), (4099, 80)] {
+        let mut input = synth::bf16_bytes(&mut rng, tokens * 128);
+        for (i, v) in synth::fp8_edge_values()
+            .into_iter()
+            .enumerate()
+            .take(tokens * 128)
+        {
+            input[2 * i..2 * i + 2].copy_from_slice(&bf16::from_f32(v).to_bits().to_le_bytes());
+        }
+        let slots = slots(&mut rng, tokens, pages * PAGE_SIZE);
+        for scale in [IndexerScale::Ue8m0, IndexerScale::Plain] {
+            let case = format!("{scale:?}, {tokens} tokens");
+            let out = run_indexer(b.as_ref(), scale, &input, &slots, pages);
+            for (t, &s) in slots.iter().enumerate().filter(|(_, &s)| s >= 0) {
+                let (page, off) = (s as usize / 64, s as usize % 64);
+                let keys = bf16_row(
+                    &input[t * INDEXER_INPUT_ROW_BYTES..(t + 1) * INDEXER_INPUT_ROW_BYTES],
+                );
+                let mut codes = [0u8; 128];
+                let want = fp8::quantize_indexer_row(&keys, scale, &mut codes).unwrap();
+                let block = &out[page * INDEXER_PAGE_BYTES..(page + 1) * INDEXER_PAGE_BYTES];
+                assert_eq!(
+                    &block[off * 128..off * 128 + 128],
+                    &codes,
+                    "{case}: token {t}"
+                );
+                let got = &block[8192 + 4 * off..8196 + 4 * off];
+                assert_eq!(got, &want.to_le_bytes(), "{case}: token {t}");
+            }
+            let untouched = (0..pages * 64)
+                .filter(|r| !slots.contains(&(*r as i64)))
+                .count();
+            let poisoned_scales = (0..pages * 64)
+                .filter(|r| {
+                    out[r / 64 * INDEXER_PAGE_BYTES + 8192 + 4 * (r % 64)..][..4] == [POISON; 4]
+                })
+                .count();
+            assert_eq!(untouched, poisoned_scales, "{case}");
+        }
     }
-    let untouched = (0..pages * 64)
-        .filter(|r| !slots.contains(&(*r as i64)))
-        .count();
-    let poisoned_scales = (0..pages * 64)
-        .filter(|r| out[r / 64 * INDEXER_PAGE_BYTES + 8192 + 4 * (r % 64)..][..4] == [POISON; 4])
-        .count();
-    assert_eq!(untouched, poisoned_scales);
-}
+});
 
 #[test]
 fn out_of_range_slots_are_rejected_before_anything_is_written() {
@@ -246,53 +266,6 @@ fn short_or_misaligned_buffers_are_refused() {
         .all(|&x| x == POISON));
 }
 
-#[test]
-fn gpu_latent_quantizer_matches_cpu_byte_for_byte() {
-    let Some(gpu) = common::cuda("gpu_latent_quantizer_matches_cpu_byte_for_byte") else {
-        return;
-    };
-    let mut rng = common::rng("gpu_latent_quantizer_matches_cpu_byte_for_byte");
-    for (tokens, rows) in [(1, 1), (37, 64), (5000, 6000)] {
-        let input = latent_input(&mut rng, tokens);
-        let slots = slots(&mut rng, tokens, rows);
-        for layout in LatentLayout::ALL {
-            let cpu = run_latent(&CpuBackend::new(), layout, &input, &slots, rows);
-            let gpu_out = run_latent(&gpu, layout, &input, &slots, rows);
-            assert!(
-                cpu == gpu_out,
-                "{layout}, {tokens} tokens: GPU differs from the CPU reference"
-            );
-        }
-    }
-}
-
-#[test]
-fn gpu_indexer_quantizer_matches_cpu_byte_for_byte() {
-    let Some(gpu) = common::cuda("gpu_indexer_quantizer_matches_cpu_byte_for_byte") else {
-        return;
-    };
-    let mut rng = common::rng("gpu_indexer_quantizer_matches_cpu_byte_for_byte");
-    for (tokens, pages) in [(1, 1), (63, 2), (4099, 80)] {
-        let mut input = synth::bf16_bytes(&mut rng, tokens * 128);
-        for (i, v) in synth::fp8_edge_values()
-            .into_iter()
-            .enumerate()
-            .take(tokens * 128)
-        {
-            input[2 * i..2 * i + 2].copy_from_slice(&bf16::from_f32(v).to_bits().to_le_bytes());
-        }
-        let slots = slots(&mut rng, tokens, pages * PAGE_SIZE);
-        for scale in [IndexerScale::Ue8m0, IndexerScale::Plain] {
-            let cpu = run_indexer(&CpuBackend::new(), scale, &input, &slots, pages);
-            let gpu_out = run_indexer(&gpu, scale, &input, &slots, pages);
-            assert!(
-                cpu == gpu_out,
-                "{scale:?}, {tokens} tokens: GPU differs from the CPU reference"
-            );
-        }
-    }
-}
-
 /// Three rows of 0x3C bytes for rows [0, 9, 1] of a two-row destination: row 9 is out of range.
 fn bad_row_inputs(b: &dyn Backend) -> (Buffer, Buffer, Buffer) {
     let src = upload(b, &vec![0x3C; 3 * LATENT_INPUT_ROW_BYTES]);
@@ -346,19 +319,12 @@ fn device_rows_bad_slot_is_reported(b: &dyn Backend) {
     check_reported(b, &dst);
 }
 
-#[test]
-fn bad_slots_are_reported_on_cpu() {
-    raw_bad_slot_is_reported(&CpuBackend::new());
-    device_rows_bad_slot_is_reported(&CpuBackend::new());
-}
-
-#[test]
-fn gpu_bad_slots_are_reported() {
-    if let Some(gpu) = common::cuda("gpu_bad_slots_are_reported") {
-        raw_bad_slot_is_reported(&gpu);
-        device_rows_bad_slot_is_reported(&gpu);
-    }
-}
+// A latent row slot out of range is skipped and reported at the next synchronize, through the
+// raw entry point and through the enqueue-only one, each on a stream of its own.
+common::on_cpu_and_gpu!(bad_slots_are_reported, |device| {
+    raw_bad_slot_is_reported(device.stream().as_ref());
+    device_rows_bad_slot_is_reported(device.stream().as_ref());
+});
 
 #[test]
 fn cpu_streams_share_memory_but_not_status() {

@@ -1,15 +1,16 @@
 //! Owner-local index resolution and scratch translation: the pure reference against the
-//! ownership math, the CPU twin against the reference, and the kernels against both, byte for
-//! byte, with poisoned outputs (bytes past the count must stay poisoned).
+//! ownership math, and the CPU twin (`cpu_*`) and the kernels (`gpu_*`, SKIPPED without a GPU)
+//! against the reference from one body each, byte for byte, with poisoned outputs (bytes past
+//! the count must stay poisoned).
 
 mod common;
 
+use common::synth::POISON;
 use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::{i64s_from_bytes, upload_i64s_sync, Backend, Buffer, MemoryKind};
 use kvshard::copy::{scratch_rows_device_sync, Resolver};
 use kvshard::index::LocalPage;
 use kvshard::shard::{resolve_owned, scratch_rows, Placement, ResolveMode, Resolved};
-use kvshard::synth::POISON;
 use kvshard::Error;
 use rand::Rng;
 
@@ -220,13 +221,14 @@ fn matches_reference(b: &dyn Backend, input: &[i64]) {
     }
 }
 
-#[test]
-fn cpu_twin_matches_the_reference() {
-    let mut rng = common::rng("cpu_twin_matches_the_reference");
-    for n in [1, 1023, 1024, 1025, 2049, 10_000] {
-        matches_reference(&CpuBackend::new(), &entries(&mut rng, n));
+// Every (N, rank, mode) of inputs around the tile size (1024) and of many tiles, on one
+// resolver, against the reference.
+common::on_cpu_and_gpu!(resolution_matches_the_reference, |device| {
+    let (b, mut rng) = (device.stream(), device.rng());
+    for n in [1, 1023, 1024, 1025, 2049, 10_000, 100_000] {
+        matches_reference(b.as_ref(), &entries(&mut rng, n));
     }
-}
+});
 
 #[test]
 fn empty_resolution_launches_nothing() {
@@ -302,8 +304,11 @@ fn resolver_arguments_are_checked() {
     assert_eq!(got.positions, (0..8).collect::<Vec<_>>());
 }
 
-/// Entries over seven tiles with three out-of-range ones; 2100 (exactly the limit) is first.
-fn bad_entry_is_rejected(b: &dyn Backend) {
+// Entries over seven tiles with three out-of-range ones: the resolution is rejected naming
+// the first (2100, exactly the limit), and the report is consumed with it.
+common::on_cpu_and_gpu!(bad_entry_is_rejected, |device| {
+    let b = device.stream();
+    let b = b.as_ref();
     let mut input: Vec<i64> = (0..3 * 2048 + 100).map(|i| i % 1000).collect();
     for (at, value) in [(5000, 1001), (2100, 1000), (6000, i64::MAX)] {
         input[at] = value;
@@ -336,36 +341,20 @@ fn bad_entry_is_rejected(b: &dyn Backend) {
         .resolve_sync(b, &buf, 2000, placement(2), 1, ResolveMode::Pages, 1000)
         .unwrap();
     assert_eq!(good.positions.len(), 1000, "{}", b.name());
-}
+});
 
+/// 4M entries (4096 tiles, more than one wave) on the GPU, where the CPU twin is slow: checked
+/// against the reference, which the twin matches (`cpu_resolution_matches_the_reference`), for
+/// every rank of N = 4 and a few others; the twin runs once at this size too. Then short and
+/// full launches on one tile state, and a resolver used with another address space.
 #[test]
-fn bad_entry_is_rejected_on_cpu() {
-    bad_entry_is_rejected(&CpuBackend::new());
-}
-
-#[test]
-fn gpu_bad_entry_is_rejected() {
-    if let Some(gpu) = common::cuda("gpu_bad_entry_is_rejected") {
-        bad_entry_is_rejected(&gpu);
-    }
-}
-
-#[test]
-fn gpu_resolve_matches_cpu_byte_for_byte() {
-    let Some(gpu) = common::cuda("gpu_resolve_matches_cpu_byte_for_byte") else {
+fn gpu_resolve_of_millions_of_entries_matches_the_reference() {
+    let test = "gpu_resolve_of_millions_of_entries_matches_the_reference";
+    let Some(gpu) = common::cuda(test) else {
         return;
     };
-    let mut rng = common::rng("gpu_resolve_matches_cpu_byte_for_byte");
+    let mut rng = common::rng(test);
     let cpu = CpuBackend::new();
-    // Every (N, rank, mode) on both backends, each against the reference.
-    for n in [1, 1023, 1024, 1025, 2049, 100_000] {
-        let input = entries(&mut rng, n);
-        matches_reference(&cpu, &input);
-        matches_reference(&gpu, &input);
-    }
-    // 4M entries (4096 tiles, more than one wave): the CPU twin is slow there, so the GPU is checked
-    // against the reference, which the twin matches above, for every rank of N = 4 and a few
-    // others; the twin runs once at this size too.
     let n = 4 << 20;
     let input = entries(&mut rng, n);
     let buf = upload_i64s_sync(&gpu, &input).unwrap();
@@ -466,7 +455,7 @@ fn scratch_reference_translates_and_refuses_bad_slots() {
 fn scratch_matches_reference(b: &dyn Backend, rng: &mut impl Rng, n: usize) {
     let pages = n.div_ceil(64) + 3;
     // A random injective map onto scratch pages, leaving every third logical page unmapped.
-    let mut table: Vec<i64> = kvshard::synth::permutation(rng, pages);
+    let mut table: Vec<i64> = common::synth::permutation(rng, pages);
     for (i, t) in table.iter_mut().enumerate() {
         if i % 3 == 1 {
             *t = -1;
@@ -516,30 +505,19 @@ fn scratch_bad_slot_is_rejected(b: &dyn Backend) {
     assert_eq!(got, [67, 2, -1, -1, -1, -1], "{}", b.name());
 }
 
-#[test]
-fn scratch_translation_on_cpu() {
-    let mut rng = common::rng("scratch_translation_on_cpu");
-    let b = CpuBackend::new();
-    for n in [0, 1, 1000] {
-        scratch_matches_reference(&b, &mut rng, n);
+// Scratch translation matches the reference for no, one and many slots, rejects a slot on an
+// unmapped page, and refuses buffers shorter than the slots and table they must hold.
+common::on_cpu_and_gpu!(scratch_translation_matches_the_reference, |device| {
+    let (b, mut rng) = (device.stream(), device.rng());
+    let b = b.as_ref();
+    for n in [0, 1, 1000, 100_000] {
+        scratch_matches_reference(b, &mut rng, n);
     }
-    scratch_bad_slot_is_rejected(&b);
+    scratch_bad_slot_is_rejected(b);
     let small = b.alloc(8, MemoryKind::Device).unwrap();
-    let err = scratch_rows_device_sync(&b, &small, 2, &small, 1, 64, &small).unwrap_err();
+    let err = scratch_rows_device_sync(b, &small, 2, &small, 1, 64, &small).unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
-}
-
-#[test]
-fn gpu_scratch_translation_matches_cpu() {
-    let Some(gpu) = common::cuda("gpu_scratch_translation_matches_cpu") else {
-        return;
-    };
-    let mut rng = common::rng("gpu_scratch_translation_matches_cpu");
-    for n in [1, 1000, 100_000] {
-        scratch_matches_reference(&gpu, &mut rng, n);
-    }
-    scratch_bad_slot_is_rejected(&gpu);
-}
+});
 
 /// Raw `kvs_resolve` parameters the tile state cannot serve are refused before anything runs.
 #[test]

@@ -7,7 +7,9 @@ The classes wrap kvshard's Rust API (see the README): ``CacheGeometry`` (with th
 through DLPack with no copy) and ``OwnedRowWrite``, P/D ``Sender``/``Receiver`` with
 ``RemoteSpace``, ``HostPool`` (kvshard's and SGLang's byte layouts), ``TransferPlan``,
 ``HostTransfer`` and ``HiCacheController``. ``kvshard.sglang.MLAHostPool`` offers SGLang's
-host pool interface on top.
+host pool interface on top. Choices are enum classes, never strings: ``LatentLayout``,
+``Component``, ``HostLayout``, ``Route``, ``IoBackend``, ``Relayout``, ``WritePolicy``,
+``Direction``, ``CopyMethod``.
 
 Work runs on a ``Device``: ``Device.cpu()`` (the reference twin of every kernel, NumPy arrays
 as tensors) or ``Device.cuda(0)`` (torch/CuPy/JAX tensors). Every enqueueing call takes the
@@ -15,7 +17,9 @@ caller's stream (``None``, a ``kvshard.Stream``, an int ``CUstream``, a ``torch.
 ``None`` is torch's current stream on a GPU when torch is in use) and never synchronizes it
 behind the caller's back; ``after=`` also takes ``torch.cuda.Event``. Long calls release the
 GIL. Memory kvshard writes into must be writable (``ReadOnlyError`` otherwise), and wrapped
-NumPy arrays cannot be resized while their pool lives.
+NumPy arrays cannot be resized while their pool lives. Nothing P/D waits forever: the
+``Receiver``'s ``expire()`` reports each request whose deadline passed, and the ``Sender``'s
+``take_dropped()`` the failure of each chunk dropped before its status was taken.
 """
 
 from . import _errors
@@ -27,10 +31,12 @@ from ._errors import (
     KvshardError,
     OutOfMemoryError,
     ReadOnlyError,
+    TransferDeadlineError,
     TransferError,
     UnavailableError,
 )
 from ._kvshard import (
+    DEFAULT_DEADLINE,
     DEFAULT_STAGING_PAGES,
     INDEXER_HEAD_DIM,
     INDEXER_PAGE_BYTES,
@@ -48,8 +54,10 @@ from ._kvshard import (
     ChunkStatus,
     Component,
     ComponentLayout,
+    CopyMethod,
     Device,
     DevicePool,
+    Direction,
     Event,
     Finished,
     HiCacheController,
@@ -57,12 +65,14 @@ from ._kvshard import (
     HostLayout,
     HostPool,
     HostTransfer,
+    IoBackend,
     LatentLayout,
     LayerReady,
     LayerSignals,
     LayerWaits,
     LoadAck,
     LoadHandle,
+    Overdue,
     OwnedRowWrite,
     PendingChunk,
     Placement,
@@ -70,18 +80,89 @@ from ._kvshard import (
     PoolLayout,
     Receiver,
     Registration,
+    Relayout,
     RemoteSpace,
     RequestChain,
+    Route,
     Sender,
     ShardAllocator,
     StagedIo,
     Stream,
     TensorView,
     TransferPlan,
+    WritePolicy,
     driver_present,
     embedded_archs,
 )
 
 __version__ = "0.1.0"
 
-__all__ = [name for name in dir() if not name.startswith("_") and name != "annotations"]
+__all__ = [
+    "ChunkFailedError",
+    "DriverError",
+    "HiCacheError",
+    "InvalidArgumentError",
+    "KvshardError",
+    "OutOfMemoryError",
+    "ReadOnlyError",
+    "TransferDeadlineError",
+    "TransferError",
+    "UnavailableError",
+    "DEFAULT_DEADLINE",
+    "DEFAULT_STAGING_PAGES",
+    "INDEXER_HEAD_DIM",
+    "INDEXER_PAGE_BYTES",
+    "INDEXER_ROW_BYTES",
+    "KV_LORA_RANK",
+    "MAX_PREFILL_RANKS",
+    "PAGE_SIZE",
+    "ROPE_DIM",
+    "Allocation",
+    "BackupAck",
+    "Budget",
+    "CacheGeometry",
+    "CacheNode",
+    "ChunkStaging",
+    "ChunkStatus",
+    "Component",
+    "ComponentLayout",
+    "CopyMethod",
+    "Device",
+    "DevicePool",
+    "Direction",
+    "Event",
+    "Finished",
+    "HiCacheController",
+    "HostBufferLayout",
+    "HostLayout",
+    "HostPool",
+    "HostTransfer",
+    "IoBackend",
+    "LatentLayout",
+    "LayerReady",
+    "LayerSignals",
+    "LayerWaits",
+    "LoadAck",
+    "LoadHandle",
+    "Overdue",
+    "OwnedRowWrite",
+    "PendingChunk",
+    "Placement",
+    "PoolGeometry",
+    "PoolLayout",
+    "Receiver",
+    "Registration",
+    "Relayout",
+    "RemoteSpace",
+    "RequestChain",
+    "Route",
+    "Sender",
+    "ShardAllocator",
+    "StagedIo",
+    "Stream",
+    "TensorView",
+    "TransferPlan",
+    "WritePolicy",
+    "driver_present",
+    "embedded_archs",
+]

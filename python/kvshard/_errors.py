@@ -2,15 +2,23 @@
 
 - ``KvshardError``: the base of all of them.
 - ``InvalidArgumentError`` (also a ``ValueError``): a bad argument, tensor, geometry, page or
-  index, refused before anything moved (or a kernel that rejected an input entry).
+  index, refused before anything moved (or a kernel that rejected an input entry); among them
+  a request chain used after one of its pages was freed, or with another allocator than its
+  own. ``ReadOnlyError`` is read-only memory handed where kvshard writes.
 - ``OutOfMemoryError`` (also a ``MemoryError``): an allocation, a budget or an owner class
   that cannot hold what was asked.
-- ``UnavailableError`` (also a ``RuntimeError``): no CUDA driver, no such GPU, or a build
-  without kernels.
-- ``DriverError`` (also a ``RuntimeError``): a CUDA driver call failed.
+- ``UnavailableError`` (also a ``RuntimeError``): no CUDA driver, no such GPU, a build
+  without kernels, or a missing NCCL or NIXL library.
+- ``DriverError`` (also a ``RuntimeError``): a CUDA driver (or NCCL) call failed.
 - ``TransferError``: a P/D request is invalid or failed; ``ChunkFailedError`` is a chunk that
-  failed on this rank (its ``status`` is what to deliver to the decode side).
+  failed on this rank (its ``status`` is what to deliver to the decode side);
+  ``TransferDeadlineError`` (also a ``TimeoutError``) a request whose deadline passed before
+  every prefill rank reported its last status.
 - ``HiCacheError``: a HiCache operation is invalid or failed.
+
+Which kvshard error becomes which exception is one exhaustive match in the extension
+(``python/src/errors.rs``): a new kind of kvshard error is given its class there before it
+builds.
 """
 
 
@@ -33,11 +41,11 @@ class OutOfMemoryError(KvshardError, MemoryError):
 
 
 class UnavailableError(KvshardError, RuntimeError):
-    """No CUDA driver, no such GPU, or a build without kernels."""
+    """No CUDA driver, no such GPU, a build without kernels, or no NCCL or NIXL library."""
 
 
 class DriverError(KvshardError, RuntimeError):
-    """A CUDA driver call failed."""
+    """A CUDA driver (or NCCL) call failed."""
 
 
 class TransferError(KvshardError):
@@ -48,14 +56,36 @@ class ChunkFailedError(TransferError):
     """A chunk failed on this prefill rank, and with it the request.
 
     Attributes: ``request``, ``rank``, ``chunk``, ``reason``, and ``status`` (a
-    ``kvshard.ChunkStatus`` to deliver to the decode side).
+    ``kvshard.ChunkStatus`` to deliver to the decode side: the rank's last for the request).
     """
 
     request: int
     rank: int
     chunk: int
     reason: str
-    status: object
+
+    @property
+    def status(self):
+        """The failed ``kvshard.ChunkStatus`` to deliver to the decode side."""
+        # Imported here: the native module looks this module up, not the other way round.
+        from ._kvshard import ChunkStatus
+
+        return ChunkStatus.failed(self.request, self.rank, self.chunk, self.reason)
+
+
+class TransferDeadlineError(TransferError, TimeoutError):
+    """A P/D request's deadline passed before every prefill rank reported its last status.
+
+    Attributes (those of the ``kvshard.Overdue`` it stands for): ``request``, ``deadline``
+    (seconds from its registration), ``ranks`` (prefill ranks sending it) and ``missing``:
+    ``(rank, received)`` of each rank whose last status never came (chunks ``0..received``
+    arrived). Abort those ranks; their pages stay held until each has reported.
+    """
+
+    request: int
+    deadline: float
+    ranks: int
+    missing: list
 
 
 class HiCacheError(KvshardError):
@@ -71,5 +101,6 @@ __all__ = [
     "DriverError",
     "TransferError",
     "ChunkFailedError",
+    "TransferDeadlineError",
     "HiCacheError",
 ]

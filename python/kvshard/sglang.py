@@ -37,6 +37,9 @@ Differences from SGLang's classes, by design:
   which waits for the current stream (SGLang's ``direct`` backend does the same).
 - Transfers enqueue on the current torch stream when torch is in use (``stream=`` overrides),
   and never synchronize.
+- SGLang's names stay names here (``layout="page_first"``, ``io_backend="kernel"``: what
+  SGLang's server arguments hold); they become kvshard's enums (``kvshard.HostLayout``,
+  ``kvshard.IoBackend``) where this module calls kvshard.
 """
 
 from __future__ import annotations
@@ -87,7 +90,8 @@ class _Arrays:
         if self.torch is None:
             import numpy
 
-            self.np = numpy
+            # Typed as a value: mypy (and stubtest) would take a module alias for a class member.
+            self.np: Any = numpy
 
     def of(self, host, index):
         """Host buffer `index` of `host` as a tensor (raw bytes for NumPy: no bfloat16)."""
@@ -127,7 +131,7 @@ class _Transfers:
 
     KEEP = 8
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.entries: list[tuple[tuple, tuple, Any]] = []
 
     def get(self, key):
@@ -187,13 +191,15 @@ class MLAHostPool:
         self.stream = stream
         self._tables = tables_stream if tables_stream is not None else device.new_stream()
         self.geometry = geometry
+        # SGLang names its layouts; kvshard's API takes the enum of the name.
+        host_layout = kvshard.HostLayout.from_name(layout)
         if buffers is None:
             self.host = kvshard.HostPool(
-                device, geometry, page_num, layout, sglang=True, packed_draft=packed_draft
+                device, geometry, page_num, host_layout, sglang=True, packed_draft=packed_draft
             )
         else:
             self.host = kvshard.HostPool.wrap(
-                device, geometry, page_num, list(buffers), layout, sglang=True, packed_draft=packed_draft
+                device, geometry, page_num, list(buffers), host_layout, sglang=True, packed_draft=packed_draft
             )
         self._arrays = _Arrays(device.kind == "cuda")
         self._transfers = _Transfers()
@@ -257,7 +263,8 @@ class MLAHostPool:
 
     # --- transfers -------------------------------------------------------------------------
 
-    def _io(self, io_backend: str) -> str:
+    def _io(self, io_backend: str) -> "kvshard.IoBackend":
+        """kvshard's I/O backend for SGLang's ``io_backend`` name (its default when empty)."""
         io = io_backend or self.io_backend
         if io == "kernel" and self.layout == "page_first_direct":
             if "kernel" not in self._warned:
@@ -269,7 +276,7 @@ class MLAHostPool:
             io = "direct"
         if io not in ("kernel", "direct"):
             raise kvshard.InvalidArgumentError(f"Unsupported IO backend: {io_backend}")
-        return "kernel" if io == "kernel" else "copy_engine"
+        return kvshard.IoBackend.KERNEL if io == "kernel" else kvshard.IoBackend.COPY_ENGINE
 
     @staticmethod
     def _pool(device_pool) -> "kvshard.DevicePool":
@@ -283,7 +290,14 @@ class MLAHostPool:
             "(or an object with a `kvshard_pool` attribute holding one)"
         )
 
-    def _transfer(self, device_pool, host_indices, device_indices, direction: str, io: str):
+    def _transfer(
+        self,
+        device_pool,
+        host_indices,
+        device_indices,
+        direction: "kvshard.Direction",
+        io: "kvshard.IoBackend",
+    ):
         key = (id(device_pool), id(host_indices), id(device_indices), direction)
         t = self._transfers.get(key)
         if t is None:
@@ -298,7 +312,7 @@ class MLAHostPool:
             )
             t = kvshard.HostTransfer(pool, self.host, plan, direction)
             self._transfers.put(key, (device_pool, host_indices, device_indices), t)
-        if io == "kernel":
+        if io == kvshard.IoBackend.KERNEL:
             t.prepare_kernel(self._tables)
         return t
 
@@ -324,7 +338,7 @@ class MLAHostPool:
         if is_draft:
             return
         io = self._io(io_backend)
-        t = self._transfer(device_pool, host_indices, device_indices, "load", io)
+        t = self._transfer(device_pool, host_indices, device_indices, kvshard.Direction.LOAD, io)
         t.run(self.stream, io, layer_id, ctas=self.ctas)
 
     def load_to_device_per_layer_physical(
@@ -346,7 +360,7 @@ class MLAHostPool:
     ) -> None:
         """Backs up every layer (every component, the draft's too) on the current stream."""
         io = self._io(io_backend)
-        t = self._transfer(device_pool, host_indices, device_indices, "backup", io)
+        t = self._transfer(device_pool, host_indices, device_indices, kvshard.Direction.BACKUP, io)
         t.run(self.stream, io, None, ctas=self.ctas)
 
     def backup_from_device_all_layer_physical(

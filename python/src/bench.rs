@@ -11,7 +11,9 @@ use kvshard::index::LogicalPage;
 use kvshard::transfer::ChunkEnd;
 
 use crate::errors::IntoPy;
-use crate::hicache::{io_of, lock, route_of, PyHiCacheController, PyHostTransfer, PyLayerSignals};
+use crate::hicache::{
+    lock, PyHiCacheController, PyHostTransfer, PyIoBackend, PyLayerSignals, PyRoute,
+};
 use crate::transfer::{PyRegistration, PyRemoteSpace, PySender};
 
 /// Nanoseconds of each of `iters` `HiCacheController::load` calls (node `node` into
@@ -23,11 +25,11 @@ pub fn _rust_load_ns(
     controller: &PyHiCacheController,
     node: u64,
     pages: Vec<u64>,
-    route: &str,
+    route: PyRoute,
     iters: usize,
     ctas: u32,
 ) -> PyResult<Vec<u64>> {
-    let route = route_of(route, ctas)?;
+    let route = route.with_ctas(ctas);
     let pages: Vec<LogicalPage> = pages.into_iter().map(LogicalPage).collect();
     py.detach(|| {
         let mut c = lock(&controller.inner);
@@ -114,12 +116,12 @@ pub fn _rust_bulk_seconds(
     py: Python<'_>,
     transfer: &PyHostTransfer,
     stream: &Bound<'_, PyAny>,
-    io: &str,
+    io: PyIoBackend,
     iters: usize,
     ctas: u32,
 ) -> PyResult<f64> {
     let b = transfer.device.get().resolve(Some(stream))?;
-    let io = io_of(io, ctas)?;
+    let io = io.with_ctas(ctas);
     py.detach(|| {
         let t = lock(&transfer.inner);
         t.run(b.as_ref(), io, Layers::All)?;

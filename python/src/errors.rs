@@ -1,15 +1,17 @@
 //! kvshard's errors as Python exceptions, carrying kvshard's message.
 //!
-//! The exception classes live in `kvshard/_errors.py` (Python allows them several bases:
-//! `InvalidArgumentError` is both a `KvshardError` and a `ValueError`); this module looks them up
-//! once per interpreter and maps every [`kvshard::Error`] variant to one.
+//! The bottom of the extension's modules: it imports none of them. The exception classes live
+//! in `kvshard/_errors.py` (Python allows them several bases: `InvalidArgumentError` is both a
+//! `KvshardError` and a `ValueError`); this module looks them up once per interpreter and maps
+//! every [`kvshard::Error`] variant to one, by an exhaustive match: a variant the library adds
+//! fails to compile here until it is mapped. The attributes an exception carries are plain
+//! Python values, so no class of the modules above is needed here (`ChunkFailedError.status`
+//! is built from them in `_errors.py`).
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
-
-use kvshard::transfer::ChunkStatus;
 
 /// The exception classes of `kvshard._errors`, looked up once.
 struct Classes {
@@ -20,6 +22,7 @@ struct Classes {
     driver: Py<PyType>,
     transfer: Py<PyType>,
     chunk_failed: Py<PyType>,
+    deadline: Py<PyType>,
     hicache: Py<PyType>,
     read_only: Py<PyType>,
 }
@@ -40,6 +43,7 @@ fn classes(py: Python<'_>) -> PyResult<&Classes> {
             driver: get("DriverError")?,
             transfer: get("TransferError")?,
             chunk_failed: get("ChunkFailedError")?,
+            deadline: get("TransferDeadlineError")?,
             hicache: get("HiCacheError")?,
             read_only: get("ReadOnlyError")?,
         })
@@ -62,17 +66,15 @@ impl From<KvError> for PyErr {
     }
 }
 
-/// The Python exception for `e`.
-pub fn to_py(py: Python<'_>, e: kvshard::Error) -> PyErr {
+/// The exception class of `e`. Exhaustive, without a catch-all, so a new variant is a compile
+/// error here until it is given its class.
+fn class_of<'c>(c: &'c Classes, e: &kvshard::Error) -> &'c Py<PyType> {
     use kvshard::Error as E;
-    let message = e.to_string();
-    let Ok(c) = classes(py) else {
-        // The package's own Python half is missing (a broken install): still say what failed.
-        return PyRuntimeError::new_err(message);
-    };
-    let class = match &e {
-        E::KernelsMissing | E::NoDriver | E::NoGpu { .. } => &c.unavailable,
-        E::Driver { .. } => &c.driver,
+    match e {
+        E::KernelsMissing | E::NoDriver | E::NoGpu { .. } | E::NoNccl => &c.unavailable,
+        #[cfg(feature = "nixl")]
+        E::NixlUnavailable { .. } => &c.unavailable,
+        E::Driver { .. } | E::Nccl { .. } => &c.driver,
         E::KernelRejected { .. }
         | E::GeometryMismatch { .. }
         | E::InvalidGeometry(_)
@@ -81,39 +83,81 @@ pub fn to_py(py: Python<'_>, e: kvshard::Error) -> PyErr {
         | E::MisalignedPrefix { .. }
         | E::DoubleFree { .. }
         | E::NeverAllocated { .. }
+        | E::NotAllocated { .. }
         | E::ReservedPage { .. }
         | E::WrongOwner { .. }
         | E::Overflow { .. }
         | E::ForeignMemory { .. }
-        | E::DuplicatePage { .. } => &c.invalid,
-        E::Exhausted { .. } | E::BudgetTooSmall(_) | E::OutOfMemory { .. } => &c.memory,
+        | E::DuplicatePage { .. }
+        | E::StaleChain { .. }
+        | E::ForeignAllocator { .. }
+        // A request longer than the batch limits allow: no amount of freeing admits it.
+        | E::NeverAdmissible { .. } => &c.invalid,
+        E::Exhausted { .. }
+        | E::BudgetTooSmall(_)
+        | E::OutOfMemory { .. }
+        | E::ScratchOverflow { .. }
+        | E::EvictionStalled { .. } => &c.memory,
         E::Transfer { .. } => &c.transfer,
+        #[cfg(feature = "nixl")]
+        E::Nixl { .. } => &c.transfer,
         E::ChunkFailed { .. } => &c.chunk_failed,
+        E::TransferDeadline(_) => &c.deadline,
         E::HiCache(_) => &c.hicache,
-        _ => &c.base,
+        // kvshard's process-to-process channels and the demo's byte checks have no Python
+        // API: should one reach Python, the base class with kvshard's message says what failed.
+        E::Os { .. }
+        | E::PeerGone { .. }
+        | E::Protocol { .. }
+        | E::Timeout { .. }
+        | E::Verification(_) => &c.base,
+    }
+}
+
+/// The Python exception for `e`, with the attributes an engine acts on.
+pub fn to_py(py: Python<'_>, e: kvshard::Error) -> PyErr {
+    let message = e.to_string();
+    let Ok(c) = classes(py) else {
+        // The package's own Python half is missing (a broken install): still say what failed.
+        return PyRuntimeError::new_err(message);
     };
-    let err = PyErr::from_type(class.bind(py).clone(), message);
-    if let E::ChunkFailed {
-        request,
-        rank,
-        chunk,
-        reason,
-    } = &e
-    {
-        let value = err.value(py);
-        // Attributes for the engine: what to deliver to the decode side. Failing to set them
-        // leaves the message, which says the same.
-        let _ = value.setattr("request", *request);
-        let _ = value.setattr("rank", *rank);
-        let _ = value.setattr("chunk", *chunk);
-        let _ = value.setattr("reason", reason.as_str());
-        if let Some(status) = ChunkStatus::from_error(&e) {
-            if let Ok(status) = Py::new(py, crate::transfer::PyChunkStatus(status)) {
-                let _ = value.setattr("status", status);
-            }
+    let err = PyErr::from_type(class_of(c, &e).bind(py).clone(), message);
+    let value = err.value(py);
+    // Failing to set an attribute leaves the message, which says the same.
+    match &e {
+        // What to deliver to the decode side (`_errors.ChunkFailedError.status` is built from
+        // these).
+        kvshard::Error::ChunkFailed {
+            request,
+            rank,
+            chunk,
+            reason,
+        } => {
+            let _ = value.setattr("request", *request);
+            let _ = value.setattr("rank", *rank);
+            let _ = value.setattr("chunk", *chunk);
+            let _ = value.setattr("reason", reason.as_str());
         }
+        // Which ranks to abort (or answer for with a failed status), as `Receiver.expire`
+        // reports them.
+        kvshard::Error::TransferDeadline(overdue) => {
+            let _ = value.setattr("request", overdue.request);
+            let _ = value.setattr("deadline", overdue.deadline.as_secs_f64());
+            let _ = value.setattr("ranks", overdue.ranks);
+            let _ = value.setattr("missing", missing_chunks(overdue));
+        }
+        _ => {}
     }
     err
+}
+
+/// `(rank, chunks received)` of each rank whose last status of an overdue request never came.
+pub fn missing_chunks(overdue: &kvshard::transfer::Overdue) -> Vec<(u32, u32)> {
+    overdue
+        .missing
+        .iter()
+        .map(|m| (m.rank, m.received))
+        .collect()
 }
 
 /// A `ValueError` of kvshard (`InvalidArgumentError`, also a `ValueError`) with `message`: what

@@ -1,7 +1,6 @@
 //! Geometry: latent layouts, components, pool and cache geometry, and the model presets.
 
 use pyo3::prelude::*;
-use pyo3::types::PyString;
 
 use kvshard::geometry::{CacheGeometry, Component, ComponentLayout, LatentLayout, PoolGeometry};
 
@@ -51,27 +50,6 @@ impl PyLatentLayout {
     }
 }
 
-/// A latent layout given as the enum or its name (`"fp8_trtllm"`, `"fp8_scaled"`, `"bf16"`).
-pub fn latent_of(v: &Bound<'_, PyAny>) -> PyResult<LatentLayout> {
-    if let Ok(l) = v.extract::<PyLatentLayout>() {
-        return Ok(l.into());
-    }
-    let name = v
-        .cast::<PyString>()
-        .map_err(|_| invalid("a latent layout is a kvshard.LatentLayout or its name"))?
-        .to_str()?
-        .to_ascii_lowercase()
-        .replace('-', "_");
-    match name.as_str() {
-        "fp8_trtllm" | "trtllm" | "fp8_e4m3_trtllm" => Ok(LatentLayout::Fp8Trtllm),
-        "fp8_scaled" | "scaled" | "fp8_e4m3_scaled" | "flashmla" => Ok(LatentLayout::Fp8Scaled),
-        "bf16" | "bfloat16" => Ok(LatentLayout::Bf16),
-        other => Err(invalid(format!(
-            "latent layout {other:?}: expected fp8_trtllm, fp8_scaled or bf16"
-        ))),
-    }
-}
-
 /// One of the (up to) four byte arrays a rank's cache is made of.
 #[pyclass(
     eq,
@@ -82,7 +60,8 @@ pub fn latent_of(v: &Bound<'_, PyAny>) -> PyResult<LatentLayout> {
     module = "kvshard",
     name = "Component"
 )]
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+// Ordered as declared (kernel order), so per-component dicts list them in that order.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[allow(non_camel_case_types, clippy::upper_case_acronyms)]
 pub enum PyComponent {
     /// Target model latent rows.
@@ -121,30 +100,6 @@ impl PyComponent {
     }
 }
 
-/// A component given as the enum or its name (`"target_latent"`, ...).
-pub fn component_of(v: &Bound<'_, PyAny>) -> PyResult<Component> {
-    if let Ok(c) = v.extract::<PyComponent>() {
-        return Ok(c.into());
-    }
-    let name = v
-        .cast::<PyString>()
-        .map_err(|_| invalid("a component is a kvshard.Component or its name"))?
-        .to_str()?
-        .to_ascii_lowercase()
-        .replace([' ', '-'], "_");
-    Ok(match name.as_str() {
-        "target_latent" => Component::TargetLatent,
-        "target_indexer" => Component::TargetIndexer,
-        "draft_latent" => Component::DraftLatent,
-        "draft_indexer" => Component::DraftIndexer,
-        other => {
-            return Err(invalid(format!(
-                "component {other:?}: expected target_latent, target_indexer, draft_latent or draft_indexer"
-            )))
-        }
-    })
-}
-
 /// Geometry of one pool (the target's layers, or the draft's one layer) on one rank.
 ///
 /// `PoolGeometry(latent, layers)` gives every layer an indexer; `indexer_layers=[...]` (one
@@ -159,11 +114,11 @@ impl PyPoolGeometry {
     #[new]
     #[pyo3(signature = (latent, layers = None, *, indexer_layers = None))]
     fn new(
-        latent: &Bound<'_, PyAny>,
+        latent: PyLatentLayout,
         layers: Option<usize>,
         indexer_layers: Option<Vec<bool>>,
     ) -> PyResult<Self> {
-        let latent = latent_of(latent)?;
+        let latent = LatentLayout::from(latent);
         let g = match (layers, indexer_layers) {
             (Some(n), None) => PoolGeometry::new(latent, n),
             (None, Some(ix)) => PoolGeometry::with_indexer_layers(latent, ix),
@@ -255,17 +210,13 @@ impl PyPoolGeometry {
 pub struct PyCacheGeometry(pub CacheGeometry);
 
 impl PyCacheGeometry {
-    fn preset(latent: Option<&Bound<'_, PyAny>>, layers: usize, draft: bool) -> PyResult<Self> {
-        let latent = match latent {
-            Some(l) => latent_of(l)?,
-            None => LatentLayout::Fp8Trtllm,
-        };
-        let target = PoolGeometry::new(latent, layers);
-        Ok(Self(if draft {
+    fn preset(latent: PyLatentLayout, layers: usize, draft: bool) -> Self {
+        let target = PoolGeometry::new(latent.into(), layers);
+        Self(if draft {
             CacheGeometry::with_draft(target)
         } else {
             CacheGeometry::target_only(target)
-        }))
+        })
     }
 }
 
@@ -294,8 +245,8 @@ impl PyCacheGeometry {
     /// an indexer (index_head_dim 128), kv_lora_rank 512 + rope 64, and one NextN (MTP) layer
     /// (`num_nextn_predict_layers: 1`) as the draft unless `mtp=False`.
     #[staticmethod]
-    #[pyo3(signature = (latent = None, mtp = true))]
-    fn deepseek_v32(latent: Option<&Bound<'_, PyAny>>, mtp: bool) -> PyResult<Self> {
+    #[pyo3(signature = (latent = PyLatentLayout::FP8_TRTLLM, mtp = true))]
+    fn deepseek_v32(latent: PyLatentLayout, mtp: bool) -> Self {
         Self::preset(latent, 61, mtp)
     }
 
@@ -303,8 +254,8 @@ impl PyCacheGeometry {
     /// indexer (index_head_dim 128), kv_lora_rank 512 + rope 64, and one NextN (MTP) layer as
     /// the draft unless `mtp=False`.
     #[staticmethod]
-    #[pyo3(signature = (latent = None, mtp = true))]
-    fn glm5(latent: Option<&Bound<'_, PyAny>>, mtp: bool) -> PyResult<Self> {
+    #[pyo3(signature = (latent = PyLatentLayout::FP8_TRTLLM, mtp = true))]
+    fn glm5(latent: PyLatentLayout, mtp: bool) -> Self {
         Self::preset(latent, 78, mtp)
     }
 

@@ -1,5 +1,7 @@
 //! HiCache: host pools (kvshard's and SGLang's formats), transfer plans, host transfers on any
-//! I/O backend, and the controller with its routes and write policies.
+//! I/O backend, and the controller with its routes and write policies, each choice an enum
+//! class (`HostLayout`, `IoBackend`, `Relayout`, `Route`, `WritePolicy`, `Direction`) whose
+//! kernel members take their CTAs from the call's `ctas=`.
 
 use std::sync::{Arc, Mutex};
 
@@ -19,7 +21,7 @@ use kvshard::index::{LocalPage, ModelLayer, StoredLayer};
 
 use crate::device::{after_event, PyDevice, PyStream};
 use crate::errors::{invalid, IntoPy};
-use crate::geometry::{component_of, PyCacheGeometry, PyComponent, PyComponentLayout};
+use crate::geometry::{PyCacheGeometry, PyComponent, PyComponentLayout};
 use crate::pool::{export_dtype, view_of, PoolKeep, PyDevicePool, PyKeep};
 use crate::shard::{logical, raw, PyPlacement};
 use crate::tensor::{check, import_writable, PyTensorView, Want};
@@ -57,61 +59,181 @@ mirror_enum!(PyHostLayout <=> HostLayout {
 
 #[pymethods]
 impl PyHostLayout {
+    /// The layout SGLang names `name` (`"layer_first"`, `"page_first"`, `"page_first_direct"`:
+    /// its `hicache_mem_layout`); `str(layout)` is the name back.
+    #[staticmethod]
+    fn from_name(name: &str) -> PyResult<Self> {
+        Ok(HostLayout::from_name(name).py_err()?.into())
+    }
+
     fn __str__(&self) -> String {
         HostLayout::from(*self).to_string()
     }
 }
 
-/// A host layout given as the enum or SGLang's name.
-pub fn layout_of(v: &Bound<'_, PyAny>) -> PyResult<HostLayout> {
-    if let Ok(l) = v.extract::<PyHostLayout>() {
-        return Ok(l.into());
-    }
-    let name: String = v
-        .extract()
-        .map_err(|_| invalid("a host layout is a kvshard.HostLayout or its name"))?;
-    HostLayout::from_name(&name).py_err()
+/// How a `HostTransfer` moves its bytes (`ctas=` sets the kernel's CTAs).
+#[pyclass(
+    eq,
+    eq_int,
+    frozen,
+    hash,
+    from_py_object,
+    module = "kvshard",
+    name = "IoBackend"
+)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
+pub enum PyIoBackend {
+    /// The SM block-copy kernel through the host pool's device alias (each CTA takes an SM
+    /// from the forward pass; two saturate PCIe).
+    KERNEL,
+    /// Coalesced copy-engine copies (SGLang's `direct`).
+    COPY_ENGINE,
+    /// One copy-engine call per (page, layer, component) block.
+    PER_BLOCK,
+    /// One batch copy (`cuMemcpyBatchAsync`) holding every block.
+    BATCH,
 }
 
-/// An I/O backend by name: `"kernel"` (the SM kernel, `ctas` CTAs), `"copy_engine"` (alias
-/// `"direct"`), `"per_block"`, `"batch"`.
-pub fn io_of(name: &str, ctas: u32) -> PyResult<IoBackend> {
-    Ok(match name {
-        "kernel" | "sm_kernel" => IoBackend::SmKernel { ctas },
-        "copy_engine" | "copy-engine" | "direct" => IoBackend::CopyEngine,
-        "per_block" | "per_block_memcpy" => IoBackend::PerBlockMemcpy,
-        "batch" | "batch_memcpy" => IoBackend::BatchMemcpy,
-        other => {
-            return Err(invalid(format!(
-                "I/O backend {other:?}: expected kernel, copy_engine (direct), per_block or batch"
-            )))
+impl PyIoBackend {
+    /// kvshard's I/O backend, the kernel with `ctas` CTAs.
+    pub fn with_ctas(self, ctas: u32) -> IoBackend {
+        match self {
+            Self::KERNEL => IoBackend::SmKernel { ctas },
+            Self::COPY_ENGINE => IoBackend::CopyEngine,
+            Self::PER_BLOCK => IoBackend::PerBlockMemcpy,
+            Self::BATCH => IoBackend::BatchMemcpy,
         }
-    })
+    }
 }
 
-/// A route by name: an I/O backend (see [`io_of`]), or `"staged"` (copy engine through device
-/// staging with the copy-engine relayout; alias `"staged_copy_engine"`) or `"staged_kernel"`
-/// (the kernel relayout, `ctas` CTAs).
-pub fn route_of(name: &str, ctas: u32) -> PyResult<Route> {
-    Ok(match name {
-        "staged" | "staged_copy_engine" => Route::Staged(Relayout::CopyEngine),
-        "staged_kernel" => Route::Staged(Relayout::Kernel { ctas }),
-        io => Route::Direct(io_of(io, ctas)?),
-    })
+/// How a staged transfer moves pages between its device staging and the pool (`ctas=` sets
+/// the kernel's CTAs).
+#[pyclass(
+    eq,
+    eq_int,
+    frozen,
+    hash,
+    from_py_object,
+    module = "kvshard",
+    name = "Relayout"
+)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
+pub enum PyRelayout {
+    /// Device-to-device copies on the copy engine: no SM at all.
+    COPY_ENGINE,
+    /// The block-copy kernel: any layout at HBM speed, taking SMs while it runs.
+    KERNEL,
 }
+
+impl PyRelayout {
+    /// kvshard's relayout, the kernel with `ctas` CTAs.
+    fn with_ctas(self, ctas: u32) -> Relayout {
+        match self {
+            Self::COPY_ENGINE => Relayout::CopyEngine,
+            Self::KERNEL => Relayout::Kernel { ctas },
+        }
+    }
+}
+
+/// How a `HiCacheController` operation moves a node (`ctas=` sets the kernels' CTAs): straight
+/// between the pools on an I/O backend, or through the controller's device staging.
+#[pyclass(
+    eq,
+    eq_int,
+    frozen,
+    hash,
+    from_py_object,
+    module = "kvshard",
+    name = "Route"
+)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
+pub enum PyRoute {
+    /// Direct, on the SM kernel; a load counts each layer's readiness as it lands.
+    KERNEL,
+    /// Direct, on coalesced copy-engine copies; a load lands layer after layer.
+    COPY_ENGINE,
+    /// Direct, one copy-engine call per block.
+    PER_BLOCK,
+    /// Direct, one batch copy.
+    BATCH,
+    /// Through device staging, relaid by the copy engine: every host layout and device pool
+    /// (a load lands every layer at once).
+    STAGED,
+    /// Through device staging, relaid by the kernel.
+    STAGED_KERNEL,
+}
+
+impl PyRoute {
+    /// kvshard's route, its kernel with `ctas` CTAs.
+    pub fn with_ctas(self, ctas: u32) -> Route {
+        let direct = |io: PyIoBackend| Route::Direct(io.with_ctas(ctas));
+        match self {
+            Self::KERNEL => direct(PyIoBackend::KERNEL),
+            Self::COPY_ENGINE => direct(PyIoBackend::COPY_ENGINE),
+            Self::PER_BLOCK => direct(PyIoBackend::PER_BLOCK),
+            Self::BATCH => direct(PyIoBackend::BATCH),
+            Self::STAGED => Route::Staged(PyRelayout::COPY_ENGINE.with_ctas(ctas)),
+            Self::STAGED_KERNEL => Route::Staged(PyRelayout::KERNEL.with_ctas(ctas)),
+        }
+    }
+}
+
+/// When a `HiCacheController` backs a device node up to the host.
+#[pyclass(
+    eq,
+    eq_int,
+    frozen,
+    hash,
+    from_py_object,
+    module = "kvshard",
+    name = "WritePolicy"
+)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
+pub enum PyWritePolicy {
+    /// On the node's first access.
+    WRITE_THROUGH,
+    /// On the node's second access.
+    WRITE_THROUGH_SELECTIVE,
+    /// Only when the node is evicted (eviction waits for the copy).
+    WRITE_BACK,
+}
+
+mirror_enum!(PyWritePolicy <=> WritePolicy {
+    WRITE_THROUGH = WriteThrough,
+    WRITE_THROUGH_SELECTIVE = WriteThroughSelective,
+    WRITE_BACK = WriteBack,
+});
+
+/// Which way a `HostTransfer` moves pages.
+#[pyclass(
+    eq,
+    eq_int,
+    frozen,
+    hash,
+    from_py_object,
+    module = "kvshard",
+    name = "Direction"
+)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
+pub enum PyDirection {
+    /// Host to device.
+    LOAD,
+    /// Device to host.
+    BACKUP,
+}
+
+mirror_enum!(PyDirection <=> Direction {
+    LOAD = Load,
+    BACKUP = Backup,
+});
 
 fn layers_of(layer: Option<usize>) -> Layers {
     layer.map_or(Layers::All, |m| Layers::One(ModelLayer(m)))
-}
-
-fn direction_of(name: &str) -> PyResult<Direction> {
-    match name {
-        "load" | "h2d" => Ok(Direction::Load),
-        "backup" | "d2h" => Ok(Direction::Backup),
-        other => Err(invalid(format!(
-            "direction {other:?}: expected load or backup"
-        ))),
-    }
 }
 
 /// The `(host address, bytes)` of each registration covering one host tensor.
@@ -197,20 +319,20 @@ fn sglang_shape(layout: HostLayout, b: &HostBufferLayout, row: usize) -> Vec<i64
 }
 
 fn format_of(
-    layout: &Bound<'_, PyAny>,
+    layout: PyHostLayout,
     packed_draft: bool,
     indexer_extra_pages: Option<u64>,
     sglang: bool,
-) -> PyResult<HostFormat> {
-    Ok(HostFormat {
-        layout: layout_of(layout)?,
+) -> HostFormat {
+    HostFormat {
+        layout: layout.into(),
         draft: if packed_draft {
             DraftPacking::Packed
         } else {
             DraftPacking::Separate
         },
         indexer_extra_pages: indexer_extra_pages.unwrap_or(u64::from(sglang)),
-    })
+    }
 }
 
 /// One rank's host pool: pinned host buffers holding `pages` pages of every component.
@@ -238,13 +360,13 @@ impl PyHostPool {
         device: Py<PyDevice>,
         geometry: &PyCacheGeometry,
         pages: u64,
-        layout: &Bound<'_, PyAny>,
+        layout: PyHostLayout,
         packed_draft: bool,
         sglang: bool,
         indexer_extra_pages: Option<u64>,
         numa_local: bool,
     ) -> PyResult<Self> {
-        let format = format_of(layout, packed_draft, indexer_extra_pages, sglang)?;
+        let format = format_of(layout, packed_draft, indexer_extra_pages, sglang);
         let d = device.get();
         let b = d.default_backend()?;
         let g = geometry.0.clone();
@@ -286,14 +408,14 @@ impl PyHostPool {
         geometry: &PyCacheGeometry,
         pages: u64,
         buffers: &Bound<'_, PyAny>,
-        layout: &Bound<'_, PyAny>,
+        layout: PyHostLayout,
         packed_draft: bool,
         sglang: bool,
         indexer_extra_pages: Option<u64>,
         registrations: Option<Vec<Option<Registrations>>>,
         register: bool,
     ) -> PyResult<Self> {
-        let format = format_of(layout, packed_draft, indexer_extra_pages, sglang)?;
+        let format = format_of(layout, packed_draft, indexer_extra_pages, sglang);
         let d = device.get();
         let g = &geometry.0;
         let layouts = format.buffers(g, pages).py_err()?;
@@ -484,10 +606,8 @@ impl PyHostPool {
     }
 
     /// The buffer holding `component`, and the buffer layer of its stored layer 0.
-    fn component_buffer(&self, component: &Bound<'_, PyAny>) -> PyResult<(usize, usize)> {
-        self.inner
-            .component_buffer(component_of(component)?)
-            .py_err()
+    fn component_buffer(&self, component: PyComponent) -> PyResult<(usize, usize)> {
+        self.inner.component_buffer(component.into()).py_err()
     }
 
     /// The host address of buffer `index` (None where unknown).
@@ -579,18 +699,13 @@ impl PyHostPool {
     /// start.
     fn row_offset(
         &self,
-        component: &Bound<'_, PyAny>,
+        component: PyComponent,
         layer: usize,
         page: u64,
         row: usize,
     ) -> PyResult<u64> {
         self.inner
-            .row_offset(
-                component_of(component)?,
-                StoredLayer(layer),
-                LocalPage(page),
-                row,
-            )
+            .row_offset(component.into(), StoredLayer(layer), LocalPage(page), row)
             .py_err()
     }
 
@@ -855,20 +970,21 @@ impl PyHostTransfer {
 
 #[pymethods]
 impl PyHostTransfer {
-    /// `direction`: `"load"` (host to device) or `"backup"` (device to host).
+    /// `plan`'s pairs moved in `direction` (`Direction.LOAD`: host to device;
+    /// `Direction.BACKUP`: device to host).
     #[new]
     fn new(
         py: Python<'_>,
         device_pool: Py<PyDevicePool>,
         host_pool: Py<PyHostPool>,
         plan: &PyTransferPlan,
-        direction: &str,
+        direction: PyDirection,
     ) -> PyResult<Self> {
         let t = HostTransfer::new(
             device_pool.get().inner.clone(),
             host_pool.get().inner.clone(),
             plan.0.clone(),
-            direction_of(direction)?,
+            direction.into(),
         )
         .py_err()?;
         Ok(Self {
@@ -887,19 +1003,19 @@ impl PyHostTransfer {
     }
 
     /// Enqueues the copies of every layer (or of model layer `layer`'s readiness group: layer
-    /// 0 carries the MTP draft) on `stream` with I/O backend `io` (`"kernel"` with `ctas`
-    /// CTAs, `"copy_engine"`, `"per_block"`, `"batch"`). No wait.
-    #[pyo3(signature = (stream = None, io = "kernel", layer = None, *, ctas = 2))]
+    /// 0 carries the MTP draft) on `stream` with I/O backend `io` (`IoBackend.KERNEL` with
+    /// `ctas` CTAs). No wait.
+    #[pyo3(signature = (stream = None, io = PyIoBackend::KERNEL, layer = None, *, ctas = 2))]
     fn run(
         &self,
         py: Python<'_>,
         stream: Option<&Bound<'_, PyAny>>,
-        io: &str,
+        io: PyIoBackend,
         layer: Option<usize>,
         ctas: u32,
     ) -> PyResult<()> {
         let b = self.device.get().resolve(stream)?;
-        let io = io_of(io, ctas)?;
+        let io = io.with_ctas(ctas);
         self.with(py, |t, _| t.run(b.as_ref(), io, layers_of(layer)))
     }
 
@@ -951,16 +1067,16 @@ impl PyHostTransfer {
     }
 
     /// Every layer through `staging`: copy-engine runs on `copy_stream`, the relayout
-    /// (`"copy_engine"`, or `"kernel"` with `ctas` CTAs) on `relayout_stream`. When
-    /// `copy_stream` reaches the end of what this enqueues, the transfer has landed.
-    #[pyo3(signature = (staging, copy_stream, relayout_stream, relayout = "copy_engine", *, ctas = 2))]
+    /// (`Relayout.KERNEL` with `ctas` CTAs) on `relayout_stream`. When `copy_stream` reaches
+    /// the end of what this enqueues, the transfer has landed.
+    #[pyo3(signature = (staging, copy_stream, relayout_stream, relayout = PyRelayout::COPY_ENGINE, *, ctas = 2))]
     fn run_staged(
         &self,
         py: Python<'_>,
         staging: &PyStagedIo,
         copy_stream: &Bound<'_, PyAny>,
         relayout_stream: &Bound<'_, PyAny>,
-        relayout: &str,
+        relayout: PyRelayout,
         ctas: u32,
     ) -> PyResult<()> {
         let d = self.device.get();
@@ -968,15 +1084,7 @@ impl PyHostTransfer {
             d.resolve(Some(copy_stream))?,
             d.resolve(Some(relayout_stream))?,
         );
-        let how = match relayout {
-            "copy_engine" | "copy-engine" => Relayout::CopyEngine,
-            "kernel" => Relayout::Kernel { ctas },
-            other => {
-                return Err(invalid(format!(
-                    "relayout {other:?}: expected copy_engine or kernel"
-                )))
-            }
-        };
+        let how = relayout.with_ctas(ctas);
         let s = staging.0.clone();
         self.with(py, |t, _| t.run_staged(c.as_ref(), r.as_ref(), &s, how))
     }
@@ -988,15 +1096,15 @@ impl PyHostTransfer {
     }
 
     /// The launches and copy-engine calls one run on `io` submits.
-    #[pyo3(signature = (io = "kernel", layer = None, *, ctas = 2))]
+    #[pyo3(signature = (io = PyIoBackend::KERNEL, layer = None, *, ctas = 2))]
     fn calls(
         &self,
-        io: &str,
+        io: PyIoBackend,
         layer: Option<usize>,
         ctas: u32,
     ) -> PyResult<std::collections::BTreeMap<&'static str, usize>> {
         let n = lock(&self.inner)
-            .calls(io_of(io, ctas)?, layers_of(layer))
+            .calls(io.with_ctas(ctas), layers_of(layer))
             .py_err()?;
         Ok([
             ("launches", n.launches),
@@ -1007,6 +1115,12 @@ impl PyHostTransfer {
         ]
         .into_iter()
         .collect())
+    }
+
+    /// Which way it moves pages.
+    #[getter]
+    fn direction(&self) -> PyDirection {
+        lock(&self.inner).direction().into()
     }
 
     /// Model layers of the cache (the draft's included).
@@ -1182,9 +1296,9 @@ impl PyLoadHandle {
 
 /// One rank's HiCache controller: a load stream with per-layer readiness, a backup stream that
 /// waits for compute and acks in FIFO order, relayout streams, the host allocator, and a write
-/// policy (`"write_through"`, `"write_through_selective"`, `"write_back"`). Every call takes a
-/// route: `"kernel"` (SM kernel, `ctas`), `"copy_engine"`/`"direct"`, `"per_block"`, `"batch"`,
-/// `"staged"` (copy engine through device staging), `"staged_kernel"`.
+/// policy (a `WritePolicy`, default `WRITE_THROUGH`). Every call takes a `Route` (and `ctas=`,
+/// the CTAs of its kernels): straight between the pools on an I/O backend, or through device
+/// staging.
 #[pyclass(frozen, module = "kvshard", name = "HiCacheController")]
 pub struct PyHiCacheController {
     pub(crate) inner: Mutex<HiCacheController>,
@@ -1192,17 +1306,6 @@ pub struct PyHiCacheController {
     streams: [Py<PyStream>; 5],
     #[allow(dead_code)]
     holds: (Py<PyDevicePool>, Py<PyHostPool>),
-}
-
-fn policy_of(name: &str) -> PyResult<WritePolicy> {
-    match name {
-        "write_through" => Ok(WritePolicy::WriteThrough),
-        "write_through_selective" => Ok(WritePolicy::WriteThroughSelective),
-        "write_back" => Ok(WritePolicy::WriteBack),
-        other => Err(invalid(format!(
-            "write policy {other:?}: expected write_through, write_through_selective or write_back"
-        ))),
-    }
 }
 
 impl PyHiCacheController {
@@ -1221,12 +1324,12 @@ impl PyHiCacheController {
     /// with `load`, `backup`, `load_relayout`, `backup_relayout`, `tables` (kvshard.Stream or
     /// any stream object); missing ones are new streams of the device.
     #[new]
-    #[pyo3(signature = (device_pool, host_pool, policy = "write_through", streams = None))]
+    #[pyo3(signature = (device_pool, host_pool, policy = PyWritePolicy::WRITE_THROUGH, streams = None))]
     fn new(
         py: Python<'_>,
         device_pool: Py<PyDevicePool>,
         host_pool: Py<PyHostPool>,
-        policy: &str,
+        policy: PyWritePolicy,
         streams: Option<&Bound<'_, pyo3::types::PyDict>>,
     ) -> PyResult<Self> {
         let device = device_pool.get().device.clone_ref(py);
@@ -1272,7 +1375,7 @@ impl PyHiCacheController {
             device_pool.get().inner.clone(),
             host_pool.get().inner.clone(),
         );
-        let policy = policy_of(policy)?;
+        let policy = policy.into();
         let c = py
             .detach(|| HiCacheController::new(d, h, s, policy))
             .py_err()?;
@@ -1303,16 +1406,16 @@ impl PyHiCacheController {
     /// after `after`: a kvshard or torch event, or a stream (its current point: the work
     /// queued on it so far); None is the current point of the stream `None` means. Returns the
     /// backup's queue index when one was submitted.
-    #[pyo3(signature = (node, after, route = "copy_engine", *, ctas = 2))]
+    #[pyo3(signature = (node, after, route = PyRoute::COPY_ENGINE, *, ctas = 2))]
     fn access(
         &self,
         py: Python<'_>,
         node: &PyCacheNode,
         after: &Bound<'_, PyAny>,
-        route: &str,
+        route: PyRoute,
         ctas: u32,
     ) -> PyResult<Option<u64>> {
-        let route = route_of(route, ctas)?;
+        let route = route.with_ctas(ctas);
         let compute = self.compute(Some(after))?;
         let n = node.0.clone();
         self.with(py, |c| c.access(&n, &compute, route))
@@ -1320,16 +1423,16 @@ impl PyHiCacheController {
 
     /// Backs `node` up after `after` (as in `access`): allocates its host pages, copies every
     /// layer of this rank's pages on the backup stream. Returns the queue index.
-    #[pyo3(signature = (node, after, route = "copy_engine", *, ctas = 2))]
+    #[pyo3(signature = (node, after, route = PyRoute::COPY_ENGINE, *, ctas = 2))]
     fn backup(
         &self,
         py: Python<'_>,
         node: &PyCacheNode,
         after: &Bound<'_, PyAny>,
-        route: &str,
+        route: PyRoute,
         ctas: u32,
     ) -> PyResult<u64> {
-        let route = route_of(route, ctas)?;
+        let route = route.with_ctas(ctas);
         let compute = self.compute(Some(after))?;
         let n = node.0.clone();
         self.with(py, |c| c.backup(&n, &compute, route))
@@ -1337,16 +1440,16 @@ impl PyHiCacheController {
 
     /// `node` is leaving the device pool (write-back backs it up first, after `after` as in
     /// `access`, blocking); returns the acks popped up to its backup.
-    #[pyo3(signature = (node, after, route = "copy_engine", *, ctas = 2))]
+    #[pyo3(signature = (node, after, route = PyRoute::COPY_ENGINE, *, ctas = 2))]
     fn evict(
         &self,
         py: Python<'_>,
         node: &PyCacheNode,
         after: &Bound<'_, PyAny>,
-        route: &str,
+        route: PyRoute,
         ctas: u32,
     ) -> PyResult<Vec<PyBackupAck>> {
-        let route = route_of(route, ctas)?;
+        let route = route.with_ctas(ctas);
         let compute = self.compute(Some(after))?;
         let n = node.0.clone();
         Ok(self
@@ -1358,19 +1461,19 @@ impl PyHiCacheController {
 
     /// Loads backed-up node `node` into logical `device_pages` on the load stream, after
     /// `after` when given (a kvshard or torch event, or a stream's current point; None: right
-    /// away). `"kernel"`: one launch with a ready counter per layer; copy-engine routes layer
+    /// away). `Route.KERNEL`: one launch with a ready counter per layer; copy-engine routes layer
     /// after layer; staged routes every layer at once.
-    #[pyo3(signature = (node, device_pages, after = None, route = "kernel", *, ctas = 2))]
+    #[pyo3(signature = (node, device_pages, after = None, route = PyRoute::KERNEL, *, ctas = 2))]
     fn load(
         &self,
         py: Python<'_>,
         node: u64,
         device_pages: Vec<u64>,
         after: Option<&Bound<'_, PyAny>>,
-        route: &str,
+        route: PyRoute,
         ctas: u32,
     ) -> PyResult<PyLoadHandle> {
-        let route = route_of(route, ctas)?;
+        let route = route.with_ctas(ctas);
         let after = after_event(self.device.get(), after)?;
         let pages = logical(&device_pages);
         let h = self.with(py, |c| c.load(node, &pages, after.as_ref(), route))?;
@@ -1452,14 +1555,10 @@ impl PyHiCacheController {
         lock(&self.inner).host_allocator().free_pages(owner)
     }
 
-    /// The write policy's name.
+    /// The write policy.
     #[getter]
-    fn policy(&self) -> &'static str {
-        match lock(&self.inner).policy() {
-            WritePolicy::WriteThrough => "write_through",
-            WritePolicy::WriteThroughSelective => "write_through_selective",
-            WritePolicy::WriteBack => "write_back",
-        }
+    fn policy(&self) -> PyWritePolicy {
+        lock(&self.inner).policy().into()
     }
 }
 

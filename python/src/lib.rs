@@ -8,6 +8,14 @@
 //! behind the caller's back; long calls release the GIL. kvshard's errors arrive as the
 //! exceptions of `kvshard._errors`, with kvshard's message. No panic crosses into Python: the
 //! code returns errors, and PyO3 turns any panic that slipped through into an exception.
+//! Routes, I/O backends, relayouts, copy methods, write policies, directions, layouts and
+//! components are enum classes (`kvshard.Route.KERNEL`), never strings.
+//!
+//! The modules import only modules below them, bottom-up: `errors` (kvshard's errors as
+//! exceptions), `tensor` (DLPack both ways), `device` (devices, streams, events), `geometry`,
+//! `shard` (placement, the allocator), `pool` (device pools, staging, the owned-row write),
+//! `transfer` (P/D), `hicache`, `chain` (a request's chain, which makes HiCache nodes and P/D
+//! registrations), `bench` (`python/bench.py`'s native loops), and this file on top.
 
 /// Both `From` conversions between a Python enum and the kvshard enum it mirrors, from one
 /// table of variant pairs, so the two directions cannot disagree.
@@ -32,6 +40,7 @@ macro_rules! mirror_enum {
 }
 
 mod bench;
+mod chain;
 mod device;
 mod errors;
 mod geometry;
@@ -67,6 +76,10 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("INDEXER_HEAD_DIM", g::INDEXER_HEAD_DIM)?;
     m.add("MAX_PREFILL_RANKS", kvshard::transfer::MAX_PREFILL_RANKS)?;
     m.add(
+        "DEFAULT_DEADLINE",
+        kvshard::transfer::DEFAULT_DEADLINE.as_secs_f64(),
+    )?;
+    m.add(
         "DEFAULT_STAGING_PAGES",
         kvshard::hicache::DEFAULT_STAGING_PAGES,
     )?;
@@ -89,7 +102,6 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<shard::PyPlacement>()?;
     m.add_class::<shard::PyShardAllocator>()?;
     m.add_class::<shard::PyAllocation>()?;
-    m.add_class::<shard::PyRequestChain>()?;
     m.add_class::<pool::PyDevicePool>()?;
     m.add_class::<pool::PyChunkStaging>()?;
     m.add_class::<pool::PyOwnedRowWrite>()?;
@@ -101,8 +113,15 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<transfer::PyPendingChunk>()?;
     m.add_class::<transfer::PySender>()?;
     m.add_class::<transfer::PyFinished>()?;
+    m.add_class::<transfer::PyOverdue>()?;
     m.add_class::<transfer::PyReceiver>()?;
+    m.add_class::<transfer::PyCopyMethod>()?;
     m.add_class::<hicache::PyHostLayout>()?;
+    m.add_class::<hicache::PyIoBackend>()?;
+    m.add_class::<hicache::PyRelayout>()?;
+    m.add_class::<hicache::PyRoute>()?;
+    m.add_class::<hicache::PyWritePolicy>()?;
+    m.add_class::<hicache::PyDirection>()?;
     m.add_class::<hicache::PyHostBufferLayout>()?;
     m.add_class::<hicache::PyHostPool>()?;
     m.add_class::<hicache::PyTransferPlan>()?;
@@ -116,5 +135,6 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hicache::PyLoadAck>()?;
     m.add_class::<hicache::PyLoadHandle>()?;
     m.add_class::<hicache::PyHiCacheController>()?;
+    m.add_class::<chain::PyRequestChain>()?;
     Ok(())
 }

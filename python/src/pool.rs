@@ -18,7 +18,7 @@ use kvshard::pool::{
 
 use crate::device::PyDevice;
 use crate::errors::{invalid, IntoPy};
-use crate::geometry::{component_of, PyCacheGeometry, PyComponentLayout};
+use crate::geometry::{PyCacheGeometry, PyComponent, PyComponentLayout};
 use crate::shard::PyPlacement;
 use crate::tensor::{check, import, import_writable, KeepInner, PyTensorView, Want};
 
@@ -304,19 +304,19 @@ impl PyDevicePool {
     }
 
     /// Base address of every stored layer of `component`.
-    fn layer_bases(&self, component: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    fn layer_bases(&self, component: PyComponent) -> PyResult<Vec<u64>> {
         Ok(self
             .inner
-            .layer_bases(component_of(component)?)
+            .layer_bases(Component::from(component))
             .py_err()?
             .to_vec())
     }
 
     /// Address of block (`layer`, local `page`) of `component`.
-    fn block_addr(&self, component: &Bound<'_, PyAny>, layer: usize, page: u64) -> PyResult<u64> {
+    fn block_addr(&self, component: PyComponent, layer: usize, page: u64) -> PyResult<u64> {
         self.inner
             .block_addr(
-                component_of(component)?,
+                Component::from(component),
                 StoredLayer(layer),
                 LocalPage(page),
             )
@@ -329,12 +329,12 @@ impl PyDevicePool {
     #[pyo3(signature = (component, layer, *, raw = false))]
     fn layer_view(
         slf: &Bound<'_, Self>,
-        component: &Bound<'_, PyAny>,
+        component: PyComponent,
         layer: usize,
         raw: bool,
     ) -> PyResult<PyTensorView> {
         let this = slf.get();
-        let component = component_of(component)?;
+        let component = Component::from(component);
         let pool = &this.inner;
         let c = pool.component_index(component).py_err()?;
         let comp = &pool.components()[c];
@@ -366,13 +366,13 @@ impl PyDevicePool {
     fn read_block<'py>(
         &self,
         py: Python<'py>,
-        component: &Bound<'_, PyAny>,
+        component: PyComponent,
         layer: usize,
         page: u64,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let b = self.device.get().resolve(stream)?;
-        let c = component_of(component)?;
+        let c = Component::from(component);
         let pool = self.inner.clone();
         let bytes = py
             .detach(|| pool.read_block_sync(b.as_ref(), c, StoredLayer(layer), LocalPage(page)))
@@ -596,12 +596,12 @@ impl PyChunkStaging {
     #[pyo3(signature = (component, layer, *, raw = false))]
     fn layer_view(
         slf: &Bound<'_, Self>,
-        component: &Bound<'_, PyAny>,
+        component: PyComponent,
         layer: usize,
         raw: bool,
     ) -> PyResult<PyTensorView> {
         let this = slf.get();
-        let component = component_of(component)?;
+        let component = Component::from(component);
         let buf = this.inner.layer(component, StoredLayer(layer)).py_err()?;
         let comp = this
             .components
@@ -634,7 +634,7 @@ impl PyChunkStaging {
     fn write(
         &self,
         py: Python<'_>,
-        component: &Bound<'_, PyAny>,
+        component: PyComponent,
         layer: usize,
         data: Vec<u8>,
         offset: usize,
@@ -643,7 +643,7 @@ impl PyChunkStaging {
         let b = self.device.get().resolve(stream)?;
         let buf = self
             .inner
-            .layer(component_of(component)?, StoredLayer(layer))
+            .layer(Component::from(component), StoredLayer(layer))
             .py_err()?;
         py.detach(|| b.enqueue_write(&buf, offset, &data)).py_err()
     }

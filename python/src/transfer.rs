@@ -1,7 +1,11 @@
-//! P/D transfer: registrations, destinations, the per-rank sender and the decode-side receiver.
+//! P/D transfer: registrations, destinations, the per-rank sender (its copy methods, and the
+//! statuses of chunks dropped before they were taken) and the decode-side receiver with its
+//! deadlines (`Overdue`), so an engine written in Python never waits on a status that cannot
+//! come.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use pyo3::prelude::*;
 
@@ -11,31 +15,22 @@ use kvshard::geometry::Component;
 use kvshard::index::LocalPage;
 use kvshard::transfer::{
     BackendTransport, ChunkEnd, ChunkResult, ChunkStatus, ComponentBytes, CopyMethod, Finished,
-    Outcome, PendingChunk, PoolLayout, Receiver, Registration, Sender, Transport,
+    Outcome, Overdue, PendingChunk, PoolLayout, Receiver, Registration, Sender, Transport,
 };
 
 use crate::device::PyDevice;
-use crate::errors::{invalid, IntoPy};
-use crate::geometry::PyCacheGeometry;
+use crate::errors::{invalid, missing_chunks, to_py, IntoPy};
+use crate::geometry::{PyCacheGeometry, PyComponent};
 use crate::pool::PyDevicePool;
 use crate::shard::logical;
 
-/// Bytes per component as a dict (`"target_latent"`, ...; only components that moved bytes).
-pub fn bytes_dict(b: &ComponentBytes) -> BTreeMap<&'static str, u64> {
+/// Bytes per component as a dict (only components that moved bytes, in kernel order).
+pub fn bytes_dict(b: &ComponentBytes) -> BTreeMap<PyComponent, u64> {
     Component::ALL
         .iter()
         .filter(|&&c| b.get(c) > 0)
-        .map(|&c| (component_key(c), b.get(c)))
+        .map(|&c| (c.into(), b.get(c)))
         .collect()
-}
-
-fn component_key(c: Component) -> &'static str {
-    match c {
-        Component::TargetLatent => "target_latent",
-        Component::TargetIndexer => "target_indexer",
-        Component::DraftLatent => "draft_latent",
-        Component::DraftIndexer => "draft_indexer",
-    }
 }
 
 /// How one side of a transfer stores its pages, as it registers them with the other side.
@@ -218,7 +213,7 @@ pub struct PyChunkStatus(pub ChunkStatus);
 
 #[pymethods]
 impl PyChunkStatus {
-    /// A sent chunk's status (as it arrives over the wire): `bytes` per component name.
+    /// A sent chunk's status (as it arrives over the wire): `bytes` per component.
     #[staticmethod]
     #[pyo3(signature = (request, rank, chunk, last, bytes = None))]
     fn sent(
@@ -226,22 +221,18 @@ impl PyChunkStatus {
         rank: u32,
         chunk: u32,
         last: bool,
-        bytes: Option<BTreeMap<String, u64>>,
-    ) -> PyResult<Self> {
+        bytes: Option<BTreeMap<PyComponent, u64>>,
+    ) -> Self {
         let mut b = ComponentBytes::default();
-        for (name, n) in bytes.unwrap_or_default() {
-            let c = Component::ALL
-                .into_iter()
-                .find(|&c| component_key(c) == name)
-                .ok_or_else(|| invalid(format!("component {name:?}")))?;
-            b.add(c, n);
+        for (c, n) in bytes.unwrap_or_default() {
+            b.add(c.into(), n);
         }
-        Ok(Self(ChunkStatus {
+        Self(ChunkStatus {
             request,
             rank,
             chunk,
             result: ChunkResult::Sent { bytes: b, last },
-        }))
+        })
     }
 
     /// A failed chunk's status (as it arrives over the wire).
@@ -293,7 +284,7 @@ impl PyChunkStatus {
 
     /// Bytes moved per component.
     #[getter]
-    fn bytes(&self) -> BTreeMap<&'static str, u64> {
+    fn bytes(&self) -> BTreeMap<PyComponent, u64> {
         match &self.0.result {
             ChunkResult::Sent { bytes, .. } => bytes_dict(bytes),
             ChunkResult::Failed { .. } => BTreeMap::new(),
@@ -363,7 +354,7 @@ impl PyPendingChunk {
 
     /// Bytes it moves, per component.
     #[getter]
-    fn bytes(&self) -> BTreeMap<&'static str, u64> {
+    fn bytes(&self) -> BTreeMap<PyComponent, u64> {
         lock(&self.inner)
             .as_ref()
             .map(|p| bytes_dict(&p.bytes()))
@@ -371,30 +362,42 @@ impl PyPendingChunk {
     }
 }
 
-/// How a sender's transport moves bytes.
-fn copy_method(
-    name: Option<&str>,
-    launch: Option<(u32, u32)>,
-    b: &dyn kvshard::backend::Backend,
-) -> PyResult<CopyMethod> {
-    let default = CopyMethod::default_for(b);
-    let grid = |default_grid: Launch| {
-        launch.map_or(default_grid, |(ctas, threads)| Launch { ctas, threads })
-    };
-    let default_grid = match default {
-        CopyMethod::Blocks(l) | CopyMethod::Kernel(l) => l,
-        CopyMethod::CopyEngine => Launch::host_io(b, 264),
-    };
-    Ok(match name.unwrap_or("blocks") {
-        "blocks" => CopyMethod::Blocks(grid(default_grid)),
-        "kernel" | "ranges" => CopyMethod::Kernel(grid(default_grid)),
-        "copy_engine" | "copy-engine" => CopyMethod::CopyEngine,
-        other => {
-            return Err(invalid(format!(
-                "copy method {other:?}: expected blocks, kernel or copy_engine"
-            )))
+/// How a `Sender` moves a chunk's bytes (`launch=(ctas, threads)` sets the kernels' grid).
+#[pyclass(
+    eq,
+    eq_int,
+    frozen,
+    hash,
+    from_py_object,
+    module = "kvshard",
+    name = "CopyMethod"
+)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
+pub enum PyCopyMethod {
+    /// One block-copy launch per section, from page lists (the default).
+    BLOCKS,
+    /// One range-copy launch per chunk.
+    KERNEL,
+    /// One batch copy per chunk on the copy engine (`cudaMemcpyBatchAsync` on a GPU).
+    COPY_ENGINE,
+}
+
+impl PyCopyMethod {
+    /// The transport's method, with the grid `launch` (default: the one kvshard picks for
+    /// `b`).
+    fn with_launch(self, launch: Option<(u32, u32)>, b: &dyn Backend) -> CopyMethod {
+        let grid = match CopyMethod::default_for(b) {
+            CopyMethod::Blocks(l) | CopyMethod::Kernel(l) => l,
+            CopyMethod::CopyEngine => Launch::host_io(b, 264),
+        };
+        let grid = launch.map_or(grid, |(ctas, threads)| Launch { ctas, threads });
+        match self {
+            Self::BLOCKS => CopyMethod::Blocks(grid),
+            Self::KERNEL => CopyMethod::Kernel(grid),
+            Self::COPY_ENGINE => CopyMethod::CopyEngine,
         }
-    })
+    }
 }
 
 /// A transport that enqueues each chunk on the stream of the `send` call that submits it: one
@@ -427,9 +430,10 @@ impl Transport for StreamTransport {
 /// the CPU reference), on the stream each `send` names (default: `stream` given here; when
 /// that is None too, the stream None means at the time of the `send`: torch's current stream
 /// when torch is in use).
-/// `method`: `"blocks"` (default; one block-copy launch per section), `"kernel"` (one
-/// range-copy launch) or `"copy_engine"` (one batch copy); `launch`: `(ctas, threads)` of the
-/// kernels.
+/// `method`: a `CopyMethod` (default `BLOCKS`: one block-copy launch per section); `launch`:
+/// `(ctas, threads)` of the kernels. A chunk's `PendingChunk` must be polled or waited for:
+/// one dropped before that fails its request, and `take_dropped` hands out the status to
+/// deliver.
 #[pyclass(module = "kvshard", name = "Sender")]
 pub struct PySender {
     pub(crate) inner: Mutex<Sender>,
@@ -445,17 +449,17 @@ pub struct PySender {
 #[pymethods]
 impl PySender {
     #[new]
-    #[pyo3(signature = (pool, stream = None, method = None, launch = None))]
+    #[pyo3(signature = (pool, stream = None, method = PyCopyMethod::BLOCKS, launch = None))]
     fn new(
         pool: Py<PyDevicePool>,
         stream: Option<&Bound<'_, PyAny>>,
-        method: Option<&str>,
+        method: PyCopyMethod,
         launch: Option<(u32, u32)>,
     ) -> PyResult<Self> {
         let p = pool.get();
         let b = p.device.get().resolve(stream)?;
         let default = stream.filter(|s| !s.is_none()).map(|_| b.clone());
-        let method = copy_method(method, launch, b.as_ref())?;
+        let method = method.with_launch(launch, b.as_ref());
         let current = Arc::new(Mutex::new(b.clone()));
         let transport = StreamTransport {
             current: current.clone(),
@@ -541,12 +545,38 @@ impl PySender {
         })
     }
 
-    /// Gives up on `request` on this rank; returns the failed status to deliver.
+    /// Gives up on `request` on this rank; returns the failed status to deliver (the failure of
+    /// a chunk of it dropped unpolled, when there is one).
     fn abort(&self, request: u64, reason: &str) -> PyResult<PyChunkStatus> {
         lock(&self.dst).remove(&request);
         Ok(PyChunkStatus(
             lock(&self.inner).abort(request, reason).py_err()?,
         ))
+    }
+
+    /// Closes `request` on this rank without a status of its own: after a chunk of it failed
+    /// while moving (`poll` or `wait` raised `ChunkFailedError`), whose `status` already is
+    /// the rank's last for the request. A request not open is a `TransferError`.
+    fn close(&self, request: u64) -> PyResult<()> {
+        lock(&self.dst).remove(&request);
+        lock(&self.inner).close(request).py_err()
+    }
+
+    /// The failed statuses of chunks whose `PendingChunk` was dropped (garbage-collected)
+    /// before it was polled to a status or waited for, one per request (its earliest dropped
+    /// chunk), each handed out once. Their requests are closed here; deliver each status to
+    /// the decode side, which otherwise waits for it until the request's deadline. Call it
+    /// every scheduling step: a dropped final chunk is reported nowhere else.
+    fn take_dropped(&self) -> Vec<PyChunkStatus> {
+        let statuses = lock(&self.inner).take_dropped();
+        let mut dst = lock(&self.dst);
+        statuses
+            .into_iter()
+            .map(|s| {
+                dst.remove(&s.request);
+                PyChunkStatus(s)
+            })
+            .collect()
     }
 
     /// Requests open on this rank.
@@ -557,7 +587,7 @@ impl PySender {
 
     /// Bytes this rank has enqueued, per component.
     #[getter]
-    fn bytes_sent(&self) -> BTreeMap<&'static str, u64> {
+    fn bytes_sent(&self) -> BTreeMap<PyComponent, u64> {
         bytes_dict(&lock(&self.inner).bytes_sent())
     }
 }
@@ -592,7 +622,7 @@ impl PyFinished {
 
     /// Bytes of all ranks together, per component.
     #[getter]
-    fn total_bytes(&self) -> BTreeMap<&'static str, u64> {
+    fn total_bytes(&self) -> BTreeMap<PyComponent, u64> {
         bytes_dict(&self.0.total_bytes())
     }
 
@@ -621,22 +651,115 @@ impl PyFinished {
     }
 }
 
+/// The decode side's seconds as a deadline (`what` names it in errors).
+fn deadline_of(seconds: f64, what: &str) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(seconds).map_err(|e| {
+        invalid(format!(
+            "{what}: {seconds} s is not a deadline ({e}); give non-negative, finite seconds"
+        ))
+    })
+}
+
+/// A request whose deadline passed before every prefill rank reported its last status, as
+/// `Receiver.expire` returns it. It is failed, but its pages stay held until every rank has
+/// reported: abort the ranks in `missing` (or, for a rank whose process is gone, `receive` a
+/// `ChunkStatus.failed` at the chunk it owes, `received`).
+#[pyclass(frozen, module = "kvshard", name = "Overdue")]
+pub struct PyOverdue(Overdue);
+
+#[pymethods]
+impl PyOverdue {
+    /// Request id.
+    #[getter]
+    fn request(&self) -> u64 {
+        self.0.request
+    }
+
+    /// The request's deadline in seconds, counted from its registration.
+    #[getter]
+    fn deadline(&self) -> f64 {
+        self.0.deadline.as_secs_f64()
+    }
+
+    /// Prefill ranks sending it.
+    #[getter]
+    fn ranks(&self) -> u32 {
+        self.0.ranks
+    }
+
+    /// `(rank, received)` of each rank whose last status never came, in rank order: chunks
+    /// `0..received` arrived, chunk `received` (and every later one) did not.
+    #[getter]
+    fn missing(&self) -> Vec<(u32, u32)> {
+        missing_chunks(&self.0)
+    }
+
+    /// The `TransferDeadlineError` it stands for (kvshard's `Error::TransferDeadline`), for an
+    /// engine that raises it: `raise overdue.error()`.
+    fn error(&self, py: Python<'_>) -> Py<PyAny> {
+        to_py(py, self.0.clone().into()).into_value(py).into_any()
+    }
+
+    fn __str__(&self) -> String {
+        self.0.to_string()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<kvshard.Overdue {}>", self.0)
+    }
+}
+
 /// The decode side: completes a request only once every prefill rank has reported its final
-/// chunk (or failed), so it never reads a page a rank may still write.
+/// chunk (or failed), so it never reads a page a rank may still write. Every request has a
+/// deadline, in seconds from its registration (`deadline`, default `DEFAULT_DEADLINE`):
+/// `expire()`, called every scheduling step, reports each request whose deadline passed first
+/// (a final chunk never sent, a status never delivered, a rank gone silent), so nothing waits
+/// forever.
 #[pyclass(module = "kvshard", name = "Receiver")]
 pub struct PyReceiver(Receiver);
 
 #[pymethods]
 impl PyReceiver {
+    /// A receiver whose requests are due `deadline` seconds after registration (default
+    /// `DEFAULT_DEADLINE`).
     #[new]
-    fn new() -> Self {
-        Self(Receiver::new())
+    #[pyo3(signature = (deadline = None))]
+    fn new(deadline: Option<f64>) -> PyResult<Self> {
+        Ok(Self(match deadline {
+            Some(s) => Receiver::with_deadline(deadline_of(s, "Receiver")?),
+            None => Receiver::new(),
+        }))
     }
 
-    /// Expects `registration` from `prefill_ranks` ranks.
-    fn register(&mut self, registration: &PyRegistration, prefill_ranks: u32) -> PyResult<()> {
+    /// Seconds from registration to the deadline of requests registered without one of their
+    /// own; setting it applies to requests registered from then on.
+    #[getter]
+    fn deadline(&self) -> f64 {
+        self.0.deadline().as_secs_f64()
+    }
+
+    #[setter]
+    fn set_deadline(&mut self, seconds: f64) -> PyResult<()> {
         self.0
-            .register(registration.0.clone(), prefill_ranks)
+            .set_deadline(deadline_of(seconds, "Receiver.deadline")?);
+        Ok(())
+    }
+
+    /// Expects `registration` from `prefill_ranks` ranks, due `deadline` seconds from now
+    /// (default: the receiver's).
+    #[pyo3(signature = (registration, prefill_ranks, *, deadline = None))]
+    fn register(
+        &mut self,
+        registration: &PyRegistration,
+        prefill_ranks: u32,
+        deadline: Option<f64>,
+    ) -> PyResult<()> {
+        let deadline = match deadline {
+            Some(s) => deadline_of(s, "Receiver.register")?,
+            None => self.0.deadline(),
+        };
+        self.0
+            .register_with_deadline(registration.0.clone(), prefill_ranks, deadline)
             .py_err()
     }
 
@@ -645,11 +768,18 @@ impl PyReceiver {
         Ok(self.0.receive(status.0.clone()).py_err()?.map(PyFinished))
     }
 
-    /// `(ranks, ranks_done, failed)` of a request being received, or None.
-    fn progress(&self, request: u64) -> Option<(u32, u32, bool)> {
+    /// Fails every request whose deadline has passed before every rank reported its last
+    /// status, and returns each once, in request order. Never blocks.
+    fn expire(&mut self) -> Vec<PyOverdue> {
+        self.0.expire().into_iter().map(PyOverdue).collect()
+    }
+
+    /// `(ranks, ranks_done, failed, overdue)` of a request being received, or None: `failed`
+    /// once a rank failed it or its deadline passed, `overdue` once `expire` reported it.
+    fn progress(&self, request: u64) -> Option<(u32, u32, bool, bool)> {
         self.0
             .progress(request)
-            .map(|p| (p.ranks, p.ranks_done, p.failed))
+            .map(|p| (p.ranks, p.ranks_done, p.failed, p.overdue))
     }
 
     /// Requests being received.

@@ -20,7 +20,7 @@ def geometries():
     """A shared-indexer layer with the MTP draft (four components), and a target-only one."""
     return [
         kvshard.CacheGeometry(
-            kvshard.PoolGeometry("fp8_trtllm", indexer_layers=[True, True, False, True]),
+            kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, indexer_layers=[True, True, False, True]),
             draft=True,
         ),
         kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_SCALED, 2)),

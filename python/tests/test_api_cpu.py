@@ -9,13 +9,15 @@ import kvshard
 from conftest import PAGE, engine_tensors, nonzero, wrap
 
 C = kvshard.Component
+H = kvshard.HostLayout
+IO = kvshard.IoBackend
 
 
 def test_presets_follow_the_public_configs():
     ds = kvshard.CacheGeometry.deepseek_v32()
     assert ds.target.num_layers == 61 and ds.target.num_indexer_layers == 61
     assert ds.draft is not None and ds.model_layers == 62
-    glm = kvshard.CacheGeometry.glm5(latent="fp8_scaled", mtp=False)
+    glm = kvshard.CacheGeometry.glm5(latent=kvshard.LatentLayout.FP8_SCALED, mtp=False)
     assert glm.target.num_layers == 78 and glm.draft is None
     assert glm.target.row_bytes == 656
     # 61 x (36,864 + 8,448) bytes per page for the target, the same for one draft layer.
@@ -23,17 +25,15 @@ def test_presets_follow_the_public_configs():
     assert kvshard.LatentLayout.FP8_TRTLLM.row_bytes == 576
     assert kvshard.LatentLayout.BF16.block_bytes == 64 * 1152
     comps = ds.components()
-    assert [c.component for c in comps] == list(C.__members__.values()) if hasattr(C, "__members__") else True
+    assert [c.component for c in comps] == [C.TARGET_LATENT, C.TARGET_INDEXER, C.DRAFT_LATENT, C.DRAFT_INDEXER]
     assert comps[2].model_layers == [61]
 
 
 def test_geometry_refuses_what_kvshard_does_not_support():
     with pytest.raises(kvshard.InvalidArgumentError):
-        kvshard.PoolGeometry("fp8_trtllm", 0)
-    with pytest.raises(ValueError, match="latent layout"):
-        kvshard.PoolGeometry("fp4", 3)
-    prefill = kvshard.CacheGeometry(kvshard.PoolGeometry("fp8_trtllm", 4), draft=True)
-    decode = kvshard.CacheGeometry(kvshard.PoolGeometry("fp8_trtllm", 4))
+        kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 0)
+    prefill = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 4), draft=True)
+    decode = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 4))
     with pytest.raises(kvshard.InvalidArgumentError, match="draft pool present"):
         prefill.validate_pd(decode)
 
@@ -80,7 +80,7 @@ def test_no_gpu_is_an_unavailable_error_not_a_crash():
 
 
 def test_views_of_kvshard_memory_are_zero_copy_both_ways(rng):
-    g = kvshard.CacheGeometry(kvshard.PoolGeometry("bf16", 2), draft=True)
+    g = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.BF16, 2), draft=True)
     d = kvshard.Device.cpu()
     pool = kvshard.DevicePool.allocate(d, g, kvshard.Placement(1), 0, 4)
     assert pool.owned
@@ -94,17 +94,17 @@ def test_views_of_kvshard_memory_are_zero_copy_both_ways(rng):
     arr = raw
     raw[...] = nonzero(rng, raw.shape)
     assert pool.read_block(C.TARGET_LATENT, 1, 2) == raw[128:192].tobytes()
-    ix = np.from_dlpack(pool.layer_view("target_indexer", 0))
+    ix = np.from_dlpack(pool.layer_view(C.TARGET_INDEXER, 0))
     assert ix.shape == (4, kvshard.INDEXER_PAGE_BYTES) and ix.dtype == np.uint8
     ix[3] = 7
-    assert pool.read_block("target_indexer", 0, 3) == bytes([7]) * kvshard.INDEXER_PAGE_BYTES
+    assert pool.read_block(C.TARGET_INDEXER, 0, 3) == bytes([7]) * kvshard.INDEXER_PAGE_BYTES
     # The view keeps the pool's memory alive after the pool object is gone.
     del pool
     arr[0, 0] = 1
 
 
 def test_wrap_checks_every_tensor_against_the_geometry():
-    g = kvshard.CacheGeometry(kvshard.PoolGeometry("fp8_trtllm", 2))
+    g = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 2))
     d = kvshard.Device.cpu()
     p = kvshard.Placement(1)
     ok = engine_tensors(g, 8)
@@ -131,7 +131,7 @@ def test_wrap_checks_every_tensor_against_the_geometry():
 def test_streams_and_events():
     d = kvshard.Device.cpu(deferred=True)
     a, b = d.new_stream(), d.new_stream()
-    g = kvshard.CacheGeometry(kvshard.PoolGeometry("fp8_trtllm", 1))
+    g = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 1))
     pool = kvshard.DevicePool.allocate(d, g, kvshard.Placement(1), 0, 2)
     pool.fill(5, a)
     e = a.record()
@@ -146,11 +146,11 @@ def test_streams_and_events():
         pool.fill(1, kvshard.Device.cpu().new_stream())  # another device's stream
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("layout", [H.LAYER_FIRST, H.PAGE_FIRST, H.PAGE_FIRST_DIRECT], ids=str)
 @pytest.mark.parametrize("packed", [False, True])
 def test_host_buffer_views_have_sglangs_shapes_and_kvshards_offsets(layout, packed):
     g = kvshard.CacheGeometry(
-        kvshard.PoolGeometry("fp8_scaled", indexer_layers=[True, False, True]), draft=True
+        kvshard.PoolGeometry(kvshard.LatentLayout.FP8_SCALED, indexer_layers=[True, False, True]), draft=True
     )
     d = kvshard.Device.cpu()
     pages = 5
@@ -160,32 +160,32 @@ def test_host_buffer_views_have_sglangs_shapes_and_kvshards_offsets(layout, pack
     L = 4 if packed else 3
     kv = np.from_dlpack(host.buffer_view(0))
     want = {
-        "layer_first": (L, pages * 64, 1, 656),
-        "page_first": (pages * 64, L, 1, 656),
-        "page_first_direct": (pages, L, 64, 1, 656),
+        H.LAYER_FIRST: (L, pages * 64, 1, 656),
+        H.PAGE_FIRST: (pages * 64, L, 1, 656),
+        H.PAGE_FIRST_DIRECT: (pages, L, 64, 1, 656),
     }[layout]
     assert kv.shape == want
     ix = np.from_dlpack(host.buffer_view(1))
     Li = 3 if packed else 2
-    assert ix.shape == ((Li, pages + 1, 8448) if layout == "layer_first" else (pages + 1, Li, 1, 8448))
+    assert ix.shape == ((Li, pages + 1, 8448) if layout == H.LAYER_FIRST else (pages + 1, Li, 1, 8448))
     # kvshard's row offsets are the NumPy views' element offsets.
     for comp, layer, page, row in [(C.TARGET_LATENT, 2, 3, 17), (C.DRAFT_LATENT, 0, 4, 63)]:
         buf, first = host.component_buffer(comp)
         view = np.from_dlpack(host.buffer_view(buf))
         hl = first + layer
         idx = {
-            "layer_first": (hl, page * 64 + row, 0, 0),
-            "page_first": (page * 64 + row, hl, 0, 0),
-            "page_first_direct": (page, hl, row, 0, 0),
+            H.LAYER_FIRST: (hl, page * 64 + row, 0, 0),
+            H.PAGE_FIRST: (page * 64 + row, hl, 0, 0),
+            H.PAGE_FIRST_DIRECT: (page, hl, row, 0, 0),
         }[layout]
         assert host.row_offset(comp, layer, page, row) == int(np.ravel_multi_index(idx, view.shape))
     assert host.bytes == sum(b.bytes for b in layouts)
     assert host.host_ptr(0) == kv.ctypes.data
 
 
-@pytest.mark.parametrize("io", ["kernel", "copy_engine", "per_block", "batch"])
+@pytest.mark.parametrize("io", [IO.KERNEL, IO.COPY_ENGINE, IO.PER_BLOCK, IO.BATCH], ids=repr)
 def test_host_transfer_on_every_io_backend(rng, io):
-    g = kvshard.CacheGeometry(kvshard.PoolGeometry("fp8_trtllm", indexer_layers=[True, False]), draft=True)
+    g = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, indexer_layers=[True, False]), draft=True)
     d = kvshard.Device.cpu()
     placement = kvshard.Placement(2)
     tensors = engine_tensors(g, 8)
@@ -193,14 +193,14 @@ def test_host_transfer_on_every_io_backend(rng, io):
         for a in arrays:
             a[...] = nonzero(rng, a.shape)
     pool = wrap(d, g, placement, 1, 8, tensors)
-    host = kvshard.HostPool(d, g, 6, "page_first", sglang=True, packed_draft=True)
+    host = kvshard.HostPool(d, g, 6, H.PAGE_FIRST, sglang=True, packed_draft=True)
     plan = kvshard.TransferPlan(placement, 1, [3, 5, 4, 7], [3, 5, 8, 9], 8, 6)
     assert len(plan) == 3 and plan.requested == 4 and plan.positions == [0, 1, 3]
-    backup = kvshard.HostTransfer(pool, host, plan, "backup")
+    backup = kvshard.HostTransfer(pool, host, plan, kvshard.Direction.BACKUP)
     backup.prepare_kernel()
     backup.run(None, io)
     assert backup.bytes() == 3 * g.page_bytes
-    assert backup.calls(io)["launches"] == (1 if io == "kernel" else 0)
+    assert backup.calls(io)["launches"] == (1 if io == IO.KERNEL else 0)
     d.synchronize()
     kv = np.from_dlpack(host.buffer_view(0))  # [pages*64, L+1, 1, 576]
     for dev_local, host_local in zip(plan.device_pages, plan.host_pages):
@@ -222,7 +222,7 @@ def test_host_transfer_on_every_io_backend(rng, io):
 
 
 def test_owned_row_write_checked_refuses_bad_slots():
-    g = kvshard.CacheGeometry(kvshard.PoolGeometry("fp8_trtllm", 2))
+    g = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 2))
     d = kvshard.Device.cpu()
     pool = kvshard.DevicePool.allocate(d, g, kvshard.Placement(2), 0, 4)
     staging = kvshard.ChunkStaging(pool, 128)

@@ -21,7 +21,7 @@ PAGES = 8
 
 
 def small():
-    return kvshard.CacheGeometry(kvshard.PoolGeometry("fp8_trtllm", 2))
+    return kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 2))
 
 
 def write_page_one(device, geometry, tensors, byte):
@@ -97,18 +97,18 @@ class DlpackOnly:
 
 def host_buffers(device, geometry, pages):
     """Zeroed host arrays of the sizes and rows of `HostPool`'s `page_first` buffers."""
-    layouts = kvshard.HostPool(device, geometry, pages, "page_first").buffer_layouts()
+    layouts = kvshard.HostPool(device, geometry, pages, kvshard.HostLayout.PAGE_FIRST).buffer_layouts()
     return [np.zeros((b.bytes // b.row_bytes, b.row_bytes), np.uint8) for b in layouts]
 
 
 def test_read_only_host_buffers_are_refused():
     g, d = small(), kvshard.Device.cpu()
     bufs = host_buffers(d, g, PAGES)
-    kvshard.HostPool.wrap(d, g, PAGES, bufs, "page_first")  # writable: accepted
+    kvshard.HostPool.wrap(d, g, PAGES, bufs, kvshard.HostLayout.PAGE_FIRST)  # writable: accepted
     bufs[1] = bufs[1].copy()
     bufs[1].flags.writeable = False
     with pytest.raises(kvshard.ReadOnlyError, match=r"host buffer 1 \(\[TargetIndexer\]\)"):
-        kvshard.HostPool.wrap(d, g, PAGES, bufs, "page_first")
+        kvshard.HostPool.wrap(d, g, PAGES, bufs, kvshard.HostLayout.PAGE_FIRST)
 
 
 def resize_refused(array):
@@ -144,7 +144,7 @@ def test_a_wrapped_array_cannot_be_resized_while_its_pool_lives():
 def test_a_wrapped_host_array_cannot_be_resized_while_its_pool_lives():
     g, d = small(), kvshard.Device.cpu()
     bufs = host_buffers(d, g, PAGES)
-    host = kvshard.HostPool.wrap(d, g, PAGES, bufs, "page_first")
+    host = kvshard.HostPool.wrap(d, g, PAGES, bufs, kvshard.HostLayout.PAGE_FIRST)
     assert all(resize_refused(b) for b in bufs)
     host.fill(4)
     d.synchronize()
@@ -213,7 +213,7 @@ def test_stream_none_on_the_cpu_backend_never_asks_torch(fake_torch):
     pool = write_page_one(d, g, tensors, 0x5A)
     d.stream()
     assert pool.read_block(C.TARGET_LATENT, 0, 1) == bytes([0x5A]) * (PAGE * 576)
-    host = kvshard.HostPool(d, g, PAGES, "page_first")
+    host = kvshard.HostPool(d, g, PAGES, kvshard.HostLayout.PAGE_FIRST)
     ctl = kvshard.HiCacheController(pool, host)
     node = kvshard.CacheNode(3, [1])
     assert ctl.access(node, None) == 0
@@ -237,7 +237,7 @@ def test_after_understands_torch_events_and_streams(fake_torch):
     torch, asked = fake_torch
     g, d = small(), kvshard.Device.cpu()
     pool = kvshard.DevicePool.allocate(d, g, kvshard.Placement(1), 0, PAGES)
-    ctl = kvshard.HiCacheController(pool, kvshard.HostPool(d, g, PAGES, "page_first"))
+    ctl = kvshard.HiCacheController(pool, kvshard.HostPool(d, g, PAGES, kvshard.HostLayout.PAGE_FIRST))
     # torch's events and streams are CUDA objects: refused on the CPU backend, each for what
     # it is (a stream of unknown kind would be "a stream must be ...").
     for recorded in [0x1234, 0]:

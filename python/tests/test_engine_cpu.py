@@ -120,7 +120,7 @@ def test_pd_every_rank_sends_every_chunk_and_decode_equals_the_prefill(rng, geom
             assert status.ok and status.rank == s.rank
             finished = receiver.receive(status) or finished
     assert finished is not None and finished.completed
-    assert finished.request == 7 and finished.total_bytes["target_latent"] > 0
+    assert finished.request == 7 and finished.total_bytes[C.TARGET_LATENT] > 0
     # Decode page of position i equals the owner's page of position i, byte for byte.
     for i, page in enumerate(chain.pages):
         owner, local = placement.owner(page), placement.local(page)
@@ -150,14 +150,17 @@ def test_a_failed_chunk_raises_with_the_status_to_deliver(rng, geometry):
     assert done is not None and not done.completed and done.failures[0][0] == 0
 
 
-@pytest.mark.parametrize("route", ["kernel", "copy_engine", "batch", "staged", "staged_kernel"])
+@pytest.mark.parametrize(
+    "route", [kvshard.Route.KERNEL, kvshard.Route.COPY_ENGINE, kvshard.Route.BATCH, kvshard.Route.STAGED, kvshard.Route.STAGED_KERNEL],
+    ids=repr,
+)
 def test_hicache_write_through_evict_and_reload_layer_by_layer(rng, geometry, route):
     device = kvshard.Device.cpu()
     placement, ranks, chain, alloc, _ = write_prompt(device, geometry, rng)
     controllers = []
     for pool, _ in ranks:
-        host = kvshard.HostPool(device, geometry, PAGES, "page_first")
-        controllers.append(kvshard.HiCacheController(pool, host, "write_through"))
+        host = kvshard.HostPool(device, geometry, PAGES, kvshard.HostLayout.PAGE_FIRST)
+        controllers.append(kvshard.HiCacheController(pool, host, kvshard.WritePolicy.WRITE_THROUGH))
     node = chain.cache_node(7, 0, len(chain.pages))
     compute = device.stream()
     before = [
@@ -194,33 +197,33 @@ def test_hicache_write_through_evict_and_reload_layer_by_layer(rng, geometry, ro
 
 
 def test_the_staged_route_refuses_a_packed_page_major_host_pool(rng):
-    geometry = kvshard.CacheGeometry(kvshard.PoolGeometry("fp8_trtllm", 2), draft=True)
+    geometry = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 2), draft=True)
     device = kvshard.Device.cpu()
     pool = kvshard.DevicePool.allocate(device, geometry, kvshard.Placement(1), 0, 8)
-    host = kvshard.HostPool(device, geometry, 8, "page_first", sglang=True, packed_draft=True)
+    host = kvshard.HostPool(device, geometry, 8, kvshard.HostLayout.PAGE_FIRST, sglang=True, packed_draft=True)
     c = kvshard.HiCacheController(pool, host)
     node = kvshard.CacheNode(1, [2, 3])
     with pytest.raises(kvshard.HiCacheError, match="staged route"):
-        c.backup(node, device.stream(), "staged")
+        c.backup(node, device.stream(), kvshard.Route.STAGED)
     # Nothing changed: the direct route backs the node up.
-    assert c.backup(node, device.stream(), "copy_engine") == 0
+    assert c.backup(node, device.stream(), kvshard.Route.COPY_ENGINE) == 0
     assert c.ack_backups(1)[0].host_pages == c.host_pages(1)
 
 
 def test_a_deferred_load_is_consumable_layer_by_layer(rng):
     """On the deferred CPU backend work runs only when waited for: a consumer that waits for
     layer 0 sees layer 0 landed in the engine's arrays and the last layer not yet."""
-    geometry = kvshard.CacheGeometry(kvshard.PoolGeometry("fp8_trtllm", 4), draft=True)
+    geometry = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 4), draft=True)
     device = kvshard.Device.cpu(deferred=True)
     placement = kvshard.Placement(1)
     tensors = engine_tensors(geometry, 8)
     pool = wrap(device, geometry, placement, 0, 8, tensors)
-    host = kvshard.HostPool(device, geometry, 8, "page_first_direct", sglang=True, packed_draft=True)
+    host = kvshard.HostPool(device, geometry, 8, kvshard.HostLayout.PAGE_FIRST_DIRECT, sglang=True, packed_draft=True)
     views = [np.from_dlpack(host.buffer_view(i)) for i in range(len(host.buffer_layouts()))]
     for v in views:
         v[...] = nonzero(rng, v.shape)
     plan = kvshard.TransferPlan(placement, 0, [3, 4], [1, 5], 8, 8)
-    load = kvshard.HostTransfer(pool, host, plan, "load")
+    load = kvshard.HostTransfer(pool, host, plan, kvshard.Direction.LOAD)
     load.prepare_kernel()
     signals = kvshard.LayerSignals(device, geometry.model_layers)
     load_stream, consumer = device.new_stream(), device.new_stream()

@@ -39,7 +39,7 @@ def device():
 
 def geometry():
     return kvshard.CacheGeometry(
-        kvshard.PoolGeometry("fp8_trtllm", indexer_layers=[True, True, False, True]), draft=True
+        kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, indexer_layers=[True, True, False, True]), draft=True
     )
 
 
@@ -143,7 +143,7 @@ def test_pd_round_trip_with_torch_decode_pool(device, gen):
     stream = torch.cuda.Stream()
     torch.cuda.synchronize()  # the tensors were filled on the default stream
     done = None
-    for method in ["blocks"]:
+    for method in [kvshard.CopyMethod.BLOCKS]:
         senders = [kvshard.Sender(p, stream, method) for p in pools]
         for i, end in enumerate([512, 1000]):
             for s in senders:
@@ -161,14 +161,15 @@ def test_pd_round_trip_with_torch_decode_pool(device, gen):
                 )
 
 
-@pytest.mark.parametrize("route", ["kernel", "copy_engine", "staged", "staged_kernel"])
+@pytest.mark.parametrize("route", [kvshard.Route.KERNEL, kvshard.Route.COPY_ENGINE, kvshard.Route.STAGED, kvshard.Route.STAGED_KERNEL], ids=repr)
 @pytest.mark.parametrize("packed", [False, True])
 def test_hicache_round_trip_and_layer_waits_on_a_torch_stream(device, gen, route, packed):
     g, pages = geometry(), 40
     placement = kvshard.Placement(2)
     t = torch_tensors(g, pages, True, gen)
     pool = wrap(device, g, placement, 1, pages, t)
-    layout = "layer_first" if packed and route.startswith("staged") else "page_first"
+    staged = route in (kvshard.Route.STAGED, kvshard.Route.STAGED_KERNEL)
+    layout = kvshard.HostLayout.LAYER_FIRST if packed and staged else kvshard.HostLayout.PAGE_FIRST
     host = kvshard.HostPool(device, g, pages, layout, sglang=True, packed_draft=packed)
     ctl = kvshard.HiCacheController(pool, host)
     chain_pages = [p for p in range(2, 2 * pages) if p % 2 == 1][:24]
@@ -206,9 +207,9 @@ def test_enqueueing_never_synchronizes_the_callers_stream(device, gen):
     placement = kvshard.Placement(1)
     t = torch_tensors(g, pages, True, gen)
     pool = wrap(device, g, placement, 0, pages, t)
-    host = kvshard.HostPool(device, g, pages, "page_first_direct")
+    host = kvshard.HostPool(device, g, pages, kvshard.HostLayout.PAGE_FIRST_DIRECT)
     plan = kvshard.TransferPlan(placement, 0, list(range(1, 9)), list(range(1, 9)), pages, pages)
-    tr = kvshard.HostTransfer(pool, host, plan, "backup")
+    tr = kvshard.HostTransfer(pool, host, plan, kvshard.Direction.BACKUP)
     tr.prepare_kernel()
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
@@ -216,7 +217,7 @@ def test_enqueueing_never_synchronizes_the_callers_stream(device, gen):
     with torch.cuda.stream(s):
         torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued ahead
     t0 = time.perf_counter()
-    for io in ["kernel", "copy_engine"]:
+    for io in [kvshard.IoBackend.KERNEL, kvshard.IoBackend.COPY_ENGINE]:
         tr.run(s, io)
     e = ks.record()
     elapsed = time.perf_counter() - t0
@@ -252,7 +253,7 @@ def test_after_waits_for_torch_events_and_streams(device, after):
     g, pages = geometry(), 16
     t = torch_tensors(g, pages)
     pool = wrap(device, g, kvshard.Placement(1), 0, pages, t)
-    host = kvshard.HostPool(device, g, pages, "page_first")
+    host = kvshard.HostPool(device, g, pages, kvshard.HostLayout.PAGE_FIRST)
     ctl = kvshard.HiCacheController(pool, host)
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
@@ -360,7 +361,7 @@ def test_sglang_host_pool_on_memory_registered_with_cuda_host_register(device, g
 
 def test_dlpack_from_cupy_when_present(device):
     cupy = pytest.importorskip("cupy")
-    g = kvshard.CacheGeometry(kvshard.PoolGeometry("fp8_trtllm", 2))
+    g = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 2))
     pages = 8
     lat = [cupy.zeros((pages * PAGE, 576), dtype=cupy.uint8) for _ in range(2)]
     ix = [cupy.zeros((pages, kvshard.INDEXER_PAGE_BYTES), dtype=cupy.uint8) for _ in range(2)]

@@ -52,7 +52,7 @@ def sglang_block(ix, layout, layer, page):
 
 def geometry_with_shared_indexer():
     return kvshard.CacheGeometry(
-        kvshard.PoolGeometry("fp8_scaled", indexer_layers=[True, False, True]), draft=True
+        kvshard.PoolGeometry(kvshard.LatentLayout.FP8_SCALED, indexer_layers=[True, False, True]), draft=True
     )
 
 
@@ -222,7 +222,7 @@ def test_storage_page_access_matches_sglangs_slicing_and_pointers(rng, layout):
 
 
 def test_the_allocator_never_hands_out_the_padding_page():
-    geometry = kvshard.CacheGeometry(kvshard.PoolGeometry("fp8_trtllm", 2), draft=True)
+    geometry = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 2), draft=True)
     host = MLAHostPool(kvshard.Device.cpu(), geometry, 4, "page_first")
     assert host.available_size() == 3 * PAGE
     got = host.alloc(3 * PAGE)
@@ -248,7 +248,7 @@ def test_sglangs_layout_corrections():
 
 
 def test_wrapped_host_buffers_must_have_sglangs_size():
-    geometry = kvshard.CacheGeometry(kvshard.PoolGeometry("fp8_trtllm", 2), draft=True)
+    geometry = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 2), draft=True)
     bufs = sglang_buffers(geometry, "page_first", 5, True)
     bufs[1] = np.zeros(sglang_indexer_shape("page_first", 3, 4), np.uint8)  # a page short
     with pytest.raises(ValueError, match="exactly"):

@@ -482,11 +482,12 @@ impl Backend for CudaBackend {
         unsafe { self.launch(kernels::WRITE_ROWS, launch.ctas, launch.threads, &p) }
     }
 
-    unsafe fn copy_ranges(&self, p: abi::kvs_copy_ranges_params, launch: Launch) -> Result<()> {
+    unsafe fn copy_ranges(&self, mut p: abi::kvs_copy_ranges_params, launch: Launch) -> Result<()> {
         launch.validate(self.max_threads(KernelFamily::Copy))?;
         if p.num_ranges == 0 {
             return Ok(());
         }
+        p.status = self.begin(kernels::COPY_RANGES)?;
         // SAFETY: as above.
         unsafe { self.launch(kernels::COPY_RANGES, launch.ctas, launch.threads, &p) }
     }

@@ -302,7 +302,11 @@ impl Launch {
         }
     }
 
-    pub(crate) fn validate(&self, max_threads: u32) -> Result<()> {
+    /// Checks the shape a kernel of at most `max_threads` threads per CTA can take
+    /// ([`Backend::max_threads`] on a device; `abi::KVS_COPY_THREADS` before one is open):
+    /// at least one CTA, a multiple of 32 threads, at most `max_threads`. Every launch is checked
+    /// so; an engine checks a configured shape up front.
+    pub fn validate(&self, max_threads: u32) -> Result<()> {
         if self.ctas == 0
             || self.threads == 0
             || self.threads % 32 != 0
@@ -453,7 +457,9 @@ pub trait Backend: Send + Sync {
     /// As [`Backend::quantize_latent`].
     unsafe fn write_rows(&self, p: abi::kvs_write_rows_params, launch: Launch) -> Result<()>;
 
-    /// `kvs_copy_ranges` with the given grid.
+    /// `kvs_copy_ranges` with the given grid. A range longer than
+    /// [`abi::KVS_COPY_RANGE_MAX_BYTES`] is skipped and reported: the next
+    /// [`Backend::synchronize`] fails with [`Error::KernelRejected`] naming its position.
     ///
     /// # Safety
     /// As [`Backend::quantize_latent`].
@@ -555,5 +561,90 @@ pub(crate) fn compiled_max_threads(family: KernelFamily) -> u32 {
     match family {
         KernelFamily::Copy => abi::KVS_COPY_THREADS,
         KernelFamily::WriteRows => abi::KVS_WRITE_THREADS,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::*;
+    use crate::gpu::Gpu;
+
+    /// The CPU backend, and the CUDA one where a GPU opens (else the test says it skipped the
+    /// GPU, or fails where `KVSHARD_REQUIRE_GPU` is set).
+    fn twins(test: &str) -> Vec<Arc<dyn Backend>> {
+        let mut backends: Vec<Arc<dyn Backend>> = vec![Arc::new(cpu::CpuBackend::new())];
+        match Gpu::open(0).and_then(cuda::CudaBackend::new) {
+            Ok(gpu) => backends.push(Arc::new(gpu)),
+            Err(why) => {
+                assert!(
+                    std::env::var_os("KVSHARD_REQUIRE_GPU").is_none(),
+                    "KVSHARD_REQUIRE_GPU is set but no GPU is usable: {why}"
+                );
+                let _ = writeln!(std::io::stderr(), "SKIPPED {test} on the GPU: {why}");
+            }
+        }
+        backends
+    }
+
+    #[test]
+    fn copy_ranges_skips_and_reports_ranges_longer_than_the_kernel_takes() {
+        let too_long = abi::KVS_COPY_RANGE_MAX_BYTES;
+        for backend in twins("copy_ranges_skips_and_reports_ranges_longer_than_the_kernel_takes") {
+            let data: Vec<u8> = (1..=64).collect();
+            let src = backend.alloc(64, MemoryKind::Device).unwrap();
+            let dst = backend.alloc(64, MemoryKind::Device).unwrap();
+            backend.write_sync(&src, 0, &data).unwrap();
+            backend.fill(&dst, 0xEE).unwrap();
+            // A 16-byte aligned range, one 16 bytes too long (the vector path's length), an
+            // unaligned range, and one a byte too long (the byte path's). The long ones start
+            // inside the buffers too: only the bound keeps them from being copied.
+            let ranges = [
+                (0, 0, 16),
+                (16, 16, too_long + 16),
+                (32, 35, 5),
+                (48, 48, too_long + 1),
+            ];
+            let table: Vec<u8> = ranges
+                .iter()
+                .flat_map(|&(s, d, bytes)| [src.addr() + s, dst.addr() + d, bytes])
+                .flat_map(u64::to_le_bytes)
+                .collect();
+            let table_buffer = backend.alloc(table.len(), MemoryKind::Device).unwrap();
+            backend.write_sync(&table_buffer, 0, &table).unwrap();
+            let p = abi::kvs_copy_ranges_params {
+                ranges: table_buffer.addr(),
+                num_ranges: ranges.len() as u64,
+                status: abi::kvs_status::default(),
+            };
+            let launch = Launch {
+                ctas: 1,
+                threads: 64,
+            };
+            // SAFETY: the two short ranges lie inside `src` and `dst`, which outlive the
+            // synchronize below; the long ones are skipped before their addresses are read
+            // (what this test checks).
+            unsafe { backend.copy_ranges(p, launch) }.unwrap();
+            match backend.synchronize() {
+                Err(Error::KernelRejected {
+                    kernel: "kvs_copy_ranges",
+                    position: 1,
+                }) => {}
+                other => panic!(
+                    "{}: the long ranges were not reported at position 1: {other:?}",
+                    backend.name()
+                ),
+            }
+            let mut expect = vec![0xEE; 64];
+            expect[..16].copy_from_slice(&data[..16]);
+            expect[35..40].copy_from_slice(&data[32..37]);
+            assert_eq!(
+                backend.read_sync(&dst, 0, 64).unwrap(),
+                expect,
+                "{}",
+                backend.name()
+            );
+        }
     }
 }

@@ -830,7 +830,10 @@ impl TableStore {
     }
 
     /// Uploads `ranges` (already checked to lie inside `spaces`) and launches
-    /// `kvs_copy_ranges` over them once; `spaces` are kept until the launch has run.
+    /// `kvs_copy_ranges` over them once; `spaces` are kept until the launch has run. The only
+    /// builder of `kvs_copy_ranges_params`: a range longer than the kernel takes
+    /// ([`abi::KVS_COPY_RANGE_MAX_BYTES`]) is an [`Error::InvalidArgument`] before anything is
+    /// uploaded or launched (callers cut ranges far shorter, `transfer::kernel_pieces`).
     pub(crate) fn launch_ranges(
         &mut self,
         ranges: &[abi::kvs_range],
@@ -839,6 +842,18 @@ impl TableStore {
     ) -> Result<()> {
         if ranges.is_empty() {
             return Ok(());
+        }
+        if let Some((i, r)) = ranges
+            .iter()
+            .enumerate()
+            .find(|(_, r)| r.bytes > abi::KVS_COPY_RANGE_MAX_BYTES)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "range {i} of a kvs_copy_ranges table is {} bytes, more than the kernel's {} \
+                 (cut it first: transfer::kernel_pieces)",
+                r.bytes,
+                abi::KVS_COPY_RANGE_MAX_BYTES
+            )));
         }
         for space in spaces {
             check_space(
@@ -856,9 +871,11 @@ impl TableStore {
             }
         }
         let table = self.upload(&bytes, &mut keep)?;
+        // The backend sets the status word at launch.
         let params = abi::kvs_copy_ranges_params {
             ranges: table,
             num_ranges: ranges.len() as u64,
+            status: abi::kvs_status::default(),
         };
         let table = self.table.as_ref().map(Buffer::usage);
         let reads: Vec<&Usage> = table.into_iter().collect();
@@ -876,5 +893,41 @@ impl TableStore {
     /// Bytes of device memory the store holds for tables.
     pub fn bytes(&self) -> usize {
         self.table.as_ref().map_or(0, Buffer::len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::copy::Staging;
+    use crate::geometry::{CacheGeometry, LatentLayout, PoolGeometry};
+
+    #[test]
+    fn the_range_table_builder_refuses_a_range_longer_than_the_kernel_takes() {
+        let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new());
+        let geometry = CacheGeometry::target_only(PoolGeometry::new(LatentLayout::Fp8Trtllm, 1));
+        let space = || -> Arc<dyn BlockSpace> {
+            Arc::new(Staging::new(backend.as_ref(), &geometry, 1).unwrap())
+        };
+        let (src, dst) = (space(), space());
+        let mut store = TableStore::new(backend.clone());
+        let range = |bytes| abi::kvs_range {
+            src: 0,
+            dst: 0,
+            bytes,
+        };
+        let launch = Launch {
+            ctas: 1,
+            threads: 32,
+        };
+        let ranges = [range(16), range(abi::KVS_COPY_RANGE_MAX_BYTES + 1)];
+        match store.launch_ranges(&ranges, [&src, &dst], launch) {
+            Err(Error::InvalidArgument(why)) => assert!(why.contains("range 1 "), "{why}"),
+            other => panic!("a range over the kernel's bound was not refused: {other:?}"),
+        }
+        // Refused before anything was uploaded or launched.
+        assert_eq!(store.bytes(), 0);
+        backend.synchronize().unwrap();
     }
 }

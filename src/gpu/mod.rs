@@ -295,6 +295,9 @@ impl Stream {
 }
 
 /// Reference loads for benchmarks: what a transfer's speed is compared with or run against.
+/// Only with feature `bench-kernels`, which also puts their kernels (`cuda/bench.cu`) into the
+/// fatbin.
+#[cfg(feature = "bench-kernels")]
 pub mod bench {
     use super::{kernels, Gpu, Stream};
     use crate::abi;
@@ -352,15 +355,28 @@ mod tests {
         let Some(archs) = embedded_archs() else {
             return;
         };
+        let rows: Vec<Vec<&str>> = RESOURCE_USAGE
+            .lines()
+            .skip(1)
+            .map(|l| l.split_whitespace().collect())
+            .collect();
         for arch in archs.split(',').filter(|a| a.starts_with("sm_")) {
             for kernel in Kernel::ALL {
-                let row: Vec<&str> = RESOURCE_USAGE
-                    .lines()
-                    .map(|l| l.split_whitespace().collect::<Vec<_>>())
+                let row = rows
+                    .iter()
                     .find(|w| w.len() == 7 && w[0] == kernel.name() && w[1] == arch)
                     .unwrap_or_else(|| panic!("no row for {} on {arch}", kernel.name()));
                 assert_eq!(&row[3..6], ["0", "0", "0"], "{} on {arch}", kernel.name());
             }
+        }
+        // And the fatbin holds nothing the table does not list: the benchmark kernels are in it
+        // only with feature `bench-kernels`.
+        for row in &rows {
+            assert!(
+                Kernel::ALL.iter().any(|k| k.name() == row[0]),
+                "{} is in the fatbin but not in the kernel table",
+                row[0]
+            );
         }
     }
 
@@ -401,14 +417,17 @@ mod tests {
             );
         }
         let stream = gpu.new_stream().unwrap();
-        let allowed = gpu.max_threads(Kernel::BenchEmpty);
-        // SAFETY: the kernel takes no parameters and touches no memory.
-        unsafe { gpu.launch(kernels::BENCH_EMPTY, 1, allowed, &stream, &()) }.unwrap();
+        let allowed = gpu.max_threads(Kernel::CopyRanges);
+        // An empty range table: the launch reads and writes nothing, status reporting off.
+        let nothing = abi::kvs_copy_ranges_params::default();
+        // SAFETY: with no ranges the kernel touches no memory.
+        unsafe { gpu.launch(kernels::COPY_RANGES, 1, allowed, &stream, &nothing) }.unwrap();
         // SAFETY: as above (and it is refused before reaching the driver).
-        let refused = unsafe { gpu.launch(kernels::BENCH_EMPTY, 1, allowed + 32, &stream, &()) };
+        let refused =
+            unsafe { gpu.launch(kernels::COPY_RANGES, 1, allowed + 32, &stream, &nothing) };
         match refused {
             Err(Error::InvalidArgument(why)) => assert!(
-                why.contains("kvs_bench_empty") && why.contains(&format!("{}", allowed + 32)),
+                why.contains("kvs_copy_ranges") && why.contains(&format!("{}", allowed + 32)),
                 "{why}"
             ),
             other => panic!(

@@ -80,12 +80,15 @@ impl<P> KernelFn<P> {
     }
 }
 
+// An entry's attributes (`#[cfg(..)]`) apply to its variant, its table slot and its constant, so
+// a kernel the build leaves out of the fatbin is absent from all three.
 macro_rules! kernels {
-    ($($variant:ident => $name:literal, $typed:ident: $params:ty;)*) => {
+    ($($(#[$attr:meta])* $variant:ident => $name:literal, $typed:ident: $params:ty;)*) => {
         /// Every kernel in the embedded module.
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
         pub enum Kernel {
             $(
+                $(#[$attr])*
                 #[doc = concat!("`", $name, "`")]
                 $variant,
             )*
@@ -93,12 +96,12 @@ macro_rules! kernels {
 
         impl Kernel {
             /// All kernels, in table order.
-            pub const ALL: &'static [Kernel] = &[$(Kernel::$variant,)*];
+            pub const ALL: &'static [Kernel] = &[$($(#[$attr])* Kernel::$variant,)*];
 
             /// The kernel's symbol in the fatbin.
             pub const fn name(self) -> &'static str {
                 match self {
-                    $(Kernel::$variant => $name,)*
+                    $($(#[$attr])* Kernel::$variant => $name,)*
                 }
             }
         }
@@ -108,6 +111,7 @@ macro_rules! kernels {
             use super::{abi, Kernel, KernelFn};
 
             $(
+                $(#[$attr])*
                 #[doc = concat!("`", $name, "`")]
                 pub const $typed: KernelFn<$params> = KernelFn::new(Kernel::$variant);
             )*
@@ -127,8 +131,12 @@ kernels! {
     CopyBlocks => "kvs_copy_blocks", COPY_BLOCKS: abi::kvs_copy_blocks_params;
     WriteRows => "kvs_write_rows", WRITE_ROWS: abi::kvs_write_rows_params;
     CopyRanges => "kvs_copy_ranges", COPY_RANGES: abi::kvs_copy_ranges_params;
+    // cuda/bench.cu, in the fatbin only with feature `bench-kernels` (build.rs).
+    #[cfg(feature = "bench-kernels")]
     BenchEmpty => "kvs_bench_empty", BENCH_EMPTY: ();
+    #[cfg(feature = "bench-kernels")]
     BenchAdd => "kvs_bench_add", BENCH_ADD: abi::kvs_bench_add_params;
+    #[cfg(feature = "bench-kernels")]
     BenchRead => "kvs_bench_read", BENCH_READ: abi::kvs_bench_read_params;
 }
 

@@ -26,7 +26,7 @@ pub struct BudgetRequest {
     pub context_len: u64,
     /// Prefill chunk size (tokens).
     pub chunk_size: u64,
-    /// Contexts whose prefixes one batch may hold (`C`; [`DEFAULT_CONTEXTS`]).
+    /// Contexts whose prefixes one batch may hold (`C`; [`DEFAULT_CONTEXTS`]); at least 1.
     pub contexts: u64,
 }
 
@@ -70,8 +70,15 @@ fn align(value: u64, to: u64, what: &str) -> Result<u64> {
 
 impl Budget {
     /// Scratch rows and the prefix tokens of one slot for `req` at shard size `shard` (both 0
-    /// unsharded).
+    /// unsharded). A request for 0 contexts per batch is an [`Error::InvalidArgument`] at any
+    /// shard size: it would size a scratch that holds no prefix at all.
     pub fn scratch(req: &BudgetRequest, shard: u32) -> Result<(u64, u64)> {
+        if req.contexts == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "a budget for 0 contexts per batch: a batch holds at least one context's prefix \
+                 (SGLang sizes the scratch for {DEFAULT_CONTEXTS})"
+            )));
+        }
         if shard <= 1 {
             return Ok((0, 0));
         }
@@ -90,7 +97,7 @@ impl Budget {
     }
 
     /// Splits `req.bytes` for `geometry` sharded by `placement`: scratch first, then as many
-    /// whole pages as fit.
+    /// whole pages as fit. 0 contexts per batch is refused as [`Budget::scratch`] says.
     pub fn plan(
         req: &BudgetRequest,
         geometry: &CacheGeometry,
@@ -193,6 +200,27 @@ mod tests {
         assert_eq!(prefix, 4224);
         assert_eq!(rows, 4224 + 64 + 64);
         assert!(prefix >= 4097_u64.div_ceil(64) * 64);
+    }
+
+    #[test]
+    fn a_budget_for_no_context_is_refused_at_every_shard_size() {
+        let mut req = BudgetRequest::new(80 << 30, 4096, 1024);
+        req.contexts = 0;
+        for shard in [1, 2, 8] {
+            let placement = Placement::new(shard).unwrap();
+            for e in [
+                Budget::plan(&req, &geometry(true), placement).unwrap_err(),
+                Budget::scratch(&req, shard).unwrap_err(),
+            ] {
+                assert!(matches!(e, Error::InvalidArgument(_)), "N={shard}: {e}");
+                assert!(e.to_string().contains("0 contexts"), "{e}");
+            }
+        }
+        // One context is the least a batch holds.
+        req.contexts = 1;
+        let (rows, prefix) = Budget::scratch(&req, 2).unwrap();
+        assert_eq!((rows, prefix), (4096 + 1024 + 64, 4096));
+        assert!(Budget::plan(&req, &geometry(true), Placement::new(2).unwrap()).is_ok());
     }
 
     #[test]

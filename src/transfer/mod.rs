@@ -20,11 +20,13 @@
 //!   positions, resolves owner-local source pages, coalesces runs (the copy layer's
 //!   [`OwnedRuns`](crate::copy::OwnedRuns)) and lists the layers they apply to; validates both
 //!   sides' geometry and every page before any byte moves.
-//! - [`exec`]: the [`Transport`] trait and the in-process [`BackendTransport`]; the
-//!   [`DescriptorBatch`] of absolute ranges network engines take.
-//! - [`completion`]: the per-rank [`Sender`] and the decode-side [`Receiver`] that completes a
-//!   request only once every rank has reported its final chunk, fails it on any failure, and
-//!   reports it [`Overdue`] when its deadline passes first.
+//! - [`transport`]: the [`Transport`] and [`Completion`] traits every transport implements;
+//!   [`exec`]: the in-process [`BackendTransport`] and the [`DescriptorBatch`] of absolute
+//!   ranges network engines take.
+//! - send, receive, status: the per-rank [`Sender`], the decode-side [`Receiver`] that completes
+//!   a request only once every rank has reported its final chunk, fails it on any failure, and
+//!   reports it [`Overdue`] when its deadline passes first, and the one [`ChunkStatus`] both
+//!   speak.
 //! - [`peer`]: [`PeerTransport`], sending into a decode pool of another process mapped into this
 //!   one (one launch per chunk, a copy-engine batch, or the per-block baseline);
 //! - [`endpoint`]: the cross-process protocol as library types, [`DecodeEndpoint`] and

@@ -52,7 +52,7 @@ pub trait Transport: Send {
 }
 
 impl TransferStats {
-    /// What every [`Transport::submit`](super::Transport::submit) does with its outcome: a
+    /// What every [`Transport::submit`] does with its outcome: a
     /// chunk enqueued at `started` is counted as `posted` says (`None` where the transport
     /// counted its posting itself) and its completion tracked; a failed one counts as failed
     /// and its error is returned.

@@ -1,11 +1,17 @@
 //! Shared by the integration tests: the CUDA backend when a GPU is present (tests that need it
 //! print SKIPPED otherwise, or fail when KVSHARD_REQUIRE_GPU=1 so a GPU run proves they ran),
-//! and seeded random generators.
+//! seeded random generators, and [`on_cpu_and_gpu!`], which states a behaviour once and runs
+//! it on the CPU twin and on the GPU.
+// Each test binary compiles this module and uses only part of it.
 #![allow(dead_code)]
 
+pub mod synth;
+
+use std::fmt;
 use std::io::Write;
 use std::sync::{Arc, OnceLock};
 
+use kvshard::backend::cpu::{CpuBackend, StreamOrder};
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::Backend;
 use kvshard::gpu::Gpu;
@@ -55,12 +61,180 @@ pub fn stream(gpu: &Arc<Gpu>) -> Arc<dyn Backend> {
     Arc::new(CudaBackend::new(gpu.clone()).expect("CUDA stream"))
 }
 
-/// A seeded RNG; the seed is printed so a failure can be replayed with KVSHARD_SEED.
-pub fn rng(test: &str) -> StdRng {
+/// A seed, random unless KVSHARD_SEED names one; printed so a failure can be replayed.
+pub fn seed(test: &str) -> u64 {
     let seed = std::env::var("KVSHARD_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(rand::random::<u64>);
     eprintln!("{test}: KVSHARD_SEED={seed}");
-    StdRng::seed_from_u64(seed)
+    seed
 }
+
+/// A seeded RNG; the seed is printed so a failure can be replayed with KVSHARD_SEED.
+pub fn rng(test: &str) -> StdRng {
+    StdRng::seed_from_u64(seed(test))
+}
+
+/// The device a behaviour of [`on_cpu_and_gpu!`] runs on, the CPU twin or the GPU, and the
+/// test's seed. Streams of one device share its memory, as an engine's streams do.
+pub struct Device {
+    on: On,
+    seed: u64,
+}
+
+enum On {
+    Cpu(CpuBackend),
+    Gpu(Arc<Gpu>),
+}
+
+impl Device {
+    /// A new stream of the device.
+    pub fn stream(&self) -> Arc<dyn Backend> {
+        match &self.on {
+            On::Cpu(cpu) => Arc::new(cpu.new_stream()),
+            On::Gpu(gpu) => stream(gpu),
+        }
+    }
+
+    /// Whether this is the GPU: for the few shapes a behaviour needs only there (work that keeps
+    /// a GPU stream busy; the CPU twin runs nothing until something waits).
+    pub fn is_gpu(&self) -> bool {
+        matches!(self.on, On::Gpu(_))
+    }
+
+    /// An RNG from the test's seed: the same on the CPU twin and on the GPU, so that both make
+    /// the same data.
+    pub fn rng(&self) -> StdRng {
+        StdRng::seed_from_u64(self.seed)
+    }
+}
+
+/// What assertion messages name: the GPU, or the CPU twin and its stream order.
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.on {
+            On::Cpu(cpu) => write!(f, "the CPU twin ({:?})", cpu.order()),
+            On::Gpu(gpu) => write!(f, "{}", gpu.info().name),
+        }
+    }
+}
+
+/// Runs `body` on the CPU twin: once per order of `orders`, or, when it names none, once in the
+/// order every test process runs in (`KVSHARD_CPU_STREAMS`, .cargo/config.toml).
+pub fn run_on_cpu(test: &str, orders: &[StreamOrder], body: impl Fn(Device)) {
+    let seed = seed(test);
+    let cpus: Vec<CpuBackend> = if orders.is_empty() {
+        vec![CpuBackend::new()]
+    } else {
+        orders.iter().map(|&o| CpuBackend::with_order(o)).collect()
+    };
+    for cpu in cpus {
+        body(Device {
+            on: On::Cpu(cpu),
+            seed,
+        });
+    }
+}
+
+/// Runs `body` on the GPU, or skips (saying so; failing under KVSHARD_REQUIRE_GPU) without one.
+pub fn run_on_gpu(test: &str, body: impl Fn(Device)) {
+    if let Some(gpu) = open_gpu(test) {
+        body(Device {
+            on: On::Gpu(gpu),
+            seed: seed(test),
+        });
+    }
+}
+
+/// [`run_on_gpu`], then the same on the CPU twin with the same seed: what the GPU made must
+/// equal what the twin made.
+pub fn run_on_gpu_against_cpu<T: PartialEq>(test: &str, body: impl Fn(Device) -> T) {
+    let Some(gpu) = open_gpu(test) else {
+        return;
+    };
+    let seed = seed(test);
+    let got = body(Device {
+        on: On::Gpu(gpu),
+        seed,
+    });
+    let want = body(Device {
+        on: On::Cpu(CpuBackend::new()),
+        seed,
+    });
+    assert!(
+        got == want,
+        "{test}: the GPU's result differs from the CPU twin's"
+    );
+}
+
+/// One behaviour, stated once, as two tests: `cpu_NAME` runs the body on the CPU twin and
+/// `gpu_NAME` on the GPU (SKIPPED without one, or failing when KVSHARD_REQUIRE_GPU is set; the
+/// GPU scripts select these by their `gpu_` prefix). The body is a closure of a [`Device`]:
+///
+/// ```ignore
+/// // What the behaviour is.
+/// common::on_cpu_and_gpu!(a_behaviour, |device| {
+///     // asserts, on device.stream()
+/// });
+/// ```
+///
+/// - `on_cpu_and_gpu!(name, ORDERS, |device| ..)` runs the CPU twin once per stream order of
+///   `ORDERS`;
+/// - `on_cpu_and_gpu!(name, |device| -> T { .. })` also returns what the device made (its
+///   bytes): `gpu_NAME` then runs the body on the CPU twin too, from the same seed, and asserts
+///   that both made the same.
+///
+/// Invoked with parentheses, so that rustfmt formats the body; its description is a plain
+/// comment above it (rustdoc documents no macro invocation).
+// As the whole module: not every test binary that includes it uses it.
+#[allow(unused_macros)]
+macro_rules! on_cpu_and_gpu {
+    ($name:ident, |$device:ident| $body:block) => {
+        ::pastey::paste! {
+            #[test]
+            fn [<cpu_ $name>]() {
+                $crate::common::run_on_cpu(concat!("cpu_", stringify!($name)), &[], |$device| $body);
+            }
+
+            #[test]
+            fn [<gpu_ $name>]() {
+                $crate::common::run_on_gpu(concat!("gpu_", stringify!($name)), |$device| $body);
+            }
+        }
+    };
+    ($name:ident, |$device:ident| -> $out:ty $body:block) => {
+        ::pastey::paste! {
+            #[test]
+            fn [<cpu_ $name>]() {
+                // The body asserts what it made; only the GPU has a twin to compare it with.
+                $crate::common::run_on_cpu(concat!("cpu_", stringify!($name)), &[], |$device| {
+                    let _: $out = $body;
+                });
+            }
+
+            #[test]
+            fn [<gpu_ $name>]() {
+                $crate::common::run_on_gpu_against_cpu(
+                    concat!("gpu_", stringify!($name)),
+                    |$device| -> $out { $body },
+                );
+            }
+        }
+    };
+    ($name:ident, $orders:expr, |$device:ident| $body:block) => {
+        ::pastey::paste! {
+            #[test]
+            fn [<cpu_ $name>]() {
+                $crate::common::run_on_cpu(concat!("cpu_", stringify!($name)), &$orders, |$device| $body);
+            }
+
+            #[test]
+            fn [<gpu_ $name>]() {
+                $crate::common::run_on_gpu(concat!("gpu_", stringify!($name)), |$device| $body);
+            }
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use on_cpu_and_gpu;

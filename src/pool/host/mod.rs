@@ -300,8 +300,8 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
-    use crate::backend::MemoryKind;
     use crate::backend::cpu::CpuBackend;
+    use crate::backend::MemoryKind;
     use crate::geometry::{LatentLayout, PoolGeometry, INDEXER_PAGE_BYTES, PAGE_SIZE};
     use crate::index::ModelLayer;
 

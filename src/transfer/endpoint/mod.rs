@@ -1,9 +1,9 @@
 //! P/D across processes on one host: the decode process publishes its pool(s) and per-request
 //! registrations over the control channel ([`crate::ipc`]), N prefill processes attach, map the
-//! pool and write every chunk straight into it ([`PeerTransport`]), and chunk completions flow
+//! pool and write every chunk straight into it ([`PeerTransport`](crate::transfer::PeerTransport)), and chunk completions flow
 //! back. [`DecodeEndpoint`] and [`PrefillEndpoint`] are the two sides of that protocol as library
 //! types; an engine with a bootstrap of its own can replace them and drive the same pieces
-//! itself ([`ExportedPool`], [`ImportedPool`], [`PeerTransport`], [`Sender`], [`Receiver`]).
+//! itself ([`ExportedPool`](crate::ipc::ExportedPool), [`ImportedPool`](crate::ipc::ImportedPool), [`PeerTransport`](crate::transfer::PeerTransport), [`Sender`](crate::transfer::Sender), [`Receiver`](crate::transfer::Receiver)).
 //!
 //! # The protocol
 //!
@@ -27,7 +27,7 @@
 //! - **Completion.** A rank reports every chunk of every request, in order, including chunks it
 //!   owns nothing of; a failure (a plan that does not validate, an abort) is a `ChunkDone` with
 //!   `failed` set and is the rank's last status for the request. The decode completes a request
-//!   only after one final status from each of the N ranks ([`Receiver`]), exactly as in-process.
+//!   only after one final status from each of the N ranks ([`Receiver`](crate::transfer::Receiver)), exactly as in-process.
 //! - **Ordering with events (GPU).** A rank that sent E event handles records event `k mod E`
 //!   on its stream right before its k-th `ChunkDone` (counting every `ChunkDone` it sends, in
 //!   order) and sends the `ChunkDone` at once, without waiting for the copy; the decode takes

@@ -1,0 +1,461 @@
+//! HiCache I/O (issue 6): device pool <-> pinned host pool for every host layout, both
+//! directions, every I/O backend (SM kernel at 1/2/4/8/16 CTAs, copy engine, one
+//! cudaMemcpyAsync per block, one cudaMemcpyBatchAsync) and the staged path (both relayouts),
+//! next to the in-run copy-engine ceilings; per-layer loads; one-launch signalled loads and
+//! when layer 0 is consumable; a load and a backup at the same time.
+
+use std::sync::Arc;
+
+use kvshard::backend::cuda::CudaBackend;
+use kvshard::backend::Backend;
+use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry};
+use kvshard::hicache::{
+    Direction, HostLayout, HostPool, HostTransfer, IoBackend, LayerSignals, Layers, Relayout,
+    StagedIo, TransferPlan,
+};
+use kvshard::index::{LogicalPage, ModelLayer, StoredLayer};
+use kvshard::pool::DevicePool;
+use kvshard::shard::Placement;
+use kvshard::{Error, Result};
+use kvshard_cli::measure::Stats;
+use kvshard_cli::synth;
+use rand::Rng;
+
+use crate::harness::{Ctx, Report};
+
+/// CTAs of the staged path's relayout kernel: device-to-device at HBM speed, so a few CTAs
+/// outpace PCIe.
+pub const STAGED_CTAS: u32 = 8;
+
+pub fn geometry() -> CacheGeometry {
+    CacheGeometry::with_draft(PoolGeometry::new(LatentLayout::Fp8Trtllm, 61))
+}
+
+/// A device pool of `pages + 1` pages (page 0 is padding) filled with random bytes.
+pub fn device_pool(ctx: &mut Ctx, pages: u64) -> Result<Arc<DevicePool>> {
+    let pool = DevicePool::allocate(
+        ctx.backend.as_ref(),
+        &geometry(),
+        Placement::unsharded(),
+        0,
+        pages + 1,
+    )?;
+    let storage = pool
+        .storage()
+        .ok_or_else(|| Error::HiCache("an allocated pool has storage".into()))?
+        .clone();
+    ctx.fill_random(&storage)?;
+    Ok(Arc::new(pool))
+}
+
+/// A pinned host pool of `pages + 1` pages filled with random bytes.
+pub fn host_pool(ctx: &mut Ctx, pages: u64, layout: HostLayout) -> Result<Arc<HostPool>> {
+    let host = HostPool::new(ctx.backend.as_ref(), &geometry(), pages + 1, layout)?;
+    for c in geometry().components() {
+        let buf = host.buffer(c.component)?.clone();
+        ctx.fill_random(&buf)?;
+    }
+    Ok(Arc::new(host))
+}
+
+/// Logical pages `pages` (the pools are unsharded: logical and local pages coincide).
+pub fn logical(pages: impl IntoIterator<Item = u64>) -> Vec<LogicalPage> {
+    pages.into_iter().map(LogicalPage).collect()
+}
+
+/// Random device pages paired with the first `n` host pages (what a fresh host allocator gives).
+pub fn plan(ctx: &mut Ctx, n: usize, device_pages: u64, host_pages: u64) -> Result<TransferPlan> {
+    let perm = synth::permutation(&mut ctx.rng, device_pages as usize - 1);
+    let device = logical(perm[..n].iter().map(|&p| p as u64 + 1));
+    let host = logical(1..=n as u64);
+    TransferPlan::new(
+        Placement::unsharded(),
+        0,
+        &device,
+        &host,
+        device_pages,
+        host_pages,
+    )
+}
+
+/// Compares the first and last row of 24 random (entry, component, layer) blocks of a finished
+/// transfer on both sides.
+pub fn verify(
+    backend: &dyn Backend,
+    rng: &mut impl Rng,
+    pool: &DevicePool,
+    host: &HostPool,
+    plan: &TransferPlan,
+) -> Result<()> {
+    if plan.is_empty() {
+        return Ok(());
+    }
+    let comps = pool.geometry().components();
+    for _ in 0..24 {
+        let j = rng.random_range(0..plan.len());
+        let comp = &comps[rng.random_range(0..comps.len())];
+        let l = StoredLayer(rng.random_range(0..comp.layers()));
+        let (dp, hp) = (plan.device_pages()[j], plan.host_pages()[j]);
+        let block = pool.read_block_sync(backend, comp.component, l, dp)?;
+        let host_buffer = host.buffer(comp.component)?;
+        for r in [0, comp.rows - 1] {
+            let bytes = comp.row_bytes;
+            let dev = &block[r * bytes..(r + 1) * bytes];
+            let at = host.row_addr(comp.component, l, hp, r)? - host_buffer.addr();
+            let hst = backend.read_sync(host_buffer, at as usize, bytes)?;
+            if dev != hst.as_slice() {
+                return Err(Error::HiCache(format!(
+                    "benchmark transfer wrong: entry {j} {} {l} row {r}",
+                    comp.component
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn ceiling(ctx: &Ctx, dir: Direction) -> (&'static str, f64) {
+    match dir {
+        Direction::Load => ("h2d", ctx.ceilings.h2d),
+        Direction::Backup => ("d2h", ctx.ceilings.d2h),
+    }
+}
+
+/// A transfer of `plan` with its own staging of `chunk` pages (and, for a kernel relayout, the
+/// relayout's tables), ready for `run_staged`.
+///
+/// Each staging gets a transfer of its own: a `HostTransfer` prepares its kernel relayout once,
+/// for the staging it is first given, and would run it against that staging's buffers with any
+/// later one (see the report's library notes).
+pub fn staged(
+    backend: &dyn Backend,
+    pool: &Arc<DevicePool>,
+    host: &Arc<HostPool>,
+    plan: &TransferPlan,
+    dir: Direction,
+    chunk: u64,
+    how: Relayout,
+) -> Result<(HostTransfer, StagedIo)> {
+    let mut t = HostTransfer::new(pool.clone(), host.clone(), plan.clone(), dir)?;
+    let staging = t.staging(backend, chunk)?;
+    if let Relayout::Kernel { .. } = how {
+        t.prepare_staged_sync(backend, &staging, &mut Vec::new())?;
+    }
+    Ok((t, staging))
+}
+
+/// The model layers a layer-by-layer consumer loads one call each: every readiness group once
+/// (the MTP draft's layer loads with target layer 0).
+pub fn layer_groups(t: &HostTransfer) -> Vec<ModelLayer> {
+    (0..t.model_layers())
+        .map(ModelLayer)
+        .filter(|&m| t.group(m) == m)
+        .collect()
+}
+
+pub fn io(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
+    let max_pages: u64 = if ctx.quick { 512 } else { 2048 };
+    let pool = device_pool(ctx, max_pages)?;
+    let other = CudaBackend::new(ctx.gpu.clone())?;
+    for layout in [
+        HostLayout::LayerFirst,
+        HostLayout::PageFirstDirect,
+        HostLayout::PageFirst,
+    ] {
+        let host = host_pool(ctx, max_pages, layout)?;
+        for pages in [64usize, 512, 2048]
+            .into_iter()
+            .filter(|&p| p as u64 <= max_pages)
+        {
+            let plan = plan(ctx, pages, max_pages + 1, max_pages + 1)?;
+            for dir in [Direction::Load, Direction::Backup] {
+                let mut t = HostTransfer::new(pool.clone(), host.clone(), plan.clone(), dir)?;
+                t.prepare_kernel_sync(ctx.backend.as_ref(), &mut Vec::new())?;
+                let bytes = t.bytes(Layers::All)?;
+                let mut ios = vec![IoBackend::CopyEngine];
+                ios.extend([1, 2, 4, 8, 16].map(|ctas| IoBackend::SmKernel { ctas }));
+                if pages <= 512 {
+                    ios.push(IoBackend::PerBlockMemcpy);
+                    // Token-major page_first makes the batch one entry per 576-byte row (~250K at
+                    // 64 pages); driver 580 crashed the process on it (BENCHMARKS.md).
+                    if layout != HostLayout::PageFirst {
+                        ios.push(IoBackend::BatchMemcpy);
+                    }
+                }
+                for io in ios {
+                    let host_bound =
+                        matches!(io, IoBackend::PerBlockMemcpy | IoBackend::BatchMemcpy);
+                    let reps = ctx.reps(if host_bound || pages >= 2048 { 3 } else { 8 });
+                    let stats = ctx.time(reps, || t.run(ctx.backend.as_ref(), io, Layers::All))?;
+                    verify(ctx.backend.as_ref(), &mut ctx.rng, &pool, &host, &plan)?;
+                    let calls = t.calls(io, Layers::All)?;
+                    report.add(
+                        "hicache",
+                        format!("{layout:?} {dir:?} {pages}p x 62 layers, {io}"),
+                        bytes,
+                        stats,
+                        ceiling(ctx, dir),
+                        format!(
+                            "{} launches, {} memcpy, {} 2D, {} batch calls / {} entries",
+                            calls.launches,
+                            calls.memcpy,
+                            calls.memcpy_2d,
+                            calls.batch_calls,
+                            calls.batch_entries
+                        ),
+                    );
+                }
+                let mut staged_cases = vec![
+                    (16u64, Relayout::Kernel { ctas: STAGED_CTAS }),
+                    (64, Relayout::Kernel { ctas: STAGED_CTAS }),
+                ];
+                if layout != HostLayout::PageFirst {
+                    staged_cases.push((32, Relayout::CopyEngine));
+                }
+                for (chunk, how) in staged_cases {
+                    let (st, staging) =
+                        staged(ctx.backend.as_ref(), &pool, &host, &plan, dir, chunk, how)?;
+                    let stats = ctx.time(ctx.reps(if pages >= 2048 { 3 } else { 8 }), || {
+                        st.run_staged(ctx.backend.as_ref(), &other, &staging, how)
+                    })?;
+                    verify(ctx.backend.as_ref(), &mut ctx.rng, &pool, &host, &plan)?;
+                    report.add(
+                        "hicache",
+                        format!("{layout:?} {dir:?} {pages}p x 62 layers, staged copy-engine ({chunk}-page chunks, {how:?} relayout)"),
+                        bytes,
+                        stats,
+                        ceiling(ctx, dir),
+                        format!(
+                            "{:.0} MB device staging, relayout on a second stream",
+                            staging.bytes() as f64 / 1e6
+                        ),
+                    );
+                }
+                if dir == Direction::Load && pages == 512 {
+                    per_layer_load(ctx, report, &t, layout)?;
+                    verify(ctx.backend.as_ref(), &mut ctx.rng, &pool, &host, &plan)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every readiness group loaded by its own call (what a layer-by-layer consumer does: the MTP
+/// draft's layer comes with target layer 0), on the copy engine with an event per call, and on
+/// the SM kernel.
+fn per_layer_load(
+    ctx: &Ctx,
+    report: &mut Report,
+    t: &HostTransfer,
+    layout: HostLayout,
+) -> Result<()> {
+    let bytes = t.bytes(Layers::All)?;
+    let groups = layer_groups(t);
+    for io in [IoBackend::CopyEngine, IoBackend::SmKernel { ctas: 4 }] {
+        let stats = ctx.time(ctx.reps(5), || {
+            for &m in &groups {
+                t.run(ctx.backend.as_ref(), io, Layers::One(m))?;
+                ctx.backend.record()?;
+            }
+            Ok(())
+        })?;
+        report.add(
+            "hicache",
+            format!(
+                "{layout:?} per-layer Load 512p, {} calls + events ({} model layers), {io}",
+                groups.len(),
+                t.model_layers()
+            ),
+            bytes,
+            stats,
+            ceiling(ctx, Direction::Load),
+            String::new(),
+        );
+    }
+    Ok(())
+}
+
+/// A 16-page load of every layer in one launch with per-layer ready counters; when a consumer
+/// stream can start on layer 0 and on the last layer to land.
+pub fn signalled(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
+    let pool = device_pool(ctx, 1024)?;
+    let host = host_pool(ctx, 1024, HostLayout::LayerFirst)?;
+    let consumer = CudaBackend::new(ctx.gpu.clone())?;
+    for (pages, ctas_list) in [(16usize, vec![2u32, 4, 8]), (1024, vec![4])] {
+        let plan = plan(ctx, pages, 1025, 1025)?;
+        let mut t = HostTransfer::new(pool.clone(), host.clone(), plan, Direction::Load)?;
+        t.prepare_kernel_sync(ctx.backend.as_ref(), &mut Vec::new())?;
+        let bytes = t.bytes(Layers::All)?;
+        let model_layers = t.model_layers();
+        // The last readiness group lands last (pairs run layer-major); the draft's layer is
+        // ready with layer 0.
+        let last = layer_groups(&t)
+            .last()
+            .copied()
+            .ok_or_else(|| Error::HiCache("a cache of no layers".into()))?;
+        for ctas in ctas_list {
+            let mut signals = LayerSignals::new_sync(ctx.backend.as_ref(), model_layers)?;
+            let stats = ctx.time(ctx.reps(10), || {
+                t.run_signalled(ctx.backend.as_ref(), ctas, &mut signals)
+                    .map(drop)
+            })?;
+            verify(ctx.backend.as_ref(), &mut ctx.rng, &pool, &host, t.plan())?;
+            report.add(
+                "hicache",
+                format!("signalled Load {pages}p x 62 layers, one launch, {ctas} CTAs"),
+                bytes,
+                stats,
+                ("h2d", ctx.ceilings.h2d),
+                String::new(),
+            );
+            // When is each layer consumable? Events on the consumer after waiting on counters.
+            let start = ctx.gpu.new_event(true)?;
+            let first = ctx.gpu.new_event(true)?;
+            let done = ctx.gpu.new_event(true)?;
+            ctx.backend.stream().record(&start)?;
+            let waits = t.run_signalled(ctx.backend.as_ref(), ctas, &mut signals)?;
+            waits[0].wait(&consumer)?;
+            consumer.stream().record(&first)?;
+            waits[last.0].wait(&consumer)?;
+            consumer.stream().record(&done)?;
+            consumer.synchronize()?;
+            ctx.backend.synchronize()?;
+            let ms = |e: &cudarc::driver::CudaEvent| -> Result<f64> {
+                start
+                    .elapsed_ms(e)
+                    .map(f64::from)
+                    .map_err(|source| Error::Driver {
+                        call: "cuEventElapsedTime",
+                        source,
+                    })
+            };
+            let (t0, tl) = (ms(&first)?, ms(&done)?);
+            println!(
+                "hicache      {pages}p signalled load, {ctas} CTAs: layer 0 (with the draft) consumable at {t0:.3} ms, layer {} at {tl:.3} ms",
+                last.0
+            );
+            report.header.push(format!(
+                "signalled load of {pages} pages, {ctas} CTAs: layer 0 (with the draft) consumable at {t0:.3} ms, the last layer ({}) at {tl:.3} ms after the launch was enqueued",
+                last.0
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A load and a backup of 512 pages each at the same time, on two streams.
+pub fn duplex(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
+    let pool = device_pool(ctx, 1024)?;
+    let other = CudaBackend::new(ctx.gpu.clone())?;
+    for layout in [HostLayout::LayerFirst, HostLayout::PageFirstDirect] {
+        let host = host_pool(ctx, 1024, layout)?;
+        // Disjoint pages on both sides: the load fills pages the backup does not read.
+        let perm = synth::permutation(&mut ctx.rng, 1024);
+        let dev = logical(perm.iter().map(|&p| p as u64 + 1));
+        let load_plan = TransferPlan::new(
+            Placement::unsharded(),
+            0,
+            &dev[..512],
+            &logical(1..=512),
+            1025,
+            1025,
+        )?;
+        let backup_plan = TransferPlan::new(
+            Placement::unsharded(),
+            0,
+            &dev[512..],
+            &logical(513..=1024),
+            1025,
+            1025,
+        )?;
+        let load = HostTransfer::new(
+            pool.clone(),
+            host.clone(),
+            load_plan.clone(),
+            Direction::Load,
+        )?;
+        let backup = HostTransfer::new(
+            pool.clone(),
+            host.clone(),
+            backup_plan.clone(),
+            Direction::Backup,
+        )?;
+        let bytes = load.bytes(Layers::All)? + backup.bytes(Layers::All)?;
+        let stats: Stats = ctx.time(ctx.reps(8), || {
+            let fork = ctx.backend.record()?;
+            other.wait(&fork)?;
+            load.run(ctx.backend.as_ref(), IoBackend::CopyEngine, Layers::All)?;
+            backup.run(&other, IoBackend::CopyEngine, Layers::All)?;
+            let join = other.record()?;
+            ctx.backend.wait(&join)
+        })?;
+        verify(ctx.backend.as_ref(), &mut ctx.rng, &pool, &host, &load_plan)?;
+        verify(
+            ctx.backend.as_ref(),
+            &mut ctx.rng,
+            &pool,
+            &host,
+            &backup_plan,
+        )?;
+        report.add(
+            "hicache",
+            format!("{layout:?} Load 512p + Backup 512p at once, copy-engine"),
+            bytes,
+            stats,
+            ("h2d+d2h", ctx.ceilings.bidir),
+            String::new(),
+        );
+        let relayout_load = CudaBackend::new(ctx.gpu.clone())?;
+        let relayout_backup = CudaBackend::new(ctx.gpu.clone())?;
+        for (chunk, how) in [
+            (32, Relayout::Kernel { ctas: STAGED_CTAS }),
+            (128, Relayout::Kernel { ctas: STAGED_CTAS }),
+            (32, Relayout::CopyEngine),
+        ] {
+            let (load, load_staging) = staged(
+                ctx.backend.as_ref(),
+                &pool,
+                &host,
+                &load_plan,
+                Direction::Load,
+                chunk,
+                how,
+            )?;
+            let (backup, backup_staging) = staged(
+                ctx.backend.as_ref(),
+                &pool,
+                &host,
+                &backup_plan,
+                Direction::Backup,
+                chunk,
+                how,
+            )?;
+            let stats: Stats = ctx.time(ctx.reps(8), || {
+                let fork = ctx.backend.record()?;
+                other.wait(&fork)?;
+                load.run_staged(ctx.backend.as_ref(), &relayout_load, &load_staging, how)?;
+                backup.run_staged(&other, &relayout_backup, &backup_staging, how)?;
+                let join = other.record()?;
+                ctx.backend.wait(&join)
+            })?;
+            verify(ctx.backend.as_ref(), &mut ctx.rng, &pool, &host, &load_plan)?;
+            verify(
+                ctx.backend.as_ref(),
+                &mut ctx.rng,
+                &pool,
+                &host,
+                &backup_plan,
+            )?;
+            report.add(
+                "hicache",
+                format!("{layout:?} Load 512p + Backup 512p at once, staged copy-engine ({chunk}-page chunks, {how:?} relayout)"),
+                bytes,
+                stats,
+                ("h2d+d2h", ctx.ceilings.bidir),
+                String::new(),
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,351 @@
+//! P/D transfer execution (issue 5): a whole request, sent as one final chunk per rank (the
+//! latent KV of every page and the indexer state), from N = 1, 2 and 8 prefill ranks sharing
+//! this GPU into one decode pool (a [`RemoteSpace`] of it, as a transport sees it); 61-layer
+//! target + draft, 576-byte rows; every rank's chunk runs on the harness stream, one after the
+//! other. Variants, next to the in-run D2D ceiling:
+//! - `range kernel, tables pre-uploaded`: one `kvs_copy_ranges` launch per rank over its range
+//!   table, uploaded beforehand: what the GPU executes (best of a few grids);
+//! - `block kernel from page lists, Transport::submit`: `BackendTransport` with
+//!   `CopyMethod::default_for` (the grid kvshard picks): one `kvs_copy_blocks` launch per
+//!   non-empty section of each rank's chunk, page lists uploaded in stream order;
+//! - `range kernel, Transport::submit`: the same transport with `CopyMethod::Kernel` and the
+//!   best grid above, each rank's range table uploaded in stream order;
+//! - `copy engine, Transport::submit`: one `cudaMemcpyBatchAsync` per rank.
+//!
+//! Transport rows time the submits only (events around them); the completions are waited for
+//! after the timing. Every row notes what each chunk needs: descriptors (coalesced, from
+//! `SendPlan::descriptor_count`, and uncoalesced), launches, pieces or batch entries.
+//!
+//! The decode pool is poisoned before each variant and checked against the ranks' pools after.
+
+use std::sync::Arc;
+
+use kvshard::abi;
+use kvshard::backend::{Backend, Launch, MemoryKind};
+use kvshard::copy::{BlockSpace, RemoteSpace};
+use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry, PAGE_SIZE};
+use kvshard::index::{LocalPage, LogicalPage, StoredLayer};
+use kvshard::pool::DevicePool;
+use kvshard::shard::Placement;
+use kvshard::transfer::{
+    block_copies, kernel_pieces, BackendTransport, ChunkRange, Completion, CopyMethod,
+    DescriptorBatch, PoolLayout, PrefillRank, Registration, SendPlan, Transport,
+    KERNEL_PIECE_BYTES,
+};
+use kvshard::{Error, Result};
+use kvshard_cli::measure::Stats;
+use kvshard_cli::synth::POISON;
+use rand::Rng;
+
+use crate::harness::{Ctx, Report};
+
+/// Grids tried for the range kernel: (CTAs per SM, threads).
+const GRIDS: [(u32, u32); 3] = [(1, 1024), (2, 512), (4, 256)];
+
+/// Compares, for every component, its first and last layer at 16 random positions: the decode
+/// block at the position's destination page against the owning rank's local page.
+pub fn verify(
+    backend: &dyn Backend,
+    rng: &mut impl Rng,
+    ranks: &[Arc<DevicePool>],
+    src: &[LogicalPage],
+    decode: &DevicePool,
+    dst: &[LocalPage],
+    variant: &str,
+) -> Result<()> {
+    let placement = ranks[0].placement();
+    for comp in decode.components() {
+        for layer in [0, comp.layers() - 1].map(StoredLayer) {
+            for _ in 0..16 {
+                let j = rng.random_range(0..src.len());
+                let owner = &ranks[placement.owner(src[j]) as usize];
+                let sent = owner.read_block_sync(
+                    backend,
+                    comp.component,
+                    layer,
+                    placement.local(src[j]),
+                )?;
+                let landed = decode.read_block_sync(backend, comp.component, layer, dst[j])?;
+                if sent != landed {
+                    return Err(Error::InvalidArgument(format!(
+                        "{variant}: {} {layer} position {j} did not land",
+                        comp.component
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What the chunks of one configuration need, per method.
+struct Needs {
+    /// Ranks, each sending one chunk.
+    ranks: usize,
+    /// Descriptors of rank 0's chunk and of every chunk, coalesced and not.
+    rank0: (usize, usize),
+    all: (usize, usize),
+    /// `kvs_copy_ranges` pieces (ranges cut at `KERNEL_PIECE_BYTES`) over every chunk.
+    pieces: usize,
+    /// `kvs_copy_blocks` launches over every chunk, their page-list entries and table bytes.
+    block_launches: usize,
+    block_entries: usize,
+    block_table_bytes: usize,
+}
+
+impl Needs {
+    /// The descriptors every row shows.
+    fn descriptors(&self) -> String {
+        format!(
+            "per chunk (rank 0): {} descriptors coalesced, {} uncoalesced; {} chunks: {} / {}",
+            self.rank0.0, self.rank0.1, self.ranks, self.all.0, self.all.1
+        )
+    }
+}
+
+pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
+    let g = CacheGeometry::with_draft(PoolGeometry::new(LatentLayout::Fp8Trtllm, 61));
+    let sizes: &[u64] = if ctx.quick { &[512] } else { &[512, 4096] };
+    let sms = ctx.gpu.info().sm_count;
+    let d2d = ("d2d", ctx.ceilings.d2d);
+    let backend = ctx.shared();
+    for &pages in sizes {
+        // A fresh decode server: the request at pages 1..=pages.
+        let decode = Arc::new(DevicePool::allocate(
+            backend.as_ref(),
+            &g,
+            Placement::unsharded(),
+            0,
+            pages + 1,
+        )?);
+        let remote = Arc::new(RemoteSpace::of(decode.clone(), g.clone())?);
+        let dst: Vec<LocalPage> = (1..=pages).map(LocalPage).collect();
+        let registration = Registration {
+            request: 1,
+            layout: PoolLayout::of(&decode),
+            prefix_pages: 0,
+            pages: dst.clone(),
+            state_pages: dst.clone(),
+        };
+        let reps = ctx.reps(if pages >= 4096 { 5 } else { 20 });
+        for n in [1u32, 2, 8] {
+            let placement = Placement::new(n)?;
+            let shard = u64::from(n);
+            // A fresh prefill group: position j at the next local page of owner j % n.
+            let src: Vec<LogicalPage> = (0..pages)
+                .map(|j| LogicalPage((j / shard + 1) * shard + j % shard))
+                .collect();
+            let ranks: Vec<Arc<DevicePool>> = (0..n)
+                .map(|r| {
+                    DevicePool::allocate(
+                        backend.as_ref(),
+                        &g,
+                        placement,
+                        r,
+                        pages.div_ceil(shard) + 1,
+                    )
+                    .map(Arc::new)
+                })
+                .collect::<Result<_>>()?;
+            for pool in &ranks {
+                let storage = pool
+                    .storage()
+                    .ok_or_else(|| Error::InvalidArgument("an allocated pool".into()))?
+                    .clone();
+                ctx.fill_random(&storage)?;
+            }
+            let chunk = ChunkRange {
+                index: 0,
+                start: 0,
+                end: pages as usize * PAGE_SIZE,
+                last: true,
+            };
+            let plans: Vec<SendPlan> = ranks
+                .iter()
+                .map(|pool| SendPlan::new(&PrefillRank::of(pool), &src, &registration, chunk))
+                .collect::<Result<_>>()?;
+            let batches: Vec<DescriptorBatch> = plans
+                .iter()
+                .zip(&ranks)
+                .map(|(plan, pool)| DescriptorBatch::resolve(plan, pool.as_ref(), remote.as_ref()))
+                .collect::<Result<_>>()?;
+            let bytes: u64 = batches.iter().map(|b| b.bytes().total()).sum();
+            let ranges: usize = batches.iter().map(|b| b.ranges().len()).sum();
+            let mut needs = Needs {
+                ranks: plans.len(),
+                rank0: (plans[0].descriptor_count(), plans[0].uncoalesced_count()),
+                all: (
+                    plans.iter().map(SendPlan::descriptor_count).sum(),
+                    plans.iter().map(SendPlan::uncoalesced_count).sum(),
+                ),
+                pieces: 0,
+                block_launches: 0,
+                block_entries: 0,
+                block_table_bytes: 0,
+            };
+            for (plan, pool) in plans.iter().zip(&ranks) {
+                for copy in block_copies(plan, pool.as_ref(), remote.as_ref())? {
+                    needs.block_launches += 1;
+                    needs.block_entries += copy.entries();
+                    needs.block_table_bytes += copy.table_bytes();
+                }
+            }
+            let case = format!("N={n}, {pages} pages x 62+62 layers");
+
+            // Range tables uploaded once, outside the timing.
+            let mut tables = Vec::new();
+            for batch in &batches {
+                let pieces: Vec<u8> = kernel_pieces(batch.ranges())
+                    .flat_map(|p| [p.src, p.dst, p.bytes])
+                    .flat_map(u64::to_le_bytes)
+                    .collect();
+                let table = backend.alloc(pieces.len().max(24), MemoryKind::Device)?;
+                backend.write_sync(&table, 0, &pieces)?;
+                tables.push((table, (pieces.len() / 24) as u64));
+            }
+            needs.pieces = tables.iter().map(|t| t.1 as usize).sum();
+            decode.fill(backend.as_ref(), POISON)?;
+            let mut best: Option<(Stats, Launch)> = None;
+            let mut grids = String::from("grids");
+            for (per_sm, threads) in GRIDS {
+                let launch = Launch {
+                    ctas: sms * per_sm,
+                    threads,
+                };
+                let s = ctx.time(reps, || {
+                    tables.iter().try_for_each(|(table, count)| {
+                        let p = abi::kvs_copy_ranges_params {
+                            ranges: table.addr(),
+                            num_ranges: *count,
+                            status: abi::kvs_status::default(),
+                        };
+                        // SAFETY: the plans checked every page against the layouts, the
+                        // batches resolved them against the live rank pools and the decode
+                        // pool's remote space (`check_spaces`: every range inside a (component,
+                        // layer) buffer), all of this GPU and held here past the synchronize of
+                        // every repeat; each table holds `count` pieces of those ranges.
+                        unsafe { backend.copy_ranges(p, launch) }
+                    })
+                })?;
+                grids.push_str(&format!(" {}x{}:{:.3}ms", launch.ctas, threads, s.median));
+                if best.is_none_or(|(b, _)| s.median < b.median) {
+                    best = Some((s, launch));
+                }
+            }
+            let (stats, launch) =
+                best.ok_or_else(|| Error::InvalidArgument("no grid timed".into()))?;
+            backend.synchronize()?;
+            verify(
+                backend.as_ref(),
+                &mut ctx.rng,
+                &ranks,
+                &src,
+                &decode,
+                &dst,
+                "range kernel",
+            )?;
+            report.add(
+                "pd",
+                format!("{case}, range kernel, tables pre-uploaded"),
+                bytes,
+                stats,
+                d2d,
+                format!(
+                    "{}; {n} kvs_copy_ranges launches (1 per chunk) of {} pieces (<= {} KiB); {grids}",
+                    needs.descriptors(),
+                    needs.pieces,
+                    KERNEL_PIECE_BYTES >> 10
+                ),
+            );
+
+            let default = CopyMethod::default_for(backend.as_ref());
+            let blocks_note = |launch: Launch, why: &str| {
+                format!(
+                    "{}; {} kvs_copy_blocks launches ({} per chunk) {}x{}{why}, {} page-list entries, {} B of tables uploaded",
+                    needs.descriptors(),
+                    needs.block_launches,
+                    needs.block_launches as f64 / n as f64,
+                    launch.ctas,
+                    launch.threads,
+                    needs.block_entries,
+                    needs.block_table_bytes
+                )
+            };
+            // `None`: the transport as `BackendTransport::new` makes it (CopyMethod::default_for).
+            let mut methods = vec![(
+                "block kernel from page lists (CopyMethod::default_for), Transport::submit",
+                None,
+                match default {
+                    CopyMethod::Blocks(l) => blocks_note(l, " (default_for)"),
+                    _ => format!("{}; {default:?}", needs.descriptors()),
+                },
+            )];
+            // The grid BENCHMARKS.md measured the block executor with (two CTAs of 512 threads
+            // per SM), where it is not what `default_for` picks on this GPU.
+            let per_sm = Launch {
+                ctas: sms * 2,
+                threads: 512,
+            };
+            if default != CopyMethod::Blocks(per_sm) {
+                methods.push((
+                    "block kernel from page lists (2 CTAs/SM), Transport::submit",
+                    Some(CopyMethod::Blocks(per_sm)),
+                    blocks_note(per_sm, ""),
+                ));
+            }
+            methods.push((
+                "range kernel, Transport::submit",
+                Some(CopyMethod::Kernel(launch)),
+                format!(
+                    "{}; {n} kvs_copy_ranges launches (1 per chunk) {}x{} of {} pieces, {} B of tables uploaded",
+                    needs.descriptors(),
+                    launch.ctas,
+                    launch.threads,
+                    needs.pieces,
+                    24 * needs.pieces
+                ),
+            ));
+            methods.push((
+                "copy engine, Transport::submit",
+                Some(CopyMethod::CopyEngine),
+                format!(
+                    "{}; {n} memcpy_batch calls (1 per chunk) of {ranges} entries in all",
+                    needs.descriptors()
+                ),
+            ));
+            for (name, method, note) in methods {
+                if method == Some(CopyMethod::CopyEngine) && ranges > 100_000 {
+                    // ~2 s a repeat at the host's ~4 us per entry: measured at 512 pages.
+                    continue;
+                }
+                decode.fill(backend.as_ref(), POISON)?;
+                let mut transport = match method {
+                    None => BackendTransport::new(backend.clone()),
+                    Some(method) => BackendTransport::with_method(backend.clone(), method),
+                };
+                let mut pending: Vec<Box<dyn Completion>> = Vec::new();
+                let stats = ctx.time(reps, || {
+                    for (plan, pool) in plans.iter().zip(&ranks) {
+                        pending.push(transport.submit(plan, pool, &remote)?);
+                    }
+                    Ok(())
+                })?;
+                for mut completion in pending {
+                    completion.wait_sync()?;
+                }
+                backend.synchronize()?;
+                verify(
+                    backend.as_ref(),
+                    &mut ctx.rng,
+                    &ranks,
+                    &src,
+                    &decode,
+                    &dst,
+                    name,
+                )?;
+                report.add("pd", format!("{case}, {name}"), bytes, stats, d2d, note);
+            }
+        }
+    }
+    Ok(())
+}

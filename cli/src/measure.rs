@@ -1,0 +1,463 @@
+//! Measurement, once for the demos, `kvshard pd` and the GPU benchmark: throughput ([`gbps`],
+//! [`Moved`]), device time by events around enqueued work ([`time_sync`], [`time_forked_sync`],
+//! and [`Laps`] for stretches of work read together later), repeated timings with warm-ups and
+//! an optional L2 flush summarized as median, best and worst ([`Timer`], [`Stats`], [`Timing`]),
+//! and the copy ceilings a run measures itself ([`copy_sync`], [`duplex_sync`], [`peer_sync`])
+//! that every figure is reported against ([`Ceiling`]).
+//!
+//! Only device time counts: every timing is a pair of events on the stream the work runs on,
+//! never the host's clock, so setup and verification around the work stay out of it. On the CPU
+//! twin the same events time the reference kernels; those figures say nothing about hardware
+//! and reports mark their share of a ceiling "n/a".
+
+use std::fmt;
+use std::sync::Arc;
+
+use kvshard::backend::cuda::CudaBackend;
+use kvshard::backend::{Backend, Buffer, Event, MemoryKind};
+use kvshard::gpu::memory::DeviceAllocation;
+use kvshard::gpu::Gpu;
+use kvshard::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// GB/s of `bytes` moved in `ms` milliseconds (0 when no time passed).
+pub fn gbps(bytes: u64, ms: f64) -> f64 {
+    if ms > 0.0 {
+        bytes as f64 / ms / 1e6
+    } else {
+        0.0
+    }
+}
+
+/// Bytes and device milliseconds of one kind of transfer, summed over a stage.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Moved {
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Device milliseconds the moves took.
+    pub ms: f64,
+}
+
+impl Moved {
+    /// Adds a transfer of `bytes` that took `ms`.
+    pub fn add(&mut self, bytes: u64, ms: f64) {
+        self.bytes += bytes;
+        self.ms += ms;
+    }
+
+    /// The throughput.
+    pub fn gbps(&self) -> f64 {
+        gbps(self.bytes, self.ms)
+    }
+}
+
+impl fmt::Display for Moved {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} bytes in {:.2} ms ({:.1} GB/s)",
+            self.bytes,
+            self.ms,
+            self.gbps()
+        )
+    }
+}
+
+/// Times the work `work` enqueues on `b` with a pair of events around it; waits for the second
+/// and returns the milliseconds between them.
+pub fn time_sync(b: &dyn Backend, work: impl FnOnce() -> Result<()>) -> Result<f64> {
+    let start = b.record_timed()?;
+    work()?;
+    let end = b.record_timed()?;
+    b.wait_event_sync(&end)?;
+    b.elapsed_ms(&start, &end)
+}
+
+/// Times work spread over other streams: `work` gets an event of `b` to start its streams after
+/// and returns an event of each stream it used, recorded after its work; `b` waits for them on
+/// the device, so the time covers every stream's work, the streams running concurrently.
+pub fn time_forked_sync(
+    b: &dyn Backend,
+    work: impl FnOnce(&Event) -> Result<Vec<Event>>,
+) -> Result<f64> {
+    let start = b.record_timed()?;
+    for joined in work(&start)? {
+        b.wait(&joined)?;
+    }
+    let end = b.record_timed()?;
+    b.wait_event_sync(&end)?;
+    b.elapsed_ms(&start, &end)
+}
+
+/// Device time of several stretches of work on one stream, none waited for as it is enqueued
+/// (the work runs on while the host goes on): each lap is a pair of events around the work,
+/// read once, all together.
+#[derive(Default)]
+pub struct Laps {
+    laps: Vec<(Event, Event)>,
+}
+
+impl Laps {
+    /// Enqueues `work` on `b` between the events of a new lap; waits for nothing.
+    pub fn time(&mut self, b: &dyn Backend, work: impl FnOnce() -> Result<()>) -> Result<()> {
+        let start = b.record_timed()?;
+        work()?;
+        self.laps.push((start, b.record_timed()?));
+        Ok(())
+    }
+
+    /// The milliseconds of every lap so far, summed, once `b` (the laps' stream) has run them;
+    /// the laps start over.
+    pub fn total_ms_sync(&mut self, b: &dyn Backend) -> Result<f64> {
+        if let Some((_, last)) = self.laps.last() {
+            b.wait_event_sync(last)?;
+        }
+        self.laps
+            .drain(..)
+            .try_fold(0.0, |ms, (start, end)| Ok(ms + b.elapsed_ms(&start, &end)?))
+    }
+}
+
+/// Median, best and worst of repeated timings, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Stats {
+    /// The median.
+    pub median: f64,
+    /// The best (shortest).
+    pub min: f64,
+    /// The worst.
+    pub max: f64,
+}
+
+impl Stats {
+    /// The summary of `ms`; at least one timing.
+    pub fn of(mut ms: Vec<f64>) -> Result<Stats> {
+        if ms.is_empty() {
+            return Err(Error::InvalidArgument("no timing to summarize".into()));
+        }
+        ms.sort_by(f64::total_cmp);
+        Ok(Stats {
+            median: ms[ms.len() / 2],
+            min: ms[0],
+            max: ms[ms.len() - 1],
+        })
+    }
+}
+
+/// Repeats work on a backend's stream and times each repeat with events: warm-ups first
+/// (untimed), and before every repeat, warm-ups included, an optional fill of a flush buffer on
+/// the same stream so no input is still in the cache (a fill of a changing byte, so it cannot be
+/// skipped).
+#[derive(Clone, Copy)]
+pub struct Timer<'a> {
+    backend: &'a dyn Backend,
+    warmups: usize,
+    flush: Option<&'a Buffer>,
+}
+
+impl<'a> Timer<'a> {
+    /// A timer on `backend`'s stream, no warm-up, no flush.
+    pub fn new(backend: &'a dyn Backend) -> Self {
+        Self {
+            backend,
+            warmups: 0,
+            flush: None,
+        }
+    }
+
+    /// The same, with `warmups` untimed runs first.
+    pub fn warmups(self, warmups: usize) -> Self {
+        Self { warmups, ..self }
+    }
+
+    /// The same, filling `flush` (larger than the cache) before every run.
+    pub fn flush(self, flush: &'a Buffer) -> Self {
+        Self {
+            flush: Some(flush),
+            ..self
+        }
+    }
+
+    /// The backend the timer runs on.
+    pub fn backend(&self) -> &'a dyn Backend {
+        self.backend
+    }
+
+    /// Runs `work` (which enqueues on the timer's stream) `runs` times after the warm-ups;
+    /// each run is timed alone, its flush outside the events.
+    pub fn repeat_sync(&self, runs: usize, mut work: impl FnMut() -> Result<()>) -> Result<Stats> {
+        let b = self.backend;
+        let mut ms = Vec::with_capacity(runs);
+        for run in 0..self.warmups + runs {
+            if let Some(flush) = self.flush {
+                b.fill(flush, run as u8 | 1)?;
+            }
+            let t = time_sync(b, &mut work)?;
+            if run >= self.warmups {
+                ms.push(t);
+            }
+        }
+        Stats::of(ms)
+    }
+}
+
+/// Repeated timings of moving the same bytes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timing {
+    /// Bytes each run moved.
+    pub bytes: u64,
+    /// The runs' milliseconds.
+    pub stats: Stats,
+}
+
+impl Timing {
+    /// GB/s of the best run: what a ceiling is.
+    pub fn best_gbps(&self) -> f64 {
+        gbps(self.bytes, self.stats.min)
+    }
+
+    /// GB/s of the median run.
+    pub fn median_gbps(&self) -> f64 {
+        gbps(self.bytes, self.stats.median)
+    }
+}
+
+/// A copy of `bytes` from a new allocation of `from` into one of `to` on the timer's stream,
+/// `runs` times: the copy engine's ceiling between those kinds of memory (`Device` to `Device`,
+/// `PinnedHost` to `Device`, ...).
+pub fn copy_sync(
+    timer: &Timer<'_>,
+    from: MemoryKind,
+    to: MemoryKind,
+    bytes: usize,
+    runs: usize,
+) -> Result<Timing> {
+    let b = timer.backend();
+    let src = b.alloc(bytes, from)?;
+    let dst = b.alloc(bytes, to)?;
+    // SAFETY: two live allocations of `bytes` bytes of this backend, held until every timed run
+    // has been waited for.
+    let stats = timer.repeat_sync(runs, || unsafe { b.memcpy(dst.addr(), src.addr(), bytes) })?;
+    Ok(Timing {
+        bytes: bytes as u64,
+        stats,
+    })
+}
+
+/// Pinned host-to-device on the timer's stream and device-to-pinned-host on `other` at the same
+/// time, `bytes` each way, `runs` times: the ceiling of both directions together (the timing
+/// counts both directions' bytes).
+pub fn duplex_sync(
+    timer: &Timer<'_>,
+    other: &dyn Backend,
+    bytes: usize,
+    runs: usize,
+) -> Result<Timing> {
+    let b = timer.backend();
+    let (host, host2) = (
+        b.alloc(bytes, MemoryKind::PinnedHost)?,
+        b.alloc(bytes, MemoryKind::PinnedHost)?,
+    );
+    let (dev, dev2) = (
+        b.alloc(bytes, MemoryKind::Device)?,
+        b.alloc(bytes, MemoryKind::Device)?,
+    );
+    let stats = timer.repeat_sync(runs, || {
+        let fork = b.record()?;
+        other.wait(&fork)?;
+        // SAFETY: live, disjoint allocations of `bytes` bytes of this device (pinned host
+        // through its device alias), held until every timed run has been waited for; the two
+        // directions touch disjoint buffers.
+        unsafe {
+            b.memcpy(dev.addr(), host.addr(), bytes)?;
+            other.memcpy(host2.addr(), dev2.addr(), bytes)?;
+        }
+        b.wait(&other.record()?)
+    })?;
+    Ok(Timing {
+        bytes: 2 * bytes as u64,
+        stats,
+    })
+}
+
+/// A copy of `bytes` from `source`'s device memory into `cuda`'s by the peer copy engine
+/// (`cuMemcpyPeerAsync`, over NVLink where there is one), on `cuda`'s stream, `runs` times.
+pub fn peer_sync(
+    cuda: &CudaBackend,
+    source: &Arc<Gpu>,
+    bytes: usize,
+    runs: usize,
+) -> Result<Timing> {
+    let dst = cuda.alloc(bytes, MemoryKind::Device)?;
+    let src = DeviceAllocation::new(source.context(), bytes)?;
+    let here = cuda.gpu();
+    let stats = Timer::new(cuda).repeat_sync(runs, || {
+        // The copy is enqueued on `cuda`'s stream, with its context current.
+        here.bind()?;
+        // SAFETY: both allocations hold `bytes` bytes and outlive the copy (every timed run is
+        // waited for before they drop); the contexts are their devices' own.
+        unsafe {
+            cudarc::driver::sys::cuMemcpyPeerAsync(
+                dst.addr(),
+                here.context().cu_ctx(),
+                src.ptr(),
+                source.context().cu_ctx(),
+                bytes,
+                cuda.stream().raw(),
+            )
+        }
+        .result()
+        .map_err(|source| Error::Driver {
+            call: "cuMemcpyPeerAsync",
+            source,
+        })
+    })?;
+    Ok(Timing {
+        bytes: bytes as u64,
+        stats,
+    })
+}
+
+/// A ceiling measured in the same run as the figures reported against it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Ceiling {
+    /// What was measured ("peer copy engine GPU 0 -> GPU 1, 1 GiB").
+    pub what: String,
+    /// Its GB/s.
+    pub gbps: f64,
+    /// Whether it measures hardware: the CPU twin's copies do not, and no share of them means
+    /// anything.
+    pub hardware: bool,
+}
+
+impl Ceiling {
+    /// `gbps` as a share of the ceiling (`93%`), or `n/a` where that means nothing (the CPU twin,
+    /// or no ceiling measured).
+    pub fn share(&self, gbps: f64) -> String {
+        if self.hardware && self.gbps > 0.0 {
+            format!("{:.0}%", 100.0 * gbps / self.gbps)
+        } else {
+            "n/a".into()
+        }
+    }
+}
+
+impl fmt::Display for Ceiling {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {:.1} GB/s", self.what, self.gbps)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvshard::backend::cpu::CpuBackend;
+
+    use super::*;
+
+    #[test]
+    fn throughput_is_bytes_over_time_and_nothing_without_time() {
+        assert_eq!(gbps(2_000_000, 1.0), 2.0);
+        assert_eq!(gbps(5, 0.0), 0.0);
+        let mut m = Moved::default();
+        m.add(1_000_000, 0.5);
+        m.add(1_000_000, 0.5);
+        assert_eq!(m.gbps(), 2.0);
+        assert_eq!(m.to_string(), "2000000 bytes in 1.00 ms (2.0 GB/s)");
+    }
+
+    #[test]
+    fn laps_add_up_the_work_they_time_and_start_over() {
+        let cpu = CpuBackend::new();
+        let b = cpu.new_stream();
+        let mut laps = Laps::default();
+        assert_eq!(laps.total_ms_sync(&b).unwrap(), 0.0);
+        let buf = b.alloc(1 << 20, MemoryKind::Device).unwrap();
+        let mut ran = 0;
+        for byte in [1u8, 2, 3] {
+            laps.time(&b, || {
+                ran += 1;
+                b.fill(&buf, byte)
+            })
+            .unwrap();
+        }
+        assert_eq!(ran, 3);
+        assert!(laps.total_ms_sync(&b).unwrap() >= 0.0);
+        // Summing waited for the last lap: its fill is done.
+        assert_eq!(b.read_sync(&buf, 0, 1).unwrap(), vec![3]);
+        assert_eq!(laps.total_ms_sync(&b).unwrap(), 0.0);
+        let e = laps.time(&b, || Err(Error::HiCache("busy".into())));
+        assert!(matches!(e, Err(Error::HiCache(_))));
+    }
+
+    #[test]
+    fn stats_are_median_best_and_worst_and_need_a_timing() {
+        let s = Stats::of(vec![3.0, 1.0, 2.0, 9.0]).unwrap();
+        assert_eq!((s.median, s.min, s.max), (3.0, 1.0, 9.0));
+        assert!(Stats::of(Vec::new()).is_err());
+        let t = Timing {
+            bytes: 4_000_000,
+            stats: s,
+        };
+        assert_eq!(t.best_gbps(), 4.0);
+    }
+
+    #[test]
+    fn a_timer_runs_the_warmups_and_times_only_the_runs() {
+        let cpu = CpuBackend::new();
+        let b = cpu.new_stream();
+        let flush = b.alloc(64, MemoryKind::Device).unwrap();
+        let mut calls = 0;
+        let stats = Timer::new(&b)
+            .warmups(2)
+            .flush(&flush)
+            .repeat_sync(3, || {
+                calls += 1;
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(calls, 5);
+        assert!(stats.min >= 0.0 && stats.min <= stats.median && stats.median <= stats.max);
+        // The last fill (run 4) left its byte in the flush buffer.
+        assert_eq!(b.read_sync(&flush, 0, 1).unwrap(), vec![5]);
+        let e = Timer::new(&b).repeat_sync(1, || Err(Error::HiCache("busy".into())));
+        assert!(matches!(e, Err(Error::HiCache(_))));
+    }
+
+    #[test]
+    fn copy_and_duplex_ceilings_time_the_copies_they_make() {
+        let cpu = CpuBackend::new();
+        let (b, other) = (cpu.new_stream(), cpu.new_stream());
+        let t = copy_sync(
+            &Timer::new(&b),
+            MemoryKind::PinnedHost,
+            MemoryKind::Device,
+            1 << 16,
+            2,
+        )
+        .unwrap();
+        assert_eq!(t.bytes, 1 << 16);
+        let d = duplex_sync(&Timer::new(&b), &other, 1 << 16, 2).unwrap();
+        assert_eq!(d.bytes, 2 << 16);
+    }
+
+    #[test]
+    fn a_share_of_the_twin_or_of_no_ceiling_is_not_applicable() {
+        let gpu = Ceiling {
+            what: "d2d".into(),
+            gbps: 200.0,
+            hardware: true,
+        };
+        assert_eq!(gpu.share(150.0), "75%");
+        let twin = Ceiling {
+            hardware: false,
+            ..gpu.clone()
+        };
+        assert_eq!(twin.share(150.0), "n/a");
+        let none = Ceiling {
+            gbps: 0.0,
+            ..gpu.clone()
+        };
+        assert_eq!(none.share(150.0), "n/a");
+        assert_eq!(gpu.to_string(), "d2d: 200.0 GB/s");
+    }
+}

@@ -1,0 +1,273 @@
+//! `kvshard pd --scenario pressure`: the seed's topology with every CP rank and every decode a
+//! process of its own, on the CPU twin (CI) and on one GPU (`gpu_*`, SKIPPED without one).
+//!
+//! - the run ends with every decode pool byte-identical to the unsharded reference, for CP2
+//!   with two decodes (the seed's shape), CP4 with one decode and an unsharded prefill with
+//!   three;
+//! - a rank killed in the middle makes every other process fail with an error and exit (none
+//!   hangs), and the run says which process failed;
+//! - the CP group memory's barrier, slots and NCCL id across threads, and its refusals.
+//!
+//! The processes are the `kvshard` binary (`KVSHARD_BIN` names another, as the GPU staging
+//! does).
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::kvshard_bin;
+use kvshard::ipc::group::{group_bytes, GroupMemory, NCCL_ID_BYTES};
+use kvshard::Error;
+use kvshard_cli::pd::pressure::PressurePdConfig;
+use kvshard_cli::scenario::Platform;
+
+/// Runs the scenario with `args` and returns its report table; panics with its output if it
+/// failed.
+fn run_pressure(args: &[&str]) -> String {
+    let dir = std::env::temp_dir().join(format!("kvshard-pressure-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let markdown = dir.join(format!("{}.md", args.join("_").replace(['-', ' '], "")));
+    let out = Command::new(kvshard_bin())
+        .args(["pd", "--scenario", "pressure"])
+        .args(args)
+        .arg("--markdown")
+        .arg(&markdown)
+        .output()
+        .expect("run kvshard");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{args:?} failed:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::read_to_string(&markdown).unwrap()
+}
+
+/// Checks the report: every (prompt, decode) row says byte-identical, and every rank reported
+/// its sends and its reload.
+fn assert_verified(table: &str, ranks: usize, decodes: usize) {
+    let verified = table
+        .lines()
+        .filter(|l| l.ends_with("| byte-identical |"))
+        .count();
+    assert_eq!(verified, 2 * decodes, "{table}");
+    assert!(!table.contains("| NO |"), "{table}");
+    let reloads = table
+        .lines()
+        .skip_while(|l| !l.contains("prefix reload H2D bytes"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .count();
+    assert_eq!(reloads, ranks, "{table}");
+}
+
+#[test]
+fn cpu_cp2_with_two_decodes_is_byte_identical_to_the_unsharded_reference() {
+    let table = run_pressure(&["--cpu"]);
+    assert_verified(&table, 2, 2);
+    assert!(table.contains("all-gather: host shared memory"), "{table}");
+    // NCCL where it cannot run is refused up front, not tried.
+    let out = Command::new(kvshard_bin())
+        .args([
+            "pd",
+            "--scenario",
+            "pressure",
+            "--cpu",
+            "--all-gather",
+            "nccl",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("NCCL needs GPUs"));
+}
+
+#[test]
+fn cpu_cp4_with_one_decode_and_an_unsharded_prefill_with_three_are_byte_identical() {
+    assert_verified(
+        &run_pressure(&["--cpu", "--ranks", "4", "--decodes", "1"]),
+        4,
+        1,
+    );
+    assert_verified(
+        &run_pressure(&["--cpu", "--ranks", "1", "--decodes", "3"]),
+        1,
+        3,
+    );
+}
+
+#[test]
+fn gpu_cp2_with_two_decodes_is_byte_identical_to_the_unsharded_reference() {
+    if common::open_gpu("gpu_cp2_with_two_decodes_is_byte_identical_to_the_unsharded_reference")
+        .is_none()
+    {
+        return;
+    }
+    // Every process on the GPUs there are; 4 layers keep it quick, under the sanitizers too
+    // (the figures come from the full shape: `run-gpu.sh pressure`, BENCHMARKS.md).
+    let table = run_pressure(&["--layers", "4"]);
+    assert_verified(&table, 2, 2);
+}
+
+#[test]
+fn cpu_a_killed_rank_fails_every_other_process_which_all_exit() {
+    // Early (the other rank is sending prompt 1), and once prompt 1 is sent (the other rank
+    // soon waits for it at the CP group's barrier before prompt 2's first gather).
+    for (k, line) in ["seed:", "prompt 1:"].iter().enumerate() {
+        killed_rank(k, line);
+    }
+}
+
+/// Runs the scenario's processes and kills rank 1 once it has printed a line starting `after`.
+fn killed_rank(k: usize, after: &str) {
+    // The ranks refuse a group of another shape: its slots are the scenario's send buffers.
+    let cfg = PressurePdConfig::default_for(Platform::Cpu);
+    let group = GroupMemory::create(2, cfg.slot_bytes().unwrap()).unwrap();
+    let socket =
+        std::env::temp_dir().join(format!("kvshard-pressure-kill-{}-{k}", std::process::id()));
+    let common_args = |role: &str, index: u32| {
+        let mut args: Vec<String> = ["pd", "--scenario", "pressure", "--cpu", "--socket"]
+            .map(String::from)
+            .to_vec();
+        args.push(socket.display().to_string());
+        args.extend(["--group".into(), group.proc_path().display().to_string()]);
+        args.extend([
+            "--role".into(),
+            role.into(),
+            "--rank".into(),
+            index.to_string(),
+        ]);
+        args
+    };
+    let spawn = |role: &str, index: u32| {
+        Command::new(kvshard_bin())
+            .args(common_args(role, index))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut decodes = [spawn("decode", 0), spawn("decode", 1)];
+    let mut rank0 = spawn("prefill", 0);
+    let mut rank1 = spawn("prefill", 1);
+    // Kill rank 1 once it is where `after` says.
+    let lines = BufReader::new(rank1.stdout.take().unwrap());
+    for line in lines.lines().map_while(Result::ok) {
+        if line.starts_with(after) {
+            break;
+        }
+    }
+    rank1.kill().unwrap();
+    rank1.wait().unwrap();
+    let start = Instant::now();
+    // Well inside every timeout of the run (the group's waits, the channels' liveness).
+    let deadline = Duration::from_secs(10);
+    for (name, child) in decodes
+        .iter_mut()
+        .map(|c| ("decode", c))
+        .chain([("rank 0", &mut rank0)])
+    {
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if start.elapsed() > deadline {
+                let _ = child.kill();
+                panic!("{name} still runs {deadline:?} after rank 1 was killed");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(!status.success(), "{name} succeeded without rank 1");
+    }
+    let mut said = String::new();
+    for p in decodes.iter_mut().chain([&mut rank0]) {
+        std::io::Read::read_to_string(p.stderr.as_mut().unwrap(), &mut said).unwrap();
+        std::io::Read::read_to_string(p.stdout.as_mut().unwrap(), &mut said).unwrap();
+    }
+    assert!(
+        said.contains("rank 1"),
+        "killed after {after:?}: the others name the gone rank:\n{said}"
+    );
+    for d in 0..2 {
+        let _ = std::fs::remove_file(format!("{}.{d}", socket.display()));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The CP group memory.
+
+#[test]
+fn group_memory_barriers_exchange_slots_and_hand_out_the_nccl_id() {
+    let ranks = 3u32;
+    let slot = 4096 + 13;
+    let shm = GroupMemory::create(ranks, slot).unwrap();
+    let path = shm.proc_path();
+    let threads: Vec<_> = (0..ranks)
+        .map(|rank| {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let mut g =
+                    GroupMemory::join(&path, rank, ranks, slot, Duration::from_secs(20)).unwrap();
+                if rank == 0 {
+                    g.publish_nccl_id(&[7; NCCL_ID_BYTES]).unwrap();
+                }
+                assert_eq!(g.nccl_id_sync().unwrap(), [7; NCCL_ID_BYTES]);
+                for round in 0..20u8 {
+                    let mine = vec![round ^ rank as u8; slot];
+                    g.write_slot(&mine).unwrap();
+                    g.barrier_sync().unwrap();
+                    for other in 0..ranks {
+                        let mut got = vec![0; slot];
+                        g.read_slot(other, &mut got).unwrap();
+                        assert!(
+                            got.iter().all(|&b| b == round ^ other as u8),
+                            "round {round}"
+                        );
+                    }
+                    g.barrier_sync().unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+#[test]
+fn group_memory_refuses_other_shapes_and_out_of_range_slots_and_times_out_alone() {
+    let shm = GroupMemory::create(2, 100).unwrap();
+    let path = shm.proc_path();
+    let t = Duration::from_millis(200);
+    for (rank, ranks, slot) in [(0, 3, 100), (0, 2, 101), (2, 2, 100)] {
+        let e = GroupMemory::join(&path, rank, ranks, slot, t).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    }
+    let mut g = GroupMemory::join(&path, 1, 2, 100, t).unwrap();
+    assert!(g.write_slot(&[0; 101]).is_err());
+    assert!(g.read_slot(2, &mut [0; 10]).is_err());
+    assert!(matches!(
+        g.publish_nccl_id(&[0; NCCL_ID_BYTES]),
+        Err(Error::InvalidArgument(_))
+    ));
+    // Rank 0 never comes: the barrier and the id give up instead of hanging.
+    assert!(matches!(g.barrier_sync(), Err(Error::Timeout { .. })));
+    assert!(matches!(g.nccl_id_sync(), Err(Error::Timeout { .. })));
+    assert!(matches!(
+        GroupMemory::create(0, 1),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        group_bytes(2, usize::MAX),
+        Err(Error::Overflow { .. })
+    ));
+    // A plain file of the right size is no group: it is not sealed, and whoever holds it could
+    // truncate it under the mapping.
+    let plain = std::env::temp_dir().join(format!("kvshard-group-{}", std::process::id()));
+    std::fs::write(&plain, vec![0u8; group_bytes(2, 100).unwrap()]).unwrap();
+    let e = GroupMemory::join(&plain, 0, 2, 100, t).unwrap_err();
+    std::fs::remove_file(&plain).unwrap();
+    assert!(e.to_string().contains("sealed"), "{e}");
+}

@@ -1,0 +1,94 @@
+"""Choices are enum classes, never strings: every route, I/O backend, relayout, copy method,
+write policy, direction, host layout, latent layout and component is taken (and handed back)
+as its ``kvshard`` enum, and a string where one is expected is a ``TypeError``. SGLang's names
+stay names only in ``kvshard.sglang`` (SGLang's own interface), which maps them onto the
+enums."""
+
+import pytest
+
+import kvshard
+from conftest import PAGE
+
+C = kvshard.Component
+H = kvshard.HostLayout
+
+
+def small():
+    return kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 2))
+
+
+def test_strings_are_refused_where_an_enum_is_taken():
+    g, d = small(), kvshard.Device.cpu()
+    placement = kvshard.Placement(1)
+    pool = kvshard.DevicePool.allocate(d, g, placement, 0, 8)
+    host = kvshard.HostPool(d, g, 8, H.PAGE_FIRST)
+    plan = kvshard.TransferPlan(placement, 0, [1], [1], 8, 8)
+    transfer = kvshard.HostTransfer(pool, host, plan, kvshard.Direction.BACKUP)
+    ctl = kvshard.HiCacheController(pool, host)
+    node = kvshard.CacheNode(1, [1])
+    staging = kvshard.ChunkStaging(pool, PAGE)
+    for call in [
+        lambda: kvshard.PoolGeometry("fp8_trtllm", 2),
+        lambda: kvshard.CacheGeometry.glm5(latent="fp8_scaled"),
+        lambda: pool.layer_view("target_latent", 0),
+        lambda: pool.read_block("target_latent", 0, 1),
+        lambda: staging.write("target_latent", 0, b"\x01"),
+        lambda: kvshard.HostPool(d, g, 8, "page_first"),
+        lambda: host.component_buffer("target_latent"),
+        lambda: kvshard.HostTransfer(pool, host, plan, "backup"),
+        lambda: transfer.run(None, "kernel"),
+        lambda: transfer.calls("copy_engine"),
+        lambda: kvshard.HiCacheController(pool, host, "write_through"),
+        lambda: ctl.backup(node, None, "copy_engine"),
+        lambda: ctl.load(1, [2], None, "kernel"),
+        lambda: kvshard.Sender(pool, None, "blocks"),
+        lambda: kvshard.ChunkStatus.sent(1, 0, 0, True, {"target_latent": 5}),
+    ]:
+        with pytest.raises(TypeError):
+            call()
+    # Nothing above changed anything: the same calls with the enums go through.
+    assert transfer.direction == kvshard.Direction.BACKUP
+    transfer.run(None, kvshard.IoBackend.COPY_ENGINE)
+    assert transfer.calls(kvshard.IoBackend.KERNEL)["launches"] == 1
+    assert ctl.backup(node, None, kvshard.Route.COPY_ENGINE) == 0
+    assert ctl.ack_backups(1)[0].node == 1
+
+
+def test_enums_come_back_from_getters_and_compare_by_identity():
+    g, d = small(), kvshard.Device.cpu()
+    pool = kvshard.DevicePool.allocate(d, g, kvshard.Placement(1), 0, 8)
+    host = kvshard.HostPool(d, g, 8, H.LAYER_FIRST)
+    ctl = kvshard.HiCacheController(pool, host, kvshard.WritePolicy.WRITE_BACK)
+    assert ctl.policy == kvshard.WritePolicy.WRITE_BACK
+    assert ctl.policy != kvshard.WritePolicy.WRITE_THROUGH
+    assert host.layout == H.LAYER_FIRST and g.target.latent == kvshard.LatentLayout.FP8_TRTLLM
+    # Write-back backs nothing up on access.
+    assert ctl.access(kvshard.CacheNode(1, [1]), None, kvshard.Route.KERNEL) is None
+    # Hashable: usable as dict keys, as the per-component byte counts are.
+    assert {kvshard.Route.STAGED: 1}[kvshard.Route.STAGED] == 1
+    assert [int(r) for r in [kvshard.Route.KERNEL, kvshard.Route.STAGED_KERNEL]] == [0, 5]
+
+
+def test_sglang_layout_names_map_onto_the_enum():
+    for layout in [H.LAYER_FIRST, H.PAGE_FIRST, H.PAGE_FIRST_DIRECT]:
+        assert H.from_name(str(layout)) == layout
+    assert str(H.PAGE_FIRST_DIRECT) == "page_first_direct"
+    with pytest.raises(kvshard.InvalidArgumentError, match="host layout"):
+        H.from_name("page-first")
+
+
+def test_per_component_bytes_are_keyed_by_component():
+    g, d = small(), kvshard.Device.cpu()
+    unsharded = kvshard.Placement(1)
+    src = kvshard.DevicePool.allocate(d, g, unsharded, 0, 8)
+    dst = kvshard.DevicePool.allocate(d, g, unsharded, 0, 8)
+    reg = kvshard.Registration(1, kvshard.PoolLayout.of(dst), [1], [1])
+    for method in [kvshard.CopyMethod.BLOCKS, kvshard.CopyMethod.KERNEL, kvshard.CopyMethod.COPY_ENGINE]:
+        sender = kvshard.Sender(src, None, method)
+        sender.open(reg, kvshard.RemoteSpace.of(dst))
+        status = sender.send(1, [1], PAGE, last=True).wait()
+        assert list(status.bytes) == [C.TARGET_LATENT, C.TARGET_INDEXER]
+        assert status.bytes[C.TARGET_LATENT] == 2 * PAGE * 576
+        assert sender.bytes_sent == status.bytes
+    again = kvshard.ChunkStatus.sent(1, 0, 0, True, status.bytes)
+    assert again.bytes == status.bytes and again.bytes[C.TARGET_INDEXER] > 0

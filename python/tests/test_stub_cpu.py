@@ -1,0 +1,63 @@
+"""The hand-written stub (``kvshard/_kvshard.pyi``) against the built extension, with
+``mypy.stubtest``: a class, method, parameter, default or name the two disagree on fails here
+(mypy also type-checks the package's Python modules against the stub on the way). And the
+extension's Rust modules import only modules below them, so they form no circle."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvshard
+
+# Bottom-up: each module of python/src may import only modules before it (lib.rs, on top,
+# declares them all).
+MODULE_ORDER = ["errors", "tensor", "device", "geometry", "shard", "pool", "transfer", "hicache", "chain", "bench"]
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def test_the_stub_matches_the_extension(tmp_path):
+    if importlib.util.find_spec("mypy") is None:
+        pytest.skip("mypy is not installed (pip install mypy): the stub is not checked")
+    # From an empty directory, so the installed package is both the stub and the runtime
+    # checked (not the source tree), and no project config file applies.
+    env = dict(os.environ, MYPY_CACHE_DIR=str(tmp_path / "cache"))
+    run = subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", "kvshard"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, f"stubtest found mismatches:\n{run.stdout}\n{run.stderr}"
+    assert Path(kvshard._kvshard.__file__).parent == Path(kvshard.__file__).parent
+
+
+def test_the_package_exports_every_public_name_of_the_extension():
+    public = {n for n in kvshard._kvshard.__all__ if not n.startswith("_")}
+    assert public - set(kvshard.__all__) == set()
+    assert all(hasattr(kvshard, n) for n in kvshard.__all__)
+
+
+def imports_of(path):
+    """The modules of this crate `path` names (`crate::x`, or `crate::{x, y}` groups)."""
+    text = path.read_text()
+    names = set(re.findall(r"\bcrate::(\w+)", text))
+    for group in re.findall(r"\bcrate::\{([^}]*)\}", text):
+        names.update(re.findall(r"(?:^|,)\s*(\w+)", group))
+    return names - {"self"}
+
+
+def test_the_extension_modules_import_downward_only():
+    if not SRC.is_dir():
+        pytest.skip(f"the extension's sources are not next to the tests ({SRC})")
+    files = {p.stem for p in SRC.glob("*.rs")} - {"lib"}
+    assert files == set(MODULE_ORDER), "a module was added or removed: place it in MODULE_ORDER"
+    for i, module in enumerate(MODULE_ORDER):
+        above = set(imports_of(SRC / f"{module}.rs")) - set(MODULE_ORDER[:i])
+        assert not above, f"{module}.rs imports {sorted(above)}, not below it in {MODULE_ORDER}"
