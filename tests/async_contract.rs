@@ -27,7 +27,7 @@ use kvshard::hicache::{
 use kvshard::index::{LocalPage, LogicalPage, ModelLayer, StoredLayer};
 use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite};
 use kvshard::shard::{Placement, ShardAllocator};
-use kvshard::transfer::{BackendTransport, ChunkEnd, PoolLayout, Sender};
+use kvshard::transfer::{BackendTransport, ChunkEnd, PoolLayout, Registration, Sender};
 
 const LAUNCH: Launch = Launch {
     ctas: 4,
@@ -70,6 +70,16 @@ fn poisoned_pool(b: &dyn Backend) -> Arc<DevicePool> {
     let pool = DevicePool::allocate(b, &geometry(), Placement::unsharded(), 0, PAGES).unwrap();
     pool.fill(b, POISON).unwrap();
     Arc::new(pool)
+}
+
+/// The local pages of an unsharded chain (its logical pages, as local ones).
+fn local_pages(chain: &RequestChain) -> Vec<LocalPage> {
+    chain
+        .pages()
+        .unwrap()
+        .iter()
+        .map(|p| LocalPage(p.0))
+        .collect()
 }
 
 fn local(pages: &[u64]) -> Vec<LocalPage> {
@@ -312,6 +322,22 @@ impl Rank {
             .unwrap();
     }
 
+    /// A decode side for this rank's sends: an unsharded, poisoned decode pool with a chain of
+    /// `TOKENS` tokens registered as request 1, and a sender of this rank's pool on a stream of
+    /// its own, opened for it.
+    fn decode_side(&self) -> (Arc<DevicePool>, RequestChain, Registration, Sender) {
+        let decode = poisoned_pool(self.compute.as_ref());
+        let mut alloc = ShardAllocator::new(Placement::unsharded(), PAGES).unwrap();
+        let mut chain = RequestChain::new(Placement::unsharded());
+        chain.grow_to(&mut alloc, TOKENS).unwrap();
+        let reg = chain.registration(1, PoolLayout::of(&decode), 0).unwrap();
+        let dst = Arc::new(RemoteSpace::of(decode.clone(), geometry()).unwrap());
+        let transport = BackendTransport::new((self.streams)());
+        let mut sender = Sender::new(self.pool.clone(), Box::new(transport));
+        sender.open(reg.clone(), dst).unwrap();
+        (decode, chain, reg, sender)
+    }
+
     fn controller(&self) -> HiCacheController {
         let g = geometry();
         let host = Arc::new(
@@ -340,38 +366,15 @@ common::on_cpu_and_gpu!(
         let mut chain = RequestChain::new(Placement::unsharded());
         chain.grow_to(&mut rank.alloc, TOKENS).unwrap();
         let slots = rank.slots(&chain);
-        let decode = poisoned_pool(rank.compute.as_ref());
-        let mut decode_alloc = ShardAllocator::new(Placement::unsharded(), PAGES).unwrap();
-        let mut decode_chain = RequestChain::new(Placement::unsharded());
-        decode_chain.grow_to(&mut decode_alloc, TOKENS).unwrap();
-        let reg = decode_chain
-            .registration(1, PoolLayout::of(&decode), 0)
-            .unwrap();
-        let dst = Arc::new(RemoteSpace::of(decode.clone(), geometry()).unwrap());
-        let send_stream: Arc<dyn Backend> = (rank.streams)();
-        let mut sender = Sender::new(
-            rank.pool.clone(),
-            Box::new(BackendTransport::new(send_stream)),
-        );
-        sender.open(reg.clone(), dst).unwrap();
+        let (decode, decode_chain, reg, mut sender) = rank.decode_side();
         rank.write(&slots, 5);
         let pending = sender
             .send(reg.request, chain.pages().unwrap(), ChunkEnd::Final(TOKENS))
             .unwrap();
         pending.wait_sync().unwrap();
         rank.compute.synchronize().unwrap();
-        let pages: Vec<LocalPage> = chain
-            .pages()
-            .unwrap()
-            .iter()
-            .map(|p| LocalPage(p.0))
-            .collect();
-        let dpages: Vec<LocalPage> = decode_chain
-            .pages()
-            .unwrap()
-            .iter()
-            .map(|p| LocalPage(p.0))
-            .collect();
+        let pages: Vec<LocalPage> = local_pages(&chain);
+        let dpages: Vec<LocalPage> = local_pages(&decode_chain);
         let sent = decode
             .read_pages_sync(rank.compute.as_ref(), &dpages)
             .unwrap();
@@ -396,12 +399,7 @@ common::on_cpu_and_gpu!(
         let mut chain = RequestChain::new(Placement::unsharded());
         chain.grow_to(&mut rank.alloc, TOKENS).unwrap();
         let slots = rank.slots(&chain);
-        let pages: Vec<LocalPage> = chain
-            .pages()
-            .unwrap()
-            .iter()
-            .map(|p| LocalPage(p.0))
-            .collect();
+        let pages: Vec<LocalPage> = local_pages(&chain);
         rank.write(&slots, 6);
         let backed = rank
             .pool
@@ -447,12 +445,7 @@ fn a_kvshard_read_of_reloaded_pages_before_their_signal_sees_the_loaded_bytes() 
         let mut chain = RequestChain::new(Placement::unsharded());
         chain.grow_to(&mut rank.alloc, TOKENS).unwrap();
         let slots = rank.slots(&chain);
-        let pages: Vec<LocalPage> = chain
-            .pages()
-            .unwrap()
-            .iter()
-            .map(|p| LocalPage(p.0))
-            .collect();
+        let pages: Vec<LocalPage> = local_pages(&chain);
         rank.write(&slots, 8);
         let backed = rank
             .pool
@@ -504,20 +497,7 @@ common::on_cpu_and_gpu!(
         let mut chain = RequestChain::new(Placement::unsharded());
         chain.grow_to(&mut rank.alloc, TOKENS).unwrap();
         let slots = rank.slots(&chain);
-        let decode = poisoned_pool(rank.compute.as_ref());
-        let mut decode_alloc = ShardAllocator::new(Placement::unsharded(), PAGES).unwrap();
-        let mut decode_chain = RequestChain::new(Placement::unsharded());
-        decode_chain.grow_to(&mut decode_alloc, TOKENS).unwrap();
-        let reg = decode_chain
-            .registration(1, PoolLayout::of(&decode), 0)
-            .unwrap();
-        let dst = Arc::new(RemoteSpace::of(decode.clone(), geometry()).unwrap());
-        let send_stream: Arc<dyn Backend> = (rank.streams)();
-        let mut sender = Sender::new(
-            rank.pool.clone(),
-            Box::new(BackendTransport::new(send_stream)),
-        );
-        sender.open(reg.clone(), dst).unwrap();
+        let (_decode, _decode_chain, reg, mut sender) = rank.decode_side();
         let consumer = (rank.streams)();
         let node = chain.cache_node(6, 0..chain.page_count()).unwrap();
 
