@@ -1,0 +1,348 @@
+//! The CPU twin of every kernel: each function here is the specification its kernel is tested
+//! against, byte for byte, and takes the same parameter struct.
+
+use half::bf16;
+
+use crate::abi;
+use crate::backend::status::raise;
+use crate::error::{Error, Result};
+use crate::fp8;
+use crate::geometry::{
+    IndexerScale, LatentLayout, INDEXER_HEAD_DIM, INDEXER_PAGE_BYTES, INDEXER_SCALES_OFFSET,
+    LATENT_DIM, PAGE_SIZE,
+};
+use crate::index::{LogicalPage, Slot};
+use crate::shard::Placement;
+
+use super::*;
+
+/// Raises the status word in `mem` for a bad input at `position`.
+pub(super) fn report(mem: &mut Arena, status: &abi::kvs_status, position: u64) -> Result<()> {
+    if status.word == 0 {
+        return Ok(());
+    }
+    let mut word = mem.u64_at(status.word)?;
+    raise(&mut word, status, position);
+    mem.set_u64(status.word, word)
+}
+
+pub(super) fn bf16s(bytes: &[u8]) -> Vec<bf16> {
+    bytes
+        .chunks_exact(2)
+        .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+        .collect()
+}
+
+/// The CPU twin of `resolve_page` in cuda/copy.cu.
+pub(super) fn resolve_page(
+    mem: &mut Arena,
+    list: &abi::kvs_page_list,
+    j: u64,
+    status: &abi::kvs_status,
+) -> Result<Option<u64>> {
+    let page = if list.kind == abi::KVS_INDEX_POSITION {
+        j
+    } else {
+        let id = mem.i64_at(list.ids + 8 * j)?;
+        if id < 0 {
+            return Ok(None);
+        }
+        if list.kind == abi::KVS_INDEX_LOGICAL {
+            let placement = Placement::new(list.shard)?;
+            let page = LogicalPage(id as u64);
+            if placement.owner(page) != list.rank {
+                return Ok(None);
+            }
+            placement.local(page).0
+        } else {
+            id as u64
+        }
+    };
+    if page >= list.limit {
+        report(mem, status, j)?;
+        return Ok(None);
+    }
+    Ok(Some(page))
+}
+
+/// Unit `u` of `kvs_copy_blocks`: entry `j` of pair `k`, then the pair's signal.
+pub(super) fn copy_block_unit(
+    mem: &mut Arena,
+    p: &abi::kvs_copy_blocks_params,
+    u: u64,
+) -> Result<()> {
+    let k = u / p.num_pages;
+    let j = u - k * p.num_pages;
+    let pair = mem.pair(p.pairs, k)?;
+    let src_page = resolve_page(mem, &p.src_pages, j, &p.status)?;
+    let dst_page = resolve_page(mem, &p.dst_pages, j, &p.status)?;
+    let component_ok = pair.component < p.num_components;
+    if !component_ok && j == 0 {
+        report(mem, &p.status, u)?;
+    }
+    if let (Some(s), Some(d), true) = (src_page, dst_page, component_ok) {
+        let c = &p.components[pair.component as usize];
+        let src = pair.src + s * c.src.page_stride;
+        let dst = pair.dst + d * c.dst.page_stride;
+        for r in 0..u64::from(c.rows) {
+            mem.copy(
+                dst + r * c.dst.row_stride,
+                src + r * c.src.row_stride,
+                c.row_bytes as usize,
+            )?;
+        }
+    }
+    if p.signals != 0 {
+        let at = p.signals + 4 * u64::from(pair.signal);
+        let v = mem.u32_at(at)?.wrapping_add(1);
+        mem.bytes_mut(at, 4)?.copy_from_slice(&v.to_le_bytes());
+    }
+    Ok(())
+}
+
+pub(super) fn quantize_latent(mem: &mut Arena, p: &abi::kvs_quantize_latent_params) -> Result<()> {
+    let layout = match p.layout {
+        abi::KVS_LATENT_FP8_TRTLLM => LatentLayout::Fp8Trtllm,
+        abi::KVS_LATENT_FP8_SCALED => LatentLayout::Fp8Scaled,
+        _ => LatentLayout::Bf16,
+    };
+    let row_bytes = layout.row_bytes();
+    let mut row = vec![0u8; row_bytes];
+    for token in 0..p.num_tokens {
+        let slot = mem.i64_at(p.slots + 8 * token)?;
+        if slot < 0 {
+            continue;
+        }
+        if slot as u64 >= p.dst_rows {
+            report(mem, &p.status, token)?;
+            continue;
+        }
+        let input = bf16s(mem.bytes(p.src + token * p.src_stride, 2 * LATENT_DIM)?);
+        fp8::quantize_latent_row(layout, &input, &mut row)?;
+        mem.bytes_mut(p.dst + slot as u64 * row_bytes as u64, row_bytes)?
+            .copy_from_slice(&row);
+    }
+    Ok(())
+}
+
+pub(super) fn quantize_indexer(
+    mem: &mut Arena,
+    p: &abi::kvs_quantize_indexer_params,
+) -> Result<()> {
+    let kind = if p.scale == abi::KVS_SCALE_UE8M0 {
+        IndexerScale::Ue8m0
+    } else {
+        IndexerScale::Plain
+    };
+    let mut codes = [0u8; INDEXER_HEAD_DIM];
+    for token in 0..p.num_tokens {
+        let slot = mem.i64_at(p.slots + 8 * token)?;
+        if slot < 0 {
+            continue;
+        }
+        if slot as u64 >= p.dst_pages.saturating_mul(PAGE_SIZE as u64) {
+            report(mem, &p.status, token)?;
+            continue;
+        }
+        let keys = bf16s(mem.bytes(p.src + token * p.src_stride, 2 * INDEXER_HEAD_DIM)?);
+        let scale = fp8::quantize_indexer_row(&keys, kind, &mut codes)?;
+        let block = p.dst + (slot as u64 / PAGE_SIZE as u64) * INDEXER_PAGE_BYTES as u64;
+        let offset = slot as u64 % PAGE_SIZE as u64;
+        mem.bytes_mut(block + offset * INDEXER_HEAD_DIM as u64, INDEXER_HEAD_DIM)?
+            .copy_from_slice(&codes);
+        mem.bytes_mut(block + INDEXER_SCALES_OFFSET as u64 + 4 * offset, 4)?
+            .copy_from_slice(&scale.to_le_bytes());
+    }
+    Ok(())
+}
+
+pub(super) fn resolve(mem: &mut Arena, p: &abi::kvs_resolve_params) -> Result<()> {
+    let placement = Placement::new(p.shard)?;
+    let mut count = 0u64;
+    for i in 0..p.num_entries {
+        let e = mem.i64_at(p.entries + 8 * i)?;
+        if e < 0 {
+            continue;
+        }
+        let e = e as u64;
+        if e >= p.limit {
+            report(mem, &p.status, i)?;
+            continue;
+        }
+        let owned = if p.mode == abi::KVS_RESOLVE_TOKENS {
+            (placement.slot_owner(Slot(e)) == p.rank).then(|| placement.local_row(Slot(e)))
+        } else {
+            (placement.owner(LogicalPage(e)) == p.rank).then(|| placement.local(LogicalPage(e)).0)
+        };
+        if let Some(local) = owned {
+            mem.bytes_mut(p.out_positions + 4 * count, 4)?
+                .copy_from_slice(&(i as i32).to_le_bytes());
+            mem.bytes_mut(p.out_local + 8 * count, 8)?
+                .copy_from_slice(&(local as i64).to_le_bytes());
+            count += 1;
+        }
+    }
+    if p.num_entries > 0 {
+        mem.set_u64(p.out_count, count)?;
+    }
+    Ok(())
+}
+
+pub(super) fn scratch_rows(mem: &mut Arena, p: &abi::kvs_scratch_rows_params) -> Result<()> {
+    let page_size = PAGE_SIZE as u64;
+    for i in 0..p.num_slots {
+        let slot = mem.i64_at(p.slots + 8 * i)?;
+        let mut row = -1i64;
+        if slot >= 0 {
+            let page = slot as u64 / page_size;
+            let scratch_page = if page < p.table_len {
+                mem.i64_at(p.page_table + 8 * page)?
+            } else {
+                -1
+            };
+            // Bound the page before multiplying, so a huge table entry cannot wrap into range.
+            let mapped =
+                scratch_page >= 0 && (scratch_page as u64) < p.scratch_rows.div_ceil(page_size);
+            let candidate = if mapped {
+                scratch_page as u64 * page_size + slot as u64 % page_size
+            } else {
+                p.scratch_rows
+            };
+            if candidate < p.scratch_rows {
+                row = candidate as i64;
+            } else {
+                report(mem, &p.status, i)?;
+            }
+        }
+        mem.bytes_mut(p.out_rows + 8 * i, 8)?
+            .copy_from_slice(&row.to_le_bytes());
+    }
+    Ok(())
+}
+
+/// `count` int64s at `addr`, or an error when they do not fit one allocation.
+pub(super) fn i64s_at(mem: &Arena, addr: u64, count: u64) -> Result<Vec<i64>> {
+    if count == 0 {
+        return Ok(Vec::new());
+    }
+    let bytes = count
+        .checked_mul(8)
+        .and_then(|b| usize::try_from(b).ok())
+        .ok_or_else(|| Error::overflow(format!("bytes of {count} int64s")))?;
+    Ok(crate::backend::i64s_from_bytes(mem.bytes(addr, bytes)?))
+}
+
+pub(super) fn scratch_table(mem: &mut Arena, p: &abi::kvs_scratch_table_params) -> Result<()> {
+    let pages = i64s_at(mem, p.pages, p.num_entries)?;
+    let scratch = i64s_at(mem, p.scratch_pages, p.num_entries)?;
+    let ok = |s: i64| s >= 0 && (s as u64) < p.trash_page;
+    let len = usize::try_from(p.table_len)
+        .ok()
+        .and_then(|n| n.checked_mul(8))
+        .ok_or_else(|| Error::overflow(format!("a table of {} int64s", p.table_len)))?;
+    let mut table = Vec::with_capacity(len);
+    for l in 0..p.table_len {
+        // check::scratch_table bounds table_len and trash_page to int64.
+        let page = l as i64;
+        // The kernel's lower bound, step for step.
+        let (mut lo, mut hi) = (0usize, pages.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if pages[mid] < page {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        let out = match (pages.get(lo), scratch.get(lo)) {
+            (Some(&found), Some(&s)) if found == page && ok(s) => s,
+            _ => p.trash_page as i64,
+        };
+        table.extend_from_slice(&out.to_le_bytes());
+    }
+    if len > 0 {
+        mem.bytes_mut(p.table, len)?.copy_from_slice(&table);
+    }
+    for (i, (&page, &s)) in pages.iter().zip(&scratch).enumerate() {
+        let unsorted = i > 0 && page <= pages[i - 1];
+        if page < 0 || page as u64 >= p.table_len || unsorted || !ok(s) {
+            report(mem, &p.status, i as u64)?;
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn write_rows(mem: &mut Arena, p: &abi::kvs_write_rows_params) -> Result<()> {
+    let placement = Placement::new(p.shard)?;
+    let mut rows = Vec::new();
+    for i in 0..p.num_slots {
+        let slot = mem.i64_at(p.slots + 8 * i)?;
+        let mut target = None;
+        if slot >= 0 {
+            let slot = Slot(slot as u64);
+            let bad = slot.0 >= p.slot_limit || placement.is_reserved(slot.page());
+            let owned = !bad && placement.slot_owner(slot) == p.rank;
+            let row = placement.local_row(slot);
+            if bad || (owned && row >= p.dst_rows) {
+                report(mem, &p.status, i)?;
+            } else if owned {
+                target = Some(row);
+            }
+        }
+        rows.push(target);
+    }
+    for k in 0..u64::from(p.num_pairs) {
+        let pair = mem.pair(p.pairs, k)?;
+        if pair.component >= p.num_components {
+            report(mem, &p.status, p.num_slots + k)?;
+            continue;
+        }
+        let c = p.components[pair.component as usize];
+        for (token, row) in rows.iter().enumerate() {
+            let Some(row) = *row else { continue };
+            let token = token as u64;
+            if c.kind == abi::KVS_ROWS_INDEXER {
+                let (page, block) = (PAGE_SIZE as u64, INDEXER_PAGE_BYTES as u64);
+                let src_block = pair.src + (token / page) * block;
+                let dst_block = pair.dst + (row / page) * block;
+                let key = INDEXER_HEAD_DIM as u64;
+                mem.copy(
+                    dst_block + (row % page) * key,
+                    src_block + (token % page) * key,
+                    INDEXER_HEAD_DIM,
+                )?;
+                let scales = INDEXER_SCALES_OFFSET as u64;
+                mem.copy(
+                    dst_block + scales + 4 * (row % page),
+                    src_block + scales + 4 * (token % page),
+                    4,
+                )?;
+            } else {
+                let r = u64::from(c.row_bytes);
+                mem.copy(
+                    pair.dst + row * r,
+                    pair.src + token * r,
+                    c.row_bytes as usize,
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn copy_ranges(mem: &mut Arena, p: &abi::kvs_copy_ranges_params) -> Result<()> {
+    for r in 0..p.num_ranges {
+        let at = p.ranges + 24 * r;
+        let (src, dst, bytes) = (mem.u64_at(at)?, mem.u64_at(at + 8)?, mem.u64_at(at + 16)?);
+        // The kernel counts a range's vectors in 32 bits: longer ranges are skipped and
+        // reported there, so here too, whatever this host could copy.
+        if bytes > abi::KVS_COPY_RANGE_MAX_BYTES {
+            report(mem, &p.status, r)?;
+            continue;
+        }
+        let bytes = usize::try_from(bytes)
+            .map_err(|_| Error::overflow(format!("range {r} of {bytes} bytes")))?;
+        mem.copy(dst, src, bytes)?;
+    }
+    Ok(())
+}
