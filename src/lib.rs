@@ -104,6 +104,7 @@ pub mod gpu;
 pub mod hicache;
 pub mod index;
 pub mod ipc;
+mod lock;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod pool;

@@ -2,7 +2,7 @@
 //! or borrowed from the engine). Nothing here synchronizes the stream except the `_sync`
 //! methods and `synchronize`, which say so.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result, sys};
 
@@ -15,6 +15,7 @@ use crate::abi;
 use crate::error::{Error, Result};
 use crate::gpu::memory::{registration_cuts, DeviceAllocation, PinnedAllocation};
 use crate::gpu::{kernels, Gpu, KernelFn, Stream};
+use crate::lock::lock;
 
 /// Threads per CTA of the element-wise kernels (quantizers, scratch translation and tables).
 const THREADS: u32 = 256;
@@ -54,10 +55,6 @@ impl std::fmt::Debug for CudaBackend {
             .field("gpu", &self.gpu.info().name)
             .finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl CudaBackend {

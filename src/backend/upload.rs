@@ -10,11 +10,12 @@ use std::sync::Mutex;
 
 use super::{i64s_to_bytes, AddressSpace, Backend, Buffer, MemoryKind};
 use crate::error::{Checked, Result};
+use crate::lock::lock;
 
 static SPARE: Mutex<Option<HashMap<AddressSpace, Buffer>>> = Mutex::new(None);
 
 fn spare() -> std::sync::MutexGuard<'static, Option<HashMap<AddressSpace, Buffer>>> {
-    SPARE.lock().unwrap_or_else(|p| p.into_inner())
+    lock(&SPARE)
 }
 
 /// A device buffer holding uploaded int64s, lent until dropped.

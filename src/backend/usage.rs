@@ -20,10 +20,11 @@
 //! is the trade kvshard makes.
 
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use super::{Backend, Event};
 use crate::error::Result;
+use crate::lock::lock;
 
 /// Identity of one stream: events of one stream complete in the order they were recorded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -138,20 +139,6 @@ impl Usage {
     pub(crate) fn same(&self, other: &Usage) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
     }
-
-    /// Whether every access recorded so far has completed.
-    pub fn is_idle(&self) -> Result<bool> {
-        let a = lock(&self.0.accesses);
-        if a.unknown {
-            return Ok(false);
-        }
-        for (_, e) in a.reads.iter().chain(&a.writes) {
-            if !e.is_complete()? {
-                return Ok(false);
-            }
-        }
-        Ok(true)
-    }
 }
 
 /// Enqueues `work` on `backend`'s stream ordered after every earlier access of other streams
@@ -231,10 +218,6 @@ struct Grave {
 }
 
 static GRAVES: Mutex<Vec<Grave>> = Mutex::new(Vec::new());
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
 
 /// Frees the parked memory whose work has completed. The memory is dropped after the lock is
 /// released: a free may itself lock a backend (the CPU arena) or park more memory.

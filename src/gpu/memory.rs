@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{result, sys, CudaContext};
 
 use crate::error::{Error, Result};
+use crate::lock::lock;
 
 /// A device allocation, freed on drop.
 #[derive(Debug)]
@@ -148,9 +149,7 @@ impl Drop for PinnedAllocation {
 static CHUNKS: Mutex<BTreeMap<u64, u64>> = Mutex::new(BTreeMap::new());
 
 fn chunks() -> std::sync::MutexGuard<'static, BTreeMap<u64, u64>> {
-    CHUNKS
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+    lock(&CHUNKS)
 }
 
 /// Offsets inside `[addr, addr + len)` where the range crosses from one registration chunk into

@@ -13,7 +13,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -26,6 +26,7 @@ use rustix::net::{
 
 use super::wire::{self, Header, Hello, Message, ProtocolError, HEADER_BYTES, MAX_FDS};
 use crate::error::{Error, Result};
+use crate::lock::lock;
 
 /// Bytes asked of the socket per read.
 const READ_CHUNK: usize = 64 * 1024;
@@ -89,12 +90,6 @@ struct Shared {
     wake: Condvar,
     /// Why a send failed (either thread); the connection is unusable from then on.
     send_failed: Mutex<Option<String>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic elsewhere while holding one of these locks leaves nothing half-updated that
-    // matters here (a flag, a reason, or no data at all).
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Writes one whole frame, descriptors attached to its first bytes.

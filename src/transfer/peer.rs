@@ -30,6 +30,7 @@ use crate::copy::space::sealed::Sealed as _;
 use crate::copy::{BlockSpace, RemoteSpace};
 use crate::error::Result;
 use crate::index::StoredLayer;
+use crate::lock::lock;
 use crate::pool::DevicePool;
 
 /// How a [`PeerTransport`] moves a chunk.
@@ -240,7 +241,7 @@ impl PeerTransport {
                 completion
             }
         };
-        let mut stats = self.stats.lock().unwrap_or_else(|p| p.into_inner());
+        let mut stats = lock(&self.stats);
         stats.chunks += counted.chunks;
         stats.launches += counted.launches;
         stats.copy_calls += counted.copy_calls;

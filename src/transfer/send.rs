@@ -22,6 +22,7 @@ use crate::copy::RemoteSpace;
 use crate::error::{Error, Result};
 use crate::geometry::PAGE_SIZE;
 use crate::index::LogicalPage;
+use crate::lock::lock;
 use crate::pool::DevicePool;
 
 use super::status::{ChunkResult, ChunkStatus};
@@ -174,13 +175,10 @@ impl Drop for PendingChunk {
         let Some(queue) = self.dropped.upgrade() else {
             return;
         };
-        queue
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(Dropped {
-                request: self.request,
-                chunk: self.chunk,
-            });
+        lock(&queue).push(Dropped {
+            request: self.request,
+            chunk: self.chunk,
+        });
     }
 }
 
@@ -417,7 +415,7 @@ impl Sender {
     }
 
     fn lock_dropped(&self) -> std::sync::MutexGuard<'_, Vec<Dropped>> {
-        self.dropped.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.dropped)
     }
 
     /// Takes every dropped chunk of `request` from the queue; returns the earliest.

@@ -42,6 +42,7 @@ use super::{
 };
 use crate::abi;
 use crate::error::{Error, Result};
+use crate::lock::lock;
 
 mod arena;
 mod streams;
@@ -53,9 +54,6 @@ pub use streams::StreamOrder;
 use streams::*;
 use twins::*;
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
 /// The CPU reference backend: one stream of an arena.
 pub struct CpuBackend {
     device: Arc<Mutex<Device>>,

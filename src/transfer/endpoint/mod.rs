@@ -49,13 +49,13 @@
 //!   ranks and the chunks that did arrive, and those ranks are told to abort it; it is handed
 //!   back, failed, once they have answered (or are gone and have exited), as any failed request.
 
-use std::sync::Mutex;
 use std::time::Duration;
 
 use super::ComponentBytes;
 use super::{ChunkResult, ChunkStatus};
 use crate::geometry::Component;
 use crate::ipc::wire::ChunkDone;
+use crate::lock::lock;
 
 mod decode;
 mod prefill;
@@ -73,10 +73,6 @@ pub const CHUNK_EVENTS: usize = 4;
 const LOOK_AGAIN: Duration = Duration::from_millis(20);
 /// The same while a status waits for its event.
 const LOOK_AGAIN_EVENTS: Duration = Duration::from_micros(50);
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// The wire form of a rank's status.
 fn chunk_done(status: &ChunkStatus) -> ChunkDone {

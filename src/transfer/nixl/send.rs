@@ -3,7 +3,7 @@
 //! peer (module docs of [`super`]).
 
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nixl_sys::{RegistrationHandle, XferRequest};
@@ -17,17 +17,12 @@ use crate::copy::{BlockCopyPlan, BlockSpace, PageSelection, RemoteSpace, TableSt
 use crate::error::{Checked, Error, Result};
 use crate::geometry::{CacheGeometry, ComponentLayout};
 use crate::ipc::wire::NixlPeer;
+use crate::lock::lock;
 use crate::pool::DevicePool;
 use crate::transfer::plan::{Section, SendPlan};
 use crate::transfer::stats::{Posted, TransferStats};
 use crate::transfer::transport::{Completion, Transport};
 use crate::transfer::{ChunkResult, ChunkStatus};
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every update under this lock is a handful of plain assignments; a panic elsewhere leaves
-    // nothing half-done that matters more than failing the next call would.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// How long [`Completion::wait_sync`] sleeps between looks at a moving transfer.
 const WAIT_STEP: Duration = Duration::from_micros(20);
