@@ -5,16 +5,21 @@
 //! and the copy ceilings a run measures itself ([`copy_sync`], [`duplex_sync`], [`peer_sync`])
 //! that every figure is reported against ([`Ceiling`]).
 //!
+//! Every stretch of timed work is also checked to enqueue without blocking the host
+//! ([`timed_waits`]): it is an engine's steady state, and kvshard's contract is that only its
+//! `_sync` calls wait.
+//!
 //! Only device time counts: every timing is a pair of events on the stream the work runs on,
 //! never the host's clock, so setup and verification around the work stay out of it. On the CPU
 //! twin the same events time the reference kernels; those figures say nothing about hardware
 //! and reports mark their share of a ceiling "n/a".
 
+use std::cell::Cell;
 use std::fmt;
 use std::sync::Arc;
 
 use kvshard::backend::cuda::CudaBackend;
-use kvshard::backend::{Backend, Buffer, Event, MemoryKind};
+use kvshard::backend::{sync_counts, Backend, Buffer, Event, MemoryKind};
 use kvshard::gpu::memory::DeviceAllocation;
 use kvshard::gpu::Gpu;
 use kvshard::{Error, Result};
@@ -63,11 +68,57 @@ impl fmt::Display for Moved {
     }
 }
 
+thread_local! {
+    static TIMED: Cell<TimedWaits> = const { Cell::new(TimedWaits { stretches: 0, waits: 0 }) };
+}
+
+/// The host waits made while enqueueing timed work on this thread: what [`time_sync`],
+/// [`time_forked_sync`] and [`Laps::time`] time is the work an engine enqueues in its steady
+/// state (writes, gathers, sends, backups, loads), where kvshard promises not to block.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct TimedWaits {
+    /// Stretches of timed work enqueued.
+    pub stretches: u64,
+    /// Host waits (`backend::sync_counts`) made while enqueueing them.
+    pub waits: u64,
+}
+
+impl std::ops::Sub for TimedWaits {
+    type Output = TimedWaits;
+
+    fn sub(self, earlier: TimedWaits) -> TimedWaits {
+        TimedWaits {
+            stretches: self.stretches.saturating_sub(earlier.stretches),
+            waits: self.waits.saturating_sub(earlier.waits),
+        }
+    }
+}
+
+/// This thread's [`TimedWaits`] so far; subtract two readings to check a stretch of a run.
+pub fn timed_waits() -> TimedWaits {
+    TIMED.with(Cell::get)
+}
+
+/// Runs `work` (the enqueueing of timed work), counting it and the host waits it made.
+fn enqueue<T>(work: impl FnOnce() -> Result<T>) -> Result<T> {
+    let before = sync_counts();
+    let result = work();
+    let waits = (sync_counts() - before).host_blocking;
+    TIMED.with(|t| {
+        let now = t.get();
+        t.set(TimedWaits {
+            stretches: now.stretches + 1,
+            waits: now.waits + waits,
+        })
+    });
+    result
+}
+
 /// Times the work `work` enqueues on `b` with a pair of events around it; waits for the second
 /// and returns the milliseconds between them.
 pub fn time_sync(b: &dyn Backend, work: impl FnOnce() -> Result<()>) -> Result<f64> {
     let start = b.record_timed()?;
-    work()?;
+    enqueue(work)?;
     let end = b.record_timed()?;
     b.wait_event_sync(&end)?;
     b.elapsed_ms(&start, &end)
@@ -81,7 +132,7 @@ pub fn time_forked_sync(
     work: impl FnOnce(&Event) -> Result<Vec<Event>>,
 ) -> Result<f64> {
     let start = b.record_timed()?;
-    for joined in work(&start)? {
+    for joined in enqueue(|| work(&start))? {
         b.wait(&joined)?;
     }
     let end = b.record_timed()?;
@@ -101,7 +152,7 @@ impl Laps {
     /// Enqueues `work` on `b` between the events of a new lap; waits for nothing.
     pub fn time(&mut self, b: &dyn Backend, work: impl FnOnce() -> Result<()>) -> Result<()> {
         let start = b.record_timed()?;
-        work()?;
+        enqueue(work)?;
         self.laps.push((start, b.record_timed()?));
         Ok(())
     }

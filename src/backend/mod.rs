@@ -15,8 +15,8 @@
 //! and size first and build the parameters from memory they hold.
 //!
 //! Nothing a backend does synchronizes its stream unless the method's name ends in `_sync` or
-//! is [`Backend::synchronize`], and nothing synchronizes the whole device ([`sync_counts`]
-//! counts both kinds of wait). Memory is freed only after the work kvshard queued on it has
+//! is [`Backend::synchronize`] ([`sync_counts`] counts those waits), and nothing synchronizes
+//! the whole device. Memory is freed only after the work kvshard queued on it has
 //! completed, and work kvshard queues on one stream waits for the conflicting work it queued on
 //! others ([`Usage`]).
 

@@ -7,10 +7,14 @@
 //!   buffers an engine already has.
 //! - [`IpcEvent`]: an interprocess event, recorded by one process and waited on by another.
 //!
-//! Every type owns its driver handle and releases it on drop. Unmapping memory first waits for
-//! this process's work on the device (`cuCtxSynchronize`, as freeing kvshard's own memory does),
-//! so no launch of this process touches an unmapped range; work of *other* processes is the
-//! protocol's business (the P/D endpoints in `transfer::endpoint` order it).
+//! Every type owns its driver handle and releases it on drop, without waiting for anything. The
+//! mappings reach the rest of kvshard only as what a usage record keeps alive (an exported
+//! pool's [`crate::backend::Buffer`], an imported pool's `RemoteSpace`), and a usage record
+//! drops what it keeps only once every event of the work queued on it has completed
+//! (`backend::usage`). So no launch of this process still queued touches a range unmapped here,
+//! and unmapping never waits for the device (it used to: `cuCtxSynchronize`, a wait for every
+//! stream of the engine). Work of *other* processes is the protocol's business (the P/D
+//! endpoints in `transfer::endpoint` order it).
 
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
@@ -153,24 +157,15 @@ impl Mapping {
     }
 }
 
-/// Waits for every stream of the current context: work still queued may use a range about to be
-/// unmapped. A context whose work failed for good runs nothing any more, so a failure here also
-/// means nothing can touch the memory.
-fn quiesce() {
-    super::sync_count::count_device_sync();
-    // SAFETY: a plain wait on the current context, which every caller bound first.
-    let _ = unsafe { sys::cuCtxSynchronize() }.result();
-}
-
 impl Drop for Mapping {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_err() {
             return;
         }
         if self.mapped {
-            quiesce();
             // SAFETY: mapped by `new` at this range; this process's work that could use it has
-            // finished (quiesce above).
+            // completed (the usage record that kept this mapping dropped it only then, see the
+            // module docs).
             let _ = unsafe { sys::cuMemUnmap(self.ptr, self.size) }.result();
         }
         // SAFETY: the handle is owned by this value and released once; the physical memory goes
@@ -596,9 +591,8 @@ impl IpcMapping {
 impl Drop for IpcMapping {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {
-            quiesce();
             // SAFETY: opened by `open` and closed once; this process's work that could use it
-            // has finished (quiesce above).
+            // has completed (the usage record that kept this mapping dropped it only then).
             let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) }.result();
         }
     }

