@@ -10,8 +10,8 @@
 #             (the report goes after pd's in pd.md; PRESSURE_ARGS adds flags)
 #   python    python/run-gpu-tests.sh on the staged wheel, with its benchmark
 #   bench     the GPU benchmark (arguments after `--` go to it)
-# Writes at most eight files to $OUT (default ./gpu-out): summary.log, tests.log,
-# sanitizer.log, demo.log, pd.md, python.md, bench.md and bench.log. The binaries need
+# Writes to $OUT (default ./gpu-out): summary.log, tests.log, sanitizer.log, demo.log, pd.md,
+# python.md, bench.md, bench.log and the benchmark's charts, bench-SECTION.svg. The binaries need
 # glibc >= 2.34 and load libcuda (and libnccl, found in the machine's Python packages) at run
 # time. Usage: run-gpu.sh [STEP...] [-- BENCH ARGS...]
 set -uo pipefail
@@ -114,7 +114,7 @@ for step in "${steps[@]}"; do
   bench)
     OUT="$out" "$here/benches/gpu" "$@" 2>&1 | tee "$out/bench.log" >/dev/null
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
-    say "bench: $(grep -c 'FAILED' "$out/bench.log") sections failed"
+    say "bench: $(grep -c 'FAILED' "$out/bench.log") sections failed, $(grep -c 'ABOVE ITS SAME-RUN CEILING' "$out/bench.log") figures above their ceiling, $(grep -c '^chart:' "$out/bench.log") charts"
     ;;
   *)
     say "unknown step $step"

@@ -399,6 +399,26 @@ impl fmt::Display for Ceiling {
     }
 }
 
+/// The page count a benchmark case names (`512 pages`, `64p`) and the case with it taken out: the
+/// x value and the line of the row. `None` for rows that measure no page count.
+pub fn pages_of(case: &str) -> Option<(u64, String)> {
+    let words: Vec<&str> = case.split(' ').collect();
+    for (i, w) in words.iter().enumerate() {
+        let (digits, rest) = w.split_at(w.find(|c: char| !c.is_ascii_digit()).unwrap_or(w.len()));
+        let pages = match (digits.parse::<u64>(), rest) {
+            (Ok(p), "p") => p,
+            (Ok(p), "") if words.get(i + 1).is_some_and(|n| n.starts_with("pages")) => p,
+            _ => continue,
+        };
+        let mut line: Vec<&str> = words.clone();
+        let drop = if rest.is_empty() { 2 } else { 1 };
+        let tail = words[i + drop - 1].trim_start_matches(|c: char| c.is_ascii_alphanumeric());
+        line.splice(i..i + drop, (!tail.is_empty()).then_some(tail));
+        return Some((pages, line.join(" ")));
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use kvshard::backend::cpu::CpuBackend;
@@ -510,5 +530,26 @@ mod tests {
         };
         assert_eq!(none.share(150.0), "n/a");
         assert_eq!(gpu.to_string(), "d2d: 200.0 GB/s");
+    }
+
+    #[test]
+    fn the_page_count_is_the_x_value_and_the_rest_names_the_line() {
+        assert_eq!(
+            pages_of("N=8, 512 pages x 62+62 layers, range kernel"),
+            Some((512, "N=8, x 62+62 layers, range kernel".into()))
+        );
+        assert_eq!(
+            pages_of("LayerFirst Load 64p x 62 layers, copy-engine"),
+            Some((64, "LayerFirst Load x 62 layers, copy-engine".into()))
+        );
+        assert_eq!(
+            pages_of("576 rows, 64 pages x 62 layers gather kernel"),
+            Some((64, "576 rows, x 62 layers gather kernel".into()))
+        );
+        assert_eq!(
+            pages_of("LayerFirst Load 512p + Backup 512p at once"),
+            Some((512, "LayerFirst Load + Backup 512p at once".into()))
+        );
+        assert_eq!(pages_of("a GEMM of 8192 x 8192"), None);
     }
 }

@@ -157,6 +157,9 @@ impl Row {
 pub struct Report {
     pub rows: Vec<Row>,
     pub header: Vec<String>,
+    /// Rows whose figure passed their same-run ceiling: impossible, so the figure is computed
+    /// wrongly (the run fails).
+    pub above_ceiling: Vec<String>,
 }
 
 impl Report {
@@ -179,6 +182,10 @@ impl Report {
             ceiling: ceiling.1,
             note,
         };
+        if row.gbps() > row.ceiling {
+            self.above_ceiling
+                .push(format!("{} {}", row.section, row.case));
+        }
         println!(
             "{:<12} {:<58} {:>12} B {:>9.3} ms {:>8.1} GB/s {:>6.1}% of {} {}",
             row.section,

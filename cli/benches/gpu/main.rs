@@ -13,6 +13,7 @@ mod harness;
 mod hicache;
 mod interference;
 mod pd;
+mod plot;
 mod pool;
 mod resolve;
 
@@ -71,7 +72,6 @@ fn main() -> ExitCode {
     let info = ctx.gpu.info().clone();
     let c = ctx.ceilings;
     let mut report = Report {
-        rows: Vec::new(),
         header: vec![
         format!(
             "device: {} (sm_{}{}, {} SMs, {:.0} GiB), kvshard {}",
@@ -91,6 +91,7 @@ fn main() -> ExitCode {
             c.bidir
         ),
         ],
+        ..Report::default()
     };
     for h in &report.header {
         println!("{h}");
@@ -106,10 +107,21 @@ fn main() -> ExitCode {
         }
     }
     if let Some(out) = std::env::var_os("OUT") {
-        let path = std::path::Path::new(&out).join("bench.md");
+        let dir = std::path::Path::new(&out);
+        let path = dir.join("bench.md");
         if let Err(e) = std::fs::write(&path, report.markdown()) {
             println!("cannot write {}: {e}", path.display());
         }
+        match plot::write(&report.rows, dir) {
+            Ok(charts) => charts
+                .iter()
+                .for_each(|c| println!("chart: {}", c.display())),
+            Err(e) => println!("cannot draw the charts: {e}"),
+        }
+    }
+    for row in &report.above_ceiling {
+        println!("ABOVE ITS SAME-RUN CEILING (a measurement bug): {row}");
+        failed = true;
     }
     if failed {
         ExitCode::FAILURE
