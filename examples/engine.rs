@@ -12,7 +12,7 @@ use kvshard::chain::RequestChain;
 use kvshard::copy::RemoteSpace;
 use kvshard::geometry::{CacheGeometry, Component, LatentLayout, PoolGeometry};
 use kvshard::hicache::{
-    HiCacheController, HostLayout, HostPool, IoBackend, Route, Streams, WritePolicy,
+    CacheNode, HiCacheController, HostLayout, HostPool, IoBackend, Route, Streams, WritePolicy,
 };
 use kvshard::index::{LocalPage, ModelLayer};
 use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite, PoolBuffers, RawBuffer};
@@ -157,7 +157,7 @@ fn main() -> Result<()> {
             HiCacheController::new(p.clone(), host, s, WritePolicy::WriteThrough)
         })
         .collect::<Result<Vec<_>>>()?;
-    let node = chain.cache_node(7, 0..chain.page_count())?;
+    let node = CacheNode::of_chain(&chain, 7, 0..chain.page_count())?;
     let compute = b.record()?;
     let owned = |pages: &[kvshard::index::LogicalPage], rank: usize| -> Vec<LocalPage> {
         pages

@@ -1,6 +1,8 @@
-//! A request's page chain: its start owner and logical pages, and everything an engine derives
-//! from them (slots, the HiCache node, the P/D registration, host pages for a backup), so no
-//! engine recomputes the owner rotation by hand.
+//! A request's page chain: its start owner and logical pages, and what an engine derives from
+//! them (slots, the owner of each position, a cached prefix's gather request), so no engine
+//! recomputes the owner rotation by hand. The layers above build their views of a chain from
+//! it: the HiCache node (`hicache::CacheNode::of_chain`) and the P/D registration
+//! (`transfer::Registration::of_chain`).
 //!
 //! Position `P` of a chain with start owner `b` is owned by `(b + P) % N`. A chain grows through
 //! the rotated-owner allocator every rank runs identically ([`ShardAllocator`]), so every rank's
@@ -17,7 +19,6 @@ use std::sync::Arc;
 
 use crate::error::{Checked, Error, Result};
 use crate::geometry::PAGE_SIZE;
-use crate::hicache::CacheNode;
 use crate::index::{LocalPage, LogicalPage, Slot};
 use crate::shard::{
     AllocRequest, ChainStart, GatherRequest, PageGenerations, Placement, ShardAllocator,
@@ -223,49 +224,29 @@ impl RequestChain {
             .collect()
     }
 
+    /// The placement the chain's pages are sharded by.
+    pub fn placement(&self) -> Placement {
+        self.placement
+    }
+
+    /// The pages at positions `pages`, refused when the range passes the chain's end
+    /// ([`Error::OutOfRange`]) or one of them was freed since the chain took it
+    /// ([`Error::StaleChain`]).
+    pub fn pages_at(&self, pages: Range<usize>) -> Result<&[LogicalPage]> {
+        let got = self.pages.get(pages.clone()).ok_or(Error::OutOfRange {
+            what: "chain page",
+            index: pages.end as i64,
+            limit: self.pages.len() as u64 + 1,
+        })?;
+        self.check(pages)?;
+        Ok(got)
+    }
+
     /// The owner of the chain's position `position` (`None` before the first page).
-    fn owner_at(&self, position: usize) -> Option<u32> {
+    pub fn owner_at(&self, position: usize) -> Option<u32> {
         let shard = u64::from(self.placement.shard());
         self.start_owner
             .map(|b| ((u64::from(b) + position as u64 % shard) % shard) as u32)
-    }
-
-    /// The HiCache node of positions `pages` of the chain, with id `id`. It has a shard owner
-    /// (the owner of its first page) only when the cache is sharded. Refused for a stale chain.
-    pub fn cache_node(&self, id: u64, pages: Range<usize>) -> Result<CacheNode> {
-        let device_pages = self
-            .pages
-            .get(pages.clone())
-            .ok_or(Error::OutOfRange {
-                what: "chain page",
-                index: pages.end as i64,
-                limit: self.pages.len() as u64 + 1,
-            })?
-            .to_vec();
-        self.check(pages.clone())?;
-        let start_owner = if self.placement.shard() > 1 {
-            self.owner_at(pages.start)
-        } else {
-            None
-        };
-        Ok(CacheNode {
-            id,
-            device_pages,
-            start_owner,
-        })
-    }
-
-    /// The HiCache node of positions `pages` (with id `id`) and the host pages its backup gets
-    /// from the host allocator `host` ([`CacheNode::alloc_host_pages`]).
-    pub fn backup_pages(
-        &self,
-        id: u64,
-        pages: Range<usize>,
-        host: &mut ShardAllocator,
-    ) -> Result<(CacheNode, Vec<LogicalPage>)> {
-        let node = self.cache_node(id, pages)?;
-        let host_pages = node.alloc_host_pages(host)?;
-        Ok((node, host_pages))
     }
 
     /// The P/D registration of this chain as a decode side's (unsharded) chain: the request's
@@ -356,8 +337,9 @@ mod tests {
         assert_eq!(slots[1].page(), chain.pages().unwrap()[0]);
         assert_eq!(slots[2].page(), chain.pages().unwrap()[1]);
         assert!(chain.slots(0..321).is_err());
-        let node = chain.cache_node(7, 1..3).unwrap();
-        assert_eq!(node.start_owner, Some((b + 1) % 3));
+        assert_eq!(chain.owner_at(1), Some((b + 1) % 3));
+        assert_eq!(chain.pages_at(1..3).unwrap(), &chain.pages().unwrap()[1..3]);
+        assert!(chain.pages_at(4..6).is_err());
         // A chain claimed cached with pages off the rotation is refused.
         assert!(
             RequestChain::cached(&alloc, (b + 1) % 3, chain.pages().unwrap().to_vec()).is_err()
@@ -375,6 +357,5 @@ mod tests {
         let reg = chain.registration(3, PoolLayout::packed(g, 10), 1).unwrap();
         assert_eq!(reg.pages.len(), 3);
         assert_eq!(reg.state_pages.len(), 4);
-        assert_eq!(chain.cache_node(1, 0..2).unwrap().start_owner, None);
     }
 }

@@ -21,8 +21,8 @@ use kvshard::chain::RequestChain;
 use kvshard::copy::{BlockCopy, BlockCopyPlan, PageSelection, RemoteSpace, Staging};
 use kvshard::geometry::{CacheGeometry, Component, LatentLayout, PoolGeometry};
 use kvshard::hicache::{
-    Direction, HiCacheController, HostLayout, HostPool, HostTransfer, IoBackend, Layers, Relayout,
-    Route, Streams, TransferPlan, WritePolicy,
+    CacheNode, Direction, HiCacheController, HostLayout, HostPool, HostTransfer, IoBackend, Layers,
+    Relayout, Route, Streams, TransferPlan, WritePolicy,
 };
 use kvshard::index::{LocalPage, LogicalPage, ModelLayer, StoredLayer};
 use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite};
@@ -405,7 +405,7 @@ common::on_cpu_and_gpu!(
             .pool
             .read_pages_sync(rank.compute.as_ref(), &pages)
             .unwrap();
-        let node = chain.cache_node(3, 0..chain.page_count()).unwrap();
+        let node = CacheNode::of_chain(&chain, 3, 0..chain.page_count()).unwrap();
         let done = rank.compute.record().unwrap();
         c.access(&node, &done, IoBackend::CopyEngine).unwrap();
         // The engine reuses the pages at once: a new request's chunk lands in them.
@@ -451,7 +451,7 @@ fn a_kvshard_read_of_reloaded_pages_before_their_signal_sees_the_loaded_bytes() 
             .pool
             .read_pages_sync(rank.compute.as_ref(), &pages)
             .unwrap();
-        let node = chain.cache_node(4, 0..chain.page_count()).unwrap();
+        let node = CacheNode::of_chain(&chain, 4, 0..chain.page_count()).unwrap();
         let done = rank.compute.record().unwrap();
         c.access(&node, &done, IoBackend::CopyEngine).unwrap();
         c.ack_backups_sync(1).unwrap();
@@ -488,7 +488,7 @@ common::on_cpu_and_gpu!(
         let mut prefix = RequestChain::new(Placement::unsharded());
         prefix.grow_to(&mut rank.alloc, TOKENS).unwrap();
         rank.write(&rank.slots(&prefix), 10);
-        let cached = prefix.cache_node(5, 0..prefix.page_count()).unwrap();
+        let cached = CacheNode::of_chain(&prefix, 5, 0..prefix.page_count()).unwrap();
         let done = rank.compute.record().unwrap();
         c.access(&cached, &done, IoBackend::CopyEngine).unwrap();
         c.ack_backups_sync(1).unwrap();
@@ -499,7 +499,7 @@ common::on_cpu_and_gpu!(
         let slots = rank.slots(&chain);
         let (_decode, _decode_chain, reg, mut sender) = rank.decode_side();
         let consumer = (rank.streams)();
-        let node = chain.cache_node(6, 0..chain.page_count()).unwrap();
+        let node = CacheNode::of_chain(&chain, 6, 0..chain.page_count()).unwrap();
 
         let before = sync_counts();
         rank.write(&slots, 9);

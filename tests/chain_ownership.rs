@@ -9,6 +9,7 @@ use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::Backend;
 use kvshard::chain::RequestChain;
 use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry};
+use kvshard::hicache::CacheNode;
 use kvshard::index::LogicalPage;
 use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite};
 use kvshard::shard::{Placement, ShardAllocator};
@@ -43,7 +44,7 @@ fn a_freed_chain_hands_out_no_slots_pages_node_or_registration() {
     assert!(is_stale(&chain.slots(0..10), pages[0], 0));
     assert!(is_stale(&chain.slots(130..150), pages[2], 2));
     assert!(is_stale(&chain.pages(), pages[0], 0));
-    assert!(is_stale(&chain.cache_node(1, 1..3), pages[1], 1));
+    assert!(is_stale(&CacheNode::of_chain(&chain, 1, 1..3), pages[1], 1));
     let g = CacheGeometry::with_draft(PoolGeometry::new(LatentLayout::Fp8Trtllm, 2));
     let layout = PoolLayout::packed(g, 8);
     assert!(is_stale(&chain.registration(3, layout, 0), pages[0], 0));

@@ -645,7 +645,7 @@ fn empty_operations_succeed_and_change_nothing() {
 mod edges {
     use kvshard::chain::RequestChain;
     use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry, PAGE_SIZE};
-    use kvshard::hicache::TransferPlan;
+    use kvshard::hicache::{CacheNode, TransferPlan};
     use kvshard::index::{LocalPage, LogicalPage, Slot};
     use kvshard::pool::{Budget, BudgetRequest};
     use kvshard::shard::{AllocRequest, ChainStart, Placement, ShardAllocator};
@@ -1057,7 +1057,7 @@ mod edges {
                     }
                     Err(_) => prop_assert!(a > b || b > chain.capacity()),
                 },
-                ChainOp::Node(id, a, b) => match chain.cache_node(id, a..b) {
+                ChainOp::Node(id, a, b) => match CacheNode::of_chain(&chain, id, a..b) {
                     Ok(node) => {
                         prop_assert_eq!(&node.device_pages[..], &chain.pages().unwrap()[a..b]);
                         prop_assert_eq!(node.id, id);

@@ -5,6 +5,7 @@
 use pyo3::prelude::*;
 
 use kvshard::chain::RequestChain;
+use kvshard::hicache::CacheNode;
 
 use crate::errors::IntoPy;
 use crate::hicache::PyCacheNode;
@@ -68,7 +69,9 @@ impl PyRequestChain {
 
     /// The HiCache node of positions `[start, end)` with id `id`.
     fn cache_node(&self, id: u64, start: usize, end: usize) -> PyResult<PyCacheNode> {
-        Ok(PyCacheNode(self.0.cache_node(id, start..end).py_err()?))
+        Ok(PyCacheNode(
+            CacheNode::of_chain(&self.0, id, start..end).py_err()?,
+        ))
     }
 
     /// Host pages a backup of `node` gets from the host allocator.

@@ -35,6 +35,7 @@
 //! returns its host pages (after the backup stream has passed whatever it enqueued).
 
 use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
 use std::sync::Arc;
 
 use super::direct::{HostTransfer, IoBackend};
@@ -43,6 +44,7 @@ use super::plan::TransferPlan;
 use super::signals::LayerReady;
 use super::staged::{Relayout, StagedIo};
 use crate::backend::{Backend, Event};
+use crate::chain::RequestChain;
 use crate::copy::{BlockSpace, Direction, LayerSignals, Layers, TableBuffer};
 use crate::error::{Error, Result};
 use crate::index::{LogicalPage, ModelLayer};
@@ -152,6 +154,24 @@ pub struct CacheNode {
 }
 
 impl CacheNode {
+    /// The node of positions `pages` of `chain`, with id `id`. It has a shard owner (the owner
+    /// of its first page) only when the cache is sharded. Refused for a range past the chain's
+    /// end or a stale chain ([`RequestChain::pages_at`]).
+    pub fn of_chain(chain: &RequestChain, id: u64, pages: Range<usize>) -> Result<Self> {
+        let start = pages.start;
+        let device_pages = chain.pages_at(pages)?.to_vec();
+        let start_owner = if chain.placement().shard() > 1 {
+            chain.owner_at(start)
+        } else {
+            None
+        };
+        Ok(CacheNode {
+            id,
+            device_pages,
+            start_owner,
+        })
+    }
+
     /// Allocates the host pages a backup of this node gets from the host allocator: along the
     /// node's owner rotation when it has a shard owner, else of the same owner classes as its
     /// device pages. All or nothing.

@@ -29,7 +29,9 @@ use kvshard::backend::{Backend, Event, MemoryKind};
 use kvshard::chain::RequestChain;
 use kvshard::copy::{BlockSpace, RemoteSpace};
 use kvshard::geometry::{CacheGeometry, Component, IndexerScale, LatentLayout, PAGE_SIZE};
-use kvshard::hicache::{HiCacheController, HostLayout, HostPool, Route, Streams, WritePolicy};
+use kvshard::hicache::{
+    CacheNode, HiCacheController, HostLayout, HostPool, Route, Streams, WritePolicy,
+};
 use kvshard::index::{ModelLayer, StoredLayer};
 use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite};
 use kvshard::quantize::{
@@ -408,7 +410,7 @@ pub fn run(
 
     // 4: HiCache: write-through backups, eviction, reload into new pages, resend.
     let mut controllers = write_through_controllers(bk, &g, &ranks, per_rank, streams)?;
-    let node = chain.cache_node(1, 0..chain.page_count())?;
+    let node = CacheNode::of_chain(&chain, 1, 0..chain.page_count())?;
     let ms = on_all_ranks(bk, &mut controllers, |s| &s.backup, &mut |c, start| {
         c.access(&node, start, route).map(|_| ())
     })?;

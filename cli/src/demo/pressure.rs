@@ -841,7 +841,7 @@ pub(crate) fn run_scenario(
         cfg.prefix_tokens,
         false,
     )?;
-    let seed_node = seed.cache_node(SEED_NODE, 0..seed.page_count())?;
+    let seed_node = CacheNode::of_chain(&seed, SEED_NODE, 0..seed.page_count())?;
     let backup = s.backup(&seed_node)?;
     s.evictable.push_back(seed_node.clone());
     out.say(format!(
@@ -867,7 +867,7 @@ pub(crate) fn run_scenario(
         ));
     }
     let sent = prompts.prompt_done(&s, PROMPT_1, &p1, &p1_ref)?;
-    let p1_node = p1.cache_node(PROMPT_1, 0..p1.page_count())?;
+    let p1_node = CacheNode::of_chain(&p1, PROMPT_1, 0..p1.page_count())?;
     let backup = s.backup(&p1_node)?;
     s.evictable.push_back(p1_node);
     out.say(format!(
@@ -906,7 +906,7 @@ pub(crate) fn run_scenario(
         true,
     )?;
     let sent = prompts.prompt_done(&s, PROMPT_2, &p2, &p2_ref)?;
-    let p2_node = p2.cache_node(PROMPT_2, seed.page_count()..p2.page_count())?;
+    let p2_node = CacheNode::of_chain(&p2, PROMPT_2, seed.page_count()..p2.page_count())?;
     let backup = s.backup(&p2_node)?;
     s.evictable.push_back(CacheNode {
         device_pages: pages,
