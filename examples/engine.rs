@@ -12,7 +12,7 @@ use kvshard::chain::RequestChain;
 use kvshard::copy::RemoteSpace;
 use kvshard::geometry::{CacheGeometry, Component, LatentLayout, PoolGeometry};
 use kvshard::hicache::{
-    CacheNode, HiCacheController, HostLayout, HostPool, IoBackend, Route, Streams, WritePolicy,
+    CacheNode, HiCacheController, HostLayout, HostPool, Method, Route, Streams, WritePolicy,
 };
 use kvshard::index::{LocalPage, ModelLayer};
 use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite, PoolBuffers, RawBuffer};
@@ -170,13 +170,13 @@ fn main() -> Result<()> {
         .map(|r| ranks[r].read_pages_sync(b.as_ref(), &owned(chain.pages()?, r)))
         .collect::<Result<_>>()?;
     for c in &mut controllers {
-        c.access(&node, &compute, IoBackend::CopyEngine)?;
+        c.access(&node, &compute, Method::CopyEngine)?;
         c.ack_backups_sync(1)?;
     }
 
     // Eviction: the controller forgets nothing on the host; the engine frees the device pages.
     for c in &mut controllers {
-        c.evict_sync(&node, &compute, IoBackend::CopyEngine)?;
+        c.evict_sync(&node, &compute, Method::CopyEngine)?;
     }
     chain.free(&mut alloc)?;
 
@@ -188,7 +188,7 @@ fn main() -> Result<()> {
             node.id,
             &reloaded,
             None,
-            Route::Direct(IoBackend::SmKernel { ctas: 2 }),
+            Route::Direct(Method::host_io(b.as_ref(), 2)),
         )?;
         for layer in 0..g.model_layers() {
             // The attention of `layer` would run on `consumer` right after this wait.

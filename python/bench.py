@@ -169,7 +169,7 @@ def main():
     for direction, way in [("backup", kvshard.Direction.BACKUP), ("load", kvshard.Direction.LOAD)]:
         t = kvshard.HostTransfer(pool, host, bplan, way)
         t.prepare_kernel()
-        for name, io in [("copy_engine", kvshard.IoBackend.COPY_ENGINE), ("kernel", kvshard.IoBackend.KERNEL)]:
+        for name, io in [("copy_engine", kvshard.Method.COPY_ENGINE), ("kernel", kvshard.Method.KERNEL)]:
             nbytes = t.bytes() * args.bulk_iters
 
             def py_bulk():

@@ -112,4 +112,5 @@ pub mod quantize;
 pub mod shard;
 pub mod transfer;
 
+pub use copy::Method;
 pub use error::{Error, Result};

@@ -21,8 +21,8 @@ use kvshard::chain::RequestChain;
 use kvshard::copy::{BlockCopy, BlockCopyPlan, PageSelection, RemoteSpace, Staging};
 use kvshard::geometry::{CacheGeometry, Component, LatentLayout, PoolGeometry};
 use kvshard::hicache::{
-    CacheNode, Direction, HiCacheController, HostLayout, HostPool, HostTransfer, IoBackend, Layers,
-    Relayout, Route, Streams, TransferPlan, WritePolicy,
+    CacheNode, Direction, HiCacheController, HostLayout, HostPool, HostTransfer, Layers, Method,
+    Route, Streams, TransferPlan, WritePolicy,
 };
 use kvshard::index::{LocalPage, LogicalPage, ModelLayer, StoredLayer};
 use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite};
@@ -179,13 +179,13 @@ fn a_staged_preparation_while_a_staged_run_is_queued_leaves_the_run_correct() {
         // The reference: the same load through the copy engine, alone.
         let reference = poisoned_pool(&b);
         load_into(&reference)
-            .run(&b, IoBackend::CopyEngine, Layers::All)
+            .run(&b, Method::CopyEngine, Layers::All)
             .unwrap();
         let pool = poisoned_pool(&b);
         let mut load = load_into(&pool);
         let first = load.staging(&b, 2).unwrap();
         let second = load.staging(&b, 2).unwrap();
-        let how = Relayout::Kernel { ctas: 2 };
+        let how = common::host_io(2);
         // Tables are uploaded on a stream of their own, as the HiCache controller does.
         let tables = b.new_stream();
         load.prepare_staged_sync(&tables, &first, &mut Vec::new())
@@ -407,7 +407,7 @@ common::on_cpu_and_gpu!(
             .unwrap();
         let node = CacheNode::of_chain(&chain, 3, 0..chain.page_count()).unwrap();
         let done = rank.compute.record().unwrap();
-        c.access(&node, &done, IoBackend::CopyEngine).unwrap();
+        c.access(&node, &done, Method::CopyEngine).unwrap();
         // The engine reuses the pages at once: a new request's chunk lands in them.
         rank.write(&slots, 7);
         c.ack_backups_sync(1).unwrap();
@@ -417,7 +417,7 @@ common::on_cpu_and_gpu!(
                 node.id,
                 &node.device_pages,
                 None,
-                Route::Direct(IoBackend::CopyEngine),
+                Route::Direct(Method::CopyEngine),
             )
             .unwrap();
         handle
@@ -453,7 +453,7 @@ fn a_kvshard_read_of_reloaded_pages_before_their_signal_sees_the_loaded_bytes() 
             .unwrap();
         let node = CacheNode::of_chain(&chain, 4, 0..chain.page_count()).unwrap();
         let done = rank.compute.record().unwrap();
-        c.access(&node, &done, IoBackend::CopyEngine).unwrap();
+        c.access(&node, &done, Method::CopyEngine).unwrap();
         c.ack_backups_sync(1).unwrap();
         rank.pool.fill(rank.compute.as_ref(), POISON).unwrap();
         let _handle = c
@@ -461,7 +461,7 @@ fn a_kvshard_read_of_reloaded_pages_before_their_signal_sees_the_loaded_bytes() 
                 node.id,
                 &node.device_pages,
                 None,
-                Route::Direct(IoBackend::SmKernel { ctas: 2 }),
+                Route::Direct(common::host_io(2)),
             )
             .unwrap();
         let consumer = (rank.streams)();
@@ -490,7 +490,7 @@ common::on_cpu_and_gpu!(
         rank.write(&rank.slots(&prefix), 10);
         let cached = CacheNode::of_chain(&prefix, 5, 0..prefix.page_count()).unwrap();
         let done = rank.compute.record().unwrap();
-        c.access(&cached, &done, IoBackend::CopyEngine).unwrap();
+        c.access(&cached, &done, Method::CopyEngine).unwrap();
         c.ack_backups_sync(1).unwrap();
         let reload_into = rank.alloc.alloc_matching(&cached.device_pages).unwrap();
         // A new request, with its P/D destination.
@@ -507,13 +507,13 @@ common::on_cpu_and_gpu!(
             .send(reg.request, chain.pages().unwrap(), ChunkEnd::Final(TOKENS))
             .unwrap();
         let done = rank.compute.record().unwrap();
-        c.access(&node, &done, IoBackend::CopyEngine).unwrap();
+        c.access(&node, &done, Method::CopyEngine).unwrap();
         let handle = c
             .load(
                 cached.id,
                 &reload_into,
                 None,
-                Route::Direct(IoBackend::SmKernel { ctas: 2 }),
+                Route::Direct(common::host_io(2)),
             )
             .unwrap();
         for layer in 0..geometry().model_layers() {

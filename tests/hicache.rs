@@ -23,8 +23,8 @@ use kvshard::copy::BlockSpace;
 use kvshard::geometry::{CacheGeometry, Component, ComponentLayout, LatentLayout, PoolGeometry};
 use kvshard::hicache::{
     pages_of_tokens, CacheNode, Direction, HiCacheController, HostLayout, HostPool, HostTransfer,
-    IoBackend, IoCalls, LayerReady, LayerSignals, Layers, Relayout, Route, Streams, TransferPlan,
-    WritePolicy, DEFAULT_STAGING_PAGES,
+    IoCalls, LayerReady, LayerSignals, Layers, Method, Route, Streams, TransferPlan, WritePolicy,
+    DEFAULT_STAGING_PAGES,
 };
 use kvshard::index::{LocalPage, LogicalPage, ModelLayer, Slot, StoredLayer};
 use kvshard::pool::{DevicePool, PoolBuffers, RawBuffer};
@@ -36,24 +36,24 @@ use rand::{Rng, SeedableRng};
 const DEVICE_PAGES: u64 = 12;
 const HOST_PAGES: u64 = 14;
 
-const IOS: [IoBackend; 4] = [
-    IoBackend::SmKernel { ctas: 2 },
-    IoBackend::CopyEngine,
-    IoBackend::PerBlockMemcpy,
-    IoBackend::BatchMemcpy,
+const IOS: [Method; 4] = [
+    common::host_io(2),
+    Method::CopyEngine,
+    Method::PerBlock,
+    Method::BatchedCopyEngine,
 ];
 
 /// Every route: the four direct I/O backends, then staging with either relayout.
 const ROUTES: [Route; 6] = [
-    Route::Direct(IoBackend::SmKernel { ctas: 2 }),
-    Route::Direct(IoBackend::CopyEngine),
-    Route::Direct(IoBackend::PerBlockMemcpy),
-    Route::Direct(IoBackend::BatchMemcpy),
-    Route::Staged(Relayout::Kernel { ctas: 2 }),
-    Route::Staged(Relayout::CopyEngine),
+    Route::Direct(common::host_io(2)),
+    Route::Direct(Method::CopyEngine),
+    Route::Direct(Method::PerBlock),
+    Route::Direct(Method::BatchedCopyEngine),
+    Route::Staged(common::host_io(2)),
+    Route::Staged(Method::CopyEngine),
 ];
 
-const RELAYOUTS: [Relayout; 2] = [Relayout::Kernel { ctas: 2 }, Relayout::CopyEngine];
+const RELAYOUTS: [Method; 2] = [common::host_io(2), Method::CopyEngine];
 
 fn geometries() -> Vec<CacheGeometry> {
     vec![
@@ -387,14 +387,14 @@ fn round_trip_with(w: &Where<'_>, node: &Node, run: &dyn Fn(&mut HostTransfer)) 
 fn run_route(w: &Where<'_>, t: &mut HostTransfer, route: Route, chunk: u64) {
     match route {
         Route::Direct(io) => {
-            if matches!(io, IoBackend::SmKernel { .. }) {
+            if matches!(io, Method::Kernel(_)) {
                 t.prepare_kernel_sync(w.other, &mut Vec::new()).unwrap();
             }
             t.run(w.b, io, Layers::All).unwrap();
         }
         Route::Staged(how) => {
             let staging = t.staging(w.b, chunk).unwrap();
-            if matches!(how, Relayout::Kernel { .. }) {
+            if matches!(how, Method::Kernel(_)) {
                 t.prepare_staged_sync(w.other, &staging, &mut Vec::new())
                     .unwrap();
             }
@@ -552,30 +552,28 @@ fn staging_of_another_transfer_or_no_ctas_is_refused_before_anything_moves() {
         .unwrap_err();
     assert!(err.to_string().contains("staging made for a Load"), "{err}");
     let err = load
-        .run_staged(&b, &other, &load_staging, Relayout::Kernel { ctas: 0 })
+        .run_staged(&b, &other, &load_staging, common::host_io(0))
         .unwrap_err();
-    assert!(err.to_string().contains("at least one CTA"), "{err}");
+    assert!(err.to_string().contains("need >= 1 CTA"), "{err}");
     // A kernel relayout needs its tables first; the copy engine does not.
     let err = load
-        .run_staged(&b, &other, &load_staging, Relayout::Kernel { ctas: 2 })
+        .run_staged(&b, &other, &load_staging, common::host_io(2))
         .unwrap_err();
     assert!(err.to_string().contains("prepare_staged_sync"), "{err}");
     // Nor does the SM kernel run without its tables.
-    let err = load
-        .run(&b, IoBackend::SmKernel { ctas: 2 }, Layers::All)
-        .unwrap_err();
+    let err = load.run(&b, common::host_io(2), Layers::All).unwrap_err();
     assert!(err.to_string().contains("prepare_kernel_sync"), "{err}");
     b.synchronize().unwrap();
     assert_eq!(b.read_sync(target_latent, 0, 4096).unwrap(), before);
     load.prepare_staged_sync(&b, &load_staging, &mut Vec::new())
         .unwrap();
-    load.run_staged(&b, &other, &load_staging, Relayout::Kernel { ctas: 2 })
+    load.run_staged(&b, &other, &load_staging, common::host_io(2))
         .unwrap();
     // A kernel relayout prepared for one staging is refused with another (its tables name the
     // first staging's mirrors), until it is prepared for that one too.
     let second = load.staging(&b, 1).unwrap();
     let err = load
-        .run_staged(&b, &other, &second, Relayout::Kernel { ctas: 2 })
+        .run_staged(&b, &other, &second, common::host_io(2))
         .unwrap_err();
     assert!(err.to_string().contains("with this staging"), "{err}");
     let mut spare = Vec::new();
@@ -584,7 +582,7 @@ fn staging_of_another_transfer_or_no_ctas_is_refused_before_anything_moves() {
         spare.is_empty(),
         "the first staging's tables went back to the spares and were reused"
     );
-    load.run_staged(&b, &other, &second, Relayout::Kernel { ctas: 2 })
+    load.run_staged(&b, &other, &second, common::host_io(2))
         .unwrap();
     b.synchronize().unwrap();
 }
@@ -602,7 +600,7 @@ fn staged_matches_direct(w: &Where<'_>, chunks: &[u64], node: &Node) {
             layout,
             ..*w
         };
-        let want = round_trip(&reference, Route::Direct(IoBackend::CopyEngine), node);
+        let want = round_trip(&reference, Route::Direct(Method::CopyEngine), node);
         let here = Where { layout, ..*w };
         for &chunk in chunks {
             for how in RELAYOUTS {
@@ -716,7 +714,7 @@ fn every_layout_holds_the_same_canonical_bytes_after_a_backup() {
                 rank: 1,
                 kind: PoolKind::Allocated,
             };
-            round_trip(&w, Route::Direct(IoBackend::CopyEngine), &node).host
+            round_trip(&w, Route::Direct(Method::CopyEngine), &node).host
         })
         .collect();
     assert!(snapshots.windows(2).all(|w| w[0] == w[1]));
@@ -789,12 +787,15 @@ fn signalled_runs_count_every_layer_to_its_target() {
     let mut t = HostTransfer::new(source, host, plan, Direction::Backup).unwrap();
     let mut signals = LayerSignals::new_sync(&b, g.model_layers()).unwrap();
     assert!(
-        t.run_signalled(&b, 2, &mut signals).is_err(),
+        t.run_signalled(&b, Launch::host_io(&b, 2), &mut signals)
+            .is_err(),
         "tables missing"
     );
     t.prepare_kernel_sync(&b, &mut Vec::new()).unwrap();
     for round in 1..=2u32 {
-        let waits = t.run_signalled(&b, 2, &mut signals).unwrap();
+        let waits = t
+            .run_signalled(&b, Launch::host_io(&b, 2), &mut signals)
+            .unwrap();
         // Readiness group 0 is target layer 0 (latent + indexer) and the draft's layer (latent
         // + indexer); layer 1 has latent only, layer 2 latent + indexer. The draft's model
         // layer (3) counts into group 0 and is ready with it.
@@ -818,7 +819,7 @@ fn signalled_runs_count_every_layer_to_its_target() {
     assert!(signals.target(ModelLayer(4)).is_err());
     let mut wrong = LayerSignals::new_sync(&b, 3).unwrap();
     assert!(matches!(
-        t.run_signalled(&b, 2, &mut wrong),
+        t.run_signalled(&b, Launch::host_io(&b, 2), &mut wrong),
         Err(Error::GeometryMismatch { .. })
     ));
 }
@@ -1237,10 +1238,10 @@ fn backends_submit_the_calls_they_promise() {
                 );
             }
             let all = |io| t.calls(io, Layers::All).unwrap();
-            assert_eq!(all(IoBackend::SmKernel { ctas: 4 }).launches, 1);
-            let batch = all(IoBackend::BatchMemcpy);
-            let per_block = all(IoBackend::PerBlockMemcpy);
-            let engine = all(IoBackend::CopyEngine);
+            assert_eq!(all(common::host_io(4)).launches, 1);
+            let batch = all(Method::BatchedCopyEngine);
+            let per_block = all(Method::PerBlock);
+            let engine = all(Method::CopyEngine);
             assert_eq!(batch.batch_calls, 1);
             match layout {
                 HostLayout::PageFirst => {
@@ -1332,7 +1333,7 @@ fn engine_pools_without_a_uniform_layer_stride_fall_back_to_one_batch_per_call()
     )
     .unwrap();
     let t = HostTransfer::new(Arc::new(pool), host.clone(), plan, Direction::Backup).unwrap();
-    let calls = t.calls(IoBackend::CopyEngine, Layers::All).unwrap();
+    let calls = t.calls(Method::CopyEngine, Layers::All).unwrap();
     // Two runs x (3 latent + 3 indexer layers), each one contiguous range.
     assert_eq!(
         calls,
@@ -1342,8 +1343,7 @@ fn engine_pools_without_a_uniform_layer_stride_fall_back_to_one_batch_per_call()
             ..IoCalls::default()
         }
     );
-    t.run(b.as_ref(), IoBackend::CopyEngine, Layers::All)
-        .unwrap();
+    t.run(b.as_ref(), Method::CopyEngine, Layers::All).unwrap();
     let indexer = host.buffer(Component::TargetIndexer).unwrap();
     assert_eq!(
         b.read_sync(&i1, 3 * 8448, 8448).unwrap(),
@@ -1484,7 +1484,7 @@ fn controller_acks_backups_in_fifo_order_only_once_complete() {
         Arc::new(HostPool::new(b.as_ref(), g, HOST_PAGES, HostLayout::PageFirstDirect).unwrap());
     let ps = ProbeStreams::new(&b);
     let mut ctl = HiCacheController::new(pool, host, ps.streams(), WritePolicy::WriteBack).unwrap();
-    let io = IoBackend::CopyEngine;
+    let io = Method::CopyEngine;
     let now = done(b.as_ref());
     ps.backup.hold();
     assert_eq!(ctl.backup(&cache_node(10, &[4, 5]), &now, io).unwrap(), 0);
@@ -1531,7 +1531,7 @@ fn kernel_tables_are_reused_once_their_transfer_is_acked() {
         WritePolicy::WriteThrough,
     )
     .unwrap();
-    let io = IoBackend::SmKernel { ctas: 2 };
+    let io = common::host_io(2);
     let now = done(b.as_ref());
     let signals = ps.tables.allocs();
     ctl.backup(&cache_node(1, &[4, 6, 8]), &now, io).unwrap();
@@ -1686,7 +1686,7 @@ fn write_policies_back_up_on_the_access_or_eviction_they_name() {
     let placement = Placement::new(2).unwrap();
     let pool = random_pool(b.as_ref(), g, placement, 1, 2);
     let host = Arc::new(HostPool::new(b.as_ref(), g, HOST_PAGES, HostLayout::LayerFirst).unwrap());
-    let io = IoBackend::SmKernel { ctas: 1 };
+    let io = common::host_io(1);
     let n = cache_node(3, &[5, 6, 7]);
     let now = done(b.as_ref());
     let controller = |policy| {
@@ -1732,7 +1732,7 @@ fn write_policies_back_up_on_the_access_or_eviction_they_name() {
     // The node's bytes are on the host: load them back elsewhere and compare.
     // Rank 1 moves 5 -> 9 and 7 -> 13: local 2 -> 4 and 3 -> 6.
     let h = back
-        .load(3, &lp(&[9, 10, 13]), None, IoBackend::CopyEngine)
+        .load(3, &lp(&[9, 10, 13]), None, Method::CopyEngine)
         .unwrap();
     assert_eq!(h.index(), 0);
     assert_eq!(
@@ -1762,7 +1762,7 @@ fn a_start_owner_of_zero_is_an_owner() {
     let ps = ProbeStreams::new(&b);
     let mut ctl =
         HiCacheController::new(pool, host, ps.streams(), WritePolicy::WriteThrough).unwrap();
-    let io = IoBackend::CopyEngine;
+    let io = Method::CopyEngine;
     let now = done(b.as_ref());
     // A chain segment starting at owner 0: its host pages follow the rotation from 0.
     let node = |id, pages: &[u64], start_owner| CacheNode {
@@ -1820,7 +1820,7 @@ fn refused_operations_change_nothing() {
         WritePolicy::WriteThrough,
     )
     .unwrap();
-    let io = IoBackend::SmKernel { ctas: 2 };
+    let io = common::host_io(2);
     let now = done(b.as_ref());
     let free = ctl.host_allocator().total_free();
     for bad in [&[4u64, 1][..], &[4, 24], &[4, 6, 4]] {
@@ -1995,13 +1995,13 @@ fn controller_acks_in_fifo_order_across_mixed_routes() {
     let mut ctl =
         HiCacheController::new(pool.clone(), host, ps.streams(), WritePolicy::WriteBack).unwrap();
     let routes = [
-        Route::Staged(Relayout::CopyEngine),
-        IoBackend::CopyEngine.into(),
-        Route::Staged(Relayout::Kernel { ctas: 2 }),
-        IoBackend::SmKernel { ctas: 2 }.into(),
-        IoBackend::PerBlockMemcpy.into(),
-        Route::Staged(Relayout::CopyEngine),
-        IoBackend::BatchMemcpy.into(),
+        Route::Staged(Method::CopyEngine),
+        Method::CopyEngine.into(),
+        Route::Staged(common::host_io(2)),
+        common::host_io(2).into(),
+        Method::PerBlock.into(),
+        Route::Staged(Method::CopyEngine),
+        Method::BatchedCopyEngine.into(),
     ];
     // Rank 0 owns the even pages: 1, 2, 0, 1, 1, 1 and 2 of each node.
     let device: [&[u64]; 7] = [
@@ -2054,7 +2054,7 @@ fn controller_acks_in_fifo_order_across_mixed_routes() {
             .iter()
             .all(|l| matches!(l, LayerReady::Counter(_)));
         match route {
-            Route::Direct(IoBackend::SmKernel { .. }) => assert!(counters, "{route}"),
+            Route::Direct(Method::Kernel(_)) => assert!(counters, "{route}"),
             _ => assert!(events, "{route}"),
         }
     }
@@ -2114,9 +2114,9 @@ fn staged_backups_back_to_back_reuse_one_staging() {
             .collect::<Vec<_>>()),
     ];
     let routes = [
-        Route::Staged(Relayout::CopyEngine),
-        Route::Staged(Relayout::Kernel { ctas: 2 }),
-        Route::Staged(Relayout::CopyEngine),
+        Route::Staged(Method::CopyEngine),
+        Route::Staged(common::host_io(2)),
+        Route::Staged(Method::CopyEngine),
     ];
     // Tables for a kernel relayout: one block copy per staging buffer.
     let new_tables = [0, 2, 0];
@@ -2231,9 +2231,18 @@ fn refused_routes_change_nothing() {
         WritePolicy::WriteThroughSelective,
     )
     .unwrap();
+    let range_kernel = Method::RangeKernel(Launch {
+        ctas: 2,
+        threads: 64,
+    });
+    // Launch shapes no kernel takes, and methods the route does not run.
     let refused = [
-        Route::Staged(Relayout::Kernel { ctas: 0 }),
-        IoBackend::SmKernel { ctas: 0 }.into(),
+        Route::Staged(common::host_io(0)),
+        common::host_io(0).into(),
+        range_kernel.into(),
+        Route::Staged(range_kernel),
+        Route::Staged(Method::PerBlock),
+        Route::Staged(Method::BatchedCopyEngine),
     ];
     let device = [4u64, 6, 7];
     let n = cache_node(1, &device);
@@ -2256,7 +2265,13 @@ fn refused_routes_change_nothing() {
     };
     for route in refused {
         let err = ctl.backup(&n, &now, route).unwrap_err();
-        assert!(matches!(err, Error::InvalidArgument(_)), "{route}: {err}");
+        assert!(
+            matches!(
+                err,
+                Error::InvalidArgument(_) | Error::UnsupportedMethod { .. }
+            ),
+            "{route}: {err}"
+        );
         // Refused accesses are not counted: two of them do not make the node due.
         assert!(ctl.access(&n, &now, route).is_err(), "{route}");
         assert!(ctl.evict_sync(&n, &now, route).is_err(), "{route}");
@@ -2264,7 +2279,7 @@ fn refused_routes_change_nothing() {
         unchanged(&ctl);
     }
     // Token-major page_first is no reason to refuse the copy-engine relayout any more.
-    let io = Route::Staged(Relayout::CopyEngine);
+    let io = Route::Staged(Method::CopyEngine);
     assert_eq!(ctl.access(&n, &now, io).unwrap(), None, "first counted hit");
     assert_eq!(ctl.access(&n, &now, io).unwrap(), Some(0), "no index lost");
     ctl.ack_backups_sync(1).unwrap();
@@ -2337,7 +2352,7 @@ fn failed_backups_leak_nothing(b: &Arc<Probe>, route: Route, faulty: Faulty) -> 
         // Another node's backup sits in the queue, unacked, the whole time (on a route that
         // makes no staging or tables).
         let other = cache_node(1, &[12, 14]);
-        assert_eq!(ctl.backup(&other, &now, IoBackend::CopyEngine).unwrap(), 0);
+        assert_eq!(ctl.backup(&other, &now, Method::CopyEngine).unwrap(), 0);
         let free = ctl.host_allocator().total_free();
         stream.arm(&FAULTABLE, k);
         let result = ctl.backup(&node, &now, route);
@@ -2391,7 +2406,7 @@ common::on_cpu_and_gpu!(
         let b = Probe::on(device);
         for route in ROUTES {
             let staged = matches!(route, Route::Staged(_));
-            let kernel = matches!(route, Route::Direct(IoBackend::SmKernel { .. }));
+            let kernel = matches!(route, Route::Direct(Method::Kernel(_)));
             for faulty in [Faulty::Backup, Faulty::BackupRelayout, Faulty::Tables] {
                 let fired = failed_backups_leak_nothing(&b, route, faulty);
                 eprintln!("{route}: {fired} faults on the {faulty:?} stream");
@@ -2528,7 +2543,7 @@ fn readiness(loader: Loader, layout: HostLayout) -> Readiness {
                 .load(1, &node.device_pages, Some(&poisoned), route)
                 .unwrap();
             let seen = observe(handle.layers());
-            if let (Route::Direct(IoBackend::SmKernel { .. }), LayerReady::Counter(c)) =
+            if let (Route::Direct(Method::Kernel(_)), LayerReady::Counter(c)) =
                 (route, &handle.layers()[draft.0])
             {
                 assert_eq!(c.layer(), ModelLayer(0), "the draft counts into layer 0");
@@ -2552,7 +2567,7 @@ fn readiness(loader: Loader, layout: HostLayout) -> Readiness {
             // After the host pool's poison (deferred on `root` until something waits for it).
             streams.backup.wait(&root.record().unwrap()).unwrap();
             backup
-                .run(streams.backup.as_ref(), IoBackend::CopyEngine, Layers::All)
+                .run(streams.backup.as_ref(), Method::CopyEngine, Layers::All)
                 .unwrap();
             streams.backup.synchronize().unwrap();
             pool.fill(&root, POISON).unwrap();
@@ -2564,7 +2579,9 @@ fn readiness(loader: Loader, layout: HostLayout) -> Readiness {
                 .unwrap();
             let mut signals =
                 LayerSignals::new_sync(streams.tables.as_ref(), g.model_layers()).unwrap();
-            let waits = t.run_signalled(load, 2, &mut signals).unwrap();
+            let waits = t
+                .run_signalled(load, Launch::host_io(load, 2), &mut signals)
+                .unwrap();
             assert_eq!(waits[draft.0].layer(), ModelLayer(0));
             let layers: Vec<LayerReady> = waits.into_iter().map(LayerReady::Counter).collect();
             let seen = observe(&layers);
@@ -2576,16 +2593,16 @@ fn readiness(loader: Loader, layout: HostLayout) -> Readiness {
 
 /// The loaders whose layers become ready one by one.
 const PER_LAYER: [Loader; 5] = [
-    Loader::Controller(Route::Direct(IoBackend::SmKernel { ctas: 2 })),
-    Loader::Controller(Route::Direct(IoBackend::CopyEngine)),
-    Loader::Controller(Route::Direct(IoBackend::PerBlockMemcpy)),
-    Loader::Controller(Route::Direct(IoBackend::BatchMemcpy)),
+    Loader::Controller(Route::Direct(common::host_io(2))),
+    Loader::Controller(Route::Direct(Method::CopyEngine)),
+    Loader::Controller(Route::Direct(Method::PerBlock)),
+    Loader::Controller(Route::Direct(Method::BatchedCopyEngine)),
     Loader::Signalled,
 ];
 
 const STAGED: [Loader; 2] = [
-    Loader::Controller(Route::Staged(Relayout::Kernel { ctas: 2 })),
-    Loader::Controller(Route::Staged(Relayout::CopyEngine)),
+    Loader::Controller(Route::Staged(common::host_io(2))),
+    Loader::Controller(Route::Staged(Method::CopyEngine)),
 ];
 
 #[test]
@@ -2660,7 +2677,7 @@ fn gpu_registered_and_numa_local_host_pools_round_trip() {
             rank: 1,
             kind: PoolKind::Allocated,
         };
-        let want = round_trip(&reference, Route::Direct(IoBackend::CopyEngine), &node);
+        let want = round_trip(&reference, Route::Direct(Method::CopyEngine), &node);
         // Engine-owned memory, registered in chunks of a few pages each.
         let sizes: Vec<usize> = g
             .components()
@@ -2691,7 +2708,7 @@ fn gpu_registered_and_numa_local_host_pools_round_trip() {
             let numa = HostPool::new_numa_local(&cuda, g, HOST_PAGES, layout).unwrap();
             eprintln!("{layout}: NUMA placement {:?}", numa.numa());
             for host in [Arc::new(registered), Arc::new(numa)] {
-                for io in [IoBackend::CopyEngine, IoBackend::SmKernel { ctas: 2 }] {
+                for io in [Method::CopyEngine, common::host_io(2)] {
                     host.fill(&cuda, POISON).unwrap();
                     let source = random_pool(&cuda, g, placement, 1, 8);
                     let plan = node_plan(placement, 1, &node);
@@ -2810,16 +2827,16 @@ fn layer_zero_lands_first(route: impl Into<Route>) {
 
 #[test]
 fn gpu_layer_zero_is_consumable_before_the_last_layer_lands_sm_kernel() {
-    layer_zero_lands_first(IoBackend::SmKernel { ctas: 4 });
+    layer_zero_lands_first(common::host_io(4));
 }
 
 #[test]
 fn gpu_layer_zero_is_consumable_before_the_last_layer_lands_copy_engine() {
-    layer_zero_lands_first(IoBackend::CopyEngine);
+    layer_zero_lands_first(Method::CopyEngine);
 }
 
 #[test]
 fn gpu_staged_loads_are_ready_as_a_whole() {
-    layer_zero_lands_first(Route::Staged(Relayout::CopyEngine));
-    layer_zero_lands_first(Route::Staged(Relayout::Kernel { ctas: 4 }));
+    layer_zero_lands_first(Route::Staged(Method::CopyEngine));
+    layer_zero_lands_first(Route::Staged(common::host_io(4)));
 }

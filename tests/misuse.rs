@@ -23,14 +23,17 @@ use kvshard::copy::{
     Staging, TableStore,
 };
 use kvshard::geometry::{CacheGeometry, Component, LatentLayout, PoolGeometry};
-use kvshard::hicache::{HostLayout, HostPool, TransferPlan};
+use kvshard::hicache::{
+    CacheNode, Direction, HiCacheController, HostLayout, HostPool, HostTransfer, Layers, Route,
+    Streams, TransferPlan, WritePolicy,
+};
 use kvshard::index::{LocalPage, LogicalPage, ModelLayer, Slot, StoredLayer};
 use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite, PoolBuffers, RawBuffer};
 use kvshard::quantize::{quantize_latent, quantize_latent_checked_sync, LATENT_INPUT_ROW_BYTES};
 use kvshard::shard::{Placement, ResolveMode, ShardAllocator};
 use kvshard::transfer::{
-    BackendTransport, ChunkEnd, ChunkResult, ChunkStatus, Completion, CopyMethod, Outcome,
-    PoolLayout, Receiver, Registration, SendPlan, Sender, Transport,
+    BackendTransport, ChunkEnd, ChunkResult, ChunkStatus, Completion, Method, Outcome, PoolLayout,
+    Receiver, Registration, SendPlan, Sender, Transport,
 };
 use kvshard::Error;
 
@@ -566,12 +569,13 @@ fn a_send_into_another_cpu_backends_pool_fails_as_an_err() {
     let (prefill, decode) = (CpuBackend::new(), CpuBackend::new());
     let setup = pd_setup(&prefill, &decode, Placement::unsharded(), 0);
     let methods = [
-        CopyMethod::default_for(&prefill),
-        CopyMethod::Kernel(LAUNCH),
-        CopyMethod::CopyEngine,
+        Method::default_for(&prefill),
+        Method::RangeKernel(LAUNCH),
+        Method::CopyEngine,
     ];
     for method in methods {
-        let transport = BackendTransport::with_method(Arc::new(prefill.new_stream()), method);
+        let transport =
+            BackendTransport::with_method(Arc::new(prefill.new_stream()), method).unwrap();
         let mut sender = Sender::new(setup.pool.clone(), Box::new(transport));
         sender
             .open(
@@ -817,4 +821,141 @@ fn a_deferred_signalled_copy_lands_layer_by_layer() {
     assert!(layer(Component::TargetLatent, 2) == want[2]);
     assert!(layer(Component::DraftIndexer, 0) == want[3]);
     assert_eq!(signals.target(ModelLayer(3)).unwrap(), waits[3].target());
+}
+
+/// Whether `result` is the typed refusal of `method` by `route`, before anything was enqueued.
+fn expect_unsupported<T: std::fmt::Debug>(result: kvshard::Result<T>, method: Method, route: &str) {
+    match result {
+        Err(Error::UnsupportedMethod {
+            method: m,
+            route: r,
+            accepts,
+        }) => {
+            assert_eq!((m.as_str(), r), (method.to_string().as_str(), route));
+            assert!(!accepts.is_empty());
+        }
+        other => panic!("{method} on {route}: {other:?}"),
+    }
+}
+
+/// How bytes move is one `Method` on every route; a P/D transport (in process or into a
+/// peer-mapped pool) takes the block kernel, the range kernel, the copy engine and the per-block
+/// baseline, and refuses the batched copy engine when it is made, before any chunk is submitted.
+#[test]
+fn a_pd_transport_refuses_a_method_it_cannot_run_when_it_is_made() {
+    let b: Arc<dyn Backend> = Arc::new(CpuBackend::new());
+    type Make = fn(Arc<dyn Backend>, Method) -> kvshard::Result<BackendTransport>;
+    let makers: [Make; 2] = [BackendTransport::with_method, BackendTransport::peer];
+    for make in makers {
+        let refused = make(b.clone(), Method::BatchedCopyEngine);
+        expect_unsupported(refused, Method::BatchedCopyEngine, "a P/D transport");
+        for method in [
+            Method::default_for(b.as_ref()),
+            Method::RangeKernel(LAUNCH),
+            Method::CopyEngine,
+            Method::PerBlock,
+        ] {
+            assert_eq!(make(b.clone(), method).unwrap().method(), method);
+        }
+    }
+    let err = BackendTransport::with_method(b, Method::BatchedCopyEngine).unwrap_err();
+    assert!(
+        err.to_string().contains("batched copy engine"),
+        "the message names the method: {err}"
+    );
+}
+
+/// A backup of logical pages 1-3 of an unsharded poisoned host pool: what the HiCache routes
+/// are asked to run with methods they refuse.
+fn hicache_backup(b: &CpuBackend) -> (Arc<DevicePool>, Arc<HostPool>, HostTransfer) {
+    let placement = Placement::unsharded();
+    let device = random_pool(b, placement, 0, 10, 5);
+    let host = Arc::new(HostPool::new(b, &geometry(), 10, HostLayout::PageFirst).unwrap());
+    host.fill(b, POISON).unwrap();
+    let pages = [1, 2, 3].map(LogicalPage);
+    let plan = TransferPlan::new(placement, 0, &pages, &pages, 10, 10).unwrap();
+    let transfer =
+        HostTransfer::new(device.clone(), host.clone(), plan, Direction::Backup).unwrap();
+    (device, host, transfer)
+}
+
+/// A direct HiCache transfer takes the block kernel, the copy engine, the batched copy engine and
+/// the per-block baseline; the range kernel is refused before anything is enqueued (its calls
+/// too).
+#[test]
+fn a_direct_hicache_transfer_refuses_the_range_kernel_before_anything_moves() {
+    let b = CpuBackend::new();
+    let (_device, host, mut backup) = hicache_backup(&b);
+    backup.prepare_kernel_sync(&b, &mut Vec::new()).unwrap();
+    let range = Method::RangeKernel(LAUNCH);
+    let route = "a direct HiCache transfer";
+    expect_unsupported(backup.run(&b, range, Layers::All), range, route);
+    expect_unsupported(backup.calls(range, Layers::All), range, route);
+    b.synchronize().unwrap();
+    assert!(is_poison(&host.snapshot_sync(&b).unwrap()));
+}
+
+/// The relayout of a staged HiCache transfer is the block kernel or the copy engine; any other
+/// method is refused before anything is enqueued.
+#[test]
+fn a_staged_hicache_relayout_refuses_a_method_it_cannot_run_before_anything_moves() {
+    let b = CpuBackend::new();
+    let (_device, host, mut backup) = hicache_backup(&b);
+    let staging = backup.staging(&b, 2).unwrap();
+    backup
+        .prepare_staged_sync(&b, &staging, &mut Vec::new())
+        .unwrap();
+    let other = b.new_stream();
+    for method in [
+        Method::RangeKernel(LAUNCH),
+        Method::BatchedCopyEngine,
+        Method::PerBlock,
+    ] {
+        let refused = backup.run_staged(&b, &other, &staging, method);
+        expect_unsupported(refused, method, "the relayout of a staged HiCache transfer");
+    }
+    b.synchronize().unwrap();
+    other.synchronize().unwrap();
+    assert!(is_poison(&host.snapshot_sync(&b).unwrap()));
+}
+
+/// The HiCache controller checks a route's method before it allocates, stages or enqueues
+/// anything: a refused backup leaves the host allocator, the queues and the staging as they were.
+#[test]
+fn the_hicache_controller_refuses_a_routes_unsupported_method_before_anything_changes() {
+    let b = CpuBackend::new();
+    let (device, host, _) = hicache_backup(&b);
+    let stream = || -> Arc<dyn Backend> { Arc::new(b.new_stream()) };
+    let streams = Streams {
+        load: stream(),
+        backup: stream(),
+        load_relayout: stream(),
+        backup_relayout: stream(),
+        tables: stream(),
+    };
+    let mut ctl =
+        HiCacheController::new(device, host.clone(), streams, WritePolicy::WriteThrough).unwrap();
+    let node = CacheNode {
+        id: 1,
+        device_pages: [1, 2, 3].map(LogicalPage).to_vec(),
+        start_owner: None,
+    };
+    let compute = b.record().unwrap();
+    let free = ctl.host_allocator().free_pages(0);
+    let range = Method::RangeKernel(LAUNCH);
+    for (route, method, name) in [
+        (Route::Direct(range), range, "a direct HiCache transfer"),
+        (
+            Route::Staged(Method::PerBlock),
+            Method::PerBlock,
+            "the relayout of a staged HiCache transfer",
+        ),
+    ] {
+        expect_unsupported(ctl.backup(&node, &compute, route), method, name);
+        expect_unsupported(ctl.access(&node, &compute, route), method, name);
+        assert_eq!(ctl.host_allocator().free_pages(0), free);
+        assert_eq!((ctl.pending_backups(), ctl.staging_bytes()), (0, 0));
+    }
+    b.synchronize().unwrap();
+    assert!(is_poison(&host.snapshot_sync(&b).unwrap()));
 }

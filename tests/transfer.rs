@@ -29,9 +29,9 @@ use kvshard::pool::DevicePool;
 use kvshard::shard::Placement;
 use kvshard::transfer::{
     block_copies, kernel_pieces, BackendTransport, ChunkEnd, ChunkRange, ChunkResult, ChunkStatus,
-    Completion, ComponentBytes, CopyMethod, DescriptorBatch, Finished, MissingChunks, Outcome,
-    Overdue, PendingChunk, PoolLayout, PrefillRank, Receiver, Registration, SendPlan, Sender,
-    Transport, DEFAULT_DEADLINE, KERNEL_PIECE_BYTES, MAX_PREFILL_RANKS,
+    Completion, ComponentBytes, DescriptorBatch, Finished, Method, MissingChunks, Outcome, Overdue,
+    PendingChunk, PoolLayout, PrefillRank, Receiver, Registration, SendPlan, Sender, Transport,
+    DEFAULT_DEADLINE, KERNEL_PIECE_BYTES, MAX_PREFILL_RANKS,
 };
 use kvshard::{Error, Result};
 use rand::rngs::StdRng;
@@ -42,10 +42,10 @@ const LAUNCH: Launch = Launch {
     ctas: 16,
     threads: 256,
 };
-const METHODS: [CopyMethod; 3] = [
-    CopyMethod::Kernel(LAUNCH),
-    CopyMethod::CopyEngine,
-    CopyMethod::Blocks(LAUNCH),
+const METHODS: [Method; 3] = [
+    Method::RangeKernel(LAUNCH),
+    Method::CopyEngine,
+    Method::Kernel(LAUNCH),
 ];
 const SHARDS: [u32; 4] = [1, 2, 4, 8];
 /// Pages of the decode pool.
@@ -398,7 +398,7 @@ type Rank = (Arc<dyn Backend>, Arc<DevicePool>);
 fn send_request(
     ranks: &[Rank],
     decode: &Arc<RemoteSpace>,
-    method: CopyMethod,
+    method: Method,
     case: &Case,
     src: &[LogicalPage],
     reg: &Registration,
@@ -410,7 +410,7 @@ fn send_request(
     let mut senders: Vec<Sender> = ranks
         .iter()
         .map(|(b, pool)| {
-            let transport = BackendTransport::with_method(b.clone(), method);
+            let transport = BackendTransport::with_method(b.clone(), method).unwrap();
             Sender::new(pool.clone(), Box::new(transport))
         })
         .collect();
@@ -509,7 +509,7 @@ fn run_case(
     stream: &dyn Fn() -> Arc<dyn Backend>,
     case: &Case,
     n: u32,
-    method: CopyMethod,
+    method: Method,
     mode: Mode,
     deferred: bool,
     seed: u64,
@@ -628,7 +628,7 @@ fn run_case(
     }
 }
 
-fn check_run(case: &Case, n: u32, method: CopyMethod, mode: Mode, run: &Run) {
+fn check_run(case: &Case, n: u32, method: Method, mode: Mode, run: &Run) {
     let what = format!("{} N={n} {method:?} {mode:?}", case.name);
     let components = case.geometry.components();
     if let Some(at) = difference(&components, DECODE_PAGES, &run.unsharded, &run.expected) {
@@ -739,7 +739,7 @@ fn ranks_owning_nothing_still_send_an_empty_final_chunk() {
     let cpu = CpuStreams::new(false);
     let base = cpu.stream();
     let all = cases();
-    let method = CopyMethod::CopyEngine;
+    let method = Method::CopyEngine;
     let run = |case: &Case, n: u32, seed: u64| {
         let run = run_case(
             &base,
@@ -885,7 +885,7 @@ fn fail_mid_request(abort: bool, in_flight: bool, seed: u64) {
         .map(|r| {
             let pool = DevicePool::allocate(b.as_ref(), &case.geometry, placement, r, per_rank);
             let transport = Failing {
-                inner: BackendTransport::with_method(cpu.stream(), CopyMethod::CopyEngine),
+                inner: BackendTransport::with_method(cpu.stream(), Method::CopyEngine).unwrap(),
                 fail_on: if r == 2 { 2 } else { 0 },
                 in_flight,
                 submitted: 0,
@@ -1315,7 +1315,7 @@ fn invalid_requests_fail_before_any_byte_moves() {
         pools
             .iter()
             .map(|p| {
-                let t = BackendTransport::with_method(cpu.stream(), CopyMethod::CopyEngine);
+                let t = BackendTransport::with_method(cpu.stream(), Method::CopyEngine).unwrap();
                 Sender::new(p.clone(), Box::new(t))
             })
             .collect()
@@ -1497,7 +1497,7 @@ fn the_receiver_refuses_unknown_duplicate_and_out_of_order_statuses() {
         20,
     )
     .unwrap();
-    let transport = BackendTransport::with_method(cpu.stream(), CopyMethod::CopyEngine);
+    let transport = BackendTransport::with_method(cpu.stream(), Method::CopyEngine).unwrap();
     let mut tx = Sender::new(Arc::new(pool), Box::new(transport));
     let e = tx.send(REQUEST, &[], ChunkEnd::Final(0)).unwrap_err();
     assert!(
@@ -1706,7 +1706,7 @@ fn batches_and_block_copies_refuse_spaces_the_plan_was_not_made_for() {
     let small_remote = Arc::new(RemoteSpace::of(small.clone(), g.clone()).unwrap());
     let b: Arc<dyn Backend> = Arc::new(b);
     for method in METHODS {
-        let mut t = BackendTransport::with_method(b.clone(), method);
+        let mut t = BackendTransport::with_method(b.clone(), method).unwrap();
         assert_eq!(t.method(), method);
         let e = t.submit(&plan, &src, &small_remote).err().unwrap();
         assert!(
@@ -1751,7 +1751,7 @@ fn every_copy_method_copies_the_same_bytes() {
     let mut outs = Vec::new();
     for method in METHODS {
         dst.fill(b.as_ref(), POISON).unwrap();
-        let mut t = BackendTransport::with_method(b.clone(), method);
+        let mut t = BackendTransport::with_method(b.clone(), method).unwrap();
         let mut done = t.submit(&plan, &src, &remote).unwrap();
         done.wait_sync().unwrap();
         assert!(done.poll().unwrap());
@@ -1777,5 +1777,5 @@ fn every_copy_method_copies_the_same_bytes() {
     }
     // The default method is the block copy.
     let t = BackendTransport::new(b.clone());
-    assert!(matches!(t.method(), CopyMethod::Blocks(_)), "{t:?}");
+    assert!(matches!(t.method(), Method::Kernel(_)), "{t:?}");
 }

@@ -23,7 +23,7 @@ use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{Backend, Launch};
 use kvshard::gpu::{self, topology, Gpu};
-use kvshard::transfer::PeerMethod;
+use kvshard::transfer::Method;
 use kvshard::{Error, Result};
 
 use crate::demo::{self, Config, StreamFactory, Summary};
@@ -172,9 +172,9 @@ struct PdArgs {
     /// Pages per prefill chunk (transfer scenario).
     #[arg(long)]
     chunk_pages: Option<usize>,
-    /// Methods, comma-separated: `blocks` (once per --ctas), `blocks:CTAS[:THREADS]`, `ce`
-    /// (copy-engine batch), `naive` (one copy per page and layer). The pressure scenario sends
-    /// with one.
+    /// Methods, comma-separated: `blocks` (the block kernel, once per --ctas),
+    /// `blocks:CTAS[:THREADS]`, `ranges:CTAS[:THREADS]` (the range kernel), `ce` (copy-engine
+    /// batch), `naive` (one copy per page and layer). The pressure scenario sends with one.
     #[arg(long, value_delimiter = ',')]
     methods: Option<Vec<String>>,
     /// CTA counts a plain `blocks` method runs with.
@@ -363,19 +363,19 @@ impl PdArgs {
     }
 
     /// The launch shapes a plain `blocks` method runs with: one per `--ctas`, `--threads` each.
-    fn plain_blocks(&self, default: &[PeerMethod]) -> Vec<PeerMethod> {
+    fn plain_blocks(&self, default: &[Method]) -> Vec<Method> {
         let threads = self.threads.unwrap_or(512);
         let ctas = self.ctas.clone().unwrap_or_else(|| {
             default
                 .iter()
                 .filter_map(|m| match m {
-                    PeerMethod::Blocks(l) => Some(l.ctas),
+                    Method::Kernel(l) => Some(l.ctas),
                     _ => None,
                 })
                 .collect()
         });
         ctas.into_iter()
-            .map(|ctas| PeerMethod::Blocks(Launch { ctas, threads }))
+            .map(|ctas| Method::Kernel(Launch { ctas, threads }))
             .collect()
     }
 
@@ -403,7 +403,7 @@ impl PdArgs {
                 .methods
                 .iter()
                 .flat_map(|m| match m {
-                    PeerMethod::Blocks(_) => self.plain_blocks(&d.methods),
+                    Method::Kernel(_) => self.plain_blocks(&d.methods),
                     other => vec![*other],
                 })
                 .collect(),

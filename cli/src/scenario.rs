@@ -10,7 +10,7 @@ use std::fmt;
 
 use kvshard::copy::Staging;
 use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry, PAGE_SIZE};
-use kvshard::hicache::{IoBackend, Relayout, Route};
+use kvshard::hicache::{Method, Route};
 use kvshard::pool::{Budget, BudgetRequest};
 use kvshard::shard::{AdmissionLimits, Placement, ScratchLayout};
 use kvshard::{Error, Result};
@@ -41,8 +41,8 @@ impl Platform {
     /// for bulk transfers next to compute), the plain copy engine on the CPU twin.
     pub fn route(self) -> Route {
         match self {
-            Platform::Gpu => Route::Staged(Relayout::CopyEngine),
-            Platform::Cpu => Route::Direct(IoBackend::CopyEngine),
+            Platform::Gpu => Route::Staged(Method::CopyEngine),
+            Platform::Cpu => Route::Direct(Method::CopyEngine),
         }
     }
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::Backend;
-use kvshard::hicache::{IoBackend, Relayout, Route};
+use kvshard::hicache::{Method, Route};
 use kvshard::Error;
 use kvshard_cli::demo::{run, run_pressure, Config, Summary};
 use kvshard_cli::scenario::{Platform, PressureConfig, Shape};
@@ -54,13 +54,15 @@ fn demo_passes_on_the_cpu_for_every_shard_size() {
 
 #[test]
 fn demo_passes_on_the_cpu_with_every_hicache_route() {
+    // The kernel's host-I/O shape on the CPU twin (each run makes its own backend).
+    let cpu = CpuBackend::new();
     let routes = [
-        Route::Direct(IoBackend::SmKernel { ctas: 2 }),
-        Route::Direct(IoBackend::CopyEngine),
-        Route::Direct(IoBackend::PerBlockMemcpy),
-        Route::Direct(IoBackend::BatchMemcpy),
-        Route::Staged(Relayout::Kernel { ctas: 4 }),
-        Route::Staged(Relayout::CopyEngine),
+        Route::Direct(Method::host_io(&cpu, 2)),
+        Route::Direct(Method::CopyEngine),
+        Route::Direct(Method::PerBlock),
+        Route::Direct(Method::BatchedCopyEngine),
+        Route::Staged(Method::host_io(&cpu, 4)),
+        Route::Staged(Method::CopyEngine),
     ];
     for route in routes {
         let summary = run_on_cpu(&config(4, 1000, 256, true), route)
@@ -122,10 +124,11 @@ fn gpu_demo_passes_with_the_staged_hicache_path() {
         .unwrap_or_else(|e| panic!("N={ranks}: {e}"));
         assert_passed(&summary);
     }
+    let gpu_stream = common::stream(&gpu);
     for route in [
-        Route::Staged(Relayout::Kernel { ctas: 8 }),
-        Route::Direct(IoBackend::SmKernel { ctas: 2 }),
-        Route::Direct(IoBackend::CopyEngine),
+        Route::Staged(Method::host_io(gpu_stream.as_ref(), 8)),
+        Route::Direct(Method::host_io(gpu_stream.as_ref(), 2)),
+        Route::Direct(Method::CopyEngine),
     ] {
         let summary = run(
             common::stream(&gpu),

@@ -356,7 +356,7 @@ fn a_run_writes_its_report_over_an_old_one() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}");
     let table = std::fs::read_to_string(&report).unwrap();
-    assert!(table.contains("| 2 | copy-engine batch |"), "{table}");
+    assert!(table.contains("| 2 | copy engine |"), "{table}");
     assert!(!table.contains("an old report"), "{table}");
     assert!(table.contains("| byte-identical |"), "{table}");
     std::fs::remove_dir_all(&dir).unwrap();

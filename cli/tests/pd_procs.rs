@@ -31,8 +31,8 @@ use kvshard::ipc::{ExportedPool, Liveness, PeerBackend};
 use kvshard::pool::DevicePool;
 use kvshard::shard::{Placement, ShardAllocator};
 use kvshard::transfer::{
-    BackendTransport, ChunkEnd, DecodeEndpoint, DecodeEvent, Finished, MissingChunks, Outcome,
-    PeerMethod, PoolLayout, PrefillEndpoint, PrefillEvent, Receiver, Registration, Sender,
+    BackendTransport, ChunkEnd, DecodeEndpoint, DecodeEvent, Finished, Method, MissingChunks,
+    Outcome, PoolLayout, PrefillEndpoint, PrefillEvent, Receiver, Registration, Sender,
 };
 use kvshard::Error;
 use kvshard_cli::pd::{self, PdConfig};
@@ -64,7 +64,7 @@ fn config(scenario: &str, seed: u64, cpu: bool) -> PdConfig {
     cfg.shape.layers = 4;
     cfg.shape.draft = true;
     cfg.processes.gpus = if cpu { Vec::new() } else { vec![0, 0, 0] };
-    let blocks = PeerMethod::Blocks(Launch {
+    let blocks = Method::Kernel(Launch {
         ctas: 2,
         threads: 256,
     });
@@ -74,7 +74,7 @@ fn config(scenario: &str, seed: u64, cpu: bool) -> PdConfig {
         "reference" => {
             cfg.pages = vec![1, 7, 13];
             cfg.chunk_pages = 3;
-            cfg.methods = vec![blocks, PeerMethod::CopyEngine, PeerMethod::PerBlock];
+            cfg.methods = vec![blocks, Method::CopyEngine, Method::PerBlock];
             // On a GPU, the second iteration goes into a pool shared by legacy IPC handles.
             cfg.iterations = if cpu { 1 } else { 2 };
         }

@@ -8,8 +8,8 @@ through DLPack with no copy) and ``OwnedRowWrite``, P/D ``Sender``/``Receiver`` 
 ``RemoteSpace``, ``HostPool`` (kvshard's and SGLang's byte layouts), ``TransferPlan``,
 ``HostTransfer`` and ``HiCacheController``. ``kvshard.sglang.MLAHostPool`` offers SGLang's
 host pool interface on top. Choices are enum classes, never strings: ``LatentLayout``,
-``Component``, ``HostLayout``, ``Route``, ``IoBackend``, ``Relayout``, ``WritePolicy``,
-``Direction``, ``CopyMethod``.
+``Component``, ``HostLayout``, ``Route``, ``WritePolicy``, ``Direction``, and ``Method``, how
+bytes move on every route (P/D senders, HiCache transfers and their staged relayouts).
 
 Work runs on a ``Device``: ``Device.cpu()`` (the reference twin of every kernel, NumPy arrays
 as tensors) or ``Device.cuda(0)`` (torch/CuPy/JAX tensors). Every enqueueing call takes the
@@ -54,7 +54,6 @@ from ._kvshard import (
     ChunkStatus,
     Component,
     ComponentLayout,
-    CopyMethod,
     Device,
     DevicePool,
     Direction,
@@ -65,13 +64,13 @@ from ._kvshard import (
     HostLayout,
     HostPool,
     HostTransfer,
-    IoBackend,
     LatentLayout,
     LayerReady,
     LayerSignals,
     LayerWaits,
     LoadAck,
     LoadHandle,
+    Method,
     Overdue,
     OwnedRowWrite,
     PendingChunk,
@@ -80,7 +79,6 @@ from ._kvshard import (
     PoolLayout,
     Receiver,
     Registration,
-    Relayout,
     RemoteSpace,
     RequestChain,
     Route,
@@ -126,7 +124,6 @@ __all__ = [
     "ChunkStatus",
     "Component",
     "ComponentLayout",
-    "CopyMethod",
     "Device",
     "DevicePool",
     "Direction",
@@ -137,13 +134,13 @@ __all__ = [
     "HostLayout",
     "HostPool",
     "HostTransfer",
-    "IoBackend",
     "LatentLayout",
     "LayerReady",
     "LayerSignals",
     "LayerWaits",
     "LoadAck",
     "LoadHandle",
+    "Method",
     "Overdue",
     "OwnedRowWrite",
     "PendingChunk",
@@ -152,7 +149,6 @@ __all__ = [
     "PoolLayout",
     "Receiver",
     "Registration",
-    "Relayout",
     "RemoteSpace",
     "RequestChain",
     "Route",

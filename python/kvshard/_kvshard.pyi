@@ -66,10 +66,8 @@ __all__ = [
     "Finished",
     "Overdue",
     "Receiver",
-    "CopyMethod",
+    "Method",
     "HostLayout",
-    "IoBackend",
-    "Relayout",
     "Route",
     "WritePolicy",
     "Direction",
@@ -116,7 +114,7 @@ def _rust_run_signalled_ns(
 def _rust_send_ns(
     sender: Sender, registration: Registration, dst: RemoteSpace, pages: Sequence[int], end: int, iters: int
 ) -> list[int]: ...
-def _rust_bulk_seconds(transfer: HostTransfer, stream: _StreamLike, io: IoBackend, iters: int, ctas: int = 2) -> float: ...
+def _rust_bulk_seconds(transfer: HostTransfer, stream: _StreamLike, io: Method, iters: int, ctas: int = 2) -> float: ...
 def _rust_bulk_send_seconds(
     sender: Sender,
     registration: Registration,
@@ -231,26 +229,21 @@ class HostLayout:
     def from_name(name: str) -> HostLayout: ...
 
 @final
-class IoBackend:
-    """How a HostTransfer moves its bytes (`ctas=` sets the kernel's CTAs)."""
+class Method:
+    """How bytes move, on every route: a copy kernel (its launch shape set by the call's
+    `launch=` or `ctas=`) or copy-engine calls. A route raises InvalidArgument for a method it
+    cannot run, before anything is enqueued."""
 
-    KERNEL: ClassVar[IoBackend]
-    COPY_ENGINE: ClassVar[IoBackend]
-    PER_BLOCK: ClassVar[IoBackend]
-    BATCH: ClassVar[IoBackend]
-    def __int__(self) -> int: ...
-
-@final
-class Relayout:
-    """How a staged transfer moves pages between its device staging and the pool."""
-
-    COPY_ENGINE: ClassVar[Relayout]
-    KERNEL: ClassVar[Relayout]
+    KERNEL: ClassVar[Method]
+    RANGE_KERNEL: ClassVar[Method]
+    COPY_ENGINE: ClassVar[Method]
+    BATCHED_COPY_ENGINE: ClassVar[Method]
+    PER_BLOCK: ClassVar[Method]
     def __int__(self) -> int: ...
 
 @final
 class Route:
-    """How a HiCacheController operation moves a node: direct on an I/O backend, or staged."""
+    """How a HiCacheController operation moves a node: direct with a Method, or staged."""
 
     KERNEL: ClassVar[Route]
     COPY_ENGINE: ClassVar[Route]
@@ -275,15 +268,6 @@ class Direction:
 
     LOAD: ClassVar[Direction]
     BACKUP: ClassVar[Direction]
-    def __int__(self) -> int: ...
-
-@final
-class CopyMethod:
-    """How a Sender moves a chunk's bytes (`launch=(ctas, threads)` sets the kernels' grid)."""
-
-    BLOCKS: ClassVar[CopyMethod]
-    KERNEL: ClassVar[CopyMethod]
-    COPY_ENGINE: ClassVar[CopyMethod]
     def __int__(self) -> int: ...
 
 @final
@@ -572,9 +556,9 @@ class PendingChunk:
 
 @final
 class Sender:
-    # method: CopyMethod.BLOCKS by default.
+    # method: Method.KERNEL by default (RANGE_KERNEL, COPY_ENGINE and PER_BLOCK too).
     def __new__(
-        cls, pool: DevicePool, stream: _StreamLike = None, method: CopyMethod = ..., launch: Optional[_Launch] = None
+        cls, pool: DevicePool, stream: _StreamLike = None, method: Method = ..., launch: Optional[_Launch] = None
     ) -> Self: ...
     @property
     def rank(self) -> int: ...
@@ -770,9 +754,10 @@ class StagedIo:
 class HostTransfer:
     def __new__(cls, device_pool: DevicePool, host_pool: HostPool, plan: TransferPlan, direction: Direction) -> Self: ...
     def prepare_kernel(self, stream: _StreamLike = None) -> None: ...
-    # io: IoBackend.KERNEL by default (here and in `calls`); relayout: Relayout.COPY_ENGINE.
+    # io: Method.KERNEL by default (here and in `calls`; not RANGE_KERNEL); relayout:
+    # Method.COPY_ENGINE by default (or KERNEL).
     def run(
-        self, stream: _StreamLike = None, io: IoBackend = ..., layer: Optional[int] = None, *, ctas: int = 2
+        self, stream: _StreamLike = None, io: Method = ..., layer: Optional[int] = None, *, ctas: int = 2
     ) -> None: ...
     def run_signalled(self, signals: LayerSignals, stream: _StreamLike = None, *, ctas: int = 2) -> LayerWaits: ...
     def staging(self, pages: int, stream: _StreamLike = None) -> StagedIo: ...
@@ -782,12 +767,12 @@ class HostTransfer:
         staging: StagedIo,
         copy_stream: _StreamLike,
         relayout_stream: _StreamLike,
-        relayout: Relayout = ...,
+        relayout: Method = ...,
         *,
         ctas: int = 2,
     ) -> None: ...
     def bytes(self, layer: Optional[int] = None) -> int: ...
-    def calls(self, io: IoBackend = ..., layer: Optional[int] = None, *, ctas: int = 2) -> dict[str, int]: ...
+    def calls(self, io: Method = ..., layer: Optional[int] = None, *, ctas: int = 2) -> dict[str, int]: ...
     @property
     def direction(self) -> Direction: ...
     @property

@@ -39,7 +39,7 @@ Differences from SGLang's classes, by design:
   and never synchronize.
 - SGLang's names stay names here (``layout="page_first"``, ``io_backend="kernel"``: what
   SGLang's server arguments hold); they become kvshard's enums (``kvshard.HostLayout``,
-  ``kvshard.IoBackend``) where this module calls kvshard.
+  ``kvshard.Method``) where this module calls kvshard.
 """
 
 from __future__ import annotations
@@ -263,8 +263,8 @@ class MLAHostPool:
 
     # --- transfers -------------------------------------------------------------------------
 
-    def _io(self, io_backend: str) -> "kvshard.IoBackend":
-        """kvshard's I/O backend for SGLang's ``io_backend`` name (its default when empty)."""
+    def _io(self, io_backend: str) -> "kvshard.Method":
+        """kvshard's method for SGLang's ``io_backend`` name (its default when empty)."""
         io = io_backend or self.io_backend
         if io == "kernel" and self.layout == "page_first_direct":
             if "kernel" not in self._warned:
@@ -276,7 +276,7 @@ class MLAHostPool:
             io = "direct"
         if io not in ("kernel", "direct"):
             raise kvshard.InvalidArgumentError(f"Unsupported IO backend: {io_backend}")
-        return kvshard.IoBackend.KERNEL if io == "kernel" else kvshard.IoBackend.COPY_ENGINE
+        return kvshard.Method.KERNEL if io == "kernel" else kvshard.Method.COPY_ENGINE
 
     @staticmethod
     def _pool(device_pool) -> "kvshard.DevicePool":
@@ -296,7 +296,7 @@ class MLAHostPool:
         host_indices,
         device_indices,
         direction: "kvshard.Direction",
-        io: "kvshard.IoBackend",
+        io: "kvshard.Method",
     ):
         key = (id(device_pool), id(host_indices), id(device_indices), direction)
         t = self._transfers.get(key)
@@ -312,7 +312,7 @@ class MLAHostPool:
             )
             t = kvshard.HostTransfer(pool, self.host, plan, direction)
             self._transfers.put(key, (device_pool, host_indices, device_indices), t)
-        if io == kvshard.IoBackend.KERNEL:
+        if io == kvshard.Method.KERNEL:
             t.prepare_kernel(self._tables)
         return t
 

@@ -6,14 +6,14 @@ use std::time::Instant;
 
 use pyo3::prelude::*;
 
+use kvshard::backend::Launch;
 use kvshard::copy::Layers;
 use kvshard::index::LogicalPage;
 use kvshard::transfer::ChunkEnd;
 
 use crate::errors::IntoPy;
-use crate::hicache::{
-    lock, PyHiCacheController, PyHostTransfer, PyIoBackend, PyLayerSignals, PyRoute,
-};
+use crate::hicache::{lock, PyHiCacheController, PyHostTransfer, PyLayerSignals, PyRoute};
+use crate::method::PyMethod;
 use crate::transfer::{PyRegistration, PyRemoteSpace, PySender};
 
 /// Nanoseconds of each of `iters` `HiCacheController::load` calls (node `node` into
@@ -29,7 +29,7 @@ pub fn _rust_load_ns(
     iters: usize,
     ctas: u32,
 ) -> PyResult<Vec<u64>> {
-    let route = route.with_ctas(ctas);
+    let route = controller.route(route, ctas)?;
     let pages: Vec<LogicalPage> = pages.into_iter().map(LogicalPage).collect();
     py.detach(|| {
         let mut c = lock(&controller.inner);
@@ -65,7 +65,7 @@ pub fn _rust_run_signalled_ns(
         let mut out = Vec::with_capacity(iters);
         for i in 0..iters {
             let start = Instant::now();
-            let waits = t.run_signalled(b.as_ref(), ctas, s)?;
+            let waits = t.run_signalled(b.as_ref(), Launch::host_io(b.as_ref(), ctas), s)?;
             out.push(start.elapsed().as_nanos() as u64);
             drop(waits);
             if i % 64 == 63 {
@@ -116,12 +116,12 @@ pub fn _rust_bulk_seconds(
     py: Python<'_>,
     transfer: &PyHostTransfer,
     stream: &Bound<'_, PyAny>,
-    io: PyIoBackend,
+    io: PyMethod,
     iters: usize,
     ctas: u32,
 ) -> PyResult<f64> {
     let b = transfer.device.get().resolve(Some(stream))?;
-    let io = io.with_ctas(ctas);
+    let io = io.host_io(b.as_ref(), ctas);
     py.detach(|| {
         let t = lock(&transfer.inner);
         t.run(b.as_ref(), io, Layers::All)?;

@@ -91,6 +91,7 @@ fn class_of<'c>(c: &'c Classes, e: &kvshard::Error) -> &'c Py<PyType> {
         | E::DuplicatePage { .. }
         | E::StaleChain { .. }
         | E::ForeignAllocator { .. }
+        | E::UnsupportedMethod { .. }
         // A request longer than the batch limits allow: no amount of freeing admits it.
         | E::NeverAdmissible { .. } => &c.invalid,
         E::Exhausted { .. }

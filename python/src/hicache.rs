@@ -1,27 +1,28 @@
-//! HiCache: host pools (kvshard's and SGLang's formats), transfer plans, host transfers on any
-//! I/O backend, and the controller with its routes and write policies, each choice an enum
-//! class (`HostLayout`, `IoBackend`, `Relayout`, `Route`, `WritePolicy`, `Direction`) whose
-//! kernel members take their CTAs from the call's `ctas=`.
+//! HiCache: host pools (kvshard's and SGLang's formats), transfer plans, host transfers with any
+//! `Method` they take, and the controller with its routes and write policies, each choice an
+//! enum class (`HostLayout`, `Method`, `Route`, `WritePolicy`, `Direction`) whose kernel
+//! members take their CTAs from the call's `ctas=`.
 
 use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
-use kvshard::backend::{Backend, MemoryKind};
+use kvshard::backend::{Backend, Launch, MemoryKind};
 use kvshard::copy::{BlockSpace, CounterWait, Direction, LayerSignals, Layers, TableBuffer};
 use kvshard::hicache::host_pool::{
     DraftPacking, HostBufferLayout, HostFormat, HostMemory, RegisteredRegion,
 };
 use kvshard::hicache::{
-    BackupAck, CacheNode, HiCacheController, HostLayout, HostPool, HostTransfer, IoBackend,
-    LayerReady, LoadAck, LoadHandle, Relayout, Route, StagedIo, Streams, TransferPlan, WritePolicy,
+    BackupAck, CacheNode, HiCacheController, HostLayout, HostPool, HostTransfer, LayerReady,
+    LoadAck, LoadHandle, Route, StagedIo, Streams, TransferPlan, WritePolicy,
 };
 use kvshard::index::{LocalPage, ModelLayer, StoredLayer};
 
 use crate::device::{after_event, PyDevice, PyStream};
 use crate::errors::{invalid, IntoPy};
 use crate::geometry::{PyCacheGeometry, PyComponent, PyComponentLayout};
+use crate::method::PyMethod;
 use crate::pool::{export_dtype, view_of, PoolKeep, PyDevicePool, PyKeep};
 use crate::shard::{logical, raw, PyPlacement};
 use crate::tensor::{check, import_writable, PyTensorView, Want};
@@ -71,74 +72,8 @@ impl PyHostLayout {
     }
 }
 
-/// How a `HostTransfer` moves its bytes (`ctas=` sets the kernel's CTAs).
-#[pyclass(
-    eq,
-    eq_int,
-    frozen,
-    hash,
-    from_py_object,
-    module = "kvshard",
-    name = "IoBackend"
-)]
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
-pub enum PyIoBackend {
-    /// The SM block-copy kernel through the host pool's device alias (each CTA takes an SM
-    /// from the forward pass; two saturate PCIe).
-    KERNEL,
-    /// Coalesced copy-engine copies (SGLang's `direct`).
-    COPY_ENGINE,
-    /// One copy-engine call per (page, layer, component) block.
-    PER_BLOCK,
-    /// One batch copy (`cuMemcpyBatchAsync`) holding every block.
-    BATCH,
-}
-
-impl PyIoBackend {
-    /// kvshard's I/O backend, the kernel with `ctas` CTAs.
-    pub fn with_ctas(self, ctas: u32) -> IoBackend {
-        match self {
-            Self::KERNEL => IoBackend::SmKernel { ctas },
-            Self::COPY_ENGINE => IoBackend::CopyEngine,
-            Self::PER_BLOCK => IoBackend::PerBlockMemcpy,
-            Self::BATCH => IoBackend::BatchMemcpy,
-        }
-    }
-}
-
-/// How a staged transfer moves pages between its device staging and the pool (`ctas=` sets
-/// the kernel's CTAs).
-#[pyclass(
-    eq,
-    eq_int,
-    frozen,
-    hash,
-    from_py_object,
-    module = "kvshard",
-    name = "Relayout"
-)]
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
-pub enum PyRelayout {
-    /// Device-to-device copies on the copy engine: no SM at all.
-    COPY_ENGINE,
-    /// The block-copy kernel: any layout at HBM speed, taking SMs while it runs.
-    KERNEL,
-}
-
-impl PyRelayout {
-    /// kvshard's relayout, the kernel with `ctas` CTAs.
-    fn with_ctas(self, ctas: u32) -> Relayout {
-        match self {
-            Self::COPY_ENGINE => Relayout::CopyEngine,
-            Self::KERNEL => Relayout::Kernel { ctas },
-        }
-    }
-}
-
 /// How a `HiCacheController` operation moves a node (`ctas=` sets the kernels' CTAs): straight
-/// between the pools on an I/O backend, or through the controller's device staging.
+/// between the pools with a `Method`, or through the controller's device staging.
 #[pyclass(
     eq,
     eq_int,
@@ -167,16 +102,16 @@ pub enum PyRoute {
 }
 
 impl PyRoute {
-    /// kvshard's route, its kernel with `ctas` CTAs.
-    pub fn with_ctas(self, ctas: u32) -> Route {
-        let direct = |io: PyIoBackend| Route::Direct(io.with_ctas(ctas));
+    /// kvshard's route on `b`, its kernel in the host-I/O shape of `ctas` CTAs.
+    pub fn on(self, b: &dyn Backend, ctas: u32) -> Route {
+        let method = |m: PyMethod| m.host_io(b, ctas);
         match self {
-            Self::KERNEL => direct(PyIoBackend::KERNEL),
-            Self::COPY_ENGINE => direct(PyIoBackend::COPY_ENGINE),
-            Self::PER_BLOCK => direct(PyIoBackend::PER_BLOCK),
-            Self::BATCH => direct(PyIoBackend::BATCH),
-            Self::STAGED => Route::Staged(PyRelayout::COPY_ENGINE.with_ctas(ctas)),
-            Self::STAGED_KERNEL => Route::Staged(PyRelayout::KERNEL.with_ctas(ctas)),
+            Self::KERNEL => Route::Direct(method(PyMethod::KERNEL)),
+            Self::COPY_ENGINE => Route::Direct(method(PyMethod::COPY_ENGINE)),
+            Self::PER_BLOCK => Route::Direct(method(PyMethod::PER_BLOCK)),
+            Self::BATCH => Route::Direct(method(PyMethod::BATCHED_COPY_ENGINE)),
+            Self::STAGED => Route::Staged(method(PyMethod::COPY_ENGINE)),
+            Self::STAGED_KERNEL => Route::Staged(method(PyMethod::KERNEL)),
         }
     }
 }
@@ -1003,19 +938,19 @@ impl PyHostTransfer {
     }
 
     /// Enqueues the copies of every layer (or of model layer `layer`'s readiness group: layer
-    /// 0 carries the MTP draft) on `stream` with I/O backend `io` (`IoBackend.KERNEL` with
-    /// `ctas` CTAs). No wait.
-    #[pyo3(signature = (stream = None, io = PyIoBackend::KERNEL, layer = None, *, ctas = 2))]
+    /// 0 carries the MTP draft) on `stream` with method `io` (`Method.KERNEL` with `ctas`
+    /// CTAs, `COPY_ENGINE`, `BATCHED_COPY_ENGINE` or `PER_BLOCK`). No wait.
+    #[pyo3(signature = (stream = None, io = PyMethod::KERNEL, layer = None, *, ctas = 2))]
     fn run(
         &self,
         py: Python<'_>,
         stream: Option<&Bound<'_, PyAny>>,
-        io: PyIoBackend,
+        io: PyMethod,
         layer: Option<usize>,
         ctas: u32,
     ) -> PyResult<()> {
         let b = self.device.get().resolve(stream)?;
-        let io = io.with_ctas(ctas);
+        let io = io.host_io(b.as_ref(), ctas);
         self.with(py, |t, _| t.run(b.as_ref(), io, layers_of(layer)))
     }
 
@@ -1032,7 +967,9 @@ impl PyHostTransfer {
     ) -> PyResult<PyLayerWaits> {
         let b = self.device.get().resolve(stream)?;
         let s = &mut signals.0;
-        let waits: Vec<CounterWait> = self.with(py, |t, _| t.run_signalled(b.as_ref(), ctas, s))?;
+        let launch = Launch::host_io(b.as_ref(), ctas);
+        let waits: Vec<CounterWait> =
+            self.with(py, |t, _| t.run_signalled(b.as_ref(), launch, s))?;
         Ok(PyLayerWaits {
             ready: waits.into_iter().map(LayerReady::Counter).collect(),
             device: self.device.clone_ref(py),
@@ -1067,16 +1004,16 @@ impl PyHostTransfer {
     }
 
     /// Every layer through `staging`: copy-engine runs on `copy_stream`, the relayout
-    /// (`Relayout.KERNEL` with `ctas` CTAs) on `relayout_stream`. When `copy_stream` reaches
-    /// the end of what this enqueues, the transfer has landed.
-    #[pyo3(signature = (staging, copy_stream, relayout_stream, relayout = PyRelayout::COPY_ENGINE, *, ctas = 2))]
+    /// (`Method.COPY_ENGINE`, or `Method.KERNEL` with `ctas` CTAs) on `relayout_stream`. When
+    /// `copy_stream` reaches the end of what this enqueues, the transfer has landed.
+    #[pyo3(signature = (staging, copy_stream, relayout_stream, relayout = PyMethod::COPY_ENGINE, *, ctas = 2))]
     fn run_staged(
         &self,
         py: Python<'_>,
         staging: &PyStagedIo,
         copy_stream: &Bound<'_, PyAny>,
         relayout_stream: &Bound<'_, PyAny>,
-        relayout: PyRelayout,
+        relayout: PyMethod,
         ctas: u32,
     ) -> PyResult<()> {
         let d = self.device.get();
@@ -1084,7 +1021,7 @@ impl PyHostTransfer {
             d.resolve(Some(copy_stream))?,
             d.resolve(Some(relayout_stream))?,
         );
-        let how = relayout.with_ctas(ctas);
+        let how = relayout.host_io(r.as_ref(), ctas);
         let s = staging.0.clone();
         self.with(py, |t, _| t.run_staged(c.as_ref(), r.as_ref(), &s, how))
     }
@@ -1095,16 +1032,22 @@ impl PyHostTransfer {
         lock(&self.inner).bytes(layers_of(layer)).py_err()
     }
 
-    /// The launches and copy-engine calls one run on `io` submits.
-    #[pyo3(signature = (io = PyIoBackend::KERNEL, layer = None, *, ctas = 2))]
+    /// The launches and copy-engine calls one run with `io` submits.
+    #[pyo3(signature = (io = PyMethod::KERNEL, layer = None, *, ctas = 2))]
     fn calls(
         &self,
-        io: PyIoBackend,
+        io: PyMethod,
         layer: Option<usize>,
         ctas: u32,
     ) -> PyResult<std::collections::BTreeMap<&'static str, usize>> {
         let n = lock(&self.inner)
-            .calls(io.with_ctas(ctas), layers_of(layer))
+            .calls(
+                io.with_launch(Launch {
+                    ctas,
+                    threads: kvshard::abi::KVS_COPY_THREADS,
+                }),
+                layers_of(layer),
+            )
             .py_err()?;
         Ok([
             ("launches", n.launches),
@@ -1309,6 +1252,11 @@ pub struct PyHiCacheController {
 }
 
 impl PyHiCacheController {
+    /// kvshard's route, its kernel in the host-I/O shape of `ctas` CTAs on this device.
+    pub(crate) fn route(&self, route: PyRoute, ctas: u32) -> PyResult<Route> {
+        Ok(route.on(self.device.get().default_backend()?.as_ref(), ctas))
+    }
+
     fn with<R: Send>(
         &self,
         py: Python<'_>,
@@ -1415,7 +1363,7 @@ impl PyHiCacheController {
         route: PyRoute,
         ctas: u32,
     ) -> PyResult<Option<u64>> {
-        let route = route.with_ctas(ctas);
+        let route = self.route(route, ctas)?;
         let compute = self.compute(Some(after))?;
         let n = node.0.clone();
         self.with(py, |c| c.access(&n, &compute, route))
@@ -1432,7 +1380,7 @@ impl PyHiCacheController {
         route: PyRoute,
         ctas: u32,
     ) -> PyResult<u64> {
-        let route = route.with_ctas(ctas);
+        let route = self.route(route, ctas)?;
         let compute = self.compute(Some(after))?;
         let n = node.0.clone();
         self.with(py, |c| c.backup(&n, &compute, route))
@@ -1449,7 +1397,7 @@ impl PyHiCacheController {
         route: PyRoute,
         ctas: u32,
     ) -> PyResult<Vec<PyBackupAck>> {
-        let route = route.with_ctas(ctas);
+        let route = self.route(route, ctas)?;
         let compute = self.compute(Some(after))?;
         let n = node.0.clone();
         Ok(self
@@ -1473,7 +1421,7 @@ impl PyHiCacheController {
         route: PyRoute,
         ctas: u32,
     ) -> PyResult<PyLoadHandle> {
-        let route = route.with_ctas(ctas);
+        let route = self.route(route, ctas)?;
         let after = after_event(self.device.get(), after)?;
         let pages = logical(&device_pages);
         let h = self.with(py, |c| c.load(node, &pages, after.as_ref(), route))?;

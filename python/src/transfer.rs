@@ -14,13 +14,15 @@ use kvshard::copy::{BlockSpace, RemoteSpace};
 use kvshard::geometry::Component;
 use kvshard::index::LocalPage;
 use kvshard::transfer::{
-    BackendTransport, ChunkEnd, ChunkResult, ChunkStatus, ComponentBytes, CopyMethod, Finished,
-    Outcome, Overdue, PendingChunk, PoolLayout, Receiver, Registration, Sender, Transport,
+    BackendTransport, ChunkEnd, ChunkResult, ChunkStatus, ComponentBytes, Finished, Outcome,
+    Overdue, PendingChunk, PoolLayout, Receiver, Registration, Sender, Transport,
 };
+use kvshard::Method;
 
 use crate::device::PyDevice;
 use crate::errors::{invalid, missing_chunks, to_py, IntoPy};
 use crate::geometry::{PyCacheGeometry, PyComponent};
+use crate::method::PyMethod;
 use crate::pool::PyDevicePool;
 use crate::shard::logical;
 
@@ -362,49 +364,11 @@ impl PyPendingChunk {
     }
 }
 
-/// How a `Sender` moves a chunk's bytes (`launch=(ctas, threads)` sets the kernels' grid).
-#[pyclass(
-    eq,
-    eq_int,
-    frozen,
-    hash,
-    from_py_object,
-    module = "kvshard",
-    name = "CopyMethod"
-)]
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
-pub enum PyCopyMethod {
-    /// One block-copy launch per section, from page lists (the default).
-    BLOCKS,
-    /// One range-copy launch per chunk.
-    KERNEL,
-    /// One batch copy per chunk on the copy engine (`cudaMemcpyBatchAsync` on a GPU).
-    COPY_ENGINE,
-}
-
-impl PyCopyMethod {
-    /// The transport's method, with the grid `launch` (default: the one kvshard picks for
-    /// `b`).
-    fn with_launch(self, launch: Option<(u32, u32)>, b: &dyn Backend) -> CopyMethod {
-        let grid = match CopyMethod::default_for(b) {
-            CopyMethod::Blocks(l) | CopyMethod::Kernel(l) => l,
-            CopyMethod::CopyEngine => Launch::host_io(b, 264),
-        };
-        let grid = launch.map_or(grid, |(ctas, threads)| Launch { ctas, threads });
-        match self {
-            Self::BLOCKS => CopyMethod::Blocks(grid),
-            Self::KERNEL => CopyMethod::Kernel(grid),
-            Self::COPY_ENGINE => CopyMethod::CopyEngine,
-        }
-    }
-}
-
 /// A transport that enqueues each chunk on the stream of the `send` call that submits it: one
 /// in-process transport per stream, made on first use, with the sender's method.
 struct StreamTransport {
     current: Arc<Mutex<Arc<dyn Backend>>>,
-    method: CopyMethod,
+    method: Method,
     by_stream: BTreeMap<usize, BackendTransport>,
 }
 
@@ -417,11 +381,13 @@ impl Transport for StreamTransport {
     ) -> kvshard::Result<Box<dyn kvshard::transfer::Completion>> {
         let backend = lock(&self.current).clone();
         let key = Arc::as_ptr(&backend) as *const () as usize;
-        let method = self.method;
-        self.by_stream
-            .entry(key)
-            .or_insert_with(|| BackendTransport::with_method(backend, method))
-            .submit(plan, src, dst)
+        let transport = match self.by_stream.entry(key) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(e) => {
+                e.insert(BackendTransport::with_method(backend, self.method)?)
+            }
+        };
+        transport.submit(plan, src, dst)
     }
 }
 
@@ -430,8 +396,9 @@ impl Transport for StreamTransport {
 /// the CPU reference), on the stream each `send` names (default: `stream` given here; when
 /// that is None too, the stream None means at the time of the `send`: torch's current stream
 /// when torch is in use).
-/// `method`: a `CopyMethod` (default `BLOCKS`: one block-copy launch per section); `launch`:
-/// `(ctas, threads)` of the kernels. A chunk's `PendingChunk` must be polled or waited for:
+/// `method`: a `Method` (default `KERNEL`: one block-copy launch per section; `RANGE_KERNEL`,
+/// `COPY_ENGINE` and `PER_BLOCK` too, `BATCHED_COPY_ENGINE` raises); `launch`: `(ctas, threads)`
+/// of the kernels (default: the grid kvshard picks). A chunk's `PendingChunk` must be polled or waited for:
 /// one dropped before that fails its request, and `take_dropped` hands out the status to
 /// deliver.
 #[pyclass(module = "kvshard", name = "Sender")]
@@ -449,22 +416,30 @@ pub struct PySender {
 #[pymethods]
 impl PySender {
     #[new]
-    #[pyo3(signature = (pool, stream = None, method = PyCopyMethod::BLOCKS, launch = None))]
+    #[pyo3(signature = (pool, stream = None, method = PyMethod::KERNEL, launch = None))]
     fn new(
         pool: Py<PyDevicePool>,
         stream: Option<&Bound<'_, PyAny>>,
-        method: PyCopyMethod,
+        method: PyMethod,
         launch: Option<(u32, u32)>,
     ) -> PyResult<Self> {
         let p = pool.get();
         let b = p.device.get().resolve(stream)?;
         let default = stream.filter(|s| !s.is_none()).map(|_| b.clone());
-        let method = method.with_launch(launch, b.as_ref());
+        let grid = match (launch, Method::default_for(b.as_ref())) {
+            (Some((ctas, threads)), _) => Launch { ctas, threads },
+            (None, default) => default
+                .launch()
+                .unwrap_or_else(|| Launch::host_io(b.as_ref(), 264)),
+        };
+        let method = method.with_launch(grid);
+        // Refused here, before any request: the transport of this stream is the first one.
+        let first = BackendTransport::with_method(b.clone(), method).py_err()?;
         let current = Arc::new(Mutex::new(b.clone()));
         let transport = StreamTransport {
             current: current.clone(),
             method,
-            by_stream: BTreeMap::new(),
+            by_stream: BTreeMap::from([(Arc::as_ptr(&b) as *const () as usize, first)]),
         };
         Ok(Self {
             inner: Mutex::new(Sender::new(p.inner.clone(), Box::new(transport))),

@@ -10,7 +10,7 @@ from conftest import PAGE, engine_tensors, nonzero, wrap
 
 C = kvshard.Component
 H = kvshard.HostLayout
-IO = kvshard.IoBackend
+IO = kvshard.Method
 
 
 def test_presets_follow_the_public_configs():
@@ -183,7 +183,7 @@ def test_host_buffer_views_have_sglangs_shapes_and_kvshards_offsets(layout, pack
     assert host.host_ptr(0) == kv.ctypes.data
 
 
-@pytest.mark.parametrize("io", [IO.KERNEL, IO.COPY_ENGINE, IO.PER_BLOCK, IO.BATCH], ids=repr)
+@pytest.mark.parametrize("io", [IO.KERNEL, IO.COPY_ENGINE, IO.PER_BLOCK, IO.BATCHED_COPY_ENGINE], ids=repr)
 def test_host_transfer_on_every_io_backend(rng, io):
     g = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, indexer_layers=[True, False]), draft=True)
     d = kvshard.Device.cpu()

@@ -1,4 +1,4 @@
-"""Choices are enum classes, never strings: every route, I/O backend, relayout, copy method,
+"""Choices are enum classes, never strings: every route, method (of P/D senders, HiCache transfers and relayouts),
 write policy, direction, host layout, latent layout and component is taken (and handed back)
 as its ``kvshard`` enum, and a string where one is expected is a ``TypeError``. SGLang's names
 stay names only in ``kvshard.sglang`` (SGLang's own interface), which maps them onto the
@@ -48,8 +48,8 @@ def test_strings_are_refused_where_an_enum_is_taken():
             call()
     # Nothing above changed anything: the same calls with the enums go through.
     assert transfer.direction == kvshard.Direction.BACKUP
-    transfer.run(None, kvshard.IoBackend.COPY_ENGINE)
-    assert transfer.calls(kvshard.IoBackend.KERNEL)["launches"] == 1
+    transfer.run(None, kvshard.Method.COPY_ENGINE)
+    assert transfer.calls(kvshard.Method.KERNEL)["launches"] == 1
     assert ctl.backup(node, None, kvshard.Route.COPY_ENGINE) == 0
     assert ctl.ack_backups(1)[0].node == 1
 
@@ -83,7 +83,7 @@ def test_per_component_bytes_are_keyed_by_component():
     src = kvshard.DevicePool.allocate(d, g, unsharded, 0, 8)
     dst = kvshard.DevicePool.allocate(d, g, unsharded, 0, 8)
     reg = kvshard.Registration(1, kvshard.PoolLayout.of(dst), [1], [1])
-    for method in [kvshard.CopyMethod.BLOCKS, kvshard.CopyMethod.KERNEL, kvshard.CopyMethod.COPY_ENGINE]:
+    for method in [kvshard.Method.KERNEL, kvshard.Method.RANGE_KERNEL, kvshard.Method.COPY_ENGINE, kvshard.Method.PER_BLOCK]:
         sender = kvshard.Sender(src, None, method)
         sender.open(reg, kvshard.RemoteSpace.of(dst))
         status = sender.send(1, [1], PAGE, last=True).wait()
@@ -92,3 +92,29 @@ def test_per_component_bytes_are_keyed_by_component():
         assert sender.bytes_sent == status.bytes
     again = kvshard.ChunkStatus.sent(1, 0, 0, True, status.bytes)
     assert again.bytes == status.bytes and again.bytes[C.TARGET_INDEXER] > 0
+
+
+def test_one_method_enum_every_route_takes_and_refuses_what_it_cannot_run():
+    g, d = small(), kvshard.Device.cpu()
+    placement = kvshard.Placement(1)
+    pool = kvshard.DevicePool.allocate(d, g, placement, 0, 8)
+    host = kvshard.HostPool(d, g, 8, H.PAGE_FIRST)
+    plan = kvshard.TransferPlan(placement, 0, [1], [1], 8, 8)
+    transfer = kvshard.HostTransfer(pool, host, plan, kvshard.Direction.BACKUP)
+    M = kvshard.Method
+    # P/D senders: everything but the batched copy engine, refused when the sender is made.
+    with pytest.raises(kvshard.InvalidArgumentError, match="P/D transport cannot move bytes with batched copy engine"):
+        kvshard.Sender(pool, None, M.BATCHED_COPY_ENGINE)
+    # HiCache direct: everything but the range kernel.
+    with pytest.raises(kvshard.InvalidArgumentError, match="direct HiCache transfer"):
+        transfer.run(None, M.RANGE_KERNEL)
+    with pytest.raises(kvshard.InvalidArgumentError, match="direct HiCache transfer"):
+        transfer.calls(M.RANGE_KERNEL)
+    for m in [M.COPY_ENGINE, M.BATCHED_COPY_ENGINE, M.PER_BLOCK]:
+        transfer.run(None, m)
+    # Staged relayouts: the kernel or the copy engine.
+    staging = transfer.staging(2)
+    for m in [M.RANGE_KERNEL, M.BATCHED_COPY_ENGINE, M.PER_BLOCK]:
+        with pytest.raises(kvshard.InvalidArgumentError, match="relayout of a staged HiCache transfer"):
+            transfer.run_staged(staging, None, None, m)
+    transfer.run_staged(staging, None, None, M.COPY_ENGINE)

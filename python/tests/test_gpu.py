@@ -143,7 +143,7 @@ def test_pd_round_trip_with_torch_decode_pool(device, gen):
     stream = torch.cuda.Stream()
     torch.cuda.synchronize()  # the tensors were filled on the default stream
     done = None
-    for method in [kvshard.CopyMethod.BLOCKS]:
+    for method in [kvshard.Method.KERNEL]:
         senders = [kvshard.Sender(p, stream, method) for p in pools]
         for i, end in enumerate([512, 1000]):
             for s in senders:
@@ -217,7 +217,7 @@ def test_enqueueing_never_synchronizes_the_callers_stream(device, gen):
     with torch.cuda.stream(s):
         torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued ahead
     t0 = time.perf_counter()
-    for io in [kvshard.IoBackend.KERNEL, kvshard.IoBackend.COPY_ENGINE]:
+    for io in [kvshard.Method.KERNEL, kvshard.Method.COPY_ENGINE]:
         tr.run(s, io)
     e = ks.record()
     elapsed = time.perf_counter() - t0

@@ -7,6 +7,8 @@
 //!   coalesce) that P/D send plans and HiCache transfer plans share;
 //! - [`program`]: [`BlockCopyPlan`] and its prepared [`BlockCopy`], the only builder of
 //!   `kvs_copy_blocks_params` and its pair table, and [`TableStore`] for one-shot launches;
+//! - [`method`]: [`Method`], the one vocabulary for how bytes move (a copy kernel and its launch
+//!   shape, or copy-engine calls) that every route takes;
 //! - [`engine`]: copy-engine programs (contiguous runs, 2D copies over layers, batches);
 //! - [`signals`]: per-layer ready counters of signalled copies;
 //! - [`resolver`]: the device side of owner-local resolution;
@@ -21,6 +23,7 @@
 //! ```
 
 pub mod engine;
+pub mod method;
 pub mod program;
 pub mod resolver;
 pub mod runs;
@@ -29,6 +32,7 @@ pub mod signals;
 pub mod space;
 
 pub use engine::{Direction, IoCalls, Layers};
+pub use method::Method;
 pub use program::{BlockCopy, BlockCopyPlan, PageSelection, TableBuffer, TableStore};
 pub use resolver::{scratch_rows_device_sync, Resolver};
 pub use runs::{OwnedRuns, Run};

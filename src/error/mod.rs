@@ -190,6 +190,17 @@ pub enum Error {
     /// A HiCache operation is invalid or failed.
     #[error("hicache: {0}")]
     HiCache(String),
+    /// A route was asked to move bytes with a [`Method`](crate::Method) it cannot run; refused
+    /// before anything was enqueued.
+    #[error("{route} cannot move bytes with {method} (it takes {accepts})")]
+    UnsupportedMethod {
+        /// The method asked for, as it displays.
+        method: String,
+        /// The route that refused it.
+        route: &'static str,
+        /// The methods the route takes.
+        accepts: &'static str,
+    },
     /// A size, offset or count computed from the caller's input does not fit its type.
     #[error("{what} overflows")]
     Overflow {

@@ -15,7 +15,7 @@
 //!   layer: on the SM kernel, one launch with a ready counter per layer; on the copy-engine
 //!   backends, the layer's copies followed by an event, layer after layer; through the staging
 //!   ([`Route::Staged`]), every layer at once, so each layer is ready when the whole load is.
-//! - Every operation takes a [`Route`]: straight between the pools on an [`IoBackend`], or
+//! - Every operation takes a [`Route`]: straight between the pools with a [`Method`], or
 //!   through the controller's device staging ([`HostTransfer::run_staged`]: the copy engine
 //!   moves large host runs, a relayout places the pages), which BENCHMARKS.md measured best for
 //!   bulk transfers next to compute. The staging of each direction is made on its first staged
@@ -38,14 +38,14 @@ use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::direct::{HostTransfer, IoBackend};
+use super::direct::{check_direct, HostTransfer};
 use super::host_pool::HostPool;
 use super::plan::TransferPlan;
 use super::signals::LayerReady;
-use super::staged::{Relayout, StagedIo};
+use super::staged::{check_relayout, StagedIo};
 use crate::backend::{Backend, Event};
 use crate::chain::RequestChain;
-use crate::copy::{BlockSpace, Direction, LayerSignals, Layers, TableBuffer};
+use crate::copy::{BlockSpace, Direction, LayerSignals, Layers, Method, TableBuffer};
 use crate::error::{Error, Result};
 use crate::index::{LogicalPage, ModelLayer};
 use crate::pool::DevicePool;
@@ -60,35 +60,36 @@ const SPARE_TABLES: usize = 8;
 /// measured with (BENCHMARKS.md). Device memory: `2 * pages * page bytes` per direction in use.
 pub const DEFAULT_STAGING_PAGES: u64 = 32;
 
-/// How the controller moves a transfer's bytes. An [`IoBackend`] converts into
-/// [`Route::Direct`], so every operation also takes one directly.
+/// How the controller moves a transfer's bytes. A [`Method`] converts into [`Route::Direct`],
+/// so every operation also takes one directly.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Route {
     /// Straight between the device pool and the host pool on the direction's stream
-    /// ([`HostTransfer::run`]; loads on [`IoBackend::SmKernel`] through
+    /// ([`HostTransfer::run`]: [`Method::Kernel`], [`Method::CopyEngine`],
+    /// [`Method::BatchedCopyEngine`] or [`Method::PerBlock`]; loads on the kernel through
     /// [`HostTransfer::run_signalled`]).
-    Direct(IoBackend),
+    Direct(Method),
     /// Through the controller's device staging ([`HostTransfer::run_staged`]): the copy engine
     /// moves host runs of up to [`HiCacheController::staging_pages`] pages on the direction's
-    /// stream and `Relayout` places them on the direction's relayout stream. Loads land every
-    /// layer at once: each layer's [`LayerReady`] is the event after the whole load, so a
-    /// consumer of layers as they land wants `Direct(IoBackend::SmKernel { .. })` instead.
-    /// Serves every host layout and every device pool.
-    Staged(Relayout),
+    /// stream and the relayout method ([`Method::Kernel`] or [`Method::CopyEngine`]) places
+    /// them on the direction's relayout stream. Loads land every layer at once: each layer's
+    /// [`LayerReady`] is the event after the whole load, so a consumer of layers as they land
+    /// wants `Direct(Method::Kernel(..))` instead. Serves every host layout and every device
+    /// pool.
+    Staged(Method),
 }
 
-impl From<IoBackend> for Route {
-    fn from(io: IoBackend) -> Self {
-        Self::Direct(io)
+impl From<Method> for Route {
+    fn from(method: Method) -> Self {
+        Self::Direct(method)
     }
 }
 
 impl std::fmt::Display for Route {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Direct(io) => io.fmt(f),
-            Self::Staged(Relayout::Kernel { ctas }) => write!(f, "staged, kernel relayout x{ctas}"),
-            Self::Staged(Relayout::CopyEngine) => f.write_str("staged, copy-engine relayout"),
+            Self::Direct(method) => write!(f, "direct, {method}"),
+            Self::Staged(method) => write!(f, "staged, {method} relayout"),
         }
     }
 }
@@ -545,8 +546,8 @@ impl HiCacheController {
 
     /// Loads backed-up `node` into logical device pages `device_pages` (allocated by the caller
     /// with the owner classes of the node's host pages, e.g. `ShardAllocator::alloc_matching`),
-    /// on the load stream after `after` when given. [`IoBackend::SmKernel`] loads every layer in
-    /// one launch with a ready counter per layer; the other backends move layer after layer
+    /// on the load stream after `after` when given. [`Method::Kernel`] loads every layer in
+    /// one launch with a ready counter per layer; the other methods move layer after layer
     /// (target layer 0 together with the draft), recording an event after each;
     /// [`Route::Staged`] moves every layer at once, and each layer's readiness is the event
     /// recorded after the whole load. Everything is checked, and the kernel tables and staging
@@ -571,8 +572,8 @@ impl HiCacheController {
         }
         let model_layers = transfer.model_layers();
         let layers: Vec<LayerReady> = match route {
-            Route::Direct(IoBackend::SmKernel { ctas }) => transfer
-                .run_signalled(load, ctas, &mut self.signals)?
+            Route::Direct(Method::Kernel(launch)) => transfer
+                .run_signalled(load, launch, &mut self.signals)?
                 .into_iter()
                 .map(LayerReady::Counter)
                 .collect(),
@@ -711,7 +712,7 @@ impl HiCacheController {
             HostTransfer::new(self.device.clone(), self.host.clone(), plan, direction)?;
         let tables = self.streams.tables.clone();
         match route {
-            Route::Direct(IoBackend::SmKernel { .. }) => {
+            Route::Direct(Method::Kernel(_)) => {
                 transfer.prepare_kernel(tables.as_ref(), &mut self.spare_tables)?
             }
             Route::Direct(_) => {}
@@ -723,7 +724,7 @@ impl HiCacheController {
                 if staging.is_none() {
                     *staging = Some(transfer.staging(tables.as_ref(), self.staging_pages)?);
                 }
-                if let (Relayout::Kernel { .. }, Some(staging)) = (how, staging.as_ref()) {
+                if let (Method::Kernel(_), Some(staging)) = (how, staging.as_ref()) {
                     transfer.prepare_staged(tables.as_ref(), staging, &mut self.spare_tables)?;
                 }
             }
@@ -732,14 +733,12 @@ impl HiCacheController {
     }
 }
 
-/// Refuses, before anything changes, a route that cannot run: a launch of no CTAs.
+/// Refuses, before anything changes, a route that cannot run: a method the route does not
+/// take ([`Error::UnsupportedMethod`]), or a kernel launch shape no copy kernel takes.
 fn check_route(route: Route) -> Result<()> {
     match route {
-        Route::Direct(IoBackend::SmKernel { ctas: 0 }) => Err(Error::InvalidArgument(format!(
-            "route {route}: a kernel needs at least one CTA"
-        ))),
-        Route::Staged(how) => how.check(),
-        Route::Direct(_) => Ok(()),
+        Route::Direct(method) => check_direct(method),
+        Route::Staged(how) => check_relayout(how),
     }
 }
 

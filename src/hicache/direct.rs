@@ -1,18 +1,22 @@
 //! One rank's share of a HiCache transfer between its device pool and its host pool, straight
-//! between the two, on any of four I/O backends chosen per call:
+//! between the two, with any of four [`Method`]s chosen per call:
 //!
-//! - [`IoBackend::SmKernel`]: `kvs_copy_blocks` reads or writes the pinned host pool through its
+//! - [`Method::Kernel`]: `kvs_copy_blocks` reads or writes the pinned host pool through its
 //!   device alias (zero-copy), every component of the selected layers in one launch of a
-//!   caller-chosen number of CTAs. Pairs are ordered by readiness group, so with
+//!   caller-chosen shape ([`Method::host_io`]: the copy kernels' host-I/O shape, two CTAs
+//!   saturate PCIe; each takes an SM from the forward pass). Pairs are ordered by readiness group, so with
 //!   [`HostTransfer::run_signalled`] one launch loads every layer and publishes each group's
 //!   completion on its own counter, group 0 (target layer 0 and the MTP draft) first.
-//! - [`IoBackend::CopyEngine`]: DMA in few, large pieces (the copy layer's engine programs):
+//! - [`Method::CopyEngine`]: DMA in few, large pieces (the copy layer's engine programs):
 //!   coalesced runs, 2D copies over layers where the device layer stride is uniform, one batch
 //!   for the contiguous rest. Token-major `page_first` latent rows are strided on the host, so
 //!   they move as one 2D copy of 576-byte rows per (run, layer).
-//! - [`IoBackend::PerBlockMemcpy`] and [`IoBackend::BatchMemcpy`]: one copy-engine call per
-//!   (page, layer) block, or one batch call holding every block: the baselines benchmarks
-//!   compare against.
+//! - [`Method::PerBlock`] and [`Method::BatchedCopyEngine`]: one copy-engine call per
+//!   (page, layer, component) block (a 2D copy of its rows for token-major latent blocks), or
+//!   one `cuMemcpyBatchAsync` holding every block (every row of token-major latent blocks): the
+//!   baselines benchmarks compare against.
+//!
+//! [`Method::RangeKernel`] is refused ([`Error::UnsupportedMethod`]).
 //!
 //! Everything is computed from a [`TransferPlan`] (local pages, checked against both pools
 //! here) and the pools' address math.
@@ -25,43 +29,28 @@ use crate::backend::{Backend, Launch};
 use crate::copy::engine::{self, Sides};
 use crate::copy::{
     BlockCopy, BlockCopyPlan, BlockSpace, CounterWait, Direction, IoCalls, LayerSignals, Layers,
-    PageSelection, TableBuffer,
+    Method, PageSelection, TableBuffer,
 };
 use crate::error::{Error, Result};
 use crate::index::ModelLayer;
 use crate::pool::DevicePool;
 
-/// How the bytes of a transfer are moved.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum IoBackend {
-    /// The block-copy kernel through the host pool's device alias, `ctas` CTAs of the copy
-    /// kernels' host-I/O shape (two saturate PCIe; each takes an SM from the forward pass).
-    SmKernel {
-        /// CTAs per launch (at least one).
-        ctas: u32,
-    },
-    /// Coalesced copy-engine copies (2D over layers where the device layer stride is uniform).
-    CopyEngine,
-    /// One copy-engine call per (page, layer, component) block (a 2D copy of its rows for
-    /// token-major latent blocks).
-    PerBlockMemcpy,
-    /// One `cuMemcpyBatchAsync` holding every block (every row of token-major latent blocks).
-    BatchMemcpy,
-}
-
-impl std::fmt::Display for IoBackend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::SmKernel { ctas } => write!(f, "sm-kernel x{ctas}"),
-            Self::CopyEngine => f.write_str("copy-engine"),
-            Self::PerBlockMemcpy => f.write_str("per-block-memcpy"),
-            Self::BatchMemcpy => f.write_str("batch-memcpy"),
-        }
+/// Refuses, before anything is enqueued, a method [`HostTransfer::run`] cannot run: the range
+/// kernel, or a kernel launch shape no copy kernel takes.
+pub(crate) fn check_direct(method: Method) -> Result<()> {
+    match method {
+        Method::Kernel(launch) => launch.validate(crate::abi::KVS_COPY_THREADS),
+        Method::CopyEngine | Method::BatchedCopyEngine | Method::PerBlock => Ok(()),
+        Method::RangeKernel(_) => Err(Error::UnsupportedMethod {
+            method: method.to_string(),
+            route: "a direct HiCache transfer",
+            accepts: "Kernel, CopyEngine, BatchedCopyEngine or PerBlock",
+        }),
     }
 }
 
 /// One rank's share of a HiCache transfer, checked against both pools and ready to run
-/// (repeatedly) on any [`IoBackend`] or through staging. It holds both pools.
+/// (repeatedly) with any [`Method`] it takes or through staging. It holds both pools.
 #[derive(Debug)]
 pub struct HostTransfer {
     pub(super) device: Arc<DevicePool>,
@@ -274,26 +263,27 @@ impl HostTransfer {
         }
     }
 
-    /// The copy-engine calls one run of `layers` on `io` makes (none for the kernel).
-    fn program(&self, io: IoBackend, layers: Layers) -> Vec<engine::Call> {
+    /// The copy-engine calls one run of `layers` with `method` makes (none for a kernel).
+    fn program(&self, method: Method, layers: Layers) -> Vec<engine::Call> {
         if self.plan.is_empty() {
             return Vec::new();
         }
         let select = self.selects(layers);
         let sides = self.sides();
-        match io {
-            IoBackend::SmKernel { .. } => Vec::new(),
-            IoBackend::CopyEngine => sides.coalesced(&select, self.direction),
-            IoBackend::PerBlockMemcpy => sides.per_block(&select, self.direction),
-            IoBackend::BatchMemcpy => sides.batch(&select, self.direction),
+        match method {
+            Method::Kernel(_) | Method::RangeKernel(_) => Vec::new(),
+            Method::CopyEngine => sides.coalesced(&select, self.direction),
+            Method::PerBlock => sides.per_block(&select, self.direction),
+            Method::BatchedCopyEngine => sides.batch(&select, self.direction),
         }
     }
 
-    /// The launches and copy-engine calls one run of `layers` on `io` submits.
-    pub fn calls(&self, io: IoBackend, layers: Layers) -> Result<IoCalls> {
+    /// The launches and copy-engine calls one run of `layers` with `method` submits.
+    pub fn calls(&self, method: Method, layers: Layers) -> Result<IoCalls> {
+        check_direct(method)?;
         self.check_layers(layers)?;
-        let mut n = IoCalls::count(&self.program(io, layers));
-        if matches!(io, IoBackend::SmKernel { .. }) && !self.plan.is_empty() {
+        let mut n = IoCalls::count(&self.program(method, layers));
+        if matches!(method, Method::Kernel(_)) && !self.plan.is_empty() {
             n.launches = 1;
         }
         Ok(n)
@@ -317,18 +307,20 @@ impl HostTransfer {
         })
     }
 
-    /// Enqueues the copies of `layers` on `backend`'s stream with `io`. A transfer this rank has
-    /// no pages of enqueues nothing.
-    pub fn run(&self, backend: &dyn Backend, io: IoBackend, layers: Layers) -> Result<()> {
+    /// Enqueues the copies of `layers` on `backend`'s stream with `method`: [`Method::Kernel`],
+    /// [`Method::CopyEngine`], [`Method::BatchedCopyEngine`] or [`Method::PerBlock`]; the range
+    /// kernel is [`Error::UnsupportedMethod`]. A transfer this rank has no pages of enqueues
+    /// nothing.
+    pub fn run(&self, backend: &dyn Backend, method: Method, layers: Layers) -> Result<()> {
+        check_direct(method)?;
         self.check_layers(layers)?;
         self.check_backend(backend)?;
         if self.plan.is_empty() {
             return Ok(());
         }
-        match io {
-            IoBackend::SmKernel { ctas } => {
+        match method {
+            Method::Kernel(launch) => {
                 let kernel = self.kernel()?;
-                let launch = Launch::host_io(backend, ctas);
                 match layers {
                     Layers::All => kernel.run(backend, launch),
                     Layers::One(m) => kernel.run_layer(backend, self.group(m), launch),
@@ -342,19 +334,19 @@ impl HostTransfer {
                 let (from, to) = self
                     .direction
                     .read_and_written(self.device.as_ref(), self.host.as_ref());
-                unsafe { engine::submit(backend, self.program(io, layers), from, to) }
+                unsafe { engine::submit(backend, self.program(method, layers), from, to) }
             }
         }
     }
 
-    /// Enqueues every layer as one kernel launch of `ctas` CTAs that counts each finished
+    /// Enqueues every layer as one kernel launch of shape `launch` that counts each finished
     /// (page, layer, component) unit into `signals`; returns, per model layer, the counter value
     /// that means that layer has landed (the draft's is layer 0's). Layers land roughly in
     /// order, group 0 first.
     pub fn run_signalled(
         &self,
         backend: &dyn Backend,
-        ctas: u32,
+        launch: Launch,
         signals: &mut LayerSignals,
     ) -> Result<Vec<CounterWait>> {
         let waits = if self.plan.is_empty() {
@@ -367,8 +359,7 @@ impl HostTransfer {
             }
             signals.count(&vec![0; self.model_layers])
         } else {
-            self.kernel()?
-                .run_signalled(backend, Launch::host_io(backend, ctas), signals)?
+            self.kernel()?.run_signalled(backend, launch, signals)?
         };
         Ok((0..self.model_layers)
             .map(|m| waits[self.group(ModelLayer(m)).0].clone())

@@ -6,8 +6,8 @@
 //!        │  plan: keep this rank's pairs, check owners/range/reserved, map to local pages
 //!        v
 //!   TransferPlan ──> HostTransfer (one rank, one direction)
-//!                      ├── direct: an IoBackend (SM kernel with ready counters, copy engine,
-//!                      │           per-block and batch baselines)
+//!                      ├── direct: a Method (block kernel with ready counters, copy engine,
+//!                      │           per-block and batched baselines)
 //!                      └── staged: copy engine into device staging + a relayout
 //!                                         │
 //!                                         v
@@ -20,8 +20,8 @@
 //!   layouts, allocated pinned (optionally next to the GPU, see [`NumaPlacement`]) or wrapping
 //!   engine memory registered in page-aligned chunks;
 //! - [`plan`]: [`TransferPlan`], the owner-aware, pure part of every transfer;
-//! - [`direct`]: [`HostTransfer`] straight between the pools on any [`IoBackend`];
-//! - [`staged`]: the staged pipeline ([`Relayout`], [`StagedIo`]);
+//! - [`direct`]: [`HostTransfer`] straight between the pools with a [`Method`];
+//! - [`staged`]: the staged pipeline ([`StagedIo`], a kernel or copy-engine relayout);
 //! - [`signals`]: [`LayerReady`], how a consumer waits for one layer;
 //! - [`controller`]: [`HiCacheController`], streams, acks and write policies.
 //!
@@ -43,13 +43,13 @@ pub mod plan;
 pub mod signals;
 pub mod staged;
 
-pub use crate::copy::{CounterWait, Direction, IoCalls, LayerSignals, Layers};
+pub use crate::copy::{CounterWait, Direction, IoCalls, LayerSignals, Layers, Method};
 pub use controller::{
     BackupAck, CacheNode, HiCacheController, LoadAck, LoadHandle, Route, Streams, WritePolicy,
     DEFAULT_STAGING_PAGES,
 };
-pub use direct::{HostTransfer, IoBackend};
+pub use direct::HostTransfer;
 pub use host_pool::{HostLayout, HostPool, HostRegion, LayoutStrides, NumaPlacement};
 pub use plan::{pages_of_tokens, TransferPlan};
 pub use signals::LayerReady;
-pub use staged::{Relayout, StagedIo};
+pub use staged::StagedIo;

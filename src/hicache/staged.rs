@@ -4,8 +4,8 @@
 //! compute alone), and a relayout places or gathers the scattered device pages between the
 //! mirror and the device pool. Two mirrors are used in turn so the two halves overlap.
 //!
-//! Both relayouts serve every host layout and every device pool: [`Relayout::Kernel`] is one
-//! `kvs_copy_blocks` launch per segment; [`Relayout::CopyEngine`] uses no SM, stacking a
+//! Both relayout [`Method`]s serve every host layout and every device pool: [`Method::Kernel`]
+//! is one `kvs_copy_blocks` launch per segment; [`Method::CopyEngine`] uses no SM, stacking a
 //! page's layers into one 2D copy where the device layer stride is uniform and the blocks are
 //! whole, and falling back to a copy per layer (engine buffers at arbitrary addresses) or a 2D
 //! copy of a block's rows (token-major `page_first`) where they are not.
@@ -14,35 +14,27 @@ use std::sync::Arc;
 
 use super::direct::{take_fit, HostTransfer};
 use super::host_pool::{HostLayout, HostPool};
-use crate::backend::{Backend, Event, Launch};
+use crate::backend::{Backend, Event};
 use crate::copy::engine::{self, Call, Piece};
 use crate::copy::space::sealed::Sealed as _;
 use crate::copy::{
-    BlockCopy, BlockCopyPlan, BlockSpace, Direction, PageSelection, SpaceId, TableBuffer,
+    BlockCopy, BlockCopyPlan, BlockSpace, Direction, Method, PageSelection, SpaceId, TableBuffer,
 };
 use crate::error::{Error, Result};
 
-/// How [`HostTransfer::run_staged`] moves pages between its device staging and the pool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Relayout {
-    /// `kvs_copy_blocks` with `ctas` CTAs: any layout, at HBM speed, but it takes SMs from the
-    /// forward pass while it runs.
-    Kernel {
-        /// CTAs per launch (at least one).
-        ctas: u32,
-    },
-    /// Device-to-device copies on the copy engine: no SM at all.
-    CopyEngine,
-}
-
-impl Relayout {
-    /// Refuses a relayout that cannot run: a kernel of no CTAs.
-    pub(crate) fn check(self) -> Result<()> {
-        match self {
-            Relayout::Kernel { ctas: 0 } => Err(Error::InvalidArgument(
-                "a kernel relayout needs at least one CTA".into(),
-            )),
-            _ => Ok(()),
+/// Refuses, before anything is enqueued, a relayout method [`HostTransfer::run_staged`] cannot
+/// run: anything but the block kernel and the copy engine, or a kernel launch shape no copy
+/// kernel takes.
+pub(crate) fn check_relayout(method: Method) -> Result<()> {
+    match method {
+        Method::Kernel(launch) => launch.validate(crate::abi::KVS_COPY_THREADS),
+        Method::CopyEngine => Ok(()),
+        Method::RangeKernel(_) | Method::BatchedCopyEngine | Method::PerBlock => {
+            Err(Error::UnsupportedMethod {
+                method: method.to_string(),
+                route: "the relayout of a staged HiCache transfer",
+                accepts: "Kernel or CopyEngine",
+            })
         }
     }
 }
@@ -278,16 +270,17 @@ impl HostTransfer {
     /// the relayout places or gathers the scattered device pages on `relayout`'s stream,
     /// double-buffered so that both overlap. Everything is ordered after what `copy`'s stream
     /// held when this was called, and when `copy`'s stream reaches the end of what this
-    /// enqueues, the whole transfer has landed and `staging` may be reused. A kernel relayout
-    /// needs [`HostTransfer::prepare_staged_sync`] first.
+    /// enqueues, the whole transfer has landed and `staging` may be reused. The relayout `how`
+    /// is [`Method::Kernel`] (which needs [`HostTransfer::prepare_staged_sync`] first) or
+    /// [`Method::CopyEngine`]; any other is [`Error::UnsupportedMethod`].
     pub fn run_staged(
         &self,
         copy: &dyn Backend,
         relayout: &dyn Backend,
         staging: &StagedIo,
-        how: Relayout,
+        how: Method,
     ) -> Result<()> {
-        how.check()?;
+        check_relayout(how)?;
         self.check_staging(staging)?;
         self.check_backend(copy)?;
         self.check_backend(relayout)?;
@@ -295,7 +288,7 @@ impl HostTransfer {
             return Ok(());
         }
         let kernels = match how {
-            Relayout::Kernel { ctas } => Some((
+            Method::Kernel(launch) => Some((
                 match &self.relayout {
                     Some((made, copies)) if *made == staging.id() => copies,
                     _ => {
@@ -305,9 +298,9 @@ impl HostTransfer {
                         ))
                     }
                 },
-                Launch::host_io(relayout, ctas),
+                launch,
             )),
-            Relayout::CopyEngine => None,
+            _ => None,
         };
         // The relayout stream starts after everything enqueued on `copy` so far: the caller's
         // ordering (a backup's compute event) and an earlier run through the same staging.

@@ -3,20 +3,27 @@
 //! nothing here waits unless asked.
 //!
 //! [`BackendTransport`] executes chunks whose source and destination live in one backend
-//! address space (the same GPU, a peer-mapped pool, or the CPU reference's arena):
-//! - [`CopyMethod::Blocks`] (the default): one `kvs_copy_blocks` launch per section from page
-//!   lists; owned pages of a rank sit N apart on the decode side, so runs rarely coalesce, and
-//!   page lists (16 bytes a page) keep the per-chunk upload far below the copy itself;
-//! - [`CopyMethod::Kernel`]: one `kvs_copy_ranges` launch over the absolute ranges of a
+//! address space (the same GPU, a decode pool of another process mapped into this one, or the
+//! CPU reference's arena), with one of four [`Method`]s (BENCHMARKS.md compares them):
+//! - [`Method::Kernel`] (the default): one `kvs_copy_blocks` launch per section (the chunk's
+//!   latent KV; the final chunk adds the indexer state) from page lists; owned pages of a rank
+//!   sit N apart on the decode side, so runs rarely coalesce, and page lists (16 bytes a page)
+//!   keep the per-chunk upload far below the copy itself;
+//! - [`Method::RangeKernel`]: one `kvs_copy_ranges` launch over the absolute ranges of a
 //!   [`DescriptorBatch`], ranges longer than [`KERNEL_PIECE_BYTES`] split first;
-//! - [`CopyMethod::CopyEngine`]: one `memcpy_batch` call over the same ranges, which leaves the
-//!   SMs to the forward pass.
+//! - [`Method::CopyEngine`]: one `memcpy_batch` call over the same ranges
+//!   (`cuMemcpyBatchAsync`, over NVLink for a peer-mapped pool), which leaves the SMs to the
+//!   forward pass;
+//! - [`Method::PerBlock`]: the naive baseline, one copy per (page, layer) block, as a transfer
+//!   engine posting one descriptor per block does (on a GPU `cuMemcpyAsync` of the peer-mapped
+//!   address, what `cudaMemcpyPeerAsync` does once the memory is mapped here).
 //!
+//! Any other method is refused with [`Error::UnsupportedMethod`] when the transport is made.
 //! A [`DescriptorBatch`] is also exactly what a network transfer engine moves (NIXL and
 //! Mooncake register memory regions, then take lists of address/length pairs).
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::plan::SendPlan;
@@ -24,9 +31,12 @@ use super::stats::{Posted, TransferStats};
 use super::transport::{Completion, Transport};
 use super::ComponentBytes;
 use crate::abi;
-use crate::backend::{Backend, Event, KernelFamily, Launch};
-use crate::copy::{BlockCopyPlan, BlockSpace, PageSelection, RemoteSpace, TableStore};
-use crate::error::Result;
+use crate::backend::{check_space, Backend, Event};
+use crate::copy::space::sealed::Sealed as _;
+use crate::copy::{BlockCopyPlan, BlockSpace, Method, PageSelection, RemoteSpace, TableStore};
+use crate::error::{Error, Result};
+use crate::index::StoredLayer;
+use crate::lock::lock;
 use crate::pool::DevicePool;
 
 /// Longest range one warp of `kvs_copy_ranges` copies: 64 iterations of the warp's 4 KB
@@ -35,7 +45,7 @@ use crate::pool::DevicePool;
 pub const KERNEL_PIECE_BYTES: u64 = 256 << 10;
 
 /// `ranges` cut into consecutive pieces of at most [`KERNEL_PIECE_BYTES`], in order: the
-/// table [`CopyMethod::Kernel`] launches over. Empty ranges yield no piece; addresses wrap
+/// table [`Method::RangeKernel`] launches over. Empty ranges yield no piece; addresses wrap
 /// rather than panic (a range past the end of the address space is garbage in, garbage out).
 pub fn kernel_pieces(ranges: &[abi::kvs_range]) -> impl Iterator<Item = abi::kvs_range> + '_ {
     ranges.iter().flat_map(|r| {
@@ -145,7 +155,7 @@ impl fmt::Display for DescriptorBatch {
 }
 
 /// The block copies of one plan: per non-empty section, the local source pages into the
-/// destination pages of the section's components. What [`CopyMethod::Blocks`] launches, and
+/// destination pages of the section's components. What [`Method::Kernel`] launches, and
 /// what a bounce-buffered transport packs.
 pub fn block_copies(
     plan: &SendPlan,
@@ -169,31 +179,6 @@ pub fn block_copies(
             .only_components(src, &components))
         })
         .collect()
-}
-
-/// How a [`BackendTransport`] moves bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum CopyMethod {
-    /// One `kvs_copy_blocks` launch per section with this grid, from page lists: the smallest
-    /// upload of the three.
-    Blocks(Launch),
-    /// One `kvs_copy_ranges` launch per chunk with this grid, ranges split into pieces of at
-    /// most [`KERNEL_PIECE_BYTES`].
-    Kernel(Launch),
-    /// One `memcpy_batch` call per chunk (`cudaMemcpyBatchAsync` on the GPU).
-    CopyEngine,
-}
-
-impl CopyMethod {
-    /// The block executor with the grid kvshard picks for `backend`: 264 CTAs (two per H200
-    /// SM) of 512 threads, measured at 91-95% of the device-to-device copy for 512+ page
-    /// chunks (BENCHMARKS.md).
-    pub fn default_for(backend: &dyn Backend) -> Self {
-        Self::Blocks(Launch {
-            ctas: 264,
-            threads: backend.max_threads(KernelFamily::Copy).min(512),
-        })
-    }
 }
 
 /// A completion of in-process work: an event of the backend's stream (timed, with the timed
@@ -230,11 +215,41 @@ impl Completion for StreamCompletion {
     }
 }
 
+/// What a [`BackendTransport`] has submitted, summed over chunks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CallCounts {
+    /// Chunks submitted (empty ones included).
+    pub chunks: u64,
+    /// Kernel launches.
+    pub launches: u64,
+    /// Copy-engine calls (batch calls, or single copies).
+    pub copy_calls: u64,
+    /// Address/length descriptors handed to the copy engine (ranges of batches, single copies).
+    pub descriptors: u64,
+    /// Bytes submitted.
+    pub bytes: u64,
+}
+
+impl std::ops::AddAssign for CallCounts {
+    fn add_assign(&mut self, other: Self) {
+        self.chunks += other.chunks;
+        self.launches += other.launches;
+        self.copy_calls += other.copy_calls;
+        self.descriptors += other.descriptors;
+        self.bytes += other.bytes;
+    }
+}
+
+/// The methods a [`BackendTransport`] runs.
+const ACCEPTS: &str = "Kernel, RangeKernel, CopyEngine or PerBlock";
+
 /// Executes chunks on a backend whose address space holds both the source and the
-/// destination, in the backend's stream order.
+/// destination, in the backend's stream order: the same GPU, the CPU reference's arena, or a
+/// decode pool of another process mapped into this one ([`BackendTransport::peer`]).
 pub struct BackendTransport {
     store: TableStore,
-    method: CopyMethod,
+    method: Method,
+    calls: Arc<Mutex<CallCounts>>,
     stats: TransferStats,
 }
 
@@ -249,24 +264,66 @@ impl fmt::Debug for BackendTransport {
 
 impl BackendTransport {
     /// A transport enqueuing on `backend` with the method kvshard picks
-    /// ([`CopyMethod::default_for`]).
+    /// ([`Method::default_for`]).
     pub fn new(backend: Arc<dyn Backend>) -> Self {
-        let method = CopyMethod::default_for(backend.as_ref());
-        Self::with_method(backend, method)
+        let method = Method::default_for(backend.as_ref());
+        Self::named(backend, method, "backend")
     }
 
-    /// A transport enqueuing on `backend` with `method`.
-    pub fn with_method(backend: Arc<dyn Backend>, method: CopyMethod) -> Self {
+    /// A transport enqueuing on `backend` with `method`: [`Method::Kernel`],
+    /// [`Method::RangeKernel`], [`Method::CopyEngine`] or [`Method::PerBlock`]; any other is
+    /// [`Error::UnsupportedMethod`].
+    pub fn with_method(backend: Arc<dyn Backend>, method: Method) -> Result<Self> {
+        check_method(method)?;
+        Ok(Self::named(backend, method, "backend"))
+    }
+
+    /// [`BackendTransport::with_method`] for sending into a decode pool of another process
+    /// mapped into this one ([`ImportedPool`](crate::ipc::ImportedPool)): both spaces are in
+    /// the one backend address space, so a chunk is a launch (or copy-engine calls) of this
+    /// process's GPU, with no staging and no network engine. Its [`Transport::stats`] are
+    /// labelled `peer`.
+    pub fn peer(backend: Arc<dyn Backend>, method: Method) -> Result<Self> {
+        check_method(method)?;
+        Ok(Self::named(backend, method, "peer"))
+    }
+
+    fn named(backend: Arc<dyn Backend>, method: Method, name: &'static str) -> Self {
         Self {
             store: TableStore::new(backend),
             method,
-            stats: TransferStats::new("backend"),
+            calls: Arc::default(),
+            stats: TransferStats::new(name),
         }
     }
 
     /// How this transport moves bytes.
-    pub fn method(&self) -> CopyMethod {
+    pub fn method(&self) -> Method {
         self.method
+    }
+
+    /// Counters of the calls it submitted, shared: they keep counting after the transport is
+    /// handed to a [`Sender`](super::Sender).
+    pub fn calls(&self) -> Arc<Mutex<CallCounts>> {
+        self.calls.clone()
+    }
+}
+
+/// Refuses a method no executor of [`BackendTransport`] runs.
+fn check_method(method: Method) -> Result<()> {
+    match method {
+        Method::Kernel(_) | Method::RangeKernel(_) | Method::CopyEngine | Method::PerBlock => {
+            Ok(())
+        }
+        Method::BatchedCopyEngine => Err(unsupported(method)),
+    }
+}
+
+fn unsupported(method: Method) -> Error {
+    Error::UnsupportedMethod {
+        method: method.to_string(),
+        route: "a P/D transport",
+        accepts: ACCEPTS,
     }
 }
 
@@ -278,11 +335,26 @@ impl Transport for BackendTransport {
         dst: &Arc<RemoteSpace>,
     ) -> Result<Box<dyn Completion>> {
         let started = Instant::now();
-        let result = self.enqueue(plan, src, dst);
+        let mut counted = CallCounts {
+            chunks: 1,
+            bytes: plan.bytes().total(),
+            ..CallCounts::default()
+        };
+        let result = self.enqueue(plan, src, dst, &mut counted);
+        if result.is_ok() {
+            *lock(&self.calls) += counted;
+        }
+        let method = self.method;
         self.stats.submitted(started, result, || {
+            // The per-block baseline posts its copies; the others what a descriptor-based
+            // engine would have posted for the plan.
+            let descriptors = match method {
+                Method::PerBlock => counted.descriptors,
+                _ => plan.descriptor_count() as u64,
+            };
             Some(Posted {
-                bytes: plan.bytes().total(),
-                descriptors: plan.descriptor_count() as u64,
+                bytes: counted.bytes,
+                descriptors,
                 post_time: started.elapsed(),
                 bounced: false,
             })
@@ -295,12 +367,14 @@ impl Transport for BackendTransport {
 }
 
 impl BackendTransport {
-    /// Enqueues `plan`'s copies; what [`Transport::submit`] times and counts.
+    /// Enqueues `plan`'s copies, counting them into `counted`; what [`Transport::submit`] times
+    /// and counts.
     fn enqueue(
         &mut self,
         plan: &SendPlan,
         src: &Arc<DevicePool>,
         dst: &Arc<RemoteSpace>,
+        counted: &mut CallCounts,
     ) -> Result<Box<dyn Completion>> {
         let backend = self.store.backend().clone();
         let src_space: Arc<dyn BlockSpace> = src.clone();
@@ -316,18 +390,20 @@ impl BackendTransport {
         }
         let started = backend.record_timed()?;
         match self.method {
-            CopyMethod::Blocks(launch) => {
+            Method::Kernel(launch) => {
                 for copy in block_copies(plan, src_space.as_ref(), dst_space.as_ref())? {
                     self.store.launch(&copy, &src_space, &dst_space, launch)?;
+                    counted.launches += 1;
                 }
             }
-            CopyMethod::Kernel(launch) => {
+            Method::RangeKernel(launch) => {
                 let batch = DescriptorBatch::resolve(plan, src_space.as_ref(), dst_space.as_ref())?;
                 let pieces: Vec<_> = kernel_pieces(batch.ranges()).collect();
                 self.store
                     .launch_ranges(&pieces, [&src_space, &dst_space], launch)?;
+                counted.launches += 1;
             }
-            CopyMethod::CopyEngine => {
+            Method::CopyEngine => {
                 let batch = DescriptorBatch::resolve(plan, src_space.as_ref(), dst_space.as_ref())?;
                 for space in [&src_space, &dst_space] {
                     crate::backend::check_space(
@@ -345,7 +421,17 @@ impl BackendTransport {
                     // has passed the copies.
                     unsafe { backend.memcpy_batch(batch.ranges()) }
                 })?;
+                // One range of the batch per descriptor of the plan.
+                counted.descriptors = batch.ranges().len() as u64;
+                counted.copy_calls = u64::from(counted.descriptors > 0);
             }
+            Method::PerBlock => {
+                let copies = per_block(backend.as_ref(), plan, src, dst)?;
+                counted.copy_calls = copies;
+                counted.descriptors = copies;
+            }
+            // Refused by the constructors; refused here too rather than trusted.
+            Method::BatchedCopyEngine => return Err(unsupported(self.method)),
         }
         Ok(Box::new(StreamCompletion {
             started: Some(started),
@@ -354,4 +440,44 @@ impl BackendTransport {
             _keep: vec![src_space, dst_space],
         }))
     }
+}
+
+/// [`Method::PerBlock`]: one copy per (page, layer) block of every non-empty section; returns
+/// the copies.
+fn per_block(
+    backend: &dyn Backend,
+    plan: &SendPlan,
+    src: &Arc<DevicePool>,
+    dst: &Arc<RemoteSpace>,
+) -> Result<u64> {
+    plan.check_spaces(src.as_ref(), dst.as_ref())?;
+    let space = backend.address_space();
+    check_space(space, src.address_space(), "the source pool")?;
+    check_space(space, dst.address_space(), "the destination")?;
+    let mut copies = 0;
+    let (reads, writes) = ([src.usage()], [dst.usage()]);
+    crate::backend::ordered(backend, &reads, &writes, || {
+        for section in plan.sections() {
+            if section.is_empty() {
+                continue;
+            }
+            let owned = section.owned();
+            for c in section.components() {
+                for layer in 0..c.layers {
+                    for (&s, &d) in owned.src_pages().iter().zip(owned.dst_pages()) {
+                        let from = src.block_addr(c.component, StoredLayer(layer), s)?;
+                        let to = dst.block_addr(c.component, StoredLayer(layer), d)?;
+                        // SAFETY: both blocks were checked inside their spaces (block_addr),
+                        // which are in this backend's address space (checked above) and kept
+                        // alive by their usages and the completion until the stream has passed
+                        // the copy.
+                        unsafe { backend.memcpy(to, from, c.item as usize)? };
+                        copies += 1;
+                    }
+                }
+            }
+        }
+        Ok(())
+    })?;
+    Ok(copies)
 }

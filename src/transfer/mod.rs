@@ -21,14 +21,13 @@
 //!   [`OwnedRuns`](crate::copy::OwnedRuns)) and lists the layers they apply to; validates both
 //!   sides' geometry and every page before any byte moves.
 //! - [`transport`]: the [`Transport`] and [`Completion`] traits every transport implements;
-//!   [`exec`]: the in-process [`BackendTransport`] and the [`DescriptorBatch`] of absolute
-//!   ranges network engines take.
+//!   [`exec`]: the in-process [`BackendTransport`] (also what sends into a decode pool of
+//!   another process mapped into this one, [`BackendTransport::peer`]) and the
+//!   [`DescriptorBatch`] of absolute ranges network engines take.
 //! - send, receive, status: the per-rank [`Sender`], the decode-side [`Receiver`] that completes
 //!   a request only once every rank has reported its final chunk, fails it on any failure, and
 //!   reports it [`Overdue`] when its deadline passes first, and the one [`ChunkStatus`] both
 //!   speak.
-//! - [`peer`]: [`PeerTransport`], sending into a decode pool of another process mapped into this
-//!   one (one launch per chunk, a copy-engine batch, or the per-block baseline);
 //! - [`endpoint`]: the cross-process protocol as library types, [`DecodeEndpoint`] and
 //!   [`PrefillEndpoint`], over the control channel of [`crate::ipc`].
 //! - [`stats`]: the counters every transport keeps (bytes, descriptors, post and transfer time,
@@ -40,7 +39,6 @@ pub mod endpoint;
 pub mod exec;
 #[cfg(feature = "nixl")]
 pub mod nixl;
-pub mod peer;
 pub mod plan;
 mod receive;
 mod send;
@@ -51,11 +49,11 @@ pub mod transport;
 use std::fmt;
 use std::ops::AddAssign;
 
+pub use crate::copy::Method;
 pub use endpoint::{DecodeEndpoint, DecodeEvent, PrefillEndpoint, PrefillEvent, CHUNK_EVENTS};
 pub use exec::{
-    block_copies, kernel_pieces, BackendTransport, CopyMethod, DescriptorBatch, KERNEL_PIECE_BYTES,
+    block_copies, kernel_pieces, BackendTransport, CallCounts, DescriptorBatch, KERNEL_PIECE_BYTES,
 };
-pub use peer::{PeerMethod, PeerStats, PeerTransport};
 pub use plan::{
     ChunkRange, Descriptor, PoolLayout, PrefillRank, Registration, Section, SectionComponent,
     SendPlan,

@@ -2,7 +2,7 @@
 //! back a [`Completion`] to poll or wait on; [`TransferStats::submitted`] is what every
 //! transport does with that outcome (counts it, and wraps the completion so its landing or its
 //! failure is counted once). The transports themselves: in-process ([`super::BackendTransport`]),
-//! peer-mapped ([`super::PeerTransport`]) and NIXL.
+//! also into a peer-mapped pool ([`super::BackendTransport::peer`]) and NIXL.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -7,11 +7,11 @@
 use std::sync::Arc;
 
 use kvshard::backend::cuda::CudaBackend;
-use kvshard::backend::Backend;
+use kvshard::backend::{Backend, Launch};
 use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry};
 use kvshard::hicache::{
-    Direction, HostLayout, HostPool, HostTransfer, IoBackend, LayerSignals, Layers, Relayout,
-    StagedIo, TransferPlan,
+    Direction, HostLayout, HostPool, HostTransfer, LayerSignals, Layers, Method, StagedIo,
+    TransferPlan,
 };
 use kvshard::index::{LogicalPage, ModelLayer, StoredLayer};
 use kvshard::pool::DevicePool;
@@ -134,11 +134,11 @@ pub fn staged(
     plan: &TransferPlan,
     dir: Direction,
     chunk: u64,
-    how: Relayout,
+    how: Method,
 ) -> Result<(HostTransfer, StagedIo)> {
     let mut t = HostTransfer::new(pool.clone(), host.clone(), plan.clone(), dir)?;
     let staging = t.staging(backend, chunk)?;
-    if let Relayout::Kernel { .. } = how {
+    if let Method::Kernel(_) = how {
         t.prepare_staged_sync(backend, &staging, &mut Vec::new())?;
     }
     Ok((t, staging))
@@ -172,19 +172,20 @@ pub fn io(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 let mut t = HostTransfer::new(pool.clone(), host.clone(), plan.clone(), dir)?;
                 t.prepare_kernel_sync(ctx.backend.as_ref(), &mut Vec::new())?;
                 let bytes = t.bytes(Layers::All)?;
-                let mut ios = vec![IoBackend::CopyEngine];
-                ios.extend([1, 2, 4, 8, 16].map(|ctas| IoBackend::SmKernel { ctas }));
+                let mut ios = vec![Method::CopyEngine];
+                ios.extend(
+                    [1, 2, 4, 8, 16].map(|ctas| Method::host_io(ctx.backend.as_ref(), ctas)),
+                );
                 if pages <= 512 {
-                    ios.push(IoBackend::PerBlockMemcpy);
+                    ios.push(Method::PerBlock);
                     // Token-major page_first makes the batch one entry per 576-byte row (~250K at
                     // 64 pages); driver 580 crashed the process on it (BENCHMARKS.md).
                     if layout != HostLayout::PageFirst {
-                        ios.push(IoBackend::BatchMemcpy);
+                        ios.push(Method::BatchedCopyEngine);
                     }
                 }
                 for io in ios {
-                    let host_bound =
-                        matches!(io, IoBackend::PerBlockMemcpy | IoBackend::BatchMemcpy);
+                    let host_bound = matches!(io, Method::PerBlock | Method::BatchedCopyEngine);
                     let reps = ctx.reps(if host_bound || pages >= 2048 { 3 } else { 8 });
                     let stats = ctx.time(reps, || t.run(ctx.backend.as_ref(), io, Layers::All))?;
                     verify(ctx.backend.as_ref(), &mut ctx.rng, &pool, &host, &plan)?;
@@ -206,11 +207,11 @@ pub fn io(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                     );
                 }
                 let mut staged_cases = vec![
-                    (16u64, Relayout::Kernel { ctas: STAGED_CTAS }),
-                    (64, Relayout::Kernel { ctas: STAGED_CTAS }),
+                    (16u64, Method::host_io(ctx.backend.as_ref(), STAGED_CTAS)),
+                    (64, Method::host_io(ctx.backend.as_ref(), STAGED_CTAS)),
                 ];
                 if layout != HostLayout::PageFirst {
-                    staged_cases.push((32, Relayout::CopyEngine));
+                    staged_cases.push((32, Method::CopyEngine));
                 }
                 for (chunk, how) in staged_cases {
                     let (st, staging) =
@@ -252,7 +253,7 @@ fn per_layer_load(
 ) -> Result<()> {
     let bytes = t.bytes(Layers::All)?;
     let groups = layer_groups(t);
-    for io in [IoBackend::CopyEngine, IoBackend::SmKernel { ctas: 4 }] {
+    for io in [Method::CopyEngine, Method::host_io(ctx.backend.as_ref(), 4)] {
         let stats = ctx.time(ctx.reps(5), || {
             for &m in &groups {
                 t.run(ctx.backend.as_ref(), io, Layers::One(m))?;
@@ -297,8 +298,12 @@ pub fn signalled(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
         for ctas in ctas_list {
             let mut signals = LayerSignals::new_sync(ctx.backend.as_ref(), model_layers)?;
             let stats = ctx.time(ctx.reps(10), || {
-                t.run_signalled(ctx.backend.as_ref(), ctas, &mut signals)
-                    .map(drop)
+                t.run_signalled(
+                    ctx.backend.as_ref(),
+                    Launch::host_io(ctx.backend.as_ref(), ctas),
+                    &mut signals,
+                )
+                .map(drop)
             })?;
             verify(ctx.backend.as_ref(), &mut ctx.rng, &pool, &host, t.plan())?;
             report.add(
@@ -314,7 +319,11 @@ pub fn signalled(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             let first = ctx.gpu.new_event(true)?;
             let done = ctx.gpu.new_event(true)?;
             ctx.backend.stream().record(&start)?;
-            let waits = t.run_signalled(ctx.backend.as_ref(), ctas, &mut signals)?;
+            let waits = t.run_signalled(
+                ctx.backend.as_ref(),
+                Launch::host_io(ctx.backend.as_ref(), ctas),
+                &mut signals,
+            )?;
             waits[0].wait(&consumer)?;
             consumer.stream().record(&first)?;
             waits[last.0].wait(&consumer)?;
@@ -385,8 +394,8 @@ pub fn duplex(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
         let stats: Stats = ctx.time(ctx.reps(8), || {
             let fork = ctx.backend.record()?;
             other.wait(&fork)?;
-            load.run(ctx.backend.as_ref(), IoBackend::CopyEngine, Layers::All)?;
-            backup.run(&other, IoBackend::CopyEngine, Layers::All)?;
+            load.run(ctx.backend.as_ref(), Method::CopyEngine, Layers::All)?;
+            backup.run(&other, Method::CopyEngine, Layers::All)?;
             let join = other.record()?;
             ctx.backend.wait(&join)
         })?;
@@ -409,9 +418,9 @@ pub fn duplex(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
         let relayout_load = CudaBackend::new(ctx.gpu.clone())?;
         let relayout_backup = CudaBackend::new(ctx.gpu.clone())?;
         for (chunk, how) in [
-            (32, Relayout::Kernel { ctas: STAGED_CTAS }),
-            (128, Relayout::Kernel { ctas: STAGED_CTAS }),
-            (32, Relayout::CopyEngine),
+            (32, Method::host_io(ctx.backend.as_ref(), STAGED_CTAS)),
+            (128, Method::host_io(ctx.backend.as_ref(), STAGED_CTAS)),
+            (32, Method::CopyEngine),
         ] {
             let (load, load_staging) = staged(
                 ctx.backend.as_ref(),

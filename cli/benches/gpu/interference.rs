@@ -16,9 +16,7 @@ use cudarc::driver::CudaEvent;
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{Backend, Buffer, MemoryKind};
 use kvshard::gpu::{bench, Stream};
-use kvshard::hicache::{
-    Direction, HostLayout, HostPool, HostTransfer, IoBackend, Layers, Relayout,
-};
+use kvshard::hicache::{Direction, HostLayout, HostPool, HostTransfer, Layers, Method};
 use kvshard::{Error, Result};
 use kvshard_cli::measure::gbps;
 
@@ -33,8 +31,8 @@ use nvml_wrapper::Nvml;
 enum Io {
     /// One contiguous 1 GiB pinned copy: the control.
     Contiguous,
-    Direct(IoBackend),
-    Staged(Relayout),
+    Direct(Method),
+    Staged(Method),
 }
 
 impl std::fmt::Display for Io {
@@ -42,7 +40,7 @@ impl std::fmt::Display for Io {
         match self {
             Io::Contiguous => f.write_str("one contiguous 1 GiB cudaMemcpyAsync (control)"),
             Io::Direct(io) => write!(f, "{io}"),
-            Io::Staged(how) => write!(f, "staged copy-engine (32-page chunks, {how:?} relayout)"),
+            Io::Staged(how) => write!(f, "staged copy-engine (32-page chunks, {how} relayout)"),
         }
     }
 }
@@ -336,12 +334,14 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
         let mut cases: Vec<(Option<&Arc<HostPool>>, Io)> = vec![(None, Io::Contiguous)];
         for host in &hosts {
             let mut ios = vec![
-                Io::Staged(Relayout::CopyEngine),
-                Io::Staged(Relayout::Kernel { ctas: STAGED_CTAS }),
-                Io::Direct(IoBackend::CopyEngine),
+                Io::Staged(Method::CopyEngine),
+                Io::Staged(Method::host_io(ctx.backend.as_ref(), STAGED_CTAS)),
+                Io::Direct(Method::CopyEngine),
             ];
             if host.layout() == HostLayout::LayerFirst {
-                ios.extend([2, 4, 8].map(|ctas| Io::Direct(IoBackend::SmKernel { ctas })));
+                ios.extend(
+                    [2, 4, 8].map(|ctas| Io::Direct(Method::host_io(ctx.backend.as_ref(), ctas))),
+                );
             }
             cases.extend(ios.into_iter().map(|io| (Some(host), io)));
         }

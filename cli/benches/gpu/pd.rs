@@ -6,9 +6,9 @@
 //! - `range kernel, tables pre-uploaded`: one `kvs_copy_ranges` launch per rank over its range
 //!   table, uploaded beforehand: what the GPU executes (best of a few grids);
 //! - `block kernel from page lists, Transport::submit`: `BackendTransport` with
-//!   `CopyMethod::default_for` (the grid kvshard picks): one `kvs_copy_blocks` launch per
+//!   `Method::default_for` (the grid kvshard picks): one `kvs_copy_blocks` launch per
 //!   non-empty section of each rank's chunk, page lists uploaded in stream order;
-//! - `range kernel, Transport::submit`: the same transport with `CopyMethod::Kernel` and the
+//! - `range kernel, Transport::submit`: the same transport with `Method::RangeKernel` and the
 //!   best grid above, each rank's range table uploaded in stream order;
 //! - `copy engine, Transport::submit`: one `cudaMemcpyBatchAsync` per rank.
 //!
@@ -28,9 +28,8 @@ use kvshard::index::{LocalPage, LogicalPage, StoredLayer};
 use kvshard::pool::DevicePool;
 use kvshard::shard::Placement;
 use kvshard::transfer::{
-    block_copies, kernel_pieces, BackendTransport, ChunkRange, Completion, CopyMethod,
-    DescriptorBatch, PoolLayout, PrefillRank, Registration, SendPlan, Transport,
-    KERNEL_PIECE_BYTES,
+    block_copies, kernel_pieces, BackendTransport, ChunkRange, Completion, DescriptorBatch, Method,
+    PoolLayout, PrefillRank, Registration, SendPlan, Transport, KERNEL_PIECE_BYTES,
 };
 use kvshard::{Error, Result};
 use kvshard_cli::measure::Stats;
@@ -258,7 +257,7 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 ),
             );
 
-            let default = CopyMethod::default_for(backend.as_ref());
+            let default = Method::default_for(backend.as_ref());
             let blocks_note = |launch: Launch, why: &str| {
                 format!(
                     "{}; {} kvs_copy_blocks launches ({} per chunk) {}x{}{why}, {} page-list entries, {} B of tables uploaded",
@@ -271,12 +270,12 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                     needs.block_table_bytes
                 )
             };
-            // `None`: the transport as `BackendTransport::new` makes it (CopyMethod::default_for).
+            // `None`: the transport as `BackendTransport::new` makes it (Method::default_for).
             let mut methods = vec![(
-                "block kernel from page lists (CopyMethod::default_for), Transport::submit",
+                "block kernel from page lists (Method::default_for), Transport::submit",
                 None,
                 match default {
-                    CopyMethod::Blocks(l) => blocks_note(l, " (default_for)"),
+                    Method::Kernel(l) => blocks_note(l, " (default_for)"),
                     _ => format!("{}; {default:?}", needs.descriptors()),
                 },
             )];
@@ -286,16 +285,16 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 ctas: sms * 2,
                 threads: 512,
             };
-            if default != CopyMethod::Blocks(per_sm) {
+            if default != Method::Kernel(per_sm) {
                 methods.push((
                     "block kernel from page lists (2 CTAs/SM), Transport::submit",
-                    Some(CopyMethod::Blocks(per_sm)),
+                    Some(Method::Kernel(per_sm)),
                     blocks_note(per_sm, ""),
                 ));
             }
             methods.push((
                 "range kernel, Transport::submit",
-                Some(CopyMethod::Kernel(launch)),
+                Some(Method::RangeKernel(launch)),
                 format!(
                     "{}; {n} kvs_copy_ranges launches (1 per chunk) {}x{} of {} pieces, {} B of tables uploaded",
                     needs.descriptors(),
@@ -307,21 +306,21 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             ));
             methods.push((
                 "copy engine, Transport::submit",
-                Some(CopyMethod::CopyEngine),
+                Some(Method::CopyEngine),
                 format!(
                     "{}; {n} memcpy_batch calls (1 per chunk) of {ranges} entries in all",
                     needs.descriptors()
                 ),
             ));
             for (name, method, note) in methods {
-                if method == Some(CopyMethod::CopyEngine) && ranges > 100_000 {
+                if method == Some(Method::CopyEngine) && ranges > 100_000 {
                     // ~2 s a repeat at the host's ~4 us per entry: measured at 512 pages.
                     continue;
                 }
                 decode.fill(backend.as_ref(), POISON)?;
                 let mut transport = match method {
                     None => BackendTransport::new(backend.clone()),
-                    Some(method) => BackendTransport::with_method(backend.clone(), method),
+                    Some(method) => BackendTransport::with_method(backend.clone(), method)?,
                 };
                 let mut pending: Vec<Box<dyn Completion>> = Vec::new();
                 let stats = ctx.time(reps, || {

@@ -44,7 +44,7 @@ use kvshard::ipc::{ExportedPool, Liveness, PeerBackend};
 use kvshard::pool::DevicePool;
 use kvshard::shard::{Placement, ShardAllocator};
 use kvshard::transfer::{
-    ChunkEnd, DecodeEndpoint, DecodeEvent, Finished, PeerMethod, PoolLayout, PrefillEndpoint,
+    ChunkEnd, DecodeEndpoint, DecodeEvent, Finished, Method, PoolLayout, PrefillEndpoint,
     PrefillEvent, Registration, DEFAULT_DEADLINE,
 };
 use kvshard::{Error, Result};
@@ -247,7 +247,7 @@ pub struct PdConfig {
     /// Pages per prefill chunk.
     pub chunk_pages: usize,
     /// The methods each size is sent with.
-    pub methods: Vec<PeerMethod>,
+    pub methods: Vec<Method>,
     /// Requests per case (the first is verified).
     pub iterations: usize,
     /// Pause between a rank's chunks (tests use it to land a kill mid-request).
@@ -260,13 +260,13 @@ pub struct Case {
     /// Pages of the request.
     pub pages: usize,
     /// How ranks send it.
-    pub method: PeerMethod,
+    pub method: Method,
 }
 
 /// The one-launch block copy at `ctas` CTAs of 512 threads: the `pd` scenarios' default shape
 /// (`blocks:CTAS:THREADS` names others).
-pub fn blocks(ctas: u32) -> PeerMethod {
-    PeerMethod::Blocks(Launch {
+pub fn blocks(ctas: u32) -> Method {
+    Method::Kernel(Launch {
         ctas,
         threads: kvshard::abi::KVS_COPY_THREADS.min(512),
     })
@@ -292,8 +292,8 @@ impl PdConfig {
             chunk_pages: if gpu { 64 } else { 4 },
             methods: vec![
                 blocks(if gpu { 32 } else { 2 }),
-                PeerMethod::CopyEngine,
-                PeerMethod::PerBlock,
+                Method::CopyEngine,
+                Method::PerBlock,
             ],
             iterations: if gpu { 3 } else { 1 },
             pace: Duration::ZERO,
@@ -432,27 +432,32 @@ impl PdConfig {
     }
 }
 
-/// A method as the command line names it: `blocks:CTAS:THREADS`, `ce`, `naive`.
-pub fn method_name(method: &PeerMethod) -> String {
+/// A method as the command line names it: `blocks:CTAS:THREADS` (the block kernel),
+/// `ranges:CTAS:THREADS` (the range kernel), `ce`, `naive` (per block); `batch` names the batched
+/// copy engine, which no P/D transport runs.
+pub fn method_name(method: &Method) -> String {
     match method {
-        PeerMethod::Blocks(l) => format!("blocks:{}:{}", l.ctas, l.threads),
-        PeerMethod::CopyEngine => "ce".into(),
-        PeerMethod::PerBlock => "naive".into(),
+        Method::Kernel(l) => format!("blocks:{}:{}", l.ctas, l.threads),
+        Method::RangeKernel(l) => format!("ranges:{}:{}", l.ctas, l.threads),
+        Method::CopyEngine => "ce".into(),
+        Method::BatchedCopyEngine => "batch".into(),
+        Method::PerBlock => "naive".into(),
     }
 }
 
-/// Parses [`method_name`]'s form (`blocks:CTAS` takes 512 threads) and checks its launch shape.
-pub fn parse_method(s: &str) -> Result<PeerMethod> {
+/// Parses [`method_name`]'s form (`blocks:CTAS` and `ranges:CTAS` take 512 threads) and checks
+/// it ([`check_method`]).
+pub fn parse_method(s: &str) -> Result<Method> {
     let bad = || {
         Error::InvalidArgument(format!(
-            "method {s:?}: expected blocks:CTAS[:THREADS], ce or naive"
+            "method {s:?}: expected blocks:CTAS[:THREADS], ranges:CTAS[:THREADS], ce or naive"
         ))
     };
     let mut parts = s.split(':');
     let method = match parts.next() {
-        Some("ce") if parts.next().is_none() => PeerMethod::CopyEngine,
-        Some("naive") if parts.next().is_none() => PeerMethod::PerBlock,
-        Some("blocks") => {
+        Some("ce") if parts.next().is_none() => Method::CopyEngine,
+        Some("naive") if parts.next().is_none() => Method::PerBlock,
+        Some(kind @ ("blocks" | "ranges")) => {
             let ctas = parts.next().ok_or_else(bad)?.parse().map_err(|_| bad())?;
             let threads = match parts.next() {
                 Some(t) => t.parse().map_err(|_| bad())?,
@@ -461,7 +466,12 @@ pub fn parse_method(s: &str) -> Result<PeerMethod> {
             if parts.next().is_some() {
                 return Err(bad());
             }
-            PeerMethod::Blocks(Launch { ctas, threads })
+            let launch = Launch { ctas, threads };
+            if kind == "blocks" {
+                Method::Kernel(launch)
+            } else {
+                Method::RangeKernel(launch)
+            }
         }
         _ => return Err(bad()),
     };
@@ -469,12 +479,20 @@ pub fn parse_method(s: &str) -> Result<PeerMethod> {
     Ok(method)
 }
 
-/// Checks a `blocks` method's launch shape against what the copy kernel was compiled for
-/// (a device may allow fewer threads; the library refuses those when it launches).
-pub fn check_method(method: &PeerMethod) -> Result<()> {
+/// Checks a method the P/D transports run, and a kernel's launch shape against what the copy
+/// kernels were compiled for (a device may allow fewer threads; the library refuses those when
+/// it launches).
+pub fn check_method(method: &Method) -> Result<()> {
     match method {
-        PeerMethod::Blocks(launch) => launch.validate(kvshard::abi::KVS_COPY_THREADS),
-        PeerMethod::CopyEngine | PeerMethod::PerBlock => Ok(()),
+        Method::Kernel(launch) | Method::RangeKernel(launch) => {
+            launch.validate(kvshard::abi::KVS_COPY_THREADS)
+        }
+        Method::CopyEngine | Method::PerBlock => Ok(()),
+        Method::BatchedCopyEngine => Err(Error::UnsupportedMethod {
+            method: method.to_string(),
+            route: "a P/D transport",
+            accepts: "blocks, ranges, ce or naive",
+        }),
     }
 }
 
@@ -887,11 +905,7 @@ pub fn prefill_role(cfg: &PdConfig, socket: &Path, rank: u32) -> Result<PrefillS
         cfg.prefill_pages(),
     )?);
     fill_pool_sync(b.as_ref(), &pool, &pattern(cfg))?;
-    let first = cfg
-        .methods
-        .first()
-        .copied()
-        .unwrap_or(PeerMethod::CopyEngine);
+    let first = cfg.methods.first().copied().unwrap_or(Method::CopyEngine);
     let endpoint =
         PrefillEndpoint::connect(socket, backend, pool, first, Liveness::default(), STARTUP)?;
     let mut rank_loop = RankLoop {

@@ -30,7 +30,7 @@ use kvshard::ipc::{ExportedPool, Liveness, PeerBackend};
 use kvshard::pool::DevicePool;
 use kvshard::shard::{Placement, ShardAllocator};
 use kvshard::transfer::{
-    ChunkEnd, DecodeEndpoint, Finished, PeerMethod, PoolLayout, PrefillEndpoint, PrefillEvent,
+    ChunkEnd, DecodeEndpoint, Finished, Method, PoolLayout, PrefillEndpoint, PrefillEvent,
 };
 use kvshard::{Error, Result};
 
@@ -55,7 +55,7 @@ pub struct PressurePdConfig {
     /// every prompt.
     pub processes: Processes,
     /// How ranks send chunks to the decodes.
-    pub method: PeerMethod,
+    pub method: Method,
     /// Whether the ranks all-gather over NCCL (GPUs, one rank per GPU) instead of through host
     /// shared memory.
     pub nccl: bool,

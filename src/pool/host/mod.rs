@@ -600,7 +600,7 @@ mod tests {
     #[test]
     fn packed_and_adopted_pools_round_trip_through_every_direct_route() {
         use crate::copy::Direction;
-        use crate::hicache::{HostTransfer, IoBackend, Layers, TransferPlan};
+        use crate::hicache::{HostTransfer, Layers, Method, TransferPlan};
         use crate::index::LogicalPage;
         use crate::pool::DevicePool;
         use crate::shard::Placement;
@@ -617,10 +617,10 @@ mod tests {
         let hst = [13u64, 9, 3, 6, 5, 7].map(LogicalPage);
         let plan = || TransferPlan::new(placement, 1, &dev, &hst, dev_pages, host_pages).unwrap();
         let ios = [
-            IoBackend::SmKernel { ctas: 2 },
-            IoBackend::CopyEngine,
-            IoBackend::PerBlockMemcpy,
-            IoBackend::BatchMemcpy,
+            Method::host_io(&b, 2),
+            Method::CopyEngine,
+            Method::PerBlock,
+            Method::BatchedCopyEngine,
         ];
         let mut reference: Option<Vec<u8>> = None;
         for layout in HostLayout::ALL {

@@ -1,9 +1,9 @@
 //! P/D across processes on one host: the decode process publishes its pool(s) and per-request
 //! registrations over the control channel ([`crate::ipc`]), N prefill processes attach, map the
-//! pool and write every chunk straight into it ([`PeerTransport`](crate::transfer::PeerTransport)), and chunk completions flow
+//! pool and write every chunk straight into it ([`BackendTransport::peer`](crate::transfer::BackendTransport::peer)), and chunk completions flow
 //! back. [`DecodeEndpoint`] and [`PrefillEndpoint`] are the two sides of that protocol as library
 //! types; an engine with a bootstrap of its own can replace them and drive the same pieces
-//! itself ([`ExportedPool`](crate::ipc::ExportedPool), [`ImportedPool`](crate::ipc::ImportedPool), [`PeerTransport`](crate::transfer::PeerTransport), [`Sender`](crate::transfer::Sender), [`Receiver`](crate::transfer::Receiver)).
+//! itself ([`ExportedPool`](crate::ipc::ExportedPool), [`ImportedPool`](crate::ipc::ImportedPool), [`BackendTransport::peer`](crate::transfer::BackendTransport::peer), [`Sender`](crate::transfer::Sender), [`Receiver`](crate::transfer::Receiver)).
 //!
 //! # The protocol
 //!

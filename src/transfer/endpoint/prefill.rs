@@ -6,10 +6,11 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::super::peer::{PeerMethod, PeerStats, PeerTransport};
+use super::super::exec::{BackendTransport, CallCounts};
 use super::super::plan::Registration;
 use super::super::ComponentBytes;
 use super::super::{ChunkEnd, ChunkResult, ChunkStatus, PendingChunk, Sender};
+use crate::copy::Method;
 use crate::copy::RemoteSpace;
 use crate::error::{Error, Result};
 use crate::gpu::vmm::IpcEvent;
@@ -93,11 +94,11 @@ pub struct PrefillEndpoint {
     channel: Option<Channel>,
     backend: PeerBackend,
     pool: Arc<DevicePool>,
-    method: PeerMethod,
+    method: Method,
     sender: Sender,
-    stats: Arc<Mutex<PeerStats>>,
+    stats: Arc<Mutex<CallCounts>>,
     /// What earlier transports of this endpoint submitted.
-    stats_before: PeerStats,
+    stats_before: CallCounts,
     events: Option<EventRing>,
     pools: HashMap<u64, ImportedPool>,
     refused_pools: HashMap<u64, String>,
@@ -133,7 +134,7 @@ impl PrefillEndpoint {
         path: impl AsRef<Path>,
         backend: PeerBackend,
         pool: Arc<DevicePool>,
-        method: PeerMethod,
+        method: Method,
         liveness: Liveness,
         timeout: Duration,
     ) -> Result<Self> {
@@ -142,6 +143,7 @@ impl PrefillEndpoint {
             crate::copy::BlockSpace::address_space(pool.as_ref()),
             "the prefill pool",
         )?;
+        let transport = BackendTransport::peer(backend.backend(), method)?;
         let hello = Hello::new(Role::Prefill, pool.rank(), pool.placement().shard());
         let mut channel = Channel::connect(path, hello, liveness, timeout)?;
         let events = match &backend {
@@ -163,8 +165,7 @@ impl PrefillEndpoint {
                 })
             }
         };
-        let transport = PeerTransport::new(backend.backend(), method);
-        let stats = transport.stats();
+        let stats = transport.calls();
         Ok(Self {
             channel: Some(channel),
             sender: Sender::new(pool.clone(), Box::new(transport)),
@@ -172,7 +173,7 @@ impl PrefillEndpoint {
             pool,
             method,
             stats,
-            stats_before: PeerStats::default(),
+            stats_before: CallCounts::default(),
             events,
             pools: HashMap::new(),
             refused_pools: HashMap::new(),
@@ -196,13 +197,13 @@ impl PrefillEndpoint {
     }
 
     /// How chunks are moved.
-    pub fn method(&self) -> PeerMethod {
+    pub fn method(&self) -> Method {
         self.method
     }
 
     /// Moves later requests with `method`; refused while a request is being sent (between its
     /// first and its final chunk).
-    pub fn set_method(&mut self, method: PeerMethod) -> Result<()> {
+    pub fn set_method(&mut self, method: Method) -> Result<()> {
         if method == self.method {
             return Ok(());
         }
@@ -212,15 +213,15 @@ impl PrefillEndpoint {
                 self.open.len()
             )));
         }
-        self.replace_transport(method);
+        let transport = BackendTransport::peer(self.backend.backend(), method)?;
+        self.replace_transport(transport);
         Ok(())
     }
 
-    fn replace_transport(&mut self, method: PeerMethod) {
-        let done = *lock(&self.stats);
-        self.stats_before = sum(self.stats_before, done);
-        let transport = PeerTransport::new(self.backend.backend(), method);
-        self.stats = transport.stats();
+    fn replace_transport(&mut self, transport: BackendTransport) {
+        let method = transport.method();
+        self.stats_before += *lock(&self.stats);
+        self.stats = transport.calls();
         // The old transport's tables and the spaces its launches keep go with it (freeing
         // device memory waits for the device first).
         self.sender = Sender::new(self.pool.clone(), Box::new(transport));
@@ -228,8 +229,10 @@ impl PrefillEndpoint {
     }
 
     /// What this rank has submitted so far.
-    pub fn stats(&self) -> PeerStats {
-        sum(self.stats_before, *lock(&self.stats))
+    pub fn stats(&self) -> CallCounts {
+        let mut all = self.stats_before;
+        all += *lock(&self.stats);
+        all
     }
 
     /// The registration of `request`, while it is registered and not finished here.
@@ -568,21 +571,13 @@ impl PrefillEndpoint {
         self.drain_inflight();
         // A fresh transport drops the spaces the old one's launches kept; with the imported
         // pools gone, the mappings go (unmapping waits for this process's device work first).
-        let method = self.method;
-        self.replace_transport(method);
+        // The method was accepted when it was set, so a transport of it is always made.
+        if let Ok(transport) = BackendTransport::peer(self.backend.backend(), self.method) {
+            self.replace_transport(transport);
+        }
         self.pools.clear();
         self.channel = None;
         self.closed = Some(why.clone());
         self.backlog.push(PrefillEvent::Closed { why, failed });
-    }
-}
-
-fn sum(a: PeerStats, b: PeerStats) -> PeerStats {
-    PeerStats {
-        chunks: a.chunks + b.chunks,
-        launches: a.launches + b.launches,
-        copy_calls: a.copy_calls + b.copy_calls,
-        descriptors: a.descriptors + b.descriptors,
-        bytes: a.bytes + b.bytes,
     }
 }

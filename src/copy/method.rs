@@ -1,0 +1,110 @@
+//! [`Method`]: the one vocabulary for how bytes move, on every route that moves them (P/D
+//! sends in process or into a peer-mapped pool, HiCache transfers straight between the pools,
+//! and the relayout of staged HiCache transfers). Each route takes the methods it can run and
+//! refuses the others with [`Error::UnsupportedMethod`](crate::Error::UnsupportedMethod) before
+//! it enqueues anything.
+
+use std::fmt;
+
+use crate::backend::{Backend, KernelFamily, Launch};
+
+/// How a route moves bytes: a copy kernel with its launch shape, or copy-engine calls.
+///
+/// | method | P/D ([`BackendTransport`](crate::transfer::BackendTransport)) | HiCache direct | HiCache staged relayout |
+/// |---|---|---|---|
+/// | [`Kernel`](Method::Kernel) | one launch per section | one launch (ready counters on loads) | one launch per segment |
+/// | [`RangeKernel`](Method::RangeKernel) | one launch per chunk | - | - |
+/// | [`CopyEngine`](Method::CopyEngine) | one batch call over the coalesced ranges | coalesced runs, 2D over layers | 2D copies per page |
+/// | [`BatchedCopyEngine`](Method::BatchedCopyEngine) | - | one batch call holding every block | - |
+/// | [`PerBlock`](Method::PerBlock) | one copy per (page, layer) block | one copy per block | - |
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Method {
+    /// The block-copy kernel (`kvs_copy_blocks`) from page lists, with this launch shape: the
+    /// smallest upload, whatever the number of pages and layers. Each CTA takes an SM from the
+    /// forward pass while it runs.
+    Kernel(Launch),
+    /// The range kernel (`kvs_copy_ranges`) over absolute address ranges, with this launch
+    /// shape, ranges longer than
+    /// [`KERNEL_PIECE_BYTES`](crate::transfer::KERNEL_PIECE_BYTES) split first.
+    RangeKernel(Launch),
+    /// Coalesced copy-engine copies: few, large pieces (one `memcpy_batch`,
+    /// `cudaMemcpyBatchAsync` on the GPU, over a chunk's coalesced ranges; 2D copies over
+    /// layers where the layer stride is uniform). No SM at all.
+    CopyEngine,
+    /// One `cuMemcpyBatchAsync` holding every block, uncoalesced: a baseline.
+    BatchedCopyEngine,
+    /// One copy-engine copy per (page, layer, component) block: the naive baseline, what a
+    /// transfer engine posting one descriptor per block does.
+    PerBlock,
+}
+
+impl Method {
+    /// The block kernel with the grid kvshard picks for P/D sends on `backend`: 264 CTAs (two
+    /// per H200 SM) of 512 threads, measured at 91-95% of the device-to-device copy for 512+
+    /// page chunks (BENCHMARKS.md).
+    pub fn default_for(backend: &dyn Backend) -> Self {
+        Self::Kernel(Launch {
+            ctas: 264,
+            threads: backend.max_threads(KernelFamily::Copy).min(512),
+        })
+    }
+
+    /// The block kernel in the host-I/O shape ([`Launch::host_io`]): `ctas` CTAs of as many
+    /// threads as `backend`'s copy kernels take. What HiCache kernels run with (two CTAs
+    /// saturate PCIe).
+    pub fn host_io(backend: &dyn Backend, ctas: u32) -> Self {
+        Self::Kernel(Launch::host_io(backend, ctas))
+    }
+
+    /// The launch shape of a kernel method; `None` for the copy engine.
+    pub fn launch(&self) -> Option<Launch> {
+        match self {
+            Self::Kernel(l) | Self::RangeKernel(l) => Some(*l),
+            Self::CopyEngine | Self::BatchedCopyEngine | Self::PerBlock => None,
+        }
+    }
+}
+
+impl fmt::Display for Method {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Kernel(l) => write!(f, "block kernel ({} CTAs x {})", l.ctas, l.threads),
+            Self::RangeKernel(l) => write!(f, "range kernel ({} CTAs x {})", l.ctas, l.threads),
+            Self::CopyEngine => f.write_str("copy engine"),
+            Self::BatchedCopyEngine => f.write_str("batched copy engine"),
+            Self::PerBlock => f.write_str("per-block copies"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn display_and_launch() {
+        let l = Launch {
+            ctas: 2,
+            threads: 64,
+        };
+        assert_eq!(Method::Kernel(l).to_string(), "block kernel (2 CTAs x 64)");
+        assert_eq!(
+            Method::RangeKernel(l).to_string(),
+            "range kernel (2 CTAs x 64)"
+        );
+        assert_eq!(Method::RangeKernel(l).launch(), Some(l));
+        for m in [
+            Method::CopyEngine,
+            Method::BatchedCopyEngine,
+            Method::PerBlock,
+        ] {
+            assert_eq!(m.launch(), None, "{m}");
+        }
+        let cpu = crate::backend::cpu::CpuBackend::new();
+        assert_eq!(
+            Method::host_io(&cpu, 3),
+            Method::Kernel(Launch::host_io(&cpu, 3))
+        );
+        assert!(matches!(Method::default_for(&cpu), Method::Kernel(l) if l.ctas == 264));
+    }
+}
