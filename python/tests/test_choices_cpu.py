@@ -83,7 +83,8 @@ def test_per_component_bytes_are_keyed_by_component():
     src = kvshard.DevicePool.allocate(d, g, unsharded, 0, 8)
     dst = kvshard.DevicePool.allocate(d, g, unsharded, 0, 8)
     reg = kvshard.Registration(1, kvshard.PoolLayout.of(dst), [1], [1])
-    for method in [kvshard.Method.KERNEL, kvshard.Method.RANGE_KERNEL, kvshard.Method.COPY_ENGINE, kvshard.Method.PER_BLOCK]:
+    M = kvshard.Method
+    for method in [M.KERNEL, M.RANGE_KERNEL, M.COPY_ENGINE, M.PER_BLOCK]:
         sender = kvshard.Sender(src, None, method)
         sender.open(reg, kvshard.RemoteSpace.of(dst))
         status = sender.send(1, [1], PAGE, last=True).wait()

@@ -16,7 +16,7 @@ import kvshard
 
 # Bottom-up: each module of python/src may import only modules before it (lib.rs, on top,
 # declares them all).
-MODULE_ORDER = ["errors", "tensor", "device", "geometry", "shard", "pool", "transfer", "hicache", "chain", "bench"]
+MODULE_ORDER = ["errors", "method", "tensor", "device", "geometry", "shard", "pool", "transfer", "hicache", "chain", "bench"]
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
