@@ -9,10 +9,11 @@ use std::sync::Arc;
 use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::{Backend, Buffer, MemoryKind};
 use kvshard::chain::RequestChain;
+use kvshard::copy::Method;
 use kvshard::copy::RemoteSpace;
 use kvshard::geometry::{CacheGeometry, Component, LatentLayout, PoolGeometry};
 use kvshard::hicache::{
-    CacheNode, HiCacheController, HostLayout, HostPool, Method, Route, Streams, WritePolicy,
+    CacheNode, HiCacheController, HostLayout, HostPool, Route, Streams, WritePolicy,
 };
 use kvshard::index::{LocalPage, ModelLayer};
 use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite, PoolBuffers, RawBuffer};

@@ -112,5 +112,4 @@ pub mod quantize;
 pub mod shard;
 pub mod transfer;
 
-pub use copy::Method;
 pub use error::{Error, Result};

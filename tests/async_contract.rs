@@ -8,6 +8,7 @@
 //! deterministically, instead of sometimes on a GPU. The behaviours an engine meets on a GPU
 //! run there too, from the same body (`gpu_*`).
 
+use kvshard::copy::{Direction, Layers, Method};
 use std::sync::Arc;
 
 mod common;
@@ -21,8 +22,8 @@ use kvshard::chain::RequestChain;
 use kvshard::copy::{BlockCopy, BlockCopyPlan, PageSelection, RemoteSpace, Staging};
 use kvshard::geometry::{CacheGeometry, Component, LatentLayout, PoolGeometry};
 use kvshard::hicache::{
-    CacheNode, Direction, HiCacheController, HostLayout, HostPool, HostTransfer, Layers, Method,
-    Route, Streams, TransferPlan, WritePolicy,
+    CacheNode, HiCacheController, HostLayout, HostPool, HostTransfer, Route, Streams, TransferPlan,
+    WritePolicy,
 };
 use kvshard::index::{LocalPage, LogicalPage, ModelLayer, StoredLayer};
 use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite};

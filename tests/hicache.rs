@@ -20,11 +20,11 @@ use kvshard::backend::{
     AddressSpace, Backend, Buffer, Copy2d, Event, KernelFamily, Launch, MemoryKind,
 };
 use kvshard::copy::BlockSpace;
+use kvshard::copy::{Direction, IoCalls, LayerSignals, Layers, Method};
 use kvshard::geometry::{CacheGeometry, Component, ComponentLayout, LatentLayout, PoolGeometry};
 use kvshard::hicache::{
-    pages_of_tokens, CacheNode, Direction, HiCacheController, HostLayout, HostPool, HostTransfer,
-    IoCalls, LayerReady, LayerSignals, Layers, Method, Route, Streams, TransferPlan, WritePolicy,
-    DEFAULT_STAGING_PAGES,
+    pages_of_tokens, CacheNode, HiCacheController, HostLayout, HostPool, HostTransfer, LayerReady,
+    Route, Streams, TransferPlan, WritePolicy, DEFAULT_STAGING_PAGES,
 };
 use kvshard::index::{LocalPage, LogicalPage, ModelLayer, Slot, StoredLayer};
 use kvshard::pool::{DevicePool, PoolBuffers, RawBuffer};

@@ -22,10 +22,11 @@ use kvshard::copy::{
     BlockCopy, BlockCopyPlan, BlockSpace, LayerSignals, PageSelection, RemoteSpace, Resolver,
     Staging, TableStore,
 };
+use kvshard::copy::{Direction, Layers};
 use kvshard::geometry::{CacheGeometry, Component, LatentLayout, PoolGeometry};
 use kvshard::hicache::{
-    CacheNode, Direction, HiCacheController, HostLayout, HostPool, HostTransfer, Layers, Route,
-    Streams, TransferPlan, WritePolicy,
+    CacheNode, HiCacheController, HostLayout, HostPool, HostTransfer, Route, Streams, TransferPlan,
+    WritePolicy,
 };
 use kvshard::index::{LocalPage, LogicalPage, ModelLayer, Slot, StoredLayer};
 use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite, PoolBuffers, RawBuffer};

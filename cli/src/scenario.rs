@@ -8,9 +8,10 @@
 
 use std::fmt;
 
+use kvshard::copy::Method;
 use kvshard::copy::Staging;
 use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry, PAGE_SIZE};
-use kvshard::hicache::{Method, Route};
+use kvshard::hicache::Route;
 use kvshard::pool::{Budget, BudgetRequest};
 use kvshard::shard::{AdmissionLimits, Placement, ScratchLayout};
 use kvshard::{Error, Result};

@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::Backend;
-use kvshard::hicache::{Method, Route};
+use kvshard::copy::Method;
+use kvshard::hicache::Route;
 use kvshard::Error;
 use kvshard_cli::demo::{run, run_pressure, Config, Summary};
 use kvshard_cli::scenario::{Platform, PressureConfig, Shape};

@@ -10,13 +10,11 @@ use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use kvshard::backend::{Backend, Launch, MemoryKind};
 use kvshard::copy::{BlockSpace, CounterWait, Direction, LayerSignals, Layers, TableBuffer};
-use kvshard::hicache::host_pool::{
-    DraftPacking, HostBufferLayout, HostFormat, HostMemory, RegisteredRegion,
-};
 use kvshard::hicache::{
     BackupAck, CacheNode, HiCacheController, HostLayout, HostPool, HostTransfer, LayerReady,
     LoadAck, LoadHandle, Route, StagedIo, Streams, TransferPlan, WritePolicy,
 };
+use kvshard::hicache::{DraftPacking, HostBufferLayout, HostFormat, HostMemory, RegisteredRegion};
 use kvshard::index::{LocalPage, ModelLayer, StoredLayer};
 
 use crate::device::{after_event, PyDevice, PyStream};

@@ -4,7 +4,7 @@
 use pyo3::prelude::*;
 
 use kvshard::backend::{Backend, Launch};
-use kvshard::Method;
+use kvshard::copy::Method;
 
 /// How bytes move: a copy kernel (its launch shape set by the call's `launch=` or `ctas=`) or
 /// copy-engine calls. Each route takes the methods it can run and raises `InvalidArgument`

@@ -17,7 +17,6 @@ use kvshard::transfer::{
     BackendTransport, ChunkEnd, ChunkResult, ChunkStatus, ComponentBytes, Finished, Outcome,
     Overdue, PendingChunk, PoolLayout, Receiver, Registration, Sender, Transport,
 };
-use kvshard::Method;
 
 use crate::device::PyDevice;
 use crate::errors::{invalid, missing_chunks, to_py, IntoPy};
@@ -25,6 +24,7 @@ use crate::geometry::{PyCacheGeometry, PyComponent};
 use crate::method::PyMethod;
 use crate::pool::PyDevicePool;
 use crate::shard::logical;
+use kvshard::copy::Method;
 
 /// Bytes per component as a dict (only components that moved bytes, in kernel order).
 pub fn bytes_dict(b: &ComponentBytes) -> BTreeMap<PyComponent, u64> {

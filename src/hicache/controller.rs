@@ -39,7 +39,6 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::direct::{check_direct, HostTransfer};
-use super::host_pool::HostPool;
 use super::plan::TransferPlan;
 use super::signals::LayerReady;
 use super::staged::{check_relayout, StagedIo};
@@ -48,6 +47,7 @@ use crate::chain::RequestChain;
 use crate::copy::{BlockSpace, Direction, LayerSignals, Layers, Method, TableBuffer};
 use crate::error::{Error, Result};
 use crate::index::{LogicalPage, ModelLayer};
+use crate::pool::host::HostPool;
 use crate::pool::DevicePool;
 use crate::shard::{AllocRequest, ChainStart, ShardAllocator};
 

@@ -23,7 +23,6 @@
 
 use std::sync::Arc;
 
-use super::host_pool::HostPool;
 use super::plan::TransferPlan;
 use crate::backend::{Backend, Launch};
 use crate::copy::engine::{self, Sides};
@@ -33,6 +32,7 @@ use crate::copy::{
 };
 use crate::error::{Error, Result};
 use crate::index::ModelLayer;
+use crate::pool::host::HostPool;
 use crate::pool::DevicePool;
 
 /// Refuses, before anything is enqueued, a method [`HostTransfer::run`] cannot run: the range

@@ -16,40 +16,36 @@
 //!                   relayout streams, write policies
 //! ```
 //!
-//! - [`host_pool`]: [`HostPool`] in the `layer_first`, `page_first` and `page_first_direct`
+//! - [`HostPool`] (defined in `pool/host`, public here) in the `layer_first`, `page_first` and `page_first_direct`
 //!   layouts, allocated pinned (optionally next to the GPU, see [`NumaPlacement`]) or wrapping
 //!   engine memory registered in page-aligned chunks;
-//! - [`plan`]: [`TransferPlan`], the owner-aware, pure part of every transfer;
-//! - [`direct`]: [`HostTransfer`] straight between the pools with a [`Method`];
-//! - [`staged`]: the staged pipeline ([`StagedIo`], a kernel or copy-engine relayout);
-//! - [`signals`]: [`LayerReady`], how a consumer waits for one layer;
-//! - [`controller`]: [`HiCacheController`], streams, acks and write policies.
+//! - `plan`: [`TransferPlan`], the owner-aware, pure part of every transfer;
+//! - `direct`: [`HostTransfer`] straight between the pools with a [`Method`](crate::copy::Method);
+//! - `staged`: the staged pipeline ([`StagedIo`], a kernel or copy-engine relayout);
+//! - `signals`: [`LayerReady`], how a consumer waits for one layer;
+//! - `controller`: [`HiCacheController`], streams, acks and write policies.
 //!
 //! The host allocator is a [`crate::shard::ShardAllocator`] over the host pool's pages (same
 //! placement as the device): `alloc_matching` gives host pages of the device pages' owner
 //! classes; the controller owns one.
 
-pub mod controller;
-pub mod direct;
-/// The host pools, defined with the device pools (`pool/host`) and re-exported here, where
-/// HiCache and engines use them.
-pub mod host_pool {
-    pub use crate::pool::host::{
-        DraftPacking, HostBufferLayout, HostFormat, HostLayout, HostMemory, HostPool, HostRegion,
-        LayoutStrides, NumaPlacement, RegisteredRegion,
-    };
-}
-pub mod plan;
-pub mod signals;
-pub mod staged;
+mod controller;
+mod direct;
+mod plan;
+mod signals;
+mod staged;
 
-pub use crate::copy::{CounterWait, Direction, IoCalls, LayerSignals, Layers, Method};
 pub use controller::{
     BackupAck, CacheNode, HiCacheController, LoadAck, LoadHandle, Route, Streams, WritePolicy,
     DEFAULT_STAGING_PAGES,
 };
 pub use direct::HostTransfer;
-pub use host_pool::{HostLayout, HostPool, HostRegion, LayoutStrides, NumaPlacement};
+// The host pools are defined with the device pools (`pool/host`); HiCache is where engines
+// meet them, so this is their public path.
+pub use crate::pool::host::{
+    DraftPacking, HostBufferLayout, HostFormat, HostLayout, HostMemory, HostPool, HostRegion,
+    LayoutStrides, NumaPlacement, RegisteredRegion,
+};
 pub use plan::{pages_of_tokens, TransferPlan};
 pub use signals::LayerReady;
 pub use staged::StagedIo;

@@ -13,7 +13,6 @@
 use std::sync::Arc;
 
 use super::direct::{take_fit, HostTransfer};
-use super::host_pool::{HostLayout, HostPool};
 use crate::backend::{Backend, Event};
 use crate::copy::engine::{self, Call, Piece};
 use crate::copy::space::sealed::Sealed as _;
@@ -21,6 +20,7 @@ use crate::copy::{
     BlockCopy, BlockCopyPlan, BlockSpace, Direction, Method, PageSelection, SpaceId, TableBuffer,
 };
 use crate::error::{Error, Result};
+use crate::pool::host::{HostLayout, HostPool};
 
 /// Refuses, before anything is enqueued, a relayout method [`HostTransfer::run_staged`] cannot
 /// run: anything but the block kernel and the copy engine, or a kernel launch shape no copy

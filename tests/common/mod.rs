@@ -19,10 +19,10 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 /// The block kernel in HiCache's host-I/O shape: `ctas` CTAs of as many threads as the copy
-/// kernels were compiled for, what [`kvshard::Method::host_io`] picks on the CPU twin and the
+/// kernels were compiled for, what [`kvshard::copy::Method::host_io`] picks on the CPU twin and the
 /// H200; a constant, so that route tables can be.
-pub const fn host_io(ctas: u32) -> kvshard::Method {
-    kvshard::Method::Kernel(kvshard::backend::Launch {
+pub const fn host_io(ctas: u32) -> kvshard::copy::Method {
+    kvshard::copy::Method::Kernel(kvshard::backend::Launch {
         ctas,
         threads: kvshard::abi::KVS_COPY_THREADS,
     })

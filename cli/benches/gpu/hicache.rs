@@ -9,10 +9,7 @@ use std::sync::Arc;
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{Backend, Launch};
 use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry};
-use kvshard::hicache::{
-    Direction, HostLayout, HostPool, HostTransfer, LayerSignals, Layers, Method, StagedIo,
-    TransferPlan,
-};
+use kvshard::hicache::{HostLayout, HostPool, HostTransfer, StagedIo, TransferPlan};
 use kvshard::index::{LogicalPage, ModelLayer, StoredLayer};
 use kvshard::pool::DevicePool;
 use kvshard::shard::Placement;
@@ -22,6 +19,7 @@ use kvshard_cli::synth;
 use rand::Rng;
 
 use crate::harness::{Ctx, Report};
+use kvshard::copy::{Direction, LayerSignals, Layers, Method};
 
 /// CTAs of the staged path's relayout kernel: device-to-device at HBM speed, so a few CTAs
 /// outpace PCIe.

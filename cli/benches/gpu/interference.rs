@@ -16,12 +16,13 @@ use cudarc::driver::CudaEvent;
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{Backend, Buffer, MemoryKind};
 use kvshard::gpu::{bench, Stream};
-use kvshard::hicache::{Direction, HostLayout, HostPool, HostTransfer, Layers, Method};
+use kvshard::hicache::{HostLayout, HostPool, HostTransfer};
 use kvshard::{Error, Result};
 use kvshard_cli::measure::gbps;
 
 use crate::harness::{Ctx, Report};
 use crate::hicache::{device_pool, host_pool, plan, staged, verify, STAGED_CTAS};
+use kvshard::copy::{Direction, Layers, Method};
 use nvml_wrapper::bitmasks::device::ThrottleReasons;
 use nvml_wrapper::enum_wrappers::device::Clock;
 use nvml_wrapper::Nvml;

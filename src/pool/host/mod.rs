@@ -600,7 +600,8 @@ mod tests {
     #[test]
     fn packed_and_adopted_pools_round_trip_through_every_direct_route() {
         use crate::copy::Direction;
-        use crate::hicache::{HostTransfer, Layers, Method, TransferPlan};
+        use crate::copy::{Layers, Method};
+        use crate::hicache::{HostTransfer, TransferPlan};
         use crate::index::LogicalPage;
         use crate::pool::DevicePool;
         use crate::shard::Placement;
