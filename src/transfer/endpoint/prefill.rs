@@ -299,7 +299,7 @@ impl PrefillEndpoint {
                         reason: e.to_string(),
                     },
                 };
-                self.report(&status)?;
+                self.report(status)?;
                 return Err(Error::ChunkFailed {
                     request,
                     rank: self.rank(),
@@ -327,7 +327,7 @@ impl PrefillEndpoint {
                         Err(e) => return Err(self.failed_chunk(request, e)),
                     }
                 };
-                self.report(&status)?;
+                self.report(status)?;
                 Ok(bytes)
             }
             Err(e) => Err(self.failed_chunk(request, e)),
@@ -343,7 +343,7 @@ impl PrefillEndpoint {
             let _ = self.sender.close(request);
         }
         if let Some(status) = ChunkStatus::from_error(&e) {
-            if let Err(gone) = self.report(&status) {
+            if let Err(gone) = self.report(status) {
                 return gone;
             }
         }
@@ -368,7 +368,7 @@ impl PrefillEndpoint {
             None
         };
         match status {
-            Some(status) => self.report(&status),
+            Some(status) => self.report(status),
             None => Ok(()),
         }
     }
@@ -384,7 +384,7 @@ impl PrefillEndpoint {
     }
 
     /// Sends a status, after recording the event that covers it (GPU).
-    fn report(&mut self, status: &ChunkStatus) -> Result<()> {
+    fn report(&mut self, status: ChunkStatus) -> Result<()> {
         let sent = match (&mut self.channel, &mut self.events) {
             (None, _) => {
                 return Err(Error::PeerGone {
@@ -395,7 +395,7 @@ impl PrefillEndpoint {
             (Some(channel), events) => events
                 .as_mut()
                 .map_or(Ok(()), EventRing::record)
-                .and_then(|()| channel.send(&Message::ChunkDone(chunk_done(status)))),
+                .and_then(|()| channel.send(&Message::Chunk(status))),
         };
         if let Err(e) = &sent {
             self.close(e.to_string());
@@ -486,7 +486,7 @@ impl PrefillEndpoint {
                         reason: format!("registration refused: {why}"),
                     },
                 };
-                if self.report(&status).is_ok() {
+                if self.report(status).is_ok() {
                     self.backlog
                         .push(PrefillEvent::RegistrationRefused { request, why });
                 }

@@ -331,7 +331,10 @@ impl NixlTransport {
     /// fails for this rank.
     pub fn report(&self, status: &ChunkStatus) -> Result<()> {
         let s = lock(&self.state);
-        s.notify(&Notice::of_status(status, Vec::new()))
+        s.notify(&Notice::Chunk {
+            status: status.clone(),
+            bounced: Vec::new(),
+        })
     }
 
     /// This transport's counters.
@@ -540,12 +543,17 @@ impl State {
     /// notice will reach the decode). A packing still running into the slot is harmless: the
     /// next packing runs after it on the same stream.
     fn fail(&mut self, chunk: &mut InFlight, reason: String) -> Error {
-        let mut status = chunk.status.clone();
-        status.result = ChunkResult::Failed {
-            reason: reason.clone(),
+        let status = ChunkStatus {
+            result: ChunkResult::Failed {
+                reason: reason.clone(),
+            },
+            ..chunk.status.clone()
         };
         // Best effort: a gone peer cannot hear it, and the channel tells it anyway.
-        let _ = self.notify(&Notice::of_status(&status, Vec::new()));
+        let _ = self.notify(&Notice::Chunk {
+            status,
+            bounced: Vec::new(),
+        });
         match std::mem::replace(&mut chunk.stage, Stage::Failed(reason.clone())) {
             Stage::Moving { request, .. } => self.zombies.push((request, chunk.slot)),
             _ => self.release_slot(chunk.slot, true),
@@ -741,7 +749,10 @@ impl State {
         };
         let deadline = started + self.config.transfer_timeout;
         if plan.is_empty() {
-            self.notify(&Notice::of_status(&status, Vec::new()))?;
+            self.notify(&Notice::Chunk {
+                status: status.clone(),
+                bounced: Vec::new(),
+            })?;
             let posted = Posted {
                 post_time: started.elapsed(),
                 ..Posted::default()
@@ -821,7 +832,11 @@ impl State {
                 }
             }
         }
-        let notice = Notice::of_status(&status, bounced).encode()?;
+        let notice = Notice::Chunk {
+            status: status.clone(),
+            bounced,
+        }
+        .encode()?;
         let mut chunk = InFlight {
             stage: Stage::Done,
             status,
