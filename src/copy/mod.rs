@@ -5,8 +5,10 @@
 //! - [`space`]: [`BlockSpace`] (sealed: unsafe code trusts it), [`Staging`], [`RemoteSpace`];
 //! - [`runs`]: the owner-run primitive (pair by position, filter by owner, map to local pages,
 //!   coalesce) that P/D send plans and HiCache transfer plans share;
-//! - [`program`]: [`BlockCopyPlan`] and its prepared [`BlockCopy`], the only builder of
-//!   `kvs_copy_blocks_params` and its pair table, and [`TableStore`] for one-shot launches;
+//! - `plan`: [`BlockCopyPlan`], the only builder of `kvs_copy_blocks_params` and its pair
+//!   table (plain data, checked against both spaces);
+//! - [`program`]: a plan prepared on a backend ([`BlockCopy`]) and run, and [`TableStore`] for
+//!   one-shot launches;
 //! - [`engine`]: copy-engine programs (contiguous runs, 2D copies over layers, batches);
 //! - [`signals`]: per-layer ready counters of signalled copies;
 //! - [`resolver`]: the device side of owner-local resolution;
@@ -21,6 +23,7 @@
 //! ```
 
 pub mod engine;
+mod plan;
 pub mod program;
 pub mod resolver;
 pub mod runs;
@@ -29,6 +32,7 @@ pub mod signals;
 pub mod space;
 
 pub use engine::{Direction, IoCalls, Layers};
+pub(crate) use plan::check_distinct;
 pub use program::{BlockCopy, BlockCopyPlan, PageSelection, TableBuffer, TableStore};
 pub use resolver::{scratch_rows_device_sync, Resolver};
 pub use runs::{OwnedRuns, Run};

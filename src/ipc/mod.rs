@@ -66,6 +66,7 @@
 
 pub mod channel;
 pub mod group;
+mod link;
 pub mod pool;
 pub mod shm;
 pub mod wire;
