@@ -110,6 +110,7 @@ pub mod nccl;
 pub mod pool;
 pub mod quantize;
 pub mod shard;
+mod status;
 pub mod transfer;
 
 pub use error::{Error, Result};

@@ -18,10 +18,11 @@ use kvshard::gpu::memory::{DeviceAllocation, PinnedAllocation};
 use kvshard::gpu::vmm::{ExportableMemory, ImportedMemory, IpcEvent, IpcMapping, IpcMemHandle};
 use kvshard::gpu::Gpu;
 use kvshard::ipc::wire::{
-    self, ChunkDone, Component, Handle64, Hello, LayerAt, MemoryKind, PublishPool, Region,
-    Register, Role, HANDLE_BYTES,
+    self, Component, Handle64, Hello, LayerAt, MemoryKind, PublishPool, Region, Register, Role,
+    HANDLE_BYTES,
 };
 use kvshard::ipc::{recv_any, Channel, Listener, Liveness, Message, ProtocolError, SharedMemory};
+use kvshard::transfer::{ChunkResult, ChunkStatus, ComponentBytes};
 use kvshard::Error;
 use rand::{Rng, RngCore, SeedableRng};
 
@@ -138,27 +139,31 @@ fn one_region_pool(pool: u64, memory: MemoryKind, bytes: u64, handle: Option<Han
     })
 }
 
-/// The report a child of rank `rank` sends for a chunk (every chunk here is a request's last).
-fn chunk_done_from(
-    rank: u32,
-    request: u64,
-    chunk: u32,
-    bytes: u64,
-    failed: Option<String>,
-) -> Message {
-    Message::ChunkDone(ChunkDone {
+/// The report a child of rank `rank` sends for a chunk (every chunk here is a request's last):
+/// `bytes` of the target latent, or the failure.
+fn chunk_from(rank: u32, request: u64, chunk: u32, bytes: u64, failed: Option<String>) -> Message {
+    let result = match failed {
+        Some(reason) => ChunkResult::Failed { reason },
+        None => {
+            let mut counted = ComponentBytes::default();
+            counted.add(kvshard::geometry::Component::TargetLatent, bytes);
+            ChunkResult::Sent {
+                bytes: counted,
+                last: true,
+            }
+        }
+    };
+    Message::Chunk(ChunkStatus {
         request,
+        rank,
         chunk,
-        last: true,
-        source_rank: rank,
-        bytes: [bytes, 0, 0, 0],
-        failed,
+        result,
     })
 }
 
 /// The report this (child) process sends, with the rank it was given.
-fn chunk_done(request: u64, chunk: u32, bytes: u64, failed: Option<String>) -> Message {
-    chunk_done_from(env_u64(CHILD_RANK) as u32, request, chunk, bytes, failed)
+fn chunk_report(request: u64, chunk: u32, bytes: u64, failed: Option<String>) -> Message {
+    chunk_from(env_u64(CHILD_RANK) as u32, request, chunk, bytes, failed)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -217,7 +222,7 @@ fn child_shm() {
     let half = len / 2;
     shm.write_at(half, &random_bytes(seed + 1, len - half))
         .expect("write");
-    ch.send(&chunk_done(1, 0, (len - half) as u64, failed))
+    ch.send(&chunk_report(1, 0, (len - half) as u64, failed))
         .expect("child reports");
     ch.bye().expect("bye");
 }
@@ -251,7 +256,7 @@ fn child_serve() {
             }
             Message::Register(reg) => {
                 let bytes = reg.pages.len() as u64 * 36_864;
-                ch.send(&chunk_done(reg.request, 0, bytes, None))
+                ch.send(&chunk_report(reg.request, 0, bytes, None))
                     .expect("report");
             }
             Message::Bye => return,
@@ -290,7 +295,7 @@ fn shm_memfd_is_shared_with_a_child_process() {
     let half = len / 2;
     assert_eq!(
         r.message,
-        chunk_done_from(2, 1, 0, (len - half) as u64, None),
+        chunk_from(2, 1, 0, (len - half) as u64, None),
         "the child's report"
     );
     let mut now = vec![0u8; len];
@@ -393,9 +398,9 @@ fn every_message_round_trips_through_a_child_process() {
             }),
             vec![],
         ),
-        (chunk_done_from(3, 11, 4, 1 << 33, None), vec![]),
+        (chunk_from(3, 11, 4, 1 << 33, None), vec![]),
         (
-            chunk_done_from(3, 12, 0, 0, Some("kernel rejected slot 9".into())),
+            chunk_from(3, 12, 0, 0, Some("kernel rejected slot 9".into())),
             vec![],
         ),
         (
@@ -465,7 +470,7 @@ fn serve_one(ch: &mut Channel, request: u64) {
     let rank = ch.peer().rank;
     assert_eq!(
         next(ch, "served").message,
-        chunk_done_from(rank, request, 0, 4 * 36_864, None)
+        chunk_from(rank, request, 0, 4 * 36_864, None)
     );
 }
 
@@ -488,7 +493,7 @@ fn dead_peers_are_detected_within_a_second_and_the_rest_are_served() {
         let r = r.expect("alive");
         assert_eq!(
             r.message,
-            chunk_done_from(i as u32, 100 + i as u64, 0, 4 * 36_864, None)
+            chunk_from(i as u32, 100 + i as u64, 0, 4 * 36_864, None)
         );
     }
 
@@ -877,7 +882,7 @@ fn gpu_vmm_memory_is_exported_to_a_child_process() {
     }
     ch.send(&Message::Bye).expect("done publishing");
     let r = next(&mut ch, "child's report");
-    assert_eq!(r.message, chunk_done_from(1, 1, 0, len, None));
+    assert_eq!(r.message, chunk_from(1, 1, 0, len, None));
     assert!(
         dtoh(&gpu, mem.ptr(), mem.len()) == random_bytes(seed + 1, mem.len()),
         "the child's pattern is in this process's mapping"
@@ -928,7 +933,7 @@ fn child_gpu_vmm() {
             failed = Some(format!("mapping {i} missed the write"));
         }
     }
-    ch.send(&chunk_done(1, 0, len as u64, failed))
+    ch.send(&chunk_report(1, 0, len as u64, failed))
         .expect("report");
     drop(mappings);
     ch.bye().expect("bye");
@@ -963,7 +968,7 @@ fn gpu_legacy_ipc_shares_a_cumemalloc_buffer_with_a_child_process() {
     ))
     .expect("publish");
     let r = next(&mut ch, "child's report");
-    assert_eq!(r.message, chunk_done_from(1, 1, 0, len as u64, None));
+    assert_eq!(r.message, chunk_from(1, 1, 0, len as u64, None));
     assert!(
         dtoh(&gpu, buf.ptr(), len) == random_bytes(seed + 1, len),
         "the child's pattern is in the buffer"
@@ -996,7 +1001,7 @@ fn child_gpu_ipc() {
     let failed =
         (dtoh(&gpu, m.ptr(), len) != random_bytes(seed, len)).then(|| "other bytes".to_string());
     htod(&gpu, m.ptr(), &random_bytes(seed + 1, len));
-    ch.send(&chunk_done(1, 0, len as u64, failed))
+    ch.send(&chunk_report(1, 0, len as u64, failed))
         .expect("report");
     drop(m);
     ch.bye().expect("bye");
@@ -1071,14 +1076,14 @@ fn gpu_interprocess_event_orders_a_child_process_after_this_one() {
 
     // The child has queued its read behind the event: give a broken wait time to read early.
     let armed = next(&mut ch, "child armed");
-    assert_eq!(armed.message, chunk_done_from(1, 1, 0, 0, None));
+    assert_eq!(armed.message, chunk_from(1, 1, 0, 0, None));
     std::thread::sleep(Duration::from_millis(200));
     assert!(!event.query().expect("query"), "the gate is still closed");
     gate.open();
     stream.synchronize().expect("the copy ran");
     assert!(event.query().expect("query"));
     let r = next(&mut ch, "child's report");
-    assert_eq!(r.message, chunk_done_from(1, 1, 1, len as u64, None));
+    assert_eq!(r.message, chunk_from(1, 1, 1, len as u64, None));
     assert_eq!(next(&mut ch, "bye").message, Message::Bye);
     child.finish(test);
 }
@@ -1119,14 +1124,14 @@ fn child_gpu_event() {
         cudarc::driver::result::memcpy_dtod_async(local.ptr(), shared.ptr(), len, stream.raw())
     }
     .expect("cuMemcpyDtoDAsync");
-    ch.send(&chunk_done(1, 0, 0, None)).expect("armed");
+    ch.send(&chunk_report(1, 0, 0, None)).expect("armed");
     stream
         .synchronize()
         .expect("the parent's copy and then ours ran");
     assert!(event.query().expect("query"));
     let failed = (dtoh(&gpu, local.ptr(), len) != random_bytes(seed, len))
         .then(|| "read before the parent's copy".to_string());
-    ch.send(&chunk_done(1, 1, len as u64, failed))
+    ch.send(&chunk_report(1, 1, len as u64, failed))
         .expect("report");
     ch.bye().expect("bye");
 }

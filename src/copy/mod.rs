@@ -5,8 +5,10 @@
 //! - [`space`]: [`BlockSpace`] (sealed: unsafe code trusts it), [`Staging`], [`RemoteSpace`];
 //! - [`runs`]: the owner-run primitive (pair by position, filter by owner, map to local pages,
 //!   coalesce) that P/D send plans and HiCache transfer plans share;
-//! - [`program`]: [`BlockCopyPlan`] and its prepared [`BlockCopy`], the only builder of
-//!   `kvs_copy_blocks_params` and its pair table, and [`TableStore`] for one-shot launches;
+//! - `plan`: [`BlockCopyPlan`], the only builder of `kvs_copy_blocks_params` and its pair
+//!   table (plain data, checked against both spaces);
+//! - [`program`]: a plan prepared on a backend ([`BlockCopy`]) and run, and [`TableStore`] for
+//!   one-shot launches;
 //! - [`method`]: [`Method`], the one vocabulary for how bytes move (a copy kernel and its launch
 //!   shape, or copy-engine calls) that every route takes;
 //! - [`engine`]: copy-engine programs (contiguous runs, 2D copies over layers, batches);
@@ -24,6 +26,7 @@
 
 pub mod engine;
 pub mod method;
+mod plan;
 pub mod program;
 pub mod resolver;
 pub mod runs;
@@ -33,6 +36,7 @@ pub mod space;
 
 pub use engine::{Direction, IoCalls, Layers};
 pub use method::Method;
+pub(crate) use plan::check_distinct;
 pub use program::{BlockCopy, BlockCopyPlan, PageSelection, TableBuffer, TableStore};
 pub use resolver::{scratch_rows_device_sync, Resolver};
 pub use runs::{OwnedRuns, Run};

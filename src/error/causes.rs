@@ -11,8 +11,9 @@ use std::time::Duration;
 pub const MAGIC: [u8; 4] = *b"KVSC";
 /// Protocol version; every frame carries it and the handshake compares it. Version 2: `Register`
 /// names its pool and lists the pages after the cached prefix, `ChunkDone` counts bytes per
-/// component.
-pub const VERSION: u16 = 2;
+/// component. Version 3: `Chunk` (was `ChunkDone`) carries the chunk's status as it is
+/// (`transfer::ChunkStatus`).
+pub const VERSION: u16 = 3;
 /// Largest payload a frame may carry (1 MiB: a pool description of hundreds of layers is a few
 /// KiB; the cap bounds what a misbehaving peer can make the receiver buffer).
 pub const MAX_PAYLOAD_BYTES: usize = 1 << 20;

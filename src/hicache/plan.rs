@@ -8,7 +8,7 @@
 //! side. A rank that owns nothing gets an empty plan that is still submitted, so acks and
 //! layer-ready signals stay in step across ranks.
 
-use crate::copy::program::check_distinct;
+use crate::copy::check_distinct;
 use crate::copy::{OwnedRuns, Run};
 use crate::error::{Error, Result};
 use crate::geometry::PAGE_SIZE;

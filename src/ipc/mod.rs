@@ -36,8 +36,8 @@
 //! per-component layer offsets, page stride and pages, and its geometry, postcard-encoded by
 //! [`pool::encode_geometry`]; one descriptor per region for the fd kinds), `Register` (decode →
 //! prefill: a request's pool, cached prefix, destination pages after it and indexer-state pages
-//! from position 0), `ChunkDone` (prefill → decode: request, chunk, final, source rank, bytes per
-//! component or the failure), `EventHandle` (a CUDA interprocess event), `Abort`, `Heartbeat`,
+//! from position 0), `Chunk` (prefill → decode: the rank's `ChunkStatus` as it is: request, rank,
+//! chunk, and the bytes per component and whether it was final, or the failure), `EventHandle` (a CUDA interprocess event), `Abort`, `Heartbeat`,
 //! `Bye`,
 //! `NixlPeer` (either way: a NIXL agent's metadata, geometry and the memory the peer may
 //! address; see `transfer::nixl`).
@@ -50,7 +50,7 @@
 //! PublishPool { regions, components, .. } ──>    import and map each region (fds attached)
 //!                                           <──  EventHandle x E (GPU: the rank's events)
 //! Register { request, pool, pages, .. } ────>    write the request's chunks into the pool
-//!                                           <──  ChunkDone { request, chunk, last, .. } per chunk
+//!                                           <──  Chunk(ChunkStatus { request, rank, chunk, .. })
 //! Abort { request, reason }               <──>   either way, any time
 //! Bye                                     <──>   either way; then the connection closes
 //! Heartbeat                               <──>   every 100 ms both ways, from the channel itself
@@ -66,6 +66,7 @@
 
 pub mod channel;
 pub mod group;
+mod link;
 pub mod pool;
 pub mod shm;
 pub mod wire;

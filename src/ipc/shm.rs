@@ -152,7 +152,7 @@ impl SharedMemory {
     /// Copies `buf.len()` bytes at `offset` out of the mapping.
     ///
     /// Bytes another process writes meanwhile may be seen torn; ordering is the protocol's job
-    /// (read after the `ChunkDone` that covers them).
+    /// (read after the `Chunk` status that covers them).
     pub fn read_at(&self, offset: usize, buf: &mut [u8]) -> Result<()> {
         self.check_range(offset, buf.len())?;
         // SAFETY: the range lies inside the live mapping (checked above) and `buf` is a distinct

@@ -1,10 +1,13 @@
 //! The wire format of the control channel: frame header, messages and limits.
 //!
 //! Geometry and page numbers travel as plain numbers and strings, so this module depends on no
-//! other kvshard type (its limits and `ProtocolError` are defined with the error type): the two processes may be built from different revisions of the crate as
-//! long as they speak the same [`VERSION`].
+//! other kvshard type but the one chunk status ([`ChunkStatus`], carried as it is) and its
+//! limits and `ProtocolError`, defined with the error type: the two processes may be built from
+//! different revisions of the crate as long as they speak the same [`VERSION`].
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::status::ChunkStatus;
 
 // The limits a violation names, and the violation itself, sit with the error type (the bottom of
 // the crate) so it depends on nothing above it.
@@ -282,24 +285,6 @@ pub struct Register {
     pub state_pages: Vec<u64>,
 }
 
-/// Prefill → decode: one chunk of a request has landed (or failed).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ChunkDone {
-    /// Request id.
-    pub request: u64,
-    /// Chunk index within the request.
-    pub chunk: u32,
-    /// Whether this was the request's final chunk (its state included).
-    pub last: bool,
-    /// The prefill rank that wrote it.
-    pub source_rank: u32,
-    /// Bytes written per component, in the order target latent, target indexer, draft latent,
-    /// draft indexer.
-    pub bytes: [u64; 4],
-    /// Why the chunk failed; `None` when it landed.
-    pub failed: Option<String>,
-}
-
 /// One pool's geometry as numbers: a [`NixlPeer`] carries the sender's, and the receiver
 /// checks it against its own before any byte moves.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -360,8 +345,8 @@ pub enum Message {
     PublishPool(PublishPool),
     /// Decode → prefill: a request's destination pages.
     Register(Register),
-    /// Prefill → decode: a chunk landed or failed.
-    ChunkDone(ChunkDone),
+    /// Prefill → decode: a chunk landed or failed (the rank's status, as it is).
+    Chunk(ChunkStatus),
     /// A CUDA interprocess event (`cuIpcGetEventHandle`) the receiver may open and wait on.
     EventHandle {
         /// The event handle.
@@ -389,7 +374,7 @@ impl Message {
             Message::Hello(_) => "Hello",
             Message::PublishPool(_) => "PublishPool",
             Message::Register(_) => "Register",
-            Message::ChunkDone(_) => "ChunkDone",
+            Message::Chunk(_) => "Chunk",
             Message::EventHandle { .. } => "EventHandle",
             Message::Abort { .. } => "Abort",
             Message::Heartbeat => "Heartbeat",

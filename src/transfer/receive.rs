@@ -18,8 +18,8 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::plan::Registration;
-use super::status::{ChunkResult, ChunkStatus};
 use super::ComponentBytes;
+use super::{ChunkResult, ChunkStatus};
 use crate::error::{Error, Result};
 
 // Defined with the error type, which carries them (`Error::TransferDeadline`).

@@ -25,7 +25,7 @@ use crate::index::LogicalPage;
 use crate::lock::lock;
 use crate::pool::DevicePool;
 
-use super::status::{ChunkResult, ChunkStatus};
+use super::{ChunkResult, ChunkStatus};
 
 /// Where a chunk ends: the tokens of the request prefilled so far.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

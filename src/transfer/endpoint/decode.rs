@@ -59,7 +59,7 @@ impl Process {
 /// What a rank reported that the decode takes once its copy has landed.
 #[derive(Debug)]
 enum Waiting {
-    /// A `ChunkDone`, covered by event `slot` of the rank's ring (`None`: already landed).
+    /// A `Chunk` status, covered by event `slot` of the rank's ring (`None`: already landed).
     Status(ChunkStatus, Option<usize>),
     /// The rank gave the request up (`Abort` from a prefill): its next status is a failure.
     Abort { request: u64, reason: String },
@@ -71,7 +71,7 @@ struct RankLink {
     process: Process,
     /// Its interprocess events, in the order their handles came.
     events: Vec<IpcEvent>,
-    /// `ChunkDone`s seen so far: the next one is covered by event `covered mod E`.
+    /// `Chunk`s seen so far: the next one is covered by event `covered mod E`.
     covered: u64,
     waiting: VecDeque<Waiting>,
 }
@@ -498,25 +498,24 @@ impl DecodeEndpoint {
     fn take(&mut self, i: usize, r: Received) -> std::result::Result<(), String> {
         let rank = self.links[i].rank;
         match r.message {
-            Message::ChunkDone(done) => {
-                if done.source_rank != rank {
+            Message::Chunk(status) => {
+                if status.rank != rank {
                     return Err(format!(
                         "protocol violation: rank {rank} reported a chunk of rank {}",
-                        done.source_rank
+                        status.rank
                     ));
                 }
-                if !self.requests.contains_key(&done.request) {
+                if !self.requests.contains_key(&status.request) {
                     return Err(format!(
                         "protocol violation: a status of request {}, which is not open",
-                        done.request
+                        status.request
                     ));
                 }
                 let link = &mut self.links[i];
                 let slot = (!link.events.is_empty())
                     .then(|| (link.covered % link.events.len() as u64) as usize);
                 link.covered += 1;
-                link.waiting
-                    .push_back(Waiting::Status(chunk_status(&done), slot));
+                link.waiting.push_back(Waiting::Status(status, slot));
                 Ok(())
             }
             Message::EventHandle { handle } => self.open_event(i, handle),
@@ -539,7 +538,7 @@ impl DecodeEndpoint {
     fn open_event(&mut self, i: usize, handle: Handle64) -> std::result::Result<(), String> {
         let link = &mut self.links[i];
         if link.covered > 0 {
-            return Err("protocol violation: an event handle after its first ChunkDone".into());
+            return Err("protocol violation: an event handle after its first Chunk".into());
         }
         let PeerBackend::Cuda(cuda) = &self.backend else {
             return Err("sent an interprocess event, but this decode runs on the CPU".into());

@@ -13,27 +13,28 @@
 //! decode (DecodeEndpoint::bind)                 prefill rank r of N (PrefillEndpoint::connect)
 //!   <─────────────── Hello { role, rank r, shard N } ───────────────>   both ways
 //!                                          <──  EventHandle x E (GPU only: the rank's ring of
-//!                                               interprocess events, before any ChunkDone)
+//!                                               interprocess events, before any Chunk)
 //!   PublishPool { pool, memory, regions, .. } ──>  map the pool (fds by SCM_RIGHTS, or fabric
 //!                                                  or IPC handles), check its geometry
 //!   Register { request, pool, pages, .. } ────>  the request's destination pages
-//!                                          <──  ChunkDone { request, chunk, last, rank, bytes }
+//!                                          <──  Chunk(ChunkStatus { request, rank, chunk, .. })
 //!                                               per chunk, in order, the final one included
 //!                                               (an empty final chunk when r owns nothing)
-//!   Abort { request, reason } ────────────────>  answered by a failed ChunkDone
+//!   Abort { request, reason } ────────────────>  answered by a failed Chunk
 //!   (heartbeats both ways; EOF or 750 ms of silence: the peer is gone)
 //! ```
 //!
 //! - **Completion.** A rank reports every chunk of every request, in order, including chunks it
-//!   owns nothing of; a failure (a plan that does not validate, an abort) is a `ChunkDone` with
-//!   `failed` set and is the rank's last status for the request. The decode completes a request
+//!   owns nothing of; a failure (a plan that does not validate, an abort) is a `Chunk` whose
+//!   status is [`ChunkResult::Failed`](crate::transfer::ChunkResult::Failed), the rank's last
+//!   status for the request. The decode completes a request
 //!   only after one final status from each of the N ranks ([`Receiver`](crate::transfer::Receiver)), exactly as in-process.
 //! - **Ordering with events (GPU).** A rank that sent E event handles records event `k mod E`
-//!   on its stream right before its k-th `ChunkDone` (counting every `ChunkDone` it sends, in
-//!   order) and sends the `ChunkDone` at once, without waiting for the copy; the decode takes
+//!   on its stream right before its k-th `Chunk` (counting every `Chunk` it sends, in
+//!   order) and sends the `Chunk` at once, without waiting for the copy; the decode takes
 //!   the status only once that event has completed. A later record of the same event completes
 //!   later in the same stream, so waiting for a newer record is never wrong, only later. A rank
-//!   without events (the CPU twin) sends a `ChunkDone` only once the chunk has landed.
+//!   without events (the CPU twin) sends a `Chunk` only once the chunk has landed.
 //! - **Failures.** A rank that exits, is killed, or falls silent is gone within a second (the
 //!   channel's end of stream or liveness timeout): every open request it was sending fails on
 //!   the decode side, whose other ranks are told to abort it. A failed request's pages are
@@ -51,10 +52,6 @@
 
 use std::time::Duration;
 
-use super::ComponentBytes;
-use super::{ChunkResult, ChunkStatus};
-use crate::geometry::Component;
-use crate::ipc::wire::ChunkDone;
 use crate::lock::lock;
 
 mod decode;
@@ -74,75 +71,9 @@ const LOOK_AGAIN: Duration = Duration::from_millis(20);
 /// The same while a status waits for its event.
 const LOOK_AGAIN_EVENTS: Duration = Duration::from_micros(50);
 
-/// The wire form of a rank's status.
-fn chunk_done(status: &ChunkStatus) -> ChunkDone {
-    let (last, bytes, failed) = match &status.result {
-        ChunkResult::Sent { bytes, last } => (*last, Component::ALL.map(|c| bytes.get(c)), None),
-        ChunkResult::Failed { reason } => (true, [0; 4], Some(reason.clone())),
-    };
-    ChunkDone {
-        request: status.request,
-        chunk: status.chunk,
-        last,
-        source_rank: status.rank,
-        bytes,
-        failed,
-    }
-}
-
-/// The status a `ChunkDone` reports.
-fn chunk_status(done: &ChunkDone) -> ChunkStatus {
-    let result = match &done.failed {
-        Some(reason) => ChunkResult::Failed {
-            reason: reason.clone(),
-        },
-        None => {
-            let mut bytes = ComponentBytes::default();
-            for (c, b) in Component::ALL.into_iter().zip(done.bytes) {
-                bytes.add(c, b);
-            }
-            ChunkResult::Sent {
-                bytes,
-                last: done.last,
-            }
-        }
-    };
-    ChunkStatus {
-        request: done.request,
-        rank: done.source_rank,
-        chunk: done.chunk,
-        result,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn statuses_survive_the_wire() {
-        let mut bytes = ComponentBytes::default();
-        bytes.add(Component::TargetLatent, 7);
-        bytes.add(Component::DraftIndexer, 3);
-        let sent = ChunkStatus {
-            request: 9,
-            rank: 2,
-            chunk: 4,
-            result: ChunkResult::Sent { bytes, last: true },
-        };
-        assert_eq!(chunk_status(&chunk_done(&sent)), sent);
-        let failed = ChunkStatus {
-            request: 9,
-            rank: 1,
-            chunk: 0,
-            result: ChunkResult::Failed {
-                reason: "no".into(),
-            },
-        };
-        let done = chunk_done(&failed);
-        assert!(done.last && done.bytes == [0; 4]);
-        assert_eq!(chunk_status(&done), failed);
-    }
 
     #[test]
     fn endpoints_can_move_to_other_threads() {

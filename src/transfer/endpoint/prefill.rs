@@ -309,7 +309,7 @@ impl PrefillEndpoint {
                         reason: e.to_string(),
                     },
                 };
-                self.report(&status)?;
+                self.report(status)?;
                 return Err(Error::ChunkFailed {
                     request,
                     rank: self.rank(),
@@ -330,7 +330,7 @@ impl PrefillEndpoint {
                     let mut pending = pending;
                     let status = pending.reported();
                     self.inflight.push_back(pending);
-                    self.report(&status)?;
+                    self.report(status)?;
                 } else {
                     self.landing.push_back(pending);
                     self.report_landed(false)?;
@@ -350,7 +350,7 @@ impl PrefillEndpoint {
             let _ = self.sender.close(request);
         }
         if let Some(status) = ChunkStatus::from_error(&e) {
-            if let Err(gone) = self.report(&status) {
+            if let Err(gone) = self.report(status) {
                 return gone;
             }
         }
@@ -375,7 +375,7 @@ impl PrefillEndpoint {
             None
         };
         match status {
-            Some(status) => self.report(&status),
+            Some(status) => self.report(status),
             None => Ok(()),
         }
     }
@@ -392,7 +392,7 @@ impl PrefillEndpoint {
     }
 
     /// Sends a status, after recording the event that covers it (GPU).
-    fn report(&mut self, status: &ChunkStatus) -> Result<()> {
+    fn report(&mut self, status: ChunkStatus) -> Result<()> {
         let sent = match (&mut self.channel, &mut self.events) {
             (None, _) => {
                 return Err(Error::PeerGone {
@@ -403,7 +403,7 @@ impl PrefillEndpoint {
             (Some(channel), events) => events
                 .as_mut()
                 .map_or(Ok(()), EventRing::record)
-                .and_then(|()| channel.send(&Message::ChunkDone(chunk_done(status)))),
+                .and_then(|()| channel.send(&Message::Chunk(status))),
         };
         if let Err(e) = &sent {
             self.close(e.to_string());
@@ -494,7 +494,7 @@ impl PrefillEndpoint {
                         reason: format!("registration refused: {why}"),
                     },
                 };
-                if self.report(&status).is_ok() {
+                if self.report(status).is_ok() {
                     self.backlog
                         .push(PrefillEvent::RegistrationRefused { request, why });
                 }
@@ -538,7 +538,7 @@ impl PrefillEndpoint {
                 }
             };
             match landed {
-                Ok(Some(status)) => self.report(&status)?,
+                Ok(Some(status)) => self.report(status)?,
                 Ok(None) => return Ok(()),
                 Err(e) => return Err(self.failed_chunk(request, e)),
             }

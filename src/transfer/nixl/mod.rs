@@ -66,6 +66,9 @@
 //! peer goes; a request still moving when its completion is dropped is kept until NIXL is done
 //! with it.
 
+mod chunks;
+mod connection;
+mod lists;
 mod memory;
 mod notice;
 mod receive;

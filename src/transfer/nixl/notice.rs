@@ -3,16 +3,19 @@
 //! chunk that moved nothing, or that failed), and the decode side's release of a bounce slot.
 //!
 //! Each is a 5-byte header (magic `KVSN`, version) and a postcard-encoded [`Notice`]; anything
-//! else in an agent's notification stream is refused, not guessed at.
+//! else in an agent's notification stream is refused, not guessed at. A chunk's notice carries
+//! the rank's [`ChunkStatus`] as it is: the decode side hands it to its receiver untranslated.
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::geometry::Component;
-use crate::transfer::{ChunkResult, ChunkStatus, ComponentBytes};
+use crate::transfer::{ChunkResult, ChunkStatus};
 
 const MAGIC: [u8; 4] = *b"KVSN";
-const VERSION: u8 = 1;
+/// Version 2: a chunk's notice carries its [`ChunkStatus`] as it is (a failure is a
+/// [`Notice::Chunk`] too).
+const VERSION: u8 = 2;
 
 /// A section of a chunk that went through a bounce slot: the decode side scatters entry `j` of
 /// the slot's `components` into pool page `pages[j]`.
@@ -29,23 +32,12 @@ pub(crate) struct Bounced {
 /// One notification.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum Notice {
-    /// Prefill → decode: a chunk's bytes have landed (sections not listed in `bounced` went
-    /// straight into the pool's pages).
+    /// Prefill → decode: a rank's status of a chunk, as it is. Sent: its bytes have landed
+    /// (sections not listed in `bounced` went straight into the pool's pages). Failed: the
+    /// rank's last status for the request, with nothing bounced.
     Chunk {
-        request: u64,
-        rank: u32,
-        chunk: u32,
-        last: bool,
-        /// Bytes per component, [`Component::ALL`] order.
-        bytes: [u64; 4],
+        status: ChunkStatus,
         bounced: Vec<Bounced>,
-    },
-    /// Prefill → decode: a chunk failed (the rank's last status for the request).
-    Failed {
-        request: u64,
-        rank: u32,
-        chunk: u32,
-        reason: String,
     },
     /// Decode → prefill: the decode has scattered bounce slot `slot`; it may be written again.
     SlotFree { slot: u32 },
@@ -65,68 +57,6 @@ pub(crate) fn component_of(code: u8) -> Result<Component> {
 }
 
 impl Notice {
-    /// The notice of a rank's status (without bounce sections).
-    pub fn of_status(status: &ChunkStatus, bounced: Vec<Bounced>) -> Self {
-        match &status.result {
-            ChunkResult::Sent { bytes, last } => Notice::Chunk {
-                request: status.request,
-                rank: status.rank,
-                chunk: status.chunk,
-                last: *last,
-                bytes: Component::ALL.map(|c| bytes.get(c)),
-                bounced,
-            },
-            ChunkResult::Failed { reason } => Notice::Failed {
-                request: status.request,
-                rank: status.rank,
-                chunk: status.chunk,
-                reason: reason.clone(),
-            },
-        }
-    }
-
-    /// The status a prefill notice reports (`None` for a slot release).
-    pub fn status(&self) -> Option<ChunkStatus> {
-        match self {
-            Notice::Chunk {
-                request,
-                rank,
-                chunk,
-                last,
-                bytes,
-                ..
-            } => {
-                let mut b = ComponentBytes::default();
-                for (c, n) in Component::ALL.into_iter().zip(bytes) {
-                    b.add(c, *n);
-                }
-                Some(ChunkStatus {
-                    request: *request,
-                    rank: *rank,
-                    chunk: *chunk,
-                    result: ChunkResult::Sent {
-                        bytes: b,
-                        last: *last,
-                    },
-                })
-            }
-            Notice::Failed {
-                request,
-                rank,
-                chunk,
-                reason,
-            } => Some(ChunkStatus {
-                request: *request,
-                rank: *rank,
-                chunk: *chunk,
-                result: ChunkResult::Failed {
-                    reason: reason.clone(),
-                },
-            }),
-            Notice::SlotFree { .. } => None,
-        }
-    }
-
     /// The notification's bytes.
     pub fn encode(&self) -> Result<Vec<u8>> {
         let mut head = MAGIC.to_vec();
@@ -152,6 +82,19 @@ impl Notice {
         if !rest.is_empty() {
             return Err(bad(format!("{} trailing bytes", rest.len())));
         }
+        if let Notice::Chunk {
+            status:
+                ChunkStatus {
+                    result: ChunkResult::Failed { .. },
+                    ..
+                },
+            bounced,
+        } = &notice
+        {
+            if !bounced.is_empty() {
+                return Err(bad("a failed chunk with bounced sections".into()));
+            }
+        }
         Ok(notice)
     }
 }
@@ -162,7 +105,7 @@ mod tests {
 
     #[test]
     fn notices_round_trip_and_garbage_is_refused() {
-        let mut bytes = ComponentBytes::default();
+        let mut bytes = crate::transfer::ComponentBytes::default();
         bytes.add(Component::DraftLatent, 7);
         let status = ChunkStatus {
             request: 3,
@@ -175,13 +118,29 @@ mod tests {
             components: vec![component_code(Component::TargetLatent)],
             pages: vec![5, 9, 1 << 40],
         }];
-        let n = Notice::of_status(&status, bounced);
-        let back = Notice::decode(&n.encode().unwrap()).unwrap();
-        assert_eq!(back, n);
-        assert_eq!(back.status(), Some(status));
+        let n = Notice::Chunk {
+            status: status.clone(),
+            bounced: bounced.clone(),
+        };
+        assert_eq!(Notice::decode(&n.encode().unwrap()).unwrap(), n);
         let free = Notice::SlotFree { slot: 3 };
         assert_eq!(Notice::decode(&free.encode().unwrap()).unwrap(), free);
-        assert!(free.status().is_none());
+        let failed = ChunkStatus {
+            result: ChunkResult::Failed {
+                reason: "no".into(),
+            },
+            ..status
+        };
+        let n = Notice::Chunk {
+            status: failed.clone(),
+            bounced: Vec::new(),
+        };
+        assert_eq!(Notice::decode(&n.encode().unwrap()).unwrap(), n);
+        let n = Notice::Chunk {
+            status: failed,
+            bounced,
+        };
+        assert!(Notice::decode(&n.encode().unwrap()).is_err());
 
         assert!(Notice::decode(b"KVS").is_err());
         assert!(Notice::decode(b"HELLO WORLD").is_err());

@@ -311,14 +311,10 @@ impl NixlTarget {
             self.refused += 1;
             return Ok(());
         };
-        let Some(status) = notice.status() else {
+        let Notice::Chunk { status, bounced } = notice else {
             // A decode side never receives slot releases.
             self.refused += 1;
             return Ok(());
-        };
-        let bounced = match &notice {
-            Notice::Chunk { bounced, .. } => bounced.clone(),
-            _ => Vec::new(),
         };
         let expected = self
             .requests

@@ -1,0 +1,402 @@
+//! One chunk's way through a prefill rank's NIXL connection: the choice between a bounce slot
+//! and coalesced descriptors, the packing into a slot, the transfer request posted with the
+//! chunk's notice, its progress up to the bytes landing, and its failure (a failure notice to
+//! the decode side, a request NIXL may still move kept until it is done).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nixl_sys::XferRequest;
+
+use super::connection::State;
+use super::memory::component_index;
+use super::notice::{component_code, Bounced, Notice};
+use super::runtime::{Agent, Progress};
+use super::NixlMode;
+use crate::backend::{Event, KernelFamily, Launch};
+use crate::copy::{BlockCopyPlan, BlockSpace, PageSelection, RemoteSpace};
+use crate::error::{Error, Result};
+use crate::pool::DevicePool;
+use crate::transfer::plan::{Section, SendPlan};
+use crate::transfer::stats::Posted;
+use crate::transfer::{ChunkResult, ChunkStatus};
+
+/// Where one chunk stands.
+pub(super) enum Stage {
+    /// Waiting for its bounce packing to finish before it is posted.
+    Packing {
+        event: Event,
+        li: Vec<i32>,
+        ri: Vec<i32>,
+    },
+    /// Posted.
+    Moving {
+        request: XferRequest,
+        posted: Instant,
+    },
+    /// Landed.
+    Done,
+    /// Failed (the failure notice has been sent).
+    Failed(String),
+}
+
+/// A submitted chunk.
+pub(super) struct InFlight {
+    pub(super) stage: Stage,
+    status: ChunkStatus,
+    notice: Vec<u8>,
+    slot: Option<usize>,
+    per_block: bool,
+    posted: Posted,
+    started: Instant,
+    deadline: Instant,
+    pub(super) transfer_time: Option<Duration>,
+}
+
+impl State {
+    /// Fails a chunk: its notice tells the decode; a request NIXL may still be moving is kept
+    /// until it is done with it (and its slot with it), else the slot is freed at once (no data
+    /// notice will reach the decode). A packing still running into the slot is harmless: the
+    /// next packing runs after it on the same stream.
+    pub(super) fn fail(&mut self, chunk: &mut InFlight, reason: String) -> Error {
+        let status = ChunkStatus {
+            result: ChunkResult::Failed {
+                reason: reason.clone(),
+            },
+            ..chunk.status.clone()
+        };
+        // Best effort: a gone peer cannot hear it, and the channel tells it anyway.
+        let _ = self.notify(&Notice::Chunk {
+            status,
+            bounced: Vec::new(),
+        });
+        match std::mem::replace(&mut chunk.stage, Stage::Failed(reason.clone())) {
+            Stage::Moving { request, .. } => self.zombies.push((request, chunk.slot)),
+            _ => self.release_slot(chunk.slot, true),
+        }
+        Error::Nixl {
+            call: "transfer",
+            reason,
+        }
+    }
+
+    /// Posts a packed or direct chunk.
+    fn post(&mut self, chunk: &mut InFlight, li: &[i32], ri: &[i32]) -> Result<()> {
+        let t0 = Instant::now();
+        let Some(peer) = self.peer.as_ref() else {
+            return Err(Error::Nixl {
+                call: "postXferReq",
+                reason: "not connected to a decode side".into(),
+            });
+        };
+        let request = self.agent.make_write(
+            &peer.local,
+            li,
+            &peer.remote_list,
+            ri,
+            &chunk.notice,
+            chunk.per_block,
+        )?;
+        self.agent.post(&request)?;
+        let now = Instant::now();
+        chunk.posted.post_time += now - t0;
+        self.stats.posted(&chunk.posted);
+        chunk.stage = Stage::Moving {
+            request,
+            posted: now,
+        };
+        Ok(())
+    }
+
+    /// Moves a chunk forward; `Ok(true)` once it has landed, an error once it failed.
+    pub(super) fn advance(&mut self, chunk: &mut InFlight) -> Result<bool> {
+        loop {
+            let gone = self
+                .peer
+                .as_ref()
+                .map_or(Some("not connected".to_string()), |p| p.gone.clone());
+            match &chunk.stage {
+                Stage::Done => return Ok(true),
+                Stage::Failed(why) => {
+                    return Err(Error::Nixl {
+                        call: "transfer",
+                        reason: why.clone(),
+                    })
+                }
+                Stage::Packing { event, .. } => {
+                    if let Some(why) = gone {
+                        return Err(self.fail(chunk, format!("the decode side is gone: {why}")));
+                    }
+                    let packed = self.device.backend().is_done(event);
+                    let packed = match packed {
+                        Ok(packed) => packed,
+                        Err(e) => return Err(self.fail(chunk, format!("packing failed: {e}"))),
+                    };
+                    if !packed {
+                        if Instant::now() > chunk.deadline {
+                            let e = self.fail(chunk, "packing did not finish in time".into());
+                            return Err(e);
+                        }
+                        return Ok(false);
+                    }
+                    let (li, ri) = match &mut chunk.stage {
+                        Stage::Packing { li, ri, .. } => (std::mem::take(li), std::mem::take(ri)),
+                        _ => (Vec::new(), Vec::new()),
+                    };
+                    if let Err(e) = self.post(chunk, &li, &ri) {
+                        return Err(self.fail(chunk, e.to_string()));
+                    }
+                }
+                Stage::Moving { request, posted } => {
+                    let posted = *posted;
+                    match self.agent.progress(request) {
+                        Ok(Progress::Done) => {
+                            let nixl = Agent::telemetry(request)
+                                .map(|t| Duration::from_micros(t.xfer_duration_us));
+                            let before_post = posted.saturating_duration_since(chunk.started);
+                            chunk.transfer_time =
+                                Some(before_post + nixl.unwrap_or_else(|| posted.elapsed()));
+                            if let Some(slot) = chunk.slot {
+                                // The decode frees the remote side once it has scattered.
+                                if let Some(s) =
+                                    self.peer.as_mut().and_then(|p| p.slots.get_mut(slot))
+                                {
+                                    s.sending = false;
+                                }
+                            }
+                            chunk.stage = Stage::Done;
+                            return Ok(true);
+                        }
+                        Ok(Progress::Moving) => {
+                            if let Some(why) = gone {
+                                let e = self.fail(chunk, format!("the decode side is gone: {why}"));
+                                return Err(e);
+                            }
+                            if Instant::now() > chunk.deadline {
+                                let e = self.fail(
+                                    chunk,
+                                    format!(
+                                        "not landed {:?} after it was posted",
+                                        self.config.transfer_timeout
+                                    ),
+                                );
+                                return Err(e);
+                            }
+                            return Ok(false);
+                        }
+                        Err(e) => {
+                            // NIXL is done with a failed request: no notice follows it, and
+                            // it can be released now.
+                            let slot = chunk.slot;
+                            chunk.stage = Stage::Done;
+                            let e = self.fail(chunk, e.to_string());
+                            self.release_slot(slot, true);
+                            return Err(e);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Picks a free slot for a chunk whose sections fit, when the mode and rule say bounce.
+    fn pick_slot(&self, plan: &SendPlan) -> Option<usize> {
+        let peer = self.peer.as_ref()?;
+        let mode = self.config.mode;
+        if matches!(mode, NixlMode::Coalesced | NixlMode::PerBlock) || peer.slots.is_empty() {
+            return None;
+        }
+        let sections: Vec<&Section> = plan
+            .sections()
+            .into_iter()
+            .filter(|s| !s.is_empty())
+            .collect();
+        let fits = sections
+            .iter()
+            .all(|s| s.owned_pages() as u64 <= peer.local_layout.slot_pages);
+        if !fits || sections.is_empty() {
+            return None;
+        }
+        if mode == NixlMode::Auto {
+            let descriptors = plan.descriptor_count() as u64;
+            let mean = plan.bytes().total() / descriptors.max(1);
+            if mean >= self.config.bounce_below {
+                return None;
+            }
+        }
+        peer.slots.iter().position(|s| !s.sending && !s.remote_busy)
+    }
+
+    pub(super) fn submit(
+        &mut self,
+        plan: &SendPlan,
+        src: &Arc<DevicePool>,
+        dst: &Arc<RemoteSpace>,
+        started: Instant,
+    ) -> Result<InFlight> {
+        self.progress();
+        let Some(peer) = self.peer.as_ref() else {
+            return Err(Error::Transfer {
+                request: plan.request(),
+                reason: "the NIXL transport is not connected to a decode side".into(),
+            });
+        };
+        if let Some(why) = &peer.gone {
+            return Err(Error::Transfer {
+                request: plan.request(),
+                reason: format!("the decode side is gone: {why}"),
+            });
+        }
+        if src.id() != self.pool.id() || dst.id() != peer.remote.id() {
+            return Err(Error::InvalidArgument(
+                "a NIXL transport moves from the pool it registered into the destination its connect returned".into(),
+            ));
+        }
+        plan.check_spaces(src.as_ref(), dst.as_ref())?;
+        let chunk = plan.chunk();
+        let status = ChunkStatus {
+            request: plan.request(),
+            rank: plan.rank(),
+            chunk: chunk.index,
+            result: ChunkResult::Sent {
+                bytes: plan.bytes(),
+                last: chunk.last,
+            },
+        };
+        let deadline = started + self.config.transfer_timeout;
+        if plan.is_empty() {
+            self.notify(&Notice::Chunk {
+                status: status.clone(),
+                bounced: Vec::new(),
+            })?;
+            let posted = Posted {
+                post_time: started.elapsed(),
+                ..Posted::default()
+            };
+            self.stats.posted(&posted);
+            return Ok(InFlight {
+                stage: Stage::Done,
+                status,
+                notice: Vec::new(),
+                slot: None,
+                per_block: false,
+                posted,
+                started,
+                deadline,
+                transfer_time: Some(Duration::ZERO),
+            });
+        }
+        let slot = self.pick_slot(plan);
+        let per_block = self.config.mode == NixlMode::PerBlock;
+        let components = self.pool.geometry().components();
+        let peer = self
+            .peer
+            .as_ref()
+            .ok_or_else(|| Error::InvalidArgument("no peer".into()))?;
+        let (mut li, mut ri) = (Vec::new(), Vec::new());
+        let mut bounced = Vec::new();
+        let mut descriptors = 0u64;
+        let mut packs = Vec::new();
+        for section in plan.sections() {
+            if section.is_empty() {
+                continue;
+            }
+            let owned = section.owned();
+            match slot {
+                Some(s) => {
+                    let space = peer.slots[s].space.clone();
+                    let k = owned.len() as u64;
+                    let mut codes = Vec::new();
+                    for sc in section.components() {
+                        let c = component_index(&components, sc.component)?;
+                        li.push(peer.local_layout.prefix(s, c, k));
+                        ri.push(peer.remote_layout.prefix(s, c, k));
+                        codes.push(component_code(sc.component));
+                        descriptors += 1;
+                    }
+                    let comps: Vec<_> = section.components().iter().map(|c| c.component).collect();
+                    let pack = BlockCopyPlan::new(
+                        src.as_ref(),
+                        PageSelection::Local(owned.src_pages().to_vec()),
+                        space.as_ref(),
+                        PageSelection::Positions,
+                        owned.len(),
+                    )?
+                    .only_components(src.as_ref(), &comps);
+                    packs.push((pack, space));
+                    bounced.push(Bounced {
+                        slot: s as u32,
+                        components: codes,
+                        pages: owned.dst_pages().iter().map(|p| p.0).collect(),
+                    });
+                }
+                None => {
+                    for sc in section.components() {
+                        let c = component_index(&components, sc.component)?;
+                        for layer in 0..sc.layers {
+                            for (sp, dp) in owned.src_pages().iter().zip(owned.dst_pages()) {
+                                li.push(peer.local_layout.block(c, layer, sp.0));
+                                ri.push(peer.remote_layout.block(c, layer, dp.0));
+                            }
+                        }
+                    }
+                    descriptors += if per_block {
+                        section.uncoalesced_count()
+                    } else {
+                        section.descriptor_count()
+                    } as u64;
+                }
+            }
+        }
+        let notice = Notice::Chunk {
+            status: status.clone(),
+            bounced,
+        }
+        .encode()?;
+        let mut chunk = InFlight {
+            stage: Stage::Done,
+            status,
+            notice,
+            slot,
+            per_block,
+            posted: Posted {
+                bytes: plan.bytes().total(),
+                descriptors,
+                post_time: Duration::ZERO,
+                bounced: slot.is_some(),
+            },
+            started,
+            deadline,
+            transfer_time: None,
+        };
+        if let Some(s) = slot {
+            let backend = self.device.backend();
+            let launch = Launch {
+                ctas: 264,
+                threads: backend.max_threads(KernelFamily::Copy).min(512),
+            };
+            let src_space: Arc<dyn BlockSpace> = src.clone();
+            for (pack, space) in &packs {
+                let dst_space: Arc<dyn BlockSpace> = space.clone();
+                self.store.launch(pack, &src_space, &dst_space, launch)?;
+            }
+            let event = backend.record()?;
+            if let Some(p) = self.peer.as_mut() {
+                p.slots[s].sending = true;
+                p.slots[s].remote_busy = true;
+            }
+            chunk.posted.post_time = started.elapsed();
+            chunk.stage = Stage::Packing { event, li, ri };
+            // Posted at once when the packing has already run (the CPU twin), else at the
+            // first poll that finds it done.
+            match self.advance(&mut chunk) {
+                Ok(_) => {}
+                Err(e) => return Err(e),
+            }
+        } else {
+            chunk.posted.post_time = started.elapsed();
+            self.post(&mut chunk, &li, &ri)?;
+        }
+        Ok(chunk)
+    }
+}
