@@ -12,7 +12,11 @@ use kvshard::index::LogicalPage;
 use kvshard::transfer::ChunkEnd;
 
 use crate::errors::IntoPy;
-use crate::hicache::{lock, PyHiCacheController, PyHostTransfer, PyLayerSignals, PyRoute};
+use crate::hicache_controller::PyHiCacheController;
+use crate::hicache_enums::PyRoute;
+use crate::host_transfer::PyHostTransfer;
+use crate::layer_signals::PyLayerSignals;
+use crate::lock::lock;
 use crate::method::PyMethod;
 use crate::transfer::{PyRegistration, PyRemoteSpace, PySender};
 

@@ -8,7 +8,7 @@ use kvshard::chain::RequestChain;
 use kvshard::hicache::CacheNode;
 
 use crate::errors::IntoPy;
-use crate::hicache::PyCacheNode;
+use crate::hicache_controller::PyCacheNode;
 use crate::shard::{logical, raw, PyPlacement, PyShardAllocator};
 use crate::transfer::{PyPoolLayout, PyRegistration};
 

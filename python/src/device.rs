@@ -24,6 +24,7 @@ use kvshard::backend::{AddressSpace, Backend, Event};
 use kvshard::gpu::Gpu;
 
 use crate::errors::{invalid, IntoPy, KvError};
+use crate::lock::lock;
 
 /// What a device is.
 pub enum Kind {
@@ -52,10 +53,6 @@ pub struct PyDevice {
     /// events: it waits for the foreign event and records one of its own. Made on first use;
     /// the lock also keeps one wait and its record together.
     carrier: Mutex<Option<Arc<CudaBackend>>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl PyDevice {

@@ -11,11 +11,15 @@
 //! Routes, I/O backends, relayouts, copy methods, write policies, directions, layouts and
 //! components are enum classes (`kvshard.Route.KERNEL`), never strings.
 //!
-//! The modules import only modules below them, bottom-up: `errors` (kvshard's errors as
-//! exceptions), `tensor` (DLPack both ways), `device` (devices, streams, events), `geometry`,
-//! `shard` (placement, the allocator), `pool` (device pools, staging, the owned-row write),
-//! `transfer` (P/D), `hicache`, `chain` (a request's chain, which makes HiCache nodes and P/D
-//! registrations), `bench` (`python/bench.py`'s native loops), and this file on top.
+//! One job per module; a module imports only modules below it, bottom-up: `errors` (kvshard's
+//! errors as exceptions), `lock` (the poison-recovering lock), `tensor` (DLPack both ways),
+//! `device` (devices, streams, events), `geometry`, `shard` (placement, the allocator),
+//! `method` (how bytes move), `pool_tensors` (what every pool shares about tensors),
+//! `device_pool`, `chunk_staging`, `owned_row_write`, `budget`, `transfer` (P/D),
+//! `hicache_enums` (HiCache's choices), `host_pool`, `layer_signals` (per-layer readiness),
+//! `host_transfer` (transfer plans, host transfers, their staging), `hicache_controller`,
+//! `chain` (a request's chain, which makes HiCache nodes and P/D registrations), `bench`
+//! (`python/bench.py`'s native loops), and this file on top.
 
 /// Both `From` conversions between a Python enum and the kvshard enum it mirrors, from one
 /// table of variant pairs, so the two directions cannot disagree.
@@ -40,13 +44,22 @@ macro_rules! mirror_enum {
 }
 
 mod bench;
+mod budget;
 mod chain;
+mod chunk_staging;
 mod device;
+mod device_pool;
 mod errors;
 mod geometry;
-mod hicache;
+mod hicache_controller;
+mod hicache_enums;
+mod host_pool;
+mod host_transfer;
+mod layer_signals;
+mod lock;
 mod method;
-mod pool;
+mod owned_row_write;
+mod pool_tensors;
 mod shard;
 mod tensor;
 mod transfer;
@@ -103,10 +116,10 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<shard::PyPlacement>()?;
     m.add_class::<shard::PyShardAllocator>()?;
     m.add_class::<shard::PyAllocation>()?;
-    m.add_class::<pool::PyDevicePool>()?;
-    m.add_class::<pool::PyChunkStaging>()?;
-    m.add_class::<pool::PyOwnedRowWrite>()?;
-    m.add_class::<pool::PyBudget>()?;
+    m.add_class::<device_pool::PyDevicePool>()?;
+    m.add_class::<chunk_staging::PyChunkStaging>()?;
+    m.add_class::<owned_row_write::PyOwnedRowWrite>()?;
+    m.add_class::<budget::PyBudget>()?;
     m.add_class::<transfer::PyPoolLayout>()?;
     m.add_class::<transfer::PyRegistration>()?;
     m.add_class::<transfer::PyRemoteSpace>()?;
@@ -117,23 +130,23 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<transfer::PyOverdue>()?;
     m.add_class::<transfer::PyReceiver>()?;
     m.add_class::<method::PyMethod>()?;
-    m.add_class::<hicache::PyHostLayout>()?;
-    m.add_class::<hicache::PyRoute>()?;
-    m.add_class::<hicache::PyWritePolicy>()?;
-    m.add_class::<hicache::PyDirection>()?;
-    m.add_class::<hicache::PyHostBufferLayout>()?;
-    m.add_class::<hicache::PyHostPool>()?;
-    m.add_class::<hicache::PyTransferPlan>()?;
-    m.add_class::<hicache::PyLayerSignals>()?;
-    m.add_class::<hicache::PyLayerReady>()?;
-    m.add_class::<hicache::PyLayerWaits>()?;
-    m.add_class::<hicache::PyHostTransfer>()?;
-    m.add_class::<hicache::PyStagedIo>()?;
-    m.add_class::<hicache::PyCacheNode>()?;
-    m.add_class::<hicache::PyBackupAck>()?;
-    m.add_class::<hicache::PyLoadAck>()?;
-    m.add_class::<hicache::PyLoadHandle>()?;
-    m.add_class::<hicache::PyHiCacheController>()?;
+    m.add_class::<hicache_enums::PyHostLayout>()?;
+    m.add_class::<hicache_enums::PyRoute>()?;
+    m.add_class::<hicache_enums::PyWritePolicy>()?;
+    m.add_class::<hicache_enums::PyDirection>()?;
+    m.add_class::<host_pool::PyHostBufferLayout>()?;
+    m.add_class::<host_pool::PyHostPool>()?;
+    m.add_class::<host_transfer::PyTransferPlan>()?;
+    m.add_class::<layer_signals::PyLayerSignals>()?;
+    m.add_class::<layer_signals::PyLayerReady>()?;
+    m.add_class::<layer_signals::PyLayerWaits>()?;
+    m.add_class::<host_transfer::PyHostTransfer>()?;
+    m.add_class::<host_transfer::PyStagedIo>()?;
+    m.add_class::<hicache_controller::PyCacheNode>()?;
+    m.add_class::<hicache_controller::PyBackupAck>()?;
+    m.add_class::<hicache_controller::PyLoadAck>()?;
+    m.add_class::<hicache_controller::PyLoadHandle>()?;
+    m.add_class::<hicache_controller::PyHiCacheController>()?;
     m.add_class::<chain::PyRequestChain>()?;
     Ok(())
 }

@@ -6,6 +6,7 @@
 //!   it now). [`check`] holds it against what the geometry expects and says, in a
 //!   `ValueError`, what that was. [`import_writable`] is the import of memory kvshard writes
 //!   into: it refuses read-only producers and holds the tensor so NumPy cannot reallocate it.
+//!   [`host_i64s`] reads host int64 values (slots) from a CPU tensor or a sequence of ints.
 //! - Out: [`PyTensorView`] hands kvshard's own memory (host pools, staging, pools kvshard
 //!   allocated) to the engine as a DLPack producer (`torch.from_dlpack(view)`,
 //!   `numpy.from_dlpack(view)`), keeping the memory alive while any consumer holds it. A view
@@ -416,4 +417,32 @@ impl PyTensorView {
             self.ptr
         )
     }
+}
+
+/// Host int64 values from a NumPy array, any DLPack CPU tensor, or a sequence of ints.
+pub fn host_i64s(v: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    if v.hasattr("__dlpack__")? {
+        let t = import(v)?;
+        let cpu = matches!(
+            t.device.device_type,
+            DLDeviceType::CPU | DLDeviceType::CUDAHOST
+        );
+        if !cpu || t.dtype != DLDataType::I64 || !t.compact {
+            return Err(invalid(format!(
+                "expected host int64 values (a C-contiguous int64 array on the CPU); got {} of shape {:?} on {}",
+                dtype_name(t.dtype),
+                t.shape,
+                device_name(t.device)
+            )));
+        }
+        let n = t.nbytes / 8;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        // SAFETY: `n` int64s of host memory described by the tensor, which `t.object` keeps
+        // alive for the copy; read under the GIL while the caller holds the array.
+        let s = unsafe { std::slice::from_raw_parts(t.ptr as *const i64, n) };
+        return Ok(s.to_vec());
+    }
+    v.extract::<Vec<i64>>()
 }

@@ -19,10 +19,11 @@ use kvshard::transfer::{
 };
 
 use crate::device::PyDevice;
+use crate::device_pool::PyDevicePool;
 use crate::errors::{invalid, missing_chunks, to_py, IntoPy};
 use crate::geometry::{PyCacheGeometry, PyComponent};
+use crate::lock::lock;
 use crate::method::PyMethod;
-use crate::pool::PyDevicePool;
 use crate::shard::logical;
 use kvshard::copy::Method;
 
@@ -565,10 +566,6 @@ impl PySender {
     fn bytes_sent(&self) -> BTreeMap<PyComponent, u64> {
         bytes_dict(&lock(&self.inner).bytes_sent())
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A request the decode side is done with: every prefill rank reported its last status.

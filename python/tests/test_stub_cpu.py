@@ -16,7 +16,28 @@ import kvshard
 
 # Bottom-up: each module of python/src may import only modules before it (lib.rs, on top,
 # declares them all).
-MODULE_ORDER = ["errors", "method", "tensor", "device", "geometry", "shard", "pool", "transfer", "hicache", "chain", "bench"]
+MODULE_ORDER = [
+    "errors",
+    "lock",
+    "tensor",
+    "device",
+    "geometry",
+    "shard",
+    "method",
+    "pool_tensors",
+    "device_pool",
+    "chunk_staging",
+    "owned_row_write",
+    "budget",
+    "transfer",
+    "hicache_enums",
+    "host_pool",
+    "layer_signals",
+    "host_transfer",
+    "hicache_controller",
+    "chain",
+    "bench",
+]
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
