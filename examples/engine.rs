@@ -18,7 +18,7 @@ use kvshard::hicache::{
 use kvshard::index::{LocalPage, ModelLayer};
 use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite, PoolBuffers, RawBuffer};
 use kvshard::shard::{Placement, ShardAllocator};
-use kvshard::transfer::{BackendTransport, ChunkEnd, PoolLayout, Receiver, Sender};
+use kvshard::transfer::{BackendTransport, ChunkEnd, PoolLayout, Receiver, Registration, Sender};
 use kvshard::Result;
 
 const RANKS: u32 = 2;
@@ -108,7 +108,7 @@ fn main() -> Result<()> {
     let mut decode_alloc = ShardAllocator::new(Placement::unsharded(), PAGES)?;
     let mut decode_chain = RequestChain::new(Placement::unsharded());
     decode_chain.grow_to(&mut decode_alloc, PROMPT)?;
-    let reg = decode_chain.registration(1, PoolLayout::of(&decode), 0)?;
+    let reg = Registration::of_chain(&decode_chain, 1, PoolLayout::of(&decode), 0)?;
     let dst = Arc::new(RemoteSpace::of(decode.clone(), g.clone())?);
     let mut receiver = Receiver::new();
     receiver.register(reg.clone(), RANKS)?;

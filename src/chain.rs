@@ -17,13 +17,12 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::error::{Checked, Error, Result};
+use crate::error::{Error, Result};
 use crate::geometry::PAGE_SIZE;
-use crate::index::{LocalPage, LogicalPage, Slot};
+use crate::index::{LogicalPage, Slot};
 use crate::shard::{
     AllocRequest, ChainStart, GatherRequest, PageGenerations, Placement, ShardAllocator,
 };
-use crate::transfer::{PoolLayout, Registration};
 
 /// One request's chain of logical pages, bound to the allocator they came from.
 ///
@@ -248,48 +247,6 @@ impl RequestChain {
         self.start_owner
             .map(|b| ((u64::from(b) + position as u64 % shard) % shard) as u32)
     }
-
-    /// The P/D registration of this chain as a decode side's (unsharded) chain: the request's
-    /// pages after the decode's cached `prefix_pages` go to this chain's pages, the indexer
-    /// state of every position to the same pages. Refused for a stale chain.
-    pub fn registration(
-        &self,
-        request: u64,
-        layout: PoolLayout,
-        prefix_pages: usize,
-    ) -> Result<Registration> {
-        if self.placement.shard() != 1 {
-            return Err(Error::InvalidArgument(format!(
-                "a registration describes an unsharded decode chain; this one is sharded {} ways",
-                self.placement.shard()
-            )));
-        }
-        if prefix_pages > self.pages.len() {
-            return Err(Error::OutOfRange {
-                what: "cached prefix pages",
-                index: prefix_pages as i64,
-                limit: self.pages.len() as u64 + 1,
-            });
-        }
-        self.check(0..self.pages.len())?;
-        let local: Vec<LocalPage> = self
-            .pages
-            .iter()
-            .map(|&p| self.placement.local(p))
-            .collect();
-        prefix_pages.mul_or(PAGE_SIZE, || {
-            format!("tokens of {prefix_pages} cached pages")
-        })?;
-        let registration = Registration {
-            request,
-            layout,
-            prefix_pages,
-            pages: local[prefix_pages..].to_vec(),
-            state_pages: local,
-        };
-        registration.validate()?;
-        Ok(registration)
-    }
 }
 
 impl<'a> GatherRequest<'a> {
@@ -318,7 +275,6 @@ impl<'a> GatherRequest<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::geometry::{CacheGeometry, LatentLayout, PoolGeometry};
 
     #[test]
     fn a_chain_grows_along_its_owner_rotation() {
@@ -345,17 +301,5 @@ mod tests {
             RequestChain::cached(&alloc, (b + 1) % 3, chain.pages().unwrap().to_vec()).is_err()
         );
         assert!(RequestChain::cached(&alloc, b, chain.pages().unwrap().to_vec()).is_ok());
-    }
-
-    #[test]
-    fn an_unsharded_chain_registers_its_pages() {
-        let p = Placement::unsharded();
-        let mut alloc = ShardAllocator::new(p, 10).unwrap();
-        let mut chain = RequestChain::new(p);
-        chain.grow_to(&mut alloc, 200).unwrap();
-        let g = CacheGeometry::with_draft(PoolGeometry::new(LatentLayout::Fp8Trtllm, 2));
-        let reg = chain.registration(3, PoolLayout::packed(g, 10), 1).unwrap();
-        assert_eq!(reg.pages.len(), 3);
-        assert_eq!(reg.state_pages.len(), 4);
     }
 }

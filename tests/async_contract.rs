@@ -331,7 +331,7 @@ impl Rank {
         let mut alloc = ShardAllocator::new(Placement::unsharded(), PAGES).unwrap();
         let mut chain = RequestChain::new(Placement::unsharded());
         chain.grow_to(&mut alloc, TOKENS).unwrap();
-        let reg = chain.registration(1, PoolLayout::of(&decode), 0).unwrap();
+        let reg = Registration::of_chain(&chain, 1, PoolLayout::of(&decode), 0).unwrap();
         let dst = Arc::new(RemoteSpace::of(decode.clone(), geometry()).unwrap());
         let transport = BackendTransport::new((self.streams)());
         let mut sender = Sender::new(self.pool.clone(), Box::new(transport));

@@ -13,7 +13,7 @@ use kvshard::hicache::CacheNode;
 use kvshard::index::LogicalPage;
 use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite};
 use kvshard::shard::{Placement, ShardAllocator};
-use kvshard::transfer::PoolLayout;
+use kvshard::transfer::{PoolLayout, Registration};
 use kvshard::Error;
 
 fn cp2() -> Placement {
@@ -47,7 +47,11 @@ fn a_freed_chain_hands_out_no_slots_pages_node_or_registration() {
     assert!(is_stale(&CacheNode::of_chain(&chain, 1, 1..3), pages[1], 1));
     let g = CacheGeometry::with_draft(PoolGeometry::new(LatentLayout::Fp8Trtllm, 2));
     let layout = PoolLayout::packed(g, 8);
-    assert!(is_stale(&chain.registration(3, layout, 0), pages[0], 0));
+    assert!(is_stale(
+        &Registration::of_chain(&chain, 3, layout, 0),
+        pages[0],
+        0
+    ));
     // A copy of the chain is as stale: the pages are gone for every holder.
     assert!(is_stale(&copy.slots(0..10), pages[0], 0));
     // What hands out no page still answers.

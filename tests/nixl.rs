@@ -23,7 +23,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::synth::POISON;
 use kvshard::backend::cpu::{CpuBackend, StreamOrder};
@@ -63,6 +63,16 @@ const SLOT_PAGES: u64 = 4;
 const STARTUP: Duration = Duration::from_secs(30);
 /// The request rank 1 dies in the middle of, in the "die" role.
 const DIES_IN: u64 = 2;
+/// How soon after rank 1's kill the decode must see it gone (its channel closes at once; the
+/// heartbeat reports a silent peer within a second), with margin for a loaded 2-core machine.
+const DEATH_SEEN_WITHIN: Duration = Duration::from_secs(5);
+/// How soon a request rank 1 was still sending must be reported failed once the decode has
+/// seen rank 1 gone and rank 0 has sent its part (a request is handed back once every rank has
+/// reported its last status, so rank 0's own transfers are not timed), with the same margin.
+/// Far below the decode's loop bound (`STARTUP`), itself far below the default receive
+/// deadline: failures that waited for a deadline would fail the test.
+const FAILED_WITHIN: Duration = Duration::from_secs(5);
+const _: () = assert!(STARTUP.as_secs() < DEFAULT_DEADLINE.as_secs());
 
 fn geometry() -> CacheGeometry {
     CacheGeometry::with_draft(PoolGeometry::with_indexer_layers(
@@ -299,6 +309,19 @@ fn socket_path(test: &str) -> PathBuf {
     std::env::temp_dir().join(format!("kvshard-nixl-{}-{test}.sock", std::process::id()))
 }
 
+/// Where the "die" rank writes the wall-clock moment it kills itself, for the decode to time
+/// from.
+fn killed_path(socket: &Path) -> PathBuf {
+    socket.with_extension("killed")
+}
+
+/// The wall clock, which the processes of one machine share.
+fn wall_clock() -> Duration {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+}
+
 /// Runs a decode process and N prefill processes; `roles[r]` is rank r's role. Returns whether
 /// every process succeeded.
 fn run(
@@ -423,6 +446,7 @@ fn config(agent: String, mode: NixlMode) -> NixlConfig {
 }
 
 fn decode_child(socket: &Path, seed: u64, device: Option<usize>, expect_death: bool) {
+    let _ = std::fs::remove_file(killed_path(socket));
     let nixl = nixl_backend(device);
     let backend = nixl.backend();
     let pool = decode_pool(backend.as_ref());
@@ -456,7 +480,13 @@ fn decode_child(socket: &Path, seed: u64, device: Option<usize>, expect_death: b
         target.connect(rank, &peer).expect("connect rank");
     }
     let mut finished: Vec<Finished> = Vec::new();
-    let mut gone_at = None;
+    // When each request was handed back; when rank 1 was seen gone (and the wall clock then);
+    // when rank 0 left (its Bye, sent once every transfer of its own landed).
+    let mut reported: Vec<(u64, Instant)> = Vec::new();
+    let mut gone_at: Option<(Instant, Duration)> = None;
+    let mut rank0_left: Option<Instant> = None;
+    // Also what fails the test if failures wait for a deadline (`DEFAULT_DEADLINE`, as this
+    // target is configured) instead of following rank 1's death.
     let deadline = Instant::now() + STARTUP;
     // Until every request has finished and every live rank has said Bye (a rank's last
     // transfer completes on its side only after this side has taken it).
@@ -467,11 +497,17 @@ fn decode_child(socket: &Path, seed: u64, device: Option<usize>, expect_death: b
             target.pending_requests(),
             channels.len()
         );
-        finished.extend(target.poll().expect("poll"));
+        let polled = target.poll().expect("poll");
+        let now = Instant::now();
+        reported.extend(polled.iter().map(|f| (f.request(), now)));
+        finished.extend(polled);
         if let Some((i, r)) =
             recv_any(&mut channels, Duration::from_millis(1)).expect("poll channels")
         {
             let rank = channels[i].peer().rank;
+            if rank == 0 {
+                rank0_left = Some(Instant::now());
+            }
             match r {
                 Ok(m) if m.message == Message::Bye => {
                     channels.remove(i);
@@ -484,7 +520,9 @@ fn decode_child(socket: &Path, seed: u64, device: Option<usize>, expect_death: b
                 }
                 Err(e) => {
                     assert!(expect_death, "decode: rank {rank} gone: {e}");
-                    gone_at = Some(Instant::now());
+                    if rank == 1 {
+                        gone_at = Some((Instant::now(), wall_clock()));
+                    }
                     target
                         .rank_gone_sync(rank, &e.to_string())
                         .expect("rank gone");
@@ -513,11 +551,46 @@ fn decode_child(socket: &Path, seed: u64, device: Option<usize>, expect_death: b
     );
     let got = pool.snapshot_sync(backend.as_ref()).expect("snapshot");
     if expect_death {
-        let gone = gone_at.expect("rank 1's death was seen");
-        assert!(
-            gone.elapsed() < Duration::from_secs(5),
-            "failures took {:?}",
+        let (gone, gone_wall) = gone_at.expect("rank 1's death was seen");
+        // What is timed: the decode seeing rank 1 gone after its kill, then handing back the
+        // requests rank 1 was still sending, failed, as soon as rank 0 has sent its part of
+        // them (rank 0's Bye bounds that): not how long rank 0's transfers take.
+        let file = killed_path(socket);
+        let wait = Instant::now() + STARTUP;
+        let killed = loop {
+            match std::fs::read_to_string(&file) {
+                Ok(text) if !text.is_empty() => break text,
+                _ if Instant::now() < wait => std::thread::sleep(Duration::from_millis(10)),
+                other => panic!("rank 1 never wrote when it died: {other:?}"),
+            }
+        };
+        let _ = std::fs::remove_file(&file);
+        let killed = Duration::from_nanos(killed.trim().parse().expect("kill time"));
+        let seen = gone_wall.saturating_sub(killed);
+        let left = rank0_left.expect("rank 0 left");
+        let from = gone.max(left);
+        let slowest = reported
+            .iter()
+            .filter(|(request, _)| *request != 1)
+            .map(|(_, at)| at.saturating_duration_since(from))
+            .max()
+            .expect("requests failed");
+        let _ = writeln!(
+            std::io::stderr(),
+            "decode: rank 1 seen gone {seen:?} after its kill; rank 0 left {:?} after that; \
+             the last failure handed back {slowest:?} after both; all told {:?} since rank 1 \
+             was seen gone",
+            left.saturating_duration_since(gone),
             gone.elapsed()
+        );
+        assert!(
+            seen < DEATH_SEEN_WITHIN,
+            "rank 1 was seen gone {seen:?} after its kill"
+        );
+        assert!(
+            slowest < FAILED_WITHIN,
+            "a failed request was handed back {slowest:?} after rank 1 was seen gone and rank 0 \
+             had sent its part"
         );
         assert!(
             finished[0].is_completed(),
@@ -632,6 +705,8 @@ fn prefill_child(
             maximum: Some(0),
         };
         let _ = rustix::process::setrlimit(rustix::process::Resource::Core, none);
+        let now = wall_clock().as_nanos().to_string();
+        std::fs::write(killed_path(socket), now).expect("write the kill time");
         std::process::abort();
     }
     // Round robin over the requests, many chunks in flight at once (slots run out: the rule

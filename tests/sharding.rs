@@ -1083,7 +1083,7 @@ mod edges {
                 },
                 ChainOp::Register(request, pages, prefix) => {
                     let layout = PoolLayout::packed(g.clone(), pages);
-                    match chain.registration(request, layout, prefix) {
+                    match Registration::of_chain(&chain, request, layout, prefix) {
                         Ok(reg) => {
                             prop_assert_eq!(shard, 1);
                             prop_assert_eq!(reg.request, request);

@@ -355,8 +355,7 @@ fn registration_from(
     chain
         .grow_to(allocator, PdConfig::tokens(case.pages))
         .expect("decode pages");
-    let registration = chain
-        .registration(request, PoolLayout::of(pool), prefix)
+    let registration = Registration::of_chain(&chain, request, PoolLayout::of(pool), prefix)
         .expect("registration");
     (registration, chain)
 }

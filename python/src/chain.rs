@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 
 use kvshard::chain::RequestChain;
 use kvshard::hicache::CacheNode;
+use kvshard::transfer::Registration;
 
 use crate::errors::IntoPy;
 use crate::hicache_controller::PyCacheNode;
@@ -89,9 +90,7 @@ impl PyRequestChain {
         prefix_pages: usize,
     ) -> PyResult<PyRegistration> {
         Ok(PyRegistration(
-            self.0
-                .registration(request, layout.0.clone(), prefix_pages)
-                .py_err()?,
+            Registration::of_chain(&self.0, request, layout.0.clone(), prefix_pages).py_err()?,
         ))
     }
 

@@ -39,7 +39,7 @@ use kvshard::quantize::{
     LATENT_INPUT_ROW_BYTES,
 };
 use kvshard::shard::{Placement, ShardAllocator};
-use kvshard::transfer::{BackendTransport, ChunkEnd, PoolLayout, Receiver, Sender};
+use kvshard::transfer::{BackendTransport, ChunkEnd, PoolLayout, Receiver, Registration, Sender};
 use kvshard::{Error, Result};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -158,7 +158,7 @@ pub(crate) fn send_all(
     let mut decode_alloc = ShardAllocator::new(Placement::unsharded(), decode.pages())?;
     let mut decode_chain = RequestChain::new(Placement::unsharded());
     decode_chain.grow_to(&mut decode_alloc, shape.tokens)?;
-    let reg = decode_chain.registration(1, PoolLayout::packed(g, decode.pages()), 0)?;
+    let reg = Registration::of_chain(&decode_chain, 1, PoolLayout::packed(g, decode.pages()), 0)?;
     let mut receiver = Receiver::new();
     receiver.register(reg.clone(), pools.len() as u32)?;
     let mut senders: Vec<Sender> = pools

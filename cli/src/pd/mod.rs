@@ -780,7 +780,7 @@ pub fn decode_role(cfg: &PdConfig, socket: &Path) -> Result<()> {
             let mut allocator = ShardAllocator::new(Placement::unsharded(), pool.pages())?;
             let mut chain = RequestChain::new(Placement::unsharded());
             chain.grow_to(&mut allocator, PdConfig::tokens(c.pages))?;
-            let registration = chain.registration(request, PoolLayout::of(&pool), 0)?;
+            let registration = Registration::of_chain(&chain, request, PoolLayout::of(&pool), 0)?;
             let start = Instant::now();
             watch.endpoint.register(pool_id, registration)?;
             let (finished, _) = watch.wait_sync(request)?;

@@ -31,6 +31,7 @@ use kvshard::pool::DevicePool;
 use kvshard::shard::{Placement, ShardAllocator};
 use kvshard::transfer::{
     ChunkEnd, DecodeEndpoint, Finished, Method, PoolLayout, PrefillEndpoint, PrefillEvent,
+    Registration,
 };
 use kvshard::{Error, Result};
 
@@ -490,7 +491,7 @@ pub fn decode_role(cfg: &PressurePdConfig, socket: &Path, index: u32) -> Result<
         chain.grow_to(&mut alloc, sc.prompt_tokens)?;
         endpoint.register(
             pool_id,
-            chain.registration(request, PoolLayout::of(&pool), 0)?,
+            Registration::of_chain(&chain, request, PoolLayout::of(&pool), 0)?,
         )?;
     }
     let mut watch = DecodeWatch::new(endpoint);

@@ -3,6 +3,7 @@
 //! chunk ([`ChunkRange`]). Plain data both sides exchange and check; the plan itself is built in
 //! `build`.
 
+use crate::chain::RequestChain;
 use crate::copy::check_distinct;
 use crate::error::{Checked, Error, Result};
 use crate::geometry::PAGE_SIZE;
@@ -53,6 +54,46 @@ pub struct Registration {
 }
 
 impl Registration {
+    /// The registration of `chain` as a decode side's (unsharded) chain: the request's pages
+    /// after the decode's cached `prefix_pages` go to the chain's pages, the indexer state of
+    /// every position to the same pages. Refused for a sharded or stale chain, or a prefix
+    /// longer than the chain.
+    pub fn of_chain(
+        chain: &RequestChain,
+        request: u64,
+        layout: PoolLayout,
+        prefix_pages: usize,
+    ) -> Result<Self> {
+        let placement = chain.placement();
+        if placement.shard() != 1 {
+            return Err(Error::InvalidArgument(format!(
+                "a registration describes an unsharded decode chain; this one is sharded {} ways",
+                placement.shard()
+            )));
+        }
+        let pages = chain.pages()?;
+        if prefix_pages > pages.len() {
+            return Err(Error::OutOfRange {
+                what: "cached prefix pages",
+                index: prefix_pages as i64,
+                limit: pages.len() as u64 + 1,
+            });
+        }
+        prefix_pages.mul_or(PAGE_SIZE, || {
+            format!("tokens of {prefix_pages} cached pages")
+        })?;
+        let local: Vec<LocalPage> = pages.iter().map(|&p| placement.local(p)).collect();
+        let registration = Registration {
+            request,
+            layout,
+            prefix_pages,
+            pages: local[prefix_pages..].to_vec(),
+            state_pages: local,
+        };
+        registration.validate()?;
+        Ok(registration)
+    }
+
     /// Checks what a registration can be checked for alone: destination pages in the decode
     /// pool, not its padding page 0, and each list free of repeats (two positions landing on
     /// one page would lose one of them while the status says sent). Senders and receivers both
@@ -116,4 +157,30 @@ pub struct ChunkRange {
     pub end: usize,
     /// Whether this is the request's final chunk.
     pub last: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::{CacheGeometry, LatentLayout, PoolGeometry};
+    use crate::shard::ShardAllocator;
+
+    #[test]
+    fn an_unsharded_chain_registers_its_pages() {
+        let p = Placement::unsharded();
+        let mut alloc = ShardAllocator::new(p, 10).unwrap();
+        let mut chain = RequestChain::new(p);
+        chain.grow_to(&mut alloc, 200).unwrap();
+        let g = CacheGeometry::with_draft(PoolGeometry::new(LatentLayout::Fp8Trtllm, 2));
+        let layout = PoolLayout::packed(g, 10);
+        let reg = Registration::of_chain(&chain, 3, layout.clone(), 1).unwrap();
+        assert_eq!(reg.pages.len(), 3);
+        assert_eq!(reg.state_pages.len(), 4);
+        assert!(Registration::of_chain(&chain, 3, layout.clone(), 5).is_err());
+        let sharded = Placement::new(2).unwrap();
+        let mut alloc = ShardAllocator::new(sharded, 10).unwrap();
+        let mut chain = RequestChain::new(sharded);
+        chain.grow_to(&mut alloc, 200).unwrap();
+        assert!(Registration::of_chain(&chain, 3, layout, 0).is_err());
+    }
 }
