@@ -6,20 +6,14 @@
 
 use std::sync::Arc;
 
-use kvshard::backend::cpu::CpuBackend;
-use kvshard::backend::{Backend, Buffer, MemoryKind};
-use kvshard::chain::RequestChain;
-use kvshard::copy::Method;
-use kvshard::copy::RemoteSpace;
-use kvshard::geometry::{CacheGeometry, Component, LatentLayout, PoolGeometry};
-use kvshard::hicache::{
-    CacheNode, HiCacheController, HostLayout, HostPool, Route, Streams, WritePolicy,
+// Everything from the front door: an engine needs nothing else.
+use kvshard::engine::{
+    sync_counts, Backend, BackendTransport, Buffer, CacheGeometry, CacheNode, ChunkEnd,
+    ChunkStaging, Component, CpuBackend, DevicePool, Error, HiCacheController, HostLayout,
+    HostPool, LatentLayout, LocalPage, LogicalPage, MemoryKind, Method, ModelLayer, OwnedRowWrite,
+    Placement, PoolBuffers, PoolGeometry, PoolLayout, RawBuffer, Receiver, Registration,
+    RemoteSpace, RequestChain, Result, Route, Sender, ShardAllocator, Streams, WritePolicy,
 };
-use kvshard::index::{LocalPage, ModelLayer};
-use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite, PoolBuffers, RawBuffer};
-use kvshard::shard::{Placement, ShardAllocator};
-use kvshard::transfer::{BackendTransport, ChunkEnd, PoolLayout, Receiver, Registration, Sender};
-use kvshard::Result;
 
 const RANKS: u32 = 2;
 const PAGES: u64 = 24; // per rank: 16,384 logical slots would need 128; a small demo uses 24
@@ -59,7 +53,7 @@ fn engine_pool(
 }
 
 fn main() -> Result<()> {
-    let syncs = kvshard::backend::sync_counts();
+    let syncs = sync_counts();
     let cpu = CpuBackend::new();
     let b: Arc<dyn Backend> = Arc::new(cpu.new_stream());
     let g = CacheGeometry::with_draft(PoolGeometry::with_indexer_layers(
@@ -131,7 +125,7 @@ fn main() -> Result<()> {
             done = receiver.receive(status)?.or(done);
         }
     }
-    let finished = done.ok_or(kvshard::Error::Transfer {
+    let finished = done.ok_or(Error::Transfer {
         request: reg.request,
         reason: "a rank never sent its final chunk".into(),
     })?;
@@ -160,7 +154,7 @@ fn main() -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let node = CacheNode::of_chain(&chain, 7, 0..chain.page_count())?;
     let compute = b.record()?;
-    let owned = |pages: &[kvshard::index::LogicalPage], rank: usize| -> Vec<LocalPage> {
+    let owned = |pages: &[LogicalPage], rank: usize| -> Vec<LocalPage> {
         pages
             .iter()
             .filter(|&&p| cp.owner(p) == rank as u32)
@@ -202,7 +196,7 @@ fn main() -> Result<()> {
         .map(|r| ranks[r].read_pages_sync(b.as_ref(), &owned(&reloaded, r)))
         .collect::<Result<_>>()?;
     if after != before {
-        return Err(kvshard::Error::HiCache(
+        return Err(Error::HiCache(
             "reloaded pages differ from the backup".into(),
         ));
     }
@@ -213,7 +207,7 @@ fn main() -> Result<()> {
         reloaded_chain.start_owner(),
     );
     // Only the `_sync` calls above blocked, each on one stream or event.
-    let syncs = kvshard::backend::sync_counts() - syncs;
+    let syncs = sync_counts() - syncs;
     println!(
         "waits: {} host-blocking, all in _sync calls",
         syncs.host_blocking

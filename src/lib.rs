@@ -94,9 +94,11 @@
 #[path = "../bindings/abi.rs"]
 pub mod abi;
 
+pub mod advanced;
 pub mod backend;
 pub mod chain;
 pub mod copy;
+pub mod engine;
 pub mod error;
 pub mod fp8;
 pub mod geometry;

@@ -18,10 +18,10 @@ use kvshard::gpu::memory::{DeviceAllocation, PinnedAllocation};
 use kvshard::gpu::vmm::{ExportableMemory, ImportedMemory, IpcEvent, IpcMapping, IpcMemHandle};
 use kvshard::gpu::Gpu;
 use kvshard::ipc::wire::{
-    self, Component, Handle64, Hello, LayerAt, MemoryKind, PublishPool, Region, Register, Role,
-    HANDLE_BYTES,
+    self, Handle64, Hello, LayerAt, Message, PoolSharing, ProtocolError, PublishPool,
+    PublishedComponent, Region, Register, Role, HANDLE_BYTES,
 };
-use kvshard::ipc::{recv_any, Channel, Listener, Liveness, Message, ProtocolError, SharedMemory};
+use kvshard::ipc::{recv_any, Channel, Listener, Liveness, SharedMemory};
 use kvshard::transfer::{ChunkResult, ChunkStatus, ComponentBytes};
 use kvshard::Error;
 use rand::{Rng, RngCore, SeedableRng};
@@ -115,12 +115,17 @@ fn seed(test: &str) -> u64 {
     common::rng(test).random()
 }
 
-fn one_region_pool(pool: u64, memory: MemoryKind, bytes: u64, handle: Option<Handle64>) -> Message {
+fn one_region_pool(
+    pool: u64,
+    memory: PoolSharing,
+    bytes: u64,
+    handle: Option<Handle64>,
+) -> Message {
     Message::PublishPool(PublishPool {
         pool,
         memory,
         regions: vec![Region { bytes, handle }],
-        components: vec![Component {
+        components: vec![PublishedComponent {
             name: "target_latent".into(),
             layers: vec![
                 LayerAt {
@@ -212,7 +217,7 @@ fn child_shm() {
     let Message::PublishPool(pool) = &r.message else {
         panic!("child: expected PublishPool, got {:?}", r.message);
     };
-    assert_eq!(pool.memory, MemoryKind::CpuMemfd);
+    assert_eq!(pool.memory, PoolSharing::CpuMemfd);
     let len = pool.regions[0].bytes as usize;
     let shm = SharedMemory::from_fd(r.fds.remove(0), len).expect("child maps the memfd");
     let mut seen = vec![0u8; len];
@@ -288,7 +293,7 @@ fn shm_memfd_is_shared_with_a_child_process() {
     let data = random_bytes(seed, len);
     shm.write_at(0, &data).expect("fill");
     let fd = shm.export_fd().expect("export");
-    let msg = one_region_pool(1, MemoryKind::CpuMemfd, len as u64, None);
+    let msg = one_region_pool(1, PoolSharing::CpuMemfd, len as u64, None);
     ch.send_with_fds(&msg, &[fd.as_fd()]).expect("publish");
 
     let r = next(&mut ch, "parent: chunk");
@@ -343,7 +348,7 @@ fn every_message_round_trips_through_a_child_process() {
         .collect();
     let two_fd_pool = Message::PublishPool(PublishPool {
         pool: 9,
-        memory: MemoryKind::CudaVmmFd,
+        memory: PoolSharing::CudaVmmFd,
         regions: vec![
             Region {
                 bytes: 4096,
@@ -355,7 +360,7 @@ fn every_message_round_trips_through_a_child_process() {
             },
         ],
         components: vec![
-            Component {
+            PublishedComponent {
                 name: "indexer".into(),
                 layers: vec![LayerAt {
                     region: 1,
@@ -364,7 +369,7 @@ fn every_message_round_trips_through_a_child_process() {
                 page_stride: 8448,
                 pages: 0,
             },
-            Component {
+            PublishedComponent {
                 name: "shared_indexer".into(),
                 layers: vec![],
                 page_stride: 0,
@@ -376,16 +381,16 @@ fn every_message_round_trips_through_a_child_process() {
     let messages = [
         (Message::Hello(Hello::new(Role::Decode, 7, 8)), vec![]),
         (
-            one_region_pool(1, MemoryKind::CpuMemfd, 4096, None),
+            one_region_pool(1, PoolSharing::CpuMemfd, 4096, None),
             vec![0],
         ),
         (two_fd_pool, vec![1, 2]),
         (
-            one_region_pool(2, MemoryKind::CudaFabric, 1 << 21, handle()),
+            one_region_pool(2, PoolSharing::CudaFabric, 1 << 21, handle()),
             vec![],
         ),
         (
-            one_region_pool(3, MemoryKind::CudaIpc, 1 << 20, handle()),
+            one_region_pool(3, PoolSharing::CudaIpc, 1 << 20, handle()),
             vec![],
         ),
         (
@@ -676,7 +681,7 @@ fn garbage_and_oversized_frames_are_refused() {
     // A pool whose layers lie outside its memory.
     let (mut ch, mut raw) = raw_peer();
     let Message::PublishPool(mut pool) =
-        one_region_pool(1, MemoryKind::CudaIpc, 1 << 20, Some(Handle64([1; 64])))
+        one_region_pool(1, PoolSharing::CudaIpc, 1 << 20, Some(Handle64([1; 64])))
     else {
         unreachable!()
     };
@@ -703,7 +708,7 @@ fn garbage_and_oversized_frames_are_refused() {
     // Oversized on the sending side: refused before anything is written.
     let (mut ch, _raw) = raw_peer();
     let Message::PublishPool(mut pool) =
-        one_region_pool(1, MemoryKind::CudaIpc, 1 << 20, Some(Handle64([1; 64])))
+        one_region_pool(1, PoolSharing::CudaIpc, 1 << 20, Some(Handle64([1; 64])))
     else {
         unreachable!()
     };
@@ -866,7 +871,7 @@ fn gpu_vmm_memory_is_exported_to_a_child_process() {
     let fd = mem.export_fd().expect("export fd");
     let len = mem.len() as u64;
     ch.send_with_fds(
-        &one_region_pool(1, MemoryKind::CudaVmmFd, len, None),
+        &one_region_pool(1, PoolSharing::CudaVmmFd, len, None),
         &[fd.as_fd()],
     )
     .expect("publish fd");
@@ -874,7 +879,7 @@ fn gpu_vmm_memory_is_exported_to_a_child_process() {
     if let Some(fabric) = mem.fabric_handle() {
         ch.send(&one_region_pool(
             2,
-            MemoryKind::CudaFabric,
+            PoolSharing::CudaFabric,
             len,
             Some(Handle64(fabric)),
         ))
@@ -899,14 +904,14 @@ fn child_gpu_vmm() {
     loop {
         let r = next(&mut ch, "child: pools");
         match &r.message {
-            Message::PublishPool(p) if p.memory == MemoryKind::CudaVmmFd => {
+            Message::PublishPool(p) if p.memory == PoolSharing::CudaVmmFd => {
                 let len = p.regions[0].bytes as usize;
                 let m = ImportedMemory::from_fd(gpu.context(), r.fds[0].as_fd(), len)
                     .expect("import fd");
                 assert!(ImportedMemory::from_fd(gpu.context(), r.fds[0].as_fd(), len + 1).is_err());
                 mappings.push(m);
             }
-            Message::PublishPool(p) if p.memory == MemoryKind::CudaFabric => {
+            Message::PublishPool(p) if p.memory == PoolSharing::CudaFabric => {
                 let Some(Handle64(h)) = p.regions[0].handle else {
                     panic!("fabric pool without a handle")
                 };
@@ -962,7 +967,7 @@ fn gpu_legacy_ipc_shares_a_cumemalloc_buffer_with_a_child_process() {
         .expect("child connected");
     ch.send(&one_region_pool(
         1,
-        MemoryKind::CudaIpc,
+        PoolSharing::CudaIpc,
         len as u64,
         Some(Handle64(handle.to_bytes())),
     ))
@@ -1068,7 +1073,7 @@ fn gpu_interprocess_event_orders_a_child_process_after_this_one() {
     .expect("send event");
     ch.send(&one_region_pool(
         1,
-        MemoryKind::CudaIpc,
+        PoolSharing::CudaIpc,
         len as u64,
         Some(Handle64(handle.to_bytes())),
     ))

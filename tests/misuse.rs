@@ -18,6 +18,7 @@ use common::synth::{self, POISON};
 use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::{upload_i64s_sync, Backend, Buffer, Launch, MemoryKind};
 use kvshard::chain::RequestChain;
+use kvshard::copy::Method;
 use kvshard::copy::{
     BlockCopy, BlockCopyPlan, BlockSpace, LayerSignals, PageSelection, RemoteSpace, Resolver,
     Staging, TableStore,
@@ -33,7 +34,7 @@ use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite, PoolBuffers, RawBuf
 use kvshard::quantize::{quantize_latent, quantize_latent_checked_sync, LATENT_INPUT_ROW_BYTES};
 use kvshard::shard::{Placement, ResolveMode, ShardAllocator};
 use kvshard::transfer::{
-    BackendTransport, ChunkEnd, ChunkResult, ChunkStatus, Completion, Method, Outcome, PoolLayout,
+    BackendTransport, ChunkEnd, ChunkResult, ChunkStatus, Completion, Outcome, PoolLayout,
     Receiver, Registration, SendPlan, Sender, Transport,
 };
 use kvshard::Error;

@@ -18,8 +18,10 @@ use std::time::{Duration, Instant};
 
 use common::synth::{self, POISON};
 use kvshard::abi;
+use kvshard::advanced::{block_copies, kernel_pieces, KERNEL_PIECE_BYTES};
 use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::{Backend, Launch};
+use kvshard::copy::Method;
 use kvshard::copy::{BlockCopy, BlockCopyPlan, BlockSpace, PageSelection, RemoteSpace, Staging};
 use kvshard::geometry::{
     CacheGeometry, Component, ComponentLayout, LatentLayout, PoolGeometry, PAGE_SIZE,
@@ -28,10 +30,10 @@ use kvshard::index::{LocalPage, LogicalPage, StoredLayer};
 use kvshard::pool::DevicePool;
 use kvshard::shard::Placement;
 use kvshard::transfer::{
-    block_copies, kernel_pieces, BackendTransport, ChunkEnd, ChunkRange, ChunkResult, ChunkStatus,
-    Completion, ComponentBytes, DescriptorBatch, Finished, Method, MissingChunks, Outcome, Overdue,
-    PendingChunk, PoolLayout, PrefillRank, Receiver, Registration, SendPlan, Sender, Transport,
-    DEFAULT_DEADLINE, KERNEL_PIECE_BYTES, MAX_PREFILL_RANKS,
+    BackendTransport, ChunkEnd, ChunkRange, ChunkResult, ChunkStatus, Completion, ComponentBytes,
+    DescriptorBatch, Finished, MissingChunks, Outcome, Overdue, PendingChunk, PoolLayout,
+    PrefillRank, Receiver, Registration, SendPlan, Sender, Transport, DEFAULT_DEADLINE,
+    MAX_PREFILL_RANKS,
 };
 use kvshard::{Error, Result};
 use rand::rngs::StdRng;

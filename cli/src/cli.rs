@@ -23,13 +23,13 @@ use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{Backend, Launch};
 use kvshard::gpu::{self, topology, Gpu};
-use kvshard::transfer::Method;
 use kvshard::{Error, Result};
 
 use crate::demo::{self, Config, StreamFactory, Summary};
 use crate::pd::pressure::{self, PressurePdConfig};
 use crate::pd::{self, PdConfig, Role};
 use crate::scenario::{Platform, PressureConfig, Shape};
+use kvshard::copy::Method;
 
 /// Prints a line; a closed stdout (a pipe into `head`) is not an error worth dying for.
 macro_rules! say {

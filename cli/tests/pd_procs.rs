@@ -25,14 +25,15 @@ use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{Backend, Launch};
 use kvshard::chain::RequestChain;
+use kvshard::copy::Method;
 use kvshard::copy::{BlockSpace, RemoteSpace};
 use kvshard::index::LogicalPage;
 use kvshard::ipc::{ExportedPool, Liveness, PeerBackend};
 use kvshard::pool::DevicePool;
 use kvshard::shard::{Placement, ShardAllocator};
 use kvshard::transfer::{
-    BackendTransport, ChunkEnd, DecodeEndpoint, DecodeEvent, Finished, Method, MissingChunks,
-    Outcome, PoolLayout, PrefillEndpoint, PrefillEvent, Receiver, Registration, Sender,
+    BackendTransport, ChunkEnd, DecodeEndpoint, DecodeEvent, Finished, MissingChunks, Outcome,
+    PoolLayout, PrefillEndpoint, PrefillEvent, Receiver, Registration, Sender,
 };
 use kvshard::Error;
 use kvshard_cli::pd::{self, PdConfig};
@@ -547,7 +548,7 @@ fn two_prefill_processes_match(test: &str, cpu: bool) {
         .unwrap();
         plain.fill(b.as_ref(), POISON).unwrap();
         let shared = Arc::new(ExportedPool::share_ipc(cuda, Arc::new(plain)).unwrap());
-        assert_eq!(shared.memory(), kvshard::ipc::wire::MemoryKind::CudaIpc);
+        assert_eq!(shared.memory(), kvshard::ipc::wire::PoolSharing::CudaIpc);
         let ipc_pool = endpoint.publish(shared.clone()).unwrap();
         let mut allocator = ShardAllocator::new(Placement::unsharded(), pages).unwrap();
         let mut again = Vec::new();

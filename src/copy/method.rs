@@ -25,7 +25,7 @@ pub enum Method {
     Kernel(Launch),
     /// The range kernel (`kvs_copy_ranges`) over absolute address ranges, with this launch
     /// shape, ranges longer than
-    /// [`KERNEL_PIECE_BYTES`](crate::transfer::KERNEL_PIECE_BYTES) split first.
+    /// [`KERNEL_PIECE_BYTES`](crate::advanced::KERNEL_PIECE_BYTES) split first.
     RangeKernel(Launch),
     /// Coalesced copy-engine copies: few, large pieces (one `memcpy_batch`,
     /// `cudaMemcpyBatchAsync` on the GPU, over a chunk's coalesced ranges; 2D copies over

@@ -2,19 +2,19 @@
 //! space" into kernel launches and copy-engine programs. `pool`, `transfer` and `hicache` decide
 //! what moves and when; everything that builds a kernel's copy parameters lives here.
 //!
-//! - [`space`]: [`BlockSpace`] (sealed: unsafe code trusts it), [`Staging`], [`RemoteSpace`];
-//! - [`runs`]: the owner-run primitive (pair by position, filter by owner, map to local pages,
+//! - `space`: [`BlockSpace`] (sealed: unsafe code trusts it), [`Staging`], [`RemoteSpace`];
+//! - `runs`: the owner-run primitive (pair by position, filter by owner, map to local pages,
 //!   coalesce) that P/D send plans and HiCache transfer plans share;
 //! - `plan`: [`BlockCopyPlan`], the only builder of `kvs_copy_blocks_params` and its pair
 //!   table (plain data, checked against both spaces);
-//! - [`program`]: a plan prepared on a backend ([`BlockCopy`]) and run, and [`TableStore`] for
+//! - `program`: a plan prepared on a backend ([`BlockCopy`]) and run, and [`TableStore`] for
 //!   one-shot launches;
-//! - [`method`]: [`Method`], the one vocabulary for how bytes move (a copy kernel and its launch
+//! - `method`: [`Method`], the one vocabulary for how bytes move (a copy kernel and its launch
 //!   shape, or copy-engine calls) that every route takes;
-//! - [`engine`]: copy-engine programs (contiguous runs, 2D copies over layers, batches);
-//! - [`signals`]: per-layer ready counters of signalled copies;
-//! - [`resolver`]: the device side of owner-local resolution;
-//! - [`scratch`]: the device side of a gather plan's scratch page table.
+//! - `engine`: copy-engine programs (contiguous runs, 2D copies over layers, batches);
+//! - `signals`: per-layer ready counters of signalled copies;
+//! - `resolver`: the device side of owner-local resolution;
+//! - `scratch`: the device side of a gather plan's scratch page table.
 //!
 //! ```text
 //!  pool / transfer / hicache (policy: what, when, acks)
@@ -24,15 +24,15 @@
 //!            └── engine programs ─────────> memcpy / memcpy_2d / memcpy_batch
 //! ```
 
-pub mod engine;
-pub mod method;
+pub(crate) mod engine;
+pub(crate) mod method;
 mod plan;
-pub mod program;
-pub mod resolver;
-pub mod runs;
-pub mod scratch;
-pub mod signals;
-pub mod space;
+pub(crate) mod program;
+pub(crate) mod resolver;
+pub(crate) mod runs;
+pub(crate) mod scratch;
+pub(crate) mod signals;
+pub(crate) mod space;
 
 pub use engine::{Direction, IoCalls, Layers};
 pub use method::Method;

@@ -374,7 +374,7 @@ impl TableStore {
     /// `kvs_copy_ranges` over them once; `spaces` are kept until the launch has run. The only
     /// builder of `kvs_copy_ranges_params`: a range longer than the kernel takes
     /// ([`abi::KVS_COPY_RANGE_MAX_BYTES`]) is an [`Error::InvalidArgument`] before anything is
-    /// uploaded or launched (callers cut ranges far shorter, `transfer::kernel_pieces`).
+    /// uploaded or launched (callers cut ranges far shorter, `advanced::kernel_pieces`).
     pub(crate) fn launch_ranges(
         &mut self,
         ranges: &[abi::kvs_range],
@@ -391,7 +391,7 @@ impl TableStore {
         {
             return Err(Error::InvalidArgument(format!(
                 "range {i} of a kvs_copy_ranges table is {} bytes, more than the kernel's {} \
-                 (cut it first: transfer::kernel_pieces)",
+                 (cut it first: advanced::kernel_pieces)",
                 r.bytes,
                 abi::KVS_COPY_RANGE_MAX_BYTES
             )));

@@ -2,7 +2,7 @@
 //! as typed values (why eviction stalled, how a peer broke the wire protocol, what a P/D
 //! request's deadline found missing), and the protocol limits those name. They live here, at
 //! the bottom of the crate, so the error type depends on nothing above it; the modules they
-//! describe re-export them (`shard::EvictionStall`, `ipc::ProtocolError`, `transfer::Overdue`).
+//! describe re-export them (`shard::EvictionStall`, `ipc::wire::ProtocolError`, `transfer::Overdue`).
 
 use std::fmt;
 use std::time::Duration;

@@ -5,7 +5,7 @@ use cudarc::driver::DriverError;
 
 pub(crate) mod causes;
 
-// Public through the modules they describe: `shard::EvictionStall`, `ipc::ProtocolError`,
+// Public through the modules they describe: `shard::EvictionStall`, `ipc::wire::ProtocolError`,
 // `transfer::{Overdue, MissingChunks}`.
 use causes::{EvictionStall, Overdue, ProtocolError};
 
@@ -190,7 +190,7 @@ pub enum Error {
     /// A HiCache operation is invalid or failed.
     #[error("hicache: {0}")]
     HiCache(String),
-    /// A route was asked to move bytes with a [`Method`](crate::Method) it cannot run; refused
+    /// A route was asked to move bytes with a [`Method`](crate::copy::Method) it cannot run; refused
     /// before anything was enqueued.
     #[error("{route} cannot move bytes with {method} (it takes {accepts})")]
     UnsupportedMethod {

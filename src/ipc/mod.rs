@@ -5,7 +5,7 @@
 //! [`pool::ExportedPool`]) and publishes it over a [`channel::Channel`]; each prefill process
 //! imports and maps it ([`pool::ImportedPool`]) and writes pages straight into it, then reports
 //! every chunk back over the same channel. The P/D protocol on top of these messages, as library
-//! types, is [`crate::transfer::endpoint`].
+//! types, is `crate::transfer::endpoint`.
 //!
 //! # The control channel protocol
 //!
@@ -26,7 +26,7 @@
 //! protocol: new messages are appended, anything else bumps [`wire::VERSION`]). A receiver checks
 //! the header before it reads the payload, so a peer cannot make it allocate past the cap, and
 //! refuses trailing bytes, unknown variants and descriptor counts a message does not call for
-//! ([`ProtocolError`]); after a violation the connection is dropped.
+//! ([`ProtocolError`](wire::ProtocolError)); after a violation the connection is dropped.
 //!
 //! **Handshake.** Both sides send [`wire::Message::Hello`] first (version, role, rank, shard) and
 //! read the peer's; a frame of another version or a first message that is not `Hello` ends the
@@ -34,7 +34,7 @@
 //!
 //! **Messages.** `PublishPool` (decode → prefill: the pool's id and memory kind, regions,
 //! per-component layer offsets, page stride and pages, and its geometry, postcard-encoded by
-//! [`pool::encode_geometry`]; one descriptor per region for the fd kinds), `Register` (decode →
+//! `pool::encode_geometry`; one descriptor per region for the fd kinds), `Register` (decode →
 //! prefill: a request's pool, cached prefix, destination pages after it and indexer-state pages
 //! from position 0), `Chunk` (prefill → decode: the rank's `ChunkStatus` as it is: request, rank,
 //! chunk, and the bytes per component and whether it was final, or the failure), `EventHandle` (a CUDA interprocess event), `Abort`, `Heartbeat`,
@@ -64,17 +64,16 @@
 //!
 //! [postcard]: https://postcard.jamesmunns.com/wire-format
 
-pub mod channel;
+pub(crate) mod channel;
 pub mod group;
 mod link;
-pub mod pool;
-pub mod shm;
+pub(crate) mod pool;
+pub(crate) mod shm;
 pub mod wire;
 
 pub use channel::{recv_any, Channel, Listener, Liveness, Received};
 pub use pool::{ExportedPool, ImportedPool, PeerBackend};
 pub use shm::SharedMemory;
-pub use wire::{Message, ProtocolError};
 
 /// State and start time of a process, from `/proc/<pid>/stat` (`None`: no such process): how a
 /// peer that exited is told from one that is only slow, and from a new process that reused its

@@ -3,7 +3,7 @@
 //! maps it into its own backend's address space, where it becomes a
 //! [`RemoteSpace`] its copy kernels write straight into.
 //!
-//! | backend | exported as | [`MemoryKind`] | imported with |
+//! | backend | exported as | [`PoolSharing`] | imported with |
 //! |---|---|---|---|
 //! | CUDA, kvshard's pool | one VMM allocation (`cuMemCreate`), fabric handle where the device and an IMEX channel allow it | `CudaFabric`, else `CudaVmmFd` | `cuMemImportFromShareableHandle`, `cuMemMap`, `cuMemSetAccess` for the importing GPU |
 //! | CUDA, engine buffers (`cudaMalloc`) | one legacy IPC handle per allocation the layers lie in | `CudaIpc` | `cuIpcOpenMemHandle` (peer access enabled for the importing GPU) |
@@ -21,8 +21,8 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::shm::SharedMemory;
-use super::wire::{self, Handle64, LayerAt, MemoryKind, PublishPool, Region};
-use super::Message;
+use super::wire::Message;
+use super::wire::{self, Handle64, LayerAt, PoolSharing, PublishPool, Region};
 use crate::backend::cpu::{CpuBackend, HostBytes};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{AddressSpace, Backend, Buffer, MemoryKind as BufferKind};
@@ -317,12 +317,12 @@ impl ExportedPool {
 
     /// How the pool is published: fabric handles where the allocation has one (they work across
     /// hosts of an NVLink domain and need no descriptor passing), else POSIX descriptors.
-    pub fn memory(&self) -> MemoryKind {
+    pub fn memory(&self) -> PoolSharing {
         match &self.sharing {
-            Sharing::Memfd { .. } => MemoryKind::CpuMemfd,
-            Sharing::Vmm(m) if m.fabric_handle().is_some() => MemoryKind::CudaFabric,
-            Sharing::Vmm(_) => MemoryKind::CudaVmmFd,
-            Sharing::Ipc(_) => MemoryKind::CudaIpc,
+            Sharing::Memfd { .. } => PoolSharing::CpuMemfd,
+            Sharing::Vmm(m) if m.fabric_handle().is_some() => PoolSharing::CudaFabric,
+            Sharing::Vmm(_) => PoolSharing::CudaVmmFd,
+            Sharing::Ipc(_) => PoolSharing::CudaIpc,
         }
     }
 
@@ -372,7 +372,7 @@ impl ExportedPool {
             .components()
             .iter()
             .zip(&self.layers)
-            .map(|(c, layers)| wire::Component {
+            .map(|(c, layers)| wire::PublishedComponent {
                 name: c.component.to_string(),
                 layers: layers.clone(),
                 page_stride: c.block_bytes as u64,
@@ -414,7 +414,7 @@ pub struct ImportedPool {
     pool: u64,
     geometry: CacheGeometry,
     pages: u64,
-    memory: MemoryKind,
+    memory: PoolSharing,
     space: Arc<RemoteSpace>,
 }
 
@@ -501,7 +501,7 @@ impl ImportedPool {
     }
 
     /// How the pool's memory was shared.
-    pub fn memory(&self) -> MemoryKind {
+    pub fn memory(&self) -> PoolSharing {
         self.memory
     }
 
@@ -602,17 +602,17 @@ fn map_regions(backend: &PeerBackend, p: &PublishPool, fds: Vec<OwnedFd>) -> Res
     for r in &p.regions {
         let bytes = size(r)?;
         mapped.push(match (backend, p.memory) {
-            (PeerBackend::Cpu(cpu), MemoryKind::CpuMemfd) => {
+            (PeerBackend::Cpu(cpu), PoolSharing::CpuMemfd) => {
                 let fd = next_fd(&mut fds)?;
                 let shm = SharedMemory::from_fd(fd, bytes)?;
                 Mapped::Cpu(cpu.adopt(Box::new(MemfdBytes(shm)), BufferKind::Device)?)
             }
-            (PeerBackend::Cuda(cuda), MemoryKind::CudaVmmFd) => {
+            (PeerBackend::Cuda(cuda), PoolSharing::CudaVmmFd) => {
                 let fd = next_fd(&mut fds)?;
                 let ctx = cuda.gpu().context();
                 Mapped::Vmm(ImportedMemory::from_fd(ctx, fd.as_fd(), bytes)?)
             }
-            (PeerBackend::Cuda(cuda), MemoryKind::CudaFabric) => {
+            (PeerBackend::Cuda(cuda), PoolSharing::CudaFabric) => {
                 let handle = region_handle(p, r)?;
                 Mapped::Vmm(ImportedMemory::from_fabric(
                     cuda.gpu().context(),
@@ -620,7 +620,7 @@ fn map_regions(backend: &PeerBackend, p: &PublishPool, fds: Vec<OwnedFd>) -> Res
                     bytes,
                 )?)
             }
-            (PeerBackend::Cuda(cuda), MemoryKind::CudaIpc) => {
+            (PeerBackend::Cuda(cuda), PoolSharing::CudaIpc) => {
                 let handle = region_handle(p, r)?;
                 Mapped::Ipc(IpcMapping::open(
                     cuda.gpu().context(),
@@ -629,7 +629,7 @@ fn map_regions(backend: &PeerBackend, p: &PublishPool, fds: Vec<OwnedFd>) -> Res
                 )?)
             }
             (PeerBackend::Cpu(_), _) => return refuse("the CPU twin maps memfds only"),
-            (PeerBackend::Cuda(_), MemoryKind::CpuMemfd) => {
+            (PeerBackend::Cuda(_), PoolSharing::CpuMemfd) => {
                 return refuse("a GPU maps device memory only")
             }
         });
@@ -686,7 +686,7 @@ mod tests {
             5,
         )
         .unwrap();
-        assert_eq!(exported.memory(), MemoryKind::CpuMemfd);
+        assert_eq!(exported.memory(), PoolSharing::CpuMemfd);
         let (msg, fds) = exported.publication(3).unwrap();
         let Message::PublishPool(p) = msg else {
             panic!("{msg:?}")

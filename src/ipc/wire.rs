@@ -151,7 +151,7 @@ impl Hello {
 
 /// How a published pool's memory is shared.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum MemoryKind {
+pub enum PoolSharing {
     /// CUDA VMM allocations exported as POSIX file descriptors (one attached per region).
     CudaVmmFd,
     /// CUDA VMM allocations exported as fabric handles (one per region, in the region).
@@ -162,10 +162,10 @@ pub enum MemoryKind {
     CpuMemfd,
 }
 
-impl MemoryKind {
+impl PoolSharing {
     /// Whether each region travels as an attached file descriptor (rather than handle bytes).
     pub fn uses_fds(self) -> bool {
-        matches!(self, MemoryKind::CudaVmmFd | MemoryKind::CpuMemfd)
+        matches!(self, PoolSharing::CudaVmmFd | PoolSharing::CpuMemfd)
     }
 }
 
@@ -189,7 +189,7 @@ pub struct LayerAt {
 
 /// One component of a pool (target latent, indexer, draft...): where each layer's pages are.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Component {
+pub struct PublishedComponent {
     /// The component's name, as the crate's geometry names it.
     pub name: String,
     /// Per stored layer, where its page 0 is.
@@ -206,11 +206,11 @@ pub struct PublishPool {
     /// The pool's id, unique within the decode process.
     pub pool: u64,
     /// How the regions are shared.
-    pub memory: MemoryKind,
+    pub memory: PoolSharing,
     /// The separately shared allocations, in the order of the attached descriptors.
     pub regions: Vec<Region>,
     /// The pool's components.
-    pub components: Vec<Component>,
+    pub components: Vec<PublishedComponent>,
     /// The pool geometry as the decode side describes it (opaque here; the receiver checks it
     /// against its own).
     pub geometry: Vec<u8>,
@@ -477,7 +477,7 @@ pub fn decode(payload: &[u8], fds: usize) -> Result<Message, ProtocolError> {
 mod tests {
     use super::*;
 
-    fn pool(memory: MemoryKind) -> PublishPool {
+    fn pool(memory: PoolSharing) -> PublishPool {
         let handle = (!memory.uses_fds()).then_some(Handle64([7; HANDLE_BYTES]));
         PublishPool {
             pool: 3,
@@ -486,7 +486,7 @@ mod tests {
                 bytes: 1 << 21,
                 handle,
             }],
-            components: vec![Component {
+            components: vec![PublishedComponent {
                 name: "target_latent".into(),
                 layers: vec![LayerAt {
                     region: 0,
@@ -501,7 +501,7 @@ mod tests {
 
     #[test]
     fn frames_round_trip() {
-        let msg = Message::PublishPool(pool(MemoryKind::CudaFabric));
+        let msg = Message::PublishPool(pool(PoolSharing::CudaFabric));
         let frame = encode(&msg, 0).unwrap();
         let header = Header::decode(frame[..HEADER_BYTES].try_into().unwrap()).unwrap();
         assert_eq!(header.payload as usize, frame.len() - HEADER_BYTES);
@@ -510,7 +510,7 @@ mod tests {
 
     #[test]
     fn descriptor_counts_are_checked_both_ways() {
-        let msg = Message::PublishPool(pool(MemoryKind::CpuMemfd));
+        let msg = Message::PublishPool(pool(PoolSharing::CpuMemfd));
         assert!(matches!(
             encode(&msg, 0),
             Err(ProtocolError::FdCount {
@@ -536,22 +536,22 @@ mod tests {
 
     #[test]
     fn inconsistent_pools_are_refused() {
-        let mut p = pool(MemoryKind::CudaIpc);
+        let mut p = pool(PoolSharing::CudaIpc);
         p.components[0].pages = 57;
         assert!(matches!(
             Message::PublishPool(p).check(0),
             Err(ProtocolError::Invalid { .. })
         ));
-        let mut p = pool(MemoryKind::CudaIpc);
+        let mut p = pool(PoolSharing::CudaIpc);
         p.regions[0].handle = None;
         assert!(matches!(
             Message::PublishPool(p).check(0),
             Err(ProtocolError::Invalid { .. })
         ));
-        let mut p = pool(MemoryKind::CudaIpc);
+        let mut p = pool(PoolSharing::CudaIpc);
         p.components[0].layers[0].region = 1;
         assert!(Message::PublishPool(p).check(0).is_err());
-        let mut p = pool(MemoryKind::CudaIpc);
+        let mut p = pool(PoolSharing::CudaIpc);
         p.components[0].page_stride = u64::MAX;
         assert!(Message::PublishPool(p).check(0).is_err());
     }

@@ -16,12 +16,12 @@
 //! Receiver::expire: Overdue (Error::TransferDeadline) when the deadline passes first
 //! ```
 //!
-//! - [`plan`]: pairs source and destination pages by logical page position, keeps this rank's
+//! - `plan`: pairs source and destination pages by logical page position, keeps this rank's
 //!   positions, resolves owner-local source pages, coalesces runs (the copy layer's
 //!   [`OwnedRuns`](crate::copy::OwnedRuns)) and lists the layers they apply to; validates both
 //!   sides' geometry and every page before any byte moves.
-//! - [`transport`]: the [`Transport`] and [`Completion`] traits every transport implements;
-//!   [`exec`]: the in-process [`BackendTransport`] (also what sends into a decode pool of
+//! - `transport`: the [`Transport`] and [`Completion`] traits every transport implements;
+//!   `exec`: the in-process [`BackendTransport`] (also what sends into a decode pool of
 //!   another process mapped into this one, [`BackendTransport::peer`]) and the
 //!   [`DescriptorBatch`] of absolute ranges network engines take.
 //! - send, receive, status: the per-rank [`Sender`], the decode-side [`Receiver`] that completes
@@ -29,29 +29,26 @@
 //!   reports it [`Overdue`] when its deadline passes first, and the one [`ChunkStatus`] both
 //!   speak (with its [`ComponentBytes`], defined at the bottom of the crate, below `ipc`, so the
 //!   control channel and NIXL's notifications carry it as it is).
-//! - [`endpoint`]: the cross-process protocol as library types, [`DecodeEndpoint`] and
+//! - `endpoint`: the cross-process protocol as library types, [`DecodeEndpoint`] and
 //!   [`PrefillEndpoint`], over the control channel of [`crate::ipc`].
-//! - [`stats`]: the counters every transport keeps (bytes, descriptors, post and transfer time,
+//! - `stats`: the counters every transport keeps (bytes, descriptors, post and transfer time,
 //!   failures), named after the metrics vLLM's NIXL connector and KVBM export.
 //! - `nixl` (feature `nixl`): the transport on NVIDIA's NIXL, for prefill and decode on
 //!   different hosts.
 
-pub mod endpoint;
-pub mod exec;
+pub(crate) mod endpoint;
+pub(crate) mod exec;
 #[cfg(feature = "nixl")]
 pub mod nixl;
-pub mod plan;
+pub(crate) mod plan;
 mod receive;
 mod send;
-pub mod stats;
-pub mod transport;
+pub(crate) mod stats;
+pub(crate) mod transport;
 
-pub use crate::copy::Method;
 pub use crate::status::{ChunkResult, ChunkStatus, ComponentBytes};
 pub use endpoint::{DecodeEndpoint, DecodeEvent, PrefillEndpoint, PrefillEvent, CHUNK_EVENTS};
-pub use exec::{
-    block_copies, kernel_pieces, BackendTransport, CallCounts, DescriptorBatch, KERNEL_PIECE_BYTES,
-};
+pub use exec::{BackendTransport, CallCounts, DescriptorBatch};
 pub use plan::{
     ChunkRange, Descriptor, PoolLayout, PrefillRank, Registration, Section, SectionComponent,
     SendPlan,

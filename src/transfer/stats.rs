@@ -38,7 +38,7 @@ pub const TIME_BUCKETS: [f64; 13] = [
     0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0,
 ];
 
-/// A histogram of durations over [`TIME_BUCKETS`] (plus one overflow bucket), with the sum in
+/// A histogram of durations over `TIME_BUCKETS` (plus one overflow bucket), with the sum in
 /// nanoseconds.
 #[derive(Debug, Default)]
 struct TimeHistogram {
@@ -182,7 +182,7 @@ fn saturating_add(a: &AtomicU64, v: u64) {
     });
 }
 
-/// A time histogram, read: how many, their sum, and per bucket of [`TIME_BUCKETS`] (the last
+/// A time histogram, read: how many, their sum, and per bucket of `TIME_BUCKETS` (the last
 /// entry counts the durations past the last bound). Buckets are not cumulative.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct TimeSnapshot {

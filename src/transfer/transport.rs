@@ -43,7 +43,7 @@ pub trait Transport: Send {
         dst: &Arc<RemoteSpace>,
     ) -> Result<Box<dyn Completion>>;
 
-    /// The transport's transfer counters ([`super::stats`]), shared: they keep counting after
+    /// The transport's transfer counters (`super::stats`), shared: they keep counting after
     /// the transport is boxed into a [`Sender`](super::Sender). `None` for a transport that
     /// keeps none.
     fn stats(&self) -> Option<TransferStats> {

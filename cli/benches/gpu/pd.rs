@@ -28,8 +28,8 @@ use kvshard::index::{LocalPage, LogicalPage, StoredLayer};
 use kvshard::pool::DevicePool;
 use kvshard::shard::Placement;
 use kvshard::transfer::{
-    block_copies, kernel_pieces, BackendTransport, ChunkRange, Completion, DescriptorBatch, Method,
-    PoolLayout, PrefillRank, Registration, SendPlan, Transport, KERNEL_PIECE_BYTES,
+    BackendTransport, ChunkRange, Completion, DescriptorBatch, PoolLayout, PrefillRank,
+    Registration, SendPlan, Transport,
 };
 use kvshard::{Error, Result};
 use kvshard_cli::measure::Stats;
@@ -37,6 +37,8 @@ use kvshard_cli::synth::POISON;
 use rand::Rng;
 
 use crate::harness::{Ctx, Report};
+use kvshard::advanced::{block_copies, kernel_pieces, KERNEL_PIECE_BYTES};
+use kvshard::copy::Method;
 
 /// Grids tried for the range kernel: (CTAs per SM, threads).
 const GRIDS: [(u32, u32); 3] = [(1, 1024), (2, 512), (4, 256)];

@@ -44,8 +44,8 @@ use kvshard::ipc::{ExportedPool, Liveness, PeerBackend};
 use kvshard::pool::DevicePool;
 use kvshard::shard::{Placement, ShardAllocator};
 use kvshard::transfer::{
-    ChunkEnd, DecodeEndpoint, DecodeEvent, Finished, Method, PoolLayout, PrefillEndpoint,
-    PrefillEvent, Registration, DEFAULT_DEADLINE,
+    ChunkEnd, DecodeEndpoint, DecodeEvent, Finished, PoolLayout, PrefillEndpoint, PrefillEvent,
+    Registration, DEFAULT_DEADLINE,
 };
 use kvshard::{Error, Result};
 use rand::{RngCore, SeedableRng};
@@ -54,6 +54,7 @@ use crate::measure::{copy_sync, gbps, peer_sync, time_sync, Ceiling, Timer};
 use crate::overflow;
 use crate::scenario::{Platform, Shape};
 use crate::synth::{mix, POISON};
+use kvshard::copy::Method;
 use message::Message;
 
 /// Bytes of the random source every block is a window of.

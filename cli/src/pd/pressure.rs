@@ -30,8 +30,7 @@ use kvshard::ipc::{ExportedPool, Liveness, PeerBackend};
 use kvshard::pool::DevicePool;
 use kvshard::shard::{Placement, ShardAllocator};
 use kvshard::transfer::{
-    ChunkEnd, DecodeEndpoint, Finished, Method, PoolLayout, PrefillEndpoint, PrefillEvent,
-    Registration,
+    ChunkEnd, DecodeEndpoint, Finished, PoolLayout, PrefillEndpoint, PrefillEvent, Registration,
 };
 use kvshard::{Error, Result};
 
@@ -46,6 +45,7 @@ use crate::demo::pressure::{
 use crate::measure::{copy_sync, gbps, Ceiling, Laps, Moved, Timer};
 use crate::scenario::{Platform, PressureConfig};
 use crate::synth::POISON;
+use kvshard::copy::Method;
 
 /// One run of the scenario across processes, identical in every process of it.
 #[derive(Debug, Clone, PartialEq, Eq)]

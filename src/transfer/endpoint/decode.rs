@@ -12,8 +12,9 @@ use super::super::{ChunkResult, ChunkStatus, Finished, Overdue, Receiver};
 use crate::error::{Error, Result};
 use crate::gpu::vmm::IpcEvent;
 use crate::ipc::proc_stat;
+use crate::ipc::wire::Message;
 use crate::ipc::wire::{self, Handle64, Hello, Register, Role};
-use crate::ipc::{recv_any, Channel, ExportedPool, Listener, Liveness, Message};
+use crate::ipc::{recv_any, Channel, ExportedPool, Listener, Liveness};
 use crate::ipc::{PeerBackend, Received};
 
 use super::*;

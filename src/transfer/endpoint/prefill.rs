@@ -16,8 +16,9 @@ use crate::error::{Error, Result};
 use crate::gpu::vmm::IpcEvent;
 use crate::gpu::Stream;
 use crate::index::{LocalPage, LogicalPage};
+use crate::ipc::wire::Message;
 use crate::ipc::wire::{Handle64, Hello, Register, Role};
-use crate::ipc::{Channel, ImportedPool, Liveness, Message};
+use crate::ipc::{Channel, ImportedPool, Liveness};
 use crate::ipc::{PeerBackend, Received};
 use crate::pool::DevicePool;
 
