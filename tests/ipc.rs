@@ -15,11 +15,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvshard::gpu::memory::{DeviceAllocation, PinnedAllocation};
-use kvshard::gpu::vmm::{ExportableMemory, ImportedMemory, IpcEvent, IpcMapping, IpcMemHandle};
+use kvshard::gpu::vmm::{
+    ExportableMemory, ImportedMemory, IpcEvent, IpcMapping, IpcMemHandle, HANDLE_BYTES,
+};
 use kvshard::gpu::Gpu;
 use kvshard::ipc::wire::{
     self, Handle64, Hello, LayerAt, Message, PoolSharing, ProtocolError, PublishPool,
-    PublishedComponent, Region, Register, Role, HANDLE_BYTES,
+    PublishedComponent, Region, Register, Role,
 };
 use kvshard::ipc::{recv_any, Channel, Listener, Liveness, SharedMemory};
 use kvshard::transfer::{ChunkResult, ChunkStatus, ComponentBytes};

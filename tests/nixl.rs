@@ -34,8 +34,8 @@ use kvshard::copy::RemoteSpace;
 use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry};
 use kvshard::gpu::Gpu;
 use kvshard::index::{LocalPage, LogicalPage};
-use kvshard::ipc::wire::{Hello, Role};
-use kvshard::ipc::{recv_any, Channel, Listener, Liveness, Message};
+use kvshard::ipc::wire::{Hello, Message, Role};
+use kvshard::ipc::{recv_any, Channel, Listener, Liveness};
 use kvshard::pool::DevicePool;
 use kvshard::shard::Placement;
 use kvshard::transfer::nixl::{NixlBackend, NixlConfig, NixlMode, NixlTarget, NixlTransport};
@@ -309,18 +309,40 @@ fn socket_path(test: &str) -> PathBuf {
     std::env::temp_dir().join(format!("kvshard-nixl-{}-{test}.sock", std::process::id()))
 }
 
-/// Where the "die" rank writes the wall-clock moment it kills itself, for the decode to time
-/// from.
-fn killed_path(socket: &Path) -> PathBuf {
-    socket.with_extension("killed")
-}
-
 /// The wall clock, which the processes of one machine share.
 fn wall_clock() -> Duration {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .expect("clock after 1970")
 }
+
+/// Where a prefill process writes the wall-clock moment of `event` (`killed`: the "die" rank
+/// kills itself; `rank0-landed`: every transfer of rank 0 landed), for the decode to time from.
+fn stamp_path(socket: &Path, event: &str) -> PathBuf {
+    socket.with_extension(event)
+}
+
+fn stamp(socket: &Path, event: &str) {
+    let now = wall_clock().as_nanos().to_string();
+    std::fs::write(stamp_path(socket, event), now).expect("write a time stamp");
+}
+
+/// Reads (waiting, bounded, for it to be written) and removes the moment of `event`.
+fn read_stamp(socket: &Path, event: &str) -> Duration {
+    let path = stamp_path(socket, event);
+    let wait = Instant::now() + STARTUP;
+    let text = loop {
+        match std::fs::read_to_string(&path) {
+            Ok(text) if !text.is_empty() => break text,
+            _ if Instant::now() < wait => std::thread::sleep(Duration::from_millis(10)),
+            other => panic!("no time stamp {event}: {other:?}"),
+        }
+    };
+    let _ = std::fs::remove_file(&path);
+    Duration::from_nanos(text.trim().parse().expect("a time stamp"))
+}
+
+const STAMPS: [&str; 2] = ["killed", "rank0-landed"];
 
 /// Runs a decode process and N prefill processes; `roles[r]` is rank r's role. Returns whether
 /// every process succeeded.
@@ -446,7 +468,9 @@ fn config(agent: String, mode: NixlMode) -> NixlConfig {
 }
 
 fn decode_child(socket: &Path, seed: u64, device: Option<usize>, expect_death: bool) {
-    let _ = std::fs::remove_file(killed_path(socket));
+    for event in STAMPS {
+        let _ = std::fs::remove_file(stamp_path(socket, event));
+    }
     let nixl = nixl_backend(device);
     let backend = nixl.backend();
     let pool = decode_pool(backend.as_ref());
@@ -480,11 +504,9 @@ fn decode_child(socket: &Path, seed: u64, device: Option<usize>, expect_death: b
         target.connect(rank, &peer).expect("connect rank");
     }
     let mut finished: Vec<Finished> = Vec::new();
-    // When each request was handed back; when rank 1 was seen gone (and the wall clock then);
-    // when rank 0 left (its Bye, sent once every transfer of its own landed).
-    let mut reported: Vec<(u64, Instant)> = Vec::new();
-    let mut gone_at: Option<(Instant, Duration)> = None;
-    let mut rank0_left: Option<Instant> = None;
+    // When (wall clock) each request was handed back, and rank 1 was seen gone.
+    let mut reported: Vec<(u64, Duration)> = Vec::new();
+    let mut gone_at: Option<Duration> = None;
     // Also what fails the test if failures wait for a deadline (`DEFAULT_DEADLINE`, as this
     // target is configured) instead of following rank 1's death.
     let deadline = Instant::now() + STARTUP;
@@ -498,16 +520,13 @@ fn decode_child(socket: &Path, seed: u64, device: Option<usize>, expect_death: b
             channels.len()
         );
         let polled = target.poll().expect("poll");
-        let now = Instant::now();
+        let now = wall_clock();
         reported.extend(polled.iter().map(|f| (f.request(), now)));
         finished.extend(polled);
         if let Some((i, r)) =
             recv_any(&mut channels, Duration::from_millis(1)).expect("poll channels")
         {
             let rank = channels[i].peer().rank;
-            if rank == 0 {
-                rank0_left = Some(Instant::now());
-            }
             match r {
                 Ok(m) if m.message == Message::Bye => {
                     channels.remove(i);
@@ -521,7 +540,7 @@ fn decode_child(socket: &Path, seed: u64, device: Option<usize>, expect_death: b
                 Err(e) => {
                     assert!(expect_death, "decode: rank {rank} gone: {e}");
                     if rank == 1 {
-                        gone_at = Some((Instant::now(), wall_clock()));
+                        gone_at = Some(wall_clock());
                     }
                     target
                         .rank_gone_sync(rank, &e.to_string())
@@ -551,37 +570,31 @@ fn decode_child(socket: &Path, seed: u64, device: Option<usize>, expect_death: b
     );
     let got = pool.snapshot_sync(backend.as_ref()).expect("snapshot");
     if expect_death {
-        let (gone, gone_wall) = gone_at.expect("rank 1's death was seen");
-        // What is timed: the decode seeing rank 1 gone after its kill, then handing back the
-        // requests rank 1 was still sending, failed, as soon as rank 0 has sent its part of
-        // them (rank 0's Bye bounds that): not how long rank 0's transfers take.
-        let file = killed_path(socket);
-        let wait = Instant::now() + STARTUP;
-        let killed = loop {
-            match std::fs::read_to_string(&file) {
-                Ok(text) if !text.is_empty() => break text,
-                _ if Instant::now() < wait => std::thread::sleep(Duration::from_millis(10)),
-                other => panic!("rank 1 never wrote when it died: {other:?}"),
-            }
-        };
-        let _ = std::fs::remove_file(&file);
-        let killed = Duration::from_nanos(killed.trim().parse().expect("kill time"));
-        let seen = gone_wall.saturating_sub(killed);
-        let left = rank0_left.expect("rank 0 left");
-        let from = gone.max(left);
+        // What is timed, from rank 1's kill: the decode seeing it gone, and handing back failed
+        // the requests rank 1 was still sending, as soon as rank 0 has sent its part of them
+        // (a request is handed back once every rank has reported its last status): not how
+        // long rank 0's transfers take.
+        let gone = gone_at.expect("rank 1's death was seen");
+        let killed = read_stamp(socket, "killed");
+        let landed = read_stamp(socket, "rank0-landed");
+        let seen = gone.saturating_sub(killed);
+        let from = killed.max(landed);
         let slowest = reported
             .iter()
             .filter(|(request, _)| *request != 1)
-            .map(|(_, at)| at.saturating_duration_since(from))
+            .map(|(_, at)| at.saturating_sub(from))
             .max()
             .expect("requests failed");
+        let (lag, when) = match landed.checked_sub(killed) {
+            Some(lag) => (lag, "after"),
+            None => (killed - landed, "before"),
+        };
         let _ = writeln!(
             std::io::stderr(),
-            "decode: rank 1 seen gone {seen:?} after its kill; rank 0 left {:?} after that; \
-             the last failure handed back {slowest:?} after both; all told {:?} since rank 1 \
-             was seen gone",
-            left.saturating_duration_since(gone),
-            gone.elapsed()
+            "decode: rank 1 seen gone {seen:?} after its kill; rank 0's transfers landed \
+             {lag:?} {when} it; the last failure handed back {slowest:?} after both; {:?} \
+             from the kill to here",
+            wall_clock().saturating_sub(killed)
         );
         assert!(
             seen < DEATH_SEEN_WITHIN,
@@ -589,8 +602,8 @@ fn decode_child(socket: &Path, seed: u64, device: Option<usize>, expect_death: b
         );
         assert!(
             slowest < FAILED_WITHIN,
-            "a failed request was handed back {slowest:?} after rank 1 was seen gone and rank 0 \
-             had sent its part"
+            "a failed request was handed back {slowest:?} after rank 1's kill and rank 0's \
+             transfers landed"
         );
         assert!(
             finished[0].is_completed(),
@@ -620,6 +633,9 @@ fn decode_child(socket: &Path, seed: u64, device: Option<usize>, expect_death: b
             got == expected,
             "the decode pool differs from the in-process reference"
         );
+    }
+    for event in STAMPS {
+        let _ = std::fs::remove_file(stamp_path(socket, event));
     }
 }
 
@@ -705,8 +721,7 @@ fn prefill_child(
             maximum: Some(0),
         };
         let _ = rustix::process::setrlimit(rustix::process::Resource::Core, none);
-        let now = wall_clock().as_nanos().to_string();
-        std::fs::write(killed_path(socket), now).expect("write the kill time");
+        stamp(socket, "killed");
         std::process::abort();
     }
     // Round robin over the requests, many chunks in flight at once (slots run out: the rule
@@ -733,6 +748,9 @@ fn prefill_child(
     }
     for p in pending {
         p.wait_sync().expect("landed");
+    }
+    if rank == 0 {
+        stamp(socket, "rank0-landed");
     }
     let stats = transport.transfer_stats().snapshot();
     let _ = writeln!(std::io::stderr(), "rank {rank} {mode:?}: {stats}");

@@ -5,6 +5,7 @@
 //! limits and `ProtocolError`, defined with the error type: the two processes may be built from
 //! different revisions of the crate as long as they speak the same [`VERSION`].
 
+use crate::gpu::vmm::HANDLE_BYTES;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::status::ChunkStatus;
@@ -15,8 +16,6 @@ pub use crate::error::causes::{ProtocolError, MAGIC, MAX_FDS, MAX_PAYLOAD_BYTES,
 
 /// Bytes in a frame header.
 pub const HEADER_BYTES: usize = 12;
-/// Bytes in a CUDA IPC or fabric handle.
-pub const HANDLE_BYTES: usize = 64;
 
 /// A frame header: how many descriptors and payload bytes follow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
