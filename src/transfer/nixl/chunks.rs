@@ -34,6 +34,9 @@ pub(super) enum Stage {
         request: XferRequest,
         posted: Instant,
     },
+    /// A chunk that moved no bytes: its notice went alone; done once the decode says it took
+    /// it ([`Notice::Taken`]).
+    Announced,
     /// Landed.
     Done,
     /// Failed (the failure notice has been sent).
@@ -117,6 +120,27 @@ impl State {
                 .map_or(Some("not connected".to_string()), |p| p.gone.clone());
             match &chunk.stage {
                 Stage::Done => return Ok(true),
+                Stage::Announced => {
+                    let key = (chunk.status.request, chunk.status.chunk);
+                    if self.peer.as_mut().is_some_and(|p| p.taken.remove(&key)) {
+                        chunk.stage = Stage::Done;
+                        return Ok(true);
+                    }
+                    if let Some(why) = gone {
+                        return Err(self.fail(chunk, format!("the decode side is gone: {why}")));
+                    }
+                    if Instant::now() > chunk.deadline {
+                        let e = self.fail(
+                            chunk,
+                            format!(
+                                "the decode side did not take the chunk's notice within {:?}",
+                                self.config.transfer_timeout
+                            ),
+                        );
+                        return Err(e);
+                    }
+                    return Ok(false);
+                }
                 Stage::Failed(why) => {
                     return Err(Error::Nixl {
                         call: "transfer",
@@ -275,7 +299,7 @@ impl State {
             };
             self.stats.posted(&posted);
             return Ok(InFlight {
-                stage: Stage::Done,
+                stage: Stage::Announced,
                 status,
                 notice: Vec::new(),
                 slot: None,

@@ -5,6 +5,7 @@
 //!
 //! [`NixlTransport`]: super::NixlTransport
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use nixl_sys::{RegistrationHandle, XferRequest};
@@ -43,6 +44,8 @@ pub(super) struct Peer {
     pub(super) slots: Vec<Slot>,
     /// Why the peer is gone, once it is.
     pub(super) gone: Option<String>,
+    /// (request, chunk) of the notice-only chunks the peer has said it took ([`Notice::Taken`]).
+    pub(super) taken: HashSet<(u64, u32)>,
     /// Deregistered before the buffer below is freed (fields drop in order).
     pub(super) _slot_registration: Option<RegistrationHandle>,
     pub(super) _slot_buffer: Option<Buffer>,
@@ -163,6 +166,7 @@ impl State {
                 })
                 .collect(),
             gone: None,
+            taken: HashSet::new(),
             _slot_registration: registration,
             _slot_buffer: slot_buffer,
         })
@@ -197,10 +201,16 @@ impl State {
                 if from != peer.agent {
                     continue;
                 }
-                if let Ok(Notice::SlotFree { slot }) = Notice::decode(&bytes) {
-                    if let Some(s) = peer.slots.get_mut(slot as usize) {
-                        s.remote_busy = false;
+                match Notice::decode(&bytes) {
+                    Ok(Notice::SlotFree { slot }) => {
+                        if let Some(s) = peer.slots.get_mut(slot as usize) {
+                            s.remote_busy = false;
+                        }
                     }
+                    Ok(Notice::Taken { request, chunk }) => {
+                        peer.taken.insert((request, chunk));
+                    }
+                    _ => {}
                 }
             }
         }

@@ -1,6 +1,8 @@
 //! The notifications the two sides exchange through NIXL: a prefill rank's report on one chunk
 //! (sent with the chunk's transfer, so it arrives only once the bytes have landed; alone for a
-//! chunk that moved nothing, or that failed), and the decode side's release of a bounce slot.
+//! chunk that moved nothing, or that failed), and the decode side's release of a bounce slot
+//! and its receipt of a notice that went alone for a chunk that moved nothing (NIXL does not
+//! confirm a lone notification, so the prefill's chunk completes on that receipt).
 //!
 //! Each is a 5-byte header (magic `KVSN`, version) and a postcard-encoded [`Notice`]; anything
 //! else in an agent's notification stream is refused, not guessed at. A chunk's notice carries
@@ -15,7 +17,7 @@ use crate::transfer::{ChunkResult, ChunkStatus};
 const MAGIC: [u8; 4] = *b"KVSN";
 /// Version 2: a chunk's notice carries its [`ChunkStatus`] as it is (a failure is a
 /// [`Notice::Chunk`] too).
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
 
 /// A section of a chunk that went through a bounce slot: the decode side scatters entry `j` of
 /// the slot's `components` into pool page `pages[j]`.
@@ -41,6 +43,11 @@ pub(crate) enum Notice {
     },
     /// Decode → prefill: the decode has scattered bounce slot `slot`; it may be written again.
     SlotFree { slot: u32 },
+    /// Decode → prefill: the decode has taken the status of chunk `chunk` of `request`, a
+    /// chunk that moved no bytes. Such a chunk travels as a notification alone, which NIXL
+    /// does not confirm; the prefill's chunk completes on this (a rank that says goodbye right
+    /// after its empty final chunk would otherwise lose it in flight).
+    Taken { request: u64, chunk: u32 },
 }
 
 /// The index of `c` in [`Component::ALL`].
@@ -125,6 +132,11 @@ mod tests {
         assert_eq!(Notice::decode(&n.encode().unwrap()).unwrap(), n);
         let free = Notice::SlotFree { slot: 3 };
         assert_eq!(Notice::decode(&free.encode().unwrap()).unwrap(), free);
+        let taken = Notice::Taken {
+            request: 3,
+            chunk: 2,
+        };
+        assert_eq!(Notice::decode(&taken.encode().unwrap()).unwrap(), taken);
         let failed = ChunkStatus {
             result: ChunkResult::Failed {
                 reason: "no".into(),

@@ -329,6 +329,10 @@ impl NixlTarget {
             return Ok(());
         }
         if bounced.is_empty() {
+            if matches!(&status.result, ChunkResult::Sent { bytes, .. } if bytes.total() == 0) {
+                // A notice-only chunk: its rank completes it when it hears this.
+                self.taken(rank, status.request, status.chunk);
+            }
             self.deliver(status);
             return Ok(());
         }
@@ -406,6 +410,18 @@ impl NixlTarget {
             self.deliver(done.status);
         }
         Ok(())
+    }
+
+    /// Tells rank `rank` this side took the status of its notice-only chunk `chunk` of
+    /// `request`.
+    fn taken(&mut self, rank: u32, request: u64, chunk: u32) {
+        let RankState::Connected(agent) = self.ranks[rank as usize].clone() else {
+            return;
+        };
+        if let Ok(bytes) = (Notice::Taken { request, chunk }).encode() {
+            // A rank that cannot hear it is gone, and its chunk fails on its side.
+            let _ = self.agent.notify(&agent, &bytes);
+        }
     }
 
     /// Tells rank `rank` its slots may be written again.
