@@ -217,6 +217,20 @@ impl CpuBackend {
         lock(&self.device)
     }
 
+    /// An event at this stream's current end of queue; `at` is the timing stamp of a timed
+    /// one (set when the stream reaches it).
+    fn event_here(&self, at: Option<Arc<std::sync::OnceLock<std::time::Instant>>>) -> Event {
+        let d = self.dev();
+        let s = &d.streams[self.stream];
+        Event(EventInner::Cpu {
+            arena: self.arena,
+            stream: self.stream as u64,
+            seq: s.enqueued,
+            progress: s.progress.clone(),
+            at,
+        })
+    }
+
     fn begin(&self, kernel: &'static str) -> abi::kvs_status {
         lock(&self.status).begin(kernel)
     }
@@ -352,15 +366,7 @@ impl Backend for CpuBackend {
     }
 
     fn record(&self) -> Result<Event> {
-        let d = self.dev();
-        let s = &d.streams[self.stream];
-        Ok(Event(EventInner::Cpu {
-            arena: self.arena,
-            stream: self.stream as u64,
-            seq: s.enqueued,
-            progress: s.progress.clone(),
-            at: None,
-        }))
+        Ok(self.event_here(None))
     }
 
     fn record_timed(&self) -> Result<Event> {
@@ -372,15 +378,7 @@ impl Backend for CpuBackend {
             let _ = stamp.set(std::time::Instant::now());
             Ok(())
         })?;
-        let d = self.dev();
-        let s = &d.streams[self.stream];
-        Ok(Event(EventInner::Cpu {
-            arena: self.arena,
-            stream: self.stream as u64,
-            seq: s.enqueued,
-            progress: s.progress.clone(),
-            at: Some(at),
-        }))
+        Ok(self.event_here(Some(at)))
     }
 
     fn elapsed_ms(&self, start: &Event, end: &Event) -> Result<f64> {
