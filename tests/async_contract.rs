@@ -8,7 +8,9 @@
 //! deterministically, instead of sometimes on a GPU. The behaviours an engine meets on a GPU
 //! run there too, from the same body (`gpu_*`).
 
-use kvshard::copy::{Direction, Layers, Method};
+use kvshard::copy::{
+    BlockCopy, BlockCopyPlan, Direction, Layers, Method, PageSelection, RemoteSpace, Staging,
+};
 use std::sync::Arc;
 
 mod common;
@@ -19,7 +21,6 @@ use kvshard::backend::{
     pending_frees, sync_counts, upload_i64s_sync, Backend, Launch, MemoryKind, SyncCounts,
 };
 use kvshard::chain::RequestChain;
-use kvshard::copy::{BlockCopy, BlockCopyPlan, PageSelection, RemoteSpace, Staging};
 use kvshard::geometry::{CacheGeometry, Component, LatentLayout, PoolGeometry};
 use kvshard::hicache::{
     CacheNode, HiCacheController, HostLayout, HostPool, HostTransfer, Route, Streams, TransferPlan,

@@ -19,8 +19,7 @@ use kvshard::backend::cpu::{CpuBackend, StreamOrder};
 use kvshard::backend::{
     AddressSpace, Backend, Buffer, Copy2d, Event, KernelFamily, Launch, MemoryKind,
 };
-use kvshard::copy::BlockSpace;
-use kvshard::copy::{Direction, IoCalls, LayerSignals, Layers, Method};
+use kvshard::copy::{BlockSpace, Direction, IoCalls, LayerSignals, Layers, Method};
 use kvshard::geometry::{CacheGeometry, Component, ComponentLayout, LatentLayout, PoolGeometry};
 use kvshard::hicache::{
     pages_of_tokens, CacheNode, HiCacheController, HostLayout, HostPool, HostTransfer, LayerReady,

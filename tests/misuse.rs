@@ -18,12 +18,10 @@ use common::synth::{self, POISON};
 use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::{upload_i64s_sync, Backend, Buffer, Launch, MemoryKind};
 use kvshard::chain::RequestChain;
-use kvshard::copy::Method;
 use kvshard::copy::{
-    BlockCopy, BlockCopyPlan, BlockSpace, LayerSignals, PageSelection, RemoteSpace, Resolver,
-    Staging, TableStore,
+    BlockCopy, BlockCopyPlan, BlockSpace, Direction, LayerSignals, Layers, Method, PageSelection,
+    RemoteSpace, Resolver, Staging, TableStore,
 };
-use kvshard::copy::{Direction, Layers};
 use kvshard::geometry::{CacheGeometry, Component, LatentLayout, PoolGeometry};
 use kvshard::hicache::{
     CacheNode, HiCacheController, HostLayout, HostPool, HostTransfer, Route, Streams, TransferPlan,

@@ -21,8 +21,9 @@ use kvshard::abi;
 use kvshard::advanced::{block_copies, kernel_pieces, KERNEL_PIECE_BYTES};
 use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::{Backend, Launch};
-use kvshard::copy::Method;
-use kvshard::copy::{BlockCopy, BlockCopyPlan, BlockSpace, PageSelection, RemoteSpace, Staging};
+use kvshard::copy::{
+    BlockCopy, BlockCopyPlan, BlockSpace, Method, PageSelection, RemoteSpace, Staging,
+};
 use kvshard::geometry::{
     CacheGeometry, Component, ComponentLayout, LatentLayout, PoolGeometry, PAGE_SIZE,
 };

@@ -8,8 +8,7 @@
 
 use std::fmt;
 
-use kvshard::copy::Method;
-use kvshard::copy::Staging;
+use kvshard::copy::{Method, Staging};
 use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry, PAGE_SIZE};
 use kvshard::hicache::Route;
 use kvshard::pool::{Budget, BudgetRequest};

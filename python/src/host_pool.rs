@@ -8,8 +8,9 @@ use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use kvshard::backend::{Backend, MemoryKind};
 use kvshard::copy::BlockSpace;
-use kvshard::hicache::{DraftPacking, HostBufferLayout, HostFormat, HostMemory, RegisteredRegion};
-use kvshard::hicache::{HostLayout, HostPool};
+use kvshard::hicache::{
+    DraftPacking, HostBufferLayout, HostFormat, HostLayout, HostMemory, HostPool, RegisteredRegion,
+};
 use kvshard::index::{LocalPage, StoredLayer};
 
 use crate::device::PyDevice;

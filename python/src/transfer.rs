@@ -10,7 +10,7 @@ use std::time::Duration;
 use pyo3::prelude::*;
 
 use kvshard::backend::{Backend, Launch};
-use kvshard::copy::{BlockSpace, RemoteSpace};
+use kvshard::copy::{BlockSpace, Method, RemoteSpace};
 use kvshard::geometry::Component;
 use kvshard::index::LocalPage;
 use kvshard::transfer::{
@@ -25,7 +25,6 @@ use crate::geometry::{PyCacheGeometry, PyComponent};
 use crate::lock::lock;
 use crate::method::PyMethod;
 use crate::shard::logical;
-use kvshard::copy::Method;
 
 /// Bytes per component as a dict (only components that moved bytes, in kernel order).
 pub fn bytes_dict(b: &ComponentBytes) -> BTreeMap<PyComponent, u64> {

@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use kvshard::abi;
 use kvshard::backend::{Backend, Launch, MemoryKind};
-use kvshard::copy::{BlockSpace, RemoteSpace};
+use kvshard::copy::{BlockSpace, Method, RemoteSpace};
 use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry, PAGE_SIZE};
 use kvshard::index::{LocalPage, LogicalPage, StoredLayer};
 use kvshard::pool::DevicePool;
@@ -38,7 +38,6 @@ use rand::Rng;
 
 use crate::harness::{Ctx, Report};
 use kvshard::advanced::{block_copies, kernel_pieces, KERNEL_PIECE_BYTES};
-use kvshard::copy::Method;
 
 /// Grids tried for the range kernel: (CTAs per SM, threads).
 const GRIDS: [(u32, u32); 3] = [(1, 1024), (2, 512), (4, 256)];

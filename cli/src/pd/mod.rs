@@ -36,7 +36,7 @@ use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{Backend, Launch, MemoryKind};
 use kvshard::chain::RequestChain;
-use kvshard::copy::BlockSpace;
+use kvshard::copy::{BlockSpace, Method};
 use kvshard::geometry::PAGE_SIZE;
 use kvshard::gpu::Gpu;
 use kvshard::index::LocalPage;
@@ -54,7 +54,6 @@ use crate::measure::{copy_sync, gbps, peer_sync, time_sync, Ceiling, Timer};
 use crate::overflow;
 use crate::scenario::{Platform, Shape};
 use crate::synth::{mix, POISON};
-use kvshard::copy::Method;
 use message::Message;
 
 /// Bytes of the random source every block is a window of.

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{Backend, MemoryKind};
 use kvshard::chain::RequestChain;
-use kvshard::copy::BlockSpace;
+use kvshard::copy::{BlockSpace, Method};
 use kvshard::ipc::group::GroupMemory;
 use kvshard::ipc::{ExportedPool, Liveness, PeerBackend};
 use kvshard::pool::DevicePool;
@@ -45,7 +45,6 @@ use crate::demo::pressure::{
 use crate::measure::{copy_sync, gbps, Ceiling, Laps, Moved, Timer};
 use crate::scenario::{Platform, PressureConfig};
 use crate::synth::POISON;
-use kvshard::copy::Method;
 
 /// One run of the scenario across processes, identical in every process of it.
 #[derive(Debug, Clone, PartialEq, Eq)]
