@@ -198,7 +198,11 @@ impl PlanArgs {
     fn check(&self) -> std::result::Result<(), String> {
         let (_, req) = self.request();
         CapacityPlan::plan(&req).map_err(|e| format!("plan: {e}"))?;
-        unused("--disk-path", self.disk_path.is_some() && !self.measure, "without --measure")?;
+        unused(
+            "--disk-path",
+            self.disk_path.is_some() && !self.measure,
+            "without --measure",
+        )?;
         if self.measure && self.disk_path.is_none() && self.disk_gbps.is_none() {
             return Err(
                 "plan --measure reads the disk in --disk-path DIR (or give --disk-gbps)".into(),
@@ -222,7 +226,8 @@ impl PlanArgs {
             gbps
         };
         let (mut d2d, mut h2d, mut disk) = (None, None, None);
-        let (mut d2d_from, mut h2d_from, mut disk_from) = (String::new(), String::new(), String::new());
+        let (mut d2d_from, mut h2d_from, mut disk_from) =
+            (String::new(), String::new(), String::new());
         if self.measure {
             if self.d2d_gbps.is_none() || self.h2d_gbps.is_none() {
                 match Gpu::open(0) {

@@ -80,9 +80,12 @@ pub fn parse_size(text: &str) -> std::result::Result<u64, String> {
 /// the rank's GPU pool).
 pub fn parse_host(text: &str) -> std::result::Result<HostCapacity, String> {
     match text.trim().strip_suffix(['x', 'X']) {
-        Some(factor) => factor.parse::<u64>().map(HostCapacity::Factor).map_err(|_| {
-            format!("{text:?}: a host cache of N times the GPU pool's pages is `Nx` (4x)")
-        }),
+        Some(factor) => factor
+            .parse::<u64>()
+            .map(HostCapacity::Factor)
+            .map_err(|_| {
+                format!("{text:?}: a host cache of N times the GPU pool's pages is `Nx` (4x)")
+            }),
         None => parse_size(text).map(HostCapacity::Bytes),
     }
 }
@@ -215,7 +218,11 @@ pub fn render(req: &CapacityRequest, plan: &CapacityPlan, heading: &Heading) -> 
         "plan: {}, {} layers{}, {}, CP{}",
         heading.model,
         g.target.num_layers(),
-        if g.draft.is_some() { " + MTP draft" } else { "" },
+        if g.draft.is_some() {
+            " + MTP draft"
+        } else {
+            ""
+        },
         g.target.latent,
         req.cp
     ));
@@ -236,7 +243,10 @@ pub fn render(req: &CapacityRequest, plan: &CapacityPlan, heading: &Heading) -> 
     if let Some(host) = plan.tier(Tier::Host).and_then(|t| t.pages_per_rank) {
         line(format!("host pages per rank: {host}"));
     }
-    line(format!("L3 slots: {}", plan.tier(Tier::Disk).map_or(0, |t| t.pages)));
+    line(format!(
+        "L3 slots: {}",
+        plan.tier(Tier::Disk).map_or(0, |t| t.pages)
+    ));
     line(String::new());
     line("| tier | bytes | pages per rank | pages | tokens |".into());
     line("|---|---:|---:|---:|---:|".into());
@@ -306,7 +316,10 @@ mod tests {
         assert!(parse_size("99999999TiB").unwrap_err().contains("64 bits"));
         assert!(parse_size("1e30").is_err());
         assert_eq!(parse_host("4x"), Ok(HostCapacity::Factor(4)));
-        assert_eq!(parse_host("160GB"), Ok(HostCapacity::Bytes(160_000_000_000)));
+        assert_eq!(
+            parse_host("160GB"),
+            Ok(HostCapacity::Bytes(160_000_000_000))
+        );
         assert!(parse_host("fourx").unwrap_err().contains("`Nx`"));
     }
 

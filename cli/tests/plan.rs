@@ -183,10 +183,16 @@ fn impossible_plans_are_refused_in_one_line() {
     assert!(with("--dio-align", "1000").contains("power of two"));
     assert!(with("--gpu-mem", "40 parsecs").contains("unit"));
     let (ok, text) = run(&[SEED, &["--disk-path", "."]].concat());
-    assert!(!ok && text.contains("--disk-path does nothing without --measure"), "{text}");
+    assert!(
+        !ok && text.contains("--disk-path does nothing without --measure"),
+        "{text}"
+    );
     let no_disk_ceiling: Vec<&str> = SEED[..SEED.len() - 2].to_vec();
     let (ok, text) = run(&[&no_disk_ceiling[..], &["--measure"]].concat());
-    assert!(!ok && text.contains("--measure reads the disk in --disk-path"), "{text}");
+    assert!(
+        !ok && text.contains("--measure reads the disk in --disk-path"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -198,11 +204,21 @@ fn measuring_reads_the_disk_directly_and_leaves_no_probe() {
     let (ok, text) = run(&[&no_ceilings[..], &["--measure", "--disk-path", path]].concat());
     if ok {
         // Every ceiling is measured, so every reload that fits has a time.
-        assert!(text.contains("disk ") && text.contains("measured: O_DIRECT reads"), "{text}");
+        assert!(
+            text.contains("disk ") && text.contains("measured: O_DIRECT reads"),
+            "{text}"
+        );
         assert!(!text.contains("n/a"), "{text}");
     } else {
         // A filesystem without O_DIRECT says so and what to do instead.
-        assert!(text.contains("O_DIRECT") && text.contains("--disk-gbps"), "{text}");
+        assert!(
+            text.contains("O_DIRECT") && text.contains("--disk-gbps"),
+            "{text}"
+        );
     }
-    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "a probe was left in {path}");
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        0,
+        "a probe was left in {path}"
+    );
 }

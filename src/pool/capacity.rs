@@ -208,7 +208,9 @@ impl CapacityPlan {
         }
         let slot_bytes = slot_bytes(&req.geometry, req.dio_align)?;
         let budget = Budget::plan(&req.gpu, &req.geometry, placement).map_err(|e| match e {
-            Error::BudgetTooSmall(why) => Error::BudgetTooSmall(format!("GPU memory per rank: {why}")),
+            Error::BudgetTooSmall(why) => {
+                Error::BudgetTooSmall(format!("GPU memory per rank: {why}"))
+            }
             other => other,
         })?;
         let page = budget.page_bytes;
@@ -217,9 +219,9 @@ impl CapacityPlan {
 
         let host_pages = match req.host {
             HostCapacity::Bytes(bytes) => bytes / page,
-            HostCapacity::Factor(f) => budget.pages.mul_or(f, || {
-                format!("host pages: {} pages x {f}", budget.pages)
-            })?,
+            HostCapacity::Factor(f) => budget
+                .pages
+                .mul_or(f, || format!("host pages: {} pages x {f}", budget.pages))?,
         };
         if host_pages < 2 {
             return Err(Error::BudgetTooSmall(format!(
@@ -347,7 +349,10 @@ mod tests {
         let gpu_pages = (40_000_000_000 - rows * 2 * 708 * 2) / page;
         let gpu = plan.tier(Tier::Gpu).unwrap();
         assert_eq!(gpu.pages_per_rank, Some(gpu_pages));
-        assert_eq!((gpu.pages, gpu.tokens), (2 * gpu_pages, (gpu_pages - 1) * 128));
+        assert_eq!(
+            (gpu.pages, gpu.tokens),
+            (2 * gpu_pages, (gpu_pages - 1) * 128)
+        );
         let host = plan.tier(Tier::Host).unwrap();
         assert_eq!(host.pages_per_rank, Some(4 * gpu_pages));
         assert_eq!(host.bytes, 4 * gpu_pages * page);
