@@ -28,10 +28,10 @@ pub const DISK_PROBE_BYTES: usize = 256 << 20;
 pub const DISK_IO_BYTES: usize = 4 << 20;
 
 /// Bytes each copy of the GPU and host memcpy measurements moves.
-const COPY_BYTES: usize = 256 << 20;
+pub const COPY_BYTES: usize = 256 << 20;
 
 /// Timed repeats of each measurement (the median is reported, as the benchmark does).
-const RUNS: usize = 5;
+pub const RUNS: usize = 5;
 
 /// Parses a size: bytes (`4096`), or a number with a decimal (`40GB`, `1.5TB`: powers of 1,000)
 /// or binary (`40GiB`: powers of 1,024) unit, `K`/`M`/`G`/`T` alone being decimal. Hand-written:
@@ -137,7 +137,7 @@ impl Drop for Probe {
     }
 }
 
-/// A buffer of `len` bytes aligned to [`DISK_IO_BYTES`]'s alignment needs (4 KiB), inside an
+/// A buffer of `len` bytes aligned to 4 KiB (any device's direct-I/O alignment), inside an
 /// over-allocated vector: O_DIRECT needs the buffer aligned as well as offsets and lengths.
 fn aligned(storage: &mut Vec<u8>, len: usize) -> &mut [u8] {
     const ALIGN: usize = 4096;
