@@ -197,8 +197,17 @@ fn impossible_plans_are_refused_in_one_line() {
 
 #[test]
 fn measuring_reads_the_disk_directly_and_leaves_no_probe() {
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("plan-measure");
-    std::fs::create_dir_all(&dir).unwrap();
+    // The build's scratch directory (on the disk); where the test binary runs elsewhere (staged
+    // on a GPU host), the system's temporary directory.
+    let name = format!("plan-measure-{}", std::process::id());
+    let dir = [
+        std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")),
+        std::env::temp_dir(),
+    ]
+    .into_iter()
+    .map(|d| d.join(&name))
+    .find(|d| std::fs::create_dir_all(d).is_ok())
+    .expect("a directory to measure in");
     let path = dir.to_str().unwrap();
     let no_ceilings: Vec<&str> = SEED[..SEED.len() - 6].to_vec();
     let (ok, text) = run(&[&no_ceilings[..], &["--measure", "--disk-path", path]].concat());
@@ -221,4 +230,5 @@ fn measuring_reads_the_disk_directly_and_leaves_no_probe() {
         0,
         "a probe was left in {path}"
     );
+    std::fs::remove_dir(&dir).unwrap();
 }
