@@ -230,15 +230,19 @@ pub fn render(req: &CapacityRequest, plan: &CapacityPlan, heading: &Heading) -> 
         "page: {} B (every layer and component); L3 slot: {} B (padded to {} B)",
         b.page_bytes, plan.slot_bytes, req.dio_align
     ));
-    line(format!(
-        "scratch budget per rank: {} B ({:.2} GB; {} rows per slot for {} contexts of {} tokens and a {}-token chunk)",
-        b.scratch_bytes,
-        gb(b.scratch_bytes),
-        b.scratch_rows,
-        req.gpu.contexts,
-        req.gpu.context_len,
-        req.gpu.chunk_size
-    ));
+    line(if b.scratch_rows == 0 {
+        "scratch budget per rank: 0 B (unsharded: attention reads the pool itself)".into()
+    } else {
+        format!(
+            "scratch budget per rank: {} B ({:.2} GB; {} rows per slot for {} contexts of {} tokens and a {}-token chunk)",
+            b.scratch_bytes,
+            gb(b.scratch_bytes),
+            b.scratch_rows,
+            req.gpu.contexts,
+            req.gpu.context_len,
+            req.gpu.chunk_size
+        )
+    });
     line(format!("logical GPU slots: {}", b.logical_capacity));
     if let Some(host) = plan.tier(Tier::Host).and_then(|t| t.pages_per_rank) {
         line(format!("host pages per rank: {host}"));
