@@ -10,8 +10,10 @@
 #             (the report goes after pd's in pd.md; PRESSURE_ARGS adds flags)
 #   python    python/run-gpu-tests.sh on the staged wheel, with its benchmark
 #   bench     the GPU benchmark (arguments after `--` go to it)
+#   plan      kvshard plan for the seed's scenario (CP2, 4x host cache), the ceilings measured
+#             here: D2D and pinned H2D on GPU 0, O_DIRECT reads in $PLAN_DISK (default $OUT)
 # Writes to $OUT (default ./gpu-out): summary.log, tests.log, sanitizer.log, demo.log, pd.md,
-# python.md, bench.md, bench.log and the benchmark's charts, bench-SECTION.svg. The binaries need
+# python.md, plan.md, bench.md, bench.log and the benchmark's charts, bench-SECTION.svg. The binaries need
 # glibc >= 2.34 and load libcuda (and libnccl, found in the machine's Python packages) at run
 # time. Usage: run-gpu.sh [STEP...] [-- BENCH ARGS...]
 set -uo pipefail
@@ -114,7 +116,13 @@ for step in "${steps[@]}"; do
   bench)
     OUT="$out" "$here/benches/gpu" "$@" 2>&1 | tee "$out/bench.log" >/dev/null
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
-    say "bench: $(grep -c 'FAILED' "$out/bench.log") sections failed, $(grep -c 'ABOVE ITS SAME-RUN CEILING' "$out/bench.log") figures above their ceiling, $(grep -c '^chart:' "$out/bench.log") charts"
+    say "bench: $(grep -c 'FAILED' "$out/bench.log") sections failed, $(grep -c 'ABOVE ITS SAME-RUN CEILING' "$out/bench.log") figures above their ceiling, $(grep -c 'HOST>' "$out/bench.log") rows with host time past 5% of the transfer, $(grep -c '^chart:' "$out/bench.log") charts"
+    ;;
+  plan)
+    if "$here/kvshard" plan --model deepseek-v32 --cp 2 --gpu-mem 400376832 --host-mem 4x --disk 10GB \
+      --context-len 12288 --chunk 2048 --contexts 1 --prefixes 4096,16384,131072 \
+      --measure --disk-path "${PLAN_DISK:-$out}" >"$out/plan.md" 2>&1; then r=ok; else r=FAILED; status=1; fi
+    say "plan: $r ($(grep '^ceilings:' "$out/plan.md"))"
     ;;
   *)
     say "unknown step $step"

@@ -367,6 +367,46 @@ impl CacheGeometry {
     }
 }
 
+/// The public DSA models kvshard is built for, as their `config.json`s describe them: every
+/// target layer has its own indexer (index_head_dim 128), kv_lora_rank 512 + rope 64, and one
+/// NextN (MTP) layer (`num_nextn_predict_layers: 1`), the draft.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Model {
+    /// DeepSeek-V3.2 (`deepseek-ai/DeepSeek-V3.2-Exp`): 61 layers.
+    DeepseekV32,
+    /// GLM-5 (`zai-org/GLM-5`, `glm_moe_dsa`): 78 layers.
+    Glm5,
+}
+
+impl Model {
+    /// Target layers of the model.
+    pub const fn layers(self) -> usize {
+        match self {
+            Self::DeepseekV32 => 61,
+            Self::Glm5 => 78,
+        }
+    }
+
+    /// The model's cache with rows of `latent`, and the MTP draft when `mtp`.
+    pub fn geometry(self, latent: LatentLayout, mtp: bool) -> CacheGeometry {
+        let target = PoolGeometry::new(latent, self.layers());
+        if mtp {
+            CacheGeometry::with_draft(target)
+        } else {
+            CacheGeometry::target_only(target)
+        }
+    }
+}
+
+impl fmt::Display for Model {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::DeepseekV32 => "DeepSeek-V3.2",
+            Self::Glm5 => "GLM-5",
+        })
+    }
+}
+
 /// One of the (up to) four byte arrays a rank's cache is made of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Component {
@@ -548,6 +588,16 @@ mod tests {
         assert_eq!(g.indexer_block_bytes(), INDEXER_PAGE_BYTES);
         assert_eq!(INDEXER_PAGE_BYTES, 8448);
         assert_eq!(g.page_bytes(), 61 * (36_864 + 8448));
+    }
+
+    #[test]
+    fn model_presets_have_their_layers_and_the_draft() {
+        let g = Model::Glm5.geometry(LatentLayout::Fp8Trtllm, true);
+        assert_eq!(g.model_layers(), 79);
+        assert_eq!(g.page_bytes(), 79 * (36_864 + 8448));
+        let g = Model::DeepseekV32.geometry(LatentLayout::Fp8Scaled, false);
+        assert_eq!((g.target.num_indexer_layers(), g.draft), (61, None));
+        assert_eq!(Model::DeepseekV32.to_string(), "DeepSeek-V3.2");
     }
 
     #[test]

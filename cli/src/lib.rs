@@ -3,7 +3,7 @@
 //! The applications built on kvshard, and the first engine that embeds it: they use only
 //! kvshard's public API, as any serving engine would.
 //!
-//! - [`cli`]: the `kvshard` command line (`info`, `demo`, `pd`), every flag checked before
+//! - [`cli`]: the `kvshard` command line (`info`, `demo`, `pd`, `plan`), every flag checked before
 //!   anything is allocated or any process starts;
 //! - [`scenario`]: what every run describes the same way: the cache and CP group
 //!   ([`scenario::Shape`]), where it runs, and the seed's pressure scenario;
@@ -11,6 +11,7 @@
 //!   one process or many drive;
 //! - [`pd`]: P/D across processes (the transfer matrix and the seed's topology), the processes
 //!   reporting to the run in typed messages ([`pd::message`]);
+//! - [`plan`]: `kvshard plan`, the capacity planner's report and the ceilings it measures;
 //! - [`measure`]: throughput, event timing, repeated timings and the in-run ceilings, for the
 //!   demos, `pd` and the GPU benchmark (`cargo bench -p kvshard-cli --bench gpu`);
 //! - [`synth`]: seeded synthetic data.
@@ -20,6 +21,7 @@ pub mod cli;
 pub mod demo;
 pub mod measure;
 pub mod pd;
+pub mod plan;
 pub mod scenario;
 pub mod synth;
 

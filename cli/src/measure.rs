@@ -5,18 +5,24 @@
 //! and the copy ceilings a run measures itself ([`copy_sync`], [`duplex_sync`], [`peer_sync`])
 //! that every figure is reported against ([`Ceiling`]).
 //!
+//! What an engine sees of a call is measured beside the device time ([`EngineView`],
+//! [`Timer::repeat_viewed_sync`]): the window from the call's entry to the completion of its
+//! bytes, on an idle stream, and the host time of the call itself (planning and enqueueing).
+//!
 //! Every stretch of timed work is also checked to enqueue without blocking the host
 //! ([`timed_waits`]): it is an engine's steady state, and kvshard's contract is that only its
 //! `_sync` calls wait.
 //!
-//! Only device time counts: every timing is a pair of events on the stream the work runs on,
-//! never the host's clock, so setup and verification around the work stay out of it. On the CPU
+//! Device time is a pair of events on the stream the work runs on, never the host's clock, so
+//! setup and verification around the work stay out of it; only the engine's view reads the
+//! host clock, around the call alone. On the CPU
 //! twin the same events time the reference kernels; those figures say nothing about hardware
 //! and reports mark their share of a ceiling "n/a".
 
 use std::cell::Cell;
 use std::fmt;
 use std::sync::Arc;
+use std::time::Instant;
 
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{sync_counts, Backend, Buffer, Event, MemoryKind};
@@ -203,6 +209,7 @@ impl Stats {
 pub struct Timer<'a> {
     backend: &'a dyn Backend,
     warmups: usize,
+    windows: usize,
     flush: Option<&'a Buffer>,
 }
 
@@ -212,6 +219,7 @@ impl<'a> Timer<'a> {
         Self {
             backend,
             warmups: 0,
+            windows: 0,
             flush: None,
         }
     }
@@ -219,6 +227,12 @@ impl<'a> Timer<'a> {
     /// The same, with `warmups` untimed runs first.
     pub fn warmups(self, warmups: usize) -> Self {
         Self { warmups, ..self }
+    }
+
+    /// The same, with `windows` runs after the warm-ups that [`Timer::repeat_viewed_sync`]
+    /// times as an engine sees them (they warm up the timed runs too).
+    pub fn windows(self, windows: usize) -> Self {
+        Self { windows, ..self }
     }
 
     /// The same, filling `flush` (larger than the cache) before every run.
@@ -249,6 +263,94 @@ impl<'a> Timer<'a> {
             }
         }
         Stats::of(ms)
+    }
+
+    /// [`Timer::repeat_sync`] of `work`, and what an engine sees of it ([`EngineView`]): after
+    /// the warm-ups, each of the timer's window runs starts on an idle stream (the flush waited
+    /// for) and is timed by the host clock from the entry of `work` to the completion of what
+    /// it enqueued (an event after it, waited for), and the host time `work` itself takes
+    /// (planning and enqueueing) is read around every window and timed run. The timed runs'
+    /// device time is as [`Timer::repeat_sync`] measures it: the flush queued ahead of them
+    /// hides the host's enqueueing, so it is the transfer alone.
+    pub fn repeat_viewed_sync(
+        &self,
+        runs: usize,
+        mut work: impl FnMut() -> Result<()>,
+    ) -> Result<(Stats, EngineView)> {
+        let b = self.backend;
+        let mut host_us = Vec::with_capacity(self.windows + runs);
+        let mut windows = Vec::with_capacity(self.windows);
+        for run in 0..self.warmups + self.windows {
+            if let Some(flush) = self.flush {
+                b.fill(flush, run as u8 | 1)?;
+            }
+            if run < self.warmups {
+                time_sync(b, &mut work)?;
+                continue;
+            }
+            // The engine's call starts on an idle stream: nothing queued ahead hides its
+            // planning and enqueueing.
+            b.synchronize()?;
+            let entry = Instant::now();
+            enqueue(&mut work)?;
+            host_us.push(entry.elapsed().as_secs_f64() * 1e6);
+            let done = b.record()?;
+            b.wait_event_sync(&done)?;
+            windows.push(entry.elapsed().as_secs_f64() * 1e3);
+        }
+        let timed = Timer {
+            warmups: 0,
+            windows: 0,
+            ..*self
+        };
+        let stats = timed.repeat_sync(runs, || {
+            let entry = Instant::now();
+            let result = work();
+            host_us.push(entry.elapsed().as_secs_f64() * 1e6);
+            result
+        })?;
+        let view = EngineView {
+            window: Stats::of(windows)?,
+            host_us: Stats::of(host_us)?.median,
+        };
+        Ok((stats, view))
+    }
+}
+
+/// Rows of at least this many pages must spend at most [`HOST_SHARE_LIMIT`] of their transfer
+/// time on the host (issue 25, goal 1).
+pub const HOST_SHARE_MIN_PAGES: u64 = 64;
+
+/// The most host time per call, as a share of the transfer time, a row of
+/// [`HOST_SHARE_MIN_PAGES`] or more pages may take.
+pub const HOST_SHARE_LIMIT: f64 = 0.05;
+
+/// What an engine sees of a call: the window from the entry of the call to the completion of
+/// its bytes, and the host time of the call (planning plus enqueueing, not the wait).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineView {
+    /// The windows, in milliseconds.
+    pub window: Stats,
+    /// Median host microseconds per call.
+    pub host_us: f64,
+}
+
+impl EngineView {
+    /// The host time per call as a share of `transfer_ms` (infinite when no time passed).
+    pub fn host_share(&self, transfer_ms: f64) -> f64 {
+        if transfer_ms > 0.0 {
+            self.host_us / (transfer_ms * 1e3)
+        } else {
+            f64::INFINITY
+        }
+    }
+
+    /// Whether a row of `pages` pages (`None`: it names no page count) whose transfer takes
+    /// `transfer_ms` spends more than [`HOST_SHARE_LIMIT`] of it on the host, at
+    /// [`HOST_SHARE_MIN_PAGES`] pages or more.
+    pub fn host_heavy(&self, pages: Option<u64>, transfer_ms: f64) -> bool {
+        pages.is_some_and(|p| p >= HOST_SHARE_MIN_PAGES)
+            && self.host_share(transfer_ms) > HOST_SHARE_LIMIT
     }
 }
 
@@ -492,6 +594,51 @@ mod tests {
         assert_eq!(b.read_sync(&flush, 0, 1).unwrap(), vec![5]);
         let e = Timer::new(&b).repeat_sync(1, || Err(Error::HiCache("busy".into())));
         assert!(matches!(e, Err(Error::HiCache(_))));
+    }
+
+    #[test]
+    fn an_engine_view_times_every_call_and_the_windows_from_an_idle_stream() {
+        let cpu = CpuBackend::new();
+        let b = cpu.new_stream();
+        let flush = b.alloc(64, MemoryKind::Device).unwrap();
+        let buf = b.alloc(1 << 20, MemoryKind::Device).unwrap();
+        let mut calls = 0;
+        let (stats, view) = Timer::new(&b)
+            .warmups(1)
+            .windows(2)
+            .flush(&flush)
+            .repeat_viewed_sync(3, || {
+                calls += 1;
+                // Host time the call spends before it enqueues: the window holds it.
+                std::thread::sleep(std::time::Duration::from_millis(2));
+                b.fill(&buf, calls as u8)
+            })
+            .unwrap();
+        assert_eq!(calls, 6);
+        assert!(stats.min >= 0.0);
+        assert!(view.host_us >= 2_000.0, "{view:?}");
+        assert!(view.window.min >= 2.0, "{view:?}");
+        // The last timed run's fill is done.
+        assert_eq!(b.read_sync(&buf, 0, 1).unwrap(), vec![6]);
+        let e = Timer::new(&b)
+            .windows(1)
+            .repeat_viewed_sync(1, || Err(Error::HiCache("busy".into())));
+        assert!(matches!(e, Err(Error::HiCache(_))));
+    }
+
+    #[test]
+    fn rows_of_64_pages_or_more_may_spend_5_percent_on_the_host() {
+        let view = EngineView {
+            window: Stats::of(vec![1.2]).unwrap(),
+            host_us: 60.0,
+        };
+        // 60 us of a 1 ms transfer: 6%.
+        assert!((view.host_share(1.0) - 0.06).abs() < 1e-12);
+        assert!(view.host_heavy(Some(64), 1.0));
+        assert!(!view.host_heavy(Some(63), 1.0));
+        assert!(!view.host_heavy(None, 1.0));
+        assert!(!view.host_heavy(Some(512), 1.2));
+        assert!(view.host_heavy(Some(512), 0.0));
     }
 
     #[test]

@@ -24,6 +24,7 @@ fn gpu_two_gpu_nccl_all_gather_lands_every_prefix_page_where_the_page_table_says
             f.gathered_bytes > 0
                 && f.block > 0
                 && f.pack_gather.median > 0.0
+                && f.pack_gather_view.window.median > 0.0
                 && f.contiguous.median > 0.0
         ),
         Err(why) => {

@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_STAGING_PAGES",
     "embedded_archs",
     "driver_present",
+    "plan_capacity",
     "_rust_load_ns",
     "_rust_run_signalled_ns",
     "_rust_send_ns",
@@ -57,6 +58,10 @@ __all__ = [
     "ChunkStaging",
     "OwnedRowWrite",
     "Budget",
+    "TierCapacity",
+    "TierReload",
+    "Reload",
+    "CapacityPlan",
     "PoolLayout",
     "Registration",
     "RemoteSpace",
@@ -103,6 +108,27 @@ def embedded_archs() -> Optional[str]:
 
 def driver_present() -> bool:
     """Whether the CUDA driver library can be loaded."""
+
+def plan_capacity(
+    geometry: CacheGeometry,
+    cp: int,
+    gpu_bytes: int,
+    disk_bytes: int,
+    *,
+    host_bytes: Optional[int] = None,
+    host_factor: Optional[int] = None,
+    context_len: int = 131072,
+    chunk_size: int = 8192,
+    contexts: int = ...,
+    dio_align: int = ...,
+    d2d_gbps: Optional[float] = None,
+    h2d_gbps: Optional[float] = None,
+    disk_gbps: Optional[float] = None,
+    prefixes: Sequence[int] = ...,
+) -> CapacityPlan:
+    """The capacity planner: what a CP group's GPU (L1), host (L2) and disk (L3) tiers hold, and
+    how long each prefix takes to come back from each (kvshard::pool::capacity). Exactly one of
+    host_bytes (per rank) and host_factor (times the GPU pool's pages)."""
 
 # python/bench.py's native loops: the same calls as the Python API, timed in Rust (not API).
 def _rust_load_ns(
@@ -410,6 +436,59 @@ class Budget:
     def pool_bytes(self) -> int: ...
     @property
     def logical_capacity(self) -> int: ...
+
+@final
+class TierCapacity:
+    """What one tier holds: tier is "gpu", "host" or "disk"; bytes per rank (gpu, host) or of the
+    whole store (disk); pages_per_rank None for the shared disk."""
+
+    @property
+    def tier(self) -> str: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def pages_per_rank(self) -> Optional[int]: ...
+    @property
+    def pages(self) -> int: ...
+    @property
+    def tokens(self) -> int: ...
+
+@final
+class TierReload:
+    """A prefix's reload from one tier: whether it fits, and the seconds (None: no ceiling)."""
+
+    @property
+    def tier(self) -> str: ...
+    @property
+    def fits(self) -> bool: ...
+    @property
+    def seconds(self) -> Optional[float]: ...
+
+@final
+class Reload:
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def pages(self) -> int: ...
+    @property
+    def pages_per_rank(self) -> int: ...
+    @property
+    def bytes_per_rank(self) -> int: ...
+    @property
+    def disk_bytes(self) -> int: ...
+    @property
+    def tiers(self) -> list[TierReload]: ...
+
+@final
+class CapacityPlan:
+    @property
+    def budget(self) -> Budget: ...
+    @property
+    def slot_bytes(self) -> int: ...
+    @property
+    def tiers(self) -> list[TierCapacity]: ...
+    @property
+    def reloads(self) -> list[Reload]: ...
 
 @final
 class DevicePool:

@@ -2,7 +2,9 @@
 
 use pyo3::prelude::*;
 
-use kvshard::geometry::{CacheGeometry, Component, ComponentLayout, LatentLayout, PoolGeometry};
+use kvshard::geometry::{
+    CacheGeometry, Component, ComponentLayout, LatentLayout, Model, PoolGeometry,
+};
 
 use crate::errors::{invalid, IntoPy};
 
@@ -210,13 +212,8 @@ impl PyPoolGeometry {
 pub struct PyCacheGeometry(pub CacheGeometry);
 
 impl PyCacheGeometry {
-    fn preset(latent: PyLatentLayout, layers: usize, draft: bool) -> Self {
-        let target = PoolGeometry::new(latent.into(), layers);
-        Self(if draft {
-            CacheGeometry::with_draft(target)
-        } else {
-            CacheGeometry::target_only(target)
-        })
+    fn preset(model: Model, latent: PyLatentLayout, draft: bool) -> Self {
+        Self(model.geometry(latent.into(), draft))
     }
 }
 
@@ -247,7 +244,7 @@ impl PyCacheGeometry {
     #[staticmethod]
     #[pyo3(signature = (latent = PyLatentLayout::FP8_TRTLLM, mtp = true))]
     fn deepseek_v32(latent: PyLatentLayout, mtp: bool) -> Self {
-        Self::preset(latent, 61, mtp)
+        Self::preset(Model::DeepseekV32, latent, mtp)
     }
 
     /// GLM-5 (`zai-org/GLM-5` config.json, `glm_moe_dsa`): 78 layers, every one with a DSA
@@ -256,7 +253,7 @@ impl PyCacheGeometry {
     #[staticmethod]
     #[pyo3(signature = (latent = PyLatentLayout::FP8_TRTLLM, mtp = true))]
     fn glm5(latent: PyLatentLayout, mtp: bool) -> Self {
-        Self::preset(latent, 78, mtp)
+        Self::preset(Model::Glm5, latent, mtp)
     }
 
     /// Target pool.

@@ -15,7 +15,8 @@
 //! errors as exceptions), `lock` (the poison-recovering lock), `tensor` (DLPack both ways),
 //! `device` (devices, streams, events), `geometry`, `shard` (placement, the allocator),
 //! `method` (how bytes move), `pool_tensors` (what every pool shares about tensors),
-//! `device_pool`, `chunk_staging`, `owned_row_write`, `budget`, `transfer` (P/D),
+//! `device_pool`, `chunk_staging`, `owned_row_write`, `budget`, `capacity` (the capacity
+//! planner), `transfer` (P/D),
 //! `hicache_enums` (HiCache's choices), `host_pool`, `layer_signals` (per-layer readiness),
 //! `host_transfer` (transfer plans, host transfers, their staging), `hicache_controller`,
 //! `chain` (a request's chain, which makes HiCache nodes and P/D registrations), `bench`
@@ -45,6 +46,7 @@ macro_rules! mirror_enum {
 
 mod bench;
 mod budget;
+mod capacity;
 mod chain;
 mod chunk_staging;
 mod device;
@@ -99,6 +101,7 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add_function(wrap_pyfunction!(embedded_archs, m)?)?;
     m.add_function(wrap_pyfunction!(driver_present, m)?)?;
+    m.add_function(wrap_pyfunction!(capacity::plan_capacity, m)?)?;
     m.add_function(wrap_pyfunction!(bench::_rust_load_ns, m)?)?;
     m.add_function(wrap_pyfunction!(bench::_rust_run_signalled_ns, m)?)?;
     m.add_function(wrap_pyfunction!(bench::_rust_send_ns, m)?)?;
@@ -120,6 +123,10 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<chunk_staging::PyChunkStaging>()?;
     m.add_class::<owned_row_write::PyOwnedRowWrite>()?;
     m.add_class::<budget::PyBudget>()?;
+    m.add_class::<capacity::PyTierCapacity>()?;
+    m.add_class::<capacity::PyTierReload>()?;
+    m.add_class::<capacity::PyReload>()?;
+    m.add_class::<capacity::PyCapacityPlan>()?;
     m.add_class::<transfer::PyPoolLayout>()?;
     m.add_class::<transfer::PyRegistration>()?;
     m.add_class::<transfer::PyRemoteSpace>()?;

@@ -29,6 +29,7 @@ MODULE_ORDER = [
     "chunk_staging",
     "owned_row_write",
     "budget",
+    "capacity",
     "transfer",
     "hicache_enums",
     "host_pool",

@@ -12,6 +12,7 @@
 //! use it (writer, sender, HiCache controller).
 
 mod budget;
+pub mod capacity;
 mod gather;
 pub(crate) mod host;
 pub(crate) mod layout;

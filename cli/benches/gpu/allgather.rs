@@ -8,7 +8,7 @@ use kvshard::Result;
 use kvshard_cli::measure::gbps;
 
 use crate::cp_gather::{two_gpu_gather, Shape};
-use crate::harness::{Ctx, Report};
+use crate::harness::{Ctx, Report, Timed};
 
 pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
     let prefixes: &[usize] = if ctx.quick { &[64] } else { &[16, 64, 256] };
@@ -35,7 +35,10 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 "CP2, 4 requests x {prefix_pages} prefix pages, 61+1 layers: pack + all-gather per layer"
             ),
             f.gathered_bytes,
-            f.pack_gather,
+            Timed {
+                stats: f.pack_gather,
+                view: f.pack_gather_view,
+            },
             ("one contiguous NCCL all-gather", contiguous),
             format!(
                 "block {} pages per rank; contiguous all-gather of the same bytes {:.3} ms; scratch verified through the page table",

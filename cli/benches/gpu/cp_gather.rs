@@ -17,7 +17,7 @@ use kvshard::nccl::{CpGather, NcclGroup, NcclId};
 use kvshard::pool::DevicePool;
 use kvshard::shard::{GatherPlan, GatherRequest, Placement, ScratchLayout, ShardAllocator};
 use kvshard::{Error, Result};
-use kvshard_cli::measure::{Stats, Timer};
+use kvshard_cli::measure::{EngineView, Stats, Timer};
 use kvshard_cli::scenario;
 
 /// Byte of the unsharded cache the test data puts at (logical page, component, stored layer,
@@ -55,6 +55,9 @@ pub struct Figures {
     pub block: u64,
     /// Pack + all-gather, layer by layer, every layer (ms).
     pub pack_gather: Stats,
+    /// What an engine sees of it: the window from the first layer's call (both ranks' streams
+    /// idle) to the last layer's completion, and the host time of the calls.
+    pub pack_gather_view: EngineView,
     /// One all-gather of the same bytes from one contiguous buffer (ms).
     pub contiguous: Stats,
 }
@@ -138,8 +141,11 @@ fn rank_main(rank: u32, shape: &Shape, id: NcclId) -> Result<Figures> {
         Ok(())
     };
     // One untimed run first: NCCL sets its channels up on the first collective.
+    // Every rank makes the same runs (warm-up, window, repeats), so the collectives pair up.
     let timer = Timer::new(&b).warmups(1);
-    let pack_gather = timer.repeat_sync(shape.repeats, run_all)?;
+    let (pack_gather, pack_gather_view) = timer
+        .windows(1)
+        .repeat_viewed_sync(shape.repeats, run_all)?;
     let gathered_bytes: u64 = (0..layers).map(|m| gather.layer_bytes(ModelLayer(m))).sum();
     // The same bytes in one all-gather from one contiguous buffer.
     let per_rank = (gathered_bytes / 2) as usize;
@@ -155,6 +161,7 @@ fn rank_main(rank: u32, shape: &Shape, id: NcclId) -> Result<Figures> {
         gathered_bytes,
         block: plan.block(),
         pack_gather,
+        pack_gather_view,
         contiguous,
     })
 }

@@ -9,7 +9,9 @@ use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{Backend, Buffer, MemoryKind};
 use kvshard::gpu::Gpu;
 use kvshard::Result;
-use kvshard_cli::measure::{copy_sync, duplex_sync, gbps, Stats, Timer};
+use kvshard_cli::measure::{
+    copy_sync, duplex_sync, gbps, pages_of, EngineView, Stats, Timer, HOST_SHARE_LIMIT,
+};
 use kvshard_cli::synth;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -78,14 +80,38 @@ impl Ctx {
         }
     }
 
-    /// Times `f` (which enqueues on the context's stream) `reps` times after two warm-ups; the
+    /// Times `f` (which enqueues on the context's stream) `reps` times after the warm-ups; the
     /// L2 flush and the events are on that stream too, so each repeat starts cold and only `f`
-    /// is timed.
-    pub fn time(&self, reps: usize, f: impl FnMut() -> Result<()>) -> Result<Stats> {
-        self.timer(self.backend.as_ref()).repeat_sync(reps, f)
+    /// is timed. Also what an engine sees of `f`: its window (from its entry, on an idle stream,
+    /// to the completion of its bytes) in the window runs, which double as the second warm-up,
+    /// and its host time in every run ([`Timer::repeat_viewed_sync`]).
+    pub fn time(&self, reps: usize, f: impl FnMut() -> Result<()>) -> Result<Timed> {
+        let (stats, view) = Timer::new(self.backend.as_ref())
+            .warmups(1)
+            .windows(self.windows())
+            .flush(&self.flush)
+            .repeat_viewed_sync(reps, f)?;
+        Ok(Timed { stats, view })
     }
 
-    /// The harness's timing on `b`'s stream: two warm-ups, the L2 flush before every run.
+    /// Window runs of each [`Ctx::time`]: one with `--quick` (in place of the second warm-up,
+    /// so a quick run makes as many runs as before the windows), three otherwise.
+    fn windows(&self) -> usize {
+        if self.quick {
+            1
+        } else {
+            3
+        }
+    }
+
+    /// Runs of `f` one [`Ctx::time`] of `reps` repeats makes: its warm-up, window runs and
+    /// repeats.
+    pub fn runs(&self, reps: usize) -> usize {
+        1 + self.windows() + reps
+    }
+
+    /// The harness's ceiling timing on `b`'s stream: two warm-ups, the L2 flush before every
+    /// run.
     fn timer<'a>(&'a self, b: &'a dyn Backend) -> Timer<'a> {
         Timer::new(b).warmups(2).flush(&self.flush)
     }
@@ -134,6 +160,22 @@ impl Ctx {
     }
 }
 
+/// A case's timing: the device time of its repeats and what an engine sees of it. Derefs to
+/// the device time.
+#[derive(Debug, Clone, Copy)]
+pub struct Timed {
+    pub stats: Stats,
+    pub view: EngineView,
+}
+
+impl std::ops::Deref for Timed {
+    type Target = Stats;
+
+    fn deref(&self) -> &Stats {
+        &self.stats
+    }
+}
+
 /// One measured case.
 pub struct Row {
     pub section: &'static str,
@@ -141,6 +183,7 @@ pub struct Row {
     pub bytes: u64,
     pub ms: f64,
     pub spread: (f64, f64),
+    pub view: EngineView,
     pub ceiling_name: &'static str,
     pub ceiling: f64,
     pub note: String,
@@ -149,6 +192,38 @@ pub struct Row {
 impl Row {
     pub fn gbps(&self) -> f64 {
         gbps(self.bytes, self.ms)
+    }
+
+    /// The share of the ceiling `gbps` is, in percent.
+    fn percent(&self, gbps: f64) -> f64 {
+        100.0 * gbps / self.ceiling.max(f64::MIN_POSITIVE)
+    }
+
+    /// GB/s of the median window an engine sees.
+    fn window_gbps(&self) -> f64 {
+        gbps(self.bytes, self.view.window.median)
+    }
+
+    /// The engine's view as table cells: the median window in ms, its share of the ceiling,
+    /// host us per call, and the host time's share of the transfer time (flagged `HOST>5%` past
+    /// the limit at >= 64 pages).
+    fn view_cells(&self) -> [String; 4] {
+        let v = self.view;
+        let heavy = v.host_heavy(pages_of(&self.case).map(|(p, _)| p), self.ms);
+        [
+            format!("{:.3}", v.window.median),
+            format!("{:.1}%", self.percent(self.window_gbps())),
+            format!("{:.1}", v.host_us),
+            format!(
+                "{:.1}%{}",
+                100.0 * v.host_share(self.ms),
+                if heavy {
+                    format!(" HOST>{:.0}%", 100.0 * HOST_SHARE_LIMIT)
+                } else {
+                    String::new()
+                }
+            ),
+        ]
     }
 }
 
@@ -163,12 +238,14 @@ pub struct Report {
 }
 
 impl Report {
+    /// Adds a row: the device time's figures and the engine's view. A row whose device time or
+    /// window beats its same-run ceiling is recorded as impossible.
     pub fn add(
         &mut self,
         section: &'static str,
         case: String,
         bytes: u64,
-        stats: Stats,
+        timed: Timed,
         ceiling: (&'static str, f64),
         note: String,
     ) {
@@ -176,24 +253,26 @@ impl Report {
             section,
             case,
             bytes,
-            ms: stats.median,
-            spread: (stats.min, stats.max),
+            ms: timed.median,
+            spread: (timed.min, timed.max),
+            view: timed.view,
             ceiling_name: ceiling.0,
             ceiling: ceiling.1,
             note,
         };
-        if row.gbps() > row.ceiling {
+        if row.gbps() > row.ceiling || row.window_gbps() > row.ceiling {
             self.above_ceiling
                 .push(format!("{} {}", row.section, row.case));
         }
+        let [window, window_share, host_us, heavy] = row.view_cells();
         println!(
-            "{:<12} {:<58} {:>12} B {:>9.3} ms {:>8.1} GB/s {:>6.1}% of {} {}",
+            "{:<12} {:<58} {:>12} B {:>9.3} ms {:>8.1} GB/s {:>6.1}% of {} | window {window:>9} ms {window_share:>6} | host {host_us:>7} us ({heavy}) | {}",
             row.section,
             row.case,
             row.bytes,
             row.ms,
             row.gbps(),
-            100.0 * row.gbps() / row.ceiling.max(f64::MIN_POSITIVE),
+            row.percent(row.gbps()),
             row.ceiling_name,
             row.note
         );
@@ -207,12 +286,20 @@ impl Report {
         }
         let _ = writeln!(
             s,
-            "\n| section | case | bytes | median ms (min-max) | GB/s | % of ceiling | ceiling GB/s | note |\n|---|---|---:|---:|---:|---:|---|---|"
+            "\nwindow: what an engine sees, from the entry of the call (the stream idle) to the completion of its bytes (median ms, and its share of the ceiling); host us: the call's planning and enqueueing per call (median); host share: host us over the (device) transfer time, HOST>{:.0}% where a row of >= {} pages passes {:.0}%.",
+            100.0 * HOST_SHARE_LIMIT,
+            kvshard_cli::measure::HOST_SHARE_MIN_PAGES,
+            100.0 * HOST_SHARE_LIMIT
+        );
+        let _ = writeln!(
+            s,
+            "\n| section | case | bytes | median ms (min-max) | GB/s | % of ceiling | window ms | window % of ceiling | host us/call | host share of transfer | ceiling GB/s | note |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"
         );
         for r in &self.rows {
+            let [window, window_share, host_us, heavy] = r.view_cells();
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {:.3} ({:.3}-{:.3}) | {:.1} | {:.1}% | {} {:.1} | {} |",
+                "| {} | {} | {} | {:.3} ({:.3}-{:.3}) | {:.1} | {:.1}% | {window} | {window_share} | {host_us} | {heavy} | {} {:.1} | {} |",
                 r.section,
                 r.case,
                 r.bytes,
@@ -220,7 +307,7 @@ impl Report {
                 r.spread.0,
                 r.spread.1,
                 r.gbps(),
-                100.0 * r.gbps() / r.ceiling.max(f64::MIN_POSITIVE),
+                r.percent(r.gbps()),
                 r.ceiling_name,
                 r.ceiling,
                 r.note

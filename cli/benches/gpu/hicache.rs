@@ -14,7 +14,6 @@ use kvshard::index::{LogicalPage, ModelLayer, StoredLayer};
 use kvshard::pool::DevicePool;
 use kvshard::shard::Placement;
 use kvshard::{Error, Result};
-use kvshard_cli::measure::Stats;
 use kvshard_cli::synth;
 use rand::Rng;
 
@@ -389,7 +388,7 @@ pub fn duplex(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             Direction::Backup,
         )?;
         let bytes = load.bytes(Layers::All)? + backup.bytes(Layers::All)?;
-        let stats: Stats = ctx.time(ctx.reps(8), || {
+        let stats = ctx.time(ctx.reps(8), || {
             let fork = ctx.backend.record()?;
             other.wait(&fork)?;
             load.run(ctx.backend.as_ref(), Method::CopyEngine, Layers::All)?;
@@ -438,7 +437,7 @@ pub fn duplex(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 chunk,
                 how,
             )?;
-            let stats: Stats = ctx.time(ctx.reps(8), || {
+            let stats = ctx.time(ctx.reps(8), || {
                 let fork = ctx.backend.record()?;
                 other.wait(&fork)?;
                 load.run_staged(ctx.backend.as_ref(), &relayout_load, &load_staging, how)?;

@@ -391,7 +391,7 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 let reps = ctx.reps(10);
                 let idle = ctx.time(reps, run)?;
                 // The transfer under load: the compute stream runs well past the timed transfers.
-                let window_s = (reps + 2) as f64 * idle.median / 1e3;
+                let window_s = ctx.runs(reps) as f64 * idle.median / 1e3;
                 let covering = ((window_s * 1.5) / unit_s).ceil() as usize + 2;
                 for _ in 0..covering {
                     load.enqueue(compute.stream())?;
@@ -413,7 +413,7 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 // Start the transfers once the compute stream is busy.
                 std::thread::sleep(Duration::from_secs_f64(unit_s * 2.0));
                 ctx.backend.stream().record(&from)?;
-                for _ in 0..reps + 2 {
+                for _ in 0..ctx.runs(reps) {
                     run()?;
                 }
                 ctx.backend.stream().record(&to)?;

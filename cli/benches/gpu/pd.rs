@@ -33,11 +33,10 @@ use kvshard::transfer::{
     Registration, SendPlan, Transport,
 };
 use kvshard::{Error, Result};
-use kvshard_cli::measure::Stats;
 use kvshard_cli::synth::POISON;
 use rand::Rng;
 
-use crate::harness::{Ctx, Report};
+use crate::harness::{Ctx, Report, Timed};
 use kvshard::advanced::{block_copies, kernel_pieces, KERNEL_PIECE_BYTES};
 
 /// Grids tried for the range kernel: (CTAs per SM, threads).
@@ -211,7 +210,7 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             }
             needs.pieces = tables.iter().map(|t| t.1 as usize).sum();
             decode.fill(backend.as_ref(), POISON)?;
-            let mut best: Option<(Stats, Launch)> = None;
+            let mut best: Option<(Timed, Launch)> = None;
             let mut grids = String::from("grids");
             for (per_sm, threads) in GRIDS {
                 let launch = Launch {

@@ -13,11 +13,10 @@ use kvshard::index::{LocalPage, Slot, StoredLayer};
 use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite};
 use kvshard::shard::Placement;
 use kvshard::{Error, Result};
-use kvshard_cli::measure::Stats;
 use kvshard_cli::synth::{self, POISON};
 use rand::Rng;
 
-use crate::harness::{Ctx, Report};
+use crate::harness::{Ctx, Report, Timed};
 
 /// Grids tried for the D2D kernels: (CTAs per SM, threads).
 const GRIDS: [(u32, u32); 3] = [(1, 1024), (2, 512), (4, 256)];
@@ -82,9 +81,9 @@ pub fn verify(
 }
 
 /// Times the kernel at every grid of [`GRIDS`]; returns the best and a note listing all.
-fn best_grid(ctx: &Ctx, copy: &BlockCopy, reps: usize) -> Result<(Stats, String)> {
+fn best_grid(ctx: &Ctx, copy: &BlockCopy, reps: usize) -> Result<(Timed, String)> {
     let sms = ctx.gpu.info().sm_count;
-    let mut best: Option<Stats> = None;
+    let mut best: Option<Timed> = None;
     let mut note = String::from("grids");
     for (per_sm, threads) in GRIDS {
         let launch = Launch {
