@@ -310,7 +310,7 @@ impl Backend for CudaBackend {
     }
 
     fn record(&self) -> Result<Event> {
-        let e = self.gpu.new_event(false)?;
+        let e = self.gpu.pooled_event(false)?;
         self.stream.record(&e)?;
         Ok(Event(EventInner::Cuda {
             event: Arc::new(e),
@@ -319,7 +319,7 @@ impl Backend for CudaBackend {
     }
 
     fn record_timed(&self) -> Result<Event> {
-        let e = self.gpu.new_event(true)?;
+        let e = self.gpu.pooled_event(true)?;
         self.stream.record(&e)?;
         Ok(Event(EventInner::Cuda {
             event: Arc::new(e),

@@ -36,11 +36,9 @@ pub use usage::{pending_frees, StreamId, Usage};
 use std::fmt;
 use std::sync::Arc;
 
-use cudarc::driver::CudaEvent;
-
 use crate::abi;
 use crate::error::{Error, Result};
-use crate::gpu::{kernels, KernelFn};
+use crate::gpu::{kernels, KernelFn, PooledEvent};
 
 /// Where a buffer lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -279,7 +277,10 @@ enum EventInner {
         at: Option<Arc<std::sync::OnceLock<std::time::Instant>>>,
     },
     /// A CUDA event, and the stream (by its handle) it was recorded on.
-    Cuda { event: Arc<CudaEvent>, stream: u64 },
+    Cuda {
+        event: Arc<PooledEvent>,
+        stream: u64,
+    },
 }
 
 /// Grid shape of a copy kernel: transfers share SMs with the forward pass, so the caller picks.

@@ -15,7 +15,8 @@ pub(crate) mod sync_count;
 pub mod topology;
 pub mod vmm;
 
-use std::sync::Arc;
+use std::ops::Deref;
+use std::sync::{Arc, Mutex, Weak};
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 
@@ -23,6 +24,7 @@ use module::Module;
 pub use module::{kernels, Kernel, KernelFn, RESOURCE_USAGE};
 
 use crate::error::{Error, Result};
+use crate::lock::lock;
 
 /// Architectures whose code this build embeds (`None` when built without kernels).
 pub fn embedded_archs() -> Option<&'static str> {
@@ -57,6 +59,70 @@ pub struct Gpu {
     ctx: Arc<CudaContext>,
     module: Module,
     info: DeviceInfo,
+    events: Arc<Mutex<EventPool>>,
+}
+
+/// Most events of each kind a [`Gpu`] keeps for reuse; more are destroyed when dropped.
+const POOLED_EVENTS: usize = 1024;
+
+/// Events no one holds any more, kept for reuse: every enqueue records a few (stream order,
+/// usage records, completions), and creating and destroying a CUDA event each time costs more
+/// host time than recording one (two driver calls and two context binds more).
+#[derive(Default)]
+struct EventPool {
+    timed: Vec<CudaEvent>,
+    untimed: Vec<CudaEvent>,
+}
+
+impl EventPool {
+    fn kind(&mut self, timing: bool) -> &mut Vec<CudaEvent> {
+        if timing {
+            &mut self.timed
+        } else {
+            &mut self.untimed
+        }
+    }
+}
+
+/// An event of a [`Gpu`]'s pool ([`Gpu::pooled_event`]): a [`CudaEvent`] that goes back to the
+/// pool when dropped. Reuse is safe: it is dropped only when no one holds it, and a later
+/// record replaces what it tracked (a stream wait enqueued earlier keeps the point it named).
+pub struct PooledEvent {
+    event: Option<CudaEvent>,
+    timing: bool,
+    pool: Weak<Mutex<EventPool>>,
+}
+
+impl Deref for PooledEvent {
+    type Target = CudaEvent;
+
+    fn deref(&self) -> &CudaEvent {
+        // Some from creation until `drop` takes it.
+        self.event
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("a pooled event is held until dropped"))
+    }
+}
+
+impl Drop for PooledEvent {
+    fn drop(&mut self) {
+        let (Some(event), Some(pool)) = (self.event.take(), self.pool.upgrade()) else {
+            return;
+        };
+        let mut pool = lock(&pool);
+        let kind = pool.kind(self.timing);
+        if kind.len() < POOLED_EVENTS {
+            kind.push(event);
+        }
+    }
+}
+
+impl std::fmt::Debug for PooledEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PooledEvent")
+            .field("timing", &self.timing)
+            .finish_non_exhaustive()
+    }
 }
 
 impl std::fmt::Debug for Gpu {
@@ -83,7 +149,12 @@ impl Gpu {
         let ctx = CudaContext::new(ordinal).map_err(Error::driver("cuDevicePrimaryCtxRetain"))?;
         let info = device_info(&ctx, ordinal)?;
         let module = Module::load(&ctx, fatbin)?;
-        Ok(Arc::new(Gpu { ctx, module, info }))
+        Ok(Arc::new(Gpu {
+            ctx,
+            module,
+            info,
+            events: Arc::default(),
+        }))
     }
 
     /// Device facts.
@@ -121,6 +192,21 @@ impl Gpu {
         // SAFETY: the caller guarantees `raw` is a live stream of this context (see above).
         let inner = unsafe { self.ctx.wrap_borrowed_stream(raw) };
         Stream { inner }
+    }
+
+    /// An event from this device's pool (a new one when the pool has none of the kind);
+    /// `timing` enables elapsed-time queries. It goes back to the pool when dropped.
+    pub fn pooled_event(&self, timing: bool) -> Result<PooledEvent> {
+        let reused = lock(&self.events).kind(timing).pop();
+        let event = match reused {
+            Some(e) => e,
+            None => self.new_event(timing)?,
+        };
+        Ok(PooledEvent {
+            event: Some(event),
+            timing,
+            pool: Arc::downgrade(&self.events),
+        })
     }
 
     /// A new event; `timing` enables elapsed-time queries.
