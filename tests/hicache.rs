@@ -2100,9 +2100,9 @@ fn staged_backups_back_to_back_reuse_one_staging() {
     )
     .unwrap();
     assert_eq!(ctl.staging_pages(), DEFAULT_STAGING_PAGES);
-    assert_eq!((DEFAULT_STAGING_PAGES, ctl.staging_bytes()), (32, 0));
-    let staging_bytes = 2 * 32 * g.page_bytes();
-    // Three nodes of 70 pages (chunks of 32, 32 and 6): one in order, one reversed, one every
+    assert_eq!((DEFAULT_STAGING_PAGES, ctl.staging_bytes()), (16, 0));
+    let staging_bytes = 2 * DEFAULT_STAGING_PAGES as usize * g.page_bytes();
+    // Three nodes of 70 pages (chunks of 16, 16, 16, 16 and 6): one in order, one reversed, one every
     // other page of the rest, so the relayout scatters.
     let chain: Vec<Vec<LogicalPage>> = vec![
         lp(&(1..=70).collect::<Vec<_>>()),

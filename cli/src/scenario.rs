@@ -8,6 +8,7 @@
 
 use std::fmt;
 
+use kvshard::backend::Launch;
 use kvshard::copy::{Method, Staging};
 use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry, PAGE_SIZE};
 use kvshard::hicache::Route;
@@ -37,11 +38,18 @@ impl Platform {
         self == Platform::Gpu
     }
 
-    /// The HiCache route the scenarios use: the staged copy engine on a GPU (what measured best
-    /// for bulk transfers next to compute), the plain copy engine on the CPU twin.
+    /// The HiCache route the scenarios use: on a GPU the copy engine through device staging
+    /// with a block-kernel relayout of 8 CTAs (BENCHMARKS.md, session 8: 94.9% of pinned H2D
+    /// for a 64-page load, where the copy-engine relayout spends 1.7 ms of host time enqueueing
+    /// its 2D copies and reaches 87.7%); the plain copy engine on the CPU twin.
+    /// The relayout's CTAs take the copy kernels' compiled thread count, what
+    /// [`Launch::host_io`] gives on every architecture built.
     pub fn route(self) -> Route {
         match self {
-            Platform::Gpu => Route::Staged(Method::CopyEngine),
+            Platform::Gpu => Route::Staged(Method::Kernel(Launch {
+                ctas: 8,
+                threads: kvshard::abi::KVS_COPY_THREADS,
+            })),
             Platform::Cpu => Route::Direct(Method::CopyEngine),
         }
     }

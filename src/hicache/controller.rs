@@ -56,9 +56,11 @@ use crate::shard::{AllocRequest, ChainStart, ShardAllocator};
 const SPARE_TABLES: usize = 8;
 
 /// Pages each of a direction's two staging buffers holds unless
-/// [`HiCacheController::set_staging_pages`] says otherwise: what the copy-engine relayout was
-/// measured with (BENCHMARKS.md). Device memory: `2 * pages * page bytes` per direction in use.
-pub const DEFAULT_STAGING_PAGES: u64 = 32;
+/// [`HiCacheController::set_staging_pages`] says otherwise: the chunk that measured best for the
+/// kernel relayout at 64 and 512 pages (BENCHMARKS.md, session 8: the two buffers overlap as
+/// soon as a load has more than one chunk). Device memory: `2 * pages * page bytes` per
+/// direction in use.
+pub const DEFAULT_STAGING_PAGES: u64 = 16;
 
 /// How the controller moves a transfer's bytes. A [`Method`] converts into [`Route::Direct`],
 /// so every operation also takes one directly.
