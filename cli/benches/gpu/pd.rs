@@ -11,7 +11,9 @@
 //!   stream order;
 //! - `range kernel, Transport::submit`: the same transport with `Method::RangeKernel` and the
 //!   best grid above, each rank's range table uploaded in stream order;
-//! - `copy engine, Transport::submit`: one `cudaMemcpyBatchAsync` per rank.
+//! - `copy engine, Transport::submit`: one `cudaMemcpyBatchAsync` per rank;
+//! - `..., a stream per rank` (N > 1): the default transport with each rank on a stream of its
+//!   own, as separate prefill processes send, the harness stream waiting for all of them.
 //!
 //! Transport rows time the submits only (events around them); the completions are waited for
 //! after the timing. Every row notes what each chunk needs: descriptors (coalesced, from
@@ -22,6 +24,7 @@
 use std::sync::Arc;
 
 use kvshard::abi;
+use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{Backend, Launch, MemoryKind};
 use kvshard::copy::{BlockSpace, Method, RemoteSpace};
 use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry, PAGE_SIZE};
@@ -350,7 +353,84 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 )?;
                 report.add("pd", format!("{case}, {name}"), bytes, stats, d2d, note);
             }
+            if n > 1 {
+                per_rank_streams(
+                    ctx,
+                    report,
+                    &case,
+                    &plans,
+                    &ranks,
+                    &remote,
+                    (&src, &dst, &decode),
+                )?;
+            }
         }
     }
+    Ok(())
+}
+
+/// The default transport with each rank on a stream of its own, as separate prefill processes
+/// (or GPUs) send: each rank's stream starts after the harness stream's start and the harness
+/// stream waits for every rank's, so the timing covers all of them. The ranks' chunks then
+/// overlap instead of queueing one after the other on one stream.
+fn per_rank_streams(
+    ctx: &mut Ctx,
+    report: &mut Report,
+    case: &str,
+    plans: &[SendPlan],
+    ranks: &[Arc<DevicePool>],
+    remote: &Arc<RemoteSpace>,
+    (src, dst, decode): (&[LogicalPage], &[LocalPage], &Arc<DevicePool>),
+) -> Result<()> {
+    let backend = ctx.shared();
+    let streams = ranks
+        .iter()
+        .map(|_| Ok(Arc::new(CudaBackend::new(ctx.gpu.clone())?) as Arc<dyn Backend>))
+        .collect::<Result<Vec<_>>>()?;
+    let mut transports: Vec<BackendTransport> = streams
+        .iter()
+        .map(|s| BackendTransport::new(s.clone()))
+        .collect();
+    decode.fill(backend.as_ref(), POISON)?;
+    let bytes: u64 = plans.iter().map(|p| p.bytes().total()).sum();
+    let reps = ctx.reps(20);
+    let mut pending: Vec<Box<dyn Completion>> = Vec::new();
+    let stats = ctx.time(reps, || {
+        let start = backend.record()?;
+        for ((plan, pool), (t, s)) in plans
+            .iter()
+            .zip(ranks)
+            .zip(transports.iter_mut().zip(&streams))
+        {
+            s.wait(&start)?;
+            pending.push(t.submit(plan, pool, remote)?);
+            backend.wait(&s.record()?)?;
+        }
+        Ok(())
+    })?;
+    for mut completion in pending {
+        completion.wait_sync()?;
+    }
+    backend.synchronize()?;
+    let name =
+        "block kernel from page lists (Method::default_for), Transport::submit, a stream per rank";
+    verify(
+        backend.as_ref(),
+        &mut ctx.rng,
+        ranks,
+        src,
+        decode,
+        dst,
+        name,
+    )?;
+    let d2d = ("d2d", ctx.ceilings.d2d);
+    report.add(
+        "pd",
+        format!("{case}, {name}"),
+        bytes,
+        stats,
+        d2d,
+        format!("{} streams, one BackendTransport each", ranks.len()),
+    );
     Ok(())
 }
