@@ -36,8 +36,9 @@ use kvshard::{Error, Result};
 
 use super::message::Message;
 use super::{
-    blocks, ceiling, check_method, layer_range, method_name, rank0_gpu, run_roles, shape_args,
-    socket_path, verify_landed, DecodeWatch, Processes, Report, Role, REQUEST_TIMEOUT, STARTUP,
+    blocks, ceiling, check_method, gpu_count, layer_range, method_name, rank0_gpu, run_roles,
+    shape_args, socket_path, verify_landed, DecodeWatch, Processes, Report, Role, REQUEST_TIMEOUT,
+    STARTUP,
 };
 use crate::demo::pressure::{
     run_scenario, AllGather, Local, Prompts, Scenario, PROMPT_1, PROMPT_2,
@@ -624,8 +625,13 @@ pub fn run(cfg: &PressurePdConfig, exe: &Path) -> Result<Report> {
         let _ = std::fs::remove_file(decode_socket(&socket, d));
     }
     drop(group);
+    let present = match cfg.processes.platform {
+        Platform::Cpu => 1,
+        _ => gpu_count().unwrap_or(1),
+    };
+    let shared_gpu = ranks > 1 && !cfg.processes.ranks_on_distinct_gpus(ranks, present);
     Ok(Report {
-        markdown: table(cfg, &messages?),
+        markdown: table(cfg, &messages?, shared_gpu),
     })
 }
 
@@ -659,7 +665,8 @@ struct PromptSend {
 }
 
 /// The report from the processes' messages.
-fn table(cfg: &PressurePdConfig, messages: &[(Role, Message)]) -> String {
+/// The run's tables; `shared_gpu` when the prefill ranks share a GPU (and its host link).
+fn table(cfg: &PressurePdConfig, messages: &[(Role, Message)], shared_gpu: bool) -> String {
     let sc = &cfg.scenario;
     // Messages in rank (or decode) order, whatever order the pipes delivered them in.
     let mut messages: Vec<&(Role, Message)> = messages.iter().collect();
@@ -794,6 +801,20 @@ fn table(cfg: &PressurePdConfig, messages: &[(Role, Message)]) -> String {
             h2d.share(moved.gbps()),
             during(rank, window, &send_windows),
             during(rank, window, &reload_windows),
+        );
+    }
+    // Ranks that share a GPU share its host link: their reloads together are what the link
+    // delivered, bytes over the span from the first start to the last end (wall clock).
+    if reloads.len() > 1 && shared_gpu {
+        let bytes: u64 = reloads.iter().map(|r| r.1.bytes).sum();
+        let start = reloads.iter().map(|r| r.2 .0).fold(f64::INFINITY, f64::min);
+        let end = reloads.iter().map(|r| r.2 .1).fold(0.0, f64::max);
+        let g = gbps(bytes, end - start);
+        let _ = writeln!(
+            out,
+            "| all, one shared link (bytes / span of the windows) | {bytes} | {:.2} | {g:.1} | {} | | |",
+            end - start,
+            h2d.share(g)
         );
     }
     let _ = writeln!(
@@ -992,7 +1013,7 @@ mod tests {
         }
         // The order the pipes deliver does not matter.
         messages.reverse();
-        let table = table(&cfg, &messages);
+        let table = table(&cfg, &messages, true);
         assert!(
             table.contains("ceiling: local D2D copy on GPU 0, 1 GiB: 2000.0 GB/s"),
             "{table}"
@@ -1014,6 +1035,14 @@ mod tests {
             table.contains("| 0 | 25000000 | 1.00 | 25.0 | 50% | 100% | 50% |"),
             "{table}"
         );
+        // Together, over the span of both windows (0-15 ms): 50 MB in 15 ms on the one link.
+        assert!(
+            table.contains(
+                "| all, one shared link (bytes / span of the windows) | 50000000 | 15.00 | 3.3 | 7% | | |"
+            ),
+            "{table}"
+        );
+        assert!(!super::table(&cfg, &messages, false).contains("one shared link"));
         assert_eq!(table.matches("| byte-identical |").count(), 4, "{table}");
         // 12 ms after the last chunk was written, decode 1 had prompt 1.
         assert!(
