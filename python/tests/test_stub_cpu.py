@@ -30,6 +30,7 @@ MODULE_ORDER = [
     "owned_row_write",
     "budget",
     "transfer",
+    "mooncake",
     "hicache_enums",
     "host_pool",
     "layer_signals",
