@@ -32,6 +32,7 @@ passed (``Overdue``); a peer whose connection ends fails every open request with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import select
 import socket
@@ -57,7 +58,7 @@ CONNECT_TIMEOUT = 30.0
 def load_engine_class():
     """``mooncake.engine.TransferEngine``, or ``UnavailableError`` saying what to install."""
     try:
-        from mooncake.engine import TransferEngine
+        from mooncake.engine import TransferEngine  # type: ignore[import-untyped]
     except ImportError as e:  # the wheel, or a system library it needs (libibverbs, libnuma)
         raise UnavailableError(
             "Mooncake's transfer engine does not load: install mooncake-transfer-engine "
@@ -376,7 +377,7 @@ class _Flight:
 
     __slots__ = ("chunk", "future", "started", "posted")
 
-    def __init__(self, chunk):
+    def __init__(self, chunk: _k.MooncakeChunk) -> None:
         self.chunk = chunk
         self.future: Future | None = None
         self.started = time.perf_counter()
@@ -545,7 +546,9 @@ class MooncakePrefill:
                 status = c.poll()
             except ChunkFailedError as e:
                 status = e.status
-                self.sender.close(c.request)
+                # Closed here unless a later chunk already ended it (its final one was sent).
+                with contextlib.suppress(TransferError):
+                    self.sender.close(c.request)
             if status is None:
                 continue
             if flight.future is None and c.bounced and not status.ok:
@@ -554,11 +557,15 @@ class MooncakePrefill:
             elif flight.future is not None and not flight.future.done():
                 # Failed by its deadline while the engine still moves it: keep the buffers
                 # until it is done (the bounce buffer is freed then).
-                flight.future.add_done_callback(lambda _f, c=c: c.bounced and self.sender.bounce_free())
+                if c.bounced:
+                    flight.future.add_done_callback(self._free_bounce)
             self._flights.remove(flight)
             self._report(status, c)
             out.append(status)
         return out
+
+    def _free_bounce(self, _done: Future) -> None:
+        self.sender.bounce_free()
 
     @property
     def in_flight(self) -> int:

@@ -7,9 +7,10 @@ decode process can compute the in-process reference (the same requests sent by
 
 Run as ``python mooncake_procs.py ROLE DIR SEED [RANK]``: ROLE is ``decode``, ``prefill``, or
 ``prefill-die`` (rank 1 kills itself with SIGKILL in the middle of request ``DIES_IN``), or
-``decode-die`` (the decode kills itself once every rank has connected and the first request is
-registered); DIR holds the decode's address (``decode.addr``) and each process's report
-(``ROLE-RANK.json``). The mode is ``KVSHARD_MC_MODE`` (auto, coalesced, bounce), the device
+``decode-die`` (the decode kills itself with SIGKILL once the first request has finished, the
+others moving); DIR holds the decode's address (``decode.addr``) and each process's report
+(``ROLE-RANK.json``). ``KVSHARD_MC_PACE`` spaces a prefill's chunks by that many seconds,
+``KVSHARD_MC_TIMEOUT`` is its transfer timeout. The mode is ``KVSHARD_MC_MODE`` (auto, coalesced, bounce), the device
 ``KVSHARD_MC_DEVICE`` (cpu, or a CUDA ordinal).
 """
 
@@ -165,9 +166,6 @@ def decode_main(dir, seed, die):
     reqs = requests(seed)
     for reg, _, _ in reqs:
         dec.register(reg)
-        if die:
-            time.sleep(0.2)
-            os.kill(os.getpid(), signal.SIGKILL)
     results = {}
     overdue = []
     gone_at = {}
@@ -176,6 +174,10 @@ def decode_main(dir, seed, die):
         if time.monotonic() - start > LOOP_BOUND:
             break
         finished, late = dec.poll()
+        if die and finished:
+            # Mid-transfer: the first request is done, the others are moving.
+            report(dir, "killed-0", {"at": time.time()})
+            os.kill(os.getpid(), signal.SIGKILL)
         for f in finished:
             results[f.request] = {
                 "completed": f.completed,
@@ -214,6 +216,8 @@ def prefill_main(dir, seed, rank, die):
         time.sleep(0.01)
     host, port = json.loads(addr_file.read_text())
     timeout = float(os.environ.get("KVSHARD_MC_TIMEOUT", "20"))
+    # Seconds between chunks: keeps transfers going while the decode dies (decode-die tests).
+    pace = float(os.environ.get("KVSHARD_MC_PACE", "0"))
     pre = mooncake.MooncakePrefill(
         pool, (host, port), mode=mode(), bounce_pages=BOUNCE_PAGES, transfer_timeout=timeout
     )
@@ -243,6 +247,7 @@ def prefill_main(dir, seed, rank, die):
                 errors.append(f"{type(e).__name__}: {e}")
                 break
             statuses += [s.ok for s in pre.progress()]
+            time.sleep(pace)
     while pre.in_flight:
         statuses += [s.ok for s in pre.progress()]
         time.sleep(0.0005)
