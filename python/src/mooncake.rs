@@ -68,12 +68,15 @@ fn engine_address(cpu: Option<&CpuBackend>, addr: u64, len: u64) -> kvshard::Res
     }
 }
 
+/// `(regions to register, layer bases)` of a pool, as `engine_memory` returns them.
+type EngineMemory = (Vec<(u64, u64)>, Vec<Vec<u64>>);
+
 /// The memory of `pool` as a transfer engine registers and addresses it: the contiguous
 /// regions to register once, `[(address, bytes)]` (adjacent layers merged), and the base of
 /// every stored layer of every component (`bases[c][l]`, in `geometry.components()` order),
 /// what the decode side publishes to its prefill ranks (`MooncakeSender(decode_bases=...)`).
 #[pyfunction]
-pub fn engine_memory(pool: &PyDevicePool) -> PyResult<(Vec<(u64, u64)>, Vec<Vec<u64>>)> {
+pub fn engine_memory(pool: &PyDevicePool) -> PyResult<EngineMemory> {
     let device = pool.device.get();
     let cpu = device.cpu().map(|b| b.as_ref());
     let p = &pool.inner;
