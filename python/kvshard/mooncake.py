@@ -434,6 +434,9 @@ class MooncakePrefill:
         #: Registrations the decode side sent, by request, opened on the sender.
         self.registrations: dict[int, object] = {}
         self._layout = _k.PoolLayout.packed(pool.geometry, self.decode_pages)
+        #: Seconds spent in the engine's post calls alone (``stats()["post_seconds"]`` adds
+        #: kvshard's planning and the packing launch, which on the CPU twin runs the copy).
+        self.engine_post_seconds = 0.0
 
     @property
     def gone(self) -> str | None:
@@ -480,6 +483,7 @@ class MooncakePrefill:
         t0 = time.perf_counter()
         batch = self.engine.te.batch_transfer_async_write(self.target, c.src_addrs, c.dst_addrs, c.lengths)
         post = time.perf_counter() - t0
+        self.engine_post_seconds += post
         c.posted(post)
         flight.posted = True
         if batch == 0 or batch < 0 or batch >= 1 << 63:
