@@ -1,15 +1,17 @@
 """Bounce mode's post time against its transfer time over Mooncake's engine: one decode and one
 prefill (N = 1) in this process, each with its own engine, DRAM pools (``--device cpu``) or
-VRAM (``--device 0``), one request of ``--pages`` pages sent as one final chunk, ``--iters``
+VRAM (``--device 0``), one request of ``--pages`` pages (into scattered decode pages) sent as
+one final chunk, ``--iters``
 times per mode. Prints, per mode, descriptors per chunk, the mean post time (kvshard's planning
 and packing launch plus the engine's post; on the CPU twin the launch runs the copy), the engine's
 post alone, and transfer time (from ``send`` to the engine
 reporting the batch complete), and their ratio. Needs ``mooncake.engine``.
 
-    python -P python/mooncake_bench.py --pages 512
+    python -P python/mooncake_bench.py --pages 64,512,4096
 """
 
 import argparse
+import random
 import threading
 import time
 
@@ -33,7 +35,10 @@ def run(device, pages, iters, mode):
         if i == 1:
             base = pre.stats()  # the first iteration warms the connection up
             engine0 = pre.engine_post_seconds
-        reg = kvshard.Registration(i + 1, layout, list(range(1, pages + 1)), list(range(1, pages + 1)))
+        # The decode's pages scattered, as an engine's allocator hands them out (a sharded rank's
+        # sit N apart): no two neighbours coalesce.
+        dst = random.Random(i).sample(range(1, pages + 1), pages)
+        reg = kvshard.Registration(i + 1, layout, dst, dst)
         dec.register(reg)
         while not pre.take_registrations():
             time.sleep(0.0001)
@@ -58,19 +63,21 @@ def run(device, pages, iters, mode):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--pages", type=int, default=512)
+    ap.add_argument("--pages", default="512", help="comma-separated page counts")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     a = ap.parse_args()
     device = kvshard.Device.cpu() if a.device == "cpu" else kvshard.Device.cuda(int(a.device))
     print("| mode | pages | descriptors/chunk | MB/chunk | post ms (kvshard + engine) | engine post ms | transfer ms | post/transfer | engine post/transfer |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, mode in [("bounce", kvshard.MooncakeMode.BOUNCE), ("coalesced", kvshard.MooncakeMode.COALESCED)]:
-        d, post, engine, transfer, nbytes = run(device, a.pages, a.iters, mode)
-        print(
-            f"| {name} | {a.pages} | {d} | {nbytes / 1e6:.1f} | {post * 1e3:.3f} | {engine * 1e3:.3f} | "
-            f"{transfer * 1e3:.2f} | {100 * post / transfer:.2f}% | {100 * engine / transfer:.2f}% |"
-        )
+    for pages in [int(p) for p in a.pages.split(",")]:
+        for name, mode in [("bounce", kvshard.MooncakeMode.BOUNCE), ("coalesced", kvshard.MooncakeMode.COALESCED)]:
+            d, post, engine, transfer, nbytes = run(device, pages, a.iters, mode)
+            print(
+                f"| {name} | {pages} | {d} | {nbytes / 1e6:.1f} | {post * 1e3:.3f} | {engine * 1e3:.3f} | "
+                f"{transfer * 1e3:.2f} | {100 * post / transfer:.2f}% | {100 * engine / transfer:.2f}% |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

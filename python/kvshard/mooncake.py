@@ -387,7 +387,8 @@ class _Flight:
 class MooncakePrefill:
     """One prefill rank: connects to the decode side's side channel (``decode``, its
     ``MooncakeDecode.address``), registers its pool and bounce buffer with its engine, and
-    moves each chunk ``send`` plans with a Mooncake batch write. Call ``progress`` every
+    moves each chunk ``send`` plans with Mooncake batch writes (``max_batch`` descriptors each,
+    in turn: its TCP transport refuses a batch of many thousands). Call ``progress`` every
     scheduling step: it posts packed chunks, reports landed or failed ones to the decode side,
     and returns their statuses."""
 
@@ -402,9 +403,12 @@ class MooncakePrefill:
         bounce_below: int = 512 << 10,
         transfer_timeout: float = 30.0,
         workers: int = 4,
+        max_batch: int = 2048,
         stream=None,
     ):
         self.pool = pool
+        #: Descriptors per Mooncake batch (a chunk of more is posted in several, in turn).
+        self.max_batch = max_batch
         self.engine = engine or Engine(decode[0])
         self.channel = _Channel(socket.create_connection(decode, timeout=CONNECT_TIMEOUT))
         self.channel.send({"t": "hi", "rank": pool.rank, "shape": _shape(pool.geometry)})
@@ -478,18 +482,43 @@ class MooncakePrefill:
         self._advance(flight)
         return chunk
 
+    def _submit(self, src, dst, lengths):
+        """One Mooncake batch write; its id, or the failure as a string."""
+        batch = self.engine.te.batch_transfer_async_write(self.target, src, dst, lengths)
+        if batch == 0 or batch < 0 or batch >= 1 << 63:
+            return f"Mooncake batch_transfer_async_write returned {batch}"
+        return batch
+
+    def _rest(self, first, src, dst, lengths):
+        """Runs on a worker thread: waits for the first batch, then posts and waits for the
+        rest of a chunk's descriptors, ``max_batch`` at a time; 0 once all completed."""
+        batch = first
+        at = 0
+        while True:
+            rc = self.engine.te.get_batch_transfer_status([batch])
+            at += self.max_batch
+            if rc != 0 or at >= len(lengths):
+                return rc
+            end = at + self.max_batch
+            batch = self._submit(src[at:end], dst[at:end], lengths[at:end])
+            if isinstance(batch, str):
+                return batch
+
     def _post(self, flight: _Flight) -> None:
         c = flight.chunk
+        src, dst, lengths = c.src_addrs, c.dst_addrs, c.lengths
         t0 = time.perf_counter()
-        batch = self.engine.te.batch_transfer_async_write(self.target, c.src_addrs, c.dst_addrs, c.lengths)
+        # Mooncake's TCP transport refuses batches that overflow its queues (thousands of
+        # descriptors): a long list goes ``max_batch`` at a time, the rest from the worker.
+        first = self._submit(src[: self.max_batch], dst[: self.max_batch], lengths[: self.max_batch])
         post = time.perf_counter() - t0
         self.engine_post_seconds += post
         c.posted(post)
         flight.posted = True
-        if batch == 0 or batch < 0 or batch >= 1 << 63:
-            c.failed(f"Mooncake batch_transfer_async_write returned {batch}")
+        if isinstance(first, str):
+            c.failed(first)
             return
-        flight.future = self._pool.submit(self.engine.te.get_batch_transfer_status, [batch])
+        flight.future = self._pool.submit(self._rest, first, src, dst, lengths)
 
     def _advance(self, flight: _Flight) -> None:
         c = flight.chunk
