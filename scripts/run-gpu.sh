@@ -134,7 +134,7 @@ for step in "${steps[@]}"; do
     for lib in "$rt"/sys/*; do
       name=$(basename "$lib")
       if [ "$name" = libcudart.so.13 ] && [ -n "$cudart" ]; then continue; fi
-      ldconfig -p | grep -q " $name " || cp "$lib" "$rt/fallback/"
+      ldconfig -p | awk '{print $1}' | grep -qxF "$name" || cp "$lib" "$rt/fallback/"
     done
     mc_path="$rt/fallback${cudart:+:$(dirname "$cudart")}"
     log="$out/mooncake.log"

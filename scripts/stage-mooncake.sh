@@ -16,11 +16,12 @@ cd "$(dirname "$0")/.."
 
 out="${1:-.gpu/mooncake.tar.xz}"
 version=0.3.14
-# The GPU host's Python (3.12): the engine module is built per CPython version.
-py=312
+# The GPU host's Python (3.12; MOONCAKE_PY=311 for this machine's, to try the set here): the
+# engine module is built per CPython version.
+py="${MOONCAKE_PY:-312}"
 cache=target/mooncake-wheel
 wheel="$cache/mooncake_transfer_engine_cuda13-$version-cp$py-cp$py-manylinux_2_28_x86_64.whl"
-[ -f "$wheel" ] || python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+[ -f "$wheel" ] || python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version "${py:0:1}.${py:1}" \
   -d "$cache" "mooncake-transfer-engine-cuda13==$version"
 CUDA_HOME="${CUDA_HOME:-$(scripts/install-cuda.sh)}"
 

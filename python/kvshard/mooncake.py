@@ -388,7 +388,8 @@ class MooncakePrefill:
     """One prefill rank: connects to the decode side's side channel (``decode``, its
     ``MooncakeDecode.address``), registers its pool and bounce buffer with its engine, and
     moves each chunk ``send`` plans with Mooncake batch writes (``max_batch`` descriptors each,
-    in turn: its TCP transport refuses a batch of many thousands). Call ``progress`` every
+    in turn: its TCP transport refuses a batch of many thousands). Constructing it waits (at
+    most ``CONNECT_TIMEOUT``) for the decode side's hello. Call ``progress`` every
     scheduling step: it posts packed chunks, reports landed or failed ones to the decode side,
     and returns their statuses."""
 
@@ -610,7 +611,9 @@ class MooncakePrefill:
         return self.sender.stats()
 
     def close(self) -> None:
-        """Closes the side channel and deregisters the memory (after the engine is done)."""
+        """Closes the side channel and deregisters the memory, after the engine is done with
+        every posted batch (waits for the worker threads: at most Mooncake's own transfer
+        timeout)."""
         self._pool.shutdown(wait=True)
         self.channel.close()
         self.engine.close()
