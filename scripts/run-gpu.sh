@@ -12,8 +12,9 @@
 #   mooncake  the Mooncake transport: decode and two prefill processes, VRAM pools on GPU 0, the
 #             staged CUDA 13 engine (mooncake.tar.xz) over its TCP transport, every mode
 #             byte-identical to the in-process reference (python/tests/test_mooncake_cpu.py
-#             -k loopback with KVSHARD_MC_DEVICE=0), then python/mooncake_bench.py on VRAM into
-#             mooncake.md; says exactly why when the engine cannot load
+#             -k loopback with KVSHARD_MC_DEVICE=0); with MOONCAKE_BENCH=1 then
+#             python/mooncake_bench.py on VRAM into mooncake.md (MOONCAKE_BENCH_N, _PAGES pick the
+#             shapes); says exactly why when the engine cannot load
 #   bench     the GPU benchmark (arguments after `--` go to it)
 # Writes to $OUT (default ./gpu-out): summary.log, tests.log, sanitizer.log, demo.log, pd.md,
 # python.md, bench.md, bench.log and the benchmark's charts, bench-SECTION.svg. The binaries need
@@ -149,10 +150,13 @@ for step in "${steps[@]}"; do
       KVSHARD_MC_DEVICE=0 KVSHARD_REQUIRE_MOONCAKE=1 timeout 85 python3 -P -m pytest -q -rs \
       python/tests/test_mooncake_cpu.py -k loopback) >>"$log" 2>&1; then r=ok; else r=FAILED; status=1; fi
     say "mooncake: $r ($(grep -E 'passed|failed|skipped' "$log" | tail -1))"
-    # Bounce against coalesced posting, N = 1, VRAM (python/mooncake_bench.py) into mooncake.md.
-    (cd "$repo" && LD_LIBRARY_PATH="$mc_path:${LD_LIBRARY_PATH:-}" PYTHONPATH="$rt/site:$rt/kvshard" \
-      GLOG_minloglevel=2 timeout 60 python3 -P python/mooncake_bench.py --device 0 --pages 64,512,4096 --iters 3) \
-      >"$out/mooncake.md" 2>>"$log" || say "mooncake bench: FAILED or cut short (mooncake.log)"
+    if [ "${MOONCAKE_BENCH:-0}" = 1 ]; then
+      # Bounce against coalesced posting on VRAM (python/mooncake_bench.py) into mooncake.md.
+      (cd "$repo" && LD_LIBRARY_PATH="$mc_path:${LD_LIBRARY_PATH:-}" PYTHONPATH="$rt/site:$rt/kvshard" \
+        GLOG_minloglevel=2 timeout 300 python3 -P python/mooncake_bench.py --device 0 \
+        --n "${MOONCAKE_BENCH_N:-1,2,8}" --pages "${MOONCAKE_BENCH_PAGES:-64,512,4096}" --iters 3) \
+        >"$out/mooncake.md" 2>>"$log" || say "mooncake bench: FAILED or cut short (mooncake.log)"
+    fi
     ;;
   bench)
     OUT="$out" "$here/benches/gpu" "$@" 2>&1 | tee "$out/bench.log" >/dev/null

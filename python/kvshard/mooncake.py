@@ -404,7 +404,7 @@ class MooncakePrefill:
         bounce_below: int = 512 << 10,
         transfer_timeout: float = 30.0,
         workers: int = 4,
-        max_batch: int = 2048,
+        max_batch: int = 512,
         stream=None,
     ):
         self.pool = pool
