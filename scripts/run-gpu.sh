@@ -9,6 +9,12 @@
 #   pressure  kvshard pd --scenario pressure: the seed's topology, a process per rank and decode
 #             (the report goes after pd's in pd.md; PRESSURE_ARGS adds flags)
 #   python    python/run-gpu-tests.sh on the staged wheel, with its benchmark
+#   mooncake  the Mooncake transport: decode and two prefill processes, VRAM pools on GPU 0, the
+#             staged CUDA 13 engine (mooncake.tar.xz) over its TCP transport, every mode
+#             byte-identical to the in-process reference (python/tests/test_mooncake_cpu.py
+#             -k loopback with KVSHARD_MC_DEVICE=0); with MOONCAKE_BENCH=1 then
+#             python/mooncake_bench.py on VRAM into mooncake.md (MOONCAKE_BENCH_N, _PAGES pick the
+#             shapes); says exactly why when the engine cannot load
 #   bench     the GPU benchmark (arguments after `--` go to it)
 #   plan      kvshard plan for the seed's scenario (CP2, 4x host cache), the ceilings measured
 #             here: D2D and pinned H2D on GPU 0, O_DIRECT reads in $PLAN_DISK (default $OUT)
@@ -112,6 +118,47 @@ for step in "${steps[@]}"; do
     if OUT=/tmp/py-out "$repo/python/run-gpu-tests.sh" "$wheel" --bench >/tmp/py-console.log 2>&1; then r=ok; else r=FAILED; status=1; fi
     { cat /tmp/py-out/env.log; cat /tmp/py-out/bench-python.md; echo '```'; tail -60 /tmp/py-out/pytest.log; cat /tmp/py-out/bench.log; echo '```'; } >"$out/python.md" 2>/dev/null
     say "python: $r ($(grep -E 'passed|failed' /tmp/py-out/pytest.log | tail -1))"
+    ;;
+  mooncake)
+    rt=/tmp/mooncake-rt
+    rm -rf "$rt"
+    mkdir -p "$rt/fallback" "$rt/kvshard"
+    wheel=$(ls "$here"/kvshard-*.whl 2>/dev/null | head -1)
+    if [ ! -f "$here/mooncake.tar.xz" ] || [ -z "$wheel" ]; then
+      say "mooncake: no staged mooncake.tar.xz or kvshard wheel (scripts/stage-gpu.sh)"
+      status=1
+      continue
+    fi
+    tar -C "$rt" -xJf "$here/mooncake.tar.xz"
+    python3 -m zipfile -e "$wheel" "$rt/kvshard"
+    # The system libraries the engine loads, from the host where it has them (libcudart 13 from
+    # its CUDA Python packages too), else the staged copies.
+    cudart=$(find / -xdev -name 'libcudart.so.13' -path '*nvidia*' 2>/dev/null | head -1)
+    for lib in "$rt"/sys/*; do
+      name=$(basename "$lib")
+      if [ "$name" = libcudart.so.13 ] && [ -n "$cudart" ]; then continue; fi
+      ldconfig -p | awk '{print $1}' | grep -qxF "$name" || cp "$lib" "$rt/fallback/"
+    done
+    mc_path="$rt/fallback${cudart:+:$(dirname "$cudart")}"
+    log="$out/mooncake.log"
+    if ! LD_LIBRARY_PATH="$mc_path:${LD_LIBRARY_PATH:-}" PYTHONPATH="$rt/site:$rt/kvshard" \
+      python3 -c 'import mooncake.engine as e; print("mooncake.engine loads; SUPPORT_CUDA", e.SUPPORT_CUDA)' >"$log" 2>&1; then
+      { echo "--- missing libraries:"; LD_LIBRARY_PATH="$mc_path:${LD_LIBRARY_PATH:-}" ldd "$rt/site/mooncake/engine.so" | grep 'not found'; } >>"$log"
+      say "mooncake: the CUDA 13 engine does not load here: $(grep -v '^---' "$log" | tail -1)"
+      status=1
+      continue
+    fi
+    if (cd "$repo" && LD_LIBRARY_PATH="$mc_path:${LD_LIBRARY_PATH:-}" PYTHONPATH="$rt/site:$rt/kvshard" \
+      KVSHARD_MC_DEVICE=0 KVSHARD_REQUIRE_MOONCAKE=1 timeout 85 python3 -P -m pytest -q -rs \
+      python/tests/test_mooncake_cpu.py -k loopback) >>"$log" 2>&1; then r=ok; else r=FAILED; status=1; fi
+    say "mooncake: $r ($(grep -E 'passed|failed|skipped' "$log" | tail -1))"
+    if [ "${MOONCAKE_BENCH:-0}" = 1 ]; then
+      # Bounce against coalesced posting on VRAM (python/mooncake_bench.py) into mooncake.md.
+      (cd "$repo" && LD_LIBRARY_PATH="$mc_path:${LD_LIBRARY_PATH:-}" PYTHONPATH="$rt/site:$rt/kvshard" \
+        GLOG_minloglevel=2 timeout 300 python3 -P python/mooncake_bench.py --device 0 \
+        --n "${MOONCAKE_BENCH_N:-1,2,8}" --pages "${MOONCAKE_BENCH_PAGES:-64,512,4096}" --iters 3) \
+        >"$out/mooncake.md" 2>>"$log" || say "mooncake bench: FAILED or cut short (mooncake.log)"
+    fi
     ;;
   bench)
     OUT="$out" "$here/benches/gpu" "$@" 2>&1 | tee "$out/bench.log" >/dev/null

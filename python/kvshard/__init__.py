@@ -6,7 +6,9 @@ The classes wrap kvshard's Rust API (see the README): ``CacheGeometry`` (with th
 ``RequestChain``, ``Budget``, ``DevicePool`` (allocated, or wrapping the engine's tensors
 through DLPack with no copy) and ``OwnedRowWrite``, P/D ``Sender``/``Receiver`` with
 ``RemoteSpace``, ``HostPool`` (kvshard's and SGLang's byte layouts), ``TransferPlan``,
-``HostTransfer`` and ``HiCacheController``. ``kvshard.sglang.MLAHostPool`` offers SGLang's
+``HostTransfer`` and ``HiCacheController``; ``MooncakeSender`` hands send plans out as a transfer
+engine's (source, destination, length) lists, and ``kvshard.mooncake`` runs P/D on Mooncake's
+transfer engine with them. ``kvshard.sglang.MLAHostPool`` offers SGLang's
 host pool interface on top. Choices are enum classes, never strings: ``LatentLayout``,
 ``Component``, ``HostLayout``, ``Route``, ``WritePolicy``, ``Direction``, and ``Method``, how
 bytes move on every route (P/D senders, HiCache transfers and their staged relayouts).
@@ -71,7 +73,11 @@ from ._kvshard import (
     LayerWaits,
     LoadAck,
     LoadHandle,
+    BounceBuffer,
     Method,
+    MooncakeChunk,
+    MooncakeMode,
+    MooncakeSender,
     Overdue,
     OwnedRowWrite,
     PendingChunk,
@@ -95,6 +101,7 @@ from ._kvshard import (
     WritePolicy,
     driver_present,
     embedded_archs,
+    engine_memory,
     plan_capacity,
 )
 
@@ -146,7 +153,11 @@ __all__ = [
     "LayerWaits",
     "LoadAck",
     "LoadHandle",
+    "BounceBuffer",
     "Method",
+    "MooncakeChunk",
+    "MooncakeMode",
+    "MooncakeSender",
     "Overdue",
     "OwnedRowWrite",
     "PendingChunk",
@@ -170,5 +181,6 @@ __all__ = [
     "WritePolicy",
     "driver_present",
     "embedded_archs",
+    "engine_memory",
     "plan_capacity",
 ]

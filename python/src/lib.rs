@@ -16,7 +16,8 @@
 //! `device` (devices, streams, events), `geometry`, `shard` (placement, the allocator),
 //! `method` (how bytes move), `pool_tensors` (what every pool shares about tensors),
 //! `device_pool`, `chunk_staging`, `owned_row_write`, `budget`, `capacity` (the capacity
-//! planner), `transfer` (P/D),
+//! planner), `transfer` (P/D), `mooncake` (send plans as a transfer engine's descriptor
+//! lists, bounce buffers),
 //! `hicache_enums` (HiCache's choices), `host_pool`, `layer_signals` (per-layer readiness),
 //! `host_transfer` (transfer plans, host transfers, their staging), `hicache_controller`,
 //! `chain` (a request's chain, which makes HiCache nodes and P/D registrations), `bench`
@@ -60,6 +61,7 @@ mod host_transfer;
 mod layer_signals;
 mod lock;
 mod method;
+mod mooncake;
 mod owned_row_write;
 mod pool_tensors;
 mod shard;
@@ -137,6 +139,11 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<transfer::PyOverdue>()?;
     m.add_class::<transfer::PyReceiver>()?;
     m.add_class::<method::PyMethod>()?;
+    m.add_function(wrap_pyfunction!(mooncake::engine_memory, m)?)?;
+    m.add_class::<mooncake::PyMooncakeMode>()?;
+    m.add_class::<mooncake::PyBounceBuffer>()?;
+    m.add_class::<mooncake::PyMooncakeChunk>()?;
+    m.add_class::<mooncake::PyMooncakeSender>()?;
     m.add_class::<hicache_enums::PyHostLayout>()?;
     m.add_class::<hicache_enums::PyRoute>()?;
     m.add_class::<hicache_enums::PyWritePolicy>()?;

@@ -31,6 +31,7 @@ MODULE_ORDER = [
     "budget",
     "capacity",
     "transfer",
+    "mooncake",
     "hicache_enums",
     "host_pool",
     "layer_signals",

@@ -33,9 +33,13 @@
 //!   [`PrefillEndpoint`], over the control channel of [`crate::ipc`].
 //! - `stats`: the counters every transport keeps (bytes, descriptors, post and transfer time,
 //!   failures), named after the metrics vLLM's NIXL connector and KVBM export.
+//! - `bounce`: whole-chunk bounce buffers ([`BounceBuffer`]) for engines that post one
+//!   descriptor per chunk and rank (Mooncake's, through the Python package): the pack of a
+//!   chunk's owned blocks into one contiguous range, and the decode side's scatter.
 //! - `nixl` (feature `nixl`): the transport on NVIDIA's NIXL, for prefill and decode on
 //!   different hosts.
 
+mod bounce;
 pub(crate) mod endpoint;
 pub(crate) mod exec;
 #[cfg(feature = "nixl")]
@@ -47,6 +51,7 @@ pub(crate) mod stats;
 pub(crate) mod transport;
 
 pub use crate::status::{ChunkResult, ChunkStatus, ComponentBytes};
+pub use bounce::{BounceBuffer, Packed, PackedSection};
 pub use endpoint::{DecodeEndpoint, DecodeEvent, PrefillEndpoint, PrefillEvent, CHUNK_EVENTS};
 pub use exec::{BackendTransport, CallCounts, DescriptorBatch};
 pub use plan::{
