@@ -23,7 +23,7 @@ use kvshard::copy::{BlockSpace, Direction, IoCalls, LayerSignals, Layers, Method
 use kvshard::geometry::{CacheGeometry, Component, ComponentLayout, LatentLayout, PoolGeometry};
 use kvshard::hicache::{
     pages_of_tokens, CacheNode, HiCacheController, HostLayout, HostPool, HostTransfer, LayerReady,
-    Route, Streams, TransferPlan, WritePolicy, DEFAULT_STAGING_PAGES,
+    Route, Streams, TransferPlan, WritePolicy, AUTO_STAGED_LOAD_PAGES, DEFAULT_STAGING_PAGES,
 };
 use kvshard::index::{LocalPage, LogicalPage, ModelLayer, Slot, StoredLayer};
 use kvshard::pool::{DevicePool, PoolBuffers, RawBuffer};
@@ -400,6 +400,10 @@ fn run_route(w: &Where<'_>, t: &mut HostTransfer, route: Route, chunk: u64) {
             t.run_staged(w.b, w.other, &staging, how).unwrap();
             // The staging is dropped here: `w.b` reaching this point means all has landed.
             w.b.synchronize().unwrap();
+        }
+        Route::Auto => {
+            let route = Route::auto(t.direction(), t.plan().len(), w.b);
+            run_route(w, t, route, chunk)
         }
     }
 }
@@ -2073,6 +2077,70 @@ fn controller_acks_in_fifo_order_across_mixed_routes() {
         );
     }
     assert!(pool.snapshot_sync(b.as_ref()).unwrap() == expected);
+}
+
+#[test]
+fn the_auto_route_picks_by_direction_and_pages_and_moves_the_same_bytes() {
+    let b: Arc<dyn Backend> = Arc::new(CpuBackend::new());
+    let bk = b.as_ref();
+    let staged = AUTO_STAGED_LOAD_PAGES;
+    assert_eq!(Route::default(), Route::Auto);
+    assert!(matches!(
+        Route::auto(Direction::Load, staged - 1, bk),
+        Route::Direct(Method::Kernel(_))
+    ));
+    assert!(matches!(
+        Route::auto(Direction::Load, staged, bk),
+        Route::Staged(Method::Kernel(_))
+    ));
+    assert!(matches!(
+        Route::auto(Direction::Backup, 4 * staged, bk),
+        Route::Direct(Method::Kernel(_))
+    ));
+    // Through a controller: a node of `staged` pages (a staged load) and one of 3 (direct),
+    // backed up and reloaded into other pages with Route::Auto, come back byte for byte.
+    let g = &geometries()[1];
+    let pages = 2 * staged as u64 + 8;
+    let pool = Arc::new(DevicePool::allocate(bk, g, Placement::unsharded(), 0, pages + 1).unwrap());
+    let storage = pool.storage().unwrap();
+    let mut rng =
+        common::rng("the_auto_route_picks_by_direction_and_pages_and_moves_the_same_bytes");
+    b.write_sync(storage, 0, &synth::bytes(&mut rng, storage.len()))
+        .unwrap();
+    let host = Arc::new(HostPool::new(bk, g, pages, HostLayout::PageFirstDirect).unwrap());
+    let streams = plain_streams(&|| -> Arc<dyn Backend> { b.clone() });
+    let mut ctl =
+        HiCacheController::new(pool.clone(), host, streams, WritePolicy::WriteBack).unwrap();
+    let big: Vec<u64> = (1..=staged as u64).collect();
+    let small = [staged as u64 + 1, staged as u64 + 3, staged as u64 + 5];
+    for (id, from, to) in [
+        (
+            1,
+            big.clone(),
+            big.iter()
+                .map(|p| p + staged as u64 + 8)
+                .collect::<Vec<_>>(),
+        ),
+        (2, small.to_vec(), vec![pages - 2, pages - 1, pages]),
+    ] {
+        let local = |ps: &[u64]| ps.iter().map(|&p| LocalPage(p)).collect::<Vec<_>>();
+        let before = pool.read_pages_sync(bk, &local(&from)).unwrap();
+        let now = done(bk);
+        ctl.backup(&cache_node(id, &from), &now, Route::Auto)
+            .unwrap();
+        ctl.ack_backups_sync(1).unwrap();
+        ctl.load(id, &lp(&to), None, Route::default()).unwrap();
+        ctl.ack_loads_sync(1).unwrap();
+        assert!(
+            pool.read_pages_sync(bk, &local(&to)).unwrap() == before,
+            "node {id}: {} pages",
+            from.len()
+        );
+    }
+    assert!(
+        ctl.staging_bytes() > 0,
+        "the large load went through the staging"
+    );
 }
 
 #[test]

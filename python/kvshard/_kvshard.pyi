@@ -274,7 +274,7 @@ class Method:
 
 @final
 class Route:
-    """How a HiCacheController operation moves a node: direct with a Method, or staged."""
+    """How a HiCacheController operation moves a node: direct with a Method, staged, or picked per call (AUTO, the default)."""
 
     KERNEL: ClassVar[Route]
     COPY_ENGINE: ClassVar[Route]
@@ -282,6 +282,7 @@ class Route:
     BATCH: ClassVar[Route]
     STAGED: ClassVar[Route]
     STAGED_KERNEL: ClassVar[Route]
+    AUTO: ClassVar[Route]
     def __int__(self) -> int: ...
 
 @final
@@ -987,8 +988,8 @@ class LoadHandle:
 
 @final
 class HiCacheController:
-    # policy: WritePolicy.WRITE_THROUGH by default; route: Route.COPY_ENGINE (Route.KERNEL for
-    # `load`).
+    # policy: WritePolicy.WRITE_THROUGH by default; route: Route.AUTO (picked per call from the
+    # direction and pages).
     def __new__(
         cls,
         device_pool: DevicePool,

@@ -158,8 +158,8 @@ impl PyLoadHandle {
 /// One rank's HiCache controller: a load stream with per-layer readiness, a backup stream that
 /// waits for compute and acks in FIFO order, relayout streams, the host allocator, and a write
 /// policy (a `WritePolicy`, default `WRITE_THROUGH`). Every call takes a `Route` (and `ctas=`,
-/// the CTAs of its kernels): straight between the pools on an I/O backend, or through device
-/// staging.
+/// the CTAs of its kernels): straight between the pools on an I/O backend, through device
+/// staging, or `Route.AUTO` (the default): picked per call from the direction and pages.
 #[pyclass(frozen, module = "kvshard", name = "HiCacheController")]
 pub struct PyHiCacheController {
     pub(crate) inner: Mutex<HiCacheController>,
@@ -272,7 +272,7 @@ impl PyHiCacheController {
     /// after `after`: a kvshard or torch event, or a stream (its current point: the work
     /// queued on it so far); None is the current point of the stream `None` means. Returns the
     /// backup's queue index when one was submitted.
-    #[pyo3(signature = (node, after, route = PyRoute::COPY_ENGINE, *, ctas = 2))]
+    #[pyo3(signature = (node, after, route = PyRoute::AUTO, *, ctas = 2))]
     fn access(
         &self,
         py: Python<'_>,
@@ -289,7 +289,7 @@ impl PyHiCacheController {
 
     /// Backs `node` up after `after` (as in `access`): allocates its host pages, copies every
     /// layer of this rank's pages on the backup stream. Returns the queue index.
-    #[pyo3(signature = (node, after, route = PyRoute::COPY_ENGINE, *, ctas = 2))]
+    #[pyo3(signature = (node, after, route = PyRoute::AUTO, *, ctas = 2))]
     fn backup(
         &self,
         py: Python<'_>,
@@ -306,7 +306,7 @@ impl PyHiCacheController {
 
     /// `node` is leaving the device pool (write-back backs it up first, after `after` as in
     /// `access`, blocking); returns the acks popped up to its backup.
-    #[pyo3(signature = (node, after, route = PyRoute::COPY_ENGINE, *, ctas = 2))]
+    #[pyo3(signature = (node, after, route = PyRoute::AUTO, *, ctas = 2))]
     fn evict(
         &self,
         py: Python<'_>,
@@ -329,7 +329,7 @@ impl PyHiCacheController {
     /// `after` when given (a kvshard or torch event, or a stream's current point; None: right
     /// away). `Route.KERNEL`: one launch with a ready counter per layer; copy-engine routes layer
     /// after layer; staged routes every layer at once.
-    #[pyo3(signature = (node, device_pages, after = None, route = PyRoute::KERNEL, *, ctas = 2))]
+    #[pyo3(signature = (node, device_pages, after = None, route = PyRoute::AUTO, *, ctas = 2))]
     fn load(
         &self,
         py: Python<'_>,

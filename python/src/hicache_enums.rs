@@ -80,6 +80,9 @@ pub enum PyRoute {
     STAGED,
     /// Through device staging, relaid by the kernel.
     STAGED_KERNEL,
+    /// Picked per call from the direction and pages (Rust's `Route::auto`, the rule measured
+    /// in BENCHMARKS.md): the default.
+    AUTO,
 }
 
 impl PyRoute {
@@ -93,6 +96,7 @@ impl PyRoute {
             Self::BATCH => Route::Direct(method(PyMethod::BATCHED_COPY_ENGINE)),
             Self::STAGED => Route::Staged(method(PyMethod::COPY_ENGINE)),
             Self::STAGED_KERNEL => Route::Staged(method(PyMethod::KERNEL)),
+            Self::AUTO => Route::Auto,
         }
     }
 }

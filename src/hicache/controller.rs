@@ -42,7 +42,7 @@ use super::direct::{check_direct, HostTransfer};
 use super::plan::TransferPlan;
 use super::signals::LayerReady;
 use super::staged::{check_relayout, StagedIo};
-use crate::backend::{Backend, Event};
+use crate::backend::{Backend, Event, Launch};
 use crate::chain::RequestChain;
 use crate::copy::{BlockSpace, Direction, LayerSignals, Layers, Method, TableBuffer};
 use crate::error::{Error, Result};
@@ -63,8 +63,8 @@ const SPARE_TABLES: usize = 8;
 pub const DEFAULT_STAGING_PAGES: u64 = 16;
 
 /// How the controller moves a transfer's bytes. A [`Method`] converts into [`Route::Direct`],
-/// so every operation also takes one directly.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// so every operation also takes one directly; the default is [`Route::Auto`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Route {
     /// Straight between the device pool and the host pool on the direction's stream
     /// ([`HostTransfer::run`]: [`Method::Kernel`], [`Method::CopyEngine`],
@@ -79,6 +79,46 @@ pub enum Route {
     /// wants `Direct(Method::Kernel(..))` instead. Serves every host layout and every device
     /// pool.
     Staged(Method),
+    /// kvshard picks per call from the transfer's direction and pages ([`Route::auto`]).
+    #[default]
+    Auto,
+}
+
+/// Pages from which [`Route::auto`] loads through the staging: below them the direct kernel
+/// is as fast (BENCHMARKS.md, session 8: 93.0% against 94.9% of pinned H2D at 64 pages; at 512
+/// pages 93.2% against 98.3%) and keeps its per-layer readiness.
+pub const AUTO_STAGED_LOAD_PAGES: usize = 64;
+
+impl Route {
+    /// The route [`Route::Auto`] takes for a transfer of `pages` pages in `direction` on
+    /// `backend` (the direction's stream), the rule BENCHMARKS.md (session 8, H200) measured:
+    /// - a backup: the block kernel straight into the host pool, 2 CTAs (95.2% of pinned D2H at
+    ///   64 and 512 pages; the copy engine 69.6-70.1%, staged 90.9%);
+    /// - a load of at least [`AUTO_STAGED_LOAD_PAGES`] pages: the copy engine through device
+    ///   staging with an 8-CTA kernel relayout (94.9% at 64 pages, 98.3% at 512), every layer
+    ///   ready at the end; a smaller load: the block kernel with a ready counter per layer, 2
+    ///   CTAs (93.0%).
+    ///
+    /// A consumer that overlaps a large load layer by layer with its forward pass wants
+    /// `Direct(Method::Kernel(..))` instead: the staged route readies every layer at once.
+    pub fn auto(direction: Direction, pages: usize, backend: &dyn Backend) -> Route {
+        match direction {
+            Direction::Load if pages >= AUTO_STAGED_LOAD_PAGES => {
+                Route::Staged(Method::Kernel(Launch::host_io(backend, 8)))
+            }
+            Direction::Load | Direction::Backup => {
+                Route::Direct(Method::Kernel(Launch::host_io(backend, 2)))
+            }
+        }
+    }
+
+    /// This route, with [`Route::Auto`] resolved for `pages` pages in `direction`.
+    fn resolve(self, direction: Direction, pages: usize, backend: &dyn Backend) -> Route {
+        match self {
+            Route::Auto => Route::auto(direction, pages, backend),
+            route => route,
+        }
+    }
 }
 
 impl From<Method> for Route {
@@ -92,6 +132,7 @@ impl std::fmt::Display for Route {
         match self {
             Self::Direct(method) => write!(f, "direct, {method}"),
             Self::Staged(method) => write!(f, "staged, {method} relayout"),
+            Self::Auto => f.write_str("auto"),
         }
     }
 }
@@ -397,8 +438,8 @@ impl HiCacheController {
 
     /// Makes both directions' staging now (`2 * staging_pages` pages of device memory each),
     /// unless made already, so that the first [`Route::Staged`] backup and load do not allocate
-    /// inside an engine's step: a device allocation of that size costs more than planning and
-    /// enqueueing the transfer (BENCHMARKS.md, session 8), and CUDA allows it to synchronize.
+    /// inside an engine's step: a device allocation is not stream-ordered, and CUDA allows it to
+    /// synchronize the device.
     /// Engines call it once after [`HiCacheController::new`] (and after
     /// [`HiCacheController::set_staging_pages`]); without it the staging is made by the first
     /// staged transfer of each direction. Refused, changing nothing, if the device's memory
@@ -499,7 +540,11 @@ impl HiCacheController {
         compute: &Event,
         route: impl Into<Route>,
     ) -> Result<u64> {
-        let route = route.into();
+        let route = route.into().resolve(
+            Direction::Backup,
+            node.device_pages.len(),
+            self.streams.backup.as_ref(),
+        );
         if self.host_nodes.contains_key(&node.id) {
             return Err(Error::HiCache(format!(
                 "node {} is already on the host",
@@ -558,6 +603,7 @@ impl HiCacheController {
                 made(&self.backup_staging)?,
                 how,
             )?,
+            Route::Auto => return Err(unresolved()),
         }
         backup.record()
     }
@@ -589,7 +635,11 @@ impl HiCacheController {
         after: Option<&Event>,
         route: impl Into<Route>,
     ) -> Result<LoadHandle> {
-        let route = route.into();
+        let route = route.into().resolve(
+            Direction::Load,
+            device_pages.len(),
+            self.streams.load.as_ref(),
+        );
         check_route(route)?;
         let host_pages = self
             .host_pages(node)
@@ -632,6 +682,7 @@ impl HiCacheController {
                 let done = LayerReady::Event(load.record()?);
                 vec![done; model_layers]
             }
+            Route::Auto => return Err(unresolved()),
         };
         let done = load.record()?;
         let index = self.next_load;
@@ -758,6 +809,7 @@ impl HiCacheController {
                     transfer.prepare_staged(tables.as_ref(), staging, &mut self.spare_tables)?;
                 }
             }
+            Route::Auto => return Err(unresolved()),
         }
         Ok(transfer)
     }
@@ -769,7 +821,16 @@ fn check_route(route: Route) -> Result<()> {
     match route {
         Route::Direct(method) => check_direct(method),
         Route::Staged(how) => check_relayout(how),
+        // Resolved per call (`Route::resolve`) before anything is planned.
+        Route::Auto => Ok(()),
     }
+}
+
+/// [`Route::Auto`] reaching a step that runs a route: every public call resolves it first, so
+/// this reports a bug rather than a caller's mistake, before anything is enqueued (`transfer`
+/// runs first).
+fn unresolved() -> Error {
+    Error::HiCache("an auto route reached a transfer unresolved".into())
 }
 
 /// A direction's staging, which `HiCacheController::transfer` makes for every staged route.
