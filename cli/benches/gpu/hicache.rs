@@ -10,7 +10,8 @@ use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{Backend, Launch};
 use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry};
 use kvshard::hicache::{
-    HostLayout, HostPool, HostTransfer, Route, StagedIo, TransferPlan, DEFAULT_STAGING_PAGES,
+    CacheNode, HiCacheController, HostLayout, HostPool, HostTransfer, Route, StagedIo, Streams,
+    TransferPlan, WritePolicy, DEFAULT_STAGING_PAGES,
 };
 use kvshard::index::{LogicalPage, ModelLayer, StoredLayer};
 use kvshard::pool::DevicePool;
@@ -288,6 +289,96 @@ pub fn io(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 }
             }
         }
+        if layout == HostLayout::PageFirstDirect {
+            controller_loads(ctx, report, &pool, &host, max_pages)?;
+        }
+    }
+    Ok(())
+}
+
+/// What an engine sees: `HiCacheController::load` timed from the call (planning, table
+/// uploads, enqueueing and the copy) to the bytes landed, on a node backed up beforehand, with
+/// the automatic route and the two it chooses between. The controller's load stream is the
+/// harness stream, so the timing's events bracket the whole load.
+fn controller_loads(
+    ctx: &mut Ctx,
+    report: &mut Report,
+    pool: &Arc<DevicePool>,
+    host: &Arc<HostPool>,
+    max_pages: u64,
+) -> Result<()> {
+    let b: Arc<dyn Backend> = ctx.backend.clone();
+    let gpu = ctx.gpu.clone();
+    let other = || -> Result<Arc<dyn Backend>> { Ok(Arc::new(CudaBackend::new(gpu.clone())?)) };
+    let streams = Streams {
+        load: b.clone(),
+        backup: other()?,
+        load_relayout: other()?,
+        backup_relayout: other()?,
+        tables: other()?,
+    };
+    let mut ctl = HiCacheController::new(
+        pool.clone(),
+        host.clone(),
+        streams,
+        WritePolicy::WriteThrough,
+    )?;
+    ctl.prepare_staging()?;
+    for (id, pages) in [64usize, 512]
+        .into_iter()
+        .filter(|&p| p as u64 <= max_pages)
+        .enumerate()
+    {
+        let perm = synth::permutation(&mut ctx.rng, max_pages as usize);
+        let node = CacheNode {
+            id: id as u64,
+            device_pages: logical(perm[..pages].iter().map(|&p| p as u64 + 1)),
+            start_owner: None,
+        };
+        ctl.backup(&node, &b.record()?, Route::Auto)?;
+        ctl.ack_backups_sync(1)?;
+        let host_pages = ctl
+            .host_pages(node.id)
+            .ok_or_else(|| Error::HiCache("an acked backup has host pages".into()))?
+            .to_vec();
+        let plan = TransferPlan::new(
+            Placement::unsharded(),
+            0,
+            &node.device_pages,
+            &host_pages,
+            max_pages + 1,
+            max_pages + 1,
+        )?;
+        let bytes = HostTransfer::new(pool.clone(), host.clone(), plan.clone(), Direction::Load)?
+            .bytes(Layers::All)?;
+        let routes = [
+            Route::Auto,
+            Route::Direct(Method::host_io(b.as_ref(), 2)),
+            Route::Staged(Method::host_io(b.as_ref(), STAGED_CTAS)),
+        ];
+        for route in routes {
+            let picked = match route {
+                Route::Auto => format!("auto: {}", Route::auto(Direction::Load, pages, b.as_ref())),
+                r => r.to_string(),
+            };
+            let reps = ctx.reps(8);
+            let stats = ctx.time(reps, || {
+                ctl.load(node.id, &node.device_pages, None, route)
+                    .map(|_| ())
+            })?;
+            let pending = ctl.pending_loads();
+            ctl.ack_loads_sync(pending)?;
+            verify(b.as_ref(), &mut ctx.rng, pool, host, &plan)?;
+            report.add(
+                "hicache",
+                format!("PageFirstDirect controller load {pages}p x 62 layers, HiCacheController::load ({picked})"),
+                bytes,
+                stats,
+                ceiling(ctx, Direction::Load),
+                "from the call: planning, table uploads, enqueueing and the copy; staging made up front".into(),
+            );
+        }
+        ctl.free_host(node.id)?;
     }
     Ok(())
 }
