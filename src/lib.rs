@@ -106,6 +106,7 @@ pub mod gpu;
 pub mod hicache;
 pub mod index;
 pub mod ipc;
+pub mod key;
 mod lock;
 #[cfg(feature = "nccl")]
 pub mod nccl;
