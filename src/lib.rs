@@ -110,6 +110,8 @@ pub mod key;
 mod lock;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+#[cfg(feature = "nixl")]
+mod nixl;
 pub mod pool;
 pub mod quantize;
 pub mod shard;

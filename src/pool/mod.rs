@@ -12,6 +12,8 @@
 //! use it (writer, sender, HiCache controller).
 
 mod budget;
+#[cfg(feature = "nixl")]
+pub mod disk;
 mod gather;
 pub(crate) mod host;
 pub(crate) mod layout;
