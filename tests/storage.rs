@@ -148,8 +148,8 @@ fn pages_round_trip_between_ranks_byte_for_byte() {
     let b = CpuBackend::new();
     let h0 = host(&b, HostLayout::LayerFirst.into());
     let h1 = host(&b, HostFormat::sglang(HostLayout::PageFirst, true));
-    let mut s0 = DiskStore::open(h0.clone(), Some(&b), config(&dir, 0, 2, 64)).unwrap();
-    let mut s1 = DiskStore::open(h1.clone(), Some(&b), config(&dir, 1, 2, 64)).unwrap();
+    let mut s0 = DiskStore::open(h0.clone(), &b, config(&dir, 0, 2, 64)).unwrap();
+    let mut s1 = DiskStore::open(h1.clone(), &b, config(&dir, 1, 2, 64)).unwrap();
     eprintln!(
         "storage: {} ({} B pages in {} B slots)",
         s0.io_queue(),
@@ -204,7 +204,7 @@ fn pages_round_trip_between_ranks_byte_for_byte() {
     // Reopened (a restart): the journals rebuild the index.
     drop((s0, s1));
     let h2 = host(&b, HostFormat::sglang(HostLayout::PageFirstDirect, false));
-    let mut s0 = DiskStore::open(h2.clone(), Some(&b), config(&dir, 0, 2, 64)).unwrap();
+    let mut s0 = DiskStore::open(h2.clone(), &b, config(&dir, 0, 2, 64)).unwrap();
     let snap = s0.snapshot().unwrap();
     assert_eq!(snap.records(), &[6, 6]);
     assert_eq!(s0.lookup(&keys, &snap).unwrap(), 12);
@@ -229,7 +229,7 @@ fn full_files_reclaim_the_least_recently_used_slots() {
     // On libaio (what a container that blocks io_uring gets).
     let mut c = config(&dir, 0, 1, 8);
     c.queue = QueueChoice::Aio;
-    let mut s = DiskStore::open(h.clone(), Some(&b), c).unwrap();
+    let mut s = DiskStore::open(h.clone(), &b, c).unwrap();
     assert!(matches!(s.io_queue(), IoQueue::Aio { .. }));
     let (keys, data) = batch(2, 0, 12);
     for (i, d) in data.iter().enumerate() {
@@ -271,7 +271,7 @@ fn flipped_bytes_are_a_counted_miss() {
     let dir = scratch("corrupt");
     let b = CpuBackend::new();
     let h = host(&b, HostLayout::LayerFirst.into());
-    let mut s = DiskStore::open(h.clone(), Some(&b), config(&dir, 0, 1, 8)).unwrap();
+    let mut s = DiskStore::open(h.clone(), &b, config(&dir, 0, 1, 8)).unwrap();
     let (keys, data) = batch(3, 0, 3);
     let items: Vec<_> = keys
         .iter()
@@ -307,7 +307,7 @@ fn flipped_bytes_are_a_counted_miss() {
     let snap = s.snapshot().unwrap();
     assert_eq!(s.exists(&keys, &snap).unwrap(), vec![true, false, true]);
     drop(s);
-    let mut s = DiskStore::open(h, Some(&b), config(&dir, 0, 1, 8)).unwrap();
+    let mut s = DiskStore::open(h, &b, config(&dir, 0, 1, 8)).unwrap();
     let snap = s.snapshot().unwrap();
     assert_eq!(s.exists(&keys, &snap).unwrap(), vec![true, false, true]);
 }
@@ -323,7 +323,7 @@ fn unusable_directories_and_full_disks_are_typed_errors() {
     // A directory below a regular file cannot be made (root or not).
     let file = dir.join("plain-file");
     std::fs::write(&file, b"x").unwrap();
-    match DiskStore::open(h.clone(), Some(&b), config(&file.join("cp0"), 0, 1, 4)) {
+    match DiskStore::open(h.clone(), &b, config(&file.join("cp0"), 0, 1, 4)) {
         Err(Error::Storage {
             failure: StorageFailure::Open,
             ..
@@ -334,7 +334,7 @@ fn unusable_directories_and_full_disks_are_typed_errors() {
     let vfs = rustix::fs::statvfs(&dir).unwrap();
     let free = vfs.f_bavail * vfs.f_frsize;
     let slots = free / geometry().page_bytes() as u64 * 2 + 1;
-    match DiskStore::open(h.clone(), Some(&b), config(&dir.join("full"), 0, 1, slots)) {
+    match DiskStore::open(h.clone(), &b, config(&dir.join("full"), 0, 1, slots)) {
         Err(Error::Storage {
             failure: StorageFailure::Full,
             ..
@@ -346,8 +346,8 @@ fn unusable_directories_and_full_disks_are_typed_errors() {
         .len();
     assert_eq!(len, 0, "nothing allocated");
     // Another slot count than the journal's: a format error, naming the journal.
-    drop(DiskStore::open(h.clone(), Some(&b), config(&dir.join("fmt"), 0, 1, 4)).unwrap());
-    match DiskStore::open(h.clone(), Some(&b), config(&dir.join("fmt"), 0, 1, 5)) {
+    drop(DiskStore::open(h.clone(), &b, config(&dir.join("fmt"), 0, 1, 4)).unwrap());
+    match DiskStore::open(h.clone(), &b, config(&dir.join("fmt"), 0, 1, 5)) {
         Err(Error::Storage {
             failure: StorageFailure::Format,
             ..
@@ -355,13 +355,14 @@ fn unusable_directories_and_full_disks_are_typed_errors() {
         other => panic!("expected a format error, got {other:?}"),
     }
     // Bad arguments, and host pages outside the pool (page 0 is padding).
-    assert!(DiskStore::open(h.clone(), Some(&b), config(&dir, 2, 2, 4)).is_err());
-    let mut s = DiskStore::open(h.clone(), Some(&b), config(&dir.join("ok"), 0, 1, 4)).unwrap();
+    assert!(DiskStore::open(h.clone(), &b, config(&dir, 2, 2, 4)).is_err());
+    let mut s = DiskStore::open(h.clone(), &b, config(&dir.join("ok"), 0, 1, 4)).unwrap();
     let (keys, _) = batch(4, 0, 1);
     assert!(s.store_sync(&[(keys[0], LocalPage(0))]).is_err());
     assert!(s.load_sync(&[(keys[0], LocalPage(PAGES))]).is_err());
-    // A pool on the CPU twin needs its backend for its addresses.
-    assert!(DiskStore::open(h, None, config(&dir.join("ok2"), 0, 1, 4)).is_err());
+    // A pool of another backend: its buffers are not that arena's.
+    let other = CpuBackend::new();
+    assert!(DiskStore::open(h, &other, config(&dir.join("ok2"), 0, 1, 4)).is_err());
 }
 
 /// Batches the crash child writes before the parent kills it (it keeps writing after, up to
@@ -398,7 +399,7 @@ fn a_writer_killed_mid_write_leaves_only_whole_pages() {
     child.wait().expect("reap the writer");
     let b = CpuBackend::new();
     let h = host(&b, HostLayout::PageFirst.into());
-    let mut s = DiskStore::open(h.clone(), Some(&b), config(&dir, 0, 1, CRASH_SLOTS)).unwrap();
+    let mut s = DiskStore::open(h.clone(), &b, config(&dir, 0, 1, CRASH_SLOTS)).unwrap();
     let snap = s.snapshot().unwrap();
     let (mut hits, mut misses) = (0, 0);
     // Batch after batch until one with no page at all (the writer never got to it).
@@ -450,7 +451,7 @@ fn a_writer_killed_mid_write_leaves_only_whole_pages() {
 fn writer(dir: &Path) {
     let b = CpuBackend::new();
     let h = host(&b, HostLayout::LayerFirst.into());
-    let mut s = DiskStore::open(h.clone(), Some(&b), config(dir, 0, 1, CRASH_SLOTS)).unwrap();
+    let mut s = DiskStore::open(h.clone(), &b, config(dir, 0, 1, CRASH_SLOTS)).unwrap();
     for n in 0..CRASH_BATCHES {
         let (keys, data) = batch(5, n, BATCH_PAGES);
         for (i, d) in data.iter().enumerate() {

@@ -11,7 +11,8 @@ use super::index::Index;
 use super::io::{FileIo, Io, IoQueue, QueueChoice};
 use super::journal::{self, Header, Journal, Record, Tail};
 use super::layout::{check_page, dio_align, runs, storage, SlotLayout};
-use crate::backend::cpu::CpuBackend;
+use crate::backend::Backend;
+use crate::copy::BlockSpace;
 use crate::error::{Error, Result, StorageFailure};
 use crate::index::LocalPage;
 use crate::key::PageKey;
@@ -163,16 +164,16 @@ fn open_direct(path: &Path, write: bool) -> Result<File> {
 impl DiskStore {
     /// Opens rank `config.writer`'s store for pages of `host`: creates the directory, the
     /// journal and the preallocated slot file if missing, replays the journal (a torn tail is
-    /// cut), and registers the file and the staging memory with NIXL. `cpu` is the backend of
-    /// a host pool made on the CPU twin (its buffers' addresses come from the arena); a pinned
-    /// pool on CUDA knows its own.
+    /// cut), and registers the file and the staging memory with NIXL. `backend` is the host
+    /// pool's: a pinned pool on CUDA knows its buffers' host addresses, a pool on the CPU twin
+    /// has them from its arena ([`Backend::host_view`]).
     ///
     /// Errors, with nothing in the host or device pools touched: [`StorageFailure::Open`]
     /// (the directory or a file cannot be made, or the filesystem refuses direct I/O),
     /// [`StorageFailure::Full`] (the slots do not fit the free space), [`StorageFailure::Format`]
     /// (the files there are of another slot size, slot count or rank),
     /// [`StorageFailure::Register`] (NIXL has no POSIX backend or refuses the file).
-    pub fn open(host: Arc<HostPool>, cpu: Option<&CpuBackend>, config: DiskConfig) -> Result<Self> {
+    pub fn open(host: Arc<HostPool>, backend: &dyn Backend, config: DiskConfig) -> Result<Self> {
         if config.writers == 0 || config.writer >= config.writers {
             return Err(Error::InvalidArgument(format!(
                 "storage writer {} of {} writers",
@@ -184,17 +185,17 @@ impl DiskStore {
                 "a store needs at least one slot and one staging slot".into(),
             ));
         }
+        crate::backend::check_space(backend.address_space(), host.address_space(), "host pool")?;
         let bases = (0..host.buffer_layouts().len())
-            .map(|b| match (host.host_ptr(b)?, cpu) {
-                (Some(p), _) => Ok(p as usize),
-                (None, Some(cpu)) => {
-                    let m = host.buffer_memory(b)?;
-                    cpu.host_address(m.addr(), m.len())
+            .map(|b| {
+                let m = host.buffer_memory(b)?;
+                match (host.host_ptr(b)?, backend.host_view(m.addr(), m.len())?) {
+                    (Some(p), _) => Ok(p as usize),
+                    (None, Some(p)) => Ok(p),
+                    (None, None) => Err(Error::InvalidArgument(
+                        "the host pool's buffers have no host address (device memory?)".into(),
+                    )),
                 }
-                (None, None) => Err(Error::InvalidArgument(
-                    "the host pool's buffers have no known host address: pass its CPU backend"
-                        .into(),
-                )),
             })
             .collect::<Result<Vec<_>>>()?;
         let dir = &config.dir;
