@@ -477,3 +477,151 @@ fn child_entry() {
         writer(Path::new(&dir));
     }
 }
+
+/// The L3 stage of the HiCache controller on two ranks: write-through once the host backup is
+/// acked and the keys are known, FIFO acks with the same indices on both ranks (rank 1 owns
+/// none of a one-page node's pages: its operation is empty and acked in turn), eviction from
+/// the host, a group-agreed lookup, prefetch back into new host pages byte for byte, then the
+/// ordinary load to the device.
+#[test]
+fn the_controller_writes_through_to_storage_and_prefetches_back() {
+    use kvshard::backend::Event;
+    use kvshard::copy::Method;
+    use kvshard::hicache::{CacheNode, HiCacheController, StoragePolicy, Streams, WritePolicy};
+    use kvshard::index::LogicalPage;
+    use kvshard::pool::DevicePool;
+    use kvshard::shard::Placement;
+
+    if !nixl_available("the_controller_writes_through_to_storage_and_prefetches_back") {
+        return;
+    }
+    let dir = scratch("controller");
+    let cpu = CpuBackend::new();
+    let g = geometry();
+    let placement = Placement::new(2).unwrap();
+    let stream = || -> Arc<dyn Backend> { Arc::new(cpu.new_stream()) };
+    let timeout = Duration::from_secs(20);
+    let mut cs: Vec<HiCacheController> = (0..2u32)
+        .map(|r| {
+            let pool = Arc::new(DevicePool::allocate(&cpu, &g, placement, r, 16).unwrap());
+            pool.fill(&cpu, 0x11 * (r as u8 + 1)).unwrap();
+            let host = host(&cpu, HostLayout::PageFirstDirect.into());
+            let streams = Streams {
+                load: stream(),
+                backup: stream(),
+                load_relayout: stream(),
+                backup_relayout: stream(),
+                tables: stream(),
+            };
+            let mut c =
+                HiCacheController::new(pool, host.clone(), streams, WritePolicy::WriteThrough)
+                    .unwrap();
+            let store = DiskStore::open(host, &cpu, config(&dir, r, 2, 32)).unwrap();
+            c.attach_storage(store, StoragePolicy::WriteThrough, timeout)
+                .unwrap();
+            c
+        })
+        .collect();
+    let lp = |v: &[u64]| v.iter().map(|&p| LogicalPage(p)).collect::<Vec<_>>();
+    let a = CacheNode {
+        id: 7,
+        device_pages: lp(&[2, 3, 4, 5]),
+        start_owner: None,
+    };
+    let one = CacheNode {
+        id: 8,
+        device_pages: lp(&[6]),
+        start_owner: None,
+    };
+    let (keys_a, data_a) = batch(6, 0, 4);
+    let (keys_one, _) = batch(6, 1, 1);
+    let compute: Event = cpu.record().unwrap();
+    // Backed up to the host (no keys yet: nothing goes to storage).
+    for c in cs.iter_mut() {
+        for n in [&a, &one] {
+            c.backup(n, &compute, Method::CopyEngine).unwrap();
+        }
+        c.ack_backups_sync(2).unwrap();
+    }
+    // Random bytes in the host pages of node a (what the device would have held).
+    let mut saved = std::collections::HashMap::new();
+    for c in cs.iter() {
+        let rank = c.device().rank();
+        let host_pages = c.host_pages(a.id).unwrap().to_vec();
+        for (i, p) in host_pages.iter().enumerate() {
+            if placement.owner(*p) == rank {
+                write_page(c.host(), &cpu, placement.local(*p).0, &data_a[i]);
+                saved.insert(i, rank);
+            }
+        }
+    }
+    assert_eq!(saved.len(), 4, "every page has one owner");
+    // The keys arrive: write-through stores now, each rank its own pages.
+    for c in cs.iter_mut() {
+        c.set_keys(a.id, keys_a.clone()).unwrap();
+        c.set_keys(one.id, keys_one.clone()).unwrap();
+    }
+    let mut acks = Vec::new();
+    for c in cs.iter_mut() {
+        let deadline = Instant::now() + timeout;
+        while c.poll_storage().unwrap() < 2 {
+            assert!(Instant::now() < deadline, "stores never completed");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        acks.push(c.ack_storage_sync(2).unwrap());
+    }
+    for (r, a) in acks.iter().enumerate() {
+        assert_eq!(a.iter().map(|x| x.index).collect::<Vec<_>>(), vec![0, 1]);
+        assert!(a.iter().all(|x| x.complete), "rank {r}: {a:?}");
+    }
+    assert_eq!(acks[0][0].pages + acks[1][0].pages, 4);
+    assert_eq!(
+        (acks[0][1].pages, acks[1][1].pages),
+        (1, 0),
+        "rank 1 owns nothing of node 8"
+    );
+    // The node leaves the host; the group agrees it is in storage.
+    for c in cs.iter_mut() {
+        assert!(c.evict_host_sync(a.id).unwrap().is_empty());
+        assert!(c.host_pages(a.id).is_none());
+    }
+    let snapshot = cs[0].storage_snapshot_sync().unwrap();
+    for c in cs.iter_mut() {
+        assert_eq!(c.storage_lookup_sync(&keys_a, &snapshot).unwrap(), 4);
+    }
+    // Prefetched back into new host pages, byte for byte.
+    for c in cs.iter_mut() {
+        poison(c.host(), &cpu);
+        assert_eq!(c.prefetch(&a, keys_a.clone()).unwrap(), 2);
+    }
+    for c in cs.iter_mut() {
+        let ack = c.ack_storage_sync(1).unwrap();
+        assert!(ack[0].complete, "{ack:?}");
+        let rank = c.device().rank();
+        let host_pages = c.host_pages(a.id).expect("on the host again").to_vec();
+        for (i, p) in host_pages.iter().enumerate() {
+            if placement.owner(*p) == rank {
+                let got = read_page(c.host(), &cpu, placement.local(*p).0);
+                assert!(got == data_a[i], "rank {rank} page {i}");
+            }
+        }
+        // And on to the device as any host node.
+        c.load(a.id, &a.device_pages, None, Method::CopyEngine)
+            .unwrap();
+        assert_eq!(c.ack_loads_sync(1).unwrap().len(), 1);
+    }
+    // A prefetch of keys nobody stored acks incomplete and leaves the node off the host.
+    let (missing, _) = batch(6, 2, 1);
+    let ghost = CacheNode {
+        id: 9,
+        device_pages: lp(&[10]),
+        start_owner: None,
+    };
+    for c in cs.iter_mut() {
+        c.prefetch(&ghost, missing.clone()).unwrap();
+        let ack = c.ack_storage_sync(1).unwrap();
+        let owns = placement.owner(LogicalPage(10)) == c.device().rank();
+        assert_eq!(ack[0].complete, !owns, "{ack:?}");
+        assert_eq!(c.host_pages(ghost.id).is_some(), !owns);
+    }
+}

@@ -251,9 +251,10 @@ impl HiCacheController {
 
     /// Called by [`HiCacheController::ack_backups_sync`] for each node acked on the host.
     pub(super) fn on_backup_acked(&mut self, node: u64) -> Result<()> {
-        let due = self.storage.as_ref().is_some_and(|s| {
-            s.policy == StoragePolicy::WriteThrough && s.keys.contains_key(&node)
-        });
+        let due = self
+            .storage
+            .as_ref()
+            .is_some_and(|s| s.policy == StoragePolicy::WriteThrough && s.keys.contains_key(&node));
         if due {
             self.store(node)?;
         }
@@ -261,7 +262,11 @@ impl HiCacheController {
     }
 
     /// This rank's (key, local host page) pairs of `host_pages` with `keys`.
-    fn owned_items(&self, host_pages: &[LogicalPage], keys: &[PageKey]) -> Result<Vec<(PageKey, LocalPage)>> {
+    fn owned_items(
+        &self,
+        host_pages: &[LogicalPage],
+        keys: &[PageKey],
+    ) -> Result<Vec<(PageKey, LocalPage)>> {
         if keys.len() != host_pages.len() {
             return Err(Error::InvalidArgument(format!(
                 "{} keys for {} pages",
@@ -316,7 +321,10 @@ impl HiCacheController {
     /// Once acked complete the node is on the host. Returns the queue index.
     pub fn prefetch(&mut self, node: &CacheNode, keys: Vec<PageKey>) -> Result<u64> {
         if self.host_nodes.contains_key(&node.id) {
-            return Err(Error::HiCache(format!("node {} is already on the host", node.id)));
+            return Err(Error::HiCache(format!(
+                "node {} is already on the host",
+                node.id
+            )));
         }
         self.stage()?;
         let host_pages = node.alloc_host_pages(&mut self.allocator)?;
@@ -375,7 +383,11 @@ impl HiCacheController {
                 Some(r) => r,
                 None => stage.recv_sync("an operation to ack")?,
             };
-            let Some(Pending { mut ack, host_pages }) = stage.pending.pop_front() else {
+            let Some(Pending {
+                mut ack,
+                host_pages,
+            }) = stage.pending.pop_front()
+            else {
                 break;
             };
             match reply {
@@ -454,7 +466,9 @@ impl HiCacheController {
     pub fn storage_snapshot_sync(&mut self) -> Result<Snapshot> {
         match self.stage()?.query_sync(Job::Snapshot, "a snapshot")? {
             Reply::Snapshot(s) => s,
-            _ => Err(Error::HiCache("the storage worker answered out of order".into())),
+            _ => Err(Error::HiCache(
+                "the storage worker answered out of order".into(),
+            )),
         }
     }
 
@@ -464,7 +478,9 @@ impl HiCacheController {
         let job = Job::Lookup(keys.to_vec(), snapshot.clone());
         match self.stage()?.query_sync(job, "a lookup")? {
             Reply::Lookup(n) => n,
-            _ => Err(Error::HiCache("the storage worker answered out of order".into())),
+            _ => Err(Error::HiCache(
+                "the storage worker answered out of order".into(),
+            )),
         }
     }
 }

@@ -22,7 +22,10 @@ fn directory() -> std::path::PathBuf {
     let nanos = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
-    base.join(format!("kvshard-pressure-l3-{}-{nanos}", std::process::id()))
+    base.join(format!(
+        "kvshard-pressure-l3-{}-{nanos}",
+        std::process::id()
+    ))
 }
 
 /// Removes the step's directory when the step ends, however it ends.
