@@ -13,6 +13,8 @@
 //!   reporting to the run in typed messages ([`pd::message`]);
 //! - [`measure`]: throughput, event timing, repeated timings and the in-run ceilings, for the
 //!   demos, `pd` and the GPU benchmark (`cargo bench -p kvshard-cli --bench gpu`);
+//! - `storage_bench` (feature `nixl`): `kvshard storage-bench`, the storage tier next to a
+//!   same-run fio ceiling;
 //! - [`synth`]: seeded synthetic data.
 #![warn(missing_docs)]
 
@@ -21,6 +23,8 @@ pub mod demo;
 pub mod measure;
 pub mod pd;
 pub mod scenario;
+#[cfg(feature = "nixl")]
+pub mod storage_bench;
 pub mod synth;
 
 /// An [`kvshard::Error::Overflow`] naming `what`: a size computed from the flags that does not
