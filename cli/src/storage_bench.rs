@@ -5,7 +5,8 @@
 //! Each rank is a thread with its own host pool (the CPU twin's memory: the store copies host
 //! pages the same way whether they are pinned or not) and its own [`DiskStore`] in one
 //! directory. Every rank stores `pages` pages in batches of `batch`, all ranks at once, then
-//! loads them back. Reported per operation: GB/s per rank (mean) and together (bytes of all
+//! loads them back; the stores run twice, into empty slots and then into a full file (each
+//! page reclaiming the least recently used slot, its Free record first). Reported per operation: GB/s per rank (mean) and together (bytes of all
 //! ranks over the slowest rank's time), descriptors (I/Os) per page, host CPU time per page
 //! (the rank thread's, from `CLOCK_THREAD_CPUTIME_ID`: packing, checksums, posting and
 //! reaping), and the p50 / p99 of one batch's time. The ceiling is `fio` with `direct=1`,
@@ -80,7 +81,9 @@ impl StorageBench {
             call: "create the benchmark directory",
             source,
         })?;
-        let dir = self.dir.join(format!("kvshard-storage-bench-{}", std::process::id()));
+        let dir = self
+            .dir
+            .join(format!("kvshard-storage-bench-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let barrier = Arc::new(Barrier::new(self.ranks as usize));
         let handles: Vec<_> = (0..self.ranks)
@@ -96,7 +99,7 @@ impl StorageBench {
                     .map_err(|_| Error::Verification("a benchmark rank panicked".into()))??,
             );
         }
-        let (slot_bytes, queue) = (runs[0].2, runs[0].3.clone());
+        let (slot_bytes, queue) = (runs[0].1, runs[0].2.clone());
         let _ = std::fs::remove_dir_all(&dir);
         let page_bytes = self.geometry.page_bytes() as f64;
         let mut out = format!(
@@ -111,8 +114,13 @@ impl StorageBench {
         );
         let ceilings = self.ceilings(slot_bytes)?;
         out.push_str("| op | GB/s per rank | GB/s all ranks | fio GB/s (slot size) | ratio | fio GB/s (layer block) | I/Os per page | host CPU us per page | batch p50 ms | batch p99 ms |\n|---|---|---|---|---|---|---|---|---|---|\n");
-        for (op, pick, fio_op) in [("store", 0usize, "write"), ("load", 1, "read")] {
-            let rr: Vec<&RankRun> = runs.iter().map(|r| if pick == 0 { &r.0 } else { &r.1 }).collect();
+        let ops = [
+            ("store (first fill)", 0usize, "write"),
+            ("store (full: LRU reuse)", 1, "write"),
+            ("load", 2, "read"),
+        ];
+        for (op, pick, fio_op) in ops {
+            let rr: Vec<&RankRun> = runs.iter().map(|r| &r.0[pick]).collect();
             let bytes = self.pages as f64 * page_bytes;
             let per_rank = rr.iter().map(|r| bytes / r.secs / 1e9).sum::<f64>() / rr.len() as f64;
             let slowest = rr.iter().map(|r| r.secs).fold(0.0, f64::max);
@@ -139,14 +147,17 @@ impl StorageBench {
             ));
         }
         if self.fio.is_none() {
-            out.push_str("\nNo fio ceiling: no fio binary (install Debian's fio, or pass --fio).\n");
+            out.push_str(
+                "\nNo fio ceiling: no fio binary (install Debian's fio, or pass --fio).\n",
+            );
         }
         Ok(out)
     }
 
-    /// One rank: store every page, then load every page back (checked by the slots' CRCs and
-    /// against the bytes written). Returns (store, load, slot bytes, queue).
-    fn rank(&self, r: u32, dir: &Path, barrier: &Barrier) -> Result<(RankRun, RankRun, u64, String)> {
+    /// One rank: store every page into empty slots, store as many new pages again (each one
+    /// reclaiming the least recently used slot), then load those back (checked by the slots'
+    /// CRCs). Returns (first fill, steady store, load), the slot bytes and the queue.
+    fn rank(&self, r: u32, dir: &Path, barrier: &Barrier) -> Result<([RankRun; 3], u64, String)> {
         let b = CpuBackend::new();
         let host = Arc::new(HostPool::new(
             &b,
@@ -158,7 +169,9 @@ impl StorageBench {
         // checksumming).
         for i in 0..host.buffer_layouts().len() {
             let m = host.buffer_memory(i)?;
-            let data: Vec<u8> = (0..m.len()).map(|k| (k as u64 * 31 + u64::from(r) * 7) as u8).collect();
+            let data: Vec<u8> = (0..m.len())
+                .map(|k| (k as u64 * 31 + u64::from(r) * 7) as u8)
+                .collect();
             kvshard::backend::Backend::write_sync(&b, m, 0, &data)?;
         }
         let mut cfg = DiskConfig::new(dir, r, self.ranks, self.pages);
@@ -170,20 +183,32 @@ impl StorageBench {
         }
         let mut store = DiskStore::open(host, &b, cfg)?;
         let ns = Namespace::new(&self.geometry, IndexerScale::Ue8m0, b"storage-bench")?;
-        let tokens: Vec<u32> = (0..self.pages * 64).map(|i| (i as u32) ^ (r << 28)).collect();
-        let keys = PageKey::chain(&ns, &tokens, None);
-        let batches: Vec<Vec<(PageKey, LocalPage)>> = keys
-            .chunks(self.batch)
-            .map(|c| c.iter().enumerate().map(|(i, k)| (*k, LocalPage(1 + i as u64))).collect())
-            .collect();
-        let mut runs = [RankRun::default(), RankRun::default()];
+        // Two key sets: the first fills every slot (fresh, preallocated blocks), the second
+        // replaces it page by page through LRU reclaiming (the steady state of a full cache).
+        let batches = |pass: u32| -> Vec<Vec<(PageKey, LocalPage)>> {
+            let tokens: Vec<u32> = (0..self.pages * 64)
+                .map(|i| (i as u32) ^ (r << 28) ^ (pass << 27))
+                .collect();
+            PageKey::chain(&ns, &tokens, None)
+                .chunks(self.batch)
+                .map(|c| {
+                    c.iter()
+                        .enumerate()
+                        .map(|(i, k)| (*k, LocalPage(1 + i as u64)))
+                        .collect()
+                })
+                .collect()
+        };
+        let (first, steady) = (batches(0), batches(1));
+        let mut runs = [RankRun::default(), RankRun::default(), RankRun::default()];
         for (op, run) in runs.iter_mut().enumerate() {
+            let batches = if op == 0 { &first } else { &steady };
             barrier.wait();
             let before = store.stats();
             let (t0, c0) = (Instant::now(), thread_cpu());
-            for items in &batches {
+            for items in batches {
                 let t = Instant::now();
-                if op == 0 {
+                if op < 2 {
                     let rep = store.store_sync(items)?;
                     if rep.written != items.len() {
                         return Err(Error::Verification(format!("rank {r}: {rep:?}")));
@@ -191,7 +216,9 @@ impl StorageBench {
                 } else {
                     let out = store.load_sync(items)?;
                     if out.iter().any(|o| *o != LoadOutcome::Loaded) {
-                        return Err(Error::Verification(format!("rank {r}: a page did not load")));
+                        return Err(Error::Verification(format!(
+                            "rank {r}: a page did not load"
+                        )));
                     }
                 }
                 run.batches.push(t.elapsed().as_secs_f64());
@@ -199,14 +226,13 @@ impl StorageBench {
             run.secs = t0.elapsed().as_secs_f64();
             run.cpu_secs = thread_cpu() - c0;
             let after = store.stats();
-            run.ios = if op == 0 {
+            run.ios = if op < 2 {
                 after.write_ios - before.write_ios
             } else {
                 after.read_ios - before.read_ios
             };
         }
-        let [store_run, load_run] = runs;
-        Ok((store_run, load_run, store.slot_bytes(), store.io_queue().to_string()))
+        Ok((runs, store.slot_bytes(), store.io_queue().to_string()))
     }
 
     /// fio's bandwidth (GB/s) for (write|read) x (slot|layer): `numjobs` = ranks, direct I/O.
@@ -233,7 +259,11 @@ impl StorageBench {
     }
 
     fn fio_run(&self, fio: &Path, dir: &Path, op: &str, bs: u64, size: u64) -> Result<f64> {
-        let engine = if self.aio { vec!["libaio"] } else { vec!["io_uring", "libaio"] };
+        let engine = if self.aio {
+            vec!["libaio"]
+        } else {
+            vec!["io_uring", "libaio"]
+        };
         let mut last = String::new();
         for e in engine {
             let out = Command::new(fio)
@@ -253,7 +283,10 @@ impl StorageBench {
                     "--output-format=json",
                 ])
                 .output()
-                .map_err(|source| Error::Os { call: "run fio", source })?;
+                .map_err(|source| Error::Os {
+                    call: "run fio",
+                    source,
+                })?;
             let text = String::from_utf8_lossy(&out.stdout);
             let bw = text
                 .split("\"bw_bytes\"")
@@ -264,8 +297,14 @@ impl StorageBench {
             if out.status.success() && bw > 0.0 {
                 return Ok(bw / 1e9);
             }
-            last = String::from_utf8_lossy(&out.stderr).lines().take(3).collect::<Vec<_>>().join(" ");
+            last = String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ");
         }
-        Err(Error::Verification(format!("fio {op} bs={bs} failed: {last}")))
+        Err(Error::Verification(format!(
+            "fio {op} bs={bs} failed: {last}"
+        )))
     }
 }

@@ -221,10 +221,17 @@ impl FileIo {
         &self.queue
     }
 
-    /// The staging memory.
-    pub fn staging(&mut self) -> &mut [u8] {
-        // SAFETY: the allocation of `layout.size()` bytes, owned by self, borrowed mutably.
-        unsafe { std::slice::from_raw_parts_mut(self.staging.ptr, self.staging.layout.size()) }
+    /// Bytes `[from, from + len)` of the staging memory (a range no posted request uses).
+    pub fn staging(&mut self, from: usize, len: usize) -> Result<&mut [u8]> {
+        if from
+            .checked_add(len)
+            .is_none_or(|end| end > self.staging.layout.size())
+        {
+            return Err(Error::HiCache("a range outside the staging memory".into()));
+        }
+        // SAFETY: inside the allocation (checked), owned by self and borrowed mutably; the
+        // callers keep it apart from the ranges of requests in flight.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.staging.ptr.add(from), len) })
     }
 
     /// Registers `fd` (a file of `len` bytes opened for direct I/O); its index for [`Io::file`].
@@ -247,16 +254,16 @@ impl FileIo {
         Ok(self.files.len() - 1)
     }
 
-    /// Runs `ios` (reads into staging, or writes from it) as one request and waits for it,
-    /// until `deadline`.
-    pub fn transfer_sync(&mut self, write: bool, ios: &[Io], deadline: Instant) -> Result<()> {
+    /// Posts `ios` (reads into staging, or writes from it) as one request, without waiting:
+    /// `None` for no I/O. Several may be in flight on disjoint staging ranges.
+    pub fn post(&mut self, write: bool, ios: &[Io]) -> Result<Option<Posted>> {
         if self.stuck {
             return Err(Error::HiCache(
                 "the store's earlier I/O never finished; reopen the store".into(),
             ));
         }
         if ios.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let nixl = |call| nixl_error(call);
         let mut local = XferDescList::new(MemType::Dram).map_err(nixl("xferDlist"))?;
@@ -281,17 +288,36 @@ impl FileIo {
             .agent
             .create_xfer_req(op, &local, &remote, &self.name, Some(&args))
             .map_err(nixl("createXferReq"))?;
-        let mut moving = self
+        let moving = self
             .agent
             .post_xfer_req(&request, None)
             .map_err(nixl("postXferReq"))?;
-        let started = Instant::now();
+        Ok(Some(Posted {
+            request,
+            moving,
+            ios: ios.len(),
+            started: Instant::now(),
+        }))
+    }
+
+    /// Waits for a posted request until `deadline`. Past it the store is unusable (NIXL may
+    /// still move bytes into the staging memory, which is then never freed).
+    pub fn wait_sync(&mut self, posted: Option<Posted>, deadline: Instant) -> Result<()> {
+        let Some(Posted {
+            request,
+            mut moving,
+            ios,
+            started,
+        }) = posted
+        else {
+            return Ok(());
+        };
         let mut spins = 0u32;
         while moving {
             moving = match self
                 .agent
                 .get_xfer_status(&request)
-                .map_err(nixl("getXferStatus"))?
+                .map_err(nixl_error("getXferStatus"))?
             {
                 XferStatus::Success => false,
                 XferStatus::InProgress => true,
@@ -301,7 +327,7 @@ impl FileIo {
                 // The request stays alive (NIXL may still be moving bytes): never released.
                 std::mem::forget(request);
                 return Err(Error::Timeout {
-                    what: format!("{} storage I/Os ({})", ios.len(), self.queue),
+                    what: format!("{ios} storage I/Os ({})", self.queue),
                     waited: started.elapsed(),
                 });
             }
@@ -314,6 +340,14 @@ impl FileIo {
         }
         Ok(())
     }
+}
+
+/// A posted request (see [`FileIo::post`]).
+pub(super) struct Posted {
+    request: nixl_sys::XferRequest,
+    moving: bool,
+    ios: usize,
+    started: Instant,
 }
 
 impl Drop for FileIo {

@@ -108,14 +108,16 @@ impl SlotLayout {
     }
 
     /// Copies host page `page` into `slot` (the page's bytes in slot order; the padding is
-    /// zeroed).
+    /// zeroed) and returns the CRC-32C of the page's bytes continued from `crc`, each piece
+    /// checksummed right after its copy, while it is in cache.
     ///
     /// # Safety
     /// `bases[b]` must be the process address of host buffer `b` of the pool this layout was
     /// made for, valid for reads of the whole buffer, and no transfer may write the page while
     /// it is copied.
-    pub unsafe fn pack(&self, bases: &[usize], page: LocalPage, slot: &mut [u8]) {
+    pub unsafe fn pack(&self, bases: &[usize], page: LocalPage, slot: &mut [u8], crc: u32) -> u32 {
         let mut at = 0usize;
+        let mut crc = crc;
         for p in &self.pieces {
             let src = bases[p.buffer] + (p.offset + page.0 * p.page_stride) as usize;
             // SAFETY: the caller vouches for the buffer; `page` was checked against the pool's
@@ -128,9 +130,11 @@ impl SlotLayout {
                     p.bytes,
                 )
             };
+            crc = crc32c::crc32c_append(crc, &slot[at..at + p.bytes]);
             at += p.bytes;
         }
         slot[at..].fill(0);
+        crc
     }
 
     /// Copies `slot`'s page bytes into host page `page`.
@@ -249,7 +253,8 @@ mod tests {
                 let snap = host.snapshot_sync(&b).unwrap();
                 let mut slot = vec![0xAAu8; s.slot_bytes() as usize];
                 // SAFETY: bases are the pool's buffers; page 2 < 4 pages.
-                unsafe { s.pack(&bases, LocalPage(2), &mut slot) };
+                let crc = unsafe { s.pack(&bases, LocalPage(2), &mut slot, 0) };
+                assert_eq!(crc, crc32c::crc32c(&slot[..s.page_bytes() as usize]));
                 assert!(slot[s.page_bytes() as usize..].iter().all(|&x| x == 0));
                 // The canonical snapshot is component, layer, page, rows: gather page 2 from it.
                 let mut expected = Vec::new();
@@ -267,7 +272,7 @@ mod tests {
                 unsafe { s.unpack(&bases, &slot, LocalPage(3)) };
                 let mut again = vec![0u8; s.slot_bytes() as usize];
                 // SAFETY: as above.
-                unsafe { s.pack(&bases, LocalPage(3), &mut again) };
+                unsafe { s.pack(&bases, LocalPage(3), &mut again, 0) };
                 assert_eq!(again, slot);
             }
         }

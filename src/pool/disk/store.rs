@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::index::Index;
-use super::io::{FileIo, Io, IoQueue, QueueChoice};
+use super::io::{FileIo, Io, IoQueue, Posted, QueueChoice};
 use super::journal::{self, Header, Journal, Record, Tail};
 use super::layout::{check_page, dio_align, runs, storage, SlotLayout};
 use crate::backend::Backend;
@@ -30,7 +30,8 @@ pub struct DiskConfig {
     pub writers: u32,
     /// Slots of each rank's file (pages it can hold); reclaimed least recently used first.
     pub slots: u64,
-    /// Slots of staging memory: pages one round of I/O moves (larger batches take rounds).
+    /// Slots of each of the two staging buffers: pages one round of I/O moves (larger
+    /// batches take rounds, one packed or unpacked while the other's I/O is in flight).
     pub staging_slots: usize,
     /// Largest descriptor: a run of adjacent slots is split above this many bytes (at least one
     /// slot per descriptor).
@@ -99,6 +100,8 @@ pub struct StoreReport {
     pub present: usize,
     /// Slots reclaimed from older pages to make room.
     pub evicted: usize,
+    /// New pages not written because the batch had more new pages than the file has slots.
+    pub dropped: usize,
 }
 
 /// Counters of a store since it opened.
@@ -223,7 +226,7 @@ impl DiskStore {
         index.finish_open();
         let staging = config
             .staging_slots
-            .checked_mul(layout.slot_bytes() as usize)
+            .checked_mul(2 * layout.slot_bytes() as usize)
             .ok_or_else(|| Error::overflow("staging bytes"))?;
         let name = format!(
             "kvshard-disk-{}-w{}-{:x}",
@@ -384,97 +387,131 @@ impl DiskStore {
     }
 
     /// Writes the pages `items` (key, host page) of the host pool that no rank has stored yet:
-    /// this rank's owned pages (each page is written once, by its owner). For each round of
-    /// staging: slots taken (free ones, else least recently used ones, whose `Free` records
-    /// are made durable first), pages packed with their checksums, one NIXL write of the
-    /// coalesced runs, `fdatasync`, then the `Commit` records. A page is present only once its
-    /// commit is durable. An empty batch does nothing and succeeds.
+    /// this rank's owned pages (each page written once, by its owner). Slots are taken for
+    /// every page first (free ones, else least recently used ones, whose `Free` records are
+    /// made durable before any slot is written); pages are then packed with their checksums
+    /// into one staging buffer while the other's round of coalesced writes is in flight; one
+    /// `fdatasync`, then the `Commit` records. A page is present only once its commit is
+    /// durable. An empty batch does nothing and succeeds.
     ///
     /// The host pages must not be written by any transfer meanwhile.
     pub fn store_sync(&mut self, items: &[(PageKey, LocalPage)]) -> Result<StoreReport> {
         self.check_pages(items)?;
         let deadline = self.deadline();
         let mut report = StoreReport::default();
+        let mut seen = std::collections::HashSet::with_capacity(items.len());
         let mut todo: Vec<(PageKey, LocalPage)> = Vec::with_capacity(items.len());
         for &(k, p) in items {
-            if self.index.find(&k, None).is_some() || todo.iter().any(|(t, _)| *t == k) {
+            if self.index.find(&k, None).is_some() || !seen.insert(k) {
                 report.present += 1;
             } else {
                 todo.push((k, p));
             }
         }
-        let slot_bytes = self.layout.slot_bytes() as usize;
-        let cap = self.run_cap();
-        for round in todo.chunks(self.config.staging_slots) {
-            let mut frees = Vec::new();
-            let mut batch: Vec<(u64, PageKey, LocalPage)> = Vec::with_capacity(round.len());
-            for &(k, p) in round {
-                let Some((slot, old)) = self.index.allocate() else {
-                    break;
-                };
-                if let Some(old) = old {
-                    frees.push(Record::Free { slot, key: old });
-                }
-                batch.push((slot, k, p));
+        let mut frees = Vec::new();
+        let mut batch: Vec<(u64, PageKey, LocalPage)> = Vec::with_capacity(todo.len());
+        for &(k, p) in &todo {
+            let Some((slot, old)) = self.index.allocate() else {
+                break;
+            };
+            if let Some(old) = old {
+                frees.push(Record::Free { slot, key: old });
             }
-            let result = self.write_round(&frees, &mut batch, slot_bytes, cap, deadline);
-            if let Err(e) = result {
-                for &(slot, _, _) in &batch {
-                    self.index.release(slot);
-                }
-                return Err(e);
-            }
-            report.evicted += frees.len();
-            report.written += batch.len();
-            self.stats.evicted_pages += frees.len() as u64;
-            self.stats.stored_pages += batch.len() as u64;
+            batch.push((slot, k, p));
         }
+        report.dropped = todo.len() - batch.len();
+        if let Err(e) = self.write_all(&frees, &mut batch, deadline) {
+            for &(slot, _, _) in &batch {
+                self.index.release(slot);
+            }
+            return Err(e);
+        }
+        report.evicted = frees.len();
+        report.written = batch.len();
+        self.stats.evicted_pages += frees.len() as u64;
+        self.stats.stored_pages += batch.len() as u64;
         Ok(report)
     }
 
-    fn write_round(
+    /// The descriptors of `slots` (sorted) of file `file`, staged from byte `staging` on.
+    fn ios(&self, slots: &[u64], file: usize, staging: usize) -> Vec<Io> {
+        let slot_bytes = self.layout.slot_bytes();
+        runs(slots, self.run_cap())
+            .into_iter()
+            .map(|(first, n, at)| Io {
+                staging: staging as u64 + at as u64 * slot_bytes,
+                file,
+                offset: first * slot_bytes,
+                bytes: n * slot_bytes,
+            })
+            .collect()
+    }
+
+    /// Waits for `posted` (after an error of another request: bounded, its own error dropped)
+    /// and returns `error`.
+    fn settle(&mut self, posted: Option<Posted>, deadline: Instant, error: Error) -> Error {
+        let _ = self.io.wait_sync(posted, deadline);
+        error
+    }
+
+    fn write_all(
         &mut self,
         frees: &[Record],
         batch: &mut [(u64, PageKey, LocalPage)],
-        slot_bytes: usize,
-        cap: u64,
         deadline: Instant,
     ) -> Result<()> {
+        let own = self.config.writer;
         self.journal.append_sync(frees)?;
         for &f in frees {
-            self.index.apply(self.config.writer, f);
+            self.index.apply(own, f);
         }
         batch.sort_by_key(|b| b.0);
+        let slot_bytes = self.layout.slot_bytes() as usize;
+        let per = self.config.staging_slots;
+        let file = self.files[own as usize].unwrap_or_default();
         let mut commits = Vec::with_capacity(batch.len());
-        let staging = self.io.staging();
-        for (i, &(slot, key, page)) in batch.iter().enumerate() {
-            let dst = &mut staging[i * slot_bytes..(i + 1) * slot_bytes];
-            // SAFETY: `bases` are this pool's buffers (resolved at open), `page` was checked;
-            // the caller keeps transfers off the pages meanwhile.
-            unsafe { self.layout.pack(&self.bases, page, dst) };
-            let crc = page_crc(&key, &dst[..self.layout.page_bytes() as usize]);
-            commits.push(Record::Commit { slot, key, crc });
+        let mut in_flight: Option<Posted> = None;
+        for (round, chunk) in batch.chunks(per).enumerate() {
+            // Two staging buffers: this round packs one while the last round's writes drain
+            // from the other.
+            let half = (round % 2) * per * slot_bytes;
+            let packed = (|| -> Result<()> {
+                let dst = self.io.staging(half, chunk.len() * slot_bytes)?;
+                for (i, &(slot, key, page)) in chunk.iter().enumerate() {
+                    let d = &mut dst[i * slot_bytes..(i + 1) * slot_bytes];
+                    // SAFETY: `bases` are this pool's buffers (resolved at open), `page` was
+                    // checked; the caller keeps transfers off the pages meanwhile.
+                    let crc = unsafe {
+                        self.layout
+                            .pack(&self.bases, page, d, crc32c::crc32c(key.bytes()))
+                    };
+                    commits.push(Record::Commit { slot, key, crc });
+                }
+                Ok(())
+            })();
+            if let Err(e) = packed {
+                return Err(self.settle(in_flight, deadline, e));
+            }
+            let slots: Vec<u64> = chunk.iter().map(|b| b.0).collect();
+            let ios = self.ios(&slots, file, half);
+            let posted = match self.io.post(true, &ios) {
+                Ok(p) => p,
+                Err(e) => return Err(self.settle(in_flight, deadline, e)),
+            };
+            self.stats.write_ios += ios.len() as u64;
+            if let Err(e) = self.io.wait_sync(in_flight.take(), deadline) {
+                return Err(self.settle(posted, deadline, e));
+            }
+            in_flight = posted;
         }
-        let slots: Vec<u64> = batch.iter().map(|b| b.0).collect();
-        let file = self.files[self.config.writer as usize].unwrap_or_default();
-        let ios: Vec<Io> = runs(&slots, cap)
-            .into_iter()
-            .map(|(first, n, at)| Io {
-                staging: at as u64 * slot_bytes as u64,
-                file,
-                offset: first * slot_bytes as u64,
-                bytes: n * slot_bytes as u64,
-            })
-            .collect();
-        self.io.transfer_sync(true, &ios, deadline)?;
-        self.stats.write_ios += ios.len() as u64;
-        let data = data_path(&self.config.dir, self.config.writer);
+        self.io.wait_sync(in_flight, deadline)?;
+        let data = data_path(&self.config.dir, own);
         self.own_data
             .sync_data()
             .map_err(|e| storage(&data, journal::io_failure(&e), e))?;
         self.journal.append_sync(&commits)?;
         for c in commits {
-            self.index.apply(self.config.writer, c);
+            self.index.apply(own, c);
         }
         Ok(())
     }
@@ -484,7 +521,8 @@ impl DiskStore {
     /// [`LoadOutcome::Corrupt`] (a checksum mismatch: a miss, counted; a damaged slot of this
     /// rank is freed). Only loaded pages' host bytes change. Every file is opened and
     /// registered before any byte moves, so a file that cannot be is an error with the host
-    /// pool untouched.
+    /// pool untouched. Rounds alternate between two staging buffers: one is checked and
+    /// unpacked while the next round's reads fill the other.
     ///
     /// The host pages must not be read or written by any transfer meanwhile.
     pub fn load_sync(&mut self, items: &[(PageKey, LocalPage)]) -> Result<Vec<LoadOutcome>> {
@@ -508,31 +546,33 @@ impl DiskStore {
         found.sort_by_key(|f| (f.0, f.1));
         let slot_bytes = self.layout.slot_bytes() as usize;
         let page_bytes = self.layout.page_bytes() as usize;
-        let cap = self.run_cap();
+        let per = self.config.staging_slots;
+        let rounds: Vec<&[(u32, u64, u32, usize)]> = found.chunks(per).collect();
         let mut corrupt_own = Vec::new();
-        for round in found.chunks(self.config.staging_slots) {
-            let mut ios = Vec::new();
-            let mut from = 0;
-            while from < round.len() {
-                let w = round[from].0;
-                let end = from + round[from..].iter().take_while(|f| f.0 == w).count();
-                let slots: Vec<u64> = round[from..end].iter().map(|f| f.1).collect();
-                let file = self.files[w as usize].unwrap_or_default();
-                ios.extend(runs(&slots, cap).into_iter().map(|(first, n, at)| Io {
-                    staging: (from + at) as u64 * slot_bytes as u64,
-                    file,
-                    offset: first * slot_bytes as u64,
-                    bytes: n * slot_bytes as u64,
-                }));
-                from = end;
+        let mut next = match rounds.first() {
+            Some(r) => self.post_reads(r, 0)?,
+            None => None,
+        };
+        for (k, round) in rounds.iter().enumerate() {
+            let current = next.take();
+            if let Some(r) = rounds.get(k + 1) {
+                match self.post_reads(r, ((k + 1) % 2) * per * slot_bytes) {
+                    Ok(p) => next = p,
+                    Err(e) => return Err(self.settle(current, deadline, e)),
+                }
             }
-            self.io.transfer_sync(false, &ios, deadline)?;
-            self.stats.read_ios += ios.len() as u64;
-            let staging = self.io.staging();
+            if let Err(e) = self.io.wait_sync(current, deadline) {
+                return Err(self.settle(next, deadline, e));
+            }
+            let half = (k % 2) * per * slot_bytes;
+            let src = match self.io.staging(half, round.len() * slot_bytes) {
+                Ok(s) => s,
+                Err(e) => return Err(self.settle(next, deadline, e)),
+            };
             for (j, &(w, slot, crc, i)) in round.iter().enumerate() {
-                let src = &staging[j * slot_bytes..j * slot_bytes + page_bytes];
+                let page_data = &src[j * slot_bytes..j * slot_bytes + page_bytes];
                 let (key, page) = items[i];
-                if page_crc(&key, src) != crc {
+                if page_crc(&key, page_data) != crc {
                     out[i] = LoadOutcome::Corrupt;
                     self.stats.corrupt_pages += 1;
                     if w == self.config.writer {
@@ -540,8 +580,8 @@ impl DiskStore {
                     }
                     continue;
                 }
-                // SAFETY: as in `write_round`; the slot's bytes checked.
-                unsafe { self.layout.unpack(&self.bases, src, page) };
+                // SAFETY: as in `write_all`; the slot's bytes checked.
+                unsafe { self.layout.unpack(&self.bases, page_data, page) };
                 out[i] = LoadOutcome::Loaded;
                 self.stats.loaded_pages += 1;
             }
@@ -556,6 +596,27 @@ impl DiskStore {
             }
         }
         Ok(out)
+    }
+
+    /// Posts the reads of `round` (sorted by writer and slot) into staging from byte `half` on.
+    fn post_reads(
+        &mut self,
+        round: &[(u32, u64, u32, usize)],
+        half: usize,
+    ) -> Result<Option<Posted>> {
+        let slot_bytes = self.layout.slot_bytes() as usize;
+        let mut ios = Vec::new();
+        let mut from = 0;
+        while from < round.len() {
+            let w = round[from].0;
+            let end = from + round[from..].iter().take_while(|f| f.0 == w).count();
+            let slots: Vec<u64> = round[from..end].iter().map(|f| f.1).collect();
+            let file = self.files[w as usize].unwrap_or_default();
+            ios.extend(self.ios(&slots, file, half + from * slot_bytes));
+            from = end;
+        }
+        self.stats.read_ios += ios.len() as u64;
+        self.io.post(false, &ios)
     }
 
     /// Opens and registers writer `w`'s slot file (once).
