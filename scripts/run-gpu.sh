@@ -10,6 +10,11 @@
 #             (the report goes after pd's in pd.md; PRESSURE_ARGS adds flags)
 #   python    python/run-gpu-tests.sh on the staged wheel, with its benchmark
 #   bench     the GPU benchmark (arguments after `--` go to it)
+#   storage   the storage tier on this host's disk (NIXL POSIX from .gpu-nixl, staged by
+#             scripts/stage-nixl.sh beside .gpu, or $NIXL_STAGE): the pressure
+#             scenario with its storage step (L2 -> L3 -> L2 -> L1 on the GPU, checked), and
+#             kvshard storage-bench next to fio (fio.tar.xz, when staged) in $STORAGE_DIR
+#             (default /tmp); writes storage.md
 # Writes to $OUT (default ./gpu-out): summary.log, tests.log, sanitizer.log, demo.log, pd.md,
 # python.md, bench.md, bench.log and the benchmark's charts, bench-SECTION.svg. The binaries need
 # glibc >= 2.34 and load libcuda (and libnccl, found in the machine's Python packages) at run
@@ -115,6 +120,29 @@ for step in "${steps[@]}"; do
     OUT="$out" "$here/benches/gpu" "$@" 2>&1 | tee "$out/bench.log" >/dev/null
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
     say "bench: $(grep -c 'FAILED' "$out/bench.log") sections failed, $(grep -c 'ABOVE ITS SAME-RUN CEILING' "$out/bench.log") figures above their ceiling, $(grep -c '^chart:' "$out/bench.log") charts"
+    ;;
+  storage)
+    dir="${STORAGE_DIR:-/tmp}"
+    nixl_stage="${NIXL_STAGE:-$here/../.gpu-nixl}"
+    (
+      staged="$here" # env.sh sets its own `here`
+      # shellcheck disable=SC1091
+      [ -f "$nixl_stage/env.sh" ] && . "$nixl_stage/env.sh"
+      export KVSHARD_STORAGE_DIR="$dir"
+      fio_args=()
+      if [ -f "$staged/fio.tar.xz" ]; then
+        mkdir -p /tmp/kvshard-fio && tar -C /tmp/kvshard-fio -xJf "$staged/fio.tar.xz"
+        printf '#!/bin/sh\nLD_LIBRARY_PATH=/tmp/kvshard-fio/lib exec /tmp/kvshard-fio/fio "$@"\n' >/tmp/kvshard-fio/run
+        chmod +x /tmp/kvshard-fio/run
+        fio_args=(--fio /tmp/kvshard-fio/run)
+      fi
+      echo '```'
+      timeout 30 "$staged/kvshard" demo --scenario pressure | grep -E '^(storage|pressure)'
+      echo '```'
+      timeout 30 "$staged/kvshard" storage-bench --dir "$dir" --ranks 2 --pages 128 --fio-seconds 3 "${fio_args[@]}"
+    ) >"$out/storage.md" 2>&1
+    if grep -q 'byte-identical to the unsharded reference' "$out/storage.md" && grep -q '^| load' "$out/storage.md"; then r=ok; else r=FAILED; status=1; fi
+    say "storage: $r"
     ;;
   *)
     say "unknown step $step"
