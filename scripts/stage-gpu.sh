@@ -49,10 +49,12 @@ cargo bench -p kvshard-cli --features "$features bench-kernels" --no-run --messa
 cp scripts/run-gpu.sh "$stage/"
 # The storage step's NIXL runtime is scripts/stage-nixl.sh's (.gpu-nixl, with the POSIX plugin;
 # ~35 MB, carried beside .gpu). With KVSHARD_STAGE_FIO=1, Debian's fio with its libraries
-# (glibc and libstdc++ excepted: every host has them) as fio.tar.xz (~21 MB; the GPU host has no
+# (glibc and libstdc++ excepted: every host has them; install it with `apt-get install -y
+# --no-install-recommends fio`: the recommended ibverbs-providers make UCX crash NIXL processes
+# at exit here) as fio.tar.xz (~21 MB; the GPU host has no
 # network to install it): the same-run ceiling of `kvshard storage-bench`.
 if [ "${KVSHARD_STAGE_FIO:-0}" = 1 ]; then
-  fio_bin="$(command -v fio)" || { echo "stage-gpu: KVSHARD_STAGE_FIO=1 but no fio (apt-get install -y fio)" >&2; exit 1; }
+  fio_bin="$(command -v fio)" || { echo "stage-gpu: KVSHARD_STAGE_FIO=1 but no fio (apt-get install -y --no-install-recommends fio)" >&2; exit 1; }
   tmp="$(mktemp -d)"
   mkdir -p "$tmp/lib"
   cp "$fio_bin" "$tmp/"
