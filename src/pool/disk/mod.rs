@@ -38,6 +38,8 @@ mod io;
 mod journal;
 mod layout;
 mod store;
+mod types;
 
 pub use io::{IoQueue, QueueChoice};
-pub use store::{DiskConfig, DiskStats, DiskStore, LoadOutcome, Snapshot, StoreReport};
+pub use store::DiskStore;
+pub use types::{DiskConfig, DiskStats, LoadOutcome, Snapshot, StoreReport};
