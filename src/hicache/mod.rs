@@ -25,7 +25,7 @@
 //! - `signals`: [`LayerReady`], how a consumer waits for one layer;
 //! - `controller`: [`HiCacheController`], streams, acks and write policies;
 //! - `storage` (feature `nixl`): the L3 stage below the host pool (write-through and
-//!   write-back to a [`DiskStore`](crate::pool::disk::DiskStore), prefetch ahead of a load,
+//!   write-back to a `pool::disk::DiskStore`, prefetch ahead of a load,
 //!   FIFO acks), on a worker thread.
 //!
 //! The host allocator is a [`crate::shard::ShardAllocator`] over the host pool's pages (same
