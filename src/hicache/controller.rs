@@ -676,7 +676,7 @@ impl HiCacheController {
         // Write-through to storage starts once the host bytes are complete.
         #[cfg(feature = "nixl")]
         for ack in &acks {
-            self.on_backup_acked(ack.node)?;
+            self.on_backup_acked(ack.node);
         }
         Ok(acks)
     }

@@ -102,6 +102,9 @@ pub(super) struct StorageStage {
     /// Replies received for the oldest pending operations, in order.
     done: VecDeque<Reply>,
     next: u64,
+    /// A write-through that could not be submitted from inside `ack_backups_sync` (whose acks
+    /// must still reach the caller): reported by the next storage call.
+    failed: Option<String>,
 }
 
 impl std::fmt::Debug for StorageStage {
@@ -116,7 +119,8 @@ impl std::fmt::Debug for StorageStage {
 impl Drop for StorageStage {
     fn drop(&mut self) {
         // Closing the queue ends the worker after the jobs already sent (their host pages are
-        // the pool's, which the worker's store keeps alive).
+        // the pool's, which the worker's store keeps alive); the join waits for them, each
+        // bounded by the store's own deadline.
         self.jobs.take();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -157,6 +161,7 @@ impl StorageStage {
             pending: VecDeque::new(),
             done: VecDeque::new(),
             next: 0,
+            failed: None,
         })
     }
 
@@ -232,9 +237,16 @@ impl HiCacheController {
     }
 
     fn stage(&mut self) -> Result<&mut StorageStage> {
-        self.storage
+        let stage = self
+            .storage
             .as_mut()
-            .ok_or_else(|| Error::HiCache("no storage attached".into()))
+            .ok_or_else(|| Error::HiCache("no storage attached".into()))?;
+        match stage.failed.take() {
+            Some(why) => Err(Error::HiCache(format!(
+                "an earlier write-through failed: {why}"
+            ))),
+            None => Ok(stage),
+        }
     }
 
     /// Gives `node` its storage keys, one per page in chain order (what SGLang's page-hash chain
@@ -249,16 +261,23 @@ impl HiCacheController {
         Ok(())
     }
 
-    /// Called by [`HiCacheController::ack_backups_sync`] for each node acked on the host.
-    pub(super) fn on_backup_acked(&mut self, node: u64) -> Result<()> {
+    /// Called by [`HiCacheController::ack_backups_sync`] for each node acked on the host. A
+    /// store that cannot be submitted does not lose the backup acks: the next storage call
+    /// reports it.
+    pub(super) fn on_backup_acked(&mut self, node: u64) {
         let due = self
             .storage
             .as_ref()
             .is_some_and(|s| s.policy == StoragePolicy::WriteThrough && s.keys.contains_key(&node));
         if due {
-            self.store(node)?;
+            if let Err(e) = self.store(node) {
+                if let Some(stage) = self.storage.as_mut() {
+                    stage
+                        .failed
+                        .get_or_insert_with(|| format!("node {node}: {e}"));
+                }
+            }
         }
-        Ok(())
     }
 
     /// This rank's (key, local host page) pairs of `host_pages` with `keys`.
