@@ -18,6 +18,11 @@
 #   bench     the GPU benchmark (arguments after `--` go to it)
 #   plan      kvshard plan for the seed's scenario (CP2, 4x host cache), the ceilings measured
 #             here: D2D and pinned H2D on GPU 0, O_DIRECT reads in $PLAN_DISK (default $OUT)
+#   storage   the storage tier on this host's disk (NIXL POSIX from .gpu-nixl, staged by
+#             scripts/stage-nixl.sh beside .gpu, or $NIXL_STAGE): the pressure
+#             scenario with its storage step (L2 -> L3 -> L2 -> L1 on the GPU, checked), and
+#             kvshard storage-bench next to fio (fio.tar.xz, when staged) in $STORAGE_DIR
+#             (default /tmp); writes storage.md
 # Writes to $OUT (default ./gpu-out): summary.log, tests.log, sanitizer.log, demo.log, pd.md,
 # python.md, plan.md, bench.md, bench.log and the benchmark's charts, bench-SECTION.svg. The binaries need
 # glibc >= 2.34 and load libcuda (and libnccl, found in the machine's Python packages) at run
@@ -170,6 +175,29 @@ for step in "${steps[@]}"; do
       --context-len 12288 --chunk 2048 --contexts 1 --prefixes 4096,16384,131072 \
       --measure --disk-path "${PLAN_DISK:-$out}" >"$out/plan.md" 2>&1; then r=ok; else r=FAILED; status=1; fi
     say "plan: $r ($(grep '^ceilings:' "$out/plan.md"))"
+    ;;
+  storage)
+    dir="${STORAGE_DIR:-/tmp}"
+    nixl_stage="${NIXL_STAGE:-$here/../.gpu-nixl}"
+    (
+      staged="$here" # env.sh sets its own `here`
+      # shellcheck disable=SC1091
+      [ -f "$nixl_stage/env.sh" ] && . "$nixl_stage/env.sh"
+      export KVSHARD_STORAGE_DIR="$dir"
+      fio_args=()
+      if [ -f "$staged/fio.tar.xz" ]; then
+        mkdir -p /tmp/kvshard-fio && tar -C /tmp/kvshard-fio -xJf "$staged/fio.tar.xz"
+        printf '#!/bin/sh\nLD_LIBRARY_PATH=/tmp/kvshard-fio/lib exec /tmp/kvshard-fio/fio "$@"\n' >/tmp/kvshard-fio/run
+        chmod +x /tmp/kvshard-fio/run
+        fio_args=(--fio /tmp/kvshard-fio/run)
+      fi
+      echo '```'
+      timeout 30 "$staged/kvshard" demo --scenario pressure | grep -E '^(storage|pressure)'
+      echo '```'
+      timeout 30 "$staged/kvshard" storage-bench --dir "$dir" --ranks 2 --pages 128 --fio-seconds 3 "${fio_args[@]}"
+    ) >"$out/storage.md" 2>&1
+    if grep -q 'byte-identical to the unsharded reference' "$out/storage.md" && grep -q '^| load' "$out/storage.md"; then r=ok; else r=FAILED; status=1; fi
+    say "storage: $r"
     ;;
   *)
     say "unknown step $step"

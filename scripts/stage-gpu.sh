@@ -24,7 +24,9 @@ for line in sys.stdin:
 # Both crates have these features (kvshard-cli forwards them to kvshard); the workspace's
 # default members are the library and the applications.
 features="require-kernels nccl"
-cargo build --release -p kvshard-cli --features "$features" --bin kvshard
+# The command line also with `nixl` (NIXL is loaded at run time: without it the storage step
+# and `kvshard storage-bench` say so), for the `storage` step of run-gpu.sh.
+cargo build --release -p kvshard-cli --features "$features nixl" --bin kvshard
 cp target/release/kvshard "$stage/"
 cargo test --release --features "$features" --no-run --message-format=json 2>/dev/null | list |
   while read -r kind name exe; do
@@ -45,6 +47,27 @@ cargo bench -p kvshard-cli --features "$features bench-kernels" --no-run --messa
     if [ "$kind" = bench ] && [ "$name" = gpu ]; then cp "$exe" "$stage/benches/$name"; fi
   done
 cp scripts/run-gpu.sh "$stage/"
+# The storage step's NIXL runtime is scripts/stage-nixl.sh's (.gpu-nixl, with the POSIX plugin;
+# ~35 MB, carried beside .gpu). With KVSHARD_STAGE_FIO=1, Debian's fio with its libraries
+# (glibc and libstdc++ excepted: every host has them; install it with `apt-get install -y
+# --no-install-recommends fio`: the recommended ibverbs-providers make UCX crash NIXL processes
+# at exit here) as fio.tar.xz (~21 MB; the GPU host has no
+# network to install it): the same-run ceiling of `kvshard storage-bench`.
+if [ "${KVSHARD_STAGE_FIO:-0}" = 1 ]; then
+  fio_bin="$(command -v fio)" || { echo "stage-gpu: KVSHARD_STAGE_FIO=1 but no fio (apt-get install -y --no-install-recommends fio)" >&2; exit 1; }
+  tmp="$(mktemp -d)"
+  mkdir -p "$tmp/lib"
+  cp "$fio_bin" "$tmp/"
+  ldd "$fio_bin" | awk '/=>/ {print $1, $3}' | while read -r name path; do
+    case "$name" in
+      libc.so*|libm.so*|libpthread*|libdl.so*|librt.so*|ld-linux*|libgcc_s*|libstdc++*) ;;
+      *) [ -f "$path" ] && cp -L "$path" "$tmp/lib/" ;;
+    esac
+  done
+  strip --strip-unneeded "$tmp/fio" "$tmp"/lib/* 2>/dev/null || true
+  tar -C "$tmp" -cJf "$stage/fio.tar.xz" .
+  rm -rf "$tmp"
+fi
 # The Python wheel (abi3, kernels embedded) for the GPU pytest and its benchmark.
 venv=target/python-ci-venv
 [ -x "$venv/bin/maturin" ] || { python3 -m venv "$venv" && "$venv/bin/pip" install --quiet "maturin==1.16.*"; }

@@ -4,7 +4,7 @@
 #   OUTDIR/nixl-test   the tests/nixl.rs binary (release, kernels required, feature nixl), stripped
 #   OUTDIR/lib         libnixl_capi.so and every library it and the UCX plugin load (stripped)
 #   OUTDIR/ucx         UCX's transport modules of one host (CUDA copy and IPC, CMA; no InfiniBand)
-#   OUTDIR/plugins     NIXL's UCX plugin
+#   OUTDIR/plugins     NIXL's UCX plugin, and its POSIX plugin (the storage tier's backend)
 #   OUTDIR/env.sh      sets LD_LIBRARY_PATH, NIXL_PLUGIN_DIR and UCX_MODULE_DIR from its folder
 # About 35 MB: under the device tool's 64 MiB carry limit (the wheel's full 139 MB is not).
 # The libraries need the driver's libcuda (and libnvidia-ml for UCX's CUDA modules) on the host.
@@ -32,9 +32,11 @@ cp "$bin" "$out/nixl-test"
 modules=(libuct_cuda.so.0.0.0 libucm_cuda.so.0.0.0 libuct_cma.so.0.0.0)
 for m in "${modules[@]}"; do cp "$wheel/ucx/$m" "$out/ucx/"; done
 cp "$wheel/nixl/libplugin_UCX.so" "$out/plugins/"
+# The storage tier's backend (liburing and libaio bundled beside it in the wheel).
+cp "$wheel/nixl/libplugin_POSIX.so" "$out/plugins/"
 cp "$nixl/libnixl_capi.so" "$out/lib/"
 # Every library the C API, the plugin and the modules load from the wheel (not the system's).
-for f in "$nixl/libnixl_capi.so" "$out/plugins/libplugin_UCX.so" "$out"/ucx/*.so*; do
+for f in "$nixl/libnixl_capi.so" "$out"/plugins/*.so "$out"/ucx/*.so*; do
   LD_LIBRARY_PATH="$nixl:$wheel" ldd "$f" | awk '/=>/ {print $3}' |
     grep -F -e "$nixl" -e "$wheel" || true
 done | sort -u | xargs -r -I{} cp {} "$out/lib/"

@@ -106,9 +106,12 @@ pub mod gpu;
 pub mod hicache;
 pub mod index;
 pub mod ipc;
+pub mod key;
 mod lock;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+#[cfg(feature = "nixl")]
+mod nixl;
 pub mod pool;
 pub mod quantize;
 pub mod shard;

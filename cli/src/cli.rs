@@ -83,6 +83,11 @@ enum Command {
     /// rank, the L3 slots, and how long a 16K and a 128K-token prefix take to come back from
     /// each tier, from ceilings measured here (`--measure`) or given.
     Plan(Box<PlanArgs>),
+    /// The storage tier below the host pools (feature `nixl`): store and load GB/s per rank and
+    /// for N ranks together, I/Os and host CPU time per page, p50/p99 of a batch, next to a
+    /// same-run fio ceiling on the same filesystem.
+    #[cfg(feature = "nixl")]
+    StorageBench(StorageBenchArgs),
 }
 
 /// A model `plan` knows.
@@ -282,6 +287,84 @@ impl PlanArgs {
         };
         say!("{}", plan::render(&req, &plan, &heading).trim_end());
         Ok(())
+    }
+}
+
+/// `kvshard storage-bench`'s flags.
+#[cfg(feature = "nixl")]
+#[derive(Args, Debug)]
+struct StorageBenchArgs {
+    /// Directory to benchmark in (a filesystem with O_DIRECT); default: the temporary directory.
+    #[arg(long)]
+    dir: Option<std::path::PathBuf>,
+    /// Ranks (threads), each with its own store and host pool; fio's numjobs.
+    #[arg(long, default_value_t = 2)]
+    ranks: u32,
+    /// Target layers of the seed's geometry.
+    #[arg(long, default_value_t = 61)]
+    layers: usize,
+    /// Leave the MTP draft out.
+    #[arg(long)]
+    no_draft: bool,
+    /// Pages each rank stores and loads.
+    #[arg(long, default_value_t = 256)]
+    pages: u64,
+    /// Pages per store or load call.
+    #[arg(long, default_value_t = 128)]
+    batch: usize,
+    /// Staging slots per store (pages of one round of I/O).
+    #[arg(long, default_value_t = 32)]
+    staging_slots: usize,
+    /// Largest descriptor, MiB.
+    #[arg(long, default_value_t = 8)]
+    max_io_mib: u64,
+    /// libaio instead of io_uring (kvshard and fio).
+    #[arg(long)]
+    aio: bool,
+    /// The fio binary (default: `fio` on PATH; none: no ceiling).
+    #[arg(long)]
+    fio: Option<std::path::PathBuf>,
+    /// Seconds of each fio run.
+    #[arg(long, default_value_t = 5)]
+    fio_seconds: u32,
+}
+
+#[cfg(feature = "nixl")]
+fn storage_bench(args: &StorageBenchArgs) -> ExitCode {
+    let fio = args.fio.clone().or_else(|| {
+        std::env::var_os("PATH").and_then(|paths| {
+            std::env::split_paths(&paths)
+                .map(|d| d.join("fio"))
+                .find(|p| p.is_file())
+        })
+    });
+    let bench = crate::storage_bench::StorageBench {
+        dir: args.dir.clone().unwrap_or_else(std::env::temp_dir),
+        ranks: args.ranks.max(1),
+        geometry: Shape {
+            ranks: args.ranks.max(1),
+            layers: args.layers,
+            draft: !args.no_draft,
+            seed: 0,
+        }
+        .geometry(),
+        pages: args.pages.max(1),
+        batch: args.batch.max(1),
+        staging_slots: args.staging_slots.max(1),
+        max_io_bytes: args.max_io_mib.max(1) << 20,
+        aio: args.aio,
+        fio,
+        fio_seconds: args.fio_seconds.max(1),
+    };
+    match bench.run() {
+        Ok(report) => {
+            say!("{report}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            say!("storage-bench: {e}");
+            ExitCode::FAILURE
+        }
     }
 }
 
@@ -1135,6 +1218,8 @@ impl Cli {
             Command::Demo(args) => args.check(),
             Command::Pd(args) => args.check(),
             Command::Plan(args) => args.check(),
+            #[cfg(feature = "nixl")]
+            Command::StorageBench(_) => Ok(()),
         }
     }
 }
@@ -1173,5 +1258,7 @@ where
                 ExitCode::FAILURE
             }
         },
+        #[cfg(feature = "nixl")]
+        Command::StorageBench(args) => storage_bench(&args),
     }
 }

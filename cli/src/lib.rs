@@ -14,6 +14,8 @@
 //! - [`plan`]: `kvshard plan`, the capacity planner's report and the ceilings it measures;
 //! - [`measure`]: throughput, event timing, repeated timings and the in-run ceilings, for the
 //!   demos, `pd` and the GPU benchmark (`cargo bench -p kvshard-cli --bench gpu`);
+//! - `storage_bench` (feature `nixl`): `kvshard storage-bench`, the storage tier next to a
+//!   same-run fio ceiling;
 //! - [`synth`]: seeded synthetic data.
 #![warn(missing_docs)]
 
@@ -23,6 +25,8 @@ pub mod measure;
 pub mod pd;
 pub mod plan;
 pub mod scenario;
+#[cfg(feature = "nixl")]
+pub mod storage_bench;
 pub mod synth;
 
 /// An [`kvshard::Error::Overflow`] naming `what`: a size computed from the flags that does not

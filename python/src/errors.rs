@@ -104,7 +104,7 @@ fn class_of<'c>(c: &'c Classes, e: &kvshard::Error) -> &'c Py<PyType> {
         E::Nixl { .. } => &c.transfer,
         E::ChunkFailed { .. } => &c.chunk_failed,
         E::TransferDeadline(_) => &c.deadline,
-        E::HiCache(_) => &c.hicache,
+        E::HiCache(_) | E::Storage { .. } => &c.hicache,
         // kvshard's process-to-process channels and the demo's byte checks have no Python
         // API: should one reach Python, the base class with kvshard's message says what failed.
         E::Os { .. }

@@ -391,6 +391,15 @@ pub trait Backend: Send + Sync {
     /// Waits for all enqueued work, then reports the first input any kernel rejected.
     fn synchronize(&self) -> Result<()>;
 
+    /// The process address of `[addr, addr + len)` of this backend's memory where the host
+    /// reaches it as plain memory (the CPU twin's arena), `None` where it does not (device
+    /// memory): what a storage tier copies host pages through. Accessing it is outside the
+    /// stream order: the caller orders it with the stream's work, as a DMA engine would.
+    fn host_view(&self, addr: u64, len: usize) -> Result<Option<usize>> {
+        let _ = (addr, len);
+        Ok(None)
+    }
+
     /// Records an event at the current point of the stream.
     fn record(&self) -> Result<Event>;
 

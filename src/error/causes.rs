@@ -188,3 +188,32 @@ impl From<Overdue> for super::Error {
         super::Error::TransferDeadline(overdue)
     }
 }
+
+/// What part of the storage tier failed ([`Error::Storage`](super::Error::Storage)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StorageFailure {
+    /// The filesystem has no room for the preallocated slot file or the journal (ENOSPC, EDQUOT).
+    Full,
+    /// A file or the directory could not be created or opened (permissions, a filesystem
+    /// without direct I/O, a missing directory).
+    Open,
+    /// NIXL would not register a file or the staging memory, or has no POSIX backend.
+    Register,
+    /// A read, write or sync failed.
+    Io,
+    /// A file on disk is not what this store expects (another slot size, another rank's
+    /// file, a damaged header).
+    Format,
+}
+
+impl fmt::Display for StorageFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Full => "disk full",
+            Self::Open => "cannot open",
+            Self::Register => "cannot register",
+            Self::Io => "I/O failed",
+            Self::Format => "unexpected format",
+        })
+    }
+}

@@ -7,6 +7,7 @@ pub(crate) mod causes;
 
 // Public through the modules they describe: `shard::EvictionStall`, `ipc::wire::ProtocolError`,
 // `transfer::{Overdue, MissingChunks}`.
+pub use causes::StorageFailure;
 use causes::{EvictionStall, Overdue, ProtocolError};
 
 /// Result alias used across kvshard.
@@ -274,6 +275,18 @@ pub enum Error {
         what: String,
         /// How long.
         waited: std::time::Duration,
+    },
+    /// The storage tier (L3) could not do what was asked: its files could not be created,
+    /// opened, sized or registered, the disk is full, an I/O failed, or the files on disk are
+    /// not the format this store expects. Nothing in the host or device pools was touched.
+    #[error("storage {path}: {failure}: {reason}")]
+    Storage {
+        /// The file or directory concerned.
+        path: String,
+        /// What failed.
+        failure: StorageFailure,
+        /// The system's or NIXL's words.
+        reason: String,
     },
     /// The NIXL runtime library could not be loaded (feature `nixl`): `why` says what is
     /// missing and what to install.

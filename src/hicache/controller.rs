@@ -295,9 +295,9 @@ impl LoadHandle {
 
 /// Where a node stands on the host.
 #[derive(Debug)]
-struct HostNode {
-    host_pages: Vec<LogicalPage>,
-    acked: bool,
+pub(super) struct HostNode {
+    pub(super) host_pages: Vec<LogicalPage>,
+    pub(super) acked: bool,
 }
 
 /// Submitted work kept until acked: its ack, its completion event, and the transfer whose
@@ -315,10 +315,10 @@ pub struct HiCacheController {
     host: Arc<HostPool>,
     streams: Streams,
     policy: WritePolicy,
-    allocator: ShardAllocator,
+    pub(super) allocator: ShardAllocator,
     signals: LayerSignals,
     hits: HashMap<u64, u32>,
-    host_nodes: HashMap<u64, HostNode>,
+    pub(super) host_nodes: HashMap<u64, HostNode>,
     backups: VecDeque<Pending<BackupAck>>,
     loads: VecDeque<Pending<LoadAck>>,
     next_backup: u64,
@@ -327,6 +327,9 @@ pub struct HiCacheController {
     staging_pages: u64,
     load_staging: Option<StagedIo>,
     backup_staging: Option<StagedIo>,
+    /// The L3 stage (`storage.rs`), once attached.
+    #[cfg(feature = "nixl")]
+    pub(super) storage: Option<super::storage::StorageStage>,
 }
 
 impl std::fmt::Debug for HiCacheController {
@@ -380,6 +383,8 @@ impl HiCacheController {
             staging_pages: DEFAULT_STAGING_PAGES,
             load_staging: None,
             backup_staging: None,
+            #[cfg(feature = "nixl")]
+            storage: None,
         })
     }
 
@@ -703,6 +708,8 @@ impl HiCacheController {
     /// its backup is unacked or a load of it is pending.
     pub fn free_host(&mut self, node: u64) -> Result<()> {
         let busy = self.loads.iter().any(|p| p.ack.node == node);
+        #[cfg(feature = "nixl")]
+        let busy = busy || self.storage_busy(node);
         match self.host_nodes.get(&node) {
             None => Err(Error::HiCache(format!("node {node} is not on the host"))),
             Some(n) if !n.acked || busy => Err(Error::HiCache(format!(
@@ -746,6 +753,11 @@ impl HiCacheController {
             if let Some(n) = self.host_nodes.get_mut(&ack.node) {
                 n.acked = true;
             }
+        }
+        // Write-through to storage starts once the host bytes are complete.
+        #[cfg(feature = "nixl")]
+        for ack in &acks {
+            self.on_backup_acked(ack.node);
         }
         Ok(acks)
     }

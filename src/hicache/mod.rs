@@ -23,7 +23,10 @@
 //! - `direct`: [`HostTransfer`] straight between the pools with a [`Method`](crate::copy::Method);
 //! - `staged`: the staged pipeline ([`StagedIo`], a kernel or copy-engine relayout);
 //! - `signals`: [`LayerReady`], how a consumer waits for one layer;
-//! - `controller`: [`HiCacheController`], streams, acks and write policies.
+//! - `controller`: [`HiCacheController`], streams, acks and write policies;
+//! - `storage` (feature `nixl`): the L3 stage below the host pool (write-through and
+//!   write-back to a `pool::disk::DiskStore`, prefetch ahead of a load,
+//!   FIFO acks), on a worker thread.
 //!
 //! The host allocator is a [`crate::shard::ShardAllocator`] over the host pool's pages (same
 //! placement as the device): `alloc_matching` gives host pages of the device pages' owner
@@ -34,6 +37,8 @@ mod direct;
 mod plan;
 mod signals;
 mod staged;
+#[cfg(feature = "nixl")]
+mod storage;
 
 pub use controller::{
     BackupAck, CacheNode, HiCacheController, LoadAck, LoadHandle, Route, Streams, WritePolicy,
@@ -49,3 +54,5 @@ pub use crate::pool::host::{
 pub use plan::{pages_of_tokens, TransferPlan};
 pub use signals::LayerReady;
 pub use staged::StagedIo;
+#[cfg(feature = "nixl")]
+pub use storage::{StorageAck, StorageOp, StoragePolicy};

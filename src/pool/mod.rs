@@ -13,6 +13,8 @@
 
 mod budget;
 pub mod capacity;
+#[cfg(feature = "nixl")]
+pub mod disk;
 mod gather;
 pub(crate) mod host;
 pub(crate) mod layout;

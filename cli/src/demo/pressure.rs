@@ -37,6 +37,9 @@ use crate::overflow;
 use crate::scenario::PressureConfig;
 use crate::synth::{self, POISON};
 
+#[cfg(feature = "nixl")]
+mod storage;
+
 /// The cache node of the seeded prefix.
 pub const SEED_NODE: u64 = 1;
 /// Prompt 1's cache node, and its P/D request id.
@@ -960,6 +963,17 @@ pub(crate) fn run_scenario(
         "steady state: {} stretches of writes, gathers, sends, backups and loads enqueued with 0 host waits (only the _sync calls around them waited)",
         waits.stretches
     ));
+    // 4. The storage tier below the host pools (feature `nixl`), where every rank is here.
+    #[cfg(feature = "nixl")]
+    if s.ranks.len() == cfg.shape.ranks as usize {
+        for line in s.storage_step(&seed_node, &seed_ref, cfg.prefix_tokens)? {
+            out.say(line);
+        }
+    } else {
+        out.say("storage: not run here: the step needs every rank in one process (it hands rank 0's snapshot to the others as a value)".into());
+    }
+    #[cfg(not(feature = "nixl"))]
+    out.say("storage: SKIPPED, built without the `nixl` feature (the storage tier runs on NIXL's POSIX backend)".into());
     out.say("pressure scenario: every check passed".into());
     Ok(Outcome {
         summary: out,

@@ -287,6 +287,10 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
+    fn host_view(&self, addr: u64, len: usize) -> Result<Option<usize>> {
+        self.host_address(addr, len).map(Some)
+    }
+
     fn address_space(&self) -> AddressSpace {
         AddressSpace::Cpu(self.arena)
     }

@@ -1,0 +1,172 @@
+//! The pressure scenario's storage step (feature `nixl`): the seeded prefix leaves the host
+//! pools for the storage tier (written back by each page's owner), comes back L3 -> L2 -> L1
+//! into new device pages of the same owners, and is checked byte for byte against the
+//! unsharded reference. Every rank is in this process, so rank 0's snapshot reaches the others
+//! as a value.
+
+use std::time::Instant;
+
+use kvshard::geometry::IndexerScale;
+use kvshard::hicache::{StorageAck, StoragePolicy};
+use kvshard::key::{Namespace, PageKey};
+use kvshard::pool::disk::{DiskConfig, DiskStore};
+
+use super::*;
+
+/// The storage directory: `KVSHARD_STORAGE_DIR`, else one under the system's temporary
+/// directory (it must be a filesystem with O_DIRECT; tmpfs before Linux 6.6 is not).
+fn directory() -> std::path::PathBuf {
+    let base = std::env::var_os("KVSHARD_STORAGE_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    base.join(format!(
+        "kvshard-pressure-l3-{}-{nanos}",
+        std::process::id()
+    ))
+}
+
+/// Removes the step's directory when the step ends, however it ends.
+struct Cleanup(std::path::PathBuf);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl Scenario {
+    /// The storage step (module docs); returns what it reports.
+    pub(super) fn storage_step(
+        &mut self,
+        seed_node: &CacheNode,
+        seed_ref: &RequestChain,
+        prefix_tokens: usize,
+    ) -> Result<Vec<String>> {
+        if let Err(e) = kvshard::transfer::nixl::load() {
+            return Ok(vec![format!("storage: SKIPPED, no NIXL runtime ({e})")]);
+        }
+        let dir = directory();
+        let _cleanup = Cleanup(dir.clone());
+        let b = self.b.clone();
+        let bk = b.as_ref();
+        let pages = seed_node.device_pages.len() as u64;
+        let writers = self.controllers.len() as u32;
+        // The demo has no tokenizer: seeded synthetic token ids stand for the prefix's.
+        let tokens: Vec<u32> = (0..prefix_tokens as u64)
+            .map(|i| (self.seed.wrapping_mul(0x9E37_79B9).wrapping_add(i * 7919)) as u32)
+            .collect();
+        let ns = Namespace::new(&self.g, IndexerScale::Ue8m0, b"kvshard-pressure")?;
+        let keys = PageKey::chain(&ns, &tokens, None);
+        let timeout = std::time::Duration::from_secs(60);
+        let mut queue = String::new();
+        for c in self.controllers.iter_mut() {
+            let host = c.host().clone();
+            let rank = c.device().rank();
+            let mut cfg = DiskConfig::new(&dir, rank, writers, pages + 8);
+            cfg.timeout = timeout;
+            let store = DiskStore::open(host, bk, cfg)?;
+            queue = store.io_queue().to_string();
+            c.attach_storage(store, StoragePolicy::WriteBack, timeout)?;
+            c.set_keys(seed_node.id, keys.clone())?;
+        }
+        // 1. L2 -> L3: the prefix leaves every host pool, each rank writing the pages it owns.
+        let started = Instant::now();
+        let mut acks: Vec<StorageAck> = Vec::new();
+        for c in self.controllers.iter_mut() {
+            acks.extend(c.evict_host_sync(seed_node.id)?);
+        }
+        let store_ms = started.elapsed().as_secs_f64() * 1e3;
+        let written: usize = acks.iter().map(|a| a.pages).sum();
+        if written as u64 != pages || acks.iter().any(|a| !a.complete) {
+            return Err(Error::Verification(format!(
+                "storage: {written} of {pages} prefix pages written back ({acks:?})"
+            )));
+        }
+        if self
+            .controllers
+            .iter()
+            .any(|c| c.host_pages(seed_node.id).is_some())
+        {
+            return Err(Error::Verification(
+                "storage: the prefix is still on the host after its eviction".into(),
+            ));
+        }
+        // 2. Every rank agrees the whole prefix is in storage (rank 0's snapshot).
+        let snapshot = self.controllers[0].storage_snapshot_sync()?;
+        for c in self.controllers.iter_mut() {
+            let hit = c.storage_lookup_sync(&keys, &snapshot)?;
+            if hit as u64 != pages {
+                return Err(Error::Verification(format!(
+                    "storage: rank {} finds {hit} of {pages} prefix pages",
+                    c.device().rank()
+                )));
+            }
+        }
+        // 3. L3 -> L2 -> L1 into new device pages of the same owners.
+        let mut room = PrefillReport::default();
+        let stride = u64::from(self.placement.shard()) * PAGE_SIZE as u64;
+        self.make_room(prefix_tokens as u64 + stride, &mut room)?;
+        let new = self.alloc.alloc_matching(&seed_node.device_pages)?;
+        let node = CacheNode {
+            device_pages: new.clone(),
+            ..seed_node.clone()
+        };
+        let started = Instant::now();
+        for c in self.controllers.iter_mut() {
+            c.prefetch(&node, keys.clone())?;
+        }
+        for c in self.controllers.iter_mut() {
+            let ack = c.ack_storage_sync(1)?;
+            if !ack.iter().all(|a| a.complete) {
+                return Err(Error::Verification(format!(
+                    "storage: rank {} prefetched the prefix incompletely ({ack:?})",
+                    c.device().rank()
+                )));
+            }
+        }
+        let prefetch_ms = started.elapsed().as_secs_f64() * 1e3;
+        let load = self.load(seed_node.id, &new)?;
+        // 4. Byte for byte against the reference, rank by rank.
+        let check = Instant::now();
+        let launch = self.launch();
+        let reference_pages = seed_ref.pages()?.to_vec();
+        for pool in &self.ranks {
+            let (mine, theirs): (Vec<LocalPage>, Vec<LocalPage>) = new
+                .iter()
+                .zip(&reference_pages)
+                .filter(|(p, _)| self.placement.owner(**p) == pool.rank())
+                .map(|(p, r)| (self.placement.local(*p), Placement::unsharded().local(*r)))
+                .unzip();
+            if mine.is_empty() {
+                continue;
+            }
+            let staging = Arc::new(Staging::new(bk, &self.g, mine.len() as u64)?);
+            let got = read_in_order(bk, pool.clone(), mine, &staging, launch)?;
+            let want = read_in_order(bk, self.reference.clone(), theirs, &staging, launch)?;
+            if got != want {
+                return Err(Error::Verification(format!(
+                    "storage: rank {}'s prefix reloaded from storage differs from the reference",
+                    pool.rank()
+                )));
+            }
+        }
+        let check_ms = check.elapsed().as_secs_f64() * 1e3;
+        self.evictable.push_back(node);
+        let bytes = pages * self.g.page_bytes() as u64;
+        Ok(vec![
+            format!(
+                "storage: the {pages}-page prefix evicted from the host pools to storage (NIXL POSIX on {queue}), each rank writing the pages it owns: {:.1} MB in {store_ms:.1} ms ({:.2} GB/s); rank 0's snapshot finds all {pages} pages on every rank",
+                bytes as f64 / 1e6,
+                bytes as f64 / store_ms.max(1e-3) / 1e6
+            ),
+            format!(
+                "storage: reloaded L3 -> L2 ({prefetch_ms:.1} ms, {:.2} GB/s) -> L1 ({load}) into new pages of the same owners, making room {}; byte-identical to the unsharded reference (verified in {check_ms:.1} ms)",
+                bytes as f64 / prefetch_ms.max(1e-3) / 1e6,
+                evicted(&room)
+            ),
+        ])
+    }
+}

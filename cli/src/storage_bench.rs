@@ -1,0 +1,310 @@
+//! `kvshard storage-bench` (feature `nixl`): the storage tier's store and load throughput,
+//! per rank and for N ranks together, next to a `fio` ceiling measured in the same run on the
+//! same filesystem.
+//!
+//! Each rank is a thread with its own host pool (the CPU twin's memory: the store copies host
+//! pages the same way whether they are pinned or not) and its own [`DiskStore`] in one
+//! directory. Every rank stores `pages` pages in batches of `batch`, all ranks at once, then
+//! loads them back; the stores run twice, into empty slots and then into a full file (each
+//! page reclaiming the least recently used slot, its Free record first). Reported per operation: GB/s per rank (mean) and together (bytes of all
+//! ranks over the slowest rank's time), descriptors (I/Os) per page, host CPU time per page
+//! (the rank thread's, from `CLOCK_THREAD_CPUTIME_ID`: packing, checksums, posting and
+//! reaping), and the p50 / p99 of one batch's time. The ceiling is `fio` with `direct=1`,
+//! io_uring (libaio when io_uring is refused), `numjobs` = ranks, iodepth 32, at the slot size
+//! and at the per-layer block size, reading and writing.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use kvshard::backend::cpu::CpuBackend;
+use kvshard::geometry::{CacheGeometry, IndexerScale};
+use kvshard::hicache::{HostLayout, HostPool};
+use kvshard::index::LocalPage;
+use kvshard::key::{Namespace, PageKey};
+use kvshard::pool::disk::{DiskConfig, DiskStore, LoadOutcome, QueueChoice};
+use kvshard::{Error, Result};
+
+/// What one run measures.
+#[derive(Debug, Clone)]
+pub struct StorageBench {
+    /// The directory (a real filesystem: O_DIRECT).
+    pub dir: PathBuf,
+    /// Ranks, one thread and one store each.
+    pub ranks: u32,
+    /// The cache geometry.
+    pub geometry: CacheGeometry,
+    /// Pages each rank stores and loads.
+    pub pages: u64,
+    /// Pages per store or load call.
+    pub batch: usize,
+    /// Staging slots per store.
+    pub staging_slots: usize,
+    /// Largest descriptor.
+    pub max_io_bytes: u64,
+    /// libaio instead of io_uring.
+    pub aio: bool,
+    /// The fio binary (`None`: no ceiling).
+    pub fio: Option<PathBuf>,
+    /// Seconds of each fio run.
+    pub fio_seconds: u32,
+}
+
+/// One rank's figures for one operation.
+#[derive(Debug, Clone, Default)]
+struct RankRun {
+    secs: f64,
+    cpu_secs: f64,
+    ios: u64,
+    batches: Vec<f64>,
+}
+
+fn thread_cpu() -> f64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i]
+}
+
+impl StorageBench {
+    /// Runs the benchmark; returns the report (markdown).
+    pub fn run(&self) -> Result<String> {
+        kvshard::transfer::nixl::load()?;
+        std::fs::create_dir_all(&self.dir).map_err(|source| Error::Os {
+            call: "create the benchmark directory",
+            source,
+        })?;
+        let dir = self
+            .dir
+            .join(format!("kvshard-storage-bench-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let barrier = Arc::new(Barrier::new(self.ranks as usize));
+        let handles: Vec<_> = (0..self.ranks)
+            .map(|r| {
+                let (me, dir, barrier) = (self.clone(), dir.clone(), barrier.clone());
+                std::thread::spawn(move || me.rank(r, &dir, &barrier))
+            })
+            .collect();
+        let mut runs = Vec::new();
+        for h in handles {
+            runs.push(
+                h.join()
+                    .map_err(|_| Error::Verification("a benchmark rank panicked".into()))??,
+            );
+        }
+        let (slot_bytes, queue) = (runs[0].1, runs[0].2.clone());
+        let _ = std::fs::remove_dir_all(&dir);
+        let page_bytes = self.geometry.page_bytes() as f64;
+        let mut out = format!(
+            "## kvshard storage-bench: {} ranks, {} pages each in batches of {}, {:.2} MB pages in {} B slots, NIXL POSIX on {queue}, descriptors up to {} MiB, {} staging slots\n\n",
+            self.ranks,
+            self.pages,
+            self.batch,
+            page_bytes / 1e6,
+            slot_bytes,
+            self.max_io_bytes >> 20,
+            self.staging_slots
+        );
+        let ceilings = self.ceilings(slot_bytes)?;
+        out.push_str("| op | GB/s per rank | GB/s all ranks | fio GB/s (slot size) | ratio | fio GB/s (layer block) | I/Os per page | host CPU us per page | batch p50 ms | batch p99 ms |\n|---|---|---|---|---|---|---|---|---|---|\n");
+        let ops = [
+            ("store (first fill)", 0usize, "write"),
+            ("store (full: LRU reuse)", 1, "write"),
+            ("load", 2, "read"),
+        ];
+        for (op, pick, fio_op) in ops {
+            let rr: Vec<&RankRun> = runs.iter().map(|r| &r.0[pick]).collect();
+            let bytes = self.pages as f64 * page_bytes;
+            let per_rank = rr.iter().map(|r| bytes / r.secs / 1e9).sum::<f64>() / rr.len() as f64;
+            let slowest = rr.iter().map(|r| r.secs).fold(0.0, f64::max);
+            let all = bytes * self.ranks as f64 / slowest / 1e9;
+            let pages = self.pages as f64 * self.ranks as f64;
+            let ios = rr.iter().map(|r| r.ios).sum::<u64>() as f64 / pages;
+            let cpu = rr.iter().map(|r| r.cpu_secs).sum::<f64>() / pages * 1e6;
+            let mut batches: Vec<f64> = rr.iter().flat_map(|r| r.batches.iter().copied()).collect();
+            batches.sort_by(f64::total_cmp);
+            let fio = |bs: &str| {
+                ceilings
+                    .iter()
+                    .find(|c| c.0 == fio_op && c.1 == bs)
+                    .map(|c| c.2)
+            };
+            let show = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+            let ratio = fio("slot").map_or("-".to_string(), |f| format!("{:.0}%", all / f * 100.0));
+            out.push_str(&format!(
+                "| {op} | {per_rank:.2} | {all:.2} | {} | {ratio} | {} | {ios:.2} | {cpu:.0} | {:.2} | {:.2} |\n",
+                show(fio("slot")),
+                show(fio("layer")),
+                percentile(&batches, 0.5) * 1e3,
+                percentile(&batches, 0.99) * 1e3,
+            ));
+        }
+        if self.fio.is_none() {
+            out.push_str(
+                "\nNo fio ceiling: no fio binary (install Debian's fio, or pass --fio).\n",
+            );
+        }
+        Ok(out)
+    }
+
+    /// One rank: store every page into empty slots, store as many new pages again (each one
+    /// reclaiming the least recently used slot), then load those back (checked by the slots'
+    /// CRCs). Returns (first fill, steady store, load), the slot bytes and the queue.
+    fn rank(&self, r: u32, dir: &Path, barrier: &Barrier) -> Result<([RankRun; 3], u64, String)> {
+        let b = CpuBackend::new();
+        let host = Arc::new(HostPool::new(
+            &b,
+            &self.geometry,
+            self.batch as u64 + 1,
+            HostLayout::PageFirstDirect,
+        )?);
+        // Non-zero bytes per page and rank (the store does not look at them beyond copying and
+        // checksumming).
+        for i in 0..host.buffer_layouts().len() {
+            let m = host.buffer_memory(i)?;
+            let data: Vec<u8> = (0..m.len())
+                .map(|k| (k as u64 * 31 + u64::from(r) * 7) as u8)
+                .collect();
+            kvshard::backend::Backend::write_sync(&b, m, 0, &data)?;
+        }
+        let mut cfg = DiskConfig::new(dir, r, self.ranks, self.pages);
+        cfg.staging_slots = self.staging_slots;
+        cfg.max_io_bytes = self.max_io_bytes;
+        cfg.timeout = Duration::from_secs(120);
+        if self.aio {
+            cfg.queue = QueueChoice::Aio;
+        }
+        let mut store = DiskStore::open(host, &b, cfg)?;
+        let ns = Namespace::new(&self.geometry, IndexerScale::Ue8m0, b"storage-bench")?;
+        // Two key sets: the first fills every slot (fresh, preallocated blocks), the second
+        // replaces it page by page through LRU reclaiming (the steady state of a full cache).
+        let batches = |pass: u32| -> Vec<Vec<(PageKey, LocalPage)>> {
+            let tokens: Vec<u32> = (0..self.pages * 64)
+                .map(|i| (i as u32) ^ (r << 28) ^ (pass << 27))
+                .collect();
+            PageKey::chain(&ns, &tokens, None)
+                .chunks(self.batch)
+                .map(|c| {
+                    c.iter()
+                        .enumerate()
+                        .map(|(i, k)| (*k, LocalPage(1 + i as u64)))
+                        .collect()
+                })
+                .collect()
+        };
+        let (first, steady) = (batches(0), batches(1));
+        let mut runs = [RankRun::default(), RankRun::default(), RankRun::default()];
+        for (op, run) in runs.iter_mut().enumerate() {
+            let batches = if op == 0 { &first } else { &steady };
+            barrier.wait();
+            let before = store.stats();
+            let (t0, c0) = (Instant::now(), thread_cpu());
+            for items in batches {
+                let t = Instant::now();
+                if op < 2 {
+                    let rep = store.store_sync(items)?;
+                    if rep.written != items.len() {
+                        return Err(Error::Verification(format!("rank {r}: {rep:?}")));
+                    }
+                } else {
+                    let out = store.load_sync(items)?;
+                    if out.iter().any(|o| *o != LoadOutcome::Loaded) {
+                        return Err(Error::Verification(format!(
+                            "rank {r}: a page did not load"
+                        )));
+                    }
+                }
+                run.batches.push(t.elapsed().as_secs_f64());
+            }
+            run.secs = t0.elapsed().as_secs_f64();
+            run.cpu_secs = thread_cpu() - c0;
+            let after = store.stats();
+            run.ios = if op < 2 {
+                after.write_ios - before.write_ios
+            } else {
+                after.read_ios - before.read_ios
+            };
+        }
+        Ok((runs, store.slot_bytes(), store.io_queue().to_string()))
+    }
+
+    /// fio's bandwidth (GB/s) for (write|read) x (slot|layer): `numjobs` = ranks, direct I/O.
+    fn ceilings(&self, slot_bytes: u64) -> Result<Vec<(&'static str, &'static str, f64)>> {
+        let Some(fio) = &self.fio else {
+            return Ok(Vec::new());
+        };
+        let dir = self.dir.join(format!("kvshard-fio-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|source| Error::Os {
+            call: "create the fio directory",
+            source,
+        })?;
+        let layer = self.geometry.target.latent_block_bytes() as u64;
+        let size = (slot_bytes * self.pages).max(64 << 20);
+        let mut out = Vec::new();
+        for op in ["write", "read"] {
+            for (name, bs) in [("slot", slot_bytes), ("layer", layer)] {
+                let gbps = self.fio_run(fio, &dir, op, bs, size)?;
+                out.push((op, name, gbps));
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(out)
+    }
+
+    fn fio_run(&self, fio: &Path, dir: &Path, op: &str, bs: u64, size: u64) -> Result<f64> {
+        let engine = if self.aio {
+            vec!["libaio"]
+        } else {
+            vec!["io_uring", "libaio"]
+        };
+        let mut last = String::new();
+        for e in engine {
+            let out = Command::new(fio)
+                .args([
+                    "--name=ceiling",
+                    &format!("--directory={}", dir.display()),
+                    &format!("--rw={op}"),
+                    &format!("--bs={bs}"),
+                    "--direct=1",
+                    &format!("--ioengine={e}"),
+                    "--iodepth=32",
+                    &format!("--numjobs={}", self.ranks),
+                    &format!("--size={size}"),
+                    &format!("--runtime={}", self.fio_seconds),
+                    "--time_based",
+                    "--group_reporting",
+                    "--output-format=json",
+                ])
+                .output()
+                .map_err(|source| Error::Os {
+                    call: "run fio",
+                    source,
+                })?;
+            let text = String::from_utf8_lossy(&out.stdout);
+            let bw = text
+                .split("\"bw_bytes\"")
+                .skip(1)
+                .filter_map(|s| s.trim_start_matches([' ', ':']).split([',', '\n']).next())
+                .filter_map(|v| v.trim().parse::<f64>().ok())
+                .fold(0.0, f64::max);
+            if out.status.success() && bw > 0.0 {
+                return Ok(bw / 1e9);
+            }
+            last = String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ");
+        }
+        Err(Error::Verification(format!(
+            "fio {op} bs={bs} failed: {last}"
+        )))
+    }
+}

@@ -1,0 +1,413 @@
+//! The journal of one writer rank: a 64-byte header, then fixed 96-byte records appended in
+//! order, each with its own CRC-32C. A `Commit` record says a slot holds a key's page, with the
+//! page's checksum, and is appended only after the slot's data is durable; a `Free` record says
+//! a slot no longer holds its key, and is durable before the slot is overwritten. Replaying the
+//! records in order rebuilds the index (`index.rs`); a record that does not check (the tail a
+//! killed process left half-written) ends the journal there.
+//!
+//! ```text
+//! header: "KVSJRNL1" | u32 version | u32 writer | u64 page bytes | u64 slot bytes | u64 slots
+//!         | 20 zero bytes | u32 CRC-32C of bytes 0..60
+//! record: "KVSR" | u8 kind (1 commit, 2 free) | 3 zero bytes | u64 slot | 64-byte key
+//!         | u32 page CRC-32C | 4 zero bytes | u32 CRC-32C of bytes 0..88 | 4 zero bytes
+//! ```
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use super::layout::storage;
+use crate::error::{Result, StorageFailure};
+use crate::key::{PageKey, KEY_BYTES};
+
+/// Bytes of the header.
+pub(super) const HEADER_BYTES: u64 = 64;
+/// Bytes of one record.
+pub(super) const RECORD_BYTES: u64 = 96;
+const MAGIC: &[u8; 8] = b"KVSJRNL1";
+const RECORD_MAGIC: &[u8; 4] = b"KVSR";
+const VERSION: u32 = 1;
+
+/// What a journal's header pins: a reader must agree on every field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Header {
+    pub writer: u32,
+    pub page_bytes: u64,
+    pub slot_bytes: u64,
+    pub slots: u64,
+}
+
+impl Header {
+    fn encode(&self) -> [u8; HEADER_BYTES as usize] {
+        let mut b = [0u8; HEADER_BYTES as usize];
+        b[..8].copy_from_slice(MAGIC);
+        b[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        b[12..16].copy_from_slice(&self.writer.to_le_bytes());
+        b[16..24].copy_from_slice(&self.page_bytes.to_le_bytes());
+        b[24..32].copy_from_slice(&self.slot_bytes.to_le_bytes());
+        b[32..40].copy_from_slice(&self.slots.to_le_bytes());
+        let crc = crc32c::crc32c(&b[..60]);
+        b[60..].copy_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8]) -> Option<Self> {
+        let u64_at = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap_or_default());
+        let u32_at = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap_or_default());
+        (b.len() == HEADER_BYTES as usize
+            && &b[..8] == MAGIC
+            && u32_at(8) == VERSION
+            && u32_at(60) == crc32c::crc32c(&b[..60]))
+        .then(|| Self {
+            writer: u32_at(12),
+            page_bytes: u64_at(16),
+            slot_bytes: u64_at(24),
+            slots: u64_at(32),
+        })
+    }
+}
+
+/// One journal record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Record {
+    /// `slot` holds `key`'s page, whose bytes have CRC-32C `crc` (over the key, then the page).
+    Commit { slot: u64, key: PageKey, crc: u32 },
+    /// `slot` no longer holds `key`.
+    Free { slot: u64, key: PageKey },
+}
+
+impl Record {
+    fn encode(&self) -> [u8; RECORD_BYTES as usize] {
+        let mut b = [0u8; RECORD_BYTES as usize];
+        b[..4].copy_from_slice(RECORD_MAGIC);
+        let (kind, slot, key, crc) = match *self {
+            Self::Commit { slot, key, crc } => (1u8, slot, key, crc),
+            Self::Free { slot, key } => (2u8, slot, key, 0),
+        };
+        b[4] = kind;
+        b[8..16].copy_from_slice(&slot.to_le_bytes());
+        b[16..16 + KEY_BYTES].copy_from_slice(key.bytes());
+        b[80..84].copy_from_slice(&crc.to_le_bytes());
+        let check = crc32c::crc32c(&b[..88]);
+        b[88..92].copy_from_slice(&check.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8]) -> Option<Self> {
+        let u32_at = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap_or_default());
+        if b.len() != RECORD_BYTES as usize
+            || &b[..4] != RECORD_MAGIC
+            || u32_at(88) != crc32c::crc32c(&b[..88])
+        {
+            return None;
+        }
+        let slot = u64::from_le_bytes(b[8..16].try_into().ok()?);
+        let key = PageKey::from_bytes(&b[16..16 + KEY_BYTES]).ok()?;
+        match b[4] {
+            1 => Some(Self::Commit {
+                slot,
+                key,
+                crc: u32_at(80),
+            }),
+            2 => Some(Self::Free { slot, key }),
+            _ => None,
+        }
+    }
+}
+
+/// The path of writer `writer`'s journal in `dir`.
+pub(super) fn path(dir: &Path, writer: u32) -> PathBuf {
+    dir.join(format!("w{writer:04}.journal"))
+}
+
+/// A writer's own journal, open for appending.
+#[derive(Debug)]
+pub(super) struct Journal {
+    file: File,
+    path: PathBuf,
+    /// Valid records in the file.
+    records: u64,
+}
+
+impl Journal {
+    /// Opens (creating it with `header` when absent) the journal at `path`: the records that
+    /// check, in order; a torn tail is cut off so the next append follows the last good record.
+    pub fn open(path: &Path, header: Header) -> Result<(Self, Vec<Record>)> {
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(|e| storage(path, StorageFailure::Open, e))?;
+        let len = file
+            .metadata()
+            .map_err(|e| storage(path, StorageFailure::Io, e))?
+            .len();
+        if len < HEADER_BYTES {
+            // New (or a header that never reached the disk: no record can follow it).
+            file.set_len(0)
+                .and_then(|()| file.write_all(&header.encode()))
+                .and_then(|()| file.sync_all())
+                .map_err(|e| storage(path, io_failure(&e), e))?;
+            sync_dir(path)?;
+            return Ok((
+                Self {
+                    file,
+                    path: path.into(),
+                    records: 0,
+                },
+                Vec::new(),
+            ));
+        }
+        let (found, records) = read(&mut file, path, u64::MAX)?;
+        if found != header {
+            return Err(storage(
+                path,
+                StorageFailure::Format,
+                format!("the journal says {found:?}, this store is {header:?}"),
+            ));
+        }
+        let count = records.len() as u64;
+        if len != HEADER_BYTES + count * RECORD_BYTES {
+            // A torn tail (a process killed mid-append): cut it so appends stay in step.
+            file.set_len(HEADER_BYTES + count * RECORD_BYTES)
+                .and_then(|()| file.sync_all())
+                .map_err(|e| storage(path, StorageFailure::Io, e))?;
+        }
+        file.seek(SeekFrom::End(0))
+            .map_err(|e| storage(path, StorageFailure::Io, e))?;
+        Ok((
+            Self {
+                file,
+                path: path.into(),
+                records: count,
+            },
+            records,
+        ))
+    }
+
+    /// Appends `records` and makes them durable (one `fdatasync`).
+    pub fn append_sync(&mut self, records: &[Record]) -> Result<()> {
+        if records.is_empty() {
+            return Ok(());
+        }
+        let bytes: Vec<u8> = records.iter().flat_map(|r| r.encode()).collect();
+        if let Err(e) = self
+            .file
+            .write_all(&bytes)
+            .and_then(|()| self.file.sync_data())
+        {
+            // Put the file back where the last good record ends: a half-written batch must not
+            // stay in front of the next one.
+            let _ = self
+                .file
+                .set_len(HEADER_BYTES + self.records * RECORD_BYTES)
+                .and_then(|()| self.file.seek(SeekFrom::End(0)).map(|_| ()));
+            return Err(storage(&self.path, io_failure(&e), e));
+        }
+        self.records += records.len() as u64;
+        Ok(())
+    }
+}
+
+/// Reads writer journal `path`: its header and its first `limit` records that check (stopping
+/// at the first that does not).
+fn read(file: &mut File, path: &Path, limit: u64) -> Result<(Header, Vec<Record>)> {
+    let mut bytes = Vec::new();
+    file.seek(SeekFrom::Start(0))
+        .and_then(|_| file.read_to_end(&mut bytes))
+        .map_err(|e| storage(path, StorageFailure::Io, e))?;
+    let header = bytes
+        .get(..HEADER_BYTES as usize)
+        .and_then(Header::decode)
+        .ok_or_else(|| storage(path, StorageFailure::Format, "no valid journal header"))?;
+    let records = decode_all(&bytes[HEADER_BYTES as usize..], limit);
+    Ok((header, records))
+}
+
+fn decode_all(bytes: &[u8], limit: u64) -> Vec<Record> {
+    bytes
+        .chunks_exact(RECORD_BYTES as usize)
+        .take(usize::try_from(limit).unwrap_or(usize::MAX))
+        .map_while(Record::decode)
+        .collect()
+}
+
+/// A reader of another writer's journal, from where it last stopped: only records that check
+/// are returned, so a record being appended, or the torn tail of a killed writer, is not seen
+/// until (unless) it is whole.
+#[derive(Debug)]
+pub(super) struct Tail {
+    file: File,
+    path: PathBuf,
+    /// Records returned so far.
+    records: u64,
+}
+
+impl Tail {
+    /// Opens writer journal `path` if it exists (`None` when the writer has not started), and
+    /// checks its header is `expected` but for the writer rank.
+    pub fn open(path: &Path, expected: Header) -> Result<Option<Self>> {
+        let mut file = match File::open(path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(storage(path, StorageFailure::Open, e)),
+        };
+        let mut b = [0u8; HEADER_BYTES as usize];
+        if file.read_exact(&mut b).is_err() {
+            // Created, its header not written yet: as if absent.
+            return Ok(None);
+        }
+        match Header::decode(&b) {
+            Some(h) if h == expected => Ok(Some(Self {
+                file,
+                path: path.into(),
+                records: 0,
+            })),
+            found => Err(storage(
+                path,
+                StorageFailure::Format,
+                format!("the journal says {found:?}, this store expects {expected:?}"),
+            )),
+        }
+    }
+
+    /// Records returned so far.
+    #[cfg(test)]
+    pub fn records(&self) -> u64 {
+        self.records
+    }
+
+    /// The records after those already returned, up to record count `limit` (`None`: all that
+    /// are whole now).
+    pub fn read_new(&mut self, limit: Option<u64>) -> Result<Vec<Record>> {
+        let from = HEADER_BYTES + self.records * RECORD_BYTES;
+        let mut bytes = Vec::new();
+        match limit {
+            Some(l) if l <= self.records => return Ok(Vec::new()),
+            Some(l) => {
+                bytes.resize(((l - self.records) * RECORD_BYTES) as usize, 0);
+                let got = read_at(&self.file, &mut bytes, from)
+                    .map_err(|e| storage(&self.path, StorageFailure::Io, e))?;
+                bytes.truncate(got);
+            }
+            None => {
+                self.file
+                    .seek(SeekFrom::Start(from))
+                    .and_then(|_| self.file.read_to_end(&mut bytes))
+                    .map_err(|e| storage(&self.path, StorageFailure::Io, e))?;
+            }
+        }
+        let records = decode_all(&bytes, u64::MAX);
+        self.records += records.len() as u64;
+        Ok(records)
+    }
+}
+
+/// Reads into `buf` from `offset` until full or end of file; the bytes read.
+fn read_at(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+    use std::os::unix::fs::FileExt;
+    let mut done = 0;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], offset + done as u64)? {
+            0 => break,
+            n => done += n,
+        }
+    }
+    Ok(done)
+}
+
+/// Full disk or quota: [`StorageFailure::Full`]; anything else an I/O failure.
+pub(super) fn io_failure(e: &std::io::Error) -> StorageFailure {
+    match e.raw_os_error() {
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) => StorageFailure::Full,
+        _ => StorageFailure::Io,
+    }
+}
+
+/// Makes a new file's name durable (its directory synced).
+fn sync_dir(path: &Path) -> Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| storage(dir, StorageFailure::Io, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(i: u8) -> PageKey {
+        PageKey::from_bytes(&[i; KEY_BYTES]).unwrap()
+    }
+
+    #[test]
+    fn records_survive_reopen_and_a_torn_tail_is_cut() {
+        let dir = std::env::temp_dir().join(format!("kvshard-journal-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = path(&dir, 3);
+        let _ = std::fs::remove_file(&p);
+        let h = Header {
+            writer: 3,
+            page_bytes: 100,
+            slot_bytes: 4096,
+            slots: 8,
+        };
+        let recs = [
+            Record::Commit {
+                slot: 1,
+                key: key(1),
+                crc: 7,
+            },
+            Record::Free {
+                slot: 1,
+                key: key(1),
+            },
+            Record::Commit {
+                slot: 1,
+                key: key(2),
+                crc: 9,
+            },
+        ];
+        let (mut j, got) = Journal::open(&p, h).unwrap();
+        assert!(got.is_empty());
+        j.append_sync(&recs).unwrap();
+        drop(j);
+        // Half a record more: the tail a killed process leaves.
+        let mut f = OpenOptions::new().append(true).open(&p).unwrap();
+        f.write_all(&recs[0].encode()[..50]).unwrap();
+        drop(f);
+        let mut tail = Tail::open(&p, h).unwrap().unwrap();
+        assert_eq!(tail.read_new(Some(2)).unwrap(), recs[..2]);
+        assert_eq!(tail.read_new(None).unwrap(), recs[2..]);
+        assert_eq!(tail.records(), 3);
+        let (_j, got) = Journal::open(&p, h).unwrap();
+        assert_eq!(got, recs);
+        assert_eq!(
+            std::fs::metadata(&p).unwrap().len(),
+            HEADER_BYTES + 3 * RECORD_BYTES
+        );
+        // A flipped byte in record 1 ends the journal there.
+        let mut bytes = std::fs::read(&p).unwrap();
+        bytes[(HEADER_BYTES + RECORD_BYTES + 20) as usize] ^= 1;
+        std::fs::write(&p, &bytes).unwrap();
+        let mut tail = Tail::open(&p, h).unwrap().unwrap();
+        assert_eq!(tail.read_new(None).unwrap(), recs[..1]);
+        // Another slot size is refused.
+        assert!(matches!(
+            Journal::open(
+                &p,
+                Header {
+                    slot_bytes: 8192,
+                    ..h
+                }
+            ),
+            Err(crate::Error::Storage {
+                failure: StorageFailure::Format,
+                ..
+            })
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,45 @@
+//! The storage tier below host memory (L3, feature `nixl`; docs/design.md, "Storage tier"): a
+//! CP group's pages on disk, written by their owners, readable by every rank, crash-safe, moved
+//! by NIXL's POSIX backend.
+//!
+//! ```text
+//! dir/ (one per CP group)     w0000.slots   preallocated, O_DIRECT: slots of slot_bytes
+//!                             w0000.journal header, then Commit / Free records (96 B each)
+//!                             w0001.slots   ... one pair per writer rank
+//! ```
+//!
+//! - **Slots** hold a whole page: every component (target latent of every layer, target
+//!   indexer keys and scales, draft latent and indexer), in one canonical order whatever the
+//!   host pool's layout, padded to the directory's direct-I/O alignment (`statx`
+//!   `STATX_DIOALIGN`, 4 KiB by default). Pages move host pool <-> aligned staging memory
+//!   (a copy, which also computes the checksum) <-> file; adjacent slots of a batch are one
+//!   descriptor (up to [`DiskConfig::max_io_bytes`]). The copy is what lets every host layout
+//!   meet O_DIRECT's alignment: an indexer block is 8,448 B, not a multiple of 4 KiB.
+//! - **Presence.** A page is present only once its `Commit` record (key, slot, CRC-32C of key
+//!   and page) is in its writer's journal, appended after the slot's data was made durable
+//!   (`fdatasync`). A process killed mid-write leaves a slot no record names, or a torn record
+//!   that fails its own checksum: after reopening, the page is a miss. A slot whose bytes no
+//!   longer match its checksum (flipped bits, or reused since a lookup) is a miss on load,
+//!   counted in [`DiskStats::corrupt_pages`].
+//! - **Sharing.** Each rank writes only its own file and journal, and only the pages it owns
+//!   (each page written once, by its owner); any rank reads any rank's file. Each rank replays
+//!   every journal into its index. A [`Snapshot`] (per writer, a count of records) taken by one
+//!   rank and used by all makes lookups agree: presence as of a snapshot depends on nothing
+//!   else ([`DiskStore::lookup`]).
+//! - **Capacity.** Each rank's file has [`DiskConfig::slots`] slots; when full, the least
+//!   recently used (by this rank's stores, lookups and loads) is reclaimed, its `Free` record
+//!   durable before the slot is rewritten.
+//! - **Failures** are typed ([`Error::Storage`](crate::Error::Storage) with a
+//!   [`StorageFailure`](crate::error::StorageFailure)): disk full, a file or directory that
+//!   cannot be opened, a NIXL registration refused; the host and device pools are untouched.
+
+mod index;
+mod io;
+mod journal;
+mod layout;
+mod store;
+mod types;
+
+pub use io::{IoQueue, QueueChoice};
+pub use store::DiskStore;
+pub use types::{DiskConfig, DiskStats, LoadOutcome, Snapshot, StoreReport};

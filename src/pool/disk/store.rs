@@ -1,0 +1,583 @@
+//! [`DiskStore`]: one rank's view of its CP group's storage directory.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::index::Index;
+use super::io::{FileIo, Io, IoQueue, Posted};
+use super::journal::{self, Header, Journal, Record, Tail};
+use super::layout::{check_page, dio_align, runs, storage, SlotLayout};
+use super::types::{DiskConfig, DiskStats, LoadOutcome, Snapshot, StoreReport};
+use crate::backend::Backend;
+use crate::copy::BlockSpace;
+use crate::error::{Error, Result, StorageFailure};
+use crate::index::LocalPage;
+use crate::key::PageKey;
+use crate::pool::host::HostPool;
+
+/// One rank's storage tier below its host pool (the module docs tell the design).
+#[derive(Debug)]
+pub struct DiskStore {
+    config: DiskConfig,
+    host: Arc<HostPool>,
+    /// Process address of each host buffer.
+    bases: Vec<usize>,
+    layout: SlotLayout,
+    header: Header,
+    io: FileIo,
+    journal: Journal,
+    /// For syncing the data this rank wrote.
+    own_data: File,
+    /// Per writer: its journal reader (peers), and its slot file's index in `io`.
+    tails: Vec<Option<Tail>>,
+    files: Vec<Option<usize>>,
+    index: Index,
+    stats: DiskStats,
+}
+
+fn data_path(dir: &Path, writer: u32) -> PathBuf {
+    dir.join(format!("w{writer:04}.slots"))
+}
+
+/// Opens a slot file for direct I/O.
+fn open_direct(path: &Path, write: bool) -> Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(write)
+        .create(write)
+        .truncate(false)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .map_err(|e| {
+            let hint = if e.raw_os_error() == Some(libc::EINVAL) {
+                " (the filesystem refuses O_DIRECT)"
+            } else {
+                ""
+            };
+            storage(path, StorageFailure::Open, format!("{e}{hint}"))
+        })
+}
+
+impl DiskStore {
+    /// Opens rank `config.writer`'s store for pages of `host`: creates the directory, the
+    /// journal and the preallocated slot file if missing, replays the journal (a torn tail is
+    /// cut), and registers the file and the staging memory with NIXL. `backend` is the host
+    /// pool's: a pinned pool on CUDA knows its buffers' host addresses, a pool on the CPU twin
+    /// has them from its arena ([`Backend::host_view`]).
+    ///
+    /// Errors, with nothing in the host or device pools touched: [`StorageFailure::Open`]
+    /// (the directory or a file cannot be made, or the filesystem refuses direct I/O),
+    /// [`StorageFailure::Full`] (the slots do not fit the free space), [`StorageFailure::Format`]
+    /// (the files there are of another slot size, slot count or rank),
+    /// [`StorageFailure::Register`] (NIXL has no POSIX backend or refuses the file).
+    pub fn open(host: Arc<HostPool>, backend: &dyn Backend, config: DiskConfig) -> Result<Self> {
+        if config.writers == 0 || config.writer >= config.writers {
+            return Err(Error::InvalidArgument(format!(
+                "storage writer {} of {} writers",
+                config.writer, config.writers
+            )));
+        }
+        if config.slots == 0 || config.staging_slots == 0 {
+            return Err(Error::InvalidArgument(
+                "a store needs at least one slot and one staging slot".into(),
+            ));
+        }
+        crate::backend::check_space(backend.address_space(), host.address_space(), "host pool")?;
+        let bases = (0..host.buffer_layouts().len())
+            .map(|b| {
+                let m = host.buffer_memory(b)?;
+                match (host.host_ptr(b)?, backend.host_view(m.addr(), m.len())?) {
+                    (Some(p), _) => Ok(p as usize),
+                    (None, Some(p)) => Ok(p),
+                    (None, None) => Err(Error::InvalidArgument(
+                        "the host pool's buffers have no host address (device memory?)".into(),
+                    )),
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let dir = &config.dir;
+        std::fs::create_dir_all(dir).map_err(|e| storage(dir, StorageFailure::Open, e))?;
+        let data = data_path(dir, config.writer);
+        let own_data = open_direct(&data, true)?;
+        let (mem_align, offset_align) = dio_align(&data);
+        let layout = SlotLayout::new(&host, mem_align.max(offset_align))?;
+        let bytes = config
+            .slots
+            .checked_mul(layout.slot_bytes())
+            .ok_or_else(|| Error::overflow(format!("{} slots", config.slots)))?;
+        preallocate(&own_data, &data, bytes)?;
+        let header = Header {
+            writer: config.writer,
+            page_bytes: layout.page_bytes(),
+            slot_bytes: layout.slot_bytes(),
+            slots: config.slots,
+        };
+        let (journal, records) = Journal::open(&journal::path(dir, config.writer), header)?;
+        let mut index = Index::new(config.writers, config.writer, config.slots);
+        for r in records {
+            index.apply(config.writer, r);
+        }
+        index.finish_open();
+        let staging = config
+            .staging_slots
+            .checked_mul(2 * layout.slot_bytes() as usize)
+            .ok_or_else(|| Error::overflow("staging bytes"))?;
+        let name = format!(
+            "kvshard-disk-{}-w{}-{:x}",
+            std::process::id(),
+            config.writer,
+            Arc::as_ptr(&host) as usize
+        );
+        let mut io = FileIo::new(&name, config.queue, staging, mem_align as usize)?;
+        let fd: OwnedFd = own_data
+            .try_clone()
+            .map_err(|e| storage(&data, StorageFailure::Open, e))?
+            .into();
+        let own_index = io.add_file(fd, bytes, &data)?;
+        let mut files = vec![None; config.writers as usize];
+        files[config.writer as usize] = Some(own_index);
+        Ok(Self {
+            tails: (0..config.writers).map(|_| None).collect(),
+            files,
+            config,
+            host,
+            bases,
+            layout,
+            header,
+            io,
+            journal,
+            own_data,
+            index,
+            stats: DiskStats::default(),
+        })
+    }
+
+    /// The queue NIXL's POSIX backend runs on (libaio says why io_uring was not used).
+    pub fn io_queue(&self) -> &IoQueue {
+        self.io.queue()
+    }
+
+    /// Bytes of one slot (a page of every component, padded to the direct-I/O alignment).
+    pub fn slot_bytes(&self) -> u64 {
+        self.layout.slot_bytes()
+    }
+
+    /// Bytes of one page's data.
+    pub fn page_bytes(&self) -> u64 {
+        self.layout.page_bytes()
+    }
+
+    /// Slots of this rank holding a page.
+    pub fn used_slots(&self) -> u64 {
+        self.index.used()
+    }
+
+    /// Counters since open.
+    pub fn stats(&self) -> DiskStats {
+        self.stats
+    }
+
+    /// The host pool this store reads and writes.
+    pub fn host(&self) -> &Arc<HostPool> {
+        &self.host
+    }
+
+    /// Takes a snapshot: reads what every other rank has committed since the last one (only
+    /// whole records that check) and returns the per-writer counts. One rank takes it; the
+    /// others pass it to [`DiskStore::lookup`].
+    pub fn snapshot(&mut self) -> Result<Snapshot> {
+        for w in 0..self.config.writers {
+            if w != self.config.writer {
+                self.catch_up(w, None)?;
+            }
+        }
+        Ok(Snapshot::from_records(self.index.replayed().to_vec()))
+    }
+
+    /// Replays writer `w`'s journal up to `limit` records (`None`: all whole ones).
+    fn catch_up(&mut self, w: u32, limit: Option<u64>) -> Result<()> {
+        let wi = w as usize;
+        if self.tails[wi].is_none() {
+            let expected = Header {
+                writer: w,
+                ..self.header
+            };
+            self.tails[wi] = Tail::open(&journal::path(&self.config.dir, w), expected)?;
+        }
+        if let Some(tail) = self.tails[wi].as_mut() {
+            for r in tail.read_new(limit)? {
+                self.index.apply(w, r);
+            }
+        }
+        Ok(())
+    }
+
+    /// Brings the index up to `snapshot` (records taken by another rank) and forgets entries
+    /// no later snapshot can see. Snapshots are used in the order they were taken: an older
+    /// one afterwards can only miss more.
+    pub fn refresh(&mut self, snapshot: &Snapshot) -> Result<()> {
+        let want = snapshot.records();
+        if want.len() != self.config.writers as usize {
+            return Err(Error::InvalidArgument(format!(
+                "a snapshot of {} writers for a group of {}",
+                want.len(),
+                self.config.writers
+            )));
+        }
+        for w in 0..self.config.writers {
+            if self.index.replayed()[w as usize] < want[w as usize] {
+                if w != self.config.writer {
+                    self.catch_up(w, Some(want[w as usize]))?;
+                }
+                if self.index.replayed()[w as usize] < want[w as usize] {
+                    return Err(storage(
+                        &journal::path(&self.config.dir, w),
+                        StorageFailure::Format,
+                        format!(
+                            "the snapshot covers {} records, the journal has {}",
+                            want[w as usize],
+                            self.index.replayed()[w as usize]
+                        ),
+                    ));
+                }
+            }
+        }
+        self.index.prune(want);
+        Ok(())
+    }
+
+    /// Per key, whether its page is present as of `snapshot` (a pure function of the keys and
+    /// the snapshot: every rank answers the same).
+    pub fn exists(&mut self, keys: &[PageKey], snapshot: &Snapshot) -> Result<Vec<bool>> {
+        self.refresh(snapshot)?;
+        Ok(keys
+            .iter()
+            .map(|k| self.index.find(k, Some(snapshot.records())).is_some())
+            .collect())
+    }
+
+    /// How many leading keys of `keys` (a chain) are present as of `snapshot`.
+    pub fn lookup(&mut self, keys: &[PageKey], snapshot: &Snapshot) -> Result<usize> {
+        self.refresh(snapshot)?;
+        Ok(keys
+            .iter()
+            .take_while(|k| self.index.find(k, Some(snapshot.records())).is_some())
+            .count())
+    }
+
+    fn check_pages(&self, items: &[(PageKey, LocalPage)]) -> Result<()> {
+        items
+            .iter()
+            .try_for_each(|&(_, p)| check_page(&self.host, p))
+    }
+
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.config.timeout
+    }
+
+    /// Slots per descriptor.
+    fn run_cap(&self) -> u64 {
+        (self.config.max_io_bytes / self.layout.slot_bytes()).max(1)
+    }
+
+    /// Writes the pages `items` (key, host page) of the host pool that no rank has stored yet:
+    /// this rank's owned pages (each page written once, by its owner). Slots are taken for
+    /// every page first (free ones, else least recently used ones, whose `Free` records are
+    /// made durable before any slot is written); pages are then packed with their checksums
+    /// into one staging buffer while the other's round of coalesced writes is in flight; one
+    /// `fdatasync`, then the `Commit` records. A page is present only once its commit is
+    /// durable. An empty batch does nothing and succeeds.
+    ///
+    /// The host pages must not be written by any transfer meanwhile.
+    pub fn store_sync(&mut self, items: &[(PageKey, LocalPage)]) -> Result<StoreReport> {
+        self.check_pages(items)?;
+        let deadline = self.deadline();
+        let mut report = StoreReport::default();
+        let mut seen = std::collections::HashSet::with_capacity(items.len());
+        let mut todo: Vec<(PageKey, LocalPage)> = Vec::with_capacity(items.len());
+        for &(k, p) in items {
+            if self.index.find(&k, None).is_some() || !seen.insert(k) {
+                report.present += 1;
+            } else {
+                todo.push((k, p));
+            }
+        }
+        let mut frees = Vec::new();
+        let mut batch: Vec<(u64, PageKey, LocalPage)> = Vec::with_capacity(todo.len());
+        for &(k, p) in &todo {
+            let Some((slot, old)) = self.index.allocate() else {
+                break;
+            };
+            if let Some(old) = old {
+                frees.push(Record::Free { slot, key: old });
+            }
+            batch.push((slot, k, p));
+        }
+        report.dropped = todo.len() - batch.len();
+        if let Err(e) = self.write_all(&frees, &mut batch, deadline) {
+            for &(slot, _, _) in &batch {
+                self.index.release(slot);
+            }
+            return Err(e);
+        }
+        report.evicted = frees.len();
+        report.written = batch.len();
+        self.stats.evicted_pages += frees.len() as u64;
+        self.stats.stored_pages += batch.len() as u64;
+        Ok(report)
+    }
+
+    /// The descriptors of `slots` (sorted) of file `file`, staged from byte `staging` on.
+    fn ios(&self, slots: &[u64], file: usize, staging: usize) -> Vec<Io> {
+        let slot_bytes = self.layout.slot_bytes();
+        runs(slots, self.run_cap())
+            .into_iter()
+            .map(|(first, n, at)| Io {
+                staging: staging as u64 + at as u64 * slot_bytes,
+                file,
+                offset: first * slot_bytes,
+                bytes: n * slot_bytes,
+            })
+            .collect()
+    }
+
+    /// Waits for `posted` (after an error of another request: bounded, its own error dropped)
+    /// and returns `error`.
+    fn settle(&mut self, posted: Option<Posted>, deadline: Instant, error: Error) -> Error {
+        let _ = self.io.wait_sync(posted, deadline);
+        error
+    }
+
+    fn write_all(
+        &mut self,
+        frees: &[Record],
+        batch: &mut [(u64, PageKey, LocalPage)],
+        deadline: Instant,
+    ) -> Result<()> {
+        let own = self.config.writer;
+        self.journal.append_sync(frees)?;
+        for &f in frees {
+            self.index.apply(own, f);
+        }
+        batch.sort_by_key(|b| b.0);
+        let slot_bytes = self.layout.slot_bytes() as usize;
+        let per = self.config.staging_slots;
+        let file = self.files[own as usize].unwrap_or_default();
+        let mut commits = Vec::with_capacity(batch.len());
+        let mut in_flight: Option<Posted> = None;
+        for (round, chunk) in batch.chunks(per).enumerate() {
+            // Two staging buffers: this round packs one while the last round's writes drain
+            // from the other.
+            let half = (round % 2) * per * slot_bytes;
+            let packed = (|| -> Result<()> {
+                let dst = self.io.staging(half, chunk.len() * slot_bytes)?;
+                for (i, &(slot, key, page)) in chunk.iter().enumerate() {
+                    let d = &mut dst[i * slot_bytes..(i + 1) * slot_bytes];
+                    // SAFETY: `bases` are this pool's buffers (resolved at open), `page` was
+                    // checked; the caller keeps transfers off the pages meanwhile.
+                    let crc = unsafe {
+                        self.layout
+                            .pack(&self.bases, page, d, crc32c::crc32c(key.bytes()))
+                    };
+                    commits.push(Record::Commit { slot, key, crc });
+                }
+                Ok(())
+            })();
+            if let Err(e) = packed {
+                return Err(self.settle(in_flight, deadline, e));
+            }
+            let slots: Vec<u64> = chunk.iter().map(|b| b.0).collect();
+            let ios = self.ios(&slots, file, half);
+            let posted = match self.io.post(true, &ios) {
+                Ok(p) => p,
+                Err(e) => return Err(self.settle(in_flight, deadline, e)),
+            };
+            self.stats.write_ios += ios.len() as u64;
+            if let Err(e) = self.io.wait_sync(in_flight.take(), deadline) {
+                return Err(self.settle(posted, deadline, e));
+            }
+            in_flight = posted;
+        }
+        self.io.wait_sync(in_flight, deadline)?;
+        let data = data_path(&self.config.dir, own);
+        self.own_data
+            .sync_data()
+            .map_err(|e| storage(&data, journal::io_failure(&e), e))?;
+        self.journal.append_sync(&commits)?;
+        for c in commits {
+            self.index.apply(own, c);
+        }
+        Ok(())
+    }
+
+    /// Loads the pages `items` (key, host page) into the host pool from whichever rank wrote
+    /// them: per page [`LoadOutcome::Loaded`], [`LoadOutcome::Missing`] or
+    /// [`LoadOutcome::Corrupt`] (a checksum mismatch: a miss, counted; a damaged slot of this
+    /// rank is freed). Only loaded pages' host bytes change. Every file is opened and
+    /// registered before any byte moves, so a file that cannot be is an error with the host
+    /// pool untouched. Rounds alternate between two staging buffers: one is checked and
+    /// unpacked while the next round's reads fill the other.
+    ///
+    /// The host pages must not be read or written by any transfer meanwhile.
+    pub fn load_sync(&mut self, items: &[(PageKey, LocalPage)]) -> Result<Vec<LoadOutcome>> {
+        self.check_pages(items)?;
+        let deadline = self.deadline();
+        let mut out = vec![LoadOutcome::Missing; items.len()];
+        // (writer, slot, crc, item)
+        let mut found: Vec<(u32, u64, u32, usize)> = Vec::new();
+        for (i, (k, _)) in items.iter().enumerate() {
+            if let Some(e) = self.index.find(k, None) {
+                found.push((e.writer, e.slot, e.crc, i));
+            }
+        }
+        for w in found
+            .iter()
+            .map(|f| f.0)
+            .collect::<std::collections::BTreeSet<_>>()
+        {
+            self.open_file(w)?;
+        }
+        found.sort_by_key(|f| (f.0, f.1));
+        let slot_bytes = self.layout.slot_bytes() as usize;
+        let page_bytes = self.layout.page_bytes() as usize;
+        let per = self.config.staging_slots;
+        let rounds: Vec<&[(u32, u64, u32, usize)]> = found.chunks(per).collect();
+        let mut corrupt_own = Vec::new();
+        let mut next = match rounds.first() {
+            Some(r) => self.post_reads(r, 0)?,
+            None => None,
+        };
+        for (k, round) in rounds.iter().enumerate() {
+            let current = next.take();
+            if let Some(r) = rounds.get(k + 1) {
+                match self.post_reads(r, ((k + 1) % 2) * per * slot_bytes) {
+                    Ok(p) => next = p,
+                    Err(e) => return Err(self.settle(current, deadline, e)),
+                }
+            }
+            if let Err(e) = self.io.wait_sync(current, deadline) {
+                return Err(self.settle(next, deadline, e));
+            }
+            let half = (k % 2) * per * slot_bytes;
+            let src = match self.io.staging(half, round.len() * slot_bytes) {
+                Ok(s) => s,
+                Err(e) => return Err(self.settle(next, deadline, e)),
+            };
+            for (j, &(w, slot, crc, i)) in round.iter().enumerate() {
+                let page_data = &src[j * slot_bytes..j * slot_bytes + page_bytes];
+                let (key, page) = items[i];
+                if page_crc(&key, page_data) != crc {
+                    out[i] = LoadOutcome::Corrupt;
+                    self.stats.corrupt_pages += 1;
+                    if w == self.config.writer {
+                        corrupt_own.push(Record::Free { slot, key });
+                    }
+                    continue;
+                }
+                // SAFETY: as in `write_all`; the slot's bytes checked.
+                unsafe { self.layout.unpack(&self.bases, page_data, page) };
+                out[i] = LoadOutcome::Loaded;
+                self.stats.loaded_pages += 1;
+            }
+        }
+        // Damaged slots of this rank leave the index for every rank (their Free records).
+        corrupt_own.dedup();
+        self.journal.append_sync(&corrupt_own)?;
+        for r in corrupt_own {
+            self.index.apply(self.config.writer, r);
+            if let Record::Free { slot, .. } = r {
+                self.index.release(slot);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Posts the reads of `round` (sorted by writer and slot) into staging from byte `half` on.
+    fn post_reads(
+        &mut self,
+        round: &[(u32, u64, u32, usize)],
+        half: usize,
+    ) -> Result<Option<Posted>> {
+        let slot_bytes = self.layout.slot_bytes() as usize;
+        let mut ios = Vec::new();
+        let mut from = 0;
+        while from < round.len() {
+            let w = round[from].0;
+            let end = from + round[from..].iter().take_while(|f| f.0 == w).count();
+            let slots: Vec<u64> = round[from..end].iter().map(|f| f.1).collect();
+            let file = self.files[w as usize].unwrap_or_default();
+            ios.extend(self.ios(&slots, file, half + from * slot_bytes));
+            from = end;
+        }
+        self.stats.read_ios += ios.len() as u64;
+        self.io.post(false, &ios)
+    }
+
+    /// Opens and registers writer `w`'s slot file (once).
+    fn open_file(&mut self, w: u32) -> Result<()> {
+        if self.files[w as usize].is_some() {
+            return Ok(());
+        }
+        let path = data_path(&self.config.dir, w);
+        let file = open_direct(&path, false)?;
+        let len = file
+            .metadata()
+            .map_err(|e| storage(&path, StorageFailure::Io, e))?
+            .len();
+        let want = self.header.slots * self.header.slot_bytes;
+        if len < want {
+            return Err(storage(
+                &path,
+                StorageFailure::Format,
+                format!("{len} B, {want} B expected"),
+            ));
+        }
+        let index = self.io.add_file(file.into(), want, &path)?;
+        self.files[w as usize] = Some(index);
+        Ok(())
+    }
+}
+
+/// The checksum a commit record holds: CRC-32C of the key, then the page's bytes (so a slot
+/// reused for another key never checks as the old one).
+fn page_crc(key: &PageKey, page: &[u8]) -> u32 {
+    crc32c::crc32c_append(crc32c::crc32c(key.bytes()), page)
+}
+
+/// Makes `file` hold `bytes` bytes of allocated blocks, refusing (before writing anything)
+/// when the filesystem has less room than the part still to allocate.
+fn preallocate(file: &File, path: &Path, bytes: u64) -> Result<()> {
+    let have = file
+        .metadata()
+        .map_err(|e| storage(path, StorageFailure::Io, e))?
+        .len();
+    if have >= bytes {
+        return Ok(());
+    }
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let vfs = rustix::fs::statvfs(dir).map_err(|e| storage(dir, StorageFailure::Io, e))?;
+    let free = vfs.f_bavail.saturating_mul(vfs.f_frsize);
+    if bytes - have > free {
+        return Err(storage(
+            path,
+            StorageFailure::Full,
+            format!("{} B of slots asked for, {free} B free", bytes - have),
+        ));
+    }
+    match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, bytes) {
+        Ok(()) => Ok(()),
+        // A filesystem without fallocate: a sparse file of the right length.
+        Err(rustix::io::Errno::OPNOTSUPP) => file
+            .set_len(bytes)
+            .map_err(|e| storage(path, journal::io_failure(&e), e)),
+        Err(e) => {
+            let _ = file.set_len(have);
+            let e = std::io::Error::from(e);
+            Err(storage(path, journal::io_failure(&e), e))
+        }
+    }
+}
