@@ -54,13 +54,22 @@ fn assert_verified(table: &str, ranks: usize, decodes: usize) {
         .count();
     assert_eq!(verified, 2 * decodes, "{table}");
     assert!(!table.contains("| NO |"), "{table}");
-    let reloads = table
+    let rows: Vec<&str> = table
         .lines()
         .skip_while(|l| !l.contains("prefix reload H2D bytes"))
         .skip(2)
         .take_while(|l| l.starts_with('|'))
-        .count();
+        .collect();
+    let reloads = rows.iter().filter(|l| !l.starts_with("| all")).count();
     assert_eq!(reloads, ranks, "{table}");
+    // Ranks that share a host link (the CPU twin's, or one GPU's) get a row for their reloads
+    // together; ranks on GPUs of their own do not.
+    let shared = rows.iter().filter(|l| l.contains("one shared link")).count();
+    if table.contains("CPU twin") {
+        assert_eq!(shared, usize::from(ranks > 1), "{table}");
+    } else {
+        assert!(shared <= 1, "{table}");
+    }
 }
 
 #[test]
