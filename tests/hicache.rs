@@ -2828,13 +2828,9 @@ fn layer_zero_lands_first(route: impl Into<Route>) {
     let n = cache_node(1, &device);
     let compute = b.record().unwrap();
     assert_eq!(ctl.evict_sync(&n, &compute, route).unwrap().len(), 1);
-    pool.fill(b.as_ref(), POISON).unwrap();
-    let poisoned = b.record().unwrap();
-    let handle = ctl
-        .load(1, &n.device_pages, Some(&poisoned), route)
-        .unwrap();
+    // The consumer's stream and probe buffer are made before the load is enqueued: a device
+    // allocation may synchronize the device, which would let the whole load land first.
     let consumer = common::stream(&gpu);
-    handle.wait_layer(consumer.as_ref(), ModelLayer(0)).unwrap();
     let last_page = LocalPage(pages);
     let probes = [
         (Component::TargetLatent, 0, true),
@@ -2853,6 +2849,12 @@ fn layer_zero_lands_first(route: impl Into<Route>) {
     };
     let total: usize = probes.iter().map(|&(c, _, _)| block(c)).sum();
     let probe = consumer.alloc(total, MemoryKind::Device).unwrap();
+    pool.fill(b.as_ref(), POISON).unwrap();
+    let poisoned = b.record().unwrap();
+    let handle = ctl
+        .load(1, &n.device_pages, Some(&poisoned), route)
+        .unwrap();
+    handle.wait_layer(consumer.as_ref(), ModelLayer(0)).unwrap();
     let mut at = 0;
     for &(c, layer, _) in &probes {
         let addr = pool.block_addr(c, StoredLayer(layer), last_page).unwrap();
