@@ -7,7 +7,10 @@ The classes wrap kvshard's Rust API (see the README): ``CacheGeometry`` (with th
 through DLPack with no copy) and ``OwnedRowWrite``, P/D ``Sender``/``Receiver`` with
 ``RemoteSpace``, ``HostPool`` (kvshard's and SGLang's byte layouts), ``TransferPlan``,
 ``HostTransfer`` and ``HiCacheController``. ``kvshard.sglang.MLAHostPool`` offers SGLang's
-host pool interface on top. Choices are enum classes, never strings: ``LatentLayout``,
+host pool interface on top. Storage keys engines share: ``Namespace``, ``page_hash`` and
+``page_hashes`` (SGLang's SHA-256 page chain); with the ``nixl`` feature, the storage tier below
+the host pool, ``DiskStore``, and ``kvshard.sglang_storage.KvshardStorage``, SGLang's
+``HiCacheStorage`` on top of it. Choices are enum classes, never strings: ``LatentLayout``,
 ``Component``, ``HostLayout``, ``Route``, ``WritePolicy``, ``Direction``, and ``Method``, how
 bytes move on every route (P/D senders, HiCache transfers and their staged relayouts).
 
@@ -31,6 +34,7 @@ from ._errors import (
     KvshardError,
     OutOfMemoryError,
     ReadOnlyError,
+    StorageError,
     TransferDeadlineError,
     TransferError,
     UnavailableError,
@@ -41,10 +45,12 @@ from ._kvshard import (
     INDEXER_HEAD_DIM,
     INDEXER_PAGE_BYTES,
     INDEXER_ROW_BYTES,
+    KEY_BYTES,
     KV_LORA_RANK,
     MAX_PREFILL_RANKS,
     PAGE_SIZE,
     ROPE_DIM,
+    STORAGE_LAYOUT_VERSION,
     Allocation,
     BackupAck,
     Budget,
@@ -64,6 +70,7 @@ from ._kvshard import (
     HostLayout,
     HostPool,
     HostTransfer,
+    IndexerScale,
     LatentLayout,
     LayerReady,
     LayerSignals,
@@ -71,6 +78,7 @@ from ._kvshard import (
     LoadAck,
     LoadHandle,
     Method,
+    Namespace,
     Overdue,
     OwnedRowWrite,
     PendingChunk,
@@ -91,7 +99,16 @@ from ._kvshard import (
     WritePolicy,
     driver_present,
     embedded_archs,
+    page_hash,
+    page_hashes,
 )
+
+try:
+    from ._kvshard import DiskStats, DiskStore, LoadOutcome, Snapshot, StoreReport
+except ImportError:  # built without the `nixl` feature: no storage tier in this wheel
+    _STORAGE: list[str] = []
+else:
+    _STORAGE = ["DiskStats", "DiskStore", "LoadOutcome", "Snapshot", "StoreReport"]
 
 __version__ = "0.1.0"
 
@@ -103,6 +120,7 @@ __all__ = [
     "KvshardError",
     "OutOfMemoryError",
     "ReadOnlyError",
+    "StorageError",
     "TransferDeadlineError",
     "TransferError",
     "UnavailableError",
@@ -111,10 +129,12 @@ __all__ = [
     "INDEXER_HEAD_DIM",
     "INDEXER_PAGE_BYTES",
     "INDEXER_ROW_BYTES",
+    "KEY_BYTES",
     "KV_LORA_RANK",
     "MAX_PREFILL_RANKS",
     "PAGE_SIZE",
     "ROPE_DIM",
+    "STORAGE_LAYOUT_VERSION",
     "Allocation",
     "BackupAck",
     "Budget",
@@ -134,6 +154,7 @@ __all__ = [
     "HostLayout",
     "HostPool",
     "HostTransfer",
+    "IndexerScale",
     "LatentLayout",
     "LayerReady",
     "LayerSignals",
@@ -141,6 +162,7 @@ __all__ = [
     "LoadAck",
     "LoadHandle",
     "Method",
+    "Namespace",
     "Overdue",
     "OwnedRowWrite",
     "PendingChunk",
@@ -161,4 +183,6 @@ __all__ = [
     "WritePolicy",
     "driver_present",
     "embedded_archs",
-]
+    "page_hash",
+    "page_hashes",
+] + _STORAGE

@@ -36,6 +36,8 @@ MODULE_ORDER = [
     "host_transfer",
     "hicache_controller",
     "chain",
+    "storage_keys",
+    "disk_store",
     "bench",
 ]
 SRC = Path(__file__).resolve().parents[1] / "src"

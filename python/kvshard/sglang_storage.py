@@ -1,0 +1,568 @@
+"""SGLang's HiCache storage interface (L3) on kvshard's storage tier.
+
+``KvshardStorage`` implements SGLang's ``HiCacheStorage`` (``mem_cache/hicache_storage.py``)
+over a kvshard ``DiskStore``: one preallocated slot file and one journal per rank in a
+directory shared by the ranks, moved by NIXL's POSIX backend with direct I/O. Stock SGLang
+loads it through its ``dynamic`` storage backend::
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
+      '{"backend_name": "kvshard", "module_path": "kvshard.sglang_storage",
+        "class_name": "KvshardStorage", "dir": "/mnt/nvme/kvshard-l3", "slots": 65536}'
+
+SGLang's factory calls ``KvshardStorage(storage_config, kwargs)``; the controller then calls
+``register_mem_pool_host`` with its host pool, which must be a ``kvshard.sglang.MLAHostPool``
+(one kvshard ``HostPool`` holding every component of a page: latent, MTP draft, indexer keys
+and scales). The store opens there.
+
+What it guarantees, by construction of kvshard's store:
+
+- **A page is all or nothing.** One slot holds every component of the host page, with a
+  checksum; its commit record is written after the data is durable. A v2 call's extra pools
+  (``indexer``, ``draft``, ...) registered over the same host pool therefore hit exactly where
+  the KV pool hits: a page counts only if every pool has it, and that holds per slot. A pool
+  kvshard does not hold (not registered, or over another host pool) never hits.
+- **Torn and corrupted slots are misses**, counted (``get_stats()["corrupt_pages"]``).
+- **Keys** are ``namespace || page hash``: SGLang's hex page hashes (its ``get_hash_str``
+  SHA-256 chain, the same as ``kvshard.page_hashes``) under a namespace of the cache's geometry,
+  indexer scale rule, kvshard's layout version and a tenant tag, so two deployments with other
+  bytes per page never read each other's pages.
+
+``extra_config`` keys (besides SGLang's ``backend_name``, ``module_path``, ``class_name``):
+
+- ``dir`` (required): the directory the ranks share (a local disk, or a shared filesystem
+  across hosts); pipeline stages get a subdirectory each (``pp{rank}``).
+- ``slots`` (required): pages each rank's file holds (preallocated: ``slots`` x the slot size,
+  every component of a page padded to the direct-I/O alignment); least recently used reclaimed.
+- ``tenant`` (default ``""``): a tag in the namespace (separates deployments sharing ``dir``).
+- ``indexer_scale`` (``"ue8m0"``, the default, or ``"plain"``): how the indexer scales were
+  computed; part of the namespace.
+- ``writer``, ``writers``: this rank's file and the number of files. By default one per
+  (attention DP, TP) rank: ``writer = dp_rank * tp_size + tp_rank``. Under SGLang's MLA rule
+  only TP rank 0 backs pages up, so the other ranks' files stay empty, but every rank reads
+  rank 0's pages: the hit SGLang min-reduces over the TP group is the same on every rank.
+- ``staging_slots`` (default 32), ``timeout`` (seconds, default 30).
+
+Limits, said loudly: CP-sharded pools (``attn_cp_size > 1``) are refused (SGLang's sharded
+HiCache controller refuses storage anyway; docs/design.md has the upstream change that would
+let it call kvshard's L3), and so are non-MLA models. The legacy ``get``/``set``/``batch_get``/
+``batch_set`` (per-page tensors) raise ``NotImplementedError``: use the zero-copy v1/v2 calls.
+
+The base class is SGLang's own when ``sglang`` imports, else a stand-in with the same
+signatures (``BASE_CLASS`` says which; the choice is logged at import).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Dict, List, Optional, Tuple
+
+import kvshard
+from kvshard.sglang import DSAIndexerHostPool, MLAHostPool
+
+logger = logging.getLogger(__name__)
+
+PAGE_SIZE = kvshard.PAGE_SIZE
+
+try:
+    from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-found]
+        HiCacheStorage,
+        HiCacheStorageConfig,
+        HiCacheStorageExtraInfo,
+        PoolHitPolicy,
+        PoolName,
+        PoolTransfer,
+        PoolTransferResult,
+    )
+
+    #: Which ``HiCacheStorage`` this module subclasses: ``"sglang"`` (SGLang's own) or
+    #: ``"stand-in"`` (this module's, with the same signatures, where sglang does not import).
+    BASE_CLASS = "sglang"
+except ImportError as _why:
+    BASE_CLASS = "stand-in"
+    _STAND_IN_WHY = str(_why)
+
+    @dataclass
+    class HiCacheStorageConfig:  # type: ignore[no-redef]
+        """SGLang's ``HiCacheStorageConfig`` (the fields its scheduler fills)."""
+
+        tp_rank: int
+        tp_size: int
+        pp_rank: int
+        pp_size: int
+        attn_cp_rank: int
+        attn_cp_size: int
+        is_mla_model: bool
+        enable_storage_metrics: bool
+        is_page_first_layout: bool
+        model_name: Optional[str]
+        dp_rank: int = 0
+        dp_size: int = 1
+        tp_lcm_size: Optional[int] = None
+        should_split_heads: bool = False
+        extra_config: Optional[dict] = None
+
+    @dataclass
+    class HiCacheStorageExtraInfo:  # type: ignore[no-redef]
+        """SGLang's ``HiCacheStorageExtraInfo``."""
+
+        prefix_keys: Optional[List[str]] = None
+        extra_info: Optional[dict] = None
+
+    class PoolName(str, Enum):  # type: ignore[no-redef]
+        """SGLang's pool names (the ones a DSA model with MTP uses)."""
+
+        KV = "kv"
+        MAMBA = "mamba"
+        SWA = "swa"
+        INDEXER = "indexer"
+        DRAFT = "draft"
+        DRAFT_INDEXER = "draft_indexer"
+        DRAFT_SWA = "draft_swa"
+
+        def __str__(self) -> str:
+            return self.value
+
+    class PoolHitPolicy(str, Enum):  # type: ignore[no-redef]
+        """SGLang's per-pool hit policy of ``batch_exists_v2``."""
+
+        ALL_PAGES = "all_pages"
+        TRAILING_PAGES = "trailing_pages"
+
+    @dataclass
+    class PoolTransfer:  # type: ignore[no-redef]
+        """SGLang's per-pool transfer descriptor of the v2 calls."""
+
+        name: Any
+        host_indices: Any = None
+        device_indices: Any = None
+        keys: Optional[List[str]] = None
+        hit_policy: Any = PoolHitPolicy.ALL_PAGES
+        nodes_to_load: Optional[List[Any]] = None
+        indices_from_pool: Any = None
+
+    @dataclass
+    class PoolTransferResult:  # type: ignore[no-redef]
+        """SGLang's ``batch_exists_v2`` result."""
+
+        kv_hit_pages: int
+        extra_pool_hit_pages: dict
+
+    class HiCacheStorage(ABC):  # type: ignore[no-redef]
+        """A stand-in for SGLang's ``HiCacheStorage`` with its signatures (used where sglang
+        does not import)."""
+
+        def register_mem_pool_host(self, mem_pool_host) -> None:
+            self.mem_pool_host = mem_pool_host
+
+        def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+            if not hasattr(self, "registered_pools"):
+                self.registered_pools = {}
+            self.registered_pools[host_pool_name] = host_pool
+
+        def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
+            raise NotImplementedError()
+
+        def batch_get_v2(self, transfers, extra_info=None):
+            raise NotImplementedError()
+
+        def batch_set_v2(self, transfers, extra_info=None):
+            raise NotImplementedError()
+
+        def batch_get_v1(self, keys, host_indices, extra_info=None):
+            raise NotImplementedError()
+
+        def batch_set_v1(self, keys, host_indices, extra_info=None):
+            raise NotImplementedError()
+
+        @abstractmethod
+        def get(self, key, target_location=None, target_sizes=None):
+            pass
+
+        @abstractmethod
+        def batch_get(self, keys, target_locations=None, target_sizes=None):
+            pass
+
+        @abstractmethod
+        def set(self, key, value=None, target_location=None, target_sizes=None):
+            pass
+
+        @abstractmethod
+        def batch_set(self, keys, values=None, target_locations=None, target_sizes=None):
+            pass
+
+        @abstractmethod
+        def exists(self, key) -> bool:
+            pass
+
+        def batch_exists(self, keys, extra_info=None) -> int:
+            for i in range(len(keys)):
+                if not self.exists(keys[i]):
+                    return i
+            return len(keys)
+
+        def clear(self) -> None:
+            pass
+
+        def get_stats(self):
+            return None
+
+
+if BASE_CLASS == "sglang":
+    logger.info("kvshard.sglang_storage: KvshardStorage subclasses SGLang's HiCacheStorage")
+else:
+    logger.info(
+        "kvshard.sglang_storage: sglang does not import (%s); KvshardStorage subclasses a "
+        "stand-in HiCacheStorage with SGLang's signatures",
+        _STAND_IN_WHY,
+    )
+
+__all__ = [
+    "BASE_CLASS",
+    "KvshardStorage",
+    "HiCacheStorage",
+    "HiCacheStorageConfig",
+    "HiCacheStorageExtraInfo",
+    "PoolHitPolicy",
+    "PoolName",
+    "PoolTransfer",
+    "PoolTransferResult",
+]
+
+_LEGACY = (
+    "KvshardStorage moves whole pages (every component) between the host pool and disk without "
+    "a copy; use batch_get_v1/batch_set_v1 (or the v2 calls), SGLang's zero-copy path, not {}"
+)
+
+
+def _mla_of(pool) -> MLAHostPool:
+    """The ``MLAHostPool`` a registered SGLang pool stands for (the indexer companion is the
+    same kvshard host pool)."""
+    if isinstance(pool, MLAHostPool):
+        return pool
+    if isinstance(pool, DSAIndexerHostPool):
+        return pool.mla
+    raise kvshard.InvalidArgumentError(
+        "KvshardStorage stores pages of a kvshard host pool: register a "
+        f"kvshard.sglang.MLAHostPool (or its .indexer), not {type(pool).__name__}"
+    )
+
+
+def _index_values(host_indices) -> List[int]:
+    """Index values on the host, as Python ints (a CUDA tensor is copied first)."""
+    if getattr(host_indices, "is_cuda", False):
+        host_indices = host_indices.cpu()
+    if hasattr(host_indices, "tolist"):
+        host_indices = host_indices.tolist()
+    return [int(v) for v in host_indices]
+
+
+class KvshardStorage(HiCacheStorage):
+    """SGLang's ``HiCacheStorage`` on a kvshard ``DiskStore`` (the module docstring says how to
+    load it and what it guarantees)."""
+
+    def __init__(self, storage_config, kwargs: Optional[Dict[str, Any]] = None):
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        self.storage_config = storage_config
+        self.kwargs = dict(kwargs or {})
+        if not storage_config.is_mla_model:
+            raise kvshard.InvalidArgumentError(
+                "KvshardStorage stores MLA (DSA) caches held by a kvshard.sglang.MLAHostPool; "
+                "this model is not MLA"
+            )
+        if storage_config.attn_cp_size > 1:
+            raise kvshard.InvalidArgumentError(
+                "KvshardStorage serves unsharded host pools; with attention CP "
+                f"(attn_cp_size={storage_config.attn_cp_size}) each rank holds a slice of every "
+                "page: see docs/design.md, 'SGLang's storage interface', for the upstream change"
+            )
+        for required in ("dir", "slots"):
+            if required not in extra:
+                raise kvshard.InvalidArgumentError(
+                    f"KvshardStorage needs '{required}' in --hicache-storage-backend-extra-config"
+                )
+        dir_ = str(extra["dir"])
+        tenant = str(extra.get("tenant", ""))
+        if storage_config.pp_size > 1:
+            # Each stage holds other layers: its own directory (other slot sizes) and namespace
+            # (two stages of equal layer counts would otherwise share keys).
+            dir_ = os.path.join(dir_, f"pp{storage_config.pp_rank}")
+            tenant = f"{tenant}/pp{storage_config.pp_rank}of{storage_config.pp_size}"
+        scale = str(extra.get("indexer_scale", "ue8m0")).lower()
+        scales = {"ue8m0": kvshard.IndexerScale.UE8M0, "plain": kvshard.IndexerScale.PLAIN}
+        if scale not in scales:
+            raise kvshard.InvalidArgumentError(
+                f"indexer_scale {scale!r}: expected 'ue8m0' or 'plain'"
+            )
+        tp_rank, tp_size = storage_config.tp_rank, storage_config.tp_size
+        dp_rank = getattr(storage_config, "dp_rank", 0)
+        dp_size = getattr(storage_config, "dp_size", 1)
+        self.dir = dir_
+        self.slots = int(extra["slots"])
+        self.tenant = tenant.encode()
+        self.indexer_scale = scales[scale]
+        self.writer = int(extra.get("writer", dp_rank * tp_size + tp_rank))
+        self.writers = int(extra.get("writers", dp_size * tp_size))
+        self.staging_slots = int(extra.get("staging_slots", 32))
+        self.timeout = float(extra.get("timeout", 30.0))
+        self.store: Optional[kvshard.DiskStore] = None
+        self.namespace: Optional[kvshard.Namespace] = None
+        self._mla: Optional[MLAHostPool] = None
+        self.registered_pools: Dict[Any, Any] = {}
+
+    # --- pools -----------------------------------------------------------------------------
+
+    def _open(self, pool) -> MLAHostPool:
+        """Opens the store over ``pool``'s kvshard host pool on first use; later pools must be
+        the same host pool (one slot holds every component of one host page)."""
+        mla = _mla_of(pool)
+        if self._mla is None:
+            if not hasattr(kvshard, "DiskStore"):
+                raise kvshard.UnavailableError(
+                    "this kvshard build has no storage tier (build the wheel with --features nixl)"
+                )
+            self.store = kvshard.DiskStore(
+                mla.host,
+                self.dir,
+                self.slots,
+                writer=self.writer,
+                writers=self.writers,
+                staging_slots=self.staging_slots,
+                timeout=self.timeout,
+            )
+            self.namespace = kvshard.Namespace(mla.geometry, self.tenant, self.indexer_scale)
+            self._mla = mla
+            logger.info(
+                "KvshardStorage: %s, writer %d of %d, %d slots of %d B, %s",
+                self.dir,
+                self.writer,
+                self.writers,
+                self.slots,
+                self.store.slot_bytes,
+                self.store.io_queue,
+            )
+        elif mla.host is not self._mla.host:
+            raise kvshard.InvalidArgumentError(
+                "KvshardStorage: every registered pool must be over the same kvshard host pool "
+                "(one slot holds every component of a host page)"
+            )
+        return mla
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        """SGLang's host pool (a ``kvshard.sglang.MLAHostPool``): opens the store over it."""
+        super().register_mem_pool_host(mem_pool_host)
+        self._open(mem_pool_host)
+        self.registered_pools.setdefault(PoolName.KV, mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """A named pool of the v2 calls (``"kv"``, ``"indexer"``, ``"draft"``, ...): the
+        ``MLAHostPool`` or its ``.indexer``, over the one kvshard host pool."""
+        self._open(host_pool)
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    def _held(self, name) -> bool:
+        """Whether pool ``name`` is registered (and so over this store's host pool)."""
+        return name in self.registered_pools
+
+    # --- keys and pages --------------------------------------------------------------------
+
+    def _key(self, key: str) -> Optional[bytes]:
+        """The storage key of SGLang's hex page hash, or None for a string that is not one."""
+        assert self.namespace is not None
+        try:
+            return self.namespace.key(key)
+        except kvshard.InvalidArgumentError:
+            return None
+
+    def _pages(self, keys: List[str], host_indices) -> Optional[List[Optional[int]]]:
+        """Per key, its host page (whole, aligned pages of the token indices; None for one that
+        is not), or None when the indices do not cover the keys."""
+        values = _index_values(host_indices)
+        if len(values) != len(keys) * PAGE_SIZE:
+            logger.error(
+                "KvshardStorage: %d host indices for %d pages of %d", len(values), len(keys), PAGE_SIZE
+            )
+            return None
+        pages: List[Optional[int]] = []
+        for i in range(len(keys)):
+            run = values[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]
+            start = run[0]
+            whole = start % PAGE_SIZE == 0 and run == list(range(start, start + PAGE_SIZE))
+            pages.append(start // PAGE_SIZE if whole else None)
+        return pages
+
+    def _move(self, store: bool, entries: List[List[Tuple[str, Optional[int]]]]) -> List[List[bool]]:
+        """Stores or loads every distinct ``(key, page)`` of ``entries`` (one list per pool)
+        once, and answers per entry. A key named with two host pages, an invalid key or page,
+        or a kvshard error, is a failure for those entries, with nothing moved for them."""
+        assert self.store is not None
+        where: Dict[bytes, Optional[int]] = {}
+        for pool in entries:
+            for key, page in pool:
+                k = self._key(key)
+                if k is None or page is None:
+                    continue
+                if where.setdefault(k, page) != page:
+                    where[k] = None
+        items = [(k, p) for k, p in where.items() if p is not None]
+        ok: Dict[bytes, bool] = {}
+        try:
+            if store:
+                report = self.store.store_sync(items)
+                if report.dropped:
+                    present = self.store.exists([k for k, _ in items], self.store.snapshot())
+                    ok = {k: hit for (k, _), hit in zip(items, present)}
+                else:
+                    ok = {k: True for k, _ in items}
+            else:
+                self.store.snapshot()
+                outcomes = self.store.load_sync(items)
+                ok = {k: o == kvshard.LoadOutcome.LOADED for (k, _), o in zip(items, outcomes)}
+        except kvshard.KvshardError as e:
+            logger.error("KvshardStorage: %s of %d pages failed: %s", "store" if store else "load", len(items), e)
+            ok = {}
+
+        def answer(key: str, page: Optional[int]) -> bool:
+            k = self._key(key)
+            return k is not None and page is not None and where.get(k) == page and ok.get(k, False)
+
+        return [[answer(key, page) for key, page in pool] for pool in entries]
+
+    def _v1(self, store: bool, keys: List[str], host_indices) -> List[bool]:
+        if self.store is None:
+            logger.error("KvshardStorage: no host pool registered")
+            return [False] * len(keys)
+        pages = self._pages(keys, host_indices)
+        if pages is None:
+            return [False] * len(keys)
+        return self._move(store, [list(zip(keys, pages))])[0]
+
+    # --- v1 --------------------------------------------------------------------------------
+
+    def batch_set_v1(self, keys: List[str], host_indices, extra_info=None) -> List[bool]:
+        """Stores the host pages of ``host_indices`` (64 token indices per page) under SGLang's
+        page hashes ``keys``: per key, whether the page is in storage afterwards (already
+        there counts)."""
+        return self._v1(True, keys, host_indices)
+
+    def batch_get_v1(self, keys: List[str], host_indices, extra_info=None) -> List[bool]:
+        """Loads the pages of ``keys`` into the host pages of ``host_indices``: per key, whether
+        its bytes landed (a missing, torn or corrupted page is False, its host page untouched)."""
+        return self._v1(False, keys, host_indices)
+
+    def batch_exists(self, keys: List[str], extra_info=None) -> int:
+        """How many leading ``keys`` are present (a prefix chain), as of a fresh snapshot."""
+        if self.store is None:
+            return 0
+        prefix: List[bytes] = []
+        for key in keys:
+            k = self._key(key)
+            if k is None:
+                break
+            prefix.append(k)
+        if not prefix:
+            return 0
+        return self.store.lookup(prefix, self.store.snapshot())
+
+    def exists(self, key: str) -> bool:
+        """Whether the page of ``key`` is present."""
+        return self.batch_exists([key]) == 1
+
+    # --- v2 --------------------------------------------------------------------------------
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers=None, extra_info=None):
+        """The usable prefix of ``keys`` over the KV pool and every extra pool of
+        ``pool_transfers``. One slot holds every component of a page, so a registered pool has
+        a page exactly when the KV pool does (under either hit policy); a pool that is not
+        registered has none."""
+        kv_pages = self.batch_exists(keys, extra_info)
+        hits: Dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        final = kv_pages
+        for transfer in pool_transfers or []:
+            if final == 0:
+                break
+            boundary = kv_pages if self._held(transfer.name) else 0
+            if not boundary:
+                logger.warning("KvshardStorage: pool %s is not registered: no hits", transfer.name)
+            else:
+                hits[transfer.name] = boundary
+            final = min(final, boundary)
+        return PoolTransferResult(final, hits)
+
+    def _v2(self, store: bool, transfers) -> Dict[Any, List[bool]]:
+        names, entries, usable = [], [], []
+        for t in transfers:
+            keys = list(t.keys or [])
+            pages = None
+            if self._held(t.name) and t.host_indices is not None:
+                pages = self._pages(keys, t.host_indices)
+            names.append(t.name)
+            usable.append(pages is not None)
+            entries.append(list(zip(keys, pages)) if pages is not None else [(k, None) for k in keys])
+        if self.store is None:
+            return {n: [False] * len(e) for n, e in zip(names, entries)}
+        moved = self._move(store, [e if u else [] for e, u in zip(entries, usable)])
+        return {
+            n: (m if u else [False] * len(e)) for n, e, u, m in zip(names, entries, usable, moved)
+        }
+
+    def batch_get_v2(self, transfers, extra_info=None) -> Dict[Any, List[bool]]:
+        """Loads every transfer's pages (per pool name, per key whether it landed). Each
+        distinct page is read once: its slot brings every component, so the transfers of a page
+        must name the same host page (another one is a failure, nothing moved)."""
+        return self._v2(False, transfers)
+
+    def batch_set_v2(self, transfers, extra_info=None) -> Dict[Any, List[bool]]:
+        """Stores every transfer's pages (per pool name, per key whether it is in storage
+        afterwards); each distinct page is written once, with every component."""
+        return self._v2(True, transfers)
+
+    # --- legacy per-tensor calls -----------------------------------------------------------
+
+    def get(self, key, target_location=None, target_sizes=None):
+        """Not offered: raises ``NotImplementedError`` naming the zero-copy calls."""
+        raise NotImplementedError(_LEGACY.format("get"))
+
+    def batch_get(self, keys, target_locations=None, target_sizes=None):
+        """Not offered: raises ``NotImplementedError`` naming the zero-copy calls."""
+        raise NotImplementedError(_LEGACY.format("batch_get"))
+
+    def set(self, key, value=None, target_location=None, target_sizes=None):
+        """Not offered: raises ``NotImplementedError`` naming the zero-copy calls."""
+        raise NotImplementedError(_LEGACY.format("set"))
+
+    def batch_set(self, keys, values=None, target_locations=None, target_sizes=None):
+        """Not offered: raises ``NotImplementedError`` naming the zero-copy calls."""
+        raise NotImplementedError(_LEGACY.format("batch_set"))
+
+    # --- housekeeping ----------------------------------------------------------------------
+
+    def clear(self) -> bool:
+        """Not done while serving: the files are shared by every rank and crash-safe by their
+        journals, so one rank cannot drop them under the others. Returns False (SGLang's
+        convention for a clear that did not happen); stop every rank and remove ``dir``."""
+        logger.warning(
+            "KvshardStorage.clear: the store in %s is shared by %d ranks; stop them all and "
+            "remove the directory to clear it",
+            self.dir,
+            self.writers,
+        )
+        return False
+
+    def get_stats(self) -> Optional[Dict[str, Any]]:
+        """kvshard's counters (pages stored, loaded, corrupt, evicted; I/Os posted), the slots
+        in use, the slot size and the kernel queue, or None before a host pool is registered."""
+        if self.store is None:
+            return None
+        stats = dict(self.store.stats().as_dict())
+        stats.update(
+            used_slots=self.store.used_slots,
+            slots=self.slots,
+            slot_bytes=self.store.slot_bytes,
+            io_queue=self.store.io_queue,
+            base_class=BASE_CLASS,
+        )
+        return stats
