@@ -103,13 +103,6 @@ from ._kvshard import (
     page_hashes,
 )
 
-try:
-    from ._kvshard import DiskStats, DiskStore, LoadOutcome, Snapshot, StoreReport
-except ImportError:  # built without the `nixl` feature: no storage tier in this wheel
-    _STORAGE: list[str] = []
-else:
-    _STORAGE = ["DiskStats", "DiskStore", "LoadOutcome", "Snapshot", "StoreReport"]
-
 __version__ = "0.1.0"
 
 __all__ = [
@@ -185,4 +178,11 @@ __all__ = [
     "embedded_archs",
     "page_hash",
     "page_hashes",
-] + _STORAGE
+]
+
+try:
+    from ._kvshard import DiskStats, DiskStore, LoadOutcome, Snapshot, StoreReport
+except ImportError:  # built without the `nixl` feature: no storage tier in this wheel
+    pass
+else:
+    __all__ += ["DiskStats", "DiskStore", "LoadOutcome", "Snapshot", "StoreReport"]

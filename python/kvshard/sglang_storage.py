@@ -55,10 +55,7 @@ from __future__ import annotations
 
 import logging
 import os
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from enum import Enum
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import kvshard
 from kvshard.sglang import DSAIndexerHostPool, MLAHostPool
@@ -67,8 +64,8 @@ logger = logging.getLogger(__name__)
 
 PAGE_SIZE = kvshard.PAGE_SIZE
 
-try:
-    from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-found]
+if TYPE_CHECKING:
+    from ._hicache_stand_in import (
         HiCacheStorage,
         HiCacheStorageConfig,
         HiCacheStorageExtraInfo,
@@ -78,138 +75,36 @@ try:
         PoolTransferResult,
     )
 
-    #: Which ``HiCacheStorage`` this module subclasses: ``"sglang"`` (SGLang's own) or
-    #: ``"stand-in"`` (this module's, with the same signatures, where sglang does not import).
-    BASE_CLASS = "sglang"
-except ImportError as _why:
-    BASE_CLASS = "stand-in"
-    _STAND_IN_WHY = str(_why)
+    _STAND_IN_WHY: str
+else:
+    try:
+        from sglang.srt.mem_cache.hicache_storage import (
+            HiCacheStorage,
+            HiCacheStorageConfig,
+            HiCacheStorageExtraInfo,
+            PoolHitPolicy,
+            PoolName,
+            PoolTransfer,
+            PoolTransferResult,
+        )
 
-    @dataclass
-    class HiCacheStorageConfig:  # type: ignore[no-redef]
-        """SGLang's ``HiCacheStorageConfig`` (the fields its scheduler fills)."""
+        _STAND_IN_WHY = ""
+    except ImportError as why:
+        from ._hicache_stand_in import (
+            HiCacheStorage,
+            HiCacheStorageConfig,
+            HiCacheStorageExtraInfo,
+            PoolHitPolicy,
+            PoolName,
+            PoolTransfer,
+            PoolTransferResult,
+        )
 
-        tp_rank: int
-        tp_size: int
-        pp_rank: int
-        pp_size: int
-        attn_cp_rank: int
-        attn_cp_size: int
-        is_mla_model: bool
-        enable_storage_metrics: bool
-        is_page_first_layout: bool
-        model_name: Optional[str]
-        dp_rank: int = 0
-        dp_size: int = 1
-        tp_lcm_size: Optional[int] = None
-        should_split_heads: bool = False
-        extra_config: Optional[dict] = None
+        _STAND_IN_WHY = str(why)
 
-    @dataclass
-    class HiCacheStorageExtraInfo:  # type: ignore[no-redef]
-        """SGLang's ``HiCacheStorageExtraInfo``."""
-
-        prefix_keys: Optional[List[str]] = None
-        extra_info: Optional[dict] = None
-
-    class PoolName(str, Enum):  # type: ignore[no-redef]
-        """SGLang's pool names (the ones a DSA model with MTP uses)."""
-
-        KV = "kv"
-        MAMBA = "mamba"
-        SWA = "swa"
-        INDEXER = "indexer"
-        DRAFT = "draft"
-        DRAFT_INDEXER = "draft_indexer"
-        DRAFT_SWA = "draft_swa"
-
-        def __str__(self) -> str:
-            return self.value
-
-    class PoolHitPolicy(str, Enum):  # type: ignore[no-redef]
-        """SGLang's per-pool hit policy of ``batch_exists_v2``."""
-
-        ALL_PAGES = "all_pages"
-        TRAILING_PAGES = "trailing_pages"
-
-    @dataclass
-    class PoolTransfer:  # type: ignore[no-redef]
-        """SGLang's per-pool transfer descriptor of the v2 calls."""
-
-        name: Any
-        host_indices: Any = None
-        device_indices: Any = None
-        keys: Optional[List[str]] = None
-        hit_policy: Any = PoolHitPolicy.ALL_PAGES
-        nodes_to_load: Optional[List[Any]] = None
-        indices_from_pool: Any = None
-
-    @dataclass
-    class PoolTransferResult:  # type: ignore[no-redef]
-        """SGLang's ``batch_exists_v2`` result."""
-
-        kv_hit_pages: int
-        extra_pool_hit_pages: dict
-
-    class HiCacheStorage(ABC):  # type: ignore[no-redef]
-        """A stand-in for SGLang's ``HiCacheStorage`` with its signatures (used where sglang
-        does not import)."""
-
-        def register_mem_pool_host(self, mem_pool_host) -> None:
-            self.mem_pool_host = mem_pool_host
-
-        def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
-            if not hasattr(self, "registered_pools"):
-                self.registered_pools = {}
-            self.registered_pools[host_pool_name] = host_pool
-
-        def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
-            raise NotImplementedError()
-
-        def batch_get_v2(self, transfers, extra_info=None):
-            raise NotImplementedError()
-
-        def batch_set_v2(self, transfers, extra_info=None):
-            raise NotImplementedError()
-
-        def batch_get_v1(self, keys, host_indices, extra_info=None):
-            raise NotImplementedError()
-
-        def batch_set_v1(self, keys, host_indices, extra_info=None):
-            raise NotImplementedError()
-
-        @abstractmethod
-        def get(self, key, target_location=None, target_sizes=None):
-            pass
-
-        @abstractmethod
-        def batch_get(self, keys, target_locations=None, target_sizes=None):
-            pass
-
-        @abstractmethod
-        def set(self, key, value=None, target_location=None, target_sizes=None):
-            pass
-
-        @abstractmethod
-        def batch_set(self, keys, values=None, target_locations=None, target_sizes=None):
-            pass
-
-        @abstractmethod
-        def exists(self, key) -> bool:
-            pass
-
-        def batch_exists(self, keys, extra_info=None) -> int:
-            for i in range(len(keys)):
-                if not self.exists(keys[i]):
-                    return i
-            return len(keys)
-
-        def clear(self) -> None:
-            pass
-
-        def get_stats(self):
-            return None
-
+#: Which ``HiCacheStorage`` ``KvshardStorage`` subclasses: ``"sglang"`` (SGLang's own, where the
+#: ``sglang`` wheel imports) or ``"stand-in"`` (``kvshard._hicache_stand_in``, same signatures).
+BASE_CLASS = "sglang" if HiCacheStorage.__module__.startswith("sglang") else "stand-in"
 
 if BASE_CLASS == "sglang":
     logger.info("kvshard.sglang_storage: KvshardStorage subclasses SGLang's HiCacheStorage")
@@ -493,15 +388,17 @@ class KvshardStorage(HiCacheStorage):
         return PoolTransferResult(final, hits)
 
     def _v2(self, store: bool, transfers) -> Dict[Any, List[bool]]:
-        names, entries, usable = [], [], []
+        names: List[Any] = []
+        entries: List[List[Tuple[str, Optional[int]]]] = []
+        usable: List[bool] = []
         for t in transfers:
-            keys = list(t.keys or [])
-            pages = None
+            keys: List[str] = list(t.keys or [])
+            pages: Optional[List[Optional[int]]] = None
             if self._held(t.name) and t.host_indices is not None:
                 pages = self._pages(keys, t.host_indices)
             names.append(t.name)
             usable.append(pages is not None)
-            entries.append(list(zip(keys, pages)) if pages is not None else [(k, None) for k in keys])
+            entries.append(list(zip(keys, pages or [None] * len(keys))))
         if self.store is None:
             return {n: [False] * len(e) for n, e in zip(names, entries)}
         moved = self._move(store, [e if u else [] for e, u in zip(entries, usable)])
@@ -557,7 +454,7 @@ class KvshardStorage(HiCacheStorage):
         in use, the slot size and the kernel queue, or None before a host pool is registered."""
         if self.store is None:
             return None
-        stats = dict(self.store.stats().as_dict())
+        stats: Dict[str, Any] = dict(self.store.stats().as_dict())
         stats.update(
             used_slots=self.store.used_slots,
             slots=self.slots,

@@ -197,7 +197,7 @@ pub struct PyDiskStore {
 #[pymethods]
 impl PyDiskStore {
     #[new]
-    #[pyo3(signature = (host, dir, slots, *, writer = 0, writers = 1, staging_slots = 32, max_io_bytes = 8 << 20, timeout = 30.0))]
+    #[pyo3(signature = (host, dir, slots, *, writer = 0, writers = 1, staging_slots = 32, max_io_bytes = 8388608, timeout = 30.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
