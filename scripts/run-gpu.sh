@@ -112,7 +112,14 @@ for step in "${steps[@]}"; do
       status=1
       continue
     fi
-    if OUT=/tmp/py-out "$repo/python/run-gpu-tests.sh" "$wheel" --bench >/tmp/py-console.log 2>&1; then r=ok; else r=FAILED; status=1; fi
+    # With NIXL staged (scripts/stage-nixl.sh), the storage tests (kvshard.sglang_storage) must
+    # run, not skip.
+    nixl_stage="${NIXL_STAGE:-$here/../.gpu-nixl}"
+    if (
+      # shellcheck disable=SC1091
+      [ -f "$nixl_stage/env.sh" ] && . "$nixl_stage/env.sh" && export KVSHARD_REQUIRE_NIXL=1
+      OUT=/tmp/py-out "$repo/python/run-gpu-tests.sh" "$wheel" --bench >/tmp/py-console.log 2>&1
+    ); then r=ok; else r=FAILED; status=1; fi
     { cat /tmp/py-out/env.log; cat /tmp/py-out/bench-python.md; echo '```'; tail -60 /tmp/py-out/pytest.log; cat /tmp/py-out/bench.log; echo '```'; } >"$out/python.md" 2>/dev/null
     say "python: $r ($(grep -E 'passed|failed' /tmp/py-out/pytest.log | tail -1))"
     ;;

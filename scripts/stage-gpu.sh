@@ -68,11 +68,12 @@ if [ "${KVSHARD_STAGE_FIO:-0}" = 1 ]; then
   tar -C "$tmp" -cJf "$stage/fio.tar.xz" .
   rm -rf "$tmp"
 fi
-# The Python wheel (abi3, kernels embedded) for the GPU pytest and its benchmark.
+# The Python wheel (abi3, kernels embedded, the storage tier for kvshard.sglang_storage) for the
+# GPU pytest and its benchmark.
 venv=target/python-ci-venv
 [ -x "$venv/bin/maturin" ] || { python3 -m venv "$venv" && "$venv/bin/pip" install --quiet "maturin==1.16.*"; }
 rm -f target/wheels/kvshard-*.whl
-"$venv/bin/maturin" build --release --features require-kernels -m python/Cargo.toml --quiet
+"$venv/bin/maturin" build --release --features "require-kernels nixl" -m python/Cargo.toml --quiet
 cp target/wheels/kvshard-*.whl "$stage/"
 # Symbols are not needed there, and the device tool carries at most 64 MiB.
 find "$stage" -type f -perm -u+x ! -name '*.sh' -exec strip --strip-unneeded {} +
