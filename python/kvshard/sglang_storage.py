@@ -349,7 +349,8 @@ class KvshardStorage(HiCacheStorage):
         return self._v1(False, keys, host_indices)
 
     def batch_exists(self, keys: List[str], extra_info=None) -> int:
-        """How many leading ``keys`` are present (a prefix chain), as of a fresh snapshot."""
+        """How many leading ``keys`` are present (a prefix chain), as of a fresh snapshot (an
+        error of the store is logged and answers 0)."""
         if self.store is None:
             return 0
         prefix: List[bytes] = []
@@ -360,7 +361,11 @@ class KvshardStorage(HiCacheStorage):
             prefix.append(k)
         if not prefix:
             return 0
-        return self.store.lookup(prefix, self.store.snapshot())
+        try:
+            return self.store.lookup(prefix, self.store.snapshot())
+        except kvshard.KvshardError as e:
+            logger.error("KvshardStorage: lookup of %d pages failed: %s", len(prefix), e)
+            return 0
 
     def exists(self, key: str) -> bool:
         """Whether the page of ``key`` is present."""

@@ -368,3 +368,26 @@ def test_configurations_it_refuses(store_dir):
     assert backend.batch_exists(chain(1)) == 0
     assert backend.batch_get_v1(chain(1), indices([1])) == [False]
     assert backend.get_stats() is None
+
+
+def test_storage_errors_are_typed(store_dir):
+    need_nixl("DiskStore")
+    host = host_pool()
+    try:
+        kvshard.DiskStore(host.host, store_dir / "s", 4)
+    except kvshard.UnavailableError as e:
+        if os.environ.get("KVSHARD_REQUIRE_NIXL"):
+            raise
+        pytest.skip(f"NIXL runtime missing: {e}")
+    # A directory that cannot be made (under a regular file).
+    (store_dir / "file").write_bytes(b"x")
+    with pytest.raises(kvshard.StorageError) as e:
+        kvshard.DiskStore(host.host, store_dir / "file" / "s", 4)
+    assert (e.value.failure, isinstance(e.value, kvshard.HiCacheError)) == ("open", True)
+    assert str(store_dir / "file") in e.value.path
+    # Files of another shape (slot count) are refused, not reinterpreted.
+    with pytest.raises(kvshard.StorageError) as e:
+        kvshard.DiskStore(host.host, store_dir / "s", 8)
+    assert e.value.failure == "format"
+    with pytest.raises(kvshard.InvalidArgumentError):
+        kvshard.DiskStore(host.host, store_dir / "t", 4, writer=2, writers=2)
