@@ -8,7 +8,8 @@
 #   pd        scripts/pd-gpu.sh: P/D across processes (one GPU, or two when present)
 #   pressure  kvshard pd --scenario pressure: the seed's topology, a process per rank and decode
 #             (the report goes after pd's in pd.md; PRESSURE_ARGS adds flags)
-#   python    python/run-gpu-tests.sh on the staged wheel, with its benchmark
+#   python    python/run-gpu-tests.sh on the staged wheel, with its benchmark (with .gpu-nixl
+#             staged, the storage tests of kvshard.sglang_storage run with NIXL required)
 #   bench     the GPU benchmark (arguments after `--` go to it)
 #   storage   the storage tier on this host's disk (NIXL POSIX from .gpu-nixl, staged by
 #             scripts/stage-nixl.sh beside .gpu, or $NIXL_STAGE): the pressure
