@@ -9,10 +9,11 @@ loads it through its ``dynamic`` storage backend::
       '{"backend_name": "kvshard", "module_path": "kvshard.sglang_storage",
         "class_name": "KvshardStorage", "dir": "/mnt/nvme/kvshard-l3", "slots": 65536}'
 
-SGLang's factory calls ``KvshardStorage(storage_config, kwargs)``; the controller then calls
-``register_mem_pool_host`` with its host pool, which must be a ``kvshard.sglang.MLAHostPool``
-(one kvshard ``HostPool`` holding every component of a page: latent, MTP draft, indexer keys
-and scales). The store opens there.
+SGLang's factory calls ``KvshardStorage(storage_config, kwargs)``; the controller then
+registers its host pools: kvshard's ``kvshard.sglang.MLAHostPool`` (one kvshard ``HostPool``
+holding every component of a page: latent, MTP draft, indexer keys and scales; the store opens
+there), or SGLang's own ``MLATokenToKVPoolHost`` and ``DSAIndexerPoolHost``, wrapped without a
+copy at the first storage call (``adopt_sglang_pools``).
 
 What it guarantees, by construction of kvshard's store:
 
@@ -118,6 +119,7 @@ else:
 __all__ = [
     "BASE_CLASS",
     "KvshardStorage",
+    "adopt_sglang_pools",
     "HiCacheStorage",
     "HiCacheStorageConfig",
     "HiCacheStorageExtraInfo",
@@ -153,6 +155,74 @@ def _index_values(host_indices) -> List[int]:
     if hasattr(host_indices, "tolist"):
         host_indices = host_indices.tolist()
     return [int(v) for v in host_indices]
+
+
+_LATENT_BY_ROW_BYTES = {
+    576: kvshard.LatentLayout.FP8_TRTLLM,
+    656: kvshard.LatentLayout.FP8_SCALED,
+    1152: kvshard.LatentLayout.BF16,
+}
+
+
+def _is_sglang_indexer(pool) -> bool:
+    return not isinstance(pool, DSAIndexerHostPool) and hasattr(pool, "index_k_with_scale_buffer")
+
+
+def _is_sglang_kv(pool) -> bool:
+    return not isinstance(pool, MLAHostPool) and hasattr(pool, "kv_buffer")
+
+
+def adopt_sglang_pools(kv, indexer=None, device: Optional["kvshard.Device"] = None) -> MLAHostPool:
+    """A ``kvshard.sglang.MLAHostPool`` over SGLang's own host pools, without a copy: its MLA
+    host pool (``MLATokenToKVPoolHost``: ``kv_buffer``, the packed MTP draft as its tail layers)
+    and, for a DSA model, its indexer host pool (``DSAIndexerPoolHost``:
+    ``index_k_with_scale_buffer``, its live target layers, then the draft's). The geometry is
+    read from them (row bytes give the latent layout; ``_live_target_layers`` the layers with an
+    indexer); kvshard then checks every buffer's shape and size against it, so a pool it cannot
+    describe is refused, never misread. A DSA model's pool without its indexer pool is refused:
+    its pages would be stored without the indexer state. ``device``: the kvshard device of the
+    memory (default: the CUDA device of SGLang's device pool when the host memory is pinned,
+    else the CPU)."""
+    row = int(kv.kv_cache_dim) * int(kv.dtype.itemsize)
+    latent = _LATENT_BY_ROW_BYTES.get(row)
+    if latent is None:
+        raise kvshard.InvalidArgumentError(f"SGLang host pool rows of {row} B: no kvshard latent layout")
+    target = int(kv.target_layer_num)
+    drafts = int(kv.layer_num) - target
+    if drafts > 1:
+        raise kvshard.InvalidArgumentError(f"{drafts} packed draft layers: kvshard holds one")
+    device_pool = getattr(kv, "device_pool", None)
+    start = int(getattr(device_pool, "start_layer", 0) or 0)
+    dsa = getattr(device_pool, "index_head_dim", None) is not None
+    if indexer is None:
+        if dsa:
+            raise kvshard.InvalidArgumentError(
+                "a DSA model's MLA host pool without its indexer host pool: register it "
+                "(register_mem_host_pool_v2(indexer_pool, 'indexer')) before any storage call"
+            )
+        indexer_layers = [False] * target
+    else:
+        live = {int(layer) for layer in getattr(indexer, "_live_target_layers", range(start, start + target))}
+        indexer_layers = [start + i in live for i in range(target)]
+    # The packed draft has an indexer exactly when the model does (its tail indexer layer).
+    draft = kvshard.PoolGeometry(latent, indexer_layers=[indexer is not None]) if drafts else None
+    geometry = kvshard.CacheGeometry(kvshard.PoolGeometry(latent, indexer_layers=indexer_layers), draft)
+    if device is None:
+        where = str(getattr(device_pool, "device", "cpu"))
+        if getattr(kv, "pin_memory", False) and where.startswith("cuda"):
+            device = kvshard.Device.cuda(int(where.split(":")[1]) if ":" in where else 0)
+        else:
+            device = kvshard.Device.cpu()
+    buffers = [kv.kv_buffer] + ([indexer.index_k_with_scale_buffer] if indexer is not None else [])
+    return MLAHostPool(
+        device,
+        geometry,
+        int(kv.page_num),
+        kv.layout,
+        "direct" if kv.layout == "page_first_direct" else "kernel",
+        packed_draft=True,
+        buffers=buffers,
+    )
 
 
 class KvshardStorage(HiCacheStorage):
@@ -206,6 +276,8 @@ class KvshardStorage(HiCacheStorage):
         self.store: Optional[kvshard.DiskStore] = None
         self.namespace: Optional[kvshard.Namespace] = None
         self._mla: Optional[MLAHostPool] = None
+        # SGLang's own pools, adopted (wrapped, no copy) at the first storage call.
+        self._sglang: Dict[str, Any] = {}
         self.registered_pools: Dict[Any, Any] = {}
 
     # --- pools -----------------------------------------------------------------------------
@@ -246,16 +318,48 @@ class KvshardStorage(HiCacheStorage):
             )
         return mla
 
+    def _register(self, pool) -> None:
+        """Opens the store over a kvshard pool now, or keeps SGLang's own pool to adopt at the
+        first storage call (its indexer pool may be registered after it)."""
+        if _is_sglang_kv(pool) or _is_sglang_indexer(pool):
+            role = "indexer" if _is_sglang_indexer(pool) else "kv"
+            known = self._sglang.get(role)
+            if known is not None and known is not pool:
+                raise kvshard.InvalidArgumentError(
+                    f"KvshardStorage: a second SGLang {role} host pool (one slot holds every "
+                    "component of one host page: packed drafts only)"
+                )
+            if self.store is not None and known is None:
+                raise kvshard.InvalidArgumentError(
+                    f"KvshardStorage: SGLang's {role} host pool registered after the store opened"
+                )
+            self._sglang[role] = pool
+        else:
+            self._open(pool)
+
+    def _ensure_open(self) -> bool:
+        """Whether the store is open, adopting SGLang's registered pools first if needed (a
+        failure is logged: SGLang's storage threads do not survive exceptions)."""
+        if self.store is None and "kv" in self._sglang:
+            try:
+                self._open(adopt_sglang_pools(self._sglang["kv"], self._sglang.get("indexer")))
+            except kvshard.KvshardError as e:
+                logger.error("KvshardStorage: cannot use SGLang's host pools: %s", e)
+        return self.store is not None
+
     def register_mem_pool_host(self, mem_pool_host) -> None:
-        """SGLang's host pool (a ``kvshard.sglang.MLAHostPool``): opens the store over it."""
+        """SGLang's host pool: a ``kvshard.sglang.MLAHostPool`` (the store opens over it), or
+        SGLang's own ``MLATokenToKVPoolHost`` (wrapped with its indexer pool, without a copy, at
+        the first storage call: ``adopt_sglang_pools``)."""
         super().register_mem_pool_host(mem_pool_host)
-        self._open(mem_pool_host)
+        self._register(mem_pool_host)
         self.registered_pools.setdefault(PoolName.KV, mem_pool_host)
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         """A named pool of the v2 calls (``"kv"``, ``"indexer"``, ``"draft"``, ...): the
-        ``MLAHostPool`` or its ``.indexer``, over the one kvshard host pool."""
-        self._open(host_pool)
+        ``MLAHostPool`` or its ``.indexer``, or SGLang's own MLA and DSA indexer host pools
+        (the packed draft is in the MLA one), all over one host pool."""
+        self._register(host_pool)
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def _held(self, name) -> bool:
@@ -327,7 +431,7 @@ class KvshardStorage(HiCacheStorage):
         return [[answer(key, page) for key, page in pool] for pool in entries]
 
     def _v1(self, store: bool, keys: List[str], host_indices) -> List[bool]:
-        if self.store is None:
+        if not self._ensure_open():
             logger.error("KvshardStorage: no host pool registered")
             return [False] * len(keys)
         pages = self._pages(keys, host_indices)
@@ -351,7 +455,7 @@ class KvshardStorage(HiCacheStorage):
     def batch_exists(self, keys: List[str], extra_info=None) -> int:
         """How many leading ``keys`` are present (a prefix chain), as of a fresh snapshot (an
         error of the store is logged and answers 0)."""
-        if self.store is None:
+        if not self._ensure_open():
             return 0
         prefix: List[bytes] = []
         for key in keys:
@@ -361,6 +465,7 @@ class KvshardStorage(HiCacheStorage):
             prefix.append(k)
         if not prefix:
             return 0
+        assert self.store is not None
         try:
             return self.store.lookup(prefix, self.store.snapshot())
         except kvshard.KvshardError as e:
@@ -404,7 +509,7 @@ class KvshardStorage(HiCacheStorage):
             names.append(t.name)
             usable.append(pages is not None)
             entries.append(list(zip(keys, pages or [None] * len(keys))))
-        if self.store is None:
+        if not self._ensure_open():
             return {n: [False] * len(e) for n, e in zip(names, entries)}
         moved = self._move(store, [e if u else [] for e, u in zip(entries, usable)])
         return {

@@ -4,8 +4,10 @@ every component (latent, packed MTP draft, indexer keys and scales), on NIXL's P
 against a directory under the build tree. Random pages stored and reloaded into other host
 pages byte for byte, prefix semantics of exists, the v2 calls with the kv, indexer and draft
 pools, misses, a slot with flipped bytes reported as a miss and counted, a second TP rank
-reading rank 0's pages (SGLang's MLA rule: only TP rank 0 writes), and the page-hash chain
-against hashlib's computation of SGLang's ``get_hash_str``.
+reading rank 0's pages (SGLang's MLA rule: only TP rank 0 writes), SGLang's own host pools
+(stand-ins with its attributes and buffer shapes) adopted without a copy, a DSA pool without its
+indexer pool never stored, typed storage errors, and the page-hash chain against hashlib's
+computation of SGLang's ``get_hash_str``.
 
 Which base class it ran against is reported (a warning in pytest's summary): SGLang's own
 ``HiCacheStorage`` when the ``sglang`` wheel imports, else the module's stand-in with the same
@@ -19,6 +21,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -391,3 +394,77 @@ def test_storage_errors_are_typed(store_dir):
     assert e.value.failure == "format"
     with pytest.raises(kvshard.InvalidArgumentError):
         kvshard.DiskStore(host.host, store_dir / "t", 4, writer=2, writers=2)
+
+
+def sglang_pools(page_num, dsa=True):
+    """Stand-ins for SGLang's own host pools of a DSA model with a packed MTP draft
+    (``MLATokenToKVPoolHost`` and ``DSAIndexerPoolHost``, page_first): the attributes
+    ``adopt_sglang_pools`` reads, and NumPy buffers of SGLang's shapes, poisoned."""
+    size = page_num * PAGE
+    device_pool = SimpleNamespace(start_layer=0, device="cpu", index_head_dim=128 if dsa else None)
+    kv = SimpleNamespace(
+        kv_buffer=np.full((size, 4, 1, 656), POISON, np.uint8),  # 3 target layers + the draft
+        kv_cache_dim=656,
+        dtype=np.dtype(np.uint8),
+        target_layer_num=3,
+        layer_num=4,
+        page_num=page_num,
+        page_size=PAGE,
+        layout="page_first",
+        pin_memory=False,
+        device_pool=device_pool,
+    )
+    # Layer 1 shares layer 0's indexer (no buffer); the draft's is the tail layer.
+    indexer = SimpleNamespace(
+        index_k_with_scale_buffer=np.full(((size + PAGE + 1) // PAGE, 3, 1, 8448), POISON, np.uint8),
+        _live_target_layers=[0, 2],
+        layer_num=3,
+        page_size=PAGE,
+        layout="page_first",
+    )
+    return kv, indexer
+
+
+def sglang_page(kv, indexer, page):
+    return kv.kv_buffer[page * PAGE : (page + 1) * PAGE].tobytes() + indexer.index_k_with_scale_buffer[page].tobytes()
+
+
+def test_sglangs_own_host_pools_are_adopted(store_dir):
+    """Stock SGLang registers its own MLA and DSA indexer host pools: they are wrapped (no copy)
+    at the first storage call, and pages written through SGLang's indexing round-trip."""
+    rng = np.random.default_rng(6)
+    kv, indexer = sglang_pools(PAGES)
+    backend = open_backend(config(store_dir), kv)
+    backend.register_mem_host_pool_v2(kv, PoolName.KV)
+    backend.register_mem_host_pool_v2(indexer, PoolName.INDEXER)
+    for p in (1, 2):
+        kv.kv_buffer[p * PAGE : (p + 1) * PAGE] = rng.integers(1, 256, (PAGE, 4, 1, 656), np.uint8)
+        indexer.index_k_with_scale_buffer[p] = rng.integers(1, 256, (3, 1, 8448), np.uint8)
+    keys = chain(2, seed=4)
+    assert backend.batch_set_v1(keys, indices([1, 2])) == [True, True]
+    assert backend.batch_exists(keys) == 2
+    got = backend.batch_get_v2(
+        [PoolTransfer(name=n, host_indices=indices([5, 6]), keys=keys) for n in (PoolName.KV, PoolName.INDEXER)]
+    )
+    assert got == {PoolName.KV: [True, True], PoolName.INDEXER: [True, True]}
+    assert [sglang_page(kv, indexer, p) for p in (5, 6)] == [sglang_page(kv, indexer, p) for p in (1, 2)]
+    assert set(sglang_page(kv, indexer, 7)) == {POISON}
+    # Another SGLang indexer pool cannot join the one host pool.
+    with pytest.raises(kvshard.InvalidArgumentError):
+        backend.register_mem_host_pool_v2(sglang_pools(PAGES)[1], PoolName.DRAFT_INDEXER)
+
+
+def test_a_dsa_pool_without_its_indexer_is_never_stored(store_dir):
+    """Pages stored without the indexer state would come back as hits with stale indexer bytes:
+    a DSA model's MLA pool registered alone is refused at the first call, and nothing is stored."""
+    kv, _ = sglang_pools(PAGES)
+    backend = open_backend(config(store_dir), kv)
+    assert backend.batch_set_v1(chain(1), indices([1])) == [False]
+    assert backend.batch_exists(chain(1)) == 0 and backend.get_stats() is None
+    # Without an indexer (a plain MLA model), the latent alone is the whole page.
+    mla, _ = sglang_pools(PAGES, dsa=False)
+    mla.kv_buffer[PAGE : 2 * PAGE] = 7
+    plain = open_backend(config(store_dir / "plain"), mla)
+    assert plain.batch_set_v1(chain(1), indices([1])) == [True]
+    assert plain.batch_get_v1(chain(1), indices([3])) == [True]
+    assert set(mla.kv_buffer[3 * PAGE : 4 * PAGE].tobytes()) == {7}
