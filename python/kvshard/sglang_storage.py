@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import kvshard
@@ -278,6 +279,9 @@ class KvshardStorage(HiCacheStorage):
         self._mla: Optional[MLAHostPool] = None
         # SGLang's own pools, adopted (wrapped, no copy) at the first storage call.
         self._sglang: Dict[str, Any] = {}
+        # SGLang's prefetch and backup threads may make that first call together: one store
+        # per rank (two would both append to this rank's journal).
+        self._opening = threading.RLock()
         self.registered_pools: Dict[Any, Any] = {}
 
     # --- pools -----------------------------------------------------------------------------
@@ -286,12 +290,16 @@ class KvshardStorage(HiCacheStorage):
         """Opens the store over ``pool``'s kvshard host pool on first use; later pools must be
         the same host pool (one slot holds every component of one host page)."""
         mla = _mla_of(pool)
+        with self._opening:
+            return self._open_locked(mla)
+
+    def _open_locked(self, mla: MLAHostPool) -> MLAHostPool:
         if self._mla is None:
             if not hasattr(kvshard, "DiskStore"):
                 raise kvshard.UnavailableError(
                     "this kvshard build has no storage tier (build the wheel with --features nixl)"
                 )
-            self.store = kvshard.DiskStore(
+            store = kvshard.DiskStore(
                 mla.host,
                 self.dir,
                 self.slots,
@@ -302,14 +310,16 @@ class KvshardStorage(HiCacheStorage):
             )
             self.namespace = kvshard.Namespace(mla.geometry, self.tenant, self.indexer_scale)
             self._mla = mla
+            # Last: other threads take a store that is not None as ready.
+            self.store = store
             logger.info(
                 "KvshardStorage: %s, writer %d of %d, %d slots of %d B, %s",
                 self.dir,
                 self.writer,
                 self.writers,
                 self.slots,
-                self.store.slot_bytes,
-                self.store.io_queue,
+                store.slot_bytes,
+                store.io_queue,
             )
         elif mla.host is not self._mla.host:
             raise kvshard.InvalidArgumentError(
@@ -340,11 +350,14 @@ class KvshardStorage(HiCacheStorage):
     def _ensure_open(self) -> bool:
         """Whether the store is open, adopting SGLang's registered pools first if needed (a
         failure is logged: SGLang's storage threads do not survive exceptions)."""
-        if self.store is None and "kv" in self._sglang:
-            try:
-                self._open(adopt_sglang_pools(self._sglang["kv"], self._sglang.get("indexer")))
-            except kvshard.KvshardError as e:
-                logger.error("KvshardStorage: cannot use SGLang's host pools: %s", e)
+        if self.store is not None:
+            return True
+        with self._opening:
+            if self.store is None and "kv" in self._sglang:
+                try:
+                    self._open(adopt_sglang_pools(self._sglang["kv"], self._sglang.get("indexer")))
+                except kvshard.KvshardError as e:
+                    logger.error("KvshardStorage: cannot use SGLang's host pools: %s", e)
         return self.store is not None
 
     def register_mem_pool_host(self, mem_pool_host) -> None:

@@ -468,3 +468,27 @@ def test_a_dsa_pool_without_its_indexer_is_never_stored(store_dir):
     assert plain.batch_set_v1(chain(1), indices([1])) == [True]
     assert plain.batch_get_v1(chain(1), indices([3])) == [True]
     assert set(mla.kv_buffer[3 * PAGE : 4 * PAGE].tobytes()) == {7}
+
+
+def test_the_first_calls_of_two_threads_open_one_store(store_dir):
+    """SGLang's prefetch and backup threads can make the first storage call together: one store
+    opens (two would both append to this rank's journal)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    kv, indexer = sglang_pools(PAGES)
+    backend = open_backend(config(store_dir), kv)
+    backend.register_mem_host_pool_v2(indexer, PoolName.INDEXER)
+    opened = []
+    real = kvshard.DiskStore
+
+    def counting(*args, **kwargs):
+        opened.append(1)
+        return real(*args, **kwargs)
+
+    sglang_storage.kvshard.DiskStore = counting
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            hits = list(pool.map(lambda _: backend.batch_exists(chain(1)), range(8)))
+    finally:
+        sglang_storage.kvshard.DiskStore = real
+    assert hits == [0] * 8 and len(opened) == 1
