@@ -577,7 +577,7 @@ class KvshardStorage(HiCacheStorage):
         in use, the slot size and the kernel queue, or None before a host pool is registered."""
         if self.store is None:
             return None
-        stats: Dict[str, Any] = dict(self.store.stats().as_dict())
+        stats: Dict[str, Any] = self.store.stats().as_dict()
         stats.update(
             used_slots=self.store.used_slots,
             slots=self.slots,

@@ -7,6 +7,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use kvshard::index::LocalPage;
 use kvshard::key::PageKey;
@@ -144,17 +145,21 @@ impl PyDiskStats {
     fn read_ios(&self) -> u64 {
         self.0.read_ios
     }
-    /// The counters by name.
-    fn as_dict(&self) -> Vec<(&'static str, u64)> {
+    /// The counters by name, in the order above.
+    fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.0;
-        vec![
+        let d = PyDict::new(py);
+        for (name, value) in [
             ("stored_pages", s.stored_pages),
             ("loaded_pages", s.loaded_pages),
             ("corrupt_pages", s.corrupt_pages),
             ("evicted_pages", s.evicted_pages),
             ("write_ios", s.write_ios),
             ("read_ios", s.read_ios),
-        ]
+        ] {
+            d.set_item(name, value)?;
+        }
+        Ok(d)
     }
     fn __repr__(&self) -> String {
         format!("{:?}", self.0)
