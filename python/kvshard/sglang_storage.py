@@ -391,7 +391,10 @@ class KvshardStorage(HiCacheStorage):
 
     def _pages(self, keys: List[str], host_indices) -> Optional[List[Optional[int]]]:
         """Per key, its host page (whole, aligned pages of the token indices; None for one that
-        is not), or None when the indices do not cover the keys."""
+        is not, or that is the padding page 0 or past the pool, so that it alone fails), or None
+        when the indices do not cover the keys."""
+        assert self._mla is not None
+        limit = self._mla.host.pages
         values = _index_values(host_indices)
         if len(values) != len(keys) * PAGE_SIZE:
             logger.error(
@@ -403,7 +406,8 @@ class KvshardStorage(HiCacheStorage):
             run = values[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]
             start = run[0]
             whole = start % PAGE_SIZE == 0 and run == list(range(start, start + PAGE_SIZE))
-            pages.append(start // PAGE_SIZE if whole else None)
+            usable = whole and 0 < start // PAGE_SIZE < limit
+            pages.append(start // PAGE_SIZE if usable else None)
         return pages
 
     def _move(self, store: bool, entries: List[List[Tuple[str, Optional[int]]]]) -> List[List[bool]]:
@@ -514,6 +518,8 @@ class KvshardStorage(HiCacheStorage):
         names: List[Any] = []
         entries: List[List[Tuple[str, Optional[int]]]] = []
         usable: List[bool] = []
+        if not self._ensure_open():
+            return {t.name: [False] * len(t.keys or []) for t in transfers}
         for t in transfers:
             keys: List[str] = list(t.keys or [])
             pages: Optional[List[Optional[int]]] = None
@@ -522,8 +528,6 @@ class KvshardStorage(HiCacheStorage):
             names.append(t.name)
             usable.append(pages is not None)
             entries.append(list(zip(keys, pages or [None] * len(keys))))
-        if not self._ensure_open():
-            return {n: [False] * len(e) for n, e in zip(names, entries)}
         moved = self._move(store, [e if u else [] for e, u in zip(entries, usable)])
         return {
             n: (m if u else [False] * len(e)) for n, e, u, m in zip(names, entries, usable, moved)

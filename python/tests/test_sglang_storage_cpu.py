@@ -246,6 +246,9 @@ def test_v1_round_trip_exists_and_misses(store_dir, layout):
     assert backend.batch_get_v1(keys[:2], indices([9])) == [False, False]
     assert backend.batch_get_v1(keys[:1], indices([9]) + 1) == [False]
     assert set(page_bytes(host, 9)) == {POISON}
+    # The padding page 0, and a page past the pool, fail alone; the batch's others move.
+    assert backend.batch_get_v1(keys[:3], indices([0, 9, PAGES])) == [False, True, False]
+    assert page_bytes(host, 9) == want[1]
 
     # The legacy per-tensor calls name the zero-copy ones.
     for call in (lambda: backend.get(keys[0]), lambda: backend.set(keys[0], None),
