@@ -8,7 +8,8 @@
 #   pd        scripts/pd-gpu.sh: P/D across processes (one GPU, or two when present)
 #   pressure  kvshard pd --scenario pressure: the seed's topology, a process per rank and decode
 #             (the report goes after pd's in pd.md; PRESSURE_ARGS adds flags)
-#   python    python/run-gpu-tests.sh on the staged wheel, with its benchmark
+#   python    python/run-gpu-tests.sh on the staged wheel, with its benchmark (with .gpu-nixl
+#             staged, the storage tests of kvshard.sglang_storage run with NIXL required)
 #   mooncake  the Mooncake transport: decode and two prefill processes, VRAM pools on GPU 0, the
 #             staged CUDA 13 engine (mooncake.tar.xz) over its TCP transport, every mode
 #             byte-identical to the in-process reference (python/tests/test_mooncake_cpu.py
@@ -120,7 +121,14 @@ for step in "${steps[@]}"; do
       status=1
       continue
     fi
-    if OUT=/tmp/py-out "$repo/python/run-gpu-tests.sh" "$wheel" --bench >/tmp/py-console.log 2>&1; then r=ok; else r=FAILED; status=1; fi
+    # With NIXL staged (scripts/stage-nixl.sh), the storage tests (kvshard.sglang_storage) must
+    # run, not skip.
+    nixl_stage="${NIXL_STAGE:-$here/../.gpu-nixl}"
+    if (
+      # shellcheck disable=SC1091
+      [ -f "$nixl_stage/env.sh" ] && . "$nixl_stage/env.sh" && export KVSHARD_REQUIRE_NIXL=1
+      OUT=/tmp/py-out "$repo/python/run-gpu-tests.sh" "$wheel" --bench >/tmp/py-console.log 2>&1
+    ); then r=ok; else r=FAILED; status=1; fi
     { cat /tmp/py-out/env.log; cat /tmp/py-out/bench-python.md; echo '```'; tail -60 /tmp/py-out/pytest.log; cat /tmp/py-out/bench.log; echo '```'; } >"$out/python.md" 2>/dev/null
     say "python: $r ($(grep -E 'passed|failed' /tmp/py-out/pytest.log | tail -1))"
     ;;

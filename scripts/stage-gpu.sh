@@ -68,11 +68,12 @@ if [ "${KVSHARD_STAGE_FIO:-0}" = 1 ]; then
   tar -C "$tmp" -cJf "$stage/fio.tar.xz" .
   rm -rf "$tmp"
 fi
-# The Python wheel (abi3, kernels embedded) for the GPU pytest and its benchmark.
+# The Python wheel (abi3, kernels embedded, the storage tier for kvshard.sglang_storage) for the
+# GPU pytest and its benchmark.
 venv=target/python-ci-venv
 [ -x "$venv/bin/maturin" ] || { python3 -m venv "$venv" && "$venv/bin/pip" install --quiet "maturin==1.16.*"; }
 rm -f target/wheels/kvshard-*.whl
-"$venv/bin/maturin" build --release --features require-kernels -m python/Cargo.toml --quiet
+"$venv/bin/maturin" build --release --features "require-kernels nixl" -m python/Cargo.toml --quiet
 cp target/wheels/kvshard-*.whl "$stage/"
 # The Mooncake runtime for the `mooncake` step: the CUDA 13 engine and what it loads, ~12 MB
 # compressed (scripts/stage-mooncake.sh says why not the 50 MB wheel).

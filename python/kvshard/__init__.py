@@ -9,7 +9,10 @@ through DLPack with no copy) and ``OwnedRowWrite``, P/D ``Sender``/``Receiver`` 
 ``HostTransfer`` and ``HiCacheController``; ``MooncakeSender`` hands send plans out as a transfer
 engine's (source, destination, length) lists, and ``kvshard.mooncake`` runs P/D on Mooncake's
 transfer engine with them. ``kvshard.sglang.MLAHostPool`` offers SGLang's
-host pool interface on top. Choices are enum classes, never strings: ``LatentLayout``,
+host pool interface on top. Storage keys engines share: ``Namespace``, ``page_hash`` and
+``page_hashes`` (SGLang's SHA-256 page chain); with the ``nixl`` feature, the storage tier below
+the host pool, ``DiskStore``, and ``kvshard.sglang_storage.KvshardStorage``, SGLang's
+``HiCacheStorage`` on top of it. Choices are enum classes, never strings: ``LatentLayout``,
 ``Component``, ``HostLayout``, ``Route``, ``WritePolicy``, ``Direction``, and ``Method``, how
 bytes move on every route (P/D senders, HiCache transfers and their staged relayouts).
 
@@ -33,6 +36,7 @@ from ._errors import (
     KvshardError,
     OutOfMemoryError,
     ReadOnlyError,
+    StorageError,
     TransferDeadlineError,
     TransferError,
     UnavailableError,
@@ -43,10 +47,12 @@ from ._kvshard import (
     INDEXER_HEAD_DIM,
     INDEXER_PAGE_BYTES,
     INDEXER_ROW_BYTES,
+    KEY_BYTES,
     KV_LORA_RANK,
     MAX_PREFILL_RANKS,
     PAGE_SIZE,
     ROPE_DIM,
+    STORAGE_LAYOUT_VERSION,
     Allocation,
     BackupAck,
     Budget,
@@ -67,6 +73,7 @@ from ._kvshard import (
     HostLayout,
     HostPool,
     HostTransfer,
+    IndexerScale,
     LatentLayout,
     LayerReady,
     LayerSignals,
@@ -78,6 +85,7 @@ from ._kvshard import (
     MooncakeChunk,
     MooncakeMode,
     MooncakeSender,
+    Namespace,
     Overdue,
     OwnedRowWrite,
     PendingChunk,
@@ -102,6 +110,8 @@ from ._kvshard import (
     driver_present,
     embedded_archs,
     engine_memory,
+    page_hash,
+    page_hashes,
     plan_capacity,
 )
 
@@ -115,6 +125,7 @@ __all__ = [
     "KvshardError",
     "OutOfMemoryError",
     "ReadOnlyError",
+    "StorageError",
     "TransferDeadlineError",
     "TransferError",
     "UnavailableError",
@@ -123,10 +134,12 @@ __all__ = [
     "INDEXER_HEAD_DIM",
     "INDEXER_PAGE_BYTES",
     "INDEXER_ROW_BYTES",
+    "KEY_BYTES",
     "KV_LORA_RANK",
     "MAX_PREFILL_RANKS",
     "PAGE_SIZE",
     "ROPE_DIM",
+    "STORAGE_LAYOUT_VERSION",
     "Allocation",
     "BackupAck",
     "Budget",
@@ -147,6 +160,7 @@ __all__ = [
     "HostLayout",
     "HostPool",
     "HostTransfer",
+    "IndexerScale",
     "LatentLayout",
     "LayerReady",
     "LayerSignals",
@@ -158,6 +172,7 @@ __all__ = [
     "MooncakeChunk",
     "MooncakeMode",
     "MooncakeSender",
+    "Namespace",
     "Overdue",
     "OwnedRowWrite",
     "PendingChunk",
@@ -182,5 +197,14 @@ __all__ = [
     "driver_present",
     "embedded_archs",
     "engine_memory",
+    "page_hash",
+    "page_hashes",
     "plan_capacity",
 ]
+
+try:
+    from ._kvshard import DiskStats, DiskStore, LoadOutcome, Snapshot, StoreReport
+except ImportError:  # built without the `nixl` feature: no storage tier in this wheel
+    pass
+else:
+    __all__ += ["DiskStats", "DiskStore", "LoadOutcome", "Snapshot", "StoreReport"]

@@ -14,7 +14,9 @@
   failed on this rank (its ``status`` is what to deliver to the decode side);
   ``TransferDeadlineError`` (also a ``TimeoutError``) a request whose deadline passed before
   every prefill rank reported its last status.
-- ``HiCacheError``: a HiCache operation is invalid or failed.
+- ``HiCacheError``: a HiCache operation is invalid or failed; ``StorageError`` is the storage
+  tier's (its files cannot be made, opened or registered, the disk is full, an I/O failed, or
+  the files are of another format), with the host and device pools untouched.
 
 Which kvshard error becomes which exception is one exhaustive match in the extension
 (``python/src/errors.rs``): a new kind of kvshard error is given its class there before it
@@ -92,6 +94,21 @@ class HiCacheError(KvshardError):
     """A HiCache operation is invalid or failed."""
 
 
+class StorageError(HiCacheError):
+    """The storage tier (``DiskStore``) could not do what was asked; nothing in the host or
+    device pools was touched.
+
+    Attributes: ``path`` (the file or directory concerned) and ``failure``: ``"full"`` (no room
+    on the filesystem), ``"open"`` (a file or the directory cannot be made or opened, or the
+    filesystem refuses direct I/O), ``"register"`` (NIXL refused it or has no POSIX backend),
+    ``"io"`` (a read, write or sync failed) or ``"format"`` (the files there are of another slot
+    size, slot count or rank).
+    """
+
+    path: str
+    failure: str
+
+
 __all__ = [
     "KvshardError",
     "InvalidArgumentError",
@@ -103,4 +120,5 @@ __all__ = [
     "ChunkFailedError",
     "TransferDeadlineError",
     "HiCacheError",
+    "StorageError",
 ]

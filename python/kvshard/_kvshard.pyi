@@ -6,6 +6,7 @@ signature, class or name that differs from the extension fails the CPU suite. Py
 cannot be subclassed (``@final``) and take their arguments in ``__new__``."""
 
 import builtins
+import os
 from typing import Any, ClassVar, Optional, Sequence, Union, final
 
 from typing_extensions import Self
@@ -95,6 +96,17 @@ __all__ = [
     "LoadHandle",
     "HiCacheController",
     "RequestChain",
+    "KEY_BYTES",
+    "STORAGE_LAYOUT_VERSION",
+    "IndexerScale",
+    "Namespace",
+    "page_hash",
+    "page_hashes",
+    "LoadOutcome",
+    "Snapshot",
+    "StoreReport",
+    "DiskStats",
+    "DiskStore",
 ]
 
 PAGE_SIZE: int
@@ -107,6 +119,10 @@ MAX_PREFILL_RANKS: int
 # Seconds from a request's registration to its deadline, unless the Receiver says otherwise.
 DEFAULT_DEADLINE: float
 DEFAULT_STAGING_PAGES: int
+# Bytes of a storage key (namespace || page hash).
+KEY_BYTES: int
+# kvshard's storage layout version, part of every Namespace.
+STORAGE_LAYOUT_VERSION: int
 
 def embedded_archs() -> Optional[str]:
     """Architectures whose kernels this build embeds (None: built without nvcc)."""
@@ -1026,3 +1042,113 @@ class HiCacheController:
     def host_free_pages(self, owner: int) -> int: ...
     @property
     def policy(self) -> WritePolicy: ...
+
+# --- storage keys (always built) ------------------------------------------------------------
+
+@final
+class IndexerScale:
+    """How the cache's indexer scales were computed (part of a Namespace)."""
+
+    UE8M0: ClassVar[IndexerScale]
+    PLAIN: ClassVar[IndexerScale]
+    def __int__(self) -> int: ...
+
+@final
+class Namespace:
+    """SHA-256 over what makes two caches' bytes interchangeable, and a tenant tag."""
+
+    def __new__(cls, geometry: CacheGeometry, tenant: builtins.bytes = ..., scale: IndexerScale = ...) -> Self: ...
+    @property
+    def bytes(self) -> builtins.bytes: ...
+    # A page hash: SGLang's hex string (get_hash_str) or its 32 bytes.
+    def key(self, hash: Union[str, builtins.bytes]) -> builtins.bytes: ...
+    def keys(self, hashes: Sequence[Union[str, builtins.bytes]]) -> list[builtins.bytes]: ...
+    def chain_keys(
+        self, token_ids: Sequence[int], prior_hash: Optional[Union[str, builtins.bytes]] = None
+    ) -> list[builtins.bytes]: ...
+
+# SGLang's get_hash_str for one page of 64 token ids (hex digest).
+def page_hash(token_ids: Sequence[int], prior_hash: Optional[Union[str, builtins.bytes]] = None) -> str: ...
+
+# The hashes of every full page, chained (SGLang's prefix hashing).
+def page_hashes(token_ids: Sequence[int], prior_hash: Optional[Union[str, builtins.bytes]] = None) -> list[str]: ...
+
+# --- the storage tier (builds with the `nixl` feature) --------------------------------------
+
+@final
+class LoadOutcome:
+    """What happened to one page of DiskStore.load_sync."""
+
+    LOADED: ClassVar[LoadOutcome]
+    MISSING: ClassVar[LoadOutcome]
+    CORRUPT: ClassVar[LoadOutcome]
+    def __int__(self) -> int: ...
+
+@final
+class Snapshot:
+    """A group's agreed view of the storage: per writer rank, the journal records covered."""
+
+    def __new__(cls, records: Sequence[int]) -> Self: ...
+    @property
+    def records(self) -> list[int]: ...
+
+@final
+class StoreReport:
+    @property
+    def written(self) -> int: ...
+    @property
+    def present(self) -> int: ...
+    @property
+    def evicted(self) -> int: ...
+    @property
+    def dropped(self) -> int: ...
+
+@final
+class DiskStats:
+    @property
+    def stored_pages(self) -> int: ...
+    @property
+    def loaded_pages(self) -> int: ...
+    @property
+    def corrupt_pages(self) -> int: ...
+    @property
+    def evicted_pages(self) -> int: ...
+    @property
+    def write_ios(self) -> int: ...
+    @property
+    def read_ios(self) -> int: ...
+    def as_dict(self) -> dict[str, int]: ...
+
+@final
+class DiskStore:
+    """One rank's storage tier below its host pool (NIXL POSIX, direct I/O); keys are 64 bytes
+    (Namespace.key), pages are host page numbers. Calls release the GIL."""
+
+    def __new__(
+        cls,
+        host: HostPool,
+        dir: Union[str, "os.PathLike[str]"],
+        slots: int,
+        *,
+        writer: int = 0,
+        writers: int = 1,
+        staging_slots: int = 32,
+        max_io_bytes: int = 8388608,
+        timeout: float = 30.0,
+    ) -> Self: ...
+    @property
+    def host(self) -> HostPool: ...
+    @property
+    def io_queue(self) -> str: ...
+    @property
+    def slot_bytes(self) -> int: ...
+    @property
+    def page_bytes(self) -> int: ...
+    @property
+    def used_slots(self) -> int: ...
+    def stats(self) -> DiskStats: ...
+    def snapshot(self) -> Snapshot: ...
+    def exists(self, keys: Sequence[builtins.bytes], snapshot: Snapshot) -> list[bool]: ...
+    def lookup(self, keys: Sequence[builtins.bytes], snapshot: Snapshot) -> int: ...
+    def store_sync(self, items: Sequence[tuple[builtins.bytes, int]]) -> StoreReport: ...
+    def load_sync(self, items: Sequence[tuple[builtins.bytes, int]]) -> list[LoadOutcome]: ...

@@ -24,6 +24,7 @@ struct Classes {
     chunk_failed: Py<PyType>,
     deadline: Py<PyType>,
     hicache: Py<PyType>,
+    storage: Py<PyType>,
     read_only: Py<PyType>,
 }
 
@@ -45,6 +46,7 @@ fn classes(py: Python<'_>) -> PyResult<&Classes> {
             chunk_failed: get("ChunkFailedError")?,
             deadline: get("TransferDeadlineError")?,
             hicache: get("HiCacheError")?,
+            storage: get("StorageError")?,
             read_only: get("ReadOnlyError")?,
         })
     })
@@ -104,7 +106,8 @@ fn class_of<'c>(c: &'c Classes, e: &kvshard::Error) -> &'c Py<PyType> {
         E::Nixl { .. } => &c.transfer,
         E::ChunkFailed { .. } => &c.chunk_failed,
         E::TransferDeadline(_) => &c.deadline,
-        E::HiCache(_) | E::Storage { .. } => &c.hicache,
+        E::HiCache(_) => &c.hicache,
+        E::Storage { .. } => &c.storage,
         // kvshard's process-to-process channels and the demo's byte checks have no Python
         // API: should one reach Python, the base class with kvshard's message says what failed.
         E::Os { .. }
@@ -147,9 +150,27 @@ pub fn to_py(py: Python<'_>, e: kvshard::Error) -> PyErr {
             let _ = value.setattr("ranks", overdue.ranks);
             let _ = value.setattr("missing", missing_chunks(overdue));
         }
+        // Which file, and what failed, for an engine that reacts to a full disk otherwise than
+        // to a damaged file.
+        kvshard::Error::Storage { path, failure, .. } => {
+            let _ = value.setattr("path", path.as_str());
+            let _ = value.setattr("failure", storage_failure(*failure));
+        }
         _ => {}
     }
     err
+}
+
+/// The name `StorageError.failure` holds for each kind of storage failure.
+fn storage_failure(f: kvshard::error::StorageFailure) -> &'static str {
+    use kvshard::error::StorageFailure as F;
+    match f {
+        F::Full => "full",
+        F::Open => "open",
+        F::Register => "register",
+        F::Io => "io",
+        F::Format => "format",
+    }
 }
 
 /// `(rank, chunks received)` of each rank whose last status of an overdue request never came.

@@ -9,7 +9,9 @@
 //! exceptions of `kvshard._errors`, with kvshard's message. No panic crosses into Python: the
 //! code returns errors, and PyO3 turns any panic that slipped through into an exception.
 //! Routes, I/O backends, relayouts, copy methods, write policies, directions, layouts and
-//! components are enum classes (`kvshard.Route.KERNEL`), never strings.
+//! components are enum classes (`kvshard.Route.KERNEL`), never strings. Storage keys
+//! (`Namespace`, SGLang's page-hash chain) are always built; the storage tier below the host
+//! pool (`DiskStore`) with the `nixl` feature.
 //!
 //! One job per module; a module imports only modules below it, bottom-up: `errors` (kvshard's
 //! errors as exceptions), `lock` (the poison-recovering lock), `tensor` (DLPack both ways),
@@ -20,8 +22,9 @@
 //! lists, bounce buffers),
 //! `hicache_enums` (HiCache's choices), `host_pool`, `layer_signals` (per-layer readiness),
 //! `host_transfer` (transfer plans, host transfers, their staging), `hicache_controller`,
-//! `chain` (a request's chain, which makes HiCache nodes and P/D registrations), `bench`
-//! (`python/bench.py`'s native loops), and this file on top.
+//! `chain` (a request's chain, which makes HiCache nodes and P/D registrations),
+//! `storage_keys` (namespaces, page hashes, keys), `disk_store` (the storage tier, feature
+//! `nixl`), `bench` (`python/bench.py`'s native loops), and this file on top.
 
 /// Both `From` conversions between a Python enum and the kvshard enum it mirrors, from one
 /// table of variant pairs, so the two directions cannot disagree.
@@ -52,6 +55,8 @@ mod chain;
 mod chunk_staging;
 mod device;
 mod device_pool;
+#[cfg(feature = "nixl")]
+mod disk_store;
 mod errors;
 mod geometry;
 mod hicache_controller;
@@ -65,6 +70,7 @@ mod mooncake;
 mod owned_row_write;
 mod pool_tensors;
 mod shard;
+mod storage_keys;
 mod tensor;
 mod transfer;
 
@@ -162,5 +168,19 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hicache_controller::PyLoadHandle>()?;
     m.add_class::<hicache_controller::PyHiCacheController>()?;
     m.add_class::<chain::PyRequestChain>()?;
+    m.add("KEY_BYTES", kvshard::key::KEY_BYTES)?;
+    m.add("STORAGE_LAYOUT_VERSION", kvshard::key::LAYOUT_VERSION)?;
+    m.add_class::<storage_keys::PyIndexerScale>()?;
+    m.add_class::<storage_keys::PyNamespace>()?;
+    m.add_function(wrap_pyfunction!(storage_keys::page_hash, m)?)?;
+    m.add_function(wrap_pyfunction!(storage_keys::page_hashes, m)?)?;
+    #[cfg(feature = "nixl")]
+    {
+        m.add_class::<disk_store::PyLoadOutcome>()?;
+        m.add_class::<disk_store::PySnapshot>()?;
+        m.add_class::<disk_store::PyStoreReport>()?;
+        m.add_class::<disk_store::PyDiskStats>()?;
+        m.add_class::<disk_store::PyDiskStore>()?;
+    }
     Ok(())
 }
