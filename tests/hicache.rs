@@ -23,7 +23,7 @@ use kvshard::copy::{BlockSpace, Direction, IoCalls, LayerSignals, Layers, Method
 use kvshard::geometry::{CacheGeometry, Component, ComponentLayout, LatentLayout, PoolGeometry};
 use kvshard::hicache::{
     pages_of_tokens, CacheNode, HiCacheController, HostLayout, HostPool, HostTransfer, LayerReady,
-    Route, Streams, TransferPlan, WritePolicy, AUTO_STAGED_LOAD_PAGES, DEFAULT_STAGING_PAGES,
+    Route, Streams, TransferPlan, WritePolicy, AUTO_STAGED_PAGES, DEFAULT_STAGING_PAGES,
 };
 use kvshard::index::{LocalPage, LogicalPage, ModelLayer, Slot, StoredLayer};
 use kvshard::pool::{DevicePool, PoolBuffers, RawBuffer};
@@ -402,7 +402,7 @@ fn run_route(w: &Where<'_>, t: &mut HostTransfer, route: Route, chunk: u64) {
             w.b.synchronize().unwrap();
         }
         Route::Auto => {
-            let route = Route::auto(t.direction(), t.plan().len(), w.b);
+            let route = Route::auto(t.direction(), t.plan().len(), w.layout, w.b);
             run_route(w, t, route, chunk)
         }
     }
@@ -2083,19 +2083,30 @@ fn controller_acks_in_fifo_order_across_mixed_routes() {
 fn the_auto_route_picks_by_direction_and_pages_and_moves_the_same_bytes() {
     let b: Arc<dyn Backend> = Arc::new(CpuBackend::new());
     let bk = b.as_ref();
-    let staged = AUTO_STAGED_LOAD_PAGES;
+    let staged = AUTO_STAGED_PAGES;
     assert_eq!(Route::default(), Route::Auto);
+    let (lf, pfd) = (HostLayout::LayerFirst, HostLayout::PageFirstDirect);
+    for layout in [lf, pfd, HostLayout::PageFirst] {
+        assert!(matches!(
+            Route::auto(Direction::Load, staged - 1, layout, bk),
+            Route::Direct(Method::Kernel(_))
+        ));
+        assert!(matches!(
+            Route::auto(Direction::Load, staged, layout, bk),
+            Route::Staged(Method::Kernel(_))
+        ));
+        assert!(matches!(
+            Route::auto(Direction::Backup, staged - 1, layout, bk),
+            Route::Direct(Method::Kernel(_))
+        ));
+    }
     assert!(matches!(
-        Route::auto(Direction::Load, staged - 1, bk),
+        Route::auto(Direction::Backup, 4 * staged, lf, bk),
         Route::Direct(Method::Kernel(_))
     ));
     assert!(matches!(
-        Route::auto(Direction::Load, staged, bk),
+        Route::auto(Direction::Backup, staged, pfd, bk),
         Route::Staged(Method::Kernel(_))
-    ));
-    assert!(matches!(
-        Route::auto(Direction::Backup, 4 * staged, bk),
-        Route::Direct(Method::Kernel(_))
     ));
     // Through a controller: a node of `staged` pages (a staged load) and one of 3 (direct),
     // backed up and reloaded into other pages with Route::Auto, come back byte for byte.

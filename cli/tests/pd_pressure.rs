@@ -64,7 +64,10 @@ fn assert_verified(table: &str, ranks: usize, decodes: usize) {
     assert_eq!(reloads, ranks, "{table}");
     // Ranks that share a host link (the CPU twin's, or one GPU's) get a row for their reloads
     // together; ranks on GPUs of their own do not.
-    let shared = rows.iter().filter(|l| l.contains("one shared link")).count();
+    let shared = rows
+        .iter()
+        .filter(|l| l.contains("one shared link"))
+        .count();
     if table.contains("CPU twin") {
         assert_eq!(shared, usize::from(ranks > 1), "{table}");
     } else {

@@ -47,7 +47,7 @@ use crate::chain::RequestChain;
 use crate::copy::{BlockSpace, Direction, LayerSignals, Layers, Method, TableBuffer};
 use crate::error::{Error, Result};
 use crate::index::{LogicalPage, ModelLayer};
-use crate::pool::host::HostPool;
+use crate::pool::host::{HostLayout, HostPool};
 use crate::pool::DevicePool;
 use crate::shard::{AllocRequest, ChainStart, ShardAllocator};
 
@@ -84,38 +84,57 @@ pub enum Route {
     Auto,
 }
 
-/// Pages from which [`Route::auto`] loads through the staging: below them the direct kernel
-/// is as fast (BENCHMARKS.md, session 8: 93.0% against 94.9% of pinned H2D at 64 pages; at 512
-/// pages 93.2% against 98.3%) and keeps its per-layer readiness.
-pub const AUTO_STAGED_LOAD_PAGES: usize = 64;
+/// Pages from which [`Route::auto`] moves a transfer through the staging (a load always, a
+/// backup from a page-first host pool): below them the direct kernel is as fast and a load
+/// keeps its per-layer readiness.
+pub const AUTO_STAGED_PAGES: usize = 64;
 
 impl Route {
-    /// The route [`Route::Auto`] takes for a transfer of `pages` pages in `direction` on
-    /// `backend` (the direction's stream), the rule BENCHMARKS.md (session 8, H200) measured:
-    /// - a backup: the block kernel straight into the host pool, 2 CTAs (95.2% of pinned D2H at
-    ///   64 and 512 pages; the copy engine 69.6-70.1%, staged 90.9%);
-    /// - a load of at least [`AUTO_STAGED_LOAD_PAGES`] pages: the copy engine through device
-    ///   staging with an 8-CTA kernel relayout (94.9% at 64 pages, 98.3% at 512), every layer
-    ///   ready at the end; a smaller load: the block kernel with a ready counter per layer, 2
-    ///   CTAs (93.0%).
+    /// The route [`Route::Auto`] takes for a transfer of `pages` pages in `direction` with a
+    /// host pool in `layout`, on `backend` (the direction's stream): the rule BENCHMARKS.md
+    /// (session 8, H200, every layout at 64 and 512 pages) measured, within 3% of the fastest
+    /// route of every case:
+    /// - a load of at least [`AUTO_STAGED_PAGES`] pages: the copy engine through device staging
+    ///   with an 8-CTA kernel relayout (94.1-94.5% of pinned H2D at 64 pages, 97.5-97.7% at
+    ///   512), every layer ready at the end; a smaller load: the block kernel with a ready
+    ///   counter per layer, 2 CTAs;
+    /// - a backup into a `layer_first` host pool: the block kernel, 2 CTAs (94.8-95.0% of D2H;
+    ///   the staging gains nothing there);
+    /// - a backup into a page-first host pool of at least [`AUTO_STAGED_PAGES`] pages: staged
+    ///   like a load (94.7-98.1%, where the direct kernel gives 76.2-95.0%); a smaller one: the
+    ///   block kernel, 4 CTAs.
     ///
     /// A consumer that overlaps a large load layer by layer with its forward pass wants
     /// `Direct(Method::Kernel(..))` instead: the staged route readies every layer at once.
-    pub fn auto(direction: Direction, pages: usize, backend: &dyn Backend) -> Route {
+    pub fn auto(
+        direction: Direction,
+        pages: usize,
+        layout: HostLayout,
+        backend: &dyn Backend,
+    ) -> Route {
+        let staged = Route::Staged(Method::Kernel(Launch::host_io(backend, 8)));
         match direction {
-            Direction::Load if pages >= AUTO_STAGED_LOAD_PAGES => {
-                Route::Staged(Method::Kernel(Launch::host_io(backend, 8)))
-            }
-            Direction::Load | Direction::Backup => {
+            Direction::Load if pages >= AUTO_STAGED_PAGES => staged,
+            Direction::Load => Route::Direct(Method::Kernel(Launch::host_io(backend, 2))),
+            Direction::Backup if layout == HostLayout::LayerFirst => {
                 Route::Direct(Method::Kernel(Launch::host_io(backend, 2)))
             }
+            Direction::Backup if pages >= AUTO_STAGED_PAGES => staged,
+            Direction::Backup => Route::Direct(Method::Kernel(Launch::host_io(backend, 4))),
         }
     }
 
-    /// This route, with [`Route::Auto`] resolved for `pages` pages in `direction`.
-    fn resolve(self, direction: Direction, pages: usize, backend: &dyn Backend) -> Route {
+    /// This route, with [`Route::Auto`] resolved for `pages` pages in `direction` with a host
+    /// pool in `layout`.
+    fn resolve(
+        self,
+        direction: Direction,
+        pages: usize,
+        layout: HostLayout,
+        backend: &dyn Backend,
+    ) -> Route {
         match self {
-            Route::Auto => Route::auto(direction, pages, backend),
+            Route::Auto => Route::auto(direction, pages, layout, backend),
             route => route,
         }
     }
@@ -548,6 +567,7 @@ impl HiCacheController {
         let route = route.into().resolve(
             Direction::Backup,
             node.device_pages.len(),
+            self.host.layout(),
             self.streams.backup.as_ref(),
         );
         if self.host_nodes.contains_key(&node.id) {
@@ -643,6 +663,7 @@ impl HiCacheController {
         let route = route.into().resolve(
             Direction::Load,
             device_pages.len(),
+            self.host.layout(),
             self.streams.load.as_ref(),
         );
         check_route(route)?;

@@ -42,7 +42,7 @@ mod storage;
 
 pub use controller::{
     BackupAck, CacheNode, HiCacheController, LoadAck, LoadHandle, Route, Streams, WritePolicy,
-    AUTO_STAGED_LOAD_PAGES, DEFAULT_STAGING_PAGES,
+    AUTO_STAGED_PAGES, DEFAULT_STAGING_PAGES,
 };
 pub use direct::HostTransfer;
 // The host pools are defined with the device pools (`pool/host`); HiCache is where engines

@@ -161,7 +161,7 @@ fn auto_pick(
 ) -> Result<()> {
     let b = ctx.backend.as_ref();
     let (dir, pages) = (t.direction(), t.plan().len());
-    let route = Route::auto(dir, pages, b);
+    let route = Route::auto(dir, pages, host.layout(), b);
     let reps = ctx.reps(if pages >= 2048 { 3 } else { 8 });
     let stats = match route {
         Route::Direct(io) => ctx.time(reps, || t.run(ctx.backend.as_ref(), io, Layers::All))?,
@@ -358,7 +358,10 @@ fn controller_loads(
         ];
         for route in routes {
             let picked = match route {
-                Route::Auto => format!("auto: {}", Route::auto(Direction::Load, pages, b.as_ref())),
+                Route::Auto => format!(
+                    "auto: {}",
+                    Route::auto(Direction::Load, pages, host.layout(), b.as_ref())
+                ),
                 r => r.to_string(),
             };
             let reps = ctx.reps(8);
