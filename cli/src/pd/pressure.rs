@@ -655,6 +655,24 @@ fn covered(window: (f64, f64), others: &[(f64, f64)]) -> f64 {
     (sum / len).min(1.0)
 }
 
+/// Milliseconds covered by at least one of `windows` (start, end).
+fn union_ms(mut windows: Vec<(f64, f64)>) -> f64 {
+    windows.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut total = 0.0;
+    let mut open: Option<(f64, f64)> = None;
+    for (a, b) in windows {
+        open = match open {
+            Some((s, e)) if a <= e => Some((s, e.max(b))),
+            Some((s, e)) => {
+                total += e - s;
+                Some((a, b))
+            }
+            None => Some((a, b)),
+        };
+    }
+    total + open.map_or(0.0, |(s, e)| e - s)
+}
+
 /// A rank's P/D of one prompt, as its message says.
 struct PromptSend {
     rank: u32,
@@ -804,16 +822,15 @@ fn table(cfg: &PressurePdConfig, messages: &[(Role, Message)], shared_gpu: bool)
         );
     }
     // Ranks that share a GPU share its host link: their reloads together are what the link
-    // delivered, bytes over the span from the first start to the last end (wall clock).
+    // delivered, bytes over the time some reload was running (the union of the wall-clock
+    // windows: reloads apart in time do not count the gap between them).
     if reloads.len() > 1 && shared_gpu {
         let bytes: u64 = reloads.iter().map(|r| r.1.bytes).sum();
-        let start = reloads.iter().map(|r| r.2 .0).fold(f64::INFINITY, f64::min);
-        let end = reloads.iter().map(|r| r.2 .1).fold(0.0, f64::max);
-        let g = gbps(bytes, end - start);
+        let busy = union_ms(reload_windows.iter().map(|&(_, w)| w).collect());
+        let g = gbps(bytes, busy);
         let _ = writeln!(
             out,
-            "| all, one shared link (bytes / span of the windows) | {bytes} | {:.2} | {g:.1} | {} | | |",
-            end - start,
+            "| all, one shared link (bytes / union of the windows) | {bytes} | {busy:.2} | {g:.1} | {} | | |",
             h2d.share(g)
         );
     }
@@ -946,6 +963,13 @@ mod tests {
     }
 
     #[test]
+    fn the_union_of_windows_leaves_out_the_gaps_between_them() {
+        assert_eq!(union_ms(vec![(10.0, 12.0), (0.0, 2.0), (1.0, 3.0)]), 5.0);
+        assert_eq!(union_ms(vec![(0.0, 10.0), (2.0, 3.0)]), 10.0);
+        assert_eq!(union_ms(Vec::new()), 0.0);
+    }
+
+    #[test]
     fn the_reload_overlap_is_the_covered_share_of_its_window() {
         assert_eq!(covered((0.0, 10.0), &[]), 0.0);
         assert_eq!(covered((0.0, 10.0), &[(5.0, 20.0)]), 0.5);
@@ -1035,10 +1059,10 @@ mod tests {
             table.contains("| 0 | 25000000 | 1.00 | 25.0 | 50% | 100% | 50% |"),
             "{table}"
         );
-        // Together, over the span of both windows (0-15 ms): 50 MB in 15 ms on the one link.
+        // Together, over the union of both windows (0-15 ms): 50 MB in 15 ms on the one link.
         assert!(
             table.contains(
-                "| all, one shared link (bytes / span of the windows) | 50000000 | 15.00 | 3.3 | 7% | | |"
+                "| all, one shared link (bytes / union of the windows) | 50000000 | 15.00 | 3.3 | 7% | | |"
             ),
             "{table}"
         );
