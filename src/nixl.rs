@@ -6,7 +6,7 @@
 use std::ffi::CString;
 use std::sync::OnceLock;
 
-use nixl_sys::NixlError;
+use nixl_sys::{MemType, MemoryRegion, NixlDescriptor, NixlError};
 
 use crate::error::{Error, Result};
 
@@ -130,5 +130,39 @@ pub(crate) fn nixl_error(call: &'static str) -> impl FnOnce(NixlError) -> Error 
     move |e| Error::Nixl {
         call,
         reason: e.to_string(),
+    }
+}
+
+/// One range NIXL registers: process memory (DRAM or VRAM at `addr`) or a whole file (FILE,
+/// `device` = its descriptor), described to NIXL as it asks for it.
+#[derive(Debug)]
+pub(crate) struct Region {
+    /// Start address (0 for a file).
+    pub(crate) addr: usize,
+    /// Bytes.
+    pub(crate) len: usize,
+    /// NIXL's kind of memory.
+    pub(crate) kind: MemType,
+    /// NIXL's device id: the GPU ordinal, 0 for DRAM, the file descriptor for a file.
+    pub(crate) device: u64,
+}
+
+impl MemoryRegion for Region {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.addr as *const u8
+    }
+
+    fn size(&self) -> usize {
+        self.len
+    }
+}
+
+impl NixlDescriptor for Region {
+    fn mem_type(&self) -> MemType {
+        self.kind
+    }
+
+    fn device_id(&self) -> u64 {
+        self.device
     }
 }

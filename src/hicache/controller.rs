@@ -346,9 +346,9 @@ pub struct HiCacheController {
     staging_pages: u64,
     load_staging: Option<StagedIo>,
     backup_staging: Option<StagedIo>,
-    /// The L3 stage (`storage.rs`), once attached.
+    /// The L3 stage (`storage_stage.rs`; its calls in `storage.rs`), once attached.
     #[cfg(feature = "nixl")]
-    pub(super) storage: Option<super::storage::StorageStage>,
+    pub(super) storage: Option<super::storage_stage::StorageStage>,
 }
 
 impl std::fmt::Debug for HiCacheController {

@@ -39,6 +39,8 @@ mod signals;
 mod staged;
 #[cfg(feature = "nixl")]
 mod storage;
+#[cfg(feature = "nixl")]
+mod storage_stage;
 
 pub use controller::{
     BackupAck, CacheNode, HiCacheController, LoadAck, LoadHandle, Route, Streams, WritePolicy,
@@ -55,4 +57,4 @@ pub use plan::{pages_of_tokens, TransferPlan};
 pub use signals::LayerReady;
 pub use staged::StagedIo;
 #[cfg(feature = "nixl")]
-pub use storage::{StorageAck, StorageOp, StoragePolicy};
+pub use storage_stage::{StorageAck, StorageOp, StoragePolicy};

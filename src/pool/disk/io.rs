@@ -9,12 +9,12 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use nixl_sys::{
-    Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, OptArgs,
-    RegistrationHandle, ThreadSync, XferDescList, XferOp, XferStatus,
+    Agent, AgentConfig, Backend, MemType, OptArgs, RegistrationHandle, ThreadSync, XferDescList,
+    XferOp, XferStatus,
 };
 
 use crate::error::{Error, Result, StorageFailure};
-use crate::nixl::{load, nixl_error};
+use crate::nixl::{load, nixl_error, Region};
 
 /// Which kernel queue NIXL's POSIX backend runs the store's I/O on.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,35 +45,6 @@ pub enum QueueChoice {
     Auto,
     /// libaio only.
     Aio,
-}
-
-/// Memory NIXL registers: a process range (DRAM) or a whole file (FILE, device id = fd).
-#[derive(Debug)]
-struct Region {
-    addr: usize,
-    len: usize,
-    kind: MemType,
-    device: u64,
-}
-
-impl MemoryRegion for Region {
-    unsafe fn as_ptr(&self) -> *const u8 {
-        self.addr as *const u8
-    }
-
-    fn size(&self) -> usize {
-        self.len
-    }
-}
-
-impl NixlDescriptor for Region {
-    fn mem_type(&self) -> MemType {
-        self.kind
-    }
-
-    fn device_id(&self) -> u64 {
-        self.device
-    }
 }
 
 /// One I/O: `bytes` at staging offset `staging` <-> file `file` (an index of

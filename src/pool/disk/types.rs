@@ -1,15 +1,14 @@
-//! What a [`DiskStore`] is opened with and what its calls report: its settings, the snapshot a
-//! CP group agrees on, a load's outcome per page, a store's report and the counters.
+//! What a [`DiskStore`](super::DiskStore) is opened with and what its calls report: its
+//! settings, the snapshot a CP group agrees on, a load's outcome per page, a store's report
+//! and the counters.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use super::io::QueueChoice;
-#[cfg(doc)]
-use super::store::DiskStore;
 
-/// Settings of a [`DiskStore`]. Every rank of a CP group opens the same directory with the same
-/// `writers` and `slots`.
+/// Settings of a [`DiskStore`](super::DiskStore). Every rank of a CP group opens the same
+/// directory with the same `writers` and `slots`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DiskConfig {
     /// The CP group's directory (created if missing): one slot file and one journal per rank.
@@ -50,8 +49,8 @@ impl DiskConfig {
 }
 
 /// A CP group's agreed view of the storage: per writer rank, the journal records it covers.
-/// One rank takes it ([`DiskStore::snapshot`]) and the others use it, so every rank's lookup
-/// answers the same.
+/// One rank takes it ([`DiskStore::snapshot`](super::DiskStore::snapshot)) and the others use
+/// it, so every rank's lookup answers the same.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Snapshot {
     records: Vec<u64>,

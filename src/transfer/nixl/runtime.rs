@@ -2,14 +2,14 @@
 //! [`Error`] (the library itself is loaded by [`crate::nixl::load`]).
 
 use nixl_sys::{
-    Agent as RawAgent, AgentConfig, Backend as RawBackend, MemType, MemoryRegion, NixlDescriptor,
-    NotificationMap, OptArgs, RegistrationHandle, ThreadSync, XferDescList, XferDlistHandle,
-    XferOp, XferRequest, XferStatus, XferTelemetry,
+    Agent as RawAgent, AgentConfig, Backend as RawBackend, MemType, NotificationMap, OptArgs,
+    RegistrationHandle, ThreadSync, XferDescList, XferDlistHandle, XferOp, XferRequest, XferStatus,
+    XferTelemetry,
 };
 
 use crate::error::Result;
 pub use crate::nixl::load;
-use crate::nixl::nixl_error;
+use crate::nixl::{nixl_error, Region};
 
 /// NIXL's kind of memory for the regions and descriptors of one side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,34 +25,6 @@ impl Memory {
         } else {
             MemType::Dram
         }
-    }
-}
-
-/// One registered region: what [`Agent::register`] hands NIXL.
-#[derive(Debug)]
-struct Region {
-    addr: usize,
-    len: usize,
-    memory: Memory,
-}
-
-impl MemoryRegion for Region {
-    unsafe fn as_ptr(&self) -> *const u8 {
-        self.addr as *const u8
-    }
-
-    fn size(&self) -> usize {
-        self.len
-    }
-}
-
-impl NixlDescriptor for Region {
-    fn mem_type(&self) -> MemType {
-        self.memory.mem_type()
-    }
-
-    fn device_id(&self) -> u64 {
-        self.memory.device
     }
 }
 
@@ -137,7 +109,15 @@ impl Agent {
         memory: Memory,
     ) -> Result<RegistrationHandle> {
         self.agent
-            .register_memory(&Region { addr, len, memory }, None)
+            .register_memory(
+                &Region {
+                    addr,
+                    len,
+                    kind: memory.mem_type(),
+                    device: memory.device,
+                },
+                None,
+            )
             .map_err(nixl_error("registerMem"))
     }
 
