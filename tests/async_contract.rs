@@ -437,6 +437,63 @@ common::on_cpu_and_gpu!(
     }
 );
 
+// Staging made up front (an engine's startup) is the staging every later staged transfer
+// uses: none of them allocates, and the round trip still brings back the written bytes.
+common::on_cpu_and_gpu!(
+    staging_prepared_up_front_serves_every_staged_transfer,
+    ORDERS,
+    |device| {
+        let case = device.to_string();
+        let mut rank = Rank::on(Box::new(move || device.stream()));
+        let mut c = rank.controller();
+        assert_eq!(
+            c.staging_bytes(),
+            0,
+            "{case}: nothing made before it is asked"
+        );
+        c.prepare_staging().unwrap();
+        let made = c.staging_bytes();
+        assert!(made > 0, "{case}");
+        c.prepare_staging().unwrap();
+        assert_eq!(c.staging_bytes(), made, "{case}: made once");
+        let mut chain = RequestChain::new(Placement::unsharded());
+        chain.grow_to(&mut rank.alloc, TOKENS).unwrap();
+        let slots = rank.slots(&chain);
+        let pages: Vec<LocalPage> = local_pages(&chain);
+        rank.write(&slots, 8);
+        let backed = rank
+            .pool
+            .read_pages_sync(rank.compute.as_ref(), &pages)
+            .unwrap();
+        let node = CacheNode::of_chain(&chain, 4, 0..chain.page_count()).unwrap();
+        let done = rank.compute.record().unwrap();
+        let staged = Route::Staged(Method::CopyEngine);
+        c.access(&node, &done, staged).unwrap();
+        c.ack_backups_sync(1).unwrap();
+        rank.pool.fill(rank.compute.as_ref(), POISON).unwrap();
+        let handle = c.load(node.id, &node.device_pages, None, staged).unwrap();
+        handle
+            .wait_layer(rank.compute.as_ref(), ModelLayer(0))
+            .unwrap();
+        c.ack_loads_sync(1).unwrap();
+        assert_eq!(
+            c.staging_bytes(),
+            made,
+            "{case}: no transfer made staging of its own"
+        );
+        let reloaded = rank
+            .pool
+            .read_pages_sync(rank.compute.as_ref(), &pages)
+            .unwrap();
+        assert!(reloaded == backed, "{case}: the staged round trip");
+        // Resizing drops it; preparing again makes the new size.
+        c.set_staging_pages(1).unwrap();
+        assert_eq!(c.staging_bytes(), 0, "{case}");
+        c.prepare_staging().unwrap();
+        assert!(c.staging_bytes() > 0 && c.staging_bytes() < made, "{case}");
+    }
+);
+
 /// An engine mistake that raced on a GPU and passed on the CPU: kvshard work reading reloaded
 /// pages before the load's layer signal. kvshard's own reads now wait for the load.
 #[test]

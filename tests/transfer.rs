@@ -1724,7 +1724,11 @@ fn batches_and_block_copies_refuse_spaces_the_plan_was_not_made_for() {
         .all(|&x| x == POISON));
     // A block copy planned between two spaces runs between those two only, on their backend.
     let copies = block_copies(&plan, src.as_ref(), dst.as_ref()).unwrap();
-    assert_eq!(copies.len(), 2, "the latent section and the state section");
+    assert_eq!(
+        copies.len(),
+        1,
+        "one final chunk: its latent KV and indexer state share one page list, so one copy"
+    );
     let twin =
         Arc::new(DevicePool::allocate(b.as_ref(), &g, Placement::unsharded(), 0, 64).unwrap());
     let e = BlockCopy::prepare_sync(b.as_ref(), copies[0].clone(), src.clone(), twin, None)
@@ -1737,6 +1741,55 @@ fn batches_and_block_copies_refuse_spaces_the_plan_was_not_made_for() {
     let e = BlockCopy::prepare_sync(&foreign, copies[0].clone(), src.clone(), dst.clone(), None)
         .unwrap_err();
     assert!(matches!(e, Error::ForeignMemory { .. }), "{e}");
+}
+
+#[test]
+fn a_later_final_chunk_copies_its_kv_and_the_whole_state_separately() {
+    // The final chunk of a request sent in two: its latent KV covers pages 20..40, the
+    // indexer state all 40, so the block copy cannot share one page list; the bytes must
+    // still be exactly what the copy engine moves.
+    let b: Arc<dyn Backend> = Arc::new(CpuBackend::new());
+    let mut rng = common::rng("a_later_final_chunk_copies_its_kv_and_the_whole_state_separately");
+    let (src, dst, first) = exec_setup(b.as_ref());
+    let storage = src.storage().unwrap();
+    b.write_sync(storage, 0, &synth::bytes(&mut rng, storage.len()))
+        .unwrap();
+    let src_pages: Vec<LogicalPage> = (0..40).map(|p| LogicalPage(2 + p)).collect();
+    let dst_pages: Vec<LocalPage> = (0..40)
+        .map(|p| LocalPage(if p % 2 == 0 { 1 + p / 2 } else { 30 + p / 2 }))
+        .collect();
+    let reg = Registration {
+        request: first.request(),
+        layout: PoolLayout::of(&dst),
+        prefix_pages: 0,
+        pages: dst_pages.clone(),
+        state_pages: dst_pages,
+    };
+    let chunk = ChunkRange {
+        index: 1,
+        start: 20 * 64,
+        end: 40 * 64,
+        last: true,
+    };
+    let plan = SendPlan::new(&PrefillRank::of(&src), &src_pages, &reg, chunk).unwrap();
+    assert_eq!(plan.kv().owned_pages(), 10);
+    assert_eq!(plan.state().owned_pages(), 20);
+    let copies = block_copies(&plan, src.as_ref(), dst.as_ref()).unwrap();
+    assert_eq!(
+        copies.len(),
+        2,
+        "the chunk's KV pages and the sequence's state pages"
+    );
+    let remote = Arc::new(RemoteSpace::of(dst.clone(), exec_geometry()).unwrap());
+    let mut outs = Vec::new();
+    for method in [Method::CopyEngine, Method::Kernel(LAUNCH)] {
+        dst.fill(b.as_ref(), POISON).unwrap();
+        let mut t = BackendTransport::with_method(b.clone(), method).unwrap();
+        t.submit(&plan, &src, &remote).unwrap().wait_sync().unwrap();
+        outs.push(dst.snapshot_sync(b.as_ref()).unwrap());
+    }
+    assert!(outs[0] == outs[1], "kernel and copy engine differ");
+    assert!(outs[0].iter().any(|&x| x != POISON));
 }
 
 #[test]

@@ -410,6 +410,12 @@ impl PyHiCacheController {
         lock(&self.inner).set_staging_pages(pages).py_err()
     }
 
+    /// Makes both directions' staging now (unless made), so the first staged backup and load
+    /// allocate nothing: call it once at startup, and after `set_staging_pages`.
+    fn prepare_staging(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| lock(&self.inner).prepare_staging()).py_err()
+    }
+
     /// Device bytes of the staging made so far.
     #[getter]
     fn staging_bytes(&self) -> usize {

@@ -119,3 +119,19 @@ def test_one_method_enum_every_route_takes_and_refuses_what_it_cannot_run():
         with pytest.raises(kvshard.InvalidArgumentError, match="relayout of a staged HiCache transfer"):
             transfer.run_staged(staging, None, None, m)
     transfer.run_staged(staging, None, None, M.COPY_ENGINE)
+
+
+def test_staging_is_made_up_front_once():
+    g, d = small(), kvshard.Device.cpu()
+    pool = kvshard.DevicePool.allocate(d, g, kvshard.Placement(1), 0, 8)
+    host = kvshard.HostPool(d, g, 8, H.PAGE_FIRST)
+    ctl = kvshard.HiCacheController(pool, host)
+    assert ctl.staging_bytes == 0
+    ctl.prepare_staging()
+    made = ctl.staging_bytes
+    assert made > 0
+    ctl.prepare_staging()
+    assert ctl.staging_bytes == made
+    with pytest.raises(ValueError):
+        ctl.set_staging_pages(0)
+    assert ctl.staging_bytes == made

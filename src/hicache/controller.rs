@@ -393,6 +393,34 @@ impl HiCacheController {
         Ok(())
     }
 
+    /// Makes both directions' staging now (`2 * staging_pages` pages of device memory each),
+    /// unless made already, so that the first [`Route::Staged`] backup and load do not allocate
+    /// inside an engine's step: a device allocation of that size costs more than planning and
+    /// enqueueing the transfer (BENCHMARKS.md, session 8), and CUDA allows it to synchronize.
+    /// Engines call it once after [`HiCacheController::new`] (and after
+    /// [`HiCacheController::set_staging_pages`]); without it the staging is made by the first
+    /// staged transfer of each direction. Refused, changing nothing, if the device's memory
+    /// cannot hold it ([`Error`] from the allocation).
+    pub fn prepare_staging(&mut self) -> Result<()> {
+        let tables = self.streams.tables.clone();
+        for direction in [Direction::Load, Direction::Backup] {
+            let staging = match direction {
+                Direction::Load => &mut self.load_staging,
+                Direction::Backup => &mut self.backup_staging,
+            };
+            if staging.is_none() {
+                *staging = Some(StagedIo::between(
+                    tables.as_ref(),
+                    self.device.id(),
+                    &self.host,
+                    direction,
+                    self.staging_pages,
+                )?);
+            }
+        }
+        Ok(())
+    }
+
     /// Device bytes of the staging made so far (both directions).
     pub fn staging_bytes(&self) -> usize {
         [&self.load_staging, &self.backup_staging]

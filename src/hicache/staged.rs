@@ -51,6 +51,30 @@ pub struct StagedIo {
 }
 
 impl StagedIo {
+    /// Allocates staging for transfers in `direction` between the device pool `device` and
+    /// `host`: two device mirrors of `host`, `chunk` pages each, in `backend`'s device memory.
+    pub(crate) fn between(
+        backend: &dyn Backend,
+        device: SpaceId,
+        host: &Arc<HostPool>,
+        direction: Direction,
+        chunk: u64,
+    ) -> Result<Self> {
+        if chunk == 0 {
+            return Err(Error::InvalidArgument("staging of 0 pages".into()));
+        }
+        let mirrors = [
+            Arc::new(HostPool::device_mirror(backend, host, chunk)?),
+            Arc::new(HostPool::device_mirror(backend, host, chunk)?),
+        ];
+        Ok(Self {
+            made_for: (device, host.id(), direction),
+            layout: host.layout(),
+            chunk,
+            mirrors,
+        })
+    }
+
     /// Pages each staging buffer holds.
     pub fn chunk_pages(&self) -> u64 {
         self.chunk
@@ -79,19 +103,7 @@ impl HostTransfer {
     /// Allocates the double-buffered device staging for [`HostTransfer::run_staged`], `chunk`
     /// pages per buffer, in `backend`'s device memory.
     pub fn staging(&self, backend: &dyn Backend, chunk: u64) -> Result<StagedIo> {
-        if chunk == 0 {
-            return Err(Error::InvalidArgument("staging of 0 pages".into()));
-        }
-        let mirrors = [
-            Arc::new(HostPool::device_mirror(backend, &self.host, chunk)?),
-            Arc::new(HostPool::device_mirror(backend, &self.host, chunk)?),
-        ];
-        Ok(StagedIo {
-            made_for: self.staging_key(),
-            layout: self.host.layout(),
-            chunk,
-            mirrors,
-        })
+        StagedIo::between(backend, self.device.id(), &self.host, self.direction, chunk)
     }
 
     fn staging_key(&self) -> (SpaceId, SpaceId, Direction) {

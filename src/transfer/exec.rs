@@ -5,8 +5,9 @@
 //! [`BackendTransport`] executes chunks whose source and destination live in one backend
 //! address space (the same GPU, a decode pool of another process mapped into this one, or the
 //! CPU reference's arena), with one of four [`Method`]s (BENCHMARKS.md compares them):
-//! - [`Method::Kernel`] (the default): one `kvs_copy_blocks` launch per section (the chunk's
-//!   latent KV; the final chunk adds the indexer state) from page lists; owned pages of a rank
+//! - [`Method::Kernel`] (the default): one `kvs_copy_blocks` launch per page list from page
+//!   lists (the chunk's latent KV; the final chunk adds the indexer state, in the same launch
+//!   when it covers the same pages, [`block_copies`]); owned pages of a rank
 //!   sit N apart on the decode side, so runs rarely coalesce, and page lists (16 bytes a page)
 //!   keep the per-chunk upload far below the copy itself;
 //! - [`Method::RangeKernel`]: one `kvs_copy_ranges` launch over the absolute ranges of a
@@ -33,8 +34,11 @@ use super::ComponentBytes;
 use crate::abi;
 use crate::backend::{check_space, Backend, Event};
 use crate::copy::space::sealed::Sealed as _;
-use crate::copy::{BlockCopyPlan, BlockSpace, Method, PageSelection, RemoteSpace, TableStore};
+use crate::copy::{
+    BlockCopyPlan, BlockSpace, Method, OwnedRuns, PageSelection, RemoteSpace, TableStore,
+};
 use crate::error::{Error, Result};
+use crate::geometry::Component;
 use crate::index::StoredLayer;
 use crate::lock::lock;
 use crate::pool::DevicePool;
@@ -154,21 +158,36 @@ impl fmt::Display for DescriptorBatch {
     }
 }
 
-/// The block copies of one plan: per non-empty section, the local source pages into the
-/// destination pages of the section's components. What [`Method::Kernel`] launches, and
-/// what a bounce-buffered transport packs.
+/// The block copies of one plan: the local source pages into the destination pages of the
+/// sections' components, one copy per distinct page list. Consecutive non-empty sections that
+/// move the same pages (a request sent as one final chunk: its latent KV and its indexer state)
+/// share one copy, so [`Method::Kernel`] launches and uploads once for them; sections over other
+/// pages (a later chunk's KV beside the whole sequence's state) get a copy each. What
+/// [`Method::Kernel`] launches, and what a bounce-buffered transport packs.
 pub fn block_copies(
     plan: &SendPlan,
     src: &dyn BlockSpace,
     dst: &dyn BlockSpace,
 ) -> Result<Vec<BlockCopyPlan>> {
     plan.check_spaces(src, dst)?;
-    plan.sections()
+    // (owned pages, components moved over them), in send order.
+    let mut groups: Vec<(&OwnedRuns, Vec<Component>)> = Vec::new();
+    for section in plan.sections().into_iter().filter(|s| !s.is_empty()) {
+        let owned = section.owned();
+        let components = section.components().iter().map(|c| c.component);
+        match groups.last_mut() {
+            Some((pages, moved))
+                if pages.src_pages() == owned.src_pages()
+                    && pages.dst_pages() == owned.dst_pages() =>
+            {
+                moved.extend(components);
+            }
+            _ => groups.push((owned, components.collect())),
+        }
+    }
+    groups
         .into_iter()
-        .filter(|s| !s.is_empty())
-        .map(|section| {
-            let owned = section.owned();
-            let components: Vec<_> = section.components().iter().map(|c| c.component).collect();
+        .map(|(owned, components)| {
             Ok(BlockCopyPlan::new(
                 src,
                 PageSelection::Local(owned.src_pages().to_vec()),

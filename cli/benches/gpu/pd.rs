@@ -6,8 +6,9 @@
 //! - `range kernel, tables pre-uploaded`: one `kvs_copy_ranges` launch per rank over its range
 //!   table, uploaded beforehand: what the GPU executes (best of a few grids);
 //! - `block kernel from page lists, Transport::submit`: `BackendTransport` with
-//!   `Method::default_for` (the grid kvshard picks): one `kvs_copy_blocks` launch per
-//!   non-empty section of each rank's chunk, page lists uploaded in stream order;
+//!   `Method::default_for` (the grid kvshard picks): one `kvs_copy_blocks` launch per rank's
+//!   chunk (its latent KV and indexer state share the page list), page lists uploaded in
+//!   stream order;
 //! - `range kernel, Transport::submit`: the same transport with `Method::RangeKernel` and the
 //!   best grid above, each rank's range table uploaded in stream order;
 //! - `copy engine, Transport::submit`: one `cudaMemcpyBatchAsync` per rank.
@@ -104,7 +105,12 @@ impl Needs {
 
 pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
     let g = CacheGeometry::with_draft(PoolGeometry::new(LatentLayout::Fp8Trtllm, 61));
-    let sizes: &[u64] = if ctx.quick { &[512] } else { &[512, 4096] };
+    // 64 pages: the small chunk an engine sends as soon as a prefill chunk is written.
+    let sizes: &[u64] = if ctx.quick {
+        &[64, 512]
+    } else {
+        &[64, 512, 4096]
+    };
     let sms = ctx.gpu.info().sm_count;
     let d2d = ("d2d", ctx.ceilings.d2d);
     let backend = ctx.shared();

@@ -230,13 +230,15 @@ pub(crate) fn decode_pool(
 }
 
 /// A write-through HiCache controller per rank pool, each with a page_first_direct host pool of
-/// `host_pages` pages and its own streams.
+/// `host_pages` pages and its own streams; for a staged `route`, its staging made up front, as
+/// an engine makes it at startup (so no timed backup or load allocates it).
 pub(crate) fn write_through_controllers(
     bk: &dyn Backend,
     g: &CacheGeometry,
     ranks: &[Arc<DevicePool>],
     host_pages: u64,
     streams: StreamFactory<'_>,
+    route: Route,
 ) -> Result<Vec<HiCacheController>> {
     ranks
         .iter()
@@ -254,7 +256,11 @@ pub(crate) fn write_through_controllers(
                 backup_relayout: streams()?,
                 tables: streams()?,
             };
-            HiCacheController::new(pool.clone(), host, s, WritePolicy::WriteThrough)
+            let mut c = HiCacheController::new(pool.clone(), host, s, WritePolicy::WriteThrough)?;
+            if matches!(route, Route::Staged(_)) {
+                c.prepare_staging()?;
+            }
+            Ok(c)
         })
         .collect()
 }
@@ -409,7 +415,7 @@ pub fn run(
     ));
 
     // 4: HiCache: write-through backups, eviction, reload into new pages, resend.
-    let mut controllers = write_through_controllers(bk, &g, &ranks, per_rank, streams)?;
+    let mut controllers = write_through_controllers(bk, &g, &ranks, per_rank, streams, route)?;
     let node = CacheNode::of_chain(&chain, 1, 0..chain.page_count())?;
     let ms = on_all_ranks(bk, &mut controllers, |s| &s.backup, &mut |c, start| {
         c.access(&node, start, route).map(|_| ())

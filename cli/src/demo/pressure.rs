@@ -781,7 +781,7 @@ pub(crate) fn run_scenario(
         |p: &Arc<DevicePool>| OwnedRowWrite::prepare_sync(bk, staging.clone(), p.clone(), |_| true);
     let writes = ranks.iter().map(write).collect::<Result<_>>()?;
     let ref_write = write(&reference)?;
-    let controllers = write_through_controllers(bk, &g, &ranks, host_pages, streams)?;
+    let controllers = write_through_controllers(bk, &g, &ranks, host_pages, streams, route)?;
     let (limits, layout) = cfg.scratch()?;
     let gather = match layout {
         Some(layout) if !ranks.is_empty() => Some(GatherRig::new(
