@@ -12,8 +12,9 @@
 //! - [`pd`]: P/D across processes (the transfer matrix and the seed's topology), the processes
 //!   reporting to the run in typed messages ([`pd::message`]);
 //! - [`plan`]: `kvshard plan`, the capacity planner's report and the ceilings it measures;
-//! - [`measure`]: throughput, event timing, repeated timings and the in-run ceilings, for the
-//!   demos, `pd` and the GPU benchmark (`cargo bench -p kvshard-cli --bench gpu`);
+//! - [`measure`]: throughput, event timing, repeated timings, what an engine sees of a call
+//!   (window and host time) and the in-run ceilings, for the demos, `pd` and the GPU benchmark
+//!   (`cargo bench -p kvshard-cli --bench gpu`);
 //! - `storage_bench` (feature `nixl`): `kvshard storage-bench`, the storage tier next to a
 //!   same-run fio ceiling;
 //! - [`synth`]: seeded synthetic data.

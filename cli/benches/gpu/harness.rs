@@ -1,5 +1,6 @@
 //! The GPU benchmark harness: the device, the ceilings measured in this run, event timing with an
-//! L2 flush before every timed repeat, random fills, and the report. The timing and the ceilings
+//! L2 flush before every timed repeat and what an engine sees of the same call (window, host
+//! time; [`Ctx::time`] for every section), random fills, and the report. The timing and the ceilings
 //! are `kvshard_cli::measure`'s, as the demos and `kvshard pd` measure.
 
 use std::fmt::Write as _;

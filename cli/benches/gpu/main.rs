@@ -1,7 +1,9 @@
 //! GPU benchmarks of every kvshard kernel, each next to the copy ceilings measured in the same
 //! run. `cargo bench --bench gpu [-- [--quick] [--list] [SECTION...]]`; sections: resolve, pool,
 //! write, pd, hicache, signal, duplex, interfere, and allgather (feature `nccl`, two GPUs)
-//! (`--list` prints them and exits). Prints a table
+//! (`--list` prints them and exits). Every row gives the device time of the work and what an
+//! engine sees of the call: its window (entry to completion, on an idle stream) and its host
+//! time per call, flagged `HOST>5%` at >= 64 pages past 5% of the transfer. Prints a table
 //! and, when $OUT is set, writes it to $OUT/bench.md. Without a GPU it says it skipped and
 //! exits successfully.
 
