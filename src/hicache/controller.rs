@@ -469,21 +469,25 @@ impl HiCacheController {
     /// staged transfer of each direction. Refused, changing nothing, if the device's memory
     /// cannot hold it ([`Error`] from the allocation).
     pub fn prepare_staging(&mut self) -> Result<()> {
-        let tables = self.streams.tables.clone();
-        for direction in [Direction::Load, Direction::Backup] {
-            let staging = match direction {
-                Direction::Load => &mut self.load_staging,
-                Direction::Backup => &mut self.backup_staging,
-            };
-            if staging.is_none() {
-                *staging = Some(StagedIo::between(
-                    tables.as_ref(),
-                    self.device.id(),
-                    &self.host,
-                    direction,
-                    self.staging_pages,
-                )?);
-            }
+        self.make_staging(Direction::Load)?;
+        self.make_staging(Direction::Backup)
+    }
+
+    /// Makes `direction`'s staging unless it is made: what [`Self::prepare_staging`] does up
+    /// front and the first staged transfer of a direction does otherwise.
+    fn make_staging(&mut self, direction: Direction) -> Result<()> {
+        let staging = match direction {
+            Direction::Load => &mut self.load_staging,
+            Direction::Backup => &mut self.backup_staging,
+        };
+        if staging.is_none() {
+            *staging = Some(StagedIo::between(
+                self.streams.tables.as_ref(),
+                self.device.id(),
+                &self.host,
+                direction,
+                self.staging_pages,
+            )?);
         }
         Ok(())
     }
@@ -831,13 +835,11 @@ impl HiCacheController {
             }
             Route::Direct(_) => {}
             Route::Staged(how) => {
+                self.make_staging(direction)?;
                 let staging = match direction {
-                    Direction::Load => &mut self.load_staging,
-                    Direction::Backup => &mut self.backup_staging,
+                    Direction::Load => &self.load_staging,
+                    Direction::Backup => &self.backup_staging,
                 };
-                if staging.is_none() {
-                    *staging = Some(transfer.staging(tables.as_ref(), self.staging_pages)?);
-                }
                 if let (Method::Kernel(_), Some(staging)) = (how, staging.as_ref()) {
                     transfer.prepare_staged(tables.as_ref(), staging, &mut self.spare_tables)?;
                 }

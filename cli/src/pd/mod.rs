@@ -163,6 +163,16 @@ impl Processes {
         }
     }
 
+    /// Whether two or more of the `ranks` ranks share a GPU (and so its SMs and host link) on
+    /// this machine: always on the CPU twin, else as the GPUs present place them.
+    pub fn ranks_share_a_gpu(&self, ranks: u32) -> bool {
+        let present = match self.platform {
+            Platform::Cpu => 1,
+            _ => gpu_count().unwrap_or(1),
+        };
+        ranks > 1 && !self.ranks_on_distinct_gpus(ranks, present)
+    }
+
     /// Whether the `ranks` ranks sit on distinct GPUs of a machine of `present` (NCCL's
     /// condition).
     pub fn ranks_on_distinct_gpus(&self, ranks: u32, present: usize) -> bool {
@@ -1236,14 +1246,7 @@ fn table(cfg: &PdConfig, messages: &[(Role, Message)]) -> String {
             gbps: 0.0,
             hardware: false,
         });
-    let present = match cfg.processes.platform {
-        Platform::Cpu => 1,
-        _ => gpu_count().unwrap_or(1),
-    };
-    let shared_gpu = cfg.shape.ranks > 1
-        && !cfg
-            .processes
-            .ranks_on_distinct_gpus(cfg.shape.ranks, present);
+    let shared_gpu = cfg.processes.ranks_share_a_gpu(cfg.shape.ranks);
     let mut out = String::new();
     let _ = writeln!(
         out,

@@ -36,9 +36,8 @@ use kvshard::{Error, Result};
 
 use super::message::Message;
 use super::{
-    blocks, ceiling, check_method, gpu_count, layer_range, method_name, rank0_gpu, run_roles,
-    shape_args, socket_path, verify_landed, DecodeWatch, Processes, Report, Role, REQUEST_TIMEOUT,
-    STARTUP,
+    blocks, ceiling, check_method, layer_range, method_name, rank0_gpu, run_roles, shape_args,
+    socket_path, verify_landed, DecodeWatch, Processes, Report, Role, REQUEST_TIMEOUT, STARTUP,
 };
 use crate::demo::pressure::{
     run_scenario, AllGather, Local, Prompts, Scenario, PROMPT_1, PROMPT_2,
@@ -625,11 +624,7 @@ pub fn run(cfg: &PressurePdConfig, exe: &Path) -> Result<Report> {
         let _ = std::fs::remove_file(decode_socket(&socket, d));
     }
     drop(group);
-    let present = match cfg.processes.platform {
-        Platform::Cpu => 1,
-        _ => gpu_count().unwrap_or(1),
-    };
-    let shared_gpu = ranks > 1 && !cfg.processes.ranks_on_distinct_gpus(ranks, present);
+    let shared_gpu = cfg.processes.ranks_share_a_gpu(ranks);
     Ok(Report {
         markdown: table(cfg, &messages?, shared_gpu),
     })
