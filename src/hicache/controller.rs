@@ -89,15 +89,21 @@ pub enum Route {
 /// keeps its per-layer readiness.
 pub const AUTO_STAGED_PAGES: usize = 64;
 
+/// CTAs of [`Route::auto`]'s staged relayout kernel. Every relayout but the last overlaps a
+/// copy, and 8 CTAs outpace PCIe there; the last one (a whole staging chunk after the last
+/// copy) is the load's tail, and at 64 pages 32 CTAs shorten it enough to lift every layout
+/// from 94-96% to 97.9-98.1% of pinned H2D (H200, session 9).
+pub const AUTO_RELAYOUT_CTAS: u32 = 32;
+
 impl Route {
     /// The route [`Route::Auto`] takes for a transfer of `pages` pages in `direction` with a
     /// host pool in `layout`, on `backend` (the direction's stream): the rule BENCHMARKS.md
     /// (session 8, H200, every layout at 64 and 512 pages) measured, within 3% of the fastest
     /// route of every case:
     /// - a load of at least [`AUTO_STAGED_PAGES`] pages: the copy engine through device staging
-    ///   with an 8-CTA kernel relayout (94.1-94.5% of pinned H2D at 64 pages, 97.5-97.7% at
-    ///   512), every layer ready at the end; a smaller load: the block kernel with a ready
-    ///   counter per layer, 2 CTAs;
+    ///   with an [`AUTO_RELAYOUT_CTAS`]-CTA kernel relayout (97.9-98.1% of pinned H2D at 64
+    ///   pages, where 8 CTAs gave 94-96%), every layer ready at the end; a smaller load: the
+    ///   block kernel with a ready counter per layer, 2 CTAs;
     /// - a backup into a `layer_first` host pool: the block kernel, 2 CTAs (94.8-95.0% of D2H;
     ///   the staging gains nothing there);
     /// - a backup into a page-first host pool of at least [`AUTO_STAGED_PAGES`] pages: staged
@@ -112,7 +118,7 @@ impl Route {
         layout: HostLayout,
         backend: &dyn Backend,
     ) -> Route {
-        let staged = Route::Staged(Method::Kernel(Launch::host_io(backend, 8)));
+        let staged = Route::Staged(Method::Kernel(Launch::host_io(backend, AUTO_RELAYOUT_CTAS)));
         match direction {
             Direction::Load if pages >= AUTO_STAGED_PAGES => staged,
             Direction::Load => Route::Direct(Method::Kernel(Launch::host_io(backend, 2))),

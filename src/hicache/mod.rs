@@ -44,7 +44,7 @@ mod storage_stage;
 
 pub use controller::{
     BackupAck, CacheNode, HiCacheController, LoadAck, LoadHandle, Route, Streams, WritePolicy,
-    AUTO_STAGED_PAGES, DEFAULT_STAGING_PAGES,
+    AUTO_RELAYOUT_CTAS, AUTO_STAGED_PAGES, DEFAULT_STAGING_PAGES,
 };
 pub use direct::HostTransfer;
 // The host pools are defined with the device pools (`pool/host`); HiCache is where engines

@@ -216,6 +216,7 @@ fn same_bytes_copy(
         // run has been waited for (ctx.time returns after the last).
         unsafe { ctx.backend.memcpy(dst.addr(), src.addr(), len) }
     })?;
+    ctx.raise_ceiling(report, dir, kvshard_cli::measure::gbps(bytes, stats.min), bytes);
     report.add(
         "hicache",
         format!("{dir:?} {pages}p x 62 layers, one contiguous copy of the same bytes"),
@@ -301,6 +302,14 @@ pub fn io(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 ];
                 if layout != HostLayout::PageFirst {
                     staged_cases.push((32, Method::CopyEngine));
+                }
+                // Small loads (issue 25, goal 5): do smaller chunks or a wider relayout shorten
+                // the pipeline's first copy and last relayout, which a 64-page load cannot hide?
+                staged_cases.push((16, Method::host_io(ctx.backend.as_ref(), 32)));
+                if pages == 64 && dir == Direction::Load {
+                    for (chunk, ctas) in [(16, 64), (8, 32)] {
+                        staged_cases.push((chunk, Method::host_io(ctx.backend.as_ref(), ctas)));
+                    }
                 }
                 for (chunk, how) in staged_cases {
                     let (st, staging) =
