@@ -11,7 +11,7 @@ use std::fmt;
 use kvshard::backend::Launch;
 use kvshard::copy::{Method, Staging};
 use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry, PAGE_SIZE};
-use kvshard::hicache::Route;
+use kvshard::hicache::{Route, AUTO_RELAYOUT_CTAS};
 use kvshard::pool::{Budget, BudgetRequest};
 use kvshard::shard::{AdmissionLimits, Placement, ScratchLayout};
 use kvshard::{Error, Result};
@@ -39,15 +39,16 @@ impl Platform {
     }
 
     /// The HiCache route the scenarios use: on a GPU the copy engine through device staging
-    /// with a block-kernel relayout of 8 CTAs (BENCHMARKS.md, session 8: 94.9% of pinned H2D
-    /// for a 64-page load, where the copy-engine relayout spends 1.7 ms of host time enqueueing
-    /// its 2D copies and reaches 87.7%); the plain copy engine on the CPU twin.
+    /// with a block-kernel relayout of [`AUTO_RELAYOUT_CTAS`] CTAs, `Route::auto`'s pick for
+    /// the scenario's 64-page loads (BENCHMARKS.md, session 9: 96-97% of pinned H2D; the
+    /// copy-engine relayout spends 1.7 ms of host time enqueueing its 2D copies and reaches
+    /// 87.7%), named here so the CPU twin can take the plain copy engine instead.
     /// The relayout's CTAs take the copy kernels' compiled thread count, what
     /// [`Launch::host_io`] gives on every architecture built.
     pub fn route(self) -> Route {
         match self {
             Platform::Gpu => Route::Staged(Method::Kernel(Launch {
-                ctas: 8,
+                ctas: AUTO_RELAYOUT_CTAS,
                 threads: kvshard::abi::KVS_COPY_THREADS,
             })),
             Platform::Cpu => Route::Direct(Method::CopyEngine),
