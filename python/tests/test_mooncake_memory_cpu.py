@@ -4,7 +4,9 @@ the engine's TCP transport on the loopback, typed errors for a second registrati
 unregistered memory; and the bounce slots of a sender: chunks take turns in them, and a slot is
 reused only once its chunk's transfer was reported and the decode side freed it.
 
-The engine tests need ``mooncake.engine`` (``mooncake-transfer-engine-non-cuda``): without it
+The registration tests run on ``KVSHARD_MC_DEVICE`` (default the CPU; the GPU step,
+``run-gpu.sh mooncake``, runs them on VRAM pools and pinned host pools with the CUDA engine);
+the slot tests move bytes by hand, on the CPU. The engine tests need ``mooncake.engine`` (``mooncake-transfer-engine-non-cuda``): without it
 they say SKIPPED, or fail when ``KVSHARD_REQUIRE_MOONCAKE`` is set (CI sets it)."""
 
 import ctypes
@@ -41,7 +43,7 @@ def memory_of_every_kind(dev):
 
 
 def test_engine_regions_cover_each_kind_of_memory_and_refuse_anything_else():
-    dev = kvshard.Device.cpu()
+    dev = procs.device()
     m = memory_of_every_kind(dev)
     spans = {k: kvshard.engine_regions(v) for k, v in m.items()}
     assert spans["pool"] == kvshard.engine_memory(m["pool"])[0]
@@ -62,7 +64,7 @@ def test_engine_regions_cover_each_kind_of_memory_and_refuse_anything_else():
 
 def test_every_kind_of_kvshard_memory_registers_once_and_is_reused():
     mooncake_loads()
-    dev = kvshard.Device.cpu()
+    dev = procs.device()
     m = memory_of_every_kind(dev)
     e = mooncake.Engine()
     try:
@@ -111,7 +113,7 @@ def page_bytes(host, page):
 @pytest.mark.parametrize("layout", ["PAGE_FIRST", "LAYER_FIRST"])
 def test_a_host_pool_registered_once_serves_several_transfers(layout):
     mooncake_loads()
-    dev = kvshard.Device.cpu()
+    dev = procs.device()
     g = procs.geometry()
     lay = getattr(kvshard.HostLayout, layout)
     src_host = kvshard.HostPool(dev, g, HOST_PAGES, lay)
@@ -160,7 +162,7 @@ def test_a_host_pool_registered_once_serves_several_transfers(layout):
 
 def test_a_transport_reuses_what_its_engine_holds_and_unregisters_only_its_own():
     mooncake_loads()
-    dev = kvshard.Device.cpu()
+    dev = procs.device()
     pool = procs.decode_pool(dev)
     host = kvshard.HostPool(dev, pool.geometry, HOST_PAGES, kvshard.HostLayout.PAGE_FIRST)
     e = mooncake.Engine()
