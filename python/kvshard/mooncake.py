@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import json
 import select
 import socket
@@ -159,7 +160,7 @@ class Engine:
                     f"{what} at {address:#x}+{length} overlaps the registered {hit[2]} at "
                     f"{hit[0]:#x}+{hit[1] - hit[0]}: register each piece of memory once"
                 )
-        done = []
+        done: list[tuple[int, int]] = []
         for address, length in regions:
             rc = self.te.register_memory(address, length)
             if rc != 0:
@@ -733,7 +734,7 @@ class MooncakePrefill:
                     # Failed by its deadline while the engine still reads the slot: free it
                     # once the engine is done (the chunk reported failed first, as
                     # bounce_free requires).
-                    flight.future.add_done_callback(lambda _f, fl=flight: self._free_failed(fl))
+                    flight.future.add_done_callback(functools.partial(self._free_failed_when_done, flight))
                 else:
                     # Never posted, or the engine is done with it: no scatter will free it.
                     self._free_failed(flight)
@@ -744,12 +745,16 @@ class MooncakePrefill:
 
     def _free_failed(self, flight: _Flight) -> None:
         """Frees a failed chunk's bounce slot once (the engine no longer reads it)."""
-        if flight.freed:
+        slot = flight.chunk.slot
+        if flight.freed or slot is None:
             return
         flight.freed = True
         with contextlib.suppress(InvalidArgumentError):  # already reported: that one stands
             flight.chunk.failed("the chunk failed before the engine finished with it")
-        self.sender.bounce_free(flight.chunk.slot)
+        self.sender.bounce_free(slot)
+
+    def _free_failed_when_done(self, flight: _Flight, _done: Future) -> None:
+        self._free_failed(flight)
 
     @property
     def in_flight(self) -> int:

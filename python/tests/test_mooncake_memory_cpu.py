@@ -304,3 +304,65 @@ def test_a_coalesced_sender_has_no_slots():
         decode_bounces=[(bounces[0].address, bounces[0].bytes)],
     )
     assert sender.bounce_slots == 0 and sender.bounce_regions == []
+
+
+def test_the_readme_sglang_example_moves_a_request():
+    """README's "In SGLang's terms" example, as written there (the raw engine, one per side,
+    over TCP on the loopback), for every request of both ranks: byte-identical."""
+    mooncake_loads()
+    TransferEngine = mooncake.load_engine_class()
+    dev = kvshard.Device.cpu()
+    geometry = procs.geometry()
+    decode_pages = procs.DECODE_PAGES
+    decode_host = "127.0.0.1"
+    decode_pool = procs.decode_pool(dev)
+    te = TransferEngine()
+    assert te.initialize(decode_host, "P2PHANDSHAKE", "tcp", "") == 0
+    regions, bases = kvshard.engine_memory(decode_pool)
+    bounce = kvshard.BounceBuffer(decode_pool.device, decode_pool.geometry, 64)
+    for addr, length in regions + kvshard.engine_regions(bounce):
+        assert te.register_memory(addr, length) == 0
+    decode_session = f"{decode_host}:{te.get_rpc_port()}"
+    bounced = 0
+    for rank in range(procs.N):
+        prefill_pool, _keep = procs.prefill_pool(dev, 7, rank)
+        te_prefill = TransferEngine()
+        assert te_prefill.initialize(decode_host, "P2PHANDSHAKE", "tcp", "") == 0
+        sender = kvshard.MooncakeSender(prefill_pool, bases, decode_pages, mode=kvshard.MooncakeMode.AUTO,
+                                        decode_bounces=[(bounce.address, bounce.bytes)])
+        for addr, length in kvshard.engine_regions(prefill_pool) + sender.bounce_regions:
+            assert te_prefill.register_memory(addr, length) == 0
+        for reg, prefill_pages, chunks in procs.requests(7):
+            rid = reg.request
+            decode_kv_pages, decode_state_pages = reg.pages, reg.state_pages
+            sender.open(kvshard.Registration(rid, kvshard.PoolLayout.packed(geometry, decode_pages),
+                                             decode_kv_pages, decode_state_pages, reg.prefix_pages))
+            for tokens_so_far, is_last in chunks:
+                chunk = sender.send(rid, prefill_pages, tokens_so_far, last=is_last)
+                end = time.monotonic() + 10
+                while not chunk.ready():
+                    assert time.monotonic() < end
+                    time.sleep(0)
+                t0 = time.perf_counter()
+                rc = 0
+                src, dst, lens = chunk.src_addrs, chunk.dst_addrs, chunk.lengths
+                for i in range(0, len(lens), 512):
+                    rc = rc or te_prefill.batch_transfer_sync_write(decode_session, src[i:i + 512],
+                                                                    dst[i:i + 512], lens[i:i + 512])
+                chunk.posted(0.0)
+                if rc == 0:
+                    chunk.landed(time.perf_counter() - t0)
+                else:
+                    chunk.failed(f"batch_transfer_sync_write returned {rc}")
+                status = chunk.poll()
+                assert status is not None and status.ok, rc
+                if chunk.bounced:
+                    bounce.scatter(chunk.sections, decode_pool).synchronize()
+                    sender.bounce_free(chunk.slot)
+                    bounced += 1
+        for addr, _ in kvshard.engine_regions(prefill_pool) + sender.bounce_regions:
+            te_prefill.unregister_memory(addr)
+    for addr, _ in regions + kvshard.engine_regions(bounce):
+        te.unregister_memory(addr)
+    assert bounced > 0
+    assert decode_pool.snapshot() == procs.reference(7)
