@@ -149,6 +149,7 @@ class Shape:
                 batch = e.te.batch_transfer_async_write(self.decode_engine.address, [s.address], [d.address], [int(b)])
                 if i:
                     post += time.perf_counter() - p0
+                assert 0 < batch < 1 << 63, f"ceiling: batch_transfer_async_write returned {batch}"
                 batches.append(batch)
             for e, batch in zip(self.engines, batches):
                 rc = e.te.get_batch_transfer_status([batch])
