@@ -186,7 +186,7 @@ for step in "${steps[@]}"; do
         GLOG_minloglevel=2 timeout "$limit" python3 -P python/mooncake_bench.py --device 0 --like-nixl \
         --n "${MOONCAKE_BENCH_N:-1,2,8}" --pages "${MOONCAKE_BENCH_PAGES:-$pages}" --iters 3 --budget "$budget") \
         >"$out/mooncake.md" 2>>"$log" || { say "mooncake bench: FAILED or cut short (mooncake.log)"; status=1; }
-      say "mooncake bench: $(grep -c '^| bounce' "$out/mooncake.md") bounce rows, $(tail -2 "$out/mooncake.md" | tr '\n' ' ')"
+      say "mooncake bench: $(grep -c '^| bounce' "$out/mooncake.md") bounce rows; $(grep -E '^(bounce at 512|skipped)' "$out/mooncake.md" | tr '\n' ' ')"
       nixl_stage="${NIXL_STAGE:-$here/../.gpu-nixl}"
       if [ "${MOONCAKE_BENCH_NIXL:-0}" = 1 ]; then
         if [ -x "$nixl_stage/nixl-test" ]; then
