@@ -16,7 +16,7 @@
 #             -k loopback with KVSHARD_MC_DEVICE=0), and the registration of VRAM pools, pinned
 #             host pools, chunk staging and bounce buffers (test_mooncake_memory_cpu.py, the
 #             same device); with MOONCAKE_BENCH=1 then python/mooncake_bench.py on VRAM into
-#             mooncake.md: the NIXL benchmark's shapes (--like-nixl), N = 1, 2, 8 x 64 and 512
+#             mooncake.md: the NIXL benchmark's shapes (--like-nixl), N = 1, 2, 8 x 512 and 64
 #             pages, bounce and coalesced next to the same-run ceiling of Mooncake's own path and
 #             a device copy, within 45 s (MOONCAKE_BENCH_FULL=1: 64, 512, 4,096 pages within
 #             500 s, a call of its own; MOONCAKE_BENCH_N, _PAGES pick the shapes); with
@@ -180,8 +180,9 @@ for step in "${steps[@]}"; do
     say "mooncake: $r ($(grep -E 'passed|failed|skipped' "$log" | tail -1))"
     if [ "${MOONCAKE_BENCH:-0}" = 1 ]; then
       # Bounce and coalesced on VRAM next to Mooncake's own ceiling (python/mooncake_bench.py).
-      pages=64,512 budget=45 limit=60
-      [ "${MOONCAKE_BENCH_FULL:-0}" = 1 ] && pages=64,512,4096 budget=500 limit=560
+      # 512 pages first: the issue's shape at every N before the budget can cut a row.
+      pages=512,64 budget=45 limit=60
+      [ "${MOONCAKE_BENCH_FULL:-0}" = 1 ] && pages=512,64,4096 budget=500 limit=560
       (cd "$repo" && LD_LIBRARY_PATH="$mc_path:${LD_LIBRARY_PATH:-}" PYTHONPATH="$rt/site:$rt/kvshard" \
         GLOG_minloglevel=2 timeout "$limit" python3 -P python/mooncake_bench.py --device 0 --like-nixl \
         --n "${MOONCAKE_BENCH_N:-1,2,8}" --pages "${MOONCAKE_BENCH_PAGES:-$pages}" --iters 3 --budget "$budget") \
