@@ -12,6 +12,7 @@ they say SKIPPED, or fail when ``KVSHARD_REQUIRE_MOONCAKE`` is set (CI sets it).
 import ctypes
 import random
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -366,3 +367,58 @@ def test_the_readme_sglang_example_moves_a_request():
         te.unregister_memory(addr)
     assert bounced > 0
     assert decode_pool.snapshot() == procs.reference(7)
+
+
+def test_a_prefill_frees_the_slot_of_a_chunk_past_its_deadline_only_once_the_engine_is_done():
+    """The transport's side of the asynchronous contract: a bounced chunk fails by its deadline
+    while the engine still moves it (its completion held back here); its status is delivered at
+    once, but its slot stays held until the engine is done with it, then is freed."""
+    mooncake_loads()
+    dev = kvshard.Device.cpu()
+    g = procs.geometry()
+    decode_pool = kvshard.DevicePool.allocate(dev, g, kvshard.Placement(1), 0, 16)
+    pool = kvshard.DevicePool.allocate(dev, g, kvshard.Placement(1), 0, 8)
+    pool.fill(0x5A)
+    dev.synchronize()
+    dec = mooncake.MooncakeDecode(decode_pool, 1, bounce_pages=4, bounce_slots=1)
+    t = threading.Thread(target=dec.accept_sync)
+    t.start()
+    pre = mooncake.MooncakePrefill(pool, dec.address, mode=kvshard.MooncakeMode.BOUNCE, bounce_pages=4,
+                                   transfer_timeout=0.3)
+    t.join()
+    try:
+        gate = threading.Event()
+        real_rest = pre._rest
+
+        def held(*args):
+            gate.wait(10)  # the engine "still moving": its completion is held back
+            return real_rest(*args)
+
+        pre._rest = held
+        reg = kvshard.Registration(1, kvshard.PoolLayout.packed(g, 16), [1, 2, 3, 4], [5, 6, 7, 8])
+        dec.register(reg)
+        end = time.monotonic() + 10
+        while not pre.take_registrations():
+            assert time.monotonic() < end
+            time.sleep(0.001)
+        chunk = pre.send(1, [1, 2, 3, 4], 4 * kvshard.PAGE_SIZE, last=True)
+        assert chunk.bounced and chunk.slot == 0
+        statuses = []
+        while not statuses:
+            assert time.monotonic() < end, "the chunk never failed by its deadline"
+            statuses += pre.progress()
+            time.sleep(0.005)
+        assert not statuses[0].ok
+        # Failed and delivered, but the engine may still read the slot: it stays held.
+        time.sleep(0.05)
+        assert pre.sender.bounce_slots_free == 0
+        with pytest.raises(kvshard.InvalidArgumentError):
+            pre.sender.bounce_free(0)
+        gate.set()
+        while pre.sender.bounce_slots_free != 1:
+            assert time.monotonic() < end, "the slot was never freed once the engine was done"
+            time.sleep(0.005)
+    finally:
+        gate.set()
+        pre.close()
+        dec.close()
