@@ -13,9 +13,16 @@
 #   mooncake  the Mooncake transport: decode and two prefill processes, VRAM pools on GPU 0, the
 #             staged CUDA 13 engine (mooncake.tar.xz) over its TCP transport, every mode
 #             byte-identical to the in-process reference (python/tests/test_mooncake_cpu.py
-#             -k loopback with KVSHARD_MC_DEVICE=0); with MOONCAKE_BENCH=1 then
-#             python/mooncake_bench.py on VRAM into mooncake.md (MOONCAKE_BENCH_N, _PAGES pick the
-#             shapes); says exactly why when the engine cannot load
+#             -k loopback with KVSHARD_MC_DEVICE=0), and the registration of VRAM pools, pinned
+#             host pools, chunk staging and bounce buffers (test_mooncake_memory_cpu.py, the
+#             same device); with MOONCAKE_BENCH=1 then python/mooncake_bench.py on VRAM into
+#             mooncake.md: the NIXL benchmark's shapes (--like-nixl), N = 1, 2, 8 x 512 and 64
+#             pages, bounce and coalesced next to the same-run ceiling of Mooncake's own path and
+#             a device copy, within 45 s (MOONCAKE_BENCH_FULL=1: 64, 512, 4,096 pages within
+#             500 s, a call of its own; MOONCAKE_BENCH_N, _PAGES pick the shapes); with
+#             MOONCAKE_BENCH_NIXL=1 and .gpu-nixl staged, also NIXL's benchmark at N = 1, 2, 8 x
+#             64, 512 pages into the same file (minutes: a call of its own); says exactly why
+#             when the engine cannot load
 #   bench     the GPU benchmark (arguments after `--` go to it)
 #   plan      kvshard plan for the seed's scenario (CP2, 4x host cache), the ceilings measured
 #             here: D2D and pinned H2D on GPU 0, O_DIRECT reads in $PLAN_DISK (default $OUT)
@@ -162,15 +169,41 @@ for step in "${steps[@]}"; do
       continue
     fi
     if (cd "$repo" && LD_LIBRARY_PATH="$mc_path:${LD_LIBRARY_PATH:-}" PYTHONPATH="$rt/site:$rt/kvshard" \
-      KVSHARD_MC_DEVICE=0 KVSHARD_REQUIRE_MOONCAKE=1 timeout 85 python3 -P -m pytest -q -rs \
-      python/tests/test_mooncake_cpu.py -k loopback) >>"$log" 2>&1; then r=ok; else r=FAILED; status=1; fi
+      KVSHARD_MC_DEVICE=0 KVSHARD_REQUIRE_MOONCAKE=1 timeout 100 python3 -P -m pytest -q -rs \
+      python/tests/test_mooncake_cpu.py python/tests/test_mooncake_memory_cpu.py \
+      -k "loopback or registers or host_pool or transport_reuses or engine_regions") >>"$log" 2>&1; then
+      r=ok
+    else
+      r=FAILED
+      status=1
+    fi
     say "mooncake: $r ($(grep -E 'passed|failed|skipped' "$log" | tail -1))"
     if [ "${MOONCAKE_BENCH:-0}" = 1 ]; then
-      # Bounce against coalesced posting on VRAM (python/mooncake_bench.py) into mooncake.md.
+      # Bounce and coalesced on VRAM next to Mooncake's own ceiling (python/mooncake_bench.py).
+      # 512 pages first: the issue's shape at every N before the budget can cut a row.
+      pages=512,64 budget=45 limit=60
+      [ "${MOONCAKE_BENCH_FULL:-0}" = 1 ] && pages=512,64,4096 budget=500 limit=560
       (cd "$repo" && LD_LIBRARY_PATH="$mc_path:${LD_LIBRARY_PATH:-}" PYTHONPATH="$rt/site:$rt/kvshard" \
-        GLOG_minloglevel=2 timeout 300 python3 -P python/mooncake_bench.py --device 0 \
-        --n "${MOONCAKE_BENCH_N:-1,2,8}" --pages "${MOONCAKE_BENCH_PAGES:-64,512,4096}" --iters 3) \
-        >"$out/mooncake.md" 2>>"$log" || say "mooncake bench: FAILED or cut short (mooncake.log)"
+        GLOG_minloglevel=2 timeout "$limit" python3 -P python/mooncake_bench.py --device 0 --like-nixl \
+        --n "${MOONCAKE_BENCH_N:-1,2,8}" --pages "${MOONCAKE_BENCH_PAGES:-$pages}" --iters 3 --budget "$budget") \
+        >"$out/mooncake.md" 2>>"$log" || { say "mooncake bench: FAILED or cut short (mooncake.log)"; status=1; }
+      say "mooncake bench: $(grep -c '^| bounce' "$out/mooncake.md") bounce rows; $(grep -E '^(bounce at 512|skipped)' "$out/mooncake.md" | tr '\n' ' ')"
+      nixl_stage="${NIXL_STAGE:-$here/../.gpu-nixl}"
+      if [ "${MOONCAKE_BENCH_NIXL:-0}" = 1 ]; then
+        if [ -x "$nixl_stage/nixl-test" ]; then
+          # NIXL at the same shapes (its own GLM-5-like cache and decode pages), for the table.
+          { echo; echo "## NIXL, the same shapes (bench_nixl_pd)"; echo; } >>"$out/mooncake.md"
+          (
+            # shellcheck disable=SC1091
+            . "$nixl_stage/env.sh"
+            KVSHARD_NIXL_BENCH_N="${MOONCAKE_BENCH_N:-1,2,8}" KVSHARD_NIXL_BENCH_PAGES="${MOONCAKE_BENCH_PAGES:-$pages}" \
+              timeout 500 "$nixl_stage/nixl-test" bench_nixl_pd --ignored --nocapture 2>&1 | grep -E '^\|' >>"$out/mooncake.md"
+          ) || { say "mooncake bench: the NIXL benchmark FAILED or was cut short"; status=1; }
+        else
+          say "mooncake bench: MOONCAKE_BENCH_NIXL=1 but no $nixl_stage/nixl-test (scripts/stage-nixl.sh .gpu-nixl)"
+          status=1
+        fi
+      fi
     fi
     ;;
   bench)

@@ -6,14 +6,29 @@ as one packed range per chunk and rank (bounce mode).
 ::
 
     decode: MooncakeDecode                               prefill rank r: MooncakePrefill
-      engine_memory(pool), BounceBuffer per rank           engine_memory(pool), its bounce buffer
-      registered once                                      registered once
-      hello (engine address, layer bases, bounce) ──side channel──> MooncakeSender(...)
+      pool, K BounceBuffers per rank (slots)               pool, its K bounce buffers
+      registered once (Engine.ensure)                      registered once (Engine.ensure)
+      hello (engine address, layer bases, slots) ──side channel──> MooncakeSender(...)
       register(registration) ── register ─────────────────────────> open
-                                                                    send: plan -> lists (or pack)
+                                                                    send: plan -> lists (or pack
+                                                                    into a free slot)
                                      <── Mooncake batch write ───── batch_transfer_async_write
       poll(): scatter bounced chunks, Receiver  <── status ───────── once the batch has completed
-      free (the bounce buffer was scattered) ──────────────────────> the next chunk may bounce
+      free slot s (its scatter has run) ───────────────────────────> slot s may take a chunk
+
+**Registration.** ``Engine`` registers each piece of kvshard memory with Mooncake once and
+reuses it: device pools (and a pool wrapping an engine's exportable VMM tensors, which is one),
+HiCache's host pools, chunk staging, bounce buffers, or raw ``(address, bytes)``
+(``kvshard.engine_regions`` gives each one's contiguous regions). A second registration of
+memory that overlaps registered memory raises ``AlreadyRegisteredError``; ``ensure`` reuses a
+registration; a local range outside every registration raises ``NotRegisteredError`` before
+the engine is called (``Engine.write_sync``), and so does unregistering what is not registered.
+
+**Bounce slots.** Each prefill rank has K bounce slots (``MooncakeDecode(bounce_slots=K)``
+sizes both sides): chunk k + 1 packs into a free slot while chunk k is on the wire from another.
+A slot is reused only once its chunk's transfer was reported (the engine no longer reads this
+side's buffer; ``MooncakeSender.bounce_free`` refuses otherwise) and the decode's scatter from
+its side has run (the decode frees it only after the scatter's event).
 
 **Completion.** Mooncake's engine (0.3.x) sends no notification with a transfer, so the chunk
 statuses travel on a side channel: one TCP connection per prefill rank to the decode side,
@@ -32,7 +47,9 @@ passed (``Overdue``); a peer whose connection ends fails every open request with
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import functools
 import json
 import select
 import socket
@@ -42,10 +59,12 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from . import _kvshard as _k
-from ._errors import ChunkFailedError, TransferError, UnavailableError
+from ._errors import ChunkFailedError, InvalidArgumentError, TransferError, UnavailableError
 
 __all__ = [
+    "AlreadyRegisteredError",
     "Engine",
+    "NotRegisteredError",
     "MooncakeDecode",
     "MooncakePrefill",
     "load_engine_class",
@@ -67,11 +86,39 @@ def load_engine_class():
     return TransferEngine
 
 
+class AlreadyRegisteredError(InvalidArgumentError):
+    """Memory handed to ``Engine.register`` overlaps memory the engine has registered (the
+    same pool twice, or a part of it): refused before Mooncake is called."""
+
+
+class NotRegisteredError(InvalidArgumentError):
+    """A local range no registration covers, handed to ``Engine.write_sync``, or memory
+    handed to ``Engine.unregister`` that is not registered as given: refused before Mooncake
+    is called."""
+
+
+def regions_of(memory) -> list[tuple[int, int]]:
+    """The contiguous ``[(address, bytes)]`` of ``memory``: a ``DevicePool``, ``HostPool``,
+    ``ChunkStaging`` or ``BounceBuffer`` (``kvshard.engine_regions``), or an ``(address,
+    bytes)`` pair."""
+    if isinstance(memory, tuple):
+        if len(memory) != 2 or not all(isinstance(x, int) for x in memory) or memory[0] <= 0 or memory[1] <= 0:
+            raise InvalidArgumentError(f"memory as a pair is (address, bytes), both positive: {memory!r}")
+        return [memory]
+    return _k.engine_regions(memory)
+
+
+def _what(memory) -> str:
+    return type(memory).__name__ if not isinstance(memory, tuple) else f"range {memory[0]:#x}+{memory[1]}"
+
+
 class Engine:
     """One process's Mooncake engine: initialized once (``P2PHANDSHAKE``: no metadata
-    server), each memory region registered once and reused."""
+    server), each piece of memory registered once and reused (module docs: Registration).
+    ``max_batch`` bounds the descriptors of one Mooncake batch (``write_sync`` posts longer
+    lists in turn: its TCP transport refuses batches of many thousands)."""
 
-    def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = ""):
+    def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "", max_batch: int = 512):
         self.te = load_engine_class()()
         rc = self.te.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
@@ -79,22 +126,107 @@ class Engine:
         #: What peers name this engine by (its handshake port).
         self.address = f"{hostname}:{self.te.get_rpc_port()}"
         self.protocol = protocol
-        self._registered: dict[int, int] = {}
+        self.max_batch = max_batch
+        # Registered ranges, sorted and disjoint: starts, and (end, what) by start.
+        self._starts: list[int] = []
+        self._ranges: dict[int, tuple[int, str]] = {}
 
-    def register(self, address: int, length: int) -> None:
-        """Registers ``[address, address + length)`` once (a second call for it does nothing)."""
-        if self._registered.get(address) == length:
-            return
-        rc = self.te.register_memory(address, length)
-        if rc != 0:
-            raise TransferError(f"Mooncake register_memory({address:#x}, {length}) returned {rc}")
-        self._registered[address] = length
+    @property
+    def regions(self) -> list[tuple[int, int]]:
+        """The registered ranges, ``[(address, bytes)]`` in address order."""
+        return [(a, self._ranges[a][0] - a) for a in self._starts]
+
+    def _overlap(self, address: int, length: int) -> tuple[int, int, str] | None:
+        """A registered range overlapping ``[address, address + length)``, or None."""
+        i = bisect.bisect_right(self._starts, address + length - 1) - 1
+        if i >= 0:
+            a = self._starts[i]
+            end, what = self._ranges[a]
+            if end > address:
+                return a, end, what
+        return None
+
+    def register(self, memory) -> list[tuple[int, int]]:
+        """Registers ``memory`` (a pool, host pool, chunk staging, bounce buffer, or an
+        ``(address, bytes)`` pair) with Mooncake and returns its regions. Memory overlapping a
+        registration already made raises ``AlreadyRegisteredError`` (use ``ensure`` to reuse
+        one); every region is checked before any is registered."""
+        regions = regions_of(memory)
+        what = _what(memory)
+        for address, length in regions:
+            hit = self._overlap(address, length)
+            if hit is not None:
+                raise AlreadyRegisteredError(
+                    f"{what} at {address:#x}+{length} overlaps the registered {hit[2]} at "
+                    f"{hit[0]:#x}+{hit[1] - hit[0]}: register each piece of memory once"
+                )
+        done: list[tuple[int, int]] = []
+        for address, length in regions:
+            rc = self.te.register_memory(address, length)
+            if rc != 0:
+                for a, _ in done:
+                    self.te.unregister_memory(a)
+                    self._forget(a)
+                raise TransferError(f"Mooncake register_memory({address:#x}, {length}) of {what} returned {rc}")
+            bisect.insort(self._starts, address)
+            self._ranges[address] = (address + length, what)
+            done.append((address, length))
+        return regions
+
+    def ensure(self, memory) -> bool:
+        """Registers ``memory`` unless each of its regions is registered exactly as it is
+        (then reuses them); returns whether it registered now. Partly registered memory raises
+        ``AlreadyRegisteredError``."""
+        regions = regions_of(memory)
+        if all(self._ranges.get(a, (None,))[0] == a + n for a, n in regions):
+            return False
+        self.register(memory)
+        return True
+
+    def unregister(self, memory) -> None:
+        """Unregisters ``memory``; raises ``NotRegisteredError`` (and unregisters nothing)
+        unless each of its regions is registered exactly as it is."""
+        regions = regions_of(memory)
+        for a, n in regions:
+            if self._ranges.get(a, (None,))[0] != a + n:
+                raise NotRegisteredError(f"{_what(memory)} at {a:#x}+{n} is not registered with this engine")
+        for a, _ in regions:
+            self.te.unregister_memory(a)
+            self._forget(a)
+
+    def _forget(self, address: int) -> None:
+        self._starts.remove(address)
+        del self._ranges[address]
+
+    def covers(self, address: int, length: int) -> bool:
+        """Whether one registration holds all of ``[address, address + length)``."""
+        hit = self._overlap(address, max(length, 1))
+        return hit is not None and hit[0] <= address and address + length <= hit[1]
+
+    def write_sync(self, target: str, src_addrs, dst_addrs, lengths) -> None:
+        """Writes each ``lengths[i]`` bytes at local ``src_addrs[i]`` to ``dst_addrs[i]`` of
+        the engine ``target`` (its ``Engine.address``), ``max_batch`` descriptors per Mooncake
+        batch, and returns once all landed. Every local range must lie in a registration
+        (``NotRegisteredError`` otherwise, before anything moves); a failed batch raises
+        ``TransferError`` (the destination is the peer's to check: Mooncake refuses
+        unregistered remote memory)."""
+        src, dst, lens = list(src_addrs), list(dst_addrs), list(lengths)
+        if not len(src) == len(dst) == len(lens):
+            raise InvalidArgumentError(f"{len(src)} sources, {len(dst)} destinations, {len(lens)} lengths")
+        for s, n in zip(src, lens):
+            if not self.covers(s, n):
+                raise NotRegisteredError(f"the local range {s:#x}+{n} lies in no registration of this engine")
+        for i in range(0, len(lens), self.max_batch):
+            j = i + self.max_batch
+            rc = self.te.batch_transfer_sync_write(target, src[i:j], dst[i:j], lens[i:j])
+            if rc != 0:
+                raise TransferError(f"Mooncake batch_transfer_sync_write to {target} returned {rc}")
 
     def close(self) -> None:
-        """Deregisters every region."""
-        for address in list(self._registered):
+        """Unregisters every registration."""
+        for address in list(self._starts):
             self.te.unregister_memory(address)
-            del self._registered[address]
+            self._forget(address)
 
 
 class _Channel:
@@ -185,9 +317,10 @@ def _shape(geometry) -> list:
 
 
 class MooncakeDecode:
-    """The decode side: registers its pool and one bounce buffer per prefill rank with its
-    engine, serves the side channel (``address``), registers requests with every rank, and
-    turns the ranks' statuses into finished requests (``poll``)."""
+    """The decode side: registers its pool and ``bounce_slots`` bounce buffers per prefill
+    rank with its engine (once: memory ``engine`` already holds is reused), serves the side
+    channel (``address``), registers requests with every rank, and turns the ranks' statuses
+    into finished requests (``poll``)."""
 
     def __init__(
         self,
@@ -197,20 +330,22 @@ class MooncakeDecode:
         engine: Engine | None = None,
         listen: tuple[str, int] = ("127.0.0.1", 0),
         bounce_pages: int = 64,
+        bounce_slots: int = 2,
         deadline: float | None = None,
         stream=None,
     ):
         self.pool = pool
         self.ranks = ranks
+        self._own_engine = engine is None
         self.engine = engine or Engine(listen[0])
-        regions, self.bases = _k.engine_memory(pool)
-        for address, length in regions:
-            self.engine.register(address, length)
+        _, self.bases = _k.engine_memory(pool)
+        #: rank -> its bounce buffers, one per slot.
         self.bounces = [
-            _k.BounceBuffer(pool.device, pool.geometry, bounce_pages, stream) for _ in range(ranks)
-        ] if bounce_pages > 0 else []
-        for b in self.bounces:
-            self.engine.register(b.address, b.bytes)
+            [_k.BounceBuffer(pool.device, pool.geometry, bounce_pages, stream) for _ in range(bounce_slots)]
+            for _ in range(ranks)
+        ] if bounce_pages > 0 else [[] for _ in range(ranks)]
+        # What this side registered (and unregisters at close); memory the engine held is reused.
+        self._mine = [m for m in [pool, *(b for bs in self.bounces for b in bs)] if self.engine.ensure(m)]
         self.receiver = _k.Receiver(deadline)
         self._server = socket.create_server(listen)
         #: Where prefill ranks connect.
@@ -245,14 +380,13 @@ class MooncakeDecode:
                 ch.send({"t": "refused", "why": "another geometry, or a rank out of range or taken"})
                 ch.close()
                 continue
-            bounce = self.bounces[rank] if self.bounces else None
             ch.send(
                 {
                     "t": "hello",
                     "engine": self.engine.address,
                     "bases": self.bases,
                     "pages": self.pool.pages,
-                    "bounce": [bounce.address, bounce.bytes] if bounce else None,
+                    "bounce": [[b.address, b.bytes] for b in self.bounces[rank]],
                 }
             )
             self.channels[rank] = ch
@@ -305,9 +439,10 @@ class MooncakeDecode:
             event = None
             if m.get("sections") and m["ok"]:
                 try:
-                    event = self.bounces[key[1]].scatter([tuple(s) for s in m["sections"]], self.pool)
+                    bounce = self.bounces[key[1]][m["slot"]]
+                    event = bounce.scatter([tuple(s) for s in m["sections"]], self.pool)
                 except Exception as e:  # noqa: BLE001 - a bad report fails the chunk, typed below
-                    m = {**m, "ok": False, "reason": f"scattering the bounce buffer failed: {e}"}
+                    m = {**m, "ok": False, "reason": f"scattering bounce slot {m.get('slot')} failed: {e}"}
             self._queue[key[1]].append((m, event))
             if not m["ok"] or m["last"]:
                 del self._next[key]
@@ -323,9 +458,10 @@ class MooncakeDecode:
             if event is not None and not event.query():
                 break
             q.popleft()
-            if event is not None and rank in self.channels:
+            if m.get("slot") is not None and rank in self.channels:
+                # Its scatter has run (or none was started): the rank may pack into the slot.
                 try:
-                    self.channels[rank].send({"t": "free"})
+                    self.channels[rank].send({"t": "free", "slot": m["slot"]})
                 except TransferError:
                     pass  # the rank is gone: nothing to free
             out += self._deliver(rank, m)
@@ -365,28 +501,40 @@ class MooncakeDecode:
         return out
 
     def close(self) -> None:
-        """Closes the side channel and deregisters the memory."""
+        """Closes the side channel and unregisters the memory it registered (all of the
+        engine's, when it made the engine)."""
         for ch in self.channels.values():
             ch.close()
         self._server.close()
-        self.engine.close()
+        _release_memory(self.engine, self._own_engine, self._mine)
+
+
+def _release_memory(engine: Engine, own: bool, mine: list) -> None:
+    if own:
+        engine.close()
+    else:
+        for m in mine:
+            engine.unregister(m)
 
 
 class _Flight:
     """A chunk between ``send`` and its status."""
 
-    __slots__ = ("chunk", "future", "started", "posted")
+    __slots__ = ("chunk", "future", "started", "posted", "freed")
 
     def __init__(self, chunk: _k.MooncakeChunk) -> None:
         self.chunk = chunk
         self.future: Future | None = None
         self.started = time.perf_counter()
         self.posted = False
+        #: Its bounce slot was freed here (a failed chunk: no scatter frees it).
+        self.freed = False
 
 
 class MooncakePrefill:
     """One prefill rank: connects to the decode side's side channel (``decode``, its
-    ``MooncakeDecode.address``), registers its pool and bounce buffer with its engine, and
+    ``MooncakeDecode.address``), registers its pool and bounce buffers (one per slot the decode
+    side offers) with its engine (once: memory ``engine`` already holds is reused), and
     moves each chunk ``send`` plans with Mooncake batch writes (``max_batch`` descriptors each,
     in turn: its TCP transport refuses a batch of many thousands). Constructing it waits (at
     most ``CONNECT_TIMEOUT``) for the decode side's hello. Call ``progress`` every
@@ -410,6 +558,7 @@ class MooncakePrefill:
         self.pool = pool
         #: Descriptors per Mooncake batch (a chunk of more is posted in several, in turn).
         self.max_batch = max_batch
+        self._own_engine = engine is None
         self.engine = engine or Engine(decode[0])
         self.channel = _Channel(socket.create_connection(decode, timeout=CONNECT_TIMEOUT))
         self.channel.send({"t": "hi", "rank": pool.rank, "shape": _shape(pool.geometry)})
@@ -424,16 +573,12 @@ class MooncakePrefill:
             hello["pages"],
             mode=mode if mode is not None else _k.MooncakeMode.AUTO,
             bounce_pages=bounce_pages,
-            decode_bounce=tuple(hello["bounce"]) if hello["bounce"] else None,
+            decode_bounces=[tuple(b) for b in hello["bounce"]],
             bounce_below=bounce_below,
             transfer_timeout=transfer_timeout,
             stream=stream,
         )
-        regions, _ = _k.engine_memory(pool)
-        for address, length in regions:
-            self.engine.register(address, length)
-        if self.sender.bounce_region is not None:
-            self.engine.register(*self.sender.bounce_region)
+        self._mine = [m for m in [pool, *self.sender.bounce_regions] if self.engine.ensure(m)]
         self._flights: deque[_Flight] = deque()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvshard-mooncake")
         #: Registrations the decode side sent, by request, opened on the sender.
@@ -457,7 +602,7 @@ class MooncakePrefill:
                 self.sender.open(reg)
                 self.registrations[m["request"]] = reg
             elif m["t"] == "free":
-                self.sender.bounce_free()
+                self.sender.bounce_free(m["slot"])
 
     def take_registrations(self) -> list:
         """The requests the decode side registered since the last call (opened here)."""
@@ -543,9 +688,6 @@ class MooncakePrefill:
                     c.failed(f"Mooncake get_batch_transfer_status returned {rc}")
             except Exception:  # noqa: BLE001 - already failed by its deadline: nothing to add
                 pass
-            if c.bounced and rc != 0:
-                # No scatter follows a failed bounce: the engine is done with the buffers.
-                self.sender.bounce_free()
 
     def _report(self, status, chunk) -> None:
         msg = {
@@ -557,6 +699,8 @@ class MooncakePrefill:
             "bytes": {int(c): n for c, n in status.bytes.items()},
             "reason": status.reason,
             "sections": chunk.sections if chunk is not None and status.ok else [],
+            # The decode frees the slot once it has scattered it (a failed chunk's is freed here).
+            "slot": chunk.slot if chunk is not None and status.ok else None,
         }
         try:
             self.channel.send(msg)
@@ -585,21 +729,32 @@ class MooncakePrefill:
                     self.sender.close(c.request)
             if status is None:
                 continue
-            if flight.future is None and c.bounced and not status.ok:
-                # Never posted, or its failure handled: no scatter will free the buffers.
-                self.sender.bounce_free()
-            elif flight.future is not None and not flight.future.done():
-                # Failed by its deadline while the engine still moves it: keep the buffers
-                # until it is done (the bounce buffer is freed then).
-                if c.bounced:
-                    flight.future.add_done_callback(self._free_bounce)
+            if c.bounced and not status.ok:
+                if flight.future is not None and not flight.future.done():
+                    # Failed by its deadline while the engine still reads the slot: free it
+                    # once the engine is done (the chunk reported failed first, as
+                    # bounce_free requires).
+                    flight.future.add_done_callback(functools.partial(self._free_failed_when_done, flight))
+                else:
+                    # Never posted, or the engine is done with it: no scatter will free it.
+                    self._free_failed(flight)
             self._flights.remove(flight)
             self._report(status, c)
             out.append(status)
         return out
 
-    def _free_bounce(self, _done: Future) -> None:
-        self.sender.bounce_free()
+    def _free_failed(self, flight: _Flight) -> None:
+        """Frees a failed chunk's bounce slot once (the engine no longer reads it)."""
+        slot = flight.chunk.slot
+        if flight.freed or slot is None:
+            return
+        flight.freed = True
+        with contextlib.suppress(InvalidArgumentError):  # already reported: that one stands
+            flight.chunk.failed("the chunk failed before the engine finished with it")
+        self.sender.bounce_free(slot)
+
+    def _free_failed_when_done(self, flight: _Flight, _done: Future) -> None:
+        self._free_failed(flight)
 
     @property
     def in_flight(self) -> int:
@@ -616,4 +771,4 @@ class MooncakePrefill:
         timeout)."""
         self._pool.shutdown(wait=True)
         self.channel.close()
-        self.engine.close()
+        _release_memory(self.engine, self._own_engine, self._mine)

@@ -395,7 +395,7 @@ impl PyHostPool {
     }
 
     /// The host address of buffer `index` (None where unknown).
-    fn host_ptr(&self, index: usize) -> PyResult<Option<usize>> {
+    pub(crate) fn host_ptr(&self, index: usize) -> PyResult<Option<usize>> {
         let d = self.device.get();
         match (self.inner.host_ptr(index).py_err()?, d.cpu()) {
             (Some(p), _) => Ok(Some(p as usize)),

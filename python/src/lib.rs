@@ -146,6 +146,7 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<transfer::PyReceiver>()?;
     m.add_class::<method::PyMethod>()?;
     m.add_function(wrap_pyfunction!(mooncake::engine_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(mooncake::engine_regions, m)?)?;
     m.add_class::<mooncake::PyMooncakeMode>()?;
     m.add_class::<mooncake::PyBounceBuffer>()?;
     m.add_class::<mooncake::PyMooncakeChunk>()?;

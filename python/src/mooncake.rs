@@ -25,10 +25,12 @@ use kvshard::transfer::{
     SendPlan, Sender, TransferStats, Transport,
 };
 
+use crate::chunk_staging::PyChunkStaging;
 use crate::device::{PyDevice, PyEvent};
 use crate::device_pool::PyDevicePool;
 use crate::errors::{invalid, IntoPy};
 use crate::geometry::PyCacheGeometry;
+use crate::host_pool::PyHostPool;
 use crate::lock::lock;
 use crate::shard::logical;
 use crate::transfer::{PyChunkStatus, PyRegistration};
@@ -46,12 +48,12 @@ use crate::transfer::{PyChunkStatus, PyRegistration};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[allow(clippy::upper_case_acronyms)]
 pub enum PyMooncakeMode {
-    /// Bounce a chunk when both bounce buffers are free, it fits them, and its coalesced
+    /// Bounce a chunk when a bounce slot is free, it fits the slot, and its coalesced
     /// descriptors average fewer than `bounce_below` bytes; coalesced otherwise.
     AUTO,
     /// Coalesced runs: one descriptor per run of pages contiguous on both sides, per layer.
     COALESCED,
-    /// One descriptor per chunk whenever both bounce buffers are free and it fits them.
+    /// One descriptor per chunk whenever a bounce slot is free and the chunk fits it.
     BOUNCE,
 }
 
@@ -92,15 +94,67 @@ pub fn engine_memory(pool: &PyDevicePool) -> PyResult<EngineMemory> {
         }
         bases.push(layers);
     }
+    Ok((merged(ranges), bases))
+}
+
+/// Sorted `[(address, bytes)]` with overlapping or adjacent ranges merged.
+fn merged(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
     ranges.sort_unstable();
-    let mut merged: Vec<(u64, u64)> = Vec::new();
+    let mut out: Vec<(u64, u64)> = Vec::new();
     for (addr, len) in ranges {
-        match merged.last_mut() {
+        match out.last_mut() {
             Some((a, l)) if *a + *l >= addr => *l = (addr + len).max(*a + *l) - *a,
-            _ => merged.push((addr, len)),
+            _ => out.push((addr, len)),
         }
     }
-    Ok((merged, bases))
+    out
+}
+
+/// The contiguous regions of any kvshard memory a transfer engine registers, `[(address,
+/// bytes)]` as the engine addresses them (adjacent ranges merged), for `memory` a
+/// `DevicePool` (its stored layers: `engine_memory`'s regions; a pool wrapping an engine's
+/// exportable VMM tensors is one too), a `HostPool` (each of its buffers, by host address:
+/// HiCache's pinned host pools), a `ChunkStaging` or a `BounceBuffer`. Register each once
+/// (`kvshard.mooncake.Engine.register` refuses a second registration) and reuse it.
+#[pyfunction]
+pub fn engine_regions(memory: &Bound<'_, PyAny>) -> PyResult<Vec<(u64, u64)>> {
+    if let Ok(pool) = memory.cast::<PyDevicePool>() {
+        return Ok(engine_memory(pool.get())?.0);
+    }
+    if let Ok(b) = memory.cast::<PyBounceBuffer>() {
+        let b = b.borrow();
+        return Ok(vec![(b.address, b.bytes())]);
+    }
+    if let Ok(s) = memory.cast::<PyChunkStaging>() {
+        let s = s.get();
+        let device = s.device.get();
+        let buf = s.inner.buffer();
+        let at = engine_address(
+            device.cpu().map(|c| c.as_ref()),
+            buf.addr(),
+            buf.len() as u64,
+        )
+        .py_err()?;
+        return Ok(vec![(at, buf.len() as u64)]);
+    }
+    if let Ok(h) = memory.cast::<PyHostPool>() {
+        let h = h.get();
+        let mut ranges = Vec::new();
+        for i in 0..h.inner.buffer_layouts().len() {
+            let bytes = h.inner.buffer_memory(i).py_err()?.len() as u64;
+            // Host memory is registered by its host address (a pinned pool's device alias is
+            // what kernels use, not what an engine's host-side transports read).
+            let at = h
+                .host_ptr(i)?
+                .ok_or_else(|| invalid(format!("host buffer {i}: its host address is unknown")))?;
+            ranges.push((at as u64, bytes));
+        }
+        return Ok(merged(ranges));
+    }
+    Err(invalid(format!(
+        "engine_regions takes a DevicePool, HostPool, ChunkStaging or BounceBuffer, not {}",
+        memory.get_type().name()?
+    )))
 }
 
 /// The index of `c` in `Component::ALL`: a packed section's components on the wire.
@@ -128,9 +182,9 @@ fn sections_of(wire: Vec<(Vec<u32>, Vec<u64>)>) -> PyResult<Vec<PackedSection>> 
         .collect()
 }
 
-/// A bounce buffer of the decode side (one per prefill rank): register `address`/`bytes` with
-/// the engine once and publish them to the rank; `scatter` empties a chunk the rank packed
-/// into it into the pool's pages.
+/// A bounce buffer: on the decode side, one per (prefill rank, slot): register
+/// `address`/`bytes` with the engine once and publish them to the rank; `scatter` empties a
+/// chunk the rank packed into it into the pool's pages.
 #[pyclass(module = "kvshard", name = "BounceBuffer")]
 pub struct PyBounceBuffer {
     inner: Mutex<BounceBuffer>,
@@ -277,21 +331,32 @@ struct Export {
     lengths: Vec<u64>,
     sections: Vec<PackedSection>,
     packing: Option<Event>,
+    /// The bounce slot the chunk was packed into.
+    slot: Option<usize>,
     settle: Arc<Settle>,
     prepared: Duration,
     bytes: u64,
 }
 
+/// One bounce slot of a prefill rank: its buffer here, the decode's buffer for it, and the
+/// chunk that holds both until the slot is freed.
+struct Slot {
+    buffer: BounceBuffer,
+    /// `buffer` as the engine addresses it.
+    address: u64,
+    /// The decode's bounce buffer of this slot: (address, bytes).
+    remote: (u64, u64),
+    /// The chunk packed into the slot, from its packing until `bounce_free`: the engine reads
+    /// this side's buffer until the chunk's transfer is reported, and the decode's scatter
+    /// reads the other side's after that.
+    holder: Option<Arc<Settle>>,
+}
+
 /// What a sender's transport and its Python face share.
 struct Shared {
     mode: PyMooncakeMode,
-    bounce: Option<BounceBuffer>,
-    /// The prefill's bounce buffer as the engine addresses it.
-    bounce_address: u64,
-    /// The decode's bounce buffer for this rank: (address, bytes).
-    decode_bounce: Option<(u64, u64)>,
-    /// A bounced chunk is between its packing and the decode's scatter.
-    bounce_busy: bool,
+    /// Bounce slots: chunk k + 1 packs into one while chunk k is on the wire from another.
+    slots: Vec<Slot>,
     bounce_below: u64,
     timeout: Duration,
     cpu: Option<Arc<CpuBackend>>,
@@ -301,20 +366,21 @@ struct Shared {
 }
 
 impl Shared {
-    /// The packed bytes of `plan` when it goes through the bounce buffers.
-    fn bounce_bytes(&self, plan: &SendPlan) -> Option<u64> {
-        if self.mode == PyMooncakeMode::COALESCED || self.bounce_busy {
+    /// The free slot `plan` bounces through and its packed bytes, when it goes bounced.
+    fn bounce_slot(&self, plan: &SendPlan) -> Option<(usize, u64)> {
+        if self.mode == PyMooncakeMode::COALESCED {
             return None;
         }
-        let (bounce, (_, room)) = (self.bounce.as_ref()?, self.decode_bounce?);
-        let bytes = bounce.packed_bytes(plan).filter(|&b| b <= room)?;
+        let slot = self.slots.iter().position(|s| s.holder.is_none())?;
+        let s = &self.slots[slot];
+        let bytes = s.buffer.packed_bytes(plan).filter(|&b| b <= s.remote.1)?;
         if self.mode == PyMooncakeMode::AUTO {
             let mean = plan.bytes().total() / (plan.descriptor_count() as u64).max(1);
             if mean >= self.bounce_below {
                 return None;
             }
         }
-        Some(bytes)
+        Some((slot, bytes))
     }
 }
 
@@ -341,26 +407,26 @@ impl Transport for EngineTransport {
             lengths: Vec::new(),
             sections: Vec::new(),
             packing: None,
+            slot: None,
             settle: settle.clone(),
             prepared: Duration::ZERO,
             bytes: plan.bytes().total(),
         };
         if plan.is_empty() {
             // Nothing moves: the engine's side reports the chunk at once.
-        } else if let (Some(bytes), Some((remote, _))) = (s.bounce_bytes(plan), s.decode_bounce) {
-            let local = s.bounce_address;
-            let bounce = s
-                .bounce
-                .as_mut()
-                .ok_or_else(|| kvshard::Error::InvalidArgument("no bounce buffer".into()))?;
-            let packed = bounce.pack(plan, src)?;
+        } else if let Some((slot, bytes)) = s.bounce_slot(plan) {
+            let sl = &mut s.slots[slot];
+            // The slot is free: the engine finished reading it (its last chunk was reported)
+            // and the decode scattered its side, so the packing may overwrite it.
+            let packed = sl.buffer.pack(plan, src)?;
             debug_assert_eq!(packed.bytes, bytes);
-            export.src.push(local);
-            export.dst.push(remote);
+            export.src.push(sl.address);
+            export.dst.push(sl.remote.0);
             export.lengths.push(packed.bytes);
             export.sections = packed.sections;
             export.packing = Some(packed.event);
-            s.bounce_busy = true;
+            export.slot = Some(slot);
+            sl.holder = Some(settle.clone());
         } else {
             let batch = DescriptorBatch::resolve(plan, src.as_ref(), dst.as_ref())?;
             let cpu = s.cpu.clone();
@@ -480,6 +546,14 @@ impl PyMooncakeChunk {
         self.export.packing.is_some()
     }
 
+    /// The bounce slot it was packed into (None unless bounced): its descriptor targets the
+    /// decode's buffer of that slot, which scatters it; free it with
+    /// `MooncakeSender.bounce_free(slot)` once that is done.
+    #[getter]
+    fn slot(&self) -> Option<usize> {
+        self.export.slot
+    }
+
     /// The packed sections, `[(component codes, destination pages)]`: what the decode side's
     /// `BounceBuffer.scatter` takes (empty unless bounced).
     #[getter]
@@ -561,10 +635,11 @@ impl PyMooncakeChunk {
 /// (Mooncake's): plans each chunk of its requests and hands it out as descriptor lists into
 /// the decode pool the decode side published (`decode_bases[c][l]`, `decode_pages` pages per
 /// layer, addresses as its engine registered them: `engine_memory(pool)` there), coalesced,
-/// or packed into this rank's bounce buffer for one descriptor into the decode's
-/// (`decode_bounce`: its `(address, bytes)`) by `mode`. `bounce_pages` sizes this rank's
-/// bounce buffer (0: none); `transfer_timeout` fails a chunk the engine has not reported by
-/// then; the packing copies run on `stream`.
+/// or packed into one of this rank's bounce slots for one descriptor into the decode's buffer
+/// of that slot (`decode_bounces`: the `(address, bytes)` of each of the decode's buffers for
+/// this rank, one slot each) by `mode`. `bounce_pages` sizes this rank's bounce buffers (0:
+/// none), one per decode slot; `transfer_timeout` fails a chunk the engine has not reported
+/// by then; the packing copies run on `stream`.
 #[pyclass(module = "kvshard", name = "MooncakeSender")]
 pub struct PyMooncakeSender {
     inner: Mutex<Sender>,
@@ -578,7 +653,7 @@ pub struct PyMooncakeSender {
 #[pymethods]
 impl PyMooncakeSender {
     #[new]
-    #[pyo3(signature = (pool, decode_bases, decode_pages, *, mode = PyMooncakeMode::AUTO, bounce_pages = 64, decode_bounce = None, bounce_below = 512 << 10, transfer_timeout = 30.0, stream = None))]
+    #[pyo3(signature = (pool, decode_bases, decode_pages, *, mode = PyMooncakeMode::AUTO, bounce_pages = 64, decode_bounces = Vec::new(), bounce_below = 512 << 10, transfer_timeout = 30.0, stream = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         pool: Py<PyDevicePool>,
@@ -586,7 +661,7 @@ impl PyMooncakeSender {
         decode_pages: u64,
         mode: PyMooncakeMode,
         bounce_pages: u64,
-        decode_bounce: Option<(u64, u64)>,
+        decode_bounces: Vec<(u64, u64)>,
         bounce_below: u64,
         transfer_timeout: f64,
         stream: Option<&Bound<'_, PyAny>>,
@@ -600,22 +675,24 @@ impl PyMooncakeSender {
         let dst =
             Arc::new(RemoteSpace::unmapped(geometry.clone(), decode_pages, decode_bases).py_err()?);
         let cpu = device.cpu().cloned();
-        let bounce = if bounce_pages > 0 && mode != PyMooncakeMode::COALESCED {
-            Some(BounceBuffer::new(backend.clone(), &geometry, bounce_pages).py_err()?)
-        } else {
-            None
-        };
-        let bounce_address = match &bounce {
-            Some(b) => engine_address(cpu.as_deref(), b.buffer().addr(), b.buffer().len() as u64)
-                .py_err()?,
-            None => 0,
-        };
+        let mut slots = Vec::new();
+        if bounce_pages > 0 && mode != PyMooncakeMode::COALESCED {
+            for remote in decode_bounces {
+                let buffer =
+                    BounceBuffer::new(backend.clone(), &geometry, bounce_pages).py_err()?;
+                let b = buffer.buffer();
+                let address = engine_address(cpu.as_deref(), b.addr(), b.len() as u64).py_err()?;
+                slots.push(Slot {
+                    buffer,
+                    address,
+                    remote,
+                    holder: None,
+                });
+            }
+        }
         let shared = Arc::new(Mutex::new(Shared {
             mode,
-            bounce,
-            bounce_address,
-            decode_bounce,
-            bounce_busy: false,
+            slots,
             bounce_below,
             timeout,
             cpu,
@@ -638,13 +715,15 @@ impl PyMooncakeSender {
         lock(&self.inner).rank()
     }
 
-    /// This rank's bounce buffer to register with the engine, `(address, bytes)`, or None.
+    /// This rank's bounce buffers to register with the engine, `[(address, bytes)]`, one per
+    /// slot (empty: no bouncing).
     #[getter]
-    fn bounce_region(&self) -> Option<(u64, u64)> {
-        let s = lock(&self.shared);
-        s.bounce
-            .as_ref()
-            .map(|b| (s.bounce_address, b.buffer().len() as u64))
+    fn bounce_regions(&self) -> Vec<(u64, u64)> {
+        lock(&self.shared)
+            .slots
+            .iter()
+            .map(|s| (s.address, s.buffer.buffer().len() as u64))
+            .collect()
     }
 
     /// Starts sending a request the decode side registered (its pool is the one the sender
@@ -697,16 +776,47 @@ impl PyMooncakeSender {
         })
     }
 
-    /// The decode side has scattered the bounced chunk (or the bounced chunk failed and the
-    /// engine is done with it): the bounce buffers may take the next one.
-    fn bounce_free(&self) {
-        lock(&self.shared).bounce_busy = false;
+    /// Frees bounce slot `slot` for the next chunk: call it once the decode side has scattered
+    /// the chunk packed into it (its scatter event has passed), or once its failed transfer is
+    /// over. Refused (`InvalidArgumentError`) for a slot that is free, or whose chunk the
+    /// engine has not reported landed or failed yet (`MooncakeChunk.landed`/`failed`): the
+    /// engine may still be reading it, and a packing into it would overwrite what is on the
+    /// wire.
+    fn bounce_free(&self, slot: usize) -> PyResult<()> {
+        let mut s = lock(&self.shared);
+        let count = s.slots.len();
+        let sl = s
+            .slots
+            .get_mut(slot)
+            .ok_or_else(|| invalid(format!("bounce slot {slot}; the sender has {count}")))?;
+        let holder = sl
+            .holder
+            .as_ref()
+            .ok_or_else(|| invalid(format!("bounce slot {slot} is free already")))?;
+        if matches!(*lock(&holder.outcome), Outcome::Moving) {
+            return Err(invalid(format!(
+                "bounce slot {slot}: the engine has not reported its chunk landed or failed, \
+                 and may still be reading it"
+            )));
+        }
+        sl.holder = None;
+        Ok(())
     }
 
-    /// Whether a bounced chunk holds the bounce buffers.
+    /// Bounce slots (0: this sender never bounces).
     #[getter]
-    fn bounce_busy(&self) -> bool {
-        lock(&self.shared).bounce_busy
+    fn bounce_slots(&self) -> usize {
+        lock(&self.shared).slots.len()
+    }
+
+    /// Bounce slots no chunk holds.
+    #[getter]
+    fn bounce_slots_free(&self) -> usize {
+        lock(&self.shared)
+            .slots
+            .iter()
+            .filter(|s| s.holder.is_none())
+            .count()
     }
 
     /// Gives up on `request` on this rank; returns the failed status to deliver.

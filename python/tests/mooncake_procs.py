@@ -1,5 +1,5 @@
 """The processes of the Mooncake P/D tests (``test_mooncake_cpu.py``, and the GPU step
-``python/run-gpu-mooncake.sh``): a decode process and N prefill processes, each with its own
+``run-gpu.sh mooncake``): a decode process and N prefill processes, each with its own
 Mooncake engine, meeting over ``kvshard.mooncake``'s side channel, moving random requests chunk
 by chunk. Both sides derive the requests and the prefill pools' bytes from the seed, so the
 decode process can compute the in-process reference (the same requests sent by

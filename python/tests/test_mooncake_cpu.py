@@ -160,7 +160,7 @@ def test_the_descriptor_export_moved_by_hand_matches_the_reference(mode):
         pool, _keep = procs.prefill_pool(dev, 7, rank)
         sender = kvshard.MooncakeSender(
             pool, bases, procs.DECODE_PAGES, mode=m, bounce_pages=procs.BOUNCE_PAGES,
-            decode_bounce=(bounce.address, bounce.bytes),
+            decode_bounces=[(bounce.address, bounce.bytes)],
         )
         for reg, src, chunks in procs.requests(7):
             sender.open(reg)
@@ -178,7 +178,7 @@ def test_the_descriptor_export_moved_by_hand_matches_the_reference(mode):
                 assert status is not None and status.ok and status.chunk == chunk.chunk
                 if chunk.bounced:
                     bounce.scatter(chunk.sections, dst).synchronize()
-                    sender.bounce_free()
+                    sender.bounce_free(chunk.slot)
         assert sender.stats()["chunks"] == 9
     assert (bounced > 0) == (mode == "bounce")
     assert dst.snapshot() == procs.reference(7)

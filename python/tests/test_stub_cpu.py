@@ -31,9 +31,10 @@ MODULE_ORDER = [
     "budget",
     "capacity",
     "transfer",
-    "mooncake",
     "hicache_enums",
     "host_pool",
+    # Above the host pools: Mooncake registers them (engine_regions).
+    "mooncake",
     "layer_signals",
     "host_transfer",
     "hicache_controller",
