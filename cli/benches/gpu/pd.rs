@@ -6,9 +6,10 @@
 //! - `range kernel, tables pre-uploaded`: one `kvs_copy_ranges` launch per rank over its range
 //!   table, uploaded beforehand: what the GPU executes (best of a few grids);
 //! - `block kernel from page lists, Transport::submit`: `BackendTransport` with
-//!   `Method::default_for` (the grid kvshard picks): one `kvs_copy_blocks` launch per rank's
-//!   chunk (its latent KV and indexer state share the page list), page lists uploaded in
-//!   stream order;
+//!   `Method::default_for` (the grid kvshard picks): one block-copy launch per rank's chunk
+//!   (its latent KV and indexer state share the page list), its pair table and page lists in
+//!   the launch's parameters when they fit (`kvs_copy_blocks_inline`, up to
+//!   `abi::KVS_COPY_INLINE_BYTES`: a 64-page chunk's 4 KB), else uploaded in stream order;
 //! - `range kernel, Transport::submit`: the same transport with `Method::RangeKernel` and the
 //!   best grid above, each rank's range table uploaded in stream order;
 //! - `copy engine, Transport::submit`: one `cudaMemcpyBatchAsync` per rank;
@@ -16,7 +17,8 @@
 //!   own, as separate prefill processes send, the harness stream waiting for all of them.
 //!
 //! Transport rows time the submits only (events around them); the completions are waited for
-//! after the timing. Every row notes what each chunk needs: descriptors (coalesced, from
+//! after the timing. Their notes give the host time per `submit` (the host column is per timed
+//! call, which submits every rank's chunk). Every row notes what each chunk needs: descriptors (coalesced, from
 //! `SendPlan::descriptor_count`, and uncoalesced), launches, pieces or batch entries.
 //!
 //! The decode pool is poisoned before each variant and checked against the ranks' pools after.
@@ -90,10 +92,13 @@ struct Needs {
     all: (usize, usize),
     /// `kvs_copy_ranges` pieces (ranges cut at `KERNEL_PIECE_BYTES`) over every chunk.
     pieces: usize,
-    /// `kvs_copy_blocks` launches over every chunk, their page-list entries and table bytes.
+    /// `kvs_copy_blocks` launches over every chunk, their page-list entries and table bytes,
+    /// and the launches whose tables travel in their parameters (`kvs_copy_blocks_inline`, at
+    /// most `abi::KVS_COPY_INLINE_BYTES`: nothing uploaded).
     block_launches: usize,
     block_entries: usize,
     block_table_bytes: usize,
+    block_inline: usize,
 }
 
 impl Needs {
@@ -190,12 +195,16 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 block_launches: 0,
                 block_entries: 0,
                 block_table_bytes: 0,
+                block_inline: 0,
             };
             for (plan, pool) in plans.iter().zip(&ranks) {
                 for copy in block_copies(plan, pool.as_ref(), remote.as_ref())? {
                     needs.block_launches += 1;
                     needs.block_entries += copy.entries();
                     needs.block_table_bytes += copy.table_bytes();
+                    if copy.table_bytes() <= abi::KVS_COPY_INLINE_BYTES as usize {
+                        needs.block_inline += 1;
+                    }
                 }
             }
             let case = format!("N={n}, {pages} pages x 62+62 layers");
@@ -269,14 +278,16 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             let default = Method::default_for(backend.as_ref());
             let blocks_note = |launch: Launch, why: &str| {
                 format!(
-                    "{}; {} kvs_copy_blocks launches ({} per chunk) {}x{}{why}, {} page-list entries, {} B of tables uploaded",
+                    "{}; {} block-copy launches ({} per chunk) {}x{}{why}, {} page-list entries, {} B of tables, {} of the launches with theirs in the parameters (<= {} B, nothing uploaded)",
                     needs.descriptors(),
                     needs.block_launches,
                     needs.block_launches as f64 / n as f64,
                     launch.ctas,
                     launch.threads,
                     needs.block_entries,
-                    needs.block_table_bytes
+                    needs.block_table_bytes,
+                    needs.block_inline,
+                    abi::KVS_COPY_INLINE_BYTES
                 )
             };
             // `None`: the transport as `BackendTransport::new` makes it (Method::default_for).
@@ -338,6 +349,7 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                     }
                     Ok(())
                 })?;
+                let note = format!("{note}; {}", per_submit(stats, n));
                 for mut completion in pending {
                     completion.wait_sync()?;
                 }
@@ -430,7 +442,22 @@ fn per_rank_streams(
         bytes,
         stats,
         d2d,
-        format!("{} streams, one BackendTransport each", ranks.len()),
+        format!(
+            "{} streams, one BackendTransport each; {}",
+            ranks.len(),
+            per_submit(stats, ranks.len() as u32)
+        ),
     );
     Ok(())
+}
+
+/// The host time of one `Transport::submit` (a timed call submits every rank's chunk, `n` of
+/// them) and the window per chunk: what one rank's engine sees of its own call.
+fn per_submit(timed: Timed, n: u32) -> String {
+    let n = f64::from(n.max(1));
+    format!(
+        "host {:.1} us per submit, window {:.3} ms for {n} submits",
+        timed.view.host_us / n,
+        timed.view.window.median
+    )
 }
