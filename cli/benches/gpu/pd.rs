@@ -477,7 +477,6 @@ const CLEAN_FLUSH_BYTES: usize = 256 << 20;
 /// The row measures what that write-back costs the transfer: the share of the gap to the
 /// ceiling that is the flush's, not kvshard's. (A forward pass before a send leaves dirty
 /// lines too; the ordinary rows stay the figures.)
-#[allow(clippy::too_many_arguments)]
 fn clean_l2(
     ctx: &mut Ctx,
     report: &mut Report,
