@@ -39,6 +39,7 @@ pub const KVS_RESOLVE_TOKENS: u32 = 0;
 pub const KVS_RESOLVE_PAGES: u32 = 1;
 pub const KVS_ROWS_LATENT: u32 = 0;
 pub const KVS_ROWS_INDEXER: u32 = 1;
+pub const KVS_COPY_INLINE_BYTES: u32 = 8192;
 /** Where a kernel reports the first bad input it met. `word` is the device address of a uint64
  that the kernel raises with atomicMax to (epoch << 32) | (0xFFFFFFFF - position); the host
  gives every launch a new, larger epoch, so a word whose high half equals this launch's epoch
@@ -566,6 +567,41 @@ const _: () = {
         "Offset of field: kvs_copy_blocks_params::status",
     ][::std::mem::offset_of!(kvs_copy_blocks_params, status) - 272usize];
 };
+/** kvs_copy_blocks with its tables inline: exactly kvs_copy_blocks over `copy`, except that
+ `copy.pairs` and the `ids` of each LOCAL or LOGICAL page list are byte offsets into `table`
+ (8-byte aligned; the pairs and ids they name lie inside it: checked by the host before the
+ launch) instead of device addresses. `table` holds the same bytes kvs_copy_blocks reads from
+ device memory, so the two kernels move the same bytes.*/
+#[repr(C)]
+#[derive(Debug, Copy, Clone, PartialEq, Eq)]
+pub struct kvs_copy_blocks_inline_params {
+    pub copy: kvs_copy_blocks_params,
+    pub table: [u64; 1024usize],
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    [
+        "Size of kvs_copy_blocks_inline_params",
+    ][::std::mem::size_of::<kvs_copy_blocks_inline_params>() - 8480usize];
+    [
+        "Alignment of kvs_copy_blocks_inline_params",
+    ][::std::mem::align_of::<kvs_copy_blocks_inline_params>() - 8usize];
+    [
+        "Offset of field: kvs_copy_blocks_inline_params::copy",
+    ][::std::mem::offset_of!(kvs_copy_blocks_inline_params, copy) - 0usize];
+    [
+        "Offset of field: kvs_copy_blocks_inline_params::table",
+    ][::std::mem::offset_of!(kvs_copy_blocks_inline_params, table) - 288usize];
+};
+impl Default for kvs_copy_blocks_inline_params {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
 /// One component of an owned-row write.
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]

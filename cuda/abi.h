@@ -272,6 +272,27 @@ typedef struct kvs_copy_blocks_params {
     kvs_status status;
 } kvs_copy_blocks_params;
 
+/*
+ * kvs_copy_blocks_inline: bytes of pair table and page ids a launch carries in its own
+ * parameters (the kernel takes the struct by value, `__grid_constant__`: parameters may be up
+ * to 32,764 bytes on sm_70+ with CUDA >= 12.1). A P/D chunk's tables (24 bytes per layer pair,
+ * 16 per page) fit up to a few hundred pages: such a launch needs no upload, no table memory
+ * and no copy in the stream before it; larger tables go through kvs_copy_blocks.
+ */
+#define KVS_COPY_INLINE_BYTES 8192
+
+/**
+ * kvs_copy_blocks with its tables inline: exactly kvs_copy_blocks over `copy`, except that
+ * `copy.pairs` and the `ids` of each LOCAL or LOGICAL page list are byte offsets into `table`
+ * (8-byte aligned; the pairs and ids they name lie inside it: checked by the host before the
+ * launch) instead of device addresses. `table` holds the same bytes kvs_copy_blocks reads from
+ * device memory, so the two kernels move the same bytes.
+ */
+typedef struct kvs_copy_blocks_inline_params {
+    kvs_copy_blocks_params copy;
+    uint64_t table[KVS_COPY_INLINE_BYTES / 8];
+} kvs_copy_blocks_inline_params;
+
 /** One component of an owned-row write. */
 typedef struct kvs_row_component {
     uint32_t kind;      /**< KVS_ROWS_* */
@@ -369,6 +390,10 @@ KVS_STATIC_ASSERT(sizeof(kvs_page_list) == 32, "kvs_page_list");
 KVS_STATIC_ASSERT(sizeof(kvs_work_queue) == 16, "kvs_work_queue");
 KVS_STATIC_ASSERT(sizeof(kvs_copy_blocks_params) == 288, "kvs_copy_blocks_params");
 KVS_STATIC_ASSERT(sizeof(kvs_write_rows_params) == 120, "kvs_write_rows_params");
+KVS_STATIC_ASSERT(sizeof(kvs_copy_blocks_inline_params) == 288 + KVS_COPY_INLINE_BYTES,
+                  "kvs_copy_blocks_inline_params");
+KVS_STATIC_ASSERT(sizeof(kvs_copy_blocks_inline_params) <= 32764, "the parameter space of sm_70+");
+KVS_STATIC_ASSERT(KVS_COPY_INLINE_BYTES % 8 == 0, "whole uint64 words");
 KVS_STATIC_ASSERT(sizeof(kvs_range) == 24, "kvs_range");
 KVS_STATIC_ASSERT(sizeof(kvs_copy_ranges_params) == 32, "kvs_copy_ranges_params");
 KVS_STATIC_ASSERT(sizeof(kvs_bench_add_params) == 32, "kvs_bench_add_params");

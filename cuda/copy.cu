@@ -11,6 +11,9 @@
  *   (docs/design.md, "What measured fast") and is plenty for HBM; half that on Blackwell (register budgets below).
  *   Logical page lists are resolved to owner-local pages here, in the same launch. Per-unit
  *   completion counters give per-layer ready signals from one launch.
+ * kvs_copy_blocks_inline: the same copy with its pair table and page ids in the launch's own
+ *   parameters (up to KVS_COPY_INLINE_BYTES): a one-shot copy (a P/D chunk) then needs no
+ *   upload, no table memory and no copy in the stream ahead of it.
  * kvs_copy_ranges: (src, dst, bytes) descriptors, one warp per descriptor; a descriptor longer
  *   than KVS_COPY_RANGE_MAX_BYTES is skipped and reported, never narrowed.
  *
@@ -45,9 +48,10 @@ constexpr uint32_t RANGES_UNROLL = 8;
 static_assert(KVS_COPY_RANGE_MAX_BYTES / 16 + 32 * RANGES_UNROLL <= 0xFFFFFFFFull,
               "a range's vector count fits warp_copy's 32-bit counter");
 
-/* The raw id of entry j of a page list (j itself for POSITION): the only memory read it needs. */
-__device__ __forceinline__ int64_t page_id(const kvs_page_list& list, uint64_t j) {
-    return list.kind == KVS_INDEX_POSITION ? static_cast<int64_t>(j) : reinterpret_cast<const int64_t*>(list.ids)[j];
+/* The raw id of entry j of a page list whose ids are at `ids` (j itself for POSITION): the only
+ * memory read it needs. */
+__device__ __forceinline__ int64_t page_id(const kvs_page_list& list, const int64_t* ids, uint64_t j) {
+    return list.kind == KVS_INDEX_POSITION ? static_cast<int64_t>(j) : ids[j];
 }
 
 /* Turns raw id `id` of entry j into a page; false when skipped (padding, not owned, bad). */
@@ -107,10 +111,12 @@ struct Strided {
     }
 };
 
-} // namespace
-
-extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS) kvs_copy_blocks(const __grid_constant__ kvs_copy_blocks_params p) {
-    const kvs_layer_pair* pairs = reinterpret_cast<const kvs_layer_pair*>(p.pairs);
+/*
+ * kvs_copy_blocks over `p`, its pair table at `pairs` and its page ids at `src_ids` / `dst_ids`:
+ * device memory (kvs_copy_blocks) or the launch's own parameters (kvs_copy_blocks_inline).
+ */
+__device__ __forceinline__ void copy_blocks(const kvs_copy_blocks_params& p, const kvs_layer_pair* pairs,
+                                            const int64_t* src_ids, const int64_t* dst_ids) {
     uint32_t* signals = reinterpret_cast<uint32_t*>(p.signals);
     const uint64_t units = p.num_pages * p.num_pairs;
     for (uint64_t u = first_unit(p.work); u < units; u = next_unit(p.work, u)) {
@@ -120,8 +126,8 @@ extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS) kvs_copy_blocks(c
         uint64_t src_page = 0;
         uint64_t dst_page = 0;
         // Both sides are resolved (and bounds-checked) before either decides to skip.
-        const bool src_ok = resolve_page(p.src_pages, page_id(p.src_pages, j), j, src_page, p.status);
-        const bool dst_ok = resolve_page(p.dst_pages, page_id(p.dst_pages, j), j, dst_page, p.status);
+        const bool src_ok = resolve_page(p.src_pages, page_id(p.src_pages, src_ids, j), j, src_page, p.status);
+        const bool dst_ok = resolve_page(p.dst_pages, page_id(p.dst_pages, dst_ids, j), j, dst_page, p.status);
         const bool component_ok = pair.component < p.num_components;
         if (!component_ok && j == 0) {
             report(p.status, u);
@@ -148,6 +154,26 @@ extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS) kvs_copy_blocks(c
             }
         }
     }
+}
+
+} // namespace
+
+extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS) kvs_copy_blocks(const __grid_constant__ kvs_copy_blocks_params p) {
+    copy_blocks(p, reinterpret_cast<const kvs_layer_pair*>(p.pairs), reinterpret_cast<const int64_t*>(p.src_pages.ids),
+                reinterpret_cast<const int64_t*>(p.dst_pages.ids));
+}
+
+/*
+ * The tables are read in place from the parameter space (`__grid_constant__` makes the
+ * parameter addressable, no per-thread copy): every lane of a warp reads the same pair and ids,
+ * which the constant cache broadcasts.
+ */
+extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS)
+    kvs_copy_blocks_inline(const __grid_constant__ kvs_copy_blocks_inline_params p) {
+    const uint8_t* table = reinterpret_cast<const uint8_t*>(p.table);
+    copy_blocks(p.copy, reinterpret_cast<const kvs_layer_pair*>(table + p.copy.pairs),
+                reinterpret_cast<const int64_t*>(table + p.copy.src_pages.ids),
+                reinterpret_cast<const int64_t*>(table + p.copy.dst_pages.ids));
 }
 
 extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS) kvs_copy_ranges(const __grid_constant__ kvs_copy_ranges_params p) {

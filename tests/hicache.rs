@@ -1107,6 +1107,18 @@ impl Backend for Probe {
         self.settle(unsafe { self.inner.copy_blocks(p, launch) })
     }
 
+    unsafe fn copy_blocks_inline(
+        &self,
+        p: &abi::kvs_copy_blocks_inline_params,
+        launch: Launch,
+    ) -> kvshard::Result<()> {
+        // A block-copy launch like any other, its tables in its parameters.
+        self.enter(Call::CopyBlocks)?;
+        self.calls.lock().unwrap().launches += 1;
+        // SAFETY: the caller's contract, passed on.
+        self.settle(unsafe { self.inner.copy_blocks_inline(p, launch) })
+    }
+
     unsafe fn write_rows(
         &self,
         p: abi::kvs_write_rows_params,

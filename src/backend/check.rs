@@ -129,6 +129,35 @@ pub(crate) fn copy_blocks(p: &abi::kvs_copy_blocks_params) -> Result<()> {
     Ok(())
 }
 
+/// `kvs_copy_blocks_inline`: the header as [`copy_blocks`], and every table offset it holds 8-byte
+/// aligned with what it names (the pairs, each id list that has ids) inside the inline table,
+/// so the kernel never reads past its parameters.
+pub(crate) fn copy_blocks_inline(p: &abi::kvs_copy_blocks_inline_params) -> Result<()> {
+    let c = &p.copy;
+    copy_blocks(c)?;
+    let table = abi::KVS_COPY_INLINE_BYTES as u64;
+    let fits = |what: &str, offset: u64, count: u64, item: u64| -> Result<()> {
+        let end = count.checked_mul(item).and_then(|b| b.checked_add(offset));
+        match end {
+            Some(end) if end <= table && offset % 8 == 0 => Ok(()),
+            _ => invalid(format!(
+                "inline block copy: {what} at byte {offset}, {count} x {item} bytes, outside its {table}-byte table or unaligned"
+            )),
+        }
+    };
+    let pair = std::mem::size_of::<abi::kvs_layer_pair>() as u64;
+    fits("pair table", c.pairs, u64::from(c.num_pairs), pair)?;
+    for (side, list) in [
+        ("source ids", &c.src_pages),
+        ("destination ids", &c.dst_pages),
+    ] {
+        if list.kind != abi::KVS_INDEX_POSITION {
+            fits(side, list.ids, c.num_pages, 8)?;
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn write_rows(p: &abi::kvs_write_rows_params) -> Result<()> {
     check_shard(p.shard, p.rank)?;
     if p.num_components as usize > p.components.len() {

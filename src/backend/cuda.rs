@@ -152,6 +152,32 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Launches a block copy (`header` is its `kvs_copy_blocks_params`, status already set)
+    /// with this backend's work queue: warps take units from its counter; every launch adds
+    /// units + warps to it, and launches on this one stream see it in order (kvs_work_queue).
+    ///
+    /// # Safety
+    /// As [`Gpu::launch`].
+    unsafe fn launch_blocks<P>(
+        &self,
+        kernel: KernelFn<P>,
+        launch: Launch,
+        params: &mut P,
+        header: fn(&mut P) -> &mut abi::kvs_copy_blocks_params,
+    ) -> Result<()> {
+        let h = header(params);
+        let units = h.num_pages * u64::from(h.num_pairs);
+        let mut base = lock(&self.work_base);
+        h.work = abi::kvs_work_queue {
+            counter: self.work_counter.ptr(),
+            base: *base,
+        };
+        // SAFETY: forwarded contract; the counter is ours.
+        unsafe { self.launch(kernel, launch.ctas, launch.threads, params)? };
+        *base += units + u64::from(launch.ctas) * u64::from(launch.threads / 32);
+        Ok(())
+    }
+
     /// # Safety
     /// As [`Gpu::launch`].
     unsafe fn launch<P>(
@@ -449,19 +475,26 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         p.status = self.begin(kernels::COPY_BLOCKS)?;
-        let units = p.num_pages * u64::from(p.num_pairs);
-        // SAFETY: as above.
-        // Warps take units from this backend's work queue; every launch adds units + warps to
-        // the counter, and launches on this one stream see it in order (kvs_work_queue).
-        let mut base = lock(&self.work_base);
-        p.work = abi::kvs_work_queue {
-            counter: self.work_counter.ptr(),
-            base: *base,
-        };
-        // SAFETY: as above; the counter is ours.
-        unsafe { self.launch(kernels::COPY_BLOCKS, launch.ctas, launch.threads, &p)? };
-        *base += units + u64::from(launch.ctas) * u64::from(launch.threads / 32);
-        Ok(())
+        // SAFETY: forwarded contract.
+        unsafe { self.launch_blocks(kernels::COPY_BLOCKS, launch, &mut p, |p| p) }
+    }
+
+    unsafe fn copy_blocks_inline(
+        &self,
+        p: &abi::kvs_copy_blocks_inline_params,
+        launch: Launch,
+    ) -> Result<()> {
+        check::copy_blocks_inline(p)?;
+        launch.validate(self.max_threads(KernelFamily::Copy))?;
+        if p.copy.num_pages == 0 || p.copy.num_pairs == 0 {
+            return Ok(());
+        }
+        // The header is set in place in a copy of the caller's struct: the driver copies the
+        // parameters before cuLaunchKernel returns, so one copy per launch, on the stack.
+        let mut p = *p;
+        p.copy.status = self.begin(kernels::COPY_BLOCKS_INLINE)?;
+        // SAFETY: forwarded contract; the tables are inside `p` (checked above).
+        unsafe { self.launch_blocks(kernels::COPY_BLOCKS_INLINE, launch, &mut p, |p| &mut p.copy) }
     }
 
     unsafe fn write_rows(&self, mut p: abi::kvs_write_rows_params, launch: Launch) -> Result<()> {

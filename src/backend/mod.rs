@@ -30,7 +30,7 @@ mod usage;
 pub(crate) use crate::gpu::sync_count::count_host_sync;
 pub use crate::gpu::sync_count::{sync_counts, SyncCounts};
 pub(crate) use upload::upload_i64s_sync as upload_reused_sync;
-pub(crate) use usage::{kept, ordered, sweep};
+pub(crate) use usage::{kept, ordered, ordered_timed, sweep};
 pub use usage::{pending_frees, StreamId, Usage};
 
 use std::fmt;
@@ -461,6 +461,18 @@ pub trait Backend: Send + Sync {
     /// As [`Backend::quantize_latent`].
     unsafe fn copy_blocks(&self, p: abi::kvs_copy_blocks_params, launch: Launch) -> Result<()>;
 
+    /// `kvs_copy_blocks_inline` with the given grid: [`Backend::copy_blocks`] with the pair
+    /// table and page ids carried in `p` itself (no upload); table offsets that fall outside
+    /// it are refused with [`Error::InvalidArgument`] before anything is enqueued.
+    ///
+    /// # Safety
+    /// As [`Backend::quantize_latent`].
+    unsafe fn copy_blocks_inline(
+        &self,
+        p: &abi::kvs_copy_blocks_inline_params,
+        launch: Launch,
+    ) -> Result<()>;
+
     /// `kvs_write_rows` with the given grid.
     ///
     /// # Safety
@@ -596,6 +608,183 @@ mod tests {
             }
         }
         backends
+    }
+
+    /// One launch of each block-copy kernel over the same copy: two layer pairs of 2-row blocks
+    /// (64 bytes), source pages [3, 0, 2, 1] to destination pages [5, 7, -1, 0] of 6: entry 1
+    /// is out of range (reported, skipped) and entry 2 padding. Returns what each left in the
+    /// poisoned destination and what the synchronize said.
+    fn block_copy_twins(backend: &dyn Backend) -> Vec<(Vec<u8>, Result<()>)> {
+        let (block, src_pages, dst_pages) = (64u64, 4u64, 6u64);
+        let src = backend
+            .alloc((2 * src_pages * block) as usize, MemoryKind::Device)
+            .unwrap();
+        let dst = backend
+            .alloc((2 * dst_pages * block) as usize, MemoryKind::Device)
+            .unwrap();
+        let data: Vec<u8> = (0..src.len()).map(|i| (i * 13 + 1) as u8).collect();
+        backend.write_sync(&src, 0, &data).unwrap();
+        let pairs = [
+            (src.addr(), dst.addr(), 0u32, 0u32),
+            (
+                src.addr() + src_pages * block,
+                dst.addr() + dst_pages * block,
+                0,
+                1,
+            ),
+        ];
+        let mut table: Vec<u8> = Vec::new();
+        for (s, d, component, signal) in pairs {
+            table.extend(s.to_le_bytes());
+            table.extend(d.to_le_bytes());
+            table.extend(component.to_le_bytes());
+            table.extend(signal.to_le_bytes());
+        }
+        let src_at = table.len() as u64;
+        table.extend(i64s_to_bytes(&[3, 0, 2, 1]));
+        let dst_at = table.len() as u64;
+        table.extend(i64s_to_bytes(&[5, 7, -1, 0]));
+        let side = abi::kvs_block_side {
+            page_stride: block,
+            row_stride: block / 2,
+        };
+        let mut components = [abi::kvs_block_component::default(); 4];
+        components[0] = abi::kvs_block_component {
+            rows: 2,
+            row_bytes: (block / 2) as u32,
+            src: side,
+            dst: side,
+        };
+        let list = |ids, limit| abi::kvs_page_list {
+            ids,
+            limit,
+            kind: abi::KVS_INDEX_LOCAL,
+            ..Default::default()
+        };
+        let params = |tables: u64| abi::kvs_copy_blocks_params {
+            components,
+            pairs: tables,
+            num_pages: 4,
+            src_pages: list(tables + src_at, src_pages),
+            dst_pages: list(tables + dst_at, dst_pages),
+            num_pairs: 2,
+            num_components: 1,
+            ..Default::default()
+        };
+        let launch = Launch {
+            ctas: 2,
+            threads: 64,
+        };
+        let uploaded = backend.alloc(table.len(), MemoryKind::Device).unwrap();
+        backend.write_sync(&uploaded, 0, &table).unwrap();
+        let mut inline = abi::kvs_copy_blocks_inline_params {
+            copy: params(0),
+            ..Default::default()
+        };
+        for (word, b) in inline.table.iter_mut().zip(table.chunks_exact(8)) {
+            *word = u64::from_le_bytes(b.try_into().unwrap());
+        }
+        let mut out = Vec::new();
+        for uploaded_tables in [true, false] {
+            backend.fill(&dst, 0xEE).unwrap();
+            // SAFETY: every address is inside `src`, `dst` or the table, all alive past the
+            // synchronize below; the bad entry is skipped before its page is addressed.
+            unsafe {
+                if uploaded_tables {
+                    backend.copy_blocks(params(uploaded.addr()), launch)
+                } else {
+                    backend.copy_blocks_inline(&inline, launch)
+                }
+            }
+            .unwrap();
+            let said = backend.synchronize();
+            out.push((backend.read_sync(&dst, 0, dst.len()).unwrap(), said));
+        }
+        out
+    }
+
+    #[test]
+    fn gpu_copy_blocks_inline_moves_and_reports_what_copy_blocks_does() {
+        for backend in twins("gpu_copy_blocks_inline_moves_and_reports_what_copy_blocks_does") {
+            let runs = block_copy_twins(backend.as_ref());
+            // Entries 0 (3 -> 5) and 3 (1 -> 0) move, in both layers; the rest stays poisoned.
+            let (block, src_pages, dst_pages) = (64usize, 4usize, 6usize);
+            let data: Vec<u8> = (0..2 * src_pages * block)
+                .map(|i| (i * 13 + 1) as u8)
+                .collect();
+            let mut expect = vec![0xEE; 2 * dst_pages * block];
+            for layer in 0..2 {
+                for (s, d) in [(3, 5), (1, 0)] {
+                    let from = (layer * src_pages + s) * block;
+                    let to = (layer * dst_pages + d) * block;
+                    expect[to..to + block].copy_from_slice(&data[from..from + block]);
+                }
+            }
+            for ((bytes, said), kernel) in runs
+                .into_iter()
+                .zip(["kvs_copy_blocks", "kvs_copy_blocks_inline"])
+            {
+                assert!(
+                    bytes == expect,
+                    "{} {kernel}: the bytes differ",
+                    backend.name()
+                );
+                match said {
+                    Err(Error::KernelRejected {
+                        kernel: k,
+                        position: 1,
+                    }) if k == kernel => {}
+                    other => panic!(
+                        "{} {kernel}: entry 1 was not reported: {other:?}",
+                        backend.name()
+                    ),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn inline_table_offsets_outside_the_table_are_refused_before_anything_runs() {
+        let backend = cpu::CpuBackend::new();
+        let table = u64::from(abi::KVS_COPY_INLINE_BYTES);
+        let mut components = [abi::kvs_block_component::default(); 4];
+        components[0] = abi::kvs_block_component {
+            rows: 1,
+            row_bytes: 16,
+            ..Default::default()
+        };
+        let list = |ids| abi::kvs_page_list {
+            ids,
+            limit: 1,
+            kind: abi::KVS_INDEX_LOCAL,
+            ..Default::default()
+        };
+        let launch = Launch {
+            ctas: 1,
+            threads: 32,
+        };
+        // Pairs past the end, ids past the end, an unaligned offset.
+        for (pairs, src_ids, dst_ids) in [(table - 8, 0, 8), (0, 24, table - 8 + 1), (4, 24, 32)] {
+            let p = abi::kvs_copy_blocks_inline_params {
+                copy: abi::kvs_copy_blocks_params {
+                    components,
+                    pairs,
+                    num_pages: 1,
+                    src_pages: list(src_ids),
+                    dst_pages: list(dst_ids),
+                    num_pairs: 1,
+                    num_components: 1,
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            // SAFETY: refused before anything is enqueued (what this test checks).
+            match unsafe { backend.copy_blocks_inline(&p, launch) } {
+                Err(Error::InvalidArgument(why)) => assert!(why.contains("inline"), "{why}"),
+                other => panic!("offsets {pairs}/{src_ids}/{dst_ids} not refused: {other:?}"),
+            }
+        }
+        backend.synchronize().unwrap();
     }
 
     #[test]

@@ -151,6 +151,35 @@ pub(crate) fn ordered<T>(
     writes: &[&Usage],
     work: impl FnOnce() -> Result<T>,
 ) -> Result<T> {
+    wait_conflicts(backend, reads, writes)?;
+    // Recorded even when the work failed: part of it may be enqueued already (a program of
+    // copies cut short), and what it names must outlive that part too.
+    let out = work();
+    let recorded = record(backend, reads, writes, false);
+    let out = out?;
+    recorded?;
+    Ok(out)
+}
+
+/// [`ordered`], whose record on the usages is a timed event that is also returned: the one
+/// point of the stream that tells the caller when the work has run (a transfer's completion,
+/// its device time, what must be kept alive until then), with no event recorded for it alone.
+pub(crate) fn ordered_timed<T>(
+    backend: &dyn Backend,
+    reads: &[&Usage],
+    writes: &[&Usage],
+    work: impl FnOnce() -> Result<T>,
+) -> Result<(T, Event)> {
+    wait_conflicts(backend, reads, writes)?;
+    let out = work();
+    let recorded = record(backend, reads, writes, true);
+    let out = out?;
+    Ok((out, recorded?))
+}
+
+/// Makes `backend`'s stream wait for the earlier accesses of other streams that conflict with
+/// work reading `reads` and writing `writes`.
+fn wait_conflicts(backend: &dyn Backend, reads: &[&Usage], writes: &[&Usage]) -> Result<()> {
     let stream = backend.stream_id();
     let mut waits = Vec::new();
     for (usages, write) in [(writes, true), (reads, false)] {
@@ -163,13 +192,7 @@ pub(crate) fn ordered<T>(
             backend.wait(e)?;
         }
     }
-    // Recorded even when the work failed: part of it may be enqueued already (a program of
-    // copies cut short), and what it names must outlive that part too.
-    let out = work();
-    let recorded = record(backend, reads, writes);
-    let out = out?;
-    recorded?;
-    Ok(out)
+    Ok(())
 }
 
 /// Enqueues `work`, which reads `reads` without needing their writes first (a wait for a ready
@@ -181,17 +204,28 @@ pub(crate) fn kept<T>(
     work: impl FnOnce() -> Result<T>,
 ) -> Result<T> {
     let out = work();
-    let recorded = record(backend, reads, &[]);
+    let recorded = record(backend, reads, &[], false);
     let out = out?;
     recorded?;
     Ok(out)
 }
 
-/// Records the point `backend`'s stream has reached on every usage, as a read or a write. When
-/// the event cannot be had, the usages are marked as holding work of unknown completion.
-fn record(backend: &dyn Backend, reads: &[&Usage], writes: &[&Usage]) -> Result<()> {
+/// Records the point `backend`'s stream has reached (a timed event if `timed`) on every usage,
+/// as a read or a write, and returns it. When the event cannot be had, the usages are marked as
+/// holding work of unknown completion.
+fn record(
+    backend: &dyn Backend,
+    reads: &[&Usage],
+    writes: &[&Usage],
+    timed: bool,
+) -> Result<Event> {
     let stream = backend.stream_id();
-    let event = match backend.record() {
+    let event = if timed {
+        backend.record_timed()
+    } else {
+        backend.record()
+    };
+    let event = match event {
         Ok(event) => event,
         Err(e) => {
             for u in reads.iter().chain(writes) {
@@ -208,7 +242,7 @@ fn record(backend: &dyn Backend, reads: &[&Usage], writes: &[&Usage]) -> Result<
             lock(&u.0.accesses).record(stream, &event, false);
         }
     }
-    Ok(())
+    Ok(event)
 }
 
 /// Memory whose last handle went while work that uses it was still queued.

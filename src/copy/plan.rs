@@ -390,6 +390,26 @@ impl BlockCopyPlan {
         (bytes, src_at, dst_at)
     }
 
+    /// The launch parameters of the whole copy with its tables carried inline
+    /// (`kvs_copy_blocks_inline`: the same bytes as [`Self::tables`], at byte offsets of the
+    /// parameters' own table), or `None` when the tables take more than
+    /// [`abi::KVS_COPY_INLINE_BYTES`] and must be uploaded.
+    pub(super) fn inline_params(&self) -> Option<abi::kvs_copy_blocks_inline_params> {
+        if self.table_bytes() > abi::KVS_COPY_INLINE_BYTES as usize {
+            return None;
+        }
+        let (bytes, src_at, dst_at) = self.tables();
+        let mut table = [0u64; abi::KVS_COPY_INLINE_BYTES as usize / 8];
+        // Pairs (24 bytes) and ids (8) are whole words, little-endian as the kernel reads them.
+        for (word, b) in table.iter_mut().zip(bytes.chunks_exact(8)) {
+            *word = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+        }
+        Some(abi::kvs_copy_blocks_inline_params {
+            copy: self.params(0, (src_at, dst_at), 0..self.pairs.len(), 0..self.entries, 0),
+            table,
+        })
+    }
+
     /// The launch parameters, tables at `tables`, for pairs `pairs` and entries `entries`.
     pub(super) fn params(
         &self,

@@ -1,6 +1,7 @@
 //! Running block copies: a [`BlockCopyPlan`] uploaded to a backend ([`BlockCopy`], its tables
 //! in kvshard's own [`TableBuffer`]) and launched whole, per layer, per window of entries or
-//! signalled; and the [`TableStore`] of one-shot launches (a P/D chunk's copy, a range table).
+//! signalled; and the [`TableStore`] of one-shot launches (a P/D chunk's copy, its tables in
+//! the launch's parameters when they fit; a range table).
 //! The plan itself, plain data checked against both spaces, is built in `copy::plan`.
 //!
 //! A plan remembers the identity of the two spaces; [`BlockCopy::prepare_sync`] takes shared
@@ -15,7 +16,9 @@ use std::sync::Arc;
 use super::signals::{CounterWait, LayerSignals};
 use super::space::BlockSpace;
 use crate::abi;
-use crate::backend::{check_space, ordered, Backend, Buffer, Event, Launch, MemoryKind, Usage};
+use crate::backend::{
+    check_space, ordered, ordered_timed, Backend, Buffer, Event, Launch, MemoryKind, Usage,
+};
 use crate::error::{Error, Result};
 use crate::index::ModelLayer;
 
@@ -265,10 +268,12 @@ enum Keep {
     Table(#[allow(dead_code)] Buffer),
 }
 
-/// Reusable device memory for one-shot copies on one backend stream (a P/D chunk's block copy,
-/// a range table): each upload is stream-ordered after the launches that read the previous
-/// contents, so chunks need no synchronization between them. The store keeps the spaces of
-/// every launch, and tables it outgrew, until the stream has passed the launch.
+/// One-shot copies on one backend stream (a P/D chunk's block copy, a range table). A block
+/// copy whose tables fit the launch's parameters carries them there (no upload, no table
+/// memory); larger tables and range tables go to reusable device memory, each upload
+/// stream-ordered after the launches that read the previous contents, so chunks need no
+/// synchronization between them. The store keeps the spaces of every launch, and tables it
+/// outgrew, until the stream has passed the launch (the launch's own event says when).
 pub struct TableStore {
     backend: Arc<dyn Backend>,
     table: Option<Buffer>,
@@ -331,47 +336,65 @@ impl TableStore {
         written.map(|()| addr)
     }
 
-    /// Uploads `plan`'s tables and launches it once. `src` and `dst` must be the plan's spaces,
-    /// in the store's address space; they are kept until the launch has run.
+    /// Launches `plan` once: with its tables in the launch's parameters when they fit
+    /// (`kvs_copy_blocks_inline`: no upload, nothing in the stream before the launch), else
+    /// uploaded into the store's memory first (`kvs_copy_blocks`). `src` and `dst` must be the
+    /// plan's spaces, in the store's address space; they are kept until the launch has run.
+    ///
+    /// Returns the timed event the stream reaches once the launch has run (`None` when the plan
+    /// moves nothing): the one event recorded for the launch, which also orders other streams'
+    /// work on the spaces and tells the store when to let them go.
     pub fn launch(
         &mut self,
         plan: &BlockCopyPlan,
         src: &Arc<dyn BlockSpace>,
         dst: &Arc<dyn BlockSpace>,
         launch: Launch,
-    ) -> Result<()> {
+    ) -> Result<Option<Event>> {
         plan.check_spaces(self.backend.as_ref(), src.as_ref(), dst.as_ref())?;
         if plan.pairs.is_empty() || plan.entries == 0 {
-            return Ok(());
+            return Ok(None);
         }
         plan.check_window(plan.entries)?;
         self.collect()?;
         let mut keep = vec![Keep::Space(src.clone()), Keep::Space(dst.clone())];
-        let (bytes, src_at, dst_at) = plan.tables();
-        let tables = self.upload(&bytes, &mut keep)?;
-        let params = plan.params(
-            tables,
-            (src_at, dst_at),
-            0..plan.pairs.len(),
-            0..plan.entries,
-            0,
-        );
-        let table = self.table.as_ref().map(Buffer::usage);
-        let reads: Vec<&Usage> = [src.usage()].into_iter().chain(table).collect();
-        ordered(self.backend.as_ref(), &reads, &[dst.usage()], || {
-            // SAFETY: as in BlockCopy::launch: the spaces are the plan's, in the backend's
-            // address space, and kept alive below (and by their usages) until the stream has
-            // passed the launch; the tables were just uploaded, in stream order, into this
-            // store's memory, which a later upload rewrites only after this launch in stream
-            // order (one backend, one stream).
-            unsafe { self.backend.copy_blocks(params, launch) }
-        })?;
-        self.inflight.push_back((self.backend.record()?, keep));
-        Ok(())
+        let backend = self.backend.as_ref();
+        let ((), event) = match plan.inline_params() {
+            Some(params) => ordered_timed(backend, &[src.usage()], &[dst.usage()], || {
+                // SAFETY: as in BlockCopy::launch: the spaces are the plan's, in the backend's
+                // address space, and kept alive below (and by their usages) until the stream
+                // has passed the launch; the tables travel in the parameters, which the
+                // backend copies before returning.
+                unsafe { backend.copy_blocks_inline(&params, launch) }
+            })?,
+            None => {
+                let (bytes, src_at, dst_at) = plan.tables();
+                let tables = self.upload(&bytes, &mut keep)?;
+                let params = plan.params(
+                    tables,
+                    (src_at, dst_at),
+                    0..plan.pairs.len(),
+                    0..plan.entries,
+                    0,
+                );
+                let table = self.table.as_ref().map(Buffer::usage);
+                let reads: Vec<&Usage> = [src.usage()].into_iter().chain(table).collect();
+                let backend = self.backend.as_ref();
+                ordered_timed(backend, &reads, &[dst.usage()], || {
+                    // SAFETY: as above; the tables were just uploaded, in stream order, into
+                    // this store's memory, which a later upload rewrites only after this launch
+                    // in stream order (one backend, one stream).
+                    unsafe { backend.copy_blocks(params, launch) }
+                })?
+            }
+        };
+        self.inflight.push_back((event.clone(), keep));
+        Ok(Some(event))
     }
 
     /// Uploads `ranges` (already checked to lie inside `spaces`) and launches
-    /// `kvs_copy_ranges` over them once; `spaces` are kept until the launch has run. The only
+    /// `kvs_copy_ranges` over them once; `spaces` are kept until the launch has run. Returns
+    /// the launch's timed event, as [`TableStore::launch`] does (`None`: nothing launched). The only
     /// builder of `kvs_copy_ranges_params`: a range longer than the kernel takes
     /// ([`abi::KVS_COPY_RANGE_MAX_BYTES`]) is an [`Error::InvalidArgument`] before anything is
     /// uploaded or launched (callers cut ranges far shorter, `advanced::kernel_pieces`).
@@ -380,9 +403,9 @@ impl TableStore {
         ranges: &[abi::kvs_range],
         spaces: [&Arc<dyn BlockSpace>; 2],
         launch: Launch,
-    ) -> Result<()> {
+    ) -> Result<Option<Event>> {
         if ranges.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         if let Some((i, r)) = ranges
             .iter()
@@ -421,14 +444,14 @@ impl TableStore {
         let table = self.table.as_ref().map(Buffer::usage);
         let reads: Vec<&Usage> = table.into_iter().collect();
         let writes = [spaces[0].usage(), spaces[1].usage()];
-        ordered(self.backend.as_ref(), &reads, &writes, || {
+        let ((), event) = ordered_timed(self.backend.as_ref(), &reads, &writes, || {
             // SAFETY: the caller checked every range against the two spaces, which are kept
             // alive until the stream has passed the launch (here and by their usages); the
             // table is this store's, stream-ordered.
             unsafe { self.backend.copy_ranges(params, launch) }
         })?;
-        self.inflight.push_back((self.backend.record()?, keep));
-        Ok(())
+        self.inflight.push_back((event.clone(), keep));
+        Ok(Some(event))
     }
 
     /// Bytes of device memory the store holds for tables.
@@ -443,6 +466,76 @@ mod tests {
     use crate::backend::cpu::CpuBackend;
     use crate::copy::Staging;
     use crate::geometry::{CacheGeometry, LatentLayout, PoolGeometry};
+    use crate::index::LocalPage;
+
+    /// Pages `0..entries` of `src` to distinct, shuffled pages of `dst` (one layer, both
+    /// components: two pairs, so the tables take 48 + 16 x entries bytes); the destination
+    /// poisoned first, so bytes a launch must not touch are compared too.
+    fn boundary_copy(
+        backend: &Arc<dyn Backend>,
+        entries: usize,
+    ) -> (BlockCopyPlan, Arc<Staging>, Arc<Staging>) {
+        let geometry = CacheGeometry::target_only(PoolGeometry::new(LatentLayout::Fp8Trtllm, 1));
+        let src = Staging::new(backend.as_ref(), &geometry, entries as u64).unwrap();
+        let dst = Staging::new(backend.as_ref(), &geometry, entries as u64 + 3).unwrap();
+        let bytes: Vec<u8> = (0..src.buffer().len())
+            .map(|i| (i * 7 + i / 8191) as u8)
+            .collect();
+        backend.write_sync(src.buffer(), 0, &bytes).unwrap();
+        backend.fill(dst.buffer(), 0xA5).unwrap();
+        // Source page j lands on destination page (j * 37 + 2) mod (entries + 3), distinct.
+        let src_pages: Vec<LocalPage> = (0..entries as u64).rev().map(LocalPage).collect();
+        let dst_pages: Vec<LocalPage> = (0..entries as u64)
+            .map(|j| LocalPage((j * 37 + 2) % (entries as u64 + 3)))
+            .collect();
+        let plan = BlockCopyPlan::new(
+            &src,
+            PageSelection::Local(src_pages),
+            &dst,
+            PageSelection::Local(dst_pages),
+            entries,
+        )
+        .unwrap();
+        (plan, Arc::new(src), Arc::new(dst))
+    }
+
+    #[test]
+    fn tables_in_the_launch_move_the_bytes_of_uploaded_tables_up_to_where_they_stop_fitting() {
+        let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new());
+        let launch = Launch {
+            ctas: 3,
+            threads: 64,
+        };
+        let inline = abi::KVS_COPY_INLINE_BYTES as usize;
+        // 48 + 16 x 509 = 8192 bytes fit exactly; one entry more does not.
+        for (entries, fits) in [(1, true), (509, true), (510, false)] {
+            let (plan, src, dst) = boundary_copy(&backend, entries);
+            assert_eq!(plan.table_bytes() <= inline, fits, "{entries} entries");
+            let mut store = TableStore::new(backend.clone());
+            let (s, d): (Arc<dyn BlockSpace>, Arc<dyn BlockSpace>) = (src, dst.clone());
+            let event = store.launch(&plan, &s, &d, launch).unwrap();
+            assert!(event.is_some(), "a launch reports its event");
+            // Only the fallback allocates table memory: an inline launch uploads nothing.
+            assert_eq!(store.bytes() == 0, fits, "{entries} entries");
+            let by_store = backend
+                .read_sync(dst.buffer(), 0, dst.buffer().len())
+                .unwrap();
+
+            // The same plan through the prepared copy, whose tables are always uploaded.
+            let (plan, src, dst) = boundary_copy(&backend, entries);
+            let copy = BlockCopy::prepare(backend.as_ref(), plan, src, dst.clone(), None).unwrap();
+            copy.run(backend.as_ref(), launch).unwrap();
+            let uploaded = backend
+                .read_sync(dst.buffer(), 0, dst.buffer().len())
+                .unwrap();
+            assert!(by_store == uploaded, "{entries} entries: the bytes differ");
+            assert!(
+                uploaded.contains(&0xA5),
+                "the poison outside the copy stays"
+            );
+        }
+        backend.synchronize().unwrap();
+    }
 
     #[test]
     fn the_range_table_builder_refuses_a_range_longer_than_the_kernel_takes() {

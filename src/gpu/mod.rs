@@ -491,6 +491,7 @@ mod tests {
             (Kernel::ResolvePages, abi::KVS_RESOLVE_THREADS),
             (Kernel::ResolvePagesPow2, abi::KVS_RESOLVE_THREADS),
             (Kernel::CopyBlocks, abi::KVS_COPY_THREADS),
+            (Kernel::CopyBlocksInline, abi::KVS_COPY_THREADS),
             (Kernel::CopyRanges, abi::KVS_COPY_THREADS),
             (Kernel::WriteRows, abi::KVS_WRITE_THREADS),
         ];

@@ -129,6 +129,7 @@ kernels! {
     ScratchRows => "kvs_scratch_rows", SCRATCH_ROWS: abi::kvs_scratch_rows_params;
     ScratchTable => "kvs_scratch_table", SCRATCH_TABLE: abi::kvs_scratch_table_params;
     CopyBlocks => "kvs_copy_blocks", COPY_BLOCKS: abi::kvs_copy_blocks_params;
+    CopyBlocksInline => "kvs_copy_blocks_inline", COPY_BLOCKS_INLINE: abi::kvs_copy_blocks_inline_params;
     WriteRows => "kvs_write_rows", WRITE_ROWS: abi::kvs_write_rows_params;
     CopyRanges => "kvs_copy_ranges", COPY_RANGES: abi::kvs_copy_ranges_params;
     // cuda/bench.cu, in the fatbin only with feature `bench-kernels` (build.rs).

@@ -5,11 +5,14 @@
 //! [`BackendTransport`] executes chunks whose source and destination live in one backend
 //! address space (the same GPU, a decode pool of another process mapped into this one, or the
 //! CPU reference's arena), with one of four [`Method`]s (BENCHMARKS.md compares them):
-//! - [`Method::Kernel`] (the default): one `kvs_copy_blocks` launch per page list from page
-//!   lists (the chunk's latent KV; the final chunk adds the indexer state, in the same launch
-//!   when it covers the same pages, [`block_copies`]); owned pages of a rank
-//!   sit N apart on the decode side, so runs rarely coalesce, and page lists (16 bytes a page)
-//!   keep the per-chunk upload far below the copy itself;
+//! - [`Method::Kernel`] (the default): one block-copy launch per page list from page lists
+//!   (the chunk's latent KV; the final chunk adds the indexer state, in the same launch when it
+//!   covers the same pages, [`block_copies`]); owned pages of a rank sit N apart on the decode
+//!   side, so runs rarely coalesce. Page lists are 16 bytes a page and the pair table 24 bytes
+//!   a layer pair: up to `abi::KVS_COPY_INLINE_BYTES` (a 64-page final chunk of 62 + 62
+//!   layers: 4 KB) they travel in the launch's parameters (`kvs_copy_blocks_inline`), so a
+//!   chunk is a timed start event, the launch and its timed event, with no upload in the
+//!   stream; larger tables are uploaded first ([`TableStore::launch`]);
 //! - [`Method::RangeKernel`]: one `kvs_copy_ranges` launch over the absolute ranges of a
 //!   [`DescriptorBatch`], ranges longer than [`KERNEL_PIECE_BYTES`] split first;
 //! - [`Method::CopyEngine`]: one `memcpy_batch` call over the same ranges
@@ -407,20 +410,33 @@ impl BackendTransport {
                 _keep: Vec::new(),
             }));
         }
-        let started = backend.record_timed()?;
-        match self.method {
+        // Each method plans first and records the timed start just before its first enqueue
+        // (a plan refused records nothing); a launch's own event is the chunk's end (the
+        // store records one per launch for the usages and its keep-alive, timed), so a kernel
+        // chunk costs two event records.
+        let (started, end) = match self.method {
             Method::Kernel(launch) => {
-                for copy in block_copies(plan, src_space.as_ref(), dst_space.as_ref())? {
-                    self.store.launch(&copy, &src_space, &dst_space, launch)?;
+                let copies = block_copies(plan, src_space.as_ref(), dst_space.as_ref())?;
+                let started = backend.record_timed()?;
+                let mut end = None;
+                for copy in &copies {
+                    end = self
+                        .store
+                        .launch(copy, &src_space, &dst_space, launch)?
+                        .or(end);
                     counted.launches += 1;
                 }
+                (started, end)
             }
             Method::RangeKernel(launch) => {
                 let batch = DescriptorBatch::resolve(plan, src_space.as_ref(), dst_space.as_ref())?;
                 let pieces: Vec<_> = kernel_pieces(batch.ranges()).collect();
-                self.store
+                let started = backend.record_timed()?;
+                let end = self
+                    .store
                     .launch_ranges(&pieces, [&src_space, &dst_space], launch)?;
                 counted.launches += 1;
+                (started, end)
             }
             Method::CopyEngine => {
                 let batch = DescriptorBatch::resolve(plan, src_space.as_ref(), dst_space.as_ref())?;
@@ -431,30 +447,39 @@ impl BackendTransport {
                         "a transfer space",
                     )?;
                 }
+                let started = backend.record_timed()?;
                 let (from, to) = (src_space.usage(), dst_space.usage());
-                crate::backend::ordered(backend.as_ref(), &[from], &[to], || {
-                    // SAFETY: every range lies inside a (component, layer) buffer of the two
-                    // spaces (DescriptorBatch::resolve checked every run against their pages,
-                    // layers and blocks), which are in the backend's address space (checked
-                    // above) and kept alive by their usages and the completion until the stream
-                    // has passed the copies.
-                    unsafe { backend.memcpy_batch(batch.ranges()) }
-                })?;
+                let ((), end) =
+                    crate::backend::ordered_timed(backend.as_ref(), &[from], &[to], || {
+                        // SAFETY: every range lies inside a (component, layer) buffer of the two
+                        // spaces (DescriptorBatch::resolve checked every run against their pages,
+                        // layers and blocks), which are in the backend's address space (checked
+                        // above) and kept alive by their usages and the completion until the stream
+                        // has passed the copies.
+                        unsafe { backend.memcpy_batch(batch.ranges()) }
+                    })?;
                 // One range of the batch per descriptor of the plan.
                 counted.descriptors = batch.ranges().len() as u64;
                 counted.copy_calls = u64::from(counted.descriptors > 0);
+                (started, Some(end))
             }
             Method::PerBlock => {
+                let started = backend.record_timed()?;
                 let copies = per_block(backend.as_ref(), plan, src, dst)?;
                 counted.copy_calls = copies;
                 counted.descriptors = copies;
+                (started, None)
             }
             // Refused by the constructors; refused here too rather than trusted.
             Method::BatchedCopyEngine => return Err(unsupported(self.method)),
-        }
+        };
+        let end = match end {
+            Some(end) => end,
+            None => backend.record_timed()?,
+        };
         Ok(Box::new(StreamCompletion {
             started: Some(started),
-            event: Some(backend.record_timed()?),
+            event: Some(end),
             backend,
             _keep: vec![src_space, dst_space],
         }))

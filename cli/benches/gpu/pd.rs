@@ -6,17 +6,22 @@
 //! - `range kernel, tables pre-uploaded`: one `kvs_copy_ranges` launch per rank over its range
 //!   table, uploaded beforehand: what the GPU executes (best of a few grids);
 //! - `block kernel from page lists, Transport::submit`: `BackendTransport` with
-//!   `Method::default_for` (the grid kvshard picks): one `kvs_copy_blocks` launch per rank's
-//!   chunk (its latent KV and indexer state share the page list), page lists uploaded in
-//!   stream order;
+//!   `Method::default_for` (the grid kvshard picks): one block-copy launch per rank's chunk
+//!   (its latent KV and indexer state share the page list), its pair table and page lists in
+//!   the launch's parameters when they fit (`kvs_copy_blocks_inline`, up to
+//!   `abi::KVS_COPY_INLINE_BYTES`: a 64-page chunk's 4 KB), else uploaded in stream order;
 //! - `range kernel, Transport::submit`: the same transport with `Method::RangeKernel` and the
 //!   best grid above, each rank's range table uploaded in stream order;
 //! - `copy engine, Transport::submit`: one `cudaMemcpyBatchAsync` per rank;
 //! - `..., a stream per rank` (N > 1): the default transport with each rank on a stream of its
-//!   own, as separate prefill processes send, the harness stream waiting for all of them.
+//!   own, as separate prefill processes send, the harness stream waiting for all of them;
+//! - `..., L2 clean` (N = 1 and 8): the default transport with the harness flush read back
+//!   before every run, so the timed copy evicts clean lines instead of writing back the flush's
+//!   dirty ones ([`clean_l2`]: what that write-back costs small transfers).
 //!
 //! Transport rows time the submits only (events around them); the completions are waited for
-//! after the timing. Every row notes what each chunk needs: descriptors (coalesced, from
+//! after the timing. Their notes give the host time per `submit` (the host column is per timed
+//! call, which submits every rank's chunk). Every row notes what each chunk needs: descriptors (coalesced, from
 //! `SendPlan::descriptor_count`, and uncoalesced), launches, pieces or batch entries.
 //!
 //! The decode pool is poisoned before each variant and checked against the ranks' pools after.
@@ -36,6 +41,7 @@ use kvshard::transfer::{
     Registration, SendPlan, Transport,
 };
 use kvshard::{Error, Result};
+use kvshard_cli::measure::{EngineView, Stats};
 use kvshard_cli::synth::POISON;
 use rand::Rng;
 
@@ -90,10 +96,13 @@ struct Needs {
     all: (usize, usize),
     /// `kvs_copy_ranges` pieces (ranges cut at `KERNEL_PIECE_BYTES`) over every chunk.
     pieces: usize,
-    /// `kvs_copy_blocks` launches over every chunk, their page-list entries and table bytes.
+    /// `kvs_copy_blocks` launches over every chunk, their page-list entries and table bytes,
+    /// and the launches whose tables travel in their parameters (`kvs_copy_blocks_inline`, at
+    /// most `abi::KVS_COPY_INLINE_BYTES`: nothing uploaded).
     block_launches: usize,
     block_entries: usize,
     block_table_bytes: usize,
+    block_inline: usize,
 }
 
 impl Needs {
@@ -190,12 +199,16 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 block_launches: 0,
                 block_entries: 0,
                 block_table_bytes: 0,
+                block_inline: 0,
             };
             for (plan, pool) in plans.iter().zip(&ranks) {
                 for copy in block_copies(plan, pool.as_ref(), remote.as_ref())? {
                     needs.block_launches += 1;
                     needs.block_entries += copy.entries();
                     needs.block_table_bytes += copy.table_bytes();
+                    if copy.table_bytes() <= abi::KVS_COPY_INLINE_BYTES as usize {
+                        needs.block_inline += 1;
+                    }
                 }
             }
             let case = format!("N={n}, {pages} pages x 62+62 layers");
@@ -269,14 +282,16 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             let default = Method::default_for(backend.as_ref());
             let blocks_note = |launch: Launch, why: &str| {
                 format!(
-                    "{}; {} kvs_copy_blocks launches ({} per chunk) {}x{}{why}, {} page-list entries, {} B of tables uploaded",
+                    "{}; {} block-copy launches ({} per chunk) {}x{}{why}, {} page-list entries, {} B of tables, {} of the launches with theirs in the parameters (<= {} B, nothing uploaded)",
                     needs.descriptors(),
                     needs.block_launches,
                     needs.block_launches as f64 / n as f64,
                     launch.ctas,
                     launch.threads,
                     needs.block_entries,
-                    needs.block_table_bytes
+                    needs.block_table_bytes,
+                    needs.block_inline,
+                    abi::KVS_COPY_INLINE_BYTES
                 )
             };
             // `None`: the transport as `BackendTransport::new` makes it (Method::default_for).
@@ -338,6 +353,7 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                     }
                     Ok(())
                 })?;
+                let note = format!("{note}; {}", per_submit(stats, n));
                 for mut completion in pending {
                     completion.wait_sync()?;
                 }
@@ -352,6 +368,17 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                     name,
                 )?;
                 report.add("pd", format!("{case}, {name}"), bytes, stats, d2d, note);
+            }
+            if n == 1 || n == 8 {
+                clean_l2(
+                    ctx,
+                    report,
+                    &case,
+                    &plans,
+                    &ranks,
+                    &remote,
+                    (&src, &dst, &decode),
+                )?;
             }
             if n > 1 {
                 per_rank_streams(
@@ -430,7 +457,131 @@ fn per_rank_streams(
         bytes,
         stats,
         d2d,
-        format!("{} streams, one BackendTransport each", ranks.len()),
+        format!(
+            "{} streams, one BackendTransport each; {}",
+            ranks.len(),
+            per_submit(stats, ranks.len() as u32)
+        ),
     );
     Ok(())
+}
+
+/// Bytes of the buffer [`clean_l2`] writes and reads back: the harness flush's size.
+const CLEAN_FLUSH_BYTES: usize = 256 << 20;
+
+/// The default transport's submits timed as [`Ctx::time`] times them, except that the cache
+/// flush before every run (and before the window run) is read back after it is written. The
+/// harness flush writes 256 MB and leaves the L2 (60 MB) full of dirty lines, which the timed
+/// copy writes back as it evicts them: ~60 MB more traffic against a 64-page chunk's 360 MB
+/// (180 MB read, 180 MB written), 4% of N = 8 x 64 pages. Read back, the L2 holds clean lines.
+/// The row measures what that write-back costs the transfer: the share of the gap to the
+/// ceiling that is the flush's, not kvshard's. (A forward pass before a send leaves dirty
+/// lines too; the ordinary rows stay the figures.)
+fn clean_l2(
+    ctx: &mut Ctx,
+    report: &mut Report,
+    case: &str,
+    plans: &[SendPlan],
+    ranks: &[Arc<DevicePool>],
+    remote: &Arc<RemoteSpace>,
+    (src, dst, decode): (&[LogicalPage], &[LocalPage], &Arc<DevicePool>),
+) -> Result<()> {
+    let backend = ctx.shared();
+    let flush = backend.alloc(CLEAN_FLUSH_BYTES, MemoryKind::Device)?;
+    let sink = backend.alloc(8, MemoryKind::Device)?;
+    let clean = |run: usize| -> Result<()> {
+        backend.fill(&flush, run as u8 | 1)?;
+        // SAFETY: `flush` holds CLEAN_FLUSH_BYTES (a multiple of 16) and `sink` 8 bytes, both
+        // alive past the synchronize at the end of this function.
+        unsafe {
+            kvshard::gpu::bench::read(
+                &ctx.gpu,
+                ctx.backend.stream(),
+                flush.addr(),
+                CLEAN_FLUSH_BYTES as u64,
+                sink.addr(),
+            )
+        }
+    };
+    decode.fill(backend.as_ref(), POISON)?;
+    let mut transport = BackendTransport::new(backend.clone());
+    let mut pending: Vec<Box<dyn Completion>> = Vec::new();
+    let mut submit_all = || -> Result<()> {
+        for (plan, pool) in plans.iter().zip(ranks) {
+            pending.push(transport.submit(plan, pool, remote)?);
+        }
+        Ok(())
+    };
+    let reps = ctx.reps(20);
+    let (mut ms, mut host_us, mut windows) = (Vec::new(), Vec::new(), Vec::new());
+    // A warm-up, a window run (entry on an idle stream to completion), then the timed runs.
+    for run in 0..2 + reps {
+        clean(run)?;
+        if run == 1 {
+            backend.synchronize()?;
+            let entry = std::time::Instant::now();
+            submit_all()?;
+            host_us.push(entry.elapsed().as_secs_f64() * 1e6);
+            let done = backend.record()?;
+            backend.wait_event_sync(&done)?;
+            windows.push(entry.elapsed().as_secs_f64() * 1e3);
+            continue;
+        }
+        let start = backend.record_timed()?;
+        let entry = std::time::Instant::now();
+        submit_all()?;
+        if run > 1 {
+            host_us.push(entry.elapsed().as_secs_f64() * 1e6);
+        }
+        let end = backend.record_timed()?;
+        backend.wait_event_sync(&end)?;
+        if run > 1 {
+            ms.push(backend.elapsed_ms(&start, &end)?);
+        }
+    }
+    for mut completion in pending {
+        completion.wait_sync()?;
+    }
+    backend.synchronize()?;
+    let name = "block kernel from page lists (Method::default_for), Transport::submit, L2 clean";
+    verify(
+        backend.as_ref(),
+        &mut ctx.rng,
+        ranks,
+        src,
+        decode,
+        dst,
+        name,
+    )?;
+    let timed = Timed {
+        stats: Stats::of(ms)?,
+        view: EngineView {
+            window: Stats::of(windows)?,
+            host_us: Stats::of(host_us)?.median,
+        },
+    };
+    let bytes: u64 = plans.iter().map(|p| p.bytes().total()).sum();
+    report.add(
+        "pd",
+        format!("{case}, {name}"),
+        bytes,
+        timed,
+        ("d2d", ctx.ceilings.d2d),
+        format!(
+            "the flush read back before every run (its dirty lines written back untimed); {}",
+            per_submit(timed, plans.len() as u32)
+        ),
+    );
+    Ok(())
+}
+
+/// The host time of one `Transport::submit` (a timed call submits every rank's chunk, `n` of
+/// them) and the window per chunk: what one rank's engine sees of its own call.
+fn per_submit(timed: Timed, n: u32) -> String {
+    let n = f64::from(n.max(1));
+    format!(
+        "host {:.1} us per submit, window {:.3} ms for {n} submits",
+        timed.view.host_us / n,
+        timed.view.window.median
+    )
 }

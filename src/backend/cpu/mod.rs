@@ -503,7 +503,28 @@ impl Backend for CpuBackend {
         }
         p.status = self.begin("kvs_copy_blocks");
         self.enqueue(Op::Blocks {
-            p: Box::new(p),
+            launch: Box::new(BlockLaunch { p, inline: None }),
+            next: 0,
+        })
+    }
+
+    unsafe fn copy_blocks_inline(
+        &self,
+        p: &abi::kvs_copy_blocks_inline_params,
+        launch: Launch,
+    ) -> Result<()> {
+        check::copy_blocks_inline(p)?;
+        launch.validate(self.max_threads(KernelFamily::Copy))?;
+        if p.copy.num_pages == 0 || p.copy.num_pairs == 0 {
+            return Ok(());
+        }
+        let mut header = p.copy;
+        header.status = self.begin("kvs_copy_blocks_inline");
+        self.enqueue(Op::Blocks {
+            launch: Box::new(BlockLaunch {
+                p: header,
+                inline: Some(p.table.into()),
+            }),
             next: 0,
         })
     }

@@ -5,7 +5,6 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::abi;
 use crate::error::{Error, Result};
 
 use super::*;
@@ -17,11 +16,9 @@ pub(super) type Work = Box<dyn FnOnce(&mut Arena) -> Result<()> + Send>;
 pub(super) enum Op {
     /// Runs whole.
     Run(Work),
-    /// `kvs_copy_blocks`, run unit by unit (unit `u = k * num_pages + j`, as on the GPU).
-    Blocks {
-        p: Box<abi::kvs_copy_blocks_params>,
-        next: u64,
-    },
+    /// `kvs_copy_blocks` or `kvs_copy_blocks_inline`, run unit by unit (unit
+    /// `u = k * num_pages + j`, as on the GPU).
+    Blocks { launch: Box<BlockLaunch>, next: u64 },
     /// Waits until stream `stream` has run its first `seq` operations.
     WaitEvent { stream: usize, seq: u64 },
     /// Waits until the u32 at `addr` reaches `value` (wrapping compare).
@@ -95,10 +92,14 @@ impl Device {
         };
         let (result, rest) = match op {
             Op::Run(f) => (f(&mut self.arena), None),
-            Op::Blocks { p, next } => match copy_block_unit(&mut self.arena, &p, next) {
-                Ok(()) if next + 1 < p.num_pages * u64::from(p.num_pairs) => {
-                    (Ok(()), Some(Op::Blocks { p, next: next + 1 }))
-                }
+            Op::Blocks { launch, next } => match copy_block_unit(&mut self.arena, &launch, next) {
+                Ok(()) if next + 1 < launch.p.num_pages * u64::from(launch.p.num_pairs) => (
+                    Ok(()),
+                    Some(Op::Blocks {
+                        launch,
+                        next: next + 1,
+                    }),
+                ),
                 other => (other, None),
             },
             Op::WaitEvent { stream, seq } => (self.run_until(stream, seq), None),

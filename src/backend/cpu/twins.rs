@@ -33,31 +33,76 @@ pub(super) fn bf16s(bytes: &[u8]) -> Vec<bf16> {
         .collect()
 }
 
-/// The CPU twin of `resolve_page` in cuda/copy.cu.
+/// One `kvs_copy_blocks` or `kvs_copy_blocks_inline` launch as the twin runs it: the header,
+/// and where its pair table and page ids are read from.
+pub(super) struct BlockLaunch {
+    pub(super) p: abi::kvs_copy_blocks_params,
+    /// `None`: the header's table addresses are arena addresses (`kvs_copy_blocks`); else they
+    /// are byte offsets into these words, the launch's own table (`kvs_copy_blocks_inline`).
+    pub(super) inline: Option<Box<[u64]>>,
+}
+
+impl BlockLaunch {
+    /// The little-endian word at byte `at` of the inline table (offsets were checked by
+    /// `check::copy_blocks_inline`; an error, not a panic, if one were not).
+    fn word(table: &[u64], at: u64) -> Result<u64> {
+        usize::try_from(at / 8)
+            .ok()
+            .filter(|_| at % 8 == 0)
+            .and_then(|i| table.get(i))
+            .copied()
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("inline block-copy table read at byte {at}"))
+            })
+    }
+
+    /// Pair `k` of the table.
+    fn pair(&self, mem: &Arena, k: u64) -> Result<abi::kvs_layer_pair> {
+        let Some(table) = &self.inline else {
+            return mem.pair(self.p.pairs, k);
+        };
+        let at = self.p.pairs + 24 * k;
+        let packed = Self::word(table, at + 16)?;
+        Ok(abi::kvs_layer_pair {
+            src: Self::word(table, at)?,
+            dst: Self::word(table, at + 8)?,
+            component: packed as u32,
+            signal: (packed >> 32) as u32,
+        })
+    }
+
+    /// The CPU twin of `page_id` in cuda/copy.cu: the raw id of entry `j` of `list`.
+    fn page_id(&self, mem: &Arena, list: &abi::kvs_page_list, j: u64) -> Result<i64> {
+        if list.kind == abi::KVS_INDEX_POSITION {
+            return Ok(j as i64);
+        }
+        match &self.inline {
+            None => mem.i64_at(list.ids + 8 * j),
+            Some(table) => Self::word(table, list.ids + 8 * j).map(|w| w as i64),
+        }
+    }
+}
+
+/// The CPU twin of `resolve_page` in cuda/copy.cu: raw id `id` of entry `j` as a page.
 pub(super) fn resolve_page(
     mem: &mut Arena,
     list: &abi::kvs_page_list,
+    id: i64,
     j: u64,
     status: &abi::kvs_status,
 ) -> Result<Option<u64>> {
-    let page = if list.kind == abi::KVS_INDEX_POSITION {
-        j
-    } else {
-        let id = mem.i64_at(list.ids + 8 * j)?;
-        if id < 0 {
+    if id < 0 {
+        return Ok(None);
+    }
+    let mut page = id as u64;
+    if list.kind == abi::KVS_INDEX_LOGICAL {
+        let placement = Placement::new(list.shard)?;
+        let logical = LogicalPage(page);
+        if placement.owner(logical) != list.rank {
             return Ok(None);
         }
-        if list.kind == abi::KVS_INDEX_LOGICAL {
-            let placement = Placement::new(list.shard)?;
-            let page = LogicalPage(id as u64);
-            if placement.owner(page) != list.rank {
-                return Ok(None);
-            }
-            placement.local(page).0
-        } else {
-            id as u64
-        }
-    };
+        page = placement.local(logical).0;
+    }
     if page >= list.limit {
         report(mem, status, j)?;
         return Ok(None);
@@ -65,17 +110,16 @@ pub(super) fn resolve_page(
     Ok(Some(page))
 }
 
-/// Unit `u` of `kvs_copy_blocks`: entry `j` of pair `k`, then the pair's signal.
-pub(super) fn copy_block_unit(
-    mem: &mut Arena,
-    p: &abi::kvs_copy_blocks_params,
-    u: u64,
-) -> Result<()> {
+/// Unit `u` of a block copy: entry `j` of pair `k`, then the pair's signal.
+pub(super) fn copy_block_unit(mem: &mut Arena, launch: &BlockLaunch, u: u64) -> Result<()> {
+    let p = &launch.p;
     let k = u / p.num_pages;
     let j = u - k * p.num_pages;
-    let pair = mem.pair(p.pairs, k)?;
-    let src_page = resolve_page(mem, &p.src_pages, j, &p.status)?;
-    let dst_page = resolve_page(mem, &p.dst_pages, j, &p.status)?;
+    let pair = launch.pair(mem, k)?;
+    let src_id = launch.page_id(mem, &p.src_pages, j)?;
+    let dst_id = launch.page_id(mem, &p.dst_pages, j)?;
+    let src_page = resolve_page(mem, &p.src_pages, src_id, j, &p.status)?;
+    let dst_page = resolve_page(mem, &p.dst_pages, dst_id, j, &p.status)?;
     let component_ok = pair.component < p.num_components;
     if !component_ok && j == 0 {
         report(mem, &p.status, u)?;
