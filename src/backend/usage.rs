@@ -161,18 +161,20 @@ pub(crate) fn ordered<T>(
     Ok(out)
 }
 
-/// [`ordered`], whose record on the usages is a timed event that is also returned: the one
-/// point of the stream that tells the caller when the work has run (a transfer's completion,
-/// its device time, what must be kept alive until then), with no event recorded for it alone.
-pub(crate) fn ordered_timed<T>(
+/// [`ordered`], whose record on the usages is also returned: the one point of the stream that
+/// tells the caller when the work has run (a transfer's completion, what must be kept alive
+/// until then, and with `timed` its device time), with no event recorded for it alone. An
+/// untimed event is lighter on the stream (no timestamp between two launches).
+pub(crate) fn ordered_event<T>(
     backend: &dyn Backend,
     reads: &[&Usage],
     writes: &[&Usage],
+    timed: bool,
     work: impl FnOnce() -> Result<T>,
 ) -> Result<(T, Event)> {
     wait_conflicts(backend, reads, writes)?;
     let out = work();
-    let recorded = record(backend, reads, writes, true);
+    let recorded = record(backend, reads, writes, timed);
     let out = out?;
     Ok((out, recorded?))
 }

@@ -17,7 +17,7 @@ use super::signals::{CounterWait, LayerSignals};
 use super::space::BlockSpace;
 use crate::abi;
 use crate::backend::{
-    check_space, ordered, ordered_timed, Backend, Buffer, Event, Launch, MemoryKind, Usage,
+    check_space, ordered, ordered_event, Backend, Buffer, Event, Launch, MemoryKind, Usage,
 };
 use crate::error::{Error, Result};
 use crate::index::ModelLayer;
@@ -276,6 +276,8 @@ enum Keep {
 /// outgrew, until the stream has passed the launch (the launch's own event says when).
 pub struct TableStore {
     backend: Arc<dyn Backend>,
+    /// Whether a launch's event is timed ([`TableStore::set_timed`]).
+    timed: bool,
     table: Option<Buffer>,
     inflight: VecDeque<(Event, Vec<Keep>)>,
 }
@@ -295,6 +297,7 @@ impl TableStore {
     pub fn new(backend: Arc<dyn Backend>) -> Self {
         Self {
             backend,
+            timed: true,
             table: None,
             inflight: VecDeque::new(),
         }
@@ -303,6 +306,13 @@ impl TableStore {
     /// The backend it launches on.
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend
+    }
+
+    /// Whether the event each launch returns is timed (the default: a caller can read the
+    /// launch's device time against an earlier timed event). Untimed events are lighter on
+    /// the stream; the ordering and lifetimes they carry are the same.
+    pub fn set_timed(&mut self, timed: bool) {
+        self.timed = timed;
     }
 
     /// Drops what launches the stream has passed kept alive.
@@ -341,7 +351,8 @@ impl TableStore {
     /// uploaded into the store's memory first (`kvs_copy_blocks`). `src` and `dst` must be the
     /// plan's spaces, in the store's address space; they are kept until the launch has run.
     ///
-    /// Returns the timed event the stream reaches once the launch has run (`None` when the plan
+    /// Returns the event (timed unless [`TableStore::set_timed`] said not) the stream reaches
+    /// once the launch has run (`None` when the plan
     /// moves nothing): the one event recorded for the launch, which also orders other streams'
     /// work on the spaces and tells the store when to let them go.
     pub fn launch(
@@ -358,9 +369,9 @@ impl TableStore {
         plan.check_window(plan.entries)?;
         self.collect()?;
         let mut keep = vec![Keep::Space(src.clone()), Keep::Space(dst.clone())];
-        let backend = self.backend.as_ref();
+        let (backend, timed) = (self.backend.as_ref(), self.timed);
         let ((), event) = match plan.inline_params() {
-            Some(params) => ordered_timed(backend, &[src.usage()], &[dst.usage()], || {
+            Some(params) => ordered_event(backend, &[src.usage()], &[dst.usage()], timed, || {
                 // SAFETY: as in BlockCopy::launch: the spaces are the plan's, in the backend's
                 // address space, and kept alive below (and by their usages) until the stream
                 // has passed the launch; the tables travel in the parameters, which the
@@ -380,7 +391,7 @@ impl TableStore {
                 let table = self.table.as_ref().map(Buffer::usage);
                 let reads: Vec<&Usage> = [src.usage()].into_iter().chain(table).collect();
                 let backend = self.backend.as_ref();
-                ordered_timed(backend, &reads, &[dst.usage()], || {
+                ordered_event(backend, &reads, &[dst.usage()], timed, || {
                     // SAFETY: as above; the tables were just uploaded, in stream order, into
                     // this store's memory, which a later upload rewrites only after this launch
                     // in stream order (one backend, one stream).
@@ -444,12 +455,13 @@ impl TableStore {
         let table = self.table.as_ref().map(Buffer::usage);
         let reads: Vec<&Usage> = table.into_iter().collect();
         let writes = [spaces[0].usage(), spaces[1].usage()];
-        let ((), event) = ordered_timed(self.backend.as_ref(), &reads, &writes, || {
-            // SAFETY: the caller checked every range against the two spaces, which are kept
-            // alive until the stream has passed the launch (here and by their usages); the
-            // table is this store's, stream-ordered.
-            unsafe { self.backend.copy_ranges(params, launch) }
-        })?;
+        let ((), event) =
+            ordered_event(self.backend.as_ref(), &reads, &writes, self.timed, || {
+                // SAFETY: the caller checked every range against the two spaces, which are kept
+                // alive until the stream has passed the launch (here and by their usages); the
+                // table is this store's, stream-ordered.
+                unsafe { self.backend.copy_ranges(params, launch) }
+            })?;
         self.inflight.push_back((event.clone(), keep));
         Ok(Some(event))
     }

@@ -271,6 +271,8 @@ const ACCEPTS: &str = "Kernel, RangeKernel, CopyEngine or PerBlock";
 pub struct BackendTransport {
     store: TableStore,
     method: Method,
+    /// [`BackendTransport::set_device_timing`].
+    timing: bool,
     calls: Arc<Mutex<CallCounts>>,
     stats: TransferStats,
 }
@@ -314,6 +316,7 @@ impl BackendTransport {
         Self {
             store: TableStore::new(backend),
             method,
+            timing: true,
             calls: Arc::default(),
             stats: TransferStats::new(name),
         }
@@ -322,6 +325,17 @@ impl BackendTransport {
     /// How this transport moves bytes.
     pub fn method(&self) -> Method {
         self.method
+    }
+
+    /// Whether each chunk is timed on the device (the default): a timed event before the
+    /// chunk's first enqueue and its end event timed, so [`TransferStats`] reports the chunk's
+    /// device time. Off, a chunk records only its untimed end event (two timestamps fewer
+    /// between two chunks' launches on the stream) and the stats take the transfer time from
+    /// the host's clock when the completion is seen. Ordering, lifetimes and completion are
+    /// the same either way.
+    pub fn set_device_timing(&mut self, on: bool) {
+        self.timing = on;
+        self.store.set_timed(on);
     }
 
     /// Counters of the calls it submitted, shared: they keep counting after the transport is
@@ -389,6 +403,11 @@ impl Transport for BackendTransport {
 }
 
 impl BackendTransport {
+    /// The chunk's timed start event, when chunks are timed.
+    fn start(&self, backend: &dyn Backend) -> Result<Option<Event>> {
+        self.timing.then(|| backend.record_timed()).transpose()
+    }
+
     /// Enqueues `plan`'s copies, counting them into `counted`; what [`Transport::submit`] times
     /// and counts.
     fn enqueue(
@@ -417,7 +436,7 @@ impl BackendTransport {
         let (started, end) = match self.method {
             Method::Kernel(launch) => {
                 let copies = block_copies(plan, src_space.as_ref(), dst_space.as_ref())?;
-                let started = backend.record_timed()?;
+                let started = self.start(backend.as_ref())?;
                 let mut end = None;
                 for copy in &copies {
                     end = self
@@ -431,7 +450,7 @@ impl BackendTransport {
             Method::RangeKernel(launch) => {
                 let batch = DescriptorBatch::resolve(plan, src_space.as_ref(), dst_space.as_ref())?;
                 let pieces: Vec<_> = kernel_pieces(batch.ranges()).collect();
-                let started = backend.record_timed()?;
+                let started = self.start(backend.as_ref())?;
                 let end = self
                     .store
                     .launch_ranges(&pieces, [&src_space, &dst_space], launch)?;
@@ -447,24 +466,29 @@ impl BackendTransport {
                         "a transfer space",
                     )?;
                 }
-                let started = backend.record_timed()?;
+                let started = self.start(backend.as_ref())?;
                 let (from, to) = (src_space.usage(), dst_space.usage());
-                let ((), end) =
-                    crate::backend::ordered_timed(backend.as_ref(), &[from], &[to], || {
+                let ((), end) = crate::backend::ordered_event(
+                    backend.as_ref(),
+                    &[from],
+                    &[to],
+                    self.timing,
+                    || {
                         // SAFETY: every range lies inside a (component, layer) buffer of the two
                         // spaces (DescriptorBatch::resolve checked every run against their pages,
                         // layers and blocks), which are in the backend's address space (checked
                         // above) and kept alive by their usages and the completion until the stream
                         // has passed the copies.
                         unsafe { backend.memcpy_batch(batch.ranges()) }
-                    })?;
+                    },
+                )?;
                 // One range of the batch per descriptor of the plan.
                 counted.descriptors = batch.ranges().len() as u64;
                 counted.copy_calls = u64::from(counted.descriptors > 0);
                 (started, Some(end))
             }
             Method::PerBlock => {
-                let started = backend.record_timed()?;
+                let started = self.start(backend.as_ref())?;
                 let copies = per_block(backend.as_ref(), plan, src, dst)?;
                 counted.copy_calls = copies;
                 counted.descriptors = copies;
@@ -475,10 +499,11 @@ impl BackendTransport {
         };
         let end = match end {
             Some(end) => end,
-            None => backend.record_timed()?,
+            None if self.timing => backend.record_timed()?,
+            None => backend.record()?,
         };
         Ok(Box::new(StreamCompletion {
-            started: Some(started),
+            started,
             event: Some(end),
             backend,
             _keep: vec![src_space, dst_space],

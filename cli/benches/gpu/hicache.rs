@@ -216,7 +216,12 @@ fn same_bytes_copy(
         // run has been waited for (ctx.time returns after the last).
         unsafe { ctx.backend.memcpy(dst.addr(), src.addr(), len) }
     })?;
-    ctx.raise_ceiling(report, dir, kvshard_cli::measure::gbps(bytes, stats.min), bytes);
+    ctx.raise_ceiling(
+        report,
+        dir,
+        kvshard_cli::measure::gbps(bytes, stats.min),
+        bytes,
+    );
     report.add(
         "hicache",
         format!("{dir:?} {pages}p x 62 layers, one contiguous copy of the same bytes"),

@@ -30,7 +30,7 @@ use std::sync::Arc;
 
 use kvshard::abi;
 use kvshard::backend::cuda::CudaBackend;
-use kvshard::backend::{Backend, Launch, MemoryKind};
+use kvshard::backend::{Backend, KernelFamily, Launch, MemoryKind};
 use kvshard::copy::{BlockSpace, Method, RemoteSpace};
 use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry, PAGE_SIZE};
 use kvshard::index::{LocalPage, LogicalPage, StoredLayer};
@@ -279,6 +279,38 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 ),
             );
 
+            // What an event between two launches costs (issue 25, goal 3): the same prepared
+            // launches with an event recorded after each, as a submit records its chunk's end.
+            for timed in [false, true] {
+                let stats = ctx.time(reps, || {
+                    tables.iter().try_for_each(|(table, count)| {
+                        let p = abi::kvs_copy_ranges_params {
+                            ranges: table.addr(),
+                            num_ranges: *count,
+                            status: abi::kvs_status::default(),
+                        };
+                        // SAFETY: as for the rows above: the same tables over the same live
+                        // pools.
+                        unsafe { backend.copy_ranges(p, launch)? };
+                        if timed {
+                            backend.record_timed().map(drop)
+                        } else {
+                            backend.record().map(drop)
+                        }
+                    })
+                })?;
+                backend.synchronize()?;
+                let kind = if timed { "timed" } else { "untimed" };
+                report.add(
+                    "pd",
+                    format!("{case}, range kernel, tables pre-uploaded, an {kind} event after each launch"),
+                    bytes,
+                    stats,
+                    d2d,
+                    format!("{n} launches {}x{}, {n} {kind} event records", launch.ctas, launch.threads),
+                );
+            }
+
             let default = Method::default_for(backend.as_ref());
             let blocks_note = |launch: Launch, why: &str| {
                 format!(
@@ -296,13 +328,22 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             };
             // `None`: the transport as `BackendTransport::new` makes it (Method::default_for).
             let mut methods = vec![(
-                "block kernel from page lists (Method::default_for), Transport::submit",
+                "block kernel from page lists (Method::default_for), Transport::submit".to_string(),
                 None,
                 match default {
                     Method::Kernel(l) => blocks_note(l, " (default_for)"),
                     _ => format!("{}; {default:?}", needs.descriptors()),
                 },
+                true,
             )];
+            // The default transport with its per-chunk device timing off
+            // (`BackendTransport::set_device_timing`): two timestamps fewer per chunk.
+            methods.push((
+                "block kernel from page lists (Method::default_for), Transport::submit, device timing off".to_string(),
+                None,
+                "untimed chunk events; TransferStats from the host clock".to_string(),
+                false,
+            ));
             // The grid BENCHMARKS.md measured the block executor with (two CTAs of 512 threads
             // per SM), where it is not what `default_for` picks on this GPU.
             let per_sm = Launch {
@@ -311,13 +352,38 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             };
             if default != Method::Kernel(per_sm) {
                 methods.push((
-                    "block kernel from page lists (2 CTAs/SM), Transport::submit",
+                    "block kernel from page lists (2 CTAs/SM), Transport::submit".to_string(),
                     Some(Method::Kernel(per_sm)),
                     blocks_note(per_sm, ""),
+                    true,
                 ));
             }
+            // Other grids for the block kernel (issue 25, goal 3): does a 64-page chunk's
+            // ~95 us kernel lose its ramp and tail less with smaller or more CTAs?
+            if n != 2 {
+                let most = backend.max_threads(KernelFamily::Copy);
+                for (ctas, threads) in [(sms, 1024), (sms * 4, 256), (sms * 8, 256), (sms * 4, 512)]
+                {
+                    let shape = Launch {
+                        ctas,
+                        threads: threads.min(most),
+                    };
+                    if default == Method::Kernel(shape) || shape == per_sm {
+                        continue;
+                    }
+                    methods.push((
+                        format!(
+                            "block kernel from page lists ({ctas}x{}), Transport::submit",
+                            shape.threads
+                        ),
+                        Some(Method::Kernel(shape)),
+                        blocks_note(shape, ""),
+                        true,
+                    ));
+                }
+            }
             methods.push((
-                "range kernel, Transport::submit",
+                "range kernel, Transport::submit".to_string(),
                 Some(Method::RangeKernel(launch)),
                 format!(
                     "{}; {n} kvs_copy_ranges launches (1 per chunk) {}x{} of {} pieces, {} B of tables uploaded",
@@ -327,16 +393,18 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                     needs.pieces,
                     24 * needs.pieces
                 ),
+                true,
             ));
             methods.push((
-                "copy engine, Transport::submit",
+                "copy engine, Transport::submit".to_string(),
                 Some(Method::CopyEngine),
                 format!(
                     "{}; {n} memcpy_batch calls (1 per chunk) of {ranges} entries in all",
                     needs.descriptors()
                 ),
+                true,
             ));
-            for (name, method, note) in methods {
+            for (name, method, note, timing) in methods {
                 if method == Some(Method::CopyEngine) && ranges > 100_000 {
                     // ~2 s a repeat at the host's ~4 us per entry: measured at 512 pages.
                     continue;
@@ -346,6 +414,7 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                     None => BackendTransport::new(backend.clone()),
                     Some(method) => BackendTransport::with_method(backend.clone(), method)?,
                 };
+                transport.set_device_timing(timing);
                 let mut pending: Vec<Box<dyn Completion>> = Vec::new();
                 let stats = ctx.time(reps, || {
                     for (plan, pool) in plans.iter().zip(&ranks) {
@@ -365,7 +434,7 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                     &src,
                     &decode,
                     &dst,
-                    name,
+                    &name,
                 )?;
                 report.add("pd", format!("{case}, {name}"), bytes, stats, d2d, note);
             }
