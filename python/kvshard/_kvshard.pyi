@@ -38,6 +38,7 @@ __all__ = [
     "embedded_archs",
     "driver_present",
     "plan_capacity",
+    "_stream_handle",
     "_rust_load_ns",
     "_rust_run_signalled_ns",
     "_rust_send_ns",
@@ -151,6 +152,9 @@ def plan_capacity(
     """The capacity planner: what a CP group's GPU (L1), host (L2) and disk (L3) tiers hold, and
     how long each prefix takes to come back from each (kvshard::pool::capacity). Exactly one of
     host_bytes (per rank) and host_factor (times the GPU pool's pages)."""
+
+# The handle a stream argument names (not API: the tests of its conversions).
+def _stream_handle(stream: _StreamLike) -> int: ...
 
 # python/bench.py's native loops: the same calls as the Python API, timed in Rust (not API).
 def _rust_load_ns(

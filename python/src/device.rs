@@ -3,8 +3,18 @@
 //! A [`PyDevice`] is the CPU reference backend or one GPU. Every enqueueing call takes a stream:
 //! `None` (on a GPU, torch's current stream when the process uses torch, else the legacy
 //! default stream; on the CPU backend, the arena's first stream), a [`PyStream`], an int
-//! `CUstream` handle, or any object with a `cuda_stream` attribute (`torch.cuda.Stream`) or a
-//! `ptr` attribute (CuPy). An `after=` argument also takes events: a [`PyEvent`] or a
+//! `CUstream` handle, or any object with a `cuda_stream` attribute (`torch.cuda.Stream`), the
+//! CUDA stream protocol's `__cuda_stream__` (`(version, handle)`: cuda.core, CuPy, Numba) or a
+//! `ptr` attribute (older CuPy).
+//!
+//! Per call, a foreign stream costs one attribute read and one map lookup: its handle is read
+//! (interned attribute names, no exception on the way for the common shapes) and the backend
+//! wrapping that handle is made once per device and kept, keyed by the handle (events come from
+//! the GPU's pool). The contract this rests on: a CUDA handle names at most one live stream at a
+//! time, and a wrapper's only state is the handle and kvshard's own status words, so when the
+//! caller destroys a stream and CUDA hands the same handle to a new one, the kept wrapper
+//! enqueues on the new stream, which is right; enqueueing on a stream the caller has destroyed
+//! (and nothing replaced) is the caller's error, exactly as with the raw handle. An `after=` argument also takes events: a [`PyEvent`] or a
 //! `torch.cuda.Event` (any object with a `cuda_event` handle); see [`after_event`]. kvshard
 //! enqueues on the caller's stream and never synchronizes it behind the caller's back (the
 //! first use of a CUDA stream zeroes kvshard's two status words on it, stream-ordered, without
@@ -14,9 +24,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
+use pyo3::exceptions::PyAttributeError;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyInt, PyString, PyType};
 
 use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::cuda::CudaBackend;
@@ -193,11 +205,20 @@ impl PyDevice {
 /// imports it).
 static SYS_MODULES: PyOnceLock<Py<PyDict>> = PyOnceLock::new();
 
+/// torch's "current raw stream" getter, once torch has initialized CUDA: initialized never
+/// becomes uninitialized in a process, so after that a `None` stream costs one call into torch
+/// (`torch._C._cuda_getCurrentRawStream(ordinal)`, the int handle torch's own generated code
+/// uses; `torch.cuda.current_stream(ordinal).cuda_stream` where a torch lacks it).
+static TORCH_RAW_STREAM: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
 /// The raw handle of torch's current stream on GPU `ordinal`, when the process has loaded torch
 /// and torch has initialized CUDA. Before that torch's current stream can only be its default
 /// stream, the legacy default stream kvshard's default already is, and asking torch would
 /// initialize its CUDA state behind the engine's back.
 fn torch_current_stream(py: Python<'_>, ordinal: usize) -> PyResult<Option<usize>> {
+    if let Some(getter) = TORCH_RAW_STREAM.get(py) {
+        return getter.bind(py).call1((ordinal,))?.extract().map(Some);
+    }
     let modules = SYS_MODULES.get_or_try_init(py, || -> PyResult<Py<PyDict>> {
         Ok(py
             .import("sys")?
@@ -212,26 +233,131 @@ fn torch_current_stream(py: Python<'_>, ordinal: usize) -> PyResult<Option<usize
     if !cuda.call_method0("is_initialized")?.is_truthy()? {
         return Ok(None);
     }
-    let stream = cuda.call_method1("current_stream", (ordinal,))?;
-    Ok(Some(stream_handle(&stream)?))
+    let getter = match torch
+        .getattr("_C")
+        .and_then(|c| c.getattr("_cuda_getCurrentRawStream"))
+    {
+        Ok(raw) => raw.unbind(),
+        Err(_) => py
+            .eval(
+                c"lambda c: lambda ordinal: c.current_stream(ordinal).cuda_stream",
+                None,
+                None,
+            )?
+            .call1((cuda,))?
+            .unbind(),
+    };
+    let getter = TORCH_RAW_STREAM.get_or_init(py, || getter);
+    getter.bind(py).call1((ordinal,))?.extract().map(Some)
 }
 
-/// The raw handle of a stream object: an int, or its `cuda_stream` (torch) or `ptr` (CuPy).
-pub fn stream_handle(s: &Bound<'_, PyAny>) -> PyResult<usize> {
-    if let Ok(h) = s.extract::<usize>() {
-        return Ok(h);
-    }
-    for attr in ["cuda_stream", "ptr"] {
-        if let Ok(v) = s.getattr(attr) {
-            if let Ok(h) = v.extract::<usize>() {
-                return Ok(h);
-            }
+/// Where a stream object's handle is: torch's `cuda_stream`, the CUDA stream protocol's
+/// `__cuda_stream__` (a method or attribute giving `(version, handle)`), or `ptr` (older CuPy).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HandleAttribute {
+    CudaStream,
+    Protocol,
+    Ptr,
+}
+
+impl HandleAttribute {
+    /// In the order they are tried.
+    const ALL: [Self; 3] = [Self::CudaStream, Self::Protocol, Self::Ptr];
+
+    fn name<'py>(self, py: Python<'py>) -> &'py Bound<'py, PyString> {
+        match self {
+            Self::CudaStream => intern!(py, "cuda_stream"),
+            Self::Protocol => intern!(py, "__cuda_stream__"),
+            Self::Ptr => intern!(py, "ptr"),
         }
     }
-    Err(invalid(format!(
-        "a stream must be None, a kvshard.Stream, an int CUstream handle, or an object with a `cuda_stream` (torch) or `ptr` (CuPy) attribute; got {}",
-        s.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-    )))
+
+    /// The handle `s` gives through this attribute: None when it has no such attribute or the
+    /// value is no handle; a property's own error propagates.
+    fn read(self, s: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+        let Some(v) = attribute(s, self.name(s.py()))? else {
+            return Ok(None);
+        };
+        Ok(match self {
+            Self::Protocol => {
+                let v = if v.is_callable() { v.call0()? } else { v };
+                v.extract::<(usize, usize)>().ok().map(|(_version, h)| h)
+            }
+            Self::CudaStream | Self::Ptr => v.extract::<usize>().ok(),
+        })
+    }
+}
+
+/// Types whose handle attribute is known (up to [`KNOWN_TYPES`]; each entry holds its type, so
+/// a type's identity is never reused while it is here): the first stream of a type pays for
+/// the attributes it lacks (an exception each), later ones read the one that answered.
+static HANDLE_TYPES: Mutex<Vec<(Py<PyType>, HandleAttribute)>> = Mutex::new(Vec::new());
+const KNOWN_TYPES: usize = 16;
+
+/// The raw handle of a stream object: an int, or its `cuda_stream` (torch), `__cuda_stream__`
+/// (the CUDA stream protocol) or `ptr` (older CuPy), tried in that order. Per call it costs a
+/// type check, one lookup of the object's type among those seen, and one attribute read: ints
+/// are recognised by type, attribute names are interned, and a type's missing attributes (each
+/// a raised exception) are probed once.
+pub fn stream_handle(s: &Bound<'_, PyAny>) -> PyResult<usize> {
+    let handle = if s.is_instance_of::<PyInt>() {
+        s.extract::<usize>().ok()
+    } else {
+        let ty = s.get_type();
+        let known = lock(&HANDLE_TYPES)
+            .iter()
+            .find(|(t, _)| t.is(&ty))
+            .map(|&(_, a)| a);
+        match known {
+            // An instance may lack what its type's first instance had: probe it in full.
+            Some(a) => match a.read(s)? {
+                Some(h) => Some(h),
+                None => probe(s)?,
+            },
+            None => probe(s)?,
+        }
+    };
+    handle.ok_or_else(|| {
+        invalid(format!(
+            "a stream must be None, a kvshard.Stream, an int CUstream handle, or an object with a `cuda_stream` (torch), `__cuda_stream__` (the CUDA stream protocol: (version, handle)) or `ptr` (CuPy) attribute; got {}",
+            s.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+        ))
+    })
+}
+
+/// Every handle attribute of `s` in order; the first that answers is remembered for its type.
+fn probe(s: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+    for a in HandleAttribute::ALL {
+        if let Some(h) = a.read(s)? {
+            let mut known = lock(&HANDLE_TYPES);
+            let ty = s.get_type();
+            if known.len() < KNOWN_TYPES && !known.iter().any(|(t, _)| t.is(&ty)) {
+                known.push((ty.unbind(), a));
+            }
+            return Ok(Some(h));
+        }
+    }
+    Ok(None)
+}
+
+/// Attribute `name` of `s`, None when it has none (any other error raised by a property is the
+/// caller's and propagates).
+fn attribute<'py>(
+    s: &Bound<'py, PyAny>,
+    name: &Bound<'py, PyString>,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    match s.getattr(name) {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if e.is_instance_of::<PyAttributeError>(s.py()) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// The handle `stream_handle` reads from `stream` (not part of the public API: the tests of
+/// its conversions, which run without a GPU).
+#[pyfunction]
+pub fn _stream_handle(stream: &Bound<'_, PyAny>) -> PyResult<usize> {
+    stream_handle(stream)
 }
 
 #[pymethods]
@@ -429,7 +555,7 @@ pub fn after_event(device: &PyDevice, after: Option<&Bound<'_, PyAny>>) -> PyRes
     if let Ok(e) = a.cast::<PyEvent>() {
         return Ok(Some(e.get().event.clone()));
     }
-    if let Ok(handle) = a.getattr("cuda_event") {
+    if let Some(handle) = attribute(a, intern!(a.py(), "cuda_event"))? {
         let raw = handle.extract::<usize>().map_err(|_| {
             invalid("after: an event's `cuda_event` must be its int CUevent handle")
         })?;

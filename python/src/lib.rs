@@ -110,6 +110,7 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(embedded_archs, m)?)?;
     m.add_function(wrap_pyfunction!(driver_present, m)?)?;
     m.add_function(wrap_pyfunction!(capacity::plan_capacity, m)?)?;
+    m.add_function(wrap_pyfunction!(device::_stream_handle, m)?)?;
     m.add_function(wrap_pyfunction!(bench::_rust_load_ns, m)?)?;
     m.add_function(wrap_pyfunction!(bench::_rust_run_signalled_ns, m)?)?;
     m.add_function(wrap_pyfunction!(bench::_rust_send_ns, m)?)?;

@@ -254,3 +254,111 @@ def test_after_understands_torch_events_and_streams(fake_torch):
     assert ctl.backup(kvshard.CacheNode(2, [2]), compute) == 1
     assert [a.node for a in ctl.ack_backups(2)] == [1, 2]
     assert asked == []
+
+
+class _Counted:
+    """A stream whose handle attribute counts its reads."""
+
+    reads = 0
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    @property
+    def cuda_stream(self):
+        type(self).reads += 1
+        return self._handle
+
+
+class _Protocol:
+    """The CUDA stream protocol: `__cuda_stream__()` gives (version, handle)."""
+
+    def __init__(self, value):
+        self._value = value
+
+    def __cuda_stream__(self):
+        return self._value
+
+
+class _ProtocolAttribute:
+    """The protocol's first draft: `__cuda_stream__` an attribute, not a method."""
+
+    def __init__(self, value):
+        self.__cuda_stream__ = value
+
+
+class _Ptr:
+    """CuPy's older stream: the handle as `ptr`."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class _Both:
+    """Both torch's attribute and the protocol: torch's is read first."""
+
+    cuda_stream = 0x11
+
+    def __cuda_stream__(self):
+        raise AssertionError("the protocol is not asked when `cuda_stream` answers")
+
+
+class _Raising:
+    """A handle property that fails: its error is the caller's, not "a stream must be"."""
+
+    @property
+    def cuda_stream(self):
+        raise RuntimeError("stream destroyed")
+
+
+def test_stream_arguments_name_their_handle_in_every_shape():
+    handle = kvshard._kvshard._stream_handle
+    assert handle(0) == 0
+    assert handle(0x7F00_0000_1234) == 0x7F00_0000_1234
+    assert handle(_Counted(0x5000)) == 0x5000
+    assert handle(_Protocol((0, 0x6000))) == 0x6000
+    assert handle(_ProtocolAttribute((0, 0x6100))) == 0x6100
+    assert handle(_Ptr(0x7000)) == 0x7000
+    assert handle(_Both()) == 0x11
+    with pytest.raises(RuntimeError, match="stream destroyed"):
+        handle(_Raising())
+    # The attribute that answered is remembered per type; an instance of that type lacking it
+    # is probed in full, not refused.
+    class Mixed:
+        def __init__(self, **attrs):
+            self.__dict__.update(attrs)
+
+    assert handle(Mixed(cuda_stream=0x21)) == 0x21
+    assert handle(Mixed(ptr=0x22)) == 0x22
+    assert handle(Mixed(__cuda_stream__=(0, 0x23))) == 0x23
+    assert handle(Mixed(cuda_stream=0x24)) == 0x24
+    with pytest.raises(kvshard.InvalidArgumentError, match="a stream must be"):
+        handle(Mixed())
+    for bad in [-1, object(), _Protocol(0x6000), _Protocol((0, -5)), _Counted(None), _Ptr("x"), 1.5]:
+        with pytest.raises(kvshard.InvalidArgumentError, match="a stream must be"):
+            handle(bad)
+
+
+def test_a_foreign_stream_costs_one_handle_read_per_call():
+    """Each call reads the handle once (it is the key of the kept wrapper, and the caller may
+    point the same object at another stream): no read is repeated, none cached by identity."""
+    handle = kvshard._kvshard._stream_handle
+    s = _Counted(0x5000)
+    _Counted.reads = 0
+    for _ in range(10):
+        assert handle(s) == 0x5000
+    assert _Counted.reads == 10
+    s._handle = 0x5100
+    assert handle(s) == 0x5100
+
+
+def test_foreign_streams_of_every_shape_are_cuda_streams_to_the_cpu_device():
+    """On the CPU backend a handle of any shape is refused for what it is, before anything is
+    enqueued, and the pool is unchanged."""
+    g, d = small(), kvshard.Device.cpu()
+    pool = kvshard.DevicePool.allocate(d, g, kvshard.Placement(1), 0, PAGES)
+    pool.fill(3)
+    for s in [_Counted(0x5000), _Protocol((0, 0x6000)), _Ptr(0x7000), 0x8000]:
+        with pytest.raises(kvshard.InvalidArgumentError, match="a CUDA stream handle .* given to the CPU device"):
+            pool.fill(9, s)
+    assert pool.read_block(C.TARGET_LATENT, 0, 1) == bytes([3]) * (PAGE * 576)

@@ -246,6 +246,44 @@ def test_stream_none_is_torchs_current_stream(device):
     assert bool((x == 5).all())
 
 
+class _ProtocolStream:
+    """A stream exposing only the CUDA stream protocol (`__cuda_stream__() -> (0, handle)`),
+    here over a torch stream's handle."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self._handle)
+
+
+@pytest.mark.parametrize("shape", ["torch_stream", "cuda_stream_protocol", "int_handle", "torch_current_stream"])
+def test_repeated_calls_on_a_foreign_stream_stay_ordered_on_it(device, shape):
+    """A foreign stream is wrapped once and reused (its handle is the key): call after call on
+    the same torch stream, each fill lands after the torch write queued before it on that
+    stream, never on another stream (the sleep ahead would let it run early)."""
+    g, pages = geometry(), 8
+    t = torch_tensors(g, pages)
+    pool = wrap(device, g, kvshard.Placement(1), 0, pages, t)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    arg = {
+        "torch_stream": s,
+        "cuda_stream_protocol": _ProtocolStream(s.cuda_stream),
+        "int_handle": s.cuda_stream,
+        "torch_current_stream": None,
+    }[shape]
+    assert kvshard._kvshard._stream_handle(s) == s.cuda_stream
+    x = t[C.TARGET_LATENT][0]
+    with torch.cuda.stream(s):
+        for value in range(1, 6):
+            torch.cuda._sleep(50_000_000)
+            x.fill_(100 + value)
+            pool.fill(value, arg)
+            s.synchronize()
+            assert bool((x == value).all()), (shape, value)
+
+
 @pytest.mark.parametrize("after", ["torch_event", "torch_stream", "torch_current_stream"])
 def test_after_waits_for_torch_events_and_streams(device, after):
     """A backup after a torch event, a torch stream, or None (torch's current stream) copies
