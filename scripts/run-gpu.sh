@@ -4,6 +4,7 @@
 #   tests     every test binary with the GPU required (two-GPU tests too when two GPUs are here):
 #             the library's and the applications' (cli/: demo, pd_procs, pd_pressure, flags, nccl)
 #   sanitize  the GPU tests again under compute-sanitizer memcheck and racecheck
+#             (SANITIZE_TESTS="unit-kvshard pool ...": only those binaries)
 #   demo      kvshard demo, the basic and the pressure scenario
 #   pd        scripts/pd-gpu.sh: P/D across processes (one GPU, or two when present)
 #   pressure  kvshard pd --scenario pressure: the seed's topology, a process per rank and decode
@@ -88,6 +89,8 @@ for step in "${steps[@]}"; do
         name=$(basename "$t")
         # NCCL under the sanitizer reports its own internals; its bytes are checked by the test.
         [ "$name" = nccl ] && continue
+        # SANITIZE_TESTS="pool transfer ...": only these binaries (a session's changed kernels).
+        if [ -n "${SANITIZE_TESTS:-}" ] && ! [[ " $SANITIZE_TESTS " == *" $name "* ]]; then continue; fi
         "$t" --list 2>/dev/null | grep -q '^gpu_.*: test' || continue
         log="$out/tmp-sanitizer.log"
         if "$cs" --tool "$tool" --target-processes all --error-exitcode 99 "$t" gpu_ --test-threads=1 >"$log" 2>&1; then
