@@ -23,7 +23,8 @@
 #             scripts/stage-nixl.sh beside .gpu, or $NIXL_STAGE): the pressure
 #             scenario with its storage step (L2 -> L3 -> L2 -> L1 on the GPU, checked), and
 #             kvshard storage-bench next to fio (fio.tar.xz, when staged) in $STORAGE_DIR
-#             (default /tmp); writes storage.md
+#             (default /tmp), then its end-to-end rows (16K and 128K-token prefixes to GPU 0
+#             from storage via the host, next to from the host); writes storage.md
 # Writes to $OUT (default ./gpu-out): summary.log, tests.log, sanitizer.log, demo.log, pd.md,
 # python.md, plan.md, bench.md, bench.log and the benchmark's charts, bench-SECTION.svg. The binaries need
 # glibc >= 2.34 and load libcuda (and libnccl, found in the machine's Python packages) at run
@@ -202,9 +203,14 @@ for step in "${steps[@]}"; do
       echo '```'
       timeout 30 "$staged/kvshard" demo --scenario pressure | grep -E '^(storage|pressure)'
       echo '```'
-      timeout 30 "$staged/kvshard" storage-bench --dir "$dir" --ranks 2 --pages 128 --fio-seconds 3 "${fio_args[@]}"
+      timeout 30 "$staged/kvshard" storage-bench --dir "$dir" --ranks 2 --pages 128 --fio-seconds 3 --no-e2e "${fio_args[@]}"
+      # The end-to-end rows: 16K and 128K-token prefixes (256 and 2,048 pages, 5.5 GB at 128K)
+      # to GPU 0 from storage via the host and from the host ($STORAGE_E2E_TOKENS overrides).
+      timeout 60 "$staged/kvshard" storage-bench --dir "$dir" --e2e-only \
+        ${STORAGE_E2E_TOKENS:+--e2e-tokens "$STORAGE_E2E_TOKENS"}
     ) >"$out/storage.md" 2>&1
-    if grep -q 'byte-identical to the unsharded reference' "$out/storage.md" && grep -q '^| load' "$out/storage.md"; then r=ok; else r=FAILED; status=1; fi
+    if grep -q 'byte-identical to the unsharded reference' "$out/storage.md" && grep -q '^| load' "$out/storage.md" &&
+      grep -q '^| [0-9]*K tokens' "$out/storage.md"; then r=ok; else r=FAILED; status=1; fi
     say "storage: $r"
     ;;
   *)

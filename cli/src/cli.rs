@@ -327,6 +327,20 @@ struct StorageBenchArgs {
     /// Seconds of each fio run.
     #[arg(long, default_value_t = 5)]
     fio_seconds: u32,
+    /// Prefixes (tokens) of the end-to-end rows, reloaded to the device from storage next to
+    /// from host memory; default 16384,131072 on a GPU, 16384 on the CPU (128K tokens need
+    /// about 5.5 GB each of device, host and disk, and 5.5 GB more of host memory to check).
+    #[arg(long, value_delimiter = ',')]
+    e2e_tokens: Vec<u64>,
+    /// No end-to-end rows.
+    #[arg(long, conflicts_with = "e2e_only")]
+    no_e2e: bool,
+    /// Only the end-to-end rows (no throughput table, no fio).
+    #[arg(long)]
+    e2e_only: bool,
+    /// The end-to-end rows on the CPU backend even where a GPU is.
+    #[arg(long)]
+    cpu: bool,
 }
 
 #[cfg(feature = "nixl")]
@@ -356,13 +370,64 @@ fn storage_bench(args: &StorageBenchArgs) -> ExitCode {
         fio,
         fio_seconds: args.fio_seconds.max(1),
     };
-    match bench.run() {
+    if !args.e2e_only {
+        match bench.run() {
+            Ok(report) => say!("{report}"),
+            Err(e) => {
+                say!("storage-bench: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    if args.no_e2e {
+        return ExitCode::SUCCESS;
+    }
+    let gpu = if args.cpu { None } else { Gpu::open(0).ok() };
+    let tokens = match (args.e2e_tokens.is_empty(), gpu.is_some()) {
+        (false, _) => args.e2e_tokens.clone(),
+        (true, true) => vec![16384, 131072],
+        (true, false) => vec![16384],
+    };
+    let dir = bench
+        .dir
+        .join(format!("kvshard-storage-e2e-{}", std::process::id()));
+    let rows = |b: Arc<dyn Backend>, streams: StreamFactory<'_>| -> Result<String> {
+        let mut rows = Vec::new();
+        for &t in &tokens {
+            let _ = std::fs::remove_dir_all(&dir);
+            let row = crate::storage_e2e::prefix_row(
+                &b,
+                streams,
+                &bench.geometry,
+                t.max(1),
+                &dir,
+                args.aio,
+            );
+            let _ = std::fs::remove_dir_all(&dir);
+            rows.push(row?);
+        }
+        Ok(crate::storage_e2e::render(&rows, b.name()))
+    };
+    let result = match gpu {
+        Some(gpu) => {
+            let streams = move || -> Result<Arc<dyn Backend>> {
+                Ok(Arc::new(CudaBackend::new(gpu.clone())?))
+            };
+            streams().and_then(|b| rows(b, &streams))
+        }
+        None => {
+            let cpu = CpuBackend::new();
+            let streams = || -> Result<Arc<dyn Backend>> { Ok(Arc::new(cpu.new_stream())) };
+            rows(Arc::new(cpu.new_stream()), &streams)
+        }
+    };
+    match result {
         Ok(report) => {
             say!("{report}");
             ExitCode::SUCCESS
         }
         Err(e) => {
-            say!("storage-bench: {e}");
+            say!("storage-bench end to end: {e}");
             ExitCode::FAILURE
         }
     }
