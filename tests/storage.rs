@@ -1,6 +1,6 @@
 //! The storage tier (feature `nixl`) on NIXL's POSIX backend against a temporary directory, on
 //! the CPU: byte-identical round trips of random pages between ranks with different host
-//! layouts, LRU reclaiming, reopening, a writer killed mid-write (a child process: this test
+//! layouts, LRU reclaiming, reopening, a read-only rank, a writer killed mid-write (a child process: this test
 //! binary run again with `--exact child_entry` and `KVSHARD_STORAGE_CHILD` set), flipped bytes,
 //! and the typed errors of an unusable directory and a full disk.
 //!
@@ -216,6 +216,119 @@ fn pages_round_trip_between_ranks_byte_for_byte() {
             "page {i} after reopen"
         );
     }
+}
+
+#[test]
+fn a_read_only_rank_replays_looks_up_and_loads_but_never_writes() {
+    if !nixl_available("a_read_only_rank_replays_looks_up_and_loads_but_never_writes") {
+        return;
+    }
+    let dir = scratch("read_only");
+    let b = CpuBackend::new();
+    let read_only = |writer: u32| {
+        let mut c = config(&dir, writer, 2, 16);
+        c.read_only = true;
+        c
+    };
+    // Nothing there yet: nothing to open, and nothing is created.
+    let h1 = host(&b, HostFormat::sglang(HostLayout::PageFirst, true));
+    match DiskStore::open(h1.clone(), &b, read_only(1)) {
+        Err(Error::Storage {
+            failure: StorageFailure::Open,
+            ..
+        }) => {}
+        other => panic!("read-only open of an empty directory: {other:?}"),
+    }
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    // Rank 0 writes 6 pages; rank 1 only reads.
+    let h0 = host(&b, HostLayout::LayerFirst.into());
+    let mut s0 = DiskStore::open(h0.clone(), &b, config(&dir, 0, 2, 16)).unwrap();
+    let (keys, data) = batch(7, 0, 10);
+    let items = |from: usize, to: usize, base: u64| -> Vec<(PageKey, LocalPage)> {
+        (from..to)
+            .map(|i| (keys[i], LocalPage(base + i as u64)))
+            .collect()
+    };
+    for (i, d) in data.iter().enumerate() {
+        write_page(&h0, &b, 1 + i as u64, d);
+    }
+    s0.store_sync(&items(0, 6, 1)).unwrap();
+    let files = |d: &Path| {
+        let mut v: Vec<(String, u64)> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                (
+                    e.file_name().to_string_lossy().into_owned(),
+                    e.metadata().unwrap().len(),
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let before = files(&dir);
+    let mut r = DiskStore::open(h1.clone(), &b, read_only(1)).unwrap();
+    assert!(r.read_only());
+    // Replayed at open: its own snapshot sees rank 0's pages, and so does rank 0's.
+    let snap = r.snapshot().unwrap();
+    assert_eq!(snap.records(), &[6, 0]);
+    assert_eq!(r.lookup(&keys, &snap).unwrap(), 6);
+    assert_eq!(r.lookup(&keys, &s0.snapshot().unwrap()).unwrap(), 6);
+    let out = r.load_sync(&items(0, 6, 10)).unwrap();
+    assert!(out.iter().all(|o| *o == LoadOutcome::Loaded), "{out:?}");
+    for i in 0..6 {
+        assert!(read_page(&h1, &b, 10 + i as u64) == data[i], "page {i}");
+    }
+    // A write is a typed error, and touches nothing.
+    match r.store_sync(&items(6, 8, 1)) {
+        Err(Error::Storage {
+            failure: StorageFailure::ReadOnly,
+            ..
+        }) => {}
+        other => panic!("a store on a read-only rank: {other:?}"),
+    }
+    assert_eq!(r.used_slots(), 0);
+    // Rank 0 writes more, the reader's next snapshot (or rank 0's) brings them in.
+    s0.store_sync(&items(6, 10, 1)).unwrap();
+    let later = s0.snapshot().unwrap();
+    assert_eq!(r.lookup(&keys, &later).unwrap(), 10);
+    assert_eq!(r.snapshot().unwrap().records(), &[10, 0]);
+    // A damaged slot is a counted miss on the reader, which frees nothing (it cannot).
+    drop(s0);
+    let w0 = dir.join("w0000.slots");
+    let mut bytes = std::fs::read(&w0).unwrap();
+    let slot = r.slot_bytes() as usize;
+    bytes[2 * slot + 100] ^= 0xFF;
+    std::fs::write(&w0, &bytes).unwrap();
+    let out = r.load_sync(&items(0, 3, 10)).unwrap();
+    assert_eq!(
+        out.iter().filter(|o| **o == LoadOutcome::Corrupt).count(),
+        1,
+        "{out:?}"
+    );
+    assert_eq!(r.stats().corrupt_pages, 1);
+    drop(r);
+    // The reader created and grew nothing: only rank 0's files, which rank 0 grew.
+    let after = files(&dir);
+    assert_eq!(
+        after.iter().map(|f| &f.0).collect::<Vec<_>>(),
+        before.iter().map(|f| &f.0).collect::<Vec<_>>()
+    );
+    assert!(
+        after.iter().all(|(n, _)| n.starts_with("w0000.")),
+        "{after:?}"
+    );
+    // Another slot count than the writers': refused as a format error.
+    let mut wrong = read_only(1);
+    wrong.slots = 17;
+    assert!(matches!(
+        DiskStore::open(h1, &b, wrong),
+        Err(Error::Storage {
+            failure: StorageFailure::Format,
+            ..
+        })
+    ));
 }
 
 #[test]

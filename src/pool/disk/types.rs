@@ -29,11 +29,16 @@ pub struct DiskConfig {
     pub queue: QueueChoice,
     /// Deadline of every call that waits for I/O.
     pub timeout: Duration,
+    /// Open without write access (a rank that only reads): nothing is created, every writer's
+    /// journal is replayed at open and on each snapshot, lookups and loads are served, and a
+    /// store is a [`StorageFailure::ReadOnly`](crate::error::StorageFailure::ReadOnly) error.
+    /// `writer` is then only this rank's name; it writes nothing.
+    pub read_only: bool,
 }
 
 impl DiskConfig {
     /// Rank `writer` of `writers` in `dir`, `slots` slots each: 32 staging slots, descriptors up
-    /// to 8 MiB, io_uring (libaio where blocked), 30 s per call.
+    /// to 8 MiB, io_uring (libaio where blocked), 30 s per call, read and write.
     pub fn new(dir: impl Into<PathBuf>, writer: u32, writers: u32, slots: u64) -> Self {
         Self {
             dir: dir.into(),
@@ -44,6 +49,7 @@ impl DiskConfig {
             max_io_bytes: 8 << 20,
             queue: QueueChoice::Auto,
             timeout: Duration::from_secs(30),
+            read_only: false,
         }
     }
 }
