@@ -341,6 +341,10 @@ struct StorageBenchArgs {
     /// The end-to-end rows on the CPU backend even where a GPU is.
     #[arg(long)]
     cpu: bool,
+    /// Write each rank's new slot file once at open (zeros), so the first fill overwrites
+    /// written blocks (DiskConfig::zero_fill); the report says what the open cost.
+    #[arg(long)]
+    zero_fill: bool,
 }
 
 #[cfg(feature = "nixl")]
@@ -369,6 +373,7 @@ fn storage_bench(args: &StorageBenchArgs) -> ExitCode {
         aio: args.aio,
         fio,
         fio_seconds: args.fio_seconds.max(1),
+        zero_fill: args.zero_fill,
     };
     if !args.e2e_only {
         match bench.run() {

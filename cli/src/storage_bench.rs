@@ -52,6 +52,8 @@ pub struct StorageBench {
     pub fio: Option<PathBuf>,
     /// Seconds of each fio run.
     pub fio_seconds: u32,
+    /// Write each rank's new slot file once at open ([`DiskConfig::zero_fill`]).
+    pub zero_fill: bool,
 }
 
 /// How a fio ceiling writes its files.
@@ -112,6 +114,7 @@ impl StorageBench {
             );
         }
         let (slot_bytes, queue) = (runs[0].1, runs[0].2.clone());
+        let open_secs = runs.iter().map(|r| r.3).fold(0.0, f64::max);
         let _ = std::fs::remove_dir_all(&dir);
         let page_bytes = self.geometry.page_bytes() as f64;
         let mut out = format!(
@@ -124,6 +127,15 @@ impl StorageBench {
             self.max_io_bytes >> 20,
             self.staging_slots
         );
+        out.push_str(&format!(
+            "Slot files made (preallocated{}) in {:.2} s (the slowest rank's open).\n\n",
+            if self.zero_fill {
+                ", then written once with zeros"
+            } else {
+                ""
+            },
+            open_secs
+        ));
         let ceilings = self.ceilings(slot_bytes)?;
         out.push_str("| op | GB/s per rank | GB/s all ranks | fio GB/s (slot size) | ratio | fio GB/s (layer block) | I/Os per page | host CPU us per page | batch p50 ms | batch p99 ms |\n|---|---|---|---|---|---|---|---|---|---|\n");
         // The first fill is compared with fio's first fill (a freshly fallocated file written
@@ -171,8 +183,14 @@ impl StorageBench {
 
     /// One rank: store every page into empty slots, store as many new pages again (each one
     /// reclaiming the least recently used slot), then load those back (checked by the slots'
-    /// CRCs). Returns (first fill, steady store, load), the slot bytes and the queue.
-    fn rank(&self, r: u32, dir: &Path, barrier: &Barrier) -> Result<([RankRun; 3], u64, String)> {
+    /// CRCs). Returns (first fill, steady store, load), the slot bytes, the queue and the
+    /// seconds the store took to open.
+    fn rank(
+        &self,
+        r: u32,
+        dir: &Path,
+        barrier: &Barrier,
+    ) -> Result<([RankRun; 3], u64, String, f64)> {
         let b = CpuBackend::new();
         let host = Arc::new(HostPool::new(
             &b,
@@ -196,7 +214,10 @@ impl StorageBench {
         if self.aio {
             cfg.queue = QueueChoice::Aio;
         }
+        cfg.zero_fill = self.zero_fill;
+        let opened = Instant::now();
         let mut store = DiskStore::open(host, &b, cfg)?;
+        let open_secs = opened.elapsed().as_secs_f64();
         let ns = Namespace::new(&self.geometry, IndexerScale::Ue8m0, b"storage-bench")?;
         // Two key sets: the first fills every slot (fresh, preallocated blocks), the second
         // replaces it page by page through LRU reclaiming (the steady state of a full cache).
@@ -247,7 +268,12 @@ impl StorageBench {
                 after.read_ios - before.read_ios
             };
         }
-        Ok((runs, store.slot_bytes(), store.io_queue().to_string()))
+        Ok((
+            runs,
+            store.slot_bytes(),
+            store.io_queue().to_string(),
+            open_secs,
+        ))
     }
 
     /// fio's bandwidth (GB/s) for (write|read) x (slot|layer): `numjobs` = ranks, direct I/O.

@@ -143,9 +143,10 @@ impl DiskStore {
             .slots
             .checked_mul(layout.slot_bytes())
             .ok_or_else(|| Error::overflow(format!("{} slots", config.slots)))?;
-        if let Some(f) = &own_data {
-            preallocate(f, &data, bytes)?;
-        }
+        let fresh = match &own_data {
+            Some(f) => preallocate(f, &data, bytes)?,
+            None => false,
+        };
         let header = Header {
             writer: config.writer,
             page_bytes: layout.page_bytes(),
@@ -201,7 +202,32 @@ impl DiskStore {
                 store.catch_up(w, None)?;
             }
         }
+        if fresh && store.config.zero_fill {
+            store.zero_fill_sync()?;
+        }
         Ok(store)
+    }
+
+    /// Writes zeros over every slot of this rank's new file ([`DiskConfig::zero_fill`]), a
+    /// staging buffer's worth of coalesced descriptors at a time, then syncs it.
+    fn zero_fill_sync(&mut self) -> Result<()> {
+        let deadline = self.deadline();
+        let slot_bytes = self.layout.slot_bytes() as usize;
+        let per = 2 * self.config.staging_slots;
+        self.io.staging(0, per * slot_bytes)?.fill(0);
+        let file = self.files[self.config.writer as usize].unwrap_or_default();
+        let slots: Vec<u64> = (0..self.config.slots).collect();
+        for chunk in slots.chunks(per) {
+            let ios = self.ios(chunk, file, 0);
+            let posted = self.io.post(true, &ios)?;
+            self.io.wait_sync(posted, deadline)?;
+        }
+        let data = data_path(&self.config.dir, self.config.writer);
+        self.own_data
+            .as_ref()
+            .ok_or_else(|| read_only(&self.config.dir))?
+            .sync_data()
+            .map_err(|e| storage(&data, journal::io_failure(&e), e))
     }
 
     /// Whether `w` is this rank writing (its records are in the index from its own journal,
@@ -625,14 +651,14 @@ fn page_crc(key: &PageKey, page: &[u8]) -> u32 {
 }
 
 /// Makes `file` hold `bytes` bytes of allocated blocks, refusing (before writing anything)
-/// when the filesystem has less room than the part still to allocate.
-fn preallocate(file: &File, path: &Path, bytes: u64) -> Result<()> {
+/// when the filesystem has less room than the part still to allocate. Whether it grew the file.
+fn preallocate(file: &File, path: &Path, bytes: u64) -> Result<bool> {
     let have = file
         .metadata()
         .map_err(|e| storage(path, StorageFailure::Io, e))?
         .len();
     if have >= bytes {
-        return Ok(());
+        return Ok(false);
     }
     let dir = path.parent().unwrap_or(Path::new("."));
     let vfs = rustix::fs::statvfs(dir).map_err(|e| storage(dir, StorageFailure::Io, e))?;
@@ -645,10 +671,11 @@ fn preallocate(file: &File, path: &Path, bytes: u64) -> Result<()> {
         ));
     }
     match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, bytes) {
-        Ok(()) => Ok(()),
+        Ok(()) => Ok(true),
         // A filesystem without fallocate: a sparse file of the right length.
         Err(rustix::io::Errno::OPNOTSUPP) => file
             .set_len(bytes)
+            .map(|()| true)
             .map_err(|e| storage(path, journal::io_failure(&e), e)),
         Err(e) => {
             let _ = file.set_len(have);

@@ -34,11 +34,17 @@ pub struct DiskConfig {
     /// store is a [`StorageFailure::ReadOnly`](crate::error::StorageFailure::ReadOnly) error.
     /// `writer` is then only this rank's name; it writes nothing.
     pub read_only: bool,
+    /// Write every slot of a newly created slot file once (zeros) at open, so that the first
+    /// fill overwrites written blocks instead of converting the filesystem's unwritten extents
+    /// as it goes; open then takes the time of writing the whole file. A process killed during
+    /// it leaves a file of the full length, not written again (only the first fill's speed
+    /// depends on it).
+    pub zero_fill: bool,
 }
 
 impl DiskConfig {
     /// Rank `writer` of `writers` in `dir`, `slots` slots each: 32 staging slots, descriptors up
-    /// to 8 MiB, io_uring (libaio where blocked), 30 s per call, read and write.
+    /// to 8 MiB, io_uring (libaio where blocked), 30 s per call, read and write, no zero fill.
     pub fn new(dir: impl Into<PathBuf>, writer: u32, writers: u32, slots: u64) -> Self {
         Self {
             dir: dir.into(),
@@ -50,6 +56,7 @@ impl DiskConfig {
             queue: QueueChoice::Auto,
             timeout: Duration::from_secs(30),
             read_only: false,
+            zero_fill: false,
         }
     }
 }
