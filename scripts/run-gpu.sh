@@ -21,7 +21,9 @@
 #             here: D2D and pinned H2D on GPU 0, O_DIRECT reads in $PLAN_DISK (default $OUT)
 #   storage   the storage tier on this host's disk (NIXL POSIX from .gpu-nixl, staged by
 #             scripts/stage-nixl.sh beside .gpu, or $NIXL_STAGE): the pressure
-#             scenario with its storage step (L2 -> L3 -> L2 -> L1 on the GPU, checked), and
+#             scenario with its storage step (L2 -> L3 -> L2 -> L1 on the GPU, checked), in one
+#             process and across processes (kvshard pd --scenario pressure: a process per rank
+#             and decode, the ranks sharing the directory), and
 #             kvshard storage-bench next to fio (fio.tar.xz, when staged) in $STORAGE_DIR
 #             (default /tmp), then its end-to-end rows (16K and 128K-token prefixes to GPU 0
 #             from storage via the host, next to from the host); writes storage.md
@@ -203,6 +205,12 @@ for step in "${steps[@]}"; do
       echo '```'
       timeout 30 "$staged/kvshard" demo --scenario pressure | grep -E '^(storage|pressure)'
       echo '```'
+      # Across processes: each rank writes its own pages to the shared directory, finds the
+      # whole prefix from its own replay of the others' journals, reloads it L3 -> L2 -> L1.
+      timeout 60 "$staged/kvshard" pd --scenario pressure --markdown /tmp/storage-pd.md >/tmp/storage-pd.log 2>&1 ||
+        { echo "pd --scenario pressure FAILED:"; tail -20 /tmp/storage-pd.log; }
+      echo; echo '### pd --scenario pressure: the storage step across processes'; echo
+      grep -A6 'storage step' /tmp/storage-pd.md
       timeout 30 "$staged/kvshard" storage-bench --dir "$dir" --ranks 2 --pages 128 --fio-seconds 3 --no-e2e "${fio_args[@]}"
       # The end-to-end rows: 16K and 128K-token prefixes (256 and 2,048 pages, 5.5 GB at 128K)
       # to GPU 0 from storage via the host and from the host ($STORAGE_E2E_TOKENS overrides).
@@ -210,6 +218,7 @@ for step in "${steps[@]}"; do
         ${STORAGE_E2E_TOKENS:+--e2e-tokens "$STORAGE_E2E_TOKENS"}
     ) >"$out/storage.md" 2>&1
     if grep -q 'byte-identical to the unsharded reference' "$out/storage.md" && grep -q '^| load' "$out/storage.md" &&
+      [ "$(grep -c '^| [0-9] | reloaded L3 -> L2 .*byte-identical' "$out/storage.md")" -ge 2 ] &&
       grep -q '^| [0-9]*K tokens' "$out/storage.md"; then r=ok; else r=FAILED; status=1; fi
     say "storage: $r"
     ;;
