@@ -27,6 +27,8 @@
 #             kvshard storage-bench next to fio (fio.tar.xz, when staged) in $STORAGE_DIR
 #             (default /tmp), then its end-to-end rows (16K and 128K-token prefixes to GPU 0
 #             from storage via the host, next to from the host); writes storage.md
+#   gds       GPUDirect Storage (NIXL GDS on cuFile, compat mode) GPU 0 <-> file in $STORAGE_DIR:
+#             one descriptor and slot-size ones, checked, or exactly why it cannot run; gds.md
 # Writes to $OUT (default ./gpu-out): summary.log, tests.log, sanitizer.log, demo.log, pd.md,
 # python.md, plan.md, bench.md, bench.log and the benchmark's charts, bench-SECTION.svg. The binaries need
 # glibc >= 2.34 and load libcuda (and libnccl, found in the machine's Python packages) at run
@@ -221,6 +223,23 @@ for step in "${steps[@]}"; do
       [ "$(grep -c '^| [0-9] | reloaded L3 -> L2 .*byte-identical' "$out/storage.md")" -ge 2 ] &&
       grep -q '^| [0-9]*K tokens' "$out/storage.md"; then r=ok; else r=FAILED; status=1; fi
     say "storage: $r"
+    ;;
+  gds)
+    # GPUDirect Storage through NIXL's GDS backend (cuFile, compat mode without nvidia-fs:
+    # env.sh points CUFILE_ENV_PATH_JSON at the staged cufile.json): GPU 0 <-> a file in
+    # $STORAGE_DIR, one descriptor (cuFile's ceiling) and slot-size descriptors, 64 per request
+    # (below the 256 in flight that hang published GDS runs), checked; or exactly why not.
+    dir="${STORAGE_DIR:-/tmp}"
+    nixl_stage="${NIXL_STAGE:-$here/../.gpu-nixl}"
+    (
+      staged="$here"
+      # shellcheck disable=SC1091
+      [ -f "$nixl_stage/env.sh" ] && . "$nixl_stage/env.sh"
+      timeout 80 "$staged/kvshard" storage-bench --dir "$dir" --gds-only
+      echo '```'; tail -20 "${CUFILE_LOGFILE_PATH:-/tmp/kvshard-cufile.log}" 2>/dev/null; echo '```'
+    ) >"$out/gds.md" 2>&1
+    if grep -q '^| one of' "$out/gds.md"; then r=ok; else r="NOT MEASURED ($(grep -m1 'GDS not measured' "$out/gds.md"))"; fi
+    say "gds: $r"
     ;;
   *)
     say "unknown step $step"

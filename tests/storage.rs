@@ -277,8 +277,8 @@ fn a_read_only_rank_replays_looks_up_and_loads_but_never_writes() {
     assert_eq!(r.lookup(&keys, &s0.snapshot().unwrap()).unwrap(), 6);
     let out = r.load_sync(&items(0, 6, 10)).unwrap();
     assert!(out.iter().all(|o| *o == LoadOutcome::Loaded), "{out:?}");
-    for i in 0..6 {
-        assert!(read_page(&h1, &b, 10 + i as u64) == data[i], "page {i}");
+    for (i, d) in data.iter().enumerate().take(6) {
+        assert!(read_page(&h1, &b, 10 + i as u64) == *d, "page {i}");
     }
     // A write is a typed error, and touches nothing.
     match r.store_sync(&items(6, 8, 1)) {
@@ -736,5 +736,48 @@ fn the_controller_writes_through_to_storage_and_prefetches_back() {
         let owns = placement.owner(LogicalPage(10)) == c.device().rank();
         assert_eq!(ack[0].complete, !owns, "{ack:?}");
         assert_eq!(c.host_pages(ghost.id).is_some(), !owns);
+    }
+}
+
+/// GDS (NIXL's GDS backend on cuFile) says exactly what it lacks before anything moves: here,
+/// usually libcufile or libcudart off the library path, or no GPU; a host buffer or a
+/// descriptor size that does not divide the buffer is refused up front.
+#[test]
+fn gds_says_what_it_lacks_and_refuses_bad_arguments() {
+    if !nixl_available("gds_says_what_it_lacks_and_refuses_bad_arguments") {
+        return;
+    }
+    use kvshard::backend::MemoryKind;
+    use kvshard::pool::disk::gds;
+    match gds::probe() {
+        Ok(()) => eprintln!("GDS: every prerequisite is here"),
+        Err(Error::Storage {
+            failure: StorageFailure::Register,
+            reason,
+            ..
+        }) => {
+            assert!(
+                [
+                    "libplugin_GDS",
+                    "libcuda.so.1",
+                    "libcufile.so.0",
+                    "libcudart.so.13",
+                    "cuFileDriverOpen"
+                ]
+                .iter()
+                .any(|w| reason.contains(w)),
+                "{reason}"
+            );
+            eprintln!("GDS unavailable here: {reason}");
+        }
+        Err(e) => panic!("GDS probe: {e}"),
+    }
+    let b = CpuBackend::new();
+    let dir = scratch("gds");
+    let host = b.alloc(1 << 20, MemoryKind::PinnedHost).unwrap();
+    let device = b.alloc(1 << 20, MemoryKind::Device).unwrap();
+    for (buffer, io) in [(&host, 1 << 16), (&device, 3 << 12), (&device, 0)] {
+        let e = gds::ceiling_sync(&b, buffer, 0, &dir, io, 64, Duration::from_secs(5));
+        assert!(matches!(e, Err(Error::InvalidArgument(_))), "{e:?}");
     }
 }

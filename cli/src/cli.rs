@@ -345,6 +345,19 @@ struct StorageBenchArgs {
     /// written blocks (DiskConfig::zero_fill); the report says what the open cost.
     #[arg(long)]
     zero_fill: bool,
+    /// Also measure GPUDirect Storage on GPU 0 (NIXL's GDS backend, cuFile): one descriptor
+    /// and slot-size descriptors, VRAM <-> file, checked; says why where it cannot run.
+    #[arg(long)]
+    gds: bool,
+    /// Only the GDS measurement.
+    #[arg(long, conflicts_with_all = ["e2e_only", "no_e2e"])]
+    gds_only: bool,
+    /// Slot-size descriptors the GDS measurement moves (384: about 1 GB).
+    #[arg(long, default_value_t = 384)]
+    gds_descriptors: u64,
+    /// GDS descriptors per request (at most 128: published runs hang GDS at 256 in flight).
+    #[arg(long, default_value_t = 64)]
+    gds_in_flight: usize,
 }
 
 #[cfg(feature = "nixl")]
@@ -375,7 +388,7 @@ fn storage_bench(args: &StorageBenchArgs) -> ExitCode {
         fio_seconds: args.fio_seconds.max(1),
         zero_fill: args.zero_fill,
     };
-    if !args.e2e_only {
+    if !args.e2e_only && !args.gds_only {
         match bench.run() {
             Ok(report) => say!("{report}"),
             Err(e) => {
@@ -384,10 +397,26 @@ fn storage_bench(args: &StorageBenchArgs) -> ExitCode {
             }
         }
     }
-    if args.no_e2e {
+    let gpu = if args.cpu { None } else { Gpu::open(0).ok() };
+    if args.gds || args.gds_only {
+        let report = match &gpu {
+            Some(gpu) => match CudaBackend::new(gpu.clone()) {
+                Ok(b) => crate::storage_e2e::gds_report(
+                    &b,
+                    &bench.geometry,
+                    &bench.dir,
+                    args.gds_descriptors,
+                    args.gds_in_flight,
+                ),
+                Err(e) => format!("\n## GDS\n\nGDS not measured: {e}\n"),
+            },
+            None => "\n## GDS\n\nGDS not measured: no GPU (GDS moves device memory)\n".into(),
+        };
+        say!("{report}");
+    }
+    if args.no_e2e || args.gds_only {
         return ExitCode::SUCCESS;
     }
-    let gpu = if args.cpu { None } else { Gpu::open(0).ok() };
     let tokens = match (args.e2e_tokens.is_empty(), gpu.is_some()) {
         (false, _) => args.e2e_tokens.clone(),
         (true, true) => vec![16384, 131072],

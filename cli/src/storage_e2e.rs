@@ -249,3 +249,53 @@ pub fn render(rows: &[E2eRow], backend: &str) -> String {
     }
     out
 }
+
+/// `storage-bench --gds`: GPUDirect Storage on GPU 0 through NIXL's GDS backend
+/// ([`kvshard::pool::disk::gds`]), `descriptors` slot-size descriptors of the geometry's slot
+/// (rounded up to 4 KiB) at once, `in_flight` per request; the report says exactly why where
+/// GDS cannot run, and that the tier's loads then go through the host (the rows above).
+pub fn gds_report(
+    b: &dyn Backend,
+    g: &CacheGeometry,
+    dir: &Path,
+    descriptors: u64,
+    in_flight: usize,
+) -> String {
+    let io_bytes = (g.page_bytes() as u64).div_ceil(4096) * 4096;
+    let bytes = io_bytes * descriptors.max(1);
+    let measured = usize::try_from(bytes)
+        .map_err(|_| crate::overflow("GDS bytes"))
+        .and_then(|len| b.alloc(len, kvshard::backend::MemoryKind::Device))
+        .and_then(|vram| {
+            kvshard::pool::disk::gds::ceiling_sync(
+                b,
+                &vram,
+                0,
+                dir,
+                io_bytes,
+                in_flight,
+                Duration::from_secs(60),
+            )
+        });
+    let mut out = String::from("\n## GDS: GPU 0 <-> file through NIXL's GDS backend (cuFile)\n\n");
+    match measured {
+        Ok(c) => {
+            out.push_str(&format!(
+                "NIXL backend {}, {:.2} GB each way, checked byte for byte after each read.\n\n| descriptors | write GB/s (VRAM -> file) | read GB/s (file -> VRAM) |\n|---|---|---|\n| one of {:.2} GB (cuFile's ceiling for these bytes) | {:.2} | {:.2} |\n| {} B (a slot), {} per request | {:.2} | {:.2} |\n",
+                c.backend,
+                c.bytes as f64 / 1e9,
+                c.bytes as f64 / 1e9,
+                c.one_write_gbps,
+                c.one_read_gbps,
+                c.io_bytes,
+                c.in_flight,
+                c.many_write_gbps,
+                c.many_read_gbps
+            ));
+        }
+        Err(e) => out.push_str(&format!(
+            "GDS not measured: {e}\nThe storage tier's loads go through the host instead (NIXL POSIX into host staging, then L2 -> L1: the end-to-end rows).\n"
+        )),
+    }
+    out
+}

@@ -36,6 +36,7 @@
 //!   [`StorageFailure`](crate::error::StorageFailure)): disk full, a file or directory that
 //!   cannot be opened, a NIXL registration refused; the host and device pools are untouched.
 
+pub mod gds;
 mod index;
 mod io;
 mod journal;
