@@ -294,7 +294,12 @@ impl DiskStore {
             self.tails[wi] = Tail::open(&journal::path(&self.config.dir, w), expected)?;
         }
         if let Some(tail) = self.tails[wi].as_mut() {
-            for r in tail.read_new(limit)? {
+            let (restarted, records) = tail.read_new(limit)?;
+            if restarted {
+                // The writer compacted its journal: its entries come again from the new file.
+                self.index.forget(w);
+            }
+            for r in records {
                 self.index.apply(w, r);
             }
         }
@@ -510,7 +515,34 @@ impl DiskStore {
         for c in commits {
             self.index.apply(own, c);
         }
+        if self
+            .journal
+            .as_ref()
+            .is_some_and(|j| j.records() > self.config.journal_records)
+        {
+            self.compact_journal_sync()?;
+        }
         Ok(())
+    }
+
+    /// Rewrites this rank's journal from its live index (the module docs of `journal.rs` tell
+    /// how, crash-safe); done by stores once the journal holds more than
+    /// [`DiskConfig::journal_records`] records. Every position keeps its meaning, so snapshots
+    /// and the other ranks' replays stay valid. A read-only store refuses
+    /// ([`StorageFailure::ReadOnly`]).
+    pub fn compact_journal_sync(&mut self) -> Result<()> {
+        let total = self.index.replayed()[self.config.writer as usize];
+        let records = journal::compacted(&self.index.live_own(), total);
+        let dir = self.config.dir.clone();
+        self.journal
+            .as_mut()
+            .ok_or_else(|| read_only(&dir))?
+            .compact_sync(&records)
+    }
+
+    /// Records in this rank's journal file (`None` read-only).
+    pub fn journal_records(&self) -> Option<u64> {
+        self.journal.as_ref().map(|j| j.records())
     }
 
     /// Loads the pages `items` (key, host page) into the host pool from whichever rank wrote

@@ -40,11 +40,14 @@ pub struct DiskConfig {
     /// it leaves a file of the full length, not written again (only the first fill's speed
     /// depends on it).
     pub zero_fill: bool,
+    /// Records this rank's journal may hold before a store compacts it (keeping only its live
+    /// pages' commits, positions unchanged: `DiskStore::compact_journal_sync`).
+    pub journal_records: u64,
 }
 
 impl DiskConfig {
     /// Rank `writer` of `writers` in `dir`, `slots` slots each: 32 staging slots, descriptors up
-    /// to 8 MiB, io_uring (libaio where blocked), 30 s per call, read and write, no zero fill.
+    /// to 8 MiB, io_uring (libaio where blocked), 30 s per call, read and write, no zero fill, the journal compacted past 4 records per slot (+ 1,024).
     pub fn new(dir: impl Into<PathBuf>, writer: u32, writers: u32, slots: u64) -> Self {
         Self {
             dir: dir.into(),
@@ -57,6 +60,7 @@ impl DiskConfig {
             timeout: Duration::from_secs(30),
             read_only: false,
             zero_fill: false,
+            journal_records: slots.saturating_mul(4).saturating_add(1024),
         }
     }
 }
