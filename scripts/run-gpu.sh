@@ -29,9 +29,14 @@
 #             here: D2D and pinned H2D on GPU 0, O_DIRECT reads in $PLAN_DISK (default $OUT)
 #   storage   the storage tier on this host's disk (NIXL POSIX from .gpu-nixl, staged by
 #             scripts/stage-nixl.sh beside .gpu, or $NIXL_STAGE): the pressure
-#             scenario with its storage step (L2 -> L3 -> L2 -> L1 on the GPU, checked), and
+#             scenario with its storage step (L2 -> L3 -> L2 -> L1 on the GPU, checked), in one
+#             process and across processes (kvshard pd --scenario pressure: a process per rank
+#             and decode, the ranks sharing the directory), and
 #             kvshard storage-bench next to fio (fio.tar.xz, when staged) in $STORAGE_DIR
-#             (default /tmp); writes storage.md
+#             (default /tmp), then its end-to-end rows (16K and 128K-token prefixes to GPU 0
+#             from storage via the host, next to from the host); writes storage.md
+#   gds       GPUDirect Storage (NIXL GDS on cuFile, compat mode) GPU 0 <-> file in $STORAGE_DIR:
+#             one descriptor and slot-size ones, checked, or exactly why it cannot run; gds.md
 # Writes to $OUT (default ./gpu-out): summary.log, tests.log, sanitizer.log, demo.log, pd.md,
 # python.md, plan.md, bench.md, bench.log and the benchmark's charts, bench-SECTION.svg. The binaries need
 # glibc >= 2.34 and load libcuda (and libnccl, found in the machine's Python packages) at run
@@ -238,10 +243,39 @@ for step in "${steps[@]}"; do
       echo '```'
       timeout 30 "$staged/kvshard" demo --scenario pressure | grep -E '^(storage|pressure)'
       echo '```'
-      timeout 30 "$staged/kvshard" storage-bench --dir "$dir" --ranks 2 --pages 128 --fio-seconds 3 "${fio_args[@]}"
+      # Across processes: each rank writes its own pages to the shared directory, finds the
+      # whole prefix from its own replay of the others' journals, reloads it L3 -> L2 -> L1.
+      timeout 60 "$staged/kvshard" pd --scenario pressure --markdown /tmp/storage-pd.md >/tmp/storage-pd.log 2>&1 ||
+        { echo "pd --scenario pressure FAILED:"; tail -20 /tmp/storage-pd.log; }
+      echo; echo '### pd --scenario pressure: the storage step across processes'; echo
+      grep -A6 'storage step' /tmp/storage-pd.md
+      timeout 30 "$staged/kvshard" storage-bench --dir "$dir" --ranks 2 --pages 128 --fio-seconds 3 --no-e2e "${fio_args[@]}"
+      # The end-to-end rows: 16K and 128K-token prefixes (256 and 2,048 pages, 5.5 GB at 128K)
+      # to GPU 0 from storage via the host and from the host ($STORAGE_E2E_TOKENS overrides).
+      timeout 60 "$staged/kvshard" storage-bench --dir "$dir" --e2e-only \
+        ${STORAGE_E2E_TOKENS:+--e2e-tokens "$STORAGE_E2E_TOKENS"}
     ) >"$out/storage.md" 2>&1
-    if grep -q 'byte-identical to the unsharded reference' "$out/storage.md" && grep -q '^| load' "$out/storage.md"; then r=ok; else r=FAILED; status=1; fi
+    if grep -q 'byte-identical to the unsharded reference' "$out/storage.md" && grep -q '^| load' "$out/storage.md" &&
+      [ "$(grep -c '^| [0-9] | reloaded L3 -> L2 .*byte-identical' "$out/storage.md")" -ge 2 ] &&
+      grep -q '^| [0-9]*K tokens' "$out/storage.md"; then r=ok; else r=FAILED; status=1; fi
     say "storage: $r"
+    ;;
+  gds)
+    # GPUDirect Storage through NIXL's GDS backend (cuFile, compat mode without nvidia-fs:
+    # env.sh points CUFILE_ENV_PATH_JSON at the staged cufile.json): GPU 0 <-> a file in
+    # $STORAGE_DIR, one descriptor (cuFile's ceiling) and slot-size descriptors, 64 per request
+    # (below the 256 in flight that hang published GDS runs), checked; or exactly why not.
+    dir="${STORAGE_DIR:-/tmp}"
+    nixl_stage="${NIXL_STAGE:-$here/../.gpu-nixl}"
+    (
+      staged="$here"
+      # shellcheck disable=SC1091
+      [ -f "$nixl_stage/env.sh" ] && . "$nixl_stage/env.sh"
+      timeout 80 "$staged/kvshard" storage-bench --dir "$dir" --gds-only
+      echo '```'; tail -20 "${CUFILE_LOGFILE_PATH:-/tmp/kvshard-cufile.log}" 2>/dev/null; echo '```'
+    ) >"$out/gds.md" 2>&1
+    if grep -q '^| one of' "$out/gds.md"; then r=ok; else r="NOT MEASURED ($(grep -m1 'GDS not measured' "$out/gds.md"))"; fi
+    say "gds: $r"
     ;;
   *)
     say "unknown step $step"

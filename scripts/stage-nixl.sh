@@ -4,9 +4,14 @@
 #   OUTDIR/nixl-test   the tests/nixl.rs binary (release, kernels required, feature nixl), stripped
 #   OUTDIR/lib         libnixl_capi.so and every library it and the UCX plugin load (stripped)
 #   OUTDIR/ucx         UCX's transport modules of one host (CUDA copy and IPC, CMA; no InfiniBand)
-#   OUTDIR/plugins     NIXL's UCX plugin, and its POSIX plugin (the storage tier's backend)
-#   OUTDIR/env.sh      sets LD_LIBRARY_PATH, NIXL_PLUGIN_DIR and UCX_MODULE_DIR from its folder
-# About 35 MB: under the device tool's 64 MiB carry limit (the wheel's full 139 MB is not).
+#   OUTDIR/plugins     NIXL's UCX plugin, its POSIX plugin (the storage tier's backend) and its
+#                      GDS and GDS_MT plugins (GPUDirect Storage through cuFile)
+#   OUTDIR/lib         also libcufile.so.0 (PyPI's nvidia-cufile wheel: NIXL does not bundle it)
+#                      and libcudart.so.13, which the GDS plugins load
+#   OUTDIR/cufile.json cuFile's settings: compat mode allowed (no nvidia-fs module needed)
+#   OUTDIR/env.sh      sets LD_LIBRARY_PATH, NIXL_PLUGIN_DIR and UCX_MODULE_DIR from its folder,
+#                      and CUFILE_ENV_PATH_JSON (unless set) and CUFILE_LOGFILE_PATH
+# About 40 MB: under the device tool's 64 MiB carry limit (the wheel's full 139 MB is not).
 # The libraries need the driver's libcuda (and libnvidia-ml for UCX's CUDA modules) on the host.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +39,29 @@ for m in "${modules[@]}"; do cp "$wheel/ucx/$m" "$out/ucx/"; done
 cp "$wheel/nixl/libplugin_UCX.so" "$out/plugins/"
 # The storage tier's backend (liburing and libaio bundled beside it in the wheel).
 cp "$wheel/nixl/libplugin_POSIX.so" "$out/plugins/"
+# GPUDirect Storage: NIXL's GDS plugins, libcufile from its PyPI wheel (downloaded once into
+# the cache), the CUDA 13 runtime they load.
+cp "$wheel/nixl/libplugin_GDS.so" "$wheel/nixl/libplugin_GDS_MT.so" "$out/plugins/"
+cufile_cache="${HOME}/.cache/kvshard/cufile"
+cufile_whl="$(ls "$cufile_cache"/nvidia_cufile-1.19.1.55-*.whl 2>/dev/null | head -1 || true)"
+if [ -z "$cufile_whl" ]; then
+  python3 -m pip download -q nvidia-cufile==1.19.1.55 --no-deps -d "$cufile_cache" >&2
+  cufile_whl="$(ls "$cufile_cache"/nvidia_cufile-1.19.1.55-*.whl | head -1)"
+fi
+python3 - "$cufile_whl" "$out/lib" <<'PY'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    name = next(n for n in z.namelist() if n.endswith("/libcufile.so.0"))
+    with open(sys.argv[2] + "/libcufile.so.0", "wb") as f:
+        f.write(z.read(name))
+PY
+cp "$(find "$CUDA_HOME" -name 'libcudart.so.13' | head -1)" "$out/lib/"
+cat >"$out/cufile.json" <<'JSON'
+{
+  "logging": { "level": "ERROR" },
+  "properties": { "allow_compat_mode": true }
+}
+JSON
 cp "$nixl/libnixl_capi.so" "$out/lib/"
 # Every library the C API, the plugin and the modules load from the wheel (not the system's).
 for f in "$nixl/libnixl_capi.so" "$out"/plugins/*.so "$out"/ucx/*.so*; do
@@ -49,6 +77,9 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export NIXL_PLUGIN_DIR="$here/plugins"
 export UCX_MODULE_DIR="$here/ucx"
+# cuFile: compat mode allowed (hosts without the nvidia-fs module), its log out of the way.
+export CUFILE_ENV_PATH_JSON="${CUFILE_ENV_PATH_JSON:-$here/cufile.json}"
+export CUFILE_LOGFILE_PATH="${CUFILE_LOGFILE_PATH:-/tmp/kvshard-cufile.log}"
 EOF
 du -sh "$out" >&2
 echo "$out"

@@ -1,6 +1,7 @@
 //! The storage tier (feature `nixl`) on NIXL's POSIX backend against a temporary directory, on
 //! the CPU: byte-identical round trips of random pages between ranks with different host
-//! layouts, LRU reclaiming, reopening, a writer killed mid-write (a child process: this test
+//! layouts, LRU reclaiming, reopening, a read-only rank, journal compaction (and a writer
+//! killed while compacting), a writer killed mid-write (a child process: this test
 //! binary run again with `--exact child_entry` and `KVSHARD_STORAGE_CHILD` set), flipped bytes,
 //! and the typed errors of an unusable directory and a full disk.
 //!
@@ -216,6 +217,119 @@ fn pages_round_trip_between_ranks_byte_for_byte() {
             "page {i} after reopen"
         );
     }
+}
+
+#[test]
+fn a_read_only_rank_replays_looks_up_and_loads_but_never_writes() {
+    if !nixl_available("a_read_only_rank_replays_looks_up_and_loads_but_never_writes") {
+        return;
+    }
+    let dir = scratch("read_only");
+    let b = CpuBackend::new();
+    let read_only = |writer: u32| {
+        let mut c = config(&dir, writer, 2, 16);
+        c.read_only = true;
+        c
+    };
+    // Nothing there yet: nothing to open, and nothing is created.
+    let h1 = host(&b, HostFormat::sglang(HostLayout::PageFirst, true));
+    match DiskStore::open(h1.clone(), &b, read_only(1)) {
+        Err(Error::Storage {
+            failure: StorageFailure::Open,
+            ..
+        }) => {}
+        other => panic!("read-only open of an empty directory: {other:?}"),
+    }
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    // Rank 0 writes 6 pages; rank 1 only reads.
+    let h0 = host(&b, HostLayout::LayerFirst.into());
+    let mut s0 = DiskStore::open(h0.clone(), &b, config(&dir, 0, 2, 16)).unwrap();
+    let (keys, data) = batch(7, 0, 10);
+    let items = |from: usize, to: usize, base: u64| -> Vec<(PageKey, LocalPage)> {
+        (from..to)
+            .map(|i| (keys[i], LocalPage(base + i as u64)))
+            .collect()
+    };
+    for (i, d) in data.iter().enumerate() {
+        write_page(&h0, &b, 1 + i as u64, d);
+    }
+    s0.store_sync(&items(0, 6, 1)).unwrap();
+    let files = |d: &Path| {
+        let mut v: Vec<(String, u64)> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                (
+                    e.file_name().to_string_lossy().into_owned(),
+                    e.metadata().unwrap().len(),
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let before = files(&dir);
+    let mut r = DiskStore::open(h1.clone(), &b, read_only(1)).unwrap();
+    assert!(r.read_only());
+    // Replayed at open: its own snapshot sees rank 0's pages, and so does rank 0's.
+    let snap = r.snapshot().unwrap();
+    assert_eq!(snap.records(), &[6, 0]);
+    assert_eq!(r.lookup(&keys, &snap).unwrap(), 6);
+    assert_eq!(r.lookup(&keys, &s0.snapshot().unwrap()).unwrap(), 6);
+    let out = r.load_sync(&items(0, 6, 10)).unwrap();
+    assert!(out.iter().all(|o| *o == LoadOutcome::Loaded), "{out:?}");
+    for (i, d) in data.iter().enumerate().take(6) {
+        assert!(read_page(&h1, &b, 10 + i as u64) == *d, "page {i}");
+    }
+    // A write is a typed error, and touches nothing.
+    match r.store_sync(&items(6, 8, 1)) {
+        Err(Error::Storage {
+            failure: StorageFailure::ReadOnly,
+            ..
+        }) => {}
+        other => panic!("a store on a read-only rank: {other:?}"),
+    }
+    assert_eq!(r.used_slots(), 0);
+    // Rank 0 writes more, the reader's next snapshot (or rank 0's) brings them in.
+    s0.store_sync(&items(6, 10, 1)).unwrap();
+    let later = s0.snapshot().unwrap();
+    assert_eq!(r.lookup(&keys, &later).unwrap(), 10);
+    assert_eq!(r.snapshot().unwrap().records(), &[10, 0]);
+    // A damaged slot is a counted miss on the reader, which frees nothing (it cannot).
+    drop(s0);
+    let w0 = dir.join("w0000.slots");
+    let mut bytes = std::fs::read(&w0).unwrap();
+    let slot = r.slot_bytes() as usize;
+    bytes[2 * slot + 100] ^= 0xFF;
+    std::fs::write(&w0, &bytes).unwrap();
+    let out = r.load_sync(&items(0, 3, 10)).unwrap();
+    assert_eq!(
+        out.iter().filter(|o| **o == LoadOutcome::Corrupt).count(),
+        1,
+        "{out:?}"
+    );
+    assert_eq!(r.stats().corrupt_pages, 1);
+    drop(r);
+    // The reader created and grew nothing: only rank 0's files, which rank 0 grew.
+    let after = files(&dir);
+    assert_eq!(
+        after.iter().map(|f| &f.0).collect::<Vec<_>>(),
+        before.iter().map(|f| &f.0).collect::<Vec<_>>()
+    );
+    assert!(
+        after.iter().all(|(n, _)| n.starts_with("w0000.")),
+        "{after:?}"
+    );
+    // Another slot count than the writers': refused as a format error.
+    let mut wrong = read_only(1);
+    wrong.slots = 17;
+    assert!(matches!(
+        DiskStore::open(h1, &b, wrong),
+        Err(Error::Storage {
+            failure: StorageFailure::Format,
+            ..
+        })
+    ));
 }
 
 #[test]
@@ -473,9 +587,165 @@ fn writer(dir: &Path) {
 #[test]
 fn child_entry() {
     if let (Ok(role), Some(dir)) = (std::env::var(CHILD), std::env::var_os(DIR)) {
-        assert_eq!(role, "writer");
-        writer(Path::new(&dir));
+        match role.as_str() {
+            "writer" => writer(Path::new(&dir)),
+            "compactor" => compactor(Path::new(&dir)),
+            other => panic!("no child role {other}"),
+        }
     }
+}
+
+/// Slots of the compaction tests' writer, and its batches (of [`COMPACT_PAGES`] pages):
+/// the first two fill the file, each later one reclaims as many slots (a `Free` and a
+/// `Commit` record per page).
+const COMPACT_SLOTS: u64 = 8;
+const COMPACT_PAGES: usize = 4;
+const COMPACT_BATCHES: u64 = 6;
+
+/// Stores the compaction tests' batches on `s` from host `h`.
+fn store_compact_batches(
+    s: &mut DiskStore,
+    h: &HostPool,
+    b: &CpuBackend,
+    batches: std::ops::Range<u64>,
+) {
+    for n in batches {
+        let (keys, data) = batch(6, n, COMPACT_PAGES);
+        for (i, d) in data.iter().enumerate() {
+            write_page(h, b, 1 + i as u64, d);
+        }
+        let items: Vec<_> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| (*k, LocalPage(1 + i as u64)))
+            .collect();
+        assert_eq!(s.store_sync(&items).unwrap().written, COMPACT_PAGES);
+    }
+}
+
+/// Checks a store of the compaction tests' writer: every position is there (`positions`), the
+/// last two batches are present and load byte for byte, the others are not.
+fn check_compacted(s: &mut DiskStore, h: &HostPool, b: &CpuBackend, positions: u64) {
+    let snap = s.snapshot().unwrap();
+    assert_eq!(snap.records()[0], positions);
+    for n in 0..COMPACT_BATCHES {
+        let (keys, data) = batch(6, n, COMPACT_PAGES);
+        let live = n + 2 >= COMPACT_BATCHES;
+        assert_eq!(
+            s.exists(&keys, &snap).unwrap(),
+            vec![live; COMPACT_PAGES],
+            "batch {n}"
+        );
+        if live {
+            let items: Vec<_> = keys
+                .iter()
+                .enumerate()
+                .map(|(i, k)| (*k, LocalPage(1 + i as u64)))
+                .collect();
+            poison(h, b);
+            let out = s.load_sync(&items).unwrap();
+            assert!(out.iter().all(|o| *o == LoadOutcome::Loaded), "{out:?}");
+            for (i, d) in data.iter().enumerate() {
+                assert!(read_page(h, b, 1 + i as u64) == *d, "batch {n} page {i}");
+            }
+        }
+    }
+}
+
+/// Positions the compaction tests' writer's journal holds after every batch.
+const COMPACT_POSITIONS: u64 =
+    2 * COMPACT_PAGES as u64 + (COMPACT_BATCHES - 2) * 2 * COMPACT_PAGES as u64;
+
+/// The compaction crash test's child: stores every batch, says so, then compacts its journal
+/// again and again until killed.
+fn compactor(dir: &Path) {
+    let b = CpuBackend::new();
+    let h = host(&b, HostLayout::LayerFirst.into());
+    let mut s = DiskStore::open(h.clone(), &b, config(dir, 0, 1, COMPACT_SLOTS)).unwrap();
+    store_compact_batches(&mut s, &h, &b, 0..COMPACT_BATCHES);
+    std::fs::write(dir.join("stored"), b"").unwrap();
+    loop {
+        s.compact_journal_sync().unwrap();
+    }
+}
+
+#[test]
+fn journals_compact_past_their_bound_and_every_rank_still_agrees() {
+    if !nixl_available("journals_compact_past_their_bound_and_every_rank_still_agrees") {
+        return;
+    }
+    let dir = scratch("compact");
+    let b = CpuBackend::new();
+    let (h0, h1) = (
+        host(&b, HostLayout::LayerFirst.into()),
+        host(&b, HostFormat::sglang(HostLayout::PageFirst, true)),
+    );
+    let mut c0 = config(&dir, 0, 2, COMPACT_SLOTS);
+    c0.journal_records = 20;
+    let mut s0 = DiskStore::open(h0.clone(), &b, c0.clone()).unwrap();
+    let mut s1 = DiskStore::open(h1.clone(), &b, config(&dir, 1, 2, COMPACT_SLOTS)).unwrap();
+    store_compact_batches(&mut s0, &h0, &b, 0..2);
+    // Rank 1 replays the uncompacted journal: a snapshot before any compaction.
+    let early = s1.snapshot().unwrap();
+    assert_eq!(early.records(), &[8, 0]);
+    let (first, _) = batch(6, 0, COMPACT_PAGES);
+    assert_eq!(s1.lookup(&first, &early).unwrap(), COMPACT_PAGES);
+    // Four more batches: 8 records each, compacted whenever past 20.
+    let mut shrank = false;
+    for n in 2..COMPACT_BATCHES {
+        let before = s0.journal_records().unwrap();
+        store_compact_batches(&mut s0, &h0, &b, n..n + 1);
+        shrank |= s0.journal_records().unwrap() < before;
+        assert!(s0.journal_records().unwrap() <= 20, "{n}");
+    }
+    assert!(shrank, "the journal was never compacted");
+    assert!(!dir.join("w0000.journal.compact").exists());
+    // Rank 1 goes on from where it was, in the compacted file: the same positions.
+    let snap = s0.snapshot().unwrap();
+    assert_eq!(snap.records(), &[COMPACT_POSITIONS, 0]);
+    assert_eq!(s1.snapshot().unwrap(), snap);
+    check_compacted(&mut s1, &h1, &b, COMPACT_POSITIONS);
+    // A rank opening now (read-only) reads only the compacted journal, and agrees.
+    let mut ro = config(&dir, 1, 2, COMPACT_SLOTS);
+    ro.read_only = true;
+    let mut r = DiskStore::open(h1.clone(), &b, ro).unwrap();
+    check_compacted(&mut r, &h1, &b, COMPACT_POSITIONS);
+    // So does the writer, reopened.
+    drop(s0);
+    let mut s0 = DiskStore::open(h0.clone(), &b, c0).unwrap();
+    check_compacted(&mut s0, &h0, &b, COMPACT_POSITIONS);
+}
+
+#[test]
+fn a_writer_killed_while_compacting_keeps_every_page() {
+    if !nixl_available("a_writer_killed_while_compacting_keeps_every_page") {
+        return;
+    }
+    let dir = scratch("compact_crash");
+    let marker = dir.join("stored");
+    let mut child = Command::new(std::env::current_exe().expect("test binary path"))
+        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env(CHILD, "compactor")
+        .env(DIR, &dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn the compactor");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !marker.exists() {
+        assert!(Instant::now() < deadline, "the compactor never stored");
+        assert!(child.try_wait().unwrap().is_none(), "the compactor exited");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Kill it wherever it is in its compactions (writing, syncing, renaming).
+    std::thread::sleep(Duration::from_millis(rand::rng().random_range(1..40u64)));
+    child.kill().expect("kill the compactor");
+    child.wait().expect("reap the compactor");
+    let b = CpuBackend::new();
+    let h = host(&b, HostLayout::PageFirst.into());
+    let mut s = DiskStore::open(h.clone(), &b, config(&dir, 0, 1, COMPACT_SLOTS)).unwrap();
+    assert!(!dir.join("w0000.journal.compact").exists());
+    check_compacted(&mut s, &h, &b, COMPACT_POSITIONS);
 }
 
 /// The L3 stage of the HiCache controller on two ranks: write-through once the host backup is
@@ -623,5 +893,48 @@ fn the_controller_writes_through_to_storage_and_prefetches_back() {
         let owns = placement.owner(LogicalPage(10)) == c.device().rank();
         assert_eq!(ack[0].complete, !owns, "{ack:?}");
         assert_eq!(c.host_pages(ghost.id).is_some(), !owns);
+    }
+}
+
+/// GDS (NIXL's GDS backend on cuFile) says exactly what it lacks before anything moves: here,
+/// usually libcufile or libcudart off the library path, or no GPU; a host buffer or a
+/// descriptor size that does not divide the buffer is refused up front.
+#[test]
+fn gds_says_what_it_lacks_and_refuses_bad_arguments() {
+    if !nixl_available("gds_says_what_it_lacks_and_refuses_bad_arguments") {
+        return;
+    }
+    use kvshard::backend::MemoryKind;
+    use kvshard::pool::disk::gds;
+    match gds::probe() {
+        Ok(()) => eprintln!("GDS: every prerequisite is here"),
+        Err(Error::Storage {
+            failure: StorageFailure::Register,
+            reason,
+            ..
+        }) => {
+            assert!(
+                [
+                    "libplugin_GDS",
+                    "libcuda.so.1",
+                    "libcufile.so.0",
+                    "libcudart.so.13",
+                    "cuFileDriverOpen"
+                ]
+                .iter()
+                .any(|w| reason.contains(w)),
+                "{reason}"
+            );
+            eprintln!("GDS unavailable here: {reason}");
+        }
+        Err(e) => panic!("GDS probe: {e}"),
+    }
+    let b = CpuBackend::new();
+    let dir = scratch("gds");
+    let host = b.alloc(1 << 20, MemoryKind::PinnedHost).unwrap();
+    let device = b.alloc(1 << 20, MemoryKind::Device).unwrap();
+    for (buffer, io) in [(&host, 1 << 16), (&device, 3 << 12), (&device, 0)] {
+        let e = gds::ceiling_sync(&b, buffer, 0, &dir, io, 64, Duration::from_secs(5));
+        assert!(matches!(e, Err(Error::InvalidArgument(_))), "{e:?}");
     }
 }

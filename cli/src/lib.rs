@@ -17,6 +17,8 @@
 //!   (`cargo bench -p kvshard-cli --bench gpu`);
 //! - `storage_bench` (feature `nixl`): `kvshard storage-bench`, the storage tier next to a
 //!   same-run fio ceiling;
+//! - `storage_e2e` (feature `nixl`): its end-to-end rows, a prefix reloaded to the device from
+//!   storage next to the same prefix from host memory;
 //! - [`synth`]: seeded synthetic data.
 #![warn(missing_docs)]
 
@@ -28,6 +30,8 @@ pub mod plan;
 pub mod scenario;
 #[cfg(feature = "nixl")]
 pub mod storage_bench;
+#[cfg(feature = "nixl")]
+pub mod storage_e2e;
 pub mod synth;
 
 /// An [`kvshard::Error::Overflow`] naming `what`: a size computed from the flags that does not

@@ -11,7 +11,10 @@
 //! (the rank thread's, from `CLOCK_THREAD_CPUTIME_ID`: packing, checksums, posting and
 //! reaping), and the p50 / p99 of one batch's time. The ceiling is `fio` with `direct=1`,
 //! io_uring (libaio when io_uring is refused), `numjobs` = ranks, iodepth 32, at the slot size
-//! and at the per-layer block size, reading and writing.
+//! and at the per-layer block size, reading and writing (over and over, time-based: after its
+//! first pass fio overwrites blocks it wrote), plus the first-fill ceiling: fio writing every
+//! slot-size block of freshly fallocated files once, as the store's first fill writes its
+//! freshly preallocated file (the filesystem converting unwritten extents in both).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -49,6 +52,17 @@ pub struct StorageBench {
     pub fio: Option<PathBuf>,
     /// Seconds of each fio run.
     pub fio_seconds: u32,
+    /// Write each rank's new slot file once at open ([`DiskConfig::zero_fill`]).
+    pub zero_fill: bool,
+}
+
+/// How a fio ceiling writes its files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    /// For the whole run, over and over (after the first pass, overwriting blocks it wrote).
+    Repeated,
+    /// Every block of freshly fallocated files once.
+    FirstFill,
 }
 
 /// One rank's figures for one operation.
@@ -100,6 +114,7 @@ impl StorageBench {
             );
         }
         let (slot_bytes, queue) = (runs[0].1, runs[0].2.clone());
+        let open_secs = runs.iter().map(|r| r.3).fold(0.0, f64::max);
         let _ = std::fs::remove_dir_all(&dir);
         let page_bytes = self.geometry.page_bytes() as f64;
         let mut out = format!(
@@ -112,10 +127,22 @@ impl StorageBench {
             self.max_io_bytes >> 20,
             self.staging_slots
         );
+        out.push_str(&format!(
+            "Slot files made (preallocated{}) in {:.2} s (the slowest rank's open).\n\n",
+            if self.zero_fill {
+                ", then written once with zeros"
+            } else {
+                ""
+            },
+            open_secs
+        ));
         let ceilings = self.ceilings(slot_bytes)?;
         out.push_str("| op | GB/s per rank | GB/s all ranks | fio GB/s (slot size) | ratio | fio GB/s (layer block) | I/Os per page | host CPU us per page | batch p50 ms | batch p99 ms |\n|---|---|---|---|---|---|---|---|---|---|\n");
+        // The first fill is compared with fio's first fill (a freshly fallocated file written
+        // once), the others with fio overwriting its own blocks.
         let ops = [
-            ("store (first fill)", 0usize, "write"),
+            ("store (first fill) / fio first fill", 0usize, "first-fill"),
+            ("store (first fill) / fio overwrite", 0, "write"),
             ("store (full: LRU reuse)", 1, "write"),
             ("load", 2, "read"),
         ];
@@ -156,8 +183,14 @@ impl StorageBench {
 
     /// One rank: store every page into empty slots, store as many new pages again (each one
     /// reclaiming the least recently used slot), then load those back (checked by the slots'
-    /// CRCs). Returns (first fill, steady store, load), the slot bytes and the queue.
-    fn rank(&self, r: u32, dir: &Path, barrier: &Barrier) -> Result<([RankRun; 3], u64, String)> {
+    /// CRCs). Returns (first fill, steady store, load), the slot bytes, the queue and the
+    /// seconds the store took to open.
+    fn rank(
+        &self,
+        r: u32,
+        dir: &Path,
+        barrier: &Barrier,
+    ) -> Result<([RankRun; 3], u64, String, f64)> {
         let b = CpuBackend::new();
         let host = Arc::new(HostPool::new(
             &b,
@@ -181,7 +214,10 @@ impl StorageBench {
         if self.aio {
             cfg.queue = QueueChoice::Aio;
         }
+        cfg.zero_fill = self.zero_fill;
+        let opened = Instant::now();
         let mut store = DiskStore::open(host, &b, cfg)?;
+        let open_secs = opened.elapsed().as_secs_f64();
         let ns = Namespace::new(&self.geometry, IndexerScale::Ue8m0, b"storage-bench")?;
         // Two key sets: the first fills every slot (fresh, preallocated blocks), the second
         // replaces it page by page through LRU reclaiming (the steady state of a full cache).
@@ -232,7 +268,12 @@ impl StorageBench {
                 after.read_ios - before.read_ios
             };
         }
-        Ok((runs, store.slot_bytes(), store.io_queue().to_string()))
+        Ok((
+            runs,
+            store.slot_bytes(),
+            store.io_queue().to_string(),
+            open_secs,
+        ))
     }
 
     /// fio's bandwidth (GB/s) for (write|read) x (slot|layer): `numjobs` = ranks, direct I/O.
@@ -250,15 +291,34 @@ impl StorageBench {
         let mut out = Vec::new();
         for op in ["write", "read"] {
             for (name, bs) in [("slot", slot_bytes), ("layer", layer)] {
-                let gbps = self.fio_run(fio, &dir, op, bs, size)?;
+                let gbps = self.fio_run(fio, &dir, op, bs, size, Pass::Repeated)?;
                 out.push((op, name, gbps));
             }
         }
+        // The like of kvshard's first fill: every block of a freshly fallocated file written
+        // once (the filesystem converts unwritten extents as it goes), files removed after.
+        let gbps = self.fio_run(
+            fio,
+            &dir,
+            "write",
+            slot_bytes,
+            slot_bytes * self.pages,
+            Pass::FirstFill,
+        )?;
+        out.push(("first-fill", "slot", gbps));
         let _ = std::fs::remove_dir_all(&dir);
         Ok(out)
     }
 
-    fn fio_run(&self, fio: &Path, dir: &Path, op: &str, bs: u64, size: u64) -> Result<f64> {
+    fn fio_run(
+        &self,
+        fio: &Path,
+        dir: &Path,
+        op: &str,
+        bs: u64,
+        size: u64,
+        pass: Pass,
+    ) -> Result<f64> {
         let engine = if self.aio {
             vec!["libaio"]
         } else {
@@ -266,22 +326,29 @@ impl StorageBench {
         };
         let mut last = String::new();
         for e in engine {
+            let mut args = vec![
+                format!("--directory={}", dir.display()),
+                format!("--rw={op}"),
+                format!("--bs={bs}"),
+                "--direct=1".into(),
+                format!("--ioengine={e}"),
+                "--iodepth=32".into(),
+                format!("--numjobs={}", self.ranks),
+                format!("--size={size}"),
+                format!("--runtime={}", self.fio_seconds),
+                "--group_reporting".into(),
+                "--output-format=json".into(),
+            ];
+            match pass {
+                Pass::Repeated => args.extend(["--name=ceiling".into(), "--time_based".into()]),
+                Pass::FirstFill => args.extend([
+                    "--name=first-fill".into(),
+                    "--fallocate=native".into(),
+                    "--unlink=1".into(),
+                ]),
+            }
             let out = Command::new(fio)
-                .args([
-                    "--name=ceiling",
-                    &format!("--directory={}", dir.display()),
-                    &format!("--rw={op}"),
-                    &format!("--bs={bs}"),
-                    "--direct=1",
-                    &format!("--ioengine={e}"),
-                    "--iodepth=32",
-                    &format!("--numjobs={}", self.ranks),
-                    &format!("--size={size}"),
-                    &format!("--runtime={}", self.fio_seconds),
-                    "--time_based",
-                    "--group_reporting",
-                    "--output-format=json",
-                ])
+                .args(&args)
                 .output()
                 .map_err(|source| Error::Os {
                     call: "run fio",

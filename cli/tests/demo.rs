@@ -235,3 +235,45 @@ fn gpu_pressure_demo_passes_at_the_stated_shape() {
         Some("pressure scenario: every check passed")
     );
 }
+
+/// `kvshard storage-bench`'s end-to-end row on the CPU: a prefix (16 pages here) goes device ->
+/// host -> storage, then comes back to the device from the host and from storage via the host,
+/// byte-identical (checked inside `prefix_row`), both timed. Needs the NIXL runtime (required
+/// when KVSHARD_REQUIRE_NIXL is set); the directory is under the target directory (O_DIRECT).
+#[cfg(feature = "nixl")]
+#[test]
+fn storage_end_to_end_row_reloads_a_prefix_byte_identical_on_the_cpu() {
+    if let Err(e) = kvshard::transfer::nixl::load() {
+        assert!(
+            std::env::var_os("KVSHARD_REQUIRE_NIXL").is_none(),
+            "KVSHARD_REQUIRE_NIXL is set but {e}"
+        );
+        eprintln!("SKIPPED: {e}");
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let target = exe
+        .ancestors()
+        .find(|p| p.file_name().is_some_and(|n| n == "target"))
+        .map(std::path::Path::to_path_buf)
+        .unwrap_or_else(std::env::temp_dir);
+    let dir = target.join("storage-tests").join("e2e-row");
+    let _ = std::fs::remove_dir_all(&dir);
+    let cpu = CpuBackend::new();
+    let b: Arc<dyn Backend> = Arc::new(cpu.new_stream());
+    let streams = || -> kvshard::Result<Arc<dyn Backend>> { Ok(Arc::new(cpu.new_stream())) };
+    let shape = Shape {
+        ranks: 1,
+        layers: 4,
+        draft: true,
+        seed: 0,
+    };
+    let g = shape.geometry();
+    let row = kvshard_cli::storage_e2e::prefix_row(&b, &streams, &g, 1000, &dir, false).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!((row.tokens, row.pages), (1000, 16));
+    assert_eq!(row.bytes, 16 * g.page_bytes() as u64);
+    assert!(row.from_storage() >= row.prefetch && !row.prefetch.is_zero());
+    let table = kvshard_cli::storage_e2e::render(&[row], b.name());
+    assert!(table.contains("| 1000 tokens | 16 |"), "{table}");
+}

@@ -4,6 +4,8 @@
 //! - the run ends with every decode pool byte-identical to the unsharded reference, for CP2
 //!   with two decodes (the seed's shape), CP4 with one decode and an unsharded prefill with
 //!   three;
+//! - the storage step across processes (feature `nixl`): each rank writes its own pages to a
+//!   shared directory and reloads the prefix from it, checked against the reference;
 //! - a rank killed in the middle makes every other process fail with an error and exit (none
 //!   hangs), and the run says which process failed;
 //! - the CP group memory's barrier, slots and NCCL id across threads, and its refusals.
@@ -75,11 +77,53 @@ fn assert_verified(table: &str, ranks: usize, decodes: usize) {
     }
 }
 
+/// Checks the storage step across processes where it must run (the `nixl` feature, and the
+/// runtime required by KVSHARD_REQUIRE_NIXL): every rank wrote its own pages to the shared
+/// directory, found the whole prefix from its own replay of the others' journals (every rank's
+/// snapshot covering the same records), and reloaded L3 -> L2 -> L1 byte-identical to the
+/// reference. Elsewhere every rank says why it did not run.
+fn assert_storage(table: &str, ranks: u32) {
+    let rows: Vec<&str> = table
+        .lines()
+        .skip_while(|l| !l.contains("storage step"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .collect();
+    if !(cfg!(feature = "nixl") && std::env::var_os("KVSHARD_REQUIRE_NIXL").is_some()) {
+        assert!(rows.len() >= ranks as usize, "{table}");
+        return;
+    }
+    let mut snapshots = Vec::new();
+    for r in 0..ranks {
+        let mine: Vec<&&str> = rows
+            .iter()
+            .filter(|l| l.starts_with(&format!("| {r} |")))
+            .collect();
+        assert!(
+            mine.iter()
+                .any(|l| l.contains("byte-identical to the unsharded reference")),
+            "rank {r}: {table}"
+        );
+        let found = mine
+            .iter()
+            .find(|l| l.contains("records per writer"))
+            .unwrap_or_else(|| panic!("rank {r}: {table}"));
+        assert!(found.contains("finds all"), "{table}");
+        let records = found.split('[').nth(1).and_then(|x| x.split(']').next());
+        snapshots.push(records.map(str::to_string));
+    }
+    assert!(
+        snapshots.iter().all(|s| s.is_some() && *s == snapshots[0]),
+        "every rank's snapshot covers the same records: {table}"
+    );
+}
+
 #[test]
 fn cpu_cp2_with_two_decodes_is_byte_identical_to_the_unsharded_reference() {
     let table = run_pressure(&["--cpu"]);
     assert_verified(&table, 2, 2);
     assert!(table.contains("all-gather: host shared memory"), "{table}");
+    assert_storage(&table, 2);
     // NCCL where it cannot run is refused up front, not tried.
     let out = Command::new(kvshard_bin())
         .args([

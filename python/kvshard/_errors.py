@@ -101,8 +101,8 @@ class StorageError(HiCacheError):
     Attributes: ``path`` (the file or directory concerned) and ``failure``: ``"full"`` (no room
     on the filesystem), ``"open"`` (a file or the directory cannot be made or opened, or the
     filesystem refuses direct I/O), ``"register"`` (NIXL refused it or has no POSIX backend),
-    ``"io"`` (a read, write or sync failed) or ``"format"`` (the files there are of another slot
-    size, slot count or rank).
+    ``"io"`` (a read, write or sync failed), ``"format"`` (the files there are of another slot
+    size, slot count or rank) or ``"read_only"`` (a write asked of a store opened read-only).
     """
 
     path: str

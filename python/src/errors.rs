@@ -170,6 +170,7 @@ fn storage_failure(f: kvshard::error::StorageFailure) -> &'static str {
         F::Register => "register",
         F::Io => "io",
         F::Format => "format",
+        F::ReadOnly => "read_only",
     }
 }
 

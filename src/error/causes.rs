@@ -204,6 +204,8 @@ pub enum StorageFailure {
     /// A file on disk is not what this store expects (another slot size, another rank's
     /// file, a damaged header).
     Format,
+    /// A write asked of a store opened read-only.
+    ReadOnly,
 }
 
 impl fmt::Display for StorageFailure {
@@ -214,6 +216,7 @@ impl fmt::Display for StorageFailure {
             Self::Register => "cannot register",
             Self::Io => "I/O failed",
             Self::Format => "unexpected format",
+            Self::ReadOnly => "opened read-only",
         })
     }
 }

@@ -81,6 +81,12 @@ pub enum Message {
         /// When it ended.
         end: SystemTime,
     },
+    /// Pressure scenario, a rank: what its storage step reported (the prefix L2 -> L3 -> L2 ->
+    /// L1, checked against the reference), or why it did not run.
+    Storage {
+        /// The step's lines.
+        lines: Vec<String>,
+    },
     /// Pressure scenario, a decode: one prompt landed, and every block of it equals the
     /// unsharded reference's.
     Landed {
@@ -137,6 +143,7 @@ impl Message {
             Message::PromptSent { .. } => "PromptSent",
             Message::Reloaded { .. } => "Reloaded",
             Message::Landed { .. } => "Landed",
+            Message::Storage { .. } => "Storage",
         }
     }
 
@@ -148,9 +155,10 @@ impl Message {
             | Message::H2dCeiling(_)
             | Message::Received { .. }
             | Message::Landed { .. } => matches!(from, Role::Decode(_)),
-            Message::Sent { .. } | Message::PromptSent { .. } | Message::Reloaded { .. } => {
-                matches!(from, Role::Rank(_))
-            }
+            Message::Sent { .. }
+            | Message::PromptSent { .. }
+            | Message::Reloaded { .. }
+            | Message::Storage { .. } => matches!(from, Role::Rank(_)),
         }
     }
 
@@ -286,6 +294,12 @@ mod tests {
                     request: 3,
                     bytes: 8,
                     done: t,
+                },
+            ),
+            (
+                Role::Rank(1),
+                Message::Storage {
+                    lines: vec!["storage: a line".into(), "storage: another".into()],
                 },
             ),
         ]

@@ -414,6 +414,16 @@ pub fn rank_role(cfg: &PressurePdConfig, socket: &Path, group: &Path, rank: u32)
         end: outcome.reload_window.1,
     }
     .emit();
+    Message::Storage {
+        lines: outcome
+            .summary
+            .lines
+            .iter()
+            .filter(|l| l.starts_with("storage:"))
+            .cloned()
+            .collect(),
+    }
+    .emit();
     sends.wait_closed()
 }
 
@@ -619,7 +629,14 @@ pub fn run(cfg: &PressurePdConfig, exe: &Path) -> Result<Report> {
         .map(Role::Decode)
         .chain((0..ranks).map(Role::Rank))
         .collect();
+    // The storage step's directory, shared by the ranks (named by this process), fresh.
+    #[cfg(feature = "nixl")]
+    let storage = crate::demo::pressure::storage::group_directory(std::process::id());
+    #[cfg(feature = "nixl")]
+    let _ = std::fs::remove_dir_all(&storage);
     let messages = run_roles(exe, &args, roles);
+    #[cfg(feature = "nixl")]
+    let _ = std::fs::remove_dir_all(&storage);
     for d in 0..decodes {
         let _ = std::fs::remove_file(decode_socket(&socket, d));
     }
@@ -862,6 +879,27 @@ fn table(cfg: &PressurePdConfig, messages: &[(Role, Message)], shared_gpu: bool)
             request - 1,
             wall_ms(done) - last_chunk,
         );
+    }
+    // The storage step, as each rank reported it.
+    let storage: Vec<(u32, &String)> = messages
+        .iter()
+        .filter_map(|(role, m)| match (role, m) {
+            (Role::Rank(rank), Message::Storage { lines }) => {
+                Some(lines.iter().map(move |l| (*rank, l)))
+            }
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    if !storage.is_empty() {
+        let _ = writeln!(
+            out,
+            "\n| rank | storage step (the prefix L2 -> L3 -> L2 -> L1) |"
+        );
+        let _ = writeln!(out, "|---:|---|");
+        for (rank, line) in storage {
+            let _ = writeln!(out, "| {rank} | {} |", line.trim_start_matches("storage: "));
+        }
     }
     out
 }

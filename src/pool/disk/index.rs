@@ -75,9 +75,11 @@ impl Index {
     pub fn apply(&mut self, writer: u32, record: Record) {
         let w = writer as usize;
         let at = self.replayed[w];
-        self.replayed[w] += 1;
+        self.replayed[w] += record.span();
         let own = writer == self.own;
         match record {
+            // Positions of records a compaction dropped: nothing to do but count them.
+            Record::Skip { .. } => {}
             Record::Commit { slot, key, crc } => {
                 if own {
                     if let Some(old) = self.slots.get(slot as usize).copied().flatten() {
@@ -175,6 +177,37 @@ impl Index {
         if (slot as usize) < self.slots.len() && self.slots[slot as usize].is_none() {
             self.free.insert(slot);
         }
+    }
+
+    /// Forgets every entry of writer `writer` (another rank's) and its replayed count, before
+    /// its compacted journal is replayed from the start.
+    pub fn forget(&mut self, writer: u32) {
+        if writer == self.own {
+            return;
+        }
+        self.keys.retain(|_, v| {
+            v.retain(|e| e.writer != writer);
+            !v.is_empty()
+        });
+        if let Some(r) = self.replayed.get_mut(writer as usize) {
+            *r = 0;
+        }
+    }
+
+    /// This rank's live commits (position, slot, key, page CRC), by position: what a compacted
+    /// journal keeps.
+    pub fn live_own(&self) -> Vec<super::journal::Live> {
+        let mut live: Vec<super::journal::Live> = self
+            .keys
+            .iter()
+            .flat_map(|(k, v)| {
+                v.iter()
+                    .filter(|e| e.writer == self.own && e.freed.is_none())
+                    .map(move |e| (e.committed, e.slot, *k, e.crc))
+            })
+            .collect();
+        live.sort_unstable_by_key(|l| l.0);
+        live
     }
 
     /// Occupied slots of this rank.

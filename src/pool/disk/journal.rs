@@ -5,11 +5,23 @@
 //! records in order rebuilds the index (`index.rs`); a record that does not check (the tail a
 //! killed process left half-written) ends the journal there.
 //!
+//! Records have logical positions (what snapshots count): one each, but a `Skip` record stands
+//! for `count` positions. **Compaction** rewrites a journal grown past a bound from the live
+//! index: each live `Commit` at its original position, the dead positions between them as
+//! `Skip`s, so every position (and so every snapshot taken since) means what it meant. It writes
+//! `wNNNN.journal.compact`, syncs it, renames it over the journal and syncs the directory: a
+//! process killed before the rename leaves the old journal (and a stray file, removed at the
+//! next open); after it, the new one, whole. Readers notice the new file (another inode) once
+//! they have read the old one to its end, and replay the writer again from the new file: their
+//! entries of that writer are rebuilt, so every rank agrees on every snapshot taken since the
+//! compaction (an older snapshot no longer sees pages freed before it).
+//!
 //! ```text
 //! header: "KVSJRNL1" | u32 version | u32 writer | u64 page bytes | u64 slot bytes | u64 slots
 //!         | 20 zero bytes | u32 CRC-32C of bytes 0..60
-//! record: "KVSR" | u8 kind (1 commit, 2 free) | 3 zero bytes | u64 slot | 64-byte key
-//!         | u32 page CRC-32C | 4 zero bytes | u32 CRC-32C of bytes 0..88 | 4 zero bytes
+//! record: "KVSR" | u8 kind (1 commit, 2 free, 3 skip) | 3 zero bytes | u64 slot (skip: count)
+//!         | 64-byte key (skip: zeros) | u32 page CRC-32C | 4 zero bytes
+//!         | u32 CRC-32C of bytes 0..88 | 4 zero bytes
 //! ```
 
 use std::fs::{File, OpenOptions};
@@ -74,6 +86,8 @@ pub(super) enum Record {
     Commit { slot: u64, key: PageKey, crc: u32 },
     /// `slot` no longer holds `key`.
     Free { slot: u64, key: PageKey },
+    /// `count` positions whose records compaction dropped (their pages long freed).
+    Skip { count: u64 },
 }
 
 impl Record {
@@ -81,12 +95,15 @@ impl Record {
         let mut b = [0u8; RECORD_BYTES as usize];
         b[..4].copy_from_slice(RECORD_MAGIC);
         let (kind, slot, key, crc) = match *self {
-            Self::Commit { slot, key, crc } => (1u8, slot, key, crc),
-            Self::Free { slot, key } => (2u8, slot, key, 0),
+            Self::Commit { slot, key, crc } => (1u8, slot, Some(key), crc),
+            Self::Free { slot, key } => (2u8, slot, Some(key), 0),
+            Self::Skip { count } => (3u8, count, None, 0),
         };
         b[4] = kind;
         b[8..16].copy_from_slice(&slot.to_le_bytes());
-        b[16..16 + KEY_BYTES].copy_from_slice(key.bytes());
+        if let Some(key) = key {
+            b[16..16 + KEY_BYTES].copy_from_slice(key.bytes());
+        }
         b[80..84].copy_from_slice(&crc.to_le_bytes());
         let check = crc32c::crc32c(&b[..88]);
         b[88..92].copy_from_slice(&check.to_le_bytes());
@@ -110,7 +127,16 @@ impl Record {
                 crc: u32_at(80),
             }),
             2 => Some(Self::Free { slot, key }),
+            3 if slot > 0 => Some(Self::Skip { count: slot }),
             _ => None,
+        }
+    }
+
+    /// Logical positions the record stands for.
+    pub fn span(&self) -> u64 {
+        match *self {
+            Self::Skip { count } => count,
+            _ => 1,
         }
     }
 }
@@ -120,11 +146,40 @@ pub(super) fn path(dir: &Path, writer: u32) -> PathBuf {
     dir.join(format!("w{writer:04}.journal"))
 }
 
+/// Where a compaction of the journal at `path` is written before its rename.
+fn compact_path(path: &Path) -> PathBuf {
+    path.with_extension("journal.compact")
+}
+
+/// A live commit compaction keeps: (position, slot, key, page CRC).
+pub(super) type Live = (u64, u64, PageKey, u32);
+
+/// The records of a compacted journal of `total` positions keeping `live` (sorted by position,
+/// each below `total`): each commit at its position, `Skip`s between.
+pub(super) fn compacted(live: &[Live], total: u64) -> Vec<Record> {
+    let mut out = Vec::with_capacity(2 * live.len() + 1);
+    let mut at = 0;
+    for &(position, slot, key, crc) in live {
+        if position > at {
+            out.push(Record::Skip {
+                count: position - at,
+            });
+        }
+        out.push(Record::Commit { slot, key, crc });
+        at = position + 1;
+    }
+    if total > at {
+        out.push(Record::Skip { count: total - at });
+    }
+    out
+}
+
 /// A writer's own journal, open for appending.
 #[derive(Debug)]
 pub(super) struct Journal {
     file: File,
     path: PathBuf,
+    header: Header,
     /// Valid records in the file.
     records: u64,
 }
@@ -133,6 +188,8 @@ impl Journal {
     /// Opens (creating it with `header` when absent) the journal at `path`: the records that
     /// check, in order; a torn tail is cut off so the next append follows the last good record.
     pub fn open(path: &Path, header: Header) -> Result<(Self, Vec<Record>)> {
+        // A compaction killed before its rename: the journal is the old one, whole.
+        let _ = std::fs::remove_file(compact_path(path));
         let mut file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -155,6 +212,7 @@ impl Journal {
                 Self {
                     file,
                     path: path.into(),
+                    header,
                     records: 0,
                 },
                 Vec::new(),
@@ -181,10 +239,50 @@ impl Journal {
             Self {
                 file,
                 path: path.into(),
+                header,
                 records: count,
             },
             records,
         ))
+    }
+
+    /// Records in the file (a `Skip` counts one).
+    pub fn records(&self) -> u64 {
+        self.records
+    }
+
+    /// Rewrites the journal as `records` (what [`compacted`] makes of the live index), crash-safe
+    /// (module docs): written beside it, synced, renamed over it, the directory synced.
+    pub fn compact_sync(&mut self, records: &[Record]) -> Result<()> {
+        let tmp = compact_path(&self.path);
+        let mut bytes = self.header.encode().to_vec();
+        bytes.extend(records.iter().flat_map(|r| r.encode()));
+        let written = (|| -> std::io::Result<File> {
+            let mut f = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&tmp)?;
+            f.write_all(&bytes)?;
+            f.sync_all()?;
+            Ok(f)
+        })();
+        let file = match written {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(storage(&tmp, io_failure(&e), e));
+            }
+        };
+        std::fs::rename(&tmp, &self.path).map_err(|e| storage(&self.path, io_failure(&e), e))?;
+        sync_dir(&self.path)?;
+        self.file = file;
+        self.file
+            .seek(SeekFrom::End(0))
+            .map_err(|e| storage(&self.path, StorageFailure::Io, e))?;
+        self.records = records.len() as u64;
+        Ok(())
     }
 
     /// Appends `records` and makes them durable (one `fdatasync`).
@@ -241,8 +339,12 @@ fn decode_all(bytes: &[u8], limit: u64) -> Vec<Record> {
 pub(super) struct Tail {
     file: File,
     path: PathBuf,
-    /// Records returned so far.
+    /// Records of `file` consumed so far.
+    read: u64,
+    /// Logical positions returned so far.
     records: u64,
+    /// Positions of a `Skip` cut at a limit, still to return.
+    carry: u64,
 }
 
 impl Tail {
@@ -263,7 +365,9 @@ impl Tail {
             Some(h) if h == expected => Ok(Some(Self {
                 file,
                 path: path.into(),
+                read: 0,
                 records: 0,
+                carry: 0,
             })),
             found => Err(storage(
                 path,
@@ -273,49 +377,109 @@ impl Tail {
         }
     }
 
-    /// Records returned so far.
+    /// Logical positions returned so far.
     #[cfg(test)]
     pub fn records(&self) -> u64 {
         self.records
     }
 
-    /// The records after those already returned, up to record count `limit` (`None`: all that
-    /// are whole now).
-    pub fn read_new(&mut self, limit: Option<u64>) -> Result<Vec<Record>> {
-        let from = HEADER_BYTES + self.records * RECORD_BYTES;
-        let mut bytes = Vec::new();
-        match limit {
-            Some(l) if l <= self.records => return Ok(Vec::new()),
-            Some(l) => {
-                bytes.resize(((l - self.records) * RECORD_BYTES) as usize, 0);
-                let got = read_at(&self.file, &mut bytes, from)
-                    .map_err(|e| storage(&self.path, StorageFailure::Io, e))?;
-                bytes.truncate(got);
+    /// The records after those already returned, up to logical position `limit` (`None`: all
+    /// that are whole now); a `Skip` crossing the limit is cut there. Once the file is read to
+    /// its end and the journal's path names another file (a compaction), reads that one from
+    /// its start: then the first value is true and the records are the writer's from position
+    /// 0 (the caller forgets what it had of the writer first).
+    pub fn read_new(&mut self, limit: Option<u64>) -> Result<(bool, Vec<Record>)> {
+        let mut out = Vec::new();
+        let mut restarted = false;
+        let want = |records: u64| limit.is_none_or(|l| records < l);
+        let take = |this: &mut Self, r: Record, out: &mut Vec<Record>| {
+            let room = limit.map_or(u64::MAX, |l| l - this.records);
+            let n = r.span().min(room);
+            if n < r.span() {
+                this.carry = r.span() - n;
             }
-            None => {
-                self.file
-                    .seek(SeekFrom::Start(from))
-                    .and_then(|_| self.file.read_to_end(&mut bytes))
-                    .map_err(|e| storage(&self.path, StorageFailure::Io, e))?;
+            out.push(match r {
+                Record::Skip { .. } => Record::Skip { count: n },
+                r => r,
+            });
+            this.records += n;
+        };
+        for pass in 0..2 {
+            // The rest of a Skip cut at an earlier limit, or crossing the point a reopened
+            // file was positioned at.
+            if self.carry > 0 && want(self.records) {
+                let r = Record::Skip { count: self.carry };
+                self.carry = 0;
+                take(self, r, &mut out);
             }
+            if !want(self.records) || self.carry > 0 {
+                break;
+            }
+            let mut bytes = Vec::new();
+            self.file
+                .seek(SeekFrom::Start(HEADER_BYTES + self.read * RECORD_BYTES))
+                .and_then(|_| self.file.read_to_end(&mut bytes))
+                .map_err(|e| storage(&self.path, StorageFailure::Io, e))?;
+            let records = decode_all(&bytes, u64::MAX);
+            let whole = bytes.len() as u64 % RECORD_BYTES == 0
+                && records.len() as u64 == bytes.len() as u64 / RECORD_BYTES;
+            let mut consumed = 0;
+            for r in records.iter().copied() {
+                if !want(self.records) {
+                    break;
+                }
+                self.read += 1;
+                consumed += 1;
+                take(self, r, &mut out);
+            }
+            // Read to the end of a file the journal's path no longer names: a compaction
+            // replaced it; replay the writer from the new one's start (once per call).
+            let at_end = whole && consumed == records.len();
+            if pass == 1 || !at_end || !self.replaced()? {
+                break;
+            }
+            self.reopen()?;
+            out.clear();
+            restarted = true;
         }
-        let records = decode_all(&bytes, u64::MAX);
-        self.records += records.len() as u64;
-        Ok(records)
+        Ok((restarted, out))
     }
-}
 
-/// Reads into `buf` from `offset` until full or end of file; the bytes read.
-fn read_at(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
-    use std::os::unix::fs::FileExt;
-    let mut done = 0;
-    while done < buf.len() {
-        match file.read_at(&mut buf[done..], offset + done as u64)? {
-            0 => break,
-            n => done += n,
-        }
+    /// Whether the journal's path now names another file than the one open.
+    fn replaced(&self) -> Result<bool> {
+        use std::os::unix::fs::MetadataExt;
+        let open = self
+            .file
+            .metadata()
+            .map_err(|e| storage(&self.path, StorageFailure::Io, e))?;
+        Ok(match std::fs::metadata(&self.path) {
+            Ok(now) => (now.dev(), now.ino()) != (open.dev(), open.ino()),
+            Err(_) => false,
+        })
     }
-    Ok(done)
+
+    /// Opens the file the journal's path names now, from its first record, after checking its
+    /// header is the one of the file it replaces.
+    fn reopen(&mut self) -> Result<()> {
+        let mut file =
+            File::open(&self.path).map_err(|e| storage(&self.path, StorageFailure::Open, e))?;
+        let mut theirs = [0u8; HEADER_BYTES as usize];
+        let mut mine = [0u8; HEADER_BYTES as usize];
+        file.read_exact(&mut theirs)
+            .and_then(|()| self.file.seek(SeekFrom::Start(0)).map(|_| ()))
+            .and_then(|()| self.file.read_exact(&mut mine))
+            .map_err(|e| storage(&self.path, StorageFailure::Io, e))?;
+        if Header::decode(&theirs).is_none() || theirs != mine {
+            return Err(storage(
+                &self.path,
+                StorageFailure::Format,
+                "the compacted journal's header differs from the one it replaced",
+            ));
+        }
+        self.file = file;
+        (self.read, self.records, self.carry) = (0, 0, 0);
+        Ok(())
+    }
 }
 
 /// Full disk or quota: [`StorageFailure::Full`]; anything else an I/O failure.
@@ -340,6 +504,68 @@ mod tests {
 
     fn key(i: u8) -> PageKey {
         PageKey::from_bytes(&[i; KEY_BYTES]).unwrap()
+    }
+
+    #[test]
+    fn compaction_keeps_positions_and_skips_are_cut_at_limits() {
+        let dir = std::env::temp_dir().join(format!("kvshard-compact-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = path(&dir, 0);
+        let _ = std::fs::remove_file(&p);
+        let h = Header {
+            writer: 0,
+            page_bytes: 100,
+            slot_bytes: 4096,
+            slots: 8,
+        };
+        // Live commits at positions 3 and 4 of 7.
+        let live = [(3, 1, key(3), 30), (4, 2, key(4), 40)];
+        let recs = compacted(&live, 7);
+        assert_eq!(
+            recs,
+            vec![
+                Record::Skip { count: 3 },
+                Record::Commit {
+                    slot: 1,
+                    key: key(3),
+                    crc: 30
+                },
+                Record::Commit {
+                    slot: 2,
+                    key: key(4),
+                    crc: 40
+                },
+                Record::Skip { count: 2 },
+            ]
+        );
+        let (mut j, _) = Journal::open(&p, h).unwrap();
+        j.append_sync(&[Record::Free {
+            slot: 0,
+            key: key(9),
+        }])
+        .unwrap();
+        // A reader of the old file, one position in.
+        let mut tail = Tail::open(&p, h).unwrap().unwrap();
+        assert_eq!(tail.read_new(None).unwrap().1.len(), 1);
+        j.compact_sync(&recs).unwrap();
+        assert_eq!(j.records(), 4);
+        // The reader restarts in the new file, a Skip cut at each limit.
+        assert_eq!(
+            tail.read_new(Some(2)).unwrap(),
+            (true, vec![Record::Skip { count: 2 }])
+        );
+        assert_eq!(
+            tail.read_new(Some(4)).unwrap(),
+            (false, vec![Record::Skip { count: 1 }, recs[1]])
+        );
+        assert_eq!(tail.read_new(None).unwrap(), (false, recs[2..].to_vec()));
+        assert_eq!(tail.records(), 7);
+        // Reopened: the same records, and a stray compaction file is removed.
+        std::fs::write(compact_path(&p), b"half").unwrap();
+        let (j, got) = Journal::open(&p, h).unwrap();
+        assert_eq!((j.records(), got), (4, recs));
+        assert!(!compact_path(&p).exists());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -379,8 +605,8 @@ mod tests {
         f.write_all(&recs[0].encode()[..50]).unwrap();
         drop(f);
         let mut tail = Tail::open(&p, h).unwrap().unwrap();
-        assert_eq!(tail.read_new(Some(2)).unwrap(), recs[..2]);
-        assert_eq!(tail.read_new(None).unwrap(), recs[2..]);
+        assert_eq!(tail.read_new(Some(2)).unwrap(), (false, recs[..2].to_vec()));
+        assert_eq!(tail.read_new(None).unwrap(), (false, recs[2..].to_vec()));
         assert_eq!(tail.records(), 3);
         let (_j, got) = Journal::open(&p, h).unwrap();
         assert_eq!(got, recs);
@@ -393,7 +619,7 @@ mod tests {
         bytes[(HEADER_BYTES + RECORD_BYTES + 20) as usize] ^= 1;
         std::fs::write(&p, &bytes).unwrap();
         let mut tail = Tail::open(&p, h).unwrap().unwrap();
-        assert_eq!(tail.read_new(None).unwrap(), recs[..1]);
+        assert_eq!(tail.read_new(None).unwrap(), (false, recs[..1].to_vec()));
         // Another slot size is refused.
         assert!(matches!(
             Journal::open(

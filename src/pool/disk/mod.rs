@@ -26,6 +26,11 @@
 //!   every journal into its index. A [`Snapshot`] (per writer, a count of records) taken by one
 //!   rank and used by all makes lookups agree: presence as of a snapshot depends on nothing
 //!   else ([`DiskStore::lookup`]).
+//! - **Compaction.** Past [`DiskConfig::journal_records`] records a store rewrites its rank's
+//!   journal from the live index, positions unchanged, crash-safe (write beside, sync, rename).
+//! - **Read-only ranks** ([`DiskConfig::read_only`]) open every file without write access and
+//!   create none: they replay every writer's journal, look up and load; a store is a
+//!   [`StorageFailure::ReadOnly`](crate::error::StorageFailure::ReadOnly) error.
 //! - **Capacity.** Each rank's file has [`DiskConfig::slots`] slots; when full, the least
 //!   recently used (by this rank's stores, lookups and loads) is reclaimed, its `Free` record
 //!   durable before the slot is rewritten.
@@ -33,6 +38,7 @@
 //!   [`StorageFailure`](crate::error::StorageFailure)): disk full, a file or directory that
 //!   cannot be opened, a NIXL registration refused; the host and device pools are untouched.
 
+pub mod gds;
 mod index;
 mod io;
 mod journal;

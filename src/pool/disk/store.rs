@@ -29,9 +29,9 @@ pub struct DiskStore {
     layout: SlotLayout,
     header: Header,
     io: FileIo,
-    journal: Journal,
-    /// For syncing the data this rank wrote.
-    own_data: File,
+    /// This rank's journal and slot file (for syncing the data it wrote); `None` read-only.
+    journal: Option<Journal>,
+    own_data: Option<File>,
     /// Per writer: its journal reader (peers), and its slot file's index in `io`.
     tails: Vec<Option<Tail>>,
     files: Vec<Option<usize>>,
@@ -42,6 +42,18 @@ pub struct DiskStore {
 fn data_path(dir: &Path, writer: u32) -> PathBuf {
     dir.join(format!("w{writer:04}.slots"))
 }
+
+/// The error of a write asked of a read-only store.
+fn read_only(dir: &Path) -> Error {
+    storage(
+        dir,
+        StorageFailure::ReadOnly,
+        "this store was opened read-only (DiskConfig::read_only)",
+    )
+}
+
+/// The rank an index of a read-only store calls its own: none of the writers.
+const NO_WRITER: u32 = u32::MAX;
 
 /// Opens a slot file for direct I/O.
 fn open_direct(path: &Path, write: bool) -> Result<File> {
@@ -69,8 +81,13 @@ impl DiskStore {
     /// pool's: a pinned pool on CUDA knows its buffers' host addresses, a pool on the CPU twin
     /// has them from its arena ([`Backend::host_view`]).
     ///
+    /// Read-only ([`DiskConfig::read_only`]), nothing is created or written: the directory must
+    /// hold a writer's slot file (the slots' alignment is read from it), and every writer's
+    /// journal is replayed (each must agree on the slot size and count).
+    ///
     /// Errors, with nothing in the host or device pools touched: [`StorageFailure::Open`]
-    /// (the directory or a file cannot be made, or the filesystem refuses direct I/O),
+    /// (the directory or a file cannot be made, or the filesystem refuses direct I/O; read-only,
+    /// the directory holds no slot file),
     /// [`StorageFailure::Full`] (the slots do not fit the free space), [`StorageFailure::Format`]
     /// (the files there are of another slot size, slot count or rank),
     /// [`StorageFailure::Register`] (NIXL has no POSIX backend or refuses the file).
@@ -100,27 +117,52 @@ impl DiskStore {
             })
             .collect::<Result<Vec<_>>>()?;
         let dir = &config.dir;
-        std::fs::create_dir_all(dir).map_err(|e| storage(dir, StorageFailure::Open, e))?;
         let data = data_path(dir, config.writer);
-        let own_data = open_direct(&data, true)?;
-        let (mem_align, offset_align) = dio_align(&data);
+        let probe = if config.read_only {
+            (0..config.writers)
+                .map(|w| data_path(dir, w))
+                .find(|p| p.is_file())
+                .ok_or_else(|| {
+                    storage(
+                        dir,
+                        StorageFailure::Open,
+                        "no writer's slot file here to open read-only",
+                    )
+                })?
+        } else {
+            std::fs::create_dir_all(dir).map_err(|e| storage(dir, StorageFailure::Open, e))?;
+            data.clone()
+        };
+        let own_data = match config.read_only {
+            true => None,
+            false => Some(open_direct(&data, true)?),
+        };
+        let (mem_align, offset_align) = dio_align(&probe);
         let layout = SlotLayout::new(&host, mem_align.max(offset_align))?;
         let bytes = config
             .slots
             .checked_mul(layout.slot_bytes())
             .ok_or_else(|| Error::overflow(format!("{} slots", config.slots)))?;
-        preallocate(&own_data, &data, bytes)?;
+        let fresh = match &own_data {
+            Some(f) => preallocate(f, &data, bytes)?,
+            None => false,
+        };
         let header = Header {
             writer: config.writer,
             page_bytes: layout.page_bytes(),
             slot_bytes: layout.slot_bytes(),
             slots: config.slots,
         };
-        let (journal, records) = Journal::open(&journal::path(dir, config.writer), header)?;
-        let mut index = Index::new(config.writers, config.writer, config.slots);
-        for r in records {
-            index.apply(config.writer, r);
-        }
+        let (journal, mut index) = if config.read_only {
+            (None, Index::new(config.writers, NO_WRITER, 0))
+        } else {
+            let (journal, records) = Journal::open(&journal::path(dir, config.writer), header)?;
+            let mut index = Index::new(config.writers, config.writer, config.slots);
+            for r in records {
+                index.apply(config.writer, r);
+            }
+            (Some(journal), index)
+        };
         index.finish_open();
         let staging = config
             .staging_slots
@@ -133,14 +175,15 @@ impl DiskStore {
             Arc::as_ptr(&host) as usize
         );
         let mut io = FileIo::new(&name, config.queue, staging, mem_align as usize)?;
-        let fd: OwnedFd = own_data
-            .try_clone()
-            .map_err(|e| storage(&data, StorageFailure::Open, e))?
-            .into();
-        let own_index = io.add_file(fd, bytes, &data)?;
         let mut files = vec![None; config.writers as usize];
-        files[config.writer as usize] = Some(own_index);
-        Ok(Self {
+        if let Some(f) = &own_data {
+            let fd: OwnedFd = f
+                .try_clone()
+                .map_err(|e| storage(&data, StorageFailure::Open, e))?
+                .into();
+            files[config.writer as usize] = Some(io.add_file(fd, bytes, &data)?);
+        }
+        let mut store = Self {
             tails: (0..config.writers).map(|_| None).collect(),
             files,
             config,
@@ -153,7 +196,49 @@ impl DiskStore {
             own_data,
             index,
             stats: DiskStats::default(),
-        })
+        };
+        if store.config.read_only {
+            for w in 0..store.config.writers {
+                store.catch_up(w, None)?;
+            }
+        }
+        if fresh && store.config.zero_fill {
+            store.zero_fill_sync()?;
+        }
+        Ok(store)
+    }
+
+    /// Writes zeros over every slot of this rank's new file ([`DiskConfig::zero_fill`]), a
+    /// staging buffer's worth of coalesced descriptors at a time, then syncs it.
+    fn zero_fill_sync(&mut self) -> Result<()> {
+        let deadline = self.deadline();
+        let slot_bytes = self.layout.slot_bytes() as usize;
+        let per = 2 * self.config.staging_slots;
+        self.io.staging(0, per * slot_bytes)?.fill(0);
+        let file = self.files[self.config.writer as usize].unwrap_or_default();
+        let slots: Vec<u64> = (0..self.config.slots).collect();
+        for chunk in slots.chunks(per) {
+            let ios = self.ios(chunk, file, 0);
+            let posted = self.io.post(true, &ios)?;
+            self.io.wait_sync(posted, deadline)?;
+        }
+        let data = data_path(&self.config.dir, self.config.writer);
+        self.own_data
+            .as_ref()
+            .ok_or_else(|| read_only(&self.config.dir))?
+            .sync_data()
+            .map_err(|e| storage(&data, journal::io_failure(&e), e))
+    }
+
+    /// Whether `w` is this rank writing (its records are in the index from its own journal,
+    /// never replayed from disk).
+    fn writes(&self, w: u32) -> bool {
+        !self.config.read_only && w == self.config.writer
+    }
+
+    /// Whether this store was opened read-only.
+    pub fn read_only(&self) -> bool {
+        self.config.read_only
     }
 
     /// The queue NIXL's POSIX backend runs on (libaio says why io_uring was not used).
@@ -191,7 +276,7 @@ impl DiskStore {
     /// others pass it to [`DiskStore::lookup`].
     pub fn snapshot(&mut self) -> Result<Snapshot> {
         for w in 0..self.config.writers {
-            if w != self.config.writer {
+            if !self.writes(w) {
                 self.catch_up(w, None)?;
             }
         }
@@ -209,7 +294,12 @@ impl DiskStore {
             self.tails[wi] = Tail::open(&journal::path(&self.config.dir, w), expected)?;
         }
         if let Some(tail) = self.tails[wi].as_mut() {
-            for r in tail.read_new(limit)? {
+            let (restarted, records) = tail.read_new(limit)?;
+            if restarted {
+                // The writer compacted its journal: its entries come again from the new file.
+                self.index.forget(w);
+            }
+            for r in records {
                 self.index.apply(w, r);
             }
         }
@@ -230,7 +320,7 @@ impl DiskStore {
         }
         for w in 0..self.config.writers {
             if self.index.replayed()[w as usize] < want[w as usize] {
-                if w != self.config.writer {
+                if !self.writes(w) {
                     self.catch_up(w, Some(want[w as usize]))?;
                 }
                 if self.index.replayed()[w as usize] < want[w as usize] {
@@ -293,7 +383,12 @@ impl DiskStore {
     /// durable. An empty batch does nothing and succeeds.
     ///
     /// The host pages must not be written by any transfer meanwhile.
+    ///
+    /// A read-only store refuses with [`StorageFailure::ReadOnly`], writing nothing.
     pub fn store_sync(&mut self, items: &[(PageKey, LocalPage)]) -> Result<StoreReport> {
+        if self.config.read_only {
+            return Err(read_only(&self.config.dir));
+        }
         self.check_pages(items)?;
         let deadline = self.deadline();
         let mut report = StoreReport::default();
@@ -359,7 +454,11 @@ impl DiskStore {
         deadline: Instant,
     ) -> Result<()> {
         let own = self.config.writer;
-        self.journal.append_sync(frees)?;
+        let dir = self.config.dir.clone();
+        self.journal
+            .as_mut()
+            .ok_or_else(|| read_only(&dir))?
+            .append_sync(frees)?;
         for &f in frees {
             self.index.apply(own, f);
         }
@@ -405,13 +504,45 @@ impl DiskStore {
         self.io.wait_sync(in_flight, deadline)?;
         let data = data_path(&self.config.dir, own);
         self.own_data
+            .as_ref()
+            .ok_or_else(|| read_only(&dir))?
             .sync_data()
             .map_err(|e| storage(&data, journal::io_failure(&e), e))?;
-        self.journal.append_sync(&commits)?;
+        self.journal
+            .as_mut()
+            .ok_or_else(|| read_only(&dir))?
+            .append_sync(&commits)?;
         for c in commits {
             self.index.apply(own, c);
         }
+        if self
+            .journal
+            .as_ref()
+            .is_some_and(|j| j.records() > self.config.journal_records)
+        {
+            self.compact_journal_sync()?;
+        }
         Ok(())
+    }
+
+    /// Rewrites this rank's journal from its live index (the module docs of `journal.rs` tell
+    /// how, crash-safe); done by stores once the journal holds more than
+    /// [`DiskConfig::journal_records`] records. Every position keeps its meaning, so snapshots
+    /// and the other ranks' replays stay valid. A read-only store refuses
+    /// ([`StorageFailure::ReadOnly`]).
+    pub fn compact_journal_sync(&mut self) -> Result<()> {
+        let total = self.index.replayed()[self.config.writer as usize];
+        let records = journal::compacted(&self.index.live_own(), total);
+        let dir = self.config.dir.clone();
+        self.journal
+            .as_mut()
+            .ok_or_else(|| read_only(&dir))?
+            .compact_sync(&records)
+    }
+
+    /// Records in this rank's journal file (`None` read-only).
+    pub fn journal_records(&self) -> Option<u64> {
+        self.journal.as_ref().map(|j| j.records())
     }
 
     /// Loads the pages `items` (key, host page) into the host pool from whichever rank wrote
@@ -447,6 +578,7 @@ impl DiskStore {
         let per = self.config.staging_slots;
         let rounds: Vec<&[(u32, u64, u32, usize)]> = found.chunks(per).collect();
         let mut corrupt_own = Vec::new();
+        let writing = (!self.config.read_only).then_some(self.config.writer);
         let mut next = match rounds.first() {
             Some(r) => self.post_reads(r, 0)?,
             None => None,
@@ -473,7 +605,7 @@ impl DiskStore {
                 if page_crc(&key, page_data) != crc {
                     out[i] = LoadOutcome::Corrupt;
                     self.stats.corrupt_pages += 1;
-                    if w == self.config.writer {
+                    if writing == Some(w) {
                         corrupt_own.push(Record::Free { slot, key });
                     }
                     continue;
@@ -486,7 +618,9 @@ impl DiskStore {
         }
         // Damaged slots of this rank leave the index for every rank (their Free records).
         corrupt_own.dedup();
-        self.journal.append_sync(&corrupt_own)?;
+        if let Some(j) = self.journal.as_mut() {
+            j.append_sync(&corrupt_own)?;
+        }
         for r in corrupt_own {
             self.index.apply(self.config.writer, r);
             if let Record::Free { slot, .. } = r {
@@ -549,14 +683,14 @@ fn page_crc(key: &PageKey, page: &[u8]) -> u32 {
 }
 
 /// Makes `file` hold `bytes` bytes of allocated blocks, refusing (before writing anything)
-/// when the filesystem has less room than the part still to allocate.
-fn preallocate(file: &File, path: &Path, bytes: u64) -> Result<()> {
+/// when the filesystem has less room than the part still to allocate. Whether it grew the file.
+fn preallocate(file: &File, path: &Path, bytes: u64) -> Result<bool> {
     let have = file
         .metadata()
         .map_err(|e| storage(path, StorageFailure::Io, e))?
         .len();
     if have >= bytes {
-        return Ok(());
+        return Ok(false);
     }
     let dir = path.parent().unwrap_or(Path::new("."));
     let vfs = rustix::fs::statvfs(dir).map_err(|e| storage(dir, StorageFailure::Io, e))?;
@@ -569,10 +703,11 @@ fn preallocate(file: &File, path: &Path, bytes: u64) -> Result<()> {
         ));
     }
     match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, bytes) {
-        Ok(()) => Ok(()),
+        Ok(()) => Ok(true),
         // A filesystem without fallocate: a sparse file of the right length.
         Err(rustix::io::Errno::OPNOTSUPP) => file
             .set_len(bytes)
+            .map(|()| true)
             .map_err(|e| storage(path, journal::io_failure(&e), e)),
         Err(e) => {
             let _ = file.set_len(have);

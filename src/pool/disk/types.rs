@@ -29,11 +29,25 @@ pub struct DiskConfig {
     pub queue: QueueChoice,
     /// Deadline of every call that waits for I/O.
     pub timeout: Duration,
+    /// Open without write access (a rank that only reads): nothing is created, every writer's
+    /// journal is replayed at open and on each snapshot, lookups and loads are served, and a
+    /// store is a [`StorageFailure::ReadOnly`](crate::error::StorageFailure::ReadOnly) error.
+    /// `writer` is then only this rank's name; it writes nothing.
+    pub read_only: bool,
+    /// Write every slot of a newly created slot file once (zeros) at open, so that the first
+    /// fill overwrites written blocks instead of converting the filesystem's unwritten extents
+    /// as it goes; open then takes the time of writing the whole file. A process killed during
+    /// it leaves a file of the full length, not written again (only the first fill's speed
+    /// depends on it).
+    pub zero_fill: bool,
+    /// Records this rank's journal may hold before a store compacts it (keeping only its live
+    /// pages' commits, positions unchanged: `DiskStore::compact_journal_sync`).
+    pub journal_records: u64,
 }
 
 impl DiskConfig {
     /// Rank `writer` of `writers` in `dir`, `slots` slots each: 32 staging slots, descriptors up
-    /// to 8 MiB, io_uring (libaio where blocked), 30 s per call.
+    /// to 8 MiB, io_uring (libaio where blocked), 30 s per call, read and write, no zero fill, the journal compacted past 4 records per slot (+ 1,024).
     pub fn new(dir: impl Into<PathBuf>, writer: u32, writers: u32, slots: u64) -> Self {
         Self {
             dir: dir.into(),
@@ -44,6 +58,9 @@ impl DiskConfig {
             max_io_bytes: 8 << 20,
             queue: QueueChoice::Auto,
             timeout: Duration::from_secs(30),
+            read_only: false,
+            zero_fill: false,
+            journal_records: slots.saturating_mul(4).saturating_add(1024),
         }
     }
 }

@@ -1,8 +1,17 @@
 //! The pressure scenario's storage step (feature `nixl`): the seeded prefix leaves the host
 //! pools for the storage tier (written back by each page's owner), comes back L3 -> L2 -> L1
 //! into new device pages of the same owners, and is checked byte for byte against the
-//! unsharded reference. Every rank is in this process, so rank 0's snapshot reaches the others
-//! as a value.
+//! unsharded reference.
+//!
+//! - **Every rank in this process** (the demo): the directory is the step's own; rank 0's
+//!   snapshot reaches the others as a value.
+//! - **One rank per process** (`kvshard pd --scenario pressure`): the ranks share the directory
+//!   their parent made ([`group_directory`], named by the parent's process id, removed by the
+//!   parent). Each rank writes its own pages, then replays the others' journals (its own
+//!   snapshots, read-only on their files) until the whole prefix is there: with nothing else
+//!   written, every rank's snapshot covers the same records (each says which), so their lookups
+//!   agree by construction. Every rank reloads the whole prefix's pages it owns, any rank's file
+//!   read, checked against its own replay of the reference.
 
 use std::time::Instant;
 
@@ -13,20 +22,33 @@ use kvshard::pool::disk::{DiskConfig, DiskStore};
 
 use super::*;
 
-/// The storage directory: `KVSHARD_STORAGE_DIR`, else one under the system's temporary
+/// Where the step's directories go: `KVSHARD_STORAGE_DIR`, else the system's temporary
 /// directory (it must be a filesystem with O_DIRECT; tmpfs before Linux 6.6 is not).
-fn directory() -> std::path::PathBuf {
-    let base = std::env::var_os("KVSHARD_STORAGE_DIR")
+fn base() -> std::path::PathBuf {
+    std::env::var_os("KVSHARD_STORAGE_DIR")
         .map(std::path::PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
+        .unwrap_or_else(std::env::temp_dir)
+}
+
+/// The step's own directory, when every rank is in this process.
+fn directory() -> std::path::PathBuf {
     let nanos = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
-    base.join(format!(
+    base().join(format!(
         "kvshard-pressure-l3-{}-{nanos}",
         std::process::id()
     ))
 }
+
+/// The directory the rank processes started by process `parent` share (the parent makes it
+/// fresh before starting them and removes it after they exit).
+pub(crate) fn group_directory(parent: u32) -> std::path::PathBuf {
+    base().join(format!("kvshard-pressure-l3-group-{parent}"))
+}
+
+/// How long a rank waits for the other ranks' pages to be committed.
+const WAIT_FOR_GROUP: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Removes the step's directory when the step ends, however it ends.
 struct Cleanup(std::path::PathBuf);
@@ -48,12 +70,27 @@ impl Scenario {
         if let Err(e) = kvshard::transfer::nixl::load() {
             return Ok(vec![format!("storage: SKIPPED, no NIXL runtime ({e})")]);
         }
-        let dir = directory();
-        let _cleanup = Cleanup(dir.clone());
+        let writers = self.placement.shard();
+        let in_process = self.controllers.len() == writers as usize;
+        let (dir, _cleanup) = if in_process {
+            let dir = directory();
+            (dir.clone(), Some(Cleanup(dir)))
+        } else {
+            (group_directory(std::os::unix::process::parent_id()), None)
+        };
         let b = self.b.clone();
         let bk = b.as_ref();
         let pages = seed_node.device_pages.len() as u64;
-        let writers = self.controllers.len() as u32;
+        // The prefix's pages the ranks here own (each writes those).
+        let owned = seed_node
+            .device_pages
+            .iter()
+            .filter(|p| {
+                self.controllers
+                    .iter()
+                    .any(|c| self.placement.owner(**p) == c.device().rank())
+            })
+            .count();
         // The demo has no tokenizer: seeded synthetic token ids stand for the prefix's.
         let tokens: Vec<u32> = (0..prefix_tokens as u64)
             .map(|i| (self.seed.wrapping_mul(0x9E37_79B9).wrapping_add(i * 7919)) as u32)
@@ -80,9 +117,9 @@ impl Scenario {
         }
         let store_ms = started.elapsed().as_secs_f64() * 1e3;
         let written: usize = acks.iter().map(|a| a.pages).sum();
-        if written as u64 != pages || acks.iter().any(|a| !a.complete) {
+        if written != owned || acks.iter().any(|a| !a.complete) {
             return Err(Error::Verification(format!(
-                "storage: {written} of {pages} prefix pages written back ({acks:?})"
+                "storage: {written} of the {owned} prefix pages owned here written back ({acks:?})"
             )));
         }
         if self
@@ -94,8 +131,26 @@ impl Scenario {
                 "storage: the prefix is still on the host after its eviction".into(),
             ));
         }
-        // 2. Every rank agrees the whole prefix is in storage (rank 0's snapshot).
-        let snapshot = self.controllers[0].storage_snapshot_sync()?;
+        // 2. Every rank agrees the whole prefix is in storage: the first rank here takes
+        // snapshots (replaying the other writers' journals) until it covers the prefix, which
+        // with every rank here is at once; across processes, once every rank has written.
+        let waited = Instant::now();
+        let snapshot = loop {
+            let snapshot = self.controllers[0].storage_snapshot_sync()?;
+            let hit = self.controllers[0].storage_lookup_sync(&keys, &snapshot)?;
+            if hit as u64 == pages {
+                break snapshot;
+            }
+            if waited.elapsed() > WAIT_FOR_GROUP {
+                return Err(Error::Verification(format!(
+                    "storage: after {WAIT_FOR_GROUP:?} rank {}'s snapshot ({:?} records per writer) finds {hit} of {pages} prefix pages",
+                    self.controllers[0].device().rank(),
+                    snapshot.records()
+                )));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        };
+        let waited_ms = waited.elapsed().as_secs_f64() * 1e3;
         for c in self.controllers.iter_mut() {
             let hit = c.storage_lookup_sync(&keys, &snapshot)?;
             if hit as u64 != pages {
@@ -155,10 +210,19 @@ impl Scenario {
         }
         let check_ms = check.elapsed().as_secs_f64() * 1e3;
         self.evictable.push_back(node);
-        let bytes = pages * self.g.page_bytes() as u64;
+        let bytes = owned as u64 * self.g.page_bytes() as u64;
+        let agreed = if in_process {
+            format!("rank 0's snapshot finds all {pages} pages on every rank")
+        } else {
+            format!(
+                "rank {}'s snapshot ({:?} records per writer, {waited_ms:.1} ms after its own writes) finds all {pages} pages",
+                self.controllers[0].device().rank(),
+                snapshot.records()
+            )
+        };
         Ok(vec![
             format!(
-                "storage: the {pages}-page prefix evicted from the host pools to storage (NIXL POSIX on {queue}), each rank writing the pages it owns: {:.1} MB in {store_ms:.1} ms ({:.2} GB/s); rank 0's snapshot finds all {pages} pages on every rank",
+                "storage: the {pages}-page prefix evicted from the host pools to storage (NIXL POSIX on {queue}), each rank writing the pages it owns: {:.1} MB here in {store_ms:.1} ms ({:.2} GB/s); {agreed}",
                 bytes as f64 / 1e6,
                 bytes as f64 / store_ms.max(1e-3) / 1e6
             ),
