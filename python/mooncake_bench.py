@@ -132,8 +132,10 @@ class Shape:
 
     def ceiling(self, nbytes, iters, deadline):
         """Each rank's ``nbytes[r]`` as one contiguous range, registered buffer to registered
-        buffer, all ranks at once through the same engines: (mean engine post s per rank, wall
-        s from the first post to the last completion, timed iterations)."""
+        buffer, all ranks at once through the same engines: (mean engine post s per rank, the
+        best iteration's wall s from the first post to the last completion, timed iterations).
+        The best, not the mean: a ceiling is the fastest the path moved the bytes in this run
+        (a mean of three let a bounce row, the same one range per rank, pass it by noise)."""
         pages = -(-self.pages // self.n)
         src = [kvshard.BounceBuffer(self.device, self.g, pages) for _ in range(self.n)]
         dst = [kvshard.BounceBuffer(self.device, self.g, pages) for _ in range(self.n)]
@@ -141,7 +143,8 @@ class Shape:
             e.register(s)
         for d in dst:
             self.decode_engine.register(d)
-        post = wall = 0.0
+        post = 0.0
+        wall = float("inf")
         done = 0
         for i in range(iters + 1):
             if i > 1 and time.monotonic() > deadline:
@@ -159,13 +162,13 @@ class Shape:
                 rc = e.te.get_batch_transfer_status([batch])
                 assert rc == 0, f"ceiling transfer: {rc}"
             if i:
-                wall += time.perf_counter() - t0
+                wall = min(wall, time.perf_counter() - t0)
                 done = i
         for e, s in zip(self.engines, src):
             e.unregister(s)
         for d in dst:
             self.decode_engine.unregister(d)
-        return post / done / self.n, wall / done, done
+        return post / done / self.n, wall, done
 
     def close(self):
         for e in [self.decode_engine, *self.engines]:
@@ -275,7 +278,7 @@ def main():
             if copy is not None:
                 print(
                     f"| device copy | {n} | {pages} | - | {total / 1e6:.1f} | - | - | {copy * 1e3:.2f} | - | "
-                    f"{copy * 1e3:.2f} | {total / copy / 1e9:.2f} | {100 * total / copy / ceiling:.0f}% | {a.iters} |",
+                    f"{copy * 1e3:.2f} | {total / copy / 1e9:.2f} | - (another path: for scale) | {a.iters} |",
                     flush=True,
                 )
             shape.close()
