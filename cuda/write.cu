@@ -123,12 +123,11 @@ __device__ __forceinline__ void write_indexer_rows(uint64_t src_base, uint64_t d
 }
 
 /*
- * Window of the chunk a CTA compacts at once: WINDOW_GROUPS token groups (16,384 tokens, so the
- * chunks engines run are one window: the CTA's warps wait for each other only between
- * windows), in ballots of 32 tokens (GROUPS_PER_BALLOT groups) by one warp each. Its list of
- * owned groups takes 4 KB of shared memory.
+ * Window of the chunk a CTA compacts at once: WINDOW_GROUPS token groups (8,192 tokens), in
+ * ballots of 32 tokens (GROUPS_PER_BALLOT groups) by one warp each. Its list of owned groups
+ * takes 2 KB of shared memory.
  */
-constexpr uint32_t WINDOW_GROUPS = 2048;
+constexpr uint32_t WINDOW_GROUPS = 1024;
 constexpr uint32_t GROUPS_PER_BALLOT = 32 / WRITE_GROUP;
 constexpr uint32_t WINDOW_BALLOTS = WINDOW_GROUPS / GROUPS_PER_BALLOT;
 static_assert(WINDOW_BALLOTS % 32 == 0, "whole ballots per lane in the window's scan");
@@ -163,7 +162,7 @@ __device__ __forceinline__ int64_t owned_row(const kvs_write_rows_params& p, con
 
 /*
  * CTAs of the grid that take units: all of them up to 2^31 warps (no useful grid has more; the
- * rest leave at once), so a unit index (below 2^31: 2,048 groups x at most 2^20 pairs) plus the
+ * rest leave at once), so a unit index (below 2^30: 1,024 groups x at most 2^20 pairs) plus the
  * grid never wraps 32 bits. Recomputed where needed rather than kept across the copy loop,
  * whose registers are all spoken for.
  */
@@ -269,7 +268,7 @@ extern "C" __global__ void __launch_bounds__(KVS_WRITE_THREADS, WRITE_CTAS_PER_S
                     block_pairs /= 2;
                 }
                 const uint32_t pair_blocks = (p.num_pairs + block_pairs - 1) / block_pairs;
-                // At most WINDOW_GROUPS x num_pairs, below 2^31 (the host bounds the pairs).
+                // At most WINDOW_GROUPS x num_pairs: 32 bits (the host bounds the pairs).
                 const uint32_t units = before * pair_blocks;
                 s_block_pairs = block_pairs;
                 s_pair_blocks = pair_blocks;

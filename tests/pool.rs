@@ -565,7 +565,7 @@ common::on_cpu_and_gpu!(write_path_persists_owned_rows_only, |device| {
     assert!(pool.snapshot_sync(b).unwrap() == device.snapshot_sync(b).unwrap());
 });
 
-// The write lists, per window of 16,384 tokens, the token groups the rank owns and deals their
+// The write lists, per window of 8,192 tokens, the token groups the rank owns and deals their
 // units round robin over the grid's warps, in blocks of 4, 2 or 1 layer pairs by how much owned
 // work there is. Chunks of whole pages (a group is one rank's) and of random slots (a group
 // mixes ranks, padding included), within one window and across two or three, odd sizes, at
@@ -592,13 +592,13 @@ common::on_cpu_and_gpu!(write_path_lists_owned_groups_across_windows, |device| {
         }),
     ];
     for (n, tokens, whole_pages) in [
-        (1u32, 16384usize + 777, false),
+        (1u32, 8192usize + 777, false),
         (1, 4096 + 1, true),
-        (4, 2 * 16384 + 65, true),
+        (4, 2 * 8192 + 65, true),
         (4, 8192 + 9, false),
         (8, 4096 + 13, true),
-        (8, 16384 + 8 * 64 + 3, true),
-        (8, 3 * 16384 - 5, false),
+        (8, 8192 + 8 * 64 + 3, true),
+        (8, 3 * 8192 - 5, false),
     ] {
         let pages = tokens.div_ceil(64 * n as usize) + 3;
         let slots = if whole_pages {
@@ -637,10 +637,10 @@ common::on_cpu_and_gpu!(write_path_reports_a_bad_slot_in_a_later_window, |device
     let (b, mut rng) = (device.stream(), device.rng());
     let b = b.as_ref();
     let (g, n, rank) = (&geometries()[0], 4u32, 1u32);
-    let tokens = 16384usize + 300;
+    let tokens = 8192usize + 300;
     let pages = tokens.div_ceil(64 * n as usize) + 3;
     let mut slots = chunk_slots_of(&mut rng, n, pages, tokens, false);
-    let bad = 16384 + 17;
+    let bad = 8192 + 17;
     let limit = (pages * 64 * n as usize) as i64;
     slots[bad] = limit + 5;
     for launch in [

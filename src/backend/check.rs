@@ -161,7 +161,7 @@ pub(crate) fn copy_blocks_inline(p: &abi::kvs_copy_blocks_inline_params) -> Resu
 /// Most slots of one owned-row write: the kernel counts token groups and windows in 32 bits.
 const WRITE_MAX_SLOTS: u64 = 1 << 32;
 /// Most (layer, component) pairs of one owned-row write: the kernel counts a window's units
-/// (at most 2,048 groups x pairs) in 32 bits, below 2^31. A model has a few hundred.
+/// (at most 1,024 groups x pairs) in 32 bits. A model has a few hundred.
 const WRITE_MAX_PAIRS: u32 = 1 << 20;
 
 pub(crate) fn write_rows(p: &abi::kvs_write_rows_params) -> Result<()> {
