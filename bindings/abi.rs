@@ -71,8 +71,8 @@ const _: () = {
  skipped units take more and the grid ends together. The counter is never reset: every launch
  adds exactly units + (warps in the grid) to it, so the host (which launches on one stream)
  passes the running total as `base`. counter == 0 selects plain grid-stride assignment.
- (kvs_copy_blocks gains from it; kvs_write_rows lists its owned units in every CTA and deals
- them round robin instead, with no counter.)*/
+ (kvs_copy_blocks gains from it; kvs_write_rows, whose units are mostly skipped after one slot
+ read, loses to counter contention, so its host launches it with counter == 0.)*/
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
 pub struct kvs_work_queue {
@@ -646,13 +646,14 @@ pages 0..shard, are reported and skipped*/
     pub shard: u32,
     pub rank: u32,
     pub num_components: u32,
+    pub work: kvs_work_queue,
     pub status: kvs_status,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
     [
         "Size of kvs_write_rows_params",
-    ][::std::mem::size_of::<kvs_write_rows_params>() - 104usize];
+    ][::std::mem::size_of::<kvs_write_rows_params>() - 120usize];
     [
         "Alignment of kvs_write_rows_params",
     ][::std::mem::align_of::<kvs_write_rows_params>() - 8usize];
@@ -687,8 +688,11 @@ const _: () = {
         "Offset of field: kvs_write_rows_params::num_components",
     ][::std::mem::offset_of!(kvs_write_rows_params, num_components) - 84usize];
     [
+        "Offset of field: kvs_write_rows_params::work",
+    ][::std::mem::offset_of!(kvs_write_rows_params, work) - 88usize];
+    [
         "Offset of field: kvs_write_rows_params::status",
-    ][::std::mem::offset_of!(kvs_write_rows_params, status) - 88usize];
+    ][::std::mem::offset_of!(kvs_write_rows_params, status) - 104usize];
 };
 /// One contiguous byte range to copy.
 #[repr(C)]

@@ -46,9 +46,8 @@
 #define KVS_INDEXER_INPUT_ROW_BYTES 256
 /* Target latent, target indexer, draft latent, draft indexer. */
 #define KVS_MAX_COMPONENTS 4
-/* kvs_write_rows units: a group of tokens x a block of up to KVS_WRITE_PAIR_BLOCK (layer,
-   component) pairs (fewer when the rank owns little of the chunk). The host sizes grids with the
-   same numbers. */
+/* kvs_write_rows units: a group of tokens x a block of (layer, component) pairs. The host counts
+   units with the same numbers (kvs_work_queue bases, grids). */
 #define KVS_WRITE_GROUP 8
 #define KVS_WRITE_PAIR_BLOCK 4
 /* kvs_resolve: entries per tile (one CTA each), and uint64 nodes per 128-byte line of tile
@@ -122,8 +121,8 @@ typedef struct kvs_status {
  * skipped units take more and the grid ends together. The counter is never reset: every launch
  * adds exactly units + (warps in the grid) to it, so the host (which launches on one stream)
  * passes the running total as `base`. counter == 0 selects plain grid-stride assignment.
- * (kvs_copy_blocks gains from it; kvs_write_rows lists its owned units in every CTA and deals
- * them round robin instead, with no counter.)
+ * (kvs_copy_blocks gains from it; kvs_write_rows, whose units are mostly skipped after one slot
+ * read, loses to counter contention, so its host launches it with counter == 0.)
  */
 typedef struct kvs_work_queue {
     uint64_t counter; /**< device address of a uint64 counter */
@@ -318,6 +317,7 @@ typedef struct kvs_write_rows_params {
     uint32_t shard;
     uint32_t rank;
     uint32_t num_components;
+    kvs_work_queue work;
     kvs_status status;
 } kvs_write_rows_params;
 
@@ -393,7 +393,7 @@ KVS_STATIC_ASSERT(sizeof(kvs_copy_blocks_inline_params) == 288 + KVS_COPY_INLINE
                   "kvs_copy_blocks_inline_params");
 KVS_STATIC_ASSERT(sizeof(kvs_copy_blocks_inline_params) <= 32764, "the parameter space of sm_70+");
 KVS_STATIC_ASSERT(KVS_COPY_INLINE_BYTES % 8 == 0, "whole uint64 words");
-KVS_STATIC_ASSERT(sizeof(kvs_write_rows_params) == 104, "kvs_write_rows_params");
+KVS_STATIC_ASSERT(sizeof(kvs_write_rows_params) == 120, "kvs_write_rows_params");
 KVS_STATIC_ASSERT(sizeof(kvs_range) == 24, "kvs_range");
 KVS_STATIC_ASSERT(sizeof(kvs_copy_ranges_params) == 32, "kvs_copy_ranges_params");
 KVS_STATIC_ASSERT(sizeof(kvs_bench_add_params) == 32, "kvs_bench_add_params");

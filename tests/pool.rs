@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use common::synth::{self, POISON};
 use kvshard::backend::cpu::CpuBackend;
-use kvshard::backend::{upload_i64s_sync, Backend, Buffer, KernelFamily, Launch, MemoryKind};
+use kvshard::backend::{upload_i64s_sync, Backend, Buffer, Launch, MemoryKind};
 use kvshard::copy::{BlockCopy, BlockCopyPlan, BlockSpace, PageSelection, Staging};
 use kvshard::geometry::{
     CacheGeometry, Component, LatentLayout, PoolGeometry, INDEXER_HEAD_DIM, INDEXER_PAGE_BYTES,
@@ -366,8 +366,6 @@ fn cpu_entry_windows_and_single_layers_compose_the_whole_copy() {
 enum Slots {
     /// The engine's device buffer, padding (-1) included, with kvshard's grid or `ctas` CTAs.
     Device { ctas: Option<u32> },
-    /// The device buffer, with exactly this grid.
-    Grid(Launch),
     /// Checked on the host (no padding allowed).
     Checked,
 }
@@ -382,21 +380,8 @@ fn write_chunk(
     slots: &[i64],
     how: Slots,
 ) -> (Arc<DevicePool>, Arc<ChunkStaging>) {
-    write_chunk_into(b, g, n, rank, 24, slots, how)
-}
-
-/// [`write_chunk`] into a pool of `pages` pages.
-fn write_chunk_into(
-    b: &dyn Backend,
-    g: &CacheGeometry,
-    n: u32,
-    rank: u32,
-    pages: u64,
-    slots: &[i64],
-    how: Slots,
-) -> (Arc<DevicePool>, Arc<ChunkStaging>) {
     let placement = Placement::new(n).unwrap();
-    let pool = Arc::new(DevicePool::allocate(b, g, placement, rank, pages).unwrap());
+    let pool = Arc::new(DevicePool::allocate(b, g, placement, rank, 24).unwrap());
     pool.fill(b, POISON).unwrap();
     let staging = Arc::new(ChunkStaging::new(b, &pool, slots.len()).unwrap());
     b.write_sync(
@@ -413,18 +398,6 @@ fn write_chunk_into(
                 Some(ctas) => Launch { ctas, threads: 512 },
                 None => write.launch(b, slots.len()),
             };
-            // kvshard's grid is at most one resident wave: every CTA scans all the slots.
-            if let Some(resident) = b.resident_ctas(KernelFamily::WriteRows, launch.threads) {
-                assert!(
-                    ctas.is_some() || launch.ctas <= resident,
-                    "{launch:?} > {resident}"
-                );
-            }
-            write.run(b, &buf, slots.len(), launch).unwrap();
-            b.synchronize().unwrap();
-        }
-        Slots::Grid(launch) => {
-            let buf = upload_i64s_sync(b, slots).unwrap();
             write.run(b, &buf, slots.len(), launch).unwrap();
             b.synchronize().unwrap();
         }
@@ -441,19 +414,8 @@ fn write_chunk_into(
 /// Distinct random logical slots of `n` ranks of 24 pages, skipping the reserved pages; every
 /// eleventh is padding (-1) when `padding`.
 fn chunk_slots(rng: &mut impl Rng, n: u32, tokens: usize, padding: bool) -> Vec<i64> {
-    chunk_slots_of(rng, n, 24, tokens, padding)
-}
-
-/// [`chunk_slots`] of ranks of `pages` pages.
-fn chunk_slots_of(
-    rng: &mut impl Rng,
-    n: u32,
-    pages: usize,
-    tokens: usize,
-    padding: bool,
-) -> Vec<i64> {
     let reserved = 64 * n as usize;
-    let perm = synth::permutation(rng, pages * 64 * n as usize - reserved);
+    let perm = synth::permutation(rng, 24 * 64 * n as usize - reserved);
     (0..tokens)
         .map(|i| {
             if padding && i % 11 == 10 {
@@ -462,15 +424,6 @@ fn chunk_slots_of(
                 perm[i] + reserved as i64
             }
         })
-        .collect()
-}
-
-/// A chunk of whole pages at random non-reserved logical pages of `n` ranks of `pages` pages
-/// (the benchmark's shape: a group of 8 tokens is one rank's), cut to `tokens` tokens.
-fn page_slots(rng: &mut impl Rng, n: u32, pages: usize, tokens: usize) -> Vec<i64> {
-    let perm = synth::permutation(rng, pages * n as usize - n as usize);
-    (0..tokens)
-        .map(|i| (perm[i / 64] + i64::from(n)) * 64 + (i % 64) as i64)
         .collect()
 }
 
@@ -563,124 +516,6 @@ common::on_cpu_and_gpu!(write_path_persists_owned_rows_only, |device| {
     check_owned_rows(b, &pool, &staging, &slots);
     let (device, _) = write_chunk(b, g, n, rank, &slots, Slots::Device { ctas: Some(1) });
     assert!(pool.snapshot_sync(b).unwrap() == device.snapshot_sync(b).unwrap());
-});
-
-// The write lists, per window of 8,192 tokens, the token groups the rank owns and deals their
-// units round robin over the grid's warps, in blocks of 4, 2 or 1 layer pairs by how much owned
-// work there is. Chunks of whole pages (a group is one rank's) and of random slots (a group
-// mixes ranks, padding included), within one window and across two or three, odd sizes, at
-// N = 1, 4 and 8 (every rank of N = 4), with kvshard's grid, one CTA of one warp, a few CTAs,
-// and more CTAs than units: exactly the owned rows land, over poison, and every grid writes
-// the same pool.
-common::on_cpu_and_gpu!(write_path_lists_owned_groups_across_windows, |device| {
-    let (b, mut rng) = (device.stream(), device.rng());
-    let b = b.as_ref();
-    let g = &geometries()[0];
-    let grids = [
-        Slots::Device { ctas: None },
-        Slots::Grid(Launch {
-            ctas: 1,
-            threads: 32,
-        }),
-        Slots::Grid(Launch {
-            ctas: 3,
-            threads: 96,
-        }),
-        Slots::Grid(Launch {
-            ctas: 2000,
-            threads: 512,
-        }),
-    ];
-    for (n, tokens, whole_pages) in [
-        (1u32, 8192usize + 777, false),
-        (1, 4096 + 1, true),
-        (4, 2 * 8192 + 65, true),
-        (4, 8192 + 9, false),
-        (8, 4096 + 13, true),
-        (8, 8192 + 8 * 64 + 3, true),
-        (8, 3 * 8192 - 5, false),
-    ] {
-        let pages = tokens.div_ceil(64 * n as usize) + 3;
-        let slots = if whole_pages {
-            page_slots(&mut rng, n, pages, tokens)
-        } else {
-            chunk_slots_of(&mut rng, n, pages, tokens, true)
-        };
-        let ranks: Vec<u32> = if n == 4 {
-            (0..n).collect()
-        } else {
-            vec![0, n - 1]
-        };
-        for rank in ranks {
-            let mut first: Option<Vec<u8>> = None;
-            for how in grids {
-                let (pool, staging) = write_chunk_into(b, g, n, rank, pages as u64, &slots, how);
-                let snapshot = pool.snapshot_sync(b).unwrap();
-                match &first {
-                    None => {
-                        check_owned_rows(b, &pool, &staging, &slots);
-                        first = Some(snapshot);
-                    }
-                    Some(want) => assert!(
-                        *want == snapshot,
-                        "N={n} rank {rank} {tokens} tokens: {how:?} wrote another pool"
-                    ),
-                }
-            }
-        }
-    }
-});
-
-// A bad slot in a later window (beyond the logical capacity) is reported at its position, once,
-// whatever the grid, and writes nothing; the owned rows around it still land.
-common::on_cpu_and_gpu!(write_path_reports_a_bad_slot_in_a_later_window, |device| {
-    let (b, mut rng) = (device.stream(), device.rng());
-    let b = b.as_ref();
-    let (g, n, rank) = (&geometries()[0], 4u32, 1u32);
-    let tokens = 8192usize + 300;
-    let pages = tokens.div_ceil(64 * n as usize) + 3;
-    let mut slots = chunk_slots_of(&mut rng, n, pages, tokens, false);
-    let bad = 8192 + 17;
-    let limit = (pages * 64 * n as usize) as i64;
-    slots[bad] = limit + 5;
-    for launch in [
-        Launch {
-            ctas: 7,
-            threads: 512,
-        },
-        Launch {
-            ctas: 1,
-            threads: 64,
-        },
-    ] {
-        let placement = Placement::new(n).unwrap();
-        let pool = Arc::new(DevicePool::allocate(b, g, placement, rank, pages as u64).unwrap());
-        pool.fill(b, POISON).unwrap();
-        let staging = Arc::new(ChunkStaging::new(b, &pool, tokens).unwrap());
-        b.write_sync(
-            staging.buffer(),
-            0,
-            &synth::bytes(&mut seeded(11), staging.buffer().len()),
-        )
-        .unwrap();
-        let write =
-            OwnedRowWrite::prepare_sync(b, staging.clone(), pool.clone(), |_| true).unwrap();
-        let buf = upload_i64s_sync(b, &slots).unwrap();
-        write.run(b, &buf, tokens, launch).unwrap();
-        match b.synchronize() {
-            Err(Error::KernelRejected { kernel, position }) => {
-                assert_eq!(
-                    (kernel, position),
-                    ("kvs_write_rows", bad as u64),
-                    "{launch:?}"
-                );
-            }
-            other => panic!("{launch:?}: the bad slot was not reported: {other:?}"),
-        }
-        let mut good = slots.clone();
-        good[bad] = -1;
-        check_owned_rows(b, &pool, &staging, &good);
-    }
 });
 
 #[test]

@@ -158,22 +158,8 @@ pub(crate) fn copy_blocks_inline(p: &abi::kvs_copy_blocks_inline_params) -> Resu
     Ok(())
 }
 
-/// Most slots of one owned-row write: the kernel counts token groups and windows in 32 bits.
-const WRITE_MAX_SLOTS: u64 = 1 << 32;
-/// Most (layer, component) pairs of one owned-row write: the kernel counts a window's units
-/// (at most 1,024 groups x pairs) in 32 bits. A model has a few hundred.
-const WRITE_MAX_PAIRS: u32 = 1 << 20;
-
 pub(crate) fn write_rows(p: &abi::kvs_write_rows_params) -> Result<()> {
     check_shard(p.shard, p.rank)?;
-    if p.num_slots >= WRITE_MAX_SLOTS || p.num_pairs > WRITE_MAX_PAIRS {
-        return invalid(format!(
-            "an owned-row write of {} slots and {} layer pairs (at most {} and {WRITE_MAX_PAIRS})",
-            p.num_slots,
-            p.num_pairs,
-            WRITE_MAX_SLOTS - 1
-        ));
-    }
     if p.num_components as usize > p.components.len() {
         return invalid(format!(
             "{} components (at most {})",

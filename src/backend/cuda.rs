@@ -215,16 +215,6 @@ impl Backend for CudaBackend {
             .min(super::compiled_max_threads(family))
     }
 
-    fn resident_ctas(&self, family: KernelFamily, threads: u32) -> Option<u32> {
-        let kernel = match family {
-            KernelFamily::Copy => crate::gpu::Kernel::CopyBlocks,
-            KernelFamily::WriteRows => crate::gpu::Kernel::WriteRows,
-        };
-        // An occupancy the driver cannot say leaves the grid to the caller's unit count.
-        let per_sm = self.gpu.occupancy(kernel, threads).ok()?;
-        Some(per_sm.max(1).saturating_mul(self.gpu.info().sm_count))
-    }
-
     fn alloc(&self, len: usize, kind: MemoryKind) -> Result<Buffer> {
         let oom = |e: Error| match e {
             Error::Driver { source, .. }
@@ -514,6 +504,10 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         p.status = self.begin(kernels::WRITE_ROWS)?;
+        // Grid-stride units, no work queue: most units of a sharded write are skipped after one
+        // slot read, and warps racing one counter for them measured slower than a grid of one
+        // warp per unit (BENCHMARKS.md).
+        p.work = abi::kvs_work_queue::default();
         // SAFETY: as above.
         unsafe { self.launch(kernels::WRITE_ROWS, launch.ctas, launch.threads, &p) }
     }

@@ -366,15 +366,6 @@ pub trait Backend: Send + Sync {
     /// Most threads per CTA the kernels of `family` may be launched with on this device.
     fn max_threads(&self, family: KernelFamily) -> u32;
 
-    /// CTAs of `threads` threads of `family`'s kernel resident on the whole device at once
-    /// (SMs x CTAs per SM), where that bounds a useful grid: `kvs_write_rows` has every CTA scan
-    /// the chunk's slots, so CTAs beyond one resident wave only repeat the scan. None where
-    /// the grid does not run concurrently (the CPU twin runs a launch as one loop).
-    fn resident_ctas(&self, family: KernelFamily, threads: u32) -> Option<u32> {
-        let _ = (family, threads);
-        None
-    }
-
     /// Checks `buffer` belongs to this backend's address space; `what` names it in the error.
     fn check(&self, buffer: &Buffer, what: &str) -> Result<()> {
         check_space(self.address_space(), buffer.space(), what)

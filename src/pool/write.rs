@@ -1,8 +1,7 @@
 //! The owned-row write path (docs/design.md, "Prefill"): a prefill chunk is staged whole in
 //! scratch, then only the rows this rank owns are persisted to its local rows, for every
 //! selected layer of target and draft, latent and indexer, in one `kvs_write_rows` launch that
-//! does the owner filtering itself: each CTA lists the token groups this rank owns and the grid
-//! is spent on those only.
+//! does the owner filtering itself.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -152,6 +151,7 @@ impl OwnedRowWrite {
             shard: placement.shard(),
             rank: pool.rank(),
             num_components: pool.components().len() as u32,
+            work: abi::kvs_work_queue::default(),
             status: abi::kvs_status::default(),
         };
         Ok(Self {
@@ -174,19 +174,15 @@ impl OwnedRowWrite {
     }
 
     /// The grid kvshard picks for a chunk of `n` tokens on `backend`: one warp per unit (a group
-    /// of 8 tokens x a block of 4 layer pairs; see cuda/write.cu) as if this rank owned every
-    /// token, capped to one resident wave (every CTA scans the chunk's slots and lists the
-    /// groups this rank owns, then the grid's warps share the owned units, so a CTA beyond what
-    /// is resident would only scan again).
+    /// of 8 tokens x a block of 4 layer pairs; see cuda/copy.cu), so that the hardware's CTA
+    /// scheduler balances the load between units this rank owns and units it skips after one
+    /// slot read.
     pub fn launch(&self, backend: &dyn Backend, n: usize) -> Launch {
         let threads = backend.max_threads(KernelFamily::WriteRows);
         let warps = u64::from(threads / 32).max(1);
         let units = crate::backend::write_units(n as u64, self.params.num_pairs);
-        let resident = backend
-            .resident_ctas(KernelFamily::WriteRows, threads)
-            .map_or(u64::from(u32::MAX), u64::from);
         Launch {
-            ctas: units.div_ceil(warps).clamp(1, resident.max(1)) as u32,
+            ctas: units.div_ceil(warps).clamp(1, u64::from(u32::MAX)) as u32,
             threads,
         }
     }
