@@ -81,7 +81,9 @@ pub fn load() -> Result<()> {
         .map_err(|why| Error::NixlUnavailable { why })
 }
 
-fn dlerror() -> String {
+/// The dynamic loader's last error on this thread (the NIXL runtime and cuFile are both loaded
+/// with `dlopen`).
+pub(crate) fn dlerror() -> String {
     // SAFETY: dlerror returns null or a NUL-terminated string valid until the next dl* call on
     // this thread, copied out at once.
     unsafe {

@@ -129,13 +129,7 @@ pub fn prefix_row(
         pages + 1,
         HostLayout::PageFirstDirect,
     )?);
-    let s = Streams {
-        load: streams()?,
-        backup: streams()?,
-        load_relayout: streams()?,
-        backup_relayout: streams()?,
-        tables: streams()?,
-    };
+    let s = Streams::each(streams)?;
     let mut c = HiCacheController::new(device.clone(), host.clone(), s, WritePolicy::WriteThrough)?;
     c.prepare_staging()?;
     let mut cfg = DiskConfig::new(dir, 0, 1, pages);

@@ -202,6 +202,19 @@ pub struct Streams {
     pub tables: Arc<dyn Backend>,
 }
 
+impl Streams {
+    /// Five streams, each made by `stream` in turn (load, backup, the two relayouts, tables).
+    pub fn each(mut stream: impl FnMut() -> Result<Arc<dyn Backend>>) -> Result<Self> {
+        Ok(Self {
+            load: stream()?,
+            backup: stream()?,
+            load_relayout: stream()?,
+            backup_relayout: stream()?,
+            tables: stream()?,
+        })
+    }
+}
+
 impl std::fmt::Debug for Streams {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Streams")

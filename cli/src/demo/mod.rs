@@ -249,13 +249,7 @@ pub(crate) fn write_through_controllers(
                 host_pages,
                 HostLayout::PageFirstDirect,
             )?);
-            let s = Streams {
-                load: streams()?,
-                backup: streams()?,
-                load_relayout: streams()?,
-                backup_relayout: streams()?,
-                tables: streams()?,
-            };
+            let s = Streams::each(streams)?;
             let mut c = HiCacheController::new(pool.clone(), host, s, WritePolicy::WriteThrough)?;
             if matches!(route, Route::Staged(_)) {
                 c.prepare_staging()?;

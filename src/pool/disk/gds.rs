@@ -28,7 +28,7 @@ use nixl_sys::{
 use super::layout::storage;
 use crate::backend::{Backend, Buffer, MemoryKind};
 use crate::error::{Error, Result, StorageFailure};
-use crate::nixl::{load, nixl_error, Region};
+use crate::nixl::{dlerror, load, nixl_error, Region};
 
 /// Most descriptors one request has in flight (below the 256 that hang published GDS runs).
 pub const MAX_IN_FLIGHT: usize = 128;
@@ -63,19 +63,6 @@ pub struct GdsCeiling {
 struct CuFileError {
     err: i32,
     cu_err: i32,
-}
-
-fn dlerror() -> String {
-    // SAFETY: dlerror returns null or a NUL-terminated string valid until the next dl* call on
-    // this thread, copied out at once.
-    unsafe {
-        let e = libc::dlerror();
-        if e.is_null() {
-            "unknown error".into()
-        } else {
-            std::ffi::CStr::from_ptr(e).to_string_lossy().into_owned()
-        }
-    }
 }
 
 fn unavailable(reason: String) -> Error {
