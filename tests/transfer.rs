@@ -1835,3 +1835,40 @@ fn every_copy_method_copies_the_same_bytes() {
     let t = BackendTransport::new(b.clone());
     assert!(matches!(t.method(), Method::Kernel(_)), "{t:?}");
 }
+
+#[test]
+fn a_transport_without_device_timing_moves_the_same_bytes_and_still_counts_its_chunks() {
+    // `set_device_timing(false)` records untimed events only: the bytes, the completion and the
+    // stats' chunk count and transfer time (from the host clock) must be as with timing on.
+    let mut rng = common::rng(
+        "a_transport_without_device_timing_moves_the_same_bytes_and_still_counts_its_chunks",
+    );
+    let b: Arc<dyn Backend> = Arc::new(CpuBackend::new());
+    let (src, dst, plan) = exec_setup(b.as_ref());
+    let storage = src.storage().unwrap();
+    b.write_sync(storage, 0, &synth::bytes(&mut rng, storage.len()))
+        .unwrap();
+    let remote = Arc::new(RemoteSpace::of(dst.clone(), exec_geometry()).unwrap());
+    for method in METHODS {
+        let mut images = Vec::new();
+        for timing in [true, false] {
+            dst.fill(b.as_ref(), POISON).unwrap();
+            let mut t = BackendTransport::with_method(b.clone(), method).unwrap();
+            t.set_device_timing(timing);
+            let mut done = t.submit(&plan, &src, &remote).unwrap();
+            done.wait_sync().unwrap();
+            assert!(done.poll().unwrap(), "{method}: landed after wait_sync");
+            let stats = t.stats().unwrap().snapshot();
+            assert_eq!(stats.chunks, 1, "{method}, timing {timing}");
+            images.push(dst.snapshot_sync(b.as_ref()).unwrap());
+        }
+        assert!(
+            images[0] == images[1],
+            "{method}: timing off moved other bytes than timing on"
+        );
+        assert!(
+            images[1].iter().any(|&x| x != POISON),
+            "{method}: nothing moved"
+        );
+    }
+}
