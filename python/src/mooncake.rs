@@ -33,7 +33,7 @@ use crate::geometry::PyCacheGeometry;
 use crate::host_pool::PyHostPool;
 use crate::lock::lock;
 use crate::shard::logical;
-use crate::transfer::{PyChunkStatus, PyRegistration};
+use crate::transfer::{poll_held, wait_held, PyChunkStatus, PyRegistration};
 
 /// How a `MooncakeSender` hands out each chunk.
 #[pyclass(
@@ -614,20 +614,13 @@ impl PyMooncakeChunk {
     /// failure (reported, or the transfer timeout passing first) raises `ChunkFailedError`
     /// (its `status` is what to deliver).
     fn poll(&self, py: Python<'_>) -> PyResult<Option<PyChunkStatus>> {
-        let status = py.detach(|| lock(&self.pending).as_mut().map(|p| p.poll()));
-        Ok(status
-            .ok_or_else(|| invalid("the chunk was already waited for"))?
-            .py_err()?
-            .map(PyChunkStatus))
+        poll_held(py, &self.pending)
     }
 
     /// Waits (at most the transfer timeout) until the engine reports the chunk and returns its
     /// status (once).
     fn wait(&self, py: Python<'_>) -> PyResult<PyChunkStatus> {
-        let p = lock(&self.pending)
-            .take()
-            .ok_or_else(|| invalid("the chunk was already waited for"))?;
-        Ok(PyChunkStatus(py.detach(|| p.wait_sync()).py_err()?))
+        wait_held(py, &self.pending)
     }
 }
 

@@ -316,24 +316,41 @@ pub struct PyPendingChunk {
     holds: (Py<PyDevicePool>, Py<PyRemoteSpace>),
 }
 
+/// `poll` of a chunk held until it is waited for (every transport's Python chunk): its status
+/// once landed, None while it moves, a failure as `ChunkFailedError`; the GIL released.
+pub(crate) fn poll_held(
+    py: Python<'_>,
+    held: &Mutex<Option<PendingChunk>>,
+) -> PyResult<Option<PyChunkStatus>> {
+    let status = py.detach(|| lock(held).as_mut().map(|p| p.poll()));
+    Ok(status
+        .ok_or_else(|| invalid("the chunk was already waited for"))?
+        .py_err()?
+        .map(PyChunkStatus))
+}
+
+/// `wait` of a chunk held until it is waited for: takes it and waits (the GIL released), once.
+pub(crate) fn wait_held(
+    py: Python<'_>,
+    held: &Mutex<Option<PendingChunk>>,
+) -> PyResult<PyChunkStatus> {
+    let p = lock(held)
+        .take()
+        .ok_or_else(|| invalid("the chunk was already waited for"))?;
+    Ok(PyChunkStatus(py.detach(|| p.wait_sync()).py_err()?))
+}
+
 #[pymethods]
 impl PyPendingChunk {
     /// The chunk's status once it has landed, None while it is moving; a failure raises
     /// `ChunkFailedError` (its `status` is what to deliver).
     fn poll(&self, py: Python<'_>) -> PyResult<Option<PyChunkStatus>> {
-        let status = py.detach(|| lock(&self.inner).as_mut().map(|p| p.poll()));
-        Ok(status
-            .ok_or_else(|| invalid("the chunk was already waited for"))?
-            .py_err()?
-            .map(PyChunkStatus))
+        poll_held(py, &self.inner)
     }
 
     /// Waits until the chunk has landed and returns its status (once).
     fn wait(&self, py: Python<'_>) -> PyResult<PyChunkStatus> {
-        let p = lock(&self.inner)
-            .take()
-            .ok_or_else(|| invalid("the chunk was already waited for"))?;
-        Ok(PyChunkStatus(py.detach(|| p.wait_sync()).py_err()?))
+        wait_held(py, &self.inner)
     }
 
     /// Request id.
