@@ -15,9 +15,10 @@
 //!   (any allocation, synchronization or free does the sweep). Nothing blocks the host or the
 //!   device to free memory.
 //!
-//! Granularity is the usage: one allocation, or one whole space (a pool). Two accesses to
-//! different pages of one pool on two streams are still ordered; docs/design.md says why that
-//! is the trade kvshard makes.
+//! Granularity is the usage (one allocation, or one whole space: a pool), narrowed to pages
+//! where the work knows them ([`Pages`], [`ordered_pages`]: HiCache's copies name the pages of
+//! the two pools they touch), so work of two streams on other pages of one pool is not
+//! ordered; docs/design.md says where kvshard names pages and where the whole memory.
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -40,40 +41,112 @@ pub enum StreamId {
     Cuda(u64),
 }
 
+/// Which pages of a space an access touches: all of them, or the listed local pages (sorted,
+/// distinct). A page stands for every byte of it in every component and layer of the space.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Pages {
+    /// The whole memory (every access that names no pages).
+    All,
+    /// These local pages only.
+    Some(Arc<[u64]>),
+}
+
+impl Pages {
+    /// The pages `pages` names, in any order, repeats allowed.
+    pub(crate) fn of(pages: impl IntoIterator<Item = u64>) -> Self {
+        let mut v: Vec<u64> = pages.into_iter().collect();
+        v.sort_unstable();
+        v.dedup();
+        Pages::Some(v.into())
+    }
+
+    /// Whether the two share a page.
+    fn meets(&self, other: &Pages) -> bool {
+        let (Pages::Some(a), Pages::Some(b)) = (self, other) else {
+            return true;
+        };
+        let (mut i, mut j) = (0, 0);
+        while i < a.len() && j < b.len() {
+            match a[i].cmp(&b[j]) {
+                std::cmp::Ordering::Less => i += 1,
+                std::cmp::Ordering::Greater => j += 1,
+                std::cmp::Ordering::Equal => return true,
+            }
+        }
+        false
+    }
+
+    /// Whether every page of `other` is one of these.
+    fn covers(&self, other: &Pages) -> bool {
+        match (self, other) {
+            (Pages::All, _) => true,
+            (Pages::Some(_), Pages::All) => false,
+            (Pages::Some(a), Pages::Some(b)) => b.iter().all(|p| a.binary_search(p).is_ok()),
+        }
+    }
+}
+
+/// One access: the event after the work of `stream` that made it, and the pages it touched.
+struct Access {
+    stream: StreamId,
+    event: Event,
+    pages: Pages,
+}
+
 /// The events of the last accesses to some memory.
 #[derive(Default)]
 struct Accesses {
-    /// At most one event per stream: later work on a stream completes after earlier work.
-    reads: Vec<(StreamId, Event)>,
-    writes: Vec<(StreamId, Event)>,
+    /// Later work on a stream completes after earlier work, so an access stands for the earlier
+    /// accesses of its stream to pages it covers: at most one whole-memory access per stream,
+    /// and accesses of some pages only while their work is queued.
+    reads: Vec<Access>,
+    writes: Vec<Access>,
     /// Work was enqueued whose event could not be recorded (a failing device): when it
     /// completes is unknown, so the memory is never freed.
     unknown: bool,
 }
 
 impl Accesses {
-    /// Events other streams recorded that work of `stream` must wait for: writes, and for a
-    /// write also reads.
-    fn conflicts(&self, stream: StreamId, write: bool, into: &mut Vec<Event>) {
+    /// Events other streams recorded that work of `stream` on `pages` must wait for: writes,
+    /// and for a write also reads, of a page it touches.
+    fn conflicts(&self, stream: StreamId, write: bool, pages: &Pages, into: &mut Vec<Event>) {
         let reads = if write { &self.reads[..] } else { &[] };
-        for (s, e) in self.writes.iter().chain(reads) {
-            if *s != stream && !into.contains(e) {
-                into.push(e.clone());
+        for a in self.writes.iter().chain(reads) {
+            if a.stream != stream && a.pages.meets(pages) && !into.contains(&a.event) {
+                into.push(a.event.clone());
             }
         }
     }
 
-    fn record(&mut self, stream: StreamId, event: &Event, write: bool) {
-        if write {
+    fn record(&mut self, stream: StreamId, event: &Event, write: bool, pages: &Pages) {
+        if write && *pages == Pages::All {
             // The write waited for every other stream's access, so its event completes after
             // all of them: it alone stands for them from now on.
             self.reads.clear();
             self.writes.clear();
-            self.writes.push((stream, event.clone()));
         } else {
-            self.reads.retain(|(s, _)| *s != stream);
-            self.reads.push((stream, event.clone()));
+            let list = if write {
+                &mut self.writes
+            } else {
+                &mut self.reads
+            };
+            list.retain(|a| !(a.stream == stream && pages.covers(&a.pages)));
+            if *pages != Pages::All {
+                // Accesses of some pages accumulate across streams; those whose work has run
+                // order nothing any more (an error keeps them: waiting longer is safe).
+                list.retain(|a| !a.event.is_complete().unwrap_or(false));
+            }
         }
+        let list = if write {
+            &mut self.writes
+        } else {
+            &mut self.reads
+        };
+        list.push(Access {
+            stream,
+            event: event.clone(),
+            pages: pages.clone(),
+        });
     }
 
     fn events(self) -> impl Iterator<Item = Event> {
@@ -81,7 +154,7 @@ impl Accesses {
         self.reads
             .into_iter()
             .chain(self.writes)
-            .map(|(_, e)| e)
+            .map(|a| a.event)
             .chain(unknown.then(Event::never))
     }
 }
@@ -151,6 +224,18 @@ pub(crate) fn ordered<T>(
     writes: &[&Usage],
     work: impl FnOnce() -> Result<T>,
 ) -> Result<T> {
+    ordered_pages(backend, &whole(reads), &whole(writes), work)
+}
+
+/// [`ordered`] for work that touches only some pages of each memory: a `(usage, pages)` pair
+/// per memory, so work of two streams on disjoint pages of one pool (a HiCache load and a
+/// backup) is not ordered. The pages must cover every byte the work touches in that memory.
+pub(crate) fn ordered_pages<T>(
+    backend: &dyn Backend,
+    reads: &[(&Usage, &Pages)],
+    writes: &[(&Usage, &Pages)],
+    work: impl FnOnce() -> Result<T>,
+) -> Result<T> {
     wait_conflicts(backend, reads, writes)?;
     // Recorded even when the work failed: part of it may be enqueued already (a program of
     // copies cut short), and what it names must outlive that part too.
@@ -159,6 +244,12 @@ pub(crate) fn ordered<T>(
     let out = out?;
     recorded?;
     Ok(out)
+}
+
+/// Each usage with the whole of its memory.
+fn whole<'a>(usages: &[&'a Usage]) -> Vec<(&'a Usage, &'static Pages)> {
+    static ALL: Pages = Pages::All;
+    usages.iter().map(|u| (*u, &ALL)).collect()
 }
 
 /// [`ordered`], whose record on the usages is also returned: the one point of the stream that
@@ -172,21 +263,26 @@ pub(crate) fn ordered_event<T>(
     timed: bool,
     work: impl FnOnce() -> Result<T>,
 ) -> Result<(T, Event)> {
-    wait_conflicts(backend, reads, writes)?;
+    let (reads, writes) = (whole(reads), whole(writes));
+    wait_conflicts(backend, &reads, &writes)?;
     let out = work();
-    let recorded = record(backend, reads, writes, timed);
+    let recorded = record(backend, &reads, &writes, timed);
     let out = out?;
     Ok((out, recorded?))
 }
 
 /// Makes `backend`'s stream wait for the earlier accesses of other streams that conflict with
 /// work reading `reads` and writing `writes`.
-fn wait_conflicts(backend: &dyn Backend, reads: &[&Usage], writes: &[&Usage]) -> Result<()> {
+fn wait_conflicts(
+    backend: &dyn Backend,
+    reads: &[(&Usage, &Pages)],
+    writes: &[(&Usage, &Pages)],
+) -> Result<()> {
     let stream = backend.stream_id();
     let mut waits = Vec::new();
     for (usages, write) in [(writes, true), (reads, false)] {
-        for u in usages {
-            lock(&u.0.accesses).conflicts(stream, write, &mut waits);
+        for (u, pages) in usages {
+            lock(&u.0.accesses).conflicts(stream, write, pages, &mut waits);
         }
     }
     for e in &waits {
@@ -206,7 +302,7 @@ pub(crate) fn kept<T>(
     work: impl FnOnce() -> Result<T>,
 ) -> Result<T> {
     let out = work();
-    let recorded = record(backend, reads, &[], false);
+    let recorded = record(backend, &whole(reads), &[], false);
     let out = out?;
     recorded?;
     Ok(out)
@@ -217,8 +313,8 @@ pub(crate) fn kept<T>(
 /// holding work of unknown completion.
 fn record(
     backend: &dyn Backend,
-    reads: &[&Usage],
-    writes: &[&Usage],
+    reads: &[(&Usage, &Pages)],
+    writes: &[(&Usage, &Pages)],
     timed: bool,
 ) -> Result<Event> {
     let stream = backend.stream_id();
@@ -230,18 +326,19 @@ fn record(
     let event = match event {
         Ok(event) => event,
         Err(e) => {
-            for u in reads.iter().chain(writes) {
+            for (u, _) in reads.iter().chain(writes) {
                 lock(&u.0.accesses).unknown = true;
             }
             return Err(e);
         }
     };
-    for u in writes {
-        lock(&u.0.accesses).record(stream, &event, true);
+    for (u, pages) in writes {
+        lock(&u.0.accesses).record(stream, &event, true, pages);
     }
-    for u in reads {
-        if !writes.iter().any(|w| w.same(u)) {
-            lock(&u.0.accesses).record(stream, &event, false);
+    for (u, pages) in reads {
+        // A read of pages the same work writes is recorded as the write.
+        if !writes.iter().any(|(w, wp)| w.same(u) && wp.covers(pages)) {
+            lock(&u.0.accesses).record(stream, &event, false, pages);
         }
     }
     Ok(event)

@@ -9,7 +9,7 @@
 use super::runs::Run;
 use super::space::BlockSpace;
 use crate::abi;
-use crate::backend::{ordered, Backend, Copy2d};
+use crate::backend::{ordered_pages, Backend, Copy2d, Pages};
 use crate::error::Result;
 use crate::index::{LocalPage, ModelLayer};
 
@@ -29,11 +29,11 @@ pub enum Direction {
 
 impl Direction {
     /// The side read and the side written, of a device-side and a host-side space.
-    pub(crate) fn read_and_written<'a>(
+    pub(crate) fn read_and_written<'a, T: ?Sized>(
         self,
-        device: &'a dyn BlockSpace,
-        host: &'a dyn BlockSpace,
-    ) -> (&'a dyn BlockSpace, &'a dyn BlockSpace) {
+        device: &'a T,
+        host: &'a T,
+    ) -> (&'a T, &'a T) {
         match self {
             Direction::Load => (host, device),
             Direction::Backup => (device, host),
@@ -175,31 +175,37 @@ impl IoCalls {
     }
 }
 
-/// Enqueues `calls` on `backend`, ordered after conflicting work of other streams on the
-/// memory they read (`from`) and write (`to`), whose usages then keep it until they have run.
+/// Enqueues `calls` on `backend`, ordered after conflicting work of other streams on the pages
+/// they read (`from`, with its pages) and write (`to`, with its pages), whose usages then keep
+/// the memory until they have run; work of another stream on other pages is not waited for.
 ///
 /// # Safety
 /// Every piece must read inside memory `from` tracks and write inside memory `to` tracks, in
-/// `backend`'s address space.
+/// `backend`'s address space, each inside the pages given for its memory.
 pub(crate) unsafe fn submit(
     backend: &dyn Backend,
     calls: Vec<Call>,
-    from: &dyn BlockSpace,
-    to: &dyn BlockSpace,
+    (from, from_pages): (&dyn BlockSpace, &Pages),
+    (to, to_pages): (&dyn BlockSpace, &Pages),
 ) -> Result<()> {
-    ordered(backend, &[from.usage()], &[to.usage()], || {
-        for call in calls {
-            // SAFETY: the caller's contract covers every call.
-            unsafe {
-                match call {
-                    Call::Memcpy(c) => backend.memcpy(c.dst, c.src, c.width as usize)?,
-                    Call::Memcpy2d(c) => backend.memcpy_2d(&c)?,
-                    Call::Batch(ranges) => backend.memcpy_batch(&ranges)?,
+    ordered_pages(
+        backend,
+        &[(from.usage(), from_pages)],
+        &[(to.usage(), to_pages)],
+        || {
+            for call in calls {
+                // SAFETY: the caller's contract covers every call.
+                unsafe {
+                    match call {
+                        Call::Memcpy(c) => backend.memcpy(c.dst, c.src, c.width as usize)?,
+                        Call::Memcpy2d(c) => backend.memcpy_2d(&c)?,
+                        Call::Batch(ranges) => backend.memcpy_batch(&ranges)?,
+                    }
                 }
             }
-        }
-        Ok(())
-    })
+            Ok(())
+        },
+    )
 }
 
 /// The device and host sides of a HiCache-shaped transfer, with the pages it moves: `runs`

@@ -12,7 +12,7 @@ use std::ops::Range;
 
 use super::space::{check_same_components, BlockSpace, SpaceId};
 use crate::abi;
-use crate::backend::{check_space, AddressSpace, Backend};
+use crate::backend::{check_space, AddressSpace, Backend, Pages};
 use crate::error::{Error, Result};
 use crate::geometry::Component;
 use crate::index::{LocalPage, LogicalPage, ModelLayer};
@@ -48,6 +48,17 @@ struct PageList {
 }
 
 impl PageList {
+    /// The local pages entries `entries` name, for the usages: positions and logical pages (and
+    /// a range past the list) count as the whole space.
+    fn touched(&self, entries: Range<usize>) -> Pages {
+        match &self.selection {
+            PageSelection::Local(pages) => pages
+                .get(entries)
+                .map_or(Pages::All, |p| Pages::of(p.iter().map(|p| p.0))),
+            PageSelection::Positions | PageSelection::Logical { .. } => Pages::All,
+        }
+    }
+
     fn new(
         selection: PageSelection,
         space: &dyn BlockSpace,
@@ -388,6 +399,15 @@ impl BlockCopyPlan {
         let dst_at = bytes.len() as u64;
         self.dst_pages.extend_ids(&mut bytes);
         (bytes, src_at, dst_at)
+    }
+
+    /// The pages entries `entries` touch on the source and the destination side, for the
+    /// usages ([`Pages::All`] where the plan names positions or logical pages).
+    pub(crate) fn touched(&self, entries: Range<usize>) -> (Pages, Pages) {
+        (
+            self.src_pages.touched(entries.clone()),
+            self.dst_pages.touched(entries),
+        )
     }
 
     /// The launch parameters of the whole copy with its tables carried inline

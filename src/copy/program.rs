@@ -17,7 +17,8 @@ use super::signals::{CounterWait, LayerSignals};
 use super::space::BlockSpace;
 use crate::abi;
 use crate::backend::{
-    check_space, ordered, ordered_event, Backend, Buffer, Event, Launch, MemoryKind, Usage,
+    check_space, ordered_event, ordered_pages, Backend, Buffer, Event, Launch, MemoryKind, Pages,
+    Usage,
 };
 use crate::error::{Error, Result};
 use crate::index::ModelLayer;
@@ -55,6 +56,8 @@ pub struct BlockCopy {
     tables: Option<TableBuffer>,
     offsets: (u64, u64),
     layer_pairs: Vec<Range<usize>>,
+    /// The pages a run of every entry touches on each side (what its usages order).
+    touched: (Pages, Pages),
 }
 
 impl BlockCopy {
@@ -107,6 +110,7 @@ impl BlockCopy {
             Some(table)
         };
         Ok(Self {
+            touched: plan.touched(0..plan.entries),
             plan,
             src,
             dst,
@@ -161,13 +165,23 @@ impl BlockCopy {
             tables.0.addr(),
             self.offsets,
             pairs,
-            entries,
+            entries.clone(),
             signals.map_or(0, Buffer::addr),
         );
-        let reads = [self.src.usage(), tables.0.usage()];
-        let mut writes = vec![self.dst.usage()];
-        writes.extend(signals.map(Buffer::usage));
-        ordered(backend, &reads, &writes, || {
+        // Only the pages these entries name: work of another stream on other pages of the same
+        // pools (a load beside a backup) is not ordered after this launch.
+        let window;
+        let (src_pages, dst_pages) = if entries == (0..self.plan.entries) {
+            (&self.touched.0, &self.touched.1)
+        } else {
+            window = self.plan.touched(entries);
+            (&window.0, &window.1)
+        };
+        let all = Pages::All;
+        let reads = [(self.src.usage(), src_pages), (tables.0.usage(), &all)];
+        let mut writes = vec![(self.dst.usage(), dst_pages)];
+        writes.extend(signals.map(|s| (s.usage(), &all)));
+        ordered_pages(backend, &reads, &writes, || {
             // SAFETY: the pairs are (component, layer) bases of the two spaces this copy holds,
             // checked to be the ones the plan was made for and to live in the backend's address
             // space; their usages (and the tables') keep the memory until the launch has run,

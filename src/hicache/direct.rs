@@ -24,7 +24,7 @@
 use std::sync::Arc;
 
 use super::plan::TransferPlan;
-use crate::backend::{Backend, Launch};
+use crate::backend::{Backend, Launch, Pages};
 use crate::copy::engine::{self, Sides};
 use crate::copy::{
     BlockCopy, BlockCopyPlan, BlockSpace, CounterWait, Direction, IoCalls, LayerSignals, Layers,
@@ -163,6 +163,16 @@ impl HostTransfer {
             crate::copy::Direction::Load => (host, device),
             crate::copy::Direction::Backup => (device, host),
         }
+    }
+
+    /// The pages this transfer touches in the device pool and in the host pool (what its
+    /// copies' usages order: a load and a backup of other pages of the same pools on two
+    /// streams run at once).
+    pub(super) fn touched(&self) -> (Pages, Pages) {
+        (
+            Pages::of(self.plan.device_pages().iter().map(|p| p.0)),
+            Pages::of(self.plan.host_pages().iter().map(|p| p.0)),
+        )
     }
 
     /// The block copy of every pair of this transfer between the pools, by readiness group.
@@ -333,8 +343,17 @@ impl HostTransfer {
                 // (checked above).
                 let (from, to) = self
                     .direction
-                    .read_and_written(self.device.as_ref(), self.host.as_ref());
-                unsafe { engine::submit(backend, self.program(method, layers), from, to) }
+                    .read_and_written::<dyn BlockSpace>(self.device.as_ref(), self.host.as_ref());
+                let (device, host) = self.touched();
+                let (from_pages, to_pages) = self.direction.read_and_written(&device, &host);
+                unsafe {
+                    engine::submit(
+                        backend,
+                        self.program(method, layers),
+                        (from, from_pages),
+                        (to, to_pages),
+                    )
+                }
             }
         }
     }

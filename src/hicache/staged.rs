@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use super::direct::{take_fit, HostTransfer};
-use crate::backend::{Backend, Event};
+use crate::backend::{Backend, Event, Pages};
 use crate::copy::engine::{self, Call, Piece};
 use crate::copy::space::sealed::Sealed as _;
 use crate::copy::{
@@ -322,6 +322,32 @@ impl HostTransfer {
         for (i, seg) in self.segments(staging.chunk).iter().enumerate() {
             let m = i % 2;
             let mirror = staging.mirrors[m].as_ref();
+            // The pages of the two pools this segment touches: its usages order only those, so
+            // a load and a backup of other pages run at once.
+            let seg_device = Pages::of(
+                self.plan.device_pages()[seg.first_entry..seg.first_entry + seg.pages as usize]
+                    .iter()
+                    .map(|p| p.0),
+            );
+            let seg_host = Pages::of(seg.host_page..seg.host_page + seg.pages);
+            let all = Pages::All;
+            let host_side = |copy: &dyn Backend| -> Result<()> {
+                let (from, to) = self
+                    .direction
+                    .read_and_written::<dyn BlockSpace>(mirror, self.host.as_ref());
+                let (from_pages, to_pages) = self.direction.read_and_written(&all, &seg_host);
+                // SAFETY (mirror copies): every piece lies inside the host pool (its consecutive
+                // pages `seg.host_page..+seg.pages`, checked by the plan) and the mirror's first
+                // `seg.pages` pages, in the copy stream's address space (checked above).
+                unsafe {
+                    engine::submit(
+                        copy,
+                        self.mirror_copies(seg, mirror),
+                        (from, from_pages),
+                        (to, to_pages),
+                    )
+                }
+            };
             let place = |stream: &dyn Backend| -> Result<()> {
                 match &kernels {
                     Some((copies, launch)) => copies[m].run_entries(
@@ -336,23 +362,26 @@ impl HostTransfer {
                     None => {
                         let (from, to) = self
                             .direction
-                            .read_and_written(self.device.as_ref(), mirror);
+                            .read_and_written::<dyn BlockSpace>(self.device.as_ref(), mirror);
+                        let (from_pages, to_pages) =
+                            self.direction.read_and_written(&seg_device, &all);
                         unsafe {
-                            engine::submit(stream, self.relayout_copies(seg, mirror), from, to)
+                            engine::submit(
+                                stream,
+                                self.relayout_copies(seg, mirror),
+                                (from, from_pages),
+                                (to, to_pages),
+                            )
                         }
                     }
                 }
             };
-            // SAFETY (mirror copies): every piece lies inside the host pool (its consecutive
-            // pages `seg.host_page..+seg.pages`, checked by the plan) and the mirror's first
-            // `seg.pages` pages, in the copy stream's address space (checked above).
             match self.direction {
                 Direction::Load => {
                     if let Some(e) = &free[m] {
                         copy.wait(e)?;
                     }
-                    let (from, to) = self.direction.read_and_written(mirror, self.host.as_ref());
-                    unsafe { engine::submit(copy, self.mirror_copies(seg, mirror), from, to)? };
+                    host_side(copy)?;
                     relayout.wait(&copy.record()?)?;
                     place(relayout)?;
                     free[m] = Some(relayout.record()?);
@@ -363,8 +392,7 @@ impl HostTransfer {
                     }
                     place(relayout)?;
                     copy.wait(&relayout.record()?)?;
-                    let (from, to) = self.direction.read_and_written(mirror, self.host.as_ref());
-                    unsafe { engine::submit(copy, self.mirror_copies(seg, mirror), from, to)? };
+                    host_side(copy)?;
                     free[m] = Some(copy.record()?);
                 }
             }
