@@ -124,24 +124,19 @@ impl Accesses {
             // all of them: it alone stands for them from now on.
             self.reads.clear();
             self.writes.clear();
-        } else {
-            let list = if write {
-                &mut self.writes
-            } else {
-                &mut self.reads
-            };
-            list.retain(|a| !(a.stream == stream && pages.covers(&a.pages)));
-            if *pages != Pages::All {
-                // Accesses of some pages accumulate across streams; those whose work has run
-                // order nothing any more (an error keeps them: waiting longer is safe).
-                list.retain(|a| !a.event.is_complete().unwrap_or(false));
-            }
         }
         let list = if write {
             &mut self.writes
         } else {
             &mut self.reads
         };
+        // This stream's earlier accesses of pages this one covers complete before it.
+        list.retain(|a| !(a.stream == stream && pages.covers(&a.pages)));
+        if *pages != Pages::All {
+            // Accesses of some pages accumulate across streams; those whose work has run order
+            // nothing any more (an error keeps them: waiting longer is safe).
+            list.retain(|a| !a.event.is_complete().unwrap_or(false));
+        }
         list.push(Access {
             stream,
             event: event.clone(),

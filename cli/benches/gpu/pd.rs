@@ -227,27 +227,35 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             needs.pieces = tables.iter().map(|t| t.1 as usize).sum();
             decode.fill(backend.as_ref(), POISON)?;
             let mut best: Option<(Timed, Launch)> = None;
+            // Every table's launch in turn, each followed by an event when `event_after` says
+            // (`Some(true)`: timed) as a submit records its chunk's end.
+            let launch_tables = |launch: Launch, event_after: Option<bool>| -> Result<()> {
+                tables.iter().try_for_each(|(table, count)| {
+                    let p = abi::kvs_copy_ranges_params {
+                        ranges: table.addr(),
+                        num_ranges: *count,
+                        status: abi::kvs_status::default(),
+                    };
+                    // SAFETY: the plans checked every page against the layouts, the batches
+                    // resolved them against the live rank pools and the decode pool's remote
+                    // space (`check_spaces`: every range inside a (component, layer) buffer),
+                    // all of this GPU and held here past the synchronize of every repeat; each
+                    // table holds `count` pieces of those ranges.
+                    unsafe { backend.copy_ranges(p, launch)? };
+                    match event_after {
+                        Some(true) => backend.record_timed().map(drop),
+                        Some(false) => backend.record().map(drop),
+                        None => Ok(()),
+                    }
+                })
+            };
             let mut grids = String::from("grids");
             for (per_sm, threads) in GRIDS {
                 let launch = Launch {
                     ctas: sms * per_sm,
                     threads,
                 };
-                let s = ctx.time(reps, || {
-                    tables.iter().try_for_each(|(table, count)| {
-                        let p = abi::kvs_copy_ranges_params {
-                            ranges: table.addr(),
-                            num_ranges: *count,
-                            status: abi::kvs_status::default(),
-                        };
-                        // SAFETY: the plans checked every page against the layouts, the
-                        // batches resolved them against the live rank pools and the decode
-                        // pool's remote space (`check_spaces`: every range inside a (component,
-                        // layer) buffer), all of this GPU and held here past the synchronize of
-                        // every repeat; each table holds `count` pieces of those ranges.
-                        unsafe { backend.copy_ranges(p, launch) }
-                    })
-                })?;
+                let s = ctx.time(reps, || launch_tables(launch, None))?;
                 grids.push_str(&format!(" {}x{}:{:.3}ms", launch.ctas, threads, s.median));
                 if best.is_none_or(|(b, _)| s.median < b.median) {
                     best = Some((s, launch));
@@ -282,23 +290,7 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             // What an event between two launches costs (issue 25, goal 3): the same prepared
             // launches with an event recorded after each, as a submit records its chunk's end.
             for timed in [false, true] {
-                let stats = ctx.time(reps, || {
-                    tables.iter().try_for_each(|(table, count)| {
-                        let p = abi::kvs_copy_ranges_params {
-                            ranges: table.addr(),
-                            num_ranges: *count,
-                            status: abi::kvs_status::default(),
-                        };
-                        // SAFETY: as for the rows above: the same tables over the same live
-                        // pools.
-                        unsafe { backend.copy_ranges(p, launch)? };
-                        if timed {
-                            backend.record_timed().map(drop)
-                        } else {
-                            backend.record().map(drop)
-                        }
-                    })
-                })?;
+                let stats = ctx.time(reps, || launch_tables(launch, Some(timed)))?;
                 backend.synchronize()?;
                 let kind = if timed { "timed" } else { "untimed" };
                 report.add(
