@@ -57,21 +57,24 @@ __device__ __forceinline__ uint64_t global_warp() {
     return static_cast<uint64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
 }
 
-/* The first unit of this warp: from the work queue, or its grid-stride position. */
+/* The queue's next unit: the counter counts the units past the grid's first one per warp. */
 __device__ __forceinline__ uint64_t take_unit(const kvs_work_queue& q) {
     unsigned long long u = 0;
     if (threadIdx.x % 32 == 0) {
-        u = atomicAdd(reinterpret_cast<unsigned long long*>(q.counter), 1ull) - q.base;
+        u = atomicAdd(reinterpret_cast<unsigned long long*>(q.counter), 1ull) - q.base + grid_warps();
     }
     return __shfl_sync(0xFFFFFFFFu, u, 0);
 }
 
-__device__ __forceinline__ uint64_t first_unit(const kvs_work_queue& q) {
-    return q.counter != 0 ? take_unit(q) : global_warp();
+/* The first unit of this warp: its grid position, with or without a queue. Taking it from the
+ * queue instead made every warp of a launch hit one counter at once, a burst the copy waited
+ * for (measured on the H200: a 64-page P/D chunk 1-2 points slower). */
+__device__ __forceinline__ uint64_t first_unit(const kvs_work_queue&) {
+    return global_warp();
 }
 
-/* The unit after `u`: the queue's next (every warp ends with one failed take, which is what
- * makes a launch add exactly units + warps to the counter), or the grid-stride successor. */
+/* The unit after `u`: the queue's next (a warp stops at its first failed take, so a launch adds
+ * exactly its unit count to the counter), or the grid-stride successor. */
 __device__ __forceinline__ uint64_t next_unit(const kvs_work_queue& q, uint64_t u) {
     return q.counter != 0 ? take_unit(q) : u + grid_warps();
 }

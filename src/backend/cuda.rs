@@ -31,7 +31,7 @@ pub struct CudaBackend {
     status_word: Arc<DeviceAllocation>,
     status: Mutex<StatusTracker>,
     /// `kvs_copy_blocks`' work-queue counter (`kvs_work_queue`) and its value after everything
-    /// enqueued so far: launches on this one stream each add units + warps to it.
+    /// enqueued so far: launches on this one stream each add their unit count to it.
     work_counter: Arc<DeviceAllocation>,
     work_base: Mutex<u64>,
     /// Keeps the status word and the work counter, which every launch may write, until the
@@ -153,8 +153,9 @@ impl CudaBackend {
     }
 
     /// Launches a block copy (`header` is its `kvs_copy_blocks_params`, status already set)
-    /// with this backend's work queue: warps take units from its counter; every launch adds
-    /// units + warps to it, and launches on this one stream see it in order (kvs_work_queue).
+    /// with this backend's work queue: warps take their later units from its counter; every
+    /// launch adds its unit count to it, and launches on this one stream see it in order
+    /// (kvs_work_queue).
     ///
     /// # Safety
     /// As [`Gpu::launch`].
@@ -174,7 +175,7 @@ impl CudaBackend {
         };
         // SAFETY: forwarded contract; the counter is ours.
         unsafe { self.launch(kernel, launch.ctas, launch.threads, params)? };
-        *base += units + u64::from(launch.ctas) * u64::from(launch.threads / 32);
+        *base += units;
         Ok(())
     }
 

@@ -114,7 +114,8 @@ pub fn verify(
     Ok(())
 }
 
-fn ceiling(ctx: &Ctx, dir: Direction) -> (&'static str, f64) {
+/// The pinned copy ceiling of a direction.
+pub fn ceiling(ctx: &Ctx, dir: Direction) -> (&'static str, f64) {
     match dir {
         Direction::Load => ("h2d", ctx.ceilings.h2d),
         Direction::Backup => ("d2h", ctx.ceilings.d2h),
