@@ -66,11 +66,13 @@ __device__ __forceinline__ uint64_t take_unit(const kvs_work_queue& q) {
     return __shfl_sync(0xFFFFFFFFu, u, 0);
 }
 
-/* The first unit of this warp: its grid position, with or without a queue. Taking it from the
+/* The first unit of this warp. With a queue: its grid position counted CTA-major, so a launch
+ * with fewer units than warps still spreads them over every CTA (and SM); taking it from the
  * queue instead made every warp of a launch hit one counter at once, a burst the copy waited
- * for (measured on the H200: a 64-page P/D chunk 1-2 points slower). */
-__device__ __forceinline__ uint64_t first_unit(const kvs_work_queue&) {
-    return global_warp();
+ * for (measured on the H200: a 64-page P/D chunk 1-2 points slower). Without: the warp's global
+ * index, the grid-stride order. */
+__device__ __forceinline__ uint64_t first_unit(const kvs_work_queue& q) {
+    return q.counter != 0 ? static_cast<uint64_t>(threadIdx.x / 32) * gridDim.x + blockIdx.x : global_warp();
 }
 
 /* The unit after `u`: the queue's next (a warp stops at its first failed take, so a launch adds

@@ -12,7 +12,10 @@ scatters); post/transfer; the request's time (the first rank's ``send`` to the d
 finished request, scatters included) and GB/s over it (all ranks' bytes: what the engine
 sees; NIXL's table divides by the slowest rank's transfer instead); and that as a share of the
 same-run ceiling of Mooncake's own path, the ``ceiling`` row: each rank's bytes as one contiguous range from a registered buffer to
-one on the decode side, all ranks at once, through the same engines and transport. The
+one on the decode side, all ranks at once, through the same engines and transport (its best
+iteration; raised to any row's faster iteration, saying so, so no share passes 100%). A
+chunk goes bounced only when a rank's share fits one slot (``--slot-pages``), so bounce rows
+past slots * N pages are coalesced ones (the descriptor column shows it). The
 ``device copy`` row is a plain copy of the same bytes in one buffer (``torch`` on a GPU,
 ``ctypes.memmove`` on the CPU), for scale.
 
@@ -79,8 +82,8 @@ class Shape:
     def run(self, mode, iters, slots, slot_pages, deadline):
         """(descriptors per chunk of rank 0, mean post s per rank, mean engine post s per
         rank, transfer s of the slowest rank, request s (the first send to the decode side's
-        finished request, its scatters included), bytes per rank, timed iterations) per
-        request."""
+        finished request, its scatters included), the fastest iteration's request s, bytes per
+        rank, timed iterations) per request."""
         n, pages = self.n, self.pages
         dec = mooncake.MooncakeDecode(
             self.decode_pool, n, engine=self.decode_engine, bounce_pages=slot_pages, bounce_slots=slots
@@ -96,6 +99,7 @@ class Shape:
         t.join()
         done_iters = 0
         wall = 0.0
+        best = float("inf")
         for i in range(iters + 1):
             if i == 1:  # the first iteration warms the connections up
                 base = [(p.stats(), p.engine_post_seconds) for p in pres]
@@ -116,7 +120,9 @@ class Shape:
                     p.progress()
                 finished, _ = dec.poll()
             if i:
-                wall += time.perf_counter() - t0
+                took = time.perf_counter() - t0
+                wall += took
+                best = min(best, took)
             assert finished[0].completed, finished[0].failures
             done_iters = i
         post, engine, transfer, nbytes = [], [], [], []
@@ -128,7 +134,7 @@ class Shape:
             nbytes.append((s["bytes"] - s0["bytes"]) / done_iters)
             p.close()
         dec.close()
-        return descriptors[0], sum(post) / n, sum(engine) / n, max(transfer), wall / done_iters, nbytes, done_iters
+        return descriptors[0], sum(post) / n, sum(engine) / n, max(transfer), wall / done_iters, best, nbytes, done_iters
 
     def ceiling(self, nbytes, iters, deadline):
         """Each rank's ``nbytes[r]`` as one contiguous range, registered buffer to registered
@@ -248,18 +254,26 @@ def main():
                 if time.monotonic() > deadline:
                     skipped.append(f"{name}, N = {n}, {pages} pages")
                     continue
-                d, post, engine, transfer, wall, per_rank, iters = shape.run(
+                d, post, engine, transfer, wall, best, per_rank, iters = shape.run(
                     MODES[name], a.iters, a.slots, slot_pages, deadline
                 )
                 nbytes = per_rank
-                rows.append((name, d, post, engine, transfer, wall, sum(per_rank), iters))
+                rows.append((name, d, post, engine, transfer, wall, best, sum(per_rank), iters))
             if nbytes is None:
                 shape.close()
                 continue
             total = sum(nbytes)
             c_post, c_wall, c_iters = shape.ceiling(nbytes, a.iters, deadline)
-            ceiling = total / c_wall
-            for name, d, post, engine, transfer, wall, b, iters in rows:
+            # The ceiling is the fastest this engine moved these bytes in the shape: one range
+            # per rank, or any iteration of a row when one was faster (Mooncake's TCP transport
+            # moves many descriptors on several connections, and its rate varies ~10% between
+            # transfers, so a mean row can pass a lone range's best by noise or by parallelism).
+            fastest = min([c_wall] + [r[6] for r in rows])
+            ceiling = total / fastest
+            if fastest < c_wall:
+                faster = min(rows, key=lambda r: r[6])[0]
+                print(f"| (ceiling raised: a {faster} iteration, {fastest * 1e3:.2f} ms, beat one range per rank) |")
+            for name, d, post, engine, transfer, wall, _, b, iters in rows:
                 gbs = b / wall
                 if name == "bounce" and pages == 512:
                     verdicts.append(f"N = {n}: {d} descriptor(s), post {100 * post / transfer:.1f}% of transfer")
@@ -271,7 +285,8 @@ def main():
                 )
             print(
                 f"| ceiling (1 range/rank) | {n} | {pages} | 1 | {total / 1e6:.1f} | - | {c_post * 1e3:.3f} | "
-                f"{c_wall * 1e3:.2f} | - | {c_wall * 1e3:.2f} | {ceiling / 1e9:.2f} | 100% | {c_iters} |",
+                f"{c_wall * 1e3:.2f} | - | {c_wall * 1e3:.2f} | {total / c_wall / 1e9:.2f} | "
+                f"{100 * fastest / c_wall:.0f}% | {c_iters} |",
                 flush=True,
             )
             copy = device_copy(device, int(total), a.iters)

@@ -21,7 +21,8 @@
 #             pages, bounce and coalesced next to the same-run ceiling of Mooncake's own path and
 #             a device copy, within 75 s (MOONCAKE_BENCH_FULL=1: 64, 512, 4,096 pages within
 #             500 s, a call of its own; MOONCAKE_BENCH_N, _PAGES pick the shapes, _BUDGET the
-#             seconds, _ITERS the timed iterations, default 3); with
+#             seconds, _ITERS the timed iterations (default 3), _SLOT_PAGES the bounce slots'
+#             pages (default 512: a rank's chunk past that goes coalesced)); with
 #             MOONCAKE_BENCH_NIXL=1 and .gpu-nixl staged, also NIXL's benchmark at N = 1, 2, 8 x
 #             64, 512 pages into the same file (minutes: a call of its own); says exactly why
 #             when the engine cannot load
@@ -196,7 +197,8 @@ for step in "${steps[@]}"; do
       [ -n "${MOONCAKE_BENCH_BUDGET:-}" ] && budget="$MOONCAKE_BENCH_BUDGET" limit=$((MOONCAKE_BENCH_BUDGET + 60))
       (cd "$repo" && LD_LIBRARY_PATH="$mc_path:${LD_LIBRARY_PATH:-}" PYTHONPATH="$rt/site:$rt/kvshard" \
         GLOG_minloglevel=2 timeout "$limit" python3 -P python/mooncake_bench.py --device 0 --like-nixl \
-        --n "${MOONCAKE_BENCH_N:-1,2,8}" --pages "${MOONCAKE_BENCH_PAGES:-$pages}" --iters "${MOONCAKE_BENCH_ITERS:-3}" --budget "$budget") \
+        --n "${MOONCAKE_BENCH_N:-1,2,8}" --pages "${MOONCAKE_BENCH_PAGES:-$pages}" --iters "${MOONCAKE_BENCH_ITERS:-3}" \
+        --slot-pages "${MOONCAKE_BENCH_SLOT_PAGES:-512}" --budget "$budget") \
         >"$out/mooncake.md" 2>>"$log" || { say "mooncake bench: FAILED or cut short (mooncake.log)"; status=1; }
       say "mooncake bench: $(grep -c '^| bounce' "$out/mooncake.md") bounce rows; $(grep -E '^(bounce at 512|skipped)' "$out/mooncake.md" | tr '\n' ' ')"
       nixl_stage="${NIXL_STAGE:-$here/../.gpu-nixl}"
