@@ -70,9 +70,10 @@ const _: () = {
  counted CTA-major (unit i < warps in the grid goes to CTA i % grid, so a small launch still
  spreads over every SM), and takes every later unit with
  `atomicAdd(counter, 1) - base + (warps in the grid)` instead of striding the grid, so warps
- that drew short or skipped units take more and the grid ends together. The counter is never reset: a warp stops at its first take past the last unit, so
- every launch adds exactly its unit count to it, and the host (which launches on one stream)
- passes the running total as `base`. counter == 0 selects plain grid-stride assignment.
+ that drew short or skipped units take more and the grid ends together. The counter is never
+ reset: a warp stops at its first take past the last unit, so every launch adds exactly its
+ unit count to it, and the host (which launches on one stream) passes the running total as
+ `base`. counter == 0 selects plain grid-stride assignment.
  (kvs_copy_blocks gains from it; kvs_write_rows, whose units are mostly skipped after one slot
  read, loses to counter contention, so its host launches it with counter == 0.)*/
 #[repr(C)]
