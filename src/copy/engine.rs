@@ -28,12 +28,9 @@ pub enum Direction {
 }
 
 impl Direction {
-    /// The side read and the side written, of a device-side and a host-side space.
-    pub(crate) fn read_and_written<'a, T: ?Sized>(
-        self,
-        device: &'a T,
-        host: &'a T,
-    ) -> (&'a T, &'a T) {
+    /// The side read and the side written, of a device side and a host side (a space with the
+    /// pages a copy touches there, as [`submit`] takes them).
+    pub(crate) fn read_and_written<T>(self, device: T, host: T) -> (T, T) {
         match self {
             Direction::Load => (host, device),
             Direction::Backup => (device, host),

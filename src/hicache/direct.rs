@@ -341,19 +341,14 @@ impl HostTransfer {
                 // with it), at local pages `new` checked against both pools' page counts, in
                 // stored layers of each component; the backend runs in their address space
                 // (checked above).
+                let (device, host) = self.touched();
                 let (from, to) = self
                     .direction
-                    .read_and_written::<dyn BlockSpace>(self.device.as_ref(), self.host.as_ref());
-                let (device, host) = self.touched();
-                let (from_pages, to_pages) = self.direction.read_and_written(&device, &host);
-                unsafe {
-                    engine::submit(
-                        backend,
-                        self.program(method, layers),
-                        (from, from_pages),
-                        (to, to_pages),
-                    )
-                }
+                    .read_and_written::<(&dyn BlockSpace, &Pages)>(
+                        (self.device.as_ref(), &device),
+                        (self.host.as_ref(), &host),
+                    );
+                unsafe { engine::submit(backend, self.program(method, layers), from, to) }
             }
         }
     }

@@ -334,19 +334,14 @@ impl HostTransfer {
             let host_side = |copy: &dyn Backend| -> Result<()> {
                 let (from, to) = self
                     .direction
-                    .read_and_written::<dyn BlockSpace>(mirror, self.host.as_ref());
-                let (from_pages, to_pages) = self.direction.read_and_written(&all, &seg_host);
+                    .read_and_written::<(&dyn BlockSpace, &Pages)>(
+                        (mirror, &all),
+                        (self.host.as_ref(), &seg_host),
+                    );
                 // SAFETY (mirror copies): every piece lies inside the host pool (its consecutive
                 // pages `seg.host_page..+seg.pages`, checked by the plan) and the mirror's first
                 // `seg.pages` pages, in the copy stream's address space (checked above).
-                unsafe {
-                    engine::submit(
-                        copy,
-                        self.mirror_copies(seg, mirror),
-                        (from, from_pages),
-                        (to, to_pages),
-                    )
-                }
+                unsafe { engine::submit(copy, self.mirror_copies(seg, mirror), from, to) }
             };
             let place = |stream: &dyn Backend| -> Result<()> {
                 match &kernels {
@@ -362,16 +357,12 @@ impl HostTransfer {
                     None => {
                         let (from, to) = self
                             .direction
-                            .read_and_written::<dyn BlockSpace>(self.device.as_ref(), mirror);
-                        let (from_pages, to_pages) =
-                            self.direction.read_and_written(&seg_device, &all);
+                            .read_and_written::<(&dyn BlockSpace, &Pages)>(
+                                (self.device.as_ref(), &seg_device),
+                                (mirror, &all),
+                            );
                         unsafe {
-                            engine::submit(
-                                stream,
-                                self.relayout_copies(seg, mirror),
-                                (from, from_pages),
-                                (to, to_pages),
-                            )
+                            engine::submit(stream, self.relayout_copies(seg, mirror), from, to)
                         }
                     }
                 }
