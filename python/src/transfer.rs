@@ -386,7 +386,24 @@ impl PyPendingChunk {
 struct StreamTransport {
     current: Arc<Mutex<Arc<dyn Backend>>>,
     method: Method,
+    /// The block kernel with no launch given: each launch's grid picked from its blocks
+    /// (`BackendTransport::new`).
+    auto_grid: bool,
     by_stream: BTreeMap<usize, BackendTransport>,
+}
+
+impl StreamTransport {
+    /// The transport of a stream the sender has not used yet.
+    fn transport(
+        method: Method,
+        auto_grid: bool,
+        backend: Arc<dyn Backend>,
+    ) -> kvshard::Result<BackendTransport> {
+        if auto_grid {
+            return Ok(BackendTransport::new(backend));
+        }
+        BackendTransport::with_method(backend, method)
+    }
 }
 
 impl Transport for StreamTransport {
@@ -401,7 +418,7 @@ impl Transport for StreamTransport {
         let transport = match self.by_stream.entry(key) {
             std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::btree_map::Entry::Vacant(e) => {
-                e.insert(BackendTransport::with_method(backend, self.method)?)
+                e.insert(Self::transport(self.method, self.auto_grid, backend)?)
             }
         };
         transport.submit(plan, src, dst)
@@ -415,7 +432,7 @@ impl Transport for StreamTransport {
 /// when torch is in use).
 /// `method`: a `Method` (default `KERNEL`: one block-copy launch per section; `RANGE_KERNEL`,
 /// `COPY_ENGINE` and `PER_BLOCK` too, `BATCHED_COPY_ENGINE` raises); `launch`: `(ctas, threads)`
-/// of the kernels (default: the grid kvshard picks). A chunk's `PendingChunk` must be polled or waited for:
+/// of the kernels (default: the grid kvshard picks for each launch's blocks). A chunk's `PendingChunk` must be polled or waited for:
 /// one dropped before that fails its request, and `take_dropped` hands out the status to
 /// deliver.
 #[pyclass(module = "kvshard", name = "Sender")]
@@ -449,13 +466,15 @@ impl PySender {
                 .launch()
                 .unwrap_or_else(|| Launch::host_io(b.as_ref(), 264)),
         };
+        let auto_grid = launch.is_none() && method == PyMethod::KERNEL;
         let method = method.with_launch(grid);
         // Refused here, before any request: the transport of this stream is the first one.
-        let first = BackendTransport::with_method(b.clone(), method).py_err()?;
+        let first = StreamTransport::transport(method, auto_grid, b.clone()).py_err()?;
         let current = Arc::new(Mutex::new(b.clone()));
         let transport = StreamTransport {
             current: current.clone(),
             method,
+            auto_grid,
             by_stream: BTreeMap::from([(Arc::as_ptr(&b) as *const () as usize, first)]),
         };
         Ok(Self {

@@ -38,14 +38,51 @@ pub enum Method {
     PerBlock,
 }
 
+/// The narrow grid of [`Method::default_for`]: 264 CTAs (two per H200 SM) of 512 threads, one
+/// wave (the copy kernels' 64 registers a thread leave room for 1,024 resident threads an SM).
+const NARROW: Launch = Launch {
+    ctas: 264,
+    threads: 512,
+};
+
+/// The wide grid of [`Method::for_blocks`]: 1,056 CTAs (eight per H200 SM) of 256 threads, two
+/// waves of four CTAs an SM.
+const WIDE: Launch = Launch {
+    ctas: 1056,
+    threads: 256,
+};
+
+/// Blocks ((page, layer pair) units of `kvs_copy_blocks`) above which [`Method::for_blocks`]
+/// launches the wide grid: the narrow grid's warps (264 x 512 / 32). Up to them the narrow grid
+/// gives every block a warp of its one resident wave; past them its warps take blocks one after
+/// another, and the wide grid's two waves of four 256-thread CTAs an SM finished the same
+/// blocks sooner (H200, BENCHMARKS.md session 11: 7,936 blocks 85.3% of D2D against 82.7%,
+/// 63,488 blocks equal at 93.9%, 992 blocks 43.9% against 50.4%).
+pub const WIDE_GRID_BLOCKS: u64 = (NARROW.ctas as u64) * (NARROW.threads as u64) / 32;
+
 impl Method {
-    /// The block kernel with the grid kvshard picks for P/D sends on `backend`: 264 CTAs (two
-    /// per H200 SM) of 512 threads, measured at 91-95% of the device-to-device copy for 512+
-    /// page chunks (BENCHMARKS.md).
+    /// The block kernel with kvshard's grid for a launch of unknown size on `backend`: 264 CTAs
+    /// (two per H200 SM) of 512 threads, measured at 91-95% of the device-to-device copy for
+    /// 512+ page chunks (BENCHMARKS.md). [`Method::for_blocks`] picks per launch.
     pub fn default_for(backend: &dyn Backend) -> Self {
         Self::Kernel(Launch {
-            ctas: 264,
-            threads: backend.max_threads(KernelFamily::Copy).min(512),
+            ctas: NARROW.ctas,
+            threads: backend.max_threads(KernelFamily::Copy).min(NARROW.threads),
+        })
+    }
+
+    /// The block kernel with the grid kvshard picks for a launch of `blocks` (page, layer
+    /// pair) blocks on `backend`: [`Method::default_for`]'s narrow grid up to
+    /// [`WIDE_GRID_BLOCKS`], 1,056 CTAs (eight per H200 SM) of 256 threads above. What
+    /// [`BackendTransport::new`](crate::transfer::BackendTransport::new) launches each chunk
+    /// with.
+    pub fn for_blocks(backend: &dyn Backend, blocks: u64) -> Self {
+        if blocks <= WIDE_GRID_BLOCKS {
+            return Self::default_for(backend);
+        }
+        Self::Kernel(Launch {
+            ctas: WIDE.ctas,
+            threads: backend.max_threads(KernelFamily::Copy).min(WIDE.threads),
         })
     }
 
@@ -106,5 +143,25 @@ mod tests {
             Method::Kernel(Launch::host_io(&cpu, 3))
         );
         assert!(matches!(Method::default_for(&cpu), Method::Kernel(l) if l.ctas == 264));
+    }
+
+    #[test]
+    fn for_blocks_widens_the_grid_past_the_narrow_grids_warps() {
+        let cpu = crate::backend::cpu::CpuBackend::new();
+        assert_eq!(WIDE_GRID_BLOCKS, 4224);
+        for blocks in [0, 1, 992, 3968, WIDE_GRID_BLOCKS] {
+            assert_eq!(
+                Method::for_blocks(&cpu, blocks),
+                Method::default_for(&cpu),
+                "{blocks} blocks"
+            );
+        }
+        for blocks in [WIDE_GRID_BLOCKS + 1, 7936, 63488, u64::MAX] {
+            let Method::Kernel(l) = Method::for_blocks(&cpu, blocks) else {
+                panic!("{blocks} blocks: not the block kernel");
+            };
+            assert_eq!((l.ctas, l.threads), (1056, 256), "{blocks} blocks");
+            l.validate(cpu.max_threads(KernelFamily::Copy)).unwrap();
+        }
     }
 }

@@ -35,7 +35,7 @@ pub(crate) mod signals;
 pub(crate) mod space;
 
 pub use engine::{Direction, IoCalls, Layers};
-pub use method::Method;
+pub use method::{Method, WIDE_GRID_BLOCKS};
 pub(crate) use plan::check_distinct;
 pub use program::{BlockCopy, BlockCopyPlan, PageSelection, TableBuffer, TableStore};
 pub use resolver::{scratch_rows_device_sync, Resolver};

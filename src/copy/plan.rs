@@ -325,6 +325,12 @@ impl BlockCopyPlan {
         self.pairs.len()
     }
 
+    /// (page, layer pair) blocks of the copy: the units `kvs_copy_blocks` deals to its warps
+    /// ([`Method::for_blocks`](crate::copy::Method::for_blocks) picks a grid from them).
+    pub fn blocks(&self) -> u64 {
+        (self.entries as u64).saturating_mul(self.pairs.len() as u64)
+    }
+
     /// Bytes of one entry across every pair.
     pub fn entry_bytes(&self) -> u64 {
         self.pairs

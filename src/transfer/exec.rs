@@ -5,14 +5,15 @@
 //! [`BackendTransport`] executes chunks whose source and destination live in one backend
 //! address space (the same GPU, a decode pool of another process mapped into this one, or the
 //! CPU reference's arena), with one of four [`Method`]s (BENCHMARKS.md compares them):
-//! - [`Method::Kernel`] (the default): one block-copy launch per page list from page lists
+//! - [`Method::Kernel`] (the default, its grid picked per launch by [`Method::for_blocks`]):
+//!   one block-copy launch per page list from page lists
 //!   (the chunk's latent KV; the final chunk adds the indexer state, in the same launch when it
 //!   covers the same pages, [`block_copies`]); owned pages of a rank sit N apart on the decode
 //!   side, so runs rarely coalesce. Page lists are 16 bytes a page and the pair table 24 bytes
 //!   a layer pair: up to `abi::KVS_COPY_INLINE_BYTES` (a 64-page final chunk of 62 + 62
 //!   layers: 4 KB) they travel in the launch's parameters (`kvs_copy_blocks_inline`), so a
-//!   chunk is a timed start event, the launch and its timed event, with no upload in the
-//!   stream; larger tables are uploaded first ([`TableStore::launch`]);
+//!   chunk is the launch and its event, with no upload in the stream; larger tables are
+//!   uploaded first ([`TableStore::launch`]);
 //! - [`Method::RangeKernel`]: one `kvs_copy_ranges` launch over the absolute ranges of a
 //!   [`DescriptorBatch`], ranges longer than [`KERNEL_PIECE_BYTES`] split first;
 //! - [`Method::CopyEngine`]: one `memcpy_batch` call over the same ranges
@@ -35,7 +36,7 @@ use super::stats::{Posted, TransferStats};
 use super::transport::{Completion, Transport};
 use super::ComponentBytes;
 use crate::abi;
-use crate::backend::{check_space, Backend, Event};
+use crate::backend::{check_space, Backend, Event, Launch};
 use crate::copy::space::sealed::Sealed as _;
 use crate::copy::{
     BlockCopyPlan, BlockSpace, Method, OwnedRuns, PageSelection, RemoteSpace, TableStore,
@@ -203,9 +204,9 @@ pub fn block_copies(
         .collect()
 }
 
-/// A completion of in-process work: an event of the backend's stream (timed, with the timed
-/// event recorded before the work, so the device time can be read), and what must stay alive
-/// until the stream passes it.
+/// A completion of in-process work: an event of the backend's stream (timed, with a timed
+/// event recorded before the work, when the transport times chunks on the device), and what
+/// must stay alive until the stream passes it.
 struct StreamCompletion {
     backend: Arc<dyn Backend>,
     started: Option<Event>,
@@ -271,6 +272,9 @@ const ACCEPTS: &str = "Kernel, RangeKernel, CopyEngine or PerBlock";
 pub struct BackendTransport {
     store: TableStore,
     method: Method,
+    /// Whether each block-copy launch takes its grid from its blocks ([`Method::for_blocks`]):
+    /// what [`BackendTransport::new`] makes.
+    auto_grid: bool,
     /// [`BackendTransport::set_device_timing`].
     timing: bool,
     calls: Arc<Mutex<CallCounts>>,
@@ -282,16 +286,21 @@ impl fmt::Debug for BackendTransport {
         f.debug_struct("BackendTransport")
             .field("backend", &self.store.backend().name())
             .field("method", &self.method)
+            .field("auto_grid", &self.auto_grid)
             .finish_non_exhaustive()
     }
 }
 
 impl BackendTransport {
-    /// A transport enqueuing on `backend` with the method kvshard picks
-    /// ([`Method::default_for`]).
+    /// A transport enqueuing on `backend` with the method kvshard picks: the block kernel, each
+    /// launch's grid picked from the blocks it moves ([`Method::for_blocks`]; [`method`](Self::method)
+    /// says [`Method::default_for`]), chunks untimed on the device
+    /// ([`BackendTransport::set_device_timing`]).
     pub fn new(backend: Arc<dyn Backend>) -> Self {
         let method = Method::default_for(backend.as_ref());
-        Self::named(backend, method, "backend")
+        let mut transport = Self::named(backend, method, "backend");
+        transport.auto_grid = true;
+        transport
     }
 
     /// A transport enqueuing on `backend` with `method`: [`Method::Kernel`],
@@ -313,26 +322,31 @@ impl BackendTransport {
     }
 
     fn named(backend: Arc<dyn Backend>, method: Method, name: &'static str) -> Self {
+        let mut store = TableStore::new(backend);
+        store.set_timed(false);
         Self {
-            store: TableStore::new(backend),
+            store,
             method,
-            timing: true,
+            auto_grid: false,
+            timing: false,
             calls: Arc::default(),
             stats: TransferStats::new(name),
         }
     }
 
-    /// How this transport moves bytes.
+    /// How this transport moves bytes (for [`BackendTransport::new`]'s, whose launches take
+    /// their grids from [`Method::for_blocks`]: [`Method::default_for`]).
     pub fn method(&self) -> Method {
         self.method
     }
 
-    /// Whether each chunk is timed on the device (the default): a timed event before the
-    /// chunk's first enqueue and its end event timed, so [`TransferStats`] reports the chunk's
-    /// device time. Off, a chunk records only its untimed end event (two timestamps fewer
-    /// between two chunks' launches on the stream) and the stats take the transfer time from
-    /// the host's clock when the completion is seen. Ordering, lifetimes and completion are
-    /// the same either way.
+    /// Whether each chunk is timed on the device: a timed event before the chunk's first
+    /// enqueue and its end event timed, so [`TransferStats`] reports the chunk's device time.
+    /// Off (the default), a chunk records only its untimed end event and the stats take the
+    /// transfer time from the host's clock when the completion is seen. The two timestamps
+    /// between two chunks' launches cost the stream: on the H200, P/D at N = 8 ranks of 64
+    /// pages each lost 2.5% of the device-to-device rate to them, 8-page chunks 10%
+    /// (BENCHMARKS.md, session 11). Ordering, lifetimes and completion are the same either way.
     pub fn set_device_timing(&mut self, on: bool) {
         self.timing = on;
         self.store.set_timed(on);
@@ -403,6 +417,15 @@ impl Transport for BackendTransport {
 }
 
 impl BackendTransport {
+    /// The grid of a launch of `blocks` blocks: `launch`, or with [`BackendTransport::new`]'s
+    /// automatic grid the one [`Method::for_blocks`] picks for them.
+    fn grid(&self, backend: &dyn Backend, blocks: u64, launch: Launch) -> Launch {
+        match Method::for_blocks(backend, blocks) {
+            Method::Kernel(picked) if self.auto_grid => picked,
+            _ => launch,
+        }
+    }
+
     /// The chunk's timed start event, when chunks are timed.
     fn start(&self, backend: &dyn Backend) -> Result<Option<Event>> {
         self.timing.then(|| backend.record_timed()).transpose()
@@ -439,6 +462,7 @@ impl BackendTransport {
                 let started = self.start(backend.as_ref())?;
                 let mut end = None;
                 for copy in &copies {
+                    let launch = self.grid(backend.as_ref(), copy.blocks(), launch);
                     end = self
                         .store
                         .launch(copy, &src_space, &dst_space, launch)?
@@ -549,4 +573,39 @@ fn per_block(
         Ok(())
     })?;
     Ok(copies)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::copy::WIDE_GRID_BLOCKS;
+
+    #[test]
+    fn new_picks_each_launchs_grid_from_its_blocks_and_a_given_method_keeps_its_grid() {
+        let b: Arc<dyn Backend> = Arc::new(CpuBackend::new());
+        let given = Launch {
+            ctas: 3,
+            threads: 64,
+        };
+        let auto = BackendTransport::new(b.clone());
+        let fixed = BackendTransport::with_method(b.clone(), Method::Kernel(given)).unwrap();
+        for blocks in [1, 992, WIDE_GRID_BLOCKS, WIDE_GRID_BLOCKS + 1, 7936, 63488] {
+            assert_eq!(
+                Method::Kernel(auto.grid(b.as_ref(), blocks, given)),
+                Method::for_blocks(b.as_ref(), blocks),
+                "{blocks} blocks"
+            );
+            assert_eq!(
+                fixed.grid(b.as_ref(), blocks, given),
+                given,
+                "{blocks} blocks"
+            );
+        }
+        assert_ne!(
+            auto.grid(b.as_ref(), WIDE_GRID_BLOCKS, given),
+            auto.grid(b.as_ref(), WIDE_GRID_BLOCKS + 1, given),
+            "the rule has two grids"
+        );
+    }
 }

@@ -5,8 +5,11 @@
 //! other. Variants, next to the in-run D2D ceiling:
 //! - `range kernel, tables pre-uploaded`: one `kvs_copy_ranges` launch per rank over its range
 //!   table, uploaded beforehand: what the GPU executes (best of a few grids);
-//! - `block kernel from page lists, Transport::submit`: `BackendTransport` with
-//!   `Method::default_for` (the grid kvshard picks): one block-copy launch per rank's chunk
+//! - `block kernel from page lists (default), Transport::submit`: `BackendTransport::new`, each
+//!   launch's grid picked from its blocks (`Method::for_blocks`), chunks untimed on the device
+//!   (its note says how far below the fastest row of the case the pick is: issue 25, goal 7;
+//!   `..., device timing on` times them; `(CTAsxthreads)` rows fix the grid): one block-copy
+//!   launch per rank's chunk
 //!   (its latent KV and indexer state share the page list), its pair table and page lists in
 //!   the launch's parameters when they fit (`kvs_copy_blocks_inline`, up to
 //!   `abi::KVS_COPY_INLINE_BYTES`: a 64-page chunk's 4 KB), else uploaded in stream order;
@@ -103,6 +106,10 @@ struct Needs {
     block_entries: usize,
     block_table_bytes: usize,
     block_inline: usize,
+    /// (page, layer pair) blocks of rank 0's first launch: what `Method::for_blocks` picks
+    /// the default transport's grid from (every rank's launch has as many, give or take one
+    /// page).
+    blocks_per_launch: u64,
 }
 
 impl Needs {
@@ -114,6 +121,9 @@ impl Needs {
         )
     }
 }
+
+/// The default transport's row ([`BackendTransport::new`]).
+const DEFAULT_ROW: &str = "block kernel from page lists (default), Transport::submit";
 
 pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
     let g = CacheGeometry::with_draft(PoolGeometry::new(LatentLayout::Fp8Trtllm, 61));
@@ -200,9 +210,13 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 block_entries: 0,
                 block_table_bytes: 0,
                 block_inline: 0,
+                blocks_per_launch: 0,
             };
             for (plan, pool) in plans.iter().zip(&ranks) {
                 for copy in block_copies(plan, pool.as_ref(), remote.as_ref())? {
+                    if needs.block_launches == 0 {
+                        needs.blocks_per_launch = copy.blocks();
+                    }
                     needs.block_launches += 1;
                     needs.block_entries += copy.entries();
                     needs.block_table_bytes += copy.table_bytes();
@@ -303,7 +317,6 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 );
             }
 
-            let default = Method::default_for(backend.as_ref());
             let blocks_note = |launch: Launch, why: &str| {
                 format!(
                     "{}; {} block-copy launches ({} per chunk) {}x{}{why}, {} page-list entries, {} B of tables, {} of the launches with theirs in the parameters (<= {} B, nothing uploaded)",
@@ -318,61 +331,49 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                     abi::KVS_COPY_INLINE_BYTES
                 )
             };
-            // `None`: the transport as `BackendTransport::new` makes it (Method::default_for).
+            // `None`: the transport as `BackendTransport::new` makes it: each launch's grid
+            // from its blocks (Method::for_blocks), chunks untimed on the device.
+            let picked = Method::for_blocks(backend.as_ref(), needs.blocks_per_launch);
             let mut methods = vec![(
-                "block kernel from page lists (Method::default_for), Transport::submit".to_string(),
+                DEFAULT_ROW.to_string(),
                 None,
-                match default {
-                    Method::Kernel(l) => blocks_note(l, " (default_for)"),
-                    _ => format!("{}; {default:?}", needs.descriptors()),
+                match picked {
+                    Method::Kernel(l) => blocks_note(l, " (for_blocks)"),
+                    _ => format!("{}; {picked:?}", needs.descriptors()),
                 },
-                true,
-            )];
-            // The default transport with its per-chunk device timing off
-            // (`BackendTransport::set_device_timing`): two timestamps fewer per chunk.
-            methods.push((
-                "block kernel from page lists (Method::default_for), Transport::submit, device timing off".to_string(),
-                None,
-                "untimed chunk events; TransferStats from the host clock".to_string(),
                 false,
+            )];
+            // The default transport with its chunks timed on the device
+            // (`BackendTransport::set_device_timing`): two timestamps more per chunk.
+            methods.push((
+                format!("{DEFAULT_ROW}, device timing on"),
+                None,
+                "timed chunk events; TransferStats from the device".to_string(),
+                true,
             ));
-            // The grid BENCHMARKS.md measured the block executor with (two CTAs of 512 threads
-            // per SM), where it is not what `default_for` picks on this GPU.
-            let per_sm = Launch {
-                ctas: sms * 2,
-                threads: 512,
-            };
-            if default != Method::Kernel(per_sm) {
+            // Every grid the rule picks from and the others measured (issue 25, goals 3 and 7):
+            // does a chunk's kernel lose its ramp and tail less with smaller or more CTAs?
+            let most = backend.max_threads(KernelFamily::Copy);
+            for (ctas, threads) in [
+                (sms * 2, 512),
+                (sms, 1024),
+                (sms * 4, 256),
+                (sms * 8, 256),
+                (sms * 4, 512),
+            ] {
+                let shape = Launch {
+                    ctas,
+                    threads: threads.min(most),
+                };
                 methods.push((
-                    "block kernel from page lists (2 CTAs/SM), Transport::submit".to_string(),
-                    Some(Method::Kernel(per_sm)),
-                    blocks_note(per_sm, ""),
-                    true,
+                    format!(
+                        "block kernel from page lists ({ctas}x{}), Transport::submit",
+                        shape.threads
+                    ),
+                    Some(Method::Kernel(shape)),
+                    blocks_note(shape, ""),
+                    false,
                 ));
-            }
-            // Other grids for the block kernel (issue 25, goal 3): does a 64-page chunk's
-            // ~95 us kernel lose its ramp and tail less with smaller or more CTAs?
-            if n != 2 {
-                let most = backend.max_threads(KernelFamily::Copy);
-                for (ctas, threads) in [(sms, 1024), (sms * 4, 256), (sms * 8, 256), (sms * 4, 512)]
-                {
-                    let shape = Launch {
-                        ctas,
-                        threads: threads.min(most),
-                    };
-                    if default == Method::Kernel(shape) || shape == per_sm {
-                        continue;
-                    }
-                    methods.push((
-                        format!(
-                            "block kernel from page lists ({ctas}x{}), Transport::submit",
-                            shape.threads
-                        ),
-                        Some(Method::Kernel(shape)),
-                        blocks_note(shape, ""),
-                        true,
-                    ));
-                }
             }
             methods.push((
                 "range kernel, Transport::submit".to_string(),
@@ -396,6 +397,7 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 ),
                 true,
             ));
+            let mut measured = Vec::new();
             for (name, method, note, timing) in methods {
                 if method == Some(Method::CopyEngine) && ranges > 100_000 {
                     // ~2 s a repeat at the host's ~4 us per entry: measured at 512 pages.
@@ -415,6 +417,7 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                     Ok(())
                 })?;
                 let note = format!("{note}; {}", per_submit(stats, n));
+                measured.push((name.clone(), stats, note, timing));
                 for mut completion in pending {
                     completion.wait_sync()?;
                 }
@@ -428,6 +431,20 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                     &dst,
                     &name,
                 )?;
+            }
+            // Goal 7: the automatic pick against the fastest method of the case (the device
+            // timing variant aside: it is the same method, timed).
+            let best = measured
+                .iter()
+                .filter(|(_, _, _, timed)| !timed)
+                .map(|(_, stats, _, _)| stats.median)
+                .fold(f64::INFINITY, f64::min);
+            for (name, stats, mut note, _) in measured {
+                if name == DEFAULT_ROW {
+                    let gap = 100.0 * (1.0 - best / stats.median);
+                    let flag = if gap > 3.0 { " AUTO>3%" } else { "" };
+                    note = format!("{note}; the automatic pick, {gap:.1}% below the fastest row of the case{flag}");
+                }
                 report.add("pd", format!("{case}, {name}"), bytes, stats, d2d, note);
             }
             if n == 1 || n == 8 {
@@ -500,8 +517,7 @@ fn per_rank_streams(
         completion.wait_sync()?;
     }
     backend.synchronize()?;
-    let name =
-        "block kernel from page lists (Method::default_for), Transport::submit, a stream per rank";
+    let name = "block kernel from page lists (default), Transport::submit, a stream per rank";
     verify(
         backend.as_ref(),
         &mut ctx.rng,
@@ -604,7 +620,7 @@ fn clean_l2(
         completion.wait_sync()?;
     }
     backend.synchronize()?;
-    let name = "block kernel from page lists (Method::default_for), Transport::submit, L2 clean";
+    let name = "block kernel from page lists (default), Transport::submit, L2 clean";
     verify(
         backend.as_ref(),
         &mut ctx.rng,
