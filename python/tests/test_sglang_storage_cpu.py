@@ -15,6 +15,7 @@ signatures. It needs the NIXL runtime (``scripts/install-nixl.sh`` on LD_LIBRARY
 wheel built with the ``nixl`` feature: without them it skips, or fails when
 ``KVSHARD_REQUIRE_NIXL`` is set (CI sets it)."""
 
+import functools
 import hashlib
 import importlib
 import os
@@ -50,11 +51,39 @@ def geometry():
     )
 
 
+def scratch_base():
+    """Where the tests' stores go: under the build tree (a real filesystem: tmpfs may refuse
+    O_DIRECT), else $TMPDIR."""
+    target = Path(__file__).resolve().parents[2] / "target"
+    return target if target.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
+@functools.cache
+def nixl_runtime_missing():
+    """Why NIXL's runtime does not load here (None when it does): a one-slot DiskStore opened in
+    a scratch directory. Without the runtime the backend opens its store at the first storage
+    call and reports misses, so a test would fail on its hits instead of skipping."""
+    d = scratch_base() / "storage-tests-py" / "nixl-probe"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    try:
+        kvshard.DiskStore(host_pool().host, d / "s", 1)
+    except kvshard.UnavailableError as e:
+        return str(e)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return None
+
+
 def need_nixl(what):
-    """Skips (or fails, with KVSHARD_REQUIRE_NIXL) without the storage tier."""
-    if hasattr(kvshard, "DiskStore"):
+    """Skips (or fails, with KVSHARD_REQUIRE_NIXL) without the storage tier: a wheel built
+    without it, or NIXL's runtime not loading."""
+    if not hasattr(kvshard, "DiskStore"):
+        msg = f"{what}: this wheel has no storage tier (built without --features nixl)"
+    elif (missing := nixl_runtime_missing()) is not None:
+        msg = f"{what}: NIXL runtime missing: {missing}"
+    else:
         return
-    msg = f"{what}: this wheel has no storage tier (built without --features nixl)"
     if os.environ.get("KVSHARD_REQUIRE_NIXL"):
         pytest.fail(msg)
     pytest.skip(msg)
@@ -63,9 +92,7 @@ def need_nixl(what):
 @pytest.fixture
 def store_dir(request):
     """A fresh directory under the build tree (a real filesystem: tmpfs may refuse O_DIRECT)."""
-    target = Path(__file__).resolve().parents[2] / "target"
-    base = target if target.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
-    d = base / "storage-tests-py" / request.node.name.replace("[", "-").replace("]", "")
+    d = scratch_base() / "storage-tests-py" / request.node.name.replace("[", "-").replace("]", "")
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     yield d
