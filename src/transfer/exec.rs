@@ -420,10 +420,12 @@ impl BackendTransport {
     /// The grid of a launch of `blocks` blocks: `launch`, or with [`BackendTransport::new`]'s
     /// automatic grid the one [`Method::for_blocks`] picks for them.
     fn grid(&self, backend: &dyn Backend, blocks: u64, launch: Launch) -> Launch {
-        match Method::for_blocks(backend, blocks) {
-            Method::Kernel(picked) if self.auto_grid => picked,
-            _ => launch,
+        if !self.auto_grid {
+            return launch;
         }
+        Method::for_blocks(backend, blocks)
+            .launch()
+            .unwrap_or(launch)
     }
 
     /// The chunk's timed start event, when chunks are timed.
