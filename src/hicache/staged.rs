@@ -20,6 +20,7 @@ use crate::copy::{
     BlockCopy, BlockCopyPlan, BlockSpace, Direction, Method, PageSelection, SpaceId, TableBuffer,
 };
 use crate::error::{Error, Result};
+use crate::index::LocalPage;
 use crate::pool::host::{HostLayout, HostPool};
 
 /// Refuses, before anything is enqueued, a relayout method [`HostTransfer::run_staged`] cannot
@@ -93,7 +94,6 @@ impl StagedIo {
 
 /// A stretch of plan entries whose host pages are consecutive (one copy-engine run per
 /// component on the host side); the device pages may be anything.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Segment {
     first_entry: usize,
     pages: u64,
@@ -121,13 +121,13 @@ fn tail_pages(chunk: u64) -> u64 {
     chunk.div_ceil(4)
 }
 
-/// `host_pages` (a plan's, entry by entry) cut where host pages stop being consecutive or a
+/// A plan's host pages, entry by entry, cut where host pages stop being consecutive or a
 /// chunk is full, and the one segment whose relayout nothing overlaps cut down to
 /// [`tail_pages`]: a load's last (its relayout runs after the last copy) and a backup's first
 /// (the copy engine waits for its relayout).
-fn segments(host_pages: &[u64], chunk: u64, direction: Direction) -> Vec<Segment> {
+fn segments(host_pages: &[LocalPage], chunk: u64, direction: Direction) -> Vec<Segment> {
     let mut out: Vec<Segment> = Vec::new();
-    for (j, &hp) in host_pages.iter().enumerate() {
+    for (j, &LocalPage(hp)) in host_pages.iter().enumerate() {
         match out.last_mut() {
             Some(s) if s.pages < chunk && s.host_page + s.pages == hp => s.pages += 1,
             _ => out.push(Segment {
@@ -361,8 +361,7 @@ impl HostTransfer {
         relayout.wait(&copy.record()?)?;
         // Per staging buffer: the event after which it may be refilled.
         let mut free: [Option<Event>; 2] = [None, None];
-        let host_pages: Vec<u64> = self.plan.host_pages().iter().map(|p| p.0).collect();
-        for (i, seg) in segments(&host_pages, staging.chunk, self.direction)
+        for (i, seg) in segments(self.plan.host_pages(), staging.chunk, self.direction)
             .iter()
             .enumerate()
         {
@@ -449,7 +448,8 @@ mod tests {
 
     /// (first entry, pages, first host page) of each segment.
     fn cut(host_pages: &[u64], chunk: u64, direction: Direction) -> Vec<(usize, u64, u64)> {
-        segments(host_pages, chunk, direction)
+        let host_pages: Vec<LocalPage> = host_pages.iter().copied().map(LocalPage).collect();
+        segments(&host_pages, chunk, direction)
             .iter()
             .map(|s| (s.first_entry, s.pages, s.host_page))
             .collect()
@@ -489,23 +489,17 @@ mod tests {
 
     #[test]
     fn segments_cover_every_entry_in_order_on_consecutive_host_pages() {
-        let host: Vec<u64> = [3, 4, 5, 9, 10, 11, 12, 13, 14, 15, 2, 40, 41]
-            .into_iter()
-            .collect();
+        let host = [3, 4, 5, 9, 10, 11, 12, 13, 14, 15, 2, 40, 41];
         for chunk in 1..=8 {
             for direction in [Direction::Load, Direction::Backup] {
-                let segs = segments(&host, chunk, direction);
                 let mut next = 0;
-                for s in &segs {
-                    assert_eq!(s.first_entry, next, "chunk {chunk} {direction:?}");
-                    assert!(
-                        s.pages >= 1 && s.pages <= chunk,
-                        "chunk {chunk} {direction:?}"
-                    );
-                    for k in 0..s.pages {
-                        assert_eq!(host[next + k as usize], s.host_page + k);
+                for (first_entry, pages, host_page) in cut(&host, chunk, direction) {
+                    assert_eq!(first_entry, next, "chunk {chunk} {direction:?}");
+                    assert!(pages >= 1 && pages <= chunk, "chunk {chunk} {direction:?}");
+                    for k in 0..pages {
+                        assert_eq!(host[next + k as usize], host_page + k);
                     }
-                    next += s.pages as usize;
+                    next += pages as usize;
                 }
                 assert_eq!(next, host.len(), "chunk {chunk} {direction:?}");
             }

@@ -322,16 +322,17 @@ impl BackendTransport {
     }
 
     fn named(backend: Arc<dyn Backend>, method: Method, name: &'static str) -> Self {
-        let mut store = TableStore::new(backend);
-        store.set_timed(false);
-        Self {
-            store,
+        let mut transport = Self {
+            store: TableStore::new(backend),
             method,
             auto_grid: false,
-            timing: false,
+            timing: true,
             calls: Arc::default(),
             stats: TransferStats::new(name),
-        }
+        };
+        // Chunks untimed by default (`set_device_timing` keeps the store's launches in step).
+        transport.set_device_timing(false);
+        transport
     }
 
     /// How this transport moves bytes (for [`BackendTransport::new`]'s, whose launches take
