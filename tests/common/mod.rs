@@ -5,6 +5,7 @@
 // Each test binary compiles this module and uses only part of it.
 #![allow(dead_code)]
 
+pub mod faults;
 pub mod synth;
 
 use std::fmt;
