@@ -1,0 +1,311 @@
+//! The house's rules as a test: every import in `src/` points down the layer order that
+//! docs/design.md declares ("Layers"), and no files import each other in a circle.
+//!
+//! An import is a `crate::MODULE` or `super::` path in code (comments and `#[cfg(test)]`
+//! modules are not imports: unit tests may reach anywhere). A path resolves to the deepest file
+//! of `src/` it names; `crate::Error` and the other names `lib.rs` re-exports resolve to the
+//! module they come from.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+/// The declared layers, top first, from docs/design.md's fenced `layers` block.
+fn declared_layers(root: &Path) -> Vec<Vec<String>> {
+    let doc = fs::read_to_string(root.join("docs/design.md")).expect("docs/design.md");
+    let block = doc
+        .split("```layers\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("docs/design.md declares the layers in a ```layers block");
+    block
+        .lines()
+        .map(|l| l.split('#').next().unwrap_or("").split_whitespace())
+        .map(|words| words.map(str::to_owned).collect::<Vec<_>>())
+        .filter(|layer| !layer.is_empty())
+        .collect()
+}
+
+/// Every `.rs` file under `dir`.
+fn sources(dir: &Path, into: &mut Vec<PathBuf>) {
+    for entry in fs::read_dir(dir).expect("readable src") {
+        let path = entry.expect("entry").path();
+        if path.is_dir() {
+            sources(&path, into);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            into.push(path);
+        }
+    }
+}
+
+/// The code of a file without comments, string literals and `#[cfg(test)]` items.
+fn code(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let b = text.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i..].starts_with(b"//") {
+            while i < b.len() && b[i] != b'\n' {
+                i += 1;
+            }
+        } else if b[i..].starts_with(b"/*") {
+            i = text[i..].find("*/").map_or(b.len(), |e| i + e + 2);
+        } else if b[i] == b'"' {
+            i += 1;
+            while i < b.len() && b[i] != b'"' {
+                i += if b[i] == b'\\' { 2 } else { 1 };
+            }
+            i += 1;
+            out.push_str("\"\"");
+        } else if b[i..].starts_with(b"#[cfg(test)]") {
+            // Skip the item: up to its first `;` or its matching closing brace.
+            let mut depth = 0usize;
+            while i < b.len() {
+                match b[i] {
+                    b';' if depth == 0 => break,
+                    b'{' => depth += 1,
+                    b'}' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            break;
+                        }
+                    }
+                    _ => {}
+                }
+                i += 1;
+            }
+            i += 1;
+        } else {
+            out.push(b[i] as char);
+            i += 1;
+        }
+    }
+    out
+}
+
+/// The module path of a source file: `src/pool/host/mod.rs` -> `["pool", "host"]`.
+fn module_of(src: &Path, file: &Path) -> Vec<String> {
+    let rel = file.strip_prefix(src).expect("under src");
+    let mut parts: Vec<String> = rel
+        .iter()
+        .map(|p| p.to_string_lossy().trim_end_matches(".rs").to_owned())
+        .collect();
+    if matches!(parts.last().map(String::as_str), Some("mod" | "lib")) {
+        parts.pop();
+    }
+    parts
+}
+
+/// The paths a file's code names: each `crate::a::b..` or `super::..::a..` as absolute module
+/// paths (as many segments as follow; resolution to a file comes later). `use` groups
+/// (`crate::a::{b, c::d}`) name each member.
+fn named_paths(module: &[String], code: &str) -> Vec<Vec<String>> {
+    let mut found = Vec::new();
+    let bytes = code.as_bytes();
+    for (at, _) in code
+        .match_indices("crate::")
+        .chain(code.match_indices("super::"))
+    {
+        if at > 0 && (bytes[at - 1].is_ascii_alphanumeric() || bytes[at - 1] == b'_') {
+            continue;
+        }
+        if code[..at].ends_with("::") {
+            continue; // the tail of a longer path (`super::super::x`), read from its start
+        }
+        let mut base: Vec<String> = Vec::new();
+        let mut rest = &code[at..];
+        if let Some(r) = rest.strip_prefix("crate::") {
+            rest = r;
+        } else {
+            // `super` is the parent of the file's module (a `mod.rs` is its folder's module).
+            base = module.to_vec();
+            while let Some(r) = rest.strip_prefix("super::") {
+                base.pop();
+                rest = r;
+            }
+        }
+        expand(base, rest, &mut found);
+    }
+    found
+}
+
+/// Appends the path(s) `rest` names below `base`, a group `{..}` naming each member.
+fn expand(mut base: Vec<String>, mut rest: &str, found: &mut Vec<Vec<String>>) {
+    loop {
+        let ident: String = rest
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        if !ident.is_empty() {
+            base.push(ident.clone());
+            rest = &rest[ident.len()..];
+            if let Some(r) = rest.strip_prefix("::") {
+                rest = r;
+                continue;
+            }
+            found.push(base);
+            return;
+        }
+        if let Some(r) = rest.strip_prefix('{') {
+            let mut depth = 1;
+            let mut end = 0;
+            for (k, c) in r.char_indices() {
+                match c {
+                    '{' => depth += 1,
+                    '}' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            end = k;
+                            break;
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            let inner = &r[..end];
+            let mut depth = 0;
+            let mut start = 0;
+            for (k, c) in inner.char_indices().chain([(inner.len(), ',')]) {
+                match c {
+                    '{' => depth += 1,
+                    '}' => depth -= 1,
+                    ',' if depth == 0 => {
+                        let member = inner[start..k].trim();
+                        if !member.is_empty() && member != "self" {
+                            expand(base.clone(), member, found);
+                        } else if member == "self" {
+                            found.push(base.clone());
+                        }
+                        start = k + 1;
+                    }
+                    _ => {}
+                }
+            }
+        } else if !base.is_empty() {
+            found.push(base);
+        }
+        return;
+    }
+}
+
+/// The deepest file of `files` (by module path) that `path` names, if any.
+fn resolve(files: &BTreeMap<Vec<String>, PathBuf>, path: &[String]) -> Option<Vec<String>> {
+    (1..=path.len())
+        .rev()
+        .map(|n| path[..n].to_vec())
+        .find(|p| files.contains_key(p))
+}
+
+#[test]
+fn imports_point_down_the_declared_layers_and_no_files_form_a_circle() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let src = root.join("src");
+    let layers = declared_layers(root);
+    let top = layers.len();
+    let layer_of: BTreeMap<&str, usize> = layers
+        .iter()
+        .enumerate()
+        .flat_map(|(i, layer)| layer.iter().map(move |m| (m.as_str(), top - i)))
+        .collect();
+
+    let mut paths = Vec::new();
+    sources(&src, &mut paths);
+    let files: BTreeMap<Vec<String>, PathBuf> = paths
+        .iter()
+        .map(|p| (module_of(&src, p), p.clone()))
+        .collect();
+    // The root's re-exports name the module they come from.
+    let lib = code(&fs::read_to_string(src.join("lib.rs")).expect("lib.rs"));
+    let mut reexports: BTreeMap<String, String> = BTreeMap::new();
+    for line in lib
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("pub use "))
+    {
+        let (module, names) = line.split_once("::").expect("pub use module::names");
+        for name in names.trim_matches(|c| "{};".contains(c)).split(',') {
+            reexports.insert(name.trim().to_owned(), module.to_owned());
+        }
+    }
+
+    let mut wrong = Vec::new();
+    let mut edges: BTreeMap<Vec<String>, BTreeSet<Vec<String>>> = BTreeMap::new();
+    for (module, file) in &files {
+        let Some(top) = module.first() else { continue }; // lib.rs declares the modules
+        let text = code(&fs::read_to_string(file).expect("readable source"));
+        for mut path in named_paths(module, &text) {
+            if let Some(home) = path.first().and_then(|n| reexports.get(n)) {
+                path = vec![home.clone()];
+            }
+            let Some(target) = resolve(&files, &path) else {
+                continue;
+            };
+            let Some(to) = target.first() else { continue };
+            if to != top {
+                let (Some(&from_layer), Some(&to_layer)) =
+                    (layer_of.get(top.as_str()), layer_of.get(to.as_str()))
+                else {
+                    wrong.push(format!(
+                        "{}: module `{top}` or `{to}` is in no layer of docs/design.md",
+                        file.display()
+                    ));
+                    continue;
+                };
+                if to_layer >= from_layer {
+                    wrong.push(format!(
+                        "{}: imports `{}` (layer {to_layer}) from layer {from_layer}",
+                        file.display(),
+                        path.join("::")
+                    ));
+                }
+            }
+            if &target != module {
+                edges.entry(module.clone()).or_default().insert(target);
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "imports against the layers:\n{}",
+        wrong.join("\n")
+    );
+
+    // Circles between files: a depth-first search that meets a file on its own stack.
+    fn visit(
+        at: &Vec<String>,
+        edges: &BTreeMap<Vec<String>, BTreeSet<Vec<String>>>,
+        state: &mut BTreeMap<Vec<String>, u8>,
+        stack: &mut Vec<Vec<String>>,
+    ) -> Option<Vec<Vec<String>>> {
+        state.insert(at.clone(), 1);
+        stack.push(at.clone());
+        for next in edges.get(at).into_iter().flatten() {
+            match state.get(next) {
+                Some(1) => {
+                    let from = stack.iter().position(|m| m == next).unwrap_or(0);
+                    return Some(stack[from..].to_vec());
+                }
+                Some(_) => {}
+                None => {
+                    if let Some(circle) = visit(next, edges, state, stack) {
+                        return Some(circle);
+                    }
+                }
+            }
+        }
+        stack.pop();
+        state.insert(at.clone(), 2);
+        None
+    }
+    let mut state = BTreeMap::new();
+    for module in files.keys() {
+        if !state.contains_key(module) {
+            if let Some(circle) = visit(module, &edges, &mut state, &mut Vec::new()) {
+                let names: Vec<String> = circle.iter().map(|m| m.join("::")).collect();
+                panic!(
+                    "files import each other in a circle: {}",
+                    names.join(" -> ")
+                );
+            }
+        }
+    }
+}
