@@ -2,11 +2,11 @@
  * A kernel version that lost a benchmark, kept to read and to time again; nothing builds it
  * (build.rs compiles cuda/ only).
  *
- * What: kvs_resolve with a CTA-wide decoupled look-back (session 1). Blocked 2048-entry tiles
+ * What: kvs_resolve with a CTA-wide decoupled look-back (2026-11-30, 6db65d4). Blocked 2048-entry tiles
  *   (8 entries a thread), a block-wide scan of the owned counts, the whole CTA looking back
  *   over up to 256 predecessors' tile words at a time (with back-off in the spin, 9f1d56a),
  *   owned entries compacted through shared memory.
- * Beaten by: the warp-striped, ballot-ranked look-back of session 2 (f3bf0d4,
+ * Beaten by: the warp-striped, ballot-ranked look-back of 2026-11-30 (f3bf0d4,
  *   resolve_warp_lookback.cu), then the Fenwick tree of tile counts kept in cuda/resolve.cu
  *   (feb35ef, 283130a).
  * By how much: BENCHMARKS.md (H200, token slots, ~10% padding, rank 0; benches/gpu at 1e0cdae

@@ -2,7 +2,7 @@
  * A kernel version that lost a benchmark, kept to read and to time again; nothing builds it
  * (build.rs compiles cuda/ only).
  *
- * What: kvs_resolve with a warp-0 decoupled look-back (session 2). Warp-striped 1024-entry
+ * What: kvs_resolve with a warp-0 decoupled look-back (2026-11-30, f3bf0d4). Warp-striped 1024-entry
  *   tiles with ballot ranks (no shared-memory compaction); warp 0 looks back over 64
  *   predecessors at once (two tile words a lane, all polled together), one 128-byte line per
  *   tile word; words carry the launch's epoch, so the state is never cleared.

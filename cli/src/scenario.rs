@@ -40,7 +40,7 @@ impl Platform {
 
     /// The HiCache route the scenarios use: on a GPU the copy engine through device staging
     /// with a block-kernel relayout of [`AUTO_RELAYOUT_CTAS`] CTAs, `Route::auto`'s pick for
-    /// the scenario's 64-page loads (BENCHMARKS.md, session 9: 96-97% of pinned H2D; the
+    /// the scenario's 64-page loads (H200 2026-12-02 at a8be63e: 96-97% of pinned H2D; the
     /// copy-engine relayout spends 1.7 ms of host time enqueueing its 2D copies and reaches
     /// 87.7%), named here so the CPU twin can take the plain copy engine instead.
     /// The relayout's CTAs take the copy kernels' compiled thread count, what

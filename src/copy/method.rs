@@ -56,7 +56,7 @@ const WIDE: Launch = Launch {
 /// launches the wide grid: the narrow grid's warps (264 x 512 / 32). Up to them the narrow grid
 /// gives every block a warp of its one resident wave; past them its warps take blocks one after
 /// another, and the wide grid's two waves of four 256-thread CTAs an SM finished the same
-/// blocks sooner (H200, BENCHMARKS.md session 11: 7,936 blocks 85.3% of D2D against 82.7%,
+/// blocks sooner (H200, 2026-12-02 at 01e02be: 7,936 blocks 85.3% of D2D against 82.7%,
 /// 63,488 blocks equal at 93.9%, 992 blocks 43.9% against 50.4%).
 pub const WIDE_GRID_BLOCKS: u64 = (NARROW.ctas as u64) * (NARROW.threads as u64) / 32;
 

@@ -57,7 +57,7 @@ const SPARE_TABLES: usize = 8;
 
 /// Pages each of a direction's two staging buffers holds unless
 /// [`HiCacheController::set_staging_pages`] says otherwise: the chunk that measured best for the
-/// kernel relayout at 64 and 512 pages (BENCHMARKS.md, session 8: the two buffers overlap as
+/// kernel relayout at 64 and 512 pages (run of 2026-12-02 at 48e7311: the two buffers overlap as
 /// soon as a load has more than one chunk). Device memory: `2 * pages * page bytes` per
 /// direction in use.
 pub const DEFAULT_STAGING_PAGES: u64 = 16;
@@ -92,14 +92,14 @@ pub const AUTO_STAGED_PAGES: usize = 64;
 /// CTAs of [`Route::auto`]'s staged relayout kernel. Every relayout but the last overlaps a
 /// copy, and 8 CTAs outpace PCIe there; the last one (a whole staging chunk after the last
 /// copy) is the load's tail, and at 64 pages 32 CTAs shorten it enough to lift every layout
-/// from 94-96% to 97.9-98.1% of pinned H2D (H200, session 9).
+/// from 94-96% to 97.9-98.1% of pinned H2D (H200, 2026-12-02, a8be63e).
 pub const AUTO_RELAYOUT_CTAS: u32 = 32;
 
 impl Route {
     /// The route [`Route::Auto`] takes for a transfer of `pages` pages in `direction` with a
-    /// host pool in `layout`, on `backend` (the direction's stream): the rule BENCHMARKS.md
-    /// (session 8, H200, every layout at 64 and 512 pages) measured, within 3% of the fastest
-    /// route of every case:
+    /// host pool in `layout`, on `backend` (the direction's stream): the rule the H200 measured
+    /// (2026-12-02 at 464d428, every layout at 64 and 512 pages), within 3% of the fastest route
+    /// of every case:
     /// - a load of at least [`AUTO_STAGED_PAGES`] pages: the copy engine through device staging
     ///   with an [`AUTO_RELAYOUT_CTAS`]-CTA kernel relayout (97.9-98.1% of pinned H2D at 64
     ///   pages, where 8 CTAs gave 94-96%), every layer ready at the end; a smaller load: the
