@@ -56,8 +56,8 @@ fn production() -> CacheGeometry {
 // ---------------------------------------------------------------------------------------------
 
 /// The rotated-owner allocator written out step by step: per class a free stack (next page out
-/// is the last) and, with `sorted`, a release list merged and sorted when a class runs short of
-/// a batch's share and before every matching allocation. Without `sorted` a free pushes pages
+/// is the last) and, with `sorted`, release lists merged and sorted, every class at once, when a
+/// class runs short of what an allocation takes from it (SGLang's `merge_and_sort_free`). Without `sorted` a free pushes pages
 /// straight back onto the stack, as kvshard did before the release order (the "before" of the
 /// descriptor counts).
 struct RefAlloc {
@@ -93,6 +93,16 @@ impl RefAlloc {
         }
         self.free[c].extend(released);
         self.free[c].sort_by(|a, b| b.cmp(a));
+    }
+
+    /// SGLang's `merge_and_sort_free` under `need_sort`: every class merges once any class's
+    /// stack is short of what the call takes from it.
+    fn merge_if_short(&mut self, needs: &[usize]) {
+        if self.sorted && (0..self.n as usize).any(|c| self.free[c].len() < needs[c]) {
+            for c in 0..self.n as usize {
+                self.merge(c);
+            }
+        }
     }
 
     fn shortage(&self, needs: &[usize]) -> Option<Error> {
@@ -131,13 +141,7 @@ impl RefAlloc {
         if let Some(e) = self.shortage(&needs) {
             return Err(e);
         }
-        if self.sorted {
-            for (c, &need) in needs.iter().enumerate() {
-                if self.free[c].len() < need {
-                    self.merge(c);
-                }
-            }
-        }
+        self.merge_if_short(&needs);
         let mut out = Vec::new();
         for (start, first, pages) in plans {
             let pages: Vec<u64> = (0..pages)
@@ -162,11 +166,7 @@ impl RefAlloc {
         if let Some(e) = self.shortage(&needs) {
             return Err(e);
         }
-        if self.sorted {
-            for c in 0..n {
-                self.merge(c);
-            }
-        }
+        self.merge_if_short(&needs);
         let out: Vec<u64> = pages
             .iter()
             .map(|p| self.free[(p.0 % n as u64) as usize].pop().unwrap())

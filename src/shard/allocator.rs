@@ -10,13 +10,16 @@
 //! A fresh class stack holds its pages highest at the bottom, so a fresh allocator hands out
 //! each class's lowest pages first.
 //!
-//! Release order (SGLang's `release_pages` and `merge_and_sort_free`): freed pages go to their
-//! class's release list, not back onto the stack, and a class's release list is merged into its
-//! stack, the whole stack sorted so that pages come out in ascending order again, when the class
-//! runs short of what an extension (`alloc`, `alloc_batch`) takes from it, and before every
-//! `alloc_matching`. Pushed straight back, a freed chain would come out last-freed-first, in
-//! descending local order, and the transfers of the pages reusing it (P/D descriptors, HiCache
-//! runs) would stop coalescing. Released pages are free: they count in every free count.
+//! Release order (SGLang 0.5.23's `PageInterleavePoolAllocator` with `need_sort`, as its P/D
+//! prefill builds it: `free` and `merge_and_sort_free`): freed pages go to their class's release
+//! list, not back onto the stack, and when any class's stack is short of what an allocation
+//! (`alloc`, `alloc_batch`, `alloc_matching`: SGLang's `alloc_extend` and `alloc_cyclic`) takes
+//! from it, every class's release list is merged into its stack, each stack sorted so that pages
+//! come out in ascending order again. Pushed straight back, a freed chain would come out
+//! last-freed-first, in descending local order, and the transfers of the pages reusing it (P/D
+//! descriptors, HiCache runs) would stop coalescing. Released pages are free: they count in
+//! every free count. The differential tests (python/tests/test_sglang_differential_cpu.py) see
+//! SGLang's allocator hand out the same pages, call for call.
 //!
 //! Every multi-page operation is all-or-nothing: it validates and counts first, and touches the
 //! stacks only once the whole operation is known to succeed.
@@ -355,14 +358,16 @@ impl ShardAllocator {
         stack.sort_unstable_by(|a, b| b.cmp(a));
     }
 
-    /// Merges every class whose stack holds fewer pages than `taken` takes from it.
+    /// Merges every class's release list when any class's stack holds fewer pages than `taken`
+    /// takes from it (SGLang's `merge_and_sort_free`, which merges the whole allocator).
     fn merge_short(&mut self, taken: &[usize]) {
-        for (class, &needed) in taken.iter().enumerate() {
-            if self
-                .free
+        let short = taken.iter().enumerate().any(|(class, &needed)| {
+            self.free
                 .get(class)
                 .is_some_and(|stack| stack.len() < needed)
-            {
+        });
+        if short {
+            for class in 0..self.free.len() {
                 self.merge(class);
             }
         }
@@ -393,8 +398,8 @@ impl ShardAllocator {
     /// lowest rank), counting the pages the earlier requests of this batch take. The batch
     /// commits only if every owner class can supply what the whole batch needs from it;
     /// otherwise it fails with [`Error::Exhausted`] for the lowest short class and nothing
-    /// changes. A class whose stack is short of the batch's share merges its release list
-    /// first, as SGLang's `alloc_extend` does for the whole batch.
+    /// changes. When a class's stack is short of the batch's share, every release list is
+    /// merged first, as SGLang's `alloc_extend` does.
     pub fn alloc_batch(&mut self, requests: &[AllocRequest]) -> Result<Vec<Allocation>> {
         let mut taken = vec![0usize; self.free.len()];
         let plans = requests
@@ -414,8 +419,9 @@ impl ShardAllocator {
     /// copy of each page lands on the rank that holds the original. The given pages may belong
     /// to another pool of the same placement (host copies of device pages), so only their class
     /// matters; reserved padding pages have nothing to copy and are refused. All or nothing.
-    /// Every release list is merged first (once the call is known to succeed), so the new pages
-    /// of each class come out ascending and a reload's runs coalesce.
+    /// When a class's stack is short of what the call takes from it, every release list is
+    /// merged first (once the call is known to succeed), as SGLang's `alloc_cyclic` does for a
+    /// HiCache load-back: the pages handed out are SGLang's, page for page.
     pub fn alloc_matching(&mut self, pages: &[LogicalPage]) -> Result<Vec<LogicalPage>> {
         let mut by_class = vec![Vec::new(); self.free.len()];
         for (i, &page) in pages.iter().enumerate() {
@@ -426,9 +432,7 @@ impl ShardAllocator {
         }
         let taken: Vec<usize> = by_class.iter().map(Vec::len).collect();
         self.check_supply(&taken)?;
-        for class in 0..self.free.len() {
-            self.merge(class);
-        }
+        self.merge_short(&taken);
         let mut out = vec![LogicalPage(0); pages.len()];
         for (stack, positions) in self.free.iter_mut().zip(&by_class) {
             let at = stack.len().saturating_sub(positions.len());
