@@ -53,6 +53,9 @@ from ._kvshard import (
     PAGE_SIZE,
     ROPE_DIM,
     STORAGE_LAYOUT_VERSION,
+    # A CP prefill batch's admission and gather plan.
+    Admission,
+    GatherPlan,
     Allocation,
     BackupAck,
     Budget,
@@ -141,6 +144,8 @@ __all__ = [
     "PAGE_SIZE",
     "ROPE_DIM",
     "STORAGE_LAYOUT_VERSION",
+    "Admission",
+    "GatherPlan",
     "Allocation",
     "BackupAck",
     "Budget",

@@ -17,7 +17,8 @@
 //! errors as exceptions), `lock` (the poison-recovering lock), `tensor` (DLPack both ways),
 //! `device` (devices, streams, events), `geometry`, `shard` (placement, the allocator),
 //! `method` (how bytes move), `pool_tensors` (what every pool shares about tensors),
-//! `device_pool`, `chunk_staging`, `owned_row_write`, `budget`, `capacity` (the capacity
+//! `device_pool`, `chunk_staging`, `owned_row_write`, `budget`, `batch_plans` (a prefill
+//! batch's admission and gather plan), `capacity` (the capacity
 //! planner), `transfer` (P/D), `mooncake` (send plans as a transfer engine's descriptor
 //! lists, bounce buffers),
 //! `hicache_enums` (HiCache's choices), `host_pool`, `layer_signals` (per-layer readiness),
@@ -48,6 +49,7 @@ macro_rules! mirror_enum {
     };
 }
 
+mod batch_plans;
 mod bench;
 mod budget;
 mod capacity;
@@ -172,6 +174,9 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<chain::PyRequestChain>()?;
     m.add("KEY_BYTES", kvshard::key::KEY_BYTES)?;
     m.add("STORAGE_LAYOUT_VERSION", kvshard::key::LAYOUT_VERSION)?;
+    // A CP prefill batch's admission and gather plan (batch_plans.rs).
+    m.add_class::<batch_plans::PyAdmission>()?;
+    m.add_class::<batch_plans::PyGatherPlan>()?;
     m.add_class::<storage_keys::PyIndexerScale>()?;
     m.add_class::<storage_keys::PyNamespace>()?;
     m.add_function(wrap_pyfunction!(storage_keys::page_hash, m)?)?;

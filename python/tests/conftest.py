@@ -81,3 +81,20 @@ def page_bytes(tensors, local_page):
             else:
                 parts.append(t[local_page].tobytes())
     return b"".join(parts)
+
+
+# The differential tests against SGLang (sglang_oracle.py) count their cases and operations; the
+# summary says how many each compared.
+def pytest_terminal_summary(terminalreporter):
+    import sys
+
+    oracle = sys.modules.get("sglang_oracle")
+    if oracle is None or not oracle.COUNTS:
+        return
+    terminalreporter.section("compared against SGLang's own objects")
+    total = [0, 0]
+    for test, (cases, operations) in sorted(oracle.COUNTS.items()):
+        terminalreporter.write_line(f"differential: {test}: {cases} cases, {operations} operations")
+        total[0] += cases
+        total[1] += operations
+    terminalreporter.write_line(f"differential: all: {total[0]} cases, {total[1]} operations")
