@@ -1,5 +1,6 @@
-"""Stand-ins for SGLang's storage interface types (``sglang/srt/mem_cache/hicache_storage.py``),
-with its signatures and fields: ``kvshard.sglang_storage`` uses them where the ``sglang`` wheel
+"""Stand-ins for SGLang's storage interface types (``sglang/srt/mem_cache/hicache_storage.py``
+of sglang 0.5.23), with its signatures and fields (python/tests/test_sglang_storage_cpu.py checks
+them against SGLang's own where it imports): ``kvshard.sglang_storage`` uses them where the ``sglang`` wheel
 does not import, so ``KvshardStorage`` can be loaded, type-checked and tested without SGLang."""
 
 from __future__ import annotations
@@ -34,11 +35,18 @@ class HiCacheStorageConfig:
     enable_storage_metrics: bool
     is_page_first_layout: bool
     model_name: Optional[str]
-    dp_rank: int = 0
-    dp_size: int = 1
     tp_lcm_size: Optional[int] = None
     should_split_heads: bool = False
+    dp_rank: int = 0
     extra_config: Optional[dict] = None
+    dcp_size: int = 1
+    dcp_rank: int = 0
+    logical_page_size: Optional[int] = None
+
+    @property
+    def is_storage_writer(self) -> bool:
+        """SGLang's writer rule: MLA replicas write from one rank per DCP shard."""
+        return not self.is_mla_model or self.tp_rank == self.dcp_rank
 
 
 @dataclass
@@ -60,12 +68,28 @@ class _StrEnum(str, Enum):
 
 
 class PoolName(_StrEnum):
-    """SGLang's pool names (the ones a DSA model with MTP uses)."""
+    """SGLang's pool names."""
 
     KV = "kv"
     MAMBA = "mamba"
     SWA = "swa"
+    AUXILIARY_SWA = "auxiliary_swa"
     INDEXER = "indexer"
+    DEEPSEEK_V4_C1 = "deepseek_v4_c1"
+    DEEPSEEK_V4_C1_INDEXER = "deepseek_v4_c1_indexer"
+    DEEPSEEK_V4_C1_INDEXER_SCALE = "deepseek_v4_c1_indexer_scale"
+    DEEPSEEK_V4_C2 = "deepseek_v4_c2"
+    DEEPSEEK_V4_C2_INDEXER = "deepseek_v4_c2_indexer"
+    DEEPSEEK_V4_C2_INDEXER_SCALE = "deepseek_v4_c2_indexer_scale"
+    DEEPSEEK_V4_C4 = "deepseek_v4_c4"
+    DEEPSEEK_V4_C4_INDEXER = "deepseek_v4_c4_indexer"
+    DEEPSEEK_V4_C4_INDEXER_SCALE = "deepseek_v4_c4_indexer_scale"
+    DEEPSEEK_V4_C128 = "deepseek_v4_c128"
+    DEEPSEEK_V4_C4_ROPE = "deepseek_v4_c4_rope"
+    DEEPSEEK_V4_C128_ROPE = "deepseek_v4_c128_rope"
+    DEEPSEEK_V4_C4_STATE = "deepseek_v4_c4_state"
+    DEEPSEEK_V4_C4_INDEXER_STATE = "deepseek_v4_c4_indexer_state"
+    DEEPSEEK_V4_C128_STATE = "deepseek_v4_c128_state"
     DRAFT = "draft"
     DRAFT_INDEXER = "draft_indexer"
     DRAFT_SWA = "draft_swa"
@@ -79,6 +103,7 @@ class PoolHitPolicy(_StrEnum):
 
     ALL_PAGES = "all_pages"
     TRAILING_PAGES = "trailing_pages"
+    BLOCK_GROUPS = "block_groups"
 
 
 @dataclass
@@ -92,6 +117,8 @@ class PoolTransfer:
     hit_policy: Any = PoolHitPolicy.ALL_PAGES
     nodes_to_load: Optional[List[Any]] = None
     indices_from_pool: Any = None
+    block_pages: int = 0
+    group_pages: int = 0
 
 
 @dataclass
@@ -100,6 +127,17 @@ class PoolTransferResult:
 
     kv_hit_pages: int
     extra_pool_hit_pages: dict
+    restorable_prefix_pages: Optional[List[int]] = None
+
+    @classmethod
+    def empty(cls) -> "PoolTransferResult":
+        return cls(0, {})
+
+    def update_kv_hit_pages(self, kv_hit_pages: int) -> None:
+        self.kv_hit_pages = max(self.kv_hit_pages, kv_hit_pages)
+
+    def update_extra_pool_hit_pages(self, results: dict) -> None:
+        self.extra_pool_hit_pages.update(results)
 
 
 class HiCacheStorage(ABC):
@@ -114,6 +152,9 @@ class HiCacheStorage(ABC):
             self.registered_pools = {}
         self.registered_pools[host_pool_name] = host_pool
 
+    def on_host_pools_registered(self) -> None:
+        pass
+
     def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
         raise NotImplementedError()
 
@@ -124,10 +165,10 @@ class HiCacheStorage(ABC):
         raise NotImplementedError()
 
     def batch_get_v1(self, keys, host_indices, extra_info=None):
-        raise NotImplementedError()
+        pass
 
     def batch_set_v1(self, keys, host_indices, extra_info=None):
-        raise NotImplementedError()
+        pass
 
     @abstractmethod
     def get(self, key, target_location=None, target_sizes=None):

@@ -1,0 +1,262 @@
+"""kvshard inside SGLang 0.5.23's own objects, on the CPU.
+
+- The stand-in base class (``kvshard._hicache_stand_in``, used where SGLang does not import) has
+  SGLang's signatures, fields and members, checked against SGLang's own.
+- ``KvshardStorage`` is created by SGLang's own ``StorageBackendFactory`` (``dynamic``, with
+  ``module_path`` and ``class_name`` in ``extra_config``), subclasses SGLang's own
+  ``HiCacheStorage``, and is driven through SGLang's storage calls (``register_mem_pool_host``,
+  ``register_mem_host_pool_v2``, ``on_host_pools_registered``, v1 and v2) on host pools SGLang's
+  own classes built: ``MLATokenToKVPoolHost`` (target layers + the packed MTP draft) and
+  ``DSAIndexerPoolHost`` (a shared-indexer layer skipped, the draft's indexer as its tail), in
+  each host layout SGLang offers for them, with ``pin_memory=False`` (SGLang's own flag: no
+  ``cudaHostRegister`` on the CPU). Every page is compared through SGLang's own page access
+  (``get_data_page``) after a round trip through the disk.
+- The same under SGLang's own ``HiCacheStorageFailureInjector``: no call it fails may change a
+  host page or report a hit it did not load.
+
+The storage tier needs NIXL's runtime (as test_sglang_storage_cpu.py); SGLang is required with
+``KVSHARD_REQUIRE_SGLANG=1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import inspect
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import kvshard
+import sglang_oracle
+from kvshard import _hicache_stand_in as stand_in
+from test_sglang_storage_cpu import need_nixl, store_dir  # noqa: F401 (a fixture)
+
+PAGE = kvshard.PAGE_SIZE
+LAYERS = 3
+SKIP = [False, True, False]  # layer 1 reuses another layer's top-k: no indexer buffer
+PAGES = 8  # SGLang's device capacity in pages; its host pool holds PAGES * 2 + 1
+
+
+@pytest.fixture(scope="module")
+def sg():
+    return sglang_oracle.sglang(
+        storage="mem_cache.hicache_storage",
+        factory="mem_cache.storage.backend_factory",
+        info="mem_cache.device_pool_info",
+        mla="mem_cache.pool_host.mla",
+        dsa="mem_cache.pool_host.dsa",
+        decl="mem_cache.pool_host.host_pool_decl",
+    )
+
+
+# --- the stand-in has SGLang's interface ------------------------------------------------------
+
+
+def _signature(f):
+    return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+
+
+def test_stand_in_matches_sglang(sg):
+    from kvshard import sglang_storage
+
+    assert sglang_storage.BASE_CLASS == "sglang"
+    assert sglang_storage.HiCacheStorage is sg.storage.HiCacheStorage
+    for name in stand_in.__all__:
+        ours, theirs = getattr(stand_in, name), getattr(sg.storage, name)
+        if issubclass(theirs, enum.Enum):
+            assert [(m.name, m.value) for m in ours] == [(m.name, m.value) for m in theirs], name
+            assert str(ours.KV if name == "PoolName" else ours.ALL_PAGES) == str(
+                theirs.KV if name == "PoolName" else theirs.ALL_PAGES
+            )
+            continue
+        if dataclasses.is_dataclass(theirs):
+            assert [(f.name, f.default) for f in dataclasses.fields(ours)] == [
+                (f.name, f.default) for f in dataclasses.fields(theirs)
+            ], name
+        public = {n for n, v in vars(theirs).items() if not n.startswith("_") and (callable(v) or isinstance(v, (property, classmethod)))}
+        assert public == {n for n, v in vars(ours).items() if not n.startswith("_") and (callable(v) or isinstance(v, (property, classmethod)))}, name
+        for method in public:
+            a, b = inspect.getattr_static(ours, method), inspect.getattr_static(theirs, method)
+            if isinstance(a, property):
+                continue
+            assert _signature(getattr(ours, method)) == _signature(getattr(theirs, method)), (name, method)
+        assert getattr(ours, "__abstractmethods__", frozenset()) == getattr(theirs, "__abstractmethods__", frozenset())
+    sglang_oracle.tally("stand-in interface", 1, len(stand_in.__all__))
+
+
+# --- SGLang's own host pools ---------------------------------------------------------------------
+
+
+def sglang_host_pools(sg, layout):
+    """SGLang's MLA host pool (3 target layers + the packed draft, 576-B FP8 rows) and its DSA
+    indexer host pool over the same pages, built by SGLang's classes from CPU device buffers."""
+    import torch
+
+    row = 576
+    rows = PAGES * PAGE + PAGE
+    target = [torch.zeros((rows, 1, row), dtype=torch.uint8) for _ in range(LAYERS)]
+    draft = [torch.zeros((rows, 1, row), dtype=torch.uint8)]
+
+    def info(buffers, layers):
+        return sg.info.MLABufferInfo(
+            buffers=tuple(buffers),
+            data_ptrs=torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64),
+            layer_indices=tuple(layers), device_layer_num=len(layers), page_size=PAGE,
+            kv_lora_rank=512, qk_rope_head_dim=64, kv_cache_dim=row, dtype=torch.uint8,
+            device=torch.device("cpu"), packed_fp8=True,
+        )
+
+    kv = sg.mla.MLATokenToKVPoolHost(
+        info(target, range(LAYERS)), 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+        override_kv_cache_dim=row, draft_buffer_infos=(info(draft, [0]),),
+        device_capacity_tokens=PAGES * PAGE, start_layer=0, end_layer=LAYERS, target_layer_num=LAYERS,
+    )
+    indexer_buffers = [torch.zeros((0 if s else PAGES + 1, 8448), dtype=torch.uint8) for s in SKIP]
+    device_pool = SimpleNamespace(
+        device="cpu", index_k_with_scale_buffer=indexer_buffers, start_layer=0, end_layer=LAYERS,
+        layer_num=LAYERS, store_dtype=torch.uint8, skip_topk_layers=SKIP, layer_shard_enabled=False,
+    )
+    draft_pool = SimpleNamespace(device="cpu", index_k_with_scale_buffer=[torch.zeros((PAGES + 1, 8448), dtype=torch.uint8)])
+    decl = sg.decl.HostPoolDecl(
+        pool_name=sg.storage.PoolName.INDEXER, device_pool=device_pool,
+        indices_from_pool=sg.storage.PoolName.KV, layout_source=sg.storage.PoolName.KV,
+        storage_info=sg.decl.HostPoolStorageInfo(bytes_per_token_per_layer=8448 // PAGE, dtype=torch.uint8),
+        host_pool_builder=None, owned_device_layers=tuple(i for i, s in enumerate(SKIP) if not s),
+    )
+    indexer = sg.dsa.DSAIndexerPoolHost(decl, kv, packed_draft_device_pools=(draft_pool,), pin_memory=False)
+    return kv, indexer
+
+
+def storage_config(sg, store_dir, layout, *, tp_rank=0, tp_size=1, cp_rank=0, cp_size=1, **extra):
+    return sg.storage.HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=cp_rank, attn_cp_size=cp_size,
+        is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=layout != "layer_first",
+        model_name="test/dsa",
+        extra_config={
+            "backend_name": "kvshard", "module_path": "kvshard.sglang_storage", "class_name": "KvshardStorage",
+            "dir": str(store_dir), "slots": 32, "tenant": "sglang-objects", **extra,
+        },
+    )
+
+
+def fill(kv, indexer, pages, rng):
+    """Random non-zero bytes in host pages ``pages`` of both pools (SGLang's own page setters)."""
+    import torch
+
+    for p in pages:
+        for pool in (kv, indexer):
+            n = pool.get_data_page(p * PAGE, flat=True).numel()
+            pool.set_from_flat_data_page(p * PAGE, torch.from_numpy(rng.integers(1, 256, n, dtype=np.uint8)))
+
+
+def page(pool, p):
+    return bytes(pool.get_data_page(p * PAGE, flat=True).numpy())
+
+
+def slots(pages):
+    import torch
+
+    return torch.tensor([p * PAGE + o for p in pages for o in range(PAGE)], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_storage_round_trips_in_sglang_objects(sg, store_dir, layout):  # noqa: F811
+    """SGLang's factory creates the backend; SGLang's host pools are registered as its
+    controller registers them; v2 stores both pools' pages, finds them, and loads them into
+    other host pages byte for byte; v1 does the same for the KV pool (its slot holds every
+    component, so the indexer pages come back too)."""
+    need_nixl("the SGLang-objects storage test")
+    kv, indexer = sglang_host_pools(sg, layout)
+    PoolName, PoolTransfer = sg.storage.PoolName, sg.storage.PoolTransfer
+    backend = sg.factory.StorageBackendFactory.create_backend("dynamic", storage_config(sg, store_dir, layout), kv)
+    assert isinstance(backend, sg.storage.HiCacheStorage)
+    assert type(backend).__name__ == "KvshardStorage"
+    backend.register_mem_pool_host(kv)
+    backend.register_mem_host_pool_v2(kv, PoolName.KV)
+    backend.register_mem_host_pool_v2(indexer, PoolName.INDEXER)
+    backend.on_host_pools_registered()
+
+    rng = np.random.default_rng(7)
+    src, dst = [1, 2, 3, 4], [9, 10, 11, 12]
+    fill(kv, indexer, src + dst, rng)
+    keys = kvshard.page_hashes(list(rng.integers(0, 50_000, len(src) * PAGE)))
+    stored = backend.batch_set_v2(
+        [PoolTransfer(PoolName.KV, host_indices=slots(src), keys=keys),
+         PoolTransfer(PoolName.INDEXER, host_indices=slots(src), keys=keys)]
+    )
+    assert stored == {PoolName.KV: [True] * 4, PoolName.INDEXER: [True] * 4}
+    hit = backend.batch_exists_v2(keys + ["00" * 32], [PoolTransfer(PoolName.INDEXER, keys=keys)])
+    assert hit.kv_hit_pages == 4 and hit.extra_pool_hit_pages[PoolName.INDEXER] == 4
+    loaded = backend.batch_get_v2(
+        [PoolTransfer(PoolName.KV, host_indices=slots(dst), keys=keys),
+         PoolTransfer(PoolName.INDEXER, host_indices=slots(dst), keys=keys)]
+    )
+    assert loaded == {PoolName.KV: [True] * 4, PoolName.INDEXER: [True] * 4}
+    for s, d in zip(src, dst):
+        assert page(kv, d) == page(kv, s) and page(indexer, d) == page(indexer, s)
+
+    # v1 on the anchor pool: another prefix, loaded back into yet other pages.
+    more = kvshard.page_hashes(list(rng.integers(0, 50_000, 2 * PAGE)))
+    fill(kv, indexer, [5, 6, 13, 14], rng)
+    assert backend.batch_set_v1(more, slots([5, 6])) == [True, True]
+    assert backend.batch_exists(more) == 2
+    assert backend.batch_get_v1(more, slots([13, 14])) == [True, True]
+    for s, d in zip([5, 6], [13, 14]):
+        assert page(kv, d) == page(kv, s) and page(indexer, d) == page(indexer, s)
+    sglang_oracle.tally(f"storage in SGLang's objects ({layout})", 1, 7)
+
+
+def test_storage_under_sglangs_failure_injector(sg, store_dir):  # noqa: F811
+    """SGLang's own ``HiCacheStorageFailureInjector`` (half the calls fail, as SGLang's
+    ``SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE`` sets it) around the backend: a failed call
+    answers as SGLang's injector does and touches no host page; every page reported loaded has
+    the bytes that were stored under its key."""
+    need_nixl("the failure-injector storage test")
+    import torch
+
+    kv, indexer = sglang_host_pools(sg, "page_first")
+    PoolName, PoolTransfer = sg.storage.PoolName, sg.storage.PoolTransfer
+    inner = sg.factory.StorageBackendFactory.create_backend("dynamic", storage_config(sg, store_dir, "page_first"), kv)
+    backend = sg.storage.HiCacheStorageFailureInjector(inner, 0.0, 0.5)
+    backend._thread_local.random = random.Random(11)
+    backend.register_mem_pool_host(kv)
+    backend.register_mem_host_pool_v2(kv, PoolName.KV)
+    backend.register_mem_host_pool_v2(indexer, PoolName.INDEXER)
+    rng = np.random.default_rng(3)
+    truth: dict[str, tuple[bytes, bytes]] = {}
+    injected = survived = wrong = 0
+    for step in range(40):
+        src = [1 + step % 6]
+        fill(kv, indexer, src, rng)
+        key = kvshard.page_hashes(list(rng.integers(0, 50_000, PAGE)))
+        stored = backend.batch_set_v2(
+            [PoolTransfer(PoolName.KV, host_indices=slots(src), keys=key),
+             PoolTransfer(PoolName.INDEXER, host_indices=slots(src), keys=key)]
+        )
+        if stored.get(PoolName.KV) == [True]:
+            truth[key[0]] = (page(kv, src[0]), page(indexer, src[0]))
+        else:
+            injected += 1
+        # Load a random known key into page 15, poisoned first.
+        if truth:
+            k = random.Random(step).choice(sorted(truth))
+            for pool in (kv, indexer):
+                n = pool.get_data_page(15 * PAGE, flat=True).numel()
+                pool.set_from_flat_data_page(15 * PAGE, torch.full((n,), 0xA5, dtype=torch.uint8))
+            before = (page(kv, 15), page(indexer, 15))
+            got = backend.batch_get_v2(
+                [PoolTransfer(PoolName.KV, host_indices=slots([15]), keys=[k]),
+                 PoolTransfer(PoolName.INDEXER, host_indices=slots([15]), keys=[k])]
+            )
+            if got.get(PoolName.KV) == [True]:
+                wrong += (page(kv, 15), page(indexer, 15)) != truth[k]
+                survived += 1
+            else:
+                injected += 1
+                wrong += (page(kv, 15), page(indexer, 15)) != before
+    assert injected > 0 and survived > 0
+    assert wrong == 0
+    sglang_oracle.tally("storage under SGLang's failure injector", 1, 80)
