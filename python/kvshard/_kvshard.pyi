@@ -55,6 +55,9 @@ __all__ = [
     "ComponentLayout",
     "Placement",
     "ShardAllocator",
+    # A CP prefill batch's admission and gather plan.
+    "Admission",
+    "GatherPlan",
     "Allocation",
     "DevicePool",
     "ChunkStaging",

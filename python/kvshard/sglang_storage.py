@@ -165,6 +165,19 @@ _LATENT_BY_ROW_BYTES = {
 }
 
 
+def _page_interleave(pool) -> Optional[Tuple[int, int]]:
+    """``(shard_rank, shard_size)`` of SGLang's ``PageInterleaveHostPool`` (a facade over a
+    native host pool), else None. Its attributes are read without its ``__getattr__``, which
+    forwards everything else to the native pool."""
+    try:
+        attrs = object.__getattribute__(pool, "__dict__")
+    except AttributeError:
+        return None
+    if "host_pool" in attrs and "placement" in attrs and "shard_size" in attrs:
+        return int(attrs["shard_rank"]), int(attrs["shard_size"])
+    return None
+
+
 def _is_sglang_indexer(pool) -> bool:
     return not isinstance(pool, DSAIndexerHostPool) and hasattr(pool, "index_k_with_scale_buffer")
 
@@ -226,6 +239,46 @@ def adopt_sglang_pools(kv, indexer=None, device: Optional["kvshard.Device"] = No
     )
 
 
+#: A page of a page-interleave host pool that another rank of the shard group owns: this rank
+#: neither stores nor loads it, and answers True for it (its owner answers for its bytes).
+NOT_MINE = -1
+
+#: Upper bounds on ``extra_config``'s numbers: a value past them is a typo or a unit mistake,
+#: refused with a message naming the key before anything is opened (kvshard's store would refuse
+#: some of them too, later and less clearly).
+MAX_WRITERS = 4096
+MAX_SLOTS = 1 << 32
+MAX_STAGING_SLOTS = 1 << 16
+MAX_TIMEOUT = 3600.0
+
+
+def _bounded(extra: Dict[str, Any], key: str, default: Optional[int], low: int, high: int) -> int:
+    """``extra[key]`` (or ``default``) as an int in ``[low, high]``, else InvalidArgumentError."""
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) and not (isinstance(value, str) and value.strip().isdigit()):
+        raise kvshard.InvalidArgumentError(f"KvshardStorage extra_config {key!r}={value!r}: expected an integer")
+    n = int(value)
+    if not low <= n <= high:
+        raise kvshard.InvalidArgumentError(
+            f"KvshardStorage extra_config {key!r}={n}: expected {low} <= {key} <= {high}"
+        )
+    return n
+
+
+def _bounded_seconds(extra: Dict[str, Any], key: str, default: float) -> float:
+    """``extra[key]`` (or ``default``) as a finite number of seconds in ``(0, MAX_TIMEOUT]``."""
+    value = extra.get(key, default)
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise kvshard.InvalidArgumentError(f"KvshardStorage extra_config {key!r}={value!r}: expected seconds") from None
+    if not 0 < seconds <= MAX_TIMEOUT:  # NaN fails too
+        raise kvshard.InvalidArgumentError(
+            f"KvshardStorage extra_config {key!r}={value!r}: expected 0 < {key} <= {MAX_TIMEOUT:g} seconds"
+        )
+    return seconds
+
+
 class KvshardStorage(HiCacheStorage):
     """SGLang's ``HiCacheStorage`` on a kvshard ``DiskStore`` (the module docstring says how to
     load it and what it guarantees)."""
@@ -238,12 +291,6 @@ class KvshardStorage(HiCacheStorage):
             raise kvshard.InvalidArgumentError(
                 "KvshardStorage stores MLA (DSA) caches held by a kvshard.sglang.MLAHostPool; "
                 "this model is not MLA"
-            )
-        if storage_config.attn_cp_size > 1:
-            raise kvshard.InvalidArgumentError(
-                "KvshardStorage serves unsharded host pools; with attention CP "
-                f"(attn_cp_size={storage_config.attn_cp_size}) each rank holds a slice of every "
-                "page: see docs/design.md, 'SGLang's storage interface', for the upstream change"
             )
         for required in ("dir", "slots"):
             if required not in extra:
@@ -267,13 +314,21 @@ class KvshardStorage(HiCacheStorage):
         dp_rank = getattr(storage_config, "dp_rank", 0)
         dp_size = getattr(storage_config, "dp_size", 1)
         self.dir = dir_
-        self.slots = int(extra["slots"])
+        cp_rank, cp_size = storage_config.attn_cp_rank, storage_config.attn_cp_size
+        self.slots = _bounded(extra, "slots", None, 1, MAX_SLOTS)
         self.tenant = tenant.encode()
         self.indexer_scale = scales[scale]
-        self.writer = int(extra.get("writer", dp_rank * tp_size + tp_rank))
-        self.writers = int(extra.get("writers", dp_size * tp_size))
-        self.staging_slots = int(extra.get("staging_slots", 32))
-        self.timeout = float(extra.get("timeout", 30.0))
+        # One file per (attention DP, CP, TP) rank: under CP sharding each CP rank writes the
+        # pages it owns (docs/sglang.md, "Each rank stores its own stripe").
+        self.writers = _bounded(extra, "writers", dp_size * cp_size * tp_size, 1, MAX_WRITERS)
+        self.writer = _bounded(
+            extra, "writer", (dp_rank * cp_size + cp_rank) * tp_size + tp_rank, 0, self.writers - 1
+        )
+        self.staging_slots = _bounded(extra, "staging_slots", 32, 1, MAX_STAGING_SLOTS)
+        self.timeout = _bounded_seconds(extra, "timeout", 30.0)
+        # (rank, shard size) once SGLang's page-interleave host pool is registered: host indices
+        # are then logical, and this rank moves only the pages it owns.
+        self._shard: Optional[Tuple[int, int]] = None
         self.store: Optional[kvshard.DiskStore] = None
         self.namespace: Optional[kvshard.Namespace] = None
         self._mla: Optional[MLAHostPool] = None
@@ -330,7 +385,19 @@ class KvshardStorage(HiCacheStorage):
 
     def _register(self, pool) -> None:
         """Opens the store over a kvshard pool now, or keeps SGLang's own pool to adopt at the
-        first storage call (its indexer pool may be registered after it)."""
+        first storage call (its indexer pool may be registered after it). SGLang's
+        page-interleave host pool (``PageInterleaveHostPool``) is its native pool behind an
+        owner-classed slot allocator: the native pool's buffers are this rank's physical pages, and
+        the host indices of every later call are logical (page ``h`` is rank ``h % N``'s local page
+        ``h // N``)."""
+        shard = _page_interleave(pool)
+        if shard is not None:
+            if self._shard is not None and self._shard != shard:
+                raise kvshard.InvalidArgumentError(
+                    f"KvshardStorage: page-interleave pools of rank/size {self._shard} and {shard}"
+                )
+            self._shard = shard
+            pool = object.__getattribute__(pool, "host_pool")
         if _is_sglang_kv(pool) or _is_sglang_indexer(pool):
             role = "indexer" if _is_sglang_indexer(pool) else "kv"
             known = self._sglang.get(role)
@@ -390,11 +457,30 @@ class KvshardStorage(HiCacheStorage):
             return None
 
     def _pages(self, keys: List[str], host_indices) -> Optional[List[Optional[int]]]:
+        """Per key, its local host page, ``NOT_MINE`` for a page another rank of the shard group
+        owns (page-interleave pools), or None for one that is not usable; None when the indices
+        do not cover the keys."""
+        pages = self._logical_pages(keys, host_indices)
+        if pages is None or self._shard is None:
+            return pages
+        rank, size = self._shard
+        assert self._mla is not None
+        limit = self._mla.host.pages
+        out: List[Optional[int]] = []
+        for p in pages:
+            if p is None or p % size != rank:
+                out.append(None if p is None else NOT_MINE)
+            else:
+                local = p // size
+                out.append(local if 0 < local < limit else None)
+        return out
+
+    def _logical_pages(self, keys: List[str], host_indices) -> Optional[List[Optional[int]]]:
         """Per key, its host page (whole, aligned pages of the token indices; None for one that
         is not, or that is the padding page 0 or past the pool, so that it alone fails), or None
         when the indices do not cover the keys."""
         assert self._mla is not None
-        limit = self._mla.host.pages
+        limit = self._mla.host.pages * (self._shard[1] if self._shard is not None else 1)
         values = _index_values(host_indices)
         if len(values) != len(keys) * PAGE_SIZE:
             logger.error(
@@ -419,7 +505,7 @@ class KvshardStorage(HiCacheStorage):
         for pool in entries:
             for key, page in pool:
                 k = self._key(key)
-                if k is None or page is None:
+                if k is None or page is None or page == NOT_MINE:
                     continue
                 if where.setdefault(k, page) != page:
                     where[k] = None
@@ -443,6 +529,9 @@ class KvshardStorage(HiCacheStorage):
 
         def answer(key: str, page: Optional[int]) -> bool:
             k = self._key(key)
+            if page == NOT_MINE:
+                # Another rank of the shard group owns it and moves it: nothing to do here.
+                return k is not None
             return k is not None and page is not None and where.get(k) == page and ok.get(k, False)
 
         return [[answer(key, page) for key, page in pool] for pool in entries]

@@ -27,6 +27,14 @@ def required() -> bool:
     return os.environ.get("KVSHARD_REQUIRE_SGLANG", "") not in ("", "0")
 
 
+def unavailable(reason: str) -> None:
+    """Skips the calling test module (fails it when SGLang is required): for what the SGLang
+    environment brings and a plain test venv lacks (hypothesis)."""
+    if required():
+        pytest.fail(f"KVSHARD_REQUIRE_SGLANG is set: {reason}", pytrace=False)
+    pytest.skip(f"{reason}: scripts/install-sglang.sh installs it", allow_module_level=True)
+
+
 def sglang(**modules: str) -> SimpleNamespace:
     """SGLang's modules by the names given (``placement="mem_cache.page_interleave"`` is
     ``sglang.srt.mem_cache.page_interleave`` as ``.placement``), or a skip (a failure when

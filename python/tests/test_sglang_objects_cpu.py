@@ -260,3 +260,107 @@ def test_storage_under_sglangs_failure_injector(sg, store_dir):  # noqa: F811
     assert injected > 0 and survived > 0
     assert wrong == 0
     sglang_oracle.tally("storage under SGLang's failure injector", 1, 80)
+
+
+# --- each rank stores its own stripe (SGLang's page-interleave host pools) ------------------------
+
+
+@pytest.mark.parametrize("shard", [2, 4])
+def test_each_rank_stores_its_own_stripe(sg, store_dir, shard):  # noqa: F811
+    """The gap SGLang 0.5.23 names ("the storage path reads and writes whole pages per rank, not
+    each rank's own stripe"), closed: N CP ranks in one process, each with SGLang's own MLA and
+    DSA indexer host pools behind SGLang's ``PageInterleaveHostPool``, each storing through its
+    ``KvshardStorage`` (writer = its CP rank) only the pages it owns of a prefix. Every rank
+    then finds the whole prefix (all ranks' pages, every component), and the group reloads it
+    into a new chain whose owners are rotated (a prefix reused by another request), each rank
+    loading its own pages of the new chain from whichever rank wrote them: byte-identical to
+    the unsharded pages. A prefix one rank never stored is found by no rank past that rank's
+    first page (all components of a page, or none)."""
+    need_nixl("the striped storage test")
+    import torch
+    from sglang.srt.mem_cache.page_interleave import PageInterleavePlacement, PageShardSpec
+    from sglang.srt.mem_cache.pool_host.page_interleave import PageInterleaveHostPool
+
+    PoolName = sg.storage.PoolName
+    ranks = []
+    for rank in range(shard):
+        kv, indexer = sglang_host_pools(sg, "page_first")
+        spec = PageShardSpec(
+            shard_rank=rank, shard_size=shard, page_size=PAGE, max_prefix_tokens=shard * PAGE, chunk_tokens=PAGE
+        )
+        facade = PageInterleaveHostPool(kv, PageInterleavePlacement(spec))
+        backend = sg.factory.StorageBackendFactory.create_backend(
+            "dynamic", storage_config(sg, store_dir, "page_first", cp_rank=rank, cp_size=shard), facade
+        )
+        backend.register_mem_pool_host(facade)
+        backend.register_mem_host_pool_v2(facade, PoolName.KV)
+        backend.register_mem_host_pool_v2(indexer, PoolName.INDEXER)
+        assert backend.writer == rank and backend.writers == shard
+        ranks.append(SimpleNamespace(kv=kv, indexer=indexer, facade=facade, backend=backend))
+
+    rng = np.random.default_rng(shard)
+    pages = 2 * shard + 1
+    n_kv = ranks[0].kv.get_data_page(PAGE, flat=True).numel()
+    n_ix = ranks[0].indexer.get_data_page(PAGE, flat=True).numel()
+    # The unsharded pages: what SGLang's unsharded host pools hold for each chain position.
+    reference = [(rng.integers(1, 256, n_kv, dtype=np.uint8), rng.integers(1, 256, n_ix, dtype=np.uint8)) for _ in range(pages)]
+    keys = kvshard.page_hashes(list(rng.integers(0, 50_000, pages * PAGE)))
+
+    def chain(start_owner):
+        # Every rank's facade runs the same owner-classed allocator: the same logical slots.
+        slots = [r.facade.alloc(pages * PAGE, start_owner=start_owner) for r in ranks]
+        assert all(torch.equal(slots[0], s) for s in slots)
+        return slots[0]
+
+    def local(logical_page):
+        return logical_page % shard, logical_page // shard
+
+    stored = chain(1)
+    for position in range(pages):
+        owner, page_no = local(int(stored[position * PAGE]) // PAGE)
+        r = ranks[owner]
+        r.kv.set_from_flat_data_page(page_no * PAGE, torch.from_numpy(reference[position][0]))
+        r.indexer.set_from_flat_data_page(page_no * PAGE, torch.from_numpy(reference[position][1]))
+
+    # Rank 0 alone first: no rank finds the prefix past the first page rank 0 does not own.
+    assert ranks[0].backend.batch_set_v1(keys, stored) == [True] * pages
+    first_missing = next(p for p in range(pages) if local(int(stored[p * PAGE]) // PAGE)[0] != 0)
+    assert [r.backend.batch_exists(keys) for r in ranks] == [first_missing] * shard
+    for r in ranks[1:]:
+        assert r.backend.batch_set_v1(keys, stored) == [True] * pages
+    assert [r.backend.batch_exists(keys) for r in ranks] == [pages] * shard
+    # Each rank wrote its own stripe, once: its pages, into its own file.
+    owned = [sum(local(int(stored[p * PAGE]) // PAGE)[0] == i for p in range(pages)) for i in range(shard)]
+    assert [r.backend.get_stats()["stored_pages"] for r in ranks] == owned
+
+    # Reused in a new chain, owners rotated by one: every rank loads its own pages of it.
+    reloaded = chain(2 % shard)
+    for i, r in enumerate(ranks):
+        got = r.backend.batch_get_v2(
+            [sg.storage.PoolTransfer(PoolName.KV, host_indices=reloaded, keys=keys),
+             sg.storage.PoolTransfer(PoolName.INDEXER, host_indices=reloaded, keys=keys)]
+        )
+        assert got == {PoolName.KV: [True] * pages, PoolName.INDEXER: [True] * pages}
+    moved_across = 0
+    for position in range(pages):
+        owner, page_no = local(int(reloaded[position * PAGE]) // PAGE)
+        r = ranks[owner]
+        assert page(r.kv, page_no) == reference[position][0].tobytes()
+        assert page(r.indexer, page_no) == reference[position][1].tobytes()
+        moved_across += owner != local(int(stored[position * PAGE]) // PAGE)[0]
+    assert moved_across > 0  # pages read back by a rank that did not write them
+    sglang_oracle.tally(f"striped storage, CP{shard}", 1, 2 * shard + pages)
+
+
+def test_extra_config_numbers_are_bounded(sg, store_dir):  # noqa: F811
+    """Writers, writer, slots, staging slots and the timeout from extra_config are checked
+    before anything opens: a clear InvalidArgumentError naming the key (u32::MAX writers used
+    to reach the store and abort)."""
+    for bad in (
+        {"writers": 2**32 - 1}, {"writers": 0}, {"writer": 3, "writers": 2}, {"writer": -1},
+        {"slots": 0}, {"slots": "many"}, {"staging_slots": 0}, {"timeout": 0},
+        {"timeout": float("nan")}, {"timeout": 1e9}, {"writers": True},
+    ):
+        config = storage_config(sg, store_dir, "page_first", **bad)
+        with pytest.raises(kvshard.InvalidArgumentError, match=next(iter(bad))):
+            sg.factory.StorageBackendFactory.create_backend("dynamic", config, None)

@@ -29,6 +29,7 @@ MODULE_ORDER = [
     "chunk_staging",
     "owned_row_write",
     "budget",
+    "batch_plans",
     "capacity",
     "transfer",
     "hicache_enums",
