@@ -19,7 +19,7 @@ backends can use them in place of SGLang's own:
 - the host allocator: ``alloc``, ``free``, ``available_size``, ``clear`` (page 0, the padding
   page, is never handed out).
 
-Byte layout (see the README, "SGLang byte compatibility"): ``layer_first``, ``page_first`` and
+Byte layout (docs/sglang.md, "SGLang byte compatibility"): ``layer_first``, ``page_first`` and
 ``page_first_direct``, the MTP draft packed as the tail layer of the target's host buffers
 (``packed_draft=True``, SGLang's default NextN mode) or in buffers of its own (the "sidecar"
 mode, ``packed_draft=False``), the indexer buffer one page longer than the latent one.

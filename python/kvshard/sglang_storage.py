@@ -38,14 +38,17 @@ What it guarantees, by construction of kvshard's store:
 - ``indexer_scale`` (``"ue8m0"``, the default, or ``"plain"``): how the indexer scales were
   computed; part of the namespace.
 - ``writer``, ``writers``: this rank's file and the number of files. By default one per
-  (attention DP, TP) rank: ``writer = dp_rank * tp_size + tp_rank``. Under SGLang's MLA rule
+  (attention DP, CP, TP) rank: ``writer = (dp_rank * cp_size + cp_rank) * tp_size + tp_rank``
+  (``1 <= writers <= 4096``). Under SGLang's MLA rule
   only TP rank 0 backs pages up, so the other ranks' files stay empty, but every rank reads
   rank 0's pages: the hit SGLang min-reduces over the TP group is the same on every rank.
-- ``staging_slots`` (default 32), ``timeout`` (seconds, default 30).
+- ``staging_slots`` (default 32, at most 65536), ``timeout`` (seconds, default 30, at most
+  3600). Every number is checked at construction: a bad one raises ``InvalidArgumentError``
+  naming its key.
 
-Limits, said loudly: CP-sharded pools (``attn_cp_size > 1``) are refused (SGLang's sharded
-HiCache controller refuses storage anyway; docs/design.md has the upstream change that would
-let it call kvshard's L3), and so are non-MLA models. The legacy ``get``/``set``/``batch_get``/
+CP-sharded caches: registered with SGLang's ``PageInterleaveHostPool``, each rank stores and
+loads only the pages it owns (host indices are logical; docs/sglang.md, "Each rank stores its
+own stripe"). Refused: non-MLA models. The legacy ``get``/``set``/``batch_get``/
 ``batch_set`` (per-page tensors) raise ``NotImplementedError``: use the zero-copy v1/v2 calls.
 
 The base class is SGLang's own when ``sglang`` imports, else a stand-in with the same

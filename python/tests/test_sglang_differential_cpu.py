@@ -41,7 +41,7 @@ except ImportError as why:
     sglang_oracle.unavailable(f"the differential tests need hypothesis, which does not import ({why})")
 
 PAGE = kvshard.PAGE_SIZE
-EXAMPLES = int(os.environ.get("KVSHARD_SGLANG_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("KVSHARD_SGLANG_EXAMPLES", "150"))
 SETTINGS = settings(
     max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
