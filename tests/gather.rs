@@ -1243,7 +1243,13 @@ impl RefAdmission {
         let mut last = true;
         if (self.chunk_pages + extend.div_ceil(64)) * 64 > u128::from(limits.chunk_tokens) {
             let room = u128::from(limits.chunk_tokens) - self.chunk_pages * 64;
-            extend = room / 64 * 64;
+            // The longest chunk of at most room / 64 pages after which the request's prefix is
+            // whole pages: counted token by token.
+            let prefix = u128::from(c.prefix_len);
+            extend = (1..=room / 64 * 64)
+                .rev()
+                .find(|e| e.div_ceil(64) <= room / 64 && (prefix + e) % 64 == 0)
+                .unwrap_or(0);
             last = false;
             if extend == 0 {
                 return if self.admitted == 0 {
@@ -1290,7 +1296,11 @@ fn admission_matches_the_reference_at_every_shard_size() {
                     (Ok(Decision::Admit { extend_len, last }), RefDecision::Admit(e, l)) => {
                         assert_eq!((extend_len, last), (e, l));
                         if !last {
-                            assert_eq!(extend_len % 64, 0, "continuing chunks are whole pages");
+                            assert_eq!(
+                                (c.prefix_len + extend_len) % 64,
+                                0,
+                                "a continuing chunk leaves a prefix of whole pages"
+                            );
                             assert!(*extend_len < c.extend_len);
                         }
                         usize::from(!last)

@@ -1127,6 +1127,7 @@ mod edges {
         let Ok(b) = got else {
             return Ok(());
         };
+        prop_assert!(req.contexts > 0 && req.context_len > 0 && req.chunk_size > 0);
         let page_bytes = g.page_bytes() as u64;
         prop_assert_eq!(b.page_bytes, page_bytes);
         prop_assert!(b.pages >= 2);
@@ -1511,5 +1512,78 @@ proptest! {
     #[test]
     fn send_plans_of_pools_too_large_to_address_are_refused(case in edges::send_cases(true)) {
         edges::send_plan(case)?;
+    }
+}
+
+// Admission (docs/design.md, "Prefill") and budgets: what the allocator and the scratch take.
+proptest! {
+    // Old behaviour: `Admission::offer` floored a continuing chunk to whole pages of its own,
+    // so a request whose cached prefix ended inside a page (a token-granular match) was left
+    // with a prefix of no whole pages, and the allocator refused to extend its chain after it
+    // (`MisalignedPrefix`). A continuing chunk now ends on a page boundary of the request.
+    #[test]
+    fn a_continuing_chunk_leaves_a_prefix_the_allocator_extends(
+        shard in 1..9u32,
+        prefix_len in 0..4096u64,
+        extend_len in 1..20_000u64,
+        chunk_tokens in 0..8192u64,
+        earlier in 0..4u64,
+    ) {
+        use kvshard::shard::{Admission, AdmissionLimits, Candidate, Decision};
+        let placement = Placement::new(shard).unwrap();
+        let limits = AdmissionLimits { max_prefix_tokens: u64::MAX, chunk_tokens };
+        let mut pass = Admission::new(placement, limits, u64::MAX);
+        // Earlier requests of the pass take some of the chunk region.
+        let _ = pass.offer(Candidate { prefix_len: 0, extend_len: earlier * 64 });
+        let taken = pass.chunk_pages();
+        let Ok(Decision::Admit { extend_len: chunk, last: false }) =
+            pass.offer(Candidate { prefix_len, extend_len })
+        else {
+            return Ok(());
+        };
+        let next = prefix_len + chunk;
+        prop_assert_eq!(next % 64, 0, "the next prefix is whole pages");
+        prop_assert!(chunk > 0 && chunk < extend_len);
+        prop_assert!(pass.chunk_pages() * 64 <= chunk_tokens);
+        // As many chunk pages as the room held: no shorter continuing chunk than needed.
+        prop_assert_eq!(pass.chunk_pages() - taken, (chunk_tokens / 64).saturating_sub(taken));
+        let mut alloc = ShardAllocator::new(placement, 1024).unwrap();
+        let prefix = alloc
+            .alloc(AllocRequest { chain: ChainStart::New, pages: (next / 64) as usize })
+            .unwrap();
+        let extended = alloc.alloc(AllocRequest {
+            chain: ChainStart::Extend {
+                start_owner: prefix.start_owner,
+                prefix_tokens: next as usize,
+            },
+            pages: 1,
+        });
+        prop_assert!(extended.is_ok(), "{:?}", extended);
+    }
+
+    // Old behaviour: a 0-token context and a 0-token chunk were planned; now they are refused
+    // with the typed error, as 0 contexts per batch is, at every shard size and whatever else
+    // the request says.
+    #[test]
+    fn budgets_that_size_nothing_are_refused_with_the_typed_error(
+        bytes in edges::u64s(),
+        context_len in edges::u64s(),
+        chunk_size in edges::u64s(),
+        contexts in edges::u64s(),
+        zero in 0..3usize,
+        shard in 1..9u32,
+    ) {
+        let mut req = kvshard::pool::BudgetRequest { bytes, context_len, chunk_size, contexts };
+        match zero {
+            0 => req.context_len = 0,
+            1 => req.chunk_size = 0,
+            _ => req.contexts = 0,
+        }
+        let g = kvshard::geometry::CacheGeometry::with_draft(kvshard::geometry::PoolGeometry::new(
+            kvshard::geometry::LatentLayout::Fp8Trtllm,
+            61,
+        ));
+        let e = kvshard::pool::Budget::plan(&req, &g, Placement::new(shard).unwrap()).unwrap_err();
+        prop_assert!(matches!(e, Error::OutOfBounds { .. }), "{}", e);
     }
 }

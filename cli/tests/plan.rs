@@ -182,6 +182,10 @@ fn impossible_plans_are_refused_in_one_line() {
     assert!(with("--h2d-gbps", "0").contains("pinned H2D ceiling"));
     assert!(with("--dio-align", "1000").contains("power of two"));
     assert!(with("--gpu-mem", "40 parsecs").contains("unit"));
+    // Old behaviour: a 0-token context and a 0-token chunk were planned.
+    assert!(with("--context-len", "0").contains("context length of 0 tokens"));
+    assert!(with("--chunk", "0").contains("chunk size of 0 tokens"));
+    assert!(with("--contexts", "0").contains("contexts per batch of 0"));
     let (ok, text) = run(&[SEED, &["--disk-path", "."]].concat());
     assert!(
         !ok && text.contains("--disk-path does nothing without --measure"),

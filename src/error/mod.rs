@@ -346,6 +346,19 @@ pub enum Error {
         /// The logical page.
         page: u64,
     },
+    // Caller-given sizes and durations (issue 35 items 4 and 9).
+    /// A size, count or duration the caller gave is outside what kvshard takes (zero where at
+    /// least one is needed, more than any host holds, not a finite non-negative number of
+    /// seconds); refused before anything was done.
+    #[error("{what} of {value}: {expected}")]
+    OutOfBounds {
+        /// What was given ("a budget's chunk size").
+        what: String,
+        /// The value, as given.
+        value: String,
+        /// What is taken.
+        expected: String,
+    },
     /// A P/D request's deadline passed before every prefill rank had reported its last status
     /// (a final chunk never sent, a status never delivered, a rank gone silent): the request,
     /// and per rank whose last status never came, the chunks that did arrive.
@@ -362,6 +375,19 @@ impl Error {
     /// An [`Error::Overflow`] naming `what`.
     pub(crate) fn overflow(what: impl Into<String>) -> Error {
         Error::Overflow { what: what.into() }
+    }
+
+    /// An [`Error::OutOfBounds`]: `what` of `value`, where `expected` is taken.
+    pub(crate) fn out_of_bounds(
+        what: impl Into<String>,
+        value: impl std::fmt::Display,
+        expected: impl Into<String>,
+    ) -> Error {
+        Error::OutOfBounds {
+            what: what.into(),
+            value: value.to_string(),
+            expected: expected.into(),
+        }
     }
 }
 

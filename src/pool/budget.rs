@@ -40,6 +40,37 @@ impl BudgetRequest {
             contexts: DEFAULT_CONTEXTS,
         }
     }
+
+    /// Refuses a request that sizes nothing, at any shard size ([`Error::OutOfBounds`]): 0
+    /// contexts per batch (a scratch that holds no prefix at all), a 0-token context (no
+    /// request), a 0-token chunk (a prefill that never advances).
+    pub fn validate(&self) -> Result<()> {
+        if self.contexts == 0 {
+            return Err(Error::out_of_bounds(
+                "a budget's contexts per batch",
+                0,
+                format!(
+                    "at least 1: a batch holds at least one context's prefix (SGLang sizes the \
+                     scratch for {DEFAULT_CONTEXTS})"
+                ),
+            ));
+        }
+        if self.context_len == 0 {
+            return Err(Error::out_of_bounds(
+                "a budget's context length",
+                "0 tokens",
+                "at least 1 token: a request holds at least one",
+            ));
+        }
+        if self.chunk_size == 0 {
+            return Err(Error::out_of_bounds(
+                "a budget's chunk size",
+                "0 tokens",
+                "at least 1 token: a prefill chunk prefills at least one",
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// How a rank's memory is split.
@@ -70,15 +101,10 @@ fn align(value: u64, to: u64, what: &str) -> Result<u64> {
 
 impl Budget {
     /// Scratch rows and the prefix tokens of one slot for `req` at shard size `shard` (both 0
-    /// unsharded). A request for 0 contexts per batch is an [`Error::InvalidArgument`] at any
-    /// shard size: it would size a scratch that holds no prefix at all.
+    /// unsharded). A request that sizes nothing (0 contexts per batch, a 0-token context or
+    /// chunk) is refused at any shard size ([`BudgetRequest::validate`]).
     pub fn scratch(req: &BudgetRequest, shard: u32) -> Result<(u64, u64)> {
-        if req.contexts == 0 {
-            return Err(Error::InvalidArgument(format!(
-                "a budget for 0 contexts per batch: a batch holds at least one context's prefix \
-                 (SGLang sizes the scratch for {DEFAULT_CONTEXTS})"
-            )));
-        }
+        req.validate()?;
         if shard <= 1 {
             return Ok((0, 0));
         }
@@ -97,7 +123,8 @@ impl Budget {
     }
 
     /// Splits `req.bytes` for `geometry` sharded by `placement`: scratch first, then as many
-    /// whole pages as fit. 0 contexts per batch is refused as [`Budget::scratch`] says.
+    /// whole pages as fit. A request that sizes nothing is refused as [`Budget::scratch`]
+    /// says.
     pub fn plan(
         req: &BudgetRequest,
         geometry: &CacheGeometry,
@@ -202,25 +229,46 @@ mod tests {
         assert!(prefix >= 4097_u64.div_ceil(64) * 64);
     }
 
+    // Old behaviour: a 0-token context or chunk was planned (unsharded without a word; sharded
+    // as a scratch of one trash page, or of contexts with no tokens); now each is refused with
+    // the typed error at every shard size, as 0 contexts per batch is.
     #[test]
-    fn a_budget_for_no_context_is_refused_at_every_shard_size() {
-        let mut req = BudgetRequest::new(80 << 30, 4096, 1024);
-        req.contexts = 0;
-        for shard in [1, 2, 8] {
-            let placement = Placement::new(shard).unwrap();
-            for e in [
-                Budget::plan(&req, &geometry(true), placement).unwrap_err(),
-                Budget::scratch(&req, shard).unwrap_err(),
-            ] {
-                assert!(matches!(e, Error::InvalidArgument(_)), "N={shard}: {e}");
-                assert!(e.to_string().contains("0 contexts"), "{e}");
+    fn a_budget_for_no_context_no_tokens_or_no_chunk_is_refused_at_every_shard_size() {
+        let good = BudgetRequest::new(80 << 30, 4096, 1024);
+        let cases: [(&str, fn(&mut BudgetRequest)); 3] = [
+            ("contexts per batch", |r| r.contexts = 0),
+            ("context length", |r| r.context_len = 0),
+            ("chunk size", |r| r.chunk_size = 0),
+        ];
+        for (what, zero) in cases {
+            let mut req = good.clone();
+            zero(&mut req);
+            for shard in [1, 2, 8] {
+                let placement = Placement::new(shard).unwrap();
+                for e in [
+                    Budget::plan(&req, &geometry(true), placement).unwrap_err(),
+                    Budget::scratch(&req, shard).unwrap_err(),
+                    req.validate().unwrap_err(),
+                ] {
+                    assert!(
+                        matches!(&e, Error::OutOfBounds { what: w, .. } if w.contains(what)),
+                        "N={shard}: {e}"
+                    );
+                    assert!(e.to_string().contains("at least 1"), "{e}");
+                }
             }
         }
-        // One context is the least a batch holds.
+        // One context of one token, and a chunk of one, are the least a budget sizes.
+        let mut req = good;
         req.contexts = 1;
         let (rows, prefix) = Budget::scratch(&req, 2).unwrap();
         assert_eq!((rows, prefix), (4096 + 1024 + 64, 4096));
         assert!(Budget::plan(&req, &geometry(true), Placement::new(2).unwrap()).is_ok());
+        let least = BudgetRequest {
+            contexts: 1,
+            ..BudgetRequest::new(80 << 30, 1, 1)
+        };
+        assert_eq!(Budget::scratch(&least, 2).unwrap(), (128 + 64 + 64, 128));
     }
 
     #[test]

@@ -10,7 +10,9 @@
 //! - the request is deferred if `N * block * 64 > max_prefix_tokens` (the owner-major prefix
 //!   region would overflow) or its chunk's pages do not fit `chunk_tokens`; a request whose
 //!   chunk does not fit whole is chunked instead when at least one page of room is left, the
-//!   continuing chunk floored to a multiple of 64 (so the next chunk's prefix is page-aligned);
+//!   continuing chunk ending on a page boundary of the request (`prefix_len + extend_len` a
+//!   multiple of 64: the rest of the prefix's last page, then whole pages), so the next
+//!   chunk's prefix is whole pages, what the allocator extends a chain after;
 //! - every admitted request reserves `N * 64` tokens of the pool on top of its chunk (the last
 //!   partial round of owners a chain may cost), and is deferred when the pool's admission
 //!   capacity cannot cover that;
@@ -98,8 +100,9 @@ pub enum Decision {
     Admit {
         /// Tokens prefilled in this batch.
         extend_len: u64,
-        /// Whether that is the rest of the request; otherwise a continuing chunk (a multiple
-        /// of 64) and the remainder waits for a later pass.
+        /// Whether that is the rest of the request; otherwise a continuing chunk, ending on a
+        /// page boundary of the request (`prefix_len + extend_len` a multiple of 64), and the
+        /// remainder waits for a later pass.
         last: bool,
     },
     /// It waits.
@@ -181,8 +184,17 @@ impl Admission {
         let (extend_len, last) = if fits {
             (candidate.extend_len, true)
         } else {
-            // A continuing chunk: whole pages only, so the next chunk's prefix is aligned.
-            let floored = room / PAGE * PAGE;
+            // A continuing chunk ends on a page boundary of the request, so the next chunk's
+            // prefix is whole pages: the rest of the prefix's last page, then whole pages, in
+            // as many chunk pages as the room holds (shorter than the request, which needs
+            // more pages than that).
+            let pages = room / PAGE;
+            let head = (PAGE - candidate.prefix_len % PAGE) % PAGE;
+            let floored = match (head, pages) {
+                (_, 0) => 0,
+                (0, p) => p * PAGE,
+                (h, p) => h + (p - 1) * PAGE,
+            };
             if floored == 0 {
                 let needed = self
                     .chunk_pages
