@@ -695,3 +695,322 @@ fn a_load_and_a_backup_of_other_pages_on_two_streams_do_not_wait_for_each_other(
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Frees (docs/design.md, "Streams, lifetimes and waits"): no drop waits for another stream.
+// ---------------------------------------------------------------------------------------------
+
+/// Host memory of the test's own, page-aligned, that a registered host pool lends kvshard.
+struct LentHost {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: plain memory owned by this value; nothing else holds a reference into it.
+unsafe impl Send for LentHost {}
+// SAFETY: see Send.
+unsafe impl Sync for LentHost {}
+
+impl LentHost {
+    fn new(len: usize) -> Self {
+        let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();
+        // SAFETY: a non-zero size (every host buffer holds pages).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        assert!(!ptr.is_null(), "host memory for a registered pool");
+        Self { ptr, layout }
+    }
+}
+
+impl Drop for LentHost {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `new` with this layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
+    }
+}
+
+/// Every kind of kvshard object that owns memory on `gpu`, made on `b`, each with work of its
+/// own queued and completed (so each has a usage with events): what an engine drops when it
+/// shrinks a pool or its Python collects an object. Named for the report.
+fn owners(
+    gpu: &Arc<kvshard::gpu::Gpu>,
+    b: &Arc<dyn Backend>,
+) -> Vec<(&'static str, Box<dyn std::any::Any>)> {
+    use kvshard::backend::cuda::CudaBackend;
+    use kvshard::copy::{LayerSignals, Resolver};
+    use kvshard::hicache::{HostFormat, HostRegion};
+    use kvshard::ipc::{ExportedPool, PeerBackend};
+    let g = geometry();
+    let bk = b.as_ref();
+    let pool = poisoned_pool(bk);
+    let registrable = Arc::new(
+        DevicePool::allocate_registrable(bk, &g, Placement::unsharded(), 0, PAGES).unwrap(),
+    );
+    registrable.fill(bk, 1).unwrap();
+    let host = HostPool::new(bk, &g, PAGES, HostLayout::PageFirst).unwrap();
+    host.fill(bk, 2).unwrap();
+    let format = HostFormat::kvshard(HostLayout::PageFirst);
+    let lent: Vec<LentHost> = format
+        .buffers(&g, PAGES)
+        .unwrap()
+        .iter()
+        .map(|l| LentHost::new(l.bytes))
+        .collect();
+    let regions: Vec<HostRegion> = format
+        .buffers(&g, PAGES)
+        .unwrap()
+        .iter()
+        .zip(&lent)
+        .map(|(l, m)| HostRegion {
+            host: m.ptr,
+            len: l.bytes,
+        })
+        .collect();
+    // SAFETY: the test's own page-aligned memory of exactly each buffer's size, never
+    // registered, held by the pool's registrations until they are undone.
+    let registered = unsafe {
+        HostPool::register_with_owner(
+            gpu,
+            &g,
+            PAGES,
+            format,
+            &regions,
+            1 << 20,
+            Some(Arc::new(lent)),
+        )
+    }
+    .unwrap();
+    registered.fill(bk, 3).unwrap();
+    let staging = Arc::new(ChunkStaging::new(bk, &pool, TOKENS).unwrap());
+    bk.fill(staging.buffer(), 4).unwrap();
+    let writer = OwnedRowWrite::prepare_sync(bk, staging.clone(), pool.clone(), |_| true).unwrap();
+    let streams = Streams {
+        load: common::stream(gpu),
+        backup: common::stream(gpu),
+        load_relayout: common::stream(gpu),
+        backup_relayout: common::stream(gpu),
+        tables: common::stream(gpu),
+    };
+    let controller_host = Arc::new(HostPool::new(bk, &g, PAGES, HostLayout::PageFirst).unwrap());
+    let controller = HiCacheController::new(
+        pool.clone(),
+        controller_host,
+        streams,
+        WritePolicy::WriteThrough,
+    )
+    .unwrap();
+    let signals = LayerSignals::new_sync(bk, g.model_layers()).unwrap();
+    let resolver = Resolver::new(bk, 4096).unwrap();
+    let cuda = Arc::new(CudaBackend::new(gpu.clone()).unwrap());
+    let exported = ExportedPool::allocate(
+        &PeerBackend::Cuda(cuda.clone()),
+        &g,
+        Placement::unsharded(),
+        0,
+        PAGES,
+    )
+    .unwrap();
+    exported.pool().fill(cuda.as_ref(), 5).unwrap();
+    cuda.synchronize().unwrap();
+    bk.synchronize().unwrap();
+    vec![
+        (
+            "HiCache controller (its staging and tables)",
+            Box::new(controller),
+        ),
+        ("owned-row write (its tables)", Box::new(writer)),
+        ("chunk staging", Box::new(staging)),
+        ("device pool (allocated)", Box::new(pool)),
+        (
+            "device pool (registrable, cuMemAlloc)",
+            Box::new(registrable),
+        ),
+        ("host pool (pinned, cuMemHostAlloc)", Box::new(host)),
+        (
+            "host pool (engine memory kvshard registered)",
+            Box::new(registered),
+        ),
+        ("layer signals", Box::new(signals)),
+        ("resolver", Box::new(resolver)),
+        ("exported pool (VMM)", Box::new(exported)),
+        ("CUDA backend (its stream and status words)", Box::new(cuda)),
+    ]
+}
+
+/// Enqueues about `ms` milliseconds of memory-bound work on `engine` (fills of a ballast it
+/// allocates: the production fatbin has no spin kernel) and returns the event after it.
+fn busy(engine: &dyn Backend, ms: f64) -> kvshard::backend::Event {
+    let ballast = engine.alloc(1 << 30, MemoryKind::Device).unwrap();
+    let start = engine.record_timed().unwrap();
+    for _ in 0..4 {
+        engine.fill(&ballast, 1).unwrap();
+    }
+    let end = engine.record_timed().unwrap();
+    engine.synchronize().unwrap();
+    let each = (engine.elapsed_ms(&start, &end).unwrap() / 4.0).max(1e-3);
+    for _ in 0..((ms / each).ceil() as usize).clamp(1, 20_000) {
+        engine.fill(&ballast, 2).unwrap();
+    }
+    engine.record().unwrap()
+}
+
+// Old behaviour: on the H200, dropping an allocated pool, a pinned host pool or a staging while
+// an engine's stream had 40 matmuls queued blocked the host 55-61 ms, until that stream had
+// finished (cuMemFree / cuMemFreeHost on the dropping thread synchronize the device). Now
+// device memory comes from a stream-ordered pool and every other free runs on the reaper
+// thread: each drop returns while the engine's work is still queued, and the memory comes back
+// once it may.
+#[test]
+fn gpu_dropping_kvshard_objects_never_waits_for_another_stream() {
+    use std::io::Write;
+    let test = "gpu_dropping_kvshard_objects_never_waits_for_another_stream";
+    let Some(gpu) = common::open_gpu(test) else {
+        return;
+    };
+    assert_eq!(
+        gpu.stream_ordered_absent(),
+        None,
+        "{test}: a stream-ordered pool"
+    );
+    let b = common::stream(&gpu);
+    let engine = common::stream(&gpu);
+    let objects = owners(&gpu, &b);
+    // 60 ms of the engine's work, as the H200 measurement had.
+    let done = busy(engine.as_ref(), 60.0);
+    let queued_before = !done.is_complete().unwrap();
+    let mut times = Vec::new();
+    for (name, object) in objects {
+        let start = std::time::Instant::now();
+        drop(object);
+        times.push((name, start.elapsed()));
+    }
+    let start = std::time::Instant::now();
+    drop(b);
+    times.push(("CUDA backend the objects were made on", start.elapsed()));
+    let queued_after = !done.is_complete().unwrap();
+    for (name, took) in &times {
+        let _ = writeln!(
+            std::io::stderr(),
+            "free timing: drop of {name}: {:.3} ms with the engine's work queued",
+            took.as_secs_f64() * 1e3
+        );
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "free timing: the engine's 60 ms of work still queued after every drop: {queued_after}"
+    );
+    if queued_before {
+        assert!(
+            queued_after,
+            "{test}: a drop waited for the engine's stream: {times:?}"
+        );
+    } else {
+        // A tool that serializes the device (compute-sanitizer) ran the work at enqueue.
+        let _ = writeln!(
+            std::io::stderr(),
+            "NOTE {test}: the engine's work had run before the drops; nothing to compare"
+        );
+    }
+    engine.synchronize().unwrap();
+    kvshard::backend::wait_for_frees_sync(std::time::Duration::from_secs(60))
+        .expect("every free done once the engine's work has run");
+}
+
+// Memory dropped in a loop comes back: 40 device allocations of a sixteenth of the GPU each
+// (2.5 times its memory: memory that never came back would run it out), each dropped while a
+// fill of it is queued, then pinned host buffers the same way; every free drains and the
+// device's free memory is back.
+#[test]
+fn gpu_memory_dropped_in_a_loop_comes_back() {
+    let test = "gpu_memory_dropped_in_a_loop_comes_back";
+    let Some(gpu) = common::open_gpu(test) else {
+        return;
+    };
+    let b = common::stream(&gpu);
+    let wait = std::time::Duration::from_secs(60);
+    kvshard::backend::wait_for_frees_sync(wait).unwrap();
+    gpu.bind().unwrap();
+    let (free_before, total) = cudarc::driver::result::mem_get_info().unwrap();
+    let chunk = total / 16;
+    for i in 0..40u8 {
+        let buffer = b.alloc(chunk, MemoryKind::Device).unwrap_or_else(|e| {
+            panic!("{test}: allocation {i}: {e} (the dropped memory did not come back)")
+        });
+        b.fill(&buffer, i).unwrap();
+        drop(buffer);
+    }
+    for i in 0..16u8 {
+        let buffer = b.alloc(64 << 20, MemoryKind::PinnedHost).unwrap();
+        b.fill(&buffer, i).unwrap();
+        drop(buffer);
+    }
+    b.synchronize().unwrap();
+    kvshard::backend::wait_for_frees_sync(wait).expect("every free drains");
+    gpu.bind().unwrap();
+    let (free_after, _) = cudarc::driver::result::mem_get_info().unwrap();
+    // Other tests of this binary allocate meanwhile (one holds 8 GiB for a while): two chunks
+    // of slack, against the 40 chunks a leak would hold.
+    assert!(
+        free_after + 2 * chunk >= free_before,
+        "{test}: {free_before} bytes free before, {free_after} after"
+    );
+}
+
+// A pool keeps what its owner lends alive past the work queued on it: a wrapped pool's engine
+// memory must outlive kvshard's work however early the engine drops the pool.
+common::on_cpu_and_gpu!(
+    what_a_pool_keeps_alive_outlives_its_queued_work,
+    ORDERS,
+    |device| {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        struct Flag(Arc<AtomicBool>);
+        impl Drop for Flag {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        let b = device.stream();
+        let b = b.as_ref();
+        let busy_bytes: usize = if device.is_gpu() { 8 << 30 } else { 0 };
+        let src = random_pool(b, 9);
+        let dropped = Arc::new(AtomicBool::new(false));
+        src.keep_alive(Box::new(Flag(dropped.clone())));
+        let dst = Arc::new(Staging::new(b, &geometry(), 1).unwrap());
+        let plan = BlockCopyPlan::new(
+            src.as_ref(),
+            PageSelection::Local(local(&[3])),
+            dst.as_ref(),
+            PageSelection::Positions,
+            1,
+        )
+        .unwrap();
+        let copy = BlockCopy::prepare_sync(b, plan, src, dst, None).unwrap();
+        let ballast = (busy_bytes > 0).then(|| b.alloc(busy_bytes, MemoryKind::Device).unwrap());
+        if let Some(ballast) = &ballast {
+            b.fill(ballast, 1).unwrap();
+        }
+        copy.run(b, LAUNCH).unwrap();
+        let ran = b.record().unwrap();
+        drop(copy);
+        // Kept, or its copy had already run (asked in this order).
+        let kept = !dropped.load(Ordering::SeqCst);
+        assert!(
+            kept || ran.is_complete().unwrap(),
+            "{device}: let go under its copy"
+        );
+        assert!(
+            kept || busy_bytes > 0,
+            "{device}: nothing ran, so it is kept"
+        );
+        b.synchronize().unwrap();
+        // Let go once the copy has run, by the next sweep, through the reaper thread.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !dropped.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
+            let _ = pending_frees();
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert!(
+            dropped.load(Ordering::SeqCst),
+            "{device}: kept after its work ran"
+        );
+    }
+);

@@ -155,7 +155,7 @@ fn pool_bytes(seed: u64, rank: u32, len: usize) -> Vec<u8> {
 }
 
 fn prefill_pool(backend: &dyn Backend, seed: u64, rank: u32) -> Arc<DevicePool> {
-    let pool = DevicePool::allocate(
+    let pool = DevicePool::allocate_registrable(
         backend,
         &geometry(),
         Placement::new(N).expect("placement"),
@@ -171,7 +171,7 @@ fn prefill_pool(backend: &dyn Backend, seed: u64, rank: u32) -> Arc<DevicePool> 
 }
 
 fn decode_pool(backend: &dyn Backend) -> Arc<DevicePool> {
-    let pool = DevicePool::allocate(
+    let pool = DevicePool::allocate_registrable(
         backend,
         &geometry(),
         Placement::unsharded(),
@@ -839,7 +839,7 @@ fn in_process(
 ) -> (NixlTarget, NixlTransport, Arc<DevicePool>, Arc<CpuBackend>) {
     let cpu = immediate_cpu();
     let dst = Arc::new(
-        DevicePool::allocate(
+        DevicePool::allocate_registrable(
             cpu.as_ref(),
             &decode_geometry,
             Placement::unsharded(),
@@ -859,7 +859,7 @@ fn in_process(
     )
     .expect("target");
     let src = Arc::new(
-        DevicePool::allocate(cpu.as_ref(), &geometry(), Placement::unsharded(), 0, 16)
+        DevicePool::allocate_registrable(cpu.as_ref(), &geometry(), Placement::unsharded(), 0, 16)
             .expect("prefill pool"),
     );
     let transport = NixlTransport::new(
@@ -967,7 +967,7 @@ fn case_vanished_decode_fails_chunks_in_bounded_time_and_a_new_one_is_served() {
     assert_eq!(stats.failed_transfers, 1, "{stats}");
     // The transport serves a new decode side.
     let dst = Arc::new(
-        DevicePool::allocate(cpu.as_ref(), &geometry(), Placement::unsharded(), 0, 16)
+        DevicePool::allocate_registrable(cpu.as_ref(), &geometry(), Placement::unsharded(), 0, 16)
             .expect("decode pool"),
     );
     let mut target = NixlTarget::new(
@@ -1169,7 +1169,7 @@ fn bench_decode_child(socket: &Path, n: u32, device: Option<usize>, out: &Path) 
     let nixl = nixl_backend(device);
     let backend = nixl.backend();
     let pool = Arc::new(
-        DevicePool::allocate(backend.as_ref(), &g, Placement::unsharded(), 0, max + 1)
+        DevicePool::allocate_registrable(backend.as_ref(), &g, Placement::unsharded(), 0, max + 1)
             .expect("decode pool"),
     );
     let mut cfg = NixlConfig::new("bench-decode");
@@ -1242,7 +1242,7 @@ fn bench_prefill_child(socket: &Path, rank: u32, n: u32, device: Option<usize>, 
     let backend = nixl.backend();
     let local = max.div_ceil(u64::from(n)) + 2;
     let pool = Arc::new(
-        DevicePool::allocate(
+        DevicePool::allocate_registrable(
             backend.as_ref(),
             &g,
             Placement::new(n).expect("placement"),

@@ -259,7 +259,8 @@ pub fn gds_report(
     let bytes = io_bytes * descriptors.max(1);
     let measured = usize::try_from(bytes)
         .map_err(|_| crate::overflow("GDS bytes"))
-        .and_then(|len| b.alloc(len, kvshard::backend::MemoryKind::Device))
+        // cuFile registers the buffer by address: cuMemAlloc memory, which it takes.
+        .and_then(|len| b.alloc_registrable(len))
         .and_then(|vram| {
             kvshard::pool::disk::gds::ceiling_sync(
                 b,

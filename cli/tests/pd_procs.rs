@@ -537,7 +537,7 @@ fn two_prefill_processes_match(test: &str, cpu: bool) {
     if let PeerBackend::Cuda(cuda) = &backend {
         // The same requests again (their second iteration), into a plain cuMemAlloc pool
         // shared with legacy IPC handles, as an engine's cudaMalloc buffers are.
-        let plain = DevicePool::allocate(
+        let plain = DevicePool::allocate_registrable(
             b.as_ref(),
             &cfg.shape.geometry(),
             Placement::unsharded(),

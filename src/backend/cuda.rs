@@ -34,8 +34,9 @@ pub struct CudaBackend {
     /// enqueued so far: launches on this one stream each add their unit count to it.
     work_counter: Arc<DeviceAllocation>,
     work_base: Mutex<u64>,
-    /// Keeps the status word and the work counter, which every launch may write, until the
-    /// stream has passed the last work enqueued before the backend was dropped.
+    /// Keeps the status word and the work counter, which every launch may write, and the GPU
+    /// (its module) until the stream has passed the last work enqueued before the backend was
+    /// dropped.
     own: Usage,
     /// Device memory host fills copy from (the driver refuses memsets of registered host
     /// memory through its device alias); reused, and rewritten in stream order, by every fill.
@@ -69,15 +70,20 @@ impl CudaBackend {
     /// Creating one clears its two status words on the stream, without waiting: later work on
     /// the stream follows the clears.
     pub fn with_stream(gpu: Arc<Gpu>, stream: Stream) -> Result<Self> {
-        let status_word = Arc::new(DeviceAllocation::new(gpu.context(), 8)?);
-        let work_counter = Arc::new(DeviceAllocation::new(gpu.context(), 8)?);
+        let status_word = Arc::new(gpu.alloc_device(8)?);
+        let work_counter = Arc::new(gpu.alloc_device(8)?);
         for word in [&status_word, &work_counter] {
             // SAFETY: an 8-byte allocation just made on this device; the stream is live.
             unsafe { result::memset_d8_async(word.ptr(), 0, 8, stream.raw()) }
                 .map_err(Error::driver("cuMemsetD8Async"))?;
         }
         let status = Mutex::new(StatusTracker::new(status_word.ptr()));
-        let own = Usage::new(Some(Box::new((status_word.clone(), work_counter.clone()))));
+        // The Gpu too: its module holds the kernels queued launches run.
+        let own = Usage::new(Some(Box::new((
+            status_word.clone(),
+            work_counter.clone(),
+            gpu.clone(),
+        ))));
         Ok(Self {
             gpu,
             stream,
@@ -217,26 +223,16 @@ impl Backend for CudaBackend {
     }
 
     fn alloc(&self, len: usize, kind: MemoryKind) -> Result<Buffer> {
-        let oom = |e: Error| match e {
-            Error::Driver { source, .. }
-                if source.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY =>
-            {
-                Error::OutOfMemory {
-                    what: "a CUDA allocation".into(),
-                    bytes: len as u64,
-                    memory: match kind {
-                        MemoryKind::Device => "device",
-                        MemoryKind::PinnedHost => "pinned host",
-                    },
-                }
-            }
-            other => other,
+        let memory = match kind {
+            MemoryKind::Device => "device",
+            MemoryKind::PinnedHost => "pinned host",
         };
+        let oom = |e| oom(e, len, memory);
         sweep();
         let space = self.address_space();
         Ok(match kind {
             MemoryKind::Device => {
-                let a = DeviceAllocation::new(self.gpu.context(), len).map_err(oom)?;
+                let a = self.gpu.alloc_device(len).map_err(oom)?;
                 Buffer::owned(a.ptr(), len, kind, space, Arc::new(a))
             }
             MemoryKind::PinnedHost => {
@@ -244,6 +240,19 @@ impl Backend for CudaBackend {
                 Buffer::owned(a.device_ptr(), len, kind, space, Arc::new(a))
             }
         })
+    }
+
+    fn alloc_registrable(&self, len: usize) -> Result<Buffer> {
+        sweep();
+        let a =
+            DeviceAllocation::new(self.gpu.context(), len).map_err(|e| oom(e, len, "device"))?;
+        Ok(Buffer::owned(
+            a.ptr(),
+            len,
+            MemoryKind::Device,
+            self.address_space(),
+            Arc::new(a),
+        ))
     }
 
     fn write_sync(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
@@ -617,6 +626,23 @@ impl Backend for CudaBackend {
             .map_err(Error::driver("cuMemcpyBatchAsync"))?;
         }
         Ok(())
+    }
+}
+
+/// A driver's out-of-memory answer to an allocation of `len` bytes of `memory` as
+/// [`Error::OutOfMemory`]; any other error as it is.
+fn oom(e: Error, len: usize, memory: &'static str) -> Error {
+    match e {
+        Error::Driver { source, .. }
+            if source.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY =>
+        {
+            Error::OutOfMemory {
+                what: "a CUDA allocation".into(),
+                bytes: len as u64,
+                memory,
+            }
+        }
+        other => other,
     }
 }
 

@@ -17,8 +17,9 @@
 //! Nothing a backend does synchronizes its stream unless the method's name ends in `_sync` or
 //! is [`Backend::synchronize`] ([`sync_counts`] counts those waits), and nothing synchronizes
 //! the whole device. Memory is freed only after the work kvshard queued on it has
-//! completed, and work kvshard queues on one stream waits for the conflicting work it queued on
-//! others ([`Usage`]).
+//! completed, and no free waits on the caller's thread (device memory from a stream-ordered
+//! pool, the other frees on kvshard's reaper thread: `gpu::memory`); work kvshard queues on one
+//! stream waits for the conflicting work it queued on others ([`Usage`]).
 
 mod check;
 pub mod cpu;
@@ -31,7 +32,7 @@ pub(crate) use crate::gpu::sync_count::count_host_sync;
 pub use crate::gpu::sync_count::{sync_counts, SyncCounts};
 pub(crate) use upload::upload_i64s_sync as upload_reused_sync;
 pub(crate) use usage::{kept, ordered, ordered_event, ordered_pages, sweep, Pages};
-pub use usage::{pending_frees, StreamId, Usage};
+pub use usage::{pending_frees, wait_for_frees_sync, StreamId, Usage};
 
 use std::fmt;
 use std::sync::Arc;
@@ -372,8 +373,21 @@ pub trait Backend: Send + Sync {
     }
 
     /// Allocates `len` bytes; contents are unspecified. Running out is
-    /// [`Error::OutOfMemory`], never an abort.
+    /// [`Error::OutOfMemory`], never an abort. On CUDA, device memory comes from kvshard's
+    /// stream-ordered pool (freed with `cuMemFreeAsync`, which never waits) and pinned host
+    /// memory from `cuMemHostAlloc` (freed on kvshard's reaper thread).
     fn alloc(&self, len: usize, kind: MemoryKind) -> Result<Buffer>;
+
+    /// Allocates `len` bytes of device memory that other libraries can register or share by
+    /// its address: on CUDA from `cuMemAlloc`, which legacy CUDA IPC (`cuIpcGetMemHandle`),
+    /// UCX's `cuda_ipc` (NIXL's VRAM transport) and GPUDirect RDMA and Storage take, and
+    /// memory of a stream-ordered pool ([`Backend::alloc`]'s) is not. Its free may wait for
+    /// the whole device, the driver's choice: kvshard makes it on its reaper thread, never the
+    /// dropping one, but the engine's own CUDA calls may wait behind it. Elsewhere, the same as
+    /// [`Backend::alloc`] of device memory.
+    fn alloc_registrable(&self, len: usize) -> Result<Buffer> {
+        self.alloc(len, MemoryKind::Device)
+    }
 
     /// Copies `data` into `dst` at `offset` after prior work, and waits for it.
     fn write_sync(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()>;

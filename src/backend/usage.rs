@@ -11,9 +11,12 @@
 //!   is ordered by the engine: `Backend::wait` on the stream it hands kvshard.
 //! - **Lifetimes follow the GPU.** Memory is given back only after every event recorded on its
 //!   usage has completed: when the last handle goes while work is still queued, the memory is
-//!   parked ([`pending_frees`]) and freed by a later call that finds those events complete
-//!   (any allocation, synchronization or free does the sweep). Nothing blocks the host or the
-//!   device to free memory.
+//!   parked ([`pending_frees`]) and freed by the first sweep that finds those events complete:
+//!   any allocation, synchronization or free sweeps, and while memory waits for work on a GPU
+//!   kvshard's reaper thread sweeps every millisecond (`gpu::reaper`), so it goes once its work
+//!   has run even if the engine calls kvshard no more. Nothing blocks the host or the device to
+//!   free memory: the frees themselves never wait on the caller's thread (`gpu::memory`), and
+//!   [`wait_for_frees_sync`] is the one wait for them, for a caller that needs the memory back.
 //!
 //! Granularity is the usage (one allocation, or one whole space: a pool), narrowed to pages
 //! where the work knows them ([`Pages`], [`ordered_pages`]: HiCache's copies name the pages of
@@ -22,9 +25,11 @@
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use super::{Backend, Event};
-use crate::error::Result;
+use super::{count_host_sync, Backend, Event};
+use crate::error::{Error, Result};
+use crate::gpu::{mempool, reaper};
 use crate::lock::lock;
 
 /// Identity of one stream: events of one stream complete in the order they were recorded.
@@ -158,6 +163,8 @@ struct Inner {
     accesses: Mutex<Accesses>,
     /// The memory this usage keeps alive (an allocation's owner, or a space's buffers).
     keep: Option<Box<dyn Send + Sync>>,
+    /// What else must outlive the memory's work ([`Usage::keep_alive`]).
+    also: Mutex<Vec<Box<dyn Send + Sync>>>,
 }
 
 impl Drop for Inner {
@@ -167,14 +174,45 @@ impl Drop for Inner {
             .events()
             .filter(|e| !e.is_complete().unwrap_or(true))
             .collect();
-        let keep = self.keep.take();
-        if let (false, Some(keep)) = (pending.is_empty(), keep) {
+        let kept = Kept {
+            keep: self.keep.take(),
+            also: std::mem::take(&mut *lock(&self.also)),
+        };
+        if !pending.is_empty() && !kept.is_empty() {
+            let cuda = pending
+                .iter()
+                .any(|e| matches!(e.stream_id(), StreamId::Cuda(_)));
             lock(&GRAVES).push(Grave {
                 events: pending,
-                _keep: keep,
+                cuda,
+                _kept: kept,
             });
+            if cuda {
+                reaper::watch("parked frees", sweep_gpu);
+            }
+        } else {
+            drop(kept);
         }
         sweep();
+    }
+}
+
+/// What a usage keeps alive, let go in this order: the memory, then what must outlive it.
+struct Kept {
+    keep: Option<Box<dyn Send + Sync>>,
+    also: Vec<Box<dyn Send + Sync>>,
+}
+
+impl Kept {
+    fn is_empty(&self) -> bool {
+        self.keep.is_none() && self.also.is_empty()
+    }
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        drop(self.keep.take());
+        drop(std::mem::take(&mut self.also));
     }
 }
 
@@ -200,7 +238,15 @@ impl Usage {
         Self(Arc::new(Inner {
             accesses: Mutex::new(Accesses::default()),
             keep,
+            also: Mutex::new(Vec::new()),
         }))
+    }
+
+    /// Keeps `owner` alive until this record and every access it holds are gone: what holds
+    /// memory an engine lent kvshard (the tensors a pool wraps), so that memory outlives the
+    /// work kvshard queued on it however early the engine drops its handles.
+    pub fn keep_alive(&self, owner: Box<dyn Send + Sync>) {
+        lock(&self.0.also).push(owner);
     }
 
     /// Whether two handles share one record.
@@ -342,7 +388,9 @@ fn record(
 /// Memory whose last handle went while work that uses it was still queued.
 struct Grave {
     events: Vec<Event>,
-    _keep: Box<dyn Send + Sync>,
+    /// Whether some of the work is a GPU's (the reaper thread sweeps for it).
+    cuda: bool,
+    _kept: Kept,
 }
 
 static GRAVES: Mutex<Vec<Grave>> = Mutex::new(Vec::new());
@@ -364,8 +412,52 @@ pub(crate) fn sweep() {
     drop(done);
 }
 
-/// Allocations waiting for queued work before they are freed, in the whole process.
+/// The reaper thread's sweep: whether memory still waits for work on a GPU.
+fn sweep_gpu() -> bool {
+    sweep();
+    lock(&GRAVES).iter().any(|g| g.cuda)
+}
+
+/// Frees not done yet, in the whole process: allocations waiting for queued work, and frees
+/// handed to the reaper thread and not done yet.
 pub fn pending_frees() -> usize {
     sweep();
-    lock(&GRAVES).len()
+    lock(&GRAVES).len() + reaper::pending()
+}
+
+/// Waits until the memory dropped so far while work on a GPU used it is freed (that work
+/// completed, then the free done, on the reaper thread where it goes there), then hands what
+/// kvshard's stream-ordered pools hold beyond their allocations back to the device: for a
+/// caller that needs the memory of dropped objects back (to allocate as much again, or to free
+/// or register again host memory kvshard registered). Memory parked behind work of the CPU
+/// twin is not waited for: that work runs only when its stream is waited for. Refused with
+/// [`Error::Timeout`] once `timeout` has passed (`Duration::MAX`: no deadline).
+pub fn wait_for_frees_sync(timeout: Duration) -> Result<()> {
+    count_host_sync();
+    let start = Instant::now();
+    let deadline = start.checked_add(timeout);
+    let gpu_parked = || lock(&GRAVES).iter().filter(|g| g.cuda).count();
+    loop {
+        sweep();
+        if gpu_parked() == 0 {
+            // Nothing waits for GPU work: what is left is the reaper's, whose frees may park
+            // more (a free that lets go of another usage), so look again once it is done.
+            let far = || start + Duration::from_secs(100 * 365 * 24 * 3600);
+            if reaper::wait_idle(deadline.unwrap_or_else(far)) && gpu_parked() == 0 {
+                return mempool::trim_all_sync();
+            }
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(Error::Timeout {
+                what: format!(
+                    "frees: {} allocations waiting for work on a GPU, {} frees on the reaper \
+                     thread",
+                    gpu_parked(),
+                    reaper::pending()
+                ),
+                waited: timeout,
+            });
+        }
+        std::thread::sleep(reaper::POLL);
+    }
 }

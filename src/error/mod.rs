@@ -346,7 +346,7 @@ pub enum Error {
         /// The logical page.
         page: u64,
     },
-    // Caller-given sizes and durations (issue 35 items 4 and 9).
+    // Caller-given sizes and durations outside what kvshard takes.
     /// A size, count or duration the caller gave is outside what kvshard takes (zero where at
     /// least one is needed, more than any host holds, not a finite non-negative number of
     /// seconds); refused before anything was done.

@@ -1,11 +1,18 @@
 //! Owned device memory and pinned host memory.
 //!
-//! Freeing waits for nothing: these allocations reach the rest of kvshard only inside a
-//! [`crate::backend::Buffer`], whose usage record drops the allocation only after every event
-//! of the work queued on it has completed (`backend::usage`). So no launch still queued can
-//! touch memory freed here, and no free waits for the engine's streams. (The driver documents
-//! that `cuMemFree` of `cuMemAlloc` memory "may" synchronize by itself; kvshard allocates and
-//! frees nothing in steady state, only when pools, staging or grown tables come and go.)
+//! No free here waits on the caller's thread. These allocations reach the rest of kvshard only
+//! inside a [`crate::backend::Buffer`], whose usage record drops the allocation only after
+//! every event of the work queued on it has completed (`backend::usage`), so no launch still
+//! queued can touch memory freed here. Then:
+//!
+//! - device memory from kvshard's stream-ordered pool ([`DeviceAllocation::stream_ordered`],
+//!   what `Backend::alloc` hands out) goes back with `cuMemFreeAsync` on the pool's own stream,
+//!   which waits for nothing (`super::mempool`);
+//! - `cuMemAlloc` memory ([`DeviceAllocation::new`]: what legacy IPC, UCX and GPUDirect
+//!   register), pinned host memory (`cuMemFreeHost`) and registrations of the engine's host
+//!   memory (`cuMemHostUnregister`) are freed on kvshard's reaper thread (`super::reaper`): the
+//!   driver may make those calls wait for the whole device, and the caller's drop returns at
+//!   once.
 //!
 //! Host memory the GPU reads or writes directly is addressed through its *device alias*, which
 //! the driver gives (`cuMemHostGetDevicePointer`); kvshard never assumes it equals the host
@@ -17,19 +24,27 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result, sys, CudaContext};
 
+use super::mempool::MemPool;
+use super::reaper;
 use crate::error::{Error, Result};
 use crate::lock::lock;
 
-/// A device allocation, freed on drop.
+/// A device allocation, freed on drop without waiting: from kvshard's stream-ordered pool, or
+/// from `cuMemAlloc` (freed on the reaper thread).
 #[derive(Debug)]
 pub struct DeviceAllocation {
     ctx: Arc<CudaContext>,
     ptr: sys::CUdeviceptr,
     len: usize,
+    /// The stream-ordered pool it came from; `None` for `cuMemAlloc` memory.
+    pool: Option<Arc<MemPool>>,
 }
 
 impl DeviceAllocation {
-    /// Allocates `len` bytes (at least one) of device memory, 256-byte aligned.
+    /// Allocates `len` bytes (at least one) of device memory with `cuMemAlloc`, 256-byte
+    /// aligned: memory legacy CUDA IPC can share and UCX or GPUDirect can register. Its free
+    /// may wait for the whole device (the driver's choice): it runs on kvshard's reaper
+    /// thread, never the dropping one.
     pub fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
         ctx.bind_to_thread()
             .map_err(Error::driver("cuCtxSetCurrent"))?;
@@ -40,6 +55,19 @@ impl DeviceAllocation {
             ctx: ctx.clone(),
             ptr,
             len,
+            pool: None,
+        })
+    }
+
+    /// Allocates `len` bytes (at least one) from `pool`, ready for every stream when this
+    /// returns; freed with `cuMemFreeAsync`, which never waits.
+    pub(crate) fn stream_ordered(pool: &Arc<MemPool>, len: usize) -> Result<Self> {
+        let ptr = pool.alloc(len)?;
+        Ok(Self {
+            ctx: pool.context().clone(),
+            ptr,
+            len,
+            pool: Some(pool.clone()),
         })
     }
 
@@ -57,14 +85,30 @@ impl DeviceAllocation {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// Whether it came from kvshard's stream-ordered pool (else from `cuMemAlloc`).
+    pub fn is_stream_ordered(&self) -> bool {
+        self.pool.is_some()
+    }
 }
 
 impl Drop for DeviceAllocation {
     fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: allocated by cuMemAlloc in this context; the work queued on it has
-            // completed (its usage record drops it only then, see the module docs).
-            let _ = unsafe { result::free_sync(self.ptr) };
+        let ptr = self.ptr;
+        match &self.pool {
+            // SAFETY: allocated from this pool, freed once; the work queued on it has completed
+            // (its usage record drops it only then, see the module docs).
+            Some(pool) => unsafe { pool.free(ptr) },
+            None => {
+                let ctx = self.ctx.clone();
+                reaper::defer(move || {
+                    if ctx.bind_to_thread().is_ok() {
+                        // SAFETY: allocated by cuMemAlloc in this context and freed once; the
+                        // work queued on it has completed (see the module docs).
+                        let _ = unsafe { result::free_sync(ptr) };
+                    }
+                });
+            }
         }
     }
 }
@@ -135,11 +179,14 @@ impl PinnedAllocation {
 
 impl Drop for PinnedAllocation {
     fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: allocated by cuMemHostAlloc; the work queued on it has completed (its
-            // usage record drops it only then, see the module docs).
-            let _ = unsafe { result::free_host(self.host.cast()) };
-        }
+        let (ctx, host) = (self.ctx.clone(), self.host as usize);
+        reaper::defer(move || {
+            if ctx.bind_to_thread().is_ok() {
+                // SAFETY: allocated by cuMemHostAlloc and freed once; the work queued on it has
+                // completed (its usage record drops it only then, see the module docs).
+                let _ = unsafe { result::free_host(host as *mut std::ffi::c_void) };
+            }
+        });
     }
 }
 
@@ -182,21 +229,37 @@ pub(crate) fn registration_cuts(addr: u64, len: u64) -> Vec<u64> {
 /// Registration chunks end on page boundaries, so no page straddles two registrations, and each
 /// chunk's device alias is asked of the driver separately: [`HostRegistration::device_ptr`]
 /// translates any host address inside the range.
-#[derive(Debug)]
 pub struct HostRegistration {
     ctx: Arc<CudaContext>,
     host: usize,
     /// (host start, device alias, bytes) per chunk, in address order.
     chunks: Vec<(usize, u64, usize)>,
+    /// What holds the memory, let go only after the unregistration ([`HostRegistration::owned_by`]).
+    owner: Option<Arc<dyn Send + Sync>>,
+}
+
+impl std::fmt::Debug for HostRegistration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostRegistration")
+            .field("host", &format_args!("{:#x}", self.host))
+            .field("chunks", &self.chunks.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl HostRegistration {
     /// Registers `[host, host + len)` in chunks of at most `max_chunk` bytes, each a whole
     /// number of `page_bytes` pages.
     ///
+    /// Dropped, the chunks are unregistered on kvshard's reaper thread (`cuMemHostUnregister`
+    /// may wait for the whole device), shortly after: `backend::wait_for_frees_sync` waits for
+    /// it.
+    ///
     /// # Safety
-    /// The range must be valid, writable host memory that outlives the registration and is not
-    /// registered already.
+    /// The range must be valid, writable host memory that is not registered already and
+    /// outlives the registration and its unregistration: held by the registration's owner
+    /// ([`HostRegistration::owned_by`]), or freed or registered again only once
+    /// `backend::wait_for_frees_sync` has returned after the drop.
     pub unsafe fn new(
         ctx: &Arc<CudaContext>,
         host: *mut u8,
@@ -216,6 +279,7 @@ impl HostRegistration {
             ctx: ctx.clone(),
             host: host as usize,
             chunks: Vec::new(),
+            owner: None,
         };
         let mut offset = 0;
         while offset < len {
@@ -245,6 +309,14 @@ impl HostRegistration {
         &self.chunks
     }
 
+    /// Has the registration hold `owner` (what holds the memory) and let go of it only after
+    /// the memory is unregistered, on the reaper thread: the memory then outlives its
+    /// unregistration however early its other holders let go.
+    pub fn owned_by(mut self, owner: Arc<dyn Send + Sync>) -> Self {
+        self.owner = Some(owner);
+        self
+    }
+
     /// The device alias of a host address inside the registered range.
     pub fn device_ptr(&self, host: *const u8) -> Option<u64> {
         let h = host as usize;
@@ -265,13 +337,20 @@ impl Drop for HostRegistration {
         for (_, device, _) in &self.chunks {
             chunks().remove(device);
         }
-        if self.ctx.bind_to_thread().is_ok() {
-            for (start, _, _) in &self.chunks {
-                // SAFETY: each chunk was registered by `new` and is unregistered once, after the
-                // work queued on it has completed (its usage record drops it only then).
-                let _ = unsafe { sys::cuMemHostUnregister(*start as *mut _) }.result();
+        let ctx = self.ctx.clone();
+        let starts: Vec<usize> = self.chunks.iter().map(|&(start, _, _)| start).collect();
+        let owner = self.owner.take();
+        reaper::defer(move || {
+            if ctx.bind_to_thread().is_ok() {
+                for start in starts {
+                    // SAFETY: each chunk was registered by `new` and is unregistered once,
+                    // after the work queued on it has completed (its usage record drops it
+                    // only then); the memory is still valid (`new`'s contract, or `owner`).
+                    let _ = unsafe { sys::cuMemHostUnregister(start as *mut _) }.result();
+                }
             }
-        }
+            drop(owner);
+        });
     }
 }
 

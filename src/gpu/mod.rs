@@ -4,22 +4,29 @@
 //! - [`Gpu`]: a device's primary context (the one PyTorch and other engines share), its
 //!   properties, and the embedded kernel module loaded once;
 //! - [`Stream`]: a stream kvshard owns, or one borrowed from the engine ([`Gpu::borrow_stream`]);
-//! - [`memory`]: device allocations and pinned host memory with their driver-given device aliases.
+//! - [`memory`]: device allocations and pinned host memory with their driver-given device aliases;
+//!   device memory comes from a stream-ordered pool of kvshard's (`mempool`), and every free that
+//!   may wait for the device runs on kvshard's reaper thread (`reaper`), so no free waits on the
+//!   caller's thread.
 //!
 //! Opening a device never panics: a missing driver, a missing GPU and a build without kernels
 //! are each a typed [`Error`].
 
 pub mod memory;
+pub(crate) mod mempool;
 mod module;
+pub(crate) mod reaper;
 pub(crate) mod sync_count;
 pub mod topology;
 pub mod vmm;
 
 use std::ops::Deref;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 
+use memory::DeviceAllocation;
+use mempool::MemPool;
 use module::Module;
 pub use module::{kernels, Kernel, KernelFn, RESOURCE_USAGE};
 
@@ -60,6 +67,9 @@ pub struct Gpu {
     module: Module,
     info: DeviceInfo,
     events: Arc<Mutex<EventPool>>,
+    /// kvshard's stream-ordered memory pool of this device, made at the first allocation, or
+    /// why there is none.
+    mempool: OnceLock<std::result::Result<Arc<MemPool>, String>>,
 }
 
 /// Most events of each kind a [`Gpu`] keeps for reuse; more are destroyed when dropped.
@@ -147,6 +157,11 @@ impl Gpu {
             return Err(Error::NoGpu { ordinal, count });
         }
         let ctx = CudaContext::new(ordinal).map_err(Error::driver("cuDevicePrimaryCtxRetain"))?;
+        // SAFETY: cudarc's event tracking orders its own `CudaSlice`s across streams, and
+        // kvshard makes none (its memory and ordering are `backend::usage`'s). With tracking
+        // on, the context's first `new_stream` would synchronize the whole context: a wait
+        // for the engine's work behind its back.
+        unsafe { ctx.disable_event_tracking() };
         let info = device_info(&ctx, ordinal)?;
         let module = Module::load(&ctx, fatbin)?;
         Ok(Arc::new(Gpu {
@@ -154,7 +169,32 @@ impl Gpu {
             module,
             info,
             events: Arc::default(),
+            mempool: OnceLock::new(),
         }))
+    }
+
+    /// Allocates `len` bytes (at least one) of device memory from kvshard's stream-ordered pool
+    /// of this device, ready for every stream and the host when this returns, and freed with
+    /// `cuMemFreeAsync`, which never waits (`mempool`). On a device without stream-ordered
+    /// allocation ([`Gpu::stream_ordered_absent`] says why), from `cuMemAlloc`, freed on
+    /// kvshard's reaper thread.
+    pub fn alloc_device(&self, len: usize) -> Result<DeviceAllocation> {
+        match self.mempool() {
+            Ok(pool) => DeviceAllocation::stream_ordered(pool, len),
+            Err(_) => DeviceAllocation::new(&self.ctx, len),
+        }
+    }
+
+    /// Why this device's memory does not come from a stream-ordered pool (`None` when it
+    /// does).
+    pub fn stream_ordered_absent(&self) -> Option<&str> {
+        self.mempool().err().map(String::as_str)
+    }
+
+    fn mempool(&self) -> std::result::Result<&Arc<MemPool>, &String> {
+        self.mempool
+            .get_or_init(|| MemPool::new(&self.ctx))
+            .as_ref()
     }
 
     /// Device facts.

@@ -200,10 +200,15 @@ impl Module {
 
 impl Drop for Module {
     fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: the module was loaded in this context and no launch can use it any more
-            // (the owning Gpu is being dropped). A failure here leaves nothing to clean up.
-            let _ = unsafe { result::module::unload(self.module) };
-        }
+        // On the reaper thread: unloading may wait for the device, like a free.
+        let (ctx, module) = (self.ctx.clone(), self.module as usize);
+        super::reaper::defer(move || {
+            if ctx.bind_to_thread().is_ok() {
+                // SAFETY: the module was loaded in this context and is unloaded once; no launch
+                // can use it any more (the owning Gpu is gone, and every backend keeps its Gpu
+                // until the work it launched has completed). A failure leaves nothing to clean up.
+                let _ = unsafe { result::module::unload(module as sys::CUmodule) };
+            }
+        });
     }
 }

@@ -7,14 +7,20 @@
 //!   buffers an engine already has.
 //! - [`IpcEvent`]: an interprocess event, recorded by one process and waited on by another.
 //!
-//! Every type owns its driver handle and releases it on drop, without waiting for anything. The
-//! mappings reach the rest of kvshard only as what a usage record keeps alive (an exported
-//! pool's [`crate::backend::Buffer`], an imported pool's `RemoteSpace`), and a usage record
-//! drops what it keeps only once every event of the work queued on it has completed
+//! Every type owns its driver handle and releases it on drop, without waiting on the dropping
+//! thread. The mappings reach the rest of kvshard only as what a usage record keeps alive (an
+//! exported pool's [`crate::backend::Buffer`], an imported pool's `RemoteSpace`), and a usage
+//! record drops what it keeps only once every event of the work queued on it has completed
 //! (`backend::usage`). So no launch of this process still queued touches a range unmapped here,
-//! and unmapping never waits for the device (it used to: `cuCtxSynchronize`, a wait for every
-//! stream of the engine). Work of *other* processes is the protocol's business (the P/D
-//! endpoints in `transfer::endpoint` order it).
+//! and kvshard never waits for the device to unmap (it used to: `cuCtxSynchronize`, a wait for
+//! every stream of the engine). The unmap, release and close calls themselves may wait for the
+//! device by the driver's choice, so they run on kvshard's reaper thread (`super::reaper`).
+//! Work of *other* processes is the protocol's business (the P/D endpoints in
+//! `transfer::endpoint` order it).
+//!
+//! Legacy IPC shares `cuMemAlloc` memory only: memory of a stream-ordered pool (kvshard's own
+//! device memory, `super::mempool`) has no legacy handle, so a pool kvshard allocates for
+//! sharing that way is allocated registrable (`DevicePool::allocate_registrable`).
 
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
@@ -159,22 +165,27 @@ impl Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_err() {
-            return;
-        }
-        if self.mapped {
-            // SAFETY: mapped by `new` at this range; this process's work that could use it has
-            // completed (the usage record that kept this mapping dropped it only then, see the
-            // module docs).
-            let _ = unsafe { sys::cuMemUnmap(self.ptr, self.size) }.result();
-        }
-        // SAFETY: the handle is owned by this value and released once; the physical memory goes
-        // when the last mapping of it (in any process) is gone.
-        let _ = unsafe { sys::cuMemRelease(self.handle) }.result();
-        if self.reserved {
-            // SAFETY: reserved by `new` with this size, and nothing is mapped there any more.
-            let _ = unsafe { sys::cuMemAddressFree(self.ptr, self.size) }.result();
-        }
+        // On the reaper thread, like every free that may wait for the device (the module docs).
+        let (ctx, handle, ptr, size) = (self.ctx.clone(), self.handle, self.ptr, self.size);
+        let (mapped, reserved) = (self.mapped, self.reserved);
+        super::reaper::defer(move || {
+            if ctx.bind_to_thread().is_err() {
+                return;
+            }
+            if mapped {
+                // SAFETY: mapped by `new` at this range and unmapped once; this process's work
+                // that could use it has completed (the usage record that kept this mapping
+                // dropped it only then, see the module docs).
+                let _ = unsafe { sys::cuMemUnmap(ptr, size) }.result();
+            }
+            // SAFETY: the handle was owned by the mapping and is released once; the physical
+            // memory goes when the last mapping of it (in any process) is gone.
+            let _ = unsafe { sys::cuMemRelease(handle) }.result();
+            if reserved {
+                // SAFETY: reserved by `new` with this size, and nothing is mapped there any more.
+                let _ = unsafe { sys::cuMemAddressFree(ptr, size) }.result();
+            }
+        });
     }
 }
 
@@ -477,6 +488,13 @@ impl IpcMemHandle {
     /// export it with [`ExportableMemory`]). Returns the handle and the allocation's size.
     pub fn of(ctx: &Arc<CudaContext>, ptr: u64) -> Result<(Self, usize)> {
         bind(ctx)?;
+        if super::mempool::from_a_pool(ptr)? {
+            return Err(Error::InvalidArgument(format!(
+                "{ptr:#x} is memory of a stream-ordered pool (kvshard's device memory, or \
+                 cudaMallocAsync's), which legacy IPC cannot share: allocate it with cuMemAlloc \
+                 (DevicePool::allocate_registrable)"
+            )));
+        }
         let (base, size) = address_range(ptr)?;
         if base != ptr {
             return Err(Error::InvalidArgument(format!(
@@ -590,11 +608,15 @@ impl IpcMapping {
 
 impl Drop for IpcMapping {
     fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: opened by `open` and closed once; this process's work that could use it
-            // has completed (the usage record that kept this mapping dropped it only then).
-            let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) }.result();
-        }
+        let (ctx, ptr) = (self.ctx.clone(), self.ptr);
+        super::reaper::defer(move || {
+            if ctx.bind_to_thread().is_ok() {
+                // SAFETY: opened by `open` and closed once; this process's work that could use
+                // it has completed (the usage record that kept this mapping dropped it only
+                // then).
+                let _ = unsafe { sys::cuIpcCloseMemHandle(ptr) }.result();
+            }
+        });
     }
 }
 

@@ -235,14 +235,13 @@ mod tests {
     #[test]
     fn a_budget_for_no_context_no_tokens_or_no_chunk_is_refused_at_every_shard_size() {
         let good = BudgetRequest::new(80 << 30, 4096, 1024);
-        let cases: [(&str, fn(&mut BudgetRequest)); 3] = [
-            ("contexts per batch", |r| r.contexts = 0),
-            ("context length", |r| r.context_len = 0),
-            ("chunk size", |r| r.chunk_size = 0),
-        ];
-        for (what, zero) in cases {
+        for what in ["contexts per batch", "context length", "chunk size"] {
             let mut req = good.clone();
-            zero(&mut req);
+            match what {
+                "contexts per batch" => req.contexts = 0,
+                "context length" => req.context_len = 0,
+                _ => req.chunk_size = 0,
+            }
             for shard in [1, 2, 8] {
                 let placement = Placement::new(shard).unwrap();
                 for e in [

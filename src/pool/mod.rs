@@ -132,7 +132,9 @@ impl fmt::Debug for DevicePool {
 
 impl DevicePool {
     /// Allocates a pool of `pages` physical pages per layer for `rank` of `placement`, in one
-    /// allocation of `backend`'s device memory.
+    /// allocation of `backend`'s device memory (on CUDA, from kvshard's stream-ordered pool:
+    /// dropping the pool never waits for the device). Memory a transport registers by address
+    /// (NIXL over UCX, legacy CUDA IPC, GPUDirect) is [`DevicePool::allocate_registrable`]'s.
     pub fn allocate(
         backend: &dyn Backend,
         geometry: &CacheGeometry,
@@ -142,6 +144,23 @@ impl DevicePool {
     ) -> Result<Self> {
         Self::allocate_with(geometry, placement, rank, pages, |total| {
             backend.alloc(total, MemoryKind::Device)
+        })
+    }
+
+    /// [`DevicePool::allocate`] in memory other libraries can register or share by address
+    /// ([`Backend::alloc_registrable`]: `cuMemAlloc` on CUDA): what NIXL registers for UCX's
+    /// `cuda_ipc`, what `ipc::ExportedPool::share_ipc` shares with legacy CUDA IPC, what
+    /// GPUDirect RDMA registers. Its free may wait for the whole device (the driver's choice);
+    /// kvshard makes it on its reaper thread, never the dropping one.
+    pub fn allocate_registrable(
+        backend: &dyn Backend,
+        geometry: &CacheGeometry,
+        placement: Placement,
+        rank: u32,
+        pages: u64,
+    ) -> Result<Self> {
+        Self::allocate_with(geometry, placement, rank, pages, |total| {
+            backend.alloc_registrable(total)
         })
     }
 
@@ -319,6 +338,14 @@ impl DevicePool {
     /// The allocation behind the pool, when kvshard made it.
     pub fn storage(&self) -> Option<&Buffer> {
         self.storage.as_ref()
+    }
+
+    /// Keeps `owner` alive until the pool and all work queued on it are gone
+    /// ([`Usage::keep_alive`]): what holds the engine memory a wrapped pool lends (its
+    /// tensors), which must outlive kvshard's queued work however early the engine drops the
+    /// pool.
+    pub fn keep_alive(&self, owner: Box<dyn Send + Sync>) {
+        self.usage.keep_alive(owner);
     }
 
     /// One stored layer of `component` as a buffer of `pages` blocks.

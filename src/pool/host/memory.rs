@@ -208,9 +208,14 @@ impl HostPool {
     /// a region must form one contiguous device range (they do under unified addressing), else
     /// the pool is refused, because the copy paths address a buffer linearly.
     ///
+    /// Dropped, the pool's registrations are undone on kvshard's reaper thread once its work
+    /// has completed (`cuMemHostUnregister` may wait for the whole device).
+    ///
     /// # Safety
     /// Every region must be valid, writable host memory, 4 KiB aligned, not registered already,
-    /// that outlives the pool and all work using it.
+    /// that outlives the pool, all work using it and its unregistration: free or register it
+    /// again only after `backend::wait_for_frees_sync` has returned, or hand what holds it to
+    /// [`HostPool::register_with_owner`].
     pub unsafe fn register_with(
         gpu: &Arc<Gpu>,
         geometry: &CacheGeometry,
@@ -218,6 +223,26 @@ impl HostPool {
         format: HostFormat,
         regions: &[HostRegion],
         max_chunk: usize,
+    ) -> Result<Self> {
+        // SAFETY: forwarded contract; nothing more to hold.
+        unsafe { Self::register_with_owner(gpu, geometry, pages, format, regions, max_chunk, None) }
+    }
+
+    /// [`HostPool::register_with`], holding `owner` (what holds the regions' memory: the
+    /// engine's tensors) until the registrations are undone, after the pool and all work
+    /// using it are gone.
+    ///
+    /// # Safety
+    /// As [`HostPool::register_with`], where `owner` (when given) keeps every region valid for
+    /// as long as it lives.
+    pub unsafe fn register_with_owner(
+        gpu: &Arc<Gpu>,
+        geometry: &CacheGeometry,
+        pages: u64,
+        format: HostFormat,
+        regions: &[HostRegion],
+        max_chunk: usize,
+        owner: Option<Arc<dyn Send + Sync>>,
     ) -> Result<Self> {
         let space = AddressSpace::Cuda(gpu.info().ordinal);
         Self::engine_buffers(
@@ -243,8 +268,11 @@ impl HostPool {
                 let grain = unit / gcd(unit, OS_PAGE_GRAIN) * OS_PAGE_GRAIN;
                 let chunk = (max_chunk / grain).max(1) * grain;
                 // SAFETY: the caller guarantees the region (see above).
-                let reg =
+                let mut reg =
                     unsafe { HostRegistration::new(gpu.context(), region.host, len, unit, chunk) }?;
+                if let Some(owner) = &owner {
+                    reg = reg.owned_by(owner.clone());
+                }
                 let base = linear_alias(name, reg.chunks())?;
                 let memory = Buffer::owned(base, len, MemoryKind::PinnedHost, space, Arc::new(reg));
                 Ok((memory, Some(region.host as usize)))

@@ -162,6 +162,14 @@ impl HostPool {
         &self.numa
     }
 
+    /// Keeps `owner` alive until the pool and all work queued on it are gone
+    /// ([`Usage::keep_alive`]): what holds the engine memory a wrapped or adopted pool lends.
+    /// (Memory kvshard registers must also outlive its unregistration:
+    /// [`HostPool::register_with_owner`].)
+    pub fn keep_alive(&self, owner: Box<dyn Send + Sync>) {
+        self.usage.keep_alive(owner);
+    }
+
     /// Byte offset of row `row` of block (`layer`, `page`) of `component` from the start of
     /// its buffer.
     pub fn row_offset(

@@ -10,7 +10,7 @@ use super::runtime::{Agent, Memory};
 use crate::abi;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{AddressSpace, Backend, Buffer, MemoryKind};
+use crate::backend::{AddressSpace, Backend, Buffer};
 use crate::copy::space::{sealed, REGION_ALIGN};
 use crate::copy::{BlockSpace, SpaceId};
 use crate::error::{Checked, Error, Result};
@@ -93,6 +93,19 @@ impl NixlBackend {
         addr: u64,
         len: usize,
     ) -> Result<RegistrationHandle> {
+        if let Self::Cuda(b) = self {
+            // UCX's cuda_ipc shares VRAM with legacy IPC handles, which memory of a
+            // stream-ordered pool has none of: UCX would move it through host bounce buffers,
+            // or fail, instead of over NVLink.
+            b.gpu().bind()?;
+            if crate::gpu::mempool::from_a_pool(addr)? {
+                return Err(Error::InvalidArgument(format!(
+                    "NIXL registration of VRAM at {addr:#x}: memory of a stream-ordered pool \
+                     (kvshard's device memory, or cudaMallocAsync's) is not what UCX's cuda_ipc \
+                     takes; allocate the pool with DevicePool::allocate_registrable"
+                )));
+            }
+        }
         let at = self.nixl_address(addr, len)?;
         // SAFETY: memory of this backend, of the kind `memory()` says; the caller keeps it
         // valid until the handle has dropped.
@@ -196,7 +209,8 @@ impl BounceSpace {
         Ok((regions, offset))
     }
 
-    /// `slots` slots of `pages` pages each, in one allocation of `backend`'s device memory.
+    /// `slots` slots of `pages` pages each, in one allocation of `backend`'s device memory that
+    /// NIXL can register ([`Backend::alloc_registrable`]).
     pub fn allocate(
         backend: &dyn Backend,
         geometry: &CacheGeometry,
@@ -206,7 +220,7 @@ impl BounceSpace {
         geometry.validate()?;
         let (regions, bytes) = Self::layout(geometry, pages)?;
         let total = bytes.mul_or(slots, || format!("{slots} bounce slots"))?;
-        let buffer = backend.alloc(total.max(1), MemoryKind::Device)?;
+        let buffer = backend.alloc_registrable(total.max(1))?;
         let spaces = (0..slots)
             .map(|s| {
                 Ok(Arc::new(BounceSpace {
