@@ -119,6 +119,9 @@ from ._kvshard import (
     plan_capacity,
 )
 
+# The process's pending frees.
+from ._kvshard import pending_frees, wait_for_frees_sync
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -202,6 +205,8 @@ __all__ = [
     "WritePolicy",
     "driver_present",
     "embedded_archs",
+    "pending_frees",
+    "wait_for_frees_sync",
     "engine_memory",
     "engine_regions",
     "page_hash",

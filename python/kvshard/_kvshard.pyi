@@ -37,6 +37,8 @@ __all__ = [
     "DEFAULT_STAGING_PAGES",
     "embedded_archs",
     "driver_present",
+    "pending_frees",
+    "wait_for_frees_sync",
     "plan_capacity",
     "_stream_handle",
     "_rust_load_ns",
@@ -134,6 +136,13 @@ def embedded_archs() -> Optional[str]:
 
 def driver_present() -> bool:
     """Whether the CUDA driver library can be loaded."""
+
+# The process's pending frees.
+def pending_frees() -> int:
+    """Frees not done yet: memory waiting for its queued work, frees on kvshard's reaper thread."""
+
+def wait_for_frees_sync(timeout: float = 60.0) -> None:
+    """Waits until memory dropped while GPU work used it is freed and back on the device."""
 
 def plan_capacity(
     geometry: CacheGeometry,
@@ -551,11 +560,15 @@ class CapacityPlan:
 
 @final
 class DevicePool:
-    """One rank's device pool: allocated by kvshard, or wrapping the engine's writable tensors
-    (read-only ones raise ReadOnlyError; wrapped NumPy arrays cannot be resized while it lives)."""
+    """One rank's device pool: allocated by kvshard (``registrable=True``: memory a transfer
+    engine registers by address), or wrapping the engine's writable tensors (read-only ones
+    raise ReadOnlyError; wrapped NumPy arrays cannot be resized while it lives; memory another
+    live pool wraps is refused)."""
 
     @staticmethod
-    def allocate(device: Device, geometry: CacheGeometry, placement: Placement, rank: int, pages: int) -> DevicePool: ...
+    def allocate(
+        device: Device, geometry: CacheGeometry, placement: Placement, rank: int, pages: int, *, registrable: bool = False
+    ) -> DevicePool: ...
     @staticmethod
     def wrap(
         device: Device,

@@ -22,14 +22,14 @@ use crate::tensor::{check, import_writable, PyTensorView, Want};
 /// One rank's device pool: every component of the cache for `pages` physical pages, allocated
 /// by kvshard (`DevicePool.allocate`) or wrapping the engine's own KV tensors without a copy
 /// (`DevicePool.wrap`).
+///
+/// A wrapped pool holds its tensors (and their CPU adoptions) for as long as it and the work
+/// queued on it live, and claims their memory: the same memory wrapped twice (two layers, two
+/// pools) is refused.
 #[pyclass(frozen, module = "kvshard", name = "DevicePool")]
 pub struct PyDevicePool {
     pub inner: Arc<DevicePool>,
     pub device: Py<PyDevice>,
-    /// Keeps wrapped tensors (and their CPU adoptions) alive as long as this object; every
-    /// kvshard object that holds the pool holds this object too.
-    #[allow(dead_code)]
-    keep: PoolKeep,
 }
 
 /// The memory of one wrapped layer, checked against what it must hold: its address in the
@@ -42,6 +42,7 @@ fn layer_memory(
 ) -> PyResult<RawBuffer> {
     let imported = import_writable(t, &want.what, &mut keep.objects)?;
     check(&imported, want)?;
+    keep.claim(&imported, &want.what);
     adopt_on_cpu(
         device,
         &imported.object,
@@ -93,8 +94,13 @@ fn adopt_on_cpu(
 #[pymethods]
 impl PyDevicePool {
     /// Allocates a pool of `pages` physical pages per layer for `rank` of `placement` in one
-    /// allocation of `device`'s memory.
+    /// allocation of `device`'s memory: on a GPU from kvshard's stream-ordered pool, whose
+    /// free never waits for the device. `registrable=True` allocates with `cuMemAlloc`
+    /// instead, memory a transfer engine can register by address (UCX's `cuda_ipc`, GPUDirect
+    /// RDMA, legacy CUDA IPC); its free may wait for the whole device and runs on kvshard's
+    /// reaper thread.
     #[staticmethod]
+    #[pyo3(signature = (device, geometry, placement, rank, pages, *, registrable = false))]
     fn allocate(
         py: Python<'_>,
         device: Py<PyDevice>,
@@ -102,16 +108,22 @@ impl PyDevicePool {
         placement: PyPlacement,
         rank: u32,
         pages: u64,
+        registrable: bool,
     ) -> PyResult<Self> {
         let b = device.get().default_backend()?;
         let g = geometry.0.clone();
         let pool = py
-            .detach(|| DevicePool::allocate(b.as_ref(), &g, placement.0, rank, pages))
+            .detach(|| {
+                if registrable {
+                    DevicePool::allocate_registrable(b.as_ref(), &g, placement.0, rank, pages)
+                } else {
+                    DevicePool::allocate(b.as_ref(), &g, placement.0, rank, pages)
+                }
+            })
             .py_err()?;
         Ok(Self {
             inner: Arc::new(pool),
             device,
-            keep: PoolKeep::default(),
         })
     }
 
@@ -122,9 +134,11 @@ impl PyDevicePool {
     /// row (a latent row; an 8,448-byte indexer block), and hold at least `pages` pages: a
     /// mismatch is a `ValueError` saying what was expected. kvshard writes into them, so a
     /// read-only one (a memmap opened with mode `"r"`, an array over `bytes`) is refused with
-    /// `ReadOnlyError`. The pool keeps the tensors alive, and holds a buffer export and a weak
-    /// reference of each, so NumPy refuses to resize a wrapped array; they must not be freed
-    /// or reallocated (torch's `resize_`) while work uses them.
+    /// `ReadOnlyError`. The pool keeps the tensors alive as long as it and the work queued on
+    /// it live, and holds a buffer export and a weak reference of each, so NumPy refuses to
+    /// resize a wrapped array; they must not be reallocated (torch's `resize_`) while work
+    /// uses them. One memory, one usage record: a tensor (or a view of one buffer) given twice,
+    /// or memory another live kvshard pool wraps, is refused with `InvalidArgumentError`.
     #[staticmethod]
     #[pyo3(signature = (device, geometry, placement, rank, pages, target_latent, target_indexer = None, draft_latent = None, draft_indexer = None))]
     #[allow(clippy::too_many_arguments)]
@@ -177,15 +191,16 @@ impl PyDevicePool {
             }
         }
         let b = d.default_backend()?;
+        keep.commit()?;
         // SAFETY: every buffer is a checked tensor of this device (its address space: a CUDA
         // device address, or an adoption into the CPU arena) holding at least `pages` blocks,
-        // kept alive by this object, which every user of the pool holds.
+        // kept alive by the pool itself until it and the work queued on it are gone.
         let pool = unsafe { DevicePool::wrap(b.as_ref(), g, placement.0, rank, pages, &buffers) }
             .py_err()?;
+        pool.keep_alive(Box::new(keep));
         Ok(Self {
             inner: Arc::new(pool),
             device,
-            keep,
         })
     }
 
@@ -435,6 +450,7 @@ fn wrap_stacked(
     let layers = c.layers() as u64;
     let what = format!("{} tensor (all {} stored layers)", c.component, c.layers());
     let imported = import_writable(t, &what, &mut keep.objects)?;
+    keep.claim(&imported, &what);
     let want = Want {
         what,
         devices: dl_devices(d, false),

@@ -126,12 +126,14 @@ fn format_of(
 /// `packed_draft=True` (the MTP draft as the tail layer of the target's buffers, SGLang's
 /// default NextN mode). `HostPool.wrap` takes the engine's own host tensors instead.
 /// `buffer_view(i)` hands each buffer back as a tensor (SGLang's shape) for storage backends.
+///
+/// A wrapping pool holds the engine's tensors for as long as it and the work queued on it live
+/// (memory kvshard registered: until it is unregistered), and claims their memory: the same
+/// memory wrapped twice is refused.
 #[pyclass(frozen, module = "kvshard", name = "HostPool")]
 pub struct PyHostPool {
     pub inner: Arc<HostPool>,
     pub device: Py<PyDevice>,
-    #[allow(dead_code)]
-    keep: PoolKeep,
 }
 
 #[pymethods]
@@ -168,7 +170,6 @@ impl PyHostPool {
         Ok(Self {
             inner: Arc::new(pool),
             device,
-            keep: PoolKeep::default(),
         })
     }
 
@@ -227,6 +228,7 @@ impl PyHostPool {
         for (i, (t, l)) in tensors.iter().zip(&layouts).enumerate() {
             let what = format!("host buffer {i} ({:?})", l.components);
             let it = import_writable(t, &what, &mut keep.objects)?;
+            keep.claim(&it, &what);
             let comp = g
                 .components()
                 .into_iter()
@@ -249,6 +251,7 @@ impl PyHostPool {
             check(&it, &want)?;
             imported.push(it);
         }
+        keep.commit()?;
         let pool = match (d.cpu(), d.gpu()) {
             (Some(cpu), _) => {
                 let mut memory = Vec::with_capacity(imported.len());
@@ -284,9 +287,21 @@ impl PyHostPool {
                         len: it.nbytes,
                     })
                     .collect();
-                // SAFETY: the tensors' memory, checked above and kept alive by this object;
-                // the caller asked kvshard to register it (so it is not registered yet).
-                unsafe { HostPool::register_with(gpu, g, pages, format, &regions, 1 << 30) }
+                // SAFETY: the tensors' memory, checked above and held (`keep`, taken below) until
+                // the pool's registrations are undone; the caller asked kvshard to register it
+                // (so it is not registered yet).
+                let owner: Arc<dyn Send + Sync> = Arc::new(std::mem::take(&mut keep));
+                unsafe {
+                    HostPool::register_with_owner(
+                        gpu,
+                        g,
+                        pages,
+                        format,
+                        &regions,
+                        1 << 30,
+                        Some(owner),
+                    )
+                }
             }
             (None, Some(gpu)) => {
                 let mut regions = Vec::with_capacity(imported.len());
@@ -306,18 +321,20 @@ impl PyHostPool {
                         registrations: given.or_else(from_sglang).unwrap_or_default(),
                     });
                 }
-                // SAFETY: the tensors' memory, checked above and kept alive by this object;
-                // the documented contract: registered with CUDA as `registrations` say (the
-                // driver refuses memory it does not know).
+                // SAFETY: the tensors' memory, checked above and held by the pool (`keep`,
+                // below) until it and its work are gone; the documented contract: registered
+                // with CUDA as `registrations` say (the driver refuses memory it does not know).
                 unsafe { HostPool::adopt_registered(gpu, g, pages, format, &regions) }
             }
             (None, None) => unreachable_device(),
         }
         .py_err()?;
+        // The tensors live as long as the pool and its queued work (when kvshard registered
+        // them, the registrations hold them already and this holds nothing).
+        pool.keep_alive(Box::new(keep));
         Ok(Self {
             inner: Arc::new(pool),
             device,
-            keep,
         })
     }
 

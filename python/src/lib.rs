@@ -15,7 +15,7 @@
 //!
 //! One job per module; a module imports only modules below it, bottom-up: `errors` (kvshard's
 //! errors as exceptions), `lock` (the poison-recovering lock), `tensor` (DLPack both ways),
-//! `device` (devices, streams, events), `geometry`, `shard` (placement, the allocator),
+//! `device` (devices, streams, events), `frees` (the process's pending frees), `geometry`, `shard` (placement, the allocator),
 //! `method` (how bytes move), `pool_tensors` (what every pool shares about tensors),
 //! `device_pool`, `chunk_staging`, `owned_row_write`, `budget`, `batch_plans` (a prefill
 //! batch's admission and gather plan), `capacity` (the capacity
@@ -60,6 +60,8 @@ mod device_pool;
 #[cfg(feature = "nixl")]
 mod disk_store;
 mod errors;
+// The process's pending frees (kvshard.pending_frees, kvshard.wait_for_frees_sync).
+mod frees;
 mod geometry;
 mod hicache_controller;
 mod hicache_enums;
@@ -111,6 +113,9 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add_function(wrap_pyfunction!(embedded_archs, m)?)?;
     m.add_function(wrap_pyfunction!(driver_present, m)?)?;
+    // The process's pending frees.
+    m.add_function(wrap_pyfunction!(frees::pending_frees, m)?)?;
+    m.add_function(wrap_pyfunction!(frees::wait_for_frees_sync, m)?)?;
     m.add_function(wrap_pyfunction!(capacity::plan_capacity, m)?)?;
     m.add_function(wrap_pyfunction!(device::_stream_handle, m)?)?;
     m.add_function(wrap_pyfunction!(bench::_rust_load_ns, m)?)?;

@@ -145,9 +145,9 @@ impl PyOwnedRowWrite {
         if let Some(t) =
             on_device.filter(|t| t.device.device_type == dlpark::ffi::DLDeviceType::CUDA)
         {
-            if t.dtype != DLDataType::I64 || !t.compact || t.ptr % 8 != 0 {
+            if t.dtype != DLDataType::I64 || !t.compact || t.ptr % 8 != 0 || t.shape.len() != 1 {
                 return Err(invalid(format!(
-                    "slots: expected a C-contiguous int64 tensor; got {} of shape {:?}",
+                    "slots: expected a 1-D, C-contiguous int64 tensor; got {} of shape {:?}",
                     dtype_name(t.dtype),
                     t.shape
                 )));

@@ -21,7 +21,7 @@ use dlpark::python::consumer::stream as dl_stream;
 use dlpark::python::{DlpackExporter, DlpackStream, ExportRequest, StreamArg};
 use dlpark::{DlpackFlags, Managed};
 use pyo3::prelude::*;
-use pyo3::types::{PyMemoryView, PyWeakrefReference};
+use pyo3::types::{PyBytes, PyMemoryView, PyString, PyWeakrefReference};
 
 use kvshard::backend::Buffer;
 
@@ -419,7 +419,8 @@ impl PyTensorView {
     }
 }
 
-/// Host int64 values from a NumPy array, any DLPack CPU tensor, or a sequence of ints.
+/// Host int64 values from a NumPy array, any DLPack CPU tensor (1-D, int64), or a sequence of
+/// Python ints (a float, even a whole one, is refused rather than truncated).
 pub fn host_i64s(v: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     if v.hasattr("__dlpack__")? {
         let t = import(v)?;
@@ -427,9 +428,9 @@ pub fn host_i64s(v: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
             t.device.device_type,
             DLDeviceType::CPU | DLDeviceType::CUDAHOST
         );
-        if !cpu || t.dtype != DLDataType::I64 || !t.compact {
+        if !cpu || t.dtype != DLDataType::I64 || !t.compact || t.shape.len() != 1 {
             return Err(invalid(format!(
-                "expected host int64 values (a C-contiguous int64 array on the CPU); got {} of shape {:?} on {}",
+                "expected host int64 values (a 1-D, C-contiguous int64 array on the CPU); got {} of shape {:?} on {}",
                 dtype_name(t.dtype),
                 t.shape,
                 device_name(t.device)
@@ -444,5 +445,27 @@ pub fn host_i64s(v: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
         let s = unsafe { std::slice::from_raw_parts(t.ptr as *const i64, n) };
         return Ok(s.to_vec());
     }
-    v.extract::<Vec<i64>>()
+    if v.is_instance_of::<PyString>() || v.is_instance_of::<PyBytes>() {
+        return Err(invalid(format!(
+            "expected a sequence of ints; got {}",
+            v.get_type().name()?
+        )));
+    }
+    let mut out = Vec::new();
+    for (i, item) in v.try_iter()?.enumerate() {
+        let item = item?;
+        // Integers only, as Python's own indexing takes them (`__index__`: ints, NumPy's integer
+        // scalars): a float, even a whole one, is refused, never truncated to another slot.
+        let value = item.extract::<i64>().map_err(|_| {
+            let what = item
+                .repr()
+                .map(|r| r.to_string())
+                .unwrap_or_else(|_| "?".into());
+            invalid(format!(
+                "value {i} is {what}: expected an integer (an int, or a NumPy integer) that fits int64"
+            ))
+        })?;
+        out.push(value);
+    }
+    Ok(out)
 }

@@ -362,3 +362,96 @@ def test_foreign_streams_of_every_shape_are_cuda_streams_to_the_cpu_device():
         with pytest.raises(kvshard.InvalidArgumentError, match="a CUDA stream handle .* given to the CPU device"):
             pool.fill(9, s)
     assert pool.read_block(C.TARGET_LATENT, 0, 1) == bytes([3]) * (PAGE * 576)
+
+
+# Old behaviour: the same array (or overlapping views of one buffer) wrapped as two stored
+# layers, or as two pools, was accepted: two usage records over one memory, so kvshard could not
+# order the work queued through one after the other's (and two layers wrote the same bytes).
+def test_one_memory_is_wrapped_once():
+    g, d = small(), kvshard.Device.cpu()
+    unsharded = kvshard.Placement(1)
+    tensors = engine_tensors(g, PAGES)
+    twice = dict(tensors)
+    twice[C.TARGET_LATENT] = [tensors[C.TARGET_LATENT][0]] * 2
+    with pytest.raises(kvshard.InvalidArgumentError, match="overlaps .*one memory wrapped twice"):
+        wrap(d, g, unsharded, 0, PAGES, twice)
+    # Overlapping views of one buffer: refused too; distinct views of it are two memories.
+    rows = PAGES * PAGE
+    buffer = np.zeros((2 * rows + PAGE, 1, 576), np.uint8)
+    views = dict(tensors)
+    views[C.TARGET_LATENT] = [buffer[:rows], buffer[PAGE : rows + PAGE]]
+    with pytest.raises(kvshard.InvalidArgumentError, match="overlaps"):
+        wrap(d, g, unsharded, 0, PAGES, views)
+    views[C.TARGET_LATENT] = [buffer[:rows], buffer[rows : 2 * rows]]
+    pool = wrap(d, g, unsharded, 0, PAGES, views)
+    # A second pool over memory a live pool wraps, device or host: refused, naming it.
+    with pytest.raises(kvshard.InvalidArgumentError, match="another kvshard pool wraps: target latent tensor of stored layer 0"):
+        wrap(d, g, unsharded, 0, PAGES, views)
+    layouts = kvshard.HostPool(d, g, PAGES, kvshard.HostLayout.PAGE_FIRST).buffer_layouts()
+    host = [buffer.reshape(-1)[: b.bytes].reshape(b.bytes // b.row_bytes, b.row_bytes) for b in layouts[:1]]
+    host += [np.zeros((b.bytes // b.row_bytes, b.row_bytes), np.uint8) for b in layouts[1:]]
+    with pytest.raises(kvshard.InvalidArgumentError, match="another kvshard pool wraps"):
+        kvshard.HostPool.wrap(d, g, PAGES, host, kvshard.HostLayout.PAGE_FIRST)
+    # Gone with the pool (and its work): the memory may be wrapped again.
+    del pool
+    gc.collect()
+    wrap(d, g, unsharded, 0, PAGES, views)
+    kvshard.HostPool.wrap(d, g, PAGES, host, kvshard.HostLayout.PAGE_FIRST)
+
+
+def test_memory_with_work_queued_by_a_dropped_pool_is_not_wrapped_again_until_it_ran():
+    g, d = small(), kvshard.Device.cpu(deferred=True)
+    tensors = engine_tensors(g, PAGES)
+    pool = wrap(d, g, kvshard.Placement(1), 0, PAGES, tensors)
+    pool.fill(7)  # queued: the deferred CPU backend runs it when something waits
+    del pool
+    gc.collect()
+    # The pool's work still writes the arrays, so they are still its (and alive).
+    assert kvshard.pending_frees() >= 1
+    with pytest.raises(kvshard.InvalidArgumentError, match="work still queued"):
+        wrap(d, g, kvshard.Placement(1), 0, PAGES, tensors)
+    d.synchronize()
+    assert (tensors[C.TARGET_LATENT][0] == 7).all()
+    kvshard.pending_frees()  # the sweep that lets go of what the ran work held
+    again = wrap(d, g, kvshard.Placement(1), 0, PAGES, tensors)
+    del again
+
+
+# Old behaviour: a 2-D slot tensor (or host index array) was read flat, and a float in a list of
+# slots was a bare TypeError; every index is now a 1-D integer, anything else an
+# InvalidArgumentError naming it (a float is never read as the integer it truncates to).
+def test_slots_and_host_indices_are_one_dimensional_integers():
+    g, d = small(), kvshard.Device.cpu()
+    pool = kvshard.DevicePool.allocate(d, g, kvshard.Placement(1), 0, PAGES)
+    w = kvshard.OwnedRowWrite(kvshard.ChunkStaging(pool, PAGE), pool)
+    slots = np.arange(PAGE, 2 * PAGE, dtype=np.int64)
+    with pytest.raises(kvshard.InvalidArgumentError, match="1-D"):
+        w.run(slots.reshape(2, PAGE // 2))
+    with pytest.raises(kvshard.InvalidArgumentError, match="int64"):
+        w.run(slots.astype(np.float64))
+    with pytest.raises(kvshard.InvalidArgumentError, match=r"value 1 is 65\.5: expected an integer"):
+        w.run([64, 65.5])
+    with pytest.raises(kvshard.InvalidArgumentError, match=r"value 0 is 64\.0"):
+        w.run([64.0])
+    w.run([np.int64(s) for s in slots])  # NumPy integers are integers
+    w.run(list(slots))
+    d.synchronize()
+    unsharded = kvshard.Placement(1)
+    whole = list(range(PAGE, 2 * PAGE))
+    with pytest.raises(kvshard.InvalidArgumentError, match="expected an integer"):
+        kvshard.TransferPlan.from_slots(unsharded, 0, [float(s) for s in whole], whole, PAGES, PAGES)
+    with pytest.raises(kvshard.InvalidArgumentError, match="1-D"):
+        kvshard.TransferPlan.from_slots(unsharded, 0, np.array([whole]), whole, PAGES, PAGES)
+    assert len(kvshard.TransferPlan.from_slots(unsharded, 0, np.array(whole), whole, PAGES, PAGES)) == 1
+
+
+def test_pending_frees_are_counted_and_waited_for_with_a_deadline():
+    assert kvshard.pending_frees() >= 0
+    kvshard.wait_for_frees_sync(5.0)  # nothing on a GPU waits here
+    for bad in [-1.0, float("nan"), float("inf"), 1e300]:
+        with pytest.raises(kvshard.InvalidArgumentError, match="finite, non-negative"):
+            kvshard.wait_for_frees_sync(bad)
+    g, d = small(), kvshard.Device.cpu()
+    # Registrable memory (what a transfer engine registers by address) is plain memory here.
+    pool = kvshard.DevicePool.allocate(d, g, kvshard.Placement(1), 0, PAGES, registrable=True)
+    assert pool.owned

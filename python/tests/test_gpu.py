@@ -8,6 +8,7 @@ build; KVSHARD_REQUIRE_GPU=1 turns the skip into a failure."""
 import os
 import time
 
+import numpy as np
 import pytest
 
 import kvshard
@@ -409,3 +410,129 @@ def test_dlpack_from_cupy_when_present(device):
     assert int(lat[1][3 * PAGE, 5]) == 7
     with pytest.raises(ValueError, match="cuda:0"):
         kvshard.DevicePool.wrap(device, g, kvshard.Placement(1), 0, pages, [x.get() for x in lat], ix)
+
+
+def _queue_matmuls(stream, ms):
+    """About `ms` milliseconds of torch matmuls (8192^2 fp16, the forward pass's kind of work)
+    queued on `stream`, counted from a timed run of a few, and the event after them."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    b = torch.randn_like(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        torch.mm(a, b)
+        start.record()
+        for _ in range(4):
+            torch.mm(a, b)
+        end.record()
+    end.synchronize()
+    each = max(start.elapsed_time(end) / 4, 1e-3)
+    n = max(1, int(ms / each) + 1)
+    done = torch.cuda.Event()
+    with torch.cuda.stream(stream):
+        for _ in range(n):
+            torch.mm(a, b)
+        done.record()
+    return done, n, each
+
+
+def _aligned_host(nbytes, rows):
+    """A zeroed host array of `nbytes` bytes starting on a 4 KiB boundary (what registration
+    takes), `rows` bytes a row."""
+    raw = np.zeros(nbytes + 4096, np.uint8)
+    start = (-raw.ctypes.data) % 4096
+    return raw[start : start + nbytes].reshape(nbytes // rows, rows)
+
+
+# Old behaviour (measured on the H200 at aba463b): with 40 torch matmuls queued on a torch
+# stream, dropping an allocated DevicePool, a HostPool or a ChunkStaging blocked 55-61 ms, until
+# that stream had finished (cuMemFree / cuMemFreeHost on the dropping thread). Now device memory
+# comes from kvshard's stream-ordered pool and every other free runs on its reaper thread: each
+# drop returns in under a millisecond while the torch work is still queued, and the memory comes
+# back once it may (kvshard.wait_for_frees_sync).
+def test_dropping_kvshard_objects_never_waits_for_a_torch_stream(device, capsys):
+    import gc
+
+    g, pages = geometry(), 64
+    unsharded = kvshard.Placement(1)
+    pool = kvshard.DevicePool.allocate(device, g, unsharded, 0, pages)
+    registrable = kvshard.DevicePool.allocate(device, g, unsharded, 0, pages, registrable=True)
+    host = kvshard.HostPool(device, g, pages, kvshard.HostLayout.PAGE_FIRST)
+    layouts = host.buffer_layouts()
+    lent = [_aligned_host(b.bytes, b.row_bytes) for b in layouts]
+    registered = kvshard.HostPool.wrap(device, g, pages, lent, kvshard.HostLayout.PAGE_FIRST, register=True)
+    staging = kvshard.ChunkStaging(pool, 512)
+    writer = kvshard.OwnedRowWrite(staging, pool)
+    ctl = kvshard.HiCacheController(pool, kvshard.HostPool(device, g, pages, kvshard.HostLayout.PAGE_FIRST))
+    signals = kvshard.LayerSignals(device, g.model_layers)
+    plan = kvshard.TransferPlan(unsharded, 0, list(range(1, 9)), list(range(1, 9)), pages, pages)
+    transfer = kvshard.HostTransfer(pool, host, plan, kvshard.Direction.BACKUP)
+    transfer.prepare_kernel()
+    for p in (pool, registrable, host, registered):
+        p.fill(3)
+    writer.run_checked(list(range(PAGE, 2 * PAGE)))
+    transfer.run(None, kvshard.Method.KERNEL)
+    device.synchronize()
+    torch.cuda.synchronize()
+    # Users first, so each drop below lets go of what it alone holds.
+    objects = [
+        ("HiCacheController", ctl),
+        ("HostTransfer (prepared tables)", transfer),
+        ("OwnedRowWrite", writer),
+        ("ChunkStaging", staging),
+        ("LayerSignals", signals),
+        ("DevicePool (allocated)", pool),
+        ("DevicePool (registrable)", registrable),
+        ("HostPool (pinned)", host),
+        ("HostPool (engine memory kvshard registered)", registered),
+    ]
+    del ctl, transfer, writer, staging, signals, pool, registrable, host, registered
+    stream = torch.cuda.Stream()
+    done, n, each = _queue_matmuls(stream, 60.0)
+    assert not done.query(), "the torch work ran before the drops began"
+    times = []
+    gc.disable()
+    try:
+        while objects:
+            name, obj = objects.pop(0)
+            t0 = time.perf_counter()
+            del obj
+            times.append((name, (time.perf_counter() - t0) * 1e3))
+    finally:
+        gc.enable()
+    queued = not done.query()
+    with capsys.disabled():  # the figures go to the log whether the test passes or not
+        print()
+        for name, ms in times:
+            print(f"free timing: drop of {name}: {ms:.3f} ms with {n} matmuls ({n * each:.0f} ms) queued on a torch stream")
+        print(f"free timing: the torch work still queued after every drop: {queued}")
+    assert queued, f"a drop waited for the torch stream: {times}"
+    slow = [(name, ms) for name, ms in times if ms >= 1.0]
+    assert not slow, f"drops of 1 ms or more: {slow}"
+    stream.synchronize()
+    kvshard.wait_for_frees_sync(60.0)
+    del lent
+
+
+# Memory kvshard allocates and drops in a loop comes back to the device: 40 pools of a
+# sixteenth of the GPU each (2.5 times its memory: memory that never came back would run it
+# out), each dropped while a fill of it is queued, then pinned host pools the same way; once
+# the frees drain, the device's free memory is where it was.
+def test_kvshard_memory_dropped_in_a_loop_comes_back(device):
+    g = geometry()
+    unsharded = kvshard.Placement(1)
+    torch.cuda.synchronize()
+    kvshard.wait_for_frees_sync(60.0)
+    free_before, total = torch.cuda.mem_get_info()
+    pages = (total // 16) // g.page_bytes
+    for i in range(40):
+        pool = kvshard.DevicePool.allocate(device, g, unsharded, 0, pages)
+        pool.fill(i)
+        del pool
+    for i in range(16):
+        host = kvshard.HostPool(device, g, 256, kvshard.HostLayout.PAGE_FIRST)
+        host.fill(i)
+        del host
+    device.synchronize()
+    kvshard.wait_for_frees_sync(60.0)
+    free_after, _ = torch.cuda.mem_get_info()
+    assert free_after + (64 << 20) >= free_before, (free_before, free_after)

@@ -21,6 +21,7 @@ MODULE_ORDER = [
     "lock",
     "tensor",
     "device",
+    "frees",
     "geometry",
     "shard",
     "method",
