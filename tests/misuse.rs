@@ -959,3 +959,21 @@ fn the_hicache_controller_refuses_a_routes_unsupported_method_before_anything_ch
     b.synchronize().unwrap();
     assert!(is_poison(&host.snapshot_sync(&b).unwrap()));
 }
+
+// Old behaviour: a launch of more CTAs than CUDA's largest grid passed every check and failed
+// only in the driver (or ran four billion CTAs on the CPU twin); it is refused with the shape.
+#[test]
+fn a_launch_past_cudas_largest_grid_is_refused_before_anything_is_enqueued() {
+    let b = CpuBackend::new();
+    let max = b.max_threads(kvshard::backend::KernelFamily::Copy);
+    for ctas in [Launch::MAX_CTAS + 1, u32::MAX] {
+        let e = Launch { ctas, threads: 32 }.validate(max).unwrap_err();
+        assert!(e.to_string().contains("need 1 to 2147483647 CTAs"), "{e}");
+    }
+    assert!(Launch {
+        ctas: Launch::MAX_CTAS,
+        threads: 32
+    }
+    .validate(max)
+    .is_ok());
+}

@@ -436,6 +436,7 @@ fn child_entry() {
         "case_missing_final_chunk_is_overdue_at_the_deadline" => {
             case_missing_final_chunk_is_overdue_at_the_deadline()
         }
+        "case_an_unbounded_timeout_is_no_deadline" => case_an_unbounded_timeout_is_no_deadline(),
         other => panic!("unknown child role {other}"),
     }
 }
@@ -913,6 +914,66 @@ fn case_geometry_mismatch_refuses_the_peer_on_both_sides() {
     assert_eq!(finished.len(), 1);
     assert!(!finished[0].is_completed());
     assert_eq!(target.pending_requests(), 0);
+}
+
+// Old behaviour: a transfer timeout or a slot wait of `Duration::MAX` panicked (an instant plus
+// the timeout overflowed); a zero timeout failed every transfer. Now the first is no deadline,
+// the second a typed error before any agent is made.
+#[test]
+fn nixl_an_unbounded_timeout_is_no_deadline() {
+    let test = "nixl_an_unbounded_timeout_is_no_deadline";
+    if !nixl_available(test) {
+        return;
+    }
+    let cpu = immediate_cpu();
+    let src = Arc::new(
+        DevicePool::allocate_registrable(cpu.as_ref(), &geometry(), Placement::unsharded(), 0, 16)
+            .expect("prefill pool"),
+    );
+    let zero = NixlTransport::new(
+        NixlBackend::Cpu(cpu),
+        src,
+        NixlConfig {
+            transfer_timeout: Duration::ZERO,
+            ..NixlConfig::new(format!("{test}-zero"))
+        },
+    );
+    assert!(
+        matches!(zero, Err(kvshard::Error::OutOfBounds { .. })),
+        "{:?}",
+        zero.err()
+    );
+    isolated(test, "case_an_unbounded_timeout_is_no_deadline");
+}
+
+fn case_an_unbounded_timeout_is_no_deadline() {
+    let test = "nixl_an_unbounded_timeout_is_no_deadline";
+    let (mut target, transport, src, _cpu) =
+        in_process(test, geometry(), Duration::MAX, DEFAULT_DEADLINE);
+    assert!(
+        transport.wait_for_slots_sync(Duration::MAX),
+        "no slot is busy"
+    );
+    let remote = transport
+        .connect(&target.peer_info(0).expect("info"))
+        .expect("connect");
+    target
+        .connect(0, &transport.peer_info().expect("info"))
+        .expect("decode connect");
+    let mut sender = Sender::new(src, Box::new(transport.clone()));
+    target.register(one_request(1)).expect("register");
+    sender.open(one_request(1), remote).expect("open");
+    sender
+        .send(1, &[LogicalPage(2), LogicalPage(3)], ChunkEnd::Final(128))
+        .expect("send")
+        .wait_sync()
+        .expect("landed");
+    let deadline = Instant::now() + STARTUP;
+    let mut finished = Vec::new();
+    while finished.is_empty() && Instant::now() < deadline {
+        finished = target.poll().expect("poll");
+    }
+    assert!(finished[0].is_completed());
 }
 
 #[test]

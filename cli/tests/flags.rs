@@ -36,9 +36,12 @@ fn refused(args: &[&str], why: &str) {
 
 #[test]
 fn launch_shapes_the_copy_kernel_does_not_take_are_refused() {
-    let shape = "need >= 1 CTA, a multiple of 32 threads, at most 1024";
+    let shape = "need 1 to 2147483647 CTAs, a multiple of 32 threads, at most 1024";
     for args in [
         &["pd", "--cpu", "--ctas", "0"][..],
+        // Past CUDA's largest grid (accepted before, and refused only by the driver).
+        &["pd", "--cpu", "--ctas", "4294967295"],
+        &["pd", "--cpu", "--methods", "blocks:2147483648"],
         &["pd", "--cpu", "--ctas", "8,0"],
         &["pd", "--cpu", "--threads", "4096"],
         &["pd", "--cpu", "--threads", "100"],
@@ -269,6 +272,16 @@ fn shapes_out_of_bounds_are_refused() {
     refused(&["pd", "--cpu", "--pages", &max], "countable in tokens");
     refused(&["pd", "--cpu", "--chunk-pages", &max], "chunks of");
     refused(&["pd", "--cpu", "--iterations", &max], "iterations");
+    // Old behaviour: a pause between chunks of any length was taken (u64::MAX ms slept for
+    // ever between two chunks); one not below the decode's deadline makes every request overdue.
+    refused(
+        &["pd", "--cpu", "--pace-ms", &max],
+        "not below the decode's deadline of 300000 ms",
+    );
+    refused(
+        &["pd", "--cpu", "--pace-ms", "1000", "--deadline-ms", "1000"],
+        "not below the decode's deadline",
+    );
 }
 
 /// A scratch folder of this test process.

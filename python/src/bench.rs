@@ -11,7 +11,7 @@ use kvshard::copy::Layers;
 use kvshard::index::LogicalPage;
 use kvshard::transfer::ChunkEnd;
 
-use crate::errors::IntoPy;
+use crate::errors::{invalid, IntoPy};
 use crate::hicache_controller::PyHiCacheController;
 use crate::hicache_enums::PyRoute;
 use crate::host_transfer::PyHostTransfer;
@@ -19,6 +19,20 @@ use crate::layer_signals::PyLayerSignals;
 use crate::lock::lock;
 use crate::method::PyMethod;
 use crate::transfer::{PyRegistration, PyRemoteSpace, PySender};
+
+/// Most iterations one call times: a timing per iteration is kept, and more would only
+/// exhaust memory.
+const MAX_ITERS: usize = 1 << 24;
+
+/// Refuses a count of iterations past [`MAX_ITERS`].
+fn check_iters(iters: usize) -> PyResult<()> {
+    if iters > MAX_ITERS {
+        return Err(invalid(format!(
+            "{iters} iterations: at most {MAX_ITERS} per call"
+        )));
+    }
+    Ok(())
+}
 
 /// Nanoseconds of each of `iters` `HiCacheController::load` calls (node `node` into
 /// `pages`, `route`), each load acked (waited for) outside the timed call.
@@ -33,6 +47,7 @@ pub fn _rust_load_ns(
     iters: usize,
     ctas: u32,
 ) -> PyResult<Vec<u64>> {
+    check_iters(iters)?;
     let route = controller.route(route, ctas)?;
     let pages: Vec<LogicalPage> = pages.into_iter().map(LogicalPage).collect();
     py.detach(|| {
@@ -62,6 +77,7 @@ pub fn _rust_run_signalled_ns(
     iters: usize,
     ctas: u32,
 ) -> PyResult<Vec<u64>> {
+    check_iters(iters)?;
     let b = transfer.device.get().resolve(Some(stream))?;
     let s = &mut signals.0;
     py.detach(|| {
@@ -95,6 +111,7 @@ pub fn _rust_send_ns(
     end: usize,
     iters: usize,
 ) -> PyResult<Vec<u64>> {
+    check_iters(iters)?;
     let pages: Vec<LogicalPage> = pages.into_iter().map(LogicalPage).collect();
     let (reg, dst) = (registration.0.clone(), dst.inner.clone());
     py.detach(|| {
@@ -124,6 +141,7 @@ pub fn _rust_bulk_seconds(
     iters: usize,
     ctas: u32,
 ) -> PyResult<f64> {
+    check_iters(iters)?;
     let b = transfer.device.get().resolve(Some(stream))?;
     let io = io.host_io(b.as_ref(), ctas);
     py.detach(|| {
@@ -154,6 +172,12 @@ pub fn _rust_bulk_send_seconds(
     iters: usize,
     first_request: u64,
 ) -> PyResult<f64> {
+    check_iters(iters)?;
+    if first_request.checked_add(iters as u64).is_none() {
+        return Err(invalid(format!(
+            "requests {first_request} + {iters} overflow the 64-bit request ids"
+        )));
+    }
     let pages: Vec<LogicalPage> = pages.into_iter().map(LogicalPage).collect();
     let dst = dst.inner.clone();
     let reg = registration.0.clone();

@@ -71,6 +71,28 @@ def test_budget():
         kvshard.Budget.plan(1 << 20, 16384, 8192, g, kvshard.Placement(4))
 
 
+# Old behaviour: a 0-token context and a 0-token chunk were planned; now the budget and the
+# capacity planner refuse them (and 0 contexts) with InvalidArgumentError, at every shard size.
+@pytest.mark.parametrize("cp", [1, 4])
+def test_budgets_and_plans_refuse_what_sizes_nothing(cp):
+    g = kvshard.CacheGeometry.deepseek_v32()
+    p = kvshard.Placement(cp)
+    for args, kwargs, what in [
+        ((80 << 30, 0, 8192), {}, "context length of 0 tokens"),
+        ((80 << 30, 16384, 0), {}, "chunk size of 0 tokens"),
+        ((80 << 30, 16384, 8192), {"contexts": 0}, "contexts per batch of 0"),
+    ]:
+        with pytest.raises(kvshard.InvalidArgumentError, match=what):
+            kvshard.Budget.plan(*args, g, p, **kwargs)
+    for kwargs, what in [
+        ({"context_len": 0}, "context length of 0 tokens"),
+        ({"chunk_size": 0}, "chunk size of 0 tokens"),
+        ({"contexts": 0}, "contexts per batch of 0"),
+    ]:
+        with pytest.raises(kvshard.InvalidArgumentError, match=what):
+            kvshard.plan_capacity(g, cp, 80 << 30, 1 << 40, host_factor=4, **kwargs)
+
+
 def test_no_gpu_is_an_unavailable_error_not_a_crash():
     if kvshard.driver_present():
         pytest.skip("a CUDA driver is present")
@@ -219,6 +241,23 @@ def test_host_transfer_on_every_io_backend(rng, io):
     assert again.runs == plan.runs
     with pytest.raises(kvshard.HiCacheError, match="whole, aligned page"):
         kvshard.TransferPlan.from_slots(placement, 1, s([3])[1:].tolist() + [0], s([3]), 8, 6)
+
+
+# Old behaviour: the native timing loops reserved room for any count of iterations up front (a
+# capacity overflow panic, or an allocation abort), and request ids wrapped past 2^64.
+def test_the_native_timing_loops_bound_their_iterations():
+    g = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 2))
+    d = kvshard.Device.cpu()
+    placement = kvshard.Placement(1)
+    pool = kvshard.DevicePool.allocate(d, g, placement, 0, 8)
+    host = kvshard.HostPool(d, g, 8, H.PAGE_FIRST)
+    plan = kvshard.TransferPlan(placement, 0, [1, 2], [1, 2], 8, 8)
+    t = kvshard.HostTransfer(pool, host, plan, kvshard.Direction.BACKUP)
+    t.prepare_kernel()
+    for iters in [(1 << 24) + 1, (1 << 63) - 1]:
+        with pytest.raises(kvshard.InvalidArgumentError, match="iterations: at most"):
+            kvshard._kvshard._rust_bulk_seconds(t, None, IO.KERNEL, iters)
+    assert kvshard._kvshard._rust_bulk_seconds(t, None, IO.KERNEL, 2) >= 0.0
 
 
 def test_owned_row_write_checked_refuses_bad_slots():

@@ -306,21 +306,27 @@ impl Launch {
 
     /// Checks the shape a kernel of at most `max_threads` threads per CTA can take
     /// ([`Backend::max_threads`] on a device; `abi::KVS_COPY_THREADS` before one is open):
-    /// at least one CTA, a multiple of 32 threads, at most `max_threads`. Every launch is checked
-    /// so; an engine checks a configured shape up front.
+    /// 1 to [`Launch::MAX_CTAS`] CTAs, a multiple of 32 threads, at most `max_threads`. Every
+    /// launch is checked so; an engine checks a configured shape up front.
     pub fn validate(&self, max_threads: u32) -> Result<()> {
         if self.ctas == 0
+            || self.ctas > Self::MAX_CTAS
             || self.threads == 0
             || self.threads % 32 != 0
             || self.threads > max_threads
         {
             return Err(Error::InvalidArgument(format!(
-                "launch of {} CTAs x {} threads (need >= 1 CTA, a multiple of 32 threads, at most {max_threads})",
-                self.ctas, self.threads
+                "launch of {} CTAs x {} threads (need 1 to {} CTAs, a multiple of 32 threads, at most {max_threads})",
+                self.ctas,
+                self.threads,
+                Self::MAX_CTAS
             )));
         }
         Ok(())
     }
+
+    /// Most CTAs a launch takes: CUDA's largest grid (`2^31 - 1` blocks in x).
+    pub const MAX_CTAS: u32 = i32::MAX as u32;
 }
 
 /// The kernel families a launch shape is chosen for.

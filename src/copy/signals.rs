@@ -24,12 +24,20 @@ impl LayerSignals {
         let bytes = model_layers
             .max(1)
             .mul_or(4, || format!("ready counters of {model_layers} layers"))?;
+        let mut targets = Vec::new();
+        targets
+            .try_reserve_exact(model_layers)
+            .map_err(|_| Error::OutOfMemory {
+                what: format!("the ready targets of {model_layers} layers"),
+                bytes: bytes as u64,
+                memory: "host",
+            })?;
+        targets.resize(model_layers, 0);
         let counters = backend.alloc(bytes, MemoryKind::Device)?;
-        backend.write_sync(&counters, 0, &vec![0u8; counters.len()])?;
-        Ok(Self {
-            counters,
-            targets: vec![0; model_layers],
-        })
+        // Zeroed on the device (no host copy of the counters' size), then waited for.
+        backend.fill(&counters, 0)?;
+        backend.synchronize()?;
+        Ok(Self { counters, targets })
     }
 
     /// Model layers counted.

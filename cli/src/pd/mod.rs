@@ -341,6 +341,14 @@ impl PdConfig {
         if self.methods.is_empty() || self.iterations == 0 || self.chunk_pages == 0 {
             return bad("no method, no iteration or empty chunks".into());
         }
+        if self.pace >= self.processes.deadline {
+            return bad(format!(
+                "a pause of {} ms between chunks, not below the decode's deadline of {} ms: every \
+                 request of more than one chunk would be overdue",
+                self.pace.as_millis(),
+                self.processes.deadline.as_millis()
+            ));
+        }
         // Requests are numbered case by case, iteration by iteration, and messages name both.
         let requests = self.cases().len().checked_mul(self.iterations);
         if requests.and_then(|n| u32::try_from(n).ok()).is_none() {

@@ -287,7 +287,11 @@ impl State {
                 last: chunk.last,
             },
         };
-        let deadline = started + self.config.transfer_timeout;
+        // A timeout past any instant (`Duration::MAX`) is none: a deadline centuries away,
+        // never an overflow.
+        let deadline = started
+            .checked_add(self.config.transfer_timeout)
+            .unwrap_or_else(|| started + Duration::from_secs(100 * 365 * 24 * 3600));
         if plan.is_empty() {
             self.notify(&Notice::Chunk {
                 status: status.clone(),

@@ -56,6 +56,13 @@ impl NixlTransport {
     pub fn new(device: NixlBackend, pool: Arc<DevicePool>, config: NixlConfig) -> Result<Self> {
         device.check()?;
         device.check_space(pool.as_ref(), "the prefill pool")?;
+        if config.transfer_timeout.is_zero() {
+            return Err(Error::out_of_bounds(
+                "a NIXL transfer timeout",
+                "0 s",
+                "more than zero: every transfer would fail at once",
+            ));
+        }
         let agent = Agent::new(&config.agent)?;
         // SAFETY: the state holds `pool` for as long as the registrations.
         let registrations = unsafe { device.register_pool(&agent, &pool)? };
@@ -181,7 +188,8 @@ impl NixlTransport {
     /// a slot (a chunk that finds none goes coalesced): an engine that wants the next chunk
     /// bounced, a benchmark say, waits here first.
     pub fn wait_for_slots_sync(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
+        // `Duration::MAX` and the like: no deadline, rather than an overflow panic.
+        let deadline = Instant::now().checked_add(timeout);
         loop {
             {
                 let mut s = lock(&self.state);
@@ -194,7 +202,7 @@ impl NixlTransport {
                     return true;
                 }
             }
-            if Instant::now() >= deadline {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
                 return false;
             }
             std::thread::sleep(WAIT_STEP);
