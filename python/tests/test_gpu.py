@@ -1,8 +1,9 @@
 """GPU tests with the machine's own PyTorch: torch tensors as the engine's pools, torch streams,
 round trips byte-identical to torch-computed references, layer waits on a torch stream, the
 SGLang-shaped host pool on memory registered with cudaHostRegister (as SGLang registers it),
-no hidden synchronization, `stream=None` as torch's current stream, and `after=` waits on torch
-events and streams. Skipped (saying why) without torch, a GPU, or kernels in the
+no hidden synchronization, `stream=None` as torch's current stream, `after=` waits on torch
+events and streams, and frees that never wait for a torch stream (each drop timed with torch
+matmuls queued: the `free timing:` lines) and give the memory back. Skipped (saying why) without torch, a GPU, or kernels in the
 build; KVSHARD_REQUIRE_GPU=1 turns the skip into a failure."""
 
 import os

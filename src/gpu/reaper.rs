@@ -39,8 +39,8 @@ struct State {
     queue: VecDeque<Job>,
     /// Jobs taken off the queue and not finished yet.
     running: usize,
-    /// Whether the thread was started.
-    started: bool,
+    /// The process that started the thread (a child forked from it has no thread).
+    started: Option<u32>,
     /// Sweeps to run every [`POLL`], each while it says more is pending, by name.
     sweeps: Vec<Sweep>,
 }
@@ -48,7 +48,7 @@ struct State {
 static STATE: Mutex<State> = Mutex::new(State {
     queue: VecDeque::new(),
     running: 0,
-    started: false,
+    started: None,
     sweeps: Vec::new(),
 });
 /// Wakes the thread: a job or a sweep was handed over.
@@ -110,15 +110,19 @@ pub(crate) fn wait_idle(deadline: Instant) -> bool {
     }
 }
 
-/// Starts the thread once; false when it cannot be started.
+/// Starts the thread once per process; false when it cannot be started.
 fn start(state: &mut State) -> bool {
-    if !state.started {
-        state.started = std::thread::Builder::new()
+    let pid = std::process::id();
+    if state.started != Some(pid) {
+        // In a child forked while the thread was busy, that job is not running here.
+        state.running = 0;
+        let spawned = std::thread::Builder::new()
             .name("kvshard-reaper".into())
             .spawn(run)
             .is_ok();
+        state.started = spawned.then_some(pid);
     }
-    state.started
+    state.started.is_some()
 }
 
 fn run() {
