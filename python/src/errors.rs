@@ -89,13 +89,13 @@ fn class_of<'c>(c: &'c Classes, e: &kvshard::Error) -> &'c Py<PyType> {
         | E::ReservedPage { .. }
         | E::WrongOwner { .. }
         | E::Overflow { .. }
+        // A size or duration the caller gave outside what kvshard takes.
+        | E::OutOfBounds { .. }
         | E::ForeignMemory { .. }
         | E::DuplicatePage { .. }
         | E::StaleChain { .. }
         | E::ForeignAllocator { .. }
         | E::UnsupportedMethod { .. }
-        // A size or duration the caller gave outside what kvshard takes.
-        | E::OutOfBounds { .. }
         // A request longer than the batch limits allow: no amount of freeing admits it.
         | E::NeverAdmissible { .. } => &c.invalid,
         E::Exhausted { .. }

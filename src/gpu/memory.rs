@@ -5,7 +5,7 @@
 //! every event of the work queued on it has completed (`backend::usage`), so no launch still
 //! queued can touch memory freed here. Then:
 //!
-//! - device memory from kvshard's stream-ordered pool ([`DeviceAllocation::stream_ordered`],
+//! - device memory from kvshard's stream-ordered pool (`DeviceAllocation::stream_ordered`,
 //!   what `Backend::alloc` hands out) goes back with `cuMemFreeAsync` on the pool's own stream,
 //!   which waits for nothing (`super::mempool`);
 //! - `cuMemAlloc` memory ([`DeviceAllocation::new`]: what legacy IPC, UCX and GPUDirect
