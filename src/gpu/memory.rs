@@ -30,7 +30,9 @@ use crate::error::{Error, Result};
 use crate::lock::lock;
 
 /// A device allocation, freed on drop without waiting: from kvshard's stream-ordered pool, or
-/// from `cuMemAlloc` (freed on the reaper thread).
+/// from `cuMemAlloc` (freed on the reaper thread). Nothing waits for work using it at the drop:
+/// that work must have completed (what every `unsafe` call handed its address promises;
+/// kvshard's own buffers drop theirs only then).
 #[derive(Debug)]
 pub struct DeviceAllocation {
     ctx: Arc<CudaContext>,
@@ -113,7 +115,8 @@ impl Drop for DeviceAllocation {
     }
 }
 
-/// Pinned, device-mapped host memory from `cuMemHostAlloc`, freed on drop.
+/// Pinned, device-mapped host memory from `cuMemHostAlloc`, freed on drop, on kvshard's reaper
+/// thread (work using it must have completed, as for [`DeviceAllocation`]).
 #[derive(Debug)]
 pub struct PinnedAllocation {
     ctx: Arc<CudaContext>,
