@@ -19,10 +19,12 @@
 //! `method` (how bytes move), `pool_tensors` (what every pool shares about tensors),
 //! `device_pool`, `chunk_staging`, `owned_row_write`, `budget`, `batch_plans` (a prefill
 //! batch's admission and gather plan), `capacity` (the capacity
-//! planner), `transfer` (P/D), `mooncake` (send plans as a transfer engine's descriptor
-//! lists, bounce buffers),
+//! planner), `transfer` (P/D),
 //! `hicache_enums` (HiCache's choices), `host_pool`, `layer_signals` (per-layer readiness),
-//! `host_transfer` (transfer plans, host transfers, their staging), `hicache_controller`,
+//! `host_transfer` (transfer plans, host transfers, their staging), `mooncake` (the prefill
+//! side of a transfer engine's transport: send plans as its descriptor lists, bounce buffers,
+//! the memory it registers), `side_channel` (the Mooncake side channel's frames and its decode
+//! side), `hicache_controller`,
 //! `chain` (a request's chain, which makes HiCache nodes and P/D registrations),
 //! `storage_keys` (namespaces, page hashes, keys), `disk_store` (the storage tier, feature
 //! `nixl`), `bench` (`python/bench.py`'s native loops), and this file on top.
@@ -71,6 +73,7 @@ mod layer_signals;
 mod lock;
 mod method;
 mod mooncake;
+mod side_channel;
 mod owned_row_write;
 mod pool_tensors;
 mod shard;
@@ -159,6 +162,11 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<mooncake::PyBounceBuffer>()?;
     m.add_class::<mooncake::PyMooncakeChunk>()?;
     m.add_class::<mooncake::PyMooncakeSender>()?;
+    // The Mooncake side channel: its frames and its decode side.
+    m.add_function(wrap_pyfunction!(side_channel::side_frame, m)?)?;
+    m.add_function(wrap_pyfunction!(side_channel::side_shape, m)?)?;
+    m.add_class::<side_channel::PySideReader>()?;
+    m.add_class::<side_channel::PyMooncakeReceiver>()?;
     m.add_class::<hicache_enums::PyHostLayout>()?;
     m.add_class::<hicache_enums::PyRoute>()?;
     m.add_class::<hicache_enums::PyWritePolicy>()?;

@@ -1,29 +1,27 @@
-//! Send plans as a transfer engine's descriptor lists (Mooncake's `TransferEngine`, driven by
-//! `kvshard/mooncake.py`, or an engine's own Mooncake path): kvshard plans each chunk, and
-//! hands out either its coalesced (source address, destination address, length) lists or, in
-//! bounce mode, the one range its owned blocks were packed into; the engine moves them and
-//! reports back (`landed`, `failed`), and the chunk completes as every P/D chunk does (a
-//! status per (request, chunk, rank), failures as `ChunkFailedError`, a deadline).
+//! The prefill side of P/D on a transfer engine (Mooncake's `TransferEngine`, driven by
+//! `kvshard/mooncake.py`, or an engine's own Mooncake path) as Python types: conversions to and
+//! from `kvshard::transfer::mooncake`, where the transport is (docs/mooncake.md). kvshard plans
+//! each chunk and hands out its coalesced (source, destination, length) lists or, bounced, the
+//! one range its owned blocks were packed into; the engine moves them and reports back.
 //!
 //! Addresses are the ones an engine registers and moves: device addresses on a GPU, process
 //! (host) addresses on the CPU backend, whose arena addresses no engine knows.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 
-use kvshard::backend::cpu::CpuBackend;
-use kvshard::backend::{Backend, Event};
-use kvshard::copy::{BlockSpace, RemoteSpace};
+use kvshard::backend::Backend;
 use kvshard::geometry::Component;
 use kvshard::index::LocalPage;
-use kvshard::pool::DevicePool;
-use kvshard::transfer::{
-    BounceBuffer, ChunkEnd, Completion, DescriptorBatch, PackedSection, PendingChunk, Posted,
-    SendPlan, Sender, TransferStats, Transport,
+use kvshard::transfer::mooncake::{
+    self as mc, DecodeTarget, EngineAddresses, MooncakeChunk, MooncakeConfig, MooncakeMode,
+    MooncakeSender,
 };
+use kvshard::transfer::{BounceBuffer, ChunkEnd, PackedSection};
 
 use crate::chunk_staging::PyChunkStaging;
 use crate::device::{PyDevice, PyEvent};
@@ -33,7 +31,7 @@ use crate::geometry::PyCacheGeometry;
 use crate::host_pool::PyHostPool;
 use crate::lock::lock;
 use crate::shard::logical;
-use crate::transfer::{poll_held, wait_held, PyChunkStatus, PyRegistration};
+use crate::transfer::{PyChunkStatus, PyRegistration};
 
 /// How a `MooncakeSender` hands out each chunk.
 #[pyclass(
@@ -57,16 +55,17 @@ pub enum PyMooncakeMode {
     BOUNCE,
 }
 
-/// `[addr, addr + len)` of `cpu`'s memory (or a GPU's, `cpu` None) as an engine addresses it.
-fn engine_address(cpu: Option<&CpuBackend>, addr: u64, len: u64) -> kvshard::Result<u64> {
-    match cpu {
-        Some(b) => {
-            let len = usize::try_from(len).map_err(|_| {
-                kvshard::Error::InvalidArgument(format!("{len} bytes at {addr:#x}"))
-            })?;
-            Ok(b.host_address(addr, len)? as u64)
-        }
-        None => Ok(addr),
+mirror_enum!(PyMooncakeMode <=> MooncakeMode {
+    AUTO = Auto,
+    COALESCED = Coalesced,
+    BOUNCE = Bounce,
+});
+
+/// How `device` translates its addresses for an engine.
+pub fn addresses_of(device: &PyDevice) -> EngineAddresses {
+    match device.cpu() {
+        Some(b) => EngineAddresses::Cpu(b.clone()),
+        None => EngineAddresses::Device,
     }
 }
 
@@ -79,35 +78,7 @@ type EngineMemory = (Vec<(u64, u64)>, Vec<Vec<u64>>);
 /// what the decode side publishes to its prefill ranks (`MooncakeSender(decode_bases=...)`).
 #[pyfunction]
 pub fn engine_memory(pool: &PyDevicePool) -> PyResult<EngineMemory> {
-    let device = pool.device.get();
-    let cpu = device.cpu().map(|b| b.as_ref());
-    let p = &pool.inner;
-    let mut ranges = Vec::new();
-    let mut bases = Vec::new();
-    for c in p.geometry().components() {
-        let bytes = p.pages() * c.block_bytes as u64;
-        let mut layers = Vec::new();
-        for &base in p.layer_bases(c.component).py_err()? {
-            let at = engine_address(cpu, base, bytes).py_err()?;
-            layers.push(at);
-            ranges.push((at, bytes));
-        }
-        bases.push(layers);
-    }
-    Ok((merged(ranges), bases))
-}
-
-/// Sorted `[(address, bytes)]` with overlapping or adjacent ranges merged.
-fn merged(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
-    ranges.sort_unstable();
-    let mut out: Vec<(u64, u64)> = Vec::new();
-    for (addr, len) in ranges {
-        match out.last_mut() {
-            Some((a, l)) if *a + *l >= addr => *l = (addr + len).max(*a + *l) - *a,
-            _ => out.push((addr, len)),
-        }
-    }
-    out
+    mc::pool_memory(&pool.inner, &addresses_of(pool.device.get())).py_err()
 }
 
 /// The contiguous regions of any kvshard memory a transfer engine registers, `[(address,
@@ -127,15 +98,12 @@ pub fn engine_regions(memory: &Bound<'_, PyAny>) -> PyResult<Vec<(u64, u64)>> {
     }
     if let Ok(s) = memory.cast::<PyChunkStaging>() {
         let s = s.get();
-        let device = s.device.get();
         let buf = s.inner.buffer();
-        let at = engine_address(
-            device.cpu().map(|c| c.as_ref()),
-            buf.addr(),
-            buf.len() as u64,
-        )
-        .py_err()?;
-        return Ok(vec![(at, buf.len() as u64)]);
+        let len = buf.len() as u64;
+        let at = addresses_of(s.device.get())
+            .address(buf.addr(), len)
+            .py_err()?;
+        return Ok(vec![(at, len)]);
     }
     if let Ok(h) = memory.cast::<PyHostPool>() {
         let h = h.get();
@@ -149,7 +117,7 @@ pub fn engine_regions(memory: &Bound<'_, PyAny>) -> PyResult<Vec<(u64, u64)>> {
                 .ok_or_else(|| invalid(format!("host buffer {i}: its host address is unknown")))?;
             ranges.push((at as u64, bytes));
         }
-        return Ok(merged(ranges));
+        return Ok(mc::merged(ranges));
     }
     Err(invalid(format!(
         "engine_regions takes a DevicePool, HostPool, ChunkStaging or BounceBuffer, not {}",
@@ -157,21 +125,22 @@ pub fn engine_regions(memory: &Bound<'_, PyAny>) -> PyResult<Vec<(u64, u64)>> {
     )))
 }
 
-/// The index of `c` in `Component::ALL`: a packed section's components on the wire.
-fn component_code(c: Component) -> u32 {
-    Component::ALL.iter().position(|&x| x == c).unwrap_or(0) as u32
-}
+/// Packed sections as Python sees them, `[(component codes, destination pages)]`.
+type WireSections = Vec<(Vec<u32>, Vec<u64>)>;
 
-/// Packed sections from their wire form, `[(component codes, destination pages)]`.
-fn sections_of(wire: Vec<(Vec<u32>, Vec<u64>)>) -> PyResult<Vec<PackedSection>> {
+/// Packed sections from their Python form.
+fn sections_of(wire: WireSections) -> PyResult<Vec<PackedSection>> {
     wire.into_iter()
         .map(|(codes, pages)| {
             let components = codes
                 .into_iter()
                 .map(|code| {
-                    Component::ALL.get(code as usize).copied().ok_or_else(|| {
-                        invalid(format!("component code {code} in a packed section"))
-                    })
+                    u8::try_from(code)
+                        .ok()
+                        .and_then(mc::wire::component_of)
+                        .ok_or_else(|| {
+                            invalid(format!("component code {code} in a packed section"))
+                        })
                 })
                 .collect::<PyResult<_>>()?;
             Ok(PackedSection {
@@ -182,9 +151,23 @@ fn sections_of(wire: Vec<(Vec<u32>, Vec<u64>)>) -> PyResult<Vec<PackedSection>> 
         .collect()
 }
 
-/// A bounce buffer: on the decode side, one per (prefill rank, slot): register
-/// `address`/`bytes` with the engine once and publish them to the rank; `scatter` empties a
-/// chunk the rank packed into it into the pool's pages.
+/// Packed sections in their Python form.
+fn sections_wire(sections: &[PackedSection]) -> WireSections {
+    let code = |c: Component| u32::from(mc::wire::component_code(c));
+    sections
+        .iter()
+        .map(|s| {
+            (
+                s.components.iter().map(|&c| code(c)).collect(),
+                s.pages.iter().map(|p| p.0).collect(),
+            )
+        })
+        .collect()
+}
+
+/// A bounce buffer: one per (prefill rank, slot) on the decode side, registered with the
+/// engine once (`address`/`bytes`); `scatter` empties a chunk the rank packed into it into the
+/// pool's pages. (`kvshard.mooncake.MooncakeDecode` keeps its own, in its `MooncakeReceiver`.)
 #[pyclass(module = "kvshard", name = "BounceBuffer")]
 pub struct PyBounceBuffer {
     inner: Mutex<BounceBuffer>,
@@ -203,12 +186,12 @@ impl PyBounceBuffer {
         pages: u64,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let d = device;
-        let backend = d.resolve(stream)?;
+        let backend = device.resolve(stream)?;
         let inner = BounceBuffer::new(backend, &geometry.0, pages).py_err()?;
         let b = inner.buffer();
-        let address =
-            engine_address(d.cpu().map(|c| c.as_ref()), b.addr(), b.len() as u64).py_err()?;
+        let address = addresses_of(device)
+            .address(b.addr(), b.len() as u64)
+            .py_err()?;
         Ok(Self {
             inner: Mutex::new(inner),
             address,
@@ -239,7 +222,7 @@ impl PyBounceBuffer {
     fn scatter(
         &self,
         py: Python<'_>,
-        sections: Vec<(Vec<u32>, Vec<u64>)>,
+        sections: WireSections,
         pool: &PyDevicePool,
     ) -> PyResult<PyEvent> {
         let sections = sections_of(sections)?;
@@ -254,296 +237,79 @@ impl PyBounceBuffer {
     }
 }
 
-/// What an engine reports of a chunk's transfer.
-enum Outcome {
-    Moving,
-    Landed(Duration),
-    Failed(String),
-}
-
-/// The outcome of one chunk, settled by the engine's side and polled by the sender's.
-struct Settle {
-    outcome: Mutex<Outcome>,
-    changed: Condvar,
-}
-
-/// A chunk's completion: what the engine settled, or a failure once its deadline passes.
-struct Settled {
-    settle: Arc<Settle>,
-    request: u64,
-    deadline: Instant,
-    timeout: Duration,
-}
-
-impl Settled {
-    fn check(&self, outcome: &Outcome) -> kvshard::Result<bool> {
-        match outcome {
-            Outcome::Landed(_) => Ok(true),
-            Outcome::Failed(reason) => Err(kvshard::Error::Transfer {
-                request: self.request,
-                reason: reason.clone(),
-            }),
-            Outcome::Moving if Instant::now() >= self.deadline => Err(kvshard::Error::Transfer {
-                request: self.request,
-                reason: format!(
-                    "the transfer engine did not report the chunk landed within {:?}",
-                    self.timeout
-                ),
-            }),
-            Outcome::Moving => Ok(false),
-        }
-    }
-}
-
-impl Completion for Settled {
-    fn poll(&mut self) -> kvshard::Result<bool> {
-        self.check(&lock(&self.settle.outcome))
-    }
-
-    fn wait_sync(&mut self) -> kvshard::Result<()> {
-        let mut outcome = lock(&self.settle.outcome);
-        loop {
-            if self.check(&outcome)? {
-                return Ok(());
-            }
-            let left = self.deadline.saturating_duration_since(Instant::now());
-            outcome = self
-                .settle
-                .changed
-                .wait_timeout(outcome, left)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
-        }
-    }
-
-    fn transfer_time(&self) -> Option<Duration> {
-        match *lock(&self.settle.outcome) {
-            Outcome::Landed(d) => Some(d),
-            _ => None,
-        }
-    }
-}
-
-/// One chunk as the engine moves it.
-struct Export {
-    src: Vec<u64>,
-    dst: Vec<u64>,
-    lengths: Vec<u64>,
-    sections: Vec<PackedSection>,
-    packing: Option<Event>,
-    /// The bounce slot the chunk was packed into.
-    slot: Option<usize>,
-    settle: Arc<Settle>,
-    prepared: Duration,
-    bytes: u64,
-}
-
-/// One bounce slot of a prefill rank: its buffer here, the decode's buffer for it, and the
-/// chunk that holds both until the slot is freed.
-struct Slot {
-    buffer: BounceBuffer,
-    /// `buffer` as the engine addresses it.
-    address: u64,
-    /// The decode's bounce buffer of this slot: (address, bytes).
-    remote: (u64, u64),
-    /// The chunk packed into the slot, from its packing until `bounce_free`: the engine reads
-    /// this side's buffer until the chunk's transfer is reported, and the decode's scatter
-    /// reads the other side's after that.
-    holder: Option<Arc<Settle>>,
-}
-
-/// What a sender's transport and its Python face share.
-struct Shared {
-    mode: PyMooncakeMode,
-    /// Bounce slots: chunk k + 1 packs into one while chunk k is on the wire from another.
-    slots: Vec<Slot>,
-    bounce_below: u64,
-    timeout: Duration,
-    cpu: Option<Arc<CpuBackend>>,
-    /// The export of the chunk `submit` made last, taken by `send`.
-    last: Option<Export>,
-    stats: TransferStats,
-}
-
-impl Shared {
-    /// The free slot `plan` bounces through and its packed bytes, when it goes bounced.
-    fn bounce_slot(&self, plan: &SendPlan) -> Option<(usize, u64)> {
-        if self.mode == PyMooncakeMode::COALESCED {
-            return None;
-        }
-        let slot = self.slots.iter().position(|s| s.holder.is_none())?;
-        let s = &self.slots[slot];
-        let bytes = s.buffer.packed_bytes(plan).filter(|&b| b <= s.remote.1)?;
-        if self.mode == PyMooncakeMode::AUTO {
-            let mean = plan.bytes().total() / (plan.descriptor_count() as u64).max(1);
-            if mean >= self.bounce_below {
-                return None;
-            }
-        }
-        Some((slot, bytes))
-    }
-}
-
-/// The sender's transport: hands each chunk to the engine as an [`Export`].
-struct EngineTransport(Arc<Mutex<Shared>>);
-
-impl Transport for EngineTransport {
-    fn submit(
-        &mut self,
-        plan: &SendPlan,
-        src: &Arc<DevicePool>,
-        dst: &Arc<RemoteSpace>,
-    ) -> kvshard::Result<Box<dyn Completion>> {
-        let started = Instant::now();
-        let mut s = lock(&self.0);
-        plan.check_spaces(src.as_ref(), dst.as_ref())?;
-        let settle = Arc::new(Settle {
-            outcome: Mutex::new(Outcome::Moving),
-            changed: Condvar::new(),
-        });
-        let mut export = Export {
-            src: Vec::new(),
-            dst: Vec::new(),
-            lengths: Vec::new(),
-            sections: Vec::new(),
-            packing: None,
-            slot: None,
-            settle: settle.clone(),
-            prepared: Duration::ZERO,
-            bytes: plan.bytes().total(),
-        };
-        if plan.is_empty() {
-            // Nothing moves: the engine's side reports the chunk at once.
-        } else if let Some((slot, bytes)) = s.bounce_slot(plan) {
-            let sl = &mut s.slots[slot];
-            // The slot is free: the engine finished reading it (its last chunk was reported)
-            // and the decode scattered its side, so the packing may overwrite it.
-            let packed = sl.buffer.pack(plan, src)?;
-            debug_assert_eq!(packed.bytes, bytes);
-            export.src.push(sl.address);
-            export.dst.push(sl.remote.0);
-            export.lengths.push(packed.bytes);
-            export.sections = packed.sections;
-            export.packing = Some(packed.event);
-            export.slot = Some(slot);
-            sl.holder = Some(settle.clone());
-        } else {
-            let batch = DescriptorBatch::resolve(plan, src.as_ref(), dst.as_ref())?;
-            let cpu = s.cpu.clone();
-            for r in batch.ranges() {
-                export
-                    .src
-                    .push(engine_address(cpu.as_deref(), r.src, r.bytes)?);
-                export.dst.push(r.dst);
-                export.lengths.push(r.bytes);
-            }
-        }
-        export.prepared = started.elapsed();
-        s.last = Some(export);
-        let completion = Settled {
-            settle,
-            request: plan.request(),
-            deadline: started + s.timeout,
-            timeout: s.timeout,
-        };
-        Ok(s.stats.track(Box::new(completion), started))
-    }
-
-    fn stats(&self) -> Option<TransferStats> {
-        Some(lock(&self.0).stats.clone())
-    }
+/// Seconds as a duration (`what` names them in the error).
+fn seconds(s: f64, what: &str) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(s).map_err(|e| invalid(format!("{what}: {s} s ({e})")))
 }
 
 /// One chunk handed to the engine: post `src_addrs`/`dst_addrs`/`lengths` (in bounce mode,
 /// once `ready()`), report `posted`, then `landed` or `failed`; `poll` it (or `wait`) for the
-/// status to deliver to the decode side, as every `PendingChunk`.
-#[pyclass(module = "kvshard", name = "MooncakeChunk")]
-pub struct PyMooncakeChunk {
-    pending: Mutex<Option<PendingChunk>>,
-    export: Export,
-    request: u64,
-    rank: u32,
-    chunk: u32,
-    last: bool,
-    posted_once: Mutex<bool>,
-    shared: Arc<Mutex<Shared>>,
-    backend: Option<Arc<dyn Backend>>,
-}
-
-impl PyMooncakeChunk {
-    fn settle(&self, outcome: Outcome) -> PyResult<()> {
-        let mut o = lock(&self.export.settle.outcome);
-        if !matches!(*o, Outcome::Moving) {
-            return Err(invalid("the chunk's transfer was already reported"));
-        }
-        *o = outcome;
-        self.export.settle.changed.notify_all();
-        Ok(())
-    }
-}
+/// status to deliver to the decode side (`report(status)` is its side-channel frame).
+#[pyclass(frozen, module = "kvshard", name = "MooncakeChunk")]
+pub struct PyMooncakeChunk(MooncakeChunk);
 
 #[pymethods]
 impl PyMooncakeChunk {
     /// Request id.
     #[getter]
     fn request(&self) -> u64 {
-        self.request
+        self.0.request()
     }
 
     /// The sending rank.
     #[getter]
     fn rank(&self) -> u32 {
-        self.rank
+        self.0.rank()
     }
 
     /// Index of the chunk in the request's send order.
     #[getter]
     fn chunk(&self) -> u32 {
-        self.chunk
+        self.0.chunk()
     }
 
     /// Whether it is the request's final chunk.
     #[getter]
     fn last(&self) -> bool {
-        self.last
+        self.0.is_last()
     }
 
     /// Source addresses (this rank's memory, as the engine addresses it).
     #[getter]
     fn src_addrs(&self) -> Vec<u64> {
-        self.export.src.clone()
+        self.0.src_addrs().to_vec()
     }
 
     /// Destination addresses (the decode side's, as it published them).
     #[getter]
     fn dst_addrs(&self) -> Vec<u64> {
-        self.export.dst.clone()
+        self.0.dst_addrs().to_vec()
     }
 
     /// Lengths.
     #[getter]
     fn lengths(&self) -> Vec<u64> {
-        self.export.lengths.clone()
+        self.0.lengths().to_vec()
     }
 
     /// Descriptors to post: 0 for a chunk that moves nothing (report it all the same), 1 when
     /// bounced.
     #[getter]
     fn descriptors(&self) -> usize {
-        self.export.lengths.len()
+        self.0.lengths().len()
     }
 
     /// Payload bytes of the chunk (a bounced range adds at most 255 bytes of padding per
     /// component).
     #[getter]
     fn bytes(&self) -> u64 {
-        self.export.bytes
+        self.0.bytes()
     }
 
     /// Whether the chunk went through the bounce buffers.
     #[getter]
     fn bounced(&self) -> bool {
-        self.export.packing.is_some()
+        self.0.slot().is_some()
     }
 
     /// The bounce slot it was packed into (None unless bounced): its descriptor targets the
@@ -551,76 +317,65 @@ impl PyMooncakeChunk {
     /// `MooncakeSender.bounce_free(slot)` once that is done.
     #[getter]
     fn slot(&self) -> Option<usize> {
-        self.export.slot
+        self.0.slot()
     }
 
     /// The packed sections, `[(component codes, destination pages)]`: what the decode side's
     /// `BounceBuffer.scatter` takes (empty unless bounced).
     #[getter]
-    fn sections(&self) -> Vec<(Vec<u32>, Vec<u64>)> {
-        self.export
-            .sections
-            .iter()
-            .map(|s| {
-                (
-                    s.components.iter().map(|&c| component_code(c)).collect(),
-                    s.pages.iter().map(|p| p.0).collect(),
-                )
-            })
-            .collect()
+    fn sections(&self) -> WireSections {
+        sections_wire(self.0.sections())
     }
 
     /// Whether the descriptors may be posted: the bounce packing has run (always, unbounced).
     /// Never blocks.
     fn ready(&self) -> PyResult<bool> {
-        match (&self.export.packing, &self.backend) {
-            (Some(e), Some(b)) => b.is_done(e).py_err(),
-            _ => Ok(true),
-        }
+        self.0.ready().py_err()
     }
 
     /// Counts the chunk as posted (once): `seconds` the engine's post took, added to kvshard's
     /// planning (and packing launch) time.
     fn posted(&self, seconds: f64) -> PyResult<()> {
-        let mut once = lock(&self.posted_once);
-        if *once {
-            return Err(invalid("the chunk was already counted as posted"));
-        }
-        let engine = Duration::try_from_secs_f64(seconds)
-            .map_err(|e| invalid(format!("{seconds} s of posting: {e}")))?;
-        lock(&self.shared).stats.posted(&Posted {
-            bytes: self.export.bytes,
-            descriptors: self.export.lengths.len() as u64,
-            post_time: self.export.prepared + engine,
-            bounced: self.export.packing.is_some(),
-        });
-        *once = true;
-        Ok(())
+        let engine = self::seconds(seconds, "posting")?;
+        self.0.posted(engine).py_err()
     }
 
     /// Reports the chunk's bytes landed, `seconds` after it was handed out.
     fn landed(&self, seconds: f64) -> PyResult<()> {
-        let d = Duration::try_from_secs_f64(seconds)
-            .map_err(|e| invalid(format!("{seconds} s of transfer: {e}")))?;
-        self.settle(Outcome::Landed(d))
+        let took = self::seconds(seconds, "transfer")?;
+        self.0.landed(took).py_err()
     }
 
     /// Reports the chunk's transfer failed (`poll` then raises `ChunkFailedError`).
     fn failed(&self, reason: String) -> PyResult<()> {
-        self.settle(Outcome::Failed(reason))
+        self.0.failed(reason).py_err()
+    }
+
+    /// Whether the engine has reported the chunk (landed or failed).
+    #[getter]
+    fn reported(&self) -> bool {
+        self.0.is_reported()
     }
 
     /// The chunk's status once the engine reported it landed, None while it is moving; a
     /// failure (reported, or the transfer timeout passing first) raises `ChunkFailedError`
     /// (its `status` is what to deliver).
     fn poll(&self, py: Python<'_>) -> PyResult<Option<PyChunkStatus>> {
-        poll_held(py, &self.pending)
+        Ok(py.detach(|| self.0.poll()).py_err()?.map(PyChunkStatus))
     }
 
     /// Waits (at most the transfer timeout) until the engine reports the chunk and returns its
     /// status (once).
     fn wait(&self, py: Python<'_>) -> PyResult<PyChunkStatus> {
-        wait_held(py, &self.pending)
+        Ok(PyChunkStatus(py.detach(|| self.0.wait_sync()).py_err()?))
+    }
+
+    /// The side channel's frame reporting `status` (this chunk's, from `poll` or a
+    /// `ChunkFailedError`): it names the bounce slot and sections of a chunk that landed.
+    fn report<'py>(&self, py: Python<'py>, status: &PyChunkStatus) -> PyResult<Bound<'py, PyBytes>> {
+        let frame = self.0.status_frame(status.0.clone());
+        let bytes = mc::wire::encode(&frame).map_err(|e| invalid(e.to_string()))?;
+        Ok(PyBytes::new(py, &bytes))
     }
 }
 
@@ -635,10 +390,7 @@ impl PyMooncakeChunk {
 /// by then; the packing copies run on `stream`.
 #[pyclass(module = "kvshard", name = "MooncakeSender")]
 pub struct PyMooncakeSender {
-    inner: Mutex<Sender>,
-    shared: Arc<Mutex<Shared>>,
-    dst: Arc<RemoteSpace>,
-    backend: Arc<dyn Backend>,
+    inner: Mutex<MooncakeSender>,
     #[allow(dead_code)]
     pool: Py<PyDevicePool>,
 }
@@ -661,43 +413,23 @@ impl PyMooncakeSender {
     ) -> PyResult<Self> {
         let p = pool.get();
         let device = p.device.get();
-        let backend = device.resolve(stream)?;
-        let timeout = Duration::try_from_secs_f64(transfer_timeout)
-            .map_err(|e| invalid(format!("transfer_timeout {transfer_timeout} s: {e}")))?;
-        let geometry = p.inner.geometry().clone();
-        let dst =
-            Arc::new(RemoteSpace::unmapped(geometry.clone(), decode_pages, decode_bases).py_err()?);
-        let cpu = device.cpu().cloned();
-        let mut slots = Vec::new();
-        if bounce_pages > 0 && mode != PyMooncakeMode::COALESCED {
-            for remote in decode_bounces {
-                let buffer =
-                    BounceBuffer::new(backend.clone(), &geometry, bounce_pages).py_err()?;
-                let b = buffer.buffer();
-                let address = engine_address(cpu.as_deref(), b.addr(), b.len() as u64).py_err()?;
-                slots.push(Slot {
-                    buffer,
-                    address,
-                    remote,
-                    holder: None,
-                });
-            }
-        }
-        let shared = Arc::new(Mutex::new(Shared {
-            mode,
-            slots,
+        let backend: Arc<dyn Backend> = device.resolve(stream)?;
+        let config = MooncakeConfig {
+            mode: mode.into(),
+            bounce_pages,
             bounce_below,
-            timeout,
-            cpu,
-            last: None,
-            stats: TransferStats::new("mooncake"),
-        }));
-        let sender = Sender::new(p.inner.clone(), Box::new(EngineTransport(shared.clone())));
+            transfer_timeout: seconds(transfer_timeout, "transfer_timeout")?,
+        };
+        let target = DecodeTarget {
+            bases: decode_bases,
+            pages: decode_pages,
+            bounces: decode_bounces,
+        };
+        let sender =
+            MooncakeSender::new(p.inner.clone(), backend, addresses_of(device), target, config)
+                .py_err()?;
         Ok(Self {
             inner: Mutex::new(sender),
-            shared,
-            dst,
-            backend,
             pool,
         })
     }
@@ -712,19 +444,13 @@ impl PyMooncakeSender {
     /// slot (empty: no bouncing).
     #[getter]
     fn bounce_regions(&self) -> Vec<(u64, u64)> {
-        lock(&self.shared)
-            .slots
-            .iter()
-            .map(|s| (s.address, s.buffer.buffer().len() as u64))
-            .collect()
+        lock(&self.inner).bounce_regions()
     }
 
     /// Starts sending a request the decode side registered (its pool is the one the sender
     /// was made for).
     fn open(&self, registration: &PyRegistration) -> PyResult<()> {
-        lock(&self.inner)
-            .open(registration.0.clone(), self.dst.clone())
-            .py_err()
+        lock(&self.inner).open(registration.0.clone()).py_err()
     }
 
     /// Plans the next chunk of `request` and hands it out (nothing moves until the engine
@@ -747,69 +473,39 @@ impl PyMooncakeSender {
             ChunkEnd::Partial(end)
         };
         let pages = logical(&pages);
-        let (pending, export, rank) = py
-            .detach(|| {
-                let mut sender = lock(&self.inner);
-                let pending = sender.send(request, &pages, end)?;
-                let export = lock(&self.shared).last.take();
-                Ok::<_, kvshard::Error>((pending, export, sender.rank()))
-            })
+        let chunk = py
+            .detach(|| lock(&self.inner).send(request, &pages, end))
             .py_err()?;
-        let export = export.ok_or_else(|| invalid("the transport handed out no chunk"))?;
-        Ok(PyMooncakeChunk {
-            request,
-            rank,
-            chunk: pending.chunk(),
-            last: pending.is_last(),
-            pending: Mutex::new(Some(pending)),
-            export,
-            posted_once: Mutex::new(false),
-            shared: self.shared.clone(),
-            backend: Some(self.backend.clone()),
-        })
+        Ok(PyMooncakeChunk(chunk))
     }
 
     /// Frees bounce slot `slot` for the next chunk: call it once the decode side has scattered
     /// the chunk packed into it (its scatter event has passed), or once its failed transfer is
-    /// over. Refused (`InvalidArgumentError`) for a slot that is free, or whose chunk the
-    /// engine has not reported landed or failed yet (`MooncakeChunk.landed`/`failed`): the
-    /// engine may still be reading it, and a packing into it would overwrite what is on the
-    /// wire.
-    fn bounce_free(&self, slot: usize) -> PyResult<()> {
-        let mut s = lock(&self.shared);
-        let count = s.slots.len();
-        let sl = s
-            .slots
-            .get_mut(slot)
-            .ok_or_else(|| invalid(format!("bounce slot {slot}; the sender has {count}")))?;
-        let holder = sl
-            .holder
-            .as_ref()
-            .ok_or_else(|| invalid(format!("bounce slot {slot} is free already")))?;
-        if matches!(*lock(&holder.outcome), Outcome::Moving) {
-            return Err(invalid(format!(
-                "bounce slot {slot}: the engine has not reported its chunk landed or failed, \
-                 and may still be reading it"
-            )));
-        }
-        sl.holder = None;
-        Ok(())
+    /// over; with `request` and `chunk`, only if the slot holds that chunk (what the decode's
+    /// free names). Refused (`InvalidArgumentError`) for a slot that is free, holds another
+    /// chunk, or whose chunk the engine has not reported landed or failed yet
+    /// (`MooncakeChunk.landed`/`failed`): the engine may still be reading it, and a packing
+    /// into it would overwrite what is on the wire.
+    #[pyo3(signature = (slot, *, request = None, chunk = None))]
+    fn bounce_free(&self, slot: usize, request: Option<u64>, chunk: Option<u32>) -> PyResult<()> {
+        let holder = match (request, chunk) {
+            (Some(r), Some(c)) => Some((r, c)),
+            (None, None) => None,
+            _ => return Err(invalid("bounce_free: give both request and chunk, or neither")),
+        };
+        lock(&self.inner).bounce_free(slot, holder).py_err()
     }
 
     /// Bounce slots (0: this sender never bounces).
     #[getter]
     fn bounce_slots(&self) -> usize {
-        lock(&self.shared).slots.len()
+        lock(&self.inner).bounce_slots()
     }
 
     /// Bounce slots no chunk holds.
     #[getter]
     fn bounce_slots_free(&self) -> usize {
-        lock(&self.shared)
-            .slots
-            .iter()
-            .filter(|s| s.holder.is_none())
-            .count()
+        lock(&self.inner).bounce_slots_free()
     }
 
     /// Gives up on `request` on this rank; returns the failed status to deliver.
@@ -844,7 +540,7 @@ impl PyMooncakeSender {
     /// The transfer counters: chunks (empty and bounced ones among them), bytes, descriptors,
     /// failed transfers, and post and transfer time (count and seconds summed).
     fn stats(&self) -> BTreeMap<&'static str, f64> {
-        let s = lock(&self.shared).stats.snapshot();
+        let s = lock(&self.inner).stats();
         BTreeMap::from([
             ("chunks", s.chunks as f64),
             ("empty_chunks", s.empty_chunks as f64),

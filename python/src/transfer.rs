@@ -14,8 +14,8 @@ use kvshard::copy::{BlockSpace, Method, RemoteSpace};
 use kvshard::geometry::Component;
 use kvshard::index::LocalPage;
 use kvshard::transfer::{
-    BackendTransport, ChunkEnd, ChunkResult, ChunkStatus, ComponentBytes, Finished, Outcome,
-    Overdue, PendingChunk, PoolLayout, Receiver, Registration, Sender, Transport,
+    ChunkEnd, ChunkResult, ChunkStatus, ComponentBytes, Finished, Outcome, Overdue, PendingChunk,
+    PoolLayout, Receiver, Registration, Sender, StreamChoice, StreamTransport,
 };
 
 use crate::device::PyDevice;
@@ -381,50 +381,6 @@ impl PyPendingChunk {
     }
 }
 
-/// A transport that enqueues each chunk on the stream of the `send` call that submits it: one
-/// in-process transport per stream, made on first use, with the sender's method.
-struct StreamTransport {
-    current: Arc<Mutex<Arc<dyn Backend>>>,
-    method: Method,
-    /// The block kernel with no launch given: each launch's grid picked from its blocks
-    /// (`BackendTransport::new`).
-    auto_grid: bool,
-    by_stream: BTreeMap<usize, BackendTransport>,
-}
-
-impl StreamTransport {
-    /// The transport of a stream the sender has not used yet.
-    fn transport(
-        method: Method,
-        auto_grid: bool,
-        backend: Arc<dyn Backend>,
-    ) -> kvshard::Result<BackendTransport> {
-        if auto_grid {
-            return Ok(BackendTransport::new(backend));
-        }
-        BackendTransport::with_method(backend, method)
-    }
-}
-
-impl Transport for StreamTransport {
-    fn submit(
-        &mut self,
-        plan: &kvshard::transfer::SendPlan,
-        src: &Arc<kvshard::pool::DevicePool>,
-        dst: &Arc<RemoteSpace>,
-    ) -> kvshard::Result<Box<dyn kvshard::transfer::Completion>> {
-        let backend = lock(&self.current).clone();
-        let key = Arc::as_ptr(&backend) as *const () as usize;
-        let transport = match self.by_stream.entry(key) {
-            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::btree_map::Entry::Vacant(e) => {
-                e.insert(Self::transport(self.method, self.auto_grid, backend)?)
-            }
-        };
-        transport.submit(plan, src, dst)
-    }
-}
-
 /// The sending side of one prefill rank: plans and enqueues every chunk of its requests from
 /// its pool into each request's destination (in-process: the same GPU, a peer-mapped pool, or
 /// the CPU reference), on the stream each `send` names (default: `stream` given here; when
@@ -440,7 +396,7 @@ pub struct PySender {
     pub(crate) inner: Mutex<Sender>,
     /// The stream the next submission enqueues on, and the default (None: resolved at each
     /// `send`, since torch's current stream may change between sends).
-    current: Arc<Mutex<Arc<dyn Backend>>>,
+    current: StreamChoice,
     default: Option<Arc<dyn Backend>>,
     pool: Py<PyDevicePool>,
     /// The destination of each open request.
@@ -466,17 +422,11 @@ impl PySender {
                 .launch()
                 .unwrap_or_else(|| Launch::host_io(b.as_ref(), 264)),
         };
-        let auto_grid = launch.is_none() && method == PyMethod::KERNEL;
-        let method = method.with_launch(grid);
+        // The block kernel with no launch given: each launch's grid picked from its blocks.
+        let method =
+            (launch.is_some() || method != PyMethod::KERNEL).then(|| method.with_launch(grid));
         // Refused here, before any request: the transport of this stream is the first one.
-        let first = StreamTransport::transport(method, auto_grid, b.clone()).py_err()?;
-        let current = Arc::new(Mutex::new(b.clone()));
-        let transport = StreamTransport {
-            current: current.clone(),
-            method,
-            auto_grid,
-            by_stream: BTreeMap::from([(Arc::as_ptr(&b) as *const () as usize, first)]),
-        };
+        let (transport, current) = StreamTransport::new(b, method).py_err()?;
         Ok(Self {
             inner: Mutex::new(Sender::new(p.inner.clone(), Box::new(transport))),
             current,
@@ -544,7 +494,7 @@ impl PySender {
         let pages = logical(&pages);
         let result = py.detach(|| {
             let mut sender = lock(&self.inner);
-            *lock(&self.current) = backend;
+            self.current.set(backend);
             sender.send(request, &pages, end)
         });
         if last || result.is_err() {
@@ -659,7 +609,7 @@ impl PyFinished {
 }
 
 /// The decode side's seconds as a deadline (`what` names it in errors).
-fn deadline_of(seconds: f64, what: &str) -> PyResult<Duration> {
+pub(crate) fn deadline_of(seconds: f64, what: &str) -> PyResult<Duration> {
     Duration::try_from_secs_f64(seconds).map_err(|e| {
         invalid(format!(
             "{what}: {seconds} s is not a deadline ({e}); give non-negative, finite seconds"
@@ -672,7 +622,7 @@ fn deadline_of(seconds: f64, what: &str) -> PyResult<Duration> {
 /// reported: abort the ranks in `missing` (or, for a rank whose process is gone, `receive` a
 /// `ChunkStatus.failed` at the chunk it owes, `received`).
 #[pyclass(frozen, module = "kvshard", name = "Overdue")]
-pub struct PyOverdue(Overdue);
+pub struct PyOverdue(pub Overdue);
 
 #[pymethods]
 impl PyOverdue {

@@ -38,16 +38,22 @@
 //!   chunk's owned blocks into one contiguous range, and the decode side's scatter.
 //! - `nixl` (feature `nixl`): the transport on NVIDIA's NIXL, for prefill and decode on
 //!   different hosts.
+//! - `mooncake`: the transport on a transfer engine that moves raw ranges and carries no
+//!   notification (Mooncake's, driven from Python): the engine-facing sender, the side
+//!   channel's frames and the decode side that checks them.
+//! - `stream`: [`StreamTransport`], in-process, each chunk on the stream its caller names.
 
 mod bounce;
 pub(crate) mod endpoint;
 pub(crate) mod exec;
+pub mod mooncake;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 pub(crate) mod plan;
 mod receive;
 mod send;
 pub(crate) mod stats;
+mod stream;
 pub(crate) mod transport;
 
 pub use crate::status::{ChunkResult, ChunkStatus, ComponentBytes};
@@ -64,4 +70,5 @@ pub use receive::{
 };
 pub use send::{ChunkEnd, PendingChunk, Sender};
 pub use stats::{Metric, MetricKind, Posted, StatsSnapshot, TimeSnapshot, TransferStats};
+pub use stream::{StreamChoice, StreamTransport};
 pub use transport::{Completion, Transport};
