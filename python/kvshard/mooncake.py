@@ -5,16 +5,22 @@ as one packed range per chunk and rank (bounce mode).
 
 ::
 
-    decode: MooncakeDecode                               prefill rank r: MooncakePrefill
-      pool, K BounceBuffers per rank (slots)               pool, its K bounce buffers
+    decode: MooncakeDecode (its MooncakeReceiver)        prefill rank r: MooncakePrefill
+      pool, K bounce buffers per rank (slots)              pool, its K bounce buffers
       registered once (Engine.ensure)                      registered once (Engine.ensure)
       hello (engine address, layer bases, slots) ──side channel──> MooncakeSender(...)
       register(registration) ── register ─────────────────────────> open
                                                                     send: plan -> lists (or pack
                                                                     into a free slot)
                                      <── Mooncake batch write ───── batch_transfer_async_write
-      poll(): scatter bounced chunks, Receiver  <── status ───────── once the batch has completed
-      free slot s (its scatter has run) ───────────────────────────> slot s may take a chunk
+      poll(): check, scatter, order, Receiver <── status ────────── once the batch has completed
+      free (slot, request, chunk), its scatter run ────────────────> the slot may take a chunk
+      overdue: abort ──────────────────────────────────────────────> aborted, once nothing of
+                                                                    the request is in flight
+
+The transport is library code (``kvshard::transfer::mooncake``, docs/mooncake.md): the
+sender, the side channel's frames and the decode side that checks them are Rust; this module
+moves the engine's batches and the side channel's bytes.
 
 **Registration.** ``Engine`` registers each piece of kvshard memory with Mooncake once and
 reuses it: device pools (and a pool wrapping an engine's exportable VMM tensors, which is one),
@@ -32,17 +38,30 @@ its side has run (the decode frees it only after the scatter's event).
 
 **Completion.** Mooncake's engine (0.3.x) sends no notification with a transfer, so the chunk
 statuses travel on a side channel: one TCP connection per prefill rank to the decode side,
-carrying length-prefixed JSON frames. kvshard's own control channel (``kvshard::ipc``) has no
-Python API, and the side channel needs nothing more than ordered, reliable delivery and a
-peer's death seen as the connection's end: a killed process's socket is closed by its kernel,
-so the other side learns of it at once, without waiting for a timeout. A prefill rank reports a
-chunk only after ``get_batch_transfer_status`` (run on a worker thread: it blocks) says its
-batch completed, so a status never overtakes its bytes; the decode side orders statuses per
+carrying kvshard's binary frames (``kvshard::transfer::mooncake::wire``: a checked header,
+then one postcard-encoded frame). kvshard's control channel (``kvshard::ipc``) is a Unix
+socket between processes of one host; the side channel needs ordered, reliable delivery
+across hosts and a peer's death seen as the connection's end: a killed process's socket is
+closed by its kernel, so the other side learns of it at once. A prefill rank reports a chunk
+only after ``get_batch_transfer_status`` (run on a worker thread: it blocks) says its batch
+completed, so a status never overtakes its bytes; the decode side orders statuses per
 (request, rank) by chunk before its ``Receiver`` sees them.
 
+**Bad peers.** Nothing a peer sends is trusted. A malformed, truncated, oversize or unknown
+frame is refused and counted, and its connection closed: on the decode side that rank is gone
+(its requests fail once what it reported before was taken), on a prefill the decode side is.
+A status is checked before use (its rank, a bounce slot of the rank's that is free, sections
+that fit the buffer and the pool); one of a request not being received from the rank, or a
+duplicate, is dropped and counted, never buffered (the slot it names is freed for exactly
+that chunk: a prefill frees a slot only for the chunk it holds); statuses waiting for an
+earlier chunk are bounded. ``accept_sync`` serves connections concurrently, each with its own
+hello deadline: a client that says nothing keeps no rank waiting.
+
 **Deadlines.** A chunk the engine has not reported by ``transfer_timeout`` fails on the prefill
-side (``ChunkFailedError``); the decode side's ``Receiver`` reports each request whose deadline
-passed (``Overdue``); a peer whose connection ends fails every open request with it at once.
+side (``ChunkFailedError``); the decode side reports each request whose deadline passed
+(``Overdue``) and asks the ranks that owe it to abort it: each answers once nothing of it is in
+flight, and the request is handed back failed. A peer whose connection ends fails every open
+request with it at once.
 """
 
 from __future__ import annotations
@@ -50,10 +69,8 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
-import json
 import select
 import socket
-import struct
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -72,6 +89,12 @@ __all__ = [
 
 #: How long connecting, the hello exchange and one frame's send may take.
 CONNECT_TIMEOUT = 30.0
+#: How long a connection to the decode side may take to say its hello.
+HELLO_TIMEOUT = 10.0
+#: Most connections that may wait to say their hello at once.
+MAX_PENDING = 64
+#: Most bytes one read of a connection takes (the rest waits for the next poll).
+READ_LIMIT = 4 << 20
 
 
 def load_engine_class():
@@ -230,97 +253,84 @@ class Engine:
 
 
 class _Channel:
-    """One side-channel connection: length-prefixed JSON frames; reads never block, a send
-    blocks at most ``CONNECT_TIMEOUT``; ``closed`` says why the peer is gone."""
+    """One side-channel connection: sends block at most ``CONNECT_TIMEOUT``; ``read`` never
+    blocks; ``closed`` says why the peer is gone. The bytes are framed and checked in Rust
+    (``SideReader``, ``MooncakeReceiver.feed``)."""
 
     def __init__(self, sock: socket.socket):
         sock.settimeout(CONNECT_TIMEOUT)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
-        self.buf = b""
         self.closed: str | None = None
 
-    def send(self, msg: dict) -> None:
+    def send(self, data: bytes) -> None:
         if self.closed:
             raise TransferError(f"the side channel is closed: {self.closed}")
-        data = json.dumps(msg).encode()
+        if not data:
+            return
         try:
-            self.sock.sendall(struct.pack("<I", len(data)) + data)
+            self.sock.sendall(data)
         except OSError as e:
-            self.closed = f"send failed: {e}"
+            self.close(f"send failed: {e}")
             raise TransferError(f"the side channel is closed: {self.closed}") from e
 
-    def receive(self) -> list[dict]:
-        """Every whole frame that has arrived (never blocks)."""
-        while not self.closed:
+    def read(self) -> bytes:
+        """What has arrived, at most ``READ_LIMIT`` bytes (never blocks); the end of the
+        stream closes the channel."""
+        out = []
+        got = 0
+        while not self.closed and got < READ_LIMIT:
             try:
                 ready, _, _ = select.select([self.sock], [], [], 0)
                 if not ready:
                     break
-                chunk = self.sock.recv(1 << 20)
-            except OSError as e:
-                self.closed = f"receive failed: {e}"
+                chunk = self.sock.recv(min(1 << 20, READ_LIMIT - got))
+            except (OSError, ValueError) as e:
+                self.close(f"receive failed: {e}")
                 break
             if not chunk:
-                self.closed = "the peer closed the connection (its process ended)"
+                self.close("the peer closed the connection (its process ended)")
                 break
-            self.buf += chunk
-        out = []
-        while len(self.buf) >= 4:
-            (n,) = struct.unpack_from("<I", self.buf)
-            if len(self.buf) < 4 + n:
-                break
-            out.append(json.loads(self.buf[4 : 4 + n]))
-            self.buf = self.buf[4 + n :]
-        return out
+            out.append(chunk)
+            got += len(chunk)
+        return b"".join(out)
 
-    def receive_one_sync(self, timeout: float) -> dict:
-        """The next frame, waiting at most ``timeout`` seconds."""
-        end = time.monotonic() + timeout
-        while True:
-            got = self.receive()
-            if got:
-                if len(got) > 1:
-                    # Keep the rest for the next receive, in order.
-                    rest = b"".join(
-                        struct.pack("<I", len(d)) + d for d in (json.dumps(m).encode() for m in got[1:])
-                    )
-                    self.buf = rest + self.buf
-                return got[0]
-            if self.closed:
-                raise TransferError(f"the side channel closed: {self.closed}")
-            left = end - time.monotonic()
-            if left <= 0:
-                raise TransferError(f"no message on the side channel within {timeout} s")
-            select.select([self.sock], [], [], min(left, 0.05))
+    def wait_readable(self, timeout: float) -> None:
+        """Waits at most ``timeout`` seconds for bytes (or the end) to arrive."""
+        if not self.closed:
+            with contextlib.suppress(OSError, ValueError):
+                select.select([self.sock], [], [], max(timeout, 0.0))
 
-    def close(self) -> None:
-        self.closed = self.closed or "closed here"
-        self.sock.close()
+    def close(self, why: str = "closed here") -> None:
+        self.closed = self.closed or why
+        with contextlib.suppress(OSError):
+            self.sock.close()
 
 
-#: Components by their ``int`` (the wire's code).
-_COMPONENTS = {
-    int(c): c
-    for c in (
-        _k.Component.TARGET_LATENT,
-        _k.Component.TARGET_INDEXER,
-        _k.Component.DRAFT_LATENT,
-        _k.Component.DRAFT_INDEXER,
-    )
-}
-
-
-def _shape(geometry) -> list:
-    """A geometry as both sides compare it: (component, layers, block bytes) per component."""
-    return [[int(c.component), c.layers, c.block_bytes] for c in geometry.components()]
+def _first_frame_sync(ch: _Channel, reader, timeout: float) -> dict:
+    """The first frame of a connection, waiting at most ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while True:
+        frames = reader.feed(ch.read())
+        if reader.error:
+            ch.close(f"protocol violation: {reader.error}")
+            raise TransferError(f"the side channel broke the protocol: {reader.error}")
+        if frames:
+            return frames[0]
+        if ch.closed:
+            raise TransferError(f"the side channel closed: {ch.closed}")
+        left = end - time.monotonic()
+        if left <= 0:
+            raise TransferError(f"no message on the side channel within {timeout} s")
+        ch.wait_readable(min(left, 0.05))
 
 
 class MooncakeDecode:
-    """The decode side: registers its pool and ``bounce_slots`` bounce buffers per prefill
-    rank with its engine (once: memory ``engine`` already holds is reused), serves the side
-    channel (``address``), registers requests with every rank, and turns the ranks' statuses
-    into finished requests (``poll``)."""
+    """The decode side: its ``receiver`` (``kvshard.MooncakeReceiver``) holds the pool and
+    ``bounce_slots`` bounce buffers per prefill rank, registered with its engine (once: memory
+    ``engine`` already holds is reused); it serves the side channel (``address``), registers
+    requests with every rank, and turns the ranks' statuses into finished requests (``poll``).
+    Everything a rank sends is checked before use (module docs: Bad peers)."""
 
     def __init__(
         self,
@@ -336,169 +346,139 @@ class MooncakeDecode:
     ):
         self.pool = pool
         self.ranks = ranks
+        self.receiver = _k.MooncakeReceiver(
+            pool, ranks, bounce_pages=bounce_pages, bounce_slots=bounce_slots, deadline=deadline, stream=stream
+        )
         self._own_engine = engine is None
         self.engine = engine or Engine(listen[0])
-        _, self.bases = _k.engine_memory(pool)
-        #: rank -> its bounce buffers, one per slot.
-        self.bounces = [
-            [_k.BounceBuffer(pool.device, pool.geometry, bounce_pages, stream) for _ in range(bounce_slots)]
-            for _ in range(ranks)
-        ] if bounce_pages > 0 else [[] for _ in range(ranks)]
+        #: rank -> its bounce buffers, ``(address, bytes)`` one per slot.
+        self.bounces = [self.receiver.bounce_regions(r) for r in range(ranks)]
         # What this side registered (and unregisters at close); memory the engine held is reused.
         self._mine = [m for m in [pool, *(b for bs in self.bounces for b in bs)] if self.engine.ensure(m)]
-        self.receiver = _k.Receiver(deadline)
         self._server = socket.create_server(listen)
+        self._server.setblocking(False)
         #: Where prefill ranks connect.
         self.address = self._server.getsockname()[:2]
         self.channels: dict[int, _Channel] = {}
+        #: rank -> why it is gone (its connection ended, or it broke the protocol).
         self.gone: dict[int, str] = {}
-        # (request, rank) -> next chunk expected; held statuses by chunk; scatters in flight.
-        self._next: dict[tuple[int, int], int] = {}
-        self._held: dict[tuple[int, int], dict[int, dict]] = {}
-        self._queue: dict[int, deque] = {r: deque() for r in range(ranks)}
-        # request -> ranks that still owe their last status
-        self._owing: dict[int, set[int]] = {}
+        #: Connections closed before they said a valid hello (silent, refused, malformed).
+        self.refused_connections = 0
 
-    def accept_sync(self, timeout: float = CONNECT_TIMEOUT) -> None:
-        """Waits (at most ``timeout`` seconds) for every prefill rank to connect, and greets
-        each with what it needs: this engine's address, the pool's layer bases and pages, its
-        bounce buffer, the geometry."""
-        self._server.settimeout(timeout)
+    def accept_sync(self, timeout: float = CONNECT_TIMEOUT, hello_timeout: float = HELLO_TIMEOUT) -> None:
+        """Waits (at most ``timeout`` seconds) for every prefill rank to connect and say hello,
+        serving connections concurrently: each has ``hello_timeout`` seconds for its ``hi``
+        (a client that says nothing is closed then, and keeps no one else waiting), at most
+        ``MAX_PENDING`` wait at once. Each rank is greeted with what it needs: this engine's
+        address, the pool's layer bases and pages, its bounce buffers."""
         end = time.monotonic() + timeout
-        while len(self.channels) < self.ranks:
-            self._server.settimeout(max(end - time.monotonic(), 0.001))
-            try:
-                sock, _ = self._server.accept()
-            except socket.timeout as e:
-                raise TransferError(
-                    f"{len(self.channels)} of {self.ranks} prefill ranks connected within {timeout} s"
-                ) from e
-            ch = _Channel(sock)
-            hi = ch.receive_one_sync(max(end - time.monotonic(), 0.001))
-            rank = int(hi["rank"])
-            if hi.get("shape") != _shape(self.pool.geometry) or not 0 <= rank < self.ranks or rank in self.channels:
-                ch.send({"t": "refused", "why": "another geometry, or a rank out of range or taken"})
-                ch.close()
-                continue
-            ch.send(
-                {
-                    "t": "hello",
-                    "engine": self.engine.address,
-                    "bases": self.bases,
-                    "pages": self.pool.pages,
-                    "bounce": [[b.address, b.bytes] for b in self.bounces[rank]],
-                }
-            )
-            self.channels[rank] = ch
+        pending: dict[socket.socket, tuple[_Channel, object, float]] = {}
+        try:
+            while len(self.channels) < self.ranks:
+                now = time.monotonic()
+                if now >= end:
+                    raise TransferError(
+                        f"{len(self.channels)} of {self.ranks} prefill ranks connected within {timeout} s"
+                    )
+                for sock, (ch, _, due) in list(pending.items()):
+                    if now >= due:
+                        self._refuse(pending, sock, ch)
+                wake = min([end, *(due for _, _, due in pending.values())])
+                ready, _, _ = select.select([self._server, *pending], [], [], max(wake - now, 0.0))
+                for sock in ready:
+                    if sock is self._server:
+                        self._accept_one(pending, min(end, time.monotonic() + hello_timeout))
+                    else:
+                        self._greet(pending, sock)
+        finally:
+            for sock, (ch, _, _) in list(pending.items()):
+                self._refuse(pending, sock, ch)
+
+    def _accept_one(self, pending: dict, due: float) -> None:
+        try:
+            sock, _ = self._server.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        ch = _Channel(sock)
+        if len(pending) >= MAX_PENDING:
+            self.refused_connections += 1
+            ch.close("too many connections waiting to say hello")
+            return
+        pending[sock] = (ch, _k.SideReader(), due)
+
+    def _refuse(self, pending: dict, sock, ch: _Channel) -> None:
+        del pending[sock]
+        self.refused_connections += 1
+        ch.close("refused")
+
+    def _greet(self, pending: dict, sock) -> None:
+        ch, reader, _ = pending[sock]
+        frames = reader.feed(ch.read())
+        if not frames:
+            if reader.error or ch.closed:
+                self._refuse(pending, sock, ch)
+            return
+        rank, reply = self.receiver.join(frames[0], self.engine.address)
+        if len(frames) > 1 or reader.buffered:
+            # A rank speaks only once it has been greeted.
+            rank, reply = None, _k.side_frame({"t": "refused", "why": "frames after hi, before hello"})
+        with contextlib.suppress(TransferError):
+            ch.send(reply)
+        if rank is None or ch.closed:
+            self._refuse(pending, sock, ch)
+            return
+        del pending[sock]
+        self.channels[rank] = ch
 
     def register(self, registration, *, deadline: float | None = None) -> None:
         """Expects ``registration`` from every rank (due ``deadline`` seconds from now) and
         sends it to them; a rank already gone fails it at once."""
-        request = registration.request
-        self.receiver.register(registration, self.ranks, deadline=deadline)
-        self._owing[request] = set(range(self.ranks))
-        msg = {
-            "t": "register",
-            "request": request,
-            "pages": registration.pages,
-            "state_pages": registration.state_pages,
-            "prefix_pages": registration.prefix_pages,
-        }
-        for rank in range(self.ranks):
-            self._next[(request, rank)] = 0
-            try:
-                self.channels[rank].send(msg)
-            except (TransferError, KeyError):
-                pass  # reported below, as a gone rank
-        self._fail_gone()
+        data = self.receiver.register(registration, deadline=deadline)
+        for rank, ch in self.channels.items():
+            if rank not in self.gone:
+                with contextlib.suppress(TransferError):
+                    ch.send(data)
+        self._notice_gone()
 
     def poll(self) -> tuple[list, list]:
-        """Takes every status that arrived, scatters bounced chunks, and returns
-        ``(finished, overdue)``: the ``Finished`` requests (pages handed back, completed or
-        failed) and the ``Overdue`` ones (their deadline passed). Never blocks."""
-        finished = []
+        """Takes every status that arrived (each checked; a rank that broke the protocol is
+        closed and gone), and returns ``(finished, overdue)``: the ``Finished`` requests (pages
+        handed back, completed or failed) and the ``Overdue`` ones (their deadline passed; the
+        ranks that owe them are told to abort them, and they are handed back once those have
+        answered or are gone). Never blocks."""
         for rank, ch in self.channels.items():
-            for m in ch.receive():
-                if m.get("t") == "status":
-                    key = (m["request"], rank)
-                    self._held.setdefault(key, {})[m["chunk"]] = m
-                    self._release(key)
+            if rank in self.gone:
+                continue
+            data = ch.read()
+            if data:
+                error = self.receiver.feed(rank, data)
+                if error is not None:
+                    ch.close(f"protocol violation: {error}")
+        self._notice_gone()
+        finished = self.receiver.poll()
+        overdue = self.receiver.expire()
+        for rank, ch in self.channels.items():
+            if rank not in self.gone:
+                with contextlib.suppress(TransferError):
+                    ch.send(self.receiver.take_outgoing(rank))
+        self._notice_gone()
+        return finished, overdue
+
+    def _notice_gone(self) -> None:
+        for rank, ch in self.channels.items():
             if ch.closed and rank not in self.gone:
                 self.gone[rank] = ch.closed
-        for rank in range(self.ranks):
-            finished += self._drain(rank)
-        finished += self._fail_gone()
-        return finished, self.receiver.expire()
+                self.receiver.rank_gone(rank, ch.closed)
 
-    def _release(self, key) -> None:
-        """Queues a (request, rank)'s held statuses in chunk order, from the one expected."""
-        held = self._held.get(key, {})
-        while key in self._next and self._next[key] in held:
-            m = held.pop(self._next[key])
-            self._next[key] += 1
-            event = None
-            if m.get("sections") and m["ok"]:
-                try:
-                    bounce = self.bounces[key[1]][m["slot"]]
-                    event = bounce.scatter([tuple(s) for s in m["sections"]], self.pool)
-                except Exception as e:  # noqa: BLE001 - a bad report fails the chunk, typed below
-                    m = {**m, "ok": False, "reason": f"scattering bounce slot {m.get('slot')} failed: {e}"}
-            self._queue[key[1]].append((m, event))
-            if not m["ok"] or m["last"]:
-                del self._next[key]
-        if not held:
-            self._held.pop(key, None)
+    @property
+    def pending_requests(self) -> int:
+        """Requests registered and not yet handed back."""
+        return self.receiver.pending_requests
 
-    def _drain(self, rank) -> list:
-        """Delivers rank's queued statuses whose scatter has run, in order."""
-        out = []
-        q = self._queue[rank]
-        while q:
-            m, event = q[0]
-            if event is not None and not event.query():
-                break
-            q.popleft()
-            if m.get("slot") is not None and rank in self.channels:
-                # Its scatter has run (or none was started): the rank may pack into the slot.
-                try:
-                    self.channels[rank].send({"t": "free", "slot": m["slot"]})
-                except TransferError:
-                    pass  # the rank is gone: nothing to free
-            out += self._deliver(rank, m)
-        return out
-
-    def _deliver(self, rank, m) -> list:
-        request = m["request"]
-        if m["ok"]:
-            status = _k.ChunkStatus.sent(
-                request, rank, m["chunk"], m["last"], {_COMPONENTS[int(c)]: n for c, n in m["bytes"].items()}
-            )
-        else:
-            status = _k.ChunkStatus.failed(request, rank, m["chunk"], m["reason"])
-        if status.terminal:
-            self._owing.get(request, set()).discard(rank)
-        done = self.receiver.receive(status)
-        if done is not None:
-            self._owing.pop(request, None)
-            return [done]
-        return []
-
-    def _fail_gone(self) -> list:
-        """Fails every open request at the chunk each gone rank owes (once its queued
-        statuses, which arrived before it went, are delivered)."""
-        out = []
-        for rank, why in self.gone.items():
-            if self._queue[rank]:
-                continue
-            for request, owing in list(self._owing.items()):
-                if rank not in owing:
-                    continue
-                chunk = self._next.pop((request, rank), 0)
-                self._held.pop((request, rank), None)
-                out += self._deliver(
-                    rank, {"request": request, "chunk": chunk, "ok": False, "reason": f"prefill rank {rank} is gone: {why}"}
-                )
-        return out
+    def counters(self) -> dict:
+        """What the side channel refused and dropped (``MooncakeReceiver.counters``), and the
+        connections refused before their hello."""
+        return {**self.receiver.counters(), "refused_connections": self.refused_connections}
 
     def close(self) -> None:
         """Closes the side channel and unregisters the memory it registered (all of the
@@ -561,10 +541,12 @@ class MooncakePrefill:
         self._own_engine = engine is None
         self.engine = engine or Engine(decode[0])
         self.channel = _Channel(socket.create_connection(decode, timeout=CONNECT_TIMEOUT))
-        self.channel.send({"t": "hi", "rank": pool.rank, "shape": _shape(pool.geometry)})
-        hello = self.channel.receive_one_sync(CONNECT_TIMEOUT)
-        if hello.get("t") != "hello":
-            raise TransferError(f"the decode side refused rank {pool.rank}: {hello.get('why')}")
+        self._reader = _k.SideReader()
+        self.channel.send(_k.side_frame({"t": "hi", "rank": pool.rank, "shape": _k.side_shape(pool.geometry)}))
+        hello = _first_frame_sync(self.channel, self._reader, CONNECT_TIMEOUT)
+        if hello["t"] != "hello":
+            self.channel.close("refused")
+            raise TransferError(f"the decode side refused rank {pool.rank}: {hello.get('why', hello['t'])}")
         self.target = hello["engine"]
         self.decode_pages = hello["pages"]
         self.sender = _k.MooncakeSender(
@@ -584,6 +566,13 @@ class MooncakePrefill:
         #: Registrations the decode side sent, by request, opened on the sender.
         self.registrations: dict[int, object] = {}
         self._layout = _k.PoolLayout.packed(pool.geometry, self.decode_pages)
+        #: Requests the decode side gave up, by request: answered (``aborted``) once no transfer
+        #: of theirs is in flight.
+        self._aborts: dict[int, str] = {}
+        #: What the decode side sent that this side refused: ``frames`` (a violation, which
+        #: closes the channel), ``frees`` (a slot free naming a chunk its slot does not hold),
+        #: ``registrations`` (answered with a failed status).
+        self.refused = {"frames": 0, "frees": 0, "registrations": 0}
         #: Seconds spent in the engine's post calls alone (``stats()["post_seconds"]`` adds
         #: kvshard's planning and the packing launch, which on the CPU twin runs the copy).
         self.engine_post_seconds = 0.0
@@ -594,15 +583,52 @@ class MooncakePrefill:
         return self.channel.closed
 
     def _read(self) -> None:
-        for m in self.channel.receive():
+        frames = self._reader.feed(self.channel.read())
+        for m in frames:
             if m["t"] == "register":
-                reg = _k.Registration(
-                    m["request"], self._layout, m["pages"], m["state_pages"], m["prefix_pages"]
-                )
-                self.sender.open(reg)
-                self.registrations[m["request"]] = reg
+                self._register(m)
             elif m["t"] == "free":
-                self.sender.bounce_free(m["slot"])
+                try:
+                    self.sender.bounce_free(m["slot"], request=m["request"], chunk=m["chunk"])
+                except InvalidArgumentError:
+                    self.refused["frees"] += 1
+            elif m["t"] == "abort":
+                self._abort(m["request"], m["reason"])
+            else:
+                self._violation(f"the decode side sent {m['t']}")
+                return
+        if self._reader.error:
+            self._violation(self._reader.error)
+
+    def _violation(self, why: str) -> None:
+        """The decode side broke the protocol: the channel closes, as if it were gone."""
+        self.refused["frames"] += 1
+        self.channel.close(f"protocol violation: {why}")
+
+    def _register(self, m: dict) -> None:
+        request = m["request"]
+        try:
+            reg = _k.Registration(request, self._layout, m["pages"], m["state_pages"], m["prefix_pages"])
+            self.sender.open(reg)
+        except (InvalidArgumentError, TransferError) as e:
+            # Told, as the rank's last status for it: the decode side fails it at once.
+            self.refused["registrations"] += 1
+            failed = _k.ChunkStatus.failed(request, self.pool.rank, 0, f"registration refused: {e}")
+            self._send(_k.side_frame({"t": "status", "status": failed}))
+            return
+        self.registrations[request] = reg
+
+    def _abort(self, request: int, reason: str) -> None:
+        """The decode side gave ``request`` up: nothing more is sent of it, and once none of
+        its transfers is in flight this side says so (``aborted``)."""
+        self.registrations.pop(request, None)
+        with contextlib.suppress(TransferError):
+            self.sender.abort(request, reason)
+        self._aborts[request] = reason
+
+    def _send(self, data: bytes) -> None:
+        with contextlib.suppress(TransferError):
+            self.channel.send(data)  # a failure closes the channel: the decode side is gone
 
     def take_registrations(self) -> list:
         """The requests the decode side registered since the last call (opened here)."""
@@ -690,22 +716,10 @@ class MooncakePrefill:
                 pass
 
     def _report(self, status, chunk) -> None:
-        msg = {
-            "t": "status",
-            "request": status.request,
-            "chunk": status.chunk,
-            "ok": status.ok,
-            "last": status.last,
-            "bytes": {int(c): n for c, n in status.bytes.items()},
-            "reason": status.reason,
-            "sections": chunk.sections if chunk is not None and status.ok else [],
-            # The decode frees the slot once it has scattered it (a failed chunk's is freed here).
-            "slot": chunk.slot if chunk is not None and status.ok else None,
-        }
-        try:
-            self.channel.send(msg)
-        except TransferError:
-            pass  # the decode side is gone: its own side fails the request
+        # A bounced chunk that landed names its slot, which the decode frees once scattered
+        # (a failed chunk's is freed here).
+        frame = chunk.report(status) if chunk is not None else _k.side_frame({"t": "status", "status": status})
+        self._send(frame)
 
     def progress(self) -> list:
         """Moves every chunk forward and returns the statuses of those that finished (landed
@@ -741,7 +755,16 @@ class MooncakePrefill:
             self._flights.remove(flight)
             self._report(status, c)
             out.append(status)
+        self._answer_aborts()
         return out
+
+    def _answer_aborts(self) -> None:
+        """Says ``aborted`` for each request the decode gave up once none of its transfers is
+        in flight here (every status of it this side sends is out before)."""
+        moving = {f.chunk.request for f in self._flights}
+        for request in [r for r in self._aborts if r not in moving]:
+            del self._aborts[request]
+            self._send(_k.side_frame({"t": "aborted", "request": request}))
 
     def _free_failed(self, flight: _Flight) -> None:
         """Frees a failed chunk's bounce slot once (the engine no longer reads it)."""

@@ -174,14 +174,14 @@ def test_a_transport_reuses_what_its_engine_holds_and_unregisters_only_its_own()
         # The pool reused; two ranks x three slots of bounce buffers registered once each.
         assert len(dec.bounces) == 2 and all(len(b) == 3 for b in dec.bounces)
         for bs in dec.bounces:
-            for bb in bs:
-                assert e.covers(bb.address, bb.bytes)
+            for address, length in bs:
+                assert e.covers(address, length)
                 with pytest.raises(mooncake.AlreadyRegisteredError):
-                    e.register(bb)
+                    e.register((address, length))
         dec.close()
         # The engine's own registrations stay; the transport's went.
         assert not e.ensure(pool) and not e.ensure(host)
-        assert not any(e.covers(bb.address, bb.bytes) for bs in dec.bounces for bb in bs)
+        assert not any(e.covers(a, n) for bs in dec.bounces for a, n in bs)
     finally:
         e.close()
 
