@@ -78,13 +78,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from . import _kvshard as _k
 from ._errors import ChunkFailedError, InvalidArgumentError, TransferError, UnavailableError
 
+# The side channel's Rust half: its frames and the decode side that checks them.
+from ._kvshard import MooncakeReceiver, SideReader, side_frame, side_shape  # noqa: E402
+
 __all__ = [
     "AlreadyRegisteredError",
     "Engine",
     "NotRegisteredError",
     "MooncakeDecode",
     "MooncakePrefill",
+    "MooncakeReceiver",
+    "SideReader",
     "load_engine_class",
+    "side_frame",
+    "side_shape",
 ]
 
 #: How long connecting, the hello exchange and one frame's send may take.

@@ -20,11 +20,11 @@
 //! `device_pool`, `chunk_staging`, `owned_row_write`, `budget`, `batch_plans` (a prefill
 //! batch's admission and gather plan), `capacity` (the capacity
 //! planner), `transfer` (P/D),
-//! `hicache_enums` (HiCache's choices), `host_pool`, `layer_signals` (per-layer readiness),
-//! `host_transfer` (transfer plans, host transfers, their staging), `mooncake` (the prefill
-//! side of a transfer engine's transport: send plans as its descriptor lists, bounce buffers,
-//! the memory it registers), `side_channel` (the Mooncake side channel's frames and its decode
-//! side), `hicache_controller`,
+//! `hicache_enums` (HiCache's choices), `host_pool`, `mooncake` (the prefill side of a
+//! transfer engine's transport: send plans as its descriptor lists, bounce buffers, the memory
+//! it registers), `side_channel` (the Mooncake side channel's frames and its decode side),
+//! `layer_signals` (per-layer readiness),
+//! `host_transfer` (transfer plans, host transfers, their staging), `hicache_controller`,
 //! `chain` (a request's chain, which makes HiCache nodes and P/D registrations),
 //! `storage_keys` (namespaces, page hashes, keys), `disk_store` (the storage tier, feature
 //! `nixl`), `bench` (`python/bench.py`'s native loops), and this file on top.

@@ -37,6 +37,8 @@ MODULE_ORDER = [
     "host_pool",
     # Above the host pools: Mooncake registers them (engine_regions).
     "mooncake",
+    # The Mooncake side channel's frames and decode side (its addresses from `mooncake`).
+    "side_channel",
     "layer_signals",
     "host_transfer",
     "hicache_controller",
