@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod faults;
+pub mod pd;
 pub mod synth;
 
 use std::fmt;
@@ -105,6 +106,15 @@ impl Device {
         match &self.on {
             On::Cpu(cpu) => Arc::new(cpu.new_stream()),
             On::Gpu(gpu) => stream(gpu),
+        }
+    }
+
+    /// A new stream of the CPU twin as its own type (what needs the twin's host addresses, as
+    /// a transfer engine moves them), or `None` on the GPU.
+    pub fn cpu_stream(&self) -> Option<Arc<CpuBackend>> {
+        match &self.on {
+            On::Cpu(cpu) => Some(Arc::new(cpu.new_stream())),
+            On::Gpu(_) => None,
         }
     }
 

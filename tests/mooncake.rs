@@ -1,0 +1,559 @@
+//! The transport on a transfer engine that moves raw ranges (Mooncake's), as library code: a
+//! `MooncakeSender` per prefill rank and a `MooncakeReceiver` on the decode side, their side
+//! channel's frames passed as bytes, and this test playing the engine (it moves each chunk's
+//! ranges by hand: host memory copies on the CPU twin, device copies on the GPU). The decode
+//! pool must end byte-identical to the in-process reference in every mode, with statuses
+//! reported out of order; and the decode side must refuse, drop or bound everything a bad peer
+//! sends, checked before use (the module docs of `transfer::mooncake::receive`).
+//!
+//! The CPU twin runs in the adversarial stream order (and immediate); the GPU tests print
+//! SKIPPED without a GPU. Over real Mooncake engines across processes: the Python tests
+//! (python/tests/test_mooncake*_cpu.py, test_faults_mooncake_cpu.py).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::pd::{decode_pool, geometry, prefill_pool, reference, requests, Request, DECODE_PAGES, N};
+use kvshard::backend::cpu::StreamOrder;
+use kvshard::backend::Backend;
+use kvshard::error::Error;
+use kvshard::index::LocalPage;
+use kvshard::ipc::wire::ProtocolError;
+use kvshard::transfer::mooncake::wire::{self, Bounced, Frame, FrameReader, WireSection};
+use kvshard::transfer::mooncake::{
+    DecodeTarget, EngineAddresses, MooncakeChunk, MooncakeConfig, MooncakeMode, MooncakeReceiver,
+    MooncakeSender, MAX_HELD_STATUSES,
+};
+use kvshard::transfer::{ChunkResult, ChunkStatus, ComponentBytes, Finished, Registration};
+
+const SLOT_PAGES: u64 = 4;
+const SLOTS: usize = 2;
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// A device's stream and how a transfer engine addresses its memory.
+fn engine_device(device: &common::Device) -> (Arc<dyn Backend>, EngineAddresses) {
+    match device.cpu_stream() {
+        Some(cpu) => (cpu.clone(), EngineAddresses::Cpu(cpu)),
+        None => (device.stream(), EngineAddresses::Device),
+    }
+}
+
+/// The engine: moves every range of `chunk` (engine addresses) and waits until they landed.
+fn move_by_hand(chunk: &MooncakeChunk, backend: &dyn Backend, addresses: &EngineAddresses) {
+    let ranges = chunk
+        .src_addrs()
+        .iter()
+        .zip(chunk.dst_addrs())
+        .zip(chunk.lengths());
+    for ((&src, &dst), &len) in ranges {
+        match addresses {
+            // SAFETY: the ranges are the sender's and the decode pool's memory as the engine
+            // addresses it (host addresses of live CPU-twin allocations, held by the sender,
+            // the pools and the receiver for the whole test); the packing that wrote the source
+            // has run (`ready`), and nothing else touches the destination meanwhile.
+            EngineAddresses::Cpu(_) => unsafe {
+                std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len as usize)
+            },
+            // SAFETY: device memory of live allocations of this GPU, as above.
+            EngineAddresses::Device => unsafe {
+                backend.memcpy(dst, src, len as usize).expect("engine copy")
+            },
+        }
+    }
+    backend.synchronize().expect("the engine's copies landed");
+}
+
+/// One prefill rank: its sender, and the side channel's bytes from the decode.
+struct Rank {
+    sender: MooncakeSender,
+    reader: FrameReader,
+}
+
+impl Rank {
+    /// Takes what the decode sent: registrations open, frees free their slot.
+    fn take(&mut self, bytes: &[u8], layout: &kvshard::transfer::PoolLayout) {
+        let (frames, error) = self.reader.feed(bytes);
+        assert!(error.is_none(), "{error:?}");
+        for frame in frames {
+            match frame {
+                Frame::Register {
+                    request,
+                    prefix_pages,
+                    pages,
+                    state_pages,
+                } => {
+                    let registration = Registration {
+                        request,
+                        layout: layout.clone(),
+                        prefix_pages: prefix_pages as usize,
+                        pages: pages.into_iter().map(LocalPage).collect(),
+                        state_pages: state_pages.into_iter().map(LocalPage).collect(),
+                    };
+                    self.sender.open(registration).expect("open");
+                }
+                Frame::Free {
+                    slot,
+                    request,
+                    chunk,
+                } => self
+                    .sender
+                    .bounce_free(slot as usize, Some((request, chunk)))
+                    .expect("a free names the chunk its slot holds"),
+                other => panic!("the decode sent {other:?}"),
+            }
+        }
+    }
+}
+
+/// The decode side and N ranks joined over frames, every request registered.
+fn joined(
+    backend: &Arc<dyn Backend>,
+    addresses: &EngineAddresses,
+    seed: u64,
+    mode: MooncakeMode,
+    reqs: &[Request],
+) -> (MooncakeReceiver, Vec<Rank>) {
+    let mut decode = MooncakeReceiver::new(
+        decode_pool(backend.as_ref()),
+        backend.clone(),
+        addresses.clone(),
+        N,
+        SLOT_PAGES,
+        SLOTS,
+        DEADLINE,
+    )
+    .expect("receiver");
+    let mut ranks = Vec::new();
+    for rank in 0..N {
+        let hi = Frame::Hi {
+            rank,
+            shape: wire::shape_of(&geometry()),
+        };
+        let Ok((r, Frame::Hello { bases, pages, bounce, .. })) = decode.join(&hi, "decode") else {
+            panic!("rank {rank} refused");
+        };
+        assert_eq!(r, rank);
+        let config = MooncakeConfig {
+            mode,
+            bounce_pages: SLOT_PAGES,
+            ..MooncakeConfig::default()
+        };
+        let target = DecodeTarget {
+            bases,
+            pages,
+            bounces: bounce,
+        };
+        let pool = prefill_pool(backend.as_ref(), seed, rank);
+        let sender = MooncakeSender::new(pool, backend.clone(), addresses.clone(), target, config)
+            .expect("sender");
+        ranks.push(Rank {
+            sender,
+            reader: FrameReader::new(),
+        });
+    }
+    let layout = kvshard::transfer::PoolLayout::packed(geometry(), DECODE_PAGES);
+    for r in reqs {
+        let bytes = decode
+            .register(r.registration.clone(), None)
+            .expect("register");
+        for rank in &mut ranks {
+            rank.take(&bytes, &layout);
+        }
+    }
+    (decode, ranks)
+}
+
+/// Sends every request in `mode`, each rank reporting a request's statuses last chunk first;
+/// returns the decode pool's bytes once every request finished.
+fn send_all(device: &common::Device, mode: MooncakeMode) -> (Vec<u8>, u64) {
+    let (backend, addresses) = engine_device(device);
+    let seed = 7;
+    let reqs = requests(seed);
+    let (mut decode, mut ranks) = joined(&backend, &addresses, seed, mode, &reqs);
+    let layout = kvshard::transfer::PoolLayout::packed(geometry(), DECODE_PAGES);
+    let mut finished: Vec<Finished> = Vec::new();
+    let mut bounced = 0;
+    for r in &reqs {
+        for (rank, side) in ranks.iter_mut().enumerate() {
+            let mut frames = Vec::new();
+            for &end in &r.chunks {
+                let chunk = side
+                    .sender
+                    .send(r.registration.request, &r.src_pages, end)
+                    .expect("send");
+                let start = Instant::now();
+                while !chunk.ready().expect("ready") {
+                    assert!(start.elapsed() < Duration::from_secs(10), "packing never ran");
+                }
+                bounced += u64::from(chunk.slot().is_some());
+                move_by_hand(&chunk, backend.as_ref(), &addresses);
+                chunk.posted(Duration::ZERO).expect("posted");
+                chunk.landed(Duration::ZERO).expect("landed");
+                let status = chunk.poll().expect("poll").expect("landed");
+                frames.push(wire::encode(&chunk.status_frame(status)).expect("encode"));
+            }
+            // Out of order: the decode holds later chunks until the earlier ones arrive.
+            for bytes in frames.iter().rev() {
+                assert_eq!(decode.feed(rank as u32, bytes), None);
+            }
+            finished.extend(decode.poll().expect("poll"));
+            let out = decode.take_outgoing(rank as u32);
+            side.take(&out, &layout);
+        }
+    }
+    let start = Instant::now();
+    while finished.len() < reqs.len() {
+        assert!(start.elapsed() < Duration::from_secs(10), "requests never finished");
+        finished.extend(decode.poll().expect("poll"));
+        for (rank, side) in ranks.iter_mut().enumerate() {
+            side.take(&decode.take_outgoing(rank as u32), &layout);
+        }
+    }
+    assert!(finished.iter().all(Finished::is_completed), "{finished:?}");
+    assert_eq!(decode.pending_requests(), 0);
+    assert_eq!(decode.counters().dropped_statuses, 0);
+    for (rank, side) in ranks.iter().enumerate() {
+        assert_eq!(decode.busy_slots(rank as u32), 0, "a slot held on the decode side");
+        assert_eq!(side.sender.bounce_slots_free(), side.sender.bounce_slots());
+        let stats = side.sender.stats();
+        assert_eq!(stats.chunks, 9);
+        assert_eq!(stats.failed_transfers, 0);
+    }
+    let snapshot = decode
+        .pool()
+        .snapshot_sync(backend.as_ref())
+        .expect("snapshot");
+    (snapshot, bounced)
+}
+
+// Every mode moves every request byte-identical to the in-process reference, statuses of a
+// request reported last chunk first, every slot freed.
+common::on_cpu_and_gpu!(
+    every_mode_matches_the_reference_with_statuses_out_of_order,
+    [
+        StreamOrder::Immediate,
+        StreamOrder::Adversarial(1),
+        StreamOrder::Adversarial(2)
+    ],
+    |device| {
+        let want = reference(7, &requests(7));
+        for mode in [
+            MooncakeMode::Auto,
+            MooncakeMode::Coalesced,
+            MooncakeMode::Bounce,
+        ] {
+            let (got, bounced) = send_all(&device, mode);
+            assert!(got == want, "{mode:?} on {device}: differs from the reference");
+            assert_eq!(bounced > 0, mode != MooncakeMode::Coalesced, "{mode:?}");
+        }
+    }
+);
+
+fn cpu() -> (Arc<dyn Backend>, EngineAddresses) {
+    let cpu = Arc::new(kvshard::backend::cpu::CpuBackend::new());
+    (cpu.clone(), EngineAddresses::Cpu(cpu))
+}
+
+/// A decode side of N ranks, joined, with requests 1 and 2 registered (two pages each).
+fn decode_with_two_requests() -> MooncakeReceiver {
+    let (backend, addresses) = cpu();
+    let mut decode = MooncakeReceiver::new(
+        decode_pool(backend.as_ref()),
+        backend,
+        addresses,
+        N,
+        SLOT_PAGES,
+        SLOTS,
+        DEADLINE,
+    )
+    .expect("receiver");
+    for rank in 0..N {
+        let hi = Frame::Hi {
+            rank,
+            shape: wire::shape_of(&geometry()),
+        };
+        decode.join(&hi, "decode").expect("join");
+    }
+    for request in [1u64, 2] {
+        let pages: Vec<LocalPage> = (0..2).map(|p| LocalPage(10 * request + p)).collect();
+        let registration = Registration {
+            request,
+            layout: kvshard::transfer::PoolLayout::packed(geometry(), DECODE_PAGES),
+            prefix_pages: 0,
+            pages: pages.clone(),
+            state_pages: pages,
+        };
+        decode.register(registration, None).expect("register");
+    }
+    decode
+}
+
+fn status(request: u64, rank: u32, chunk: u32, last: bool) -> ChunkStatus {
+    ChunkStatus {
+        request,
+        rank,
+        chunk,
+        result: ChunkResult::Sent {
+            bytes: ComponentBytes::default(),
+            last,
+        },
+    }
+}
+
+fn frame(status: ChunkStatus, bounced: Option<(u32, Vec<u64>)>) -> Vec<u8> {
+    let bounced = bounced.map(|(slot, pages)| Bounced {
+        slot,
+        sections: vec![WireSection {
+            components: vec![0],
+            pages,
+        }],
+    });
+    wire::encode(&Frame::Status { status, bounced }).expect("encode")
+}
+
+/// Polls until `n` requests finished.
+fn finish(decode: &mut MooncakeReceiver, n: usize) -> Vec<Finished> {
+    let mut out = Vec::new();
+    let start = Instant::now();
+    while out.len() < n {
+        assert!(start.elapsed() < Duration::from_secs(5), "{out:?}");
+        out.extend(decode.poll().expect("poll"));
+    }
+    out.sort_by_key(Finished::request);
+    out
+}
+
+fn failed_ranks(f: &Finished) -> Vec<u32> {
+    match &f.outcome {
+        kvshard::transfer::Outcome::Completed => Vec::new(),
+        kvshard::transfer::Outcome::Failed(fs) => fs.iter().map(|f| f.rank).collect(),
+    }
+}
+
+#[test]
+fn a_bad_frame_ends_its_rank_after_the_good_frames_before_it() {
+    let mut decode = decode_with_two_requests();
+    let mut bytes = frame(status(1, 1, 0, true), None);
+    bytes.extend(b"KVSM\x01\x00\x00\x00\x03\x00\x00\x00\xff\xff\xff");
+    bytes.extend(frame(status(2, 1, 0, true), None));
+    assert!(decode.feed(1, &bytes).is_some());
+    assert!(decode.gone(1).is_some_and(|w| w.contains("protocol violation")));
+    assert_eq!(decode.counters().refused_frames, 1);
+    // Rank 1's later bytes are not read; rank 0 is still served.
+    assert_eq!(decode.feed(1, &frame(status(2, 1, 0, true), None)), None);
+    let mut ok = frame(status(1, 0, 0, true), None);
+    ok.extend(frame(status(2, 0, 0, true), None));
+    assert_eq!(decode.feed(0, &ok), None);
+    let done = finish(&mut decode, 2);
+    assert!(done[0].is_completed(), "the good status before the bad frame was kept");
+    assert_eq!(failed_ranks(&done[1]), vec![1]);
+    assert_eq!(decode.pending_requests(), 0);
+}
+
+#[test]
+fn a_status_is_checked_before_use_and_a_bad_one_ends_its_rank() {
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("another rank's chunk", frame(status(1, 0, 0, true), None)),
+        (
+            "a slot out of range",
+            frame(status(1, 1, 0, true), Some((SLOTS as u32, vec![11]))),
+        ),
+        (
+            "a page outside the pool",
+            frame(status(1, 1, 0, true), Some((0, vec![DECODE_PAGES]))),
+        ),
+        (
+            "more pages than the slot holds",
+            frame(
+                status(1, 1, 0, true),
+                Some((0, (1..=SLOT_PAGES + 1).collect())),
+            ),
+        ),
+        ("a frame a rank never sends", {
+            wire::encode(&Frame::Register {
+                request: 9,
+                prefix_pages: 0,
+                pages: vec![1],
+                state_pages: vec![1],
+            })
+            .expect("encode")
+        }),
+        ("a slot still held", {
+            let mut b = frame(status(1, 1, 0, false), Some((0, vec![11])));
+            b.extend(frame(status(2, 1, 0, true), Some((0, vec![21]))));
+            b
+        }),
+    ];
+    for (what, bytes) in cases {
+        let mut decode = decode_with_two_requests();
+        assert!(decode.feed(1, &bytes).is_some(), "{what}: accepted");
+        assert_eq!(decode.counters().refused_frames, 1, "{what}");
+        let mut ok = frame(status(1, 0, 0, true), None);
+        ok.extend(frame(status(2, 0, 0, true), None));
+        assert_eq!(decode.feed(0, &ok), None);
+        let done = finish(&mut decode, 2);
+        assert!(
+            done.iter().all(|f| failed_ranks(f) == vec![1]),
+            "{what}: {done:?}"
+        );
+        assert_eq!(decode.busy_slots(1), 0, "{what}");
+    }
+}
+
+#[test]
+fn statuses_of_unknown_requests_and_duplicates_are_dropped_and_counted_not_held() {
+    let mut decode = decode_with_two_requests();
+    let mut flood = Vec::new();
+    for request in 100..5100u64 {
+        flood.extend(frame(status(request, 0, 0, true), None));
+    }
+    // An unknown bounced status: its slot is freed, for exactly that chunk.
+    flood.extend(frame(status(99, 0, 3, true), Some((1, vec![5]))));
+    assert_eq!(decode.feed(0, &flood), None);
+    let c = decode.counters();
+    assert_eq!((c.dropped_statuses, c.freed_for_dropped, c.refused_frames), (5001, 1, 0));
+    let (frames, _) = FrameReader::new().feed(&decode.take_outgoing(0));
+    assert_eq!(
+        frames,
+        vec![Frame::Free {
+            slot: 1,
+            request: 99,
+            chunk: 3
+        }]
+    );
+    // Duplicates (of a held and of a taken chunk) and a reordered pair.
+    let mut b = frame(status(1, 0, 1, true), None);
+    b.extend(frame(status(1, 0, 1, true), None));
+    b.extend(frame(status(1, 0, 0, false), None));
+    b.extend(frame(status(1, 0, 0, false), None));
+    assert_eq!(decode.feed(0, &b), None);
+    assert_eq!(decode.feed(1, &frame(status(1, 1, 0, true), None)), None);
+    let done = finish(&mut decode, 1);
+    assert!(done[0].is_completed());
+    assert_eq!(decode.counters().dropped_statuses, 5003);
+}
+
+#[test]
+fn statuses_waiting_for_an_earlier_chunk_are_bounded() {
+    let mut decode = decode_with_two_requests();
+    let mut b = Vec::new();
+    for chunk in 1..=MAX_HELD_STATUSES as u32 {
+        b.extend(frame(status(1, 1, chunk, false), None));
+    }
+    assert_eq!(decode.feed(1, &b), None, "up to the bound is held");
+    let err = decode.feed(1, &frame(status(1, 1, 5000, false), None));
+    assert!(matches!(err, Some(ProtocolError::Invalid { .. })), "{err:?}");
+    assert_eq!(decode.feed(0, &frame(status(1, 0, 0, true), None)), None);
+    assert_eq!(decode.feed(0, &frame(status(2, 0, 0, true), None)), None);
+    let done = finish(&mut decode, 2);
+    assert!(done.iter().all(|f| failed_ranks(f) == vec![1]));
+}
+
+#[test]
+fn an_overdue_request_is_aborted_and_handed_back_once_the_rank_says_aborted() {
+    let (backend, addresses) = cpu();
+    let mut decode = MooncakeReceiver::new(
+        decode_pool(backend.as_ref()),
+        backend,
+        addresses,
+        N,
+        SLOT_PAGES,
+        SLOTS,
+        Duration::from_millis(50),
+    )
+    .expect("receiver");
+    for rank in 0..N {
+        let hi = Frame::Hi {
+            rank,
+            shape: wire::shape_of(&geometry()),
+        };
+        decode.join(&hi, "decode").expect("join");
+    }
+    let pages = vec![LocalPage(3), LocalPage(4)];
+    let registration = Registration {
+        request: 1,
+        layout: kvshard::transfer::PoolLayout::packed(geometry(), DECODE_PAGES),
+        prefix_pages: 0,
+        pages: pages.clone(),
+        state_pages: pages,
+    };
+    decode.register(registration, None).expect("register");
+    // Rank 0 reports; rank 1's status is lost on the way.
+    assert_eq!(decode.feed(0, &frame(status(1, 0, 0, true), None)), None);
+    std::thread::sleep(Duration::from_millis(60));
+    assert!(decode.poll().expect("poll").is_empty());
+    let overdue = decode.expire();
+    assert_eq!(overdue.len(), 1);
+    assert_eq!(overdue[0].missing.len(), 1);
+    assert_eq!(overdue[0].missing[0].rank, 1);
+    let (aborts, _) = FrameReader::new().feed(&decode.take_outgoing(1));
+    assert!(matches!(aborts.as_slice(), [Frame::Abort { request: 1, .. }]));
+    assert!(decode.take_outgoing(0).is_empty(), "rank 0 owes nothing");
+    // Held until rank 1 says it has nothing of the request in flight.
+    assert!(decode.poll().expect("poll").is_empty());
+    let aborted = wire::encode(&Frame::Aborted { request: 1 }).expect("encode");
+    assert_eq!(decode.feed(1, &aborted), None);
+    let done = finish(&mut decode, 1);
+    let failed = failed_ranks(&done[0]);
+    assert!(!failed.is_empty() && failed.iter().all(|&r| r == 1), "{failed:?}");
+    assert_eq!(decode.pending_requests(), 0);
+}
+
+#[test]
+fn a_sender_frees_a_slot_only_for_the_chunk_it_holds_once_the_engine_reported_it() {
+    let (backend, addresses) = cpu();
+    let reqs = requests(7);
+    let (_decode, mut ranks) = joined(&backend, &addresses, 7, MooncakeMode::Bounce, &reqs);
+    let sender = &mut ranks[0].sender;
+    let r = &reqs[0];
+    let chunk = sender
+        .send(r.registration.request, &r.src_pages, r.chunks[0])
+        .expect("send");
+    let slot = chunk.slot().expect("bounced");
+    let moving = sender.bounce_free(slot, Some((r.registration.request, chunk.chunk())));
+    assert!(matches!(moving, Err(Error::InvalidArgument(_))), "{moving:?}");
+    chunk.landed(Duration::ZERO).expect("landed");
+    assert!(chunk.landed(Duration::ZERO).is_err(), "reported twice");
+    let other = sender.bounce_free(slot, Some((r.registration.request, chunk.chunk() + 1)));
+    assert!(matches!(other, Err(Error::InvalidArgument(_))), "{other:?}");
+    assert_eq!(sender.bounce_slots_free(), SLOTS - 1);
+    sender
+        .bounce_free(slot, Some((r.registration.request, chunk.chunk())))
+        .expect("free");
+    assert!(sender.bounce_free(slot, None).is_err(), "free already");
+    assert!(sender.bounce_free(SLOTS, None).is_err(), "out of range");
+    assert!(chunk.poll().expect("poll").is_some());
+}
+
+#[test]
+fn a_chunk_the_engine_never_reports_fails_at_its_transfer_timeout() {
+    let (backend, addresses) = cpu();
+    let pool = prefill_pool(backend.as_ref(), 7, 0);
+    let (_, bases) = kvshard::transfer::mooncake::pool_memory(
+        &decode_pool(backend.as_ref()),
+        &addresses,
+    )
+    .expect("memory");
+    let config = MooncakeConfig {
+        transfer_timeout: Duration::from_millis(30),
+        ..MooncakeConfig::default()
+    };
+    let target = DecodeTarget {
+        bases,
+        pages: DECODE_PAGES,
+        bounces: Vec::new(),
+    };
+    let mut sender =
+        MooncakeSender::new(pool, backend, addresses, target, config).expect("sender");
+    let r = &requests(7)[0];
+    sender.open(r.registration.clone()).expect("open");
+    let chunk = sender
+        .send(r.registration.request, &r.src_pages, r.chunks[0])
+        .expect("send");
+    assert!(chunk.poll().expect("moving").is_none());
+    std::thread::sleep(Duration::from_millis(40));
+    assert!(matches!(chunk.poll(), Err(Error::ChunkFailed { .. })));
+    assert_eq!(sender.stats().failed_transfers, 1);
+}
