@@ -19,10 +19,7 @@
 
 mod common;
 
-use common::pd::{
-    decode_pool, geometry, page_of, prefill_pool, reference, requests, Request, DECODE_PAGES, N,
-    PREFILL_PAGES,
-};
+use common::pd::{decode_pool, geometry, page_of, prefill_pool, reference, requests, N};
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -30,11 +27,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::synth::POISON;
 use kvshard::backend::cpu::{CpuBackend, StreamOrder};
 use kvshard::backend::cuda::CudaBackend;
-use kvshard::backend::Backend;
-use kvshard::copy::{BlockSpace, RemoteSpace};
 use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry};
 use kvshard::gpu::Gpu;
 use kvshard::index::{LocalPage, LogicalPage};
@@ -44,12 +38,10 @@ use kvshard::pool::DevicePool;
 use kvshard::shard::Placement;
 use kvshard::transfer::nixl::{NixlBackend, NixlConfig, NixlMode, NixlTarget, NixlTransport};
 use kvshard::transfer::{
-    BackendTransport, ChunkEnd, ChunkStatus, Finished, MissingChunks, Outcome, PendingChunk,
+    ChunkEnd, ChunkStatus, Finished, MissingChunks, Outcome, PendingChunk,
     PoolLayout, Registration, Sender, DEFAULT_DEADLINE,
 };
-use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
-use rand::{Rng, RngCore, SeedableRng};
+use rand::Rng;
 
 const CHILD: &str = "KVSHARD_NIXL_CHILD";
 const SOCKET: &str = "KVSHARD_NIXL_SOCKET";
