@@ -493,8 +493,22 @@ fn an_overdue_request_is_aborted_and_handed_back_once_the_rank_says_aborted() {
     assert!(decode.take_outgoing(0).is_empty(), "rank 0 owes nothing");
     // Held until rank 1 says it has nothing of the request in flight.
     assert!(decode.poll().expect("poll").is_empty());
-    let aborted = wire::encode(&Frame::Aborted { request: 1 }).expect("encode");
+    // It still holds slot 1 for chunk 0, whose status never came: the decode frees it.
+    let aborted = wire::encode(&Frame::Aborted {
+        request: 1,
+        held: vec![(1, 0)],
+    })
+    .expect("encode");
     assert_eq!(decode.feed(1, &aborted), None);
+    let (frees, _) = FrameReader::new().feed(&decode.take_outgoing(1));
+    assert_eq!(
+        frees,
+        vec![Frame::Free {
+            slot: 1,
+            request: 1,
+            chunk: 0
+        }]
+    );
     let done = finish(&mut decode, 1);
     let failed = failed_ranks(&done[0]);
     assert!(!failed.is_empty() && failed.iter().all(|&r| r == 1), "{failed:?}");

@@ -763,6 +763,12 @@ class MooncakePrefill:
             self._report(status, c)
             out.append(status)
         self._answer_aborts()
+        if self.gone:
+            # No decode side scatters a slot any more: each whose chunk the engine is done with
+            # may take a chunk again (for a decode met later).
+            for slot in range(self.sender.bounce_slots):
+                with contextlib.suppress(InvalidArgumentError):
+                    self.sender.bounce_free(slot)
         return out
 
     def _answer_aborts(self) -> None:
@@ -771,7 +777,9 @@ class MooncakePrefill:
         moving = {f.chunk.request for f in self._flights}
         for request in [r for r in self._aborts if r not in moving]:
             del self._aborts[request]
-            self._send(_k.side_frame({"t": "aborted", "request": request}))
+            # The slots its chunks still hold: the decode frees those whose statuses it never got.
+            held = self.sender.held_slots(request)
+            self._send(_k.side_frame({"t": "aborted", "request": request, "held": held}))
 
     def _free_failed(self, flight: _Flight) -> None:
         """Frees a failed chunk's bounce slot once (the engine no longer reads it)."""

@@ -496,6 +496,11 @@ impl PyMooncakeSender {
         lock(&self.inner).bounce_free(slot, holder).py_err()
     }
 
+    /// `[(slot, chunk)]` of each bounce slot holding a chunk of `request`.
+    fn held_slots(&self, request: u64) -> Vec<(usize, u32)> {
+        lock(&self.inner).held_slots(request)
+    }
+
     /// Bounce slots (0: this sender never bounces).
     #[getter]
     fn bounce_slots(&self) -> usize {

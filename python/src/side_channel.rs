@@ -6,7 +6,7 @@
 //! `shape`), `hello` (`engine`, `bases`, `pages`, `bounce`), `refused` (`why`), `register`
 //! (`request`, `prefix_pages`, `pages`, `state_pages`), `free` (`slot`, `request`, `chunk`),
 //! `status` (`status`, a `ChunkStatus`; `slot` and `sections` when bounced), `abort`
-//! (`request`, `reason`), `aborted` (`request`).
+//! (`request`, `reason`), `aborted` (`request`, `held`: the `(slot, chunk)` still held).
 
 use std::collections::BTreeMap;
 
@@ -92,6 +92,7 @@ fn frame_of(d: &Bound<'_, PyDict>) -> PyResult<Frame> {
         },
         "aborted" => Frame::Aborted {
             request: field(d, "request")?,
+            held: field(d, "held")?,
         },
         other => return Err(invalid(format!("a side-channel frame of kind {other:?}"))),
     })
@@ -166,9 +167,10 @@ fn dict_of<'py>(py: Python<'py>, frame: Frame) -> PyResult<Bound<'py, PyDict>> {
             d.set_item("request", request)?;
             d.set_item("reason", reason)?;
         }
-        Frame::Aborted { request } => {
+        Frame::Aborted { request, held } => {
             d.set_item("t", "aborted")?;
             d.set_item("request", request)?;
+            d.set_item("held", held)?;
         }
     }
     Ok(d)

@@ -8,10 +8,15 @@ decode process can compute the in-process reference (the same requests sent by
 Run as ``python mooncake_procs.py ROLE DIR SEED [RANK]``: ROLE is ``decode``, ``prefill``, or
 ``prefill-die`` (rank 1 kills itself with SIGKILL in the middle of request ``DIES_IN``), or
 ``decode-die`` (the decode kills itself with SIGKILL once the first request has finished, the
-others moving); DIR holds the decode's address (``decode.addr``) and each process's report
+others moving), or ``prefill-reconnect`` (once its decode is gone, the rank connects again, to
+the decode of session 2, and sends every request again); DIR holds the decode's address
+(``decode.addr``; ``decodeS.addr`` for session S) and each process's report
 (``ROLE-RANK.json``). ``KVSHARD_MC_PACE`` spaces a prefill's chunks by that many seconds,
-``KVSHARD_MC_TIMEOUT`` is its transfer timeout. The mode is ``KVSHARD_MC_MODE`` (auto, coalesced, bounce), the device
-``KVSHARD_MC_DEVICE`` (cpu, or a CUDA ordinal).
+``KVSHARD_MC_TIMEOUT`` is its transfer timeout, ``KVSHARD_MC_CONNECT`` the address file it
+reads (a fault-injecting proxy's, say). The decode's deadline is ``KVSHARD_MC_DEADLINE``, its
+session ``KVSHARD_MC_SESSION`` (its address file and report are named for it). The mode is
+``KVSHARD_MC_MODE`` (auto, coalesced, bounce), the device ``KVSHARD_MC_DEVICE`` (cpu, or a
+CUDA ordinal).
 """
 
 import json
@@ -150,6 +155,26 @@ def reference(seed):
     return dst.snapshot()
 
 
+def page_bytes(snapshot, page):
+    """Page ``page`` of every layer of a decode pool snapshot (``DevicePool.snapshot``'s
+    order: component by component, layer by layer, ``DECODE_PAGES`` blocks each)."""
+    out = []
+    at = 0
+    for c in geometry().components():
+        layer = DECODE_PAGES * c.block_bytes
+        for lyr in range(c.layers):
+            start = at + lyr * layer + page * c.block_bytes
+            out.append(snapshot[start : start + c.block_bytes])
+        at += c.layers * layer
+    return b"".join(out)
+
+
+def wrong_pages(snapshot, ref, registration):
+    """Pages of ``registration`` whose bytes differ from the reference's."""
+    pages = set(registration.pages) | set(registration.state_pages)
+    return sum(page_bytes(snapshot, p) != page_bytes(ref, p) for p in pages)
+
+
 def report(dir, name, data):
     tmp = Path(dir) / f"{name}.tmp"
     tmp.write_text(json.dumps(data))
@@ -159,9 +184,11 @@ def report(dir, name, data):
 def decode_main(dir, seed, die):
     dev = device()
     pool = decode_pool(dev)
-    dec = mooncake.MooncakeDecode(pool, N, bounce_pages=BOUNCE_PAGES, deadline=DEADLINE)
-    (Path(dir) / "decode.addr.tmp").write_text(json.dumps(list(dec.address)))
-    (Path(dir) / "decode.addr.tmp").rename(Path(dir) / "decode.addr")
+    deadline = float(os.environ.get("KVSHARD_MC_DEADLINE", DEADLINE))
+    session = os.environ.get("KVSHARD_MC_SESSION", "")
+    dec = mooncake.MooncakeDecode(pool, N, bounce_pages=BOUNCE_PAGES, deadline=deadline)
+    (Path(dir) / f"decode{session}.addr.tmp").write_text(json.dumps(list(dec.address)))
+    (Path(dir) / f"decode{session}.addr.tmp").rename(Path(dir) / f"decode{session}.addr")
     dec.accept_sync()
     reqs = requests(seed)
     for reg, _, _ in reqs:
@@ -170,7 +197,7 @@ def decode_main(dir, seed, die):
     overdue = []
     gone_at = {}
     start = time.monotonic()
-    while len(results) + len(overdue) < len(reqs):
+    while len(results) < len(reqs):
         if time.monotonic() - start > LOOP_BOUND:
             break
         finished, late = dec.poll()
@@ -191,24 +218,37 @@ def decode_main(dir, seed, die):
         time.sleep(0.0005)
     snap = dec.pool.snapshot()
     ref = reference(seed)
+    for reg, _, _ in reqs:
+        r = results.get(reg.request)
+        if r is not None and r["completed"]:
+            r["wrong_pages"] = wrong_pages(snap, ref, reg)
     report(
         dir,
-        "decode-0",
+        f"decode{session}-0",
         {
             "results": results,
             "overdue": overdue,
-            "pending": dec.receiver.pending_requests,
+            "pending": dec.pending_requests,
             "identical": snap == ref,
             "gone_at": gone_at,
+            "busy_slots": [dec.receiver.busy_slots(r) for r in range(N)],
+            "counters": dec.counters(),
         },
     )
     dec.close()
 
 
-def prefill_main(dir, seed, rank, die):
+def prefill_main(dir, seed, rank, die, reconnect=False):
     dev = device()
     pool, _keep = prefill_pool(dev, seed, rank)
-    addr_file = Path(dir) / "decode.addr"
+    prefill_session(dir, seed, rank, die, pool, os.environ.get("KVSHARD_MC_CONNECT", "decode.addr"), "prefill")
+    if reconnect:
+        # The decode of session 1 is gone; the same rank serves the decode of session 2.
+        prefill_session(dir, seed, rank, False, pool, "decode2.addr", "prefill2")
+
+
+def prefill_session(dir, seed, rank, die, pool, addr_name, name):
+    addr_file = Path(dir) / addr_name
     end = time.monotonic() + 60
     while not addr_file.exists():
         if time.monotonic() > end:
@@ -253,7 +293,7 @@ def prefill_main(dir, seed, rank, die):
         time.sleep(0.0005)
     report(
         dir,
-        f"prefill-{rank}",
+        f"{name}-{rank}",
         {
             "statuses": statuses,
             "errors": errors,
@@ -263,12 +303,28 @@ def prefill_main(dir, seed, rank, die):
             "at": time.time(),
         },
     )
-    # Stay until the decode has read everything (it closes first).
+    # Stay until the decode has read everything (it closes first), answering its aborts and
+    # taking its frees meanwhile.
     end = time.monotonic() + 30
     while not pre.gone and time.monotonic() < end:
         pre.progress()
         time.sleep(0.01)
+    # Every failed chunk's slot is freed once the engine is done with it.
+    end = time.monotonic() + 10
+    while pre.sender.bounce_slots_free < pre.sender.bounce_slots and time.monotonic() < end:
+        pre.progress()
+        time.sleep(0.01)
     pre.close()
+    report(
+        dir,
+        f"{name}-{rank}-closed",
+        {
+            "slots_free": pre.sender.bounce_slots_free,
+            "slots": pre.sender.bounce_slots,
+            "in_flight": pre.in_flight,
+            "refused": pre.refused,
+        },
+    )
 
 
 if __name__ == "__main__":
@@ -276,4 +332,4 @@ if __name__ == "__main__":
     if role.startswith("decode"):
         decode_main(dir, seed, role == "decode-die")
     else:
-        prefill_main(dir, seed, int(sys.argv[4]), role == "prefill-die")
+        prefill_main(dir, seed, int(sys.argv[4]), role == "prefill-die", role == "prefill-reconnect")

@@ -349,10 +349,7 @@ impl MooncakeReceiver {
     fn take(&mut self, rank: u32, frame: Frame) -> std::result::Result<(), ProtocolError> {
         match frame {
             Frame::Status { status, bounced } => self.status(rank, status, bounced),
-            Frame::Aborted { request } => {
-                self.aborted(rank, request);
-                Ok(())
-            }
+            Frame::Aborted { request, held } => self.aborted(rank, request, &held),
             other => Err(ProtocolError::Unexpected {
                 expected: "Status or Aborted",
                 got: other.name(),
@@ -525,17 +522,42 @@ impl MooncakeReceiver {
         }
     }
 
-    /// `rank` gave `request` up: no status of it follows, nothing of it is in flight.
-    fn aborted(&mut self, rank: u32, request: u64) {
+    /// `rank` gave `request` up: no status of it follows, nothing of it is in flight. The
+    /// slots it still holds for the request that this side is not scattering are freed (their
+    /// statuses never came).
+    fn aborted(
+        &mut self,
+        rank: u32,
+        request: u64,
+        held: &[(u32, u32)],
+    ) -> std::result::Result<(), ProtocolError> {
+        let slots = self.ranks[rank as usize].busy.len();
+        if let Some(&(slot, _)) = held.iter().find(|&&(s, _)| s as usize >= slots) {
+            return Err(ProtocolError::Invalid {
+                message: "Aborted",
+                why: format!("bounce slot {slot} of rank {rank}, which has {slots}"),
+            });
+        }
+        for &(slot, chunk) in held {
+            if self.ranks[rank as usize].busy[slot as usize].is_none() {
+                self.counters.freed_for_dropped += 1;
+                let free = Frame::Free {
+                    slot,
+                    request,
+                    chunk,
+                };
+                self.send(rank, &free);
+            }
+        }
         let Some(progress) = self
             .requests
             .get(&request)
             .and_then(|p| p.get(rank as usize))
         else {
-            return;
+            return Ok(());
         };
         if progress.done {
-            return;
+            return Ok(());
         }
         let chunk = progress.next;
         self.discard_held(request, rank);
@@ -559,6 +581,7 @@ impl MooncakeReceiver {
             p.done = true;
         }
         self.ranks[rank as usize].queue.push_back(failed);
+        Ok(())
     }
 
     /// Takes every status whose scatter has run (freeing its slot), fails the requests of gone

@@ -620,6 +620,19 @@ impl MooncakeSender {
         Ok(())
     }
 
+    /// `(slot, chunk)` of each bounce slot holding a chunk of `request`.
+    pub fn held_slots(&self, request: u64) -> Vec<(usize, u32)> {
+        lock(&self.shared)
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                let h = s.holder.as_ref()?;
+                (h.request == request).then_some((i, h.chunk))
+            })
+            .collect()
+    }
+
     /// Bounce slots (0: this sender never bounces).
     pub fn bounce_slots(&self) -> usize {
         lock(&self.shared).slots.len()

@@ -149,6 +149,9 @@ pub enum Frame {
     Aborted {
         /// Request id.
         request: u64,
+        /// `(slot, chunk)` of each bounce slot still holding a chunk of the request: the decode
+        /// frees those it is not scattering (their statuses never reached it).
+        held: Vec<(u32, u32)>,
     },
 }
 
@@ -434,7 +437,10 @@ mod tests {
                 request: 7,
                 reason: "late".into(),
             },
-            Frame::Aborted { request: 7 },
+            Frame::Aborted {
+                request: 7,
+                held: vec![(1, 2)],
+            },
         ]
     }
 
@@ -459,7 +465,11 @@ mod tests {
 
     #[test]
     fn a_bad_frame_ends_the_stream_after_the_good_ones_before_it() {
-        let good = encode(&Frame::Aborted { request: 1 }).unwrap();
+        let good = encode(&Frame::Aborted {
+            request: 1,
+            held: Vec::new(),
+        })
+        .unwrap();
         let mut bad_magic = good.clone();
         bad_magic[0] = b'X';
         let mut bad_version = good.clone();
