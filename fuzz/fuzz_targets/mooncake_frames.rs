@@ -9,7 +9,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use arbitrary::Arbitrary;
 use kvshard::backend::cpu::{CpuBackend, StreamOrder};
 use kvshard::backend::Backend;
 use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry};
@@ -21,12 +20,6 @@ use kvshard::transfer::mooncake::{EngineAddresses, MooncakeReceiver};
 use kvshard::transfer::{ChunkResult, ChunkStatus, ComponentBytes, PoolLayout, Registration};
 use libfuzzer_sys::fuzz_target;
 
-#[derive(Debug, Arbitrary)]
-struct Input {
-    /// Sizes of the pieces the bytes arrive in.
-    splits: Vec<u16>,
-    bytes: Vec<u8>,
-}
 
 const PAGES: u64 = 16;
 
@@ -69,15 +62,20 @@ fn receiver() -> MooncakeReceiver {
     r
 }
 
-fuzz_target!(|input: Input| {
+// The first byte sets the size of the pieces the rest arrives in (1 to 256 bytes), so a
+// corpus entry is that byte and a stream of frames as a peer sends them.
+fuzz_target!(|data: &[u8]| {
+    let Some((&split, bytes)) = data.split_first() else {
+        return;
+    };
+    let piece_len = usize::from(split) + 1;
     let mut reader = FrameReader::new();
     let mut decode = receiver();
     let mut at = 0usize;
-    let mut splits = input.splits.iter().map(|&s| usize::from(s).max(1)).chain(std::iter::repeat(64));
     let mut broken = false;
-    while at < input.bytes.len() {
-        let n = splits.next().unwrap_or(64).min(input.bytes.len() - at);
-        let piece = &input.bytes[at..at + n];
+    while at < bytes.len() {
+        let n = piece_len.min(bytes.len() - at);
+        let piece = &bytes[at..at + n];
         at += n;
         let (frames, error) = reader.feed(piece);
         assert!(reader.buffered() <= HEADER_BYTES + MAX_FRAME_BYTES);
