@@ -138,6 +138,8 @@ pub struct DecodeEndpoint {
     /// Failed requests waiting for gone ranks' processes to exit.
     held: Vec<(Finished, Vec<Process>)>,
     backlog: Vec<DecodeEvent>,
+    /// Statuses dropped: repeats, and those of requests no longer open.
+    dropped: u64,
 }
 
 impl std::fmt::Debug for DecodeEndpoint {
@@ -179,6 +181,7 @@ impl DecodeEndpoint {
             requests: HashMap::new(),
             held: Vec::new(),
             backlog: Vec::new(),
+            dropped: 0,
         })
     }
 
@@ -368,6 +371,12 @@ impl DecodeEndpoint {
         self.requests.len() + self.held.len()
     }
 
+    /// Statuses dropped so far: repeats of a chunk already taken, and statuses of requests no
+    /// longer open (a rank's late answer to a request that failed).
+    pub fn dropped_statuses(&self) -> u64 {
+        self.dropped
+    }
+
     /// Blocks the host up to `timeout` (zero: not at all) for something to happen and returns
     /// what did (empty when nothing did): ranks joining or going, requests finishing or overdue.
     /// Call it regularly: it also accepts connections, takes statuses whose copies have landed,
@@ -506,16 +515,17 @@ impl DecodeEndpoint {
                         status.rank
                     ));
                 }
-                if !self.requests.contains_key(&status.request) {
-                    return Err(format!(
-                        "protocol violation: a status of request {}, which is not open",
-                        status.request
-                    ));
-                }
                 let link = &mut self.links[i];
                 let slot = (!link.events.is_empty())
                     .then(|| (link.covered % link.events.len() as u64) as usize);
+                // Counted even when dropped: the rank recorded an event for it.
                 link.covered += 1;
+                if !self.requests.contains_key(&status.request) {
+                    // Of a request this side is done with (a late or repeated status): nothing
+                    // to take, nothing held.
+                    self.dropped += 1;
+                    return Ok(());
+                }
                 link.waiting.push_back(Waiting::Status(status, slot));
                 Ok(())
             }
@@ -609,10 +619,19 @@ impl DecodeEndpoint {
     }
 
     /// Gives one status to the receiver; a finished request is handed back, or held while a gone
-    /// rank's process may still write its pages.
+    /// rank's process may still write its pages. A status of a chunk already taken (a repeat),
+    /// or of a request no longer open, is dropped and counted.
     fn feed(&mut self, status: ChunkStatus, out: &mut Vec<DecodeEvent>) -> Result<()> {
         let (request, rank, terminal) =
             (status.request, status.rank as usize, status.is_terminal());
+        let repeat = self.requests.get(&request).is_none_or(|o| {
+            o.done.get(rank).is_none_or(|&done| done)
+                || o.next_chunk.get(rank).is_some_and(|&next| status.chunk < next)
+        });
+        if repeat {
+            self.dropped += 1;
+            return Ok(());
+        }
         let finished = self.receiver.receive(status)?;
         if let Some(open) = self.requests.get_mut(&request) {
             open.next_chunk[rank] += 1;

@@ -113,6 +113,9 @@ pub struct PrefillEndpoint {
     landing: VecDeque<PendingChunk>,
     closed: Option<String>,
     backlog: Vec<PrefillEvent>,
+    /// Aborts from the decode not answered yet: each is answered once no chunk of its request
+    /// waits to be reported (an answer must follow every status of the request).
+    aborts: Vec<(u64, String)>,
 }
 
 impl std::fmt::Debug for PrefillEndpoint {
@@ -184,6 +187,7 @@ impl PrefillEndpoint {
             landing: VecDeque::new(),
             closed: None,
             backlog: Vec::new(),
+            aborts: Vec::new(),
         })
     }
 
@@ -260,6 +264,7 @@ impl PrefillEndpoint {
         let start = Instant::now();
         let mut out = std::mem::take(&mut self.backlog);
         self.report_landed(!timeout.is_zero())?;
+        self.answer_aborts();
         loop {
             self.check_inflight();
             out.append(&mut self.backlog);
@@ -438,13 +443,10 @@ impl PrefillEndpoint {
             }
             Message::Register(reg) => self.register(reg),
             Message::Abort { request, reason } => {
-                let known = self.registered.contains_key(&request) || self.open.contains(&request);
-                if known {
-                    let result = self.abort(request, &reason);
-                    if result.is_ok() {
-                        self.backlog.push(PrefillEvent::Aborted { request, reason });
-                    }
+                if !self.aborts.iter().any(|(r, _)| *r == request) {
+                    self.aborts.push((request, reason));
                 }
+                self.answer_aborts();
             }
             Message::Bye => self.close("the decode said Bye".into()),
             other => self.close(format!(
@@ -503,6 +505,44 @@ impl PrefillEndpoint {
         }
     }
 
+    /// Answers each abort from the decode whose request has no chunk waiting to be reported:
+    /// a request registered or being sent is aborted here (its failed status is the answer);
+    /// one this rank is done with (its last status went out, or never reached the decode) is
+    /// answered with an `Abort` back, which the decode takes as the rank's last status for it.
+    fn answer_aborts(&mut self) {
+        let mut i = 0;
+        while i < self.aborts.len() {
+            let request = self.aborts[i].0;
+            if self.landing.iter().any(|p| p.request() == request) {
+                i += 1;
+                continue;
+            }
+            let (request, reason) = self.aborts.remove(i);
+            let known = self.registered.contains_key(&request) || self.open.contains(&request);
+            let answered = if known {
+                self.abort(request, &reason)
+            } else {
+                let answer = Message::Abort {
+                    request,
+                    reason: format!("prefill rank {} is not sending it", self.rank()),
+                };
+                match self.channel.as_mut().map(|c| c.send(&answer)) {
+                    Some(Err(e)) => {
+                        self.close(e.to_string());
+                        Err(Error::PeerGone {
+                            rank: Some(0),
+                            why: "the decode is gone".into(),
+                        })
+                    }
+                    _ => Ok(()),
+                }
+            };
+            if answered.is_ok() && known {
+                self.backlog.push(PrefillEvent::Aborted { request, reason });
+            }
+        }
+    }
+
     /// Drops chunks whose copies have landed; a copy that failed after it was reported closes
     /// the endpoint (its status is out already, and the device state is in doubt).
     fn check_inflight(&mut self) {
@@ -544,6 +584,7 @@ impl PrefillEndpoint {
                 Err(e) => return Err(self.failed_chunk(request, e)),
             }
         }
+        self.answer_aborts();
         Ok(())
     }
 
@@ -578,6 +619,7 @@ impl PrefillEndpoint {
         }
         self.pools.clear();
         self.channel = None;
+        self.aborts.clear();
         self.closed = Some(why.clone());
         self.backlog.push(PrefillEvent::Closed { why, failed });
     }

@@ -1,0 +1,682 @@
+//! The fault-injection suite's transport cases (`fault_*`, each reporting its `Tally`; run with
+//! `--nocapture` for the lines): P/D across processes on the CPU twin, a decode process and
+//! N = 2 prefill processes meeting through `DecodeEndpoint` and `PrefillEndpoint` over the
+//! control channel (`kvshard::ipc`), moving the random requests of tests/common/pd.rs. Faults:
+//! a prefill rank killed mid-chunk, the decode killed mid-chunk, chunk statuses dropped,
+//! duplicated, delayed and reordered by a proxy process between a rank and the decode (it
+//! speaks the control channel both ways, descriptors included), and a decode restarted under
+//! the same ranks. With the `nixl` feature, the same kills and a decode restarted over NIXL
+//! (UCX's TCP transport on the loopback, as tests/nixl.rs runs it), and NIXL notifications
+//! duplicated and reordered.
+//!
+//! Each case asserts: nothing hangs past its deadline (every process ends within its bound,
+//! failures come at once or at the request's deadline), no wrong byte is served (the pages of
+//! every completed request equal the in-process reference's; failed requests are reported),
+//! nothing leaks (every request handed back, every mapping dropped).
+//!
+//! The processes are this test binary run again with `--exact child_entry` and the role in
+//! `KVSHARD_FAULT_CHILD`; `child_entry` does nothing in an ordinary run.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use common::faults::Tally;
+use common::pd::{geometry, page_of, prefill_pool, reference, requests, Request, DECODE_PAGES, N};
+use common::synth::POISON;
+use kvshard::backend::cpu::{CpuBackend, StreamOrder};
+use kvshard::copy::Method;
+use kvshard::ipc::wire::{Hello, Message, Role};
+use kvshard::ipc::{recv_any, Channel, ExportedPool, Listener, Liveness, PeerBackend};
+use kvshard::shard::Placement;
+use kvshard::transfer::{
+    DecodeEndpoint, DecodeEvent, Finished, Outcome, PrefillEndpoint, PrefillEvent,
+};
+
+const CHILD: &str = "KVSHARD_FAULT_CHILD";
+const SOCKET: &str = "KVSHARD_FAULT_SOCKET";
+const CONNECT: &str = "KVSHARD_FAULT_CONNECT";
+const RANK: &str = "KVSHARD_FAULT_RANK";
+const DEADLINE_MS: &str = "KVSHARD_FAULT_DEADLINE_MS";
+const FAULTS: &str = "KVSHARD_FAULT_FAULTS";
+const SESSION: &str = "KVSHARD_FAULT_SESSION";
+const SEED: u64 = 7;
+/// A process has to start, and the machine has 2 cores shared with other builds.
+const STARTUP: Duration = Duration::from_secs(30);
+/// The decode's bound on its loop: far below the default deadline, so a failure that waited
+/// for a deadline it was not given fails the case.
+const LOOP_BOUND: Duration = Duration::from_secs(40);
+/// How soon a failure must be seen after a kill: the channel's end is seen at once, a silent
+/// peer within the liveness timeout; margin for a loaded machine.
+const FAILED_WITHIN: Duration = Duration::from_secs(5);
+/// The decode's deadline where a status is dropped.
+const DROP_DEADLINE: Duration = Duration::from_secs(8);
+/// The request rank 1 dies in the middle of, in the "die" role.
+const DIES_IN: u64 = 2;
+/// How long the proxy holds a delayed status, and a reordered one at most.
+const DELAY: Duration = Duration::from_millis(500);
+
+// ---------------------------------------------------------------------------------------------
+// Reports: what a child saw, as `key value...` lines in a file named for it.
+
+fn wall_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_millis()
+}
+
+fn report_path(socket: &Path, name: &str) -> PathBuf {
+    socket.with_extension(name)
+}
+
+fn write_report(socket: &Path, name: &str, lines: &[String]) {
+    let tmp = report_path(socket, &format!("{name}.tmp"));
+    std::fs::write(&tmp, lines.join("\n")).expect("write a report");
+    std::fs::rename(&tmp, report_path(socket, name)).expect("publish a report");
+}
+
+/// A child's report, by its first word: the rest of each line.
+fn read_report(socket: &Path, name: &str) -> BTreeMap<String, Vec<String>> {
+    let path = report_path(socket, name);
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("no report {}: {e}", path.display()));
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for line in text.lines() {
+        let (key, rest) = line.split_once(' ').unwrap_or((line, ""));
+        out.entry(key.to_string()).or_default().push(rest.to_string());
+    }
+    out
+}
+
+fn wait_for_report(socket: &Path, name: &str) {
+    let end = Instant::now() + STARTUP;
+    while !report_path(socket, name).exists() {
+        assert!(Instant::now() < end, "no report {name} within {STARTUP:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Processes
+
+/// A child process, killed and reaped if the test ends before it does.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Proc {
+    fn spawn(role: &str, socket: &Path, rank: u32, env: &[(&str, String)]) -> Proc {
+        let mut cmd = Command::new(std::env::current_exe().expect("test binary path"));
+        cmd.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+            .env(CHILD, role)
+            .env(SOCKET, socket)
+            .env(RANK, rank.to_string())
+            .env("KVSHARD_CPU_STREAMS", "immediate")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        Proc(cmd.spawn().expect("spawn a child process"))
+    }
+
+    /// Waits (bounded) for the child to end; whether it exited successfully. A child killed
+    /// by its own hand ends with a signal.
+    fn finish(mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let end = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.0.try_wait().expect("wait for a child") {
+                return Some(status);
+            }
+            if Instant::now() >= end {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+fn socket_path(test: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("kvshard-faults-{}-{test}.sock", std::process::id()))
+}
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn cpu_backend() -> PeerBackend {
+    PeerBackend::Cpu(Arc::new(CpuBackend::with_order(StreamOrder::Immediate)))
+}
+
+#[test]
+fn child_entry() {
+    let Ok(role) = std::env::var(CHILD) else {
+        return;
+    };
+    let socket = PathBuf::from(std::env::var(SOCKET).expect("socket"));
+    let rank = env_u64(RANK, 0) as u32;
+    match role.as_str() {
+        "decode" => decode_child(&socket, false),
+        "decode-die" => decode_child(&socket, true),
+        "prefill" => prefill_child(&socket, rank, false, false),
+        "prefill-die" => prefill_child(&socket, rank, true, false),
+        "prefill-reconnect" => prefill_child(&socket, rank, false, true),
+        "proxy" => proxy_child(&socket, rank),
+        other => panic!("unknown role {other}"),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The decode
+
+fn failed_ranks(f: &Finished) -> Vec<u32> {
+    match &f.outcome {
+        Outcome::Completed => Vec::new(),
+        Outcome::Failed(fs) => fs.iter().map(|f| f.rank).collect(),
+    }
+}
+
+fn decode_child(socket: &Path, die: bool) {
+    let session = std::env::var(SESSION).unwrap_or_default();
+    let backend = cpu_backend();
+    let b = backend.backend();
+    let exported = Arc::new(
+        ExportedPool::allocate(&backend, &geometry(), Placement::unsharded(), 0, DECODE_PAGES)
+            .expect("decode pool"),
+    );
+    let pool = exported.pool().clone();
+    pool.fill(b.as_ref(), POISON).expect("poison");
+    b.synchronize().expect("sync");
+    let mut endpoint =
+        DecodeEndpoint::bind(socket, backend.clone(), N, Liveness::default()).expect("bind");
+    endpoint.set_deadline(Duration::from_millis(env_u64(DEADLINE_MS, 120_000)));
+    endpoint.wait_for_ranks_sync(STARTUP).expect("ranks");
+    let id = endpoint.publish(exported).expect("publish");
+    let reqs = requests(SEED);
+    for r in &reqs {
+        endpoint
+            .register(id, r.registration.clone())
+            .expect("register");
+    }
+    let mut finished: Vec<(Finished, u128)> = Vec::new();
+    let mut lines = Vec::new();
+    let start = Instant::now();
+    while finished.len() < reqs.len() && start.elapsed() < LOOP_BOUND {
+        for event in endpoint.poll_sync(Duration::from_millis(20)).expect("poll") {
+            match event {
+                DecodeEvent::Finished(f) => {
+                    if die {
+                        write_report(socket, "killed", &[format!("at {}", wall_ms())]);
+                        let _ = rustix::process::kill_process(
+                            rustix::process::getpid(),
+                            rustix::process::Signal::KILL,
+                        );
+                    }
+                    finished.push((*f, wall_ms()));
+                }
+                DecodeEvent::Overdue(o) => lines.push(format!("overdue {}", o.request)),
+                DecodeEvent::RankGone { rank, .. } => {
+                    lines.push(format!("gone {rank} {}", wall_ms()))
+                }
+                DecodeEvent::Joined { .. } | DecodeEvent::Refused { .. } => {}
+            }
+        }
+    }
+    let snapshot = pool.snapshot_sync(b.as_ref()).expect("snapshot");
+    let want = reference(SEED, &reqs);
+    for (f, at) in &finished {
+        let r = &f.registration;
+        let wrong = r
+            .pages
+            .iter()
+            .chain(&r.state_pages)
+            .filter(|&&p| page_of(&snapshot, &pool, p) != page_of(&want, &pool, p))
+            .count();
+        let failed: Vec<String> = failed_ranks(f).iter().map(u32::to_string).collect();
+        lines.push(format!(
+            "request {} {} {} {at} {}",
+            f.request(),
+            u8::from(f.is_completed()),
+            r.pages.len() + r.state_pages.len(),
+            failed.join(",")
+        ));
+        if f.is_completed() {
+            lines.push(format!("wrong {} {wrong}", f.request()));
+        }
+    }
+    lines.push(format!("pending {}", endpoint.pending_requests()));
+    lines.push(format!("dropped {}", endpoint.dropped_statuses()));
+    write_report(socket, &format!("decode{session}"), &lines);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A prefill rank
+
+fn prefill_child(socket: &Path, rank: u32, die: bool, reconnect: bool) {
+    let backend = cpu_backend();
+    let pool = prefill_pool(backend.backend().as_ref(), SEED, rank);
+    let connect = std::env::var(CONNECT).map_or_else(|_| socket.to_path_buf(), PathBuf::from);
+    let reqs = requests(SEED);
+    prefill_session(socket, &connect, &backend, &pool, rank, die, &reqs, "prefill");
+    if reconnect {
+        // The same rank serves the decode that took the place of the one that went.
+        prefill_session(socket, socket, &backend, &pool, rank, false, &reqs, "prefill2");
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn prefill_session(
+    socket: &Path,
+    connect: &Path,
+    backend: &PeerBackend,
+    pool: &Arc<kvshard::pool::DevicePool>,
+    rank: u32,
+    die: bool,
+    reqs: &[Request],
+    name: &str,
+) {
+    let method = Method::default_for(backend.backend().as_ref());
+    let mut endpoint = PrefillEndpoint::connect(
+        connect,
+        backend.clone(),
+        pool.clone(),
+        method,
+        Liveness::default(),
+        STARTUP,
+    )
+    .expect("connect");
+    let mut sent = 0;
+    let mut errors = 0;
+    let mut aborted = 0;
+    let closed = loop {
+        let mut queue = Vec::new();
+        let mut closed = None;
+        for event in endpoint.poll_sync(Duration::from_millis(50)).expect("poll") {
+            match event {
+                PrefillEvent::Registered { request } => queue.push(request),
+                PrefillEvent::Aborted { .. } => aborted += 1,
+                PrefillEvent::Closed { why, .. } => closed = Some(why),
+                _ => {}
+            }
+        }
+        for request in queue {
+            let Some(r) = reqs.iter().find(|r| r.registration.request == request) else {
+                continue;
+            };
+            for (i, &end) in r.chunks.iter().enumerate() {
+                if die && rank == 1 && request == DIES_IN && i == 1 {
+                    write_report(socket, "killed", &[format!("at {}", wall_ms())]);
+                    let _ = rustix::process::kill_process(
+                        rustix::process::getpid(),
+                        rustix::process::Signal::KILL,
+                    );
+                }
+                match endpoint.send(request, &r.src_pages, end) {
+                    Ok(_) => sent += 1,
+                    Err(_) => {
+                        errors += 1;
+                        break;
+                    }
+                }
+            }
+        }
+        if let Some(why) = closed {
+            break why;
+        }
+    };
+    write_report(
+        socket,
+        &format!("{name}-{rank}"),
+        &[
+            format!("sent {sent}"),
+            format!("errors {errors}"),
+            format!("aborted {aborted}"),
+            format!("mapped {}", endpoint.mapped_pools()),
+            format!("closed {closed}"),
+            format!("at {}", wall_ms()),
+        ],
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The proxy: between one rank and the decode, the control channel both ways; chunk statuses on
+// their way to the decode are dropped, duplicated, delayed or reordered.
+
+/// What the proxy does to one status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    Drop,
+    Dup,
+    Delay,
+    /// Sent after the next message (or `DELAY` later, when none comes).
+    Swap,
+}
+
+/// `index=kind` pairs, comma-separated: what to do to the rank's `index`-th status.
+fn faults_of(text: &str) -> BTreeMap<usize, Fault> {
+    text.split(',')
+        .filter(|s| !s.is_empty())
+        .map(|pair| {
+            let (i, kind) = pair.split_once('=').expect("index=kind");
+            let kind = match kind {
+                "drop" => Fault::Drop,
+                "dup" => Fault::Dup,
+                "delay" => Fault::Delay,
+                "swap" => Fault::Swap,
+                other => panic!("fault {other}"),
+            };
+            (i.parse().expect("an index"), kind)
+        })
+        .collect()
+}
+
+fn forward(to: &mut Channel, r: &kvshard::ipc::Received) -> bool {
+    let fds: Vec<_> = r.fds.iter().map(|f| f.as_fd()).collect();
+    to.send_with_fds(&r.message, &fds).is_ok()
+}
+
+fn proxy_child(socket: &Path, rank: u32) {
+    let faults = faults_of(&std::env::var(FAULTS).unwrap_or_default());
+    let listen = PathBuf::from(std::env::var(CONNECT).expect("the proxy's socket"));
+    let listener =
+        Listener::bind(&listen, Hello::new(Role::Decode, 0, 1), Liveness::default()).expect("bind");
+    let down = listener
+        .accept_timeout(STARTUP)
+        .expect("accept")
+        .expect("the rank connects");
+    assert_eq!(down.peer().rank, rank);
+    let up = Channel::connect(socket, down.peer().clone(), Liveness::default(), STARTUP)
+        .expect("connect to the decode");
+    let mut channels = [down, up];
+    let mut index = 0usize;
+    let mut held: Option<(kvshard::ipc::Received, Instant)> = None;
+    let mut hits = Vec::new();
+    loop {
+        // A reordered status goes after the next message, or alone once DELAY passed.
+        if held.as_ref().is_some_and(|(_, at)| at.elapsed() >= DELAY) {
+            let (h, _) = held.take().expect("held");
+            if !forward(&mut channels[1], &h) {
+                break;
+            }
+        }
+        let Ok(Some((i, received))) = recv_any(&mut channels, Duration::from_millis(20)) else {
+            continue;
+        };
+        let Ok(r) = received else { break };
+        if i == 1 {
+            if !forward(&mut channels[0], &r) {
+                break;
+            }
+            continue;
+        }
+        let fault = match &r.message {
+            Message::Chunk(status) => {
+                let fault = faults.get(&index).copied();
+                index += 1;
+                if let Some(f) = fault {
+                    hits.push(format!("{f:?} {} {}", status.request, status.chunk));
+                }
+                fault
+            }
+            _ => None,
+        };
+        let sent = match fault {
+            Some(Fault::Drop) => true,
+            Some(Fault::Swap) => {
+                let earlier = held.replace((r, Instant::now()));
+                match earlier {
+                    Some((h, _)) => forward(&mut channels[1], &h),
+                    None => true,
+                }
+            }
+            Some(Fault::Dup) => forward(&mut channels[1], &r) && forward(&mut channels[1], &r),
+            Some(Fault::Delay) => {
+                std::thread::sleep(DELAY);
+                forward(&mut channels[1], &r)
+            }
+            None => forward(&mut channels[1], &r),
+        };
+        let sent = sent
+            && match fault {
+                Some(Fault::Swap) => true,
+                _ => held
+                    .take()
+                    .is_none_or(|(h, _)| forward(&mut channels[1], &h)),
+            };
+        if !sent {
+            break;
+        }
+    }
+    let hits: Vec<String> = hits.into_iter().map(|h| format!("hit {h}")).collect();
+    write_report(socket, &format!("proxy-{rank}"), &hits);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The cases
+
+/// One request as the decode reported it.
+#[derive(Debug)]
+struct Seen {
+    completed: bool,
+    pages_back: usize,
+    at: u128,
+    failed: Vec<u32>,
+}
+
+/// The decode's report: requests seen finished, overdue ones, pending count, wrong pages.
+struct DecodeReport {
+    seen: BTreeMap<u64, Seen>,
+    overdue: Vec<u64>,
+    pending: usize,
+    wrong: usize,
+    dropped: u64,
+}
+
+fn decode_report(socket: &Path, name: &str) -> DecodeReport {
+    let r = read_report(socket, name);
+    let num = |s: &str| s.parse::<u128>().expect("a number");
+    let mut seen = BTreeMap::new();
+    for line in r.get("request").into_iter().flatten() {
+        let f: Vec<&str> = line.split(' ').collect();
+        seen.insert(
+            num(f[0]) as u64,
+            Seen {
+                completed: f[1] == "1",
+                pages_back: num(f[2]) as usize,
+                at: num(f[3]),
+                failed: f
+                    .get(4)
+                    .map(|s| s.split(',').filter(|x| !x.is_empty()).map(|x| num(x) as u32).collect())
+                    .unwrap_or_default(),
+            },
+        );
+    }
+    let wrong = r
+        .get("wrong")
+        .into_iter()
+        .flatten()
+        .map(|l| num(l.split(' ').nth(1).unwrap_or("0")) as usize)
+        .sum();
+    let first = |k: &str| r.get(k).and_then(|v| v.first()).map(|s| num(s)).unwrap_or(0);
+    DecodeReport {
+        overdue: r
+            .get("overdue")
+            .into_iter()
+            .flatten()
+            .map(|s| num(s) as u64)
+            .collect(),
+        pending: first("pending") as usize,
+        dropped: first("dropped") as u64,
+        seen,
+        wrong,
+    }
+}
+
+/// Every request handed back with all its pages, none pending.
+fn all_handed_back(d: &DecodeReport, reqs: &[Request]) -> bool {
+    d.pending == 0
+        && reqs.iter().all(|r| {
+            let reg = &r.registration;
+            d.seen
+                .get(&reg.request)
+                .is_some_and(|s| s.pages_back == reg.pages.len() + reg.state_pages.len())
+        })
+}
+
+fn killed_at(socket: &Path) -> u128 {
+    wait_for_report(socket, "killed");
+    read_report(socket, "killed")["at"][0]
+        .parse()
+        .expect("a time")
+}
+
+fn first_number(socket: &Path, name: &str, key: &str) -> u64 {
+    read_report(socket, name)[key][0].parse().expect("a number")
+}
+
+#[test]
+fn fault_endpoint_prefill_killed_mid_chunk() {
+    let socket = socket_path("prefill-killed");
+    let decode = Proc::spawn("decode", &socket, 0, &[]);
+    let p0 = Proc::spawn("prefill", &socket, 0, &[]);
+    let p1 = Proc::spawn("prefill-die", &socket, 1, &[]);
+    // Reaped at once: the decode hands back what rank 1 failed once its process has exited.
+    let killed = p1.finish(STARTUP).is_some_and(|s| !s.success());
+    let ended = decode.finish(LOOP_BOUND + STARTUP).is_some() && p0.finish(STARTUP).is_some();
+    let d = decode_report(&socket, "decode");
+    let at = killed_at(&socket);
+    let failed_in_time = d
+        .seen
+        .values()
+        .filter(|s| !s.completed)
+        .all(|s| s.failed.iter().all(|&r| r == 1) && s.at.saturating_sub(at) < FAILED_WITHIN.as_millis());
+    let mut tally = Tally {
+        served_wrong: d.wrong as u64,
+        ..Tally::default()
+    };
+    tally.fault(
+        killed
+            && ended
+            && d.seen.get(&DIES_IN).is_some_and(|s| !s.completed)
+            && failed_in_time
+            && d.overdue.is_empty()
+            && all_handed_back(&d, &requests(SEED))
+            && first_number(&socket, "prefill-0", "mapped") == 0,
+    );
+    tally.report("endpoint: a prefill rank killed mid-chunk");
+}
+
+#[test]
+fn fault_endpoint_decode_killed_mid_chunk() {
+    let socket = socket_path("decode-killed");
+    let decode = Proc::spawn("decode-die", &socket, 0, &[]);
+    let prefills: Vec<Proc> = (0..N)
+        .map(|r| Proc::spawn("prefill", &socket, r, &[]))
+        .collect();
+    let killed = decode.finish(STARTUP).is_some_and(|s| !s.success());
+    let at = killed_at(&socket);
+    let ended = prefills.into_iter().all(|p| p.finish(STARTUP).is_some());
+    let mut tally = Tally::default();
+    let survived = (0..N).all(|r| {
+        let report = read_report(&socket, &format!("prefill-{r}"));
+        let closed_at: u128 = report["at"][0].parse().expect("a time");
+        report["mapped"][0] == "0" && closed_at.saturating_sub(at) < FAILED_WITHIN.as_millis()
+    });
+    tally.fault(killed && ended && survived);
+    tally.report("endpoint: the decode killed mid-chunk");
+}
+
+#[test]
+fn fault_endpoint_chunk_statuses_dropped_duplicated_delayed_reordered() {
+    let socket = socket_path("status-faults");
+    // Each rank reports its 9 statuses in send order: request 1's chunks 0-2, request 2's
+    // 0-1, request 3's 0-1, request 4's, request 5's. Rank 0 loses request 5's final status
+    // and repeats request 2's first; rank 1's request 1 chunk 1 comes late, and request 3's
+    // last status after request 4's.
+    let faults = ["8=drop,3=dup", "1=delay,6=swap"];
+    let deadline = (DEADLINE_MS, DROP_DEADLINE.as_millis().to_string());
+    let decode = Proc::spawn("decode", &socket, 0, &[deadline]);
+    let mut others = Vec::new();
+    for r in 0..N {
+        let proxy_socket = socket_path(&format!("status-faults-proxy-{r}"));
+        let at = (CONNECT, proxy_socket.display().to_string());
+        let plan = (FAULTS, faults[r as usize].to_string());
+        others.push(Proc::spawn("proxy", &socket, r, &[at.clone(), plan]));
+        others.push(Proc::spawn("prefill", &socket, r, &[at]));
+    }
+    let ended = decode.finish(LOOP_BOUND + STARTUP).is_some()
+        && others.into_iter().all(|p| p.finish(STARTUP).is_some());
+    let d = decode_report(&socket, "decode");
+    let reqs = requests(SEED);
+    let leaked = !all_handed_back(&d, &reqs);
+    let mut tally = Tally {
+        served_wrong: d.wrong as u64,
+        ..Tally::default()
+    };
+    for r in 0..N {
+        for hit in read_report(&socket, &format!("proxy-{r}"))
+            .get("hit")
+            .into_iter()
+            .flatten()
+        {
+            let f: Vec<&str> = hit.split(' ').collect();
+            let request: u64 = f[1].parse().expect("a request");
+            let seen = d.seen.get(&request);
+            let survived = ended
+                && !leaked
+                && match f[0] {
+                    // Overdue at its deadline, the rank asked to abort it, handed back failed.
+                    "Drop" => seen.is_some_and(|s| !s.completed) && d.overdue.contains(&request),
+                    _ => seen.is_some_and(|s| s.completed),
+                };
+            tally.fault(survived);
+        }
+    }
+    assert!(d.dropped >= 1, "the repeated status was not counted");
+    tally.report("endpoint: chunk statuses dropped, duplicated, delayed, reordered");
+}
+
+#[test]
+fn fault_endpoint_decode_restarted_under_the_same_ranks() {
+    let socket = socket_path("decode-restarted");
+    let first = Proc::spawn("decode-die", &socket, 0, &[]);
+    let prefills: Vec<Proc> = (0..N)
+        .map(|r| Proc::spawn("prefill-reconnect", &socket, r, &[]))
+        .collect();
+    let killed = first.finish(STARTUP).is_some_and(|s| !s.success());
+    killed_at(&socket);
+    let second = Proc::spawn("decode", &socket, 0, &[(SESSION, "2".into())]);
+    let ended = second.finish(LOOP_BOUND + STARTUP).is_some()
+        && prefills.into_iter().all(|p| p.finish(STARTUP).is_some());
+    let d = decode_report(&socket, "decode2");
+    let reqs = requests(SEED);
+    let mut tally = Tally {
+        served_wrong: d.wrong as u64,
+        ..Tally::default()
+    };
+    tally.fault(
+        killed
+            && ended
+            && all_handed_back(&d, &reqs)
+            && d.seen.values().all(|s| s.completed)
+            && (0..N).all(|r| {
+                let p = read_report(&socket, &format!("prefill2-{r}"));
+                p["errors"][0] == "0" && p["mapped"][0] == "0"
+            }),
+    );
+    tally.report("endpoint: a decode restarted under the same ranks");
+}
