@@ -6,8 +6,10 @@
 //! duplicated, delayed and reordered by a proxy process between a rank and the decode (it
 //! speaks the control channel both ways, descriptors included), and a decode restarted under
 //! the same ranks. With the `nixl` feature, the same kills and a decode restarted over NIXL
-//! (UCX's TCP transport on the loopback, as tests/nixl.rs runs it), and NIXL notifications
-//! duplicated and reordered.
+//! (UCX's TCP transport on the loopback, as tests/nixl.rs runs it), a chunk's notification that
+//! never comes (its chunk lost), and every notification sent again once its chunk landed (a
+//! repeat, late). NIXL delivers the notifications itself, so no proxy stands between the
+//! agents: the ranks do the faults.
 //!
 //! Each case asserts: nothing hangs past its deadline (every process ends within its bound,
 //! failures come at once or at the request's deadline), no wrong byte is served (the pages of
@@ -147,6 +149,19 @@ impl Proc {
     }
 }
 
+/// `connect()`, again until it succeeds within `STARTUP`: a rank reconnecting to a decode that
+/// restarts may meet the dying one's socket (the connection is reset) before the new one's.
+fn retry<T>(connect: impl Fn() -> kvshard::Result<T>) -> T {
+    let end = Instant::now() + STARTUP;
+    loop {
+        match connect() {
+            Ok(t) => return t,
+            Err(e) if Instant::now() >= end => panic!("connect: {e}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
 fn socket_path(test: &str) -> PathBuf {
     std::env::temp_dir().join(format!("kvshard-faults-{}-{test}.sock", std::process::id()))
 }
@@ -176,6 +191,16 @@ fn child_entry() {
         "prefill-die" => prefill_child(&socket, rank, true, false),
         "prefill-reconnect" => prefill_child(&socket, rank, false, true),
         "proxy" => proxy_child(&socket, rank),
+        #[cfg(feature = "nixl")]
+        "nixl-decode" => nixl_faults::decode_child(&socket, false),
+        #[cfg(feature = "nixl")]
+        "nixl-decode-die" => nixl_faults::decode_child(&socket, true),
+        #[cfg(feature = "nixl")]
+        "nixl-prefill" => nixl_faults::prefill_child(&socket, rank, false, false),
+        #[cfg(feature = "nixl")]
+        "nixl-prefill-die" => nixl_faults::prefill_child(&socket, rank, true, false),
+        #[cfg(feature = "nixl")]
+        "nixl-prefill-reconnect" => nixl_faults::prefill_child(&socket, rank, false, true),
         other => panic!("unknown role {other}"),
     }
 }
@@ -290,15 +315,16 @@ fn prefill_session(
     name: &str,
 ) {
     let method = Method::default_for(backend.backend().as_ref());
-    let mut endpoint = PrefillEndpoint::connect(
-        connect,
-        backend.clone(),
-        pool.clone(),
-        method,
-        Liveness::default(),
-        STARTUP,
-    )
-    .expect("connect");
+    let mut endpoint = retry(|| {
+        PrefillEndpoint::connect(
+            connect,
+            backend.clone(),
+            pool.clone(),
+            method,
+            Liveness::default(),
+            STARTUP,
+        )
+    });
     let mut sent = 0;
     let mut errors = 0;
     let mut aborted = 0;
@@ -679,4 +705,412 @@ fn fault_endpoint_decode_restarted_under_the_same_ranks() {
             }),
     );
     tally.report("endpoint: a decode restarted under the same ranks");
+}
+
+// ---------------------------------------------------------------------------------------------
+// NIXL (feature `nixl`): the same P/D over NIXL agents, UCX's TCP transport on the loopback; the
+// agents meet over the control channel (`NixlPeer` both ways), the decode asks a rank to abort
+// an overdue request there, and a rank's notices ride on its transfers.
+
+#[cfg(feature = "nixl")]
+mod nixl_faults {
+    use super::*;
+    use kvshard::transfer::nixl::{NixlBackend, NixlConfig, NixlMode, NixlTarget, NixlTransport};
+    use kvshard::transfer::{ChunkStatus, PendingChunk, Sender};
+
+    /// The roles' extra behaviour: rank 0 loses request `LOST`'s final chunk; every chunk's
+    /// notice is sent again once it landed.
+    pub const LOSE_LAST: &str = "KVSHARD_FAULT_LOSE_LAST";
+    pub const REPEAT: &str = "KVSHARD_FAULT_REPEAT";
+    pub const LOST: u64 = 5;
+
+    /// Whether the NIXL runtime loads here; says SKIPPED when not (or fails, when required).
+    pub fn available(test: &str) -> bool {
+        match kvshard::transfer::nixl::load() {
+            Ok(()) => true,
+            Err(e) => {
+                assert!(
+                    std::env::var_os("KVSHARD_REQUIRE_NIXL").is_none(),
+                    "{test}: KVSHARD_REQUIRE_NIXL is set but {e}"
+                );
+                eprintln!("SKIPPED {test}: {e}");
+                false
+            }
+        }
+    }
+
+    /// UCX on the loopback's TCP (NIXL refuses a UCX_TLS without a CUDA transport where a GPU
+    /// is present, even for DRAM-only agents).
+    pub fn ucx_env() -> Vec<(&'static str, String)> {
+        let tls = if kvshard::gpu::Gpu::open(0).is_ok() {
+            "tcp,self,cuda_copy"
+        } else {
+            "tcp,self"
+        };
+        vec![("UCX_TLS", tls.into()), ("UCX_NET_DEVICES", "lo".into())]
+    }
+
+    fn config(agent: String, deadline: Duration) -> NixlConfig {
+        NixlConfig {
+            mode: NixlMode::Auto,
+            slot_pages: 4,
+            slots: 2,
+            transfer_timeout: Duration::from_secs(5),
+            deadline,
+            ..NixlConfig::new(agent)
+        }
+    }
+
+    fn cpu() -> Arc<CpuBackend> {
+        Arc::new(CpuBackend::with_order(StreamOrder::Immediate))
+    }
+
+    pub fn decode_child(socket: &Path, die: bool) {
+        let session = std::env::var(SESSION).unwrap_or_default();
+        let nixl = NixlBackend::Cpu(cpu());
+        let backend = nixl.backend();
+        let pool = common::pd::decode_pool(backend.as_ref());
+        let deadline = Duration::from_millis(env_u64(DEADLINE_MS, 120_000));
+        let mut target = NixlTarget::new(
+            nixl,
+            pool.clone(),
+            N,
+            config(format!("decode{session}-{}", std::process::id()), deadline),
+        )
+        .expect("target");
+        let reqs = requests(SEED);
+        for r in &reqs {
+            target.register(r.registration.clone()).expect("register");
+        }
+        let listener = Listener::bind(socket, Hello::new(Role::Decode, 0, 1), Liveness::default())
+            .expect("bind");
+        let mut channels = listener.accept_n(N as usize, STARTUP).expect("ranks");
+        for ch in &mut channels {
+            let rank = ch.peer().rank;
+            ch.send(&Message::NixlPeer(target.peer_info(rank).expect("info")))
+                .expect("send NixlPeer");
+            let got = ch.recv_timeout(STARTUP).expect("alive").expect("NixlPeer");
+            let Message::NixlPeer(peer) = got.message else {
+                panic!("expected NixlPeer, got {:?}", got.message);
+            };
+            target.connect(rank, &peer).expect("connect");
+        }
+        let mut finished: Vec<(Finished, u128)> = Vec::new();
+        let mut lines = Vec::new();
+        let start = Instant::now();
+        while finished.len() < reqs.len() && start.elapsed() < LOOP_BOUND {
+            for f in target.poll().expect("poll") {
+                if die {
+                    write_report(socket, "killed", &[format!("at {}", wall_ms())]);
+                    let _ = rustix::process::kill_process(
+                        rustix::process::getpid(),
+                        rustix::process::Signal::KILL,
+                    );
+                }
+                finished.push((f, wall_ms()));
+            }
+            for o in target.expire().expect("expire") {
+                lines.push(format!("overdue {}", o.request));
+                // The ranks that owe it are asked to abort it.
+                for m in &o.missing {
+                    if let Some(ch) = channels.iter_mut().find(|c| c.peer().rank == m.rank) {
+                        let _ = ch.send(&Message::Abort {
+                            request: o.request,
+                            reason: "overdue".into(),
+                        });
+                    }
+                }
+            }
+            if let Some((i, Err(e))) =
+                recv_any(&mut channels, Duration::from_millis(2)).expect("poll channels")
+            {
+                let rank = channels[i].peer().rank;
+                lines.push(format!("gone {rank} {}", wall_ms()));
+                target.rank_gone_sync(rank, &e.to_string()).expect("gone");
+                channels.remove(i);
+            }
+        }
+        let snapshot = pool.snapshot_sync(backend.as_ref()).expect("snapshot");
+        let want = reference(SEED, &reqs);
+        for (f, at) in &finished {
+            let r = &f.registration;
+            let failed: Vec<String> = failed_ranks(f).iter().map(u32::to_string).collect();
+            lines.push(format!(
+                "request {} {} {} {at} {}",
+                f.request(),
+                u8::from(f.is_completed()),
+                r.pages.len() + r.state_pages.len(),
+                failed.join(",")
+            ));
+            if f.is_completed() {
+                let wrong = r
+                    .pages
+                    .iter()
+                    .chain(&r.state_pages)
+                    .filter(|&&p| page_of(&snapshot, &pool, p) != page_of(&want, &pool, p))
+                    .count();
+                lines.push(format!("wrong {} {wrong}", f.request()));
+            }
+        }
+        lines.push(format!("pending {}", target.pending_requests()));
+        lines.push(format!("dropped {}", target.refused_notifications()));
+        write_report(socket, &format!("nixl-decode{session}"), &lines);
+    }
+
+    pub fn prefill_child(socket: &Path, rank: u32, die: bool, reconnect: bool) {
+        let nixl = NixlBackend::Cpu(cpu());
+        let pool = prefill_pool(nixl.backend().as_ref(), SEED, rank);
+        let agent = format!("prefill{rank}-{}", std::process::id());
+        let transport =
+            NixlTransport::new(nixl, pool.clone(), config(agent, Duration::from_secs(120)))
+                .expect("transport");
+        session(socket, &transport, &pool, rank, die, "nixl-prefill");
+        if reconnect {
+            session(socket, &transport, &pool, rank, false, "nixl-prefill2");
+        }
+    }
+
+    /// One decode's worth of requests: connect, send every chunk (each waited for), answer
+    /// aborts until the decode goes, report.
+    fn session(
+        socket: &Path,
+        transport: &NixlTransport,
+        pool: &Arc<kvshard::pool::DevicePool>,
+        rank: u32,
+        die: bool,
+        name: &str,
+    ) {
+        let lose_last = std::env::var_os(LOSE_LAST).is_some();
+        let repeat = std::env::var_os(REPEAT).is_some();
+        let hello = Hello::new(Role::Prefill, rank, N);
+        let mut ch = retry(|| Channel::connect(socket, hello.clone(), Liveness::default(), STARTUP));
+        let got = ch.recv_timeout(STARTUP).expect("alive").expect("NixlPeer");
+        let Message::NixlPeer(peer) = got.message else {
+            panic!("expected NixlPeer, got {:?}", got.message);
+        };
+        ch.send(&Message::NixlPeer(transport.peer_info().expect("info")))
+            .expect("send NixlPeer");
+        let remote = transport.connect(&peer).expect("connect to the decode");
+        let mut sender = Sender::new(pool.clone(), Box::new(transport.clone()));
+        let reqs = requests(SEED);
+        let (mut sent, mut errors, mut repeated) = (0, 0, 0);
+        let mut aborts = Vec::new();
+        for r in &reqs {
+            let request = r.registration.request;
+            sender.open(r.registration.clone(), remote.clone()).expect("open");
+            for (i, &end) in r.chunks.iter().enumerate() {
+                if die && rank == 1 && request == DIES_IN && i == 1 {
+                    // Its earlier notices reach the decode before the death.
+                    std::thread::sleep(Duration::from_millis(300));
+                    write_report(socket, "killed", &[format!("at {}", wall_ms())]);
+                    let _ = rustix::process::kill_process(
+                        rustix::process::getpid(),
+                        rustix::process::Signal::KILL,
+                    );
+                }
+                // The last request's final chunk is lost (never sent): its notice never comes.
+                if lose_last && rank == 0 && request == LOST && i + 1 == r.chunks.len() {
+                    break;
+                }
+                let landed = sender
+                    .send(request, &r.src_pages, end)
+                    .and_then(PendingChunk::wait_sync);
+                match landed {
+                    Ok(status) => {
+                        sent += 1;
+                        if repeat {
+                            // The same notice again: the decode must drop it.
+                            repeated += u32::from(transport.report(&status).is_ok());
+                        }
+                    }
+                    Err(e) => {
+                        errors += 1;
+                        if let Some(s) = ChunkStatus::from_error(&e) {
+                            let _ = transport.report(&s);
+                        }
+                        let _ = sender.close(request);
+                        break;
+                    }
+                }
+                match ch.recv_timeout(Duration::ZERO) {
+                    Ok(Some(m)) => aborts.push(m.message),
+                    Ok(None) => {}
+                    Err(e) => transport.peer_gone(&e.to_string()),
+                }
+            }
+        }
+        // Until the decode goes: its aborts are answered with the rank's failed status.
+        let mut aborted = 0;
+        let closed = loop {
+            for m in aborts.drain(..) {
+                if let Message::Abort { request, reason } = m {
+                    if let Ok(status) = sender.abort(request, &reason) {
+                        aborted += 1;
+                        let _ = transport.report(&status);
+                    }
+                }
+            }
+            match ch.recv_timeout(Duration::from_millis(100)) {
+                Ok(Some(m)) => aborts.push(m.message),
+                Ok(None) => {}
+                Err(e) => break e.to_string(),
+            }
+        };
+        transport.peer_gone(&closed);
+        write_report(
+            socket,
+            &format!("{name}-{rank}"),
+            &[
+                format!("sent {sent}"),
+                format!("errors {errors}"),
+                format!("aborted {aborted}"),
+                format!("repeated {repeated}"),
+                format!("pending {}", sender.pending_requests()),
+                format!("at {}", wall_ms()),
+            ],
+        );
+    }
+}
+
+#[cfg(feature = "nixl")]
+fn nixl_spawn(role: &str, socket: &Path, rank: u32, extra: &[(&str, String)]) -> Proc {
+    let mut env = nixl_faults::ucx_env();
+    env.extend(extra.iter().map(|(k, v)| (*k, v.clone())));
+    Proc::spawn(role, socket, rank, &env)
+}
+
+#[cfg(feature = "nixl")]
+#[test]
+fn fault_nixl_prefill_killed_mid_chunk() {
+    if !nixl_faults::available("fault_nixl_prefill_killed_mid_chunk") {
+        return;
+    }
+    let socket = socket_path("nixl-prefill-killed");
+    let decode = nixl_spawn("nixl-decode", &socket, 0, &[]);
+    let p0 = nixl_spawn("nixl-prefill", &socket, 0, &[]);
+    let p1 = nixl_spawn("nixl-prefill-die", &socket, 1, &[]);
+    let killed = p1.finish(STARTUP * 2).is_some_and(|s| !s.success());
+    let ended = decode.finish(LOOP_BOUND + STARTUP).is_some() && p0.finish(STARTUP).is_some();
+    let d = decode_report(&socket, "nixl-decode");
+    let at = killed_at(&socket);
+    let failed_in_time = d.seen.values().filter(|s| !s.completed).all(|s| {
+        s.failed.contains(&1) && s.at.saturating_sub(at) < (FAILED_WITHIN * 2).as_millis()
+    });
+    let mut tally = Tally {
+        served_wrong: d.wrong as u64,
+        ..Tally::default()
+    };
+    tally.fault(
+        killed
+            && ended
+            && d.seen.get(&DIES_IN).is_some_and(|s| !s.completed)
+            && failed_in_time
+            && all_handed_back(&d, &requests(SEED)),
+    );
+    tally.report("nixl: a prefill rank killed mid-chunk");
+}
+
+#[cfg(feature = "nixl")]
+#[test]
+fn fault_nixl_decode_killed_mid_chunk() {
+    if !nixl_faults::available("fault_nixl_decode_killed_mid_chunk") {
+        return;
+    }
+    let socket = socket_path("nixl-decode-killed");
+    let decode = nixl_spawn("nixl-decode-die", &socket, 0, &[]);
+    let prefills: Vec<Proc> = (0..N)
+        .map(|r| nixl_spawn("nixl-prefill", &socket, r, &[]))
+        .collect();
+    let killed = decode.finish(STARTUP * 2).is_some_and(|s| !s.success());
+    let at = killed_at(&socket);
+    let ended = prefills.into_iter().all(|p| p.finish(STARTUP * 2).is_some());
+    // Every chunk in flight fails at the latest at its transfer timeout (5 s).
+    let survived = (0..N).all(|r| {
+        let p = read_report(&socket, &format!("nixl-prefill-{r}"));
+        let done: u128 = p["at"][0].parse().expect("a time");
+        p["pending"][0] == "0" && done.saturating_sub(at) < (FAILED_WITHIN * 3).as_millis()
+    });
+    let mut tally = Tally::default();
+    tally.fault(killed && ended && survived);
+    tally.report("nixl: the decode killed mid-chunk");
+}
+
+#[cfg(feature = "nixl")]
+#[test]
+fn fault_nixl_notifications_lost_repeated_and_late() {
+    if !nixl_faults::available("fault_nixl_notifications_lost_repeated_and_late") {
+        return;
+    }
+    let socket = socket_path("nixl-notices");
+    let deadline = (DEADLINE_MS, DROP_DEADLINE.as_millis().to_string());
+    let repeat = (nixl_faults::REPEAT, "1".to_string());
+    let decode = nixl_spawn("nixl-decode", &socket, 0, &[deadline]);
+    let p0 = nixl_spawn(
+        "nixl-prefill",
+        &socket,
+        0,
+        &[repeat.clone(), (nixl_faults::LOSE_LAST, "1".into())],
+    );
+    let p1 = nixl_spawn("nixl-prefill", &socket, 1, &[repeat]);
+    let ended = decode.finish(LOOP_BOUND + STARTUP).is_some()
+        && p0.finish(STARTUP).is_some()
+        && p1.finish(STARTUP).is_some();
+    let d = decode_report(&socket, "nixl-decode");
+    let reqs = requests(SEED);
+    let handed_back = ended && all_handed_back(&d, &reqs);
+    let mut tally = Tally {
+        served_wrong: d.wrong as u64,
+        ..Tally::default()
+    };
+    // The lost notice: overdue at its deadline, the rank asked to abort, handed back failed.
+    let lost = nixl_faults::LOST;
+    tally.fault(
+        handed_back && d.overdue.contains(&lost) && d.seen.get(&lost).is_some_and(|s| !s.completed),
+    );
+    // Each repeated notice (late: it follows its chunk's own) is dropped, its request completes.
+    let others_complete = reqs
+        .iter()
+        .filter(|r| r.registration.request != lost)
+        .all(|r| d.seen.get(&r.registration.request).is_some_and(|s| s.completed));
+    let mut repeated = 0;
+    for r in 0..N {
+        let p = read_report(&socket, &format!("nixl-prefill-{r}"));
+        repeated += p["repeated"][0].parse::<u64>().expect("a count");
+    }
+    assert!(repeated >= 10, "{repeated} notices repeated");
+    for _ in 0..repeated {
+        tally.fault(handed_back && others_complete && d.dropped >= repeated);
+    }
+    tally.report("nixl: notifications lost, repeated and late");
+}
+
+#[cfg(feature = "nixl")]
+#[test]
+fn fault_nixl_decode_restarted_under_the_same_ranks() {
+    if !nixl_faults::available("fault_nixl_decode_restarted_under_the_same_ranks") {
+        return;
+    }
+    let socket = socket_path("nixl-decode-restarted");
+    let first = nixl_spawn("nixl-decode-die", &socket, 0, &[]);
+    let prefills: Vec<Proc> = (0..N)
+        .map(|r| nixl_spawn("nixl-prefill-reconnect", &socket, r, &[]))
+        .collect();
+    let killed = first.finish(STARTUP * 2).is_some_and(|s| !s.success());
+    killed_at(&socket);
+    let second = nixl_spawn("nixl-decode", &socket, 0, &[(SESSION, "2".into())]);
+    let ended = second.finish(LOOP_BOUND + STARTUP).is_some()
+        && prefills.into_iter().all(|p| p.finish(STARTUP * 2).is_some());
+    let d = decode_report(&socket, "nixl-decode2");
+    let mut tally = Tally {
+        served_wrong: d.wrong as u64,
+        ..Tally::default()
+    };
+    tally.fault(
+        killed
+            && ended
+            && all_handed_back(&d, &requests(SEED))
+            && d.seen.values().all(|s| s.completed)
+            && (0..N).all(|r| read_report(&socket, &format!("nixl-prefill2-{r}"))["errors"][0] == "0"),
+    );
+    tally.report("nixl: a decode restarted under the same ranks");
 }

@@ -316,17 +316,46 @@ impl NixlTarget {
             self.refused += 1;
             return Ok(());
         };
-        let expected = self
+        let (request, chunk) = (status.request, status.chunk);
+        let scattering = |s: &Scatter| {
+            (s.status.request, s.status.rank, s.status.chunk) == (request, rank, chunk)
+        };
+        let progress = self
             .requests
-            .get(&status.request)
+            .get(&request)
             .and_then(|r| r.get(rank as usize))
-            .is_some_and(|p| !p.done && status.chunk >= p.next);
-        if status.rank != rank || !expected {
-            // Not (or no longer) expected: a late notice of a rank that failed, say. Its slots
-            // are free all the same: nothing will scatter them.
-            self.refused += 1;
-            self.free_slots(rank, bounced.iter().map(|b| b.slot));
-            return Ok(());
+            .filter(|p| !p.done && status.rank == rank);
+        match progress {
+            // A repeat of a chunk taken, waiting for an earlier one, or being scattered: its
+            // slots belong to the first copy, which frees them.
+            Some(p)
+                if chunk < p.next
+                    || p.ahead.contains_key(&chunk)
+                    || self.scatters.iter().any(scattering) =>
+            {
+                self.refused += 1;
+                return Ok(());
+            }
+            Some(_) => {}
+            None => {
+                // Not (or no longer) expected: a late notice of a rank that failed, say. Its
+                // slots are free all the same (nothing will scatter them), unless a chunk this
+                // side is scattering holds one.
+                self.refused += 1;
+                let busy: Vec<u32> = self
+                    .scatters
+                    .iter()
+                    .filter(|s| s.status.rank == rank)
+                    .flat_map(|s| s.slots.iter().copied())
+                    .collect();
+                let free: Vec<u32> = bounced
+                    .iter()
+                    .map(|b| b.slot)
+                    .filter(|s| !busy.contains(s))
+                    .collect();
+                self.free_slots(rank, free.into_iter());
+                return Ok(());
+            }
         }
         if bounced.is_empty() {
             if matches!(&status.result, ChunkResult::Sent { bytes, .. } if bytes.total() == 0) {
@@ -448,6 +477,11 @@ impl NixlTarget {
         else {
             return;
         };
+        if progress.done || status.chunk < progress.next {
+            // Already taken (a repeat that raced its first copy's scatter): nothing to add.
+            self.refused += 1;
+            return;
+        }
         progress.ahead.insert(status.chunk, status);
         let mut ready = Vec::new();
         while !progress.done {
