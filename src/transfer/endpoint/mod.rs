@@ -29,6 +29,8 @@
 //!   status is [`ChunkResult::Failed`](crate::transfer::ChunkResult::Failed), the rank's last
 //!   status for the request. The decode completes a request
 //!   only after one final status from each of the N ranks ([`Receiver`](crate::transfer::Receiver)), exactly as in-process.
+//!   A repeated status, or one of a request no longer open (a late answer to a request that
+//!   failed), is dropped and counted ([`DecodeEndpoint::dropped_statuses`]), never taken twice.
 //! - **Ordering with events (GPU).** A rank that sent E event handles records event `k mod E`
 //!   on its stream right before its k-th `Chunk` (counting every `Chunk` it sends, in
 //!   order) and sends the `Chunk` at once, without waiting for the copy; the decode takes
@@ -49,6 +51,9 @@
 //!   sent, a rank alive but silent about it) is reported as [`DecodeEvent::Overdue`], naming the
 //!   ranks and the chunks that did arrive, and those ranks are told to abort it; it is handed
 //!   back, failed, once they have answered (or are gone and have exited), as any failed request.
+//!   A rank answers once none of its chunks of the request waits to be reported: with a failed
+//!   status if it is still sending it, with an `Abort` of its own if it is done with it (its
+//!   last status was lost on the way), which the decode takes as the rank's failed last status.
 
 use std::time::Duration;
 
