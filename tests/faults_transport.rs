@@ -91,7 +91,9 @@ fn read_report(socket: &Path, name: &str) -> BTreeMap<String, Vec<String>> {
     let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for line in text.lines() {
         let (key, rest) = line.split_once(' ').unwrap_or((line, ""));
-        out.entry(key.to_string()).or_default().push(rest.to_string());
+        out.entry(key.to_string())
+            .or_default()
+            .push(rest.to_string());
     }
     out
 }
@@ -220,8 +222,14 @@ fn decode_child(socket: &Path, die: bool) {
     let backend = cpu_backend();
     let b = backend.backend();
     let exported = Arc::new(
-        ExportedPool::allocate(&backend, &geometry(), Placement::unsharded(), 0, DECODE_PAGES)
-            .expect("decode pool"),
+        ExportedPool::allocate(
+            &backend,
+            &geometry(),
+            Placement::unsharded(),
+            0,
+            DECODE_PAGES,
+        )
+        .expect("decode pool"),
     );
     let pool = exported.pool().clone();
     pool.fill(b.as_ref(), POISON).expect("poison");
@@ -296,10 +304,14 @@ fn prefill_child(socket: &Path, rank: u32, die: bool, reconnect: bool) {
     let pool = prefill_pool(backend.backend().as_ref(), SEED, rank);
     let connect = std::env::var(CONNECT).map_or_else(|_| socket.to_path_buf(), PathBuf::from);
     let reqs = requests(SEED);
-    prefill_session(socket, &connect, &backend, &pool, rank, die, &reqs, "prefill");
+    prefill_session(
+        socket, &connect, &backend, &pool, rank, die, &reqs, "prefill",
+    );
     if reconnect {
         // The same rank serves the decode that took the place of the one that went.
-        prefill_session(socket, socket, &backend, &pool, rank, false, &reqs, "prefill2");
+        prefill_session(
+            socket, socket, &backend, &pool, rank, false, &reqs, "prefill2",
+        );
     }
 }
 
@@ -526,7 +538,12 @@ fn decode_report(socket: &Path, name: &str) -> DecodeReport {
                 at: num(f[3]),
                 failed: f
                     .get(4)
-                    .map(|s| s.split(',').filter(|x| !x.is_empty()).map(|x| num(x) as u32).collect())
+                    .map(|s| {
+                        s.split(',')
+                            .filter(|x| !x.is_empty())
+                            .map(|x| num(x) as u32)
+                            .collect()
+                    })
                     .unwrap_or_default(),
             },
         );
@@ -537,7 +554,12 @@ fn decode_report(socket: &Path, name: &str) -> DecodeReport {
         .flatten()
         .map(|l| num(l.split(' ').nth(1).unwrap_or("0")) as usize)
         .sum();
-    let first = |k: &str| r.get(k).and_then(|v| v.first()).map(|s| num(s)).unwrap_or(0);
+    let first = |k: &str| {
+        r.get(k)
+            .and_then(|v| v.first())
+            .map(|s| num(s))
+            .unwrap_or(0)
+    };
     DecodeReport {
         overdue: r
             .get("overdue")
@@ -585,11 +607,9 @@ fn fault_endpoint_prefill_killed_mid_chunk() {
     let ended = decode.finish(LOOP_BOUND + STARTUP).is_some() && p0.finish(STARTUP).is_some();
     let d = decode_report(&socket, "decode");
     let at = killed_at(&socket);
-    let failed_in_time = d
-        .seen
-        .values()
-        .filter(|s| !s.completed)
-        .all(|s| s.failed.iter().all(|&r| r == 1) && s.at.saturating_sub(at) < FAILED_WITHIN.as_millis());
+    let failed_in_time = d.seen.values().filter(|s| !s.completed).all(|s| {
+        s.failed.iter().all(|&r| r == 1) && s.at.saturating_sub(at) < FAILED_WITHIN.as_millis()
+    });
     let mut tally = Tally {
         served_wrong: d.wrong as u64,
         ..Tally::default()
@@ -883,7 +903,8 @@ mod nixl_faults {
         let lose_last = std::env::var_os(LOSE_LAST).is_some();
         let repeat = std::env::var_os(REPEAT).is_some();
         let hello = Hello::new(Role::Prefill, rank, N);
-        let mut ch = retry(|| Channel::connect(socket, hello.clone(), Liveness::default(), STARTUP));
+        let mut ch =
+            retry(|| Channel::connect(socket, hello.clone(), Liveness::default(), STARTUP));
         let got = ch.recv_timeout(STARTUP).expect("alive").expect("NixlPeer");
         let Message::NixlPeer(peer) = got.message else {
             panic!("expected NixlPeer, got {:?}", got.message);
@@ -897,7 +918,9 @@ mod nixl_faults {
         let mut aborts = Vec::new();
         for r in &reqs {
             let request = r.registration.request;
-            sender.open(r.registration.clone(), remote.clone()).expect("open");
+            sender
+                .open(r.registration.clone(), remote.clone())
+                .expect("open");
             for (i, &end) in r.chunks.iter().enumerate() {
                 if die && rank == 1 && request == DIES_IN && i == 1 {
                     // Its earlier notices reach the decode before the death.
@@ -1023,7 +1046,9 @@ fn fault_nixl_decode_killed_mid_chunk() {
         .collect();
     let killed = decode.finish(STARTUP * 2).is_some_and(|s| !s.success());
     let at = killed_at(&socket);
-    let ended = prefills.into_iter().all(|p| p.finish(STARTUP * 2).is_some());
+    let ended = prefills
+        .into_iter()
+        .all(|p| p.finish(STARTUP * 2).is_some());
     // Every chunk in flight fails at the latest at its transfer timeout (5 s).
     let survived = (0..N).all(|r| {
         let p = read_report(&socket, &format!("nixl-prefill-{r}"));
@@ -1071,7 +1096,11 @@ fn fault_nixl_notifications_lost_repeated_and_late() {
     let others_complete = reqs
         .iter()
         .filter(|r| r.registration.request != lost)
-        .all(|r| d.seen.get(&r.registration.request).is_some_and(|s| s.completed));
+        .all(|r| {
+            d.seen
+                .get(&r.registration.request)
+                .is_some_and(|s| s.completed)
+        });
     let mut repeated = 0;
     for r in 0..N {
         let p = read_report(&socket, &format!("nixl-prefill-{r}"));
@@ -1099,7 +1128,9 @@ fn fault_nixl_decode_restarted_under_the_same_ranks() {
     killed_at(&socket);
     let second = nixl_spawn("nixl-decode", &socket, 0, &[(SESSION, "2".into())]);
     let ended = second.finish(LOOP_BOUND + STARTUP).is_some()
-        && prefills.into_iter().all(|p| p.finish(STARTUP * 2).is_some());
+        && prefills
+            .into_iter()
+            .all(|p| p.finish(STARTUP * 2).is_some());
     let d = decode_report(&socket, "nixl-decode2");
     let mut tally = Tally {
         served_wrong: d.wrong as u64,
@@ -1110,7 +1141,8 @@ fn fault_nixl_decode_restarted_under_the_same_ranks() {
             && ended
             && all_handed_back(&d, &requests(SEED))
             && d.seen.values().all(|s| s.completed)
-            && (0..N).all(|r| read_report(&socket, &format!("nixl-prefill2-{r}"))["errors"][0] == "0"),
+            && (0..N)
+                .all(|r| read_report(&socket, &format!("nixl-prefill2-{r}"))["errors"][0] == "0"),
     );
     tally.report("nixl: a decode restarted under the same ranks");
 }

@@ -15,7 +15,9 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::pd::{decode_pool, geometry, prefill_pool, reference, requests, Request, DECODE_PAGES, N};
+use common::pd::{
+    decode_pool, geometry, prefill_pool, reference, requests, Request, DECODE_PAGES, N,
+};
 use kvshard::backend::cpu::StreamOrder;
 use kvshard::backend::Backend;
 use kvshard::error::Error;
@@ -131,7 +133,16 @@ fn joined(
             rank,
             shape: wire::shape_of(&geometry()),
         };
-        let Ok((r, Frame::Hello { bases, pages, bounce, .. })) = decode.join(&hi, "decode") else {
+        let Ok((
+            r,
+            Frame::Hello {
+                bases,
+                pages,
+                bounce,
+                ..
+            },
+        )) = decode.join(&hi, "decode")
+        else {
             panic!("rank {rank} refused");
         };
         assert_eq!(r, rank);
@@ -185,7 +196,10 @@ fn send_all(device: &common::Device, mode: MooncakeMode) -> (Vec<u8>, u64) {
                     .expect("send");
                 let start = Instant::now();
                 while !chunk.ready().expect("ready") {
-                    assert!(start.elapsed() < Duration::from_secs(10), "packing never ran");
+                    assert!(
+                        start.elapsed() < Duration::from_secs(10),
+                        "packing never ran"
+                    );
                 }
                 bounced += u64::from(chunk.slot().is_some());
                 move_by_hand(&chunk, backend.as_ref(), &addresses);
@@ -205,7 +219,10 @@ fn send_all(device: &common::Device, mode: MooncakeMode) -> (Vec<u8>, u64) {
     }
     let start = Instant::now();
     while finished.len() < reqs.len() {
-        assert!(start.elapsed() < Duration::from_secs(10), "requests never finished");
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "requests never finished"
+        );
         finished.extend(decode.poll().expect("poll"));
         for (rank, side) in ranks.iter_mut().enumerate() {
             side.take(&decode.take_outgoing(rank as u32), &layout);
@@ -215,7 +232,11 @@ fn send_all(device: &common::Device, mode: MooncakeMode) -> (Vec<u8>, u64) {
     assert_eq!(decode.pending_requests(), 0);
     assert_eq!(decode.counters().dropped_statuses, 0);
     for (rank, side) in ranks.iter().enumerate() {
-        assert_eq!(decode.busy_slots(rank as u32), 0, "a slot held on the decode side");
+        assert_eq!(
+            decode.busy_slots(rank as u32),
+            0,
+            "a slot held on the decode side"
+        );
         assert_eq!(side.sender.bounce_slots_free(), side.sender.bounce_slots());
         let stats = side.sender.stats();
         assert_eq!(stats.chunks, 9);
@@ -245,7 +266,10 @@ common::on_cpu_and_gpu!(
             MooncakeMode::Bounce,
         ] {
             let (got, bounced) = send_all(&device, mode);
-            assert!(got == want, "{mode:?} on {device}: differs from the reference");
+            assert!(
+                got == want,
+                "{mode:?} on {device}: differs from the reference"
+            );
             assert_eq!(bounced > 0, mode != MooncakeMode::Coalesced, "{mode:?}");
         }
     }
@@ -339,7 +363,9 @@ fn a_bad_frame_ends_its_rank_after_the_good_frames_before_it() {
     bytes.extend(b"KVSM\x01\x00\x00\x00\x03\x00\x00\x00\xff\xff\xff");
     bytes.extend(frame(status(2, 1, 0, true), None));
     assert!(decode.feed(1, &bytes).is_some());
-    assert!(decode.gone(1).is_some_and(|w| w.contains("protocol violation")));
+    assert!(decode
+        .gone(1)
+        .is_some_and(|w| w.contains("protocol violation")));
     assert_eq!(decode.counters().refused_frames, 1);
     // Rank 1's later bytes are not read; rank 0 is still served.
     assert_eq!(decode.feed(1, &frame(status(2, 1, 0, true), None)), None);
@@ -347,7 +373,10 @@ fn a_bad_frame_ends_its_rank_after_the_good_frames_before_it() {
     ok.extend(frame(status(2, 0, 0, true), None));
     assert_eq!(decode.feed(0, &ok), None);
     let done = finish(&mut decode, 2);
-    assert!(done[0].is_completed(), "the good status before the bad frame was kept");
+    assert!(
+        done[0].is_completed(),
+        "the good status before the bad frame was kept"
+    );
     assert_eq!(failed_ranks(&done[1]), vec![1]);
     assert_eq!(decode.pending_requests(), 0);
 }
@@ -413,7 +442,10 @@ fn statuses_of_unknown_requests_and_duplicates_are_dropped_and_counted_not_held(
     flood.extend(frame(status(99, 0, 3, true), Some((1, vec![5]))));
     assert_eq!(decode.feed(0, &flood), None);
     let c = decode.counters();
-    assert_eq!((c.dropped_statuses, c.freed_for_dropped, c.refused_frames), (5001, 1, 0));
+    assert_eq!(
+        (c.dropped_statuses, c.freed_for_dropped, c.refused_frames),
+        (5001, 1, 0)
+    );
     let (frames, _) = FrameReader::new().feed(&decode.take_outgoing(0));
     assert_eq!(
         frames,
@@ -444,7 +476,10 @@ fn statuses_waiting_for_an_earlier_chunk_are_bounded() {
     }
     assert_eq!(decode.feed(1, &b), None, "up to the bound is held");
     let err = decode.feed(1, &frame(status(1, 1, 5000, false), None));
-    assert!(matches!(err, Some(ProtocolError::Invalid { .. })), "{err:?}");
+    assert!(
+        matches!(err, Some(ProtocolError::Invalid { .. })),
+        "{err:?}"
+    );
     assert_eq!(decode.feed(0, &frame(status(1, 0, 0, true), None)), None);
     assert_eq!(decode.feed(0, &frame(status(2, 0, 0, true), None)), None);
     let done = finish(&mut decode, 2);
@@ -489,7 +524,10 @@ fn an_overdue_request_is_aborted_and_handed_back_once_the_rank_says_aborted() {
     assert_eq!(overdue[0].missing.len(), 1);
     assert_eq!(overdue[0].missing[0].rank, 1);
     let (aborts, _) = FrameReader::new().feed(&decode.take_outgoing(1));
-    assert!(matches!(aborts.as_slice(), [Frame::Abort { request: 1, .. }]));
+    assert!(matches!(
+        aborts.as_slice(),
+        [Frame::Abort { request: 1, .. }]
+    ));
     assert!(decode.take_outgoing(0).is_empty(), "rank 0 owes nothing");
     // Held until rank 1 says it has nothing of the request in flight.
     assert!(decode.poll().expect("poll").is_empty());
@@ -511,7 +549,10 @@ fn an_overdue_request_is_aborted_and_handed_back_once_the_rank_says_aborted() {
     );
     let done = finish(&mut decode, 1);
     let failed = failed_ranks(&done[0]);
-    assert!(!failed.is_empty() && failed.iter().all(|&r| r == 1), "{failed:?}");
+    assert!(
+        !failed.is_empty() && failed.iter().all(|&r| r == 1),
+        "{failed:?}"
+    );
     assert_eq!(decode.pending_requests(), 0);
 }
 
@@ -527,7 +568,10 @@ fn a_sender_frees_a_slot_only_for_the_chunk_it_holds_once_the_engine_reported_it
         .expect("send");
     let slot = chunk.slot().expect("bounced");
     let moving = sender.bounce_free(slot, Some((r.registration.request, chunk.chunk())));
-    assert!(matches!(moving, Err(Error::InvalidArgument(_))), "{moving:?}");
+    assert!(
+        matches!(moving, Err(Error::InvalidArgument(_))),
+        "{moving:?}"
+    );
     chunk.landed(Duration::ZERO).expect("landed");
     assert!(chunk.landed(Duration::ZERO).is_err(), "reported twice");
     let other = sender.bounce_free(slot, Some((r.registration.request, chunk.chunk() + 1)));
@@ -545,11 +589,9 @@ fn a_sender_frees_a_slot_only_for_the_chunk_it_holds_once_the_engine_reported_it
 fn a_chunk_the_engine_never_reports_fails_at_its_transfer_timeout() {
     let (backend, addresses) = cpu();
     let pool = prefill_pool(backend.as_ref(), 7, 0);
-    let (_, bases) = kvshard::transfer::mooncake::pool_memory(
-        &decode_pool(backend.as_ref()),
-        &addresses,
-    )
-    .expect("memory");
+    let (_, bases) =
+        kvshard::transfer::mooncake::pool_memory(&decode_pool(backend.as_ref()), &addresses)
+            .expect("memory");
     let config = MooncakeConfig {
         transfer_timeout: Duration::from_millis(30),
         ..MooncakeConfig::default()
@@ -559,8 +601,7 @@ fn a_chunk_the_engine_never_reports_fails_at_its_transfer_timeout() {
         pages: DECODE_PAGES,
         bounces: Vec::new(),
     };
-    let mut sender =
-        MooncakeSender::new(pool, backend, addresses, target, config).expect("sender");
+    let mut sender = MooncakeSender::new(pool, backend, addresses, target, config).expect("sender");
     let r = &requests(7)[0];
     sender.open(r.registration.clone()).expect("open");
     let chunk = sender

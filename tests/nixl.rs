@@ -38,8 +38,8 @@ use kvshard::pool::DevicePool;
 use kvshard::shard::Placement;
 use kvshard::transfer::nixl::{NixlBackend, NixlConfig, NixlMode, NixlTarget, NixlTransport};
 use kvshard::transfer::{
-    ChunkEnd, ChunkStatus, Finished, MissingChunks, Outcome, PendingChunk,
-    PoolLayout, Registration, Sender, DEFAULT_DEADLINE,
+    ChunkEnd, ChunkStatus, Finished, MissingChunks, Outcome, PendingChunk, PoolLayout,
+    Registration, Sender, DEFAULT_DEADLINE,
 };
 use rand::Rng;
 

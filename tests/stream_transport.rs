@@ -90,9 +90,7 @@ fn chunks_on_alternating_streams_land_and_a_method_is_refused_at_once() {
         StreamTransport::new(a.clone(), Some(Method::CopyEngine)).expect("transport");
     let mut sender = Sender::new(pool, Box::new(transport));
     let r = &reqs[0];
-    sender
-        .open(r.registration.clone(), remote)
-        .expect("open");
+    sender.open(r.registration.clone(), remote).expect("open");
     for (i, &end) in r.chunks.iter().enumerate() {
         // Alternating streams; the same stream twice reuses its transport.
         choice.set(if i % 2 == 0 { a.clone() } else { b.clone() });

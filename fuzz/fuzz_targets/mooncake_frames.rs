@@ -20,7 +20,6 @@ use kvshard::transfer::mooncake::{EngineAddresses, MooncakeReceiver};
 use kvshard::transfer::{ChunkResult, ChunkStatus, ComponentBytes, PoolLayout, Registration};
 use libfuzzer_sys::fuzz_target;
 
-
 const PAGES: u64 = 16;
 
 fn geometry() -> CacheGeometry {
@@ -31,8 +30,14 @@ fn receiver() -> MooncakeReceiver {
     let cpu = Arc::new(CpuBackend::with_order(StreamOrder::Immediate));
     let backend: Arc<dyn Backend> = cpu.clone();
     let pool = Arc::new(
-        DevicePool::allocate(backend.as_ref(), &geometry(), Placement::unsharded(), 0, PAGES)
-            .expect("pool"),
+        DevicePool::allocate(
+            backend.as_ref(),
+            &geometry(),
+            Placement::unsharded(),
+            0,
+            PAGES,
+        )
+        .expect("pool"),
     );
     let mut r = MooncakeReceiver::new(
         pool,
@@ -45,7 +50,10 @@ fn receiver() -> MooncakeReceiver {
     )
     .expect("receiver");
     for rank in 0..2 {
-        let hi = Frame::Hi { rank, shape: wire::shape_of(&geometry()) };
+        let hi = Frame::Hi {
+            rank,
+            shape: wire::shape_of(&geometry()),
+        };
         assert!(r.join(&hi, "fuzz").is_ok());
     }
     for request in 1..=2u64 {
@@ -80,7 +88,10 @@ fuzz_target!(|data: &[u8]| {
         let (frames, error) = reader.feed(piece);
         assert!(reader.buffered() <= HEADER_BYTES + MAX_FRAME_BYTES);
         if broken {
-            assert!(frames.is_empty() && error.is_some(), "a refused stream read on");
+            assert!(
+                frames.is_empty() && error.is_some(),
+                "a refused stream read on"
+            );
         }
         broken |= error.is_some();
         for f in frames {
@@ -101,9 +112,16 @@ fuzz_target!(|data: &[u8]| {
             request,
             rank: 0,
             chunk: 0,
-            result: ChunkResult::Sent { bytes: ComponentBytes::default(), last: true },
+            result: ChunkResult::Sent {
+                bytes: ComponentBytes::default(),
+                last: true,
+            },
         };
-        let bytes = wire::encode(&Frame::Status { status, bounced: None }).expect("encode");
+        let bytes = wire::encode(&Frame::Status {
+            status,
+            bounced: None,
+        })
+        .expect("encode");
         assert!(decode.feed(0, &bytes).is_none());
     }
     let _ = decode.poll();

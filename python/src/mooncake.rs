@@ -372,7 +372,11 @@ impl PyMooncakeChunk {
 
     /// The side channel's frame reporting `status` (this chunk's, from `poll` or a
     /// `ChunkFailedError`): it names the bounce slot and sections of a chunk that landed.
-    fn report<'py>(&self, py: Python<'py>, status: &PyChunkStatus) -> PyResult<Bound<'py, PyBytes>> {
+    fn report<'py>(
+        &self,
+        py: Python<'py>,
+        status: &PyChunkStatus,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let frame = self.0.status_frame(status.0.clone());
         let bytes = mc::wire::encode(&frame).map_err(|e| invalid(e.to_string()))?;
         Ok(PyBytes::new(py, &bytes))
@@ -425,9 +429,14 @@ impl PyMooncakeSender {
             pages: decode_pages,
             bounces: decode_bounces,
         };
-        let sender =
-            MooncakeSender::new(p.inner.clone(), backend, addresses_of(device), target, config)
-                .py_err()?;
+        let sender = MooncakeSender::new(
+            p.inner.clone(),
+            backend,
+            addresses_of(device),
+            target,
+            config,
+        )
+        .py_err()?;
         Ok(Self {
             inner: Mutex::new(sender),
             pool,
@@ -491,7 +500,11 @@ impl PyMooncakeSender {
         let holder = match (request, chunk) {
             (Some(r), Some(c)) => Some((r, c)),
             (None, None) => None,
-            _ => return Err(invalid("bounce_free: give both request and chunk, or neither")),
+            _ => {
+                return Err(invalid(
+                    "bounce_free: give both request and chunk, or neither",
+                ))
+            }
         };
         lock(&self.inner).bounce_free(slot, holder).py_err()
     }

@@ -180,7 +180,10 @@ fn dict_of<'py>(py: Python<'py>, frame: Frame) -> PyResult<Bound<'py, PyDict>> {
 /// field, or one the protocol refuses (over its size limit, contradicting itself), raises
 /// `InvalidArgumentError` and nothing is sent.
 #[pyfunction]
-pub fn side_frame<'py>(py: Python<'py>, frame: &Bound<'py, PyDict>) -> PyResult<Bound<'py, PyBytes>> {
+pub fn side_frame<'py>(
+    py: Python<'py>,
+    frame: &Bound<'py, PyDict>,
+) -> PyResult<Bound<'py, PyBytes>> {
     let frame = frame_of(frame)?;
     let bytes = wire::encode(&frame).map_err(|e| invalid(e.to_string()))?;
     Ok(PyBytes::new(py, &bytes))
@@ -308,12 +311,7 @@ impl PyMooncakeReceiver {
                 Ok((rank, hello)) => (Some(rank), hello),
                 Err(refused) => (None, refused),
             },
-            Err(e) => (
-                None,
-                Frame::Refused {
-                    why: e.to_string(),
-                },
-            ),
+            Err(e) => (None, Frame::Refused { why: e.to_string() }),
         };
         let bytes = wire::encode(&reply).map_err(|e| invalid(e.to_string()))?;
         Ok((rank, PyBytes::new(py, &bytes)))

@@ -167,7 +167,6 @@ pub fn reference(seed: u64, requests: &[Request]) -> Vec<u8> {
     dst.snapshot_sync(backend.as_ref()).expect("snapshot")
 }
 
-
 /// Page `page` of every layer of a decode pool snapshot, in `read_pages_sync`'s order.
 pub fn page_of(snapshot: &[u8], pool: &DevicePool, page: LocalPage) -> Vec<u8> {
     let mut out = Vec::new();

@@ -626,7 +626,9 @@ impl DecodeEndpoint {
             (status.request, status.rank as usize, status.is_terminal());
         let repeat = self.requests.get(&request).is_none_or(|o| {
             o.done.get(rank).is_none_or(|&done| done)
-                || o.next_chunk.get(rank).is_some_and(|&next| status.chunk < next)
+                || o.next_chunk
+                    .get(rank)
+                    .is_some_and(|&next| status.chunk < next)
         });
         if repeat {
             self.dropped += 1;

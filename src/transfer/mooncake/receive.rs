@@ -256,7 +256,11 @@ impl MooncakeReceiver {
         deadline: Option<Duration>,
     ) -> Result<Vec<u8>> {
         let request = registration.request;
-        if let Some(r) = self.ranks.iter().position(|r| !r.joined && r.gone.is_none()) {
+        if let Some(r) = self
+            .ranks
+            .iter()
+            .position(|r| !r.joined && r.gone.is_none())
+        {
             return Err(Error::Transfer {
                 request,
                 reason: format!("prefill rank {r} has not joined"),
@@ -603,7 +607,14 @@ impl MooncakeReceiver {
                 if let Some((slot, request, chunk)) = q.slot {
                     r.busy[slot as usize] = None;
                     // Its scatter has run: the rank may pack into the slot again.
-                    self.send(rank, &Frame::Free { slot, request, chunk });
+                    self.send(
+                        rank,
+                        &Frame::Free {
+                            slot,
+                            request,
+                            chunk,
+                        },
+                    );
                 }
                 if let Some(status) = q.status {
                     self.deliver(status);

@@ -434,9 +434,9 @@ impl MooncakeChunk {
     /// Blocks the host until the engine reports the chunk (at most the transfer timeout) and
     /// returns its status, once.
     pub fn wait_sync(&self) -> Result<ChunkStatus> {
-        let pending = lock(&self.pending).take().ok_or_else(|| {
-            Error::InvalidArgument("the chunk was already waited for".into())
-        })?;
+        let pending = lock(&self.pending)
+            .take()
+            .ok_or_else(|| Error::InvalidArgument("the chunk was already waited for".into()))?;
         pending.wait_sync()
     }
 
@@ -595,7 +595,8 @@ impl MooncakeSender {
     pub fn bounce_free(&self, slot: usize, holder: Option<(u64, u32)>) -> Result<()> {
         let mut s = lock(&self.shared);
         let count = s.slots.len();
-        let refused = |why: String| Err(Error::InvalidArgument(format!("bounce slot {slot}: {why}")));
+        let refused =
+            |why: String| Err(Error::InvalidArgument(format!("bounce slot {slot}: {why}")));
         let Some(sl) = s.slots.get_mut(slot) else {
             return refused(format!("the sender has {count}"));
         };
