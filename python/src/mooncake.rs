@@ -69,15 +69,12 @@ pub fn addresses_of(device: &PyDevice) -> EngineAddresses {
     }
 }
 
-/// `(regions to register, layer bases)` of a pool, as `engine_memory` returns them.
-type EngineMemory = (Vec<(u64, u64)>, Vec<Vec<u64>>);
-
 /// The memory of `pool` as a transfer engine registers and addresses it: the contiguous
 /// regions to register once, `[(address, bytes)]` (adjacent layers merged), and the base of
 /// every stored layer of every component (`bases[c][l]`, in `geometry.components()` order),
 /// what the decode side publishes to its prefill ranks (`MooncakeSender(decode_bases=...)`).
 #[pyfunction]
-pub fn engine_memory(pool: &PyDevicePool) -> PyResult<EngineMemory> {
+pub fn engine_memory(pool: &PyDevicePool) -> PyResult<mc::PoolMemory> {
     mc::pool_memory(&pool.inner, &addresses_of(pool.device.get())).py_err()
 }
 

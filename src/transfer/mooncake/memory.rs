@@ -34,13 +34,14 @@ impl EngineAddresses {
     }
 }
 
+/// What [`pool_memory`] returns: the regions to register, `[(address, bytes)]`, and the base
+/// of every stored layer of every component, `bases[c][l]`.
+pub type PoolMemory = (Vec<(u64, u64)>, Vec<Vec<u64>>);
+
 /// The regions of `pool` an engine registers once, `[(address, bytes)]` sorted with adjacent
 /// layers merged, and the base of every stored layer of every component (`bases[c][l]`, in
 /// `geometry.components()` order): what a decode side publishes to its prefill ranks.
-pub fn pool_memory(
-    pool: &DevicePool,
-    addresses: &EngineAddresses,
-) -> Result<(Vec<(u64, u64)>, Vec<Vec<u64>>)> {
+pub fn pool_memory(pool: &DevicePool, addresses: &EngineAddresses) -> Result<PoolMemory> {
     let mut ranges = Vec::new();
     let mut bases = Vec::new();
     for c in pool.geometry().components() {

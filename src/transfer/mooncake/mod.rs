@@ -30,6 +30,6 @@ mod receive;
 mod send;
 pub mod wire;
 
-pub use memory::{merged, pool_memory, EngineAddresses};
+pub use memory::{merged, pool_memory, EngineAddresses, PoolMemory};
 pub use receive::{MooncakeReceiver, SideCounters, MAX_HELD_STATUSES, MAX_SLOTS};
 pub use send::{DecodeTarget, MooncakeChunk, MooncakeConfig, MooncakeMode, MooncakeSender};
