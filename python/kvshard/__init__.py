@@ -214,6 +214,11 @@ __all__ = [
     "plan_capacity",
 ]
 
+# The Mooncake side channel's frames and its decode side (what kvshard.mooncake runs on).
+from ._kvshard import MooncakeReceiver, SideReader, side_frame, side_shape  # noqa: E402
+
+__all__ += ["MooncakeReceiver", "SideReader", "side_frame", "side_shape"]
+
 try:
     from ._kvshard import DiskStats, DiskStore, LoadOutcome, Snapshot, StoreReport
 except ImportError:  # built without the `nixl` feature: no storage tier in this wheel

@@ -85,6 +85,10 @@ __all__ = [
     "BounceBuffer",
     "MooncakeChunk",
     "MooncakeSender",
+    "side_frame",
+    "side_shape",
+    "SideReader",
+    "MooncakeReceiver",
     "HostLayout",
     "Route",
     "WritePolicy",
@@ -823,7 +827,7 @@ class MooncakeChunk:
     def reported(self) -> bool: ...
     def poll(self) -> Optional[ChunkStatus]: ...
     def wait(self) -> ChunkStatus: ...
-    def report(self, status: ChunkStatus) -> bytes: ...
+    def report(self, status: ChunkStatus) -> builtins.bytes: ...
 
 @final
 class MooncakeSender:
