@@ -16,7 +16,8 @@
 #             byte-identical to the in-process reference (python/tests/test_mooncake_cpu.py
 #             -k loopback with KVSHARD_MC_DEVICE=0), and the registration of VRAM pools, pinned
 #             host pools, chunk staging and bounce buffers (test_mooncake_memory_cpu.py, the
-#             same device); with MOONCAKE_BENCH=1 then python/mooncake_bench.py on VRAM into
+#             same device), then the fault-injection suite's Mooncake cases on the same device
+#             (test_faults_mooncake_cpu.py: their lines in mooncake-faults.log); with MOONCAKE_BENCH=1 then python/mooncake_bench.py on VRAM into
 #             mooncake.md: the NIXL benchmark's shapes (--like-nixl), N = 1, 2, 8 x 512 and 64
 #             pages, bounce and coalesced next to the same-run ceiling of Mooncake's own path and
 #             a device copy, within 75 s (MOONCAKE_BENCH_FULL=1: 64, 512, 4,096 pages within
@@ -188,6 +189,17 @@ for step in "${steps[@]}"; do
       status=1
     fi
     say "mooncake: $r ($(grep -E 'passed|failed|skipped' "$log" | tail -1))"
+    # The fault-injection suite's Mooncake cases on VRAM pools (kills, status frames dropped,
+    # duplicated, delayed and reordered, a decode restarted): their `fault-injection:` lines.
+    if (cd "$repo" && LD_LIBRARY_PATH="$mc_path:${LD_LIBRARY_PATH:-}" PYTHONPATH="$rt/site:$rt/kvshard" \
+      KVSHARD_MC_DEVICE=0 KVSHARD_REQUIRE_MOONCAKE=1 timeout 150 python3 -P -m pytest -q -s -rs \
+      python/tests/test_faults_mooncake_cpu.py) >"$out/mooncake-faults.log" 2>&1; then
+      r=ok
+    else
+      r=FAILED
+      status=1
+    fi
+    say "mooncake faults: $r ($(grep -c 'fault-injection:' "$out/mooncake-faults.log") cases; $(grep -E 'passed|failed' "$out/mooncake-faults.log" | tail -1))"
     if [ "${MOONCAKE_BENCH:-0}" = 1 ]; then
       # Bounce and coalesced on VRAM next to Mooncake's own ceiling (python/mooncake_bench.py).
       # 512 pages first: the issue's shape at every N before the budget can cut a row.
