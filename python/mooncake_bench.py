@@ -58,10 +58,12 @@ class Shape:
 
     def __init__(self, device, g, n, pages, like_nixl, protocol):
         self.device, self.g, self.n, self.pages, self.like_nixl = device, g, n, pages, like_nixl
-        self.decode_pool = kvshard.DevicePool.allocate(device, g, kvshard.Placement(1), 0, pages + 1)
+        self.decode_pool = kvshard.DevicePool.allocate(device, g, kvshard.Placement(1), 0, pages + 1, registrable=True)
         # Logical pages n .. n + pages - 1 (0 .. n - 1 are reserved): rank r owns those = r mod n.
         local = pages // n + 2
-        self.pools = [kvshard.DevicePool.allocate(device, g, kvshard.Placement(n), r, local) for r in range(n)]
+        self.pools = [
+            kvshard.DevicePool.allocate(device, g, kvshard.Placement(n), r, local, registrable=True) for r in range(n)
+        ]
         for p in self.pools:
             p.fill(0x5A)
         device.synchronize()

@@ -612,3 +612,44 @@ fn a_chunk_the_engine_never_reports_fails_at_its_transfer_timeout() {
     assert!(matches!(chunk.poll(), Err(Error::ChunkFailed { .. })));
     assert_eq!(sender.stats().failed_transfers, 1);
 }
+
+#[test]
+fn a_transfer_timeout_no_clock_reaches_is_none_and_a_zero_one_is_refused() {
+    let (backend, addresses) = cpu();
+    let (_, bases) = kvshard::transfer::mooncake::pool_memory(
+        &decode_pool(backend.as_ref()),
+        &addresses,
+    )
+    .expect("memory");
+    let target = |bounces: usize| DecodeTarget {
+        bases: bases.clone(),
+        pages: DECODE_PAGES,
+        bounces: vec![(1 << 20, 1 << 20); bounces],
+    };
+    let sender = |timeout: Duration, bounces: usize| {
+        let config = MooncakeConfig {
+            transfer_timeout: timeout,
+            ..MooncakeConfig::default()
+        };
+        let pool = prefill_pool(backend.as_ref(), 7, 0);
+        MooncakeSender::new(pool, backend.clone(), addresses.clone(), target(bounces), config)
+    };
+    // Old behaviour: an instant plus Duration::MAX panicked in the first send.
+    let mut unbounded = sender(Duration::MAX, 0).expect("no deadline");
+    let r = &requests(7)[0];
+    unbounded.open(r.registration.clone()).expect("open");
+    let chunk = unbounded
+        .send(r.registration.request, &r.src_pages, r.chunks[0])
+        .expect("send");
+    assert!(chunk.poll().expect("moving").is_none());
+    chunk.landed(Duration::ZERO).expect("landed");
+    assert!(chunk.wait_sync().is_ok());
+    assert!(matches!(
+        sender(Duration::ZERO, 0),
+        Err(Error::OutOfBounds { .. })
+    ));
+    assert!(matches!(
+        sender(Duration::from_secs(1), kvshard::transfer::mooncake::MAX_SLOTS + 1),
+        Err(Error::OutOfBounds { .. })
+    ));
+}

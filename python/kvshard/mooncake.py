@@ -149,6 +149,8 @@ class Engine:
     lists in turn: its TCP transport refuses batches of many thousands)."""
 
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "", max_batch: int = 512):
+        if max_batch < 1:
+            raise InvalidArgumentError(f"max_batch ({max_batch}) must be at least 1")
         self.te = load_engine_class()()
         rc = self.te.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
@@ -391,7 +393,8 @@ class MooncakeDecode:
                     if now >= due:
                         self._refuse(pending, sock, ch)
                 wake = min([end, *(due for _, _, due in pending.values())])
-                ready, _, _ = select.select([self._server, *pending], [], [], max(wake - now, 0.0))
+                # At most a second per look (select refuses a timeout past its range).
+                ready, _, _ = select.select([self._server, *pending], [], [], min(max(wake - now, 0.0), 1.0))
                 for sock in ready:
                     if sock is self._server:
                         self._accept_one(pending, min(end, time.monotonic() + hello_timeout))
@@ -542,6 +545,8 @@ class MooncakePrefill:
         max_batch: int = 512,
         stream=None,
     ):
+        if workers < 1 or max_batch < 1:
+            raise InvalidArgumentError(f"workers ({workers}) and max_batch ({max_batch}) must be at least 1")
         self.pool = pool
         #: Descriptors per Mooncake batch (a chunk of more is posted in several, in turn).
         self.max_batch = max_batch

@@ -133,7 +133,9 @@ def prefill_pool(dev, seed, rank):
 
 
 def decode_pool(dev):
-    pool = kvshard.DevicePool.allocate(dev, geometry(), kvshard.Placement(1), 0, DECODE_PAGES)
+    # Registrable: an engine registers it by address (kvshard's stream-ordered pool memory cannot
+    # be, over GPUDirect RDMA).
+    pool = kvshard.DevicePool.allocate(dev, geometry(), kvshard.Placement(1), 0, DECODE_PAGES, registrable=True)
     pool.fill(POISON)
     # Before any engine writes into it: a fill still queued would overwrite what lands.
     dev.synchronize()

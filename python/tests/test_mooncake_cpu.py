@@ -200,3 +200,20 @@ def test_a_chunk_the_engine_never_reports_fails_at_its_transfer_timeout():
     assert e.value.status.request == reg.request and not e.value.status.ok
     with pytest.raises(kvshard.InvalidArgumentError):
         chunk.posted(-1.0)
+
+
+def test_transfer_timeouts_past_the_clock_are_none_and_zero_is_refused():
+    dev = kvshard.Device.cpu()
+    dst = procs.decode_pool(dev)
+    _, bases = kvshard.engine_memory(dst)
+    pool, _keep = procs.prefill_pool(dev, 7, 0)
+    # Old behaviour: an instant plus 10^18 s overflowed, a panic in the first send.
+    sender = kvshard.MooncakeSender(pool, bases, procs.DECODE_PAGES, transfer_timeout=1e18)
+    reg, src, chunks = procs.requests(7)[0]
+    sender.open(reg)
+    chunk = sender.send(reg.request, src, chunks[0][0], last=False)
+    assert chunk.poll() is None
+    chunk.landed(0.0)
+    assert chunk.poll() is not None
+    with pytest.raises(kvshard.InvalidArgumentError):
+        kvshard.MooncakeSender(pool, bases, procs.DECODE_PAGES, transfer_timeout=0.0)

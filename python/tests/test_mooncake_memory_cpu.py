@@ -33,7 +33,7 @@ def memory_of_every_kind(dev):
     """A device pool, a host pool (page-first, one span per page and buffer), a host pool
     (layer-first: a span per layer), chunk staging and a bounce buffer, all on ``dev``."""
     g = procs.geometry()
-    pool = kvshard.DevicePool.allocate(dev, g, kvshard.Placement(1), 0, 16)
+    pool = kvshard.DevicePool.allocate(dev, g, kvshard.Placement(1), 0, 16, registrable=True)
     return {
         "pool": pool,
         "host": kvshard.HostPool(dev, g, HOST_PAGES, kvshard.HostLayout.PAGE_FIRST),
@@ -376,8 +376,8 @@ def test_a_prefill_frees_the_slot_of_a_chunk_past_its_deadline_only_once_the_eng
     mooncake_loads()
     dev = kvshard.Device.cpu()
     g = procs.geometry()
-    decode_pool = kvshard.DevicePool.allocate(dev, g, kvshard.Placement(1), 0, 16)
-    pool = kvshard.DevicePool.allocate(dev, g, kvshard.Placement(1), 0, 8)
+    decode_pool = kvshard.DevicePool.allocate(dev, g, kvshard.Placement(1), 0, 16, registrable=True)
+    pool = kvshard.DevicePool.allocate(dev, g, kvshard.Placement(1), 0, 8, registrable=True)
     pool.fill(0x5A)
     dev.synchronize()
     dec = mooncake.MooncakeDecode(decode_pool, 1, bounce_pages=4, bounce_slots=1)

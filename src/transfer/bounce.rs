@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use super::plan::SendPlan;
 use crate::abi;
-use crate::backend::{AddressSpace, Backend, Buffer, Event, KernelFamily, Launch, MemoryKind};
+use crate::backend::{AddressSpace, Backend, Buffer, Event, KernelFamily, Launch};
 use crate::copy::space::{sealed, REGION_ALIGN};
 use crate::copy::{BlockCopyPlan, BlockSpace, PageSelection, SpaceId, TableStore};
 use crate::error::{Checked, Error, Result};
@@ -161,7 +161,8 @@ impl BounceBuffer {
         let bytes = layout(&components, &[(all, pages)])?
             .last()
             .map_or(0, |s| s.2);
-        let buffer = backend.alloc(bytes.max(1), MemoryKind::Device)?;
+        // Registrable: the transfer engine registers it by address (GPUDirect RDMA among them).
+        let buffer = backend.alloc_registrable(bytes.max(1))?;
         let launch = Launch {
             ctas: 264,
             threads: backend.max_threads(KernelFamily::Copy).min(512),

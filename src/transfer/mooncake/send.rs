@@ -41,7 +41,8 @@ pub struct MooncakeConfig {
     pub bounce_pages: u64,
     /// [`MooncakeMode::Auto`] bounces chunks whose coalesced descriptors average fewer bytes.
     pub bounce_below: u64,
-    /// A chunk the engine has not reported this long after it was handed out fails.
+    /// A chunk the engine has not reported this long after it was handed out fails (more
+    /// than zero; a timeout no clock reaches, `Duration::MAX`, is none).
     pub transfer_timeout: Duration,
 }
 
@@ -94,7 +95,8 @@ impl Settle {
 struct Settled {
     settle: Arc<Settle>,
     request: u64,
-    deadline: Instant,
+    /// When the chunk fails unreported (`None`: a timeout too long for the clock, none).
+    deadline: Option<Instant>,
     timeout: Duration,
 }
 
@@ -109,7 +111,7 @@ impl Settled {
         match outcome {
             Outcome::Landed(_) => Ok(true),
             Outcome::Failed(reason) => failed(reason.clone()),
-            Outcome::Moving if Instant::now() >= self.deadline => failed(format!(
+            Outcome::Moving if self.deadline.is_some_and(|d| Instant::now() >= d) => failed(format!(
                 "the transfer engine did not report the chunk landed within {:?}",
                 self.timeout
             )),
@@ -129,13 +131,20 @@ impl Completion for Settled {
             if self.check(&outcome)? {
                 return Ok(());
             }
-            let left = self.deadline.saturating_duration_since(Instant::now());
-            outcome = self
-                .settle
-                .changed
-                .wait_timeout(outcome, left)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
+            outcome = match self.deadline {
+                Some(d) => self
+                    .settle
+                    .changed
+                    .wait_timeout(outcome, d.saturating_duration_since(Instant::now()))
+                    .map(|(g, _)| g)
+                    .unwrap_or_else(|e| e.into_inner().0),
+                // No timeout was asked for: until the engine reports the chunk.
+                None => self
+                    .settle
+                    .changed
+                    .wait(outcome)
+                    .unwrap_or_else(|e| e.into_inner()),
+            };
         }
     }
 
@@ -271,7 +280,7 @@ impl Transport for EngineTransport {
         let completion = Settled {
             settle,
             request: plan.request(),
-            deadline: started + s.config.transfer_timeout,
+            deadline: started.checked_add(s.config.transfer_timeout),
             timeout: s.config.transfer_timeout,
         };
         s.last = Some(export);
@@ -486,7 +495,8 @@ impl MooncakeSender {
     /// The sender of `pool`'s rank into `decode`, packing on `backend` (a stream of `pool`'s
     /// device), addresses translated by `addresses`. One bounce slot of
     /// [`MooncakeConfig::bounce_pages`] pages per decode buffer in `decode.bounces` (none when
-    /// coalesced or 0 pages).
+    /// coalesced or 0 pages; at most [`MAX_SLOTS`](super::MAX_SLOTS)). A zero transfer timeout
+    /// is [`Error::OutOfBounds`].
     pub fn new(
         pool: Arc<DevicePool>,
         backend: Arc<dyn Backend>,
@@ -499,6 +509,20 @@ impl MooncakeSender {
             crate::copy::BlockSpace::address_space(pool.as_ref()),
             "the prefill pool",
         )?;
+        if config.transfer_timeout.is_zero() {
+            return Err(Error::out_of_bounds(
+                "a Mooncake transfer timeout",
+                "0 s",
+                "more than 0 s (every chunk would fail unreported)",
+            ));
+        }
+        if decode.bounces.len() > super::MAX_SLOTS {
+            return Err(Error::out_of_bounds(
+                "the decode's bounce buffers for a rank",
+                decode.bounces.len(),
+                format!("at most {}", super::MAX_SLOTS),
+            ));
+        }
         let geometry = pool.geometry().clone();
         let dst = Arc::new(RemoteSpace::unmapped(
             geometry.clone(),
