@@ -616,11 +616,9 @@ fn a_chunk_the_engine_never_reports_fails_at_its_transfer_timeout() {
 #[test]
 fn a_transfer_timeout_no_clock_reaches_is_none_and_a_zero_one_is_refused() {
     let (backend, addresses) = cpu();
-    let (_, bases) = kvshard::transfer::mooncake::pool_memory(
-        &decode_pool(backend.as_ref()),
-        &addresses,
-    )
-    .expect("memory");
+    let (_, bases) =
+        kvshard::transfer::mooncake::pool_memory(&decode_pool(backend.as_ref()), &addresses)
+            .expect("memory");
     let target = |bounces: usize| DecodeTarget {
         bases: bases.clone(),
         pages: DECODE_PAGES,
@@ -632,7 +630,13 @@ fn a_transfer_timeout_no_clock_reaches_is_none_and_a_zero_one_is_refused() {
             ..MooncakeConfig::default()
         };
         let pool = prefill_pool(backend.as_ref(), 7, 0);
-        MooncakeSender::new(pool, backend.clone(), addresses.clone(), target(bounces), config)
+        MooncakeSender::new(
+            pool,
+            backend.clone(),
+            addresses.clone(),
+            target(bounces),
+            config,
+        )
     };
     // Old behaviour: an instant plus Duration::MAX panicked in the first send.
     let mut unbounded = sender(Duration::MAX, 0).expect("no deadline");
@@ -649,7 +653,10 @@ fn a_transfer_timeout_no_clock_reaches_is_none_and_a_zero_one_is_refused() {
         Err(Error::OutOfBounds { .. })
     ));
     assert!(matches!(
-        sender(Duration::from_secs(1), kvshard::transfer::mooncake::MAX_SLOTS + 1),
+        sender(
+            Duration::from_secs(1),
+            kvshard::transfer::mooncake::MAX_SLOTS + 1
+        ),
         Err(Error::OutOfBounds { .. })
     ));
 }

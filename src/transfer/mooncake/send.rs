@@ -111,10 +111,12 @@ impl Settled {
         match outcome {
             Outcome::Landed(_) => Ok(true),
             Outcome::Failed(reason) => failed(reason.clone()),
-            Outcome::Moving if self.deadline.is_some_and(|d| Instant::now() >= d) => failed(format!(
-                "the transfer engine did not report the chunk landed within {:?}",
-                self.timeout
-            )),
+            Outcome::Moving if self.deadline.is_some_and(|d| Instant::now() >= d) => {
+                failed(format!(
+                    "the transfer engine did not report the chunk landed within {:?}",
+                    self.timeout
+                ))
+            }
             Outcome::Moving => Ok(false),
         }
     }
