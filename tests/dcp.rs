@@ -276,6 +276,33 @@ enum Mode {
 /// One prefill rank: its stream and its pool.
 type Rank = (Arc<dyn Backend>, Arc<DevicePool>);
 
+/// One decode rank's pool: the backend that reads and writes it as its own, the pool, the
+/// destination the prefill ranks send into, and whatever keeps the memory shared.
+struct DecodeSide {
+    owner: Arc<dyn Backend>,
+    pool: Arc<DevicePool>,
+    space: Arc<RemoteSpace>,
+    _keep: Option<Box<dyn std::any::Any>>,
+}
+
+/// Makes a decode rank's pool of a geometry and a page count.
+type DecodeMaker<'a> = &'a dyn Fn(&CacheGeometry, u64) -> DecodeSide;
+
+/// A pool on `base`, its destination made in this process.
+fn local_decode(base: &Arc<dyn Backend>) -> impl Fn(&CacheGeometry, u64) -> DecodeSide + '_ {
+    move |g, pages| {
+        let pool = Arc::new(
+            DevicePool::allocate(base.as_ref(), g, Placement::unsharded(), 0, pages).unwrap(),
+        );
+        DecodeSide {
+            owner: base.clone(),
+            space: Arc::new(RemoteSpace::of(pool.clone(), g.clone()).unwrap()),
+            pool,
+            _keep: None,
+        }
+    }
+}
+
 /// A case made ready to send: the reference, the prefill ranks holding their pages of it, the
 /// decode ranks' pools (poison, but random bytes in every page they registered) and their
 /// registration.
@@ -284,7 +311,7 @@ struct Setup {
     reference_pages: u64,
     src: Vec<LogicalPage>,
     ranks: Vec<Rank>,
-    decode: Vec<Arc<DevicePool>>,
+    decode: Vec<DecodeSide>,
     spaces: Vec<Arc<RemoteSpace>>,
     decode_pages: u64,
     reg: DecodeRegistration,
@@ -294,6 +321,16 @@ struct Setup {
 fn setup(
     base: &Arc<dyn Backend>,
     stream: &dyn Fn() -> Arc<dyn Backend>,
+    case: &Case,
+    rng: &mut StdRng,
+) -> Setup {
+    setup_with(base, stream, &local_decode(base), case, rng)
+}
+
+fn setup_with(
+    base: &Arc<dyn Backend>,
+    stream: &dyn Fn() -> Arc<dyn Backend>,
+    make_decode: DecodeMaker,
     case: &Case,
     rng: &mut StdRng,
 ) -> Setup {
@@ -324,11 +361,9 @@ fn setup(
     let mut before = Vec::new();
     let mut dranks = Vec::new();
     for d in 0..layout.ranks() {
-        let pool = Arc::new(
-            DevicePool::allocate(base.as_ref(), g, Placement::unsharded(), 0, decode_pages)
-                .unwrap(),
-        );
-        pool.fill(base.as_ref(), POISON).unwrap();
+        let side = make_decode(g, decode_pages);
+        let (owner, pool) = (&side.owner, &side.pool);
+        pool.fill(owner.as_ref(), POISON).unwrap();
         let mut free: Vec<u64> = (1..decode_pages).collect();
         if !case.contiguous {
             free.shuffle(rng);
@@ -360,24 +395,25 @@ fn setup(
                     let at = pool
                         .block_addr(comp.component, kvshard::index::StoredLayer(layer), *p)
                         .unwrap();
-                    base.write_sync(
-                        storage,
-                        (at - storage.addr()) as usize,
-                        &synth::bytes(rng, comp.block_bytes),
-                    )
-                    .unwrap();
+                    owner
+                        .write_sync(
+                            storage,
+                            (at - storage.addr()) as usize,
+                            &synth::bytes(rng, comp.block_bytes),
+                        )
+                        .unwrap();
                 }
             }
         }
-        base.synchronize().unwrap();
-        before.push(pool.snapshot_sync(base.as_ref()).unwrap());
-        spaces.push(Arc::new(RemoteSpace::of(pool.clone(), g.clone()).unwrap()));
+        owner.synchronize().unwrap();
+        before.push(pool.snapshot_sync(owner.as_ref()).unwrap());
+        spaces.push(side.space.clone());
         dranks.push(DecodeRank {
-            layout: PoolLayout::of(&pool),
+            layout: PoolLayout::of(pool),
             pages,
             state_pages,
         });
-        decode.push(pool);
+        decode.push(side);
     }
     // Prefill ranks: garbage everywhere, then the reference bytes at their owned pages, copied
     // on `base` last, with no wait after: each rank's sends (on its own stream) must follow the
@@ -555,12 +591,24 @@ fn run_case(
     mode: Mode,
     seed: u64,
 ) -> Vec<Vec<u8>> {
+    run_case_with(base, stream, &local_decode(base), case, mode, seed)
+}
+
+/// [`run_case`] into decode pools `make_decode` makes.
+fn run_case_with(
+    base: &Arc<dyn Backend>,
+    stream: &dyn Fn() -> Arc<dyn Backend>,
+    make_decode: DecodeMaker,
+    case: &Case,
+    mode: Mode,
+    seed: u64,
+) -> Vec<Vec<u8>> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let s = setup(base, stream, case, &mut rng);
+    let s = setup_with(base, stream, make_decode, case, &mut rng);
     let read = || {
         s.decode
             .iter()
-            .map(|pool| pool.snapshot_sync(base.as_ref()).unwrap())
+            .map(|d| d.pool.snapshot_sync(d.owner.as_ref()).unwrap())
             .collect()
     };
     let (finished, early) = send(&s, case, &mut rng, mode, &read);
@@ -1183,4 +1231,94 @@ fn every_status_of_a_chunk_names_its_decode_rank_bytes() {
     assert_eq!(sum, total);
     assert_eq!(sender.bytes_sent(), total);
     b.synchronize().unwrap();
+}
+
+// Decode pools of other processes: each decode rank's pool exported (a sealed memfd, as a
+// decode process does) and imported into the prefill ranks' address space (a second arena
+// stands for the other process), as `ipc::ImportedPool` maps them for `kvshard pd`: one
+// launch per prefill rank and chunk writes every decode rank's memory, which each decode rank
+// then reads as its own. (On a GPU the same route is exportable VMM memory mapped into the
+// prefill's context; the kernel is the one the GPU tests above check against its twin.)
+#[test]
+fn chunks_reach_decode_pools_imported_from_other_processes() {
+    use kvshard::backend::cpu::CpuBackend;
+    use kvshard::ipc::wire::Message;
+    use kvshard::ipc::{ExportedPool, ImportedPool, PeerBackend};
+    let mut rng = common::rng("chunks_reach_decode_pools_imported_from_other_processes");
+    let prefill = Arc::new(CpuBackend::new());
+    let base: Arc<dyn Backend> = Arc::new(prefill.new_stream());
+    let stream = || -> Arc<dyn Backend> { Arc::new(prefill.new_stream()) };
+    let import = |g: &CacheGeometry, pages: u64| {
+        let decode = Arc::new(CpuBackend::new());
+        let exported = ExportedPool::allocate(
+            &PeerBackend::Cpu(decode.clone()),
+            g,
+            Placement::unsharded(),
+            0,
+            pages,
+        )
+        .unwrap();
+        let (msg, fds) = exported.publication(1).unwrap();
+        let Message::PublishPool(p) = msg else {
+            panic!("{msg:?}")
+        };
+        let imported = ImportedPool::import(&PeerBackend::Cpu(prefill.clone()), &p, fds).unwrap();
+        DecodeSide {
+            owner: decode,
+            pool: exported.pool().clone(),
+            space: imported.space().clone(),
+            _keep: Some(Box::new((exported, imported))),
+        }
+    };
+    for _ in 0..6 {
+        let case = random_case(&mut rng);
+        for mode in [Mode::Lockstep, Mode::Pipelined] {
+            let seed = rng.random();
+            run_case_with(&base, &stream, &import, &case, mode, seed);
+        }
+    }
+}
+
+// The same on the GPU: each decode rank's pool in exportable VMM memory, imported (mapped a
+// second time, as a decode process's pool is) into the prefill ranks' context.
+#[test]
+fn gpu_chunks_reach_decode_pools_imported_from_other_processes() {
+    use kvshard::backend::cuda::CudaBackend;
+    use kvshard::ipc::wire::Message;
+    use kvshard::ipc::{ExportedPool, ImportedPool, PeerBackend};
+    let test = "gpu_chunks_reach_decode_pools_imported_from_other_processes";
+    let Some(gpu) = common::open_gpu(test) else {
+        return;
+    };
+    let mut rng = common::rng(test);
+    let prefill = Arc::new(CudaBackend::new(gpu.clone()).unwrap());
+    let base: Arc<dyn Backend> = prefill.clone();
+    let stream = || common::stream(&gpu);
+    let import = |g: &CacheGeometry, pages: u64| {
+        let decode = Arc::new(CudaBackend::new(gpu.clone()).unwrap());
+        let exported = ExportedPool::allocate(
+            &PeerBackend::Cuda(decode.clone()),
+            g,
+            Placement::unsharded(),
+            0,
+            pages,
+        )
+        .unwrap();
+        let (msg, fds) = exported.publication(1).unwrap();
+        let Message::PublishPool(p) = msg else {
+            panic!("{msg:?}")
+        };
+        let imported = ImportedPool::import(&PeerBackend::Cuda(prefill.clone()), &p, fds).unwrap();
+        DecodeSide {
+            owner: decode,
+            pool: exported.pool().clone(),
+            space: imported.space().clone(),
+            _keep: Some(Box::new((exported, imported))),
+        }
+    };
+    for _ in 0..6 {
+        let case = random_case(&mut rng);
+        let seed = rng.random();
+        run_case_with(&base, &stream, &import, &case, Mode::Lockstep, seed);
+    }
 }
