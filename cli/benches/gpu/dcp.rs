@@ -435,7 +435,7 @@ fn alternative(
         format!(
             "{} kvs_copy_ranges launches out, {ranges} ranges ({} MB of tables, uploaded before the timing)",
             tables.len(),
-            24 * ranges >> 20
+            (24 * ranges) >> 20
         )
     };
     report.add(
