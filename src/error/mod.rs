@@ -367,8 +367,8 @@ pub enum Error {
 
     // Decode context parallelism (docs/dcp.md).
     /// A decode layout no decode server can have: no rank, more than
-    /// [`MAX_DECODE_RANKS`](crate::shard::MAX_DECODE_RANKS), or an interleave of no token.
-    #[error("a decode layout of {ranks} ranks interleaving {interleave} tokens (need 1 to {} ranks and at least 1 token)", crate::shard::MAX_DECODE_RANKS)]
+    /// [`KVS_DECODE_MAX_RANKS`](crate::abi::KVS_DECODE_MAX_RANKS), or an interleave of no token.
+    #[error("a decode layout of {ranks} ranks interleaving {interleave} tokens (need 1 to {} ranks and at least 1 token)", crate::abi::KVS_DECODE_MAX_RANKS)]
     InvalidDecodeLayout {
         /// Ranks asked for (M).
         ranks: u32,

@@ -22,8 +22,8 @@ use crate::error::{Error, Result};
 use crate::geometry::PAGE_SIZE;
 
 /// Most ranks a decode layout may have: far above any decode context-parallel group, and a bound
-/// on the per-rank tables a scatter launch carries.
-pub const MAX_DECODE_RANKS: u32 = 1024;
+/// on the per-rank tables a scatter launch carries (`cuda/abi.h`'s `KVS_DECODE_MAX_RANKS`).
+pub const MAX_DECODE_RANKS: u32 = crate::abi::KVS_DECODE_MAX_RANKS;
 
 const PAGE: u64 = PAGE_SIZE as u64;
 
