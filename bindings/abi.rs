@@ -40,6 +40,8 @@ pub const KVS_RESOLVE_PAGES: u32 = 1;
 pub const KVS_ROWS_LATENT: u32 = 0;
 pub const KVS_ROWS_INDEXER: u32 = 1;
 pub const KVS_COPY_INLINE_BYTES: u32 = 8192;
+pub const KVS_DECODE_MAX_RANKS: u32 = 1024;
+pub const KVS_DECODE_MAX_TOKENS: u64 = 4294967296;
 /** Where a kernel reports the first bad input it met. `word` is the device address of a uint64
  that the kernel raises with atomicMax to (epoch << 32) | (0xFFFFFFFF - position); the host
  gives every launch a new, larger epoch, so a word whose high half equals this launch's epoch
@@ -742,6 +744,195 @@ const _: () = {
     [
         "Offset of field: kvs_copy_ranges_params::status",
     ][::std::mem::offset_of!(kvs_copy_ranges_params, status) - 16usize];
+};
+/// One decode rank of a scatter: its pages of the request and its pool's size.
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
+pub struct kvs_decode_rank {
+    /**< int64[num_pages]: the rank's page holding each of its local pages of
+the request, for the latent section; < 0 skips the rows*/
+    pub pages: u64,
+    /**< int64[num_pages]: the same for the state (indexer) section; 0 when the
+launch has no state section*/
+    pub state_pages: u64,
+    ///< local pages the rank registered: a row past them is reported
+    pub num_pages: u64,
+    ///< pages per layer of the rank's pool: a page at or past it is reported
+    pub limit: u64,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of kvs_decode_rank"][::std::mem::size_of::<kvs_decode_rank>() - 32usize];
+    ["Alignment of kvs_decode_rank"][::std::mem::align_of::<kvs_decode_rank>() - 8usize];
+    [
+        "Offset of field: kvs_decode_rank::pages",
+    ][::std::mem::offset_of!(kvs_decode_rank, pages) - 0usize];
+    [
+        "Offset of field: kvs_decode_rank::state_pages",
+    ][::std::mem::offset_of!(kvs_decode_rank, state_pages) - 8usize];
+    [
+        "Offset of field: kvs_decode_rank::num_pages",
+    ][::std::mem::offset_of!(kvs_decode_rank, num_pages) - 16usize];
+    [
+        "Offset of field: kvs_decode_rank::limit",
+    ][::std::mem::offset_of!(kvs_decode_rank, limit) - 24usize];
+};
+/** One source page of a scatter: the prefill rank's local page holding sequence page `position`
+(tokens 64 * position to 64 * position + 63).*/
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
+pub struct kvs_decode_entry {
+    ///< local page of the source; < 0 skips the entry
+    pub page: i64,
+    ///< sequence page
+    pub position: u64,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of kvs_decode_entry"][::std::mem::size_of::<kvs_decode_entry>() - 16usize];
+    [
+        "Alignment of kvs_decode_entry",
+    ][::std::mem::align_of::<kvs_decode_entry>() - 8usize];
+    [
+        "Offset of field: kvs_decode_entry::page",
+    ][::std::mem::offset_of!(kvs_decode_entry, page) - 0usize];
+    [
+        "Offset of field: kvs_decode_entry::position",
+    ][::std::mem::offset_of!(kvs_decode_entry, position) - 8usize];
+};
+/** One (component, layer) of a scatter: the source layer's base; its base on every decode rank
+is in the launch's dst_bases.*/
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
+pub struct kvs_decode_pair {
+    pub src: u64,
+    pub component: u32,
+    pub reserved: u32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of kvs_decode_pair"][::std::mem::size_of::<kvs_decode_pair>() - 16usize];
+    ["Alignment of kvs_decode_pair"][::std::mem::align_of::<kvs_decode_pair>() - 8usize];
+    [
+        "Offset of field: kvs_decode_pair::src",
+    ][::std::mem::offset_of!(kvs_decode_pair, src) - 0usize];
+    [
+        "Offset of field: kvs_decode_pair::component",
+    ][::std::mem::offset_of!(kvs_decode_pair, component) - 8usize];
+    [
+        "Offset of field: kvs_decode_pair::reserved",
+    ][::std::mem::offset_of!(kvs_decode_pair, reserved) - 12usize];
+};
+/** Scatter: for every pair k and entry j of the pair's section, every row o of source page
+ entries[j].page of the pair's source layer whose token t = 64 * position + o is below
+ end_token is copied to its decode rank's row (above), in that rank's layer base
+ dst_bases[k * num_ranks + rank]. Both sides store blocks packed (pages one block apart): a
+ latent block is 64 rows of row_bytes; an indexer block is 64 x 128 key bytes then 64 f32
+ scales, and a row is a token's key and scale. Pairs [0, num_kv_pairs) move the latent
+ section's entries through the ranks' `pages`, pairs [num_kv_pairs, num_pairs) the state
+ section's through their `state_pages`. Units u = k * num_entries + j for the latent section,
+ then num_kv_pairs * num_entries + (k - num_kv_pairs) * num_state_entries + j, spread over warps
+ by the work queue. The kernels: kvs_decode_scatter_pages where the layout keeps pages whole
+ (num_ranks == 1, or interleave a multiple of 64: each entry's rows are one run on one rank),
+ else kvs_decode_scatter_rows_576, _656 or _1152 by the latent components' row bytes (every
+ latent component of a launch has the same rows). Reported positions: latent entry j at j,
+ state entry j at num_entries + j (a source page at or past src_limit, a rank's row past its
+ num_pages, a destination page at or past its limit), pair k naming a component >=
+ num_components at num_entries + num_state_entries + k.*/
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
+pub struct kvs_decode_scatter_params {
+    pub components: [kvs_row_component; 4usize],
+    ///< kvs_decode_pair[num_pairs]
+    pub pairs: u64,
+    ///< uint64[num_pairs * num_ranks]
+    pub dst_bases: u64,
+    ///< kvs_decode_rank[num_ranks]
+    pub ranks: u64,
+    ///< kvs_decode_entry[num_entries]: the latent section's
+    pub entries: u64,
+    pub num_entries: u64,
+    ///< kvs_decode_entry[num_state_entries]: the state section's
+    pub state_entries: u64,
+    pub num_state_entries: u64,
+    ///< pages per layer of the source
+    pub src_limit: u64,
+    /**< tokens at or past it are not moved (the sequence's end so far); at
+most KVS_DECODE_MAX_TOKENS*/
+    pub end_token: u64,
+    pub num_pairs: u32,
+    pub num_kv_pairs: u32,
+    ///< M, 1 to KVS_DECODE_MAX_RANKS
+    pub num_ranks: u32,
+    ///< I, at least 1
+    pub interleave: u32,
+    pub num_components: u32,
+    pub reserved: u32,
+    pub work: kvs_work_queue,
+    pub status: kvs_status,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    [
+        "Size of kvs_decode_scatter_params",
+    ][::std::mem::size_of::<kvs_decode_scatter_params>() - 160usize];
+    [
+        "Alignment of kvs_decode_scatter_params",
+    ][::std::mem::align_of::<kvs_decode_scatter_params>() - 8usize];
+    [
+        "Offset of field: kvs_decode_scatter_params::components",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, components) - 0usize];
+    [
+        "Offset of field: kvs_decode_scatter_params::pairs",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, pairs) - 32usize];
+    [
+        "Offset of field: kvs_decode_scatter_params::dst_bases",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, dst_bases) - 40usize];
+    [
+        "Offset of field: kvs_decode_scatter_params::ranks",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, ranks) - 48usize];
+    [
+        "Offset of field: kvs_decode_scatter_params::entries",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, entries) - 56usize];
+    [
+        "Offset of field: kvs_decode_scatter_params::num_entries",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, num_entries) - 64usize];
+    [
+        "Offset of field: kvs_decode_scatter_params::state_entries",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, state_entries) - 72usize];
+    [
+        "Offset of field: kvs_decode_scatter_params::num_state_entries",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, num_state_entries) - 80usize];
+    [
+        "Offset of field: kvs_decode_scatter_params::src_limit",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, src_limit) - 88usize];
+    [
+        "Offset of field: kvs_decode_scatter_params::end_token",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, end_token) - 96usize];
+    [
+        "Offset of field: kvs_decode_scatter_params::num_pairs",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, num_pairs) - 104usize];
+    [
+        "Offset of field: kvs_decode_scatter_params::num_kv_pairs",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, num_kv_pairs) - 108usize];
+    [
+        "Offset of field: kvs_decode_scatter_params::num_ranks",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, num_ranks) - 112usize];
+    [
+        "Offset of field: kvs_decode_scatter_params::interleave",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, interleave) - 116usize];
+    [
+        "Offset of field: kvs_decode_scatter_params::num_components",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, num_components) - 120usize];
+    [
+        "Offset of field: kvs_decode_scatter_params::reserved",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, reserved) - 124usize];
+    [
+        "Offset of field: kvs_decode_scatter_params::work",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, work) - 128usize];
+    [
+        "Offset of field: kvs_decode_scatter_params::status",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, status) - 144usize];
 };
 /// Benchmark load: out[i] = a[i] + b[i] over bf16, a memory-bound stand-in for a forward pass.
 #[repr(C)]

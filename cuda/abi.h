@@ -341,6 +341,84 @@ typedef struct kvs_copy_ranges_params {
     kvs_status status;
 } kvs_copy_ranges_params;
 
+/*
+ * Decode context parallelism (docs/dcp.md): kvs_decode_scatter moves one prefill rank's chunk into
+ * the rows of the M ranks of a decode server sharded by token, I tokens at a time: token t of the
+ * request lives on decode rank (t / I) % M as its local token k = (t / (I * M)) * I + t % I, in
+ * row k % 64 of the rank's (k / 64)-th page of the request. The Rust twin of this placement is
+ * shard::DecodeLayout.
+ */
+/* The most decode ranks one scatter may write (shard::MAX_DECODE_RANKS). */
+#define KVS_DECODE_MAX_RANKS 1024
+/* The most tokens of a request a scatter moves: end_token is at most this, so the kernels place
+   tokens in 32 bits (64-bit divisions cost them registers they spill on Blackwell). */
+#define KVS_DECODE_MAX_TOKENS 0x100000000ull
+
+/** One decode rank of a scatter: its pages of the request and its pool's size. */
+typedef struct kvs_decode_rank {
+    uint64_t pages;       /**< int64[num_pages]: the rank's page holding each of its local pages of
+                               the request, for the latent section; < 0 skips the rows */
+    uint64_t state_pages; /**< int64[num_pages]: the same for the state (indexer) section; 0 when the
+                               launch has no state section */
+    uint64_t num_pages;   /**< local pages the rank registered: a row past them is reported */
+    uint64_t limit;       /**< pages per layer of the rank's pool: a page at or past it is reported */
+} kvs_decode_rank;
+
+/** One source page of a scatter: the prefill rank's local page holding sequence page `position`
+    (tokens 64 * position to 64 * position + 63). */
+typedef struct kvs_decode_entry {
+    int64_t page;      /**< local page of the source; < 0 skips the entry */
+    uint64_t position; /**< sequence page */
+} kvs_decode_entry;
+
+/** One (component, layer) of a scatter: the source layer's base; its base on every decode rank
+    is in the launch's dst_bases. */
+typedef struct kvs_decode_pair {
+    uint64_t src;
+    uint32_t component;
+    uint32_t reserved;
+} kvs_decode_pair;
+
+/**
+ * Scatter: for every pair k and entry j of the pair's section, every row o of source page
+ * entries[j].page of the pair's source layer whose token t = 64 * position + o is below
+ * end_token is copied to its decode rank's row (above), in that rank's layer base
+ * dst_bases[k * num_ranks + rank]. Both sides store blocks packed (pages one block apart): a
+ * latent block is 64 rows of row_bytes; an indexer block is 64 x 128 key bytes then 64 f32
+ * scales, and a row is a token's key and scale. Pairs [0, num_kv_pairs) move the latent
+ * section's entries through the ranks' `pages`, pairs [num_kv_pairs, num_pairs) the state
+ * section's through their `state_pages`. Units u = k * num_entries + j for the latent section,
+ * then num_kv_pairs * num_entries + (k - num_kv_pairs) * num_state_entries + j, spread over warps
+ * by the work queue. The kernels: kvs_decode_scatter_pages where the layout keeps pages whole
+ * (num_ranks == 1, or interleave a multiple of 64: each entry's rows are one run on one rank),
+ * else kvs_decode_scatter_rows_576, _656 or _1152 by the latent components' row bytes (every
+ * latent component of a launch has the same rows). Reported positions: latent entry j at j,
+ * state entry j at num_entries + j (a source page at or past src_limit, a rank's row past its
+ * num_pages, a destination page at or past its limit), pair k naming a component >=
+ * num_components at num_entries + num_state_entries + k.
+ */
+typedef struct kvs_decode_scatter_params {
+    kvs_row_component components[KVS_MAX_COMPONENTS];
+    uint64_t pairs;         /**< kvs_decode_pair[num_pairs] */
+    uint64_t dst_bases;     /**< uint64[num_pairs * num_ranks] */
+    uint64_t ranks;         /**< kvs_decode_rank[num_ranks] */
+    uint64_t entries;       /**< kvs_decode_entry[num_entries]: the latent section's */
+    uint64_t num_entries;
+    uint64_t state_entries; /**< kvs_decode_entry[num_state_entries]: the state section's */
+    uint64_t num_state_entries;
+    uint64_t src_limit; /**< pages per layer of the source */
+    uint64_t end_token; /**< tokens at or past it are not moved (the sequence's end so far); at
+                             most KVS_DECODE_MAX_TOKENS */
+    uint32_t num_pairs;
+    uint32_t num_kv_pairs;
+    uint32_t num_ranks;  /**< M, 1 to KVS_DECODE_MAX_RANKS */
+    uint32_t interleave; /**< I, at least 1 */
+    uint32_t num_components;
+    uint32_t reserved;
+    kvs_work_queue work;
+    kvs_status status;
+} kvs_decode_scatter_params;
+
 /* The benchmark kernels (cuda/bench.cu) are built only with the cargo feature `bench-kernels`;
    their parameter structs stay here, the one ABI source, whether built or not. */
 
@@ -399,6 +477,10 @@ KVS_STATIC_ASSERT(KVS_COPY_INLINE_BYTES % 8 == 0, "whole uint64 words");
 KVS_STATIC_ASSERT(sizeof(kvs_write_rows_params) == 120, "kvs_write_rows_params");
 KVS_STATIC_ASSERT(sizeof(kvs_range) == 24, "kvs_range");
 KVS_STATIC_ASSERT(sizeof(kvs_copy_ranges_params) == 32, "kvs_copy_ranges_params");
+KVS_STATIC_ASSERT(sizeof(kvs_decode_rank) == 32, "kvs_decode_rank");
+KVS_STATIC_ASSERT(sizeof(kvs_decode_entry) == 16, "kvs_decode_entry");
+KVS_STATIC_ASSERT(sizeof(kvs_decode_pair) == 16, "kvs_decode_pair");
+KVS_STATIC_ASSERT(sizeof(kvs_decode_scatter_params) == 160, "kvs_decode_scatter_params");
 KVS_STATIC_ASSERT(sizeof(kvs_bench_add_params) == 32, "kvs_bench_add_params");
 KVS_STATIC_ASSERT(sizeof(kvs_bench_read_params) == 24, "kvs_bench_read_params");
 

@@ -14,7 +14,8 @@
 //!   [`ChunkStaging`], [`OwnedRowWrite`];
 //! - P/D: [`Sender`], [`ChunkEnd`], [`Receiver`], [`Registration`], [`PoolLayout`],
 //!   [`RemoteSpace`], [`BackendTransport`], [`Transport`], [`ChunkStatus`], [`DEFAULT_DEADLINE`],
-//!   and the cross-process [`PrefillEndpoint`] / [`DecodeEndpoint`];
+//!   and the cross-process [`PrefillEndpoint`] / [`DecodeEndpoint`]; into a decode server sharded
+//!   by token: [`DecodeLayout`], [`DecodeRegistration`], [`DecodeRank`] ([`Sender::open_decode`]);
 //! - HiCache: [`HiCacheController`], [`HostPool`], [`HostLayout`], [`CacheNode`], [`Route`],
 //!   [`Streams`], [`WritePolicy`], [`LoadHandle`];
 //! - [`Error`] and [`Result`].
@@ -35,9 +36,9 @@ pub use crate::hicache::{
 };
 pub use crate::index::{LocalPage, LogicalPage, ModelLayer, Slot};
 pub use crate::pool::{Budget, ChunkStaging, DevicePool, OwnedRowWrite, PoolBuffers, RawBuffer};
-pub use crate::shard::{Admission, Placement, ShardAllocator};
+pub use crate::shard::{Admission, DecodeLayout, Placement, ShardAllocator};
 pub use crate::transfer::{
-    BackendTransport, ChunkEnd, ChunkStatus, DecodeEndpoint, PoolLayout, PrefillEndpoint, Receiver,
-    Registration, Sender, Transport, DEFAULT_DEADLINE,
+    BackendTransport, ChunkEnd, ChunkStatus, DecodeEndpoint, DecodeRank, DecodeRegistration,
+    PoolLayout, PrefillEndpoint, Receiver, Registration, Sender, Transport, DEFAULT_DEADLINE,
 };
 pub use crate::{Error, Result};

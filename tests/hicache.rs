@@ -1132,6 +1132,15 @@ impl Backend for Probe {
         self.settle(unsafe { self.inner.write_rows(p, launch) })
     }
 
+    unsafe fn decode_scatter(
+        &self,
+        p: abi::kvs_decode_scatter_params,
+        launch: Launch,
+    ) -> kvshard::Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        self.settle(unsafe { self.inner.decode_scatter(p, launch) })
+    }
+
     unsafe fn copy_ranges(
         &self,
         p: abi::kvs_copy_ranges_params,

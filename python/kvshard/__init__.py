@@ -6,7 +6,10 @@ The classes wrap kvshard's Rust API (see the README): ``CacheGeometry`` (with th
 ``RequestChain``, ``Budget``, ``DevicePool`` (allocated, or wrapping the engine's tensors
 through DLPack with no copy) and ``OwnedRowWrite``, P/D ``Sender``/``Receiver`` with
 ``RemoteSpace``, ``HostPool`` (kvshard's and SGLang's byte layouts), ``TransferPlan``,
-``HostTransfer`` and ``HiCacheController``; ``MooncakeSender`` hands send plans out as a transfer
+``HostTransfer`` and ``HiCacheController``; decode servers sharded by token (decode context
+parallelism): ``DecodeLayout`` (vLLM's and SGLang's DCP parameters by their names),
+``DecodeRank`` and ``DecodeRegistration``, opened with ``Sender.open_decode``;
+``MooncakeSender`` hands send plans out as a transfer
 engine's (source, destination, length) lists, and ``kvshard.mooncake`` runs P/D on Mooncake's
 transfer engine with them. ``kvshard.sglang.MLAHostPool`` offers SGLang's
 host pool interface on top. Storage keys engines share: ``Namespace``, ``page_hash`` and
@@ -111,6 +114,11 @@ from ._kvshard import (
     TransferPlan,
     WritePolicy,
     driver_present,
+    # Decode context parallelism (docs/dcp.md).
+    MAX_DECODE_RANKS,
+    DecodeLayout,
+    DecodeRank,
+    DecodeRegistration,
     embedded_archs,
     engine_memory,
     engine_regions,
@@ -212,6 +220,11 @@ __all__ = [
     "page_hash",
     "page_hashes",
     "plan_capacity",
+    # Decode context parallelism (docs/dcp.md).
+    "MAX_DECODE_RANKS",
+    "DecodeLayout",
+    "DecodeRank",
+    "DecodeRegistration",
 ]
 
 # The Mooncake side channel's frames and its decode side (what kvshard.mooncake runs on).

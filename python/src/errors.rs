@@ -97,7 +97,9 @@ fn class_of<'c>(c: &'c Classes, e: &kvshard::Error) -> &'c Py<PyType> {
         | E::ForeignAllocator { .. }
         | E::UnsupportedMethod { .. }
         // A request longer than the batch limits allow: no amount of freeing admits it.
-        | E::NeverAdmissible { .. } => &c.invalid,
+        | E::NeverAdmissible { .. }
+        // Decode context parallelism: a layout no decode server can have.
+        | E::InvalidDecodeLayout { .. } => &c.invalid,
         E::Exhausted { .. }
         | E::BudgetTooSmall(_)
         | E::OutOfMemory { .. }

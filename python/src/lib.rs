@@ -19,7 +19,7 @@
 //! `method` (how bytes move), `pool_tensors` (what every pool shares about tensors),
 //! `device_pool`, `chunk_staging`, `owned_row_write`, `budget`, `batch_plans` (a prefill
 //! batch's admission and gather plan), `capacity` (the capacity
-//! planner), `transfer` (P/D),
+//! planner), `dcp` (decode context-parallel layouts and registrations), `transfer` (P/D),
 //! `hicache_enums` (HiCache's choices), `host_pool`, `mooncake` (the prefill side of a
 //! transfer engine's transport: send plans as its descriptor lists, bounce buffers, the memory
 //! it registers), `side_channel` (the Mooncake side channel's frames and its decode side),
@@ -57,6 +57,7 @@ mod budget;
 mod capacity;
 mod chain;
 mod chunk_staging;
+mod dcp;
 mod device;
 mod device_pool;
 #[cfg(feature = "nixl")]
@@ -156,6 +157,11 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<transfer::PyOverdue>()?;
     m.add_class::<transfer::PyReceiver>()?;
     m.add_class::<method::PyMethod>()?;
+    // Decode context parallelism (docs/dcp.md).
+    m.add_class::<dcp::PyDecodeLayout>()?;
+    m.add_class::<dcp::PyDecodeRank>()?;
+    m.add_class::<dcp::PyDecodeRegistration>()?;
+    m.add("MAX_DECODE_RANKS", kvshard::shard::MAX_DECODE_RANKS)?;
     m.add_function(wrap_pyfunction!(mooncake::engine_memory, m)?)?;
     m.add_function(wrap_pyfunction!(mooncake::engine_regions, m)?)?;
     m.add_class::<mooncake::PyMooncakeMode>()?;

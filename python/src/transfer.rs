@@ -18,6 +18,7 @@ use kvshard::transfer::{
     PoolLayout, Receiver, Registration, Sender, StreamChoice, StreamTransport,
 };
 
+use crate::dcp::PyDecodeRegistration;
 use crate::device::PyDevice;
 use crate::device_pool::PyDevicePool;
 use crate::errors::{invalid, missing_chunks, to_py, IntoPy};
@@ -311,9 +312,10 @@ impl PyChunkStatus {
 #[pyclass(frozen, module = "kvshard", name = "PendingChunk")]
 pub struct PyPendingChunk {
     inner: Mutex<Option<PendingChunk>>,
-    /// The spaces the copies touch (kept until the chunk has landed).
+    /// The spaces the copies touch (kept until the chunk has landed): the pool, and the
+    /// destination of every decode rank.
     #[allow(dead_code)]
-    holds: (Py<PyDevicePool>, Py<PyRemoteSpace>),
+    holds: (Py<PyDevicePool>, Vec<Py<PyRemoteSpace>>),
 }
 
 /// `poll` of a chunk held until it is waited for (every transport's Python chunk): its status
@@ -351,6 +353,31 @@ impl PyPendingChunk {
     /// Waits until the chunk has landed and returns its status (once).
     fn wait(&self, py: Python<'_>) -> PyResult<PyChunkStatus> {
         wait_held(py, &self.inner)
+    }
+
+    /// `poll`, with the status as each decode rank must receive it: one per decode rank (one
+    /// for an unsharded decode), in rank order, each with the bytes that reached that rank.
+    fn poll_each(&self, py: Python<'_>) -> PyResult<Option<Vec<PyChunkStatus>>> {
+        let statuses = py.detach(|| lock(&self.inner).as_mut().map(|p| p.poll_each()));
+        Ok(statuses
+            .ok_or_else(|| invalid("the chunk was already waited for"))?
+            .py_err()?
+            .map(|s| s.into_iter().map(PyChunkStatus).collect()))
+    }
+
+    /// `wait`, with the status each decode rank must receive (`poll_each`), once.
+    fn wait_each(&self, py: Python<'_>) -> PyResult<Vec<PyChunkStatus>> {
+        let p = lock(&self.inner)
+            .take()
+            .ok_or_else(|| invalid("the chunk was already waited for"))?;
+        let statuses = py.detach(|| p.wait_each_sync()).py_err()?;
+        Ok(statuses.into_iter().map(PyChunkStatus).collect())
+    }
+
+    /// Decode ranks the chunk is reported to (1 for an unsharded decode).
+    #[getter]
+    fn decode_ranks(&self) -> Option<usize> {
+        lock(&self.inner).as_ref().map(|p| p.decode_ranks())
     }
 
     /// Request id.
@@ -399,8 +426,8 @@ pub struct PySender {
     current: StreamChoice,
     default: Option<Arc<dyn Backend>>,
     pool: Py<PyDevicePool>,
-    /// The destination of each open request.
-    dst: Mutex<BTreeMap<u64, Py<PyRemoteSpace>>>,
+    /// The destinations of each open request (one per decode rank).
+    dst: Mutex<BTreeMap<u64, Vec<Py<PyRemoteSpace>>>>,
 }
 
 #[pymethods]
@@ -453,7 +480,27 @@ impl PySender {
         lock(&self.inner)
             .open(registration.0.clone(), dst.get().inner.clone())
             .py_err()?;
-        lock(&self.dst).insert(request, dst.clone_ref(py));
+        lock(&self.dst).insert(request, vec![dst.clone_ref(py)]);
+        Ok(())
+    }
+
+    /// Starts sending a request the ranks of a decode server sharded by token registered
+    /// (a `DecodeRegistration`) into `dsts`, each decode rank's destination in rank order.
+    /// Each chunk goes to every decode rank owning one of its tokens, in one launch; its
+    /// `PendingChunk.poll_each` / `wait_each` give the status for each decode rank.
+    fn open_decode(
+        &self,
+        py: Python<'_>,
+        registration: &PyDecodeRegistration,
+        dsts: Vec<Py<PyRemoteSpace>>,
+    ) -> PyResult<()> {
+        let request = registration.0.request;
+        let spaces = dsts.iter().map(|d| d.get().inner.clone()).collect();
+        lock(&self.inner)
+            .open_decode(registration.0.clone(), spaces)
+            .py_err()?;
+        let held = dsts.iter().map(|d| d.clone_ref(py)).collect();
+        lock(&self.dst).insert(request, held);
         Ok(())
     }
 
@@ -479,7 +526,7 @@ impl PySender {
         };
         let dst = lock(&self.dst)
             .get(&request)
-            .map(|d| d.clone_ref(py))
+            .map(|d| d.iter().map(|d| d.clone_ref(py)).collect::<Vec<_>>())
             .ok_or_else(|| {
                 PyErr::from(crate::errors::KvError(kvshard::Error::Transfer {
                     request,
@@ -717,6 +764,27 @@ impl PyReceiver {
         };
         self.0
             .register_with_deadline(registration.0.clone(), prefill_ranks, deadline)
+            .py_err()
+    }
+
+    /// Expects decode rank `rank`'s share of `registration` (a `DecodeRegistration`: a
+    /// `Registration` of the rank's own pages, which `Finished.registration` hands back) from
+    /// `prefill_ranks` ranks, due `deadline` seconds from now (default: the receiver's).
+    #[pyo3(signature = (registration, rank, prefill_ranks, *, deadline = None))]
+    fn register_decode(
+        &mut self,
+        registration: &PyDecodeRegistration,
+        rank: u32,
+        prefill_ranks: u32,
+        deadline: Option<f64>,
+    ) -> PyResult<()> {
+        let deadline = match deadline {
+            Some(s) => deadline_of(s, "Receiver.register_decode")?,
+            None => self.0.deadline(),
+        };
+        let share = registration.0.rank(rank).py_err()?;
+        self.0
+            .register_with_deadline(share, prefill_ranks, deadline)
             .py_err()
     }
 

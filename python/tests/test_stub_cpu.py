@@ -32,6 +32,8 @@ MODULE_ORDER = [
     "budget",
     "batch_plans",
     "capacity",
+    # Below transfer, which sends into decode context-parallel registrations.
+    "dcp",
     "transfer",
     "hicache_enums",
     "host_pool",

@@ -187,3 +187,66 @@ pub(crate) fn write_rows(p: &abi::kvs_write_rows_params) -> Result<()> {
     }
     Ok(())
 }
+
+/// `kvs_decode_scatter`: the layout (1 to `KVS_DECODE_MAX_RANKS` ranks, an interleave of at
+/// least one token), the sections' pairs, the row formats (the latent layouts' rows, the indexer
+/// row) and unit and table counts that fit 64 bits.
+pub(crate) fn decode_scatter(p: &abi::kvs_decode_scatter_params) -> Result<()> {
+    if p.num_ranks == 0 || p.num_ranks > abi::KVS_DECODE_MAX_RANKS || p.interleave == 0 {
+        return invalid(format!(
+            "decode scatter over {} ranks interleaving {} tokens",
+            p.num_ranks, p.interleave
+        ));
+    }
+    if p.num_kv_pairs > p.num_pairs {
+        return invalid(format!(
+            "decode scatter: {} latent pairs of {}",
+            p.num_kv_pairs, p.num_pairs
+        ));
+    }
+    if p.end_token > abi::KVS_DECODE_MAX_TOKENS {
+        return invalid(format!(
+            "decode scatter up to token {} (at most {})",
+            p.end_token,
+            abi::KVS_DECODE_MAX_TOKENS
+        ));
+    }
+    if p.num_components as usize > p.components.len() {
+        return invalid(format!(
+            "{} components (at most {})",
+            p.num_components,
+            p.components.len()
+        ));
+    }
+    let mut latent_rows = None;
+    for (i, c) in p.components[..p.num_components as usize].iter().enumerate() {
+        let ok = match c.kind {
+            abi::KVS_ROWS_LATENT => {
+                // Every latent component has the rows of the one kernel that moves them.
+                let same = *latent_rows.get_or_insert(c.row_bytes) == c.row_bytes;
+                same && matches!(
+                    c.row_bytes,
+                    abi::KVS_LATENT_TRTLLM_ROW_BYTES
+                        | abi::KVS_LATENT_SCALED_ROW_BYTES
+                        | abi::KVS_LATENT_BF16_ROW_BYTES
+                )
+            }
+            abi::KVS_ROWS_INDEXER => c.row_bytes == abi::KVS_INDEXER_ROW_BYTES,
+            _ => false,
+        };
+        if !ok {
+            return invalid(format!(
+                "decode scatter component {i}: kind {} with {} bytes",
+                c.kind, c.row_bytes
+            ));
+        }
+    }
+    let kv = u64::from(p.num_kv_pairs).checked_mul(p.num_entries);
+    let state = u64::from(p.num_pairs - p.num_kv_pairs).checked_mul(p.num_state_entries);
+    let units = kv.zip(state).and_then(|(a, b)| a.checked_add(b));
+    let bases = u64::from(p.num_pairs).checked_mul(u64::from(p.num_ranks));
+    if units.is_none() || bases.is_none() {
+        return invalid("decode scatter unit count overflows".into());
+    }
+    Ok(())
+}

@@ -174,8 +174,26 @@ impl CudaBackend {
     ) -> Result<()> {
         let h = header(params);
         let units = h.num_pages * u64::from(h.num_pairs);
+        // SAFETY: forwarded contract.
+        unsafe { self.launch_queued(kernel, launch, params, units, |p| &mut header(p).work) }
+    }
+
+    /// Launches a kernel of `units` work units that takes them from this backend's work queue
+    /// (`kvs_work_queue`, at `work(params)`): its counter, and its value after every launch
+    /// before on this one stream.
+    ///
+    /// # Safety
+    /// As [`Gpu::launch`].
+    unsafe fn launch_queued<P>(
+        &self,
+        kernel: KernelFn<P>,
+        launch: Launch,
+        params: &mut P,
+        units: u64,
+        work: impl Fn(&mut P) -> &mut abi::kvs_work_queue,
+    ) -> Result<()> {
         let mut base = lock(&self.work_base);
-        h.work = abi::kvs_work_queue {
+        *work(params) = abi::kvs_work_queue {
             counter: self.work_counter.ptr(),
             base: *base,
         };
@@ -216,6 +234,9 @@ impl Backend for CudaBackend {
         let kernel = match family {
             KernelFamily::Copy => crate::gpu::Kernel::CopyBlocks,
             KernelFamily::WriteRows => crate::gpu::Kernel::WriteRows,
+            // The four take the same budget (cuda/decode_scatter.cu); the pages kernel stands
+            // for them.
+            KernelFamily::DecodeScatter => crate::gpu::Kernel::DecodeScatterPages,
         };
         self.gpu
             .max_threads(kernel)
@@ -520,6 +541,25 @@ impl Backend for CudaBackend {
         p.work = abi::kvs_work_queue::default();
         // SAFETY: as above.
         unsafe { self.launch(kernels::WRITE_ROWS, launch.ctas, launch.threads, &p) }
+    }
+
+    unsafe fn decode_scatter(
+        &self,
+        mut p: abi::kvs_decode_scatter_params,
+        launch: Launch,
+    ) -> Result<()> {
+        check::decode_scatter(&p)?;
+        launch.validate(self.max_threads(KernelFamily::DecodeScatter))?;
+        // Checked above: no overflow.
+        let units = u64::from(p.num_kv_pairs) * p.num_entries
+            + u64::from(p.num_pairs - p.num_kv_pairs) * p.num_state_entries;
+        if units == 0 {
+            return Ok(());
+        }
+        let kernel = super::decode_scatter_kernel(&p);
+        p.status = self.begin(kernel)?;
+        // SAFETY: forwarded contract.
+        unsafe { self.launch_queued(kernel, launch, &mut p, units, |p| &mut p.work) }
     }
 
     unsafe fn copy_ranges(&self, mut p: abi::kvs_copy_ranges_params, launch: Launch) -> Result<()> {

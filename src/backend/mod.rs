@@ -336,6 +336,8 @@ pub enum KernelFamily {
     Copy,
     /// `kvs_write_rows`.
     WriteRows,
+    /// `kvs_decode_scatter`.
+    DecodeScatter,
 }
 
 /// A plain 2D copy: `height` rows of `width` bytes, rows `src_pitch` / `dst_pitch` apart.
@@ -499,6 +501,17 @@ pub trait Backend: Send + Sync {
     /// As [`Backend::quantize_latent`].
     unsafe fn write_rows(&self, p: abi::kvs_write_rows_params, launch: Launch) -> Result<()>;
 
+    /// `kvs_decode_scatter` with the given grid: one prefill rank's chunk into the rows of every
+    /// rank of a decode server sharded by token (docs/dcp.md).
+    ///
+    /// # Safety
+    /// As [`Backend::quantize_latent`].
+    unsafe fn decode_scatter(
+        &self,
+        p: abi::kvs_decode_scatter_params,
+        launch: Launch,
+    ) -> Result<()>;
+
     /// `kvs_copy_ranges` with the given grid. A range longer than
     /// [`abi::KVS_COPY_RANGE_MAX_BYTES`] is skipped and reported: the next
     /// [`Backend::synchronize`] fails with [`Error::KernelRejected`] naming its position.
@@ -556,6 +569,28 @@ pub(crate) fn resolve_kernel(p: &abi::kvs_resolve_params) -> KernelFn<abi::kvs_r
     }
 }
 
+/// The `kvs_decode_scatter` kernel for `p` (checked by `check::decode_scatter`): the pages
+/// kernel where the layout keeps pages whole, else the rows kernel of the launch's latent rows
+/// (cuda/decode_scatter.cu says why there are four). The CPU twin reports errors under the same
+/// name.
+pub(crate) fn decode_scatter_kernel(
+    p: &abi::kvs_decode_scatter_params,
+) -> KernelFn<abi::kvs_decode_scatter_params> {
+    if p.num_ranks == 1 || u64::from(p.interleave) % crate::geometry::PAGE_SIZE as u64 == 0 {
+        return kernels::DECODE_SCATTER_PAGES;
+    }
+    let latent = p.components[..(p.num_components as usize).min(p.components.len())]
+        .iter()
+        .find(|c| c.kind == abi::KVS_ROWS_LATENT)
+        .map(|c| c.row_bytes);
+    match latent {
+        Some(abi::KVS_LATENT_SCALED_ROW_BYTES) => kernels::DECODE_SCATTER_ROWS_656,
+        Some(abi::KVS_LATENT_BF16_ROW_BYTES) => kernels::DECODE_SCATTER_ROWS_1152,
+        // 576-byte rows, or a launch of indexer components only (every rows kernel moves those).
+        _ => kernels::DECODE_SCATTER_ROWS_576,
+    }
+}
+
 /// Tiles (one CTA each) `kvs_resolve` uses for `entries` entries.
 pub fn resolve_tiles(entries: u64) -> u64 {
     entries.div_ceil(u64::from(abi::KVS_RESOLVE_TILE))
@@ -603,6 +638,7 @@ pub(crate) fn compiled_max_threads(family: KernelFamily) -> u32 {
     match family {
         KernelFamily::Copy => abi::KVS_COPY_THREADS,
         KernelFamily::WriteRows => abi::KVS_WRITE_THREADS,
+        KernelFamily::DecodeScatter => abi::KVS_COPY_THREADS,
     }
 }
 

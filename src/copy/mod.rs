@@ -7,6 +7,9 @@
 //!   coalesce) that P/D send plans and HiCache transfer plans share;
 //! - `plan`: [`BlockCopyPlan`], the only builder of `kvs_copy_blocks_params` and its pair
 //!   table (plain data, checked against both spaces);
+//! - `decode_scatter`: [`DecodeScatterPlan`], the only builder of `kvs_decode_scatter_params`
+//!   and its tables: one prefill rank's chunk into every rank of a decode context-parallel
+//!   layout (docs/dcp.md), launched by [`TableStore::launch_scatter`];
 //! - `program`: a plan prepared on a backend ([`BlockCopy`]) and run, and [`TableStore`] for
 //!   one-shot launches;
 //! - `method`: [`Method`], the one vocabulary for how bytes move (a copy kernel and its launch
@@ -24,6 +27,7 @@
 //!            └── engine programs ─────────> memcpy / memcpy_2d / memcpy_batch
 //! ```
 
+mod decode_scatter;
 pub(crate) mod engine;
 pub(crate) mod method;
 mod plan;
@@ -34,6 +38,7 @@ pub(crate) mod scratch;
 pub(crate) mod signals;
 pub(crate) mod space;
 
+pub use decode_scatter::{DecodeScatterPlan, ScatterRank, ScatterSection};
 pub use engine::{Direction, IoCalls, Layers};
 pub use method::{Method, WIDE_GRID_BLOCKS};
 pub(crate) use plan::check_distinct;

@@ -343,21 +343,80 @@ impl TableStore {
     /// Uploads `bytes` (stream-ordered, no wait) and returns their device address; a table it
     /// outgrew joins `keep`.
     fn upload(&mut self, bytes: &[u8], keep: &mut Vec<Keep>) -> Result<u64> {
+        self.upload_built(bytes.len(), |_| bytes.to_vec(), keep)
+    }
+
+    /// Uploads the `len` bytes `build` makes once it knows their device address (tables that
+    /// point into themselves), stream-ordered, no wait; returns the address. A table it outgrew
+    /// joins `keep`.
+    fn upload_built(
+        &mut self,
+        len: usize,
+        build: impl FnOnce(u64) -> Vec<u8>,
+        keep: &mut Vec<Keep>,
+    ) -> Result<u64> {
         let table = match self.table.take() {
-            Some(t) if t.len() >= bytes.len() => t,
+            Some(t) if t.len() >= len => t,
             old => {
                 keep.extend(old.map(Keep::Table));
-                let want = bytes.len().max(64 << 10);
+                let want = len.max(64 << 10);
                 self.backend.alloc(
                     want.checked_next_power_of_two().unwrap_or(want),
                     MemoryKind::Device,
                 )?
             }
         };
-        let written = self.backend.enqueue_write(&table, 0, bytes);
         let addr = table.addr();
+        let bytes = build(addr);
+        let written = if bytes.len() == len {
+            self.backend.enqueue_write(&table, 0, &bytes)
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "a table of {} bytes built for {len}",
+                bytes.len()
+            )))
+        };
         self.table = Some(table);
         written.map(|()| addr)
+    }
+
+    /// Uploads the tables `build` makes (`len` bytes, built once their device address is
+    /// known), then enqueues `run(address)` ordered after other streams' work on `reads` and
+    /// `writes` (every one in the store's address space) and recorded on their usages; the
+    /// spaces are kept until the stream has passed the launch. Returns the launch's event, as
+    /// [`TableStore::launch`] does. For one-shot kernels other than the block copy whose tables
+    /// the copy layer builds (`copy::decode_scatter`).
+    pub(super) fn launch_built(
+        &mut self,
+        len: usize,
+        build: impl FnOnce(u64) -> Vec<u8>,
+        reads: &[&Arc<dyn BlockSpace>],
+        writes: &[&Arc<dyn BlockSpace>],
+        run: impl FnOnce(&dyn Backend, u64) -> Result<()>,
+    ) -> Result<Event> {
+        for space in reads.iter().chain(writes) {
+            check_space(
+                self.backend.address_space(),
+                space.address_space(),
+                "a copy space",
+            )?;
+        }
+        self.collect()?;
+        let mut keep: Vec<Keep> = reads
+            .iter()
+            .chain(writes)
+            .map(|s| Keep::Space((*s).clone()))
+            .collect();
+        let tables = self.upload_built(len, build, &mut keep)?;
+        let table = self.table.as_ref().map(Buffer::usage);
+        let reads: Vec<&Usage> = reads.iter().map(|s| s.usage()).chain(table).collect();
+        let writes: Vec<&Usage> = writes.iter().map(|s| s.usage()).collect();
+        let backend = self.backend.as_ref();
+        let ((), event) = ordered_event(backend, &reads, &writes, self.timed, || {
+            run(backend, tables)
+        })?;
+        self.inflight.push_back((event.clone(), keep));
+        Ok(event)
     }
 
     /// Launches `plan` once: with its tables in the launch's parameters when they fit

@@ -364,6 +364,17 @@ pub enum Error {
     /// and per rank whose last status never came, the chunks that did arrive.
     #[error("{0}")]
     TransferDeadline(Overdue),
+
+    // Decode context parallelism (docs/dcp.md).
+    /// A decode layout no decode server can have: no rank, more than
+    /// [`KVS_DECODE_MAX_RANKS`](crate::abi::KVS_DECODE_MAX_RANKS), or an interleave of no token.
+    #[error("a decode layout of {ranks} ranks interleaving {interleave} tokens (need 1 to {} ranks and at least 1 token)", crate::abi::KVS_DECODE_MAX_RANKS)]
+    InvalidDecodeLayout {
+        /// Ranks asked for (M).
+        ranks: u32,
+        /// Tokens per turn asked for (I).
+        interleave: u32,
+    },
 }
 
 impl Error {

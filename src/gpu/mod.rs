@@ -534,6 +534,10 @@ mod tests {
             (Kernel::CopyBlocksInline, abi::KVS_COPY_THREADS),
             (Kernel::CopyRanges, abi::KVS_COPY_THREADS),
             (Kernel::WriteRows, abi::KVS_WRITE_THREADS),
+            (Kernel::DecodeScatterPages, abi::KVS_COPY_THREADS),
+            (Kernel::DecodeScatterRows576, abi::KVS_COPY_THREADS),
+            (Kernel::DecodeScatterRows656, abi::KVS_COPY_THREADS),
+            (Kernel::DecodeScatterRows1152, abi::KVS_COPY_THREADS),
         ];
         for (kernel, threads) in shapes {
             let allowed = gpu.max_threads(kernel);

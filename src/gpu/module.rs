@@ -132,6 +132,10 @@ kernels! {
     CopyBlocksInline => "kvs_copy_blocks_inline", COPY_BLOCKS_INLINE: abi::kvs_copy_blocks_inline_params;
     WriteRows => "kvs_write_rows", WRITE_ROWS: abi::kvs_write_rows_params;
     CopyRanges => "kvs_copy_ranges", COPY_RANGES: abi::kvs_copy_ranges_params;
+    DecodeScatterPages => "kvs_decode_scatter_pages", DECODE_SCATTER_PAGES: abi::kvs_decode_scatter_params;
+    DecodeScatterRows576 => "kvs_decode_scatter_rows_576", DECODE_SCATTER_ROWS_576: abi::kvs_decode_scatter_params;
+    DecodeScatterRows656 => "kvs_decode_scatter_rows_656", DECODE_SCATTER_ROWS_656: abi::kvs_decode_scatter_params;
+    DecodeScatterRows1152 => "kvs_decode_scatter_rows_1152", DECODE_SCATTER_ROWS_1152: abi::kvs_decode_scatter_params;
     // cuda/bench.cu, in the fatbin only with feature `bench-kernels` (build.rs).
     #[cfg(feature = "bench-kernels")]
     BenchEmpty => "kvs_bench_empty", BENCH_EMPTY: ();

@@ -1,9 +1,11 @@
 //! Page-interleaved sharding (docs/design.md, "Ownership" and "Prefill"): ownership math, the
 //! rotated owner allocator, the owner-local resolution reference, and a CP prefill batch's
-//! admission and gather plan. Pure CPU math: nothing here touches a backend.
+//! admission and gather plan; and how a decode server sharded by token places a request
+//! (`DecodeLayout`, docs/dcp.md). Pure CPU math: nothing here touches a backend.
 
 mod admission;
 mod allocator;
+mod decode;
 mod gather;
 mod placement;
 mod resolve;
@@ -14,6 +16,7 @@ pub use admission::{
 };
 pub(crate) use allocator::PageGenerations;
 pub use allocator::{AllocRequest, Allocation, ChainStart, ShardAllocator};
+pub use decode::{DecodeLayout, DecodeRow, MAX_DECODE_RANKS};
 pub use gather::{GatherPlan, GatherRequest, ScratchLayout};
 pub use placement::Placement;
 pub use resolve::{resolve_owned, scratch_rows, ResolveMode, Resolved};

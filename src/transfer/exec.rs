@@ -31,7 +31,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::plan::SendPlan;
+use super::plan::{DecodePlan, SendPlan};
 use super::stats::{Posted, TransferStats};
 use super::transport::{Completion, Transport};
 use super::ComponentBytes;
@@ -412,8 +412,93 @@ impl Transport for BackendTransport {
         })
     }
 
+    fn submit_decode(
+        &mut self,
+        plan: &DecodePlan,
+        src: &Arc<DevicePool>,
+        dsts: &[Arc<RemoteSpace>],
+    ) -> Result<Box<dyn Completion>> {
+        let started = Instant::now();
+        let mut counted = CallCounts {
+            chunks: 1,
+            bytes: plan.bytes().total(),
+            ..CallCounts::default()
+        };
+        let result = self.enqueue_decode(plan, src, dsts, &mut counted);
+        if result.is_ok() {
+            *lock(&self.calls) += counted;
+        }
+        self.stats.submitted(started, result, || {
+            // What a transport posting one descriptor per (chunk, prefill rank, decode rank)
+            // would have posted.
+            Some(Posted {
+                bytes: counted.bytes,
+                descriptors: plan.decode_ranks_reached() as u64,
+                post_time: started.elapsed(),
+                bounced: false,
+            })
+        })
+    }
+
     fn stats(&self) -> Option<TransferStats> {
         Some(self.stats.clone())
+    }
+}
+
+impl BackendTransport {
+    /// Enqueues `plan` into a decode context-parallel layout (docs/dcp.md): one
+    /// `kvs_decode_scatter` launch writes every decode rank's rows ([`Method::Kernel`] only;
+    /// its grid as for a block copy of as many blocks as the launch has units), counting it
+    /// into `counted`; what [`Transport::submit_decode`] times and counts.
+    fn enqueue_decode(
+        &mut self,
+        plan: &DecodePlan,
+        src: &Arc<DevicePool>,
+        dsts: &[Arc<RemoteSpace>],
+        counted: &mut CallCounts,
+    ) -> Result<Box<dyn Completion>> {
+        let Method::Kernel(launch) = self.method else {
+            return Err(Error::UnsupportedMethod {
+                method: self.method.to_string(),
+                route: "a P/D transport into a decode context-parallel layout",
+                accepts: "Kernel",
+            });
+        };
+        let backend = self.store.backend().clone();
+        let src_space: Arc<dyn BlockSpace> = src.clone();
+        let dst_spaces: Vec<Arc<dyn BlockSpace>> = dsts
+            .iter()
+            .map(|d| d.clone() as Arc<dyn BlockSpace>)
+            .collect();
+        let refs: Vec<&dyn BlockSpace> = dst_spaces.iter().map(|d| d.as_ref()).collect();
+        let scatter = plan.scatter(src_space.as_ref(), &refs)?;
+        if scatter.is_empty() {
+            return Ok(Box::new(StreamCompletion {
+                backend,
+                started: None,
+                event: None,
+                _keep: Vec::new(),
+            }));
+        }
+        let started = self.start(backend.as_ref())?;
+        let launch = self.grid(backend.as_ref(), scatter.units(), launch);
+        let end = self
+            .store
+            .launch_scatter(&scatter, &src_space, &dst_spaces, launch)?;
+        counted.launches += u64::from(end.is_some());
+        let end = match end {
+            Some(end) => end,
+            None if self.timing => backend.record_timed()?,
+            None => backend.record()?,
+        };
+        let mut keep = vec![src_space];
+        keep.extend(dst_spaces);
+        Ok(Box::new(StreamCompletion {
+            started,
+            event: Some(end),
+            backend,
+            _keep: keep,
+        }))
     }
 }
 

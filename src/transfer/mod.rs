@@ -1,5 +1,7 @@
 //! P/D transfer (docs/design.md, "P/D"): the KV cache of a request moves from the N sharded
-//! prefill ranks of a context-parallel group to one unsharded decode pool.
+//! prefill ranks of a context-parallel group to one unsharded decode pool, or to the M ranks
+//! of a decode server sharded by token (decode context parallelism, docs/dcp.md:
+//! [`DecodeRegistration`], [`DecodePlan`], [`Sender::open_decode`]).
 //!
 //! ```text
 //! decode                       every prefill rank r (of N)
@@ -61,8 +63,8 @@ pub use bounce::{BounceBuffer, Packed, PackedSection};
 pub use endpoint::{DecodeEndpoint, DecodeEvent, PrefillEndpoint, PrefillEvent, CHUNK_EVENTS};
 pub use exec::{BackendTransport, CallCounts, DescriptorBatch};
 pub use plan::{
-    ChunkRange, Descriptor, PoolLayout, PrefillRank, Registration, Section, SectionComponent,
-    SendPlan,
+    ChunkRange, DecodePlan, DecodeRank, DecodeRegistration, DecodeSection, Descriptor, PoolLayout,
+    PrefillRank, Registration, Section, SectionComponent, SendPlan,
 };
 pub use receive::{
     Finished, MissingChunks, Outcome, Overdue, Progress, RankFailure, Receiver, DEFAULT_DEADLINE,

@@ -14,11 +14,13 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, Weak};
 
-use super::plan::{ChunkRange, PrefillRank, Registration, SendPlan};
+use super::plan::{
+    ChunkRange, DecodePlan, DecodeRegistration, PrefillRank, Registration, SendPlan,
+};
 use super::stats::TransferStats;
 use super::transport::{Completion, Transport};
 use super::ComponentBytes;
-use crate::copy::RemoteSpace;
+use crate::copy::{BlockSpace, RemoteSpace, ScatterRank};
 use crate::error::{Error, Result};
 use crate::geometry::PAGE_SIZE;
 use crate::index::LogicalPage;
@@ -38,11 +40,27 @@ pub enum ChunkEnd {
     Final(usize),
 }
 
+/// Where a request's chunks go.
+#[derive(Debug)]
+enum Target {
+    /// One unsharded decode pool.
+    Unsharded {
+        registration: Registration,
+        dst: Arc<RemoteSpace>,
+    },
+    /// Every rank of a decode server sharded by token (docs/dcp.md), in rank order.
+    Decode {
+        registration: DecodeRegistration,
+        /// The registration's pages as the copy layer takes them, made once.
+        ranks: Arc<[ScatterRank]>,
+        dsts: Vec<Arc<RemoteSpace>>,
+    },
+}
+
 /// A request a sender is sending.
 #[derive(Debug)]
 struct Outgoing {
-    registration: Registration,
-    dst: Arc<RemoteSpace>,
+    target: Target,
     next_chunk: u32,
     /// Tokens sent so far (page-aligned): where the next chunk starts.
     sent_until: usize,
@@ -72,6 +90,8 @@ pub struct PendingChunk {
     chunk: u32,
     last: bool,
     bytes: ComponentBytes,
+    /// Bytes that reach each decode rank (one entry for an unsharded decode).
+    decode_bytes: Vec<ComponentBytes>,
     completion: Box<dyn Completion>,
     /// Whether the chunk's status (or its failure) was handed out.
     delivered: bool,
@@ -122,14 +142,53 @@ impl PendingChunk {
     }
 
     fn sent(&self) -> ChunkStatus {
+        self.status(self.bytes)
+    }
+
+    fn status(&self, bytes: ComponentBytes) -> ChunkStatus {
         ChunkStatus {
             request: self.request,
             rank: self.rank,
             chunk: self.chunk,
             result: ChunkResult::Sent {
-                bytes: self.bytes,
+                bytes,
                 last: self.last,
             },
+        }
+    }
+
+    /// The status as each decode rank receives it, in rank order.
+    fn each(&self) -> Vec<ChunkStatus> {
+        self.decode_bytes.iter().map(|&b| self.status(b)).collect()
+    }
+
+    /// Decode ranks the chunk is reported to: 1 for an unsharded decode pool, the layout's M
+    /// for a decode server sharded by token ([`Sender::open_decode`]).
+    pub fn decode_ranks(&self) -> usize {
+        self.decode_bytes.len()
+    }
+
+    /// Bytes that reach each decode rank, per component, in rank order (one entry, the
+    /// chunk's bytes, for an unsharded decode pool).
+    pub fn decode_bytes(&self) -> &[ComponentBytes] {
+        &self.decode_bytes
+    }
+
+    /// [`PendingChunk::poll`], with the status as each decode rank must receive it: one per
+    /// decode rank, in rank order, each carrying the bytes that reached that rank (a decode
+    /// rank that shares no token with the chunk gets its status all the same, with no bytes).
+    /// A failure is the same for every decode rank ([`ChunkStatus::from_error`]).
+    pub fn poll_each(&mut self) -> Result<Option<Vec<ChunkStatus>>> {
+        Ok(self.poll()?.map(|_| self.each()))
+    }
+
+    /// [`PendingChunk::wait_sync`], with the status each decode rank must receive
+    /// ([`PendingChunk::poll_each`]).
+    pub fn wait_each_sync(mut self) -> Result<Vec<ChunkStatus>> {
+        self.delivered = true;
+        match self.completion.wait_sync() {
+            Ok(()) => Ok(self.each()),
+            Err(e) => Err(self.failed(e)),
         }
     }
 
@@ -252,8 +311,66 @@ impl Sender {
         self.requests.insert(
             request,
             Outgoing {
-                registration,
-                dst,
+                target: Target::Unsharded { registration, dst },
+                next_chunk: 0,
+                sent_until,
+            },
+        );
+        Ok(())
+    }
+
+    /// Starts sending a request the ranks of a decode server sharded by token registered
+    /// (docs/dcp.md), into `dsts`: the memory of each decode rank the registration describes, in
+    /// rank order, as this process reaches it. Its first chunk starts after the decode's cached
+    /// prefix; each chunk goes to every decode rank that owns one of its tokens, and its
+    /// [`PendingChunk`] gives one status per decode rank ([`PendingChunk::poll_each`]).
+    /// Refused, changing nothing, when the registration does not validate or does not describe
+    /// `dsts`, or the request is open already.
+    pub fn open_decode(
+        &mut self,
+        registration: DecodeRegistration,
+        dsts: Vec<Arc<RemoteSpace>>,
+    ) -> Result<()> {
+        let request = registration.request;
+        if self.requests.contains_key(&request) {
+            return Err(Error::Transfer {
+                request,
+                reason: format!("already open on prefill rank {}", self.source.rank),
+            });
+        }
+        registration.validate()?;
+        if dsts.len() != registration.ranks.len() {
+            return Err(Error::Transfer {
+                request,
+                reason: format!(
+                    "{} decode ranks registered, {} destinations given",
+                    registration.ranks.len(),
+                    dsts.len()
+                ),
+            });
+        }
+        for (d, (rank, dst)) in registration.ranks.iter().zip(&dsts).enumerate() {
+            if rank.layout.geometry != *dst.geometry() || rank.layout.pages != dst.pages() {
+                return Err(Error::Transfer {
+                    request,
+                    reason: format!(
+                        "decode rank {d} registered a pool of {} pages; its destination holds {}, or another geometry",
+                        rank.layout.pages,
+                        dst.pages()
+                    ),
+                });
+            }
+        }
+        let sent_until = registration.prefix_tokens()?;
+        let ranks = registration.scatter_ranks();
+        self.requests.insert(
+            request,
+            Outgoing {
+                target: Target::Decode {
+                    registration,
+                    ranks,
+                    dsts,
+                },
                 next_chunk: 0,
                 sent_until,
             },
@@ -306,18 +423,38 @@ impl Sender {
             end,
             last,
         };
-        // The registration was validated by `open`, and nothing changes it since.
-        let submitted = SendPlan::of_valid(&self.source, src_pages, &out.registration, chunk)
-            .and_then(|plan| {
-                let completion = self.transport.submit(&plan, &self.pool, &out.dst)?;
-                Ok((plan, completion))
-            });
+        // The registration was validated by `open` / `open_decode`, and nothing changes it
+        // since. Each arm: the bytes per decode rank, the end of the pages sent, the completion.
+        let submitted = match &out.target {
+            Target::Unsharded { registration, dst } => {
+                SendPlan::of_valid(&self.source, src_pages, registration, chunk).and_then(|plan| {
+                    let completion = self.transport.submit(&plan, &self.pool, dst)?;
+                    Ok((vec![plan.bytes()], plan.kv().positions().end, completion))
+                })
+            }
+            Target::Decode {
+                registration,
+                ranks,
+                dsts,
+            } => DecodePlan::of_valid(&self.source, src_pages, registration, ranks.clone(), chunk)
+                .and_then(|plan| {
+                    let completion = self.transport.submit_decode(&plan, &self.pool, dsts)?;
+                    Ok((
+                        plan.rank_bytes().to_vec(),
+                        plan.kv().positions().end,
+                        completion,
+                    ))
+                }),
+        };
         match submitted {
-            Ok((plan, completion)) => {
-                let bytes = plan.bytes();
+            Ok((decode_bytes, end_page, completion)) => {
+                let mut bytes = ComponentBytes::default();
+                for b in &decode_bytes {
+                    bytes += *b;
+                }
                 self.sent += bytes;
                 out.next_chunk += 1;
-                out.sent_until = plan.kv().positions().end * PAGE_SIZE;
+                out.sent_until = end_page * PAGE_SIZE;
                 if last {
                     self.requests.remove(&request);
                 }
@@ -327,6 +464,7 @@ impl Sender {
                     chunk: chunk.index,
                     last,
                     bytes,
+                    decode_bytes,
                     completion,
                     delivered: false,
                     dropped: Arc::downgrade(&self.dropped),

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use super::exec::BackendTransport;
-use super::plan::SendPlan;
+use super::plan::{DecodePlan, SendPlan};
 use super::stats::TransferStats;
 use super::transport::{Completion, Transport};
 use crate::backend::Backend;
@@ -97,6 +97,19 @@ impl StreamTransport {
     }
 }
 
+impl StreamTransport {
+    /// The transport of the stream the next chunk goes on, made on first use.
+    fn current(&mut self) -> Result<&mut BackendTransport> {
+        let stream = self.choice.get();
+        Ok(match self.by_stream.entry(key(&stream)) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(e) => {
+                e.insert(Self::transport(self.method, stream)?)
+            }
+        })
+    }
+}
+
 impl Transport for StreamTransport {
     fn submit(
         &mut self,
@@ -104,13 +117,7 @@ impl Transport for StreamTransport {
         src: &Arc<DevicePool>,
         dst: &Arc<RemoteSpace>,
     ) -> Result<Box<dyn Completion>> {
-        let stream = self.choice.get();
-        let transport = match self.by_stream.entry(key(&stream)) {
-            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::btree_map::Entry::Vacant(e) => {
-                e.insert(Self::transport(self.method, stream)?)
-            }
-        };
+        let transport = self.current()?;
         let started = std::time::Instant::now();
         let result = transport.submit(plan, src, dst);
         // The stream's own transport counted the chunk; these count every stream's together.
@@ -118,6 +125,27 @@ impl Transport for StreamTransport {
             Some(super::stats::Posted {
                 bytes: plan.bytes().total(),
                 descriptors: plan.descriptor_count() as u64,
+                post_time: started.elapsed(),
+                bounced: false,
+            })
+        })
+    }
+
+    fn submit_decode(
+        &mut self,
+        plan: &DecodePlan,
+        src: &Arc<DevicePool>,
+        dsts: &[Arc<RemoteSpace>],
+    ) -> Result<Box<dyn Completion>> {
+        let transport = self.current()?;
+        let started = std::time::Instant::now();
+        let result = transport.submit_decode(plan, src, dsts);
+        // As for `submit`: one descriptor per decode rank the chunk reaches, as a transport
+        // posting them would count.
+        self.stats.submitted(started, result, || {
+            Some(super::stats::Posted {
+                bytes: plan.bytes().total(),
+                descriptors: plan.decode_ranks_reached() as u64,
                 post_time: started.elapsed(),
                 bounced: false,
             })

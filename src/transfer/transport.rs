@@ -7,10 +7,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::plan::SendPlan;
+use super::plan::{DecodePlan, SendPlan};
 use super::stats::{Posted, TransferStats};
 use crate::copy::RemoteSpace;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::pool::DevicePool;
 
 /// A submitted chunk's completion: poll it, or wait for it.
@@ -42,6 +42,22 @@ pub trait Transport: Send {
         src: &Arc<DevicePool>,
         dst: &Arc<RemoteSpace>,
     ) -> Result<Box<dyn Completion>>;
+
+    /// Starts moving every row of `plan` from `src` into `dsts`, the decode ranks' memory in
+    /// rank order (decode context parallelism, docs/dcp.md). A transport that sends only into
+    /// unsharded decodes refuses it (the default), before anything moves.
+    fn submit_decode(
+        &mut self,
+        plan: &DecodePlan,
+        src: &Arc<DevicePool>,
+        dsts: &[Arc<RemoteSpace>],
+    ) -> Result<Box<dyn Completion>> {
+        let _ = (src, dsts);
+        Err(Error::Transfer {
+            request: plan.request(),
+            reason: "this transport sends only into unsharded decode pools, not into a decode context-parallel layout".into(),
+        })
+    }
 
     /// The transport's transfer counters (`super::stats`), shared: they keep counting after
     /// the transport is boxed into a [`Sender`](super::Sender). `None` for a transport that

@@ -1,6 +1,6 @@
 //! GPU benchmarks of every kvshard kernel, each next to the copy ceilings measured in the same
 //! run. `cargo bench --bench gpu [-- [--quick] [--list] [SECTION...]]`; sections: resolve, pool,
-//! write, pd, hicache, signal, duplex, interfere, and allgather (feature `nccl`, two GPUs)
+//! write, pd, dcp, hicache, signal, duplex, interfere, and allgather (feature `nccl`, two GPUs)
 //! (`--list` prints them and exits). Every row gives the device time of the work and what an
 //! engine sees of the call: its window (entry to completion, on an idle stream) and its host
 //! time per call, flagged `HOST>5%` at >= 64 pages past 5% of the transfer. Prints a table
@@ -11,6 +11,7 @@
 mod allgather;
 #[cfg(feature = "nccl")]
 mod cp_gather;
+mod dcp;
 mod harness;
 mod hicache;
 mod interference;
@@ -30,6 +31,7 @@ const SECTIONS: &[(&str, Section)] = &[
     ("pool", pool::copies),
     ("write", pool::write_path),
     ("pd", pd::run),
+    ("dcp", dcp::run),
     ("hicache", hicache::io),
     ("signal", hicache::signalled),
     ("duplex", hicache::duplex),

@@ -536,6 +536,17 @@ impl Backend for CpuBackend {
         self.run(move |mem| write_rows(mem, &p))
     }
 
+    unsafe fn decode_scatter(
+        &self,
+        mut p: abi::kvs_decode_scatter_params,
+        launch: Launch,
+    ) -> Result<()> {
+        check::decode_scatter(&p)?;
+        launch.validate(self.max_threads(KernelFamily::DecodeScatter))?;
+        p.status = self.begin(super::decode_scatter_kernel(&p).name());
+        self.run(move |mem| decode_scatter(mem, &p))
+    }
+
     unsafe fn copy_ranges(&self, mut p: abi::kvs_copy_ranges_params, launch: Launch) -> Result<()> {
         launch.validate(self.max_threads(KernelFamily::Copy))?;
         if p.num_ranges == 0 {

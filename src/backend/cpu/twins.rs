@@ -12,7 +12,7 @@ use crate::geometry::{
     LATENT_DIM, PAGE_SIZE,
 };
 use crate::index::{LogicalPage, Slot};
-use crate::shard::Placement;
+use crate::shard::{DecodeLayout, Placement};
 
 use super::*;
 
@@ -387,6 +387,97 @@ pub(super) fn copy_ranges(mem: &mut Arena, p: &abi::kvs_copy_ranges_params) -> R
         let bytes = usize::try_from(bytes)
             .map_err(|_| Error::overflow(format!("range {r} of {bytes} bytes")))?;
         mem.copy(dst, src, bytes)?;
+    }
+    Ok(())
+}
+
+/// The CPU twin of `kvs_decode_scatter` (cuda/decode_scatter.cu): every unit in order, every
+/// row of it placed by [`DecodeLayout`], the kernel's arithmetic, and moved on its own (the
+/// kernel moves a page-granular layout's rows as one run: the same bytes).
+pub(super) fn decode_scatter(mem: &mut Arena, p: &abi::kvs_decode_scatter_params) -> Result<()> {
+    let layout = DecodeLayout::new(p.num_ranks, p.interleave)?;
+    let page = PAGE_SIZE as u64;
+    let kv_units = u64::from(p.num_kv_pairs) * p.num_entries;
+    let state_pairs = u64::from(p.num_pairs - p.num_kv_pairs);
+    let units = kv_units + state_pairs * p.num_state_entries;
+    for u in 0..units {
+        let (k, j, state) = if u < kv_units {
+            (u / p.num_entries, u % p.num_entries, false)
+        } else {
+            let s = u - kv_units;
+            (
+                u64::from(p.num_kv_pairs) + s / p.num_state_entries,
+                s % p.num_state_entries,
+                true,
+            )
+        };
+        let at = p.pairs + 16 * k;
+        let (src_base, component) = (mem.u64_at(at)?, mem.u32_at(at + 8)?);
+        let position = if state { p.num_entries + j } else { j };
+        if component >= p.num_components {
+            if j == 0 {
+                report(mem, &p.status, p.num_entries + p.num_state_entries + k)?;
+            }
+            continue;
+        }
+        let entry = if state { p.state_entries } else { p.entries } + 16 * j;
+        let (src_page, sequence_page) = (mem.i64_at(entry)?, mem.u64_at(entry + 8)?);
+        if src_page < 0 {
+            continue;
+        }
+        if src_page as u64 >= p.src_limit {
+            report(mem, &p.status, position)?;
+            continue;
+        }
+        let first = sequence_page.wrapping_mul(page);
+        if first >= p.end_token {
+            continue;
+        }
+        let valid = (p.end_token - first).min(page);
+        let c = p.components[component as usize];
+        let indexer = c.kind == abi::KVS_ROWS_INDEXER;
+        let block = if indexer {
+            INDEXER_PAGE_BYTES as u64
+        } else {
+            page * u64::from(c.row_bytes)
+        };
+        let src = src_base.wrapping_add((src_page as u64).wrapping_mul(block));
+        for o in 0..valid {
+            let place = layout.place(first + o);
+            let r = p.ranks + 32 * u64::from(place.rank);
+            let (pages, state_pages, num_pages, limit) = (
+                mem.u64_at(r)?,
+                mem.u64_at(r + 8)?,
+                mem.u64_at(r + 16)?,
+                mem.u64_at(r + 24)?,
+            );
+            if place.page_index() >= num_pages {
+                report(mem, &p.status, position)?;
+                continue;
+            }
+            let list = if state { state_pages } else { pages };
+            let dst_page = mem.i64_at(list + 8 * place.page_index())?;
+            if dst_page < 0 {
+                continue;
+            }
+            if dst_page as u64 >= limit {
+                report(mem, &p.status, position)?;
+                continue;
+            }
+            let base =
+                mem.u64_at(p.dst_bases + 8 * (k * u64::from(p.num_ranks) + u64::from(place.rank)))?;
+            let dst = base + dst_page as u64 * block;
+            let row = place.row();
+            if indexer {
+                let key = INDEXER_HEAD_DIM as u64;
+                mem.copy(dst + row * key, src + o * key, INDEXER_HEAD_DIM)?;
+                let scales = INDEXER_SCALES_OFFSET as u64;
+                mem.copy(dst + scales + 4 * row, src + scales + 4 * o, 4)?;
+            } else {
+                let bytes = u64::from(c.row_bytes);
+                mem.copy(dst + row * bytes, src + o * bytes, c.row_bytes as usize)?;
+            }
+        }
     }
     Ok(())
 }

@@ -13,7 +13,7 @@ use crate::index::LogicalPage;
 use crate::shard::Placement;
 
 /// Checks both sides store the same cache the same packed way, naming the request.
-fn check_layouts(request: u64, src: &PoolLayout, dst: &PoolLayout) -> Result<()> {
+pub(super) fn check_layouts(request: u64, src: &PoolLayout, dst: &PoolLayout) -> Result<()> {
     src.geometry
         .validate_pd(&dst.geometry)
         .map_err(|e| match e {
@@ -74,7 +74,7 @@ fn check_layouts(request: u64, src: &PoolLayout, dst: &PoolLayout) -> Result<()>
 
 /// Checks every source page of a section (owned or not, so all ranks refuse the same chunk):
 /// in the prefill group's logical range and not reserved.
-fn check_sources(
+pub(super) fn check_sources(
     request: u64,
     placement: Placement,
     src_logical: u64,

@@ -1,0 +1,317 @@
+/*
+ * kvs_decode_scatter: one prefill rank's chunk into the rows of the M ranks of a decode server
+ * sharded by token (decode context parallelism, docs/dcp.md), every (component, layer) and
+ * every decode rank in one launch. The placement (abi.h, above kvs_decode_scatter_params): token
+ * t on rank (t / I) % M, its local token k = (t / (I M)) I + t % I in row k % 64 of the rank's
+ * (k / 64)-th page of the request.
+ *
+ * A unit is one (pair, source page): a warp moves the page's rows of one layer. Rows of a page
+ * go to different ranks when I is under a page, so the warp first places its 64 rows (each lane
+ * two: rank, local token, the rank's page from its table, the row's address) into a table of
+ * its own in shared memory, then moves the block's 16-byte vectors in source order, UNROLL
+ * loads a lane in flight before their stores, each to the address of its row: the loads are
+ * contiguous, the stores contiguous within a row (a 576-byte FP8 row is 36 vectors). Indexer
+ * pages hold 64 keys of 128 bytes then 64 f32 scales: keys move as vectors the same way, and
+ * each lane moves the scales of its own two rows. When the layout keeps pages whole (M = 1, or
+ * I a multiple of 64) the page's rows are one run on one rank, and the unit is a plain block
+ * copy (its valid rows' prefix when the sequence ends inside the page). Rows of tokens at or
+ * past end_token are not moved.
+ *
+ * Row geometry is a template constant (vectors per row: 36, 41 or 72 for the latent layouts, 8
+ * for an indexer key), so finding a vector's row is a multiply-shift, as in write.cu.
+ */
+#include "common.cuh"
+
+using namespace kvs;
+
+/* The job's helpers, named apart: nvcc compiles every job file as one translation unit. */
+namespace decode {
+
+/*
+ * Register budget: 1024 threads (64 registers), 16-byte vectors a lane keeps in flight. Whole
+ * pages are a block copy: sm_90 keeps copy.cu's measured 8 (4 KB a warp), Blackwell 4 (its
+ * ptxas needs more registers for the same code, as copy.cu found). Rows keep 4 on every
+ * architecture: 64 KB a 1024-thread CTA in flight, far more than device memory's latency asks
+ * for, and the most the row kernels fit in 64 registers without spilling on Blackwell. Neither
+ * has been measured against another budget yet.
+ */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+constexpr uint32_t PAGES_UNROLL = 4;
+#else
+constexpr uint32_t PAGES_UNROLL = 8;
+#endif
+constexpr uint32_t ROWS_UNROLL = 4;
+
+constexpr uint32_t ROWS = KVS_PAGE_SIZE;
+constexpr uint32_t WARPS = KVS_COPY_THREADS / 32;
+constexpr uint32_t KEY_VECTORS = KVS_INDEXER_HEAD_DIM / 16;
+
+/* Where token `token` lives: its decode rank and local token. */
+struct Place {
+    uint32_t rank;
+    uint64_t local;
+};
+
+/* In 32 bits: only tokens below end_token are placed, and end_token is at most
+   KVS_DECODE_MAX_TOKENS (checked by the host). */
+__device__ __forceinline__ Place place(uint64_t token, uint32_t interleave, uint32_t ranks) {
+    const uint32_t t = static_cast<uint32_t>(token);
+    const uint32_t group = t / interleave;
+    return {group % ranks, static_cast<uint64_t>(group / ranks) * interleave + t % interleave};
+}
+
+/* Bytes of one block of component c, both sides packed. */
+__device__ __forceinline__ uint64_t block_bytes(const kvs_row_component& c) {
+    return c.kind == KVS_ROWS_INDEXER ? KVS_INDEXER_PAGE_BYTES : static_cast<uint64_t>(ROWS) * c.row_bytes;
+}
+
+/*
+ * The address of the destination page holding local token `at.local` of pair k, or 0 when the
+ * rows are skipped: a padding page id (< 0), or one reported at `position` (a local page the
+ * rank did not register, a page past its pool).
+ */
+__device__ __forceinline__ uint64_t dst_page(const kvs_decode_scatter_params& p, uint64_t k, bool state, Place at,
+                                             uint64_t block, uint64_t position) {
+    const kvs_decode_rank& r = reinterpret_cast<const kvs_decode_rank*>(p.ranks)[at.rank];
+    const uint64_t index = at.local / ROWS;
+    if (index >= r.num_pages) {
+        report(p.status, position);
+        return 0;
+    }
+    const int64_t page = reinterpret_cast<const int64_t*>(state ? r.state_pages : r.pages)[index];
+    if (page < 0) {
+        return 0;
+    }
+    if (static_cast<uint64_t>(page) >= r.limit) {
+        report(p.status, position);
+        return 0;
+    }
+    const uint64_t base = reinterpret_cast<const uint64_t*>(p.dst_bases)[k * p.num_ranks + at.rank];
+    return base + static_cast<uint64_t>(page) * block;
+}
+
+/* One warp copies `vectors` contiguous 16-byte vectors, PAGES_UNROLL a lane in flight. */
+__device__ __forceinline__ void warp_run(uint64_t src, uint64_t dst, uint32_t vectors) {
+    const uint32_t lane = threadIdx.x % 32;
+    for (uint32_t v0 = lane; v0 < vectors; v0 += 32 * PAGES_UNROLL) {
+        vec16 r[PAGES_UNROLL];
+#pragma unroll
+        for (uint32_t u = 0; u < PAGES_UNROLL; ++u) {
+            const uint32_t v = v0 + 32 * u;
+            if (v < vectors) {
+                r[u] = load16(src + 16ull * v);
+            }
+        }
+#pragma unroll
+        for (uint32_t u = 0; u < PAGES_UNROLL; ++u) {
+            const uint32_t v = v0 + 32 * u;
+            if (v < vectors) {
+                store16(dst + 16ull * v, r[u]);
+            }
+        }
+    }
+}
+
+/*
+ * One warp moves the first `rows` rows of VPR vectors each, contiguous at `src`, row o to
+ * rows[o] (0: skipped, not even read), ROWS_UNROLL vectors a lane in flight.
+ */
+template <uint32_t VPR>
+__device__ __forceinline__ void warp_rows(uint64_t src, const uint64_t* rows, uint32_t valid) {
+    const uint32_t lane = threadIdx.x % 32;
+    const uint32_t vectors = valid * VPR;
+    for (uint32_t v0 = lane; v0 < vectors; v0 += 32 * ROWS_UNROLL) {
+        vec16 r[ROWS_UNROLL];
+#pragma unroll
+        for (uint32_t u = 0; u < ROWS_UNROLL; ++u) {
+            const uint32_t v = v0 + 32 * u;
+            if (v < vectors && rows[v / VPR] != 0) {
+                r[u] = load16(src + 16ull * v);
+            }
+        }
+#pragma unroll
+        for (uint32_t u = 0; u < ROWS_UNROLL; ++u) {
+            const uint32_t v = v0 + 32 * u;
+            if (v < vectors) {
+                const uint32_t o = v / VPR;
+                const uint64_t to = rows[o];
+                if (to != 0) {
+                    store16(to + 16ull * (v - o * VPR), r[u]);
+                }
+            }
+        }
+    }
+}
+
+/*
+ * One unit's source page and what its rows are, once the checks every unit makes have passed:
+ * a pair naming a component past num_components (reported once, by the pair's entry 0), a
+ * padding entry, a source page past src_limit (reported), a page past the tokens to move.
+ */
+struct Unit {
+    uint64_t k;        /* the pair */
+    bool state;        /* whether it moves the state section (ranks' state_pages) */
+    uint64_t position; /* where its errors are reported */
+    uint64_t first;    /* the page's first token */
+    uint32_t valid;    /* rows of tokens below end_token */
+    kvs_row_component c;
+    uint64_t block; /* bytes of a block of the pair's component */
+    uint64_t src;   /* the source block */
+};
+
+__device__ __forceinline__ bool unit_of(const kvs_decode_scatter_params& p, uint64_t u, Unit& w) {
+    const uint64_t kv_units = static_cast<uint64_t>(p.num_kv_pairs) * p.num_entries;
+    uint64_t j = 0;
+    if (u < kv_units) {
+        w.k = u / p.num_entries;
+        j = u - w.k * p.num_entries;
+        w.state = false;
+        w.position = j;
+    } else {
+        const uint64_t s = u - kv_units;
+        const uint64_t k = s / p.num_state_entries;
+        j = s - k * p.num_state_entries;
+        w.k = p.num_kv_pairs + k;
+        w.state = true;
+        w.position = p.num_entries + j;
+    }
+    const kvs_decode_pair pair = reinterpret_cast<const kvs_decode_pair*>(p.pairs)[w.k];
+    if (pair.component >= p.num_components) {
+        if (j == 0 && threadIdx.x % 32 == 0) {
+            report(p.status, p.num_entries + p.num_state_entries + w.k);
+        }
+        return false;
+    }
+    const kvs_decode_entry e = reinterpret_cast<const kvs_decode_entry*>(w.state ? p.state_entries : p.entries)[j];
+    if (e.page < 0) {
+        return false;
+    }
+    if (static_cast<uint64_t>(e.page) >= p.src_limit) {
+        if (threadIdx.x % 32 == 0) {
+            report(p.status, w.position);
+        }
+        return false;
+    }
+    w.first = e.position * ROWS;
+    if (w.first >= p.end_token) {
+        return false;
+    }
+    w.valid = p.end_token - w.first < ROWS ? static_cast<uint32_t>(p.end_token - w.first) : ROWS;
+    w.c = p.components[pair.component];
+    w.block = block_bytes(w.c);
+    w.src = pair.src + static_cast<uint64_t>(e.page) * w.block;
+    return true;
+}
+
+/* The units of a launch. */
+__device__ __forceinline__ uint64_t units_of(const kvs_decode_scatter_params& p) {
+    return static_cast<uint64_t>(p.num_kv_pairs) * p.num_entries +
+           static_cast<uint64_t>(p.num_pairs - p.num_kv_pairs) * p.num_state_entries;
+}
+
+/* A layout that keeps pages whole: each unit's valid rows are one run on one rank. */
+__device__ __forceinline__ void scatter_pages(const kvs_decode_scatter_params& p) {
+    const uint32_t lane = threadIdx.x % 32;
+    const uint64_t units = units_of(p);
+    Unit w;
+    for (uint64_t u = first_unit(p.work); u < units; u = next_unit(p.work, u)) {
+        if (!unit_of(p, u, w)) {
+            continue;
+        }
+        // Every lane places the page's first token alike (the same loads, broadcast).
+        const uint64_t dst = dst_page(p, w.k, w.state, place(w.first, p.interleave, p.num_ranks), w.block, w.position);
+        if (dst == 0) {
+            continue;
+        }
+        // The whole block, or its valid rows: a latent prefix, an indexer's keys prefix (its
+        // scales below).
+        const bool indexer = w.c.kind == KVS_ROWS_INDEXER;
+        const uint32_t vectors = w.valid == ROWS ? static_cast<uint32_t>(w.block / 16)
+                                 : indexer      ? w.valid * KEY_VECTORS
+                                                : w.valid * (w.c.row_bytes / 16);
+        warp_run(w.src, dst, vectors);
+        if (indexer && w.valid < ROWS && lane < w.valid) {
+            const uint64_t scale = KVS_INDEXER_SCALES_OFFSET + 4ull * lane;
+            *reinterpret_cast<float*>(dst + scale) = *reinterpret_cast<const float*>(w.src + scale);
+        }
+    }
+}
+
+/*
+ * A layout that spreads a page's rows over ranks; LATENT_VPR is the vectors of a latent row
+ * (every latent component of a cache has the same rows).
+ */
+template <uint32_t LATENT_VPR>
+__device__ __forceinline__ void scatter_rows(const kvs_decode_scatter_params& p) {
+    /* Each warp's placed rows: the destination of row o (0: skipped). */
+    __shared__ uint64_t placed[WARPS][ROWS];
+    uint64_t* rows = placed[threadIdx.x / 32];
+    const uint32_t lane = threadIdx.x % 32;
+    const uint64_t units = units_of(p);
+    Unit w;
+    for (uint64_t u = first_unit(p.work); u < units; u = next_unit(p.work, u)) {
+        if (!unit_of(p, u, w)) {
+            continue;
+        }
+        const bool indexer = w.c.kind == KVS_ROWS_INDEXER;
+        // Each lane places rows lane and lane + 32; an indexer lane keeps its rows' scale
+        // addresses and moves those scales itself.
+        uint64_t scales[2] = {0, 0};
+#pragma unroll
+        for (uint32_t h = 0; h < 2; ++h) {
+            const uint32_t o = lane + 32 * h;
+            uint64_t to = 0;
+            if (o < w.valid) {
+                const Place at = place(w.first + o, p.interleave, p.num_ranks);
+                const uint64_t page = dst_page(p, w.k, w.state, at, w.block, w.position);
+                const uint64_t row = at.local % ROWS;
+                if (page != 0) {
+                    to = page + row * (indexer ? KVS_INDEXER_HEAD_DIM : w.c.row_bytes);
+                    scales[h] = page + KVS_INDEXER_SCALES_OFFSET + 4 * row;
+                }
+            }
+            rows[o] = to;
+        }
+        __syncwarp();
+        if (indexer) {
+            warp_rows<KEY_VECTORS>(w.src, rows, w.valid);
+#pragma unroll
+            for (uint32_t h = 0; h < 2; ++h) {
+                if (scales[h] != 0) {
+                    *reinterpret_cast<float*>(scales[h]) = *reinterpret_cast<const float*>(
+                        w.src + KVS_INDEXER_SCALES_OFFSET + 4ull * (lane + 32 * h));
+                }
+            }
+        } else {
+            warp_rows<LATENT_VPR>(w.src, rows, w.valid);
+        }
+        // The next unit rewrites the table only after every lane is done reading it.
+        __syncwarp();
+    }
+}
+
+} // namespace decode
+
+using namespace decode;
+
+/* The kernels: one for layouts that keep pages whole, one per latent row size for the others
+   (the host picks by the layout and the cache's rows). */
+extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
+    kvs_decode_scatter_pages(const __grid_constant__ kvs_decode_scatter_params p) {
+    scatter_pages(p);
+}
+
+extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
+    kvs_decode_scatter_rows_576(const __grid_constant__ kvs_decode_scatter_params p) {
+    scatter_rows<KVS_LATENT_TRTLLM_ROW_BYTES / 16>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
+    kvs_decode_scatter_rows_656(const __grid_constant__ kvs_decode_scatter_params p) {
+    scatter_rows<KVS_LATENT_SCALED_ROW_BYTES / 16>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
+    kvs_decode_scatter_rows_1152(const __grid_constant__ kvs_decode_scatter_params p) {
+    scatter_rows<KVS_LATENT_BF16_ROW_BYTES / 16>(p);
+}
