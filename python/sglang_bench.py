@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.abc
+import importlib.machinery
 import os
 import statistics
 import sys
@@ -108,22 +110,22 @@ def _jit():
     )
 
 
-def _aot_stand_in(k):
-    """``sgl_kernel.kvcacheio``'s MLA ops the DSA indexer pool calls, on ``k``'s kernels (SGLang's
+def _aot_stand_in(kernels):
+    """``sgl_kernel.kvcacheio``'s MLA ops the DSA indexer pool calls, on ``kernels()``'s (SGLang's
     JIT ones on the GPU): the same bytes, item by item."""
     m = types.ModuleType("sgl_kernel.kvcacheio")
 
     def per_layer(src, dst, src_indices, dst_indices, item_size):
-        k.one_layer_mla(cache_dst=dst, indices_dst=dst_indices, cache_src=src, indices_src=src_indices, element_dim=item_size)
+        kernels().one_layer_mla(cache_dst=dst, indices_dst=dst_indices, cache_src=src, indices_src=src_indices, element_dim=item_size)
 
     def per_layer_pf_lf(src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim):
-        k.one_layer_mla(
+        kernels().one_layer_mla(
             cache_dst=dst, indices_dst=dst_indices, cache_src=src.transpose(0, 1)[layer_id],
             indices_src=src_indices, element_dim=item_size,
         )
 
     def all_layer(src_layers, dst_layers, src_indices, dst_indices, item_size, num_layers):
-        k.all_layer_mla(
+        kernels().all_layer_mla(
             ptr_dst=dst_layers, indices_dst=dst_indices, ptr_src=src_layers, indices_src=src_indices,
             cache_src_stride_bytes=item_size, cache_dst_stride_bytes=item_size, element_size=item_size,
         )
@@ -132,47 +134,121 @@ def _aot_stand_in(k):
         from sglang.srt.mem_cache.pool_host.common import make_kernel_ptr_table
 
         views = [dst.transpose(0, 1)[i] for i in range(num_layers)]
-        table = make_kernel_ptr_table(views, src_layers.device, host_memory_registered=dst.device.type == "cpu" and src_layers.is_cuda)
-        k.all_layer_mla(
+        table = make_kernel_ptr_table(views, src_layers.device, host_memory_registered=src_layers.is_cuda)
+        kernels().all_layer_mla(
             ptr_dst=table, indices_dst=dst_indices, ptr_src=src_layers, indices_src=src_indices,
             cache_src_stride_bytes=item_size, cache_dst_stride_bytes=dst_layout_dim, element_size=item_size,
         )
-
-    def unstaged(name):
-        def refuse(*args, **kwargs):
-            raise RuntimeError(f"sgl_kernel.kvcacheio.{name}: SGLang's ahead-of-time kernel package is not staged")
-
-        return refuse
 
     m.transfer_kv_per_layer_mla = per_layer
     m.transfer_kv_per_layer_mla_pf_lf = per_layer_pf_lf
     m.transfer_kv_all_layer_mla = all_layer
     m.transfer_kv_all_layer_mla_lf_pf = all_layer_lf_pf
-    for name in ("transfer_kv_direct", "transfer_kv_per_layer_direct_pf_lf", "transfer_kv_all_layer_direct_lf_pf"):
-        setattr(m, name, unstaged(name))
     return m
+
+
+class _NotStaged(types.ModuleType):
+    """A module of SGLang's ahead-of-time kernel package (``sgl_kernel``, not staged): its names
+    import (SGLang's modules import many at import time on CUDA) and refuse when called."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError(f"{self.__name__}.{name}: SGLang's ahead-of-time kernel package is not staged")
+
+        return refuse
+
+
+class _SglKernelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``sgl_kernel`` and its submodules as ``_NotStaged`` modules, ``kvcacheio`` with the
+    stand-ins; ``sgl_kernel.scalar_type`` does not import (SGLang has a fallback for it and
+    reads attributes of it at import)."""
+
+    MISSING = {"sgl_kernel.scalar_type"}
+
+    def __init__(self, kvcacheio):
+        self.kvcacheio = kvcacheio
+
+    def find_spec(self, name, path=None, target=None):
+        if (name == "sgl_kernel" or name.startswith("sgl_kernel.")) and name not in self.MISSING:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        if spec.name == "sgl_kernel.kvcacheio":
+            return self.kvcacheio
+        return _NotStaged(spec.name)
+
+    def exec_module(self, module):
+        module.__path__ = []
 
 
 def install_kernels(gpu: bool):
     """Binds SGLang's host pools to their kernels before they are imported: its JIT ones on the
-    GPU (``sgl_kernel.kvcacheio``, imported by its pools on CUDA, is the stand-in above), their
+    GPU (``sgl_kernel``, which its modules import on CUDA, is ``_SglKernelFinder``'s), their
     restatements on the CPU. Returns what the rows name as SGLang's kernels."""
-    k = _jit() if gpu else _Restated
-    pkg = types.ModuleType("sgl_kernel")
-    pkg.kvcacheio = _aot_stand_in(k)
-    sys.modules.setdefault("sgl_kernel", pkg)
-    sys.modules.setdefault("sgl_kernel.kvcacheio", pkg.kvcacheio)
+    kernels = _jit if gpu else (lambda: _Restated)
+    kvcacheio = _aot_stand_in(kernels)
+    if gpu:
+        sys.meta_path.insert(0, _SglKernelFinder(kvcacheio))
+        return "JIT (hicache.py: apache-tvm-ffi + nvcc); the DSA indexer pool's sgl_kernel.kvcacheio ops on the same JIT kernels"
     from sglang.srt.mem_cache.pool_host import dsa, mla
 
-    if not gpu:
-        mla.jit_transfer_hicache_one_layer_mla = k.one_layer_mla
-        mla.jit_transfer_hicache_all_layer_mla = k.all_layer_mla
-        mla.jit_transfer_hicache_all_layer_mla_staged_lf_pf = k.staged_lf_pf
-        dsa.jit_transfer_hicache_all_layer_mla_staged_lf_pf = k.staged_lf_pf
-        for name in ("transfer_kv_per_layer_mla", "transfer_kv_per_layer_mla_pf_lf", "transfer_kv_all_layer_mla", "transfer_kv_all_layer_mla_lf_pf"):
-            setattr(mla, name, getattr(pkg.kvcacheio, name))
-            setattr(dsa, name, getattr(pkg.kvcacheio, name))
-    return "JIT (hicache.py)" if gpu else "restated in torch"
+    k = _Restated
+    mla.jit_transfer_hicache_one_layer_mla = k.one_layer_mla
+    mla.jit_transfer_hicache_all_layer_mla = k.all_layer_mla
+    mla.jit_transfer_hicache_all_layer_mla_staged_lf_pf = k.staged_lf_pf
+    dsa.jit_transfer_hicache_all_layer_mla_staged_lf_pf = k.staged_lf_pf
+    for name in ("transfer_kv_per_layer_mla", "transfer_kv_per_layer_mla_pf_lf", "transfer_kv_all_layer_mla", "transfer_kv_all_layer_mla_lf_pf"):
+        setattr(mla, name, getattr(kvcacheio, name))
+        setattr(dsa, name, getattr(kvcacheio, name))
+    return "restated in torch (the CPU: SGLang's kernels are CUDA's)"
+
+
+#: What the benchmark imports of SGLang, on the GPU as on the CPU.
+SGLANG_MODULES = (
+    "sglang.kernels.ops.kvcache.hicache",
+    "sglang.srt.mem_cache.device_pool_info",
+    "sglang.srt.mem_cache.hicache_storage",
+    "sglang.srt.mem_cache.page_interleave",
+    "sglang.srt.mem_cache.page_interleave_pool",
+    "sglang.srt.mem_cache.pool_host.dsa",
+    "sglang.srt.mem_cache.pool_host.host_pool_decl",
+    "sglang.srt.mem_cache.pool_host.mla",
+    "sglang.srt.mem_cache.pool_host.page_interleave",
+    "kvshard.sglang_storage",
+)
+
+
+def imports_on_cuda():
+    """Imports ``SGLANG_MODULES`` here as they import on a CUDA host (torch's CUDA queries
+    answered as an H200's, ``sgl_kernel`` from ``_SglKernelFinder``) and returns, one a line,
+    ``file PATH`` of every ``sglang`` module loaded and ``dist NAME==VERSION`` of every
+    distribution any loaded module belongs to: what the GPU host needs
+    (scripts/stage-sglang.sh), and a check on the CPU that the GPU's imports resolve."""
+    import importlib
+
+    torch.cuda.is_available = lambda: True
+    torch.version.cuda = torch.version.cuda or "13.0"
+    torch.cuda.get_device_name = lambda *a, **k: "NVIDIA H200"
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.current_device = lambda: 0
+    install_kernels(True)
+    for name in SGLANG_MODULES:
+        importlib.import_module(name)
+    from sglang.srt.utils import is_cuda
+
+    assert is_cuda(), "the CUDA branches of SGLang's imports did not run"
+    import importlib.metadata as md
+
+    loaded = [(n, getattr(m, "__file__", None) or "") for n, m in list(sys.modules.items())]
+    files = sorted({f for n, f in loaded if n.split(".")[0] == "sglang" and f})
+    owners = md.packages_distributions()
+    dists = sorted({d for n, f in loaded if "site-packages" in f for d in owners.get(n.split(".")[0], [])})
+    return [f"file {f}" for f in files] + [f"dist {d}=={md.version(d)}" for d in dists]
 
 
 # --- timing ---------------------------------------------------------------------------------------
@@ -564,6 +640,11 @@ def report(rows, out, title, jit_s, kernels):
     lines.append("| kvshard rows: " + ("every result byte-identical to SGLang's" if all(r[-1] for r in rows) else "SOME BYTES DIFFER") + " |")
     with open(os.path.join(out, "sglang.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+    chart(rows, out, title)
+
+
+def chart(rows, out, title):
+    """GB/s of SGLang, kvshard and the ceiling per row, as ``sglang.png`` (matplotlib)."""
     try:
         import matplotlib
 
@@ -575,11 +656,14 @@ def report(rows, out, title, jit_s, kernels):
     labels = [f"{r[0]}: {r[1]}" for r in rows]
     fig, ax = plt.subplots(figsize=(10, 0.32 * len(rows) + 1.5))
     y = np.arange(len(rows))
-    for k, (name, idx) in enumerate((("SGLang", 3), ("kvshard", 4), ("ceiling", 5))):
-        ax.barh(y + (k - 1) * 0.27, [r[2] / (r[idx][0] * 1e6) if r[idx][0] > 0 else 0 for r in rows], 0.27, label=name)
+    # Percent of the same-run ceiling (host rows next to a pinned copy, device rows next to a
+    # D2D copy: one scale for both).
+    for k, (name, idx) in enumerate((("SGLang", 3), ("kvshard", 4))):
+        ax.barh(y + (k - 0.5) * 0.4, [100 * r[5][0] / r[idx][0] if r[idx][0] > 0 else 0 for r in rows], 0.4, label=name)
+    ax.axvline(100, color="gray", linewidth=0.8)
     ax.set_yticks(y, labels, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("GB/s (device time)")
+    ax.set_xlabel("% of the same-run ceiling (device time)")
     ax.legend()
     ax.set_title(f"SGLang 0.5.23 vs kvshard, same bytes ({title})")
     fig.tight_layout()
@@ -592,7 +676,14 @@ def main(argv=None):
     ap.add_argument("--dry", action="store_true", help="the CPU, tiny shapes, SGLang's kernels restated")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument(
+        "--imports-on-cuda", action="store_true",
+        help="import what the GPU run imports, as on a CUDA host; print the sglang files and distributions loaded",
+    )
     args = ap.parse_args(argv)
+    if args.imports_on_cuda:
+        print("\n".join(imports_on_cuda()))
+        return
     gpu = not args.dry
     if gpu and not torch.cuda.is_available():
         sys.exit("sglang_bench: no CUDA device (use --dry on the CPU)")

@@ -27,6 +27,14 @@
 #             MOONCAKE_BENCH_NIXL=1 and .gpu-nixl staged, also NIXL's benchmark at N = 1, 2, 8 x
 #             64, 512 pages into the same file (minutes: a call of its own); says exactly why
 #             when the engine cannot load
+#   sglang    SGLang 0.5.23's own data-plane paths against kvshard's adapter on the same bytes
+#             (python/sglang_bench.py: its JIT HiCache kernels through apache-tvm-ffi and the
+#             host's nvcc, its page-interleave write and gather), from the wheels
+#             scripts/stage-sglang.sh staged in $SGLANG_STAGE (default .gpu-sglang beside .gpu,
+#             or the repository's): installed with pip --target into /tmp/sgl-site, put on
+#             PYTHONPATH; writes sglang.md, sglang.png and sglang.log. SGLANG_PYTHON (default
+#             python3) and SGLANG_BENCH_ARGS (e.g. --dry: the CPU check of this step) change what
+#             runs
 #   bench     the GPU benchmark (arguments after `--` go to it)
 #   plan      kvshard plan for the seed's scenario (CP2, 4x host cache), the ceilings measured
 #             here: D2D and pinned H2D on GPU 0, O_DIRECT reads in $PLAN_DISK (default $OUT)
@@ -41,7 +49,7 @@
 #   gds       GPUDirect Storage (NIXL GDS on cuFile, compat mode) GPU 0 <-> file in $STORAGE_DIR:
 #             one descriptor and slot-size ones, checked, or exactly why it cannot run; gds.md
 # Writes to $OUT (default ./gpu-out): summary.log, tests.log, sanitizer.log, demo.log, pd.md,
-# python.md, plan.md, bench.md, bench.log and the benchmark's charts, bench-SECTION.svg. The binaries need
+# python.md, plan.md, bench.md, bench.log and the benchmark's charts, bench-SECTION.svg, sglang.md. The binaries need
 # glibc >= 2.34 and load libcuda (and libnccl, found in the machine's Python packages) at run
 # time. Usage: run-gpu.sh [STEP...] [-- BENCH ARGS...]
 set -uo pipefail
@@ -230,6 +238,45 @@ for step in "${steps[@]}"; do
         fi
       fi
     fi
+    ;;
+  sglang)
+    stage="${SGLANG_STAGE:-$here/../.gpu-sglang}"
+    [ -d "$stage/wheels" ] || stage="$repo/.gpu-sglang"
+    py="${SGLANG_PYTHON:-python3}"
+    if [ ! -d "$stage/wheels" ]; then
+      say "sglang: nothing staged (scripts/stage-sglang.sh writes .gpu-sglang)"
+      status=1
+      continue
+    fi
+    want="$(cat "$stage/PY" 2>/dev/null)"
+    have="$("$py" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
+    if [ "$want" != "$have" ]; then
+      say "sglang: staged for $want, $py is $have (PY=${have#cp} scripts/stage-sglang.sh)"
+      status=1
+      continue
+    fi
+    site=/tmp/sgl-site
+    rm -rf "$site"
+    log="$out/sglang.log"
+    if ! "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$stage"/wheels/*.whl "$stage"/kvshard-*.whl >"$log" 2>&1; then
+      say "sglang: the staged wheels did not install ($(tail -1 "$log"))"
+      status=1
+      continue
+    fi
+    # SGLang's JIT kernels build with the host's nvcc (its CUDA_HOME, else nvcc on PATH).
+    nvcc_bin="$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1)"
+    [ -n "$nvcc_bin" ] && [ -z "${CUDA_HOME:-}" ] && export CUDA_HOME="$(dirname "$(dirname "$nvcc_bin")")"
+    [ -n "$nvcc_bin" ] && export PATH="$(dirname "$nvcc_bin"):$PATH"
+    echo "nvcc: ${nvcc_bin:-none} ($("${nvcc_bin:-false}" --version 2>/dev/null | tail -1)); CUDA_HOME ${CUDA_HOME:-unset}" >>"$log"
+    # shellcheck disable=SC2086
+    if (cd "$repo" && PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" SGLANG_JIT_CACHE_DIR=/tmp/sgl-jit \
+      timeout 420 "$py" -W ignore -P python/sglang_bench.py --out "$out" ${SGLANG_BENCH_ARGS:-}) >>"$log" 2>&1; then
+      r=ok
+    else
+      r=FAILED
+      status=1
+    fi
+    say "sglang: $r ($(grep -E '^(sglang_bench|SGLang JIT compile)' "$log" | tr '\n' ' '))"
     ;;
   bench)
     OUT="$out" "$here/benches/gpu" "$@" 2>&1 | tee "$out/bench.log" >/dev/null
