@@ -691,7 +691,8 @@ def main(argv=None):
     started = time.perf_counter()
     kernels = install_kernels(gpu)
     if args.dry:
-        args.layers, args.skip, args.pages, args.chunks, args.cp = 3, (False, True, False), [2, 4], [128, 256], [2, 4]
+        # Two of each loop but chunks: every loop body runs again after its first round.
+        args.layers, args.skip, args.pages, args.chunks, args.cp = 3, (False, True, False), [2, 4], [128], [2, 4]
         args.iters = args.iters or 1
     else:
         geometry = kvshard.CacheGeometry.deepseek_v32()
