@@ -15,7 +15,9 @@ kvshard's ``PageInterleaveAdapter`` on the other, and every byte is compared:
   (each rank's block to every rank's slot), against the adapter's landing of every rank's pages
   into every rank's slot: every referenced scratch page, latent and indexer;
 - the sharded P/D index preparation: SGLang's ``filter_kv_indices_for_shard_rank`` and
-  ``_prepare_sharded_dsa_indices`` against ``kvshard.sglang.pd``.
+  ``_prepare_sharded_dsa_indices`` against ``kvshard.sglang.pd``;
+- the pool class docs/sglang.md shows SGLang loading (its code block run as written) against
+  SGLang's own class.
 
 SGLang's pool objects are made without their constructors (which need a CUDA device, NCCL and
 the server's process groups); their state is what ``_init_page_shard_state`` sets. The HiCache
@@ -109,16 +111,17 @@ def clone(ts):
     return [([k.clone() for k in kv], [i.clone() for i in ix]) for kv, ix in ts]
 
 
-def sglang_pool(sg, rank, shard, kv, ix, slots, comm, max_prefix, chunk):
-    """SGLang's ``PageInterleaveDSATokenToKVPool`` state for one rank over ``kv``/``ix``, its
-    scratch slots ``slots`` (``{"kv", "index_k"}`` each), its all-gather ``comm``."""
+def sglang_pool(sg, rank, shard, kv, ix, slots, comm, max_prefix, chunk, cls=None):
+    """SGLang's ``PageInterleaveDSATokenToKVPool`` (or its subclass ``cls``) state for one rank
+    over ``kv``/``ix``, its scratch slots ``slots`` (``{"kv", "index_k"}`` each; None: the
+    class's own ``_alloc_scratch`` makes them, as ``_init_page_shard_state`` calls it), its
+    all-gather ``comm``."""
     import torch
 
     spec = sg.placement.PageShardSpec(
         shard_rank=rank, shard_size=shard, page_size=PAGE, max_prefix_tokens=max_prefix, chunk_tokens=chunk
     )
-    cls = sg.pool.PageInterleaveDSATokenToKVPool
-    pool = object.__new__(cls)
+    pool = object.__new__(cls or sg.pool.PageInterleaveDSATokenToKVPool)
     size = (PPR - 1) * PAGE
     trash = max_prefix + chunk
     pool.__dict__.update(
@@ -130,9 +133,12 @@ def sglang_pool(sg, rank, shard, kv, ix, slots, comm, max_prefix, chunk):
         _debug_plan_checks=True, _translate_cache={}, _shard_extend_active=False, _block_pages=0,
         _send_pages=None, _send_rows=None, _write_plan_key=None, _write_plan=None,
         _page_pos=torch.full((shard * (size // PAGE + 2),), trash // PAGE, dtype=torch.int32),
-        _slots=[sg.pool._ScratchSlot(s, torch.cpu) for s in slots], device_module=torch.cpu,
-        kv_gather_stream=torch.cpu.Stream(), kv_gather_comm=comm, layer_transfer_counter=None,
+        device_module=torch.cpu, kv_gather_stream=torch.cpu.Stream(), kv_gather_comm=comm,
+        layer_transfer_counter=None,
     )
+    if slots is None:
+        slots, _ = pool._alloc_scratch(max_prefix + chunk + PAGE)
+    pool._slots = [sg.pool._ScratchSlot(s, torch.cpu) for s in slots]
     return pool
 
 
@@ -225,6 +231,97 @@ def test_adapter_is_sglangs_write_and_gather(sg, shard):
     for adapter in adapters:
         adapter.end_shard_extend()
     tally(f"adapter write and gather, CP{shard}", 1, ops)
+
+
+def documented_pool_module():
+    """The ``kvshard_pool.py`` code block of docs/sglang.md ("How SGLang's pool calls it"), run
+    as a module; SGLang's configurator binding it makes is undone after the test."""
+    import types
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "sglang.md").read_text()
+    block = doc.split("### How SGLang's pool calls it", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert block.startswith("# kvshard_pool.py")
+    module = types.ModuleType("kvshard_pool")
+    exec(compile(block, "docs/sglang.md (kvshard_pool.py)", "exec"), module.__dict__)
+    return module
+
+
+@pytest.mark.parametrize("shard", [2, 4])
+def test_the_documented_pool_class_is_sglangs_pool_on_kvshard(sg, shard):
+    """docs/sglang.md's pool class (SGLang's ``PageInterleaveDSATokenToKVPool`` with its write,
+    plan and gather on the adapter) against SGLang's own class, the same batch on the same bytes:
+    every rank's pool and every referenced scratch page (latent and indexer) after each layer's
+    writes and gather; and SGLang's configurator builds the documented class."""
+    import torch
+    from sglang.srt.mem_cache import kv_cache_configurator
+
+    own = kv_cache_configurator.PageInterleaveDSATokenToKVPool
+    try:
+        module = documented_pool_module()
+        assert kv_cache_configurator.PageInterleaveDSATokenToKVPool is module.KvshardPageInterleaveDSAPool
+    finally:
+        kv_cache_configurator.PageInterleaveDSATokenToKVPool = own
+    cls = module.KvshardPageInterleaveDSAPool
+    assert issubclass(cls, own)
+
+    rng = np.random.default_rng(10 + shard)
+    requests = batch(shard, rng)
+    max_prefix = sum(-(-len(p) // shard) for _, p, _ in requests) * shard * PAGE
+    chunk = sum(len(c) for _, _, c in requests) * PAGE
+    theirs_t = tensors(rng, shard)
+    ours_t = clone(theirs_t)
+    g_theirs, g_ours = _Gather(), _Gather()
+    their_slots = [
+        [{"kv": torch.zeros((max_prefix + chunk + PAGE, 1, 576), dtype=torch.uint8),
+          "index_k": torch.zeros(((max_prefix + chunk) // PAGE + 1, 8448), dtype=torch.uint8)} for _ in range(2)]
+        for _ in range(shard)
+    ]
+    theirs = [sglang_pool(sg, r, shard, kv, ix, their_slots[r], g_theirs.rank(r), max_prefix, chunk) for r, (kv, ix) in enumerate(theirs_t)]
+    ours = [sglang_pool(sg, r, shard, kv, ix, None, g_ours.rank(r), max_prefix, chunk, cls) for r, (kv, ix) in enumerate(ours_t)]
+
+    width = max(len(p) + len(c) for _, p, c in requests) * PAGE
+    req_to_token = torch.zeros((len(requests), width), dtype=torch.int32)
+    prefix_lens, seq_lens = [], []
+    for i, (_, prefix, chunk_pages) in enumerate(requests):
+        slots = [p * PAGE + o for p in prefix + chunk_pages for o in range(PAGE)]
+        req_to_token[i, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
+        prefix_lens.append(len(prefix) * PAGE)
+        seq_lens.append(len(slots))
+    for pools in (theirs, ours):
+        for pool in pools:
+            pool.begin_shard_extend(req_to_token, torch.arange(len(requests)), prefix_lens, seq_lens)
+    for a, b in zip(theirs, ours):
+        assert a._page_pos.tolist() == b._page_pos.tolist() and a._block_pages == b._block_pages
+
+    loc = torch.tensor([p * PAGE + o for _, _, c in requests for p in c for o in range(PAGE)], dtype=torch.int64)
+    prefix_pages = {q for _, pre, _ in requests for q in pre}
+    mapped = sorted(prefix_pages | {p for _, _, c in requests for p in c})
+    ops = 0
+    for layer in range(len(SKIP)):
+        rows = torch.from_numpy(rng.integers(0, 256, (loc.shape[0], 1, 576), dtype=np.uint8))
+        for pools in (theirs, ours):
+            if layer:
+                for pool in pools:
+                    pool._prefetch_layer(layer)
+        # kvshard's CPU backend runs its queued landings when waited for (on a GPU the
+        # all-gather is ordered after them on the gather stream).
+        ours[0].kvshard.device.synchronize()
+        g_theirs.run()
+        g_ours.run()
+        for a, b in zip(theirs, ours):
+            a.set_kv_buffer(SimpleNamespace(layer_id=layer), loc, rows, None)
+            b.set_kv_buffer(SimpleNamespace(layer_id=layer), loc, rows, None)
+        ours[0].kvshard.device.synchronize()
+        for r, (a, b) in enumerate(zip(theirs, ours)):
+            assert torch.equal(a.kv_buffer[layer], b.kv_buffer[layer]), (r, layer)
+            x, y = a._slots[layer % 2].tensors, b._slots[layer % 2].tensors
+            for p in mapped:
+                s_ = int(a._page_pos[p])
+                assert torch.equal(x["kv"][s_ * PAGE : (s_ + 1) * PAGE], y["kv"][s_ * PAGE : (s_ + 1) * PAGE]), (r, layer, p)
+                if not SKIP[layer] and p in prefix_pages:
+                    assert torch.equal(x["index_k"][s_], y["index_k"][s_]), (r, layer, p)
+            ops += 1 + len(mapped)
+    tally(f"documented pool class, CP{shard}", 1, ops)
 
 
 def test_adapter_refuses_what_it_cannot_place(sg):
