@@ -626,6 +626,11 @@ def report(rows, out, title, jit_s, kernels):
         f"SGLang's kernels: {kernels}; its JIT compile took {jit_s:.1f} s (apart from the rows).",
         "Each cell: device ms (CUDA events) / window ms (call to bytes usable) / host CPU ms of the call, medians;",
         "GB/s from the device time. Ceiling: pinned H2D or D2H copy of the same bytes (host rows), D2D copy (device rows).",
+        "host: one rank's pages, SGLang's MLA and DSA indexer host pools' calls (owned_rows, backup of every layer; load",
+        "layer by layer and the draft) against the adapter's host pool. plan: every rank's begin_shard_extend (SGLang's, as",
+        "written, also launches layer 0's pack) against GatherPlan and the table copy. write: one rank's owned-row writes of",
+        "every target layer with the chunk staged into the scratch slot. gather: every target layer's prefix into every",
+        "rank's slot (SGLang: each rank's pack, the all-gather as device copies; kvshard: each rank's landings).",
         "",
         "| path | shape | bytes | SGLang | kvshard | ceiling | kvshard / SGLang (device) | bytes |",
         "|---|---|---|---|---|---|---|---|",
@@ -637,7 +642,7 @@ def report(rows, out, title, jit_s, kernels):
             f"{ratio:.2f}x | {'byte-identical' if same else 'DIFFER'} |"
         )
     lines.append("")
-    lines.append("| kvshard rows: " + ("every result byte-identical to SGLang's" if all(r[-1] for r in rows) else "SOME BYTES DIFFER") + " |")
+    lines.append("kvshard's results: " + ("every one byte-identical to SGLang's." if all(r[-1] for r in rows) else "SOME BYTES DIFFER from SGLang's."))
     with open(os.path.join(out, "sglang.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     chart(rows, out, title)

@@ -389,6 +389,7 @@ def test_benchmark_dry_run(tmp_path):
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     table = (tmp_path / "sglang.md").read_text()
-    assert "byte-identical" in table and "| kvshard" in table, table
-    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert "kvshard's results: every one byte-identical to SGLang's." in table, table
+    rows = [line for line in table.splitlines() if line.startswith("| ") and line.endswith("| byte-identical |")]
+    assert len(rows) == 28, table
     tally("benchmark dry run", 1, len(rows))
