@@ -264,9 +264,12 @@ for step in "${steps[@]}"; do
       continue
     fi
     # SGLang's JIT kernels build with the host's nvcc (its CUDA_HOME, else nvcc on PATH).
-    nvcc_bin="$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1)"
-    [ -n "$nvcc_bin" ] && [ -z "${CUDA_HOME:-}" ] && export CUDA_HOME="$(dirname "$(dirname "$nvcc_bin")")"
-    [ -n "$nvcc_bin" ] && export PATH="$(dirname "$nvcc_bin"):$PATH"
+    nvcc_bin="$(command -v nvcc || find /usr/local -maxdepth 3 -path '*/bin/nvcc' 2>/dev/null | head -1)"
+    if [ -n "$nvcc_bin" ]; then
+      [ -n "${CUDA_HOME:-}" ] || CUDA_HOME="$(dirname "$(dirname "$nvcc_bin")")"
+      PATH="$(dirname "$nvcc_bin"):$PATH"
+      export CUDA_HOME PATH
+    fi
     echo "nvcc: ${nvcc_bin:-none} ($("${nvcc_bin:-false}" --version 2>/dev/null | tail -1)); CUDA_HOME ${CUDA_HOME:-unset}" >>"$log"
     # shellcheck disable=SC2086
     if (cd "$repo" && PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" SGLANG_JIT_CACHE_DIR=/tmp/sgl-jit \

@@ -50,7 +50,7 @@ threadpoolctl tifffile tiktoken timm tokenizers toolz torch torchaudio torchdiff
 torchmetrics torchvision tqdm transformers treescope triton typer typing-extensions typing-inspect urllib3
 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp "
 # One line, each name between spaces.
-HOST_HAS=" $(echo $HOST_HAS) "
+HOST_HAS=" $(tr '\n' ' ' <<<"$HOST_HAS") "
 norm() { echo "$1" | tr 'A-Z_.' 'a-z--'; }
 
 # kvshard's wheel (the benchmark imports kvshard.sglang.adapter), built as stage-gpu.sh builds it,
