@@ -325,8 +325,9 @@ def test_the_documented_pool_class_is_sglangs_pool_on_kvshard(sg, shard):
 
 
 def test_adapter_refuses_what_it_cannot_place(sg):
-    """A latent row width kvshard has no layout for, and a batch whose prefix owners are not
-    cyclic along its chain, are refused before anything moves."""
+    """A latent row width kvshard has no layout for, a batch whose prefix owners are not cyclic
+    along its chain, a chunk past the staging and a layer past the pool are refused before
+    anything moves."""
     import torch
 
     with pytest.raises(kvshard.InvalidArgumentError, match="500 B"):
@@ -340,6 +341,15 @@ def test_adapter_refuses_what_it_cannot_place(sg):
     with pytest.raises(kvshard.KvshardError):
         adapter.begin_shard_extend([(0, [2, 4], [6])])  # owners 0, 0: not cyclic from 0
     assert torch.equal(adapter.page_pos, before)
+    # A chunk longer than the staging, a layer the pool does not have: refused, nothing written.
+    pool = adapter.layers[0][0].clone()
+    loc = torch.arange(2 * PAGE, 5 * PAGE, dtype=torch.int64)
+    with pytest.raises(kvshard.InvalidArgumentError, match="staging"):
+        adapter.set_kv_buffer(0, loc, torch.ones((3 * PAGE, 1, 576), dtype=torch.uint8))
+    with pytest.raises(kvshard.InvalidArgumentError, match="layer 1"):
+        adapter.set_kv_buffer(1, loc[:PAGE], torch.ones((PAGE, 1, 576), dtype=torch.uint8))
+    adapter.device.synchronize()
+    assert torch.equal(adapter.layers[0][0], pool)
 
 
 @pytest.mark.parametrize("shard", [2, 3, 4])

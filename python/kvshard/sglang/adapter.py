@@ -247,6 +247,9 @@ class PageInterleaveAdapter:
         layer ``layer`` of its pool; with ``slot`` (a sharded extend), every row into the slot at
         its scratch row (``page_pos``)."""
         n = int(loc.shape[0])
+        self._check_layer(layer)
+        if n > self.chunk_tokens:
+            raise kvshard.InvalidArgumentError(f"a chunk of {n} tokens for a staging of {self.chunk_tokens}")
         rows = self._bytes(cache_k).reshape(n, self.row_bytes)
         if self.device.kind == "cuda":
             # On torch's current stream, which the writes below run on too: the next layer's
@@ -306,6 +309,7 @@ class PageInterleaveAdapter:
     def land(self, layer: int, slot: ScratchSlot) -> None:
         """Enqueues this rank's prefix pages of layer ``layer`` (latent rows, and indexer pages
         where the layer has them) onto their scratch pages of ``slot``."""
+        self._check_layer(layer)
         if not self._chain:
             return
         has_index = self.layers[layer][1] is not None
@@ -315,6 +319,10 @@ class PageInterleaveAdapter:
         sender = self._senders[layer]
         sender.open(kvshard.Registration(rid, layout, self._dst, self._dst, 0), space)
         self._pending.append(sender.send(rid, self._chain, len(self._chain) * PAGE, last=True))
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < len(self.layers):
+            raise kvshard.InvalidArgumentError(f"layer {layer} of a pool of {len(self.layers)} layers")
 
     def _poll(self) -> None:
         # A landing's chunk must be collected; one that failed raises ChunkFailedError here.
