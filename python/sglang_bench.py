@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import importlib.abc
 import importlib.machinery
 import os
@@ -442,6 +443,11 @@ def host_section(args, clock, rows_out, checks):
                     shape = f"{layout} {direction}, CP{cp}, {pages} pages"
                     rows_out.append(("host", shape, nbytes, t, o, top, same))
                     print(f"host {shape}: SGLang {t[0]:.3f} ms, kvshard {o[0]:.3f} ms, ceiling {top[0]:.3f} ms, {'byte-identical' if same else 'BYTES DIFFER'}", flush=True)
+                # kvshard wraps a memory once: this CP size's pool and host pool go (their work
+                # has run) before the next wraps the same tensors.
+                clock.sync()
+                del ours, adapter
+                gc.collect()
             del kv, ix, kv2, ix2
 
 
@@ -545,8 +551,11 @@ def extend_section(args, clock, rows_out, checks):
                         p.set_kv_buffer(SimpleNamespace(layer_id=layer), loc, rows, None)
 
                 def ours_write():
+                    ad = adapters[0]
                     for layer in range(layers):
-                        adapters[0].set_kv_buffer(layer, loc, rows, slot=our_slots[0][layer % 2])
+                        ad.set_kv_buffer(layer, loc, rows)
+                        # The chunk into the slot: SGLang's own torch copy, as its pool makes it.
+                        our_slots[0][layer % 2].kv[ad.translate_loc_to_scratch(loc)] = rows
 
                 def sglang_gather():
                     for layer in range(layers):

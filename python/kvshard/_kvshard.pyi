@@ -60,6 +60,8 @@ __all__ = [
     # A CP prefill batch's admission and gather plan.
     "Admission",
     "GatherPlan",
+    # A page copy an engine's scratch gather runs layer by layer.
+    "PageCopy",
     "Allocation",
     "DevicePool",
     "ChunkStaging",
@@ -494,6 +496,18 @@ class GatherPlan:
     def send_list(self, rank: int) -> list[int]: ...
     def page_table(self) -> list[int]: ...
 
+# A page copy an engine's scratch gather runs layer by layer (python/src/page_copy.rs).
+@final
+class PageCopy:
+    def __new__(
+        cls, pool: DevicePool, src_pages: Sequence[int], dst: RemoteSpace, dst_pages: Sequence[int], stream: _StreamLike = None
+    ) -> Self: ...
+    def __len__(self) -> int: ...
+    @property
+    def bytes(self) -> int: ...
+    def run_layer(self, layer: int, stream: _StreamLike = None, *, launch: Optional[_Launch] = None) -> None: ...
+    def run(self, stream: _StreamLike = None, *, launch: Optional[_Launch] = None) -> None: ...
+
 @final
 class Budget:
     # `contexts` defaults to kvshard's DEFAULT_CONTEXTS (8).
@@ -628,7 +642,13 @@ class ChunkStaging:
 @final
 class OwnedRowWrite:
     def __new__(
-        cls, staging: ChunkStaging, pool: DevicePool, layers: Optional[Sequence[int]] = None, stream: _StreamLike = None
+        cls,
+        staging: ChunkStaging,
+        pool: DevicePool,
+        layers: Optional[Sequence[int]] = None,
+        stream: _StreamLike = None,
+        *,
+        components: Optional[Sequence[Component]] = None,
     ) -> Self: ...
     @property
     def row_bytes(self) -> int: ...

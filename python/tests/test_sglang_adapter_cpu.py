@@ -7,9 +7,9 @@ kvshard's ``PageInterleaveAdapter`` on the other, and every byte is compared:
 
 - the batch plan: SGLang's ``begin_shard_extend`` (``_page_pos``, ``_block_pages``,
   ``_send_pages``) against the adapter's (``GatherPlan``);
-- the owned-row write and the chunk's staging into the scratch slot: SGLang's
-  ``PageInterleaveMLATokenToKVPool.set_kv_buffer`` (its owner filter, ``index_select`` and
-  ``MLATokenToKVPool.set_kv_buffer``) against ``set_kv_buffer``: every rank's pool and slot;
+- the owned-row write: SGLang's ``PageInterleaveMLATokenToKVPool.set_kv_buffer`` (its owner
+  filter, ``index_select`` and ``MLATokenToKVPool.set_kv_buffer``) against ``set_kv_buffer``:
+  every rank's latent rows, and its indexer pages untouched;
 - the prefix gather: SGLang's ``_prefetch_layer`` (its ``index_select`` of the send block, run
   as SGLang wrote it) and the all-gather it hands NCCL, restated as what an all-gather does
   (each rank's block to every rank's slot), against the adapter's landing of every rank's pages
@@ -214,13 +214,17 @@ def test_adapter_is_sglangs_write_and_gather(sg, shard):
         gather.run()
         for pool, adapter, slots in zip(pools, adapters, our_slots):
             pool.set_kv_buffer(SimpleNamespace(layer_id=layer), loc, rows, None)
-            adapter.set_kv_buffer(layer, loc, rows, slot=slots[layer % 2])
+            adapter.set_kv_buffer(layer, loc, rows)
+            # The chunk into the slot stays SGLang's torch copy, onto the adapter's slot views.
+            slots[layer % 2].kv[adapter.translate_loc_to_scratch(loc)] = rows
             for other in our_slots:
                 adapter.land(layer, other[layer % 2])
         for adapter in adapters:
             adapter.device.synchronize()
         for r in range(shard):
             assert torch.equal(theirs_t[r][0][layer], ours_t[r][0][layer]), (r, layer)
+            # The latent write leaves the indexer pages alone, as SGLang's does.
+            assert torch.equal(theirs_t[r][1][layer], ours_t[r][1][layer]), (r, layer)
             theirs, ours = their_slots[r][layer % 2], our_slots[r][layer % 2]
             for p in mapped:
                 s = int(pools[r]._page_pos[p])

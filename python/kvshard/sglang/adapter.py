@@ -2,23 +2,24 @@
 
 SGLang's sharded pool (``sglang/srt/mem_cache/page_interleave_pool.py``,
 ``PageInterleaveKVPoolMixin`` under ``PageInterleaveDSATokenToKVPool``) keeps its per-layer
-tensors; ``PageInterleaveAdapter`` wraps them (and its MTP draft pool's) without a copy and runs
-the pool's hot paths on kvshard's kernels and plans, on torch's current stream:
+tensors; ``PageInterleaveAdapter`` wraps them (and its MTP draft pool's) without a copy, once,
+as one kvshard ``DevicePool`` (one memory, one usage record: every kvshard launch on it is
+ordered), and runs the pool's hot paths on it with kvshard's kernels and plans, on torch's
+current stream, waiting for nothing:
 
 - ``set_kv_buffer(layer, loc, cache_k)``: the owned-row write of a chunk's packed latent rows
   (SGLang's ``set_kv_buffer``: its owner filter ``_get_write_plan``, ``index_select`` and the
-  base pool's store), by kvshard's ``OwnedRowWrite`` from a ``ChunkStaging`` the rows are copied
-  into; during a sharded extend also every row into the scratch slot's chunk region (SGLang's
-  ``_scratch_kv(slot)[rows] = ...``), by a second ``OwnedRowWrite`` from the same staging.
+  base pool's store), by kvshard's ``OwnedRowWrite`` (that layer's latent rows only) from a
+  ``ChunkStaging`` the rows are copied into.
 - ``begin_shard_extend(requests)``: the batch's gather plan (SGLang's ``begin_shard_extend``:
   ``_page_pos``, ``_block_pages``, ``_send_pages``) by ``kvshard.GatherPlan`` from the pages the
   scheduler already holds on the host (no device work, no synchronization), its scratch page
   table written into ``page_pos`` in one copy; ``translate_loc_to_scratch`` as SGLang's.
 - ``land(layer, slot)``: this rank's prefix pages of one layer (latent rows and indexer pages)
-  into a scratch slot at their scratch pages (SGLang's send-block pack, ``index_select`` into
-  ``scratch[rank * block:]``), by kvshard's block-copy ``Sender``. Into this rank's own slot it
-  is the pack an all-gather then spreads; into every rank's slot (ranks of one process, or slots
-  another rank mapped) it is the all-gather's landing itself.
+  onto their scratch pages of a slot (SGLang's send-block pack, ``index_select`` into
+  ``scratch[rank * block:]``), by a ``kvshard.PageCopy`` planned once per batch and slot and run
+  layer by layer. Into this rank's own slot it is the pack an all-gather then spreads; into every
+  rank's slot (ranks of one process, or slots mapped from peers) it is the all-gather's landing.
 - ``host_pool(kv_host, indexer_host)``: SGLang's HiCache host pools (``MLATokenToKVPoolHost``,
   ``DSAIndexerPoolHost``, behind ``PageInterleaveHostPool`` or not) wrapped without a copy as a
   ``kvshard.sglang.MLAHostPool`` bound to this rank's pool: ``load_to_device_per_layer``,
@@ -28,10 +29,11 @@ the pool's hot paths on kvshard's kernels and plans, on torch's current stream:
 
 The P/D connector's index preparation is ``kvshard.sglang.pd``. What stays SGLang's: the
 quantization of rows (its writers hand the adapter packed rows, as they hand its pool), the DSA
-indexer's own write (``store_quantized``: keys and scales in, SGLang's kernel packs them), and the
-NCCL all-gather between processes. Scratch slots are the adapter's (``ScratchSlot``): SGLang's
-slot tensors are views of them behind one padding page, which kvshard's spaces keep as their
-page 0 (it is never written).
+indexer's own write (``store_quantized``: keys and scales in, SGLang's kernel packs them), the
+chunk's copy into the scratch slot (``_scratch_kv(slot)[rows] = ...``, a torch copy onto the
+slot's views), and the NCCL all-gather between processes. Scratch slots are kvshard's memory
+(``ScratchSlot``): SGLang's slot tensors are views of them behind one padding page, which
+kvshard's spaces keep as their page 0 (it is never written).
 """
 
 from __future__ import annotations
@@ -76,38 +78,38 @@ def _one_layer(latent: "kvshard.LatentLayout", indexer: bool) -> "kvshard.CacheG
 
 
 class ScratchSlot:
-    """One scratch slot of SGLang's double buffer (one layer's ``[prefix | chunk | trash]``),
-    allocated by the adapter: ``kv`` (``[rows, 1, row]``) and ``index_k`` (``[rows / 64, 8448]``,
-    DSA) are what SGLang's pool holds as the slot's tensors; behind them kvshard keeps one
-    padding page, so scratch page ``s`` is page ``s + 1`` of the slot's kvshard spaces."""
+    """One scratch slot of SGLang's double buffer (one layer's ``[prefix | chunk | trash]``) in
+    kvshard's memory: ``kv`` (``[rows, 1, row]``) and ``index_k`` (``[rows / 64, 8448]``, DSA)
+    are the views SGLang's pool holds as the slot's tensors. Behind them is one padding page, so
+    scratch page ``s`` is page ``s + 1`` of the slot's kvshard space, which has the pool's
+    geometry with every layer on this slot (the landing of any layer lands here)."""
 
     def __init__(self, adapter: "PageInterleaveAdapter", rows: int):
         t = _torch()
         if rows % PAGE or rows <= 0:
             raise kvshard.InvalidArgumentError(f"a scratch slot of {rows} rows: not whole pages")
         pages = rows // PAGE + 1
-        device = adapter.tensor_device
         self.pages = pages
-        self._kv = t.zeros((pages * PAGE, 1, adapter.row_bytes), dtype=t.uint8, device=device)
-        self.kv = self._kv[PAGE:]
-        dev, latent = adapter.device, adapter.latent
-        one = kvshard.Placement(1)
-        self._spaces: dict[bool, tuple[Any, Any]] = {}
-        self._index = None
+        C = kvshard.Component
+        self.pool = kvshard.DevicePool.allocate(
+            adapter.device, _one_layer(adapter.latent, adapter.dsa), kvshard.Placement(1), 0, pages
+        )
+        latent = t.from_dlpack(self.pool.layer_view(C.TARGET_LATENT, 0, raw=True))
+        self.kv = latent.view(pages * PAGE, 1, adapter.row_bytes)[PAGE:]
         self.index_k = None
+        bases = {False: self.pool.block_addr(C.TARGET_LATENT, 0, 0)}
         if adapter.dsa:
-            self._index = t.zeros((pages, INDEXER_PAGE_BYTES), dtype=t.uint8, device=device)
-            self.index_k = self._index[1:]
-            pool = kvshard.DevicePool.wrap(dev, _one_layer(latent, True), one, 0, pages, [self._kv], [self._index])
-            self._spaces[True] = (kvshard.RemoteSpace.of(pool), kvshard.PoolLayout.of(pool))
-        rows_pool = kvshard.DevicePool.wrap(dev, _one_layer(latent, False), one, 0, pages, [self._kv])
-        self._spaces[False] = (kvshard.RemoteSpace.of(rows_pool), kvshard.PoolLayout.of(rows_pool))
-        # Every chunk row into the slot: the rows' pool under one owner (placement 1).
-        self._stage = kvshard.OwnedRowWrite(adapter._staging, rows_pool)
-
-    def space(self, indexer: bool) -> tuple[Any, Any]:
-        """(RemoteSpace, PoolLayout) of the slot for a layer with or without indexer pages."""
-        return self._spaces[indexer]
+            index = t.from_dlpack(self.pool.layer_view(C.TARGET_INDEXER, 0, raw=True))
+            self.index_k = index.view(pages, INDEXER_PAGE_BYTES)[1:]
+            bases[True] = self.pool.block_addr(C.TARGET_INDEXER, 0, 0)
+        # Every stored layer of every component of the adapter's pool on this slot's memory.
+        self.space = kvshard.RemoteSpace.from_addresses(
+            adapter.device,
+            adapter.geometry,
+            pages,
+            [[bases[c.component.is_indexer]] * c.layers for c in adapter.geometry.components()],
+            keep=self.pool,
+        )
 
 
 class PageInterleaveAdapter:
@@ -170,7 +172,9 @@ class PageInterleaveAdapter:
         self.target_layers = len(kv)
 
         dev, pl, rank, pages = self.device, self.placement, shard_rank, self.pages
-        # The whole pool (every component, the draft's too): HiCache transfers.
+        # The one kvshard pool over SGLang's tensors (every layer and component, the draft's
+        # too): each memory wrapped once, so every kvshard launch on it is ordered by its one
+        # usage record. Writes, landings and HiCache transfers all run on it.
         target = kvshard.PoolGeometry(latent, indexer_layers=[i is not None for _, i in layers[: len(kv)]])
         draft = None
         if draft_kv is not None:
@@ -187,30 +191,25 @@ class PageInterleaveAdapter:
             [layers[-1][0]] if draft_kv is not None else None,
             [layers[-1][1]] if draft_kv is not None and layers[-1][1] is not None else None,
         )
-        # Per layer, one-layer views of the same tensors: its latent rows (the owned-row write)
-        # and its latent rows with its indexer pages (the gather).
-        rows_geometry = _one_layer(latent, False)
-        self._rows = [kvshard.DevicePool.wrap(dev, rows_geometry, pl, rank, pages, [k]) for k, _ in layers]
-        self._views = [
-            kvshard.DevicePool.wrap(dev, _one_layer(latent, True), pl, rank, pages, [k], [i])
-            if i is not None
-            else self._rows[n]
-            for n, (k, i) in enumerate(layers)
+        # The chunk staging (shaped like the pool: every layer's rows) and per layer the write
+        # of its latent rows only (SGLang writes the indexer keys with its own kernel).
+        C = kvshard.Component
+        self._staging = kvshard.ChunkStaging(self.pool, chunk_tokens)
+        self._latent = [(C.TARGET_LATENT, n) for n in range(len(kv))] + ([(C.DRAFT_LATENT, 0)] if draft_kv is not None else [])
+        self._staged = [t.from_dlpack(self._staging.layer_view(c, n, raw=True)) for c, n in self._latent]
+        self._writes = [
+            kvshard.OwnedRowWrite(self._staging, self.pool, layers=[m], components=[c])
+            for m, (c, _) in enumerate(self._latent)
         ]
-        self._senders = [kvshard.Sender(v) for v in self._views]
-        # The chunk staging every layer's write copies its rows into (one layer's rows).
-        self._staging = kvshard.ChunkStaging(self._rows[0], chunk_tokens)
-        self._staged = t.from_dlpack(self._staging.layer_view(kvshard.Component.TARGET_LATENT, 0, raw=True))
-        self._writes = [kvshard.OwnedRowWrite(self._staging, r) for r in self._rows]
         # SGLang's `_page_pos`: the scratch page of every logical page, trash when unplanned.
         self.trash_page = (max_prefix_tokens + chunk_tokens) // PAGE
         self.page_pos = t.full((shard_size * (pages + 1),), self.trash_page, dtype=t.int32, device=self.tensor_device)
         self.plan: Optional[kvshard.GatherPlan] = None
         self.block_pages = 0
-        self._chain: list[int] = []
-        self._dst: list[int] = []
-        self._request = 0
-        self._pending: list[Any] = []
+        # This rank's prefix pages of the batch (local pages) and their slot pages; the landing
+        # copy of each slot, made at its first landing of the batch.
+        self._land: tuple[list[int], list[int]] = ([], [])
+        self._copies: dict[int, tuple[ScratchSlot, kvshard.PageCopy]] = {}
         self.shard_extend_active = False
 
     @classmethod
@@ -240,30 +239,27 @@ class PageInterleaveAdapter:
 
     # --- the owned-row write -----------------------------------------------------------------
 
-    def set_kv_buffer(self, layer: int, loc: Any, cache_k: Any, slot: Optional[ScratchSlot] = None) -> None:
+    def set_kv_buffer(self, layer: int, loc: Any, cache_k: Any) -> None:
         """Writes a chunk's packed latent rows ``cache_k`` (``[n, 1, row]`` or ``[n, row]``, any
         dtype of the row's bytes) whose logical token slots are ``loc`` (int64; a CUDA tensor is
-        read in place, keep it alive until the stream has run): the rows this rank owns into
-        layer ``layer`` of its pool; with ``slot`` (a sharded extend), every row into the slot at
-        its scratch row (``page_pos``)."""
+        read in place, keep it alive until the stream has run): the rows this rank owns, into
+        layer ``layer`` of its pool (the draft's is the last)."""
         n = int(loc.shape[0])
         self._check_layer(layer)
         if n > self.chunk_tokens:
             raise kvshard.InvalidArgumentError(f"a chunk of {n} tokens for a staging of {self.chunk_tokens}")
         rows = self._bytes(cache_k).reshape(n, self.row_bytes)
         if self.device.kind == "cuda":
-            # On torch's current stream, which the writes below run on too: the next layer's
-            # copy is ordered after this layer's writes have read the staging.
-            self._staged[:n].copy_(rows)
+            # On torch's current stream, which the write below runs on too: the next chunk's
+            # copy is ordered after this write has read the staging.
+            self._staged[layer][:n].copy_(rows)
         else:
             # The CPU backend runs kvshard's work when something waits for it: the rows enter
-            # its stream order, so a later layer's rows never overwrite ones not yet written.
-            self._staging.write(kvshard.Component.TARGET_LATENT, 0, rows.contiguous().numpy().tobytes())
+            # its stream order, so later rows never overwrite ones not yet written.
+            component, stored = self._latent[layer]
+            self._staging.write(component, stored, rows.contiguous().numpy().tobytes())
         loc = loc if loc.dtype == _torch().int64 else loc.long()
         self._writes[layer].run(loc, n=n)
-        if slot is not None:
-            # Scratch page s is page s + 1 of the slot's spaces (its padding page first).
-            slot._stage.run(self.translate_loc_to_scratch(loc) + PAGE, n=n)
 
     # --- the gather plan and the scratch table -----------------------------------------------
 
@@ -282,23 +278,22 @@ class PageInterleaveAdapter:
         table = t.tensor(entries, dtype=t.int32)
         if self.page_pos.is_cuda:
             table = table.pin_memory()
-        self._poll()
         self.page_pos[: table.shape[0]].copy_(table, non_blocking=True)
-        n = self.shard_size
-        # The batch's prefix pages owner-major (the order of the all-gather's blocks); each
-        # rank's sender lands those it owns.
-        prefix = sorted({p for _, pages, _ in requests for p in pages}, key=lambda p: (p % n, p // n))
-        self._chain = prefix
-        self._dst = [entries[p] + 1 for p in prefix]
+        n, rank = self.shard_size, self.shard_rank
+        # This rank's prefix pages (a page shared by requests once), owner-major order as the
+        # all-gather's blocks: local page, and slot page (scratch page + the padding page).
+        mine = sorted({p for _, pages, _ in requests for p in pages if p % n == rank})
+        self._land = ([p // n for p in mine], [entries[p] + 1 for p in mine])
+        self._copies = {}
         self.plan = plan
         self.block_pages = plan.block
         self.shard_extend_active = True
         return plan
 
     def end_shard_extend(self) -> None:
-        """No sharded extend in flight; collects landings that have run."""
+        """No sharded extend in flight."""
         self.shard_extend_active = False
-        self._poll()
+        self._copies = {}
 
     def translate_loc_to_scratch(self, loc: Any) -> Any:
         """Logical token slots to rows of the batch's scratch slots (SGLang's
@@ -310,23 +305,19 @@ class PageInterleaveAdapter:
         """Enqueues this rank's prefix pages of layer ``layer`` (latent rows, and indexer pages
         where the layer has them) onto their scratch pages of ``slot``."""
         self._check_layer(layer)
-        if not self._chain:
+        local, dst = self._land
+        if not local:
             return
-        has_index = self.layers[layer][1] is not None
-        space, layout = slot.space(has_index)
-        self._request += 1
-        rid = self._request
-        sender = self._senders[layer]
-        sender.open(kvshard.Registration(rid, layout, self._dst, self._dst, 0), space)
-        self._pending.append(sender.send(rid, self._chain, len(self._chain) * PAGE, last=True))
+        kept = self._copies.get(id(slot))
+        if kept is None:
+            # Planned and uploaded once per batch and slot, on torch's current stream.
+            kept = (slot, kvshard.PageCopy(self.pool, local, slot.space, dst))
+            self._copies[id(slot)] = kept
+        kept[1].run_layer(layer)
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < len(self.layers):
             raise kvshard.InvalidArgumentError(f"layer {layer} of a pool of {len(self.layers)} layers")
-
-    def _poll(self) -> None:
-        # A landing's chunk must be collected; one that failed raises ChunkFailedError here.
-        self._pending = [c for c in self._pending if c.poll() is None]
 
     def scratch_slot(self, rows: Optional[int] = None) -> ScratchSlot:
         """A scratch slot of ``rows`` rows (default: prefix + chunk + the trash page)."""
