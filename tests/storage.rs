@@ -69,6 +69,12 @@ fn scratch(test: &str) -> PathBuf {
     dir
 }
 
+/// Another stream of `b`'s arena, shared: what a store takes (it asks it about the work queued
+/// on the host pages it reads and writes).
+fn stream(b: &CpuBackend) -> Arc<dyn Backend> {
+    Arc::new(b.new_stream())
+}
+
 fn host(b: &CpuBackend, format: HostFormat) -> Arc<HostPool> {
     let h = HostPool::new_with(b, &geometry(), PAGES, format).expect("host pool");
     poison(&h, b);
@@ -149,8 +155,8 @@ fn pages_round_trip_between_ranks_byte_for_byte() {
     let b = CpuBackend::new();
     let h0 = host(&b, HostLayout::LayerFirst.into());
     let h1 = host(&b, HostFormat::sglang(HostLayout::PageFirst, true));
-    let mut s0 = DiskStore::open(h0.clone(), &b, config(&dir, 0, 2, 64)).unwrap();
-    let mut s1 = DiskStore::open(h1.clone(), &b, config(&dir, 1, 2, 64)).unwrap();
+    let mut s0 = DiskStore::open(h0.clone(), stream(&b), config(&dir, 0, 2, 64)).unwrap();
+    let mut s1 = DiskStore::open(h1.clone(), stream(&b), config(&dir, 1, 2, 64)).unwrap();
     eprintln!(
         "storage: {} ({} B pages in {} B slots)",
         s0.io_queue(),
@@ -205,7 +211,7 @@ fn pages_round_trip_between_ranks_byte_for_byte() {
     // Reopened (a restart): the journals rebuild the index.
     drop((s0, s1));
     let h2 = host(&b, HostFormat::sglang(HostLayout::PageFirstDirect, false));
-    let mut s0 = DiskStore::open(h2.clone(), &b, config(&dir, 0, 2, 64)).unwrap();
+    let mut s0 = DiskStore::open(h2.clone(), stream(&b), config(&dir, 0, 2, 64)).unwrap();
     let snap = s0.snapshot().unwrap();
     assert_eq!(snap.records(), &[6, 6]);
     assert_eq!(s0.lookup(&keys, &snap).unwrap(), 12);
@@ -233,7 +239,7 @@ fn a_read_only_rank_replays_looks_up_and_loads_but_never_writes() {
     };
     // Nothing there yet: nothing to open, and nothing is created.
     let h1 = host(&b, HostFormat::sglang(HostLayout::PageFirst, true));
-    match DiskStore::open(h1.clone(), &b, read_only(1)) {
+    match DiskStore::open(h1.clone(), stream(&b), read_only(1)) {
         Err(Error::Storage {
             failure: StorageFailure::Open,
             ..
@@ -243,7 +249,7 @@ fn a_read_only_rank_replays_looks_up_and_loads_but_never_writes() {
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
     // Rank 0 writes 6 pages; rank 1 only reads.
     let h0 = host(&b, HostLayout::LayerFirst.into());
-    let mut s0 = DiskStore::open(h0.clone(), &b, config(&dir, 0, 2, 16)).unwrap();
+    let mut s0 = DiskStore::open(h0.clone(), stream(&b), config(&dir, 0, 2, 16)).unwrap();
     let (keys, data) = batch(7, 0, 10);
     let items = |from: usize, to: usize, base: u64| -> Vec<(PageKey, LocalPage)> {
         (from..to)
@@ -269,7 +275,7 @@ fn a_read_only_rank_replays_looks_up_and_loads_but_never_writes() {
         v
     };
     let before = files(&dir);
-    let mut r = DiskStore::open(h1.clone(), &b, read_only(1)).unwrap();
+    let mut r = DiskStore::open(h1.clone(), stream(&b), read_only(1)).unwrap();
     assert!(r.read_only());
     // Replayed at open: its own snapshot sees rank 0's pages, and so does rank 0's.
     let snap = r.snapshot().unwrap();
@@ -324,7 +330,7 @@ fn a_read_only_rank_replays_looks_up_and_loads_but_never_writes() {
     let mut wrong = read_only(1);
     wrong.slots = 17;
     assert!(matches!(
-        DiskStore::open(h1, &b, wrong),
+        DiskStore::open(h1, stream(&b), wrong),
         Err(Error::Storage {
             failure: StorageFailure::Format,
             ..
@@ -343,7 +349,7 @@ fn full_files_reclaim_the_least_recently_used_slots() {
     // On libaio (what a container that blocks io_uring gets).
     let mut c = config(&dir, 0, 1, 8);
     c.queue = QueueChoice::Aio;
-    let mut s = DiskStore::open(h.clone(), &b, c).unwrap();
+    let mut s = DiskStore::open(h.clone(), stream(&b), c).unwrap();
     assert!(matches!(s.io_queue(), IoQueue::Aio { .. }));
     let (keys, data) = batch(2, 0, 12);
     for (i, d) in data.iter().enumerate() {
@@ -385,7 +391,7 @@ fn flipped_bytes_are_a_counted_miss() {
     let dir = scratch("corrupt");
     let b = CpuBackend::new();
     let h = host(&b, HostLayout::LayerFirst.into());
-    let mut s = DiskStore::open(h.clone(), &b, config(&dir, 0, 1, 8)).unwrap();
+    let mut s = DiskStore::open(h.clone(), stream(&b), config(&dir, 0, 1, 8)).unwrap();
     let (keys, data) = batch(3, 0, 3);
     let items: Vec<_> = keys
         .iter()
@@ -421,7 +427,7 @@ fn flipped_bytes_are_a_counted_miss() {
     let snap = s.snapshot().unwrap();
     assert_eq!(s.exists(&keys, &snap).unwrap(), vec![true, false, true]);
     drop(s);
-    let mut s = DiskStore::open(h, &b, config(&dir, 0, 1, 8)).unwrap();
+    let mut s = DiskStore::open(h, stream(&b), config(&dir, 0, 1, 8)).unwrap();
     let snap = s.snapshot().unwrap();
     assert_eq!(s.exists(&keys, &snap).unwrap(), vec![true, false, true]);
 }
@@ -437,7 +443,7 @@ fn unusable_directories_and_full_disks_are_typed_errors() {
     // A directory below a regular file cannot be made (root or not).
     let file = dir.join("plain-file");
     std::fs::write(&file, b"x").unwrap();
-    match DiskStore::open(h.clone(), &b, config(&file.join("cp0"), 0, 1, 4)) {
+    match DiskStore::open(h.clone(), stream(&b), config(&file.join("cp0"), 0, 1, 4)) {
         Err(Error::Storage {
             failure: StorageFailure::Open,
             ..
@@ -448,7 +454,7 @@ fn unusable_directories_and_full_disks_are_typed_errors() {
     let vfs = rustix::fs::statvfs(&dir).unwrap();
     let free = vfs.f_bavail * vfs.f_frsize;
     let slots = free / geometry().page_bytes() as u64 * 2 + 1;
-    match DiskStore::open(h.clone(), &b, config(&dir.join("full"), 0, 1, slots)) {
+    match DiskStore::open(h.clone(), stream(&b), config(&dir.join("full"), 0, 1, slots)) {
         Err(Error::Storage {
             failure: StorageFailure::Full,
             ..
@@ -460,8 +466,8 @@ fn unusable_directories_and_full_disks_are_typed_errors() {
         .len();
     assert_eq!(len, 0, "nothing allocated");
     // Another slot count than the journal's: a format error, naming the journal.
-    drop(DiskStore::open(h.clone(), &b, config(&dir.join("fmt"), 0, 1, 4)).unwrap());
-    match DiskStore::open(h.clone(), &b, config(&dir.join("fmt"), 0, 1, 5)) {
+    drop(DiskStore::open(h.clone(), stream(&b), config(&dir.join("fmt"), 0, 1, 4)).unwrap());
+    match DiskStore::open(h.clone(), stream(&b), config(&dir.join("fmt"), 0, 1, 5)) {
         Err(Error::Storage {
             failure: StorageFailure::Format,
             ..
@@ -469,14 +475,14 @@ fn unusable_directories_and_full_disks_are_typed_errors() {
         other => panic!("expected a format error, got {other:?}"),
     }
     // Bad arguments, and host pages outside the pool (page 0 is padding).
-    assert!(DiskStore::open(h.clone(), &b, config(&dir, 2, 2, 4)).is_err());
-    let mut s = DiskStore::open(h.clone(), &b, config(&dir.join("ok"), 0, 1, 4)).unwrap();
+    assert!(DiskStore::open(h.clone(), stream(&b), config(&dir, 2, 2, 4)).is_err());
+    let mut s = DiskStore::open(h.clone(), stream(&b), config(&dir.join("ok"), 0, 1, 4)).unwrap();
     let (keys, _) = batch(4, 0, 1);
     assert!(s.store_sync(&[(keys[0], LocalPage(0))]).is_err());
     assert!(s.load_sync(&[(keys[0], LocalPage(PAGES))]).is_err());
     // A pool of another backend: its buffers are not that arena's.
     let other = CpuBackend::new();
-    assert!(DiskStore::open(h, &other, config(&dir.join("ok2"), 0, 1, 4)).is_err());
+    assert!(DiskStore::open(h, stream(&other), config(&dir.join("ok2"), 0, 1, 4)).is_err());
 }
 
 /// Batches the crash child writes before the parent kills it (it keeps writing after, up to
@@ -513,7 +519,7 @@ fn a_writer_killed_mid_write_leaves_only_whole_pages() {
     child.wait().expect("reap the writer");
     let b = CpuBackend::new();
     let h = host(&b, HostLayout::PageFirst.into());
-    let mut s = DiskStore::open(h.clone(), &b, config(&dir, 0, 1, CRASH_SLOTS)).unwrap();
+    let mut s = DiskStore::open(h.clone(), stream(&b), config(&dir, 0, 1, CRASH_SLOTS)).unwrap();
     let snap = s.snapshot().unwrap();
     let (mut hits, mut misses) = (0, 0);
     // Batch after batch until one with no page at all (the writer never got to it).
@@ -565,7 +571,7 @@ fn a_writer_killed_mid_write_leaves_only_whole_pages() {
 fn writer(dir: &Path) {
     let b = CpuBackend::new();
     let h = host(&b, HostLayout::LayerFirst.into());
-    let mut s = DiskStore::open(h.clone(), &b, config(dir, 0, 1, CRASH_SLOTS)).unwrap();
+    let mut s = DiskStore::open(h.clone(), stream(&b), config(dir, 0, 1, CRASH_SLOTS)).unwrap();
     for n in 0..CRASH_BATCHES {
         let (keys, data) = batch(5, n, BATCH_PAGES);
         for (i, d) in data.iter().enumerate() {
@@ -661,7 +667,7 @@ const COMPACT_POSITIONS: u64 =
 fn compactor(dir: &Path) {
     let b = CpuBackend::new();
     let h = host(&b, HostLayout::LayerFirst.into());
-    let mut s = DiskStore::open(h.clone(), &b, config(dir, 0, 1, COMPACT_SLOTS)).unwrap();
+    let mut s = DiskStore::open(h.clone(), stream(&b), config(dir, 0, 1, COMPACT_SLOTS)).unwrap();
     store_compact_batches(&mut s, &h, &b, 0..COMPACT_BATCHES);
     std::fs::write(dir.join("stored"), b"").unwrap();
     loop {
@@ -682,8 +688,8 @@ fn journals_compact_past_their_bound_and_every_rank_still_agrees() {
     );
     let mut c0 = config(&dir, 0, 2, COMPACT_SLOTS);
     c0.journal_records = 20;
-    let mut s0 = DiskStore::open(h0.clone(), &b, c0.clone()).unwrap();
-    let mut s1 = DiskStore::open(h1.clone(), &b, config(&dir, 1, 2, COMPACT_SLOTS)).unwrap();
+    let mut s0 = DiskStore::open(h0.clone(), stream(&b), c0.clone()).unwrap();
+    let mut s1 = DiskStore::open(h1.clone(), stream(&b), config(&dir, 1, 2, COMPACT_SLOTS)).unwrap();
     store_compact_batches(&mut s0, &h0, &b, 0..2);
     // Rank 1 replays the uncompacted journal: a snapshot before any compaction.
     let early = s1.snapshot().unwrap();
@@ -708,11 +714,11 @@ fn journals_compact_past_their_bound_and_every_rank_still_agrees() {
     // A rank opening now (read-only) reads only the compacted journal, and agrees.
     let mut ro = config(&dir, 1, 2, COMPACT_SLOTS);
     ro.read_only = true;
-    let mut r = DiskStore::open(h1.clone(), &b, ro).unwrap();
+    let mut r = DiskStore::open(h1.clone(), stream(&b), ro).unwrap();
     check_compacted(&mut r, &h1, &b, COMPACT_POSITIONS);
     // So does the writer, reopened.
     drop(s0);
-    let mut s0 = DiskStore::open(h0.clone(), &b, c0).unwrap();
+    let mut s0 = DiskStore::open(h0.clone(), stream(&b), c0).unwrap();
     check_compacted(&mut s0, &h0, &b, COMPACT_POSITIONS);
 }
 
@@ -743,7 +749,7 @@ fn a_writer_killed_while_compacting_keeps_every_page() {
     child.wait().expect("reap the compactor");
     let b = CpuBackend::new();
     let h = host(&b, HostLayout::PageFirst.into());
-    let mut s = DiskStore::open(h.clone(), &b, config(&dir, 0, 1, COMPACT_SLOTS)).unwrap();
+    let mut s = DiskStore::open(h.clone(), stream(&b), config(&dir, 0, 1, COMPACT_SLOTS)).unwrap();
     assert!(!dir.join("w0000.journal.compact").exists());
     check_compacted(&mut s, &h, &b, COMPACT_POSITIONS);
 }
@@ -786,7 +792,7 @@ fn the_controller_writes_through_to_storage_and_prefetches_back() {
             let mut c =
                 HiCacheController::new(pool, host.clone(), streams, WritePolicy::WriteThrough)
                     .unwrap();
-            let store = DiskStore::open(host, &cpu, config(&dir, r, 2, 32)).unwrap();
+            let store = DiskStore::open(host, stream(), config(&dir, r, 2, 32)).unwrap();
             c.attach_storage(store, StoragePolicy::WriteThrough, timeout)
                 .unwrap();
             c

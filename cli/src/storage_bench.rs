@@ -231,7 +231,7 @@ impl StorageBench {
         }
         cfg.zero_fill = self.zero_fill;
         let opened = Instant::now();
-        let mut store = DiskStore::open(host, &b, cfg)?;
+        let mut store = DiskStore::open(host, Arc::new(b.new_stream()), cfg)?;
         let open_secs = opened.elapsed().as_secs_f64();
         let ns = Namespace::new(&self.geometry, IndexerScale::Ue8m0, b"storage-bench")?;
         // Two key sets: the first fills every slot (fresh, preallocated blocks), the second

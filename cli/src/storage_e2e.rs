@@ -137,7 +137,7 @@ pub fn prefix_row(
     if aio {
         cfg.queue = QueueChoice::Aio;
     }
-    let store = DiskStore::open(host, bk, cfg)?;
+    let store = DiskStore::open(host, b.clone(), cfg)?;
     let queue = store.io_queue().to_string();
     c.attach_storage(store, StoragePolicy::WriteThrough, Duration::from_secs(120))?;
     let ns = Namespace::new(g, IndexerScale::Ue8m0, b"storage-bench-e2e")?;

@@ -229,7 +229,7 @@ impl PyDiskStore {
         let store = py
             .detach(|| {
                 kvshard::transfer::nixl::load()?;
-                DiskStore::open(pool, backend.as_ref(), config)
+                DiskStore::open(pool, backend, config)
             })
             .py_err()?;
         let queue = store.io_queue().to_string();

@@ -38,14 +38,19 @@
 //!   [`StorageFailure`](crate::error::StorageFailure)): disk full, a file or directory that
 //!   cannot be opened, a NIXL registration refused; the host and device pools are untouched.
 
+mod dir;
 pub mod gds;
 mod index;
 mod io;
 mod journal;
 mod layout;
+mod order;
 mod store;
 mod types;
 
 pub use io::{IoQueue, QueueChoice};
 pub use store::DiskStore;
-pub use types::{DiskConfig, DiskStats, LoadOutcome, Snapshot, StoreReport};
+pub use types::{
+    check_timeout, Damaged, DiskConfig, DiskStats, LoadOutcome, Snapshot, StoreReport,
+    MAX_STAGING_BYTES, MAX_TIMEOUT, MAX_WRITERS,
+};

@@ -104,7 +104,7 @@ impl Scenario {
             let rank = c.device().rank();
             let mut cfg = DiskConfig::new(&dir, rank, writers, pages + 8);
             cfg.timeout = timeout;
-            let store = DiskStore::open(host, bk, cfg)?;
+            let store = DiskStore::open(host, b.clone(), cfg)?;
             queue = store.io_queue().to_string();
             c.attach_storage(store, StoragePolicy::WriteBack, timeout)?;
             c.set_keys(seed_node.id, keys.clone())?;
