@@ -7,6 +7,9 @@
 
 pub mod faults;
 pub mod pd;
+// The storage tier's binaries (feature `nixl`: tests/storage.rs, tests/faults_storage.rs).
+#[cfg(feature = "nixl")]
+pub mod storage;
 pub mod synth;
 
 use std::fmt;

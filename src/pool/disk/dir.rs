@@ -138,7 +138,10 @@ impl StoreDir {
         let st = rustix::fs::fstat(fd).map_err(|e| storage(path, StorageFailure::Io, e))?;
         let found = FileType::from_raw_mode(st.st_mode);
         if found != kind {
-            return Err(untrusted(path, format!("a {found:?} where a {kind:?} belongs")));
+            return Err(untrusted(
+                path,
+                format!("a {found:?} where a {kind:?} belongs"),
+            ));
         }
         if st.st_uid != self.uid {
             return Err(untrusted(
@@ -191,7 +194,8 @@ impl StoreDir {
             true => Mode::from_raw_mode(0o600),
             false => Mode::empty(),
         };
-        let resolve = ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
+        let resolve =
+            ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
         let opened = match rustix::fs::openat2(&self.fd, name, flags, mode, resolve) {
             // No openat2 here (an old kernel, or a seccomp filter): the name is one component,
             // so O_NOFOLLOW from the directory's descriptor refuses the same links.
@@ -204,7 +208,10 @@ impl StoreDir {
             Ok(fd) => fd,
             Err(Errno::NOENT) if !(how.create || how.exclusive) => return Ok(None),
             Err(Errno::LOOP | Errno::XDEV) => {
-                return Err(untrusted(&path, "a symbolic link (refused, never followed)"))
+                return Err(untrusted(
+                    &path,
+                    "a symbolic link (refused, never followed)",
+                ))
             }
             Err(Errno::INVAL) if how.direct => {
                 return Err(storage(

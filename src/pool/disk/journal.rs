@@ -542,7 +542,11 @@ impl Tail {
     fn seen(&self) -> Result<Seen> {
         let st = rustix::fs::fstat(self.file.as_fd())
             .map_err(|e| storage(&self.path, StorageFailure::Io, e))?;
-        Ok((st.st_size as u64, st.st_mtime as i64, st.st_mtime_nsec as i64))
+        Ok((
+            st.st_size as u64,
+            st.st_mtime as i64,
+            st.st_mtime_nsec as i64,
+        ))
     }
 
     /// Hands the record places after those already handed over to `sink`, up to logical
@@ -577,33 +581,34 @@ impl Tail {
                 _ => {
                     let (mut records, mut carry, mut read) = (self.records, 0u64, self.read);
                     let (mut bad_run, mut refused) = (0u64, None);
-                    let scanned = scan(&self.file, &self.path, self.slots, self.read, |place, r| {
-                        if !want(records) || carry > 0 {
-                            return false;
-                        }
-                        let Some(r) = r else {
-                            bad_run += 1;
-                            return true;
-                        };
-                        if bad_run > 0 {
-                            if damaged == Damaged::Refuse {
-                                refused = Some(place - bad_run);
+                    let scanned =
+                        scan(&self.file, &self.path, self.slots, self.read, |place, r| {
+                            if !want(records) || carry > 0 {
                                 return false;
                             }
-                            while bad_run > 0 && want(records) {
-                                hand(&mut records, &mut carry, limit, Item::Damaged, sink);
-                                read += 1;
-                                bad_run -= 1;
+                            let Some(r) = r else {
+                                bad_run += 1;
+                                return true;
+                            };
+                            if bad_run > 0 {
+                                if damaged == Damaged::Refuse {
+                                    refused = Some(place - bad_run);
+                                    return false;
+                                }
+                                while bad_run > 0 && want(records) {
+                                    hand(&mut records, &mut carry, limit, Item::Damaged, sink);
+                                    read += 1;
+                                    bad_run -= 1;
+                                }
+                                if !want(records) {
+                                    // The limit fell inside the run: the rest is read again.
+                                    return false;
+                                }
                             }
-                            if !want(records) {
-                                // The limit fell inside the run: the rest is read again.
-                                return false;
-                            }
-                        }
-                        hand(&mut records, &mut carry, limit, Item::Record(r), sink);
-                        read += 1;
-                        true
-                    });
+                            hand(&mut records, &mut carry, limit, Item::Record(r), sink);
+                            read += 1;
+                            true
+                        });
                     (self.records, self.carry, self.read) = (records, carry, read);
                     let (_, end) = scanned?;
                     if let Some(place) = refused {
@@ -786,7 +791,10 @@ mod tests {
         std::fs::write(path.join(compact_name(0)), b"half").unwrap();
         let (j, got, _) = open(&dir, h, Damaged::Skip).unwrap();
         assert_eq!(j.records(), 4);
-        assert_eq!(got, recs.iter().map(|r| Item::Record(*r)).collect::<Vec<_>>());
+        assert_eq!(
+            got,
+            recs.iter().map(|r| Item::Record(*r)).collect::<Vec<_>>()
+        );
         assert!(!path.join(compact_name(0)).exists());
         // A Skip longer than any journal is split (each piece a valid record).
         let far = compacted(&[(3 * MAX_SKIP, 0, key(1), 1)], 3 * MAX_SKIP + 1);
@@ -834,8 +842,17 @@ mod tests {
         assert_eq!(read(&mut tail, &dir, None), items(&recs[2..]));
         assert_eq!(tail.records(), 3);
         let (_j, got, opened) = open(&dir, h, Damaged::Skip).unwrap();
-        assert_eq!(got, recs.iter().map(|r| Item::Record(*r)).collect::<Vec<_>>());
-        assert_eq!(opened, Opened { damaged: 0, torn: 1 });
+        assert_eq!(
+            got,
+            recs.iter().map(|r| Item::Record(*r)).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            opened,
+            Opened {
+                damaged: 0,
+                torn: 1
+            }
+        );
         let len = HEADER_BYTES + 3 * RECORD_BYTES;
         assert_eq!(std::fs::metadata(&file).unwrap().len(), len);
         // A flipped byte in record 1, with record 2 valid after it: damage, not a tail. Every
@@ -852,7 +869,13 @@ mod tests {
         assert_eq!(read(&mut tail, &dir, None), damaged);
         let (_j, got, opened) = open(&dir, h, Damaged::Skip).unwrap();
         assert_eq!(got, damaged.iter().map(|i| i.unwrap()).collect::<Vec<_>>());
-        assert_eq!(opened, Opened { damaged: 1, torn: 0 });
+        assert_eq!(
+            opened,
+            Opened {
+                damaged: 1,
+                torn: 0
+            }
+        );
         assert_eq!(std::fs::metadata(&file).unwrap().len(), len, "nothing cut");
         // Refused when asked to, naming the record, and nothing changed on disk.
         match open(&dir, h, Damaged::Refuse) {
@@ -942,7 +965,10 @@ mod tests {
         let file = path.join(name(1));
         // A long run of garbage after it: more than one read's worth.
         let mut bytes = std::fs::read(&file).unwrap();
-        bytes.resize(bytes.len() + 3 * CHUNK_RECORDS * RECORD_BYTES as usize + 7, 0x5A);
+        bytes.resize(
+            bytes.len() + 3 * CHUNK_RECORDS * RECORD_BYTES as usize + 7,
+            0x5A,
+        );
         std::fs::write(&file, &bytes).unwrap();
         let mut tail = Tail::open(&dir, &name(1), h).unwrap().unwrap();
         assert_eq!(read(&mut tail, &dir, None), items(&[commit]));

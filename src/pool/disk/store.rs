@@ -196,7 +196,11 @@ impl DiskStore {
         };
         let mut stats = DiskStats::default();
         let (journal, mut index, fresh) = match &own_data {
-            None => (None, Index::new(config.writers, NO_WRITER, config.slots), false),
+            None => (
+                None,
+                Index::new(config.writers, NO_WRITER, config.slots),
+                false,
+            ),
             Some(f) => {
                 // Another geometry is refused before the slot file grows.
                 let name = journal::name(config.writer);
@@ -352,16 +356,21 @@ impl DiskStore {
         }
         let (index, stats) = (&mut self.index, &mut self.stats);
         if let Some(tail) = self.tails[wi].as_mut() {
-            tail.read_new(&self.dir, limit, self.config.damaged, &mut |step| match step {
-                // The writer compacted its journal: its entries come again from the new file.
-                Step::Restart => index.forget(w),
-                Step::Item(item) => {
-                    if item == Item::Damaged {
-                        stats.damaged_records += 1;
+            tail.read_new(
+                &self.dir,
+                limit,
+                self.config.damaged,
+                &mut |step| match step {
+                    // The writer compacted its journal: its entries come again from the new file.
+                    Step::Restart => index.forget(w),
+                    Step::Item(item) => {
+                        if item == Item::Damaged {
+                            stats.damaged_records += 1;
+                        }
+                        index.apply(w, item)
                     }
-                    index.apply(w, item)
-                }
-            })?;
+                },
+            )?;
         }
         Ok(())
     }
