@@ -31,7 +31,10 @@ mod usage;
 pub(crate) use crate::gpu::sync_count::count_host_sync;
 pub use crate::gpu::sync_count::{sync_counts, SyncCounts};
 pub(crate) use upload::upload_i64s_sync as upload_reused_sync;
-pub(crate) use usage::{host_conflicts, kept, ordered, ordered_event, ordered_pages, sweep, Pages};
+// The storage tier's host accesses (feature `nixl`) wait for the work queued on their pages.
+#[cfg(feature = "nixl")]
+pub(crate) use usage::host_conflicts;
+pub(crate) use usage::{kept, ordered, ordered_event, ordered_pages, sweep, Pages};
 pub use usage::{pending_frees, wait_for_frees_sync, StreamId, Usage};
 
 use std::fmt;

@@ -390,6 +390,7 @@ fn record(
 /// stream's writes of those pages and, for a host write, their reads too. The host is on no
 /// stream, so no access is left out as ordered by its stream. Work whose event could not be
 /// recorded (a failing device) cannot be waited for: an error.
+#[cfg(feature = "nixl")]
 pub(crate) fn host_conflicts(usage: &Usage, write: bool, pages: &Pages) -> Result<Vec<Event>> {
     let a = lock(&usage.0.accesses);
     if a.unknown {
