@@ -7,7 +7,7 @@ cannot be subclassed (``@final``) and take their arguments in ``__new__``."""
 
 import builtins
 import os
-from typing import Any, ClassVar, Optional, Sequence, Union, final
+from typing import Any, ClassVar, Literal, Optional, Sequence, Union, final
 
 from typing_extensions import Self
 
@@ -1257,12 +1257,19 @@ class DiskStats:
     def write_ios(self) -> int: ...
     @property
     def read_ios(self) -> int: ...
+    @property
+    def damaged_records(self) -> int: ...
+    @property
+    def torn_records(self) -> int: ...
     def as_dict(self) -> dict[str, int]: ...
 
 @final
 class DiskStore:
     """One rank's storage tier below its host pool (NIXL POSIX, direct I/O); keys are 64 bytes
-    (Namespace.key), pages are host page numbers. Calls release the GIL."""
+    (Namespace.key), pages are host page numbers. Stores and loads wait for the work queued on
+    the host pages they name; the directory is refused with StorageError (failure "untrusted")
+    when a link or anything another user can write is there, and one writer per directory and
+    rank is allowed (failure "locked", holder its process). Calls release the GIL."""
 
     def __new__(
         cls,
@@ -1275,6 +1282,8 @@ class DiskStore:
         staging_slots: int = 32,
         max_io_bytes: int = 8388608,
         timeout: float = 30.0,
+        read_only: bool = False,
+        damaged: Literal["skip", "refuse"] = "skip",
     ) -> Self: ...
     @property
     def host(self) -> HostPool: ...

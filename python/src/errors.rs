@@ -159,10 +159,12 @@ pub fn to_py(py: Python<'_>, e: kvshard::Error) -> PyErr {
         kvshard::Error::Storage { path, failure, .. } => {
             let _ = value.setattr("path", path.as_str());
             let _ = value.setattr("failure", storage_failure(*failure));
-            // The process holding a writer's lock, where its lock file says.
-            if let kvshard::error::StorageFailure::Locked { holder } = failure {
-                let _ = value.setattr("holder", *holder);
-            }
+            // The process holding a writer's lock, where its lock file says (None otherwise).
+            let holder = match failure {
+                kvshard::error::StorageFailure::Locked { holder } => *holder,
+                _ => None,
+            };
+            let _ = value.setattr("holder", holder);
         }
         _ => {}
     }

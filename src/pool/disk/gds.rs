@@ -240,7 +240,10 @@ pub fn ceiling_sync(
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos());
-    let path = dir.join(format!("kvshard-gds-{}-{nanos:08x}.dat", std::process::id()));
+    let path = dir.join(format!(
+        "kvshard-gds-{}-{nanos:08x}.dat",
+        std::process::id()
+    ));
     let file = OpenOptions::new()
         .read(true)
         .write(true)
