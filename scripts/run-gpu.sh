@@ -39,7 +39,9 @@
 #   plan      kvshard plan for the seed's scenario (CP2, 4x host cache), the ceilings measured
 #             here: D2D and pinned H2D on GPU 0, O_DIRECT reads in $PLAN_DISK (default $OUT)
 #   storage   the storage tier on this host's disk (NIXL POSIX from .gpu-nixl, staged by
-#             scripts/stage-nixl.sh beside .gpu, or $NIXL_STAGE): the pressure
+#             scripts/stage-nixl.sh beside .gpu, or $NIXL_STAGE): its test binaries with the GPU
+#             and NIXL required (storage-tests/: the store ordered after a backup and a device
+#             load still queued on the GPU, and the fault-injection cases), the pressure
 #             scenario with its storage step (L2 -> L3 -> L2 -> L1 on the GPU, checked), in one
 #             process and across processes (kvshard pd --scenario pressure: a process per rank
 #             and decode, the ranks sharing the directory), and
@@ -308,6 +310,13 @@ for step in "${steps[@]}"; do
         fio_args=(--fio /tmp/kvshard-fio/run)
       fi
       echo '```'
+      # The storage tier's tests: gpu_* run here on GPU 0, the CPU ones and the fault cases
+      # on this host's disk (their stores under $STORAGE_DIR).
+      for t in "$staged"/storage-tests/*; do
+        [ -x "$t" ] || continue
+        TMPDIR="$dir" KVSHARD_REQUIRE_NIXL=1 timeout 120 "$t" --test-threads=2 --nocapture 2>&1 |
+          grep -E '^(test result|fault-injection:)|FAILED|panicked' | sed "s|^|$(basename "$t"): |"
+      done
       timeout 30 "$staged/kvshard" demo --scenario pressure | grep -E '^(storage|pressure)'
       echo '```'
       # Across processes: each rank writes its own pages to the shared directory, finds the
@@ -323,6 +332,9 @@ for step in "${steps[@]}"; do
         ${STORAGE_E2E_TOKENS:+--e2e-tokens "$STORAGE_E2E_TOKENS"}
     ) >"$out/storage.md" 2>&1
     if grep -q 'byte-identical to the unsharded reference' "$out/storage.md" && grep -q '^| load' "$out/storage.md" &&
+      [ "$(grep -c '^storage: test result: ok' "$out/storage.md")" -ge 1 ] &&
+      [ "$(grep -c '^faults_storage: test result: ok' "$out/storage.md")" -ge 1 ] &&
+      ! grep -qE '^(storage|faults_storage): .*(FAILED|panicked)' "$out/storage.md" &&
       [ "$(grep -c '^| [0-9] | reloaded L3 -> L2 .*byte-identical' "$out/storage.md")" -ge 2 ] &&
       grep -q '^| [0-9]*K tokens' "$out/storage.md"; then r=ok; else r=FAILED; status=1; fi
     say "storage: $r"

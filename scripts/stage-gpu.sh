@@ -37,6 +37,14 @@ cargo test --release --features "$features" --no-run --message-format=json 2>/de
       test) [ "$name" = bindings ] || cp "$exe" "$stage/tests/$name" ;;
     esac
   done
+# The storage tier's test binaries (feature `nixl`), run by run-gpu.sh's `storage` step with the
+# staged NIXL runtime: their gpu_* cases order the store after work queued on the GPU.
+mkdir -p "$stage/storage-tests"
+cargo test --release -p kvshard --features "$features nixl" --test storage --test faults_storage \
+  --no-run --message-format=json 2>/dev/null | list |
+  while read -r kind name exe; do
+    if [ "$kind" = test ]; then cp "$exe" "$stage/storage-tests/$name"; fi
+  done
 # The benchmark kernels and gpu::bench exist only with `bench-kernels`; the tests above run the
 # fatbin engines get, without them.
 cargo bench -p kvshard-cli --features "$features bench-kernels" --no-run --message-format=json 2>/dev/null | list |
