@@ -263,10 +263,19 @@ impl Index {
         Some((slot, old))
     }
 
-    /// Gives back a slot [`Index::allocate`] handed out that was never committed (its write
-    /// failed): it is free again, whatever it held before (that key's `Free` is written).
+    /// Gives back a slot [`Index::allocate`] handed out whose batch failed: free again when it
+    /// holds nothing (its old key's `Free` was applied, or it had none), else back in the LRU
+    /// order with the page it still holds (its `Free`, or the new page's `Commit`, made it to
+    /// the journal or not: the index says which), so no slot is lost.
     pub fn release(&mut self, slot: u64) {
-        if slot < self.slots && !self.held.contains_key(&(self.own, slot)) {
+        if slot >= self.slots {
+            return;
+        }
+        if self.held.contains_key(&(self.own, slot)) {
+            if !self.lru.contains(&slot) {
+                self.lru.put(slot, ());
+            }
+        } else {
             self.free.insert(slot);
         }
     }

@@ -448,25 +448,35 @@ impl Journal {
         Ok(())
     }
 
-    /// Appends `records` and makes them durable (one `fdatasync`).
-    pub fn append_sync(&mut self, records: &[Record]) -> Result<()> {
+    /// Appends `records` and makes them durable (one `fdatasync`). Returns how many of them
+    /// are in the file: all, or, when the write or the sync failed (with the error), the whole
+    /// records that made it before a partial one, which is cut. Those stay (other ranks may
+    /// have read them already, and positions must mean the same to everyone): the caller
+    /// applies them as it would the whole batch.
+    pub fn append_sync(&mut self, records: &[Record]) -> (usize, Result<()>) {
         if records.is_empty() {
-            return Ok(());
+            return (0, Ok(()));
         }
         let bytes: Vec<u8> = records.iter().flat_map(|r| r.encode()).collect();
         let end = HEADER_BYTES + self.records * RECORD_BYTES;
-        if let Err(e) = self
+        match self
             .file
             .write_all_at(&bytes, end)
             .and_then(|()| self.file.sync_data())
         {
-            // Put the file back where the last good record ends: a half-written batch must not
-            // stay in front of the next one.
-            let _ = self.file.set_len(end);
-            return Err(storage(&self.path, io_failure(&e), e));
+            Ok(()) => {
+                self.records += records.len() as u64;
+                (records.len(), Ok(()))
+            }
+            Err(e) => {
+                let len = self.file.metadata().map_or(end, |m| m.len());
+                let kept = (len.saturating_sub(end) / RECORD_BYTES).min(records.len() as u64);
+                // A partial record must not stay in front of the next batch.
+                let _ = self.file.set_len(end + kept * RECORD_BYTES);
+                self.records += kept;
+                (kept as usize, Err(storage(&self.path, io_failure(&e), e)))
+            }
         }
-        self.records += records.len() as u64;
-        Ok(())
     }
 }
 
@@ -771,6 +781,7 @@ mod tests {
             slot: 0,
             key: key(9),
         }])
+        .1
         .unwrap();
         // A reader of the old file, one position in.
         let mut tail = Tail::open(&dir, &name(0), h).unwrap().unwrap();
@@ -830,7 +841,7 @@ mod tests {
         ];
         let (mut j, got, _) = open(&dir, h, Damaged::Skip).unwrap();
         assert!(got.is_empty());
-        j.append_sync(&recs).unwrap();
+        j.append_sync(&recs).1.unwrap();
         drop(j);
         let file = path.join(name(3));
         // Half a record more: the tail a killed process leaves.
@@ -917,7 +928,7 @@ mod tests {
             read(&mut tail, &dir, None),
             vec![Some(Item::Damaged), Some(Item::Record(more))]
         );
-        j.append_sync(&[]).unwrap();
+        j.append_sync(&[]).1.unwrap();
         // Another slot size is refused; a record naming a slot past the file is bad.
         assert!(matches!(
             open(
@@ -960,7 +971,7 @@ mod tests {
             key: key(5),
             crc: 1,
         };
-        j.append_sync(&[commit]).unwrap();
+        j.append_sync(&[commit]).1.unwrap();
         drop(j);
         let file = path.join(name(1));
         // A long run of garbage after it: more than one read's worth.

@@ -530,13 +530,7 @@ impl DiskStore {
     ) -> Result<()> {
         let own = self.config.writer;
         let dir = self.config.dir.clone();
-        self.journal
-            .as_mut()
-            .ok_or_else(|| read_only(&dir))?
-            .append_sync(frees)?;
-        for &f in frees {
-            self.index.apply(own, Item::Record(f));
-        }
+        self.append_sync(frees)?;
         batch.sort_by_key(|b| b.0);
         let slot_bytes = self.layout.slot_bytes() as usize;
         let per = self.config.staging_slots;
@@ -583,13 +577,7 @@ impl DiskStore {
             .ok_or_else(|| read_only(&dir))?
             .sync_data()
             .map_err(|e| storage(&data, journal::io_failure(&e), e))?;
-        self.journal
-            .as_mut()
-            .ok_or_else(|| read_only(&dir))?
-            .append_sync(&commits)?;
-        for c in commits {
-            self.index.apply(own, Item::Record(c));
-        }
+        self.append_sync(&commits)?;
         if self
             .journal
             .as_ref()
@@ -598,6 +586,20 @@ impl DiskStore {
             self.compact_journal_sync()?;
         }
         Ok(())
+    }
+
+    /// Appends `records` to this rank's journal and applies to the index those that are in it
+    /// (all, or after a failed write the whole ones that made it: they are on disk, other
+    /// ranks may have read them, so this rank's view must count them too).
+    fn append_sync(&mut self, records: &[Record]) -> Result<()> {
+        let Some(journal) = self.journal.as_mut() else {
+            return Err(read_only(&self.config.dir));
+        };
+        let (kept, appended) = journal.append_sync(records);
+        for &r in &records[..kept] {
+            self.index.apply(self.config.writer, Item::Record(r));
+        }
+        appended
     }
 
     /// Rewrites this rank's journal from its live index (the module docs of `journal.rs` tell
@@ -696,15 +698,16 @@ impl DiskStore {
                 self.stats.loaded_pages += 1;
             }
         }
-        // Damaged slots of this rank leave the index for every rank (their Free records).
+        // Damaged slots of this rank leave the index for every rank (their Free records). Where
+        // a record cannot be written its slot stays, a counted miss at every load: the
+        // outcomes (host pages already written) are what this call reports.
         corrupt_own.dedup();
-        if let Some(j) = self.journal.as_mut() {
-            j.append_sync(&corrupt_own)?;
-        }
-        for r in corrupt_own {
-            self.index.apply(self.config.writer, Item::Record(r));
-            if let Record::Free { slot, .. } = r {
-                self.index.release(slot);
+        if !corrupt_own.is_empty() {
+            let _ = self.append_sync(&corrupt_own);
+            for r in corrupt_own {
+                if let Record::Free { slot, .. } = r {
+                    self.index.release(slot);
+                }
             }
         }
         Ok(out)
