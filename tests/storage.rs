@@ -1382,7 +1382,7 @@ fn settings_out_of_bounds_are_refused_before_anything_is_touched() {
             c.staging_slots = usize::MAX;
             c
         }),
-        ("staging past 4 GiB", {
+        ("staging past 1 GiB", {
             let mut c = config(&dir, 0, 1, 4);
             c.staging_slots = 1 << 20;
             c

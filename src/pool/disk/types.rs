@@ -74,8 +74,9 @@ pub const MAX_WRITERS: u32 = 1024;
 pub const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 
 /// The largest staging memory a store allocates (two buffers of
-/// [`DiskConfig::staging_slots`] slots): 4 GiB.
-pub const MAX_STAGING_BYTES: u64 = 4 << 30;
+/// [`DiskConfig::staging_slots`] slots, zeroed, so all of it is resident): 1 GiB, several
+/// times what the default 32 slots of a 78-layer page take.
+pub const MAX_STAGING_BYTES: u64 = 1 << 30;
 
 /// Checks a timeout is a usable deadline: more than zero, at most [`MAX_TIMEOUT`]. `what`
 /// names it in the error.
