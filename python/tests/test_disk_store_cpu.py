@@ -167,6 +167,7 @@ def test_a_load_from_storage_leaves_what_a_queued_device_load_reads(store_dir, r
         {"timeout": -1.0},
         {"timeout": 0.0},
         {"timeout": 1e300},
+        {"timeout": 1.8e19},
         {"timeout": 1e12},
         {"staging_slots": 1 << 40},
         {"damaged": "ignore"},
