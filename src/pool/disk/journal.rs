@@ -10,7 +10,7 @@
 //! one are the torn tail a killed writer left: its own open cuts them (they were never
 //! committed: their batch's sync never returned), and readers wait for them to become whole.
 //! A bad record with a valid one after it is *damage*: it is skipped as one position (every
-//! rank counts it alike) and counted ([`DiskStats::damaged_records`]), or refused with
+//! rank counts it alike) and counted (`DiskStats::damaged_records`), or refused with
 //! [`StorageFailure::Corrupt`] under [`Damaged::Refuse`]; nothing after it is ever cut.
 //!
 //! Records have logical positions (what snapshots count): one each, but a `Skip` record stands
