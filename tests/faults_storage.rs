@@ -252,7 +252,10 @@ fn fault_disk_full_mid_store() {
     eprint!("{out}");
     let mut tally = Tally::default();
     // (The harness may print its own "test child_entry ... " in front of the first line.)
-    for line in out.lines().filter_map(|l| l.split_once("full: ").map(|(_, r)| r)) {
+    for line in out
+        .lines()
+        .filter_map(|l| l.split_once("full: ").map(|(_, r)| r))
+    {
         // "survived WRONG": one fault each.
         let mut it = line.split_whitespace();
         let survived = it.next() == Some("true");
@@ -289,7 +292,7 @@ fn full_child(dir: &Path) {
         )
         .unwrap();
         let r = s.store_sync(&next);
-        setrlimit(Resource::Fsize, was.clone()).unwrap();
+        setrlimit(Resource::Fsize, was).unwrap();
         let typed = matches!(r, Err(Error::Storage { .. } | Error::Nixl { .. }));
         let leaked = s.used_slots() != used;
         let (good, _, wrong) = served(&mut s, &h, &b, &first_keys, &first_data);
@@ -332,7 +335,7 @@ fn full_child(dir: &Path) {
     )
     .unwrap();
     let r = s.store_sync(&new);
-    setrlimit(Resource::Fsize, was.clone()).unwrap();
+    setrlimit(Resource::Fsize, was).unwrap();
     let typed = matches!(
         r,
         Err(Error::Storage {

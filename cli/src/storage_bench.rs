@@ -487,6 +487,9 @@ mod tests {
     use super::*;
     use crate::scenario::Shape;
 
+    /// One change to a run's settings, named.
+    type Change = (&'static str, fn(&mut StorageBench));
+
     fn bench(dir: &Path) -> StorageBench {
         StorageBench {
             dir: dir.to_path_buf(),
@@ -515,7 +518,7 @@ mod tests {
     fn sizes_out_of_bounds_are_refused_before_anything_is_allocated() {
         let base = std::env::temp_dir();
         assert!(bench(&base).validate().is_ok());
-        let cases: [(&str, fn(&mut StorageBench)); 8] = [
+        let cases: [Change; 8] = [
             ("ranks u32::MAX", |b| b.ranks = u32::MAX),
             ("ranks 0", |b| b.ranks = 0),
             ("batch usize::MAX", |b| b.batch = usize::MAX),
