@@ -32,7 +32,13 @@ impl Tally {
             self.injected, self.survived, self.served_wrong
         );
         assert!(self.injected > 0, "{case}: no fault was injected");
-        assert_eq!(self.survived, self.injected, "{case}: a fault was not survived");
-        assert_eq!(self.served_wrong, 0, "{case}: bytes were served wrong as a hit");
+        assert_eq!(
+            self.survived, self.injected,
+            "{case}: a fault was not survived"
+        );
+        assert_eq!(
+            self.served_wrong, 0,
+            "{case}: bytes were served wrong as a hit"
+        );
     }
 }
