@@ -24,7 +24,7 @@
 mod check;
 pub mod cpu;
 pub mod cuda;
-mod status;
+mod status_word;
 mod upload;
 mod usage;
 

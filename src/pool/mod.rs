@@ -15,7 +15,7 @@ mod budget;
 pub mod capacity;
 #[cfg(feature = "nixl")]
 pub mod disk;
-mod gather;
+mod gather_copies;
 pub(crate) mod host;
 pub(crate) mod layout;
 mod write;

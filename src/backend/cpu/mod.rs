@@ -35,7 +35,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::status::StatusTracker;
+use super::status_word::StatusTracker;
 use super::{
     check, count_host_sync, ordered, sweep, AddressSpace, Backend, Buffer, Copy2d, Event,
     EventInner, KernelFamily, Launch, MemoryKind, StreamId,

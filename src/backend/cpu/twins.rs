@@ -4,7 +4,7 @@
 use half::bf16;
 
 use crate::abi;
-use crate::backend::status::raise;
+use crate::backend::status_word::raise;
 use crate::error::{Error, Result};
 use crate::fp8;
 use crate::geometry::{

@@ -28,7 +28,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use super::layout::storage;
+use super::slots::storage;
 use crate::error::{Result, StorageFailure};
 use crate::key::{PageKey, KEY_BYTES};
 

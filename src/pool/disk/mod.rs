@@ -39,10 +39,10 @@
 //!   cannot be opened, a NIXL registration refused; the host and device pools are untouched.
 
 pub mod gds;
-mod index;
 mod io;
 mod journal;
-mod layout;
+mod key_index;
+mod slots;
 mod store;
 mod types;
 

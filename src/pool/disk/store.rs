@@ -7,10 +7,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::index::Index;
 use super::io::{FileIo, Io, IoQueue, Posted};
 use super::journal::{self, Header, Journal, Record, Tail};
-use super::layout::{check_page, dio_align, runs, storage, SlotLayout};
+use super::key_index::Index;
+use super::slots::{check_page, dio_align, runs, storage, SlotLayout};
 use super::types::{DiskConfig, DiskStats, LoadOutcome, Snapshot, StoreReport};
 use crate::backend::Backend;
 use crate::copy::BlockSpace;

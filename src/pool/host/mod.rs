@@ -52,11 +52,11 @@ use crate::error::{Error, Result};
 use crate::geometry::{CacheGeometry, Component, ComponentLayout};
 use crate::index::{LocalPage, StoredLayer};
 
-mod layout;
-mod memory;
+mod backing;
+mod format;
 
-pub use layout::{DraftPacking, HostBufferLayout, HostFormat, HostLayout, LayoutStrides};
-pub use memory::{HostMemory, HostRegion, NumaPlacement, RegisteredRegion};
+pub use backing::{HostMemory, HostRegion, NumaPlacement, RegisteredRegion};
+pub use format::{DraftPacking, HostBufferLayout, HostFormat, HostLayout, LayoutStrides};
 
 /// One buffer of a pool: its layout, its memory and, where known, its host address.
 #[derive(Debug)]

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::super::exec::{BackendTransport, CallCounts};
+use super::super::backend_transport::{BackendTransport, CallCounts};
 use super::super::plan::Registration;
 use super::super::ComponentBytes;
 use super::super::{ChunkEnd, ChunkResult, ChunkStatus, PendingChunk, Sender};

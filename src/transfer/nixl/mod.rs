@@ -66,21 +66,21 @@
 //! peer goes; a request still moving when its completion is dropped is kept until NIXL is done
 //! with it.
 
+mod agent;
 mod chunks;
 mod connection;
+mod initiator;
 mod lists;
-mod memory;
 mod notice;
-mod receive;
-mod runtime;
-mod send;
+mod registration;
+mod target;
 
 use std::time::Duration;
 
-pub use memory::NixlBackend;
-pub use receive::NixlTarget;
-pub use runtime::load;
-pub use send::NixlTransport;
+pub use agent::load;
+pub use initiator::NixlTransport;
+pub use registration::NixlBackend;
+pub use target::NixlTarget;
 
 use crate::error::{Error, Result};
 use crate::geometry::{CacheGeometry, LatentLayout, PoolGeometry};

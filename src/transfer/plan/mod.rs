@@ -36,12 +36,12 @@ use crate::geometry::Component;
 use crate::shard::Placement;
 
 mod build;
-mod decode;
+mod dcp;
 mod request;
 
 // Defined with the pools it describes (ipc describes pools with it too, below transfer).
 pub use crate::pool::layout::PoolLayout;
-pub use decode::{DecodePlan, DecodeRank, DecodeRegistration, DecodeSection};
+pub use dcp::{DecodePlan, DecodeRank, DecodeRegistration, DecodeSection};
 pub use request::{ChunkRange, PrefillRank, Registration};
 
 /// One component a section moves, with the layers its runs apply to.
