@@ -43,7 +43,7 @@
 //! - `mooncake`: the transport on a transfer engine that moves raw ranges and carries no
 //!   notification (Mooncake's, driven from Python): the engine-facing sender, the side
 //!   channel's frames and the decode side that checks them.
-//! - `stream`: [`StreamTransport`], in-process, each chunk on the stream its caller names.
+//! - `stream_transport`: [`StreamTransport`], in-process, each chunk on the stream its caller names.
 
 pub(crate) mod backend_transport;
 mod bounce;
@@ -55,7 +55,7 @@ pub(crate) mod plan;
 mod receiver;
 mod sender;
 pub(crate) mod stats;
-mod stream;
+mod stream_transport;
 pub(crate) mod transport;
 
 pub use crate::chunk_status::{ChunkResult, ChunkStatus, ComponentBytes};
@@ -72,5 +72,5 @@ pub use receiver::{
 };
 pub use sender::{ChunkEnd, PendingChunk, Sender};
 pub use stats::{Metric, MetricKind, Posted, StatsSnapshot, TimeSnapshot, TransferStats};
-pub use stream::{StreamChoice, StreamTransport};
+pub use stream_transport::{StreamChoice, StreamTransport};
 pub use transport::{Completion, Transport};

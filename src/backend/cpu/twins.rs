@@ -14,7 +14,7 @@ use crate::geometry::{
 use crate::index::{LogicalPage, Slot};
 use crate::shard::{DecodeLayout, Placement};
 
-use super::*;
+use super::arena::Arena;
 
 /// Raises the status word in `mem` for a bad input at `position`.
 pub(super) fn report(mem: &mut Arena, status: &abi::kvs_status, position: u64) -> Result<()> {

@@ -22,7 +22,11 @@ use crate::ipc::{Channel, ImportedPool, Liveness};
 use crate::ipc::{PeerBackend, Received};
 use crate::pool::DevicePool;
 
-use super::*;
+use crate::lock::lock;
+
+/// Interprocess events a GPU prefill rank shares: enough that the decode falling a few chunks
+/// behind still waits for the chunk it asks about rather than a much later one.
+pub const CHUNK_EVENTS: usize = 4;
 
 /// A GPU rank's ring of interprocess events and the stream they are recorded on.
 struct EventRing {
