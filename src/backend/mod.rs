@@ -44,6 +44,6 @@ pub use launch::{
     resolve_state_bytes, resolve_state_tiles, resolve_tiles, write_units, KernelFamily, Launch,
 };
 pub(crate) use upload::upload_reused_sync;
-pub use upload::{i64s_from_bytes, i64s_to_bytes, upload_i64s_sync};
+pub use upload::{enqueue_i64s, i64s_from_bytes, i64s_to_bytes, upload_i64s_sync};
 pub(crate) use usage::{kept, ordered, ordered_event, ordered_pages, sweep, Pages};
 pub use usage::{pending_frees, wait_for_frees_sync, StreamId, Usage};
