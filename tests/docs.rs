@@ -104,7 +104,11 @@ fn every_relative_link_of_the_readme_and_docs_resolves() {
                 } else {
                     dir.join(path)
                 };
-                let name = file.strip_prefix(root).unwrap_or(&file).display().to_string();
+                let name = file
+                    .strip_prefix(root)
+                    .unwrap_or(&file)
+                    .display()
+                    .to_string();
                 if !resolved.exists() {
                     broken.push(format!("{name}: {target}: no such file"));
                     continue;
@@ -119,7 +123,10 @@ fn every_relative_link_of_the_readme_and_docs_resolves() {
             }
         }
     }
-    assert!(checked > 20, "only {checked} relative links found: is the parser right?");
+    assert!(
+        checked > 20,
+        "only {checked} relative links found: is the parser right?"
+    );
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
 }
 
