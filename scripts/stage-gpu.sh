@@ -2,7 +2,8 @@
 # Builds every test and benchmark binary in release mode with kernels required (the library's and
 # the applications', cli/), and stages them, with the kvshard binary and scripts/run-gpu.sh, in
 # .gpu/ (git-ignored). A GPU host needs no
-# Rust: copy .gpu/ there (or name it in the device tool's `carry`) and run `.gpu/run-gpu.sh`.
+# Rust: copy .gpu-pack/gpu.tar.xz there (or name .gpu-pack in the device tool's `carry`), unpack
+# it and run `.gpu/run-gpu.sh`.
 # Binaries built on Debian 12 need glibc >= 2.34 and only libc/libgcc_s; libcuda is loaded at
 # run time.
 set -euo pipefail
@@ -90,4 +91,10 @@ scripts/stage-mooncake.sh "$stage/mooncake.tar.xz" >/dev/null
 find "$stage" -type f -perm -u+x ! -name '*.sh' -exec strip --strip-unneeded {} +
 git rev-parse --short HEAD >"$stage/COMMIT" 2>/dev/null || echo unknown >"$stage/COMMIT"
 du -sh "$stage"
+# Stripped, the binaries still exceed the device tool's 64 MiB (each embeds the fatbin): they
+# travel as one xz archive, about a quarter of their size. On the GPU host:
+#   tar -xJf .gpu-pack/gpu.tar.xz && .gpu/run-gpu.sh STEPS
+mkdir -p .gpu-pack
+tar -cf - "$stage" | xz -T0 -6 >.gpu-pack/gpu.tar.xz
+du -sh .gpu-pack/gpu.tar.xz
 ls "$stage/tests" "$stage/benches"

@@ -8,4 +8,4 @@
 //! - [`block_copies`]: a send plan as the block copies (`kvs_copy_blocks` programs) the default
 //!   method runs, one per section, prepared ahead.
 
-pub use crate::transfer::exec::{block_copies, kernel_pieces, KERNEL_PIECE_BYTES};
+pub use crate::transfer::backend_transport::{block_copies, kernel_pieces, KERNEL_PIECE_BYTES};

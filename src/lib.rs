@@ -97,6 +97,7 @@ pub mod abi;
 pub mod advanced;
 pub mod backend;
 pub mod chain;
+mod chunk_status;
 pub mod copy;
 pub mod engine;
 pub mod error;
@@ -111,11 +112,10 @@ mod lock;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 #[cfg(feature = "nixl")]
-mod nixl;
+mod nixl_runtime;
 pub mod pool;
 pub mod quantize;
 pub mod shard;
-mod status;
 pub mod transfer;
 
 pub use error::{Error, Result};

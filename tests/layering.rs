@@ -1,5 +1,7 @@
-//! The house's rules as a test: every import in `src/` points down the layer order that
-//! docs/design.md declares ("Layers"), and no files import each other in a circle.
+//! The house's rules as tests: every import in `src/` points down the layer order that
+//! docs/design.md declares ("Layers"), and no files import each other in a circle; one name
+//! means one module (no two files of `src/` name a module alike); a `mod.rs` only declares and
+//! re-exports, its module's types live in files named for them.
 //!
 //! An import is a `crate::MODULE` or `super::` path in code (comments and `#[cfg(test)]`
 //! modules are not imports: unit tests may reach anywhere). A path resolves to the deepest file
@@ -308,4 +310,81 @@ fn imports_point_down_the_declared_layers_and_no_files_form_a_circle() {
             }
         }
     }
+}
+
+/// The name each file gives its module: the file's stem, or its folder's for a `mod.rs`.
+fn module_name(file: &Path) -> String {
+    let stem = file.file_stem().map(|s| s.to_string_lossy().into_owned());
+    match stem.as_deref() {
+        Some("mod") => file
+            .parent()
+            .and_then(Path::file_name)
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        _ => stem.unwrap_or_default(),
+    }
+}
+
+#[test]
+fn no_two_modules_of_src_share_a_name() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut paths = Vec::new();
+    sources(&src, &mut paths);
+    let mut by_name: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for file in paths.iter().filter(|p| !p.ends_with("lib.rs")) {
+        let rel = file.strip_prefix(&src).expect("under src");
+        by_name
+            .entry(module_name(file))
+            .or_default()
+            .push(rel.display().to_string());
+    }
+    let clashes: Vec<String> = by_name
+        .iter()
+        .filter(|(_, files)| files.len() > 1)
+        .map(|(name, files)| format!("`{name}`: {}", files.join(", ")))
+        .collect();
+    assert!(
+        clashes.is_empty(),
+        "one name, one meaning: these modules of src/ share a name (name each file for its job):\n{}",
+        clashes.join("\n")
+    );
+}
+
+/// Most lines of code (not comments or blank) a `mod.rs` may hold: its declarations and
+/// re-exports.
+const MOD_RS_CODE_LINES: usize = 60;
+
+#[test]
+fn every_mod_rs_only_declares_and_re_exports() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut paths = Vec::new();
+    sources(&src, &mut paths);
+    let mut wrong = Vec::new();
+    for file in paths.iter().filter(|p| p.ends_with("mod.rs")) {
+        let text = code(&fs::read_to_string(file).expect("readable source"));
+        let lines = text.lines().filter(|l| !l.trim().is_empty()).count();
+        if lines > MOD_RS_CODE_LINES {
+            wrong.push(format!(
+                "{}: {lines} lines of code (at most {MOD_RS_CODE_LINES}: declarations and re-exports)",
+                file.display()
+            ));
+        }
+        for word in text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+            if matches!(
+                word,
+                "struct" | "enum" | "trait" | "union" | "fn" | "impl" | "type" | "macro_rules"
+            ) {
+                wrong.push(format!(
+                    "{}: defines a `{word}` (move it to a file named for it)",
+                    file.display()
+                ));
+                break;
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "a mod.rs declares its files and re-exports their items, nothing more:\n{}",
+        wrong.join("\n")
+    );
 }

@@ -4,7 +4,7 @@
 //! ranges by hand: host memory copies on the CPU twin, device copies on the GPU). The decode
 //! pool must end byte-identical to the in-process reference in every mode, with statuses
 //! reported out of order; and the decode side must refuse, drop or bound everything a bad peer
-//! sends, checked before use (the module docs of `transfer::mooncake::receive`).
+//! sends, checked before use (the module docs of `transfer::mooncake::decode_side`).
 //!
 //! The CPU twin runs in the adversarial stream order (and immediate); the GPU tests print
 //! SKIPPED without a GPU. Over real Mooncake engines across processes: the Python tests
@@ -23,7 +23,7 @@ use kvshard::backend::Backend;
 use kvshard::error::Error;
 use kvshard::index::LocalPage;
 use kvshard::ipc::wire::ProtocolError;
-use kvshard::transfer::mooncake::wire::{self, Bounced, Frame, FrameReader, WireSection};
+use kvshard::transfer::mooncake::frames::{self, Bounced, Frame, FrameReader, WireSection};
 use kvshard::transfer::mooncake::{
     DecodeTarget, EngineAddresses, MooncakeChunk, MooncakeConfig, MooncakeMode, MooncakeReceiver,
     MooncakeSender, MAX_HELD_STATUSES,
@@ -131,7 +131,7 @@ fn joined(
     for rank in 0..N {
         let hi = Frame::Hi {
             rank,
-            shape: wire::shape_of(&geometry()),
+            shape: frames::shape_of(&geometry()),
         };
         let Ok((
             r,
@@ -206,7 +206,7 @@ fn send_all(device: &common::Device, mode: MooncakeMode) -> (Vec<u8>, u64) {
                 chunk.posted(Duration::ZERO).expect("posted");
                 chunk.landed(Duration::ZERO).expect("landed");
                 let status = chunk.poll().expect("poll").expect("landed");
-                frames.push(wire::encode(&chunk.status_frame(status)).expect("encode"));
+                frames.push(frames::encode(&chunk.status_frame(status)).expect("encode"));
             }
             // Out of order: the decode holds later chunks until the earlier ones arrive.
             for bytes in frames.iter().rev() {
@@ -296,7 +296,7 @@ fn decode_with_two_requests() -> MooncakeReceiver {
     for rank in 0..N {
         let hi = Frame::Hi {
             rank,
-            shape: wire::shape_of(&geometry()),
+            shape: frames::shape_of(&geometry()),
         };
         decode.join(&hi, "decode").expect("join");
     }
@@ -334,7 +334,7 @@ fn frame(status: ChunkStatus, bounced: Option<(u32, Vec<u64>)>) -> Vec<u8> {
             pages,
         }],
     });
-    wire::encode(&Frame::Status { status, bounced }).expect("encode")
+    frames::encode(&Frame::Status { status, bounced }).expect("encode")
 }
 
 /// Polls until `n` requests finished.
@@ -401,7 +401,7 @@ fn a_status_is_checked_before_use_and_a_bad_one_ends_its_rank() {
             ),
         ),
         ("a frame a rank never sends", {
-            wire::encode(&Frame::Register {
+            frames::encode(&Frame::Register {
                 request: 9,
                 prefix_pages: 0,
                 pages: vec![1],
@@ -502,7 +502,7 @@ fn an_overdue_request_is_aborted_and_handed_back_once_the_rank_says_aborted() {
     for rank in 0..N {
         let hi = Frame::Hi {
             rank,
-            shape: wire::shape_of(&geometry()),
+            shape: frames::shape_of(&geometry()),
         };
         decode.join(&hi, "decode").expect("join");
     }
@@ -532,7 +532,7 @@ fn an_overdue_request_is_aborted_and_handed_back_once_the_rank_says_aborted() {
     // Held until rank 1 says it has nothing of the request in flight.
     assert!(decode.poll().expect("poll").is_empty());
     // It still holds slot 1 for chunk 0, whose status never came: the decode frees it.
-    let aborted = wire::encode(&Frame::Aborted {
+    let aborted = frames::encode(&Frame::Aborted {
         request: 1,
         held: vec![(1, 0)],
     })

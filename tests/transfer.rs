@@ -1546,7 +1546,7 @@ fn the_receiver_refuses_unknown_duplicate_and_out_of_order_statuses() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Executors: what used to be the unit tests of src/transfer/exec.rs.
+// Executors: what used to be the unit tests of src/transfer/backend_transport.rs.
 
 fn exec_geometry() -> CacheGeometry {
     CacheGeometry::with_draft(PoolGeometry::new(LatentLayout::Fp8Trtllm, 2))

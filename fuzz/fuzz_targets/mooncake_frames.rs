@@ -15,7 +15,7 @@ use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry};
 use kvshard::index::LocalPage;
 use kvshard::pool::DevicePool;
 use kvshard::shard::Placement;
-use kvshard::transfer::mooncake::wire::{self, Frame, FrameReader, HEADER_BYTES, MAX_FRAME_BYTES};
+use kvshard::transfer::mooncake::frames::{self, Frame, FrameReader, HEADER_BYTES, MAX_FRAME_BYTES};
 use kvshard::transfer::mooncake::{EngineAddresses, MooncakeReceiver};
 use kvshard::transfer::{ChunkResult, ChunkStatus, ComponentBytes, PoolLayout, Registration};
 use libfuzzer_sys::fuzz_target;
@@ -52,7 +52,7 @@ fn receiver() -> MooncakeReceiver {
     for rank in 0..2 {
         let hi = Frame::Hi {
             rank,
-            shape: wire::shape_of(&geometry()),
+            shape: frames::shape_of(&geometry()),
         };
         assert!(r.join(&hi, "fuzz").is_ok());
     }
@@ -95,7 +95,7 @@ fuzz_target!(|data: &[u8]| {
         }
         broken |= error.is_some();
         for f in frames {
-            let again = wire::encode(&f).expect("a frame read re-encodes");
+            let again = frames::encode(&f).expect("a frame read re-encodes");
             let (back, err) = FrameReader::new().feed(&again);
             assert!(err.is_none() && back == vec![f]);
         }
@@ -117,7 +117,7 @@ fuzz_target!(|data: &[u8]| {
                 last: true,
             },
         };
-        let bytes = wire::encode(&Frame::Status {
+        let bytes = frames::encode(&Frame::Status {
             status,
             bounced: None,
         })

@@ -38,7 +38,7 @@ its side has run (the decode frees it only after the scatter's event).
 
 **Completion.** Mooncake's engine (0.3.x) sends no notification with a transfer, so the chunk
 statuses travel on a side channel: one TCP connection per prefill rank to the decode side,
-carrying kvshard's binary frames (``kvshard::transfer::mooncake::wire``: a checked header,
+carrying kvshard's binary frames (``kvshard::transfer::mooncake::frames``: a checked header,
 then one postcard-encoded frame). kvshard's control channel (``kvshard::ipc``) is a Unix
 socket between processes of one host; the side channel needs ordered, reliable delivery
 across hosts and a peer's death seen as the connection's end: a killed process's socket is

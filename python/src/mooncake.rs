@@ -134,7 +134,7 @@ fn sections_of(wire: WireSections) -> PyResult<Vec<PackedSection>> {
                 .map(|code| {
                     u8::try_from(code)
                         .ok()
-                        .and_then(mc::wire::component_of)
+                        .and_then(mc::frames::component_of)
                         .ok_or_else(|| {
                             invalid(format!("component code {code} in a packed section"))
                         })
@@ -150,7 +150,7 @@ fn sections_of(wire: WireSections) -> PyResult<Vec<PackedSection>> {
 
 /// Packed sections in their Python form.
 fn sections_wire(sections: &[PackedSection]) -> WireSections {
-    let code = |c: Component| u32::from(mc::wire::component_code(c));
+    let code = |c: Component| u32::from(mc::frames::component_code(c));
     sections
         .iter()
         .map(|s| {
@@ -375,7 +375,7 @@ impl PyMooncakeChunk {
         status: &PyChunkStatus,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let frame = self.0.status_frame(status.0.clone());
-        let bytes = mc::wire::encode(&frame).map_err(|e| invalid(e.to_string()))?;
+        let bytes = mc::frames::encode(&frame).map_err(|e| invalid(e.to_string()))?;
         Ok(PyBytes::new(py, &bytes))
     }
 }

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use kvshard::transfer::mooncake::wire::{self, Bounced, Frame, FrameReader, Shape, WireSection};
+use kvshard::transfer::mooncake::frames::{self, Bounced, Frame, FrameReader, Shape, WireSection};
 use kvshard::transfer::mooncake::MooncakeReceiver;
 
 use crate::device_pool::PyDevicePool;
@@ -185,14 +185,14 @@ pub fn side_frame<'py>(
     frame: &Bound<'py, PyDict>,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let frame = frame_of(frame)?;
-    let bytes = wire::encode(&frame).map_err(|e| invalid(e.to_string()))?;
+    let bytes = frames::encode(&frame).map_err(|e| invalid(e.to_string()))?;
     Ok(PyBytes::new(py, &bytes))
 }
 
 /// The shape of a cache as a rank's `hi` states it, `[(component code, layers, block bytes)]`.
 #[pyfunction]
 pub fn side_shape(geometry: &PyCacheGeometry) -> Vec<(u8, u32, u64)> {
-    wire::shape_of(&geometry.0)
+    frames::shape_of(&geometry.0)
         .into_iter()
         .map(|s| (s.component, s.layers, s.block_bytes))
         .collect()
@@ -313,7 +313,7 @@ impl PyMooncakeReceiver {
             },
             Err(e) => (None, Frame::Refused { why: e.to_string() }),
         };
-        let bytes = wire::encode(&reply).map_err(|e| invalid(e.to_string()))?;
+        let bytes = frames::encode(&reply).map_err(|e| invalid(e.to_string()))?;
         Ok((rank, PyBytes::new(py, &bytes)))
     }
 

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result, sys};
 
-use super::status::StatusTracker;
+use super::status_word::StatusTracker;
 use super::{
     check, count_host_sync, ordered, sweep, AddressSpace, Backend, Buffer, Copy2d, Event,
     EventInner, KernelFamily, Launch, MemoryKind, StreamId, Usage,

@@ -1,4 +1,5 @@
-//! Per-call uploads of `_sync` calls (a checked write's slots, a checked quantizer's rows)
+//! int64s onto the device: their little-endian bytes, a set-up upload into a new buffer, and the
+//! per-call uploads of `_sync` calls (a checked write's slots, a checked quantizer's rows)
 //! without an allocation and a free per call: one device buffer per address space, lent to one
 //! call at a time and grown when too small.
 //!
@@ -8,7 +9,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use super::{i64s_to_bytes, AddressSpace, Backend, Buffer, MemoryKind};
+use super::{AddressSpace, Backend, Buffer, MemoryKind};
 use crate::error::{Checked, Result};
 use crate::lock::lock;
 
@@ -43,7 +44,7 @@ impl Drop for Upload {
 
 /// Uploads `values` through `backend` into the spare buffer of its address space (or a new
 /// one, when there is none or it is too small), waiting for the upload.
-pub(crate) fn upload_i64s_sync(backend: &dyn Backend, values: &[i64]) -> Result<Upload> {
+pub(crate) fn upload_reused_sync(backend: &dyn Backend, values: &[i64]) -> Result<Upload> {
     let bytes = values
         .len()
         .mul_or(8, || format!("bytes of {} int64s", values.len()))?
@@ -58,4 +59,28 @@ pub(crate) fn upload_i64s_sync(backend: &dyn Backend, values: &[i64]) -> Result<
     };
     backend.write_sync(&buffer, 0, &i64s_to_bytes(values))?;
     Ok(Upload(buffer))
+}
+
+/// Reads little-endian i64s from bytes.
+pub fn i64s_from_bytes(bytes: &[u8]) -> Vec<i64> {
+    bytes
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+        .collect()
+}
+
+/// Little-endian bytes of i64s.
+pub fn i64s_to_bytes(values: &[i64]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Uploads `values` into a new device buffer of `backend`, waiting for the copy (its one use
+/// is set-up: per-call uploads go through a reused table, see `copy::TableStore`).
+pub fn upload_i64s_sync(backend: &dyn Backend, values: &[i64]) -> Result<Buffer> {
+    let bytes = crate::error::Checked::mul_or(values.len(), 8, || {
+        format!("bytes of {} int64s", values.len())
+    })?;
+    let buf = backend.alloc(bytes, MemoryKind::Device)?;
+    backend.write_sync(&buf, 0, &i64s_to_bytes(values))?;
+    Ok(buf)
 }

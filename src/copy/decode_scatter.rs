@@ -21,8 +21,8 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::plan::check_distinct;
-use super::program::TableStore;
+use super::block_copy::TableStore;
+use super::block_copy_plan::check_distinct;
 use super::space::{check_same_components, BlockSpace, SpaceId};
 use crate::abi;
 use crate::backend::{check_space, AddressSpace, Backend, Event, Launch};

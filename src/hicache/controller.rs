@@ -39,9 +39,9 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::direct::{check_direct, HostTransfer};
-use super::plan::TransferPlan;
-use super::signals::LayerReady;
+use super::layer_ready::LayerReady;
 use super::staged::{check_relayout, StagedIo};
+use super::transfer_plan::TransferPlan;
 use crate::backend::{Backend, Event, Launch};
 use crate::chain::RequestChain;
 use crate::copy::{BlockSpace, Direction, LayerSignals, Layers, Method, TableBuffer};

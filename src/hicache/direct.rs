@@ -23,9 +23,9 @@
 
 use std::sync::Arc;
 
-use super::plan::TransferPlan;
+use super::transfer_plan::TransferPlan;
 use crate::backend::{Backend, Launch, Pages};
-use crate::copy::engine::{self, Sides};
+use crate::copy::dma::{self, Sides};
 use crate::copy::{
     BlockCopy, BlockCopyPlan, BlockSpace, CounterWait, Direction, IoCalls, LayerSignals, Layers,
     Method, PageSelection, TableBuffer,
@@ -274,7 +274,7 @@ impl HostTransfer {
     }
 
     /// The copy-engine calls one run of `layers` with `method` makes (none for a kernel).
-    fn program(&self, method: Method, layers: Layers) -> Vec<engine::Call> {
+    fn program(&self, method: Method, layers: Layers) -> Vec<dma::Call> {
         if self.plan.is_empty() {
             return Vec::new();
         }
@@ -348,7 +348,7 @@ impl HostTransfer {
                         (self.device.as_ref(), &device),
                         (self.host.as_ref(), &host),
                     );
-                unsafe { engine::submit(backend, self.program(method, layers), from, to) }
+                unsafe { dma::submit(backend, self.program(method, layers), from, to) }
             }
         }
     }

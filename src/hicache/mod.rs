@@ -19,10 +19,10 @@
 //! - [`HostPool`] (defined in `pool/host`, public here) in the `layer_first`, `page_first` and `page_first_direct`
 //!   layouts, allocated pinned (optionally next to the GPU, see [`NumaPlacement`]) or wrapping
 //!   engine memory registered in page-aligned chunks;
-//! - `plan`: [`TransferPlan`], the owner-aware, pure part of every transfer;
+//! - `transfer_plan`: [`TransferPlan`], the owner-aware, pure part of every transfer;
 //! - `direct`: [`HostTransfer`] straight between the pools with a [`Method`](crate::copy::Method);
 //! - `staged`: the staged pipeline ([`StagedIo`], a kernel or copy-engine relayout);
-//! - `signals`: [`LayerReady`], how a consumer waits for one layer;
+//! - `layer_ready`: [`LayerReady`], how a consumer waits for one layer;
 //! - `controller`: [`HiCacheController`], streams, acks and write policies;
 //! - `storage` (feature `nixl`): the L3 stage below the host pool (write-through and
 //!   write-back to a `pool::disk::DiskStore`, prefetch ahead of a load,
@@ -34,13 +34,13 @@
 
 mod controller;
 mod direct;
-mod plan;
-mod signals;
+mod layer_ready;
 mod staged;
 #[cfg(feature = "nixl")]
 mod storage;
 #[cfg(feature = "nixl")]
 mod storage_stage;
+mod transfer_plan;
 
 pub use controller::{
     BackupAck, CacheNode, HiCacheController, LoadAck, LoadHandle, Route, Streams, WritePolicy,
@@ -53,8 +53,8 @@ pub use crate::pool::host::{
     DraftPacking, HostBufferLayout, HostFormat, HostLayout, HostMemory, HostPool, HostRegion,
     LayoutStrides, NumaPlacement, RegisteredRegion,
 };
-pub use plan::{pages_of_tokens, TransferPlan};
-pub use signals::LayerReady;
+pub use layer_ready::LayerReady;
 pub use staged::StagedIo;
 #[cfg(feature = "nixl")]
 pub use storage_stage::{StorageAck, StorageOp, StoragePolicy};
+pub use transfer_plan::{pages_of_tokens, TransferPlan};

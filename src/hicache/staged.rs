@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use super::direct::{take_fit, HostTransfer};
 use crate::backend::{Backend, Event, Pages};
-use crate::copy::engine::{self, Call, Piece};
+use crate::copy::dma::{self, Call, Piece};
 use crate::copy::space::sealed::Sealed as _;
 use crate::copy::{
     BlockCopy, BlockCopyPlan, BlockSpace, Direction, Method, PageSelection, SpaceId, TableBuffer,
@@ -386,7 +386,7 @@ impl HostTransfer {
                 // SAFETY (mirror copies): every piece lies inside the host pool (its consecutive
                 // pages `seg.host_page..+seg.pages`, checked by the plan) and the mirror's first
                 // `seg.pages` pages, in the copy stream's address space (checked above).
-                unsafe { engine::submit(copy, self.mirror_copies(seg, mirror), from, to) }
+                unsafe { dma::submit(copy, self.mirror_copies(seg, mirror), from, to) }
             };
             let place = |stream: &dyn Backend| -> Result<()> {
                 match &kernels {
@@ -406,9 +406,7 @@ impl HostTransfer {
                                 (self.device.as_ref(), &seg_device),
                                 (mirror, &all),
                             );
-                        unsafe {
-                            engine::submit(stream, self.relayout_copies(seg, mirror), from, to)
-                        }
+                        unsafe { dma::submit(stream, self.relayout_copies(seg, mirror), from, to) }
                     }
                 }
             };

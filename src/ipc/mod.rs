@@ -2,8 +2,8 @@
 //!
 //! Prefill and decode run as separate processes, one per GPU. The decode process allocates its KV
 //! pool as exportable memory ([`crate::gpu::vmm`] on a GPU, [`shm::SharedMemory`] on the CPU twin;
-//! [`pool::ExportedPool`]) and publishes it over a [`channel::Channel`]; each prefill process
-//! imports and maps it ([`pool::ImportedPool`]) and writes pages straight into it, then reports
+//! [`shared_pool::ExportedPool`]) and publishes it over a [`channel::Channel`]; each prefill process
+//! imports and maps it ([`shared_pool::ImportedPool`]) and writes pages straight into it, then reports
 //! every chunk back over the same channel. The P/D protocol on top of these messages, as library
 //! types, is `crate::transfer::endpoint`.
 //!
@@ -34,7 +34,7 @@
 //!
 //! **Messages.** `PublishPool` (decode → prefill: the pool's id and memory kind, regions,
 //! per-component layer offsets, page stride and pages, and its geometry, postcard-encoded by
-//! `pool::encode_geometry`; one descriptor per region for the fd kinds), `Register` (decode →
+//! `shared_pool::encode_geometry`; one descriptor per region for the fd kinds), `Register` (decode →
 //! prefill: a request's pool, cached prefix, destination pages after it and indexer-state pages
 //! from position 0), `Chunk` (prefill → decode: the rank's `ChunkStatus` as it is: request, rank,
 //! chunk, and the bytes per component and whether it was final, or the failure), `EventHandle` (a CUDA interprocess event), `Abort`, `Heartbeat`,
@@ -67,23 +67,12 @@
 pub(crate) mod channel;
 pub mod group;
 mod link;
-pub(crate) mod pool;
+mod proc_stat;
+pub(crate) mod shared_pool;
 pub(crate) mod shm;
 pub mod wire;
 
 pub use channel::{recv_any, Channel, Listener, Liveness, Received};
-pub use pool::{ExportedPool, ImportedPool, PeerBackend};
+pub(crate) use proc_stat::proc_stat;
+pub use shared_pool::{ExportedPool, ImportedPool, PeerBackend};
 pub use shm::SharedMemory;
-
-/// State and start time of a process, from `/proc/<pid>/stat` (`None`: no such process): how a
-/// peer that exited is told from one that is only slow, and from a new process that reused its
-/// PID.
-pub(crate) fn proc_stat(pid: i32) -> Option<(char, Option<u64>)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name is in parentheses and may contain anything: fields follow the last ')'.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let mut fields = rest.split_whitespace();
-    let state = fields.next()?.chars().next()?;
-    let start = fields.nth(18).and_then(|s| s.parse().ok());
-    Some((state, start))
-}

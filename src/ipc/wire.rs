@@ -8,7 +8,7 @@
 use crate::gpu::vmm::HANDLE_BYTES;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::status::ChunkStatus;
+use crate::chunk_status::ChunkStatus;
 
 // The limits a violation names, and the violation itself, sit with the error type (the bottom of
 // the crate) so it depends on nothing above it.

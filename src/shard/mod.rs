@@ -5,7 +5,7 @@
 
 mod admission;
 mod allocator;
-mod decode;
+mod decode_layout;
 mod gather;
 mod placement;
 mod resolve;
@@ -16,7 +16,7 @@ pub use admission::{
 };
 pub(crate) use allocator::PageGenerations;
 pub use allocator::{AllocRequest, Allocation, ChainStart, ShardAllocator};
-pub use decode::{DecodeLayout, DecodeRow, DenseRows, MAX_DECODE_RANKS};
+pub use decode_layout::{DecodeLayout, DecodeRow, DenseRows, MAX_DECODE_RANKS};
 pub use gather::{GatherPlan, GatherRequest, ScratchLayout};
 pub use placement::Placement;
 pub use resolve::{resolve_owned, scratch_rows, ResolveMode, Resolved};

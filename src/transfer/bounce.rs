@@ -12,7 +12,7 @@
 //! whatever the chunk. Both sides compute the layout from the same (components, `k`) list, so
 //! nothing but that list crosses the wire.
 //!
-//! NIXL keeps its own per-component slots (`nixl::memory`), sized once and prepared as
+//! NIXL keeps its own per-component slots (`nixl::registration`), sized once and prepared as
 //! descriptor lists by prefix length: NIXL indexes prepared lists, Mooncake takes raw ranges.
 
 use std::fmt;

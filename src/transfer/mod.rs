@@ -23,10 +23,10 @@
 //!   [`OwnedRuns`](crate::copy::OwnedRuns)) and lists the layers they apply to; validates both
 //!   sides' geometry and every page before any byte moves.
 //! - `transport`: the [`Transport`] and [`Completion`] traits every transport implements;
-//!   `exec`: the in-process [`BackendTransport`] (also what sends into a decode pool of
+//!   `backend_transport`: the in-process [`BackendTransport`] (also what sends into a decode pool of
 //!   another process mapped into this one, [`BackendTransport::peer`]) and the
 //!   [`DescriptorBatch`] of absolute ranges network engines take.
-//! - send, receive, status: the per-rank [`Sender`], the decode-side [`Receiver`] that completes
+//! - `sender`, `receiver`, `chunk_status`: the per-rank [`Sender`], the decode-side [`Receiver`] that completes
 //!   a request only once every rank has reported its final chunk, fails it on any failure, and
 //!   reports it [`Overdue`] when its deadline passes first, and the one [`ChunkStatus`] both
 //!   speak (with its [`ComponentBytes`], defined at the bottom of the crate, below `ipc`, so the
@@ -46,38 +46,38 @@
 //! - `mooncake`: the transport on a transfer engine that moves raw ranges and carries no
 //!   notification (Mooncake's, driven from Python): the engine-facing sender, the side
 //!   channel's frames and the decode side that checks them.
-//! - `stream`: [`StreamTransport`], in-process, each chunk on the stream its caller names.
+//! - `stream_transport`: [`StreamTransport`], in-process, each chunk on the stream its caller names.
 
+pub(crate) mod backend_transport;
 mod bounce;
 mod decode_bounce;
 pub(crate) mod endpoint;
-pub(crate) mod exec;
 pub mod mooncake;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 pub(crate) mod plan;
-mod receive;
-mod send;
+mod receiver;
+mod sender;
 pub(crate) mod stats;
-mod stream;
+mod stream_transport;
 pub(crate) mod transport;
 
-pub use crate::status::{ChunkResult, ChunkStatus, ComponentBytes};
+pub use crate::chunk_status::{ChunkResult, ChunkStatus, ComponentBytes};
+pub use backend_transport::{BackendTransport, CallCounts, DescriptorBatch};
 pub use bounce::{BounceBuffer, Packed, PackedSection};
 pub use decode_bounce::{
     region_layout, region_of, DenseBounce, DenseChunk, DensePacked, DenseSection,
 };
 pub use endpoint::{DecodeEndpoint, DecodeEvent, PrefillEndpoint, PrefillEvent, CHUNK_EVENTS};
-pub use exec::{BackendTransport, CallCounts, DescriptorBatch};
 pub use plan::{
     ChunkRange, DecodePlan, DecodeRank, DecodeRegistration, DecodeSection, Descriptor, PoolLayout,
     PrefillRank, Registration, Section, SectionComponent, SendPlan,
 };
-pub use receive::{
+pub use receiver::{
     Finished, MissingChunks, Outcome, Overdue, Progress, RankFailure, Receiver, DEFAULT_DEADLINE,
     MAX_PREFILL_RANKS,
 };
-pub use send::{ChunkEnd, PendingChunk, Sender};
+pub use sender::{ChunkEnd, PendingChunk, Sender};
 pub use stats::{Metric, MetricKind, Posted, StatsSnapshot, TimeSnapshot, TransferStats};
-pub use stream::{StreamChoice, StreamTransport};
+pub use stream_transport::{StreamChoice, StreamTransport};
 pub use transport::{Completion, Transport};

@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 
-use super::*;
+use super::arena::Arena;
+use super::twins::{copy_block_unit, BlockLaunch};
 
 /// An operation that runs whole against the arena.
 pub(super) type Work = Box<dyn FnOnce(&mut Arena) -> Result<()> + Send>;

@@ -4,7 +4,7 @@
 use half::bf16;
 
 use crate::abi;
-use crate::backend::status::raise;
+use crate::backend::status_word::raise;
 use crate::error::{Error, Result};
 use crate::fp8;
 use crate::geometry::{
@@ -14,7 +14,7 @@ use crate::geometry::{
 use crate::index::{LogicalPage, Slot};
 use crate::shard::{DecodeLayout, Placement};
 
-use super::*;
+use super::arena::Arena;
 
 /// Raises the status word in `mem` for a bad input at `position`.
 pub(super) fn report(mem: &mut Arena, status: &abi::kvs_status, position: u64) -> Result<()> {

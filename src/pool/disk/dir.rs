@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{AtFlags, FileType, FlockOperation, Mode, OFlags, ResolveFlags};
 use rustix::io::Errno;
 
-use super::layout::storage;
+use super::slots::storage;
 use crate::error::{Error, Result, StorageFailure};
 
 /// How a file of the directory is opened.

@@ -25,10 +25,10 @@ use nixl_sys::{
     Agent, AgentConfig, MemType, OptArgs, ThreadSync, XferDescList, XferOp, XferStatus,
 };
 
-use super::layout::storage;
+use super::slots::storage;
 use crate::backend::{Backend, Buffer, MemoryKind};
 use crate::error::{Error, Result, StorageFailure};
-use crate::nixl::{dlerror, load, nixl_error, Region};
+use crate::nixl_runtime::{dlerror, load, nixl_error, Region};
 
 /// Most descriptors one request has in flight (below the 256 that hang published GDS runs).
 pub const MAX_IN_FLIGHT: usize = 128;

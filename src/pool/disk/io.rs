@@ -14,7 +14,7 @@ use nixl_sys::{
 };
 
 use crate::error::{Error, Result, StorageFailure};
-use crate::nixl::{load, nixl_error, Region};
+use crate::nixl_runtime::{load, nixl_error, Region};
 
 /// Which kernel queue NIXL's POSIX backend runs the store's I/O on.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -45,7 +45,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::dir::{How, StoreDir};
-use super::layout::storage;
+use super::slots::storage;
 use super::types::Damaged;
 use crate::error::{Error, Result, StorageFailure};
 use crate::key::{PageKey, KEY_BYTES};

@@ -51,11 +51,11 @@
 
 mod dir;
 pub mod gds;
-mod index;
 mod io;
 mod journal;
-mod layout;
+mod key_index;
 mod order;
+mod slots;
 mod store;
 mod types;
 

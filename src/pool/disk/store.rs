@@ -6,11 +6,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::dir::{How, StoreDir, WriterLock};
-use super::index::Index;
 use super::io::{FileIo, Io, IoQueue, Posted};
 use super::journal::{self, Header, Item, Journal, Record, Step, Tail};
-use super::layout::{check_page, dio_align, runs, storage, SlotLayout};
+use super::key_index::Index;
 use super::order::wait_for_queued_sync;
+use super::slots::{check_page, dio_align, runs, storage, SlotLayout};
 use super::types::{DiskConfig, DiskStats, LoadOutcome, Snapshot, StoreReport, MAX_STAGING_BYTES};
 use crate::backend::Backend;
 use crate::copy::BlockSpace;

@@ -17,7 +17,12 @@ use crate::ipc::wire::{self, Handle64, Hello, Register, Role};
 use crate::ipc::{recv_any, Channel, ExportedPool, Listener, Liveness};
 use crate::ipc::{PeerBackend, Received};
 
-use super::*;
+/// Longest a [`DecodeEndpoint::poll_sync`] sleeps between looks at what its socket poll cannot
+/// see: new connections, events of chunks reported ahead of their copies, exits of gone ranks,
+/// deadlines passing.
+const LOOK_AGAIN: Duration = Duration::from_millis(20);
+/// The same while a status waits for its event.
+const LOOK_AGAIN_EVENTS: Duration = Duration::from_micros(50);
 
 /// A process on the other end of a connection, as far as telling that it has exited goes.
 #[derive(Debug, Clone)]

@@ -55,26 +55,11 @@
 //!   status if it is still sending it, with an `Abort` of its own if it is done with it (its
 //!   last status was lost on the way), which the decode takes as the rank's failed last status.
 
-use std::time::Duration;
-
-use crate::lock::lock;
-
 mod decode;
 mod prefill;
 
 pub use decode::{DecodeEndpoint, DecodeEvent};
-pub use prefill::{PrefillEndpoint, PrefillEvent};
-
-/// Interprocess events a GPU prefill rank shares: enough that the decode falling a few chunks
-/// behind still waits for the chunk it asks about rather than a much later one.
-pub const CHUNK_EVENTS: usize = 4;
-
-/// Longest a [`DecodeEndpoint::poll_sync`] sleeps between looks at what its socket poll cannot
-/// see: new connections, events of chunks reported ahead of their copies, exits of gone ranks,
-/// deadlines passing.
-const LOOK_AGAIN: Duration = Duration::from_millis(20);
-/// The same while a status waits for its event.
-const LOOK_AGAIN_EVENTS: Duration = Duration::from_micros(50);
+pub use prefill::{PrefillEndpoint, PrefillEvent, CHUNK_EVENTS};
 
 #[cfg(test)]
 mod tests {

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::super::exec::{BackendTransport, CallCounts};
+use super::super::backend_transport::{BackendTransport, CallCounts};
 use super::super::plan::Registration;
 use super::super::ComponentBytes;
 use super::super::{ChunkEnd, ChunkResult, ChunkStatus, PendingChunk, Sender};
@@ -22,7 +22,11 @@ use crate::ipc::{Channel, ImportedPool, Liveness};
 use crate::ipc::{PeerBackend, Received};
 use crate::pool::DevicePool;
 
-use super::*;
+use crate::lock::lock;
+
+/// Interprocess events a GPU prefill rank shares: enough that the decode falling a few chunks
+/// behind still waits for the chunk it asks about rather than a much later one.
+pub const CHUNK_EVENTS: usize = 4;
 
 /// A GPU rank's ring of interprocess events and the stream they are recorded on.
 struct EventRing {

@@ -17,19 +17,19 @@
 //!                          <── Aborted ────────────────── once nothing of it is in flight
 //! ```
 //!
-//! - `wire`: the side channel's frames and the [`FrameReader`](wire::FrameReader) that checks
+//! - `frames`: the side channel's frames and the [`FrameReader`](frames::FrameReader) that checks
 //!   them (what the fuzz target `mooncake_frames` feeds).
-//! - `send`: the prefill side, [`MooncakeSender`]: a [`Sender`](super::Sender) whose transport
+//! - `prefill_side`: the prefill side, [`MooncakeSender`]: a [`Sender`](super::Sender) whose transport
 //!   hands each chunk to the engine ([`MooncakeChunk`]) instead of moving it.
-//! - `receive`: the decode side, [`MooncakeReceiver`]: bounce scatters, per-rank chunk order,
+//! - `decode_side`: the decode side, [`MooncakeReceiver`]: bounce scatters, per-rank chunk order,
 //!   every status checked before use, gone ranks and deadlines.
-//! - `memory`: addresses as the engine registers them ([`EngineAddresses`]).
+//! - `addresses`: addresses as the engine registers them ([`EngineAddresses`]).
 
-mod memory;
-mod receive;
-mod send;
-pub mod wire;
+mod addresses;
+mod decode_side;
+pub mod frames;
+mod prefill_side;
 
-pub use memory::{merged, pool_memory, EngineAddresses, PoolMemory};
-pub use receive::{MooncakeReceiver, SideCounters, MAX_HELD_STATUSES, MAX_SLOTS};
-pub use send::{DecodeTarget, MooncakeChunk, MooncakeConfig, MooncakeMode, MooncakeSender};
+pub use addresses::{merged, pool_memory, EngineAddresses, PoolMemory};
+pub use decode_side::{MooncakeReceiver, SideCounters, MAX_HELD_STATUSES, MAX_SLOTS};
+pub use prefill_side::{DecodeTarget, MooncakeChunk, MooncakeConfig, MooncakeMode, MooncakeSender};

@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 
 use nixl_sys::XferRequest;
 
+use super::agent::{Agent, Progress};
 use super::connection::State;
-use super::memory::component_index;
 use super::notice::{component_code, Bounced, Notice};
-use super::runtime::{Agent, Progress};
+use super::registration::component_index;
 use super::NixlMode;
 use crate::backend::{Event, KernelFamily, Launch};
 use crate::copy::{BlockCopyPlan, BlockSpace, PageSelection, RemoteSpace};

@@ -10,10 +10,10 @@ use std::sync::Arc;
 
 use nixl_sys::{RegistrationHandle, XferRequest};
 
+use super::agent::{Agent, Memory, Prepared, Progress};
 use super::lists::ListLayout;
-use super::memory::{BounceSpace, NixlBackend};
 use super::notice::Notice;
-use super::runtime::{Agent, Memory, Prepared, Progress};
+use super::registration::{BounceSpace, NixlBackend};
 use super::NixlConfig;
 use crate::backend::Buffer;
 use crate::copy::{BlockSpace, RemoteSpace, TableStore};

@@ -66,145 +66,20 @@
 //! peer goes; a request still moving when its completion is dropped is kept until NIXL is done
 //! with it.
 
+mod agent;
 mod chunks;
+mod config;
 mod connection;
+mod initiator;
 mod lists;
-mod memory;
 mod notice;
-mod receive;
-mod runtime;
-mod send;
+mod peer_geometry;
+mod registration;
+mod target;
 
-use std::time::Duration;
-
-pub use memory::NixlBackend;
-pub use receive::NixlTarget;
-pub use runtime::load;
-pub use send::NixlTransport;
-
-use crate::error::{Error, Result};
-use crate::geometry::{CacheGeometry, LatentLayout, PoolGeometry};
-use crate::ipc::wire::WirePool;
-
-/// How a [`NixlTransport`] posts each chunk.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum NixlMode {
-    /// Bounce or coalesced per chunk, by the rule in the module docs.
-    Auto,
-    /// Coalesced runs only.
-    Coalesced,
-    /// Bounce whenever a slot is free on both sides and the sections fit a slot; coalesced
-    /// otherwise.
-    Bounce,
-    /// One descriptor per (page, layer) block, unmerged (the baseline).
-    PerBlock,
-}
-
-/// Settings of either side.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NixlConfig {
-    /// The NIXL agent's name: unique among the agents that meet.
-    pub agent: String,
-    /// How chunks are posted (prefill side).
-    pub mode: NixlMode,
-    /// Pages one bounce slot holds (decode side; the prefill side takes the decode's figure).
-    /// A slot holds that many pages of every component: `slot_pages x page bytes` each side.
-    /// 0 disables bouncing.
-    pub slot_pages: u64,
-    /// Bounce slots per prefill rank (decode side; at most
-    /// [`MAX_NIXL_SLOTS`](crate::ipc::wire::MAX_NIXL_SLOTS)).
-    pub slots: usize,
-    /// [`NixlMode::Auto`] bounces a chunk whose coalesced descriptors average fewer bytes.
-    pub bounce_below: u64,
-    /// A transfer that has not landed this long after it was posted fails (prefill side).
-    pub transfer_timeout: Duration,
-    /// How long the decode side waits for a request, from its registration to every rank's
-    /// last status, before [`NixlTarget::expire`] reports it overdue (decode side).
-    pub deadline: Duration,
-}
-
-impl NixlConfig {
-    /// Defaults for agent `agent`: [`NixlMode::Auto`], 2 slots of 64 pages per rank, bounce
-    /// under 512 KiB per descriptor, 30 s transfer timeout, requests due
-    /// [`DEFAULT_DEADLINE`](crate::transfer::DEFAULT_DEADLINE) after registration.
-    pub fn new(agent: impl Into<String>) -> Self {
-        Self {
-            agent: agent.into(),
-            mode: NixlMode::Auto,
-            slot_pages: 64,
-            slots: 2,
-            bounce_below: 512 << 10,
-            transfer_timeout: Duration::from_secs(30),
-            deadline: crate::transfer::DEFAULT_DEADLINE,
-        }
-    }
-}
-
-fn wire_pool(p: &PoolGeometry) -> WirePool {
-    WirePool {
-        latent_row_bytes: p.latent.row_bytes() as u32,
-        page_size: p.page_size as u32,
-        indexer_head_dim: p.indexer_head_dim as u32,
-        indexer_quant_block: p.indexer_quant_block as u32,
-        indexer_layers: p.indexer_layers.clone(),
-    }
-}
-
-fn pool_of(w: &WirePool) -> Result<PoolGeometry> {
-    let latent = LatentLayout::ALL
-        .into_iter()
-        .find(|l| l.row_bytes() == w.latent_row_bytes as usize)
-        .ok_or_else(|| {
-            Error::InvalidGeometry(format!(
-                "the peer's latent rows are {} B, a layout kvshard does not know",
-                w.latent_row_bytes
-            ))
-        })?;
-    Ok(PoolGeometry {
-        latent,
-        page_size: w.page_size as usize,
-        indexer_head_dim: w.indexer_head_dim as usize,
-        indexer_quant_block: w.indexer_quant_block as usize,
-        indexer_layers: w.indexer_layers.clone(),
-    })
-}
-
-/// The wire form of a geometry: (target, draft).
-pub(crate) fn wire_geometry(g: &CacheGeometry) -> (WirePool, Option<WirePool>) {
-    (wire_pool(&g.target), g.draft.as_ref().map(wire_pool))
-}
-
-/// The geometry a peer announced, validated.
-pub(crate) fn geometry_of(target: &WirePool, draft: Option<&WirePool>) -> Result<CacheGeometry> {
-    let g = CacheGeometry {
-        target: pool_of(target)?,
-        draft: draft.map(pool_of).transpose()?,
-    };
-    g.validate()?;
-    Ok(g)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn geometry_round_trips_through_the_wire() {
-        for g in [
-            CacheGeometry::with_draft(PoolGeometry::with_indexer_layers(
-                LatentLayout::Fp8Scaled,
-                vec![true, false, true],
-            )),
-            CacheGeometry::target_only(PoolGeometry::new(LatentLayout::Bf16, 2)),
-        ] {
-            let (t, d) = wire_geometry(&g);
-            assert_eq!(geometry_of(&t, d.as_ref()).unwrap(), g);
-        }
-        let (mut t, _) = wire_geometry(&CacheGeometry::target_only(PoolGeometry::new(
-            LatentLayout::Fp8Trtllm,
-            1,
-        )));
-        t.latent_row_bytes = 100;
-        assert!(geometry_of(&t, None).is_err());
-    }
-}
+pub use agent::load;
+pub use config::{NixlConfig, NixlMode};
+pub use initiator::NixlTransport;
+pub(crate) use peer_geometry::{geometry_of, wire_geometry};
+pub use registration::NixlBackend;
+pub use target::NixlTarget;

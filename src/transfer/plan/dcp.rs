@@ -24,12 +24,12 @@ use std::sync::Arc;
 
 use super::build::{check_layouts, check_sources};
 use super::{ChunkRange, PoolLayout, PrefillRank, Registration, SectionComponent};
+use crate::chunk_status::ComponentBytes;
 use crate::copy::{BlockSpace, DecodeScatterPlan, ScatterRank, ScatterSection};
 use crate::error::{Checked, Error, Result};
 use crate::geometry::{INDEXER_ROW_BYTES, PAGE_SIZE};
 use crate::index::{LocalPage, LogicalPage};
 use crate::shard::{DecodeLayout, Placement};
-use crate::status::ComponentBytes;
 
 const PAGE: u64 = PAGE_SIZE as u64;
 

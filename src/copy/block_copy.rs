@@ -2,7 +2,7 @@
 //! in kvshard's own [`TableBuffer`]) and launched whole, per layer, per window of entries or
 //! signalled; and the [`TableStore`] of one-shot launches (a P/D chunk's copy, its tables in
 //! the launch's parameters when they fit; a range table).
-//! The plan itself, plain data checked against both spaces, is built in `copy::plan`.
+//! The plan itself, plain data checked against both spaces, is built in `copy::block_copy_plan`.
 //!
 //! A plan remembers the identity of the two spaces; [`BlockCopy::prepare_sync`] takes shared
 //! ownership of exactly those spaces (anything else is refused), so the memory a launch
@@ -13,7 +13,7 @@ use std::fmt;
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::signals::{CounterWait, LayerSignals};
+use super::ready_counters::{CounterWait, LayerSignals};
 use super::space::BlockSpace;
 use crate::abi;
 use crate::backend::{
@@ -23,7 +23,7 @@ use crate::backend::{
 use crate::error::{Error, Result};
 use crate::index::ModelLayer;
 
-pub use super::plan::{BlockCopyPlan, PageSelection};
+pub use super::block_copy_plan::{BlockCopyPlan, PageSelection};
 
 /// Device memory holding a prepared copy's tables. Only kvshard makes these, so a copy's
 /// tables can never be a caller's buffer (a slice of the KV pool, say); a finished copy hands

@@ -7,8 +7,8 @@
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::memory::EngineAddresses;
-use super::wire::{component_code, Bounced, Frame, WireSection};
+use super::addresses::EngineAddresses;
+use super::frames::{component_code, Bounced, Frame, WireSection};
 use crate::backend::{Backend, Event};
 use crate::copy::RemoteSpace;
 use crate::error::{Error, Result};

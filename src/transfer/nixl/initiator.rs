@@ -10,11 +10,11 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::agent::Agent;
 use super::chunks::{InFlight, Stage};
 use super::connection::State;
-use super::memory::NixlBackend;
 use super::notice::Notice;
-use super::runtime::Agent;
+use super::registration::NixlBackend;
 use super::{geometry_of, wire_geometry, NixlConfig, NixlMode};
 use crate::copy::{RemoteSpace, TableStore};
 use crate::error::{Error, Result};

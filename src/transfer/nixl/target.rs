@@ -8,9 +8,9 @@ use std::sync::Arc;
 
 use nixl_sys::RegistrationHandle;
 
-use super::memory::{BounceSpace, NixlBackend};
+use super::agent::Agent;
 use super::notice::{component_of, Bounced, Notice};
-use super::runtime::Agent;
+use super::registration::{BounceSpace, NixlBackend};
 use super::{geometry_of, wire_geometry, NixlConfig};
 use crate::backend::{Buffer, Event, KernelFamily, Launch};
 use crate::copy::{BlockCopyPlan, BlockSpace, PageSelection, TableStore};

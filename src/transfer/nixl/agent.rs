@@ -1,5 +1,5 @@
 //! A thin wrapper over one NIXL agent with its UCX backend that turns every NIXL status into an
-//! [`Error`] (the library itself is loaded by [`crate::nixl::load`]).
+//! [`Error`] (the library itself is loaded by [`crate::nixl_runtime::load`]).
 
 use nixl_sys::{
     Agent as RawAgent, AgentConfig, Backend as RawBackend, MemType, NotificationMap, OptArgs,
@@ -8,8 +8,8 @@ use nixl_sys::{
 };
 
 use crate::error::Result;
-pub use crate::nixl::load;
-use crate::nixl::{nixl_error, Region};
+pub use crate::nixl_runtime::load;
+use crate::nixl_runtime::{nixl_error, Region};
 
 /// NIXL's kind of memory for the regions and descriptors of one side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

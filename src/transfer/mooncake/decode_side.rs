@@ -26,8 +26,8 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::memory::EngineAddresses;
-use super::wire::{self, component_of, Bounced, Frame, FrameReader, Shape};
+use super::addresses::EngineAddresses;
+use super::frames::{self, component_of, Bounced, Frame, FrameReader, Shape};
 use crate::backend::{Backend, Event};
 use crate::error::causes::ProtocolError;
 use crate::error::{Error, Result};
@@ -184,7 +184,7 @@ impl MooncakeReceiver {
 
     /// The pool's shape, as a rank's `Hi` must state it.
     pub fn shape(&self) -> Vec<Shape> {
-        wire::shape_of(self.pool.geometry())
+        frames::shape_of(self.pool.geometry())
     }
 
     /// The engine's `(address, bytes)` of `rank`'s bounce buffers, one per slot: register them
@@ -231,7 +231,7 @@ impl MooncakeReceiver {
         if r.joined {
             return Err(refused(format!("rank {rank} has joined already")));
         }
-        let (_, bases) = super::memory::pool_memory(&self.pool, &self.addresses)
+        let (_, bases) = super::addresses::pool_memory(&self.pool, &self.addresses)
             .map_err(|e| refused(e.to_string()))?;
         let bounce = self
             .bounce_regions(*rank)
@@ -272,7 +272,7 @@ impl MooncakeReceiver {
             pages: registration.pages.iter().map(|p| p.0).collect(),
             state_pages: registration.state_pages.iter().map(|p| p.0).collect(),
         };
-        let bytes = wire::encode(&frame).map_err(|e| Error::Transfer {
+        let bytes = frames::encode(&frame).map_err(|e| Error::Transfer {
             request,
             reason: format!("cannot be sent: {e}"),
         })?;
@@ -344,7 +344,7 @@ impl MooncakeReceiver {
             return;
         }
         // The frames this side makes always encode (a free or an abort is a few bytes).
-        if let Ok(bytes) = wire::encode(frame) {
+        if let Ok(bytes) = frames::encode(frame) {
             r.outgoing.extend(bytes);
         }
     }

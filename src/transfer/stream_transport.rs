@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use super::exec::BackendTransport;
+use super::backend_transport::BackendTransport;
 use super::plan::{DecodePlan, SendPlan};
 use super::stats::TransferStats;
 use super::transport::{Completion, Transport};

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use nixl_sys::RegistrationHandle;
 
-use super::runtime::{Agent, Memory};
+use super::agent::{Agent, Memory};
 use crate::abi;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;

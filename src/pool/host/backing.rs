@@ -12,6 +12,7 @@ use crate::geometry::{CacheGeometry, ComponentLayout};
 use crate::gpu::memory::{ForeignRegistration, HostRegistration};
 use crate::gpu::{topology, Gpu};
 
+use super::host_pool::HostBuf;
 use super::*;
 
 /// Registration chunks are whole multiples of this as well as of a page, so two chunks never
@@ -72,6 +73,12 @@ pub struct HostMemory {
     /// Its host address, where the caller knows it.
     pub host: Option<*mut u8>,
 }
+
+// SAFETY: the raw host addresses are plain numbers here (never dereferenced by the pool); the
+// memory they name is owned by the buffers' allocations, which are Send + Sync.
+unsafe impl Send for HostMemory {}
+// SAFETY: see Send.
+unsafe impl Sync for HostMemory {}
 
 impl HostPool {
     /// Allocates a pool of `pages` pages in kvshard's format ([`HostFormat::kvshard`]) through

@@ -21,9 +21,9 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::chunk_status::{ChunkResult, ChunkStatus};
 use crate::error::causes::ProtocolError;
 use crate::geometry::{CacheGeometry, Component};
-use crate::status::{ChunkResult, ChunkStatus};
 
 /// The first four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"KVSM";
@@ -382,7 +382,7 @@ impl FrameReader {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::status::ComponentBytes;
+    use crate::chunk_status::ComponentBytes;
 
     fn status(chunk: u32) -> ChunkStatus {
         let mut bytes = ComponentBytes::default();

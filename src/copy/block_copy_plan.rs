@@ -1,7 +1,7 @@
 //! Block copies between block spaces as plain data: the only place a
 //! `kvs_copy_blocks_params` and its pair table are built. Gathers and scatters between pools
 //! and staging, P/D sends into a decode pool, and HiCache's kernel paths (direct, signalled,
-//! staged relayouts) all describe what moves as a [`BlockCopyPlan`]; `copy::program` uploads
+//! staged relayouts) all describe what moves as a [`BlockCopyPlan`]; `copy::block_copy` uploads
 //! and runs it.
 //!
 //! A plan is plain data with private fields, checked in full against both spaces when it is
