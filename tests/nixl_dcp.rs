@@ -8,17 +8,21 @@
 //! per (chunk, prefill rank, decode rank it moves rows to).
 //!
 //! The agents (N x M prefill agents, M decode agents) meet over UCX's TCP transport
-//! (`UCX_TLS=tcp,self`, `UCX_NET_DEVICES=lo`) on DRAM pools, in a process of their own (this
-//! binary run again with `--exact child_entry`): NIXL 1.5 was seen corrupting its heap when
-//! agents come and go in one process across tests. Without the NIXL runtime the test prints
-//! SKIPPED, or fails when KVSHARD_REQUIRE_NIXL is set.
+//! (`UCX_TLS=tcp,self`, `UCX_NET_DEVICES=lo`) on DRAM pools: in one process of their own for
+//! random cases (this binary run again with `--exact child_entry`: NIXL 1.5 was seen corrupting
+//! its heap when agents come and go in one process across tests), and with a process per rank
+//! (each decode rank and each prefill rank its own process, meeting through files in a
+//! directory: their `NixlPeer`s, then "ready" and "done" marks; every process derives the same
+//! case, pages and bytes from one seed, so only NIXL's traffic carries the data). Without the
+//! NIXL runtime the tests print SKIPPED, or fail when KVSHARD_REQUIRE_NIXL is set.
 
 mod common;
 
 use common::dcp::{difference, owed, relayout, setup_with, Case, DecodeSide, PAGE, REQUEST};
 
 use std::io::Write;
-use std::process::{Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -35,6 +39,10 @@ use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
 
 const CHILD: &str = "KVSHARD_NIXL_DCP_CHILD";
+const DIR: &str = "KVSHARD_NIXL_DCP_DIR";
+const RANK: &str = "KVSHARD_NIXL_DCP_RANK";
+/// The seed every process of the test with a process per rank derives pages and bytes from.
+const PROCESS_SEED: u64 = 0x37dc9;
 /// Generous: agents start, and a loaded 2-core machine moves bytes over TCP.
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -57,29 +65,49 @@ fn isolated(test: &str, case: &str) {
     if !nixl_available(test) {
         return;
     }
-    let mut child = Command::new(std::env::current_exe().expect("test binary path"))
+    wait_all(test, vec![spawn(case, &[])]);
+}
+
+/// This binary again, running `case` over UCX TCP loopback with `env` set.
+fn spawn(case: &str, env: &[(&str, String)]) -> Child {
+    Command::new(std::env::current_exe().expect("test binary path"))
         .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
         .env(CHILD, case)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .env("UCX_TLS", "tcp,self")
         .env("UCX_NET_DEVICES", "lo")
         .stdout(Stdio::inherit())
         .stderr(Stdio::inherit())
         .spawn()
-        .expect("spawn the test process");
+        .expect("spawn a test process")
+}
+
+/// Waits for every process (bounded); kills the rest and fails when one fails.
+fn wait_all(test: &str, mut children: Vec<Child>) {
     let deadline = Instant::now() + 4 * WAIT;
-    loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            assert!(
-                status.success(),
-                "{test}: the test process failed ({status}); its stderr says why"
-            );
-            return;
+    while !children.is_empty() {
+        let mut i = 0;
+        while i < children.len() {
+            if let Some(status) = children[i].try_wait().expect("wait") {
+                if !status.success() {
+                    for c in &mut children {
+                        let _ = c.kill();
+                        let _ = c.wait();
+                    }
+                    panic!("{test}: a test process failed ({status}); its stderr says why");
+                }
+                children.swap_remove(i);
+            } else {
+                i += 1;
+            }
         }
         if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
+            for c in &mut children {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
             panic!(
-                "{test}: the test process did not finish within {:?}",
+                "{test}: the test processes did not finish within {:?}",
                 4 * WAIT
             );
         }
@@ -95,6 +123,15 @@ fn child_entry() {
     match case.as_str() {
         "random_cases" => case_random_cases(),
         "refusals" => case_refusals(),
+        "decode" | "prefill" => {
+            let dir = PathBuf::from(std::env::var(DIR).expect("dir"));
+            let rank: u32 = std::env::var(RANK).expect("rank").parse().expect("rank");
+            if case == "decode" {
+                decode_process(&dir, rank)
+            } else {
+                prefill_process(&dir, rank)
+            }
+        }
         other => panic!("unknown case {other}"),
     }
 }
@@ -113,6 +150,199 @@ fn nixl_dcp_refuses_what_it_cannot_carry_before_anything_moves() {
         "nixl_dcp_refuses_what_it_cannot_carry_before_anything_moves",
         "refusals",
     );
+}
+
+/// The case of the test with a process per rank: N = 2 prefill ranks into M = 3 decode ranks at
+/// I = 1 (a page's rows over every decode rank), three chunks after a cached page, the draft and
+/// the indexer, separate state pages.
+fn process_case() -> Case {
+    Case {
+        n: 2,
+        layout: DecodeLayout::new(3, 1).unwrap(),
+        geometry: CacheGeometry::with_draft(PoolGeometry::with_indexer_layers(
+            LatentLayout::Fp8Trtllm,
+            vec![true, false],
+        )),
+        chunk_ends: vec![150, 300, 420],
+        prefix_pages: 1,
+        contiguous: false,
+        separate_state: true,
+    }
+}
+
+#[test]
+fn nixl_dcp_a_process_per_rank_matches_the_relaid_reference() {
+    let test = "nixl_dcp_a_process_per_rank_matches_the_relaid_reference";
+    if !nixl_available(test) {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("kvshard-nixl-dcp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let case = process_case();
+    let mut children = Vec::new();
+    for d in 0..case.layout.ranks() {
+        let env = [(DIR, dir.display().to_string()), (RANK, d.to_string())];
+        children.push(spawn("decode", &env));
+    }
+    for r in 0..case.n {
+        let env = [(DIR, dir.display().to_string()), (RANK, r.to_string())];
+        children.push(spawn("prefill", &env));
+    }
+    wait_all(test, children);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Writes `bytes` to `dir/name` whole (a rename: a reader never sees part of it).
+fn put(dir: &Path, name: &str, bytes: &[u8]) {
+    let tmp = dir.join(format!(".{name}.{}", std::process::id()));
+    std::fs::write(&tmp, bytes).expect("write");
+    std::fs::rename(&tmp, dir.join(name)).expect("rename");
+}
+
+/// Waits (bounded) for `dir/name`, calling `tick` meanwhile; its bytes.
+fn take(dir: &Path, name: &str, mut tick: impl FnMut()) -> Vec<u8> {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Ok(bytes) = std::fs::read(dir.join(name)) {
+            return bytes;
+        }
+        assert!(Instant::now() < deadline, "{name} never came");
+        tick();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn peer_of(bytes: &[u8]) -> kvshard::ipc::wire::NixlPeer {
+    postcard::from_bytes(bytes).expect("a NixlPeer")
+}
+
+/// Decode rank `d`: its pool and target, connected to every prefill rank; receives the request
+/// and checks its pool against the relaid reference.
+fn decode_process(dir: &Path, d: u32) {
+    let cpu = immediate_cpu();
+    let base: Arc<dyn Backend> = cpu.clone();
+    let stream = || -> Arc<dyn Backend> { cpu.clone() };
+    let case = process_case();
+    let mut rng = StdRng::seed_from_u64(PROCESS_SEED);
+    let s = setup_with(&base, &stream, &registrable(&cpu), &case, &mut rng);
+    let n = case.n;
+    let config = NixlConfig {
+        slot_pages: case.pages() as u64 + 1,
+        slots: 2,
+        ..NixlConfig::new(format!("proc-decode{d}"))
+    };
+    let pool = s.decode[d as usize].pool.clone();
+    let mut target =
+        NixlTarget::new(NixlBackend::Cpu(cpu.clone()), pool.clone(), n, config).expect("target");
+    for r in 0..n {
+        let info = postcard::to_allocvec(&target.peer_info(r).expect("info")).unwrap();
+        put(dir, &format!("decode{d}-for{r}"), &info);
+    }
+    for r in 0..n {
+        let peer = peer_of(&take(dir, &format!("prefill{r}-for{d}"), || {}));
+        target.connect(r, &peer).expect("connect");
+    }
+    target.register(s.reg.rank(d).unwrap()).expect("register");
+    put(dir, &format!("ready{d}"), b"");
+    let mut finished = Vec::new();
+    let deadline = Instant::now() + WAIT;
+    while finished.is_empty() {
+        finished = target.poll().expect("poll");
+        assert!(
+            Instant::now() < deadline,
+            "decode rank {d}: the request never finished"
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    assert!(
+        finished[0].is_completed(),
+        "decode rank {d}: {:?}",
+        finished[0]
+    );
+    let owed: Vec<_> = (0..n).map(|r| owed(&case, &s.src, r, d)).collect();
+    assert_eq!(finished[0].bytes, owed, "decode rank {d}");
+    let reference = s.reference.snapshot_sync(base.as_ref()).unwrap();
+    let want = relayout(
+        &case,
+        &reference,
+        s.reference_pages,
+        &s.src,
+        &s.reg,
+        s.decode_pages,
+        &s.before,
+    );
+    let got = pool.snapshot_sync(cpu.as_ref()).unwrap();
+    if let Some(at) = difference(&case, s.decode_pages, &got, &want[d as usize]) {
+        panic!("decode rank {d} differs from the relaid reference at {at}");
+    }
+    // The prefill ranks' empty parts complete on this side's receipts: stay until they are done.
+    for r in 0..n {
+        take(dir, &format!("done{r}"), || {
+            let _ = target.poll();
+        });
+    }
+    println!("nixl dcp process: decode rank {d} byte-identical to the relaid reference");
+}
+
+/// Prefill rank `r`: its pool and a decode group transport connected to every decode rank;
+/// sends the request chunk by chunk and counts its descriptors.
+fn prefill_process(dir: &Path, r: u32) {
+    let cpu = immediate_cpu();
+    let base: Arc<dyn Backend> = cpu.clone();
+    let stream = || -> Arc<dyn Backend> { cpu.clone() };
+    let case = process_case();
+    let m = case.layout.ranks();
+    let mut rng = StdRng::seed_from_u64(PROCESS_SEED);
+    let s = setup_with(&base, &stream, &registrable(&cpu), &case, &mut rng);
+    let pool = s.ranks[r as usize].1.clone();
+    let config = NixlConfig {
+        transfer_timeout: WAIT,
+        ..NixlConfig::new(format!("proc-prefill{r}"))
+    };
+    let t = NixlDecodeTransport::new(NixlBackend::Cpu(cpu.clone()), pool.clone(), config, m)
+        .expect("transport");
+    let mut dsts = Vec::new();
+    for d in 0..m {
+        let info = postcard::to_allocvec(&t.peer_info(d).expect("info")).unwrap();
+        put(dir, &format!("prefill{r}-for{d}"), &info);
+        let peer = peer_of(&take(dir, &format!("decode{d}-for{r}"), || {}));
+        dsts.push(t.connect(d, &peer).expect("connect"));
+    }
+    for d in 0..m {
+        take(dir, &format!("ready{d}"), || {});
+    }
+    let mut sender = Sender::new(pool, Box::new(t.clone()));
+    sender.open_decode(s.reg.clone(), dsts).expect("open");
+    let mut descriptors = 0u64;
+    for i in 0..case.chunk_ends.len() {
+        assert!(
+            t.wait_for_slots_sync(WAIT),
+            "rank {r}: slots never came back"
+        );
+        let table = &s.src[..case.chunk_ends[i].div_ceil(PAGE_SIZE)];
+        let pending = sender
+            .send(REQUEST, table, case.end(i))
+            .unwrap_or_else(|e| panic!("rank {r} chunk {i}: {e}"));
+        descriptors += pending
+            .decode_bytes()
+            .iter()
+            .filter(|b| b.total() > 0)
+            .count() as u64;
+        for status in pending.wait_each_sync().expect("chunk") {
+            assert!(
+                matches!(status.result, ChunkResult::Sent { .. }),
+                "{status}"
+            );
+        }
+    }
+    assert_eq!(
+        t.transfer_stats().snapshot().descriptors,
+        descriptors,
+        "rank {r}: one descriptor per (chunk, decode rank reached)"
+    );
+    put(dir, &format!("done{r}"), b"");
+    println!("nixl dcp process: prefill rank {r} sent {descriptors} descriptors");
 }
 
 /// A CPU backend in immediate order: NIXL reads and writes its arena without waiting for any
