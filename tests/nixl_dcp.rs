@@ -96,7 +96,8 @@ fn wait_all(test: &str, mut children: Vec<Child>) {
                     }
                     panic!("{test}: a test process failed ({status}); its stderr says why");
                 }
-                children.swap_remove(i);
+                // Reaped by try_wait already: wait returns its status at once.
+                let _ = children.swap_remove(i).wait();
             } else {
                 i += 1;
             }
