@@ -654,6 +654,8 @@ fn case_refusals() {
         .expect_err("too large for a slot");
     assert!(e.to_string().contains("bounce slot"), "{e}");
     assert_eq!(t.transfer_stats().snapshot().descriptors, 0);
+    // The slots it took for the ranks before the refusal are free again.
+    assert!(t.wait_for_slots_sync(Duration::ZERO), "slots given back");
     for (d, side) in s.decode.iter().enumerate() {
         assert_eq!(
             side.pool.snapshot_sync(cpu.as_ref()).unwrap(),

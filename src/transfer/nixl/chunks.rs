@@ -275,14 +275,18 @@ impl State {
         Ok(())
     }
 
-    /// A bounce slot free on both sides and its memory, if any.
-    pub(super) fn free_slot(&self) -> Option<(usize, crate::backend::Buffer)> {
-        let peer = self.peer.as_ref()?;
+    /// Takes a bounce slot free on both sides (held until [`Self::submit_dense`]'s chunk is
+    /// done with it, or [`Self::release_slot`]), and its memory, if any.
+    pub(super) fn take_slot(&mut self) -> Option<(usize, crate::backend::Buffer)> {
+        let peer = self.peer.as_mut()?;
         let s = peer
             .slots
             .iter()
             .position(|s| !s.sending && !s.remote_busy)?;
-        Some((s, peer.slots[s].space.buffer().clone()))
+        let slot = &mut peer.slots[s];
+        slot.sending = true;
+        slot.remote_busy = true;
+        Some((s, slot.space.buffer().clone()))
     }
 
     /// The deadline of a chunk submitted at `started`. A timeout past any instant
@@ -319,7 +323,7 @@ impl State {
     }
 
     /// A chunk's rows for a decode context-parallel rank, being packed (until `event`) into
-    /// the first `bytes` of slot `slot` ([`Self::free_slot`]): posted as one descriptor, that
+    /// the first `bytes` of slot `slot` ([`Self::take_slot`]): posted as one descriptor, that
     /// prefix of the slot into the same prefix of the decode's slot, with `dense` riding on
     /// its notice, once the packing has run.
     pub(super) fn submit_dense(
@@ -339,11 +343,11 @@ impl State {
             vec![peer.local_layout.whole(slot, bytes)],
             vec![peer.remote_layout.whole(slot, bytes)],
         );
-        let s = peer.slots.get_mut(slot).ok_or_else(|| {
-            Error::InvalidArgument(format!("bounce slot {slot} of the connection"))
-        })?;
-        s.sending = true;
-        s.remote_busy = true;
+        if slot >= peer.slots.len() {
+            return Err(Error::InvalidArgument(format!(
+                "bounce slot {slot} of the connection"
+            )));
+        }
         let moved = match &status.result {
             ChunkResult::Sent { bytes, .. } => bytes.total(),
             ChunkResult::Failed { .. } => 0,

@@ -22,13 +22,14 @@ use super::initiator::NixlCompletion;
 use super::notice::{component_code, Dense};
 use super::registration::NixlBackend;
 use super::{NixlConfig, NixlMode, NixlTransport};
+use crate::backend::Buffer;
 use crate::copy::{BlockSpace, RemoteSpace};
 use crate::error::{Error, Result};
 use crate::ipc::wire::NixlPeer;
 use crate::lock::lock;
 use crate::pool::DevicePool;
 use crate::shard::MAX_DECODE_RANKS;
-use crate::transfer::decode_bounce::{region_of, DenseBounce};
+use crate::transfer::decode_bounce::{region_of, DenseBounce, DenseChunk};
 use crate::transfer::plan::{DecodePlan, SendPlan};
 use crate::transfer::stats::TransferStats;
 use crate::transfer::transport::{Completion, Transport};
@@ -167,6 +168,50 @@ impl NixlDecodeTransport {
         })
     }
 
+    /// Checks every decode rank's connection and takes a slot at each the chunk moves rows to,
+    /// in rank order into `regions` (its memory) and `parts` (what the rank needs to unpack,
+    /// its bytes, the slot); stops at the first refusal, the slots taken so far in `parts`.
+    fn take_slots(
+        &self,
+        plan: &DecodePlan,
+        src: &Arc<DevicePool>,
+        dsts: &[Arc<RemoteSpace>],
+        regions: &mut Vec<Option<Buffer>>,
+        parts: &mut Vec<(DenseChunk, u64, Option<usize>)>,
+    ) -> Result<()> {
+        let request = plan.request();
+        let components = src.geometry().components();
+        for (d, (member, dst)) in (0u32..).zip(self.members.iter().zip(dsts)) {
+            let mut s = lock(&member.state);
+            s.check_peer(request, dst)?;
+            let (dense, bytes) = region_of(plan, &components, d)?;
+            if dense.is_empty() {
+                regions.push(None);
+                parts.push((dense, bytes, None));
+                continue;
+            }
+            let (slot, memory) = s.take_slot().ok_or_else(|| Error::Transfer {
+                request,
+                reason: format!(
+                    "no bounce slot free at decode rank {d}: a decode context-parallel chunk has no other route over NIXL (wait_for_slots_sync first)"
+                ),
+            })?;
+            let fits = bytes <= memory.len() as u64;
+            let len = memory.len();
+            regions.push(Some(memory));
+            parts.push((dense, bytes, Some(slot)));
+            if !fits {
+                return Err(Error::Transfer {
+                    request,
+                    reason: format!(
+                        "decode rank {d}'s rows of the chunk take {bytes} B, more than a bounce slot's {len} B (more slot pages on the decode ranks, or smaller chunks)"
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Packs and posts `plan` (module docs); refused before anything moves when a decode rank
     /// it moves rows to has no free slot or its rows do not fit one.
     fn post(
@@ -194,37 +239,21 @@ impl NixlDecodeTransport {
                 "a NIXL decode group moves from the pool it registered".into(),
             ));
         }
-        let components = src.geometry().components();
         let mut regions = Vec::with_capacity(m);
         let mut parts = Vec::with_capacity(m);
-        for (d, (member, dst)) in (0u32..).zip(self.members.iter().zip(dsts)) {
-            let mut s = lock(&member.state);
-            s.check_peer(request, dst)?;
-            let (dense, bytes) = region_of(plan, &components, d)?;
-            if dense.is_empty() {
-                regions.push(None);
-                parts.push((dense, bytes, None));
-                continue;
+        // Slots are taken as they are found (a clone may submit meanwhile) and given back when
+        // the chunk is refused before it is posted.
+        let taken = self.take_slots(plan, src, dsts, &mut regions, &mut parts);
+        let packed = taken.and_then(|()| lock(&self.bounce).pack(plan, src, &regions));
+        let event = match packed {
+            Ok(p) => p.event,
+            Err(e) => {
+                for (member, (_, _, slot)) in self.members.iter().zip(&parts) {
+                    lock(&member.state).release_slot(*slot, true);
+                }
+                return Err(e);
             }
-            let (slot, memory) = s.free_slot().ok_or_else(|| Error::Transfer {
-                request,
-                reason: format!(
-                    "no bounce slot free at decode rank {d}: a decode context-parallel chunk has no other route over NIXL (wait_for_slots_sync first)"
-                ),
-            })?;
-            if bytes > memory.len() as u64 {
-                return Err(Error::Transfer {
-                    request,
-                    reason: format!(
-                        "decode rank {d}'s rows of the chunk take {bytes} B, more than a bounce slot's {} B (more slot pages on the decode ranks, or smaller chunks)",
-                        memory.len()
-                    ),
-                });
-            }
-            regions.push(Some(memory));
-            parts.push((dense, bytes, Some(slot)));
-        }
-        let event = lock(&self.bounce).pack(plan, src, &regions)?.event;
+        };
         let chunk = plan.chunk();
         let mut completions: Vec<Box<dyn Completion>> = Vec::with_capacity(m);
         for (d, (member, (dense, bytes, slot))) in (0u32..).zip(self.members.iter().zip(parts)) {
