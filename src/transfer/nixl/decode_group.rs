@@ -272,11 +272,6 @@ impl NixlDecodeTransport {
             let inflight = match slot {
                 None => s.announce(status, started)?,
                 Some(slot) => {
-                    let pages = plan.decode_pages(d).ok_or(Error::OutOfRange {
-                        what: "decode rank",
-                        index: i64::from(d),
-                        limit: m as u64,
-                    })?;
                     let wire = Dense {
                         slot: slot as u32,
                         ranks: layout.ranks(),
@@ -291,8 +286,6 @@ impl NixlDecodeTransport {
                                 (codes.collect(), s.positions.clone())
                             })
                             .collect(),
-                        pages: pages.pages.iter().map(|p| p.0).collect(),
-                        state_pages: pages.state_pages.iter().map(|p| p.0).collect(),
                     };
                     s.submit_dense(status, wire, bytes, event.clone(), started)?
                 }

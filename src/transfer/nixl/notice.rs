@@ -36,9 +36,9 @@ pub(crate) struct Bounced {
 
 /// A chunk's rows for one decode context-parallel rank, packed densely at the start of bounce
 /// slot `slot` (docs/dcp.md, "Over NIXL"): the decode layout and the rank, the end of the
-/// tokens moved, per section its components and the sequence pages whose rows of the rank it
-/// carries (in packing order), and the rank's pages of the request (as its registration lists
-/// them: the rows land there). The decode side checks all of it before it unpacks.
+/// tokens moved, and per section its components and the sequence pages whose rows of the rank
+/// it carries (in packing order). The rows land in the pages the request registered on the
+/// decode side; it checks all of this against them and the slot before it unpacks.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Dense {
     pub slot: u32,
@@ -48,8 +48,6 @@ pub(crate) struct Dense {
     pub end_token: u64,
     /// Per section: its components ([`Component::ALL`] indices) and sequence pages.
     pub sections: Vec<(Vec<u8>, Vec<u64>)>,
-    pub pages: Vec<u64>,
-    pub state_pages: Vec<u64>,
 }
 
 /// One notification.
@@ -198,8 +196,6 @@ mod tests {
                 rank: 3,
                 end_token: 900,
                 sections: vec![(vec![0, 1], vec![3, 7])],
-                pages: vec![9, 2],
-                state_pages: vec![],
             },
         };
         assert_eq!(Notice::decode(&dense.encode().unwrap()).unwrap(), dense);

@@ -63,6 +63,8 @@ pub struct NixlTarget {
     dense: DenseBounce,
     receiver: Receiver,
     requests: HashMap<u64, Vec<RankProgress>>,
+    /// The pages each request registered (where a dense region's rows land).
+    pages: HashMap<u64, ScatterRank>,
     finished: Vec<Finished>,
     ranks: Vec<RankState>,
     /// Per rank, its slots (released before their registration and buffer).
@@ -136,6 +138,7 @@ impl NixlTarget {
             dense: DenseBounce::new(device.backend()),
             receiver: Receiver::with_deadline(config.deadline),
             requests: HashMap::new(),
+            pages: HashMap::new(),
             finished: Vec::new(),
             ranks: vec![RankState::Unknown; ranks as usize],
             slots,
@@ -239,7 +242,12 @@ impl NixlTarget {
     pub fn register(&mut self, registration: Registration) -> Result<()> {
         let request = registration.request;
         let ranks = self.ranks.len() as u32;
+        let pages = ScatterRank {
+            pages: registration.pages.clone(),
+            state_pages: registration.state_pages.clone(),
+        };
         self.receiver.register(registration, ranks)?;
+        self.pages.insert(request, pages);
         self.requests.insert(
             request,
             (0..ranks).map(|_| RankProgress::default()).collect(),
@@ -380,7 +388,7 @@ impl NixlTarget {
             return Ok(());
         }
         let enqueued = match &dense {
-            Some(d) => self.unpack(rank, d),
+            Some(d) => self.unpack(rank, status.request, d),
             None => self.scatter(rank, &bounced),
         };
         match enqueued {
@@ -443,10 +451,14 @@ impl NixlTarget {
     }
 
     /// Enqueues the unpacking of a dense region prefill rank `rank` bounced to this decode
-    /// context-parallel rank; returns the event after it. Everything the notice says is checked
-    /// (the slot, the layout, the sections and pages against the slot and the pool) before
-    /// anything is enqueued, and the kernel re-checks every index it reads.
-    fn unpack(&mut self, rank: u32, d: &Dense) -> Result<Event> {
+    /// context-parallel rank for `request`, into the pages the request registered here;
+    /// returns the event after it. Everything the notice says is checked (the slot, the layout,
+    /// the sections against the slot and the registered pages) before anything is enqueued,
+    /// and the kernel re-checks every index it reads.
+    fn unpack(&mut self, rank: u32, request: u64, d: &Dense) -> Result<Event> {
+        let pages = self.pages.get(&request).ok_or_else(|| {
+            Error::InvalidArgument(format!("request {request} is not registered"))
+        })?;
         let space = self
             .slots
             .get(rank as usize)
@@ -480,12 +492,8 @@ impl NixlTarget {
             end_token: d.end_token,
             sections,
         };
-        let pages = ScatterRank {
-            pages: d.pages.iter().map(|&p| LocalPage(p)).collect(),
-            state_pages: d.state_pages.iter().map(|&p| LocalPage(p)).collect(),
-        };
         self.dense
-            .unpack(&chunk, layout, d.rank, space.buffer(), &self.pool, &pages)
+            .unpack(&chunk, layout, d.rank, space.buffer(), &self.pool, pages)
     }
 
     /// Delivers the statuses whose scatters have run, in arrival order, and frees their slots.
@@ -570,6 +578,7 @@ impl NixlTarget {
         match self.receiver.receive(status) {
             Ok(Some(finished)) => {
                 self.requests.remove(&request);
+                self.pages.remove(&request);
                 self.finished.push(finished);
             }
             Ok(None) => {}

@@ -457,12 +457,6 @@ impl DecodePlan {
         out
     }
 
-    /// Decode rank `rank`'s pages of the request (its registration's lists), `None` past the
-    /// layout's ranks: where a rank unpacking a bounced chunk puts its rows.
-    pub fn decode_pages(&self, rank: u32) -> Option<&ScatterRank> {
-        self.ranks.get(rank as usize)
-    }
-
     /// Decode ranks the chunk writes rows of: what a transport posting one descriptor per
     /// (chunk, prefill rank, decode rank) posts.
     pub fn decode_ranks_reached(&self) -> usize {
