@@ -256,42 +256,60 @@ impl NixlDecodeTransport {
         };
         let chunk = plan.chunk();
         let mut completions: Vec<Box<dyn Completion>> = Vec::with_capacity(m);
-        for (d, (member, (dense, bytes, slot))) in (0u32..).zip(self.members.iter().zip(parts)) {
+        for (d, (dense, bytes, slot)) in (0u32..).zip(parts.iter()) {
+            let member = &self.members[d as usize];
             let status = ChunkStatus {
                 request,
                 rank: plan.rank(),
                 chunk: chunk.index,
                 result: ChunkResult::Sent {
-                    bytes: plan.rank_bytes()[d as usize],
+                    bytes: plan
+                        .rank_bytes()
+                        .get(d as usize)
+                        .copied()
+                        .unwrap_or_default(),
                     last: chunk.last,
                 },
             };
-            let mut s = lock(&member.state);
-            // A failure here drops the completions made so far: each fails its chunk at its
-            // decode rank (abandoned), so every decode rank hears of it.
-            let inflight = match slot {
-                None => s.announce(status, started)?,
-                Some(slot) => {
-                    let wire = Dense {
-                        slot: slot as u32,
-                        ranks: layout.ranks(),
-                        interleave: layout.interleave(),
-                        rank: d,
-                        end_token: dense.end_token,
-                        sections: dense
-                            .sections
-                            .iter()
-                            .map(|s| {
-                                let codes = s.components.iter().map(|&c| component_code(c));
-                                (codes.collect(), s.positions.clone())
-                            })
-                            .collect(),
-                    };
-                    s.submit_dense(status, wire, bytes, event.clone(), started)?
+            let inflight = {
+                let mut s = lock(&member.state);
+                match slot {
+                    None => s.announce(status, started),
+                    Some(slot) => {
+                        let wire = Dense {
+                            slot: *slot as u32,
+                            ranks: layout.ranks(),
+                            interleave: layout.interleave(),
+                            rank: d,
+                            end_token: dense.end_token,
+                            sections: dense
+                                .sections
+                                .iter()
+                                .map(|s| {
+                                    let codes = s.components.iter().map(|&c| component_code(c));
+                                    (codes.collect(), s.positions.clone())
+                                })
+                                .collect(),
+                        };
+                        s.submit_dense(status, wire, *bytes, event.clone(), started)
+                    }
                 }
             };
-            drop(s);
-            completions.push(Box::new(NixlCompletion::new(member, inflight)));
+            match inflight {
+                Ok(chunk) => completions.push(Box::new(NixlCompletion::new(member, chunk))),
+                Err(e) => {
+                    // This rank's part released its own slot; the later ranks' slots go back
+                    // unused. The parts posted so far are dropped with `completions`, each
+                    // failing at its decode rank; the engine reports the failure to every
+                    // decode rank (`report`), as for any failed chunk.
+                    for (member, (_, _, slot)) in
+                        self.members.iter().zip(&parts).skip(d as usize + 1)
+                    {
+                        lock(&member.state).release_slot(*slot, true);
+                    }
+                    return Err(e);
+                }
+            }
         }
         Ok(Box::new(GroupCompletion { parts: completions }))
     }
