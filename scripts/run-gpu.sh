@@ -107,7 +107,7 @@ for step in "${steps[@]}"; do
         name=$(basename "$t")
         # NCCL under the sanitizer reports its own internals; its bytes are checked by the test.
         [ "$name" = nccl ] && continue
-        # SANITIZE_TESTS="pool transfer ...": only these binaries (a session's changed kernels).
+        # SANITIZE_TESTS="pool transfer ...": only these binaries (the ones a change to the kernels touches).
         if [ -n "${SANITIZE_TESTS:-}" ] && ! [[ " $SANITIZE_TESTS " == *" $name "* ]]; then continue; fi
         "$t" --list 2>/dev/null | grep -q '^gpu_.*: test' || continue
         log="$out/tmp-sanitizer.log"

@@ -1042,6 +1042,10 @@ impl Backend for Probe {
         self.inner.synchronize()
     }
 
+    fn poll_kernel_status(&self) -> kvshard::Result<()> {
+        self.inner.poll_kernel_status()
+    }
+
     fn record(&self) -> kvshard::Result<Event> {
         self.enter(Call::Record)?;
         self.inner.record()

@@ -34,7 +34,7 @@ use kvshard::transfer::{
     BackendTransport, ChunkEnd, ChunkRange, ChunkResult, ChunkStatus, Completion, ComponentBytes,
     DescriptorBatch, Finished, MissingChunks, Outcome, Overdue, PendingChunk, PoolLayout,
     PrefillRank, Receiver, Registration, SendPlan, Sender, Transport, DEFAULT_DEADLINE,
-    MAX_PREFILL_RANKS,
+    MAX_CHUNKS_AHEAD, MAX_PREFILL_RANKS,
 };
 use kvshard::{Error, Result};
 use rand::rngs::StdRng;
@@ -1410,6 +1410,198 @@ fn sent(chunk: u32, bytes: u64, last: bool) -> ChunkStatus {
     }
 }
 
+/// A registration of [`REQUEST`] on a decode pool, for tests of the receiver alone.
+fn receiver_registration() -> Registration {
+    let cpu = CpuStreams::new(false);
+    let b = cpu.stream();
+    let case = &cases()[1];
+    let (decode, _space) = decode_pool(b.as_ref(), case, &[], 0);
+    let dec: Vec<LocalPage> = (1..=16).map(LocalPage).collect();
+    registration(case, &dec, &decode)
+}
+
+fn status_of(rank: u32, chunk: u32, result: ChunkResult) -> ChunkStatus {
+    ChunkStatus {
+        request: REQUEST,
+        rank,
+        chunk,
+        result,
+    }
+}
+
+fn sent_bytes(bytes: u64, last: bool) -> ChunkResult {
+    let mut b = ComponentBytes::default();
+    b.add(Component::TargetLatent, bytes);
+    ChunkResult::Sent { bytes: b, last }
+}
+
+#[test]
+fn the_receiver_takes_each_rank_s_statuses_in_any_order() {
+    let reg = receiver_registration();
+    for seed in 0..300u64 {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let ranks = rng.random_range(1..=4u32);
+        // Per rank: its chunks, and the chunk it fails at (if it does).
+        let plan: Vec<(u32, Option<u32>)> = (0..ranks)
+            .map(|_| {
+                let chunks = rng.random_range(1..=6u32);
+                let fails = rng.random_bool(0.3).then(|| rng.random_range(0..chunks));
+                (chunks, fails)
+            })
+            .collect();
+        // Every status a rank delivers. A failed rank delivers its failure after the chunks
+        // past it that landed first (what a loop that polls in any order does), never before.
+        let mut statuses: Vec<ChunkStatus> = Vec::new();
+        let mut expect_bytes = Vec::new();
+        for (rank, &(chunks, fails)) in (0u32..).zip(&plan) {
+            let mut bytes = 0;
+            let mut mine = Vec::new();
+            for c in 0..chunks {
+                let n = u64::from(rank * 100 + c + 1);
+                match fails {
+                    Some(f) if c == f => continue,
+                    Some(f) if c > f && !rng.random_bool(0.5) => continue,
+                    Some(f) if c > f => {}
+                    _ => bytes += n,
+                }
+                mine.push(status_of(rank, c, sent_bytes(n, c + 1 == chunks)));
+            }
+            mine.shuffle(&mut rng);
+            if let Some(f) = fails {
+                let at = rng.random_range(0..=mine.len());
+                let failure = ChunkResult::Failed {
+                    reason: format!("rank {rank} failed"),
+                };
+                // Past every status of a chunk after it.
+                let after = mine.iter().rposition(|s| s.chunk > f).map_or(0, |p| p + 1);
+                mine.insert(at.max(after), status_of(rank, f, failure));
+            }
+            expect_bytes.push(bytes);
+            statuses.extend(mine);
+        }
+        // Interleave the ranks, keeping each rank's own order.
+        let mut order: Vec<u32> = statuses.iter().map(|s| s.rank).collect();
+        order.shuffle(&mut rng);
+        let mut by_rank: Vec<VecDeque<ChunkStatus>> = (0..ranks).map(|_| VecDeque::new()).collect();
+        for s in statuses {
+            by_rank[s.rank as usize].push_back(s);
+        }
+        let mut rx = Receiver::new();
+        rx.register(reg.clone(), ranks).unwrap();
+        let total = order.len();
+        let mut finished = None;
+        for (i, rank) in order.into_iter().enumerate() {
+            let s = by_rank[rank as usize]
+                .pop_front()
+                .expect("a status per entry");
+            let got = rx
+                .receive(s.clone())
+                .unwrap_or_else(|e| panic!("seed {seed}: {s:?} refused: {e}"));
+            if i + 1 < total {
+                assert!(
+                    got.is_none(),
+                    "seed {seed}: finished before every status came"
+                );
+            } else {
+                finished = got;
+            }
+        }
+        let done = finished.unwrap_or_else(|| panic!("seed {seed}: never finished"));
+        let failed: Vec<(u32, u32)> = (0u32..)
+            .zip(&plan)
+            .filter_map(|(r, &(_, f))| f.map(|f| (r, f)))
+            .collect();
+        match &done.outcome {
+            Outcome::Completed => assert!(failed.is_empty(), "seed {seed}"),
+            Outcome::Failed(why) => {
+                let mut got: Vec<(u32, u32)> = why.iter().map(|f| (f.rank, f.chunk)).collect();
+                got.sort_unstable();
+                assert_eq!(got, failed, "seed {seed}");
+            }
+        }
+        let bytes: Vec<u64> = done.bytes.iter().map(ComponentBytes::total).collect();
+        assert_eq!(
+            bytes, expect_bytes,
+            "seed {seed}: every chunk before a rank's last status counted, none after"
+        );
+        assert_eq!(rx.pending_requests(), 0);
+    }
+}
+
+#[test]
+fn the_receiver_says_why_a_status_cannot_be_taken_and_changes_nothing() {
+    let mut rx = Receiver::new();
+    rx.register(receiver_registration(), 1).unwrap();
+    let refused = |rx: &mut Receiver, s: ChunkStatus, why: &str| {
+        let before = rx.progress(REQUEST);
+        let e = rx.receive(s).unwrap_err().to_string();
+        assert!(e.contains(why), "{e}");
+        assert_eq!(
+            rx.progress(REQUEST),
+            before,
+            "a refused status changed nothing"
+        );
+    };
+    let failed = || ChunkResult::Failed {
+        reason: "failed".into(),
+    };
+    refused(
+        &mut rx,
+        status_of(0, MAX_CHUNKS_AHEAD + 1, sent_bytes(1, false)),
+        &format!("more than {MAX_CHUNKS_AHEAD} chunks ahead of chunk 0"),
+    );
+    assert!(rx
+        .receive(status_of(0, 3, sent_bytes(1, true)))
+        .unwrap()
+        .is_none());
+    refused(
+        &mut rx,
+        status_of(0, 4, sent_bytes(1, false)),
+        "status of chunk 4 from prefill rank 0 past its final chunk 3",
+    );
+    refused(
+        &mut rx,
+        status_of(0, 2, sent_bytes(1, true)),
+        "a second final status (chunk 2) from prefill rank 0, whose final chunk is 3",
+    );
+    refused(
+        &mut rx,
+        status_of(0, 5, failed()),
+        "status of chunk 5 from prefill rank 0 past its final chunk 3",
+    );
+    // A failure before the final chunk ends the rank there once the chunks before it came.
+    assert!(rx.receive(status_of(0, 2, failed())).unwrap().is_none());
+    refused(
+        &mut rx,
+        status_of(0, 1, failed()),
+        "a second failed status (chunk 1) from prefill rank 0, after chunk 2's",
+    );
+    assert!(rx
+        .receive(status_of(0, 1, sent_bytes(1, false)))
+        .unwrap()
+        .is_none());
+    let done = rx
+        .receive(status_of(0, 0, sent_bytes(1, false)))
+        .unwrap()
+        .expect("the rank's failure is its last status once chunks 0 and 1 came");
+    match done.outcome {
+        Outcome::Failed(why) => assert_eq!((why[0].rank, why[0].chunk), (0, 2)),
+        other => panic!("{other:?}"),
+    }
+
+    let mut rx = Receiver::new();
+    rx.register(receiver_registration(), 1).unwrap();
+    assert!(rx
+        .receive(status_of(0, 2, sent_bytes(1, false)))
+        .unwrap()
+        .is_none());
+    refused(
+        &mut rx,
+        status_of(0, 1, sent_bytes(1, true)),
+        "final status of chunk 1 from prefill rank 0, after its chunk 2",
+    );
+}
+
 #[test]
 fn the_receiver_refuses_unknown_duplicate_and_out_of_order_statuses() {
     let cpu = CpuStreams::new(false);
@@ -1444,15 +1636,17 @@ fn the_receiver_refuses_unknown_duplicate_and_out_of_order_statuses() {
         .to_string()
         .contains("already registered"));
 
+    // A status ahead of the rank's next chunk is held until the chunks before it arrive.
+    assert!(rx.receive(sent(1, 1, false)).unwrap().is_none());
     let e = err(rx.receive(sent(1, 1, false)));
     assert!(
-        e.contains("out-of-order status of chunk 1 from prefill rank 1 (chunk 0 expected)"),
+        e.contains("duplicate status of chunk 1 from prefill rank 1 (chunk 0 expected next)"),
         "{e}"
     );
     assert!(rx.receive(sent(0, 10, false)).unwrap().is_none());
     let e = err(rx.receive(sent(0, 10, false)));
     assert!(
-        e.contains("duplicate status of chunk 0 from prefill rank 1 (chunk 1 expected)"),
+        e.contains("duplicate status of chunk 0 from prefill rank 1 (chunk 2 expected next)"),
         "{e}"
     );
     let mut stranger = sent(1, 1, false);
@@ -1460,12 +1654,12 @@ fn the_receiver_refuses_unknown_duplicate_and_out_of_order_statuses() {
     assert!(err(rx.receive(stranger))
         .contains("status from prefill rank 2, but 2 ranks send the request"));
     assert!(
-        rx.receive(sent(1, 5, true)).unwrap().is_none(),
+        rx.receive(sent(2, 4, true)).unwrap().is_none(),
         "rank 0 has not reported"
     );
-    let e = err(rx.receive(sent(2, 1, true)));
+    let e = err(rx.receive(sent(3, 1, true)));
     assert!(
-        e.contains("status of chunk 2 from prefill rank 1 after its last status"),
+        e.contains("status of chunk 3 from prefill rank 1 after its last status"),
         "{e}"
     );
     let p = rx.progress(REQUEST).unwrap();
@@ -1488,7 +1682,7 @@ fn the_receiver_refuses_unknown_duplicate_and_out_of_order_statuses() {
     );
     assert_eq!(rx.pending_requests(), 0);
     assert!(rx.progress(REQUEST).is_none());
-    assert!(err(rx.receive(sent(2, 1, true))).contains("not registered"));
+    assert!(err(rx.receive(sent(3, 1, true))).contains("not registered"));
 
     // The prefill side refuses what it does not know, bad registrations, destinations the
     // registration does not describe, and opening twice.

@@ -2,7 +2,7 @@
 //! or borrowed from the engine). Nothing here synchronizes the stream except the `_sync`
 //! methods and `synchronize`, which say so.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{result, sys};
 
@@ -14,7 +14,7 @@ use super::{
 use crate::abi;
 use crate::error::{Error, Result};
 use crate::gpu::memory::{registration_cuts, DeviceAllocation, PinnedAllocation};
-use crate::gpu::{kernels, Gpu, KernelFn, Stream};
+use crate::gpu::{kernels, Gpu, KernelFn, PooledEvent, Stream};
 use crate::lock::lock;
 
 /// Threads per CTA of the element-wise kernels (quantizers, scratch translation and tables).
@@ -30,6 +30,10 @@ pub struct CudaBackend {
     stream: Stream,
     status_word: Arc<DeviceAllocation>,
     status: Mutex<StatusTracker>,
+    /// Where [`Backend::poll_kernel_status`] copies the status word to, in stream order, and
+    /// the copy in flight: its event and the last launch it covers. Locked after `status`.
+    status_copy: Arc<PinnedAllocation>,
+    status_snapshot: Mutex<Option<(PooledEvent, u64)>>,
     /// `kvs_copy_blocks`' work-queue counter (`kvs_work_queue`) and its value after everything
     /// enqueued so far: launches on this one stream each add their unit count to it.
     work_counter: Arc<DeviceAllocation>,
@@ -78,10 +82,14 @@ impl CudaBackend {
                 .map_err(Error::driver("cuMemsetD8Async"))?;
         }
         let status = Mutex::new(StatusTracker::new(status_word.ptr()));
+        let status_copy = Arc::new(
+            PinnedAllocation::new(gpu.context(), 8).map_err(|e| oom(e, 8, "pinned host"))?,
+        );
         // The Gpu too: its module holds the kernels queued launches run.
         let own = Usage::new(Some(Box::new((
             status_word.clone(),
             work_counter.clone(),
+            status_copy.clone(),
             gpu.clone(),
         ))));
         Ok(Self {
@@ -89,6 +97,8 @@ impl CudaBackend {
             stream,
             status_word,
             status,
+            status_copy,
+            status_snapshot: Mutex::new(None),
             work_counter,
             work_base: Mutex::new(0),
             own,
@@ -106,7 +116,13 @@ impl CudaBackend {
         &self.stream
     }
 
-    fn begin<P>(&self, kernel: KernelFn<P>) -> Result<abi::kvs_status> {
+    /// The status a new launch of `kernel` reports through, and the tracker held until the
+    /// launch is enqueued: [`Backend::poll_kernel_status`] then never counts a launch begun and
+    /// not yet enqueued as covered by its copy of the word.
+    fn begin<P>(
+        &self,
+        kernel: KernelFn<P>,
+    ) -> Result<(MutexGuard<'_, StatusTracker>, abi::kvs_status)> {
         let mut tracker = lock(&self.status);
         if tracker.needs_clear() {
             // SAFETY: our own 8-byte status word; stream-ordered before the next launch.
@@ -114,7 +130,8 @@ impl CudaBackend {
                 .map_err(Error::driver("cuMemsetD8Async"))?;
             tracker.cleared();
         }
-        Ok(tracker.begin(kernel.name()))
+        let status = tracker.begin(kernel.name());
+        Ok((tracker, status))
     }
 
     /// CTAs for `units` units of work at `per_cta` units per CTA, capped to a few waves.
@@ -363,7 +380,50 @@ impl Backend for CudaBackend {
             result::memcpy_dtoh_sync(std::slice::from_mut(&mut word), self.status_word.ptr())
         }
         .map_err(Error::driver("cuMemcpyDtoH"))?;
+        // The word was read whole: a copy still marked in flight covers nothing left.
+        *lock(&self.status_snapshot) = None;
         tracker.check(word)
+    }
+
+    fn poll_kernel_status(&self) -> Result<()> {
+        let mut tracker = lock(&self.status);
+        let mut snapshot = lock(&self.status_snapshot);
+        let mut found = Ok(());
+        if let Some((copied, through)) = snapshot.as_ref() {
+            if !copied
+                .try_is_complete()
+                .map_err(Error::driver("cuEventQuery"))?
+            {
+                return Ok(());
+            }
+            // SAFETY: the pinned word the copy before `copied` wrote, and that copy has
+            // completed; the next copy into it is queued only below, after this read.
+            let word =
+                unsafe { std::ptr::read_volatile(self.status_copy.host_ptr().cast::<u64>()) };
+            found = tracker.check_through(word, *through);
+            *snapshot = None;
+        }
+        if let Some(through) = tracker.last_pending() {
+            self.gpu.bind()?;
+            // SAFETY: our own 8-byte status word into our own 8-byte pinned word (through its
+            // device alias); `own` keeps both until the stream has passed the backend's last
+            // work, this copy included. Queued behind every launch begun so far (each holds
+            // the tracker until it is enqueued).
+            unsafe {
+                sys::cuMemcpyAsync(
+                    self.status_copy.device_ptr(),
+                    self.status_word.ptr(),
+                    8,
+                    self.stream.raw(),
+                )
+            }
+            .result()
+            .map_err(Error::driver("cuMemcpyAsync"))?;
+            let copied = self.gpu.pooled_event(false)?;
+            self.stream.record(&copied)?;
+            *snapshot = Some((copied, through));
+        }
+        found
     }
 
     fn record(&self) -> Result<Event> {
@@ -446,7 +506,8 @@ impl Backend for CudaBackend {
         if p.num_tokens == 0 {
             return Ok(());
         }
-        p.status = self.begin(kernels::QUANTIZE_LATENT)?;
+        let (_launching, status) = self.begin(kernels::QUANTIZE_LATENT)?;
+        p.status = status;
         let grid = self.grid(p.num_tokens, u64::from(THREADS / 32));
         // SAFETY: parameter type matches the kernel; addresses are the caller's contract.
         unsafe { self.launch(kernels::QUANTIZE_LATENT, grid, THREADS, &p) }
@@ -457,7 +518,8 @@ impl Backend for CudaBackend {
         if p.num_tokens == 0 {
             return Ok(());
         }
-        p.status = self.begin(kernels::QUANTIZE_INDEXER)?;
+        let (_launching, status) = self.begin(kernels::QUANTIZE_INDEXER)?;
+        p.status = status;
         let grid = self.grid(p.num_tokens, u64::from(THREADS / 16));
         // SAFETY: as above.
         unsafe { self.launch(kernels::QUANTIZE_INDEXER, grid, THREADS, &p) }
@@ -469,7 +531,8 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let kernel = super::resolve_kernel(&p);
-        p.status = self.begin(kernel)?;
+        let (_launching, status) = self.begin(kernel)?;
+        p.status = status;
         // One CTA per tile: a tile is a node of the tree, and tile ids are CTA ids.
         let grid = super::resolve_tiles(p.num_entries) as u32;
         // SAFETY: as above; tile_state holds two trees of `state_tiles >= grid` nodes (checked
@@ -481,7 +544,8 @@ impl Backend for CudaBackend {
         if p.num_slots == 0 {
             return Ok(());
         }
-        p.status = self.begin(kernels::SCRATCH_ROWS)?;
+        let (_launching, status) = self.begin(kernels::SCRATCH_ROWS)?;
+        p.status = status;
         let grid = self.grid(p.num_slots, u64::from(THREADS));
         // SAFETY: as above.
         unsafe { self.launch(kernels::SCRATCH_ROWS, grid, THREADS, &p) }
@@ -493,7 +557,8 @@ impl Backend for CudaBackend {
         if threads == 0 {
             return Ok(());
         }
-        p.status = self.begin(kernels::SCRATCH_TABLE)?;
+        let (_launching, status) = self.begin(kernels::SCRATCH_TABLE)?;
+        p.status = status;
         let grid = self.grid(threads, u64::from(THREADS));
         // SAFETY: as above.
         unsafe { self.launch(kernels::SCRATCH_TABLE, grid, THREADS, &p) }
@@ -505,7 +570,8 @@ impl Backend for CudaBackend {
         if p.num_pages == 0 || p.num_pairs == 0 {
             return Ok(());
         }
-        p.status = self.begin(kernels::COPY_BLOCKS)?;
+        let (_launching, status) = self.begin(kernels::COPY_BLOCKS)?;
+        p.status = status;
         // SAFETY: forwarded contract.
         unsafe { self.launch_blocks(kernels::COPY_BLOCKS, launch, &mut p, |p| p) }
     }
@@ -523,7 +589,8 @@ impl Backend for CudaBackend {
         // The header is set in place in a copy of the caller's struct: the driver copies the
         // parameters before cuLaunchKernel returns, so one copy per launch, on the stack.
         let mut p = *p;
-        p.copy.status = self.begin(kernels::COPY_BLOCKS_INLINE)?;
+        let (_launching, status) = self.begin(kernels::COPY_BLOCKS_INLINE)?;
+        p.copy.status = status;
         // SAFETY: forwarded contract; the tables are inside `p` (checked above).
         unsafe { self.launch_blocks(kernels::COPY_BLOCKS_INLINE, launch, &mut p, |p| &mut p.copy) }
     }
@@ -534,7 +601,8 @@ impl Backend for CudaBackend {
         if p.num_slots == 0 || p.num_pairs == 0 {
             return Ok(());
         }
-        p.status = self.begin(kernels::WRITE_ROWS)?;
+        let (_launching, status) = self.begin(kernels::WRITE_ROWS)?;
+        p.status = status;
         // Grid-stride units, no work queue: most units of a sharded write are skipped after one
         // slot read, and warps racing one counter for them measured slower than a grid of one
         // warp per unit (BENCHMARKS.md).
@@ -557,7 +625,8 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let kernel = super::decode_scatter_kernel(&p);
-        p.status = self.begin(kernel)?;
+        let (_launching, status) = self.begin(kernel)?;
+        p.status = status;
         // SAFETY: forwarded contract.
         unsafe { self.launch_queued(kernel, launch, &mut p, units, |p| &mut p.work) }
     }
@@ -567,7 +636,8 @@ impl Backend for CudaBackend {
         if p.num_ranges == 0 {
             return Ok(());
         }
-        p.status = self.begin(kernels::COPY_RANGES)?;
+        let (_launching, status) = self.begin(kernels::COPY_RANGES)?;
+        p.status = status;
         // SAFETY: as above.
         unsafe { self.launch(kernels::COPY_RANGES, launch.ctas, launch.threads, &p) }
     }

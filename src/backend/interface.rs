@@ -78,6 +78,15 @@ pub trait Backend: Send + Sync {
     /// Waits for all enqueued work, then reports the first input any kernel rejected.
     fn synchronize(&self) -> Result<()>;
 
+    /// Reports an input a kernel rejected ([`Error::KernelRejected`](crate::Error::KernelRejected))
+    /// among the launches known to have run, without waiting for the stream: the kernel status
+    /// word is read only once the stream has passed those launches (on CUDA: a copy of the
+    /// word queued behind them, read once its event has completed, so a launch is checked one
+    /// call after it ran at the earliest). Each launch is checked once, here or by
+    /// [`Backend::synchronize`]. What an asynchronous engine's loop calls every step
+    /// (`transfer::PrefillLoop::step`, `HiCacheController::step`).
+    fn poll_kernel_status(&self) -> Result<()>;
+
     /// The process address of `[addr, addr + len)` of this backend's memory where the host
     /// reaches it as plain memory (the CPU twin's arena), `None` where it does not (device
     /// memory): what a storage tier copies host pages through. Accessing it is outside the
@@ -466,6 +475,79 @@ mod tests {
                 "{}",
                 backend.name()
             );
+        }
+    }
+
+    /// A launch that rejects its input (`kvs_copy_ranges`, a range longer than it takes).
+    fn rejected_launch(backend: &dyn Backend) -> (Buffer, Buffer) {
+        let src = backend.alloc(64, MemoryKind::Device).unwrap();
+        let table: Vec<u8> = [src.addr(), src.addr(), abi::KVS_COPY_RANGE_MAX_BYTES + 1]
+            .into_iter()
+            .flat_map(u64::to_le_bytes)
+            .collect();
+        let ranges = backend.alloc(table.len(), MemoryKind::Device).unwrap();
+        backend.write_sync(&ranges, 0, &table).unwrap();
+        let p = abi::kvs_copy_ranges_params {
+            ranges: ranges.addr(),
+            num_ranges: 1,
+            status: abi::kvs_status::default(),
+        };
+        let launch = Launch {
+            ctas: 1,
+            threads: 64,
+        };
+        // SAFETY: the one range is skipped before its addresses are read (it is too long);
+        // the table outlives the launch (returned, and synchronized or polled before dropped).
+        unsafe { backend.copy_ranges(p, launch) }.unwrap();
+        (src, ranges)
+    }
+
+    #[test]
+    fn a_rejected_input_is_reported_by_a_poll_without_a_host_wait() {
+        let mut backends = twins("a_rejected_input_is_reported_by_a_poll_without_a_host_wait");
+        for order in [
+            cpu::StreamOrder::Immediate,
+            cpu::StreamOrder::Adversarial(7),
+        ] {
+            backends.push(Arc::new(cpu::CpuBackend::with_order(order)));
+        }
+        for backend in backends {
+            let name = backend.name();
+            let _keep = rejected_launch(backend.as_ref());
+            let before = crate::backend::sync_counts();
+            // The stream runs on its own (the CPU twin: when asked whether it has got there);
+            // the first poll may only queue the copy of the status word.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            let found = loop {
+                match backend.poll_kernel_status() {
+                    Ok(()) if std::time::Instant::now() < deadline => {
+                        std::thread::sleep(std::time::Duration::from_millis(1))
+                    }
+                    other => break other,
+                }
+            };
+            assert_eq!(
+                (crate::backend::sync_counts() - before).host_blocking,
+                0,
+                "{name}: a poll waited for the stream"
+            );
+            match found {
+                Err(Error::KernelRejected {
+                    kernel: "kvs_copy_ranges",
+                    position: 0,
+                }) => {}
+                other => panic!("{name}: the rejected range was not reported: {other:?}"),
+            }
+            // Reported once: neither a later poll nor a synchronize reports it again, and a
+            // launch after it is checked on its own.
+            backend.poll_kernel_status().unwrap();
+            backend.synchronize().unwrap();
+            let _again = rejected_launch(backend.as_ref());
+            assert!(
+                matches!(backend.synchronize(), Err(Error::KernelRejected { .. })),
+                "{name}"
+            );
+            backend.poll_kernel_status().unwrap();
         }
     }
 }

@@ -44,7 +44,7 @@ pub use launch::{
     resolve_state_bytes, resolve_state_tiles, resolve_tiles, write_units, KernelFamily, Launch,
 };
 pub(crate) use upload::upload_reused_sync;
-pub use upload::{i64s_from_bytes, i64s_to_bytes, upload_i64s_sync};
+pub use upload::{enqueue_i64s, i64s_from_bytes, i64s_to_bytes, upload_i64s_sync};
 // The storage tier's host accesses (feature `nixl`) wait for the work queued on their pages.
 #[cfg(feature = "nixl")]
 pub(crate) use usage::host_conflicts;

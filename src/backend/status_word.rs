@@ -14,7 +14,11 @@ const EPOCH_LIMIT: u32 = u32::MAX;
 pub(crate) struct StatusTracker {
     word: u64,
     next_epoch: u32,
-    pending: VecDeque<(u32, &'static str)>,
+    /// Launches begun, counted without wrapping: what a check through a point of the stream
+    /// names ([`StatusTracker::check_through`]).
+    launches: u64,
+    /// Launches not yet checked: (launch count, epoch, kernel), oldest first.
+    pending: VecDeque<(u64, u32, &'static str)>,
 }
 
 impl StatusTracker {
@@ -23,6 +27,7 @@ impl StatusTracker {
         Self {
             word,
             next_epoch: 1,
+            launches: 0,
             pending: VecDeque::new(),
         }
     }
@@ -41,7 +46,8 @@ impl StatusTracker {
     pub(crate) fn begin(&mut self, kernel: &'static str) -> abi::kvs_status {
         let epoch = self.next_epoch;
         self.next_epoch += 1;
-        self.pending.push_back((epoch, kernel));
+        self.launches += 1;
+        self.pending.push_back((self.launches, epoch, kernel));
         abi::kvs_status {
             word: self.word,
             epoch,
@@ -51,14 +57,22 @@ impl StatusTracker {
 
     /// Checks the word read after all pending launches finished; forgets them either way.
     pub(crate) fn check(&mut self, word: u64) -> Result<()> {
+        self.check_through(word, self.launches)
+    }
+
+    /// Checks the word read once the launches up to `through` (a [`Self::last_pending`]) had
+    /// finished, and none after them had run; forgets those launches either way. Later ones
+    /// stay pending for a later check.
+    pub(crate) fn check_through(&mut self, word: u64, through: u64) -> Result<()> {
         let epoch = (word >> 32) as u32;
         let position = u64::from(0xFFFF_FFFFu32 - word as u32);
-        let failed = self
-            .pending
-            .iter()
-            .find(|(e, _)| *e == epoch)
-            .map(|(_, k)| *k);
-        self.pending.clear();
+        let checked = self.pending.iter().take_while(|(n, ..)| *n <= through);
+        let failed = checked
+            .clone()
+            .find(|(_, e, _)| *e == epoch)
+            .map(|(.., k)| *k);
+        let done = checked.count();
+        self.pending.drain(..done);
         match failed {
             Some(kernel) => Err(Error::KernelRejected { kernel, position }),
             None => Ok(()),
@@ -67,6 +81,11 @@ impl StatusTracker {
 
     pub(crate) fn has_pending(&self) -> bool {
         !self.pending.is_empty()
+    }
+
+    /// The latest launch not yet checked, `None` when every launch has been.
+    pub(crate) fn last_pending(&self) -> Option<u64> {
+        self.pending.back().map(|(n, ..)| *n)
     }
 }
 
@@ -101,5 +120,29 @@ mod tests {
         // Old reports do not fail later checks.
         let _ = t.begin("c");
         assert!(t.check(word).is_ok());
+    }
+
+    #[test]
+    fn a_check_through_a_point_forgets_only_the_launches_before_it() {
+        let mut t = StatusTracker::new(8);
+        let a = t.begin("a");
+        let through = t.last_pending().unwrap();
+        let b = t.begin("b");
+        // A word read after `a` ran, before `b` did: fine, and `a` is checked.
+        assert!(t.check_through(0, through).is_ok());
+        assert_eq!(t.last_pending(), Some(through + 1));
+        // `b` then fails: the next check through it reports it, once.
+        let mut word = 0;
+        raise(&mut word, &a, 9);
+        raise(&mut word, &b, 4);
+        let through = t.last_pending().unwrap();
+        match t.check_through(word, through) {
+            Err(Error::KernelRejected { kernel, position }) => {
+                assert_eq!((kernel, position), ("b", 4));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(t.last_pending(), None);
+        assert!(t.check_through(word, through).is_ok());
     }
 }

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use super::{AddressSpace, Backend, Buffer, MemoryKind};
-use crate::error::{Checked, Result};
+use crate::error::{Checked, Error, Result};
 use crate::lock::lock;
 
 static SPARE: Mutex<Option<HashMap<AddressSpace, Buffer>>> = Mutex::new(None);
@@ -72,6 +72,28 @@ pub fn i64s_from_bytes(bytes: &[u8]) -> Vec<i64> {
 /// Little-endian bytes of i64s.
 pub fn i64s_to_bytes(values: &[i64]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Enqueues `values` as little-endian int64s at the start of `dst` on `backend`'s stream, without
+/// waiting: ordered by `dst`'s usage record after the work queued on it on any stream (a launch
+/// still reading the previous values, say), and `values` staged when this returns. How an
+/// engine puts a chunk's slot indices, or a quantizer's rows, on the device for the calls that
+/// only enqueue ([`OwnedRowWrite::run`](crate::pool::OwnedRowWrite::run),
+/// [`quantize_latent`](crate::quantize::quantize_latent)): one buffer, rewritten every chunk.
+/// A buffer of another address space, or too short, is refused and nothing is enqueued.
+pub fn enqueue_i64s(backend: &dyn Backend, dst: &Buffer, values: &[i64]) -> Result<()> {
+    let bytes = values
+        .len()
+        .mul_or(8, || format!("bytes of {} int64s", values.len()))?;
+    backend.check(dst, "int64 destination")?;
+    if dst.len() < bytes {
+        return Err(Error::InvalidArgument(format!(
+            "{} int64s into a buffer of {} bytes",
+            values.len(),
+            dst.len()
+        )));
+    }
+    backend.enqueue_write(dst, 0, &i64s_to_bytes(values))
 }
 
 /// Uploads `values` into a new device buffer of `backend`, waiting for the copy (its one use

@@ -38,16 +38,18 @@ use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::direct::{check_direct, HostTransfer};
+use super::acks::{BackupAck, HiCacheStep, LoadAck, LoadHandle, Pending};
+use super::direct::HostTransfer;
 use super::layer_ready::LayerReady;
-use super::staged::{check_relayout, StagedIo};
+use super::route::{check_route, unresolved, Route};
+use super::staged::StagedIo;
 use super::transfer_plan::TransferPlan;
-use crate::backend::{Backend, Event, Launch};
+use crate::backend::{Backend, Event};
 use crate::chain::RequestChain;
 use crate::copy::{BlockSpace, Direction, LayerSignals, Layers, Method, TableBuffer};
 use crate::error::{Error, Result};
 use crate::index::{LogicalPage, ModelLayer};
-use crate::pool::host::{HostLayout, HostPool};
+use crate::pool::host::HostPool;
 use crate::pool::DevicePool;
 use crate::shard::{AllocRequest, ChainStart, ShardAllocator};
 
@@ -61,106 +63,6 @@ const SPARE_TABLES: usize = 8;
 /// soon as a load has more than one chunk). Device memory: `2 * pages * page bytes` per
 /// direction in use.
 pub const DEFAULT_STAGING_PAGES: u64 = 16;
-
-/// How the controller moves a transfer's bytes. A [`Method`] converts into [`Route::Direct`],
-/// so every operation also takes one directly; the default is [`Route::Auto`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum Route {
-    /// Straight between the device pool and the host pool on the direction's stream
-    /// ([`HostTransfer::run`]: [`Method::Kernel`], [`Method::CopyEngine`],
-    /// [`Method::BatchedCopyEngine`] or [`Method::PerBlock`]; loads on the kernel through
-    /// [`HostTransfer::run_signalled`]).
-    Direct(Method),
-    /// Through the controller's device staging ([`HostTransfer::run_staged`]): the copy engine
-    /// moves host runs of up to [`HiCacheController::staging_pages`] pages on the direction's
-    /// stream and the relayout method ([`Method::Kernel`] or [`Method::CopyEngine`]) places
-    /// them on the direction's relayout stream. Loads land every layer at once: each layer's
-    /// [`LayerReady`] is the event after the whole load, so a consumer of layers as they land
-    /// wants `Direct(Method::Kernel(..))` instead. Serves every host layout and every device
-    /// pool.
-    Staged(Method),
-    /// kvshard picks per call from the transfer's direction and pages ([`Route::auto`]).
-    #[default]
-    Auto,
-}
-
-/// Pages from which [`Route::auto`] moves a transfer through the staging (a load always, a
-/// backup from a page-first host pool): below them the direct kernel is as fast and a load
-/// keeps its per-layer readiness.
-pub const AUTO_STAGED_PAGES: usize = 64;
-
-/// CTAs of [`Route::auto`]'s staged relayout kernel. Every relayout but the last overlaps a
-/// copy, and 8 CTAs outpace PCIe there; the last one (a whole staging chunk after the last
-/// copy) is the load's tail, and at 64 pages 32 CTAs shorten it enough to lift every layout
-/// from 94-96% to 97.9-98.1% of pinned H2D (H200, 2026-12-02, a8be63e).
-pub const AUTO_RELAYOUT_CTAS: u32 = 32;
-
-impl Route {
-    /// The route [`Route::Auto`] takes for a transfer of `pages` pages in `direction` with a
-    /// host pool in `layout`, on `backend` (the direction's stream): the rule the H200 measured
-    /// (2026-12-02 at 464d428, every layout at 64 and 512 pages), within 3% of the fastest route
-    /// of every case:
-    /// - a load of at least [`AUTO_STAGED_PAGES`] pages: the copy engine through device staging
-    ///   with an [`AUTO_RELAYOUT_CTAS`]-CTA kernel relayout (97.9-98.1% of pinned H2D at 64
-    ///   pages, where 8 CTAs gave 94-96%), every layer ready at the end; a smaller load: the
-    ///   block kernel with a ready counter per layer, 2 CTAs;
-    /// - a backup into a `layer_first` host pool: the block kernel, 2 CTAs (94.8-95.0% of D2H;
-    ///   the staging gains nothing there);
-    /// - a backup into a page-first host pool of at least [`AUTO_STAGED_PAGES`] pages: staged
-    ///   like a load (94.7-98.1%, where the direct kernel gives 76.2-95.0%); a smaller one: the
-    ///   block kernel, 4 CTAs.
-    ///
-    /// A consumer that overlaps a large load layer by layer with its forward pass wants
-    /// `Direct(Method::Kernel(..))` instead: the staged route readies every layer at once.
-    pub fn auto(
-        direction: Direction,
-        pages: usize,
-        layout: HostLayout,
-        backend: &dyn Backend,
-    ) -> Route {
-        let staged = Route::Staged(Method::Kernel(Launch::host_io(backend, AUTO_RELAYOUT_CTAS)));
-        match direction {
-            Direction::Load if pages >= AUTO_STAGED_PAGES => staged,
-            Direction::Load => Route::Direct(Method::Kernel(Launch::host_io(backend, 2))),
-            Direction::Backup if layout == HostLayout::LayerFirst => {
-                Route::Direct(Method::Kernel(Launch::host_io(backend, 2)))
-            }
-            Direction::Backup if pages >= AUTO_STAGED_PAGES => staged,
-            Direction::Backup => Route::Direct(Method::Kernel(Launch::host_io(backend, 4))),
-        }
-    }
-
-    /// This route, with [`Route::Auto`] resolved for `pages` pages in `direction` with a host
-    /// pool in `layout`.
-    fn resolve(
-        self,
-        direction: Direction,
-        pages: usize,
-        layout: HostLayout,
-        backend: &dyn Backend,
-    ) -> Route {
-        match self {
-            Route::Auto => Route::auto(direction, pages, layout, backend),
-            route => route,
-        }
-    }
-}
-
-impl From<Method> for Route {
-    fn from(method: Method) -> Self {
-        Self::Direct(method)
-    }
-}
-
-impl std::fmt::Display for Route {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Direct(method) => write!(f, "direct, {method}"),
-            Self::Staged(method) => write!(f, "staged, {method} relayout"),
-            Self::Auto => f.write_str("auto"),
-        }
-    }
-}
 
 /// When a device node is backed up to the host.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -212,6 +114,19 @@ impl Streams {
             backup_relayout: stream()?,
             tables: stream()?,
         })
+    }
+}
+
+impl Streams {
+    /// Every stream, the same one as often as it is given.
+    pub(super) fn all(&self) -> [&Arc<dyn Backend>; 5] {
+        [
+            &self.load,
+            &self.backup,
+            &self.load_relayout,
+            &self.backup_relayout,
+            &self.tables,
+        ]
     }
 }
 
@@ -273,64 +188,6 @@ impl CacheNode {
     }
 }
 
-/// A completed backup, acked in submission order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BackupAck {
-    /// Logical queue index (0, 1, 2, ... per controller, identical on every rank).
-    pub index: u64,
-    /// The node backed up.
-    pub node: u64,
-    /// The start owner the backup was given.
-    pub start_owner: Option<u32>,
-    /// Logical host pages now holding the node.
-    pub host_pages: Vec<LogicalPage>,
-    /// Bytes this rank moved.
-    pub bytes: u64,
-}
-
-/// A completed load, acked in submission order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LoadAck {
-    /// Logical queue index (0, 1, 2, ... per controller, identical on every rank).
-    pub index: u64,
-    /// The node loaded.
-    pub node: u64,
-    /// Bytes this rank moved.
-    pub bytes: u64,
-}
-
-/// A submitted load: per model layer, how a consumer waits for that layer only. The MTP draft's
-/// layer is ready with target layer 0, as in SGLang's host pool.
-#[derive(Debug)]
-pub struct LoadHandle {
-    index: u64,
-    layers: Vec<LayerReady>,
-}
-
-impl LoadHandle {
-    /// Logical queue index of the load.
-    pub fn index(&self) -> u64 {
-        self.index
-    }
-
-    /// Readiness of each model layer (target layers, then the draft's, which is layer 0's).
-    pub fn layers(&self) -> &[LayerReady] {
-        &self.layers
-    }
-
-    /// Makes later work on `consumer` wait until model layer `layer` has landed, and no longer.
-    pub fn wait_layer(&self, consumer: &dyn Backend, layer: ModelLayer) -> Result<()> {
-        self.layers
-            .get(layer.0)
-            .ok_or(Error::OutOfRange {
-                what: "model layer",
-                index: layer.0 as i64,
-                limit: self.layers.len() as u64,
-            })?
-            .wait(consumer)
-    }
-}
-
 /// Where a node stands on the host.
 #[derive(Debug)]
 pub(super) struct HostNode {
@@ -338,30 +195,21 @@ pub(super) struct HostNode {
     pub(super) acked: bool,
 }
 
-/// Submitted work kept until acked: its ack, its completion event, and the transfer whose
-/// tables the device may still be reading.
-#[derive(Debug)]
-struct Pending<A> {
-    ack: A,
-    done: Event,
-    transfer: HostTransfer,
-}
-
 /// One rank's HiCache controller.
 pub struct HiCacheController {
     device: Arc<DevicePool>,
     host: Arc<HostPool>,
-    streams: Streams,
+    pub(super) streams: Streams,
     policy: WritePolicy,
     pub(super) allocator: ShardAllocator,
     signals: LayerSignals,
     hits: HashMap<u64, u32>,
     pub(super) host_nodes: HashMap<u64, HostNode>,
-    backups: VecDeque<Pending<BackupAck>>,
-    loads: VecDeque<Pending<LoadAck>>,
+    pub(super) backups: VecDeque<Pending<BackupAck>>,
+    pub(super) loads: VecDeque<Pending<LoadAck>>,
     next_backup: u64,
     next_load: u64,
-    spare_tables: Vec<TableBuffer>,
+    pub(super) spare_tables: Vec<TableBuffer>,
     staging_pages: u64,
     load_staging: Option<StagedIo>,
     backup_staging: Option<StagedIo>,
@@ -391,13 +239,7 @@ impl HiCacheController {
         policy: WritePolicy,
     ) -> Result<Self> {
         super::direct::check_pools(&device, &host)?;
-        for stream in [
-            &streams.load,
-            &streams.backup,
-            &streams.load_relayout,
-            &streams.backup_relayout,
-            &streams.tables,
-        ] {
+        for stream in streams.all() {
             // check_pools put both pools in one address space.
             crate::backend::check_space(stream.address_space(), device.address_space(), "pools")?;
         }
@@ -767,66 +609,6 @@ impl HiCacheController {
         }
     }
 
-    /// Backups submitted and not yet acked.
-    pub fn pending_backups(&self) -> usize {
-        self.backups.len()
-    }
-
-    /// Loads submitted and not yet acked.
-    pub fn pending_loads(&self) -> usize {
-        self.loads.len()
-    }
-
-    /// How many backups, from the oldest, have completed (what the shard group takes the
-    /// minimum of before acking).
-    pub fn poll_backups(&self) -> Result<usize> {
-        completed_prefix(self.streams.backup.as_ref(), &self.backups)
-    }
-
-    /// How many loads, from the oldest, have completed.
-    pub fn poll_loads(&self) -> Result<usize> {
-        completed_prefix(self.streams.load.as_ref(), &self.loads)
-    }
-
-    /// Pops the `count` oldest backups, in submission order. If any of them has not completed,
-    /// this first blocks until the backup stream is idle.
-    pub fn ack_backups_sync(&mut self, count: usize) -> Result<Vec<BackupAck>> {
-        let done = pop_completed(self.streams.backup.as_ref(), &mut self.backups, count)?;
-        let acks = self.recycle(done);
-        for ack in &acks {
-            if let Some(n) = self.host_nodes.get_mut(&ack.node) {
-                n.acked = true;
-            }
-        }
-        // Write-through to storage starts once the host bytes are complete.
-        #[cfg(feature = "nixl")]
-        for ack in &acks {
-            self.on_backup_acked(ack.node);
-        }
-        Ok(acks)
-    }
-
-    /// Pops the `count` oldest loads, in submission order. If any of them has not completed,
-    /// this first blocks until the load stream is idle.
-    pub fn ack_loads_sync(&mut self, count: usize) -> Result<Vec<LoadAck>> {
-        let done = pop_completed(self.streams.load.as_ref(), &mut self.loads, count)?;
-        Ok(self.recycle(done))
-    }
-
-    /// Keeps the kernel tables of completed transfers for reuse; returns their acks.
-    fn recycle<A>(&mut self, done: Vec<Pending<A>>) -> Vec<A> {
-        let mut acks = Vec::with_capacity(done.len());
-        for p in done {
-            acks.push(p.ack);
-            self.spare_tables.extend(p.transfer.into_tables());
-        }
-        // The largest fit the most transfers; dropping the rest frees device memory, rarely.
-        self.spare_tables
-            .sort_by_key(|t| std::cmp::Reverse(t.len()));
-        self.spare_tables.truncate(SPARE_TABLES);
-        acks
-    }
-
     /// Plans and builds this rank's transfer, uploading kernel tables on the tables stream
     /// (into a spare table buffer when one fits) when a kernel will read them, and making the
     /// direction's staging on its first staged use.
@@ -869,29 +651,106 @@ impl HiCacheController {
     }
 }
 
-/// Refuses, before anything changes, a route that cannot run: a method the route does not
-/// take ([`Error::UnsupportedMethod`]), or a kernel launch shape no copy kernel takes.
-fn check_route(route: Route) -> Result<()> {
-    match route {
-        Route::Direct(method) => check_direct(method),
-        Route::Staged(how) => check_relayout(how),
-        // Resolved per call (`Route::resolve`) before anything is planned.
-        Route::Auto => Ok(()),
-    }
-}
-
-/// [`Route::Auto`] reaching a step that runs a route: every public call resolves it first, so
-/// this reports a bug rather than a caller's mistake, before anything is enqueued (`transfer`
-/// runs first).
-fn unresolved() -> Error {
-    Error::HiCache("an auto route reached a transfer unresolved".into())
-}
-
 /// A direction's staging, which `HiCacheController::transfer` makes for every staged route.
 fn made(staging: &Option<StagedIo>) -> Result<&StagedIo> {
     staging
         .as_ref()
         .ok_or_else(|| Error::HiCache("staged transfer without its staging".into()))
+}
+
+// Acks: counted without waiting, popped in submission order, and the step of the engine's loop.
+impl HiCacheController {
+    /// Backups submitted and not yet acked.
+    pub fn pending_backups(&self) -> usize {
+        self.backups.len()
+    }
+
+    /// Loads submitted and not yet acked.
+    pub fn pending_loads(&self) -> usize {
+        self.loads.len()
+    }
+
+    /// How many backups, from the oldest, have completed (what the shard group takes the
+    /// minimum of before acking).
+    pub fn poll_backups(&self) -> Result<usize> {
+        completed_prefix(self.streams.backup.as_ref(), &self.backups)
+    }
+
+    /// How many loads, from the oldest, have completed.
+    pub fn poll_loads(&self) -> Result<usize> {
+        completed_prefix(self.streams.load.as_ref(), &self.loads)
+    }
+
+    /// Pops the `count` oldest backups, in submission order. If any of them has not completed,
+    /// this first blocks until the backup stream is idle.
+    pub fn ack_backups_sync(&mut self, count: usize) -> Result<Vec<BackupAck>> {
+        let done = pop_completed(self.streams.backup.as_ref(), &mut self.backups, count)?;
+        Ok(self.backed_up(done))
+    }
+
+    /// Pops the `count` oldest loads, in submission order. If any of them has not completed,
+    /// this first blocks until the load stream is idle.
+    pub fn ack_loads_sync(&mut self, count: usize) -> Result<Vec<LoadAck>> {
+        let done = pop_completed(self.streams.load.as_ref(), &mut self.loads, count)?;
+        Ok(self.recycle(done))
+    }
+
+    /// The controller's step of the engine's loop: acks every backup and every load that has
+    /// completed, each in submission order (what [`Self::ack_backups_sync`] and
+    /// [`Self::ack_loads_sync`] of [`Self::poll_backups`] and [`Self::poll_loads`] would give,
+    /// with no wait), and reports the inputs a kernel rejected on the controller's streams since
+    /// the last step. One call per scheduling step. The ranks of a shard group that must ack
+    /// the same counts agree on the polled counts first and pop those (module docs of the
+    /// controller); a rank that acks on its own takes its step.
+    pub fn step(&mut self) -> Result<HiCacheStep> {
+        let backups = self.poll_backups()?;
+        let done = self.backups.drain(..backups).collect();
+        let backups = self.backed_up(done);
+        let loads = self.poll_loads()?;
+        let done = self.loads.drain(..loads).collect();
+        let loads = self.recycle(done);
+        let kernel_errors = self
+            .streams
+            .all()
+            .iter()
+            .filter_map(|s| s.poll_kernel_status().err())
+            .collect();
+        Ok(HiCacheStep {
+            backups,
+            loads,
+            kernel_errors,
+        })
+    }
+
+    /// Acks completed backups: their nodes are on the host from now on.
+    fn backed_up(&mut self, done: Vec<Pending<BackupAck>>) -> Vec<BackupAck> {
+        let acks = self.recycle(done);
+        for ack in &acks {
+            if let Some(n) = self.host_nodes.get_mut(&ack.node) {
+                n.acked = true;
+            }
+        }
+        // Write-through to storage starts once the host bytes are complete.
+        #[cfg(feature = "nixl")]
+        for ack in &acks {
+            self.on_backup_acked(ack.node);
+        }
+        acks
+    }
+
+    /// Keeps the kernel tables of completed transfers for reuse; returns their acks.
+    fn recycle<A>(&mut self, done: Vec<Pending<A>>) -> Vec<A> {
+        let mut acks = Vec::with_capacity(done.len());
+        for p in done {
+            acks.push(p.ack);
+            self.spare_tables.extend(p.transfer.into_tables());
+        }
+        // The largest fit the most transfers; dropping the rest frees device memory, rarely.
+        self.spare_tables
+            .sort_by_key(|t| std::cmp::Reverse(t.len()));
+        self.spare_tables.truncate(SPARE_TABLES);
+        acks
+    }
 }
 
 fn completed_prefix<A>(stream: &dyn Backend, queue: &VecDeque<Pending<A>>) -> Result<usize> {

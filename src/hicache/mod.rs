@@ -32,9 +32,11 @@
 //! placement as the device): `alloc_matching` gives host pages of the device pages' owner
 //! classes; the controller owns one.
 
+mod acks;
 mod controller;
 mod direct;
 mod layer_ready;
+mod route;
 mod staged;
 #[cfg(feature = "nixl")]
 mod storage;
@@ -42,10 +44,8 @@ mod storage;
 mod storage_stage;
 mod transfer_plan;
 
-pub use controller::{
-    BackupAck, CacheNode, HiCacheController, LoadAck, LoadHandle, Route, Streams, WritePolicy,
-    AUTO_RELAYOUT_CTAS, AUTO_STAGED_PAGES, DEFAULT_STAGING_PAGES,
-};
+pub use acks::{BackupAck, HiCacheStep, LoadAck, LoadHandle};
+pub use controller::{CacheNode, HiCacheController, Streams, WritePolicy, DEFAULT_STAGING_PAGES};
 pub use direct::HostTransfer;
 // The host pools are defined with the device pools (`pool/host`); HiCache is where engines
 // meet them, so this is their public path.
@@ -54,6 +54,7 @@ pub use crate::pool::host::{
     LayoutStrides, NumaPlacement, RegisteredRegion,
 };
 pub use layer_ready::LayerReady;
+pub use route::{Route, AUTO_RELAYOUT_CTAS, AUTO_STAGED_PAGES};
 pub use staged::StagedIo;
 #[cfg(feature = "nixl")]
 pub use storage_stage::{StorageAck, StorageOp, StoragePolicy};

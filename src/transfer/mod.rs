@@ -33,6 +33,9 @@
 //!   control channel and NIXL's notifications carry it as it is).
 //! - `endpoint`: the cross-process protocol as library types, [`DecodeEndpoint`] and
 //!   [`PrefillEndpoint`], over the control channel of [`crate::ipc`].
+//! - `prefill_loop`: [`PrefillLoop`], the prefill side of the engine's loop: every chunk in
+//!   flight polled in any order each step, failures held until nothing else of the request
+//!   moves, kernel-reported errors; the decode side's step is [`Receiver::step`].
 //! - `stats`: the counters every transport keeps (bytes, descriptors, post and transfer time,
 //!   failures), named after the metrics vLLM's NIXL connector and KVBM export.
 //! - `bounce`: whole-chunk bounce buffers ([`BounceBuffer`]) for engines that post one
@@ -56,6 +59,7 @@ pub mod mooncake;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 pub(crate) mod plan;
+mod prefill_loop;
 mod receiver;
 mod sender;
 pub(crate) mod stats;
@@ -73,9 +77,10 @@ pub use plan::{
     ChunkRange, DecodePlan, DecodeRank, DecodeRegistration, DecodeSection, Descriptor, PoolLayout,
     PrefillRank, Registration, Section, SectionComponent, SendPlan,
 };
+pub use prefill_loop::{PrefillLoop, PrefillStep};
 pub use receiver::{
-    Finished, MissingChunks, Outcome, Overdue, Progress, RankFailure, Receiver, DEFAULT_DEADLINE,
-    MAX_PREFILL_RANKS,
+    Finished, MissingChunks, Outcome, Overdue, Progress, RankFailure, ReceiveStep, Receiver,
+    DEFAULT_DEADLINE, MAX_CHUNKS_AHEAD, MAX_PREFILL_RANKS,
 };
 pub use sender::{ChunkEnd, PendingChunk, Sender};
 pub use stats::{Metric, MetricKind, Posted, StatsSnapshot, TimeSnapshot, TransferStats};

@@ -4,6 +4,14 @@
 //! status (the other ranks may still be writing into its pages unless told to abort), then its
 //! registration is handed back so the pages can be freed. A finished request leaves no state.
 //!
+//! A rank's statuses are taken as they come, in any order across its chunks (an engine polls
+//! its pending chunks in any order, and the ones that land first report first): a status ahead
+//! of the rank's next chunk is held until the chunks before it have arrived (at most
+//! [`MAX_CHUNKS_AHEAD`] ahead), so a rank is done only once every chunk up to its final one, or
+//! up to its failed one, has been reported, and never while an earlier chunk may still write.
+//! A duplicate, a status after the rank's last, or a chunk past its final one is refused with
+//! the reason, changing nothing.
+//!
 //! Nothing hangs silently: every request has a deadline, counted from its registration
 //! ([`DEFAULT_DEADLINE`], [`Receiver::with_deadline`], or per request
 //! [`Receiver::register_with_deadline`]). [`Receiver::expire`] returns each request whose
@@ -14,7 +22,7 @@
 //! until every rank has reported its last status: a rank that is only late may still be
 //! writing them.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use super::plan::Registration;
@@ -24,6 +32,10 @@ use crate::error::{Error, Result};
 
 // Defined with the error type, which carries them (`Error::TransferDeadline`).
 pub use crate::error::causes::{MissingChunks, Overdue};
+
+/// Most chunks a rank's status may run ahead of the rank's next expected chunk (held until
+/// those before it arrive): a bound on what one rank makes the decode side hold.
+pub const MAX_CHUNKS_AHEAD: u32 = 1024;
 
 /// Most prefill ranks one request may be sent by: a bound on what a registration makes the
 /// decode side hold, far above any context-parallel group.
@@ -88,6 +100,18 @@ impl Finished {
     }
 }
 
+/// What one [`Receiver::step`] found.
+#[derive(Debug, Default)]
+pub struct ReceiveStep {
+    /// Requests every rank has reported its last status for, in the order they finished.
+    pub finished: Vec<Finished>,
+    /// Requests whose deadline passed first ([`Receiver::expire`]): abort them on the ranks
+    /// named.
+    pub overdue: Vec<Overdue>,
+    /// Statuses refused, each with why ([`Receiver::receive`]'s errors); they changed nothing.
+    pub refused: Vec<Error>,
+}
+
 /// Where a request the decode side is receiving stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Progress {
@@ -102,11 +126,93 @@ pub struct Progress {
     pub overdue: bool,
 }
 
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 struct RankProgress {
+    /// The next chunk in order: every chunk before it has been taken.
     next_chunk: u32,
     done: bool,
     bytes: ComponentBytes,
+    /// Sent statuses ahead of `next_chunk`, by chunk: (bytes, whether it is the final chunk).
+    held: BTreeMap<u32, (ComponentBytes, bool)>,
+    /// A failed status ahead of `next_chunk`: (chunk, reason), the rank's last once the chunks
+    /// before it have arrived.
+    failure: Option<(u32, String)>,
+}
+
+impl RankProgress {
+    /// Why this rank's status of `chunk` cannot be taken now, if it cannot; `kind` is what
+    /// the status says: `Some(last)` a chunk sent (`last`: the final one), `None` a failure.
+    fn refusal(&self, rank: u32, chunk: u32, kind: Option<bool>) -> Option<String> {
+        let expected = self.next_chunk;
+        if self.done {
+            return Some(format!(
+                "status of chunk {chunk} from prefill rank {rank} after its last status"
+            ));
+        }
+        let failed_at = self.failure.as_ref().map(|(c, _)| *c);
+        if chunk < expected || self.held.contains_key(&chunk) || failed_at == Some(chunk) {
+            return Some(format!(
+                "duplicate status of chunk {chunk} from prefill rank {rank} (chunk {expected} expected next)"
+            ));
+        }
+        if chunk - expected > MAX_CHUNKS_AHEAD {
+            return Some(format!(
+                "status of chunk {chunk} from prefill rank {rank}, more than {MAX_CHUNKS_AHEAD} chunks ahead of chunk {expected}"
+            ));
+        }
+        let final_chunk = self.held.iter().find(|(_, (_, l))| *l).map(|(c, _)| *c);
+        if let Some(end) = final_chunk.filter(|&end| chunk > end) {
+            return Some(format!(
+                "status of chunk {chunk} from prefill rank {rank} past its final chunk {end}"
+            ));
+        }
+        match kind {
+            None => failed_at.map(|f| {
+                format!("a second failed status (chunk {chunk}) from prefill rank {rank}, after chunk {f}'s")
+            }),
+            Some(true) => {
+                if let Some(end) = final_chunk {
+                    return Some(format!(
+                        "a second final status (chunk {chunk}) from prefill rank {rank}, whose final chunk is {end}"
+                    ));
+                }
+                self.held.range(chunk + 1..).next().map(|(after, _)| {
+                    format!("final status of chunk {chunk} from prefill rank {rank}, after its chunk {after}")
+                })
+            }
+            Some(false) => None,
+        }
+    }
+
+    /// Takes the held statuses that are next in order; returns whether the rank is done, and
+    /// its failure when that is how it ended.
+    fn advance(&mut self) -> Option<RankFailure> {
+        while let Some((bytes, last)) = self.held.remove(&self.next_chunk) {
+            self.bytes += bytes;
+            self.next_chunk += 1;
+            if last {
+                self.done = true;
+                return None;
+            }
+        }
+        match self.failure.take() {
+            Some((chunk, reason)) if chunk == self.next_chunk => {
+                self.done = true;
+                // Held statuses past the failed chunk landed; the failure is the rank's last.
+                self.held.clear();
+                Some((chunk, reason))
+            }
+            held => {
+                self.failure = held;
+                None
+            }
+        }
+        .map(|(chunk, reason)| RankFailure {
+            rank: u32::MAX,
+            chunk,
+            reason,
+        })
+    }
 }
 
 #[derive(Debug)]
@@ -250,10 +356,11 @@ impl Receiver {
         overdue
     }
 
-    /// Takes one status. Returns the finished request once every rank has reported its last
-    /// status. A status for an unknown request, from a rank outside the group, for a chunk
-    /// other than the rank's next one, or after the rank's last status is an error and changes
-    /// nothing.
+    /// Takes one status, in any order across the rank's chunks (module docs). Returns the
+    /// finished request once every rank has reported its last status and every chunk before
+    /// it. A status for an unknown request, from a rank outside the group, a duplicate, one
+    /// after the rank's last status or past its final chunk, or more than
+    /// [`MAX_CHUNKS_AHEAD`] ahead is an error naming why, and changes nothing.
     pub fn receive(&mut self, status: ChunkStatus) -> Result<Option<Finished>> {
         let request = status.request;
         let fail = |reason: String| Err(Error::Transfer { request, reason });
@@ -269,36 +376,28 @@ impl Receiver {
                 "status from prefill rank {rank}, but {ranks} ranks send the request"
             ));
         };
-        if progress.done {
-            return fail(format!(
-                "status of chunk {chunk} from prefill rank {rank} after its last status"
-            ));
-        }
-        let expected = progress.next_chunk;
-        if chunk < expected {
-            return fail(format!(
-                "duplicate status of chunk {chunk} from prefill rank {rank} (chunk {expected} expected)"
-            ));
-        }
-        if chunk > expected {
-            return fail(format!(
-                "out-of-order status of chunk {chunk} from prefill rank {rank} (chunk {expected} expected)"
-            ));
+        let kind = match status.result {
+            ChunkResult::Sent { last, .. } => Some(last),
+            ChunkResult::Failed { .. } => None,
+        };
+        if let Some(why) = progress.refusal(rank, chunk, kind) {
+            return fail(why);
         }
         match status.result {
             ChunkResult::Sent { bytes, last } => {
-                progress.bytes += bytes;
-                progress.next_chunk += 1;
-                progress.done = last;
+                // A chunk past a held failure landed; the failure is the rank's last status.
+                if progress.failure.as_ref().is_none_or(|(f, _)| chunk < *f) {
+                    progress.held.insert(chunk, (bytes, last));
+                }
             }
             ChunkResult::Failed { reason } => {
-                progress.done = true;
-                incoming.failures.push(RankFailure {
-                    rank,
-                    chunk,
-                    reason,
-                });
+                // Statuses held past it landed; the failure ends the rank there.
+                progress.held.retain(|&c, _| c < chunk);
+                progress.failure = Some((chunk, reason));
             }
+        }
+        if let Some(failure) = progress.advance() {
+            incoming.failures.push(RankFailure { rank, ..failure });
         }
         if !incoming.ranks.iter().all(|p| p.done) {
             return Ok(None);
@@ -316,6 +415,23 @@ impl Receiver {
             bytes: done.ranks.iter().map(|p| p.bytes).collect(),
             outcome,
         }))
+    }
+
+    /// The decode side's step of the engine's loop: takes `statuses` (in any order,
+    /// [`Receiver::receive`]), then expires what is overdue ([`Receiver::expire`]). One call
+    /// per scheduling step, with whatever statuses came since the last (none is fine): a
+    /// request whose ranks went silent surfaces here as overdue, never as a silent hang.
+    pub fn step(&mut self, statuses: impl IntoIterator<Item = ChunkStatus>) -> ReceiveStep {
+        let mut step = ReceiveStep::default();
+        for status in statuses {
+            match self.receive(status) {
+                Ok(Some(done)) => step.finished.push(done),
+                Ok(None) => {}
+                Err(e) => step.refused.push(e),
+            }
+        }
+        step.overdue = self.expire();
+        step
     }
 
     /// Where `request` stands, while it is registered.

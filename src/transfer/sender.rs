@@ -117,6 +117,11 @@ impl PendingChunk {
         self.request
     }
 
+    /// The prefill rank sending it.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
     /// Index of the chunk in the request's send order.
     pub fn chunk(&self) -> u32 {
         self.chunk
@@ -203,6 +208,27 @@ impl PendingChunk {
             Err(e) => {
                 self.delivered = true;
                 Err(self.failed(e))
+            }
+        }
+    }
+
+    /// [`PendingChunk::poll`], a failure given as the failed status to deliver
+    /// ([`ChunkStatus::from_error`] of its [`Error::ChunkFailed`]).
+    pub(super) fn poll_status(&mut self) -> Option<ChunkStatus> {
+        match self.completion.poll() {
+            Ok(true) => {
+                self.delivered = true;
+                Some(self.sent())
+            }
+            Ok(false) => None,
+            Err(e) => {
+                self.delivered = true;
+                Some(ChunkStatus {
+                    result: ChunkResult::Failed {
+                        reason: e.to_string(),
+                    },
+                    ..self.sent()
+                })
             }
         }
     }

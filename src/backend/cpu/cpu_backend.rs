@@ -195,8 +195,21 @@ impl CpuBackend {
         })
     }
 
-    fn begin(&self, kernel: &'static str) -> abi::kvs_status {
-        lock(&self.status).begin(kernel)
+    /// The status word's value in the arena `d` (0 without a word: nothing ever reports).
+    fn status_word_in(&self, d: &Device) -> Result<u64> {
+        match &self.status_word {
+            Some(word) => d.arena.u64_at(word.addr()),
+            None => Ok(0),
+        }
+    }
+
+    /// The status a new launch of `kernel` reports through, and the tracker held until the
+    /// launch is enqueued: [`Backend::poll_kernel_status`] then never counts a launch begun and
+    /// not yet enqueued as run.
+    fn begin(&self, kernel: &'static str) -> (MutexGuard<'_, StatusTracker>, abi::kvs_status) {
+        let mut tracker = lock(&self.status);
+        let status = tracker.begin(kernel);
+        (tracker, status)
     }
 
     /// Queues `op` on this stream; in immediate mode runs it (and anything before it) now and
@@ -319,18 +332,31 @@ impl Backend for CpuBackend {
     }
 
     fn synchronize(&self) -> Result<()> {
+        // The tracker before the arena, as every launch takes them.
+        let mut tracker = lock(&self.status);
         let word = {
             let d = self.drain()?;
-            if !lock(&self.status).has_pending() {
+            if !tracker.has_pending() {
                 return Ok(());
             }
-            match &self.status_word {
-                Some(word) => d.arena.u64_at(word.addr())?,
-                None => 0,
-            }
+            self.status_word_in(&d)?
         };
         sweep();
-        lock(&self.status).check(word)
+        tracker.check(word)
+    }
+
+    fn poll_kernel_status(&self) -> Result<()> {
+        let mut tracker = lock(&self.status);
+        let Some(through) = tracker.last_pending() else {
+            return Ok(());
+        };
+        // Every launch begun so far is enqueued (each holds the tracker until it is): once the
+        // stream has passed this point, they have all run and written what they report.
+        if !self.is_done(&self.event_here(None))? {
+            return Ok(());
+        }
+        let word = self.status_word_in(&self.dev())?;
+        tracker.check_through(word, through)
     }
 
     fn record(&self) -> Result<Event> {
@@ -429,24 +455,28 @@ impl Backend for CpuBackend {
 
     unsafe fn quantize_latent(&self, mut p: abi::kvs_quantize_latent_params) -> Result<()> {
         check::quantize_latent(&p)?;
-        p.status = self.begin("kvs_quantize_latent");
+        let (_launching, status) = self.begin("kvs_quantize_latent");
+        p.status = status;
         self.run(move |mem| quantize_latent(mem, &p))
     }
 
     unsafe fn quantize_indexer(&self, mut p: abi::kvs_quantize_indexer_params) -> Result<()> {
         check::quantize_indexer(&p)?;
-        p.status = self.begin("kvs_quantize_indexer");
+        let (_launching, status) = self.begin("kvs_quantize_indexer");
+        p.status = status;
         self.run(move |mem| quantize_indexer(mem, &p))
     }
 
     unsafe fn resolve(&self, mut p: abi::kvs_resolve_params) -> Result<()> {
         check::resolve(&p)?;
-        p.status = self.begin(crate::backend::resolve_kernel(&p).name());
+        let (_launching, status) = self.begin(crate::backend::resolve_kernel(&p).name());
+        p.status = status;
         self.run(move |mem| resolve(mem, &p))
     }
 
     unsafe fn scratch_rows(&self, mut p: abi::kvs_scratch_rows_params) -> Result<()> {
-        p.status = self.begin("kvs_scratch_rows");
+        let (_launching, status) = self.begin("kvs_scratch_rows");
+        p.status = status;
         self.run(move |mem| scratch_rows(mem, &p))
     }
 
@@ -455,7 +485,8 @@ impl Backend for CpuBackend {
         if p.table_len == 0 && p.num_entries == 0 {
             return Ok(());
         }
-        p.status = self.begin("kvs_scratch_table");
+        let (_launching, status) = self.begin("kvs_scratch_table");
+        p.status = status;
         self.run(move |mem| scratch_table(mem, &p))
     }
 
@@ -465,7 +496,8 @@ impl Backend for CpuBackend {
         if p.num_pages == 0 || p.num_pairs == 0 {
             return Ok(());
         }
-        p.status = self.begin("kvs_copy_blocks");
+        let (_launching, status) = self.begin("kvs_copy_blocks");
+        p.status = status;
         self.enqueue(Op::Blocks {
             launch: Box::new(BlockLaunch { p, inline: None }),
             next: 0,
@@ -483,7 +515,8 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         let mut header = p.copy;
-        header.status = self.begin("kvs_copy_blocks_inline");
+        let (_launching, status) = self.begin("kvs_copy_blocks_inline");
+        header.status = status;
         self.enqueue(Op::Blocks {
             launch: Box::new(BlockLaunch {
                 p: header,
@@ -496,7 +529,8 @@ impl Backend for CpuBackend {
     unsafe fn write_rows(&self, mut p: abi::kvs_write_rows_params, launch: Launch) -> Result<()> {
         check::write_rows(&p)?;
         launch.validate(self.max_threads(KernelFamily::WriteRows))?;
-        p.status = self.begin("kvs_write_rows");
+        let (_launching, status) = self.begin("kvs_write_rows");
+        p.status = status;
         self.run(move |mem| write_rows(mem, &p))
     }
 
@@ -507,7 +541,8 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         check::decode_scatter(&p)?;
         launch.validate(self.max_threads(KernelFamily::DecodeScatter))?;
-        p.status = self.begin(crate::backend::decode_scatter_kernel(&p).name());
+        let (_launching, status) = self.begin(crate::backend::decode_scatter_kernel(&p).name());
+        p.status = status;
         self.run(move |mem| decode_scatter(mem, &p))
     }
 
@@ -516,7 +551,8 @@ impl Backend for CpuBackend {
         if p.num_ranges == 0 {
             return Ok(());
         }
-        p.status = self.begin("kvs_copy_ranges");
+        let (_launching, status) = self.begin("kvs_copy_ranges");
+        p.status = status;
         self.run(move |mem| copy_ranges(mem, &p))
     }
 
