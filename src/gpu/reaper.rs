@@ -20,6 +20,11 @@
 //! The thread also sweeps the memory still waiting for its work on a GPU (`watch`), every
 //! [`POLL`] while there is any, so that memory is freed once its work has completed even when
 //! the engine makes no further kvshard call.
+//!
+//! At process exit the thread stops (an `atexit` handler, registered when it starts, so it runs
+//! before the driver's own teardown): it finishes the call it is in, within [`EXIT_GRACE`], and
+//! makes no other. A driver call racing the driver's teardown crashed processes at exit under
+//! compute-sanitizer; what is still queued then is the process's memory, which the OS reclaims.
 
 use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex};
@@ -29,6 +34,9 @@ use crate::lock::lock;
 
 /// How often the thread sweeps memory that waits for its work on a GPU.
 pub(crate) const POLL: Duration = Duration::from_millis(1);
+
+/// How long process exit waits for the call the thread is making.
+const EXIT_GRACE: Duration = Duration::from_millis(500);
 
 type Job = Box<dyn FnOnce() + Send>;
 
@@ -43,6 +51,10 @@ struct State {
     started: Option<u32>,
     /// Sweeps to run every [`POLL`], each while it says more is pending, by name.
     sweeps: Vec<Sweep>,
+    /// The process is exiting: the thread makes no further call.
+    exiting: bool,
+    /// The thread is running the sweeps (driver calls, like a job).
+    sweeping: bool,
 }
 
 static STATE: Mutex<State> = Mutex::new(State {
@@ -50,6 +62,8 @@ static STATE: Mutex<State> = Mutex::new(State {
     running: 0,
     started: None,
     sweeps: Vec::new(),
+    exiting: false,
+    sweeping: false,
 });
 /// Wakes the thread: a job or a sweep was handed over.
 static WORK: Condvar = Condvar::new();
@@ -120,21 +134,64 @@ fn start(state: &mut State) -> bool {
             .name("kvshard-reaper".into())
             .spawn(run)
             .is_ok();
+        if spawned && state.started.is_none() {
+            // Once per process image (a forked child inherits the registration).
+            // SAFETY: `atexit` takes a plain function of no arguments that does not unwind
+            // (`stop_at_exit` only locks, flags and waits with a deadline).
+            unsafe { atexit(stop_at_exit) };
+        }
         state.started = spawned.then_some(pid);
     }
     state.started.is_some()
 }
 
+extern "C" {
+    /// The C library's: runs `f` at `exit`, before the handlers registered earlier (the
+    /// driver's teardown among them: it was registered when the driver loaded).
+    fn atexit(f: extern "C" fn()) -> std::ffi::c_int;
+}
+
+/// Stops the thread for process exit: no further call, and the one it is in finished (for at
+/// most [`EXIT_GRACE`]).
+extern "C" fn stop_at_exit() {
+    let mut state = match STATE.try_lock() {
+        Ok(state) => state,
+        // Held by a thread that exit left running (or poisoned): waiting could hang exit.
+        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => return,
+    };
+    state.exiting = true;
+    WORK.notify_all();
+    let deadline = Instant::now() + EXIT_GRACE;
+    while state.running > 0 || state.sweeping {
+        let now = Instant::now();
+        if now >= deadline {
+            return;
+        }
+        state = IDLE
+            .wait_timeout(state, deadline - now)
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .0;
+    }
+}
+
 fn run() {
     let mut state = lock(&STATE);
     loop {
+        if state.exiting {
+            // Parked until the process is gone.
+            state = WORK
+                .wait(state)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            continue;
+        }
         if let Some(job) = state.queue.pop_front() {
             state.running += 1;
             drop(state);
             job();
             state = lock(&STATE);
             state.running -= 1;
-            if state.queue.is_empty() && state.running == 0 {
+            if (state.queue.is_empty() || state.exiting) && state.running == 0 {
                 IDLE.notify_all();
             }
             continue;
@@ -143,9 +200,14 @@ fn run() {
             // Taken while they run: a `watch` meanwhile adds its sweep again, whatever this
             // round finds.
             let sweeps = std::mem::take(&mut state.sweeps);
+            state.sweeping = true;
             drop(state);
             let more: Vec<_> = sweeps.into_iter().filter(|(_, sweep)| sweep()).collect();
             state = lock(&STATE);
+            state.sweeping = false;
+            if state.exiting {
+                IDLE.notify_all();
+            }
             for sweep in more {
                 add(&mut state.sweeps, sweep);
             }
