@@ -245,7 +245,7 @@ impl HiCacheController {
         }
         let allocator = ShardAllocator::new(device.placement(), host.pages())?;
         let signals =
-            LayerSignals::new_sync(streams.tables.as_ref(), device.geometry().model_layers())?;
+            LayerSignals::new(streams.tables.as_ref(), device.geometry().model_layers())?;
         Ok(Self {
             device,
             host,

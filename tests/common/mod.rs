@@ -7,6 +7,7 @@
 
 pub mod faults;
 pub mod pd;
+pub mod source;
 pub mod synth;
 
 use std::fmt;
