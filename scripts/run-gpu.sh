@@ -27,11 +27,21 @@
 #             MOONCAKE_BENCH_NIXL=1 and .gpu-nixl staged, also NIXL's benchmark at N = 1, 2, 8 x
 #             64, 512 pages into the same file (minutes: a call of its own); says exactly why
 #             when the engine cannot load
+#   sglang    SGLang 0.5.23's own data-plane paths against kvshard's adapter on the same bytes
+#             (python/sglang_bench.py: its JIT HiCache kernels through apache-tvm-ffi and the
+#             host's nvcc, its page-interleave write and gather), from the wheels
+#             scripts/stage-sglang.sh staged in $SGLANG_STAGE (default .gpu-sglang beside .gpu,
+#             or the repository's): installed with pip --target into /tmp/sgl-site, put on
+#             PYTHONPATH; writes sglang.md, sglang.png and sglang.log. SGLANG_PYTHON (default
+#             python3) and SGLANG_BENCH_ARGS (e.g. --dry: the CPU check of this step) change what
+#             runs
 #   bench     the GPU benchmark (arguments after `--` go to it)
 #   plan      kvshard plan for the seed's scenario (CP2, 4x host cache), the ceilings measured
 #             here: D2D and pinned H2D on GPU 0, O_DIRECT reads in $PLAN_DISK (default $OUT)
 #   storage   the storage tier on this host's disk (NIXL POSIX from .gpu-nixl, staged by
-#             scripts/stage-nixl.sh beside .gpu, or $NIXL_STAGE): the pressure
+#             scripts/stage-nixl.sh beside .gpu, or $NIXL_STAGE): its test binaries with the GPU
+#             and NIXL required (storage-tests/: the store ordered after a backup and a device
+#             load still queued on the GPU, and the fault-injection cases), the pressure
 #             scenario with its storage step (L2 -> L3 -> L2 -> L1 on the GPU, checked), in one
 #             process and across processes (kvshard pd --scenario pressure: a process per rank
 #             and decode, the ranks sharing the directory), and
@@ -41,7 +51,7 @@
 #   gds       GPUDirect Storage (NIXL GDS on cuFile, compat mode) GPU 0 <-> file in $STORAGE_DIR:
 #             one descriptor and slot-size ones, checked, or exactly why it cannot run; gds.md
 # Writes to $OUT (default ./gpu-out): summary.log, tests.log, sanitizer.log, demo.log, pd.md,
-# python.md, plan.md, bench.md, bench.log and the benchmark's charts, bench-SECTION.svg. The binaries need
+# python.md, plan.md, bench.md, bench.log and the benchmark's charts, bench-SECTION.svg, sglang.md. The binaries need
 # glibc >= 2.34 and load libcuda (and libnccl, found in the machine's Python packages) at run
 # time. Usage: run-gpu.sh [STEP...] [-- BENCH ARGS...]
 set -uo pipefail
@@ -231,6 +241,48 @@ for step in "${steps[@]}"; do
       fi
     fi
     ;;
+  sglang)
+    stage="${SGLANG_STAGE:-$here/../.gpu-sglang}"
+    [ -d "$stage/wheels" ] || stage="$repo/.gpu-sglang"
+    py="${SGLANG_PYTHON:-python3}"
+    if [ ! -d "$stage/wheels" ]; then
+      say "sglang: nothing staged (scripts/stage-sglang.sh writes .gpu-sglang)"
+      status=1
+      continue
+    fi
+    want="$(cat "$stage/PY" 2>/dev/null)"
+    have="$("$py" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
+    if [ "$want" != "$have" ]; then
+      say "sglang: staged for $want, $py is $have (PY=${have#cp} scripts/stage-sglang.sh)"
+      status=1
+      continue
+    fi
+    site=/tmp/sgl-site
+    rm -rf "$site"
+    log="$out/sglang.log"
+    if ! "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$stage"/wheels/*.whl "$stage"/kvshard-*.whl >"$log" 2>&1; then
+      say "sglang: the staged wheels did not install ($(tail -1 "$log"))"
+      status=1
+      continue
+    fi
+    # SGLang's JIT kernels build with the host's nvcc (its CUDA_HOME, else nvcc on PATH).
+    nvcc_bin="$(command -v nvcc || find /usr/local -maxdepth 3 -path '*/bin/nvcc' 2>/dev/null | head -1)"
+    if [ -n "$nvcc_bin" ]; then
+      [ -n "${CUDA_HOME:-}" ] || CUDA_HOME="$(dirname "$(dirname "$nvcc_bin")")"
+      PATH="$(dirname "$nvcc_bin"):$PATH"
+      export CUDA_HOME PATH
+    fi
+    echo "nvcc: ${nvcc_bin:-none} ($("${nvcc_bin:-false}" --version 2>/dev/null | tail -1)); CUDA_HOME ${CUDA_HOME:-unset}" >>"$log"
+    # shellcheck disable=SC2086
+    if (cd "$repo" && PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" SGLANG_JIT_CACHE_DIR=/tmp/sgl-jit \
+      timeout 420 "$py" -W ignore -P python/sglang_bench.py --out "$out" ${SGLANG_BENCH_ARGS:-}) >>"$log" 2>&1; then
+      r=ok
+    else
+      r=FAILED
+      status=1
+    fi
+    say "sglang: $r ($(grep -E '^(sglang_bench|SGLang JIT compile)' "$log" | tr '\n' ' '))"
+    ;;
   bench)
     OUT="$out" "$here/benches/gpu" "$@" 2>&1 | tee "$out/bench.log" >/dev/null
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
@@ -258,6 +310,13 @@ for step in "${steps[@]}"; do
         fio_args=(--fio /tmp/kvshard-fio/run)
       fi
       echo '```'
+      # The storage tier's tests: gpu_* run here on GPU 0, the CPU ones and the fault cases
+      # on this host's disk (their stores under $STORAGE_DIR).
+      for t in "$staged"/storage-tests/*; do
+        [ -x "$t" ] || continue
+        TMPDIR="$dir" KVSHARD_REQUIRE_NIXL=1 timeout 120 "$t" --test-threads=2 --nocapture 2>&1 |
+          grep -E '^(test result|fault-injection:)|FAILED|panicked' | sed "s|^|$(basename "$t"): |"
+      done
       timeout 30 "$staged/kvshard" demo --scenario pressure | grep -E '^(storage|pressure)'
       echo '```'
       # Across processes: each rank writes its own pages to the shared directory, finds the
@@ -273,6 +332,9 @@ for step in "${steps[@]}"; do
         ${STORAGE_E2E_TOKENS:+--e2e-tokens "$STORAGE_E2E_TOKENS"}
     ) >"$out/storage.md" 2>&1
     if grep -q 'byte-identical to the unsharded reference' "$out/storage.md" && grep -q '^| load' "$out/storage.md" &&
+      [ "$(grep -c '^storage: test result: ok' "$out/storage.md")" -ge 1 ] &&
+      [ "$(grep -c '^faults_storage: test result: ok' "$out/storage.md")" -ge 1 ] &&
+      ! grep -qE '^(storage|faults_storage): .*(FAILED|panicked)' "$out/storage.md" &&
       [ "$(grep -c '^| [0-9] | reloaded L3 -> L2 .*byte-identical' "$out/storage.md")" -ge 2 ] &&
       grep -q '^| [0-9]*K tokens' "$out/storage.md"; then r=ok; else r=FAILED; status=1; fi
     say "storage: $r"

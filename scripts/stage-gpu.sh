@@ -2,7 +2,8 @@
 # Builds every test and benchmark binary in release mode with kernels required (the library's and
 # the applications', cli/), and stages them, with the kvshard binary and scripts/run-gpu.sh, in
 # .gpu/ (git-ignored). A GPU host needs no
-# Rust: copy .gpu/ there (or name it in the device tool's `carry`) and run `.gpu/run-gpu.sh`.
+# Rust: copy .gpu-pack/gpu.tar.xz there (or name .gpu-pack in the device tool's `carry`), unpack
+# it and run `.gpu/run-gpu.sh`.
 # Binaries built on Debian 12 need glibc >= 2.34 and only libc/libgcc_s; libcuda is loaded at
 # run time.
 set -euo pipefail
@@ -36,6 +37,14 @@ cargo test --release --features "$features" --no-run --message-format=json 2>/de
       # The bindings check needs libclang and the source tree: it runs where the crate is built.
       test) [ "$name" = bindings ] || cp "$exe" "$stage/tests/$name" ;;
     esac
+  done
+# The storage tier's test binaries (feature `nixl`), run by run-gpu.sh's `storage` step with the
+# staged NIXL runtime: their gpu_* cases order the store after work queued on the GPU.
+mkdir -p "$stage/storage-tests"
+cargo test --release -p kvshard --features "$features nixl" --test storage --test faults_storage \
+  --no-run --message-format=json 2>/dev/null | list |
+  while read -r kind name exe; do
+    if [ "$kind" = test ]; then cp "$exe" "$stage/storage-tests/$name"; fi
   done
 # The benchmark kernels and gpu::bench exist only with `bench-kernels`; the tests above run the
 # fatbin engines get, without them.
@@ -82,4 +91,10 @@ scripts/stage-mooncake.sh "$stage/mooncake.tar.xz" >/dev/null
 find "$stage" -type f -perm -u+x ! -name '*.sh' -exec strip --strip-unneeded {} +
 git rev-parse --short HEAD >"$stage/COMMIT" 2>/dev/null || echo unknown >"$stage/COMMIT"
 du -sh "$stage"
+# Stripped, the binaries still exceed the device tool's 64 MiB (each embeds the fatbin): they
+# travel as one xz archive, about a quarter of their size. On the GPU host:
+#   tar -xJf .gpu-pack/gpu.tar.xz && .gpu/run-gpu.sh STEPS
+mkdir -p .gpu-pack
+tar -cf - "$stage" | xz -T0 -6 >.gpu-pack/gpu.tar.xz
+du -sh .gpu-pack/gpu.tar.xz
 ls "$stage/tests" "$stage/benches"

@@ -1,4 +1,4 @@
-//! Storage keys that engines can share (docs/design.md, "Storage tier"): `key = namespace || page
+//! Storage keys that engines can share (docs/storage.md): `key = namespace || page
 //! hash`, 64 bytes.
 //!
 //! - The **namespace** is SHA-256 over a canonical, versioned encoding of what makes two caches'

@@ -411,6 +411,49 @@ fn write_chunk(
     (pool, staging)
 }
 
+/// A write prepared for some (component, layer) pairs moves exactly those: the target latent
+/// rows of layer 1 land as an unfiltered write puts them, every other component and layer of
+/// the pool keeps its poison (an engine whose own kernel writes the indexer keys keeps them).
+#[test]
+fn cpu_a_component_filtered_write_moves_only_what_it_keeps() {
+    let mut rng = common::rng("cpu_a_component_filtered_write_moves_only_what_it_keeps");
+    let b = CpuBackend::new();
+    for g in geometries() {
+        let slots = chunk_slots(&mut rng, 2, 128, false);
+        let (full, _) = write_chunk(&b, &g, 2, 1, &slots, Slots::Checked);
+        let pool =
+            Arc::new(DevicePool::allocate(&b, &g, Placement::new(2).unwrap(), 1, 24).unwrap());
+        pool.fill(&b, POISON).unwrap();
+        let staging = Arc::new(ChunkStaging::new(&b, &pool, slots.len()).unwrap());
+        let bytes = synth::bytes(&mut seeded(11), staging.buffer().len());
+        b.write_sync(staging.buffer(), 0, &bytes).unwrap();
+        let keep = |c: Component, m: ModelLayer| c == Component::TargetLatent && m == ModelLayer(1);
+        let write =
+            OwnedRowWrite::prepare_components_sync(&b, staging, pool.clone(), keep).unwrap();
+        let checked: Vec<Slot> = slots.iter().map(|&s| Slot(s as u64)).collect();
+        write
+            .run_checked_sync(&b, &checked, write.launch(&b, checked.len()))
+            .unwrap();
+        for c in pool.components() {
+            for (l, &m) in c.model_layers.iter().enumerate() {
+                for p in 0..24 {
+                    let at = (c.component, StoredLayer(l), LocalPage(p));
+                    let got = pool.read_block_sync(&b, at.0, at.1, at.2).unwrap();
+                    if keep(c.component, m) {
+                        assert_eq!(
+                            got,
+                            full.read_block_sync(&b, at.0, at.1, at.2).unwrap(),
+                            "{at:?}"
+                        );
+                    } else {
+                        assert!(got.iter().all(|&x| x == POISON), "{at:?} written");
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Distinct random logical slots of `n` ranks of 24 pages, skipping the reserved pages; every
 /// eleventh is padding (-1) when `padding`.
 fn chunk_slots(rng: &mut impl Rng, n: u32, tokens: usize, padding: bool) -> Vec<i64> {

@@ -369,25 +369,40 @@ fn storage_bench(args: &StorageBenchArgs) -> ExitCode {
                 .find(|p| p.is_file())
         })
     });
+    // Every flag checked before anything is allocated: the shape's bounds here, the rest by
+    // StorageBench::validate.
+    let shape = Shape {
+        ranks: 1,
+        layers: args.layers,
+        draft: !args.no_draft,
+        seed: 0,
+    };
+    let max_io_bytes = args.max_io_mib.max(1).checked_mul(1 << 20);
+    if let Err(e) = shape.check().and_then(|()| {
+        max_io_bytes
+            .map(|_| ())
+            .ok_or_else(|| crate::overflow("--max-io-mib"))
+    }) {
+        say!("storage-bench: {e}");
+        return ExitCode::FAILURE;
+    }
     let bench = crate::storage_bench::StorageBench {
         dir: args.dir.clone().unwrap_or_else(std::env::temp_dir),
-        ranks: args.ranks.max(1),
-        geometry: Shape {
-            ranks: args.ranks.max(1),
-            layers: args.layers,
-            draft: !args.no_draft,
-            seed: 0,
-        }
-        .geometry(),
-        pages: args.pages.max(1),
-        batch: args.batch.max(1),
-        staging_slots: args.staging_slots.max(1),
-        max_io_bytes: args.max_io_mib.max(1) << 20,
+        ranks: args.ranks,
+        geometry: shape.geometry(),
+        pages: args.pages,
+        batch: args.batch,
+        staging_slots: args.staging_slots,
+        max_io_bytes: max_io_bytes.unwrap_or(u64::MAX),
         aio: args.aio,
         fio,
         fio_seconds: args.fio_seconds.max(1),
         zero_fill: args.zero_fill,
     };
+    if let Err(e) = bench.validate() {
+        say!("storage-bench: {e}");
+        return ExitCode::FAILURE;
+    }
     if !args.e2e_only && !args.gds_only {
         match bench.run() {
             Ok(report) => say!("{report}"),
@@ -422,23 +437,18 @@ fn storage_bench(args: &StorageBenchArgs) -> ExitCode {
         (true, true) => vec![16384, 131072],
         (true, false) => vec![16384],
     };
-    let dir = bench
-        .dir
-        .join(format!("kvshard-storage-e2e-{}", std::process::id()));
     let rows = |b: Arc<dyn Backend>, streams: StreamFactory<'_>| -> Result<String> {
         let mut rows = Vec::new();
         for &t in &tokens {
-            let _ = std::fs::remove_dir_all(&dir);
-            let row = crate::storage_e2e::prefix_row(
+            // Each row's store in a private directory of its own, made in --dir.
+            rows.push(crate::storage_e2e::prefix_row(
                 &b,
                 streams,
                 &bench.geometry,
                 t.max(1),
-                &dir,
+                &bench.dir,
                 args.aio,
-            );
-            let _ = std::fs::remove_dir_all(&dir);
-            rows.push(row?);
+            )?);
         }
         Ok(crate::storage_e2e::render(&rows, b.name()))
     };
@@ -596,6 +606,10 @@ struct PdArgs {
     /// The CP group memory of the pressure scenario's ranks.
     #[arg(long, hide = true)]
     group: Option<PathBuf>,
+    /// The storage step's directory the pressure scenario's ranks share (made private by the
+    /// run for them).
+    #[arg(long, hide = true)]
+    storage_dir: Option<PathBuf>,
     /// How the pressure scenario's ranks all-gather prefix pages: `auto` (NCCL when each rank
     /// has a GPU of its own and libnccl loads, else through host shared memory), `nccl`, `host`.
     #[arg(long, value_enum)]
@@ -783,6 +797,7 @@ impl PdArgs {
         unused("--decodes", self.decodes.is_some(), S)?;
         unused("--all-gather", self.all_gather.is_some(), S)?;
         unused("--group", self.group.is_some(), S)?;
+        unused("--storage-dir", self.storage_dir.is_some(), S)?;
         if !self.has_plain_blocks() {
             let why = "with --methods that have no plain `blocks`";
             unused("--ctas", self.ctas.is_some(), why)?;
@@ -941,8 +956,10 @@ impl PdArgs {
         if let Some(role) = role {
             return self.check_role(role, ranks, decodes);
         }
-        if self.socket.is_some() || self.group.is_some() {
-            return Err("--socket and --group are for the processes a run starts".into());
+        if self.socket.is_some() || self.group.is_some() || self.storage_dir.is_some() {
+            return Err(
+                "--socket, --group and --storage-dir are for the processes a run starts".into(),
+            );
         }
         if let Some(&g) = processes.gpus.iter().find(|&&g| g >= machine.gpus) {
             return Err(format!(
@@ -1139,7 +1156,13 @@ fn pd_command(args: &PdArgs, report: Option<ReportFile>) -> ExitCode {
                             report_run(report, |exe| pressure::run(&cfg, exe))
                         }
                         Some(Role::Decode(d)) => pressure::decode_role(&cfg, &socket, d),
-                        Some(Role::Rank(r)) => pressure::rank_role(&cfg, &socket, &group, r),
+                        Some(Role::Rank(r)) => pressure::rank_role(
+                            &cfg,
+                            &socket,
+                            &group,
+                            args.storage_dir.as_deref(),
+                            r,
+                        ),
                     }
                 }),
             "pd pressure",

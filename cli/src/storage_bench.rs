@@ -26,8 +26,43 @@ use kvshard::geometry::{CacheGeometry, IndexerScale};
 use kvshard::hicache::{HostLayout, HostPool};
 use kvshard::index::LocalPage;
 use kvshard::key::{Namespace, PageKey};
-use kvshard::pool::disk::{DiskConfig, DiskStore, LoadOutcome, QueueChoice};
+use kvshard::pool::disk::{DiskConfig, DiskStore, LoadOutcome, QueueChoice, MAX_STAGING_BYTES};
 use kvshard::{Error, Result};
+
+/// Most ranks (threads, each with its own store and host pool) a run may have: a CP group's
+/// size, far below the storage tier's own bound ([`kvshard::pool::disk::MAX_WRITERS`]).
+pub const MAX_RANKS: u32 = 64;
+
+/// A directory of its own for one run's stores, made in `base` (created if missing): a random
+/// name starting with `prefix`, mode 0700, removed with everything in it when the value is
+/// dropped. Never a predictable name in a shared folder: nobody can plant a file or a link in
+/// it ahead of the run.
+pub fn private_dir(base: &Path, prefix: &str) -> Result<tempfile::TempDir> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(base).map_err(|source| Error::Os {
+        call: "create the storage base directory",
+        source,
+    })?;
+    tempfile::Builder::new()
+        .prefix(prefix)
+        .permissions(std::fs::Permissions::from_mode(0o700))
+        .tempdir_in(base)
+        .map_err(|source| Error::Os {
+            call: "make a private storage directory",
+            source,
+        })
+}
+
+/// Bytes of host memory the OS says are available (`MemAvailable`).
+fn host_available() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    line.split_whitespace()
+        .nth(1)?
+        .parse::<u64>()
+        .ok()?
+        .checked_mul(1024)
+}
 
 /// What one run measures.
 #[derive(Debug, Clone)]
@@ -88,17 +123,77 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 impl StorageBench {
-    /// Runs the benchmark; returns the report (markdown).
-    pub fn run(&self) -> Result<String> {
-        kvshard::transfer::nixl::load()?;
-        std::fs::create_dir_all(&self.dir).map_err(|source| Error::Os {
-            call: "create the benchmark directory",
-            source,
-        })?;
-        let dir = self
+    /// Checks the run before anything is allocated or started: 1 to [`MAX_RANKS`] ranks, at
+    /// least one page and a batch of 1 to `pages` pages, one staging slot or more (two buffers
+    /// of them within the store's bound), and the ranks' host pools (a batch of pages each)
+    /// within the host memory available.
+    pub fn validate(&self) -> Result<()> {
+        if self.ranks == 0 || self.ranks > MAX_RANKS {
+            return Err(Error::InvalidArgument(format!(
+                "--ranks {}: 1 to {MAX_RANKS} ranks",
+                self.ranks
+            )));
+        }
+        if self.pages == 0 || self.batch == 0 || self.batch as u64 > self.pages {
+            return Err(Error::InvalidArgument(format!(
+                "--pages {} in batches of --batch {}: at least one page, a batch of 1 to --pages",
+                self.pages, self.batch
+            )));
+        }
+        let page = self.geometry.page_bytes() as u64;
+        let staging = (self.staging_slots as u64)
+            .checked_mul(2 * page)
+            .filter(|&b| self.staging_slots > 0 && b <= MAX_STAGING_BYTES);
+        if staging.is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "--staging-slots {}: at least 1, and two buffers of them within {MAX_STAGING_BYTES} B",
+                self.staging_slots
+            )));
+        }
+        let host = (self.batch as u64 + 1)
+            .checked_mul(page)
+            .and_then(|b| b.checked_mul(u64::from(self.ranks)));
+        match (host, host_available()) {
+            (None, _) => return Err(crate::overflow("the ranks' host pools")),
+            (Some(need), Some(have)) if need > have => {
+                return Err(Error::InvalidArgument(format!(
+                    "the ranks' host pools need {:.2} GB and {:.2} GB are available: lower --batch or --ranks",
+                    need as f64 / 1e9,
+                    have as f64 / 1e9
+                )))
+            }
+            _ => {}
+        }
+        // Every rank's slot file (a page in 4 KiB-aligned slots; the store checks the exact
+        // size) on the directory's filesystem.
+        let disk = self
+            .pages
+            .checked_mul(page.div_ceil(4096) * 4096)
+            .and_then(|b| b.checked_mul(u64::from(self.ranks)));
+        let free = self
             .dir
-            .join(format!("kvshard-storage-bench-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+            .ancestors()
+            .find_map(|d| rustix::fs::statvfs(d).ok())
+            .map(|v| v.f_bavail.saturating_mul(v.f_frsize));
+        match (disk, free) {
+            (None, _) => Err(crate::overflow("the ranks' slot files")),
+            (Some(need), Some(have)) if need > have => Err(Error::InvalidArgument(format!(
+                "the ranks' slot files need {:.2} GB and {} has {:.2} GB free: lower --pages or --ranks",
+                need as f64 / 1e9,
+                self.dir.display(),
+                have as f64 / 1e9
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Runs the benchmark in a private directory made in [`StorageBench::dir`] (removed at the
+    /// end); returns the report (markdown).
+    pub fn run(&self) -> Result<String> {
+        self.validate()?;
+        kvshard::transfer::nixl::load()?;
+        let private = private_dir(&self.dir, "kvshard-storage-bench-")?;
+        let dir = private.path().to_path_buf();
         let barrier = Arc::new(Barrier::new(self.ranks as usize));
         let handles: Vec<_> = (0..self.ranks)
             .map(|r| {
@@ -115,7 +210,7 @@ impl StorageBench {
         }
         let (slot_bytes, queue) = (runs[0].1, runs[0].2.clone());
         let open_secs = runs.iter().map(|r| r.3).fold(0.0, f64::max);
-        let _ = std::fs::remove_dir_all(&dir);
+        drop(private);
         let page_bytes = self.geometry.page_bytes() as f64;
         let mut out = format!(
             "## kvshard storage-bench: {} ranks, {} pages each in batches of {}, {:.2} MB pages in {} B slots, NIXL POSIX on {queue}, descriptors up to {} MiB, {} staging slots\n\n",
@@ -231,7 +326,7 @@ impl StorageBench {
         }
         cfg.zero_fill = self.zero_fill;
         let opened = Instant::now();
-        let mut store = DiskStore::open(host, &b, cfg)?;
+        let mut store = DiskStore::open(host, Arc::new(b.new_stream()), cfg)?;
         let open_secs = opened.elapsed().as_secs_f64();
         let ns = Namespace::new(&self.geometry, IndexerScale::Ue8m0, b"storage-bench")?;
         // Two key sets: the first fills every slot (fresh, preallocated blocks), the second
@@ -296,17 +391,14 @@ impl StorageBench {
         let Some(fio) = &self.fio else {
             return Ok(Vec::new());
         };
-        let dir = self.dir.join(format!("kvshard-fio-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).map_err(|source| Error::Os {
-            call: "create the fio directory",
-            source,
-        })?;
+        let private = private_dir(&self.dir, "kvshard-fio-")?;
+        let dir = private.path();
         let layer = self.geometry.target.latent_block_bytes() as u64;
         let size = (slot_bytes * self.pages).max(64 << 20);
         let mut out = Vec::new();
         for op in ["write", "read"] {
             for (name, bs) in [("slot", slot_bytes), ("layer", layer)] {
-                let gbps = self.fio_run(fio, &dir, op, bs, size, Pass::Repeated)?;
+                let gbps = self.fio_run(fio, dir, op, bs, size, Pass::Repeated)?;
                 out.push((op, name, gbps));
             }
         }
@@ -314,14 +406,13 @@ impl StorageBench {
         // once (the filesystem converts unwritten extents as it goes), files removed after.
         let gbps = self.fio_run(
             fio,
-            &dir,
+            dir,
             "write",
             slot_bytes,
             slot_bytes * self.pages,
             Pass::FirstFill,
         )?;
         out.push(("first-fill", "slot", gbps));
-        let _ = std::fs::remove_dir_all(&dir);
         Ok(out)
     }
 
@@ -388,5 +479,83 @@ impl StorageBench {
         Err(Error::Verification(format!(
             "fio {op} bs={bs} failed: {last}"
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scenario::Shape;
+
+    /// One change to a run's settings, named.
+    type Change = (&'static str, fn(&mut StorageBench));
+
+    fn bench(dir: &Path) -> StorageBench {
+        StorageBench {
+            dir: dir.to_path_buf(),
+            ranks: 2,
+            geometry: Shape {
+                ranks: 1,
+                layers: 2,
+                draft: true,
+                seed: 0,
+            }
+            .geometry(),
+            pages: 8,
+            batch: 4,
+            staging_slots: 4,
+            max_io_bytes: 8 << 20,
+            aio: false,
+            fio: None,
+            fio_seconds: 1,
+            zero_fill: false,
+        }
+    }
+
+    // Old behaviour: `--ranks 4294967295` aborted the process (a thread and a host pool per
+    // rank) and `--batch 18446744073709551615` wrapped the host pool's page count to 0.
+    #[test]
+    fn sizes_out_of_bounds_are_refused_before_anything_is_allocated() {
+        let base = std::env::temp_dir();
+        assert!(bench(&base).validate().is_ok());
+        let cases: [Change; 8] = [
+            ("ranks u32::MAX", |b| b.ranks = u32::MAX),
+            ("ranks 0", |b| b.ranks = 0),
+            ("batch usize::MAX", |b| b.batch = usize::MAX),
+            ("batch 0", |b| b.batch = 0),
+            ("batch past pages", |b| b.batch = 9),
+            ("pages u64::MAX", |b| {
+                b.pages = u64::MAX;
+                b.batch = 1;
+            }),
+            ("staging usize::MAX", |b| b.staging_slots = usize::MAX),
+            ("staging 0", |b| b.staging_slots = 0),
+        ];
+        for (what, change) in cases {
+            let mut b = bench(&base);
+            change(&mut b);
+            let e = b.validate();
+            assert!(
+                matches!(e, Err(Error::InvalidArgument(_) | Error::Overflow { .. })),
+                "{what}: {e:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_private_dir_is_made_fresh_for_the_run_and_removed_after() {
+        use std::os::unix::fs::PermissionsExt;
+        let base = std::env::temp_dir().join(format!("kvshard-private-{}", std::process::id()));
+        let a = private_dir(&base, "kvshard-x-").unwrap();
+        let b = private_dir(&base, "kvshard-x-").unwrap();
+        assert_ne!(a.path(), b.path());
+        let mode = std::fs::metadata(a.path()).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700);
+        std::fs::write(a.path().join("f"), b"x").unwrap();
+        let kept = a.path().to_path_buf();
+        drop(a);
+        assert!(!kept.exists());
+        drop(b);
+        std::fs::remove_dir_all(&base).unwrap();
     }
 }

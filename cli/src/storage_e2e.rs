@@ -104,15 +104,17 @@ fn pattern(pool: &DevicePool, b: &dyn Backend) -> Result<()> {
 }
 
 /// Measures one prefix of `tokens` tokens of geometry `g` on backend `b` (streams from
-/// `streams`), its storage in `dir`.
+/// `streams`), its storage in a private directory made in `base` for the row (removed after).
 pub fn prefix_row(
     b: &Arc<dyn Backend>,
     streams: StreamFactory<'_>,
     g: &CacheGeometry,
     tokens: u64,
-    dir: &Path,
+    base: &Path,
     aio: bool,
 ) -> Result<E2eRow> {
+    let private = crate::storage_bench::private_dir(base, "kvshard-storage-e2e-")?;
+    let dir = private.path();
     let bk = b.as_ref();
     let pages = tokens.div_ceil(PAGE_TOKENS);
     // Page 0 of each pool is padding.
@@ -137,7 +139,7 @@ pub fn prefix_row(
     if aio {
         cfg.queue = QueueChoice::Aio;
     }
-    let store = DiskStore::open(host, bk, cfg)?;
+    let store = DiskStore::open(host, b.clone(), cfg)?;
     let queue = store.io_queue().to_string();
     c.attach_storage(store, StoragePolicy::WriteThrough, Duration::from_secs(120))?;
     let ns = Namespace::new(g, IndexerScale::Ue8m0, b"storage-bench-e2e")?;

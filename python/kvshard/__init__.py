@@ -59,6 +59,8 @@ from ._kvshard import (
     # A CP prefill batch's admission and gather plan.
     Admission,
     GatherPlan,
+    # A page copy an engine's scratch gather runs layer by layer.
+    PageCopy,
     Allocation,
     BackupAck,
     Budget,
@@ -157,6 +159,7 @@ __all__ = [
     "STORAGE_LAYOUT_VERSION",
     "Admission",
     "GatherPlan",
+    "PageCopy",
     "Allocation",
     "BackupAck",
     "Budget",

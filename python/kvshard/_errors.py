@@ -102,11 +102,16 @@ class StorageError(HiCacheError):
     on the filesystem), ``"open"`` (a file or the directory cannot be made or opened, or the
     filesystem refuses direct I/O), ``"register"`` (NIXL refused it or has no POSIX backend),
     ``"io"`` (a read, write or sync failed), ``"format"`` (the files there are of another slot
-    size, slot count or rank) or ``"read_only"`` (a write asked of a store opened read-only).
+    size, slot count or rank), ``"read_only"`` (a write asked of a store opened read-only),
+    ``"untrusted"`` (a symbolic or hard link, or something group- or other-writable or another
+    user's, in the store's directory), ``"locked"`` (another store writes this rank in this
+    directory: ``holder`` is its process id, or None) or ``"corrupt"`` (a damaged journal
+    record with valid ones after it, on a store opened with ``damaged="refuse"``).
     """
 
     path: str
     failure: str
+    holder: "int | None"
 
 
 __all__ = [

@@ -7,7 +7,7 @@ cannot be subclassed (``@final``) and take their arguments in ``__new__``."""
 
 import builtins
 import os
-from typing import Any, ClassVar, Optional, Sequence, Union, final
+from typing import Any, ClassVar, Literal, Optional, Sequence, Union, final
 
 from typing_extensions import Self
 
@@ -60,6 +60,8 @@ __all__ = [
     # A CP prefill batch's admission and gather plan.
     "Admission",
     "GatherPlan",
+    # A page copy an engine's scratch gather runs layer by layer.
+    "PageCopy",
     "Allocation",
     "DevicePool",
     "ChunkStaging",
@@ -494,6 +496,18 @@ class GatherPlan:
     def send_list(self, rank: int) -> list[int]: ...
     def page_table(self) -> list[int]: ...
 
+# A page copy an engine's scratch gather runs layer by layer (python/src/page_copy.rs).
+@final
+class PageCopy:
+    def __new__(
+        cls, pool: DevicePool, src_pages: Sequence[int], dst: RemoteSpace, dst_pages: Sequence[int], stream: _StreamLike = None
+    ) -> Self: ...
+    def __len__(self) -> int: ...
+    @property
+    def bytes(self) -> int: ...
+    def run_layer(self, layer: int, stream: _StreamLike = None, *, launch: Optional[_Launch] = None) -> None: ...
+    def run(self, stream: _StreamLike = None, *, launch: Optional[_Launch] = None) -> None: ...
+
 @final
 class Budget:
     # `contexts` defaults to kvshard's DEFAULT_CONTEXTS (8).
@@ -628,7 +642,13 @@ class ChunkStaging:
 @final
 class OwnedRowWrite:
     def __new__(
-        cls, staging: ChunkStaging, pool: DevicePool, layers: Optional[Sequence[int]] = None, stream: _StreamLike = None
+        cls,
+        staging: ChunkStaging,
+        pool: DevicePool,
+        layers: Optional[Sequence[int]] = None,
+        stream: _StreamLike = None,
+        *,
+        components: Optional[Sequence[Component]] = None,
     ) -> Self: ...
     @property
     def row_bytes(self) -> int: ...
@@ -1237,12 +1257,19 @@ class DiskStats:
     def write_ios(self) -> int: ...
     @property
     def read_ios(self) -> int: ...
+    @property
+    def damaged_records(self) -> int: ...
+    @property
+    def torn_records(self) -> int: ...
     def as_dict(self) -> dict[str, int]: ...
 
 @final
 class DiskStore:
     """One rank's storage tier below its host pool (NIXL POSIX, direct I/O); keys are 64 bytes
-    (Namespace.key), pages are host page numbers. Calls release the GIL."""
+    (Namespace.key), pages are host page numbers. Stores and loads wait for the work queued on
+    the host pages they name; the directory is refused with StorageError (failure "untrusted")
+    when a link or anything another user can write is there, and one writer per directory and
+    rank is allowed (failure "locked", holder its process). Calls release the GIL."""
 
     def __new__(
         cls,
@@ -1255,6 +1282,8 @@ class DiskStore:
         staging_slots: int = 32,
         max_io_bytes: int = 8388608,
         timeout: float = 30.0,
+        read_only: bool = False,
+        damaged: Literal["skip", "refuse"] = "skip",
     ) -> Self: ...
     @property
     def host(self) -> HostPool: ...

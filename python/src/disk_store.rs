@@ -11,7 +11,9 @@ use pyo3::types::PyDict;
 
 use kvshard::index::LocalPage;
 use kvshard::key::PageKey;
-use kvshard::pool::disk::{DiskConfig, DiskStats, DiskStore, LoadOutcome, Snapshot, StoreReport};
+use kvshard::pool::disk::{
+    Damaged, DiskConfig, DiskStats, DiskStore, LoadOutcome, Snapshot, StoreReport,
+};
 
 use crate::errors::{invalid, IntoPy};
 use crate::host_pool::PyHostPool;
@@ -145,6 +147,18 @@ impl PyDiskStats {
     fn read_ios(&self) -> u64 {
         self.0.read_ios
     }
+    /// Journal records skipped as damaged (a failed checksum, or a slot past the file, with
+    /// valid records after it): each may be a page lost (a miss, never a wrong hit).
+    #[getter]
+    fn damaged_records(&self) -> u64 {
+        self.0.damaged_records
+    }
+    /// Records cut from this rank's journal tail at open (a batch a killed writer was
+    /// appending: never committed).
+    #[getter]
+    fn torn_records(&self) -> u64 {
+        self.0.torn_records
+    }
     /// The counters by name, in the order above.
     fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.0;
@@ -156,6 +170,8 @@ impl PyDiskStats {
             ("evicted_pages", s.evicted_pages),
             ("write_ios", s.write_ios),
             ("read_ios", s.read_ios),
+            ("damaged_records", s.damaged_records),
+            ("torn_records", s.torn_records),
         ] {
             d.set_item(name, value)?;
         }
@@ -188,9 +204,18 @@ fn parse_keys(keys: Vec<Vec<u8>>) -> PyResult<Vec<PageKey>> {
 /// slot is a miss. Needs the NIXL runtime (`scripts/install-nixl.sh` on LD_LIBRARY_PATH).
 ///
 /// `DiskStore(host, dir, slots, writer=0, writers=1, staging_slots=32, max_io_bytes=8 MiB,
-/// timeout=30.0)`. Keys are 64 bytes (`Namespace.key`); pages are host page numbers (page 0 is
-/// the padding page). Store and load read and write host memory directly, outside any stream:
-/// the pages must not be moved by a transfer meanwhile (wait for backups before storing).
+/// timeout=30.0, read_only=False, damaged="skip")`. Keys are 64 bytes (`Namespace.key`); pages
+/// are host page numbers (page 0 is the padding page). Store and load read and write host
+/// memory with the CPU, ordered like any kvshard work on the host pool: a store first waits for
+/// the writes queued on its pages (a backup still queued on another stream), a load for the
+/// reads and writes queued on its pages (a load to the device still reading them), each within
+/// `timeout`. `dir` is handled like a database's: made mode 0700 when missing, every file
+/// opened beneath it without following links, refused (`StorageError`, `failure="untrusted"`)
+/// when a link or anything group/other-writable or another user's is there; one writer per
+/// directory and rank (`failure="locked"`, `holder` the process holding it; `read_only=True`
+/// opens take no lock and write nothing). `damaged`: what a damaged journal record (one with
+/// valid records after it) does: `"skip"` (counted in `DiskStats.damaged_records`) or
+/// `"refuse"` (`failure="corrupt"`). `timeout` is seconds, more than 0 and at most a day.
 /// Calls on one store are serialized; each releases the GIL while it works.
 #[pyclass(frozen, module = "kvshard", name = "DiskStore")]
 pub struct PyDiskStore {
@@ -202,7 +227,7 @@ pub struct PyDiskStore {
 #[pymethods]
 impl PyDiskStore {
     #[new]
-    #[pyo3(signature = (host, dir, slots, *, writer = 0, writers = 1, staging_slots = 32, max_io_bytes = 8388608, timeout = 30.0))]
+    #[pyo3(signature = (host, dir, slots, *, writer = 0, writers = 1, staging_slots = 32, max_io_bytes = 8388608, timeout = 30.0, read_only = false, damaged = "skip"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -214,22 +239,35 @@ impl PyDiskStore {
         staging_slots: usize,
         max_io_bytes: u64,
         timeout: f64,
+        read_only: bool,
+        damaged: &str,
     ) -> PyResult<Self> {
+        // NaN, negative, infinite or past Duration's range: refused here (Duration's own
+        // conversion would panic); zero or past a day by DiskConfig::validate.
         let timeout = Duration::try_from_secs_f64(timeout)
-            .ok()
-            .filter(|t| !t.is_zero())
-            .ok_or_else(|| invalid(format!("timeout {timeout} s: expected a positive duration")))?;
+            .map_err(|_| invalid(format!("timeout {timeout} s: expected a positive duration")))?;
+        let damaged = match damaged {
+            "skip" => Damaged::Skip,
+            "refuse" => Damaged::Refuse,
+            other => {
+                return Err(invalid(format!(
+                    "damaged={other:?}: expected \"skip\" or \"refuse\""
+                )))
+            }
+        };
         let mut config = DiskConfig::new(dir, writer, writers, slots);
         config.staging_slots = staging_slots;
         config.max_io_bytes = max_io_bytes;
         config.timeout = timeout;
+        config.read_only = read_only;
+        config.damaged = damaged;
         let h = host.get();
         let pool = h.inner.clone();
         let backend = h.device.get().default_backend()?;
         let store = py
             .detach(|| {
                 kvshard::transfer::nixl::load()?;
-                DiskStore::open(pool, backend.as_ref(), config)
+                DiskStore::open(pool, backend, config)
             })
             .py_err()?;
         let queue = store.io_queue().to_string();

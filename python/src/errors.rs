@@ -159,6 +159,12 @@ pub fn to_py(py: Python<'_>, e: kvshard::Error) -> PyErr {
         kvshard::Error::Storage { path, failure, .. } => {
             let _ = value.setattr("path", path.as_str());
             let _ = value.setattr("failure", storage_failure(*failure));
+            // The process holding a writer's lock, where its lock file says (None otherwise).
+            let holder = match failure {
+                kvshard::error::StorageFailure::Locked { holder } => *holder,
+                _ => None,
+            };
+            let _ = value.setattr("holder", holder);
         }
         _ => {}
     }
@@ -175,6 +181,10 @@ fn storage_failure(f: kvshard::error::StorageFailure) -> &'static str {
         F::Io => "io",
         F::Format => "format",
         F::ReadOnly => "read_only",
+        // The directory handled like a database's, journals never losing data silently.
+        F::Untrusted => "untrusted",
+        F::Locked { .. } => "locked",
+        F::Corrupt => "corrupt",
     }
 }
 

@@ -75,6 +75,8 @@ mod lock;
 mod method;
 mod mooncake;
 mod owned_row_write;
+// A page copy an engine runs layer by layer (its scratch gather).
+mod page_copy;
 mod pool_tensors;
 mod shard;
 mod side_channel;
@@ -196,6 +198,8 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // A CP prefill batch's admission and gather plan (batch_plans.rs).
     m.add_class::<batch_plans::PyAdmission>()?;
     m.add_class::<batch_plans::PyGatherPlan>()?;
+    // A page copy an engine's scratch gather runs layer by layer (page_copy.rs).
+    m.add_class::<page_copy::PyPageCopy>()?;
     m.add_class::<storage_keys::PyIndexerScale>()?;
     m.add_class::<storage_keys::PyNamespace>()?;
     m.add_function(wrap_pyfunction!(storage_keys::page_hash, m)?)?;

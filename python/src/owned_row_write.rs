@@ -8,6 +8,7 @@ use dlpark::ffi::{DLDataType, DLDevice};
 use pyo3::prelude::*;
 
 use kvshard::backend::{Backend, Buffer, Launch, MemoryKind};
+use kvshard::geometry::Component;
 use kvshard::index::{ModelLayer, Slot};
 use kvshard::pool::OwnedRowWrite;
 
@@ -15,6 +16,7 @@ use crate::chunk_staging::PyChunkStaging;
 use crate::device::PyDevice;
 use crate::device_pool::PyDevicePool;
 use crate::errors::{invalid, IntoPy};
+use crate::geometry::PyComponent;
 use crate::lock::lock;
 use crate::tensor::{device_name, dtype_name, host_i64s, import};
 
@@ -40,24 +42,35 @@ pub struct PyOwnedRowWrite {
 #[pymethods]
 impl PyOwnedRowWrite {
     /// Prepares writes of every model layer (or of `layers`, a list of model layers: one
-    /// layer during its forward), uploading the pair table on `stream` (waits for the upload).
+    /// layer during its forward) and every component (or of `components`: the latent ones for
+    /// an engine that writes its indexer keys itself), uploading the pair table on `stream`
+    /// (waits for the upload).
     #[new]
-    #[pyo3(signature = (staging, pool, layers = None, stream = None))]
+    #[pyo3(signature = (staging, pool, layers = None, stream = None, *, components = None))]
     fn new(
         py: Python<'_>,
         staging: Py<PyChunkStaging>,
         pool: Py<PyDevicePool>,
         layers: Option<Vec<usize>>,
         stream: Option<&Bound<'_, PyAny>>,
+        components: Option<Vec<PyComponent>>,
     ) -> PyResult<Self> {
         let device = pool.get().device.clone_ref(py);
         let b = device.get().resolve(stream)?;
         let (s, p) = (staging.get().inner.clone(), pool.get().inner.clone());
+        let components: Option<Vec<Component>> =
+            components.map(|c| c.into_iter().map(Component::from).collect());
         let w = py
             .detach(|| {
-                OwnedRowWrite::prepare_sync(b.as_ref(), s, p, |m: ModelLayer| {
-                    layers.as_ref().is_none_or(|l| l.contains(&m.0))
-                })
+                OwnedRowWrite::prepare_components_sync(
+                    b.as_ref(),
+                    s,
+                    p,
+                    |c: Component, m: ModelLayer| {
+                        layers.as_ref().is_none_or(|l| l.contains(&m.0))
+                            && components.as_ref().is_none_or(|cs| cs.contains(&c))
+                    },
+                )
             })
             .py_err()?;
         let tokens = staging.get().inner.tokens();

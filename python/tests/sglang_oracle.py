@@ -101,3 +101,65 @@ def sglang_function(module: str, qualname: str, **names):
     namespace = {"__name__": f"sglang.srt.{module}", **names}
     exec(code, namespace)
     return namespace[node.name]
+
+
+def host_pools(layout: str, *, skip=(False, True, False), pages: int = 8, row: int = 576, device: str = "cpu"):
+    """SGLang's own host pools of a DSA model, built by its classes as its HiCache assembler
+    builds them, with ``pin_memory=False`` (SGLang's flag: nothing registered with CUDA): its MLA
+    host pool (``MLATokenToKVPoolHost``: one target layer per entry of ``skip``, the packed MTP
+    draft as the tail layer, ``row``-byte latent rows) and its DSA indexer host pool
+    (``DSAIndexerPoolHost``: a layer whose ``skip`` is True reuses another layer's top-k and has
+    no indexer buffer; the draft's indexer is the tail layer). The device pool holds ``pages``
+    pages per layer plus the padding page (SGLang's device pool shape), the host pools twice
+    that plus one. Returns a namespace with ``kv``, ``indexer`` and the device buffers
+    ``target`` (latent, per layer), ``draft`` (one), ``target_indexer`` (per layer, empty where
+    skipped) and ``draft_indexer`` (one)."""
+    import torch
+
+    sg = sglang(
+        storage="mem_cache.hicache_storage",
+        info="mem_cache.device_pool_info",
+        mla="mem_cache.pool_host.mla",
+        dsa="mem_cache.pool_host.dsa",
+        decl="mem_cache.pool_host.host_pool_decl",
+    )
+    layers = len(skip)
+    page = 64
+    rows = pages * page + page
+    target = [torch.zeros((rows, 1, row), dtype=torch.uint8, device=device) for _ in range(layers)]
+    draft = [torch.zeros((rows, 1, row), dtype=torch.uint8, device=device)]
+
+    def info(buffers, layer_ids):
+        return sg.info.MLABufferInfo(
+            buffers=tuple(buffers),
+            data_ptrs=torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64, device=device),
+            layer_indices=tuple(layer_ids), device_layer_num=len(layer_ids), page_size=page,
+            kv_lora_rank=512, qk_rope_head_dim=64, kv_cache_dim=row, dtype=torch.uint8,
+            device=torch.device(device), packed_fp8=True,
+        )
+
+    kv = sg.mla.MLATokenToKVPoolHost(
+        info(target, range(layers)), 2.0, 0, page, layout, pin_memory=False, device="cpu",
+        override_kv_cache_dim=row, draft_buffer_infos=(info(draft, [0]),),
+        device_capacity_tokens=pages * page, start_layer=0, end_layer=layers, target_layer_num=layers,
+    )
+    target_indexer = [
+        torch.zeros((0 if s else pages + 1, 8448), dtype=torch.uint8, device=device) for s in skip
+    ]
+    draft_indexer = [torch.zeros((pages + 1, 8448), dtype=torch.uint8, device=device)]
+    device_pool = SimpleNamespace(
+        device=device, index_k_with_scale_buffer=target_indexer, start_layer=0, end_layer=layers,
+        layer_num=layers, store_dtype=torch.uint8, skip_topk_layers=list(skip), layer_shard_enabled=False,
+    )
+    draft_pool = SimpleNamespace(device=device, index_k_with_scale_buffer=draft_indexer)
+    decl = sg.decl.HostPoolDecl(
+        pool_name=sg.storage.PoolName.INDEXER, device_pool=device_pool,
+        indices_from_pool=sg.storage.PoolName.KV, layout_source=sg.storage.PoolName.KV,
+        storage_info=sg.decl.HostPoolStorageInfo(bytes_per_token_per_layer=8448 // page, dtype=torch.uint8),
+        host_pool_builder=None, owned_device_layers=tuple(i for i, s in enumerate(skip) if not s),
+    )
+    indexer = sg.dsa.DSAIndexerPoolHost(decl, kv, packed_draft_device_pools=(draft_pool,), pin_memory=False)
+    return SimpleNamespace(
+        kv=kv, indexer=indexer, target=target, draft=draft, target_indexer=target_indexer,
+        draft_indexer=draft_indexer, device_pool=device_pool, draft_pool=draft_pool,
+    )

@@ -569,3 +569,143 @@ def test_pd_send_filter_matches_sglang(sg, shard, data):
             start = end
             ops += 1
     tally("P/D send filter", 1, ops)
+
+
+# --- the host pools' byte layouts, offset by offset ----------------------------------------------
+
+HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+LAYOUT_SKIP = (False, True, False)  # layer 1 shares another layer's top-k: no indexer buffer
+
+
+@pytest.fixture(scope="module")
+def host_layouts(sg):
+    """Per host layout: SGLang's own MLA and DSA indexer host pools (``pin_memory=False``) and
+    kvshard's ``MLAHostPool`` wrapping their buffers (``adopt_sglang_pools``, as the storage
+    backend and the data-plane adapter wrap them)."""
+    from kvshard.sglang_storage import adopt_sglang_pools
+
+    out = {}
+    for layout in HOST_LAYOUTS:
+        built = sglang_oracle.host_pools(layout, skip=LAYOUT_SKIP, pages=6)
+        out[layout] = (built, adopt_sglang_pools(built.kv, built.indexer))
+    return out
+
+
+def _addr(t) -> int:
+    return t.data_ptr()
+
+
+def _ours(ours, component, layer, page, row, byte):
+    """kvshard's address of a byte twice: from ``HostPool.row_offset`` and from the buffer's
+    strides (kvshard's own layout math); both must agree."""
+    host = ours.host
+    index, first = host.component_buffer(component)
+    base = host.host_ptr(index)
+    by_offset = base + host.row_offset(component, layer, page, row) + byte
+    layer_stride, page_stride, row_stride = host.buffer_layouts()[index].strides
+    by_strides = base + (first + layer) * layer_stride + page * page_stride + row * row_stride + byte
+    assert by_offset == by_strides, (component, layer, page, row, byte)
+    return by_offset
+
+
+@SETTINGS
+@given(layout=st.sampled_from(HOST_LAYOUTS), data=st.data())
+def test_host_layouts_match_sglang(host_layouts, layout, data):
+    """The byte kvshard's host pool says is (page, layer, token, byte) of the latent, and (page,
+    layer, byte) of the indexer, is where SGLang's own host pools put it by each of their
+    accessors: ``get_data_page`` (its tensor views), ``get_page_buffer_meta`` (the pointers it
+    hands storage backends, with its page sizes) and its transfer kernels' index math (its
+    per-layer pointer tables and token strides, as ``backup_from_device_all_layer`` and
+    ``load_to_device_per_layer`` hand them to the kernels)."""
+    built, ours = host_layouts[layout]
+    kv, ix = built.kv, built.indexer
+    C = kvshard.Component
+    compared = 0
+    for _ in range(8):
+        page = data.draw(st.integers(1, kv.page_num - 1))
+        layer = data.draw(st.integers(0, kv.layer_num - 1))
+        token = data.draw(st.integers(0, PAGE - 1))
+        byte = data.draw(st.integers(0, kv.kv_cache_dim - 1))
+        draft = layer == kv.target_layer_num
+        component, stored = (C.DRAFT_LATENT, 0) if draft else (C.TARGET_LATENT, layer)
+        want = _ours(ours, component, stored, page, token, byte)
+        view = kv.get_data_page(page * PAGE, flat=False)
+        at = {"layer_first": (layer, token, 0, byte), "page_first": (token, layer, 0, byte)}.get(
+            layout, (0, layer, token, 0, byte)
+        )
+        assert _addr(view[at]) == want
+        ptrs, sizes = kv.get_page_buffer_meta(torch().arange(page * PAGE, (page + 1) * PAGE))
+        if layout == "layer_first":
+            assert sizes[layer] == PAGE * kv.kv_cache_dim
+            assert ptrs[layer] + token * kv.kv_cache_dim + byte == want
+        else:
+            assert sizes == [PAGE * kv.layer_num * kv.kv_cache_dim]
+            inner = token * kv.layout_dim + layer * kv.kv_cache_dim if layout == "page_first" else (
+                layer * PAGE * kv.kv_cache_dim + token * kv.kv_cache_dim
+            )
+            assert ptrs[0] + inner + byte == want
+        slot = page * PAGE + token
+        if layout == "page_first_direct":
+            # The direct backend moves whole page slabs: kv_buffer[page][layer], token rows in it.
+            assert _addr(kv.kv_buffer[page, layer]) + token * kv.token_stride_size + byte == want
+        else:
+            stride = kv.token_stride_size if layout == "layer_first" else kv.layout_dim
+            assert int(kv.data_ptrs[layer]) + slot * stride + byte == want
+        compared += 4
+
+        ilayer = data.draw(st.integers(0, ix.layer_num - 1))
+        ibyte = data.draw(st.integers(0, ix.indexer_page_stride_size - 1))
+        idraft = ilayer == ix.target_layer_num
+        component, stored = (C.DRAFT_INDEXER, 0) if idraft else (C.TARGET_INDEXER, ilayer)
+        want = _ours(ours, component, stored, page, 0, ibyte)
+        iview = ix.get_data_page(page * PAGE, flat=False)
+        at = (ilayer, 0, ibyte) if layout == "layer_first" else (0, ilayer, 0, ibyte)
+        assert _addr(iview[at]) == want
+        if layout == "layer_first":
+            assert int(ix.index_k_data_ptrs[ilayer]) + page * ix.indexer_page_stride_size + ibyte == want
+        else:
+            iptrs, isizes = ix.get_page_buffer_meta(torch().arange(page * PAGE, (page + 1) * PAGE))
+            assert isizes == [ix.indexer_layout_dim]
+            assert iptrs[0] + ilayer * ix.indexer_page_stride_size + ibyte == want
+            # The page-major transfer kernels step pages by indexer_layout_dim.
+            base = _addr(ix.index_k_with_scale_buffer)
+            assert base + page * ix.indexer_layout_dim + ilayer * ix.indexer_page_stride_size + ibyte == want
+        compared += 3
+    tally(f"host layout {layout}", 1, compared)
+
+
+@SETTINGS
+@given(shard=st.sampled_from([2, 3, 4]), layout=st.sampled_from(HOST_LAYOUTS), data=st.data())
+def test_page_interleave_host_bytes_match_sglang(host_layouts, shard, layout, data):
+    """SGLang's ``PageInterleaveHostPool`` over its MLA host pool: a logical host page is its
+    owner's local page (``owned_rows``), and the bytes of that local page are where kvshard's
+    transfer plan (``TransferPlan.from_slots``, the same narrowing) and its host pool put them."""
+    from sglang.srt.mem_cache.page_interleave import PageInterleavePlacement, PageShardSpec
+    from sglang.srt.mem_cache.pool_host.page_interleave import PageInterleaveHostPool
+
+    t = torch()
+    built, ours = host_layouts[layout]
+    kv = built.kv
+    pages = kv.page_num
+    logical = data.draw(st.lists(st.integers(shard, shard * pages - 1), min_size=1, max_size=6, unique=True))
+    host = t.tensor([h * PAGE + o for h in logical for o in range(PAGE)], dtype=t.int64)
+    compared = 0
+    for rank in range(shard):
+        spec = PageShardSpec(
+            shard_rank=rank, shard_size=shard, page_size=PAGE, max_prefix_tokens=shard * PAGE, chunk_tokens=PAGE
+        )
+        facade = PageInterleaveHostPool(kv, PageInterleavePlacement(spec))
+        h_rows, _ = facade.owned_rows(host, host)
+        plan = kvshard.TransferPlan.from_slots(kvshard.Placement(shard), rank, host.numpy(), host.numpy(), pages, pages)
+        assert plan.host_pages == (h_rows[::PAGE] // PAGE).tolist()
+        for local in plan.host_pages:
+            token = data.draw(st.integers(0, PAGE - 1))
+            layer = data.draw(st.integers(0, kv.target_layer_num - 1))
+            byte = data.draw(st.integers(0, kv.kv_cache_dim - 1))
+            view = facade.get_data_page(local * PAGE, flat=False)
+            at = {"layer_first": (layer, token, 0, byte), "page_first": (token, layer, 0, byte)}.get(
+                layout, (0, layer, token, 0, byte)
+            )
+            assert _addr(view[at]) == _ours(ours, kvshard.Component.TARGET_LATENT, layer, local, token, byte)
+            compared += 1
+    tally(f"page-interleave host bytes {layout}", 1, compared)

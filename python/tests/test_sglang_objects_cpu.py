@@ -93,41 +93,8 @@ def test_stand_in_matches_sglang(sg):
 def sglang_host_pools(sg, layout):
     """SGLang's MLA host pool (3 target layers + the packed draft, 576-B FP8 rows) and its DSA
     indexer host pool over the same pages, built by SGLang's classes from CPU device buffers."""
-    import torch
-
-    row = 576
-    rows = PAGES * PAGE + PAGE
-    target = [torch.zeros((rows, 1, row), dtype=torch.uint8) for _ in range(LAYERS)]
-    draft = [torch.zeros((rows, 1, row), dtype=torch.uint8)]
-
-    def info(buffers, layers):
-        return sg.info.MLABufferInfo(
-            buffers=tuple(buffers),
-            data_ptrs=torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64),
-            layer_indices=tuple(layers), device_layer_num=len(layers), page_size=PAGE,
-            kv_lora_rank=512, qk_rope_head_dim=64, kv_cache_dim=row, dtype=torch.uint8,
-            device=torch.device("cpu"), packed_fp8=True,
-        )
-
-    kv = sg.mla.MLATokenToKVPoolHost(
-        info(target, range(LAYERS)), 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-        override_kv_cache_dim=row, draft_buffer_infos=(info(draft, [0]),),
-        device_capacity_tokens=PAGES * PAGE, start_layer=0, end_layer=LAYERS, target_layer_num=LAYERS,
-    )
-    indexer_buffers = [torch.zeros((0 if s else PAGES + 1, 8448), dtype=torch.uint8) for s in SKIP]
-    device_pool = SimpleNamespace(
-        device="cpu", index_k_with_scale_buffer=indexer_buffers, start_layer=0, end_layer=LAYERS,
-        layer_num=LAYERS, store_dtype=torch.uint8, skip_topk_layers=SKIP, layer_shard_enabled=False,
-    )
-    draft_pool = SimpleNamespace(device="cpu", index_k_with_scale_buffer=[torch.zeros((PAGES + 1, 8448), dtype=torch.uint8)])
-    decl = sg.decl.HostPoolDecl(
-        pool_name=sg.storage.PoolName.INDEXER, device_pool=device_pool,
-        indices_from_pool=sg.storage.PoolName.KV, layout_source=sg.storage.PoolName.KV,
-        storage_info=sg.decl.HostPoolStorageInfo(bytes_per_token_per_layer=8448 // PAGE, dtype=torch.uint8),
-        host_pool_builder=None, owned_device_layers=tuple(i for i, s in enumerate(SKIP) if not s),
-    )
-    indexer = sg.dsa.DSAIndexerPoolHost(decl, kv, packed_draft_device_pools=(draft_pool,), pin_memory=False)
-    return kv, indexer
+    built = sglang_oracle.host_pools(layout, skip=SKIP, pages=PAGES)
+    return built.kv, built.indexer
 
 
 def storage_config(sg, store_dir, layout, *, tp_rank=0, tp_size=1, cp_rank=0, cp_size=1, **extra):

@@ -35,6 +35,8 @@ MODULE_ORDER = [
     # Below transfer, which sends into decode context-parallel registrations.
     "dcp",
     "transfer",
+    # Above the P/D transfer's RemoteSpace: the page copy lands pages in one.
+    "page_copy",
     "hicache_enums",
     "host_pool",
     # Above the host pools: Mooncake registers them (engine_regions).

@@ -45,5 +45,8 @@ pub use launch::{
 };
 pub(crate) use upload::upload_reused_sync;
 pub use upload::{enqueue_i64s, i64s_from_bytes, i64s_to_bytes, upload_i64s_sync};
+// The storage tier's host accesses (feature `nixl`) wait for the work queued on their pages.
+#[cfg(feature = "nixl")]
+pub(crate) use usage::host_conflicts;
 pub(crate) use usage::{kept, ordered, ordered_event, ordered_pages, sweep, Pages};
 pub use usage::{pending_frees, wait_for_frees_sync, StreamId, Usage};

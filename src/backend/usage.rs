@@ -385,6 +385,31 @@ fn record(
     Ok(event)
 }
 
+/// The events of queued work that a host access of `pages` of `usage` (a `_sync` call reading
+/// or writing the memory itself, outside every stream: the storage tier) must wait for: every
+/// stream's writes of those pages and, for a host write, their reads too. The host is on no
+/// stream, so no access is left out as ordered by its stream. Work whose event could not be
+/// recorded (a failing device) cannot be waited for: an error.
+#[cfg(feature = "nixl")]
+pub(crate) fn host_conflicts(usage: &Usage, write: bool, pages: &Pages) -> Result<Vec<Event>> {
+    let a = lock(&usage.0.accesses);
+    if a.unknown {
+        return Err(crate::error::Error::HiCache(
+            "work of unknown completion (its event could not be recorded) uses this memory: \
+             a host access cannot be ordered after it"
+                .into(),
+        ));
+    }
+    let reads = if write { &a.reads[..] } else { &[] };
+    let mut out: Vec<Event> = Vec::new();
+    for x in a.writes.iter().chain(reads) {
+        if x.pages.meets(pages) && !out.contains(&x.event) {
+            out.push(x.event.clone());
+        }
+    }
+    Ok(out)
+}
+
 /// Memory whose last handle went while work that uses it was still queued.
 struct Grave {
     events: Vec<Event>,

@@ -206,6 +206,22 @@ pub enum StorageFailure {
     Format,
     /// A write asked of a store opened read-only.
     ReadOnly,
+    // The store directory handled like a database's (docs/storage.md, "The directory").
+    /// The directory or a file in it could be changed by someone else, so the store will not
+    /// use it: a symbolic link (or a hard-linked file), something other than a plain file or
+    /// directory, writable by group or others, or owned by another user.
+    Untrusted,
+    /// Another open store already writes this rank in this directory (one writer per
+    /// directory and rank, held by a lock while it is open): `holder` is its process id, as
+    /// its lock file says, where known.
+    Locked {
+        /// The process holding the lock.
+        holder: Option<u32>,
+    },
+    /// A journal record fails its checksum (or names a slot past the file) and valid records
+    /// follow it: damage, not a torn tail (refused under `Damaged::Refuse`; skipped and
+    /// counted otherwise).
+    Corrupt,
 }
 
 impl fmt::Display for StorageFailure {
@@ -217,6 +233,12 @@ impl fmt::Display for StorageFailure {
             Self::Io => "I/O failed",
             Self::Format => "unexpected format",
             Self::ReadOnly => "opened read-only",
+            Self::Untrusted => "untrusted",
+            Self::Locked { holder: Some(pid) } => {
+                return write!(f, "locked by another writer (process {pid})")
+            }
+            Self::Locked { holder: None } => "locked by another writer",
+            Self::Corrupt => "damaged journal",
         })
     }
 }

@@ -34,13 +34,15 @@ use crate::pool::disk::{DiskStore, LoadOutcome, Snapshot};
 
 impl HiCacheController {
     /// Puts `store` (opened for this controller's host pool) below the host pool, written to
-    /// under `policy`; every `_sync` storage call waits at most `timeout`.
+    /// under `policy`; every `_sync` storage call waits at most `timeout` (more than zero, at
+    /// most [`MAX_TIMEOUT`](crate::pool::disk::MAX_TIMEOUT): else [`Error::InvalidArgument`]).
     pub fn attach_storage(
         &mut self,
         store: DiskStore,
         policy: StoragePolicy,
         timeout: Duration,
     ) -> Result<()> {
+        crate::pool::disk::check_timeout(timeout, "the controller's storage timeout")?;
         if !std::sync::Arc::ptr_eq(store.host(), self.host()) {
             return Err(Error::InvalidArgument(
                 "the store was opened for another host pool than the controller's".into(),
@@ -154,11 +156,21 @@ impl HiCacheController {
 
     /// Loads `node` (whose `keys` are given) from storage into host pages taken from the host
     /// allocator as [`CacheNode::alloc_host_pages`] says, ahead of a [`HiCacheController::load`].
-    /// Once acked complete the node is on the host. Returns the queue index.
+    /// Once acked complete the node is on the host. Returns the queue index. Refused, with
+    /// nothing taken, while the node is on the host or a storage operation of it is pending (a
+    /// second prefetch before the first's ack would take a second set of host pages for it).
+    /// The worker's load waits for the work queued on those host pages (their last reads and
+    /// writes, on any stream) before it writes them, as [`DiskStore::load_sync`] does.
     pub fn prefetch(&mut self, node: &CacheNode, keys: Vec<PageKey>) -> Result<u64> {
         if self.host_nodes.contains_key(&node.id) {
             return Err(Error::HiCache(format!(
                 "node {} is already on the host",
+                node.id
+            )));
+        }
+        if self.storage_busy(node.id) {
+            return Err(Error::HiCache(format!(
+                "node {} has a storage operation pending: ack it first",
                 node.id
             )));
         }

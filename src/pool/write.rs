@@ -105,6 +105,17 @@ impl OwnedRowWrite {
         pool: Arc<DevicePool>,
         keep: impl Fn(ModelLayer) -> bool,
     ) -> Result<Self> {
+        Self::prepare_components_sync(backend, staging, pool, |_, m| keep(m))
+    }
+
+    /// [`Self::prepare_sync`] for the (component, model layer) pairs `keep` accepts: an engine
+    /// whose indexer keys are written by its own kernel persists only the latent rows here.
+    pub fn prepare_components_sync(
+        backend: &dyn Backend,
+        staging: Arc<ChunkStaging>,
+        pool: Arc<DevicePool>,
+        keep: impl Fn(Component, ModelLayer) -> bool,
+    ) -> Result<Self> {
         crate::copy::space::check_same_components(&staging.components, pool.components())?;
         backend.check(&staging.buffer, "chunk staging")?;
         crate::backend::check_space(backend.address_space(), pool.address_space(), "the pool")?;
@@ -124,7 +135,7 @@ impl OwnedRowWrite {
             };
             let bases = pool.layer_bases(layout.component)?;
             for (l, &model_layer) in layout.model_layers.iter().enumerate() {
-                if !keep(model_layer) {
+                if !keep(layout.component, model_layer) {
                     continue;
                 }
                 let src = staging.layer(layout.component, StoredLayer(l))?.addr();

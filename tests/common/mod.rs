@@ -8,6 +8,9 @@
 pub mod faults;
 pub mod pd;
 pub mod source;
+// The storage tier's binaries (feature `nixl`: tests/storage.rs, tests/faults_storage.rs).
+#[cfg(feature = "nixl")]
+pub mod storage;
 pub mod synth;
 
 use std::fmt;

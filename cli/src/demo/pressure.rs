@@ -96,6 +96,9 @@ pub(crate) struct Local {
     pub(crate) pools: Vec<Arc<DevicePool>>,
     /// How their send buffers reach the other ranks.
     pub(crate) all_gather: AllGather,
+    /// The storage step's directory, made private by the parent of a rank process (`None`:
+    /// every rank is here and the step makes its own, or no rank is).
+    pub(crate) storage_dir: Option<std::path::PathBuf>,
 }
 
 /// What a process does with the prompts (the seed is cached, never sent).
@@ -714,6 +717,7 @@ pub fn run_pressure(
     let local = Local {
         pools,
         all_gather: AllGather::InProcess,
+        storage_dir: None,
     };
     let mut prompts = CheckedSend {
         tokens: cfg.prompt_tokens,
@@ -755,6 +759,8 @@ pub(crate) fn run_scenario(
         .checked_mul(cfg.host_factor)
         .ok_or_else(|| overflow(format!("{per_rank} pages x {}", cfg.host_factor)))?;
     check_local(cfg, &local, per_rank)?;
+    #[cfg(feature = "nixl")]
+    let storage_dir = local.storage_dir.clone();
     out.say(format!(
         "kvshard pressure scenario on the {} backend: {} ({} of its ranks here), {} logical slots ({} pages per rank), two {}-token prompts ({} tokens together), a seeded prefix of {} tokens, host pools {}x larger ({} pages per rank); {} B per page, chunks of {}",
         bk.name(),
@@ -969,7 +975,8 @@ pub(crate) fn run_scenario(
     if s.ranks.is_empty() {
         out.say("storage: not run here: a decode holds no CP rank".into());
     } else {
-        for line in s.storage_step(&seed_node, &seed_ref, cfg.prefix_tokens)? {
+        let shared = storage_dir.as_deref();
+        for line in s.storage_step(&seed_node, &seed_ref, cfg.prefix_tokens, shared)? {
             out.say(line);
         }
     }
@@ -1004,6 +1011,11 @@ fn check_local(cfg: &PressureConfig, local: &Local, per_rank: u64) -> Result<()>
                 cfg.shape.ranks
             ));
         }
+    }
+    // A shared storage directory is for rank processes of a group run; with every rank (or
+    // none) here there is nothing to share it with.
+    if local.storage_dir.is_some() && seen.len() != 1 {
+        return bad("a shared storage directory is for a process holding one rank".into());
     }
     let send_bytes = cfg.send_bytes()?;
     match &local.all_gather {
@@ -1090,15 +1102,18 @@ mod tests {
         refused(run_holding(&cfg, |b| Local {
             pools: vec![pool(b, &cfg, 0, per_rank)],
             all_gather: AllGather::InProcess,
+            storage_dir: None,
         }));
         // A pool of another size, or a rank twice.
         refused(run_holding(&cfg, |b| Local {
             pools: vec![pool(b, &cfg, 0, per_rank + 1), pool(b, &cfg, 1, per_rank)],
             all_gather: AllGather::InProcess,
+            storage_dir: None,
         }));
         refused(run_holding(&cfg, |b| Local {
             pools: vec![pool(b, &cfg, 0, per_rank), pool(b, &cfg, 0, per_rank)],
             all_gather: AllGather::InProcess,
+            storage_dir: None,
         }));
         // A host-staged group where this process is another rank, or whose slots are short.
         let slot = cfg.send_bytes().unwrap();
@@ -1115,6 +1130,7 @@ mod tests {
             refused(run_holding(&cfg, |b| Local {
                 pools: vec![pool(b, &cfg, 0, per_rank)],
                 all_gather: AllGather::HostStaged(group),
+                storage_dir: None,
             }));
         }
     }
@@ -1125,6 +1141,7 @@ mod tests {
         let outcome = run_holding(&cfg, |_| Local {
             pools: Vec::new(),
             all_gather: AllGather::InProcess,
+            storage_dir: None,
         })
         .unwrap();
         assert_eq!(outcome.reload.bytes, 0);

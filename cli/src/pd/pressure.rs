@@ -355,8 +355,15 @@ fn nccl_all_gather(_: &PeerBackend, _: &GroupMemory) -> Result<AllGather> {
 }
 
 /// Prefill rank `rank`: joins the group at `group`, connects to every decode (sockets from
-/// `socket`), runs the scenario sending every prompt chunk, and waits for the decodes to close.
-pub fn rank_role(cfg: &PressurePdConfig, socket: &Path, group: &Path, rank: u32) -> Result<()> {
+/// `socket`), runs the scenario sending every prompt chunk (its storage step in `storage_dir`,
+/// the directory the run's parent made for its ranks), and waits for the decodes to close.
+pub fn rank_role(
+    cfg: &PressurePdConfig,
+    socket: &Path,
+    group: &Path,
+    storage_dir: Option<&Path>,
+    rank: u32,
+) -> Result<()> {
     cfg.validate()?;
     let sc = &cfg.scenario;
     let ranks = sc.shape.ranks;
@@ -398,6 +405,7 @@ pub fn rank_role(cfg: &PressurePdConfig, socket: &Path, group: &Path, rank: u32)
     let local = Local {
         pools: vec![pool],
         all_gather,
+        storage_dir: storage_dir.map(Path::to_path_buf),
     };
     let route = platform(&backend).route();
     let outcome = run_scenario(
@@ -509,6 +517,7 @@ pub fn decode_role(cfg: &PressurePdConfig, socket: &Path, index: u32) -> Result<
     let local = Local {
         pools: Vec::new(),
         all_gather: AllGather::InProcess,
+        storage_dir: None,
     };
     let route = platform(&backend).route();
     run_scenario(
@@ -629,14 +638,15 @@ pub fn run(cfg: &PressurePdConfig, exe: &Path) -> Result<Report> {
         .map(Role::Decode)
         .chain((0..ranks).map(Role::Rank))
         .collect();
-    // The storage step's directory, shared by the ranks (named by this process), fresh.
+    // The storage step's directory, shared by the ranks: private to this run (a random name,
+    // mode 0700), named to them, removed once they have exited.
     #[cfg(feature = "nixl")]
-    let storage = crate::demo::pressure::storage::group_directory(std::process::id());
+    let storage = crate::demo::pressure::storage::group_directory()?;
     #[cfg(feature = "nixl")]
-    let _ = std::fs::remove_dir_all(&storage);
+    args.extend(["--storage-dir".into(), storage.path().display().to_string()]);
     let messages = run_roles(exe, &args, roles);
     #[cfg(feature = "nixl")]
-    let _ = std::fs::remove_dir_all(&storage);
+    drop(storage);
     for d in 0..decodes {
         let _ = std::fs::remove_file(decode_socket(&socket, d));
     }

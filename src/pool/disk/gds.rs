@@ -235,13 +235,21 @@ pub fn ceiling_sync(
         },
     };
     std::fs::create_dir_all(dir).map_err(|e| storage(dir, StorageFailure::Open, e))?;
-    let path = dir.join(format!("kvshard-gds-{}.dat", std::process::id()));
+    // A new file only (O_EXCL, which never follows a link), this user's alone: a name taken
+    // (or a link planted there) is an error, never written through.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let path = dir.join(format!(
+        "kvshard-gds-{}-{nanos:08x}.dat",
+        std::process::id()
+    ));
     let file = OpenOptions::new()
         .read(true)
         .write(true)
-        .create(true)
-        .truncate(true)
-        .custom_flags(libc::O_DIRECT)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_DIRECT | libc::O_NOFOLLOW)
         .open(&path)
         .map_err(|e| storage(&path, StorageFailure::Open, e))?;
     struct Remove<'a>(&'a Path);

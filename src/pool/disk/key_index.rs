@@ -8,12 +8,18 @@
 //! has replayed since: every rank of the CP group that asks with the same snapshot gets the
 //! same answer. Among several visible entries of one key (two ranks wrote it concurrently) the
 //! lowest writer's, then the earliest, is the one read.
+//!
+//! The index also knows which key each writer's slot holds: a `Commit` into a slot that still
+//! holds another entry frees that entry at the commit's position. kvshard always writes a `Free`
+//! first, so this only matters when that `Free` was lost to damage: a damaged `Free` never
+//! brings an evicted key back as present. Memory follows the slots in use, not the file's
+//! size: this rank's free slots are kept as ranges.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 
 use lru::LruCache;
 
-use super::journal::Record;
+use super::journal::{Item, Record};
 use crate::key::PageKey;
 
 /// Where a visible page lives.
@@ -38,17 +44,91 @@ impl Entry {
     }
 }
 
+/// Free slots as ranges `start -> end` (end exclusive), disjoint and not touching.
+#[derive(Debug, Default)]
+struct FreeSlots(BTreeMap<u64, u64>);
+
+impl FreeSlots {
+    /// Every slot of `0..slots` but `held` (sorted).
+    fn all_but(slots: u64, held: impl IntoIterator<Item = u64>) -> Self {
+        let mut free = BTreeMap::new();
+        let mut at = 0;
+        for h in held {
+            if h > at {
+                free.insert(at, h);
+            }
+            at = h + 1;
+        }
+        if slots > at {
+            free.insert(at, slots);
+        }
+        Self(free)
+    }
+
+    /// Takes the lowest free slot.
+    fn pop_first(&mut self) -> Option<u64> {
+        let (start, end) = self.0.pop_first()?;
+        if start + 1 < end {
+            self.0.insert(start + 1, end);
+        }
+        Some(start)
+    }
+
+    /// The range holding `slot`, if free.
+    fn range_of(&self, slot: u64) -> Option<(u64, u64)> {
+        self.0
+            .range(..=slot)
+            .next_back()
+            .filter(|(_, &end)| slot < end)
+            .map(|(&s, &e)| (s, e))
+    }
+
+    /// Marks `slot` free (merging it with its neighbours).
+    fn insert(&mut self, slot: u64) {
+        if self.range_of(slot).is_some() {
+            return;
+        }
+        let mut start = slot;
+        let mut end = slot + 1;
+        if let Some((&s, &e)) = self.0.range(..slot).next_back() {
+            if e == slot {
+                start = s;
+                self.0.remove(&s);
+            }
+        }
+        if let Some(e) = self.0.remove(&end) {
+            end = e;
+        }
+        self.0.insert(start, end);
+    }
+
+    /// Marks `slot` used.
+    fn remove(&mut self, slot: u64) {
+        if let Some((s, e)) = self.range_of(slot) {
+            self.0.remove(&s);
+            if s < slot {
+                self.0.insert(s, slot);
+            }
+            if slot + 1 < e {
+                self.0.insert(slot + 1, e);
+            }
+        }
+    }
+}
+
 /// The index of one rank.
 #[derive(Debug)]
 pub(super) struct Index {
     keys: HashMap<PageKey, Vec<Entry>>,
-    /// Per writer: records applied.
+    /// Per writer: record positions applied.
     replayed: Vec<u64>,
     own: u32,
-    /// This rank's slots: the key each holds.
-    slots: Vec<Option<PageKey>>,
+    /// Slots of each writer's file: how many this rank's file has.
+    slots: u64,
+    /// Per (writer, slot) in use: the key it holds.
+    held: HashMap<(u32, u64), PageKey>,
     /// This rank's free slots, lowest first (so new pages of a batch tend to be adjacent).
-    free: BTreeSet<u64>,
+    free: FreeSlots,
     /// This rank's occupied slots, least recently used first.
     lru: LruCache<u64, ()>,
 }
@@ -60,8 +140,9 @@ impl Index {
             keys: HashMap::new(),
             replayed: vec![0; writers as usize],
             own,
-            slots: vec![None; slots as usize],
-            free: BTreeSet::new(),
+            slots,
+            held: HashMap::new(),
+            free: FreeSlots::default(),
             lru: LruCache::unbounded(),
         }
     }
@@ -71,27 +152,31 @@ impl Index {
         &self.replayed
     }
 
-    /// Applies writer `writer`'s next record.
-    pub fn apply(&mut self, writer: u32, record: Record) {
+    /// Applies writer `writer`'s next record place (a damaged one only counts its position).
+    pub fn apply(&mut self, writer: u32, item: Item) {
         let w = writer as usize;
         let at = self.replayed[w];
-        self.replayed[w] += record.span();
+        self.replayed[w] = at.saturating_add(item.span());
         let own = writer == self.own;
+        let record = match item {
+            Item::Record(r) => r,
+            Item::Damaged => return,
+        };
         match record {
             // Positions of records a compaction dropped: nothing to do but count them.
             Record::Skip { .. } => {}
             Record::Commit { slot, key, crc } => {
+                if slot >= self.slots {
+                    return;
+                }
+                if let Some(old) = self.held.insert((writer, slot), key) {
+                    // Never written by kvshard (a Free precedes every reuse); where a journal
+                    // says so anyway (its Free damaged), the slot holds the newer key only.
+                    self.free_entry(writer, slot, old, at);
+                }
                 if own {
-                    if let Some(old) = self.slots.get(slot as usize).copied().flatten() {
-                        // Never written by kvshard (a Free precedes every reuse); if a journal
-                        // says so anyway, the slot holds the newer key only.
-                        self.free_entry(writer, slot, old, at);
-                    }
-                    if let Some(s) = self.slots.get_mut(slot as usize) {
-                        *s = Some(key);
-                        self.free.remove(&slot);
-                        self.lru.put(slot, ());
-                    }
+                    self.free.remove(slot);
+                    self.lru.put(slot, ());
                 }
                 self.keys.entry(key).or_default().push(Entry {
                     writer,
@@ -106,9 +191,11 @@ impl Index {
                 // The slot is not put on the free list: it was freed to be rewritten (it is the
                 // batch's now) or because it is damaged ([`Index::release`] frees it then); at
                 // open, [`Index::finish_open`] collects every slot no record holds.
-                if own && (slot as usize) < self.slots.len() {
-                    self.slots[slot as usize] = None;
-                    self.lru.pop(&slot);
+                if self.held.get(&(writer, slot)) == Some(&key) {
+                    self.held.remove(&(writer, slot));
+                    if own {
+                        self.lru.pop(&slot);
+                    }
                 }
             }
         }
@@ -127,11 +214,16 @@ impl Index {
     /// After the own journal has been replayed at open: every slot no record holds is free,
     /// slot 0 included (slots count from 0; host page 0 is the one that is padding).
     pub fn finish_open(&mut self) {
-        self.free = (0..self.slots.len() as u64)
-            .filter(|&s| self.slots[s as usize].is_none())
+        let own = self.own;
+        let mut held: Vec<u64> = self
+            .held
+            .keys()
+            .filter(|(w, _)| *w == own)
+            .map(|&(_, s)| s)
             .collect();
+        held.sort_unstable();
+        self.free = FreeSlots::all_but(self.slots, held);
     }
-
     /// Where `key`'s page is, as of `snapshot` (`None`: everything replayed), marking it
     /// recently used when it is one of this rank's slots.
     pub fn find(&mut self, key: &PageKey, snapshot: Option<&[u64]>) -> Option<Entry> {
@@ -167,14 +259,23 @@ impl Index {
             return Some((s, None));
         }
         let (slot, ()) = self.lru.pop_lru()?;
-        let old = self.slots[slot as usize];
+        let old = self.held.get(&(self.own, slot)).copied();
         Some((slot, old))
     }
 
-    /// Gives back a slot [`Index::allocate`] handed out that was never committed (its write
-    /// failed): it is free again, whatever it held before (that key's `Free` is written).
+    /// Gives back a slot [`Index::allocate`] handed out whose batch failed: free again when it
+    /// holds nothing (its old key's `Free` was applied, or it had none), else back in the LRU
+    /// order with the page it still holds (its `Free`, or the new page's `Commit`, made it to
+    /// the journal or not: the index says which), so no slot is lost.
     pub fn release(&mut self, slot: u64) {
-        if (slot as usize) < self.slots.len() && self.slots[slot as usize].is_none() {
+        if slot >= self.slots {
+            return;
+        }
+        if self.held.contains_key(&(self.own, slot)) {
+            if !self.lru.contains(&slot) {
+                self.lru.put(slot, ());
+            }
+        } else {
             self.free.insert(slot);
         }
     }
@@ -189,6 +290,7 @@ impl Index {
             v.retain(|e| e.writer != writer);
             !v.is_empty()
         });
+        self.held.retain(|&(w, _), _| w != writer);
         if let Some(r) = self.replayed.get_mut(writer as usize) {
             *r = 0;
         }
@@ -225,34 +327,26 @@ mod tests {
         PageKey::from_bytes(&[i; KEY_BYTES]).unwrap()
     }
 
+    fn commit(slot: u64, k: u8, crc: u32) -> Item {
+        Item::Record(Record::Commit {
+            slot,
+            key: key(k),
+            crc,
+        })
+    }
+
+    fn free(slot: u64, k: u8) -> Item {
+        Item::Record(Record::Free { slot, key: key(k) })
+    }
+
     #[test]
     fn presence_is_a_function_of_the_snapshot() {
-        let mut ix = Index::new(2, 0, 2);
+        let mut ix = Index::new(2, 0, 8);
         ix.finish_open();
         // Writer 1: commit A (record 0), free A (1), commit B in the same slot (2).
-        ix.apply(
-            1,
-            Record::Commit {
-                slot: 5,
-                key: key(1),
-                crc: 1,
-            },
-        );
-        ix.apply(
-            1,
-            Record::Free {
-                slot: 5,
-                key: key(1),
-            },
-        );
-        ix.apply(
-            1,
-            Record::Commit {
-                slot: 5,
-                key: key(2),
-                crc: 2,
-            },
-        );
+        ix.apply(1, commit(5, 1, 1));
+        ix.apply(1, free(5, 1));
+        ix.apply(1, commit(5, 2, 2));
         assert_eq!(ix.find(&key(1), Some(&[0, 0])), None);
         assert_eq!(ix.find(&key(1), Some(&[0, 1])).unwrap().crc, 1);
         assert_eq!(ix.find(&key(1), Some(&[0, 2])), None);
@@ -260,14 +354,7 @@ mod tests {
         assert_eq!(ix.find(&key(2), Some(&[0, 3])).unwrap().slot, 5);
         assert_eq!(ix.find(&key(1), None), None);
         // The same key written by writer 0 too: the lowest writer's entry is read.
-        ix.apply(
-            0,
-            Record::Commit {
-                slot: 1,
-                key: key(2),
-                crc: 3,
-            },
-        );
+        ix.apply(0, commit(1, 2, 3));
         assert_eq!(ix.find(&key(2), Some(&[1, 3])).unwrap().writer, 0);
         assert_eq!(ix.find(&key(2), Some(&[0, 3])).unwrap().writer, 1);
         ix.prune(&[1, 3]);
@@ -281,23 +368,56 @@ mod tests {
         for i in 0..3u8 {
             let (slot, old) = ix.allocate().unwrap();
             assert_eq!((slot, old), (u64::from(i), None));
-            ix.apply(
-                0,
-                Record::Commit {
-                    slot,
-                    key: key(i),
-                    crc: 0,
-                },
-            );
+            ix.apply(0, commit(slot, i, 0));
         }
         assert_eq!(ix.used(), 3);
         // Key 0 used again: key 1's slot is the least recently used.
         assert!(ix.find(&key(0), None).is_some());
         let (slot, old) = ix.allocate().unwrap();
         assert_eq!((slot, old), (1, Some(key(1))));
-        ix.apply(0, Record::Free { slot, key: key(1) });
+        ix.apply(0, free(slot, 1));
         assert_eq!(ix.find(&key(1), None), None);
         ix.release(slot);
         assert_eq!(ix.allocate(), Some((1, None)));
+    }
+
+    // Old behaviour: a damaged Free record of an evicted page was skipped and the page, whose
+    // slot then held another key's bytes, was present again.
+    #[test]
+    fn a_lost_free_never_brings_an_evicted_key_back() {
+        for own in [0, 1] {
+            let mut ix = Index::new(2, own, 4);
+            ix.finish_open();
+            // Writer 1: commit A into slot 2; its Free is damaged; commit B into slot 2.
+            ix.apply(1, commit(2, 1, 1));
+            ix.apply(1, Item::Damaged);
+            ix.apply(1, commit(2, 2, 2));
+            assert_eq!(ix.replayed(), &[0, 3]);
+            assert_eq!(ix.find(&key(1), None), None, "rank {own}");
+            assert_eq!(ix.find(&key(1), Some(&[0, 2])).unwrap().slot, 2);
+            assert_eq!(ix.find(&key(1), Some(&[0, 3])), None);
+            assert_eq!(ix.find(&key(2), None).unwrap().slot, 2);
+            // Records naming a slot past the file are never entries.
+            ix.apply(1, commit(4, 3, 3));
+            assert_eq!(ix.find(&key(3), None), None);
+        }
+    }
+
+    #[test]
+    fn free_slots_are_ranges_whatever_the_file_size() {
+        let mut ix = Index::new(1, 0, u64::MAX / 2);
+        ix.apply(0, commit(7, 1, 0));
+        ix.apply(0, commit(9, 2, 0));
+        ix.finish_open();
+        let taken: Vec<u64> = (0..9).map(|_| ix.allocate().unwrap().0).collect();
+        assert_eq!(taken, vec![0, 1, 2, 3, 4, 5, 6, 8, 10]);
+        ix.release(4);
+        ix.release(3);
+        ix.release(5);
+        ix.release(7);
+        assert_eq!(ix.allocate(), Some((3, None)));
+        assert_eq!(ix.allocate(), Some((4, None)));
+        assert_eq!(ix.allocate(), Some((5, None)));
+        assert_eq!(ix.allocate(), Some((11, None)));
     }
 }

@@ -1,12 +1,18 @@
-//! The storage tier below host memory (L3, feature `nixl`; docs/design.md, "Storage tier"): a
+//! The storage tier below host memory (L3, feature `nixl`; docs/storage.md): a
 //! CP group's pages on disk, written by their owners, readable by every rank, crash-safe, moved
 //! by NIXL's POSIX backend.
 //!
 //! ```text
 //! dir/ (one per CP group)     w0000.slots   preallocated, O_DIRECT: slots of slot_bytes
 //!                             w0000.journal header, then Commit / Free records (96 B each)
-//!                             w0001.slots   ... one pair per writer rank
+//!                             w0000.lock    the writer's flock and process id
+//!                             w0001.slots   ... one set per writer rank
 //! ```
+//!
+//! - **The directory** is handled like a database's (`dir.rs`): every file opened beneath it
+//!   without following a link, nothing in it that another user could write, one writer per
+//!   rank ([`StorageFailure::Untrusted`](crate::error::StorageFailure::Untrusted),
+//!   [`StorageFailure::Locked`](crate::error::StorageFailure::Locked)).
 //!
 //! - **Slots** hold a whole page: every component (target latent of every layer, target
 //!   indexer keys and scales, draft latent and indexer), in one canonical order whatever the
@@ -20,7 +26,12 @@
 //!   (`fdatasync`). A process killed mid-write leaves a slot no record names, or a torn record
 //!   that fails its own checksum: after reopening, the page is a miss. A slot whose bytes no
 //!   longer match its checksum (flipped bits, or reused since a lookup) is a miss on load,
-//!   counted in [`DiskStats::corrupt_pages`].
+//!   counted in [`DiskStats::corrupt_pages`]. Only what follows a journal's last valid record
+//!   is a torn tail: a damaged record with valid ones after it is skipped and counted
+//!   ([`DiskStats::damaged_records`]) or refused ([`Damaged`]), never a reason to cut.
+//! - **Ordering.** Stores and loads touch host pages with the CPU, so they first wait for the
+//!   work queued on the pages they name (`order.rs`): a store for their writes, a load for
+//!   their reads and writes.
 //! - **Sharing.** Each rank writes only its own file and journal, and only the pages it owns
 //!   (each page written once, by its owner); any rank reads any rank's file. Each rank replays
 //!   every journal into its index. A [`Snapshot`] (per writer, a count of records) taken by one
@@ -38,14 +49,19 @@
 //!   [`StorageFailure`](crate::error::StorageFailure)): disk full, a file or directory that
 //!   cannot be opened, a NIXL registration refused; the host and device pools are untouched.
 
+mod dir;
 pub mod gds;
 mod io;
 mod journal;
 mod key_index;
+mod order;
 mod slots;
 mod store;
 mod types;
 
 pub use io::{IoQueue, QueueChoice};
 pub use store::DiskStore;
-pub use types::{DiskConfig, DiskStats, LoadOutcome, Snapshot, StoreReport};
+pub use types::{
+    check_timeout, Damaged, DiskConfig, DiskStats, LoadOutcome, Snapshot, StoreReport,
+    MAX_STAGING_BYTES, MAX_TIMEOUT, MAX_WRITERS,
+};

@@ -13,12 +13,12 @@ use crate::pool::host::HostPool;
 /// without direct I/O information): 4 KiB satisfies every common block device.
 pub(super) const DEFAULT_ALIGN: u64 = 4096;
 
-/// Direct-I/O alignment of files in `dir`: (memory alignment, file offset and length
-/// alignment), from `statx` `STATX_DIOALIGN` on `probe` (a file in `dir`), each at least 512 B
-/// and a power of two, [`DEFAULT_ALIGN`] where not reported.
-pub(super) fn dio_align(probe: &Path) -> (u64, u64) {
-    use rustix::fs::{statx, AtFlags, StatxFlags, CWD};
-    let reported = statx(CWD, probe, AtFlags::empty(), StatxFlags::DIOALIGN)
+/// Direct-I/O alignment of the store's files: (memory alignment, file offset and length
+/// alignment), from `statx` `STATX_DIOALIGN` on `probe` (an open file of the store's
+/// directory), each at least 512 B and a power of two, [`DEFAULT_ALIGN`] where not reported.
+pub(super) fn dio_align(probe: std::os::fd::BorrowedFd<'_>) -> (u64, u64) {
+    use rustix::fs::{statx, AtFlags, StatxFlags};
+    let reported = statx(probe, "", AtFlags::EMPTY_PATH, StatxFlags::DIOALIGN)
         .ok()
         .filter(|s| StatxFlags::from_bits_retain(s.stx_mask).contains(StatxFlags::DIOALIGN));
     let pick = |v: u32| {

@@ -1,17 +1,17 @@
 //! [`DiskStore`]: one rank's view of its CP group's storage directory.
 
-use std::fs::{File, OpenOptions};
-use std::os::fd::OwnedFd;
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::fs::File;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::dir::{How, StoreDir, WriterLock};
 use super::io::{FileIo, Io, IoQueue, Posted};
-use super::journal::{self, Header, Journal, Record, Tail};
+use super::journal::{self, Header, Item, Journal, Record, Step, Tail};
 use super::key_index::Index;
+use super::order::wait_for_queued_sync;
 use super::slots::{check_page, dio_align, runs, storage, SlotLayout};
-use super::types::{DiskConfig, DiskStats, LoadOutcome, Snapshot, StoreReport};
+use super::types::{DiskConfig, DiskStats, LoadOutcome, Snapshot, StoreReport, MAX_STAGING_BYTES};
 use crate::backend::Backend;
 use crate::copy::BlockSpace;
 use crate::error::{Error, Result, StorageFailure};
@@ -20,18 +20,22 @@ use crate::key::PageKey;
 use crate::pool::host::HostPool;
 
 /// One rank's storage tier below its host pool (the module docs tell the design).
-#[derive(Debug)]
 pub struct DiskStore {
     config: DiskConfig,
     host: Arc<HostPool>,
+    /// The host pool's backend: what the store's waits for queued work ask.
+    backend: Arc<dyn Backend>,
     /// Process address of each host buffer.
     bases: Vec<usize>,
     layout: SlotLayout,
     header: Header,
     io: FileIo,
-    /// This rank's journal and slot file (for syncing the data it wrote); `None` read-only.
+    dir: StoreDir,
+    /// This rank's journal, slot file (for syncing the data it wrote) and writer lock; `None`
+    /// read-only.
     journal: Option<Journal>,
     own_data: Option<File>,
+    _lock: Option<WriterLock>,
     /// Per writer: its journal reader (peers), and its slot file's index in `io`.
     tails: Vec<Option<Tail>>,
     files: Vec<Option<usize>>,
@@ -39,12 +43,28 @@ pub struct DiskStore {
     stats: DiskStats,
 }
 
-fn data_path(dir: &Path, writer: u32) -> PathBuf {
-    dir.join(format!("w{writer:04}.slots"))
+impl std::fmt::Debug for DiskStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskStore")
+            .field("dir", &self.dir.path())
+            .field("writer", &self.config.writer)
+            .field("writers", &self.config.writers)
+            .field("read_only", &self.config.read_only)
+            .field("slot_bytes", &self.layout.slot_bytes())
+            .field("used_slots", &self.index.used())
+            .field("io", &self.io)
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The name of writer `writer`'s slot file.
+fn data_name(writer: u32) -> String {
+    format!("w{writer:04}.slots")
 }
 
 /// The error of a write asked of a read-only store.
-fn read_only(dir: &Path) -> Error {
+fn read_only(dir: &std::path::Path) -> Error {
     storage(
         dir,
         StorageFailure::ReadOnly,
@@ -55,54 +75,56 @@ fn read_only(dir: &Path) -> Error {
 /// The rank an index of a read-only store calls its own: none of the writers.
 const NO_WRITER: u32 = u32::MAX;
 
-/// Opens a slot file for direct I/O.
-fn open_direct(path: &Path, write: bool) -> Result<File> {
-    OpenOptions::new()
-        .read(true)
-        .write(write)
-        .create(write)
-        .truncate(false)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .map_err(|e| {
-            let hint = if e.raw_os_error() == Some(libc::EINVAL) {
-                " (the filesystem refuses O_DIRECT)"
-            } else {
-                ""
-            };
-            storage(path, StorageFailure::Open, format!("{e}{hint}"))
-        })
-}
+/// A slot file opened for direct I/O, read and write (created when absent), or read only.
+const DATA_WRITE: How = How {
+    write: true,
+    create: true,
+    exclusive: false,
+    direct: true,
+};
+const DATA_READ: How = How {
+    write: false,
+    create: false,
+    exclusive: false,
+    direct: true,
+};
 
 impl DiskStore {
-    /// Opens rank `config.writer`'s store for pages of `host`: creates the directory, the
-    /// journal and the preallocated slot file if missing, replays the journal (a torn tail is
-    /// cut), and registers the file and the staging memory with NIXL. `backend` is the host
-    /// pool's: a pinned pool on CUDA knows its buffers' host addresses, a pool on the CPU twin
-    /// has them from its arena ([`Backend::host_view`]).
+    /// Opens rank `config.writer`'s store for pages of `host`: creates the directory (mode
+    /// 0700), the journal and the preallocated slot file if missing, takes the rank's writer
+    /// lock, replays the journal (a torn tail is cut; damage is skipped and counted, or refused:
+    /// [`DiskConfig::damaged`]), and registers the file and the staging memory with NIXL.
+    /// `backend` is the host pool's (any stream of its device): a pinned pool on CUDA knows its
+    /// buffers' host addresses, a pool on the CPU twin has them from its arena
+    /// ([`Backend::host_view`]); the store's `_sync` calls ask it about the work queued on the
+    /// pages they name.
     ///
-    /// Read-only ([`DiskConfig::read_only`]), nothing is created or written: the directory must
-    /// hold a writer's slot file (the slots' alignment is read from it), and every writer's
-    /// journal is replayed (each must agree on the slot size and count).
+    /// Every file is opened relative to the directory without following a link, and the
+    /// directory and its files must be this user's alone (docs/storage.md, "The directory").
+    /// The settings are checked before anything is opened ([`DiskConfig::validate`]), and the
+    /// slot file is sized only after the journal (when there is one) agreed on the geometry.
     ///
-    /// Errors, with nothing in the host or device pools touched: [`StorageFailure::Open`]
-    /// (the directory or a file cannot be made, or the filesystem refuses direct I/O; read-only,
-    /// the directory holds no slot file),
+    /// Read-only ([`DiskConfig::read_only`]), nothing is created or written and no lock is
+    /// taken: the directory must hold a writer's slot file (the slots' alignment is read from
+    /// it), and every writer's journal is replayed (each must agree on the slot size and count).
+    ///
+    /// Errors, with nothing in the host or device pools touched: [`Error::InvalidArgument`]
+    /// (a setting out of its bounds), [`StorageFailure::Open`] (the directory or a file cannot
+    /// be made, or the filesystem refuses direct I/O; read-only, the directory holds no slot
+    /// file), [`StorageFailure::Untrusted`] (a link, or something another user could write),
+    /// [`StorageFailure::Locked`] (another store writes this rank here, its process named),
     /// [`StorageFailure::Full`] (the slots do not fit the free space), [`StorageFailure::Format`]
-    /// (the files there are of another slot size, slot count or rank),
+    /// (the files there are of another slot size, slot count or rank: refused before the slot
+    /// file grows), [`StorageFailure::Corrupt`] (damage under [`Damaged::Refuse`]),
     /// [`StorageFailure::Register`] (NIXL has no POSIX backend or refuses the file).
-    pub fn open(host: Arc<HostPool>, backend: &dyn Backend, config: DiskConfig) -> Result<Self> {
-        if config.writers == 0 || config.writer >= config.writers {
-            return Err(Error::InvalidArgument(format!(
-                "storage writer {} of {} writers",
-                config.writer, config.writers
-            )));
-        }
-        if config.slots == 0 || config.staging_slots == 0 {
-            return Err(Error::InvalidArgument(
-                "a store needs at least one slot and one staging slot".into(),
-            ));
-        }
+    ///
+    /// [`Damaged::Refuse`]: super::Damaged::Refuse
+    pub fn open(
+        host: Arc<HostPool>,
+        backend: Arc<dyn Backend>,
+        config: DiskConfig,
+    ) -> Result<Self> {
+        config.validate()?;
         crate::backend::check_space(backend.address_space(), host.address_space(), "host pool")?;
         let bases = (0..host.buffer_layouts().len())
             .map(|b| {
@@ -116,58 +138,92 @@ impl DiskStore {
                 }
             })
             .collect::<Result<Vec<_>>>()?;
-        let dir = &config.dir;
-        let data = data_path(dir, config.writer);
-        let probe = if config.read_only {
-            (0..config.writers)
-                .map(|w| data_path(dir, w))
-                .find(|p| p.is_file())
-                .ok_or_else(|| {
-                    storage(
-                        dir,
-                        StorageFailure::Open,
-                        "no writer's slot file here to open read-only",
-                    )
-                })?
-        } else {
-            std::fs::create_dir_all(dir).map_err(|e| storage(dir, StorageFailure::Open, e))?;
-            data.clone()
-        };
-        let own_data = match config.read_only {
+        let dir = StoreDir::open(&config.dir, !config.read_only)?;
+        let lock = match config.read_only {
             true => None,
-            false => Some(open_direct(&data, true)?),
+            false => Some(dir.lock_writer(config.writer)?),
         };
-        let (mem_align, offset_align) = dio_align(&probe);
+        // This rank's slot file (created empty: nothing grows before the checks below), or,
+        // read-only, the first writer's there: its alignment is the directory's.
+        let (own_data, probe) = if config.read_only {
+            let mut found = None;
+            for w in 0..config.writers {
+                if let Some(f) = dir.open_file(&data_name(w), How::READ)? {
+                    found = Some(f);
+                    break;
+                }
+            }
+            let probe = found.ok_or_else(|| {
+                storage(
+                    dir.path(),
+                    StorageFailure::Open,
+                    "no writer's slot file here to open read-only",
+                )
+            })?;
+            (None, probe)
+        } else {
+            let name = data_name(config.writer);
+            let f = dir.open_file(&name, DATA_WRITE)?.ok_or_else(|| {
+                storage(&dir.file_path(&name), StorageFailure::Open, "not created")
+            })?;
+            let probe = f
+                .try_clone()
+                .map_err(|e| storage(&dir.file_path(&name), StorageFailure::Open, e))?;
+            (Some(f), probe)
+        };
+        let (mem_align, offset_align) = dio_align(probe.as_fd());
+        drop(probe);
         let layout = SlotLayout::new(&host, mem_align.max(offset_align))?;
         let bytes = config
             .slots
             .checked_mul(layout.slot_bytes())
             .ok_or_else(|| Error::overflow(format!("{} slots", config.slots)))?;
-        let fresh = match &own_data {
-            Some(f) => preallocate(f, &data, bytes)?,
-            None => false,
-        };
+        let staging = (config.staging_slots as u64)
+            .checked_mul(2 * layout.slot_bytes())
+            .filter(|&b| b <= MAX_STAGING_BYTES)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "{} staging slots of {} B: two buffers of them exceed {MAX_STAGING_BYTES} B",
+                    config.staging_slots,
+                    layout.slot_bytes()
+                ))
+            })? as usize;
         let header = Header {
             writer: config.writer,
             page_bytes: layout.page_bytes(),
             slot_bytes: layout.slot_bytes(),
             slots: config.slots,
         };
-        let (journal, mut index) = if config.read_only {
-            (None, Index::new(config.writers, NO_WRITER, 0))
-        } else {
-            let (journal, records) = Journal::open(&journal::path(dir, config.writer), header)?;
-            let mut index = Index::new(config.writers, config.writer, config.slots);
-            for r in records {
-                index.apply(config.writer, r);
+        let mut stats = DiskStats::default();
+        let (journal, mut index, fresh) = match &own_data {
+            None => (
+                None,
+                Index::new(config.writers, NO_WRITER, config.slots),
+                false,
+            ),
+            Some(f) => {
+                // Another geometry is refused before the slot file grows.
+                let name = journal::name(config.writer);
+                if let Some(found) = journal::read_header(&dir, &name)? {
+                    if found != header {
+                        return Err(storage(
+                            &dir.file_path(&name),
+                            StorageFailure::Format,
+                            format!("the journal says {found:?}, this store is {header:?}"),
+                        ));
+                    }
+                }
+                let fresh = preallocate(f, &dir, &data_name(config.writer), bytes)?;
+                let mut index = Index::new(config.writers, config.writer, config.slots);
+                let (journal, opened) = Journal::open(&dir, header, config.damaged, &mut |i| {
+                    index.apply(config.writer, i)
+                })?;
+                stats.damaged_records = opened.damaged;
+                stats.torn_records = opened.torn;
+                (Some(journal), index, fresh)
             }
-            (Some(journal), index)
         };
         index.finish_open();
-        let staging = config
-            .staging_slots
-            .checked_mul(2 * layout.slot_bytes() as usize)
-            .ok_or_else(|| Error::overflow("staging bytes"))?;
         let name = format!(
             "kvshard-disk-{}-w{}-{:x}",
             std::process::id(),
@@ -177,25 +233,29 @@ impl DiskStore {
         let mut io = FileIo::new(&name, config.queue, staging, mem_align as usize)?;
         let mut files = vec![None; config.writers as usize];
         if let Some(f) = &own_data {
+            let path = dir.file_path(&data_name(config.writer));
             let fd: OwnedFd = f
                 .try_clone()
-                .map_err(|e| storage(&data, StorageFailure::Open, e))?
+                .map_err(|e| storage(&path, StorageFailure::Open, e))?
                 .into();
-            files[config.writer as usize] = Some(io.add_file(fd, bytes, &data)?);
+            files[config.writer as usize] = Some(io.add_file(fd, bytes, &path)?);
         }
         let mut store = Self {
             tails: (0..config.writers).map(|_| None).collect(),
             files,
             config,
             host,
+            backend,
             bases,
             layout,
             header,
             io,
+            dir,
             journal,
             own_data,
+            _lock: lock,
             index,
-            stats: DiskStats::default(),
+            stats,
         };
         if store.config.read_only {
             for w in 0..store.config.writers {
@@ -222,7 +282,7 @@ impl DiskStore {
             let posted = self.io.post(true, &ios)?;
             self.io.wait_sync(posted, deadline)?;
         }
-        let data = data_path(&self.config.dir, self.config.writer);
+        let data = self.dir.file_path(&data_name(self.config.writer));
         self.own_data
             .as_ref()
             .ok_or_else(|| read_only(&self.config.dir))?
@@ -283,7 +343,8 @@ impl DiskStore {
         Ok(Snapshot::from_records(self.index.replayed().to_vec()))
     }
 
-    /// Replays writer `w`'s journal up to `limit` records (`None`: all whole ones).
+    /// Replays writer `w`'s journal up to `limit` records (`None`: all whole ones), counting
+    /// the damaged records it skips.
     fn catch_up(&mut self, w: u32, limit: Option<u64>) -> Result<()> {
         let wi = w as usize;
         if self.tails[wi].is_none() {
@@ -291,17 +352,25 @@ impl DiskStore {
                 writer: w,
                 ..self.header
             };
-            self.tails[wi] = Tail::open(&journal::path(&self.config.dir, w), expected)?;
+            self.tails[wi] = Tail::open(&self.dir, &journal::name(w), expected)?;
         }
+        let (index, stats) = (&mut self.index, &mut self.stats);
         if let Some(tail) = self.tails[wi].as_mut() {
-            let (restarted, records) = tail.read_new(limit)?;
-            if restarted {
-                // The writer compacted its journal: its entries come again from the new file.
-                self.index.forget(w);
-            }
-            for r in records {
-                self.index.apply(w, r);
-            }
+            tail.read_new(
+                &self.dir,
+                limit,
+                self.config.damaged,
+                &mut |step| match step {
+                    // The writer compacted its journal: its entries come again from the new file.
+                    Step::Restart => index.forget(w),
+                    Step::Item(item) => {
+                        if item == Item::Damaged {
+                            stats.damaged_records += 1;
+                        }
+                        index.apply(w, item)
+                    }
+                },
+            )?;
         }
         Ok(())
     }
@@ -325,7 +394,7 @@ impl DiskStore {
                 }
                 if self.index.replayed()[w as usize] < want[w as usize] {
                     return Err(storage(
-                        &journal::path(&self.config.dir, w),
+                        &self.dir.file_path(&journal::name(w)),
                         StorageFailure::Format,
                         format!(
                             "the snapshot covers {} records, the journal has {}",
@@ -382,7 +451,11 @@ impl DiskStore {
     /// `fdatasync`, then the `Commit` records. A page is present only once its commit is
     /// durable. An empty batch does nothing and succeeds.
     ///
-    /// The host pages must not be written by any transfer meanwhile.
+    /// Ordered like any kvshard work on the host pool (its usage record): the pages are read
+    /// only after every write queued on them, on any stream, has run (a backup still queued
+    /// behind other work), the call blocking until then (within its deadline:
+    /// [`Error::Timeout`], nothing written). Work enqueued after this call returns is
+    /// ordered after it by construction: its reads of the pages have ended.
     ///
     /// A read-only store refuses with [`StorageFailure::ReadOnly`], writing nothing.
     pub fn store_sync(&mut self, items: &[(PageKey, LocalPage)]) -> Result<StoreReport> {
@@ -401,6 +474,8 @@ impl DiskStore {
                 todo.push((k, p));
             }
         }
+        let pages: Vec<LocalPage> = todo.iter().map(|&(_, p)| p).collect();
+        wait_for_queued_sync(self.backend.as_ref(), &self.host, &pages, false, deadline)?;
         let mut frees = Vec::new();
         let mut batch: Vec<(u64, PageKey, LocalPage)> = Vec::with_capacity(todo.len());
         for &(k, p) in &todo {
@@ -455,13 +530,7 @@ impl DiskStore {
     ) -> Result<()> {
         let own = self.config.writer;
         let dir = self.config.dir.clone();
-        self.journal
-            .as_mut()
-            .ok_or_else(|| read_only(&dir))?
-            .append_sync(frees)?;
-        for &f in frees {
-            self.index.apply(own, f);
-        }
+        self.append_sync(frees)?;
         batch.sort_by_key(|b| b.0);
         let slot_bytes = self.layout.slot_bytes() as usize;
         let per = self.config.staging_slots;
@@ -502,19 +571,13 @@ impl DiskStore {
             in_flight = posted;
         }
         self.io.wait_sync(in_flight, deadline)?;
-        let data = data_path(&self.config.dir, own);
+        let data = self.dir.file_path(&data_name(own));
         self.own_data
             .as_ref()
             .ok_or_else(|| read_only(&dir))?
             .sync_data()
             .map_err(|e| storage(&data, journal::io_failure(&e), e))?;
-        self.journal
-            .as_mut()
-            .ok_or_else(|| read_only(&dir))?
-            .append_sync(&commits)?;
-        for c in commits {
-            self.index.apply(own, c);
-        }
+        self.append_sync(&commits)?;
         if self
             .journal
             .as_ref()
@@ -525,19 +588,32 @@ impl DiskStore {
         Ok(())
     }
 
+    /// Appends `records` to this rank's journal and applies to the index those that are in it
+    /// (all, or after a failed write the whole ones that made it: they are on disk, other
+    /// ranks may have read them, so this rank's view must count them too).
+    fn append_sync(&mut self, records: &[Record]) -> Result<()> {
+        let Some(journal) = self.journal.as_mut() else {
+            return Err(read_only(&self.config.dir));
+        };
+        let (kept, appended) = journal.append_sync(records);
+        for &r in &records[..kept] {
+            self.index.apply(self.config.writer, Item::Record(r));
+        }
+        appended
+    }
+
     /// Rewrites this rank's journal from its live index (the module docs of `journal.rs` tell
     /// how, crash-safe); done by stores once the journal holds more than
     /// [`DiskConfig::journal_records`] records. Every position keeps its meaning, so snapshots
     /// and the other ranks' replays stay valid. A read-only store refuses
     /// ([`StorageFailure::ReadOnly`]).
     pub fn compact_journal_sync(&mut self) -> Result<()> {
+        let Some(journal) = self.journal.as_mut() else {
+            return Err(read_only(&self.config.dir));
+        };
         let total = self.index.replayed()[self.config.writer as usize];
         let records = journal::compacted(&self.index.live_own(), total);
-        let dir = self.config.dir.clone();
-        self.journal
-            .as_mut()
-            .ok_or_else(|| read_only(&dir))?
-            .compact_sync(&records)
+        journal.compact_sync(&self.dir, &records)
     }
 
     /// Records in this rank's journal file (`None` read-only).
@@ -553,7 +629,11 @@ impl DiskStore {
     /// pool untouched. Rounds alternate between two staging buffers: one is checked and
     /// unpacked while the next round's reads fill the other.
     ///
-    /// The host pages must not be read or written by any transfer meanwhile.
+    /// Ordered like any kvshard work on the host pool (its usage record): the pages it may
+    /// write (those the store holds) are written only after every read and write queued on
+    /// them, on any stream, has run (a load to the device still reading them), the call
+    /// blocking until then (within its deadline: [`Error::Timeout`], the host pool untouched).
+    /// Work enqueued after this call returns sees the loaded bytes: its writes have ended.
     pub fn load_sync(&mut self, items: &[(PageKey, LocalPage)]) -> Result<Vec<LoadOutcome>> {
         self.check_pages(items)?;
         let deadline = self.deadline();
@@ -572,6 +652,8 @@ impl DiskStore {
         {
             self.open_file(w)?;
         }
+        let pages: Vec<LocalPage> = found.iter().map(|f| items[f.3].1).collect();
+        wait_for_queued_sync(self.backend.as_ref(), &self.host, &pages, true, deadline)?;
         found.sort_by_key(|f| (f.0, f.1));
         let slot_bytes = self.layout.slot_bytes() as usize;
         let page_bytes = self.layout.page_bytes() as usize;
@@ -616,15 +698,16 @@ impl DiskStore {
                 self.stats.loaded_pages += 1;
             }
         }
-        // Damaged slots of this rank leave the index for every rank (their Free records).
+        // Damaged slots of this rank leave the index for every rank (their Free records). Where
+        // a record cannot be written its slot stays, a counted miss at every load: the
+        // outcomes (host pages already written) are what this call reports.
         corrupt_own.dedup();
-        if let Some(j) = self.journal.as_mut() {
-            j.append_sync(&corrupt_own)?;
-        }
-        for r in corrupt_own {
-            self.index.apply(self.config.writer, r);
-            if let Record::Free { slot, .. } = r {
-                self.index.release(slot);
+        if !corrupt_own.is_empty() {
+            let _ = self.append_sync(&corrupt_own);
+            for r in corrupt_own {
+                if let Record::Free { slot, .. } = r {
+                    self.index.release(slot);
+                }
             }
         }
         Ok(out)
@@ -656,8 +739,12 @@ impl DiskStore {
         if self.files[w as usize].is_some() {
             return Ok(());
         }
-        let path = data_path(&self.config.dir, w);
-        let file = open_direct(&path, false)?;
+        let name = data_name(w);
+        let path = self.dir.file_path(&name);
+        let file = self
+            .dir
+            .open_file(&name, DATA_READ)?
+            .ok_or_else(|| storage(&path, StorageFailure::Open, "no slot file"))?;
         let len = file
             .metadata()
             .map_err(|e| storage(&path, StorageFailure::Io, e))?
@@ -682,22 +769,22 @@ fn page_crc(key: &PageKey, page: &[u8]) -> u32 {
     crc32c::crc32c_append(crc32c::crc32c(key.bytes()), page)
 }
 
-/// Makes `file` hold `bytes` bytes of allocated blocks, refusing (before writing anything)
-/// when the filesystem has less room than the part still to allocate. Whether it grew the file.
-fn preallocate(file: &File, path: &Path, bytes: u64) -> Result<bool> {
+/// Makes `file` (entry `name` of `dir`) hold `bytes` bytes of allocated blocks, refusing
+/// (before writing anything) when the filesystem has less room than the part still to
+/// allocate. Whether it grew the file.
+fn preallocate(file: &File, dir: &StoreDir, name: &str, bytes: u64) -> Result<bool> {
+    let path = dir.file_path(name);
     let have = file
         .metadata()
-        .map_err(|e| storage(path, StorageFailure::Io, e))?
+        .map_err(|e| storage(&path, StorageFailure::Io, e))?
         .len();
     if have >= bytes {
         return Ok(false);
     }
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let vfs = rustix::fs::statvfs(dir).map_err(|e| storage(dir, StorageFailure::Io, e))?;
-    let free = vfs.f_bavail.saturating_mul(vfs.f_frsize);
+    let free = dir.free_bytes()?;
     if bytes - have > free {
         return Err(storage(
-            path,
+            &path,
             StorageFailure::Full,
             format!("{} B of slots asked for, {free} B free", bytes - have),
         ));
@@ -708,11 +795,11 @@ fn preallocate(file: &File, path: &Path, bytes: u64) -> Result<bool> {
         Err(rustix::io::Errno::OPNOTSUPP) => file
             .set_len(bytes)
             .map(|()| true)
-            .map_err(|e| storage(path, journal::io_failure(&e), e)),
+            .map_err(|e| storage(&path, journal::io_failure(&e), e)),
         Err(e) => {
             let _ = file.set_len(have);
             let e = std::io::Error::from(e);
-            Err(storage(path, journal::io_failure(&e), e))
+            Err(storage(&path, journal::io_failure(&e), e))
         }
     }
 }

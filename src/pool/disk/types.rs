@@ -43,6 +43,50 @@ pub struct DiskConfig {
     /// Records this rank's journal may hold before a store compacts it (keeping only its live
     /// pages' commits, positions unchanged: `DiskStore::compact_journal_sync`).
     pub journal_records: u64,
+    /// What a journal record that fails its checksum (or names a slot past the file) with
+    /// valid records after it does: kept past, counted ([`Damaged::Skip`], the default) or
+    /// refused ([`Damaged::Refuse`]). Only what follows the last valid record is a torn tail.
+    pub damaged: Damaged,
+}
+
+/// What the store does with a damaged journal record: one that fails its checksum or names a
+/// slot past the slot file, followed by valid records (so not the torn tail of a killed
+/// writer). The records around it are kept either way and nothing past it is ever cut; RocksDB
+/// calls these its WAL recovery modes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Damaged {
+    /// The record is skipped (one position, so every rank counts positions alike) and counted
+    /// in [`DiskStats::damaged_records`]; the page it named is a miss. The store keeps serving.
+    #[default]
+    Skip,
+    /// The open (this rank's journal) or the snapshot (another rank's) that meets it fails with
+    /// [`StorageFailure::Corrupt`](crate::error::StorageFailure::Corrupt), naming the record;
+    /// nothing is changed on disk.
+    Refuse,
+}
+
+/// Most writer ranks a store directory takes ([`DiskConfig::writers`]): each rank opens and
+/// registers every other rank's files, so the bound keeps that finite.
+pub const MAX_WRITERS: u32 = 1024;
+
+/// The longest deadline a store takes ([`DiskConfig::timeout`], and the controller's storage
+/// timeout): a day; anything longer is a hang by another name.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
+/// The largest staging memory a store allocates (two buffers of
+/// [`DiskConfig::staging_slots`] slots, zeroed, so all of it is resident): 1 GiB, several
+/// times what the default 32 slots of a 78-layer page take.
+pub const MAX_STAGING_BYTES: u64 = 1 << 30;
+
+/// Checks a timeout is a usable deadline: more than zero, at most [`MAX_TIMEOUT`]. `what`
+/// names it in the error.
+pub fn check_timeout(timeout: Duration, what: &str) -> crate::error::Result<()> {
+    if timeout.is_zero() || timeout > MAX_TIMEOUT {
+        return Err(crate::error::Error::InvalidArgument(format!(
+            "{what} of {timeout:?}: expected more than zero and at most {MAX_TIMEOUT:?}"
+        )));
+    }
+    Ok(())
 }
 
 impl DiskConfig {
@@ -61,7 +105,28 @@ impl DiskConfig {
             read_only: false,
             zero_fill: false,
             journal_records: slots.saturating_mul(4).saturating_add(1024),
+            damaged: Damaged::Skip,
         }
+    }
+
+    /// Checks every setting that needs no filesystem, before anything is opened or allocated:
+    /// `writer` below `writers` (at most [`MAX_WRITERS`]), at least one slot and one staging
+    /// slot, the timeout ([`check_timeout`]). Sizes that depend on the page (the slot file,
+    /// the staging memory) are checked by the open once the slot size is known.
+    pub fn validate(&self) -> crate::error::Result<()> {
+        use crate::error::Error;
+        if self.writers == 0 || self.writers > MAX_WRITERS || self.writer >= self.writers {
+            return Err(Error::InvalidArgument(format!(
+                "storage writer {} of {} writers (1..={MAX_WRITERS} writers, the writer below them)",
+                self.writer, self.writers
+            )));
+        }
+        if self.slots == 0 || self.staging_slots == 0 {
+            return Err(Error::InvalidArgument(
+                "a store needs at least one slot and one staging slot".into(),
+            ));
+        }
+        check_timeout(self.timeout, "a storage timeout")
     }
 }
 
@@ -125,4 +190,12 @@ pub struct DiskStats {
     pub write_ios: u64,
     /// Descriptors posted to read.
     pub read_ios: u64,
+    /// Journal records skipped as damaged ([`Damaged`]): a record of this rank's journal (at
+    /// open) or of another rank's (at a snapshot) that fails its checksum or names a slot past
+    /// the file, with valid records after it. Each may be a page lost (a miss, never a wrong
+    /// hit).
+    pub damaged_records: u64,
+    /// Records (whole or partial) cut from the tail of this rank's journal at open: what
+    /// followed the last valid record, a batch a killed writer was appending (never committed).
+    pub torn_records: u64,
 }

@@ -3,15 +3,16 @@
 //! into new device pages of the same owners, and is checked byte for byte against the
 //! unsharded reference.
 //!
-//! - **Every rank in this process** (the demo): the directory is the step's own; rank 0's
-//!   snapshot reaches the others as a value.
-//! - **One rank per process** (`kvshard pd --scenario pressure`): the ranks share the directory
-//!   their parent made ([`group_directory`], named by the parent's process id, removed by the
-//!   parent). Each rank writes its own pages, then replays the others' journals (its own
-//!   snapshots, read-only on their files) until the whole prefix is there: with nothing else
-//!   written, every rank's snapshot covers the same records (each says which), so their lookups
-//!   agree by construction. Every rank reloads the whole prefix's pages it owns, any rank's file
-//!   read, checked against its own replay of the reference.
+//! - **Every rank in this process** (the demo): the directory is the step's own, private (a
+//!   random name, mode 0700, removed when the step ends); rank 0's snapshot reaches the
+//!   others as a value.
+//! - **One rank per process** (`kvshard pd --scenario pressure`): the ranks share the private
+//!   directory their parent made ([`group_directory`]) and named to them (`--storage-dir`);
+//!   the parent removes it. Each rank writes its own pages, then replays the others' journals
+//!   (its own snapshots, read-only on their files) until the whole prefix is there: with
+//!   nothing else written, every rank's snapshot covers the same records (each says which), so
+//!   their lookups agree by construction. Every rank reloads the whole prefix's pages it owns,
+//!   any rank's file read, checked against its own replay of the reference.
 
 use std::time::Instant;
 
@@ -22,7 +23,7 @@ use kvshard::pool::disk::{DiskConfig, DiskStore};
 
 use super::*;
 
-/// Where the step's directories go: `KVSHARD_STORAGE_DIR`, else the system's temporary
+/// Where the step's directories are made: `KVSHARD_STORAGE_DIR`, else the system's temporary
 /// directory (it must be a filesystem with O_DIRECT; tmpfs before Linux 6.6 is not).
 fn base() -> std::path::PathBuf {
     std::env::var_os("KVSHARD_STORAGE_DIR")
@@ -30,53 +31,47 @@ fn base() -> std::path::PathBuf {
         .unwrap_or_else(std::env::temp_dir)
 }
 
-/// The step's own directory, when every rank is in this process.
-fn directory() -> std::path::PathBuf {
-    let nanos = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    base().join(format!(
-        "kvshard-pressure-l3-{}-{nanos}",
-        std::process::id()
-    ))
-}
-
-/// The directory the rank processes started by process `parent` share (the parent makes it
-/// fresh before starting them and removes it after they exit).
-pub(crate) fn group_directory(parent: u32) -> std::path::PathBuf {
-    base().join(format!("kvshard-pressure-l3-group-{parent}"))
+/// The private directory the rank processes of a `kvshard pd` run share: made by the parent
+/// before it starts them (each gets its path), removed with everything in it when dropped.
+pub(crate) fn group_directory() -> Result<tempfile::TempDir> {
+    crate::storage_bench::private_dir(&base(), "kvshard-pressure-l3-group-")
 }
 
 /// How long a rank waits for the other ranks' pages to be committed.
 const WAIT_FOR_GROUP: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// Removes the step's directory when the step ends, however it ends.
-struct Cleanup(std::path::PathBuf);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 impl Scenario {
-    /// The storage step (module docs); returns what it reports.
+    /// The storage step (module docs); returns what it reports. `shared` is the directory a
+    /// parent made for its rank processes (`None`: every rank is here, the step makes its own).
     pub(super) fn storage_step(
         &mut self,
         seed_node: &CacheNode,
         seed_ref: &RequestChain,
         prefix_tokens: usize,
+        shared: Option<&std::path::Path>,
     ) -> Result<Vec<String>> {
         if let Err(e) = kvshard::transfer::nixl::load() {
             return Ok(vec![format!("storage: SKIPPED, no NIXL runtime ({e})")]);
         }
         let writers = self.placement.shard();
         let in_process = self.controllers.len() == writers as usize;
-        let (dir, _cleanup) = if in_process {
-            let dir = directory();
-            (dir.clone(), Some(Cleanup(dir)))
-        } else {
-            (group_directory(std::os::unix::process::parent_id()), None)
+        // The step's own private directory, removed when the step ends however it ends; or the
+        // one the ranks' parent made.
+        let own = match in_process {
+            true => Some(crate::storage_bench::private_dir(
+                &base(),
+                "kvshard-pressure-l3-",
+            )?),
+            false => None,
+        };
+        let dir = match (&own, shared) {
+            (Some(own), _) => own.path().to_path_buf(),
+            (None, Some(shared)) => shared.to_path_buf(),
+            (None, None) => {
+                return Err(Error::InvalidArgument(
+                    "the storage step of a rank process needs the directory its parent made (--storage-dir)".into(),
+                ))
+            }
         };
         let b = self.b.clone();
         let bk = b.as_ref();
@@ -104,7 +99,7 @@ impl Scenario {
             let rank = c.device().rank();
             let mut cfg = DiskConfig::new(&dir, rank, writers, pages + 8);
             cfg.timeout = timeout;
-            let store = DiskStore::open(host, bk, cfg)?;
+            let store = DiskStore::open(host, b.clone(), cfg)?;
             queue = store.io_queue().to_string();
             c.attach_storage(store, StoragePolicy::WriteBack, timeout)?;
             c.set_keys(seed_node.id, keys.clone())?;
