@@ -513,7 +513,7 @@ impl PyHostPool {
     /// Every block in canonical order (component, layer, page, rows), the same bytes whatever
     /// the format (waits for `stream`).
     #[pyo3(signature = (stream = None))]
-    fn snapshot<'py>(
+    fn snapshot_sync<'py>(
         &self,
         py: Python<'py>,
         stream: Option<&Bound<'_, PyAny>>,

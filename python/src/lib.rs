@@ -68,6 +68,8 @@ mod frees;
 mod geometry;
 mod hicache_controller;
 mod hicache_enums;
+// The calling thread's host-blocking waits (kvshard.host_waits: only `_sync` calls block).
+mod host_waits;
 mod host_pool;
 mod host_transfer;
 mod layer_signals;
@@ -122,6 +124,7 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The process's pending frees.
     m.add_function(wrap_pyfunction!(frees::pending_frees, m)?)?;
     m.add_function(wrap_pyfunction!(frees::wait_for_frees_sync, m)?)?;
+    m.add_function(wrap_pyfunction!(host_waits::host_waits, m)?)?;
     m.add_function(wrap_pyfunction!(capacity::plan_capacity, m)?)?;
     m.add_function(wrap_pyfunction!(device::_stream_handle, m)?)?;
     m.add_function(wrap_pyfunction!(bench::_rust_load_ns, m)?)?;

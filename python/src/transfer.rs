@@ -331,7 +331,7 @@ pub(crate) fn poll_held(
         .map(PyChunkStatus))
 }
 
-/// `wait` of a chunk held until it is waited for: takes it and waits (the GIL released), once.
+/// `wait_sync` of a chunk held until it is waited for: takes it and waits (the GIL released), once.
 pub(crate) fn wait_held(
     py: Python<'_>,
     held: &Mutex<Option<PendingChunk>>,
@@ -351,7 +351,7 @@ impl PyPendingChunk {
     }
 
     /// Waits until the chunk has landed and returns its status (once).
-    fn wait(&self, py: Python<'_>) -> PyResult<PyChunkStatus> {
+    fn wait_sync(&self, py: Python<'_>) -> PyResult<PyChunkStatus> {
         wait_held(py, &self.inner)
     }
 
@@ -365,8 +365,8 @@ impl PyPendingChunk {
             .map(|s| s.into_iter().map(PyChunkStatus).collect()))
     }
 
-    /// `wait`, with the status each decode rank must receive (`poll_each`), once.
-    fn wait_each(&self, py: Python<'_>) -> PyResult<Vec<PyChunkStatus>> {
+    /// `wait_sync`, with the status each decode rank must receive (`poll_each`), once.
+    fn wait_each_sync(&self, py: Python<'_>) -> PyResult<Vec<PyChunkStatus>> {
         let p = lock(&self.inner)
             .take()
             .ok_or_else(|| invalid("the chunk was already waited for"))?;
@@ -487,7 +487,7 @@ impl PySender {
     /// Starts sending a request the ranks of a decode server sharded by token registered
     /// (a `DecodeRegistration`) into `dsts`, each decode rank's destination in rank order.
     /// Each chunk goes to every decode rank owning one of its tokens, in one launch; its
-    /// `PendingChunk.poll_each` / `wait_each` give the status for each decode rank.
+    /// `PendingChunk.poll_each` / `wait_each_sync` give the status for each decode rank.
     fn open_decode(
         &self,
         py: Python<'_>,
@@ -563,7 +563,7 @@ impl PySender {
     }
 
     /// Closes `request` on this rank without a status of its own: after a chunk of it failed
-    /// while moving (`poll` or `wait` raised `ChunkFailedError`), whose `status` already is
+    /// while moving (`poll` or `wait_sync` raised `ChunkFailedError`), whose `status` already is
     /// the rank's last for the request. A request not open is a `TransferError`.
     fn close(&self, request: u64) -> PyResult<()> {
         lock(&self.dst).remove(&request);

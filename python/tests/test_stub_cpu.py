@@ -22,6 +22,7 @@ MODULE_ORDER = [
     "tensor",
     "device",
     "frees",
+    "host_waits",
     "geometry",
     "shard",
     "method",
