@@ -106,6 +106,135 @@ fn reach(entries: &[(LocalPage, u64)], end_token: u64) -> (u64, u64) {
     (rows, reach)
 }
 
+/// The row format of every component, checked the same in `src` and every destination, and
+/// packed (a decode scatter moves packed blocks).
+fn row_formats(
+    src: &dyn BlockSpace,
+    dsts: &[&dyn BlockSpace],
+) -> Result<Vec<abi::kvs_row_component>> {
+    let layouts = src.components();
+    for dst in dsts {
+        check_same_components(layouts, dst.components())?;
+    }
+    let mut components = Vec::with_capacity(layouts.len());
+    for (c, l) in layouts.iter().enumerate() {
+        let packed = l.packed_side();
+        if src.side(c) != packed || dsts.iter().any(|d| d.side(c) != packed) {
+            return Err(Error::InvalidArgument(format!(
+                "a decode scatter moves packed blocks; a side strides {} otherwise",
+                l.component
+            )));
+        }
+        components.push(row_format(l)?);
+    }
+    Ok(components)
+}
+
+/// Every section's entries: in the source, sequence pages distinct and addressable.
+fn check_entries(src_limit: u64, sections: [&ScatterSection; 2]) -> Result<()> {
+    for section in sections {
+        if let Some(&(bad, _)) = section.entries.iter().find(|(p, _)| p.0 >= src_limit) {
+            return Err(Error::OutOfRange {
+                what: "scatter source page",
+                index: i64::try_from(bad.0).unwrap_or(i64::MAX),
+                limit: src_limit,
+            });
+        }
+        if let Some(&(_, bad)) = section
+            .entries
+            .iter()
+            .find(|(_, p)| p.checked_mul(PAGE).is_none())
+        {
+            return Err(Error::overflow(format!(
+                "the first token of sequence page {bad}"
+            )));
+        }
+        check_distinct(section.entries.iter().map(|&(_, p)| p), "sequence page")?;
+    }
+    Ok(())
+}
+
+/// Pairs: the latent section's components, then the state section's, every stored layer;
+/// the destinations' bases of each pair, rank by rank; how many pairs are the latent section's.
+fn pairs_of(
+    src: &dyn BlockSpace,
+    dsts: &[&dyn BlockSpace],
+    kv: &ScatterSection,
+    state: &ScatterSection,
+) -> Result<(Vec<abi::kvs_decode_pair>, Vec<u64>, usize)> {
+    let mut pairs = Vec::new();
+    let mut dst_bases = Vec::new();
+    let mut kv_pairs = 0;
+    let mut moved = Vec::new();
+    for (section, is_kv) in [(kv, true), (state, false)] {
+        for &component in &section.components {
+            if moved.contains(&component) {
+                return Err(Error::InvalidArgument(format!(
+                    "a scatter moves {component} twice"
+                )));
+            }
+            moved.push(component);
+            let c = src.component_index(component)?;
+            for layer in 0..src.layer_count(c) {
+                pairs.push(abi::kvs_decode_pair {
+                    src: src.base(c, layer),
+                    component: c as u32,
+                    reserved: 0,
+                });
+                dst_bases.extend(dsts.iter().map(|d| d.base(c, layer)));
+                kv_pairs += usize::from(is_kv);
+            }
+        }
+    }
+    u32::try_from(pairs.len())
+        .map_err(|_| Error::overflow(format!("{} scatter pairs", pairs.len())))?;
+    Ok((pairs, dst_bases, kv_pairs))
+}
+
+/// Decode rank `d`'s pages (`limit` in its pool): in the pool, distinct, and covering every
+/// row a token of the sections can land on (up to `reach`, of the sections `used`).
+fn check_rank(
+    layout: DecodeLayout,
+    d: u32,
+    rank: &ScatterRank,
+    limit: u64,
+    reach: (u64, u64),
+    used: (bool, bool),
+) -> Result<(Vec<LocalPage>, Vec<LocalPage>, u64)> {
+    for (what, pages, reach, used) in [
+        ("destination page", &rank.pages, reach.0, used.0),
+        ("destination state page", &rank.state_pages, reach.1, used.1),
+    ] {
+        if let Some(bad) = pages.iter().find(|p| p.0 >= limit) {
+            return Err(Error::OutOfRange {
+                what: "decode rank page",
+                index: i64::try_from(bad.0).unwrap_or(i64::MAX),
+                limit,
+            });
+        }
+        check_distinct(pages.iter().map(|p| p.0), what)?;
+        let needed = if used { layout.pages_on(d, reach) } else { 0 };
+        if (pages.len() as u64) < needed {
+            return Err(Error::InvalidArgument(format!(
+                "decode rank {d} registered {} {what}s; tokens up to {reach} need {needed} on it",
+                pages.len()
+            )));
+        }
+    }
+    // One bound (the descriptor's num_pages) serves both lists.
+    if !rank.pages.is_empty()
+        && !rank.state_pages.is_empty()
+        && rank.pages.len() != rank.state_pages.len()
+    {
+        return Err(Error::InvalidArgument(format!(
+            "decode rank {d} registered {} pages and {} state pages",
+            rank.pages.len(),
+            rank.state_pages.len()
+        )));
+    }
+    Ok((rank.pages.clone(), rank.state_pages.clone(), limit))
+}
+
 impl DecodeScatterPlan {
     /// Plans scattering `kv` and `state` from `src` into `dsts` (one destination per rank of
     /// `layout`, `ranks` their pages), the rows of tokens below `end_token` (at most
@@ -135,117 +264,23 @@ impl DecodeScatterPlan {
             });
         }
         let layouts = src.components();
-        for dst in dsts {
-            check_same_components(layouts, dst.components())?;
-        }
-        let mut components = Vec::with_capacity(layouts.len());
-        for (c, l) in layouts.iter().enumerate() {
-            let packed = l.packed_side();
-            if src.side(c) != packed || dsts.iter().any(|d| d.side(c) != packed) {
-                return Err(Error::InvalidArgument(format!(
-                    "a decode scatter moves packed blocks; a side strides {} otherwise",
-                    l.component
-                )));
-            }
-            components.push(row_format(l)?);
-        }
-        // Every section's entries: in the source, sequence pages distinct and addressable.
+        let components = row_formats(src, dsts)?;
         let src_limit = src.pages();
-        for section in [&kv, &state] {
-            if let Some(&(bad, _)) = section.entries.iter().find(|(p, _)| p.0 >= src_limit) {
-                return Err(Error::OutOfRange {
-                    what: "scatter source page",
-                    index: i64::try_from(bad.0).unwrap_or(i64::MAX),
-                    limit: src_limit,
-                });
-            }
-            if let Some(&(_, bad)) = section
-                .entries
-                .iter()
-                .find(|(_, p)| p.checked_mul(PAGE).is_none())
-            {
-                return Err(Error::overflow(format!(
-                    "the first token of sequence page {bad}"
-                )));
-            }
-            check_distinct(section.entries.iter().map(|&(_, p)| p), "sequence page")?;
-        }
-        // Pairs: the latent section's components, then the state section's, every stored layer.
-        let mut pairs = Vec::new();
-        let mut dst_bases = Vec::new();
-        let mut kv_pairs = 0;
-        let mut moved = Vec::new();
-        for (section, is_kv) in [(&kv, true), (&state, false)] {
-            for &component in &section.components {
-                if moved.contains(&component) {
-                    return Err(Error::InvalidArgument(format!(
-                        "a scatter moves {component} twice"
-                    )));
-                }
-                moved.push(component);
-                let c = src.component_index(component)?;
-                for layer in 0..src.layer_count(c) {
-                    pairs.push(abi::kvs_decode_pair {
-                        src: src.base(c, layer),
-                        component: c as u32,
-                        reserved: 0,
-                    });
-                    dst_bases.extend(dsts.iter().map(|d| d.base(c, layer)));
-                    kv_pairs += usize::from(is_kv);
-                }
-            }
-        }
-        u32::try_from(pairs.len())
-            .map_err(|_| Error::overflow(format!("{} scatter pairs", pairs.len())))?;
-        // Every rank's pages: in its pool, distinct, and covering every row a token of the
-        // sections can land on.
+        check_entries(src_limit, [&kv, &state])?;
+        let (pairs, dst_bases, kv_pairs) = pairs_of(src, dsts, &kv, &state)?;
         let (kv_rows, kv_reach) = reach(&kv.entries, end_token);
         let (state_rows, state_reach) = reach(&state.entries, end_token);
         let mut rank_pages = Vec::with_capacity(m);
         for (d, (rank, dst)) in (0u32..).zip(ranks.iter().zip(dsts)) {
-            let limit = dst.pages();
-            for (what, pages, reach, used) in [
-                (
-                    "destination page",
-                    &rank.pages,
-                    kv_reach,
-                    !kv.components.is_empty(),
-                ),
-                (
-                    "destination state page",
-                    &rank.state_pages,
-                    state_reach,
-                    !state.components.is_empty(),
-                ),
-            ] {
-                if let Some(bad) = pages.iter().find(|p| p.0 >= limit) {
-                    return Err(Error::OutOfRange {
-                        what: "decode rank page",
-                        index: i64::try_from(bad.0).unwrap_or(i64::MAX),
-                        limit,
-                    });
-                }
-                check_distinct(pages.iter().map(|p| p.0), what)?;
-                let needed = if used { layout.pages_on(d, reach) } else { 0 };
-                if (pages.len() as u64) < needed {
-                    return Err(Error::InvalidArgument(format!(
-                        "decode rank {d} registered {} {what}s; tokens up to {reach} need {needed} on it",
-                        pages.len()
-                    )));
-                }
-            }
-            // One bound (the descriptor's num_pages) serves both lists.
-            if !rank.pages.is_empty()
-                && !rank.state_pages.is_empty()
-                && rank.pages.len() != rank.state_pages.len()
-            {
-                return Err(Error::InvalidArgument(format!(
-                    "decode rank {d} registered {} pages and {} state pages",
-                    rank.pages.len(),
-                    rank.state_pages.len()
-                )));
-            }
-            rank_pages.push((rank.pages.clone(), rank.state_pages.clone(), limit));
+            let used = (!kv.components.is_empty(), !state.components.is_empty());
+            rank_pages.push(check_rank(
+                layout,
+                d,
+                rank,
+                dst.pages(),
+                (kv_reach, state_reach),
+                used,
+            )?);
         }
         check_disjoint(dsts)?;
         let row_bytes = |section: &ScatterSection| -> u64 {
