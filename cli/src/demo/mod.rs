@@ -259,6 +259,37 @@ pub(crate) fn write_through_controllers(
         .collect()
 }
 
+/// Sends `ranks`' chain P/D to a fresh unsharded decode pool and the unsharded `reference`'s
+/// to another, and checks the two byte for byte: what the ranks moved, the decode pool's
+/// bytes, and the milliseconds the check took.
+fn send_checked(
+    b: &Arc<dyn Backend>,
+    ranks: (&[Arc<DevicePool>], &RequestChain),
+    reference: (&Arc<DevicePool>, &RequestChain),
+    shape: &SendShape<'_>,
+) -> Result<(Moved, Vec<u8>, f64)> {
+    let bk = b.as_ref();
+    let (decode, decode_space) = decode_pool(bk, shape.geometry, shape.tokens)?;
+    let (expected, expected_space) = decode_pool(bk, shape.geometry, shape.tokens)?;
+    let sent = send_all(b, ranks.0, ranks.1, &decode_space, shape)?;
+    send_all(
+        b,
+        std::slice::from_ref(reference.0),
+        reference.1,
+        &expected_space,
+        shape,
+    )?;
+    let check = Instant::now();
+    let want = expected.snapshot_sync(bk)?;
+    if decode.snapshot_sync(bk)? != want {
+        return Err(Error::Transfer {
+            request: 1,
+            reason: "decode pool differs from what an unsharded prefill sends".into(),
+        });
+    }
+    Ok((sent, want, check.elapsed().as_secs_f64() * 1e3))
+}
+
 /// A forward pass's output for a chunk of `n` tokens in `staging`: random bytes in every
 /// layer, FP8-quantized random rows in layer 0.
 fn forward_pass(
@@ -454,28 +485,12 @@ pub fn run(
         tokens: cfg.tokens,
         chunk: cfg.chunk,
     };
-    let (decode, decode_space) = decode_pool(bk, &g, cfg.tokens)?;
-    let (expected, expected_space) = decode_pool(bk, &g, cfg.tokens)?;
-    let sent = send_all(&b, &ranks, &chain, &decode_space, &shape)?;
-    send_all(
-        &b,
-        std::slice::from_ref(&reference),
-        &ref_chain,
-        &expected_space,
-        &shape,
-    )?;
-    let check = Instant::now();
-    let want = expected.snapshot_sync(bk)?;
-    if decode.snapshot_sync(bk)? != want {
-        return Err(Error::Transfer {
-            request: 1,
-            reason: "decode pool differs from what an unsharded prefill sends".into(),
-        });
-    }
+    let (sent, want, check_ms) =
+        send_checked(&b, (&ranks, &chain), (&reference, &ref_chain), &shape)?;
     out.say(format!(
         "P/D: {} ranks sent {sent}; decode pool byte-identical to the unsharded reference (verified in {:.1} ms)",
         cfg.shape.ranks,
-        check.elapsed().as_secs_f64() * 1e3
+        check_ms
     ));
 
     // 4: HiCache: write-through backups, eviction, reload into new pages, resend.
