@@ -7,7 +7,7 @@ mod common;
 
 use std::fs;
 
-use common::source::{blanked, files, functions, root, without_tests, Function};
+use common::source::{blanked, files, functions, python_functions, root, without_tests, Function};
 
 /// What blocks the calling thread, as it reads in a function's body: a `_sync` call (of
 /// kvshard, cudarc or the storage tier), a stream's or event's `synchronize`, the CPU twin's
@@ -169,7 +169,9 @@ fn every_call_that_can_block_is_named_sync_and_every_sync_call_can() {
             .iter()
             .any(|(_, f)| f.name == name && wait_in(&f.body).is_some())
         {
-            wrong.push(format!("src/{file} `{name}` is listed but no longer waits: unlist it"));
+            wrong.push(format!(
+                "src/{file} `{name}` is listed but no longer waits: unlist it"
+            ));
         }
         if callers == Callers::Sync {
             for (_, f) in in_file {
@@ -196,8 +198,140 @@ fn the_wait_check_sees_waits_and_names() {
     let code = blanked("pub fn a() { b.synchronize()?; } fn c() { \"x.join()\"; }");
     let fns = functions(&code);
     assert_eq!(wait_in(&fns[0].body), Some(".synchronize("));
-    assert_eq!(wait_in(&fns[1].body), None, "a wait inside a string is no wait");
+    assert_eq!(
+        wait_in(&fns[1].body),
+        None,
+        "a wait inside a string is no wait"
+    );
     assert!(named_blocking("read_sync") && named_blocking("synchronize"));
     assert!(!named_blocking("sync_counts"));
     assert!(calls("{ self.drain()?; }", "drain") && !calls("{ x.undrain(); }", "drain"));
+}
+
+/// Most lines a file may have.
+const FILE_LINES: usize = 800;
+/// Most lines a function may have, from its `fn` (or `def`) to its end.
+const FUNCTION_LINES: usize = 120;
+
+/// The folders held to the lengths, from the repository's root, and the files of them.
+const SHORT: &[(&str, &[&str])] = &[
+    ("src", &[".rs"]),
+    ("cli/src", &[".rs"]),
+    ("cli/benches", &[".rs"]),
+    ("python/src", &[".rs"]),
+    ("python/kvshard", &[".py", ".pyi"]),
+];
+
+/// Paths (from the root; a folder ends in `/`) not held to the lengths, or `path:function`
+/// for one function, each with why. Keep this short: split a file by job, a function by step.
+const LONG: &[(&str, &str)] = &[
+    (
+        "python/kvshard/_kvshard.pyi",
+        "the extension's whole typed surface in the one stub file stubtest and mypy read",
+    ),
+    (
+        "cli/src/pd/",
+        "another branch's work in progress (P/D across processes): to split there",
+    ),
+    (
+        "cli/src/demo/pressure/",
+        "another branch's work in progress (the pressure demo): to split there",
+    ),
+    (
+        "cli/src/demo/pressure.rs",
+        "another branch's work in progress (the pressure demo): to split there",
+    ),
+    (
+        "src/pool/disk/",
+        "another branch's work in progress (the storage tier): to split there",
+    ),
+    (
+        "src/transfer/nixl/",
+        "another branch's work in progress (NIXL): to split there",
+    ),
+    (
+        "cli/benches/gpu/pd.rs:run",
+        "the P/D bench section's cases and rows: to split",
+    ),
+    (
+        "cli/benches/gpu/dcp.rs:case",
+        "the DCP bench section's case: to split",
+    ),
+    (
+        "cli/benches/gpu/dcp.rs:alternative",
+        "the DCP bench's gather-then-copy row: to split",
+    ),
+    (
+        "cli/benches/gpu/interference.rs:run",
+        "the interference bench section: to split",
+    ),
+    (
+        "cli/benches/gpu/pool.rs:copies",
+        "the pool bench's copy rows: to split",
+    ),
+];
+
+#[test]
+fn no_file_over_800_lines_and_no_function_over_120() {
+    let mut wrong = Vec::new();
+    let mut listed_used = vec![false; LONG.len()];
+    for (dir, exts) in SHORT {
+        for ext in *exts {
+            for path in files(&root().join(dir), ext) {
+                let rel = path.strip_prefix(root()).expect("under the root");
+                let rel = rel.to_string_lossy().into_owned();
+                if let Some(k) = LONG
+                    .iter()
+                    .position(|(p, _)| !p.contains(':') && rel.starts_with(p))
+                {
+                    listed_used[k] = true;
+                    continue;
+                }
+                let text = fs::read_to_string(&path).expect("a readable source");
+                let lines = text.lines().count();
+                if lines > FILE_LINES {
+                    wrong.push(format!("{rel}: {lines} lines (at most {FILE_LINES})"));
+                }
+                let long: Vec<(String, usize, usize)> = if *ext == ".rs" {
+                    functions(&blanked(&text))
+                        .into_iter()
+                        .map(|f| (f.name, f.line, f.lines))
+                        .collect()
+                } else {
+                    python_functions(&text)
+                };
+                for (name, line, n) in long {
+                    let listed = LONG.iter().position(|(p, _)| *p == format!("{rel}:{name}"));
+                    if let (Some(k), true) = (listed, n > FUNCTION_LINES) {
+                        listed_used[k] = true;
+                    }
+                    if n > FUNCTION_LINES && listed.is_none() {
+                        wrong.push(format!(
+                            "{rel}:{line} `{name}`: {n} lines (at most {FUNCTION_LINES})"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    for (k, (path, _)) in LONG.iter().enumerate() {
+        if !listed_used[k] {
+            wrong.push(format!(
+                "{path} is listed as long but is gone or short: unlist it"
+            ));
+        }
+    }
+    assert!(wrong.is_empty(), "too long:\n{}", wrong.join("\n"));
+}
+
+#[test]
+fn the_length_check_counts_a_function_to_its_end() {
+    let rust = functions(&blanked("fn a() {\n    let s = \"}\";\n}\nfn b();\n"));
+    assert_eq!(
+        (rust.len(), rust[0].lines),
+        (1, 3),
+        "a brace in a string ends nothing"
+    );
+    let python = python_functions("def f(x):\n    y = (\n  1)\n    return y\n\nz = 1\n");
+    assert_eq!(python, vec![("f".to_string(), 1, 4)]);
 }
