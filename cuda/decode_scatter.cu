@@ -230,8 +230,10 @@ __device__ __forceinline__ void scatter_pages(const kvs_decode_scatter_params& p
                                  : indexer      ? w.valid * KEY_VECTORS
                                                 : w.valid * (w.c.row_bytes / 16);
         warp_run(w.src, dst, vectors);
-        if (indexer && w.valid < ROWS && lane < w.valid) {
-            const uint64_t scale = KVS_INDEXER_SCALES_OFFSET + 4ull * lane;
+        // A lane moves the scales of rows lane and lane + 32 (a page has 64 rows, a warp 32
+        // lanes).
+        for (uint32_t o = lane; indexer && w.valid < ROWS && o < w.valid; o += 32) {
+            const uint64_t scale = KVS_INDEXER_SCALES_OFFSET + 4ull * o;
             *reinterpret_cast<float*>(dst + scale) = *reinterpret_cast<const float*>(w.src + scale);
         }
     }

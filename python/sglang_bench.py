@@ -317,11 +317,13 @@ def sglang_host_pools(target, draft, target_ix, draft_ix, layout, skip, dev, pin
     rows = target[0].shape[0]
 
     def info(buffers, ids):
+        # SGLang's own pool passes its pointer table's device (`cuda:0`, not `cuda`): validate()
+        # compares it with each buffer's device exactly.
+        ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64, device=dev)
         return info_mod.MLABufferInfo(
-            buffers=tuple(buffers),
-            data_ptrs=torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64, device=dev),
+            buffers=tuple(buffers), data_ptrs=ptrs,
             layer_indices=tuple(ids), device_layer_num=len(ids), page_size=PAGE, kv_lora_rank=512,
-            qk_rope_head_dim=64, kv_cache_dim=ROW, dtype=torch.uint8, device=torch.device(dev), packed_fp8=True,
+            qk_rope_head_dim=64, kv_cache_dim=ROW, dtype=torch.uint8, device=ptrs.device, packed_fp8=True,
         )
 
     kv = mla.MLATokenToKVPoolHost(

@@ -32,8 +32,19 @@ site="$work/stage/site"
 mkdir -p "$site/mooncake" "$site/mooncake_transfer_engine_cuda13.libs" "$work/stage/sys"
 for f in __init__.py engine.so libasio.so libetcd_wrapper.so; do cp "$work/wheel/mooncake/$f" "$site/mooncake/"; done
 libs="$work/wheel/mooncake_transfer_engine_cuda13.libs"
+# libmlx5 (which engine.so names) comes from ibverbs-providers, unpacked under target/ rather
+# than installed: installed, its providers sit beside the libnl that NIXL's bundled UCX also
+# carries, and every NIXL process of this machine then crashes at exit in libnl's destructor.
+providers="$cache/ibverbs-providers"
+if ! ldconfig -p | grep -q 'libmlx5\.so\.1 '; then
+  if [ ! -d "$providers/usr" ]; then
+    mkdir -p "$providers"
+    (cd "$providers" && apt-get download ibverbs-providers >/dev/null && dpkg -x ibverbs-providers_*.deb .)
+  fi
+  extra="$(realpath "$providers")/usr/lib/x86_64-linux-gnu"
+fi
 # Every library engine.so loads, resolved here: the wheel's go to site/, the system's to sys/.
-LD_LIBRARY_PATH="$CUDA_HOME/lib" ldd "$work/wheel/mooncake/engine.so" | awk '/=>/ && $3 ~ /^\// {print $3}' |
+LD_LIBRARY_PATH="$CUDA_HOME/lib${extra:+:$extra}" ldd "$work/wheel/mooncake/engine.so" | awk '/=>/ && $3 ~ /^\// {print $3}' |
   while read -r link; do
     lib="$(realpath "$link")"
     case "$(basename "$link")" in
@@ -49,8 +60,8 @@ LD_LIBRARY_PATH="$CUDA_HOME/lib" ldd "$work/wheel/mooncake/engine.so" | awk '/=>
         ;;
     esac
   done
-[ -f "$work/stage/sys/libibverbs.so.1" ] || { echo "stage-mooncake: install libibverbs1, ibverbs-providers, libnuma1, libcurl4 here first" >&2; exit 1; }
-[ -f "$work/stage/sys/libmlx5.so.1" ] || { echo "stage-mooncake: install ibverbs-providers (libmlx5) here first" >&2; exit 1; }
+[ -f "$work/stage/sys/libibverbs.so.1" ] || { echo "stage-mooncake: install libibverbs1, libnuma1, libcurl4 here first" >&2; exit 1; }
+[ -f "$work/stage/sys/libmlx5.so.1" ] || { echo "stage-mooncake: libmlx5 was not found (apt-get download ibverbs-providers failed?)" >&2; exit 1; }
 strip --strip-unneeded "$work"/stage/sys/* 2>/dev/null || true
 mkdir -p "$(dirname "$out")"
 tar -C "$work/stage" -cJf "$out" site sys

@@ -56,8 +56,6 @@ const WAITING_HELPERS: &[(&str, &str, Callers, &str)] = &[
      "the wait of ack_backups_sync and ack_loads_sync"),
     ("gpu/memory.rs", "new", Callers::Any,
      "cudarc's malloc_sync is plain cuMemAlloc (not stream-ordered): it waits for no stream"),
-    ("gpu/memory.rs", "drop", Callers::Any,
-     "cuMemFree, run on the reaper thread (design.md: no free waits on the dropping thread)"),
     ("gpu/mempool.rs", "alloc", Callers::Any,
      "waits on the pool's own stream, which holds this allocation alone (design.md)"),
     ("gpu/reaper.rs", "run", Callers::Any, "the reaper thread's own loop"),

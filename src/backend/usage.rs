@@ -452,7 +452,8 @@ pub fn pending_frees() -> usize {
 
 /// Waits until the memory dropped so far while work on a GPU used it is freed (that work
 /// completed, then the free done, on the reaper thread where it goes there), then hands what
-/// kvshard's stream-ordered pools hold beyond their allocations back to the device: for a
+/// kvshard's stream-ordered pools hold beyond their allocations, and the `cuMemAlloc` and
+/// pinned host blocks kept for reuse (`gpu::cached_bytes`), back to the driver: for a
 /// caller that needs the memory of dropped objects back (to allocate as much again, or to free
 /// or register again host memory kvshard registered). Memory parked behind work of the CPU
 /// twin is not waited for: that work runs only when its stream is waited for. Refused with
@@ -469,6 +470,7 @@ pub fn wait_for_frees_sync(timeout: Duration) -> Result<()> {
             // more (a free that lets go of another usage), so look again once it is done.
             let far = || start + Duration::from_secs(100 * 365 * 24 * 3600);
             if reaper::wait_idle(deadline.unwrap_or_else(far)) && gpu_parked() == 0 {
+                crate::gpu::memory::release_sync();
                 return mempool::trim_all_sync();
             }
         }

@@ -2,7 +2,7 @@
 //! unit into the u32 counter of the pair's model layer, so one launch can publish each layer's
 //! completion on its own, and a consumer stream waits for one layer with no host involvement.
 
-use crate::backend::{kept, Backend, Buffer, Event, MemoryKind};
+use crate::backend::{kept, Backend, Buffer, Event};
 use crate::error::{Checked, Error, Result};
 use crate::index::ModelLayer;
 
@@ -37,8 +37,10 @@ impl LayerSignals {
                 memory: "host",
             })?;
         targets.resize(model_layers, 0);
-        let counters = backend.alloc(bytes, MemoryKind::Device)?;
-        // Zeroed on the device (no host copy of the counters' size).
+        // `cuMemAlloc` memory: stream memory operations (`cuStreamWaitValue32`, the
+        // consumer's wait) refuse memory of a stream-ordered pool (invalid argument, H200).
+        let counters = backend.alloc_registrable(bytes)?;
+        // Zeroed on the device (no host copy of the counters' size), not waited for.
         backend.fill(&counters, 0)?;
         let zeroed = backend.record()?;
         Ok(Self {

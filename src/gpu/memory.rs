@@ -9,10 +9,13 @@
 //!   what `Backend::alloc` hands out) goes back with `cuMemFreeAsync` on the pool's own stream,
 //!   which waits for nothing (`super::mempool`);
 //! - `cuMemAlloc` memory ([`DeviceAllocation::new`]: what legacy IPC, UCX and GPUDirect
-//!   register), pinned host memory (`cuMemFreeHost`) and registrations of the engine's host
-//!   memory (`cuMemHostUnregister`) are freed on kvshard's reaper thread (`super::reaper`): the
-//!   driver may make those calls wait for the whole device, and the caller's drop returns at
-//!   once.
+//!   register) and pinned host memory (`cuMemHostAlloc`) go to kvshard's cache for reuse
+//!   (`super::reuse`): their driver frees may wait for the whole device and hold every other
+//!   thread's CUDA calls meanwhile, so they are made only by calls named `_sync`;
+//! - registrations of the engine's host memory (`cuMemHostUnregister`: the engine frees that
+//!   memory afterwards, so it cannot wait in a cache) are undone on kvshard's reaper thread
+//!   (`super::reaper`): the caller's drop returns at once, though the driver may hold other
+//!   threads' CUDA calls while the unregistration waits for the device.
 //!
 //! Host memory the GPU reads or writes directly is addressed through its *device alias*, which
 //! the driver gives (`cuMemHostGetDevicePointer`); kvshard never assumes it equals the host
@@ -26,11 +29,12 @@ use cudarc::driver::{result, sys, CudaContext};
 
 use super::mempool::MemPool;
 use super::reaper;
+use super::reuse::{self, Block, Kind};
 use crate::error::{Error, Result};
 use crate::lock::lock;
 
-/// A device allocation, freed on drop without waiting: from kvshard's stream-ordered pool, or
-/// from `cuMemAlloc` (freed on the reaper thread). Nothing waits for work using it at the drop:
+/// A device allocation, given up on drop without waiting: from kvshard's stream-ordered pool
+/// (freed with `cuMemFreeAsync`), or from `cuMemAlloc` (kept for reuse, `super::reuse`). Nothing waits for work using it at the drop:
 /// that work must have completed (what every `unsafe` call handed its address promises;
 /// kvshard's own buffers drop theirs only then).
 #[derive(Debug)]
@@ -44,15 +48,33 @@ pub struct DeviceAllocation {
 
 impl DeviceAllocation {
     /// Allocates `len` bytes (at least one) of device memory with `cuMemAlloc`, 256-byte
-    /// aligned: memory legacy CUDA IPC can share and UCX or GPUDirect can register. Its free
-    /// may wait for the whole device (the driver's choice): it runs on kvshard's reaper
-    /// thread, never the dropping one.
+    /// aligned: memory legacy CUDA IPC can share and UCX or GPUDirect can register. A block
+    /// of it given up earlier is reused when one fits (`super::reuse`); dropped, it goes back
+    /// there, since its driver free may wait for the whole device.
     pub fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
+        let len = len.max(1);
+        if let Some(b) = reuse::take(Kind::Device, ctx.cu_ctx() as usize, len) {
+            return Ok(Self {
+                ctx: ctx.clone(),
+                ptr: b.device,
+                len: b.len,
+                pool: None,
+            });
+        }
         ctx.bind_to_thread()
             .map_err(Error::driver("cuCtxSetCurrent"))?;
-        // SAFETY: plain allocation in the current context; freed exactly once in Drop.
-        let ptr =
-            unsafe { result::malloc_sync(len.max(1)) }.map_err(Error::driver("cuMemAlloc"))?;
+        // SAFETY: plain allocation in the current context; freed once, by `reuse` callers.
+        let ptr = match unsafe { result::malloc_sync(len) } {
+            Ok(ptr) => ptr,
+            // The device is full: the cached blocks go back to the driver, then once more.
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY && release_sync() > 0 => {
+                ctx.bind_to_thread()
+                    .map_err(Error::driver("cuCtxSetCurrent"))?;
+                // SAFETY: as above.
+                unsafe { result::malloc_sync(len) }.map_err(Error::driver("cuMemAlloc"))?
+            }
+            Err(e) => return Err(Error::driver("cuMemAlloc")(e)),
+        };
         Ok(Self {
             ctx: ctx.clone(),
             ptr,
@@ -101,22 +123,21 @@ impl Drop for DeviceAllocation {
             // SAFETY: allocated from this pool, freed once; the work queued on it has completed
             // (its usage record drops it only then, see the module docs).
             Some(pool) => unsafe { pool.free(ptr) },
-            None => {
-                let ctx = self.ctx.clone();
-                reaper::defer(move || {
-                    if ctx.bind_to_thread().is_ok() {
-                        // SAFETY: allocated by cuMemAlloc in this context and freed once; the
-                        // work queued on it has completed (see the module docs).
-                        let _ = unsafe { result::free_sync(ptr) };
-                    }
-                });
-            }
+            // The work queued on it has completed (see the module docs): kept for reuse.
+            None => reuse::keep(Block {
+                kind: Kind::Device,
+                ctx: self.ctx.cu_ctx() as usize,
+                context: Some(self.ctx.clone()),
+                len: self.len,
+                host: 0,
+                device: ptr,
+            }),
         }
     }
 }
 
-/// Pinned, device-mapped host memory from `cuMemHostAlloc`, freed on drop, on kvshard's reaper
-/// thread (work using it must have completed, as for [`DeviceAllocation`]).
+/// Pinned, device-mapped host memory from `cuMemHostAlloc`, kept for reuse when dropped
+/// (`super::reuse`; work using it must have completed, as for [`DeviceAllocation`]).
 #[derive(Debug)]
 pub struct PinnedAllocation {
     ctx: Arc<CudaContext>,
@@ -137,12 +158,31 @@ impl PinnedAllocation {
     /// The pages are allocated by the thread that calls this, so Linux's first-touch policy
     /// places them on that thread's NUMA node: call it from a thread bound to the GPU's node.
     pub fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
+        let len = len.max(1);
+        if let Some(b) = reuse::take(Kind::PinnedHost, ctx.cu_ctx() as usize, len) {
+            return Ok(Self {
+                ctx: ctx.clone(),
+                host: b.host as *mut u8,
+                device: b.device,
+                len: b.len,
+            });
+        }
         ctx.bind_to_thread()
             .map_err(Error::driver("cuCtxSetCurrent"))?;
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
-        // SAFETY: allocation with valid flags; freed exactly once in Drop.
-        let host = unsafe { result::malloc_host(len.max(1), flags) }
-            .map_err(Error::driver("cuMemHostAlloc"))?;
+        // SAFETY: allocation with valid flags; freed once, by `reuse` callers.
+        let host = match unsafe { result::malloc_host(len, flags) } {
+            Ok(host) => host,
+            // The host is out of pinnable memory: the cached blocks go back, then once more.
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY && release_sync() > 0 => {
+                ctx.bind_to_thread()
+                    .map_err(Error::driver("cuCtxSetCurrent"))?;
+                // SAFETY: as above.
+                unsafe { result::malloc_host(len, flags) }
+                    .map_err(Error::driver("cuMemHostAlloc"))?
+            }
+            Err(e) => return Err(Error::driver("cuMemHostAlloc")(e)),
+        };
         let mut device = 0;
         // SAFETY: `host` is a live mapped allocation; the driver writes the alias to `device`.
         let alias = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) }.result();
@@ -182,15 +222,36 @@ impl PinnedAllocation {
 
 impl Drop for PinnedAllocation {
     fn drop(&mut self) {
-        let (ctx, host) = (self.ctx.clone(), self.host as usize);
-        reaper::defer(move || {
-            if ctx.bind_to_thread().is_ok() {
-                // SAFETY: allocated by cuMemHostAlloc and freed once; the work queued on it has
-                // completed (its usage record drops it only then, see the module docs).
-                let _ = unsafe { result::free_host(host as *mut std::ffi::c_void) };
-            }
+        // The work queued on it has completed (see the module docs): kept for reuse.
+        reuse::keep(Block {
+            kind: Kind::PinnedHost,
+            ctx: self.ctx.cu_ctx() as usize,
+            context: Some(self.ctx.clone()),
+            len: self.len,
+            host: self.host as usize,
+            device: self.device,
         });
     }
+}
+
+/// Gives every block kvshard's cache holds (`super::reuse`) back to the driver, on this thread:
+/// each free may wait for the whole device. Returns how many were freed.
+pub(crate) fn release_sync() -> usize {
+    let blocks = reuse::take_all();
+    for b in &blocks {
+        let Some(ctx) = &b.context else { continue };
+        if ctx.bind_to_thread().is_err() {
+            continue;
+        }
+        match b.kind {
+            // SAFETY: allocated by cuMemAlloc in this context, given up (its work completed)
+            // and taken out of the cache: freed exactly once.
+            Kind::Device => drop(unsafe { result::free_sync(b.device) }),
+            // SAFETY: allocated by cuMemHostAlloc, given up and taken out of the cache.
+            Kind::PinnedHost => drop(unsafe { result::free_host(b.host as *mut std::ffi::c_void) }),
+        }
+    }
+    blocks.len()
 }
 
 /// Device-alias ranges `[start, end)` of every live registration chunk, by start. The driver
