@@ -252,20 +252,8 @@ const LONG: &[(&str, &str)] = &[
         "the P/D bench section's cases and rows: to split",
     ),
     (
-        "cli/benches/gpu/dcp.rs:case",
-        "the DCP bench section's case: to split",
-    ),
-    (
-        "cli/benches/gpu/dcp.rs:alternative",
-        "the DCP bench's gather-then-copy row: to split",
-    ),
-    (
         "cli/benches/gpu/interference.rs:run",
         "the interference bench section: to split",
-    ),
-    (
-        "cli/benches/gpu/pool.rs:copies",
-        "the pool bench's copy rows: to split",
     ),
 ];
 

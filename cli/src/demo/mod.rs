@@ -359,7 +359,7 @@ fn hicache_round_trip(
     }
     chain.free(alloc)?;
     let pages = alloc.alloc_matching(&node.device_pages)?;
-    let reloaded = RequestChain::cached(&alloc, chain.start_owner().unwrap_or(0), pages)?;
+    let reloaded = RequestChain::cached(alloc, chain.start_owner().unwrap_or(0), pages)?;
     let ms = on_all_ranks(bk, &mut controllers, |s| &s.load, &mut |c, start| {
         let handle = c.load(node.id, reloaded.pages()?, Some(start), route)?;
         handle.wait_layer(bk, ModelLayer(0))
