@@ -251,10 +251,6 @@ const LONG: &[(&str, &str)] = &[
         "cli/benches/gpu/pd.rs:run",
         "the P/D bench section's cases and rows: to split",
     ),
-    (
-        "cli/benches/gpu/interference.rs:run",
-        "the interference bench section: to split",
-    ),
 ];
 
 #[test]
