@@ -2684,8 +2684,7 @@ fn readiness(loader: Loader, layout: HostLayout) -> Readiness {
                 HostTransfer::new(pool.clone(), host.clone(), plan, Direction::Load).unwrap();
             t.prepare_kernel_sync(streams.tables.as_ref(), &mut Vec::new())
                 .unwrap();
-            let mut signals =
-                LayerSignals::new(streams.tables.as_ref(), g.model_layers()).unwrap();
+            let mut signals = LayerSignals::new(streams.tables.as_ref(), g.model_layers()).unwrap();
             let waits = t
                 .run_signalled(load, Launch::host_io(load, 2), &mut signals)
                 .unwrap();

@@ -115,10 +115,22 @@ mod tests {
         // Too small, too large (past twice plus the slack), another kind, another context.
         assert!(take(Kind::Device, ctx, 100 << 20).is_none());
         assert!(take(Kind::Device, ctx, 1 << 20).is_none());
-        assert_eq!(take(Kind::Device, ctx, 4 << 20).map(|b| b.len), Some(8 << 20));
-        assert_eq!(take(Kind::Device, ctx, 40 << 20).map(|b| b.len), Some(64 << 20));
+        assert_eq!(
+            take(Kind::Device, ctx, 4 << 20).map(|b| b.len),
+            Some(8 << 20)
+        );
+        assert_eq!(
+            take(Kind::Device, ctx, 40 << 20).map(|b| b.len),
+            Some(64 << 20)
+        );
         assert!(take(Kind::Device, ctx, 40 << 20).is_none());
-        assert_eq!(take(Kind::PinnedHost, ctx, 3 << 20).map(|b| b.len), Some(4 << 20));
-        assert_eq!(take(Kind::Device, ctx + 1, 4 << 20).map(|b| b.len), Some(4 << 20));
+        assert_eq!(
+            take(Kind::PinnedHost, ctx, 3 << 20).map(|b| b.len),
+            Some(4 << 20)
+        );
+        assert_eq!(
+            take(Kind::Device, ctx + 1, 4 << 20).map(|b| b.len),
+            Some(4 << 20)
+        );
     }
 }
