@@ -19,6 +19,7 @@
 //! as DeepSeek-V3.2 (61 layers and its MTP draft), held to zero host waits per chunk and none
 //! outside its `_sync` calls.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -436,18 +437,17 @@ impl<'a> Engine<'a> {
             for c in g.components() {
                 for (s, layer) in c.model_layers.iter().enumerate() {
                     let key = (c.component, StoredLayer(s), page);
-                    if !blocks.contains_key(&key) {
-                        let got = counted(&mut self.in_sync, || {
+                    let block = match blocks.entry(key) {
+                        Entry::Occupied(read) => read.into_mut(),
+                        Entry::Vacant(unread) => unread.insert(counted(&mut self.in_sync, || {
                             self.decode.read_block_sync(
                                 self.decode_stream.as_ref(),
                                 c.component,
                                 StoredLayer(s),
                                 LocalPage(page.0),
                             )
-                        })?;
-                        blocks.insert(key, got);
-                    }
-                    let block = &blocks[&key];
+                        })?),
+                    };
                     let (got, want) = if c.component.is_indexer() {
                         // A page-major block: 64 tokens' key codes, then their 64 f32 scales.
                         let keys = forward(origin(t), layer.0, t, INDEXER_INPUT_ROW_BYTES / 2);
