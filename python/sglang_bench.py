@@ -450,6 +450,16 @@ def host_section(args, clock, rows_out, checks):
                 clock.sync()
                 del ours, adapter
                 gc.collect()
+            # SGLang's host pools registered their buffers with cudaHostRegister: `destroy()`
+            # unregisters them (SGLang calls it at teardown) before the memory goes back to the
+            # allocator, else the next pool's buffer may land on still-registered pages
+            # (cudaErrorHostMemoryAlreadyRegistered). kvshard's frees of what it wrapped in them
+            # have run first.
+            clock.sync()
+            kvshard.wait_for_frees_sync(60.0)
+            for pool in (kv, ix, kv2, ix2):
+                if hasattr(pool, "destroy"):
+                    pool.destroy()
             del kv, ix, kv2, ix2
 
 

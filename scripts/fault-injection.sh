@@ -34,14 +34,15 @@ if [ -n "$python" ]; then
     "$python" -m pytest -q -s -rs python/tests/test_faults_*_cpu.py 2>&1 | tee -a "$log" || status=1
 fi
 
-# One line per case (a case printing twice, e.g. a retried test, counts once: the last line).
-summary="$(grep -o 'fault-injection: [^:]*: injected [0-9]*, survived [0-9]*, served wrong [0-9]*' "$log" |
-  awk -F': ' '{ line[$2] = $3 }
+# One line per case (a case printing twice, e.g. a retried test, counts once: its last line).
+# Case names may hold ": ", so the numbers are taken from the end of the line.
+summary="$(grep -oE 'fault-injection: .*: injected [0-9]+, survived [0-9]+, served wrong [0-9]+' "$log" |
+  sed -E 's/^fault-injection: (.*): injected ([0-9]+), survived ([0-9]+), served wrong ([0-9]+)$/\1\t\2\t\3\t\4/' |
+  awk -F'\t' '{ inj[$1] = $2; sur[$1] = $3; wrong[$1] = $4 }
     END {
-      for (c in line) {
-        split(line[c], f, /[ ,]+/)   # injected I survived S served wrong W
-        n++; i += f[2]; s += f[4]; w += f[7]
-        if (f[2] != f[4] || f[7] != 0 || f[2] == 0) bad++
+      for (c in inj) {
+        n++; i += inj[c]; s += sur[c]; w += wrong[c]
+        if (inj[c] != sur[c] || wrong[c] != 0 || inj[c] == 0) bad++
       }
       printf "fault-injection suite: %d cases, %d faults injected, %d survived, %d served wrong\n", n, i, s, w
       exit (n == 0 || bad > 0)

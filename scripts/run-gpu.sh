@@ -107,11 +107,14 @@ for step in "${steps[@]}"; do
         name=$(basename "$t")
         # NCCL under the sanitizer reports its own internals; its bytes are checked by the test.
         [ "$name" = nccl ] && continue
-        # SANITIZE_TESTS="pool transfer ...": only these binaries (a session's changed kernels).
+        # SANITIZE_TESTS="pool transfer ...": only these binaries (the ones a change to the kernels touches).
         if [ -n "${SANITIZE_TESTS:-}" ] && ! [[ " $SANITIZE_TESTS " == *" $name "* ]]; then continue; fi
         "$t" --list 2>/dev/null | grep -q '^gpu_.*: test' || continue
         log="$out/tmp-sanitizer.log"
-        if "$cs" --tool "$tool" --target-processes all --error-exitcode 99 "$t" gpu_ --test-threads=1 >"$log" 2>&1; then
+        # --report-api-errors no: kvshard checks every driver call's result itself (a test
+        # fails on one it did not expect), and some are expected: an allocation that finds the
+        # device full releases kvshard's reuse cache and tries again (async_contract's loop).
+        if "$cs" --tool "$tool" --report-api-errors no --target-processes all --error-exitcode 99 "$t" gpu_ --test-threads=1 >"$log" 2>&1; then
           r=clean
         else
           r=FAILED

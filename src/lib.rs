@@ -119,3 +119,42 @@ pub mod shard;
 pub mod transfer;
 
 pub use error::{Error, Result};
+
+// The code blocks of the README and of docs/, compiled and run as doctests (`cargo test --doc`):
+// what a reader copies is what the tests run.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/embedding.md")]
+struct EmbeddingDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/pd.md")]
+struct PdDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/nixl.md")]
+struct NixlDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/mooncake.md")]
+struct MooncakeDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/storage.md")]
+struct StorageDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/python.md")]
+struct PythonDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/sglang.md")]
+struct SglangDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/gpu.md")]
+struct GpuDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/design.md")]
+struct DesignDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/dcp.md")]
+struct DcpDoctests;
+#[cfg(doctest)]
+#[doc = include_str!("../docs/faults.md")]
+struct FaultsDoctests;

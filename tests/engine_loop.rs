@@ -294,7 +294,12 @@ common::on_cpu_and_gpu!(
             );
             ahead += seen.ahead;
         }
-        assert!(ahead > 0, "{device}: every status came in chunk order");
+        // The CPU twin's adversarial order makes statuses overtake for sure; on a GPU that is
+        // the device's timing (a tool that serializes it, compute-sanitizer, never does), and
+        // the bytes above are checked either way.
+        if !device.is_gpu() {
+            assert!(ahead > 0, "{device}: every status came in chunk order");
+        }
     }
 );
 

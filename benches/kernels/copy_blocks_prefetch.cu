@@ -20,7 +20,7 @@
  *   benchmark of the commit whose kernel it was:
  *     git worktree add /tmp/kvshard-9f1d56a 9f1d56a && cd /tmp/kvshard-9f1d56a
  *     cargo bench --bench gpu -- pool
- * The kept kernel: the same section of today's GPU benchmark (README, "Running on a GPU host").
+ * The kept kernel: the same section of today's GPU benchmark (docs/gpu.md, "Running on a GPU host").
  */
 #include "common.cuh"
 

@@ -19,7 +19,7 @@
  *   benchmark of the commit whose kernel it was:
  *     git worktree add /tmp/kvshard-743bc10 743bc10 && cd /tmp/kvshard-743bc10
  *     cargo bench --bench gpu -- pool
- * The kept kernel: the same section of today's GPU benchmark (README, "Running on a GPU host").
+ * The kept kernel: the same section of today's GPU benchmark (docs/gpu.md, "Running on a GPU host").
  */
 #include "common.cuh"
 

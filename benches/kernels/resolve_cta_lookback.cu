@@ -21,7 +21,7 @@
  *   benchmark of the commit whose kernel it was:
  *     git worktree add /tmp/kvshard-051d8f4 051d8f4 && cd /tmp/kvshard-051d8f4
  *     cargo bench --bench gpu -- resolve
- * The kept kernel: the same section of today's GPU benchmark (README, "Running on a GPU host").
+ * The kept kernel: the same section of today's GPU benchmark (docs/gpu.md, "Running on a GPU host").
  */
 /*
  * Owner-local index resolution and scratch translation.

@@ -21,7 +21,7 @@
  *   benchmark of the commit whose kernel it was:
  *     git worktree add /tmp/kvshard-c09d5a3 c09d5a3 && cd /tmp/kvshard-c09d5a3
  *     cargo bench --bench gpu -- resolve
- * The kept kernel: the same section of today's GPU benchmark (README, "Running on a GPU host").
+ * The kept kernel: the same section of today's GPU benchmark (docs/gpu.md, "Running on a GPU host").
  */
 /*
  * Owner-local index resolution and scratch translation.

@@ -20,7 +20,7 @@
  *   benchmark of the commit whose kernel it was:
  *     git worktree add /tmp/kvshard-6db65d4 6db65d4 && cd /tmp/kvshard-6db65d4
  *     cargo bench --bench gpu -- write
- * The kept kernel: the same section of today's GPU benchmark (README, "Running on a GPU host").
+ * The kept kernel: the same section of today's GPU benchmark (docs/gpu.md, "Running on a GPU host").
  */
 #include "common.cuh"
 

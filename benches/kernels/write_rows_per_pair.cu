@@ -21,7 +21,7 @@
  *     git worktree add /tmp/kvshard-743bc10 743bc10 && cd /tmp/kvshard-743bc10
  *     git show 894c728:cuda/copy.cu > cuda/copy.cu
  *     cargo bench --bench gpu -- write
- * The kept kernel: the same section of today's GPU benchmark (README, "Running on a GPU host").
+ * The kept kernel: the same section of today's GPU benchmark (docs/gpu.md, "Running on a GPU host").
  */
 #include "common.cuh"
 

@@ -162,8 +162,25 @@ pub fn run_on_cpu(test: &str, orders: &[StreamOrder], body: impl Fn(Device)) {
     }
 }
 
+/// Taken for reading by every GPU test run through [`run_on_gpu`] / [`run_on_gpu_against_cpu`],
+/// and for writing ([`device_alone`]) by a test that times the host against queued device work:
+/// another test's driver call beside it (a free the driver makes wait for the whole device
+/// holds every thread's CUDA calls) would be timed as its own.
+static DEVICE_WIDE: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// The device to this test alone among the test binary's GPU tests (see [`DEVICE_WIDE`]).
+pub fn device_alone() -> std::sync::RwLockWriteGuard<'static, ()> {
+    DEVICE_WIDE.write().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The device shared with the binary's other GPU tests, but with none that runs alone.
+pub fn device_shared() -> std::sync::RwLockReadGuard<'static, ()> {
+    DEVICE_WIDE.read().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Runs `body` on the GPU, or skips (saying so; failing under KVSHARD_REQUIRE_GPU) without one.
 pub fn run_on_gpu(test: &str, body: impl Fn(Device)) {
+    let _shared = device_shared();
     if let Some(gpu) = open_gpu(test) {
         body(Device {
             on: On::Gpu(gpu),
@@ -175,6 +192,7 @@ pub fn run_on_gpu(test: &str, body: impl Fn(Device)) {
 /// [`run_on_gpu`], then the same on the CPU twin with the same seed: what the GPU made must
 /// equal what the twin made.
 pub fn run_on_gpu_against_cpu<T: PartialEq>(test: &str, body: impl Fn(Device) -> T) {
+    let _shared = device_shared();
     let Some(gpu) = open_gpu(test) else {
         return;
     };

@@ -437,6 +437,12 @@ pub fn run(
         0,
         pages as u64 + 2,
     )?);
+    // Poisoned like the decode pools: P/D sends a request's last page whole, rows past its
+    // last token included, so those rows must hold the same bytes in every rank's pool and
+    // the reference (memory reused from an earlier run holds anything).
+    for pool in ranks.iter().chain(std::iter::once(&reference)) {
+        pool.fill(bk, POISON)?;
+    }
     let mut alloc = ShardAllocator::new(placement, per_rank)?;
     let mut ref_alloc = ShardAllocator::new(Placement::unsharded(), pages as u64 + 2)?;
     let (mut chain, mut ref_chain) = (
