@@ -247,10 +247,6 @@ const LONG: &[(&str, &str)] = &[
         "src/transfer/nixl/",
         "another branch's work in progress (NIXL): to split there",
     ),
-    (
-        "cli/benches/gpu/pd.rs:run",
-        "the P/D bench section's cases and rows: to split",
-    ),
 ];
 
 #[test]
