@@ -42,6 +42,9 @@ pub const KVS_ROWS_INDEXER: u32 = 1;
 pub const KVS_COPY_INLINE_BYTES: u32 = 8192;
 pub const KVS_DECODE_MAX_RANKS: u32 = 1024;
 pub const KVS_DECODE_MAX_TOKENS: u64 = 4294967296;
+pub const KVS_DECODE_DIRECT: u32 = 0;
+pub const KVS_DECODE_PACK: u32 = 1;
+pub const KVS_DECODE_UNPACK: u32 = 2;
 /** Where a kernel reports the first bad input it met. `word` is the device address of a uint64
  that the kernel raises with atomicMax to (epoch << 32) | (0xFFFFFFFF - position); the host
  gives every launch a new, larger epoch, so a word whose high half equals this launch's epoch
@@ -826,28 +829,39 @@ const _: () = {
 /** Scatter: for every pair k and entry j of the pair's section, every row o of source page
  entries[j].page of the pair's source layer whose token t = 64 * position + o is below
  end_token is copied to its decode rank's row (above), in that rank's layer base
- dst_bases[k * num_ranks + rank]. Both sides store blocks packed (pages one block apart): a
- latent block is 64 rows of row_bytes; an indexer block is 64 x 128 key bytes then 64 f32
- scales, and a row is a token's key and scale. Pairs [0, num_kv_pairs) move the latent
- section's entries through the ranks' `pages`, pairs [num_kv_pairs, num_pairs) the state
- section's through their `state_pages`. Units u = k * num_entries + j for the latent section,
- then num_kv_pairs * num_entries + (k - num_kv_pairs) * num_state_entries + j, spread over warps
- by the work queue. The kernels: kvs_decode_scatter_pages where the layout keeps pages whole
+ dst_bases[k * T + s]: T the ranks the tables hold, s the rank's place among them (below).
+ Both sides store blocks packed (pages one block apart): a latent block is 64 rows of
+ row_bytes; an indexer block is 64 x 128 key bytes then 64 f32 scales, and a row is a token's
+ key and scale. Pairs [0, num_kv_pairs) move the latent section's entries through the ranks'
+ `pages`, pairs [num_kv_pairs, num_pairs) the state section's through their `state_pages`.
+ Units u = k * num_entries + j for the latent section, then num_kv_pairs * num_entries +
+ (k - num_kv_pairs) * num_state_entries + j, spread over warps by the work queue. Reported
+ positions: latent entry j at j, state entry j at num_entries + j (a source page at or past
+ src_limit, a rank's row past its num_pages, a destination page at or past its limit), pair k
+ naming a component >= num_components at num_entries + num_state_entries + k.
+
+ Ranks: with one_rank = 0 every rank's rows move and the tables hold every rank (T = num_ranks,
+ rank r at s = r); with one_rank = 1 only the rows of rank `rank`'s tokens move (rank <
+ num_ranks) and the tables hold that rank alone (T = 1, s = 0). Modes (KVS_DECODE_*): PACK and
+ UNPACK read a row's shift from shifts[position * T + s], position the unit's reported position;
+ UNPACK needs one_rank, and reports an entry whose rows of the rank fall outside the source's
+ src_limit pages at its position (none of them moved).
+
+ The kernels: DIRECT launches kvs_decode_scatter_pages where the layout keeps pages whole
  (num_ranks == 1, or interleave a multiple of 64: each entry's rows are one run on one rank),
  else kvs_decode_scatter_rows_576, _656 or _1152 by the latent components' row bytes (every
- latent component of a launch has the same rows). Reported positions: latent entry j at j,
- state entry j at num_entries + j (a source page at or past src_limit, a rank's row past its
- num_pages, a destination page at or past its limit), pair k naming a component >=
- num_components at num_entries + num_state_entries + k.*/
+ latent component of a launch has the same rows); PACK kvs_decode_pack_rows_576, _656 or _1152
+ whatever the layout (a rank's dense rows need not start a page); UNPACK
+ kvs_decode_unpack_rows_576, _656 or _1152.*/
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
 pub struct kvs_decode_scatter_params {
     pub components: [kvs_row_component; 4usize],
     ///< kvs_decode_pair[num_pairs]
     pub pairs: u64,
-    ///< uint64[num_pairs * num_ranks]
+    ///< uint64[num_pairs * T]
     pub dst_bases: u64,
-    ///< kvs_decode_rank[num_ranks]
+    ///< kvs_decode_rank[T]
     pub ranks: u64,
     ///< kvs_decode_entry[num_entries]: the latent section's
     pub entries: u64,
@@ -855,6 +869,8 @@ pub struct kvs_decode_scatter_params {
     ///< kvs_decode_entry[num_state_entries]: the state section's
     pub state_entries: u64,
     pub num_state_entries: u64,
+    ///< uint64[(num_entries + num_state_entries) * T]: PACK and UNPACK
+    pub shifts: u64,
     ///< pages per layer of the source
     pub src_limit: u64,
     /**< tokens at or past it are not moved (the sequence's end so far); at
@@ -867,7 +883,11 @@ most KVS_DECODE_MAX_TOKENS*/
     ///< I, at least 1
     pub interleave: u32,
     pub num_components: u32,
-    pub reserved: u32,
+    ///< KVS_DECODE_DIRECT, _PACK or _UNPACK
+    pub mode: u32,
+    ///< 1: only rank `rank`'s rows move (UNPACK needs it); 0: every rank's
+    pub one_rank: u32,
+    pub rank: u32,
     pub work: kvs_work_queue,
     pub status: kvs_status,
 }
@@ -875,7 +895,7 @@ most KVS_DECODE_MAX_TOKENS*/
 const _: () = {
     [
         "Size of kvs_decode_scatter_params",
-    ][::std::mem::size_of::<kvs_decode_scatter_params>() - 160usize];
+    ][::std::mem::size_of::<kvs_decode_scatter_params>() - 176usize];
     [
         "Alignment of kvs_decode_scatter_params",
     ][::std::mem::align_of::<kvs_decode_scatter_params>() - 8usize];
@@ -904,35 +924,44 @@ const _: () = {
         "Offset of field: kvs_decode_scatter_params::num_state_entries",
     ][::std::mem::offset_of!(kvs_decode_scatter_params, num_state_entries) - 80usize];
     [
+        "Offset of field: kvs_decode_scatter_params::shifts",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, shifts) - 88usize];
+    [
         "Offset of field: kvs_decode_scatter_params::src_limit",
-    ][::std::mem::offset_of!(kvs_decode_scatter_params, src_limit) - 88usize];
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, src_limit) - 96usize];
     [
         "Offset of field: kvs_decode_scatter_params::end_token",
-    ][::std::mem::offset_of!(kvs_decode_scatter_params, end_token) - 96usize];
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, end_token) - 104usize];
     [
         "Offset of field: kvs_decode_scatter_params::num_pairs",
-    ][::std::mem::offset_of!(kvs_decode_scatter_params, num_pairs) - 104usize];
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, num_pairs) - 112usize];
     [
         "Offset of field: kvs_decode_scatter_params::num_kv_pairs",
-    ][::std::mem::offset_of!(kvs_decode_scatter_params, num_kv_pairs) - 108usize];
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, num_kv_pairs) - 116usize];
     [
         "Offset of field: kvs_decode_scatter_params::num_ranks",
-    ][::std::mem::offset_of!(kvs_decode_scatter_params, num_ranks) - 112usize];
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, num_ranks) - 120usize];
     [
         "Offset of field: kvs_decode_scatter_params::interleave",
-    ][::std::mem::offset_of!(kvs_decode_scatter_params, interleave) - 116usize];
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, interleave) - 124usize];
     [
         "Offset of field: kvs_decode_scatter_params::num_components",
-    ][::std::mem::offset_of!(kvs_decode_scatter_params, num_components) - 120usize];
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, num_components) - 128usize];
     [
-        "Offset of field: kvs_decode_scatter_params::reserved",
-    ][::std::mem::offset_of!(kvs_decode_scatter_params, reserved) - 124usize];
+        "Offset of field: kvs_decode_scatter_params::mode",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, mode) - 132usize];
+    [
+        "Offset of field: kvs_decode_scatter_params::one_rank",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, one_rank) - 136usize];
+    [
+        "Offset of field: kvs_decode_scatter_params::rank",
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, rank) - 140usize];
     [
         "Offset of field: kvs_decode_scatter_params::work",
-    ][::std::mem::offset_of!(kvs_decode_scatter_params, work) - 128usize];
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, work) - 144usize];
     [
         "Offset of field: kvs_decode_scatter_params::status",
-    ][::std::mem::offset_of!(kvs_decode_scatter_params, status) - 144usize];
+    ][::std::mem::offset_of!(kvs_decode_scatter_params, status) - 160usize];
 };
 /// Benchmark load: out[i] = a[i] + b[i] over bf16, a memory-bound stand-in for a forward pass.
 #[repr(C)]

@@ -379,33 +379,58 @@ typedef struct kvs_decode_pair {
     uint32_t reserved;
 } kvs_decode_pair;
 
+/* What a kvs_decode_scatter launch does with the rows it places (its `mode`; docs/dcp.md, "Over
+   NIXL and Mooncake"). */
+/* Each row from its source page to its rank's page (below). */
+#define KVS_DECODE_DIRECT 0u
+/* Each rank's rows packed densely: a row lands at row index (local token - shift) of its rank's
+   pages, so the rows of one launch on one rank fill that rank's destination (a bounce region)
+   from its page 0, in sequence order. */
+#define KVS_DECODE_PACK 1u
+/* One rank's rows unpacked: the row of local token k is read from row index (k - shift) of the
+   source layer's pages (what KVS_DECODE_PACK wrote), and lands at its rank's page as in
+   KVS_DECODE_DIRECT; the entries' pages are not read (< 0 still skips the entry). */
+#define KVS_DECODE_UNPACK 2u
+
 /**
  * Scatter: for every pair k and entry j of the pair's section, every row o of source page
  * entries[j].page of the pair's source layer whose token t = 64 * position + o is below
  * end_token is copied to its decode rank's row (above), in that rank's layer base
- * dst_bases[k * num_ranks + rank]. Both sides store blocks packed (pages one block apart): a
- * latent block is 64 rows of row_bytes; an indexer block is 64 x 128 key bytes then 64 f32
- * scales, and a row is a token's key and scale. Pairs [0, num_kv_pairs) move the latent
- * section's entries through the ranks' `pages`, pairs [num_kv_pairs, num_pairs) the state
- * section's through their `state_pages`. Units u = k * num_entries + j for the latent section,
- * then num_kv_pairs * num_entries + (k - num_kv_pairs) * num_state_entries + j, spread over warps
- * by the work queue. The kernels: kvs_decode_scatter_pages where the layout keeps pages whole
+ * dst_bases[k * T + s]: T the ranks the tables hold, s the rank's place among them (below).
+ * Both sides store blocks packed (pages one block apart): a latent block is 64 rows of
+ * row_bytes; an indexer block is 64 x 128 key bytes then 64 f32 scales, and a row is a token's
+ * key and scale. Pairs [0, num_kv_pairs) move the latent section's entries through the ranks'
+ * `pages`, pairs [num_kv_pairs, num_pairs) the state section's through their `state_pages`.
+ * Units u = k * num_entries + j for the latent section, then num_kv_pairs * num_entries +
+ * (k - num_kv_pairs) * num_state_entries + j, spread over warps by the work queue. Reported
+ * positions: latent entry j at j, state entry j at num_entries + j (a source page at or past
+ * src_limit, a rank's row past its num_pages, a destination page at or past its limit), pair k
+ * naming a component >= num_components at num_entries + num_state_entries + k.
+ *
+ * Ranks: with one_rank = 0 every rank's rows move and the tables hold every rank (T = num_ranks,
+ * rank r at s = r); with one_rank = 1 only the rows of rank `rank`'s tokens move (rank <
+ * num_ranks) and the tables hold that rank alone (T = 1, s = 0). Modes (KVS_DECODE_*): PACK and
+ * UNPACK read a row's shift from shifts[position * T + s], position the unit's reported position;
+ * UNPACK needs one_rank, and reports an entry whose rows of the rank fall outside the source's
+ * src_limit pages at its position (none of them moved).
+ *
+ * The kernels: DIRECT launches kvs_decode_scatter_pages where the layout keeps pages whole
  * (num_ranks == 1, or interleave a multiple of 64: each entry's rows are one run on one rank),
  * else kvs_decode_scatter_rows_576, _656 or _1152 by the latent components' row bytes (every
- * latent component of a launch has the same rows). Reported positions: latent entry j at j,
- * state entry j at num_entries + j (a source page at or past src_limit, a rank's row past its
- * num_pages, a destination page at or past its limit), pair k naming a component >=
- * num_components at num_entries + num_state_entries + k.
+ * latent component of a launch has the same rows); PACK kvs_decode_pack_rows_576, _656 or _1152
+ * whatever the layout (a rank's dense rows need not start a page); UNPACK
+ * kvs_decode_unpack_rows_576, _656 or _1152.
  */
 typedef struct kvs_decode_scatter_params {
     kvs_row_component components[KVS_MAX_COMPONENTS];
     uint64_t pairs;         /**< kvs_decode_pair[num_pairs] */
-    uint64_t dst_bases;     /**< uint64[num_pairs * num_ranks] */
-    uint64_t ranks;         /**< kvs_decode_rank[num_ranks] */
+    uint64_t dst_bases;     /**< uint64[num_pairs * T] */
+    uint64_t ranks;         /**< kvs_decode_rank[T] */
     uint64_t entries;       /**< kvs_decode_entry[num_entries]: the latent section's */
     uint64_t num_entries;
     uint64_t state_entries; /**< kvs_decode_entry[num_state_entries]: the state section's */
     uint64_t num_state_entries;
+    uint64_t shifts;        /**< uint64[(num_entries + num_state_entries) * T]: PACK and UNPACK */
     uint64_t src_limit; /**< pages per layer of the source */
     uint64_t end_token; /**< tokens at or past it are not moved (the sequence's end so far); at
                              most KVS_DECODE_MAX_TOKENS */
@@ -414,7 +439,9 @@ typedef struct kvs_decode_scatter_params {
     uint32_t num_ranks;  /**< M, 1 to KVS_DECODE_MAX_RANKS */
     uint32_t interleave; /**< I, at least 1 */
     uint32_t num_components;
-    uint32_t reserved;
+    uint32_t mode;       /**< KVS_DECODE_DIRECT, _PACK or _UNPACK */
+    uint32_t one_rank;   /**< 1: only rank `rank`'s rows move (UNPACK needs it); 0: every rank's */
+    uint32_t rank;
     kvs_work_queue work;
     kvs_status status;
 } kvs_decode_scatter_params;
@@ -480,7 +507,7 @@ KVS_STATIC_ASSERT(sizeof(kvs_copy_ranges_params) == 32, "kvs_copy_ranges_params"
 KVS_STATIC_ASSERT(sizeof(kvs_decode_rank) == 32, "kvs_decode_rank");
 KVS_STATIC_ASSERT(sizeof(kvs_decode_entry) == 16, "kvs_decode_entry");
 KVS_STATIC_ASSERT(sizeof(kvs_decode_pair) == 16, "kvs_decode_pair");
-KVS_STATIC_ASSERT(sizeof(kvs_decode_scatter_params) == 160, "kvs_decode_scatter_params");
+KVS_STATIC_ASSERT(sizeof(kvs_decode_scatter_params) == 176, "kvs_decode_scatter_params");
 KVS_STATIC_ASSERT(sizeof(kvs_bench_add_params) == 32, "kvs_bench_add_params");
 KVS_STATIC_ASSERT(sizeof(kvs_bench_read_params) == 24, "kvs_bench_read_params");
 

@@ -19,6 +19,13 @@
  *
  * Row geometry is a template constant (vectors per row: 36, 41 or 72 for the latent layouts, 8
  * for an indexer key), so finding a vector's row is a multiply-shift, as in write.cu.
+ *
+ * The bounce route (docs/dcp.md, "Over NIXL and Mooncake"): KVS_DECODE_PACK places each row at
+ * row index (local token - shift) of its rank's destination, so a rank's rows of the launch fill
+ * its bounce region densely; KVS_DECODE_UNPACK moves one rank's rows back out of such a region
+ * into the rank's pages. A page's rows of one rank are consecutive local tokens of that rank, so
+ * they are consecutive rows of the region: the unpack unit reads them as one contiguous run
+ * (split at most once, at a region page, for indexer keys) and stores each at its row.
  */
 #include "common.cuh"
 
@@ -60,19 +67,57 @@ __device__ __forceinline__ Place place(uint64_t token, uint32_t interleave, uint
     return {group % ranks, static_cast<uint64_t>(group / ranks) * interleave + t % interleave};
 }
 
+/* Tokens before `token` on rank `rank` (tokens_on of shard::DecodeLayout), `token` below
+   end_token and so below 2^32: in 32 bits, as `place`, except where a round of the layout is
+   longer than any token (then every token is in the first round). */
+__device__ __forceinline__ uint64_t tokens_before(uint32_t token, uint32_t rank, uint32_t interleave,
+                                                  uint32_t ranks) {
+    const uint64_t round = static_cast<uint64_t>(interleave) * ranks;
+    uint32_t full = 0;
+    uint32_t rest = token;
+    if (round <= 0xFFFFFFFFull) {
+        full = token / static_cast<uint32_t>(round);
+        rest = token - full * static_cast<uint32_t>(round);
+    }
+    const uint64_t lo = static_cast<uint64_t>(rank) * interleave;
+    const uint64_t part = rest <= lo ? 0 : (rest - lo < interleave ? rest - lo : interleave);
+    return static_cast<uint64_t>(full) * interleave + part;
+}
+
+/* The ranks the launch's tables hold, and where rank `rank` is among them (abi.h). */
+__device__ __forceinline__ uint32_t table_ranks(const kvs_decode_scatter_params& p) {
+    return p.one_rank != 0 ? 1u : p.num_ranks;
+}
+
+__device__ __forceinline__ uint32_t table_slot(const kvs_decode_scatter_params& p, uint32_t rank) {
+    return p.one_rank != 0 ? 0u : rank;
+}
+
+/* Whether the launch moves rank `rank`'s rows. */
+__device__ __forceinline__ bool moves_rank(const kvs_decode_scatter_params& p, uint32_t rank) {
+    return p.one_rank == 0 || rank == p.rank;
+}
+
+/* The shift of the rank at table place `s` for the unit reported at `position` (PACK, UNPACK). */
+__device__ __forceinline__ uint64_t shift_of(const kvs_decode_scatter_params& p, uint64_t position, uint32_t s) {
+    return reinterpret_cast<const uint64_t*>(p.shifts)[position * table_ranks(p) + s];
+}
+
 /* Bytes of one block of component c, both sides packed. */
 __device__ __forceinline__ uint64_t block_bytes(const kvs_row_component& c) {
     return c.kind == KVS_ROWS_INDEXER ? KVS_INDEXER_PAGE_BYTES : static_cast<uint64_t>(ROWS) * c.row_bytes;
 }
 
 /*
- * The address of the destination page holding local token `at.local` of pair k, or 0 when the
- * rows are skipped: a padding page id (< 0), or one reported at `position` (a local page the
- * rank did not register, a page past its pool).
+ * The address of the destination page holding row index `at.local` (a local token, or in PACK
+ * the rank's dense row) of pair k on rank `at.rank`, or 0 when the rows are skipped: a padding
+ * page id (< 0), or one reported at `position` (a local page the rank did not register, a page
+ * past its pool).
  */
 __device__ __forceinline__ uint64_t dst_page(const kvs_decode_scatter_params& p, uint64_t k, bool state, Place at,
                                              uint64_t block, uint64_t position) {
-    const kvs_decode_rank& r = reinterpret_cast<const kvs_decode_rank*>(p.ranks)[at.rank];
+    const uint32_t s = table_slot(p, at.rank);
+    const kvs_decode_rank& r = reinterpret_cast<const kvs_decode_rank*>(p.ranks)[s];
     const uint64_t index = at.local / ROWS;
     if (index >= r.num_pages) {
         report(p.status, position);
@@ -86,7 +131,7 @@ __device__ __forceinline__ uint64_t dst_page(const kvs_decode_scatter_params& p,
         report(p.status, position);
         return 0;
     }
-    const uint64_t base = reinterpret_cast<const uint64_t*>(p.dst_bases)[k * p.num_ranks + at.rank];
+    const uint64_t base = reinterpret_cast<const uint64_t*>(p.dst_bases)[k * table_ranks(p) + s];
     return base + static_cast<uint64_t>(page) * block;
 }
 
@@ -146,7 +191,8 @@ __device__ __forceinline__ void warp_rows(uint64_t src, const uint64_t* rows, ui
 /*
  * One unit's source page and what its rows are, once the checks every unit makes have passed:
  * a pair naming a component past num_components (reported once, by the pair's entry 0), a
- * padding entry, a source page past src_limit (reported), a page past the tokens to move.
+ * padding entry, a source page past src_limit (reported; UNPACK reads no entry page, and its
+ * `src` is the pair's layer base), a page past the tokens to move.
  */
 struct Unit {
     uint64_t k;        /* the pair */
@@ -186,7 +232,8 @@ __device__ __forceinline__ bool unit_of(const kvs_decode_scatter_params& p, uint
     if (e.page < 0) {
         return false;
     }
-    if (static_cast<uint64_t>(e.page) >= p.src_limit) {
+    const bool unpack = p.mode == KVS_DECODE_UNPACK;
+    if (!unpack && static_cast<uint64_t>(e.page) >= p.src_limit) {
         if (threadIdx.x % 32 == 0) {
             report(p.status, w.position);
         }
@@ -199,7 +246,7 @@ __device__ __forceinline__ bool unit_of(const kvs_decode_scatter_params& p, uint
     w.valid = p.end_token - w.first < ROWS ? static_cast<uint32_t>(p.end_token - w.first) : ROWS;
     w.c = p.components[pair.component];
     w.block = block_bytes(w.c);
-    w.src = pair.src + static_cast<uint64_t>(e.page) * w.block;
+    w.src = unpack ? pair.src : pair.src + static_cast<uint64_t>(e.page) * w.block;
     return true;
 }
 
@@ -219,7 +266,11 @@ __device__ __forceinline__ void scatter_pages(const kvs_decode_scatter_params& p
             continue;
         }
         // Every lane places the page's first token alike (the same loads, broadcast).
-        const uint64_t dst = dst_page(p, w.k, w.state, place(w.first, p.interleave, p.num_ranks), w.block, w.position);
+        const Place at = place(w.first, p.interleave, p.num_ranks);
+        if (!moves_rank(p, at.rank)) {
+            continue;
+        }
+        const uint64_t dst = dst_page(p, w.k, w.state, at, w.block, w.position);
         if (dst == 0) {
             continue;
         }
@@ -240,10 +291,10 @@ __device__ __forceinline__ void scatter_pages(const kvs_decode_scatter_params& p
 }
 
 /*
- * A layout that spreads a page's rows over ranks; LATENT_VPR is the vectors of a latent row
- * (every latent component of a cache has the same rows).
+ * A layout that spreads a page's rows over ranks, or any PACK launch; LATENT_VPR is the vectors
+ * of a latent row (every latent component of a cache has the same rows).
  */
-template <uint32_t LATENT_VPR>
+template <uint32_t LATENT_VPR, bool PACK>
 __device__ __forceinline__ void scatter_rows(const kvs_decode_scatter_params& p) {
     /* Each warp's placed rows: the destination of row o (0: skipped). */
     __shared__ uint64_t placed[WARPS][ROWS];
@@ -264,8 +315,12 @@ __device__ __forceinline__ void scatter_rows(const kvs_decode_scatter_params& p)
             const uint32_t o = lane + 32 * h;
             uint64_t to = 0;
             if (o < w.valid) {
-                const Place at = place(w.first + o, p.interleave, p.num_ranks);
-                const uint64_t page = dst_page(p, w.k, w.state, at, w.block, w.position);
+                Place at = place(w.first + o, p.interleave, p.num_ranks);
+                if (PACK) {
+                    // Its dense row in the rank's destination.
+                    at.local -= shift_of(p, w.position, table_slot(p, at.rank));
+                }
+                const uint64_t page = moves_rank(p, at.rank) ? dst_page(p, w.k, w.state, at, w.block, w.position) : 0;
                 const uint64_t row = at.local % ROWS;
                 if (page != 0) {
                     to = page + row * (indexer ? KVS_INDEXER_HEAD_DIM : w.c.row_bytes);
@@ -292,12 +347,92 @@ __device__ __forceinline__ void scatter_rows(const kvs_decode_scatter_params& p)
     }
 }
 
+/*
+ * UNPACK: rank p.rank's rows of each unit's page, read from the source's dense rows (abi.h). The
+ * page's rows on the rank are its local tokens [k0, k0 + n), rows [q0, q0 + n) of the source: a
+ * contiguous run of latent rows (the source's pages are one block apart), of indexer keys up to
+ * the next source page.
+ */
+template <uint32_t LATENT_VPR>
+__device__ __forceinline__ void unpack_rows(const kvs_decode_scatter_params& p) {
+    /* Each warp's placed rows: the destination of the run's row i (0: skipped). */
+    __shared__ uint64_t placed[WARPS][ROWS];
+    uint64_t* rows = placed[threadIdx.x / 32];
+    const uint32_t lane = threadIdx.x % 32;
+    const uint64_t units = units_of(p);
+    // Rows the source holds (src_limit pages; saturated rather than wrapped).
+    const uint64_t capacity = p.src_limit > (~0ull >> 6) ? ~0ull : p.src_limit * ROWS;
+    Unit w;
+    for (uint64_t u = first_unit(p.work); u < units; u = next_unit(p.work, u)) {
+        if (!unit_of(p, u, w)) {
+            continue;
+        }
+        // The page's tokens on the rank: those before its last token, and the last one itself.
+        const uint32_t last = static_cast<uint32_t>(w.first + w.valid - 1);
+        const uint64_t k0 = tokens_before(static_cast<uint32_t>(w.first), p.rank, p.interleave, p.num_ranks);
+        const uint32_t n = static_cast<uint32_t>(tokens_before(last, p.rank, p.interleave, p.num_ranks) - k0) +
+                           (place(last, p.interleave, p.num_ranks).rank == p.rank ? 1 : 0);
+        if (n == 0) {
+            continue;
+        }
+        const uint64_t q0 = k0 - shift_of(p, w.position, 0);
+        if (q0 > capacity || n > capacity - q0) {
+            if (lane == 0) {
+                report(p.status, w.position);
+            }
+            continue;
+        }
+        const bool indexer = w.c.kind == KVS_ROWS_INDEXER;
+        uint64_t scales[2] = {0, 0};
+#pragma unroll
+        for (uint32_t h = 0; h < 2; ++h) {
+            const uint32_t i = lane + 32 * h;
+            uint64_t to = 0;
+            if (i < n) {
+                const Place at = {p.rank, k0 + i};
+                const uint64_t page = dst_page(p, w.k, w.state, at, w.block, w.position);
+                const uint64_t row = at.local % ROWS;
+                if (page != 0) {
+                    to = page + row * (indexer ? KVS_INDEXER_HEAD_DIM : w.c.row_bytes);
+                    scales[h] = page + KVS_INDEXER_SCALES_OFFSET + 4 * row;
+                }
+            }
+            rows[i] = to;
+        }
+        __syncwarp();
+        if (indexer) {
+            // Keys of the run to the end of its first source page, then the rest from the next.
+            for (uint32_t i = 0; i < n;) {
+                const uint64_t q = q0 + i;
+                const uint32_t row = static_cast<uint32_t>(q % ROWS);
+                const uint32_t piece = n - i < ROWS - row ? n - i : ROWS - row;
+                warp_rows<KEY_VECTORS>(w.src + (q / ROWS) * KVS_INDEXER_PAGE_BYTES +
+                                           static_cast<uint64_t>(row) * KVS_INDEXER_HEAD_DIM,
+                                       rows + i, piece);
+                i += piece;
+            }
+#pragma unroll
+            for (uint32_t h = 0; h < 2; ++h) {
+                if (scales[h] != 0) {
+                    const uint64_t q = q0 + lane + 32 * h;
+                    *reinterpret_cast<float*>(scales[h]) = *reinterpret_cast<const float*>(
+                        w.src + (q / ROWS) * KVS_INDEXER_PAGE_BYTES + KVS_INDEXER_SCALES_OFFSET + 4 * (q % ROWS));
+                }
+            }
+        } else {
+            warp_rows<LATENT_VPR>(w.src + q0 * w.c.row_bytes, rows, n);
+        }
+        // The next unit rewrites the table only after every lane is done reading it.
+        __syncwarp();
+    }
+}
+
 } // namespace decode
 
 using namespace decode;
 
-/* The kernels: one for layouts that keep pages whole, one per latent row size for the others
-   (the host picks by the layout and the cache's rows). */
+/* The kernels: one for layouts that keep pages whole, one per latent row size for the others, for
+   PACK and for UNPACK (the host picks by the mode, the layout and the cache's rows). */
 extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
     kvs_decode_scatter_pages(const __grid_constant__ kvs_decode_scatter_params p) {
     scatter_pages(p);
@@ -305,15 +440,45 @@ extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
 
 extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
     kvs_decode_scatter_rows_576(const __grid_constant__ kvs_decode_scatter_params p) {
-    scatter_rows<KVS_LATENT_TRTLLM_ROW_BYTES / 16>(p);
+    scatter_rows<KVS_LATENT_TRTLLM_ROW_BYTES / 16, false>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
+    kvs_decode_pack_rows_576(const __grid_constant__ kvs_decode_scatter_params p) {
+    scatter_rows<KVS_LATENT_TRTLLM_ROW_BYTES / 16, true>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
     kvs_decode_scatter_rows_656(const __grid_constant__ kvs_decode_scatter_params p) {
-    scatter_rows<KVS_LATENT_SCALED_ROW_BYTES / 16>(p);
+    scatter_rows<KVS_LATENT_SCALED_ROW_BYTES / 16, false>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
+    kvs_decode_pack_rows_656(const __grid_constant__ kvs_decode_scatter_params p) {
+    scatter_rows<KVS_LATENT_SCALED_ROW_BYTES / 16, true>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
     kvs_decode_scatter_rows_1152(const __grid_constant__ kvs_decode_scatter_params p) {
-    scatter_rows<KVS_LATENT_BF16_ROW_BYTES / 16>(p);
+    scatter_rows<KVS_LATENT_BF16_ROW_BYTES / 16, false>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
+    kvs_decode_pack_rows_1152(const __grid_constant__ kvs_decode_scatter_params p) {
+    scatter_rows<KVS_LATENT_BF16_ROW_BYTES / 16, true>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
+    kvs_decode_unpack_rows_576(const __grid_constant__ kvs_decode_scatter_params p) {
+    unpack_rows<KVS_LATENT_TRTLLM_ROW_BYTES / 16>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
+    kvs_decode_unpack_rows_656(const __grid_constant__ kvs_decode_scatter_params p) {
+    unpack_rows<KVS_LATENT_SCALED_ROW_BYTES / 16>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
+    kvs_decode_unpack_rows_1152(const __grid_constant__ kvs_decode_scatter_params p) {
+    unpack_rows<KVS_LATENT_BF16_ROW_BYTES / 16>(p);
 }

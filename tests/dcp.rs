@@ -17,455 +17,163 @@ mod common;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use common::synth::{self, POISON};
+use common::dcp::*;
+use common::synth::POISON;
 use kvshard::abi;
-use kvshard::backend::{Backend, Launch, MemoryKind};
+use kvshard::backend::{Backend, Buffer, Launch, MemoryKind};
 use kvshard::copy::{
-    BlockCopy, BlockCopyPlan, BlockSpace, DecodeScatterPlan, Method, PageSelection, RemoteSpace,
-    ScatterRank, ScatterSection,
+    BlockSpace, DecodeScatterPlan, Method, RemoteSpace, ScatterRank, ScatterSection,
 };
-use kvshard::geometry::{
-    CacheGeometry, Component, ComponentLayout, LatentLayout, PoolGeometry, INDEXER_HEAD_DIM,
-    INDEXER_ROW_BYTES, INDEXER_SCALES_OFFSET, PAGE_SIZE,
-};
+use kvshard::geometry::{CacheGeometry, Component, INDEXER_ROW_BYTES, PAGE_SIZE};
 use kvshard::index::{LocalPage, LogicalPage};
 use kvshard::pool::DevicePool;
 use kvshard::shard::{DecodeLayout, Placement};
 use kvshard::transfer::{
     BackendTransport, ChunkEnd, ChunkRange, ChunkResult, ChunkStatus, Completion, ComponentBytes,
-    DecodePlan, DecodeRank, DecodeRegistration, Finished, PendingChunk, PoolLayout, PrefillRank,
-    Receiver, SendPlan, Sender, Transport,
+    DecodePlan, DecodeRank, DecodeRegistration, DenseBounce, Finished, PendingChunk, PoolLayout,
+    PrefillRank, Receiver, SendPlan, Sender, Transport,
 };
 use kvshard::Error;
 use rand::rngs::StdRng;
-use rand::seq::{IndexedRandom, SliceRandom};
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-const LAUNCH: Launch = Launch {
-    ctas: 8,
-    threads: 256,
-};
-const REQUEST: u64 = 37;
-const PAGE: u64 = PAGE_SIZE as u64;
-
-/// One request to send.
-#[derive(Debug, Clone)]
-struct Case {
-    /// Prefill ranks.
-    n: u32,
-    layout: DecodeLayout,
-    geometry: CacheGeometry,
-    /// Prefill chunk ends in tokens; the last one is the sequence length.
-    chunk_ends: Vec<usize>,
-    /// Sequence pages the decode ranks already hold.
-    prefix_pages: usize,
-    /// Pages handed out in order on both sides rather than shuffled.
-    contiguous: bool,
-    /// Whether each decode rank registers other pages for the indexer state than for the
-    /// latent rows.
-    separate_state: bool,
-}
-
-impl Case {
-    fn tokens(&self) -> usize {
-        *self.chunk_ends.last().unwrap()
-    }
-
-    fn pages(&self) -> usize {
-        self.tokens().div_ceil(PAGE_SIZE)
-    }
-
-    fn end(&self, i: usize) -> ChunkEnd {
-        let tokens = self.chunk_ends[i];
-        if i + 1 == self.chunk_ends.len() {
-            ChunkEnd::Final(tokens)
-        } else {
-            ChunkEnd::Partial(tokens)
-        }
-    }
-}
-
-fn geometries() -> Vec<CacheGeometry> {
-    vec![
-        // The draft, and a shared-indexer layer (no indexer buffer).
-        CacheGeometry::with_draft(PoolGeometry::with_indexer_layers(
-            LatentLayout::Fp8Trtllm,
-            vec![true, false, true],
-        )),
-        CacheGeometry::target_only(PoolGeometry::new(LatentLayout::Fp8Scaled, 2)),
-        CacheGeometry::with_draft(PoolGeometry::new(LatentLayout::Bf16, 1)),
-        // No indexer at all: no state section.
-        CacheGeometry::target_only(PoolGeometry::with_indexer_layers(
-            LatentLayout::Fp8Trtllm,
-            vec![false, false],
-        )),
-    ]
-}
-
-/// A random case: N, M, I, the geometry, the chunking (ends inside pages or on them), the
-/// decode's cached prefix, page order.
-fn random_case(rng: &mut StdRng) -> Case {
-    let n = *[1u32, 2, 3, 4, 8].choose(rng).unwrap();
-    let m = *[1u32, 2, 3, 4, 5, 8].choose(rng).unwrap();
-    let i = *[1u32, 1, 2, 3, 16, 48, 64, 64, 128, 100]
-        .choose(rng)
-        .unwrap();
-    let tokens = rng.random_range(1..900usize);
-    let prefix_pages = if rng.random_bool(0.3) {
-        rng.random_range(0..=(tokens - 1) / PAGE_SIZE)
-    } else {
-        0
-    };
-    let mut chunk_ends: Vec<usize> = (0..rng.random_range(0..4))
-        .map(|_| rng.random_range(prefix_pages * PAGE_SIZE..=tokens))
-        .collect();
-    chunk_ends.push(tokens);
-    chunk_ends.sort_unstable();
-    Case {
-        n,
-        layout: DecodeLayout::new(m, i).unwrap(),
-        geometry: geometries().choose(rng).unwrap().clone(),
-        chunk_ends,
-        prefix_pages,
-        contiguous: rng.random_bool(0.3),
-        separate_state: rng.random_bool(0.5),
-    }
-}
-
-/// The logical page of every position on `n` ranks of `rank_pages` pages (docs/design.md,
-/// "Ownership"): position j is owned by `(start + j) % n`, a random start owner.
-fn prefill_pages(
-    rng: &mut StdRng,
-    n: u32,
-    rank_pages: u64,
-    pages: usize,
-    contiguous: bool,
-) -> Vec<LogicalPage> {
-    let start = rng.random_range(0..n);
-    let free: Vec<Vec<u64>> = (0..n)
-        .map(|_| {
-            let mut v: Vec<u64> = (1..rank_pages).collect();
-            if !contiguous {
-                v.shuffle(rng);
-            }
-            v
-        })
-        .collect();
-    let mut next = vec![0usize; n as usize];
-    (0..pages)
-        .map(|j| {
-            let owner = (start + j as u32) % n;
-            let local = free[owner as usize][next[owner as usize]];
-            next[owner as usize] += 1;
-            LogicalPage(local * u64::from(n) + u64::from(owner))
-        })
-        .collect()
-}
-
-/// Offset of block (component `c`, `layer`, `page`) in a snapshot of a `pages`-page pool.
-fn block_offset(
-    components: &[ComponentLayout],
-    pages: u64,
-    c: usize,
-    layer: usize,
-    page: u64,
-) -> usize {
-    let before: usize = components[..c]
-        .iter()
-        .map(|x| x.layers() * pages as usize * x.block_bytes)
-        .sum();
-    before + (layer * pages as usize + page as usize) * components[c].block_bytes
-}
-
-/// The decode ranks' pools as they must be after the request: `before` with every token's rows
-/// copied from the unsharded `reference` (sequence page `P` at its page `src[P]`) to where the
-/// layout puts it, written from the definition: token `t` on rank `(t / I) % M` as local token
-/// `k = (t / (I M)) I + t % I`, row `k % 64` of the rank's `(k / 64)`-th page; a latent row
-/// for every token after the cached prefix, an indexer key and scale for every token.
-fn relayout(
-    case: &Case,
-    reference: &[u8],
-    reference_pages: u64,
-    src: &[LogicalPage],
-    reg: &DecodeRegistration,
-    decode_pages: u64,
-    before: &[Vec<u8>],
-) -> Vec<Vec<u8>> {
-    let components = case.geometry.components();
-    let (i, m) = (
-        u64::from(case.layout.interleave()),
-        u64::from(case.layout.ranks()),
-    );
-    let mut out = before.to_vec();
-    for t in 0..case.tokens() as u64 {
-        let rank = ((t / i) % m) as usize;
-        let k = (t / (i * m)) * i + t % i;
-        let (page, o) = (src[(t / PAGE) as usize].0, (t % PAGE) as usize);
-        let row = (k % PAGE) as usize;
-        for (c, comp) in components.iter().enumerate() {
-            let indexer = comp.component.is_indexer();
-            if !indexer && t < (case.prefix_pages * PAGE_SIZE) as u64 {
-                continue;
-            }
-            let pages = if indexer {
-                &reg.ranks[rank].state_pages
-            } else {
-                &reg.ranks[rank].pages
-            };
-            let dst_page = pages[(k / PAGE) as usize].0;
-            for layer in 0..comp.layers() {
-                let from = block_offset(&components, reference_pages, c, layer, page);
-                let to = block_offset(&components, decode_pages, c, layer, dst_page);
-                let pieces: Vec<(usize, usize, usize)> = if indexer {
-                    let key = INDEXER_HEAD_DIM;
-                    let scales = INDEXER_SCALES_OFFSET;
-                    vec![
-                        (o * key, row * key, key),
-                        (scales + 4 * o, scales + 4 * row, 4),
-                    ]
-                } else {
-                    let r = comp.row_bytes;
-                    vec![(o * r, row * r, r)]
-                };
-                for (s, d, len) in pieces {
-                    out[rank][to + d..to + d + len]
-                        .copy_from_slice(&reference[from + s..from + s + len]);
-                }
-            }
-        }
-    }
-    out
-}
-
-/// Bytes that must reach decode rank `d` from prefill rank `r` (of the case's N).
-fn owed(case: &Case, src: &[LogicalPage], r: u32, d: u32) -> ComponentBytes {
-    let mut out = ComponentBytes::default();
-    let n = u64::from(case.n);
-    for t in 0..case.tokens() as u64 {
-        if case.layout.place(t).rank != d || src[(t / PAGE) as usize].0 % n != u64::from(r) {
-            continue;
-        }
-        for comp in case.geometry.components() {
-            let indexer = comp.component.is_indexer();
-            if !indexer && t < (case.prefix_pages * PAGE_SIZE) as u64 {
-                continue;
-            }
-            let row = if indexer {
-                INDEXER_ROW_BYTES
-            } else {
-                comp.row_bytes
-            };
-            out.add(comp.component, (row * comp.layers()) as u64);
-        }
-    }
-    out
-}
-
-/// How the chunks of a request are sent.
+/// How a chunk reaches the decode ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Mode {
-    /// Every rank enqueues a chunk, then every rank's chunk is waited for.
-    Lockstep,
-    /// Every rank enqueues every chunk before the first wait.
-    Pipelined,
-    /// Pipelined, and the decode ranks' pools are read on another stream before any chunk is
-    /// waited for: the reads must follow the chunks by themselves (the pools' usages).
-    ReadFirst,
+enum Route {
+    /// One launch writes every decode rank's pool (`BackendTransport`).
+    Scatter,
+    /// The bounce route, the test playing the transfer engine ([`Bounced`]).
+    Bounce,
 }
 
-/// One prefill rank: its stream and its pool.
-type Rank = (Arc<dyn Backend>, Arc<DevicePool>);
-
-/// One decode rank's pool: the backend that reads and writes it as its own, the pool, the
-/// destination the prefill ranks send into, and whatever keeps the memory shared.
-struct DecodeSide {
-    owner: Arc<dyn Backend>,
-    pool: Arc<DevicePool>,
-    space: Arc<RemoteSpace>,
-    _keep: Option<Box<dyn std::any::Any>>,
+/// The bounce route (docs/dcp.md, "Over NIXL and Mooncake") with the test playing the transfer
+/// engine: a prefill rank packs each chunk's rows per decode rank into regions of its own bounce
+/// memory (one launch), each region's bytes, exactly as many as it says, are written into that
+/// decode rank's slot (one range per chunk, prefill rank and decode rank: counted against the
+/// plan's decode ranks reached), and the decode rank unpacks them into its pages. Synchronous: a
+/// chunk has landed when `submit_decode` returns.
+struct Bounced {
+    pack: DenseBounce,
+    /// This prefill rank's region for each decode rank.
+    regions: Vec<Buffer>,
+    /// Per decode rank: its unpacking stream, its slot for this prefill rank, its pool and its
+    /// pages of the request.
+    decode: Vec<(DenseBounce, Buffer, Arc<DevicePool>, ScatterRank)>,
+    layout: DecodeLayout,
+    components: usize,
+    indexer_layers: u64,
 }
 
-/// Makes a decode rank's pool of a geometry and a page count.
-type DecodeMaker<'a> = &'a dyn Fn(&CacheGeometry, u64) -> DecodeSide;
+/// A completion that has landed.
+struct Landed;
 
-/// A pool on `base`, its destination made in this process.
-fn local_decode(base: &Arc<dyn Backend>) -> impl Fn(&CacheGeometry, u64) -> DecodeSide + '_ {
-    move |g, pages| {
-        let pool = Arc::new(
-            DevicePool::allocate(base.as_ref(), g, Placement::unsharded(), 0, pages).unwrap(),
-        );
-        DecodeSide {
-            owner: base.clone(),
-            space: Arc::new(RemoteSpace::of(pool.clone(), g.clone()).unwrap()),
-            pool,
-            _keep: None,
-        }
+impl Completion for Landed {
+    fn poll(&mut self) -> kvshard::Result<bool> {
+        Ok(true)
+    }
+
+    fn wait_sync(&mut self) -> kvshard::Result<()> {
+        Ok(())
     }
 }
 
-/// A case made ready to send: the reference, the prefill ranks holding their pages of it, the
-/// decode ranks' pools (poison, but random bytes in every page they registered) and their
-/// registration.
-struct Setup {
-    reference: Arc<DevicePool>,
-    reference_pages: u64,
-    src: Vec<LogicalPage>,
-    ranks: Vec<Rank>,
-    decode: Vec<DecodeSide>,
-    spaces: Vec<Arc<RemoteSpace>>,
-    decode_pages: u64,
-    reg: DecodeRegistration,
-    before: Vec<Vec<u8>>,
-}
-
-fn setup(
-    base: &Arc<dyn Backend>,
-    stream: &dyn Fn() -> Arc<dyn Backend>,
-    case: &Case,
-    rng: &mut StdRng,
-) -> Setup {
-    setup_with(base, stream, &local_decode(base), case, rng)
-}
-
-fn setup_with(
-    base: &Arc<dyn Backend>,
-    stream: &dyn Fn() -> Arc<dyn Backend>,
-    make_decode: DecodeMaker,
-    case: &Case,
-    rng: &mut StdRng,
-) -> Setup {
-    let g = &case.geometry;
-    let n = case.n;
-    let placement = Placement::new(n).unwrap();
-    let per_rank = case.pages().div_ceil(n as usize) as u64 + 3;
-    let src = prefill_pages(rng, n, per_rank, case.pages(), case.contiguous);
-    let reference_pages = placement.logical_pages(per_rank).unwrap();
-    let reference = Arc::new(
-        DevicePool::allocate(base.as_ref(), g, Placement::unsharded(), 0, reference_pages).unwrap(),
-    );
-    let storage = reference.storage().unwrap();
-    base.write_sync(storage, 0, &synth::bytes(rng, storage.len()))
-        .unwrap();
-    // Decode ranks: each registers its share's pages, distinct, in order or shuffled, and
-    // (with `separate_state`) other pages for the indexer state.
-    let layout = case.layout;
-    let tokens = case.tokens() as u64;
-    let most = (0..layout.ranks())
-        .map(|d| layout.pages_on(d, tokens))
-        .max()
-        .unwrap();
-    let decode_pages = 2 * most + 3;
-    let has_indexer = g.components().iter().any(|c| c.component.is_indexer());
-    let mut decode = Vec::new();
-    let mut spaces = Vec::new();
-    let mut before = Vec::new();
-    let mut dranks = Vec::new();
-    for d in 0..layout.ranks() {
-        let side = make_decode(g, decode_pages);
-        let (owner, pool) = (&side.owner, &side.pool);
-        pool.fill(owner.as_ref(), POISON).unwrap();
-        let mut free: Vec<u64> = (1..decode_pages).collect();
-        if !case.contiguous {
-            free.shuffle(rng);
-        }
-        let need = layout.pages_on(d, tokens) as usize;
-        let pages: Vec<LocalPage> = free[..need].iter().copied().map(LocalPage).collect();
-        let state_pages: Vec<LocalPage> = if !has_indexer {
-            Vec::new()
-        } else if case.separate_state {
-            free[need..2 * need]
-                .iter()
-                .copied()
-                .map(LocalPage)
-                .collect()
-        } else {
-            pages.clone()
+impl Bounced {
+    /// A prefill rank packing on `b` into the decode ranks of `s`.
+    fn new(s: &Setup, b: &Arc<dyn Backend>) -> Self {
+        let layout = s.reg.layout;
+        let components = s.decode[0].pool.geometry().components();
+        // Room for every row a decode rank holds, in every component.
+        let most = (0..layout.ranks())
+            .map(|d| layout.pages_on(d, s.reg.tokens as u64))
+            .max()
+            .unwrap();
+        let all: Vec<Component> = components.iter().map(|c| c.component).collect();
+        let bytes = kvshard::transfer::region_layout(&components, &[(all, (most + 1) * PAGE)])
+            .unwrap()
+            .1;
+        let slot = |b: &Arc<dyn Backend>| {
+            let buffer = b.alloc_registrable(bytes).unwrap();
+            b.fill(&buffer, POISON).unwrap();
+            buffer
         };
-        // Random bytes in every registered page: rows the request does not write (the cached
-        // prefix's, rows past the end) must keep them.
-        let storage = pool.storage().unwrap();
-        for comp in pool.components() {
-            let list = if comp.component.is_indexer() {
-                &state_pages
-            } else {
-                &pages
-            };
-            for layer in 0..comp.layers() {
-                for p in list {
-                    let at = pool
-                        .block_addr(comp.component, kvshard::index::StoredLayer(layer), *p)
-                        .unwrap();
-                    owner
-                        .write_sync(
-                            storage,
-                            (at - storage.addr()) as usize,
-                            &synth::bytes(rng, comp.block_bytes),
-                        )
-                        .unwrap();
-                }
-            }
+        Self {
+            pack: DenseBounce::new(b.clone()),
+            regions: (0..layout.ranks()).map(|_| slot(b)).collect(),
+            decode: s
+                .decode
+                .iter()
+                .zip(&s.reg.ranks)
+                .map(|(side, rank)| {
+                    (
+                        DenseBounce::new(side.owner.clone()),
+                        slot(&side.owner),
+                        side.pool.clone(),
+                        ScatterRank {
+                            pages: rank.pages.clone(),
+                            state_pages: rank.state_pages.clone(),
+                        },
+                    )
+                })
+                .collect(),
+            layout,
+            components: components.len(),
+            indexer_layers: components
+                .iter()
+                .filter(|c| c.component.is_indexer())
+                .map(|c| c.layers() as u64)
+                .sum(),
         }
-        owner.synchronize().unwrap();
-        before.push(pool.snapshot_sync(owner.as_ref()).unwrap());
-        spaces.push(side.space.clone());
-        dranks.push(DecodeRank {
-            layout: PoolLayout::of(pool),
-            pages,
-            state_pages,
-        });
-        decode.push(side);
     }
-    // Prefill ranks: garbage everywhere, then the reference bytes at their owned pages, copied
-    // on `base` last, with no wait after: each rank's sends (on its own stream) must follow the
-    // copies by themselves (the pools' usages).
-    let ranks: Vec<Rank> = (0..n)
-        .map(|r| {
-            let pool =
-                Arc::new(DevicePool::allocate(base.as_ref(), g, placement, r, per_rank).unwrap());
-            let storage = pool.storage().unwrap();
-            base.write_sync(storage, 0, &synth::bytes(rng, storage.len()))
-                .unwrap();
-            (stream(), pool)
-        })
-        .collect();
-    let local: Vec<LocalPage> = src.iter().map(|p| LocalPage(p.0)).collect();
-    for (r, (_, pool)) in (0..n).zip(&ranks) {
-        let plan = BlockCopyPlan::new(
-            reference.as_ref(),
-            PageSelection::Local(local.clone()),
-            pool.as_ref(),
-            PageSelection::Logical {
-                pages: src.clone(),
-                placement,
-                rank: r,
-            },
-            src.len(),
-        )
-        .unwrap();
-        let copy =
-            BlockCopy::prepare(base.as_ref(), plan, reference.clone(), pool.clone(), None).unwrap();
-        copy.run(base.as_ref(), LAUNCH).unwrap();
-        // Dropped with its launch queued: its tables stay until the launch has run.
-        drop(copy);
+}
+
+impl Transport for Bounced {
+    fn submit(
+        &mut self,
+        _: &SendPlan,
+        _: &Arc<DevicePool>,
+        _: &Arc<RemoteSpace>,
+    ) -> kvshard::Result<Box<dyn Completion>> {
+        unreachable!("the bounce route of these tests sends into decode ranks only")
     }
-    let reg = DecodeRegistration {
-        request: REQUEST,
-        layout,
-        tokens: case.tokens(),
-        prefix_pages: case.prefix_pages,
-        ranks: dranks,
-    };
-    reg.validate().unwrap();
-    Setup {
-        reference,
-        reference_pages,
-        src,
-        ranks,
-        decode,
-        spaces,
-        decode_pages,
-        reg,
-        before,
+
+    fn submit_decode(
+        &mut self,
+        plan: &DecodePlan,
+        src: &Arc<DevicePool>,
+        _: &[Arc<RemoteSpace>],
+    ) -> kvshard::Result<Box<dyn Completion>> {
+        let regions: Vec<Option<Buffer>> = self.regions.iter().cloned().map(Some).collect();
+        let packed = self.pack.pack(plan, src, &regions)?;
+        self.pack.backend().wait_event_sync(&packed.event)?;
+        let mut ranges = 0;
+        for (d, ((chunk, bytes), region)) in packed.ranks.iter().zip(&self.regions).enumerate() {
+            let owed = plan.rank_bytes()[d].total();
+            if chunk.is_empty() {
+                assert_eq!((*bytes, owed), (0, 0), "decode rank {d}: nothing moves");
+                continue;
+            }
+            // The rank's bytes, at most 63 rows of padding per indexer layer and 255 bytes
+            // per component.
+            let padding =
+                63 * INDEXER_ROW_BYTES as u64 * self.indexer_layers + 256 * self.components as u64;
+            assert!(
+                owed <= *bytes && *bytes < owed + padding,
+                "decode rank {d}: a region of {bytes} B for {owed} B"
+            );
+            ranges += 1;
+            let wire = self.pack.backend().read_sync(region, 0, *bytes as usize)?;
+            let (unpack, slot, pool, pages) = &mut self.decode[d];
+            unpack.backend().write_sync(slot, 0, &wire)?;
+            let event = unpack.unpack(chunk, self.layout, d as u32, slot, pool, pages)?;
+            unpack.backend().wait_event_sync(&event)?;
+        }
+        assert_eq!(
+            ranges,
+            plan.decode_ranks_reached(),
+            "one range per decode rank reached"
+        );
+        Ok(Box::new(Landed))
     }
 }
 
@@ -480,6 +188,7 @@ fn send(
     rng: &mut StdRng,
     mode: Mode,
     read: &dyn Fn() -> Vec<Vec<u8>>,
+    route: Route,
 ) -> (Vec<Finished>, Option<Vec<Vec<u8>>>) {
     let n = case.n;
     let m = case.layout.ranks() as usize;
@@ -487,9 +196,13 @@ fn send(
         .ranks
         .iter()
         .map(|(b, pool)| {
-            let transport =
-                BackendTransport::with_method(b.clone(), Method::Kernel(LAUNCH)).unwrap();
-            Sender::new(pool.clone(), Box::new(transport))
+            let transport: Box<dyn Transport> = match route {
+                Route::Scatter => Box::new(
+                    BackendTransport::with_method(b.clone(), Method::Kernel(LAUNCH)).unwrap(),
+                ),
+                Route::Bounce => Box::new(Bounced::new(s, b)),
+            };
+            Sender::new(pool.clone(), transport)
         })
         .collect();
     let mut receivers: Vec<Receiver> = (0..m)
@@ -561,27 +274,6 @@ fn send(
     (finished, early)
 }
 
-/// Where a decode rank's snapshot first differs from the expectation, named.
-fn difference(case: &Case, pages: u64, got: &[u8], want: &[u8]) -> Option<String> {
-    let at = got.iter().zip(want).position(|(a, b)| a != b)?;
-    let components = case.geometry.components();
-    for (c, comp) in components.iter().enumerate() {
-        for layer in 0..comp.layers() {
-            for page in 0..pages {
-                let start = block_offset(&components, pages, c, layer, page);
-                if (start..start + comp.block_bytes).contains(&at) {
-                    return Some(format!(
-                        "{} layer {layer} page {page}, byte {}",
-                        comp.component,
-                        at - start
-                    ));
-                }
-            }
-        }
-    }
-    Some(format!("byte {at}"))
-}
-
 /// Runs `case`, checks every decode rank against the relayout and the bytes each reports,
 /// and returns the decode ranks' snapshots.
 fn run_case(
@@ -591,10 +283,18 @@ fn run_case(
     mode: Mode,
     seed: u64,
 ) -> Vec<Vec<u8>> {
-    run_case_with(base, stream, &local_decode(base), case, mode, seed)
+    run_case_with(
+        base,
+        stream,
+        &local_decode(base),
+        case,
+        mode,
+        seed,
+        Route::Scatter,
+    )
 }
 
-/// [`run_case`] into decode pools `make_decode` makes.
+/// [`run_case`] into decode pools `make_decode` makes, by `route`.
 fn run_case_with(
     base: &Arc<dyn Backend>,
     stream: &dyn Fn() -> Arc<dyn Backend>,
@@ -602,6 +302,7 @@ fn run_case_with(
     case: &Case,
     mode: Mode,
     seed: u64,
+    route: Route,
 ) -> Vec<Vec<u8>> {
     let mut rng = StdRng::seed_from_u64(seed);
     let s = setup_with(base, stream, make_decode, case, &mut rng);
@@ -611,7 +312,7 @@ fn run_case_with(
             .map(|d| d.pool.snapshot_sync(d.owner.as_ref()).unwrap())
             .collect()
     };
-    let (finished, early) = send(&s, case, &mut rng, mode, &read);
+    let (finished, early) = send(&s, case, &mut rng, mode, &read, route);
     let reference = s.reference.snapshot_sync(base.as_ref()).unwrap();
     let want = relayout(
         case,
@@ -703,6 +404,47 @@ common::on_cpu_and_gpu!(
     }
 );
 
+// The bounce route (docs/dcp.md, "Over NIXL and Mooncake"): random (N, M, I, rotation, chunking,
+// prefix, geometry) and the shapes, each chunk packed per decode rank by one launch,
+// moved as one range per decode rank reached, and unpacked there: every decode rank equals the
+// unsharded reference re-laid out, as by the direct scatter. On the GPU, the bytes also equal
+// the CPU twin's (the pack and unpack kernels against their twin).
+common::on_cpu_and_gpu!(bounced_chunks_match_the_relaid_reference, |device| -> Vec<
+    Vec<u8>,
+> {
+    let mut rng = device.rng();
+    let base = device.stream();
+    let stream = || device.stream();
+    let mut cases: Vec<Case> = (0..16).map(|_| random_case(&mut rng)).collect();
+    for (n, m) in [(2, 2), (2, 4), (4, 2), (3, 4)] {
+        for i in [1, 64] {
+            cases.push(Case {
+                n,
+                layout: DecodeLayout::new(m, i).unwrap(),
+                geometry: geometries()[0].clone(),
+                chunk_ends: vec![300, 640, 1000],
+                prefix_pages: 1,
+                contiguous: false,
+                separate_state: true,
+            });
+        }
+    }
+    let mut all = Vec::new();
+    for case in cases {
+        let seed = rng.random();
+        all.extend(run_case_with(
+            &base,
+            &stream,
+            &local_decode(&base),
+            &case,
+            Mode::Pipelined,
+            seed,
+            Route::Bounce,
+        ));
+    }
+    all
+});
+
 // A decode rank that shares no token with a prefill rank, or holds no token of the request at
 // all, still completes it after a final status from every prefill rank (with no bytes).
 common::on_cpu_and_gpu!(pairs_with_nothing_to_send_still_complete, |device| {
@@ -725,7 +467,14 @@ common::on_cpu_and_gpu!(pairs_with_nothing_to_send_still_complete, |device| {
     let mut rng = StdRng::seed_from_u64(seed);
     let s = setup(&base, &stream, &case, &mut rng);
     assert!(s.reg.ranks[1..].iter().all(|r| r.pages.is_empty()));
-    let (finished, _) = send(&s, &case, &mut rng, Mode::Lockstep, &Vec::new);
+    let (finished, _) = send(
+        &s,
+        &case,
+        &mut rng,
+        Mode::Lockstep,
+        &Vec::new,
+        Route::Scatter,
+    );
     for f in &finished[1..] {
         assert!(f.is_completed() && f.total_bytes().total() == 0);
         assert_eq!(f.bytes.len(), 4, "a status from every prefill rank");
@@ -1188,6 +937,274 @@ common::on_cpu_and_gpu!(the_kernel_reports_what_it_skips, |device| -> Vec<Vec<u8
     out
 });
 
+/// Raw `kvs_decode_scatter` parameters unpacking rank 0 of 2 (interleave 1) from a dense
+/// source of `src_pages` pages (one latent component of one layer, 576-byte rows) into its
+/// pages 1 and 2 of a 3-page pool: sequence page `position`'s 32 rows of the rank, at dense row
+/// `dense` (the shift subtracts what puts them there).
+fn raw_unpack(
+    backend: &dyn Backend,
+    position: u64,
+    dense: u64,
+    src_pages: u64,
+) -> (Vec<u8>, kvshard::Result<()>) {
+    let block = 64 * 576u64;
+    let src = backend
+        .alloc((src_pages.max(1) * block) as usize, MemoryKind::Device)
+        .unwrap();
+    let data: Vec<u8> = (0..src.len() as u64).map(|i| (i * 7 + 3) as u8).collect();
+    backend.write_sync(&src, 0, &data).unwrap();
+    let dst = backend
+        .alloc(3 * block as usize, MemoryKind::Device)
+        .unwrap();
+    backend.fill(&dst, POISON).unwrap();
+    let tables = backend.alloc(4096, MemoryKind::Device).unwrap();
+    let at = tables.addr();
+    let mut table = Vec::new();
+    let word = |t: &mut Vec<u8>, w: u64| t.extend_from_slice(&w.to_le_bytes());
+    // pair (src base, component 0), the rank's base, its descriptor, its two pages, one entry,
+    // one shift: local token 32 * position - shift is the dense row.
+    word(&mut table, src.addr());
+    word(&mut table, 0);
+    word(&mut table, dst.addr());
+    word(&mut table, at + 56);
+    word(&mut table, 0);
+    word(&mut table, 2);
+    word(&mut table, 3);
+    word(&mut table, 1);
+    word(&mut table, 2);
+    let entry = table.len() as u64;
+    word(&mut table, 0);
+    word(&mut table, position);
+    let shift = table.len() as u64;
+    word(&mut table, (32 * position).wrapping_sub(dense));
+    backend.write_sync(&tables, 0, &table).unwrap();
+    let mut components = [abi::kvs_row_component::default(); 4];
+    components[0] = abi::kvs_row_component {
+        kind: abi::KVS_ROWS_LATENT,
+        row_bytes: 576,
+    };
+    let p = abi::kvs_decode_scatter_params {
+        components,
+        pairs: at,
+        dst_bases: at + 16,
+        ranks: at + 24,
+        entries: at + entry,
+        num_entries: 1,
+        shifts: at + shift,
+        src_limit: src_pages,
+        end_token: 1 << 20,
+        num_pairs: 1,
+        num_kv_pairs: 1,
+        num_ranks: 2,
+        interleave: 1,
+        num_components: 1,
+        mode: abi::KVS_DECODE_UNPACK,
+        one_rank: 1,
+        rank: 0,
+        ..Default::default()
+    };
+    let launch = Launch {
+        ctas: 2,
+        threads: 64,
+    };
+    // SAFETY: every address is one of the buffers above, alive past the synchronize; the
+    // rows the source does not hold are refused before they are read (what this checks).
+    unsafe { backend.decode_scatter(p, launch) }.unwrap();
+    let said = backend.synchronize();
+    (backend.read_sync(&dst, 0, dst.len()).unwrap(), said)
+}
+
+// The unpack kernel and its twin move a rank's rows from their dense rows, and refuse (report,
+// moving none of them) an entry whose rows do not all lie in the source's pages.
+common::on_cpu_and_gpu!(the_unpack_kernel_reads_only_its_source, |device| -> Vec<
+    Vec<u8>,
+> {
+    let b = device.stream();
+    let mut out = Vec::new();
+    // Sequence page 1: rank 0's local tokens 32..64, the end of its page 1, from dense rows
+    // 40..72 of a 2-page source.
+    let (bytes, said) = raw_unpack(b.as_ref(), 1, 40, 2);
+    said.unwrap();
+    let block = 64 * 576;
+    for row in 0..64usize {
+        let got = &bytes[block + row * 576..block + (row + 1) * 576];
+        if row < 32 {
+            assert!(
+                got.iter().all(|&x| x == POISON),
+                "{device}: row {row} untouched"
+            );
+        } else {
+            let from = (40 + row - 32) * 576;
+            let want: Vec<u8> = (from..from + 576)
+                .map(|i| (i as u64 * 7 + 3) as u8)
+                .collect();
+            assert_eq!(got, &want[..], "{device}: row {row}");
+        }
+    }
+    out.push(bytes);
+    // Dense rows 100..132 of a 2-page source (128 rows): refused at entry 0, nothing moved.
+    let (bytes, said) = raw_unpack(b.as_ref(), 1, 100, 2);
+    assert!(
+        matches!(said, Err(Error::KernelRejected { position: 0, .. })),
+        "{device}: {said:?}"
+    );
+    assert!(
+        bytes.iter().all(|&x| x == POISON),
+        "{device}: nothing written"
+    );
+    out.push(bytes);
+    // A shift past the rank's tokens wraps to a row far past the source: refused as well.
+    let (bytes, said) = raw_unpack(b.as_ref(), 1, u64::MAX - 3, 2);
+    assert!(
+        matches!(said, Err(Error::KernelRejected { .. })),
+        "{device}: {said:?}"
+    );
+    out.push(bytes);
+    out
+});
+
+#[test]
+fn scatter_modes_are_checked_before_any_launch() {
+    let b = kvshard::backend::cpu::CpuBackend::new();
+    let tables = b.alloc(64, MemoryKind::Device).unwrap();
+    let base = abi::kvs_decode_scatter_params {
+        pairs: tables.addr(),
+        dst_bases: tables.addr(),
+        ranks: tables.addr(),
+        entries: tables.addr(),
+        num_entries: 1,
+        shifts: tables.addr(),
+        src_limit: 1,
+        end_token: 64,
+        num_pairs: 1,
+        num_kv_pairs: 1,
+        num_ranks: 2,
+        interleave: 1,
+        num_components: 1,
+        components: [
+            abi::kvs_row_component {
+                kind: abi::KVS_ROWS_LATENT,
+                row_bytes: 576,
+            },
+            Default::default(),
+            Default::default(),
+            Default::default(),
+        ],
+        ..Default::default()
+    };
+    let launch = Launch {
+        ctas: 1,
+        threads: 32,
+    };
+    for (what, p) in [
+        (
+            "a packing without shifts",
+            abi::kvs_decode_scatter_params {
+                mode: abi::KVS_DECODE_PACK,
+                shifts: 0,
+                ..base
+            },
+        ),
+        (
+            "an unpacking of every rank",
+            abi::kvs_decode_scatter_params {
+                mode: abi::KVS_DECODE_UNPACK,
+                ..base
+            },
+        ),
+        (
+            "one rank past the layout",
+            abi::kvs_decode_scatter_params {
+                one_rank: 1,
+                rank: 2,
+                ..base
+            },
+        ),
+        (
+            "one rank said otherwise than 0 or 1",
+            abi::kvs_decode_scatter_params {
+                one_rank: 2,
+                ..base
+            },
+        ),
+        (
+            "an unknown mode",
+            abi::kvs_decode_scatter_params { mode: 7, ..base },
+        ),
+    ] {
+        // SAFETY: refused before anything is read (what this checks).
+        let r = unsafe { b.decode_scatter(p, launch) };
+        assert!(matches!(r, Err(Error::InvalidArgument(_))), "{what}: {r:?}");
+    }
+    b.synchronize().unwrap();
+}
+
+// Found with the bounce route's regions: a rank's memory overlapping another's was missed
+// unless the two ranges were neighbours in address order (a long range of one rank, a short
+// one of the same rank inside it, then the other rank's inside the long one). Fails on the old
+// check, which compared neighbours only.
+#[test]
+fn overlapping_decode_ranks_are_refused_wherever_they_overlap() {
+    let b: Arc<dyn Backend> = Arc::new(kvshard::backend::cpu::CpuBackend::new());
+    let g = small_geometry();
+    let src = DevicePool::allocate(b.as_ref(), &g, Placement::unsharded(), 0, 4).unwrap();
+    // One page per layer. Rank 0: its target latent layer 0 at 1 MiB (36,864 bytes long), its
+    // two target indexer layers inside it from 1 MiB + 1,008 (8,448 bytes each, ending at
+    // 1 MiB + 17,920), every other layer from 3 MiB. Rank 1: every layer from 1 MiB + 20,000,
+    // 100,000 apart: its first inside rank 0's first, after rank 0's indexer layers.
+    let m = 1u64 << 20;
+    let d0 = RemoteSpace::unmapped(
+        g.clone(),
+        1,
+        // In component order: target latent, target indexer, draft latent, draft indexer.
+        vec![
+            vec![m, 3 * m, 3 * m + (64 << 10)],
+            vec![m + 1_008, m + 9_472],
+            vec![3 * m + (128 << 10)],
+            vec![3 * m + (192 << 10)],
+        ],
+    )
+    .unwrap();
+    let mut at = m + 20_000;
+    let d1_bases: Vec<Vec<u64>> = g
+        .components()
+        .iter()
+        .map(|c| {
+            (0..c.layers())
+                .map(|_| {
+                    at += 100_000;
+                    at - 100_000
+                })
+                .collect()
+        })
+        .collect();
+    let d1 = RemoteSpace::unmapped(g.clone(), 1, d1_bases).unwrap();
+    let rank = ScatterRank {
+        pages: vec![LocalPage(0)],
+        state_pages: vec![LocalPage(0)],
+    };
+    let plan = DecodeScatterPlan::new(
+        &src,
+        &[&d0, &d1],
+        DecodeLayout::new(2, 1).unwrap(),
+        10,
+        ScatterSection {
+            components: vec![Component::TargetLatent],
+            entries: vec![(LocalPage(1), 0)],
+        },
+        ScatterSection {
+            components: vec![Component::TargetIndexer],
+            entries: vec![(LocalPage(1), 0)],
+        },
+        &[rank.clone(), rank],
+    );
+    assert!(
+        plan.as_ref()
+            .is_err_and(|e| e.to_string().contains("overlapping memory")),
+        "{plan:?}"
+    );
+}
+
 #[test]
 fn every_status_of_a_chunk_names_its_decode_rank_bytes() {
     // The statuses a chunk gives its decode ranks add up to what it moved.
@@ -1274,7 +1291,7 @@ fn chunks_reach_decode_pools_imported_from_other_processes() {
         let case = random_case(&mut rng);
         for mode in [Mode::Lockstep, Mode::Pipelined] {
             let seed = rng.random();
-            run_case_with(&base, &stream, &import, &case, mode, seed);
+            run_case_with(&base, &stream, &import, &case, mode, seed, Route::Scatter);
         }
     }
 }
@@ -1319,6 +1336,14 @@ fn gpu_chunks_reach_decode_pools_imported_from_other_processes() {
     for _ in 0..6 {
         let case = random_case(&mut rng);
         let seed = rng.random();
-        run_case_with(&base, &stream, &import, &case, Mode::Lockstep, seed);
+        run_case_with(
+            &base,
+            &stream,
+            &import,
+            &case,
+            Mode::Lockstep,
+            seed,
+            Route::Scatter,
+        );
     }
 }

@@ -189,14 +189,40 @@ pub(crate) fn write_rows(p: &abi::kvs_write_rows_params) -> Result<()> {
 }
 
 /// `kvs_decode_scatter`: the layout (1 to `KVS_DECODE_MAX_RANKS` ranks, an interleave of at
-/// least one token), the sections' pairs, the row formats (the latent layouts' rows, the indexer
-/// row) and unit and table counts that fit 64 bits.
+/// least one token), the mode and its ranks (one rank of the layout, or every rank; an unpack
+/// of one rank; a shift table where the mode reads one), the sections' pairs, the row formats
+/// (the latent layouts' rows, the indexer row) and unit and table counts that fit 64 bits.
 pub(crate) fn decode_scatter(p: &abi::kvs_decode_scatter_params) -> Result<()> {
     if p.num_ranks == 0 || p.num_ranks > abi::KVS_DECODE_MAX_RANKS || p.interleave == 0 {
         return invalid(format!(
             "decode scatter over {} ranks interleaving {} tokens",
             p.num_ranks, p.interleave
         ));
+    }
+    let one_rank = match p.one_rank {
+        0 => false,
+        1 if p.rank < p.num_ranks => true,
+        _ => {
+            return invalid(format!(
+                "decode scatter of rank {} alone ({}) over {} ranks",
+                p.rank, p.one_rank, p.num_ranks
+            ))
+        }
+    };
+    let shifted = match p.mode {
+        abi::KVS_DECODE_DIRECT => false,
+        abi::KVS_DECODE_PACK => true,
+        abi::KVS_DECODE_UNPACK if one_rank => true,
+        _ => {
+            return invalid(format!(
+                "decode scatter mode {} ({})",
+                p.mode,
+                if one_rank { "one rank" } else { "every rank" }
+            ))
+        }
+    };
+    if shifted && p.shifts == 0 {
+        return invalid("a packing or unpacking decode scatter without its shifts".into());
     }
     if p.num_kv_pairs > p.num_pairs {
         return invalid(format!(
@@ -244,8 +270,13 @@ pub(crate) fn decode_scatter(p: &abi::kvs_decode_scatter_params) -> Result<()> {
     let kv = u64::from(p.num_kv_pairs).checked_mul(p.num_entries);
     let state = u64::from(p.num_pairs - p.num_kv_pairs).checked_mul(p.num_state_entries);
     let units = kv.zip(state).and_then(|(a, b)| a.checked_add(b));
-    let bases = u64::from(p.num_pairs).checked_mul(u64::from(p.num_ranks));
-    if units.is_none() || bases.is_none() {
+    let ranks = if one_rank { 1 } else { u64::from(p.num_ranks) };
+    let bases = u64::from(p.num_pairs).checked_mul(ranks);
+    let shifts = p
+        .num_entries
+        .checked_add(p.num_state_entries)
+        .and_then(|e| e.checked_mul(ranks));
+    if units.is_none() || bases.is_none() || shifts.is_none() {
         return invalid("decode scatter unit count overflows".into());
     }
     Ok(())

@@ -81,25 +81,46 @@ pub(crate) fn resolve_kernel(p: &abi::kvs_resolve_params) -> KernelFn<abi::kvs_r
     }
 }
 
-/// The `kvs_decode_scatter` kernel for `p` (checked by `check::decode_scatter`): the pages
-/// kernel where the layout keeps pages whole, else the rows kernel of the launch's latent rows
-/// (cuda/decode_scatter.cu says why there are four). The CPU twin reports errors under the same
-/// name.
+/// The `kvs_decode_scatter` kernel for `p` (checked by `check::decode_scatter`): a direct
+/// launch takes the pages kernel where the layout keeps pages whole, else the rows kernel of the
+/// launch's latent rows; a packing or unpacking one the pack or unpack kernel of those rows
+/// (cuda/decode_scatter.cu says why there are ten). The CPU twin reports errors under the
+/// same name.
 pub(crate) fn decode_scatter_kernel(
     p: &abi::kvs_decode_scatter_params,
 ) -> KernelFn<abi::kvs_decode_scatter_params> {
-    if p.num_ranks == 1 || u64::from(p.interleave) % crate::geometry::PAGE_SIZE as u64 == 0 {
+    let page_granular =
+        p.num_ranks == 1 || u64::from(p.interleave) % crate::geometry::PAGE_SIZE as u64 == 0;
+    if p.mode == abi::KVS_DECODE_DIRECT && page_granular {
         return kernels::DECODE_SCATTER_PAGES;
     }
     let latent = p.components[..(p.num_components as usize).min(p.components.len())]
         .iter()
         .find(|c| c.kind == abi::KVS_ROWS_LATENT)
         .map(|c| c.row_bytes);
+    // By the latent rows: 576 bytes, or a launch of indexer components only (every rows kernel
+    // moves those).
+    let [rows_576, rows_656, rows_1152] = match p.mode {
+        abi::KVS_DECODE_PACK => [
+            kernels::DECODE_PACK_ROWS_576,
+            kernels::DECODE_PACK_ROWS_656,
+            kernels::DECODE_PACK_ROWS_1152,
+        ],
+        abi::KVS_DECODE_UNPACK => [
+            kernels::DECODE_UNPACK_ROWS_576,
+            kernels::DECODE_UNPACK_ROWS_656,
+            kernels::DECODE_UNPACK_ROWS_1152,
+        ],
+        _ => [
+            kernels::DECODE_SCATTER_ROWS_576,
+            kernels::DECODE_SCATTER_ROWS_656,
+            kernels::DECODE_SCATTER_ROWS_1152,
+        ],
+    };
     match latent {
-        Some(abi::KVS_LATENT_SCALED_ROW_BYTES) => kernels::DECODE_SCATTER_ROWS_656,
-        Some(abi::KVS_LATENT_BF16_ROW_BYTES) => kernels::DECODE_SCATTER_ROWS_1152,
-        // 576-byte rows, or a launch of indexer components only (every rows kernel moves those).
-        _ => kernels::DECODE_SCATTER_ROWS_576,
+        Some(abi::KVS_LATENT_SCALED_ROW_BYTES) => rows_656,
+        Some(abi::KVS_LATENT_BF16_ROW_BYTES) => rows_1152,
+        _ => rows_576,
     }
 }
 

@@ -347,6 +347,12 @@ mod tests {
             (Kernel::DecodeScatterRows576, abi::KVS_COPY_THREADS),
             (Kernel::DecodeScatterRows656, abi::KVS_COPY_THREADS),
             (Kernel::DecodeScatterRows1152, abi::KVS_COPY_THREADS),
+            (Kernel::DecodePackRows576, abi::KVS_COPY_THREADS),
+            (Kernel::DecodePackRows656, abi::KVS_COPY_THREADS),
+            (Kernel::DecodePackRows1152, abi::KVS_COPY_THREADS),
+            (Kernel::DecodeUnpackRows576, abi::KVS_COPY_THREADS),
+            (Kernel::DecodeUnpackRows656, abi::KVS_COPY_THREADS),
+            (Kernel::DecodeUnpackRows1152, abi::KVS_COPY_THREADS),
         ];
         for (kernel, threads) in shapes {
             let allowed = gpu.max_threads(kernel);

@@ -136,6 +136,12 @@ kernels! {
     DecodeScatterRows576 => "kvs_decode_scatter_rows_576", DECODE_SCATTER_ROWS_576: abi::kvs_decode_scatter_params;
     DecodeScatterRows656 => "kvs_decode_scatter_rows_656", DECODE_SCATTER_ROWS_656: abi::kvs_decode_scatter_params;
     DecodeScatterRows1152 => "kvs_decode_scatter_rows_1152", DECODE_SCATTER_ROWS_1152: abi::kvs_decode_scatter_params;
+    DecodePackRows576 => "kvs_decode_pack_rows_576", DECODE_PACK_ROWS_576: abi::kvs_decode_scatter_params;
+    DecodePackRows656 => "kvs_decode_pack_rows_656", DECODE_PACK_ROWS_656: abi::kvs_decode_scatter_params;
+    DecodePackRows1152 => "kvs_decode_pack_rows_1152", DECODE_PACK_ROWS_1152: abi::kvs_decode_scatter_params;
+    DecodeUnpackRows576 => "kvs_decode_unpack_rows_576", DECODE_UNPACK_ROWS_576: abi::kvs_decode_scatter_params;
+    DecodeUnpackRows656 => "kvs_decode_unpack_rows_656", DECODE_UNPACK_ROWS_656: abi::kvs_decode_scatter_params;
+    DecodeUnpackRows1152 => "kvs_decode_unpack_rows_1152", DECODE_UNPACK_ROWS_1152: abi::kvs_decode_scatter_params;
     // cuda/bench.cu, in the fatbin only with feature `bench-kernels` (build.rs).
     #[cfg(feature = "bench-kernels")]
     BenchEmpty => "kvs_bench_empty", BENCH_EMPTY: ();

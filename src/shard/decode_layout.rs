@@ -147,6 +147,54 @@ impl DecodeLayout {
     pub fn pages_on(&self, rank: u32, tokens: u64) -> u64 {
         self.tokens_on(rank, tokens).div_ceil(PAGE)
     }
+
+    /// `rank`'s local tokens of sequence page `position` below token `end`: `[first, first +
+    /// rows)`. A page's tokens on one rank are consecutive local tokens of it (a rank counts
+    /// its tokens in sequence order).
+    pub fn page_rows(&self, rank: u32, position: u64, end: u64) -> (u64, u64) {
+        let start = position.saturating_mul(PAGE).min(end);
+        let stop = position.saturating_add(1).saturating_mul(PAGE).min(end);
+        let first = self.tokens_on(rank, start);
+        (first, self.tokens_on(rank, stop) - first)
+    }
+
+    /// `rank`'s rows of tokens below `end` in sequence pages `positions`, packed densely in that
+    /// order (docs/dcp.md, "Over NIXL and Mooncake": what the bounce route moves to one decode
+    /// rank as one range).
+    pub fn dense_rows(&self, rank: u32, end: u64, positions: &[u64]) -> DenseRows {
+        let mut rows = 0u64;
+        let shifts = positions
+            .iter()
+            .map(|&position| {
+                let (first, n) = self.page_rows(rank, position, end);
+                // Modulo 2^64: the dense row of local token k is k - shift whatever the order.
+                let shift = first.wrapping_sub(rows);
+                rows += n;
+                shift
+            })
+            .collect();
+        DenseRows { shifts, rows }
+    }
+}
+
+/// One rank's rows of some sequence pages packed densely, page after page
+/// ([`DecodeLayout::dense_rows`]): the layout of what the bounce route carries to a decode rank,
+/// which both sides compute from the same pages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DenseRows {
+    /// Per page, in the order given: the shift `kvs_decode_scatter` subtracts (modulo 2^64) from
+    /// a row's local token to find its dense row (the page's first local token on the rank
+    /// minus the dense rows before it).
+    pub shifts: Vec<u64>,
+    /// Rows of all the pages.
+    pub rows: u64,
+}
+
+impl DenseRows {
+    /// Pages of 64 rows the dense rows fill.
+    pub fn pages(&self) -> u64 {
+        self.rows.div_ceil(PAGE)
+    }
 }
 
 impl std::fmt::Display for DecodeLayout {
@@ -268,6 +316,37 @@ mod tests {
             } else {
                 // Tokens I - 1 and I share a page and not a rank.
                 prop_assert!(!whole(u64::from(layout.interleave()) / PAGE));
+            }
+        }
+
+        #[test]
+        fn dense_rows_hold_each_pages_rows_of_the_rank_once_in_order(
+            layout in layouts(),
+            end in 1..2000u64,
+            mut positions in prop::collection::vec(0..40u64, 0..12),
+            shuffled in any::<bool>(),
+        ) {
+            positions.sort_unstable();
+            positions.dedup();
+            if shuffled {
+                positions.reverse();
+            }
+            for rank in 0..layout.ranks() {
+                let dense = layout.dense_rows(rank, end, &positions);
+                prop_assert_eq!(dense.shifts.len(), positions.len());
+                // Every token of the pages below the end on the rank, dense row by dense row.
+                let mut next = 0u64;
+                for (&position, &shift) in positions.iter().zip(&dense.shifts) {
+                    for t in position * PAGE..((position + 1) * PAGE).min(end) {
+                        let at = layout.place(t);
+                        if at.rank == rank {
+                            prop_assert_eq!(at.local.wrapping_sub(shift), next);
+                            next += 1;
+                        }
+                    }
+                }
+                prop_assert_eq!(dense.rows, next);
+                prop_assert_eq!(dense.pages(), next.div_ceil(PAGE));
             }
         }
 

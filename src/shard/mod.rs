@@ -16,7 +16,7 @@ pub use admission::{
 };
 pub(crate) use allocator::PageGenerations;
 pub use allocator::{AllocRequest, Allocation, ChainStart, ShardAllocator};
-pub use decode_layout::{DecodeLayout, DecodeRow, MAX_DECODE_RANKS};
+pub use decode_layout::{DecodeLayout, DecodeRow, DenseRows, MAX_DECODE_RANKS};
 pub use gather::{GatherPlan, GatherRequest, ScratchLayout};
 pub use placement::Placement;
 pub use resolve::{resolve_owned, scratch_rows, ResolveMode, Resolved};

@@ -41,6 +41,9 @@
 //! - `bounce`: whole-chunk bounce buffers ([`BounceBuffer`]) for engines that post one
 //!   descriptor per chunk and rank (Mooncake's, through the Python package): the pack of a
 //!   chunk's owned blocks into one contiguous range, and the decode side's scatter.
+//! - `decode_bounce`: the same route into a decode server sharded by token: each decode rank's
+//!   rows of a chunk packed densely into one region ([`DenseChunk`] says how), one range per
+//!   decode rank, unpacked there into its pages.
 //! - `nixl` (feature `nixl`): the transport on NVIDIA's NIXL, for prefill and decode on
 //!   different hosts.
 //! - `mooncake`: the transport on a transfer engine that moves raw ranges and carries no
@@ -50,6 +53,7 @@
 
 pub(crate) mod backend_transport;
 mod bounce;
+mod decode_bounce;
 pub(crate) mod endpoint;
 pub mod mooncake;
 #[cfg(feature = "nixl")]
@@ -65,6 +69,9 @@ pub(crate) mod transport;
 pub use crate::chunk_status::{ChunkResult, ChunkStatus, ComponentBytes};
 pub use backend_transport::{BackendTransport, CallCounts, DescriptorBatch};
 pub use bounce::{BounceBuffer, Packed, PackedSection};
+pub use decode_bounce::{
+    region_layout, region_of, DenseBounce, DenseChunk, DensePacked, DenseSection,
+};
 pub use endpoint::{DecodeEndpoint, DecodeEvent, PrefillEndpoint, PrefillEvent, CHUNK_EVENTS};
 pub use plan::{
     ChunkRange, DecodePlan, DecodeRank, DecodeRegistration, DecodeSection, Descriptor, PoolLayout,

@@ -5,6 +5,7 @@
 // Each test binary compiles this module and uses only part of it.
 #![allow(dead_code)]
 
+pub mod dcp;
 pub mod faults;
 pub mod pd;
 pub mod source;

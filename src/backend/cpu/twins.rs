@@ -393,10 +393,10 @@ pub(super) fn copy_ranges(mem: &mut Arena, p: &abi::kvs_copy_ranges_params) -> R
 
 /// The CPU twin of `kvs_decode_scatter` (cuda/decode_scatter.cu): every unit in order, every
 /// row of it placed by [`DecodeLayout`], the kernel's arithmetic, and moved on its own (the
-/// kernel moves a page-granular layout's rows as one run: the same bytes).
+/// kernel moves a page-granular layout's rows as one run, and an unpacked rank's rows as one
+/// contiguous run of its source: the same bytes).
 pub(super) fn decode_scatter(mem: &mut Arena, p: &abi::kvs_decode_scatter_params) -> Result<()> {
     let layout = DecodeLayout::new(p.num_ranks, p.interleave)?;
-    let page = PAGE_SIZE as u64;
     let kv_units = u64::from(p.num_kv_pairs) * p.num_entries;
     let state_pairs = u64::from(p.num_pairs - p.num_kv_pairs);
     let units = kv_units + state_pairs * p.num_state_entries;
@@ -425,58 +425,195 @@ pub(super) fn decode_scatter(mem: &mut Arena, p: &abi::kvs_decode_scatter_params
         if src_page < 0 {
             continue;
         }
-        if src_page as u64 >= p.src_limit {
+        let unpack = p.mode == abi::KVS_DECODE_UNPACK;
+        if !unpack && src_page as u64 >= p.src_limit {
             report(mem, &p.status, position)?;
             continue;
         }
-        let first = sequence_page.wrapping_mul(page);
+        let first = sequence_page.wrapping_mul(PAGE);
         if first >= p.end_token {
             continue;
         }
-        let valid = (p.end_token - first).min(page);
-        let c = p.components[component as usize];
-        let indexer = c.kind == abi::KVS_ROWS_INDEXER;
-        let block = if indexer {
+        let unit = ScatterUnit {
+            k,
+            state,
+            position,
+            first,
+            valid: (p.end_token - first).min(PAGE),
+            c: p.components[component as usize],
+        };
+        if unpack {
+            unpack_unit(mem, p, &layout, &unit, src_base)?;
+        } else {
+            let src = src_base.wrapping_add((src_page as u64).wrapping_mul(unit.block()));
+            scatter_unit(mem, p, &layout, &unit, src)?;
+        }
+    }
+    Ok(())
+}
+
+const PAGE: u64 = PAGE_SIZE as u64;
+
+/// One unit of a decode scatter that passed the checks every unit makes.
+struct ScatterUnit {
+    /// The pair.
+    k: u64,
+    /// Whether it moves the state section.
+    state: bool,
+    /// Where its errors are reported.
+    position: u64,
+    /// The page's first token.
+    first: u64,
+    /// Rows of tokens below the end.
+    valid: u64,
+    c: abi::kvs_row_component,
+}
+
+impl ScatterUnit {
+    fn indexer(&self) -> bool {
+        self.c.kind == abi::KVS_ROWS_INDEXER
+    }
+
+    /// Bytes of a block of the unit's component.
+    fn block(&self) -> u64 {
+        if self.indexer() {
             INDEXER_PAGE_BYTES as u64
         } else {
-            page * u64::from(c.row_bytes)
-        };
-        let src = src_base.wrapping_add((src_page as u64).wrapping_mul(block));
-        for o in 0..valid {
-            let place = layout.place(first + o);
-            let r = p.ranks + 32 * u64::from(place.rank);
-            let (pages, state_pages, num_pages, limit) = (
-                mem.u64_at(r)?,
-                mem.u64_at(r + 8)?,
-                mem.u64_at(r + 16)?,
-                mem.u64_at(r + 24)?,
-            );
-            if place.page_index() >= num_pages {
-                report(mem, &p.status, position)?;
-                continue;
-            }
-            let list = if state { state_pages } else { pages };
-            let dst_page = mem.i64_at(list + 8 * place.page_index())?;
-            if dst_page < 0 {
-                continue;
-            }
-            if dst_page as u64 >= limit {
-                report(mem, &p.status, position)?;
-                continue;
-            }
-            let base =
-                mem.u64_at(p.dst_bases + 8 * (k * u64::from(p.num_ranks) + u64::from(place.rank)))?;
-            let dst = base + dst_page as u64 * block;
-            let row = place.row();
-            if indexer {
-                let key = INDEXER_HEAD_DIM as u64;
-                mem.copy(dst + row * key, src + o * key, INDEXER_HEAD_DIM)?;
-                let scales = INDEXER_SCALES_OFFSET as u64;
-                mem.copy(dst + scales + 4 * row, src + scales + 4 * o, 4)?;
-            } else {
-                let bytes = u64::from(c.row_bytes);
-                mem.copy(dst + row * bytes, src + o * bytes, c.row_bytes as usize)?;
-            }
+            PAGE * u64::from(self.c.row_bytes)
+        }
+    }
+
+    /// Moves row `from` of the source block at `src` to row `to` of the destination block at
+    /// `dst`: a latent row, or an indexer key and its scale.
+    fn move_row(&self, mem: &mut Arena, src: u64, from: u64, dst: u64, to: u64) -> Result<()> {
+        if self.indexer() {
+            let key = INDEXER_HEAD_DIM as u64;
+            mem.copy(dst + to * key, src + from * key, INDEXER_HEAD_DIM)?;
+            let scales = INDEXER_SCALES_OFFSET as u64;
+            mem.copy(dst + scales + 4 * to, src + scales + 4 * from, 4)
+        } else {
+            let bytes = u64::from(self.c.row_bytes);
+            mem.copy(
+                dst + to * bytes,
+                src + from * bytes,
+                self.c.row_bytes as usize,
+            )
+        }
+    }
+}
+
+/// The ranks a launch's tables hold, and rank `rank`'s place among them (abi.h).
+fn table_ranks(p: &abi::kvs_decode_scatter_params) -> u64 {
+    if p.one_rank != 0 {
+        1
+    } else {
+        u64::from(p.num_ranks)
+    }
+}
+
+fn table_slot(p: &abi::kvs_decode_scatter_params, rank: u32) -> u64 {
+    if p.one_rank != 0 {
+        0
+    } else {
+        u64::from(rank)
+    }
+}
+
+/// The destination block holding row index `row` of rank `rank` for the unit, or `None` when
+/// the row is skipped (a padding page id), reported (a page the rank did not register, a page
+/// past its pool) included: the kernel's `dst_page`.
+fn dst_block(
+    mem: &mut Arena,
+    p: &abi::kvs_decode_scatter_params,
+    unit: &ScatterUnit,
+    rank: u32,
+    row: u64,
+) -> Result<Option<u64>> {
+    let s = table_slot(p, rank);
+    let r = p.ranks + 32 * s;
+    let (pages, state_pages, num_pages, limit) = (
+        mem.u64_at(r)?,
+        mem.u64_at(r + 8)?,
+        mem.u64_at(r + 16)?,
+        mem.u64_at(r + 24)?,
+    );
+    let index = row / PAGE;
+    if index >= num_pages {
+        report(mem, &p.status, unit.position)?;
+        return Ok(None);
+    }
+    let list = if unit.state { state_pages } else { pages };
+    let page = mem.i64_at(list + 8 * index)?;
+    if page < 0 {
+        return Ok(None);
+    }
+    if page as u64 >= limit {
+        report(mem, &p.status, unit.position)?;
+        return Ok(None);
+    }
+    let base = mem.u64_at(p.dst_bases + 8 * (unit.k * table_ranks(p) + s))?;
+    Ok(Some(base + page as u64 * unit.block()))
+}
+
+/// The shift of table place `s` for the unit (PACK and UNPACK).
+fn shift_of(
+    mem: &Arena,
+    p: &abi::kvs_decode_scatter_params,
+    unit: &ScatterUnit,
+    s: u64,
+) -> Result<u64> {
+    mem.u64_at(p.shifts + 8 * (unit.position * table_ranks(p) + s))
+}
+
+/// DIRECT and PACK: each row of the unit's source block at `src` to its rank's row.
+fn scatter_unit(
+    mem: &mut Arena,
+    p: &abi::kvs_decode_scatter_params,
+    layout: &DecodeLayout,
+    unit: &ScatterUnit,
+    src: u64,
+) -> Result<()> {
+    for o in 0..unit.valid {
+        let place = layout.place(unit.first + o);
+        if p.one_rank != 0 && place.rank != p.rank {
+            continue;
+        }
+        let mut row = place.local;
+        if p.mode == abi::KVS_DECODE_PACK {
+            row = row.wrapping_sub(shift_of(mem, p, unit, table_slot(p, place.rank))?);
+        }
+        if let Some(dst) = dst_block(mem, p, unit, place.rank, row)? {
+            unit.move_row(mem, src, o, dst, row % PAGE)?;
+        }
+    }
+    Ok(())
+}
+
+/// UNPACK: rank `p.rank`'s rows of the unit's page, local tokens `[k0, k0 + n)`, from rows
+/// `[q0, q0 + n)` of the source layer at `base` (nothing when they do not all lie in its
+/// `src_limit` pages: reported).
+fn unpack_unit(
+    mem: &mut Arena,
+    p: &abi::kvs_decode_scatter_params,
+    layout: &DecodeLayout,
+    unit: &ScatterUnit,
+    base: u64,
+) -> Result<()> {
+    let k0 = layout.tokens_on(p.rank, unit.first);
+    let n = layout.tokens_on(p.rank, unit.first + unit.valid) - k0;
+    if n == 0 {
+        return Ok(());
+    }
+    let q0 = k0.wrapping_sub(shift_of(mem, p, unit, 0)?);
+    let capacity = p.src_limit.saturating_mul(PAGE);
+    if q0 > capacity || n > capacity - q0 {
+        return report(mem, &p.status, unit.position);
+    }
+    for i in 0..n {
+        let (k, q) = (k0 + i, q0 + i);
+        if let Some(dst) = dst_block(mem, p, unit, p.rank, k)? {
+            let src = base + (q / PAGE) * unit.block();
+            unit.move_row(mem, src, q % PAGE, dst, k % PAGE)?;
         }
     }
     Ok(())

@@ -10,7 +10,7 @@ use nixl_sys::XferRequest;
 
 use super::agent::{Agent, Progress};
 use super::connection::State;
-use super::notice::{component_code, Bounced, Notice};
+use super::notice::{component_code, Bounced, Dense, Notice};
 use super::registration::component_index;
 use super::NixlMode;
 use crate::backend::{Event, KernelFamily, Launch};
@@ -251,6 +251,141 @@ impl State {
         peer.slots.iter().position(|s| !s.sending && !s.remote_busy)
     }
 
+    /// Checks this connection can carry a chunk of `request` into `dst` (the destination its
+    /// connect returned), after taking the peer's notifications.
+    pub(super) fn check_peer(&mut self, request: u64, dst: &RemoteSpace) -> Result<()> {
+        self.progress();
+        let Some(peer) = self.peer.as_ref() else {
+            return Err(Error::Transfer {
+                request,
+                reason: "the NIXL transport is not connected to a decode side".into(),
+            });
+        };
+        if let Some(why) = &peer.gone {
+            return Err(Error::Transfer {
+                request,
+                reason: format!("the decode side is gone: {why}"),
+            });
+        }
+        if dst.id() != peer.remote.id() {
+            return Err(Error::InvalidArgument(
+                "a NIXL transport moves into the destination its connect returned".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Takes a bounce slot free on both sides (held until [`Self::submit_dense`]'s chunk is
+    /// done with it, or [`Self::release_slot`]), and its memory, if any.
+    pub(super) fn take_slot(&mut self) -> Option<(usize, crate::backend::Buffer)> {
+        let peer = self.peer.as_mut()?;
+        let s = peer
+            .slots
+            .iter()
+            .position(|s| !s.sending && !s.remote_busy)?;
+        let slot = &mut peer.slots[s];
+        slot.sending = true;
+        slot.remote_busy = true;
+        Some((s, slot.space.buffer().clone()))
+    }
+
+    /// The deadline of a chunk submitted at `started`. A timeout past any instant
+    /// (`Duration::MAX`) is none: a deadline centuries away, never an overflow.
+    fn deadline(&self, started: Instant) -> Instant {
+        started
+            .checked_add(self.config.transfer_timeout)
+            .unwrap_or_else(|| started + Duration::from_secs(100 * 365 * 24 * 3600))
+    }
+
+    /// A chunk that moves no bytes: its notice goes alone, and it completes once the decode
+    /// says it took it.
+    pub(super) fn announce(&mut self, status: ChunkStatus, started: Instant) -> Result<InFlight> {
+        self.notify(&Notice::Chunk {
+            status: status.clone(),
+            bounced: Vec::new(),
+        })?;
+        let posted = Posted {
+            post_time: started.elapsed(),
+            ..Posted::default()
+        };
+        self.stats.posted(&posted);
+        Ok(InFlight {
+            stage: Stage::Announced,
+            status,
+            notice: Vec::new(),
+            slot: None,
+            per_block: false,
+            posted,
+            started,
+            deadline: self.deadline(started),
+            transfer_time: Some(Duration::ZERO),
+        })
+    }
+
+    /// A chunk's rows for a decode context-parallel rank, being packed (until `event`) into
+    /// the first `bytes` of slot `slot` ([`Self::take_slot`]): posted as one descriptor, that
+    /// prefix of the slot into the same prefix of the decode's slot, with `dense` riding on
+    /// its notice, once the packing has run.
+    pub(super) fn submit_dense(
+        &mut self,
+        status: ChunkStatus,
+        dense: Dense,
+        bytes: u64,
+        event: Event,
+        started: Instant,
+    ) -> Result<InFlight> {
+        let slot = dense.slot as usize;
+        let peer = self.peer.as_mut().ok_or_else(|| Error::Transfer {
+            request: status.request,
+            reason: "the NIXL transport is not connected to a decode side".into(),
+        })?;
+        let (li, ri) = (
+            vec![peer.local_layout.whole(slot, bytes)],
+            vec![peer.remote_layout.whole(slot, bytes)],
+        );
+        if slot >= peer.slots.len() {
+            return Err(Error::InvalidArgument(format!(
+                "bounce slot {slot} of the connection"
+            )));
+        }
+        let moved = match &status.result {
+            ChunkResult::Sent { bytes, .. } => bytes.total(),
+            ChunkResult::Failed { .. } => 0,
+        };
+        let notice = Notice::Dense {
+            status: status.clone(),
+            dense,
+        }
+        .encode();
+        let notice = match notice {
+            Ok(n) => n,
+            Err(e) => {
+                self.release_slot(Some(slot), true);
+                return Err(e);
+            }
+        };
+        let mut chunk = InFlight {
+            stage: Stage::Packing { event, li, ri },
+            status,
+            notice,
+            slot: Some(slot),
+            per_block: false,
+            posted: Posted {
+                bytes: moved,
+                descriptors: 1,
+                post_time: started.elapsed(),
+                bounced: true,
+            },
+            started,
+            deadline: self.deadline(started),
+            transfer_time: None,
+        };
+        // Posted at once when the packing has already run (the CPU twin), else at the first
+        // poll that finds it done.
+        self.advance(&mut chunk)?;
+        Ok(chunk)
+    }
+
     pub(super) fn submit(
         &mut self,
         plan: &SendPlan,
@@ -287,32 +422,9 @@ impl State {
                 last: chunk.last,
             },
         };
-        // A timeout past any instant (`Duration::MAX`) is none: a deadline centuries away,
-        // never an overflow.
-        let deadline = started
-            .checked_add(self.config.transfer_timeout)
-            .unwrap_or_else(|| started + Duration::from_secs(100 * 365 * 24 * 3600));
+        let deadline = self.deadline(started);
         if plan.is_empty() {
-            self.notify(&Notice::Chunk {
-                status: status.clone(),
-                bounced: Vec::new(),
-            })?;
-            let posted = Posted {
-                post_time: started.elapsed(),
-                ..Posted::default()
-            };
-            self.stats.posted(&posted);
-            return Ok(InFlight {
-                stage: Stage::Announced,
-                status,
-                notice: Vec::new(),
-                slot: None,
-                per_block: false,
-                posted,
-                started,
-                deadline,
-                transfer_time: Some(Duration::ZERO),
-            });
+            return self.announce(status, started);
         }
         let slot = self.pick_slot(plan);
         let per_block = self.config.mode == NixlMode::PerBlock;

@@ -104,9 +104,22 @@ impl State {
         } else {
             (None, Vec::new(), None)
         };
-        let local_layout =
-            ListLayout::new(&components, self.pool.pages(), slot_pages, nslots as u64)?;
-        let remote_layout = ListLayout::new(&components, peer.pages, slot_pages, nslots as u64)?;
+        let (offsets, slot_bytes) = BounceSpace::layout(geometry, slot_pages.max(1))?;
+        let slot_bytes = slot_bytes as u64;
+        let local_layout = ListLayout::new(
+            &components,
+            self.pool.pages(),
+            slot_pages,
+            nslots as u64,
+            slot_bytes,
+        )?;
+        let remote_layout = ListLayout::new(
+            &components,
+            peer.pages,
+            slot_pages,
+            nslots as u64,
+            slot_bytes,
+        )?;
         let pool = &self.pool;
         let device = &self.device;
         let mut bases = Vec::new();
@@ -119,6 +132,7 @@ impl State {
             bases.push(layers);
         }
         let mut slot_bases = Vec::new();
+        let mut slot_starts = Vec::new();
         for space in &spaces {
             let mut per = Vec::new();
             for c in 0..components.len() {
@@ -126,15 +140,20 @@ impl State {
                 per.push(device.nixl_address(addr, len as usize)?);
             }
             slot_bases.push(per);
+            slot_starts.push(device.nixl_address(space.addr(), slot_bytes as usize)?);
         }
         let local = self.agent.prepare(
             None,
             memory,
             local_layout
-                .descriptors(&components, |c, l| bases[c][l], |s, c| slot_bases[s][c])
+                .descriptors(
+                    &components,
+                    |c, l| bases[c][l],
+                    |s, c| slot_bases[s][c],
+                    |s| slot_starts[s],
+                )
                 .into_iter(),
         )?;
-        let (offsets, _) = BounceSpace::layout(geometry, slot_pages.max(1))?;
         let remote_memory = Memory {
             vram: peer.vram,
             device: u64::from(peer.device),
@@ -147,6 +166,7 @@ impl State {
                     &components,
                     |c, l| peer.layers[c][l],
                     |s, c| peer.slots[s] + offsets[c] as u64,
+                    |s| peer.slots[s],
                 )
                 .into_iter(),
         )?;

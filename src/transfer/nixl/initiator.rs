@@ -34,7 +34,7 @@ const WAIT_STEP: Duration = Duration::from_micros(20);
 /// report failures and read the stats.
 #[derive(Clone)]
 pub struct NixlTransport {
-    state: Arc<Mutex<State>>,
+    pub(super) state: Arc<Mutex<State>>,
     stats: TransferStats,
 }
 
@@ -54,6 +54,16 @@ impl NixlTransport {
     ///
     /// A missing NIXL library is [`Error::NixlUnavailable`], saying what to install.
     pub fn new(device: NixlBackend, pool: Arc<DevicePool>, config: NixlConfig) -> Result<Self> {
+        Self::counting_into(device, pool, config, TransferStats::new("nixl"))
+    }
+
+    /// [`Self::new`], counting into `stats` (a decode group's members count into one).
+    pub(super) fn counting_into(
+        device: NixlBackend,
+        pool: Arc<DevicePool>,
+        config: NixlConfig,
+        stats: TransferStats,
+    ) -> Result<Self> {
         device.check()?;
         device.check_space(pool.as_ref(), "the prefill pool")?;
         if config.transfer_timeout.is_zero() {
@@ -66,7 +76,6 @@ impl NixlTransport {
         let agent = Agent::new(&config.agent)?;
         // SAFETY: the state holds `pool` for as long as the registrations.
         let registrations = unsafe { device.register_pool(&agent, &pool)? };
-        let stats = TransferStats::new("nixl");
         let state = State {
             zombies: Vec::new(),
             peer: None,
@@ -218,9 +227,19 @@ impl NixlTransport {
 }
 
 /// A NIXL chunk's completion.
-struct NixlCompletion {
+pub(super) struct NixlCompletion {
     state: Arc<Mutex<State>>,
     chunk: Option<InFlight>,
+}
+
+impl NixlCompletion {
+    /// The completion of `chunk`, submitted through `transport`'s connection.
+    pub(super) fn new(transport: &NixlTransport, chunk: InFlight) -> Self {
+        Self {
+            state: transport.state.clone(),
+            chunk: Some(chunk),
+        }
+    }
 }
 
 impl Completion for NixlCompletion {

@@ -54,6 +54,14 @@
 //! (request, rank) by chunk before they reach the [`Receiver`](super::Receiver), whose
 //! one-final-status-per-rank rule then works unchanged.
 //!
+//! **Decode context parallelism.** A decode server sharded by token (docs/dcp.md) is M
+//! decode ranks, each a [`NixlTarget`] of its own; a prefill rank reaches them through a
+//! [`NixlDecodeTransport`] (one connection per decode rank). Each chunk is packed, per decode
+//! rank, densely into a bounce slot of that rank's connection (one `kvs_decode_scatter`
+//! launch for all of them) and posted as one descriptor per decode rank from a list segment
+//! of whole-slot prefixes; the decode rank unpacks it into its pages with the same kernel
+//! ([`Notice`](notice) `Dense` says how) before its receiver sees the status.
+//!
 //! **Failures.** A transfer NIXL reports failed, or that has not landed within
 //! [`NixlConfig::transfer_timeout`], fails its chunk on the prefill side and sends a failure
 //! notice; a peer whose control channel reports it gone ([`NixlTransport::peer_gone`],
@@ -70,6 +78,7 @@ mod agent;
 mod chunks;
 mod config;
 mod connection;
+mod decode_group;
 mod initiator;
 mod lists;
 mod notice;
@@ -79,6 +88,7 @@ mod target;
 
 pub use agent::load;
 pub use config::{NixlConfig, NixlMode};
+pub use decode_group::NixlDecodeTransport;
 pub use initiator::NixlTransport;
 pub(crate) use peer_geometry::{geometry_of, wire_geometry};
 pub use registration::NixlBackend;

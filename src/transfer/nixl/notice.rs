@@ -4,6 +4,9 @@
 //! and its receipt of a notice that went alone for a chunk that moved nothing (NIXL does not
 //! confirm a lone notification, so the prefill's chunk completes on that receipt).
 //!
+//! A chunk into a decode context-parallel rank that went through a bounce slot as one dense
+//! region carries, with its status, what the rank needs to unpack it ([`Dense`]).
+//!
 //! Each is a 5-byte header (magic `KVSN`, version) and a postcard-encoded [`Notice`]; anything
 //! else in an agent's notification stream is refused, not guessed at. A chunk's notice carries
 //! the rank's [`ChunkStatus`] as it is: the decode side hands it to its receiver untranslated.
@@ -15,9 +18,9 @@ use crate::geometry::Component;
 use crate::transfer::{ChunkResult, ChunkStatus};
 
 const MAGIC: [u8; 4] = *b"KVSN";
-/// Version 2: a chunk's notice carries its [`ChunkStatus`] as it is (a failure is a
-/// [`Notice::Chunk`] too).
-const VERSION: u8 = 3;
+/// Version 3: a chunk's notice carries its [`ChunkStatus`] as it is (a failure is a
+/// [`Notice::Chunk`] too); version 4 adds [`Notice::Dense`].
+const VERSION: u8 = 4;
 
 /// A section of a chunk that went through a bounce slot: the decode side scatters entry `j` of
 /// the slot's `components` into pool page `pages[j]`.
@@ -31,6 +34,22 @@ pub(crate) struct Bounced {
     pub pages: Vec<u64>,
 }
 
+/// A chunk's rows for one decode context-parallel rank, packed densely at the start of bounce
+/// slot `slot` (docs/dcp.md, "Over NIXL"): the decode layout and the rank, the end of the
+/// tokens moved, and per section its components and the sequence pages whose rows of the rank
+/// it carries (in packing order). The rows land in the pages the request registered on the
+/// decode side; it checks all of this against them and the slot before it unpacks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Dense {
+    pub slot: u32,
+    pub ranks: u32,
+    pub interleave: u32,
+    pub rank: u32,
+    pub end_token: u64,
+    /// Per section: its components ([`Component::ALL`] indices) and sequence pages.
+    pub sections: Vec<(Vec<u8>, Vec<u64>)>,
+}
+
 /// One notification.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum Notice {
@@ -41,6 +60,9 @@ pub(crate) enum Notice {
         status: ChunkStatus,
         bounced: Vec<Bounced>,
     },
+    /// Prefill → decode context-parallel rank: a rank's status of a chunk whose rows for the
+    /// decode rank landed as one dense region in a bounce slot ([`Dense`]); always `Sent`.
+    Dense { status: ChunkStatus, dense: Dense },
     /// Decode → prefill: the decode has scattered bounce slot `slot`; it may be written again.
     SlotFree { slot: u32 },
     /// Decode → prefill: the decode has taken the status of chunk `chunk` of `request`, a
@@ -102,6 +124,17 @@ impl Notice {
                 return Err(bad("a failed chunk with bounced sections".into()));
             }
         }
+        if let Notice::Dense {
+            status:
+                ChunkStatus {
+                    result: ChunkResult::Failed { .. },
+                    ..
+                },
+            ..
+        } = &notice
+        {
+            return Err(bad("a failed chunk with a dense region".into()));
+        }
         Ok(notice)
     }
 }
@@ -154,6 +187,30 @@ mod tests {
         };
         assert!(Notice::decode(&n.encode().unwrap()).is_err());
 
+        let dense = Notice::Dense {
+            status: status.clone(),
+            dense: Dense {
+                slot: 1,
+                ranks: 4,
+                interleave: 64,
+                rank: 3,
+                end_token: 900,
+                sections: vec![(vec![0, 1], vec![3, 7])],
+            },
+        };
+        assert_eq!(Notice::decode(&dense.encode().unwrap()).unwrap(), dense);
+        if let Notice::Dense { dense, .. } = dense {
+            let failed = Notice::Dense {
+                status: ChunkStatus {
+                    result: ChunkResult::Failed {
+                        reason: "no".into(),
+                    },
+                    ..status.clone()
+                },
+                dense,
+            };
+            assert!(Notice::decode(&failed.encode().unwrap()).is_err());
+        }
         assert!(Notice::decode(b"KVS").is_err());
         assert!(Notice::decode(b"HELLO WORLD").is_err());
         let mut trailing = free.encode().unwrap();

@@ -248,6 +248,12 @@ impl BounceSpace {
     pub fn addr(&self) -> u64 {
         self.buffer.addr()
     }
+
+    /// The slot's memory, whole (a dense region of a decode context-parallel chunk lies at its
+    /// start).
+    pub fn buffer(&self) -> &Buffer {
+        &self.buffer
+    }
 }
 
 impl sealed::Sealed for BounceSpace {

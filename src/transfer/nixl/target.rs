@@ -9,15 +9,18 @@ use std::sync::Arc;
 use nixl_sys::RegistrationHandle;
 
 use super::agent::Agent;
-use super::notice::{component_of, Bounced, Notice};
+use super::notice::{component_of, Bounced, Dense, Notice};
 use super::registration::{BounceSpace, NixlBackend};
 use super::{geometry_of, wire_geometry, NixlConfig};
 use crate::backend::{Buffer, Event, KernelFamily, Launch};
+use crate::copy::ScatterRank;
 use crate::copy::{BlockCopyPlan, BlockSpace, PageSelection, TableStore};
 use crate::error::{Error, Result};
 use crate::index::LocalPage;
 use crate::ipc::wire::{NixlPeer, MAX_NIXL_SLOTS};
 use crate::pool::DevicePool;
+use crate::shard::DecodeLayout;
+use crate::transfer::decode_bounce::{DenseBounce, DenseChunk, DenseSection};
 use crate::transfer::{ChunkResult, ChunkStatus, Finished, Overdue, Receiver, Registration};
 
 /// What the decode side knows of one prefill rank.
@@ -56,8 +59,12 @@ struct RankProgress {
 pub struct NixlTarget {
     scatters: VecDeque<Scatter>,
     store: TableStore,
+    /// Unpacks dense regions (a decode context-parallel rank's chunks).
+    dense: DenseBounce,
     receiver: Receiver,
     requests: HashMap<u64, Vec<RankProgress>>,
+    /// The pages each request registered (where a dense region's rows land).
+    pages: HashMap<u64, ScatterRank>,
     finished: Vec<Finished>,
     ranks: Vec<RankState>,
     /// Per rank, its slots (released before their registration and buffer).
@@ -128,8 +135,10 @@ impl NixlTarget {
         Ok(Self {
             scatters: VecDeque::new(),
             store: TableStore::new(device.backend()),
+            dense: DenseBounce::new(device.backend()),
             receiver: Receiver::with_deadline(config.deadline),
             requests: HashMap::new(),
+            pages: HashMap::new(),
             finished: Vec::new(),
             ranks: vec![RankState::Unknown; ranks as usize],
             slots,
@@ -233,7 +242,12 @@ impl NixlTarget {
     pub fn register(&mut self, registration: Registration) -> Result<()> {
         let request = registration.request;
         let ranks = self.ranks.len() as u32;
+        let pages = ScatterRank {
+            pages: registration.pages.clone(),
+            state_pages: registration.state_pages.clone(),
+        };
         self.receiver.register(registration, ranks)?;
+        self.pages.insert(request, pages);
         self.requests.insert(
             request,
             (0..ranks).map(|_| RankProgress::default()).collect(),
@@ -311,10 +325,18 @@ impl NixlTarget {
             self.refused += 1;
             return Ok(());
         };
-        let Notice::Chunk { status, bounced } = notice else {
+        let (status, bounced, dense) = match notice {
+            Notice::Chunk { status, bounced } => (status, bounced, None),
+            Notice::Dense { status, dense } => (status, Vec::new(), Some(dense)),
             // A decode side never receives slot releases.
-            self.refused += 1;
-            return Ok(());
+            _ => {
+                self.refused += 1;
+                return Ok(());
+            }
+        };
+        let slots: Vec<u32> = match &dense {
+            Some(d) => vec![d.slot],
+            None => bounced.iter().map(|b| b.slot).collect(),
         };
         let (request, chunk) = (status.request, status.chunk);
         let scattering = |s: &Scatter| {
@@ -348,16 +370,16 @@ impl NixlTarget {
                     .filter(|s| s.status.rank == rank)
                     .flat_map(|s| s.slots.iter().copied())
                     .collect();
-                let free: Vec<u32> = bounced
+                let free: Vec<u32> = slots
                     .iter()
-                    .map(|b| b.slot)
+                    .copied()
                     .filter(|s| !busy.contains(s))
                     .collect();
                 self.free_slots(rank, free.into_iter());
                 return Ok(());
             }
         }
-        if bounced.is_empty() {
+        if slots.is_empty() {
             if matches!(&status.result, ChunkResult::Sent { bytes, .. } if bytes.total() == 0) {
                 // A notice-only chunk: its rank completes it when it hears this.
                 self.taken(rank, status.request, status.chunk);
@@ -365,15 +387,19 @@ impl NixlTarget {
             self.deliver(status);
             return Ok(());
         }
-        match self.scatter(rank, &bounced) {
+        let enqueued = match &dense {
+            Some(d) => self.unpack(rank, status.request, d),
+            None => self.scatter(rank, &bounced),
+        };
+        match enqueued {
             Ok(event) => self.scatters.push_back(Scatter {
                 event,
                 status,
-                slots: bounced.iter().map(|b| b.slot).collect(),
+                slots,
             }),
             Err(e) => {
                 // A notice this side cannot act on fails the request for that rank.
-                self.free_slots(rank, bounced.iter().map(|b| b.slot));
+                self.free_slots(rank, slots.into_iter());
                 self.deliver(ChunkStatus {
                     result: ChunkResult::Failed {
                         reason: format!("bounce scatter refused: {e}"),
@@ -422,6 +448,52 @@ impl NixlTarget {
             self.store.launch(&plan, &src, &dst, launch)?;
         }
         backend.record()
+    }
+
+    /// Enqueues the unpacking of a dense region prefill rank `rank` bounced to this decode
+    /// context-parallel rank for `request`, into the pages the request registered here;
+    /// returns the event after it. Everything the notice says is checked (the slot, the layout,
+    /// the sections against the slot and the registered pages) before anything is enqueued,
+    /// and the kernel re-checks every index it reads.
+    fn unpack(&mut self, rank: u32, request: u64, d: &Dense) -> Result<Event> {
+        let pages = self.pages.get(&request).ok_or_else(|| {
+            Error::InvalidArgument(format!("request {request} is not registered"))
+        })?;
+        let space = self
+            .slots
+            .get(rank as usize)
+            .and_then(|s| s.get(d.slot as usize))
+            .cloned()
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("bounce slot {} of rank {rank}", d.slot))
+            })?;
+        let layout = DecodeLayout::new(d.ranks, d.interleave)?;
+        if d.rank >= d.ranks {
+            return Err(Error::OutOfRange {
+                what: "decode rank",
+                index: i64::from(d.rank),
+                limit: u64::from(d.ranks),
+            });
+        }
+        let sections = d
+            .sections
+            .iter()
+            .map(|(codes, positions)| {
+                Ok(DenseSection {
+                    components: codes
+                        .iter()
+                        .map(|&c| component_of(c))
+                        .collect::<Result<_>>()?,
+                    positions: positions.clone(),
+                })
+            })
+            .collect::<Result<_>>()?;
+        let chunk = DenseChunk {
+            end_token: d.end_token,
+            sections,
+        };
+        self.dense
+            .unpack(&chunk, layout, d.rank, space.buffer(), &self.pool, pages)
     }
 
     /// Delivers the statuses whose scatters have run, in arrival order, and frees their slots.
@@ -506,6 +578,7 @@ impl NixlTarget {
         match self.receiver.receive(status) {
             Ok(Some(finished)) => {
                 self.requests.remove(&request);
+                self.pages.remove(&request);
                 self.finished.push(finished);
             }
             Ok(None) => {}

@@ -516,6 +516,30 @@ impl DecodePlan {
     }
 }
 
+impl DecodePlan {
+    /// The copy layer's dense packing of this plan from `src` (this rank's pool) into `dsts`
+    /// (one bounce region per decode rank, in rank order; docs/dcp.md, "Over NIXL and
+    /// Mooncake"), checked against them.
+    pub fn pack(
+        &self,
+        src: &dyn BlockSpace,
+        dsts: &[&dyn BlockSpace],
+    ) -> Result<DecodeScatterPlan> {
+        DecodeScatterPlan::pack(
+            src,
+            dsts,
+            self.layout,
+            self.end_token,
+            self.kv.scatter(),
+            self.state.scatter(),
+        )
+        .map_err(|e| Error::Transfer {
+            request: self.request,
+            reason: e.to_string(),
+        })
+    }
+}
+
 /// Rows of `entries` (sequence pages) below `end_token` that land on each rank of `layout`:
 /// per entry, the cheaper of walking its interleave groups (a page holds at most 64 / I + 2 of
 /// them) and differencing every rank's count ([`DecodeLayout::tokens_on`]).
