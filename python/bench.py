@@ -126,7 +126,7 @@ def main():
     small = list(range(1, 17))
     plan = kvshard.TransferPlan(placement, 0, small, small, pages, pages)
     load = kvshard.HostTransfer(pool, host, plan, kvshard.Direction.LOAD)
-    load.prepare_kernel()
+    load.prepare_kernel_sync()
     signals = kvshard.LayerSignals(device, geometry.model_layers)
 
     def py_signalled(n, s=stream, arg=None):
@@ -167,8 +167,8 @@ def main():
     ctl = kvshard.HiCacheController(pool, host)
     node = kvshard.CacheNode(1, small)
     ctl.backup(node, stream, kvshard.Route.COPY_ENGINE)
-    ctl.ack_backups(1)
-    ack = lambda _i, _h: ctl.ack_loads(1)
+    ctl.ack_backups_sync(1)
+    ack = lambda _i, _h: ctl.ack_loads_sync(1)
     compare(
         "HiCacheController.load, 16 pages, kernel",
         lambda n: native._rust_load_ns(ctl, 1, small, kvshard.Route.KERNEL, n, 2),
@@ -189,7 +189,7 @@ def main():
             t0 = time.perf_counter_ns()
             p = sender.send(1, small, 16 * 64, last=True)
             out.append(time.perf_counter_ns() - t0)
-            p.wait()
+            p.wait_sync()
         return out
 
     compare(
@@ -204,7 +204,7 @@ def main():
     # Labelled by name, as in BENCHMARKS.md.
     for direction, way in [("backup", kvshard.Direction.BACKUP), ("load", kvshard.Direction.LOAD)]:
         t = kvshard.HostTransfer(pool, host, bplan, way)
-        t.prepare_kernel()
+        t.prepare_kernel_sync()
         for name, io in [("copy_engine", kvshard.Method.COPY_ENGINE), ("kernel", kvshard.Method.KERNEL)]:
             nbytes = t.bytes() * args.bulk_iters
 
@@ -230,7 +230,7 @@ def main():
             sender.open(r, dst)
             pend.append(sender.send(first + i, big, bulk * 64, last=True))
         for p in pend:
-            p.wait()
+            p.wait_sync()
         return time.perf_counter() - t0
 
     chunk_bytes = bulk * geometry.page_bytes

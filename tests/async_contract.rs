@@ -798,7 +798,7 @@ fn owners(
         WritePolicy::WriteThrough,
     )
     .unwrap();
-    let signals = LayerSignals::new_sync(bk, g.model_layers()).unwrap();
+    let signals = LayerSignals::new(bk, g.model_layers()).unwrap();
     let resolver = Resolver::new(bk, 4096).unwrap();
     let cuda = Arc::new(CudaBackend::new(gpu.clone()).unwrap());
     let exported = ExportedPool::allocate(

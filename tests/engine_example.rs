@@ -32,6 +32,10 @@ fn holds(report: &example::Report, shape: &example::Shape, on: &str) {
         "{on}: a prefill chunk waited on the host: {:?}",
         report.waits_per_chunk
     );
+    assert_eq!(
+        report.waits_outside_sync, 0,
+        "{on}: a call not named _sync waited on the host"
+    );
 }
 
 #[test]

@@ -792,7 +792,7 @@ fn signalled_runs_count_every_layer_to_its_target() {
     let plan = node_plan(placement, 1, &node);
     let owned = plan.len() as u32;
     let mut t = HostTransfer::new(source, host, plan, Direction::Backup).unwrap();
-    let mut signals = LayerSignals::new_sync(&b, g.model_layers()).unwrap();
+    let mut signals = LayerSignals::new(&b, g.model_layers()).unwrap();
     assert!(
         t.run_signalled(&b, Launch::host_io(&b, 2), &mut signals)
             .is_err(),
@@ -824,7 +824,7 @@ fn signalled_runs_count_every_layer_to_its_target() {
         }
     }
     assert!(signals.target(ModelLayer(4)).is_err());
-    let mut wrong = LayerSignals::new_sync(&b, 3).unwrap();
+    let mut wrong = LayerSignals::new(&b, 3).unwrap();
     assert!(matches!(
         t.run_signalled(&b, Launch::host_io(&b, 2), &mut wrong),
         Err(Error::GeometryMismatch { .. })
@@ -2684,8 +2684,7 @@ fn readiness(loader: Loader, layout: HostLayout) -> Readiness {
                 HostTransfer::new(pool.clone(), host.clone(), plan, Direction::Load).unwrap();
             t.prepare_kernel_sync(streams.tables.as_ref(), &mut Vec::new())
                 .unwrap();
-            let mut signals =
-                LayerSignals::new_sync(streams.tables.as_ref(), g.model_layers()).unwrap();
+            let mut signals = LayerSignals::new(streams.tables.as_ref(), g.model_layers()).unwrap();
             let waits = t
                 .run_signalled(load, Launch::host_io(load, 2), &mut signals)
                 .unwrap();

@@ -8,9 +8,13 @@
 //! of `src/` it names; `crate::Error` and the other names `lib.rs` re-exports resolve to the
 //! module they come from.
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
+
+use common::source::{blanked, files, without_tests};
 
 /// The declared layers, top first, from docs/design.md's fenced `layers` block.
 fn declared_layers(root: &Path) -> Vec<Vec<String>> {
@@ -28,61 +32,9 @@ fn declared_layers(root: &Path) -> Vec<Vec<String>> {
         .collect()
 }
 
-/// Every `.rs` file under `dir`.
-fn sources(dir: &Path, into: &mut Vec<PathBuf>) {
-    for entry in fs::read_dir(dir).expect("readable src") {
-        let path = entry.expect("entry").path();
-        if path.is_dir() {
-            sources(&path, into);
-        } else if path.extension().is_some_and(|e| e == "rs") {
-            into.push(path);
-        }
-    }
-}
-
 /// The code of a file without comments, string literals and `#[cfg(test)]` items.
 fn code(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let b = text.as_bytes();
-    let mut i = 0;
-    while i < b.len() {
-        if b[i..].starts_with(b"//") {
-            while i < b.len() && b[i] != b'\n' {
-                i += 1;
-            }
-        } else if b[i..].starts_with(b"/*") {
-            i = text[i..].find("*/").map_or(b.len(), |e| i + e + 2);
-        } else if b[i] == b'"' {
-            i += 1;
-            while i < b.len() && b[i] != b'"' {
-                i += if b[i] == b'\\' { 2 } else { 1 };
-            }
-            i += 1;
-            out.push_str("\"\"");
-        } else if b[i..].starts_with(b"#[cfg(test)]") {
-            // Skip the item: up to its first `;` or its matching closing brace.
-            let mut depth = 0usize;
-            while i < b.len() {
-                match b[i] {
-                    b';' if depth == 0 => break,
-                    b'{' => depth += 1,
-                    b'}' => {
-                        depth -= 1;
-                        if depth == 0 {
-                            break;
-                        }
-                    }
-                    _ => {}
-                }
-                i += 1;
-            }
-            i += 1;
-        } else {
-            out.push(b[i] as char);
-            i += 1;
-        }
-    }
-    out
+    without_tests(&blanked(text))
 }
 
 /// The module path of a source file: `src/pool/host/mod.rs` -> `["pool", "host"]`.
@@ -210,8 +162,7 @@ fn imports_point_down_the_declared_layers_and_no_files_form_a_circle() {
         .flat_map(|(i, layer)| layer.iter().map(move |m| (m.as_str(), top - i)))
         .collect();
 
-    let mut paths = Vec::new();
-    sources(&src, &mut paths);
+    let paths = files(&src, ".rs");
     let files: BTreeMap<Vec<String>, PathBuf> = paths
         .iter()
         .map(|p| (module_of(&src, p), p.clone()))
@@ -328,8 +279,7 @@ fn module_name(file: &Path) -> String {
 #[test]
 fn no_two_modules_of_src_share_a_name() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut paths = Vec::new();
-    sources(&src, &mut paths);
+    let paths = files(&src, ".rs");
     let mut by_name: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for file in paths.iter().filter(|p| !p.ends_with("lib.rs")) {
         let rel = file.strip_prefix(&src).expect("under src");
@@ -357,8 +307,7 @@ const MOD_RS_CODE_LINES: usize = 60;
 #[test]
 fn every_mod_rs_only_declares_and_re_exports() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut paths = Vec::new();
-    sources(&src, &mut paths);
+    let paths = files(&src, ".rs");
     let mut wrong = Vec::new();
     for file in paths.iter().filter(|p| p.ends_with("mod.rs")) {
         let text = code(&fs::read_to_string(file).expect("readable source"));

@@ -796,7 +796,7 @@ fn a_deferred_signalled_copy_lands_layer_by_layer() {
     ]
     .map(|(c, l)| pages_of(c, l));
     let copy = BlockCopy::prepare_sync(&b, plan, pool.clone(), staging.clone(), None).unwrap();
-    let mut signals = LayerSignals::new_sync(&b, g.model_layers()).unwrap();
+    let mut signals = LayerSignals::new(&b, g.model_layers()).unwrap();
     let waits = copy.run_signalled(&b, LAUNCH, &mut signals).unwrap();
     assert_eq!(waits.len(), 4);
     let consumer = b.new_stream();

@@ -132,6 +132,9 @@ from ._kvshard import (
 # The process's pending frees.
 from ._kvshard import pending_frees, wait_for_frees_sync
 
+# The calling thread's host-blocking waits (only `_sync` calls and `synchronize` block).
+from ._kvshard import host_waits
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -218,6 +221,7 @@ __all__ = [
     "embedded_archs",
     "pending_frees",
     "wait_for_frees_sync",
+    "host_waits",
     "engine_memory",
     "engine_regions",
     "page_hash",

@@ -58,6 +58,7 @@ signatures (``BASE_CLASS`` says which; the choice is logged at import).
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import threading
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
@@ -158,7 +159,7 @@ def _index_values(host_indices) -> List[int]:
         host_indices = host_indices.cpu()
     if hasattr(host_indices, "tolist"):
         host_indices = host_indices.tolist()
-    return [int(v) for v in host_indices]
+    return [operator.index(v) for v in host_indices]
 
 
 _LATENT_BY_ROW_BYTES = {

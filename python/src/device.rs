@@ -30,7 +30,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyInt, PyString, PyType};
 
-use kvshard::backend::cpu::CpuBackend;
+use kvshard::backend::cpu::{CpuBackend, StreamOrder};
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{AddressSpace, Backend, Event};
 use kvshard::gpu::Gpu;
@@ -362,18 +362,34 @@ pub fn _stream_handle(stream: &Bound<'_, PyAny>) -> PyResult<usize> {
 
 #[pymethods]
 impl PyDevice {
-    /// The CPU reference backend: the twin of every kernel, on an address space of its own.
-    /// `deferred=True` runs work only when something waits for it, so per-layer readiness is
-    /// observable without a GPU.
+    /// The CPU reference backend: the twin of every kernel, on an address space of its own,
+    /// its streams in `order`: `"immediate"` (every operation runs when it is enqueued),
+    /// `"deferred"` (work runs only when something waits for it, so per-layer readiness is
+    /// observable without a GPU) or `"adversarial"` (deferred, and at each host wait a coin
+    /// seeded with `seed` runs the other streams first or last: a missing dependency between
+    /// streams then reads old bytes or has its bytes overwritten). `None`: the order the
+    /// `KVSHARD_CPU_STREAMS` environment variable names (`immediate` when unset). `seed` only
+    /// with `"adversarial"`; anything else raises `InvalidArgumentError`.
     #[staticmethod]
-    #[pyo3(name = "cpu", signature = (deferred = false))]
-    fn cpu_backend(deferred: bool) -> Self {
-        let b = if deferred {
-            CpuBackend::deferred()
-        } else {
-            CpuBackend::new()
+    #[pyo3(name = "cpu", signature = (order = None, seed = None))]
+    fn cpu_backend(order: Option<&str>, seed: Option<u64>) -> PyResult<Self> {
+        let order = match (order, seed) {
+            (None, None) => return Ok(Self::of(Kind::Cpu(Arc::new(CpuBackend::new())))),
+            (Some("immediate"), None) => StreamOrder::Immediate,
+            (Some("deferred"), None) => StreamOrder::Deferred,
+            (Some("adversarial"), seed) => StreamOrder::Adversarial(seed.unwrap_or(0)),
+            (order, Some(seed)) => {
+                return Err(invalid(format!(
+                    "seed={seed} with order={order:?}: a seed picks the adversarial order's coin"
+                )))
+            }
+            (Some(other), None) => {
+                return Err(invalid(format!(
+                    "order={other:?}: expected \"immediate\", \"deferred\" or \"adversarial\""
+                )))
+            }
         };
-        Self::of(Kind::Cpu(Arc::new(b)))
+        Ok(Self::of(Kind::Cpu(Arc::new(CpuBackend::with_order(order)))))
     }
 
     /// GPU `ordinal` (its primary context, the one torch uses). Raises `UnavailableError`

@@ -322,7 +322,7 @@ impl PyDevicePool {
     /// The bytes of block (`layer`, `page`) of `component`, after prior work on `stream`
     /// (waits for it).
     #[pyo3(signature = (component, layer, page, stream = None))]
-    fn read_block<'py>(
+    fn read_block_sync<'py>(
         &self,
         py: Python<'py>,
         component: PyComponent,
@@ -342,7 +342,7 @@ impl PyDevicePool {
     /// The bytes of each local page of `pages` (every block, component by component, layer by
     /// layer), after prior work on `stream` (waits for it).
     #[pyo3(signature = (pages, stream = None))]
-    fn read_pages<'py>(
+    fn read_pages_sync<'py>(
         &self,
         py: Python<'py>,
         pages: Vec<u64>,
@@ -359,7 +359,7 @@ impl PyDevicePool {
 
     /// Every block of the pool, component by component, layer by layer, page by page (waits).
     #[pyo3(signature = (stream = None))]
-    fn snapshot<'py>(
+    fn snapshot_sync<'py>(
         &self,
         py: Python<'py>,
         stream: Option<&Bound<'_, PyAny>>,

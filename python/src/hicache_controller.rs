@@ -307,7 +307,7 @@ impl PyHiCacheController {
     /// `node` is leaving the device pool (write-back backs it up first, after `after` as in
     /// `access`, blocking); returns the acks popped up to its backup.
     #[pyo3(signature = (node, after, route = PyRoute::AUTO, *, ctas = 2))]
-    fn evict(
+    fn evict_sync(
         &self,
         py: Python<'_>,
         node: &PyCacheNode,
@@ -370,7 +370,7 @@ impl PyHiCacheController {
     }
 
     /// Pops the `count` oldest backups (blocks until they completed).
-    fn ack_backups(&self, py: Python<'_>, count: usize) -> PyResult<Vec<PyBackupAck>> {
+    fn ack_backups_sync(&self, py: Python<'_>, count: usize) -> PyResult<Vec<PyBackupAck>> {
         Ok(self
             .with(py, |c| c.ack_backups_sync(count))?
             .into_iter()
@@ -379,7 +379,7 @@ impl PyHiCacheController {
     }
 
     /// Pops the `count` oldest loads (blocks until they completed).
-    fn ack_loads(&self, py: Python<'_>, count: usize) -> PyResult<Vec<PyLoadAck>> {
+    fn ack_loads_sync(&self, py: Python<'_>, count: usize) -> PyResult<Vec<PyLoadAck>> {
         Ok(self
             .with(py, |c| c.ack_loads_sync(count))?
             .into_iter()

@@ -6,8 +6,10 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
+use kvshard::backend::cpu::CpuBackend;
 use kvshard::backend::{Backend, MemoryKind};
 use kvshard::copy::BlockSpace;
+use kvshard::geometry::CacheGeometry;
 use kvshard::hicache::{
     DraftPacking, HostBufferLayout, HostFormat, HostLayout, HostMemory, HostPool, RegisteredRegion,
 };
@@ -18,7 +20,7 @@ use crate::errors::{invalid, IntoPy};
 use crate::geometry::{PyCacheGeometry, PyComponent, PyComponentLayout};
 use crate::hicache_enums::PyHostLayout;
 use crate::pool_tensors::{dl_devices, export_dtype, item_sizes, view_of, PoolKeep, PyKeep};
-use crate::tensor::{check, import_writable, KeepInner, PyTensorView, Want};
+use crate::tensor::{check, import_writable, Imported, KeepInner, PyTensorView, Want};
 
 /// The `(host address, bytes)` of each registration covering one host tensor.
 type Registrations = Vec<(usize, usize)>;
@@ -224,56 +226,11 @@ impl PyHostPool {
             )));
         }
         let mut keep = PoolKeep::default();
-        let mut imported = Vec::with_capacity(tensors.len());
-        for (i, (t, l)) in tensors.iter().zip(&layouts).enumerate() {
-            let what = format!("host buffer {i} ({:?})", l.components);
-            let it = import_writable(t, &what, &mut keep.objects)?;
-            keep.claim(&it, &what);
-            let comp = g
-                .components()
-                .into_iter()
-                .find(|c| c.component == l.components[0])
-                .ok_or_else(|| invalid("host buffer of no component"))?;
-            let (sizes, names) = item_sizes(&comp, g.target.latent);
-            let want = Want {
-                what,
-                devices: dl_devices(d, true),
-                row_bytes: l.row_bytes,
-                item_sizes: sizes,
-                dtypes: names,
-                min_bytes: l.bytes as u64,
-                min_why: format!(
-                    "{} layers x {} pages x {} B blocks, {format}",
-                    l.layers, l.pages, l.block_bytes
-                ),
-                exact: true,
-            };
-            check(&it, &want)?;
-            imported.push(it);
-        }
+        let imported = import_buffers(d, g, &format, &layouts, &tensors, &mut keep)?;
         keep.commit()?;
         let pool = match (d.cpu(), d.gpu()) {
             (Some(cpu), _) => {
-                let mut memory = Vec::with_capacity(imported.len());
-                for it in &imported {
-                    // SAFETY: the array's bytes (its DLPack description), kept alive by the
-                    // adopted allocation's keep-alive; the engine must not touch them while
-                    // kvshard's work uses them (the documented contract of wrapping).
-                    let b = unsafe {
-                        cpu.adopt_raw(
-                            it.ptr as *mut u8,
-                            it.nbytes,
-                            MemoryKind::PinnedHost,
-                            Arc::new(PyKeep(it.object.clone_ref(py))),
-                        )
-                    }
-                    .py_err()?;
-                    keep.buffers.push(b.clone());
-                    memory.push(HostMemory {
-                        memory: b,
-                        host: Some(it.ptr as *mut u8),
-                    });
-                }
+                let memory = adopted(py, cpu, &imported, &mut keep)?;
                 let backend: Arc<dyn Backend> = cpu.clone();
                 // SAFETY: adopted memory of this arena, alive with `keep`, with its host
                 // addresses.
@@ -513,7 +470,7 @@ impl PyHostPool {
     /// Every block in canonical order (component, layer, page, rows), the same bytes whatever
     /// the format (waits for `stream`).
     #[pyo3(signature = (stream = None))]
-    fn snapshot<'py>(
+    fn snapshot_sync<'py>(
         &self,
         py: Python<'py>,
         stream: Option<&Bound<'_, PyAny>>,
@@ -540,6 +497,77 @@ impl PyHostPool {
             self.inner.bytes()
         )
     }
+}
+
+/// The imported host tensors adopted into `cpu`'s arena (held by `keep`), with their host
+/// addresses.
+fn adopted(
+    py: Python<'_>,
+    cpu: &CpuBackend,
+    imported: &[Imported],
+    keep: &mut PoolKeep,
+) -> PyResult<Vec<HostMemory>> {
+    let mut memory = Vec::with_capacity(imported.len());
+    for it in imported {
+        // SAFETY: the array's bytes (its DLPack description), kept alive by the
+        // adopted allocation's keep-alive; the engine must not touch them while
+        // kvshard's work uses them (the documented contract of wrapping).
+        let b = unsafe {
+            cpu.adopt_raw(
+                it.ptr as *mut u8,
+                it.nbytes,
+                MemoryKind::PinnedHost,
+                Arc::new(PyKeep(it.object.clone_ref(py))),
+            )
+        }
+        .py_err()?;
+        keep.buffers.push(b.clone());
+        memory.push(HostMemory {
+            memory: b,
+            host: Some(it.ptr as *mut u8),
+        });
+    }
+    Ok(memory)
+}
+
+/// The engine's host tensors imported as the buffers `layouts` of `format` describe, each
+/// checked (device, row and item sizes, at least its bytes) and claimed in `keep`.
+fn import_buffers(
+    d: &PyDevice,
+    g: &CacheGeometry,
+    format: &HostFormat,
+    layouts: &[HostBufferLayout],
+    tensors: &[Bound<'_, PyAny>],
+    keep: &mut PoolKeep,
+) -> PyResult<Vec<Imported>> {
+    let mut imported = Vec::with_capacity(tensors.len());
+    for (i, (t, l)) in tensors.iter().zip(layouts).enumerate() {
+        let what = format!("host buffer {i} ({:?})", l.components);
+        let it = import_writable(t, &what, &mut keep.objects)?;
+        keep.claim(&it, &what);
+        let comp = g
+            .components()
+            .into_iter()
+            .find(|c| c.component == l.components[0])
+            .ok_or_else(|| invalid("host buffer of no component"))?;
+        let (sizes, names) = item_sizes(&comp, g.target.latent);
+        let want = Want {
+            what,
+            devices: dl_devices(d, true),
+            row_bytes: l.row_bytes,
+            item_sizes: sizes,
+            dtypes: names,
+            min_bytes: l.bytes as u64,
+            min_why: format!(
+                "{} layers x {} pages x {} B blocks, {format}",
+                l.layers, l.pages, l.block_bytes
+            ),
+            exact: true,
+        };
+        check(&it, &want)?;
+        imported.push(it);
+    }
+    Ok(imported)
 }
 
 fn unreachable_device() -> kvshard::Result<HostPool> {

@@ -189,7 +189,11 @@ impl PyHostTransfer {
 
     /// Uploads the SM kernel's tables, waiting for `stream` (use one other than the transfers').
     #[pyo3(signature = (stream = None))]
-    fn prepare_kernel(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    fn prepare_kernel_sync(
+        &self,
+        py: Python<'_>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let b = self.device.get().resolve(stream)?;
         self.with(py, |t, spare| t.prepare_kernel_sync(b.as_ref(), spare))
     }
@@ -249,7 +253,7 @@ impl PyHostTransfer {
 
     /// Uploads the kernel relayout's tables for `staging` (waits for `stream`).
     #[pyo3(signature = (staging, stream = None))]
-    fn prepare_staged(
+    fn prepare_staged_sync(
         &self,
         py: Python<'_>,
         staging: &PyStagedIo,

@@ -26,7 +26,7 @@ impl PyLayerSignals {
     ) -> PyResult<Self> {
         let b = device.resolve(stream)?;
         Ok(Self(
-            py.detach(|| LayerSignals::new_sync(b.as_ref(), model_layers))
+            py.detach(|| LayerSignals::new(b.as_ref(), model_layers))
                 .py_err()?,
         ))
     }

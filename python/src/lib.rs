@@ -68,8 +68,10 @@ mod frees;
 mod geometry;
 mod hicache_controller;
 mod hicache_enums;
+// The calling thread's host-blocking waits (kvshard.host_waits: only `_sync` calls block).
 mod host_pool;
 mod host_transfer;
+mod host_waits;
 mod layer_signals;
 mod lock;
 mod method;
@@ -78,6 +80,8 @@ mod owned_row_write;
 // A page copy an engine runs layer by layer (its scratch gather).
 mod page_copy;
 mod pool_tensors;
+// The decode side of P/D: its receiver of chunk statuses (Finished, Overdue).
+mod receiver;
 mod shard;
 mod side_channel;
 mod storage_keys;
@@ -122,6 +126,7 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The process's pending frees.
     m.add_function(wrap_pyfunction!(frees::pending_frees, m)?)?;
     m.add_function(wrap_pyfunction!(frees::wait_for_frees_sync, m)?)?;
+    m.add_function(wrap_pyfunction!(host_waits::host_waits, m)?)?;
     m.add_function(wrap_pyfunction!(capacity::plan_capacity, m)?)?;
     m.add_function(wrap_pyfunction!(device::_stream_handle, m)?)?;
     m.add_function(wrap_pyfunction!(bench::_rust_load_ns, m)?)?;
@@ -155,9 +160,9 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<transfer::PyChunkStatus>()?;
     m.add_class::<transfer::PyPendingChunk>()?;
     m.add_class::<transfer::PySender>()?;
-    m.add_class::<transfer::PyFinished>()?;
-    m.add_class::<transfer::PyOverdue>()?;
-    m.add_class::<transfer::PyReceiver>()?;
+    m.add_class::<receiver::PyFinished>()?;
+    m.add_class::<receiver::PyOverdue>()?;
+    m.add_class::<receiver::PyReceiver>()?;
     m.add_class::<method::PyMethod>()?;
     // Decode context parallelism (docs/dcp.md).
     m.add_class::<dcp::PyDecodeLayout>()?;

@@ -240,7 +240,7 @@ fn seconds(s: f64, what: &str) -> PyResult<Duration> {
 }
 
 /// One chunk handed to the engine: post `src_addrs`/`dst_addrs`/`lengths` (in bounce mode,
-/// once `ready()`), report `posted`, then `landed` or `failed`; `poll` it (or `wait`) for the
+/// once `ready()`), report `posted`, then `landed` or `failed`; `poll` it (or `wait_sync`) for the
 /// status to deliver to the decode side (`report(status)` is its side-channel frame).
 #[pyclass(frozen, module = "kvshard", name = "MooncakeChunk")]
 pub struct PyMooncakeChunk(MooncakeChunk);
@@ -363,7 +363,7 @@ impl PyMooncakeChunk {
 
     /// Waits (at most the transfer timeout) until the engine reports the chunk and returns its
     /// status (once).
-    fn wait(&self, py: Python<'_>) -> PyResult<PyChunkStatus> {
+    fn wait_sync(&self, py: Python<'_>) -> PyResult<PyChunkStatus> {
         Ok(PyChunkStatus(py.detach(|| self.0.wait_sync()).py_err()?))
     }
 

@@ -126,7 +126,7 @@ impl PyOwnedRowWrite {
     /// Checks `slots` on the host (in range, no padding page, no repeats), uploads them, runs
     /// the write and waits: a bad slot is an error before anything is written.
     #[pyo3(signature = (slots, stream = None, *, launch = None))]
-    fn run_checked(
+    fn run_checked_sync(
         &self,
         py: Python<'_>,
         slots: Vec<u64>,

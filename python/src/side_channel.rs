@@ -20,7 +20,8 @@ use crate::device_pool::PyDevicePool;
 use crate::errors::{invalid, IntoPy};
 use crate::geometry::PyCacheGeometry;
 use crate::mooncake::addresses_of;
-use crate::transfer::{deadline_of, PyChunkStatus, PyFinished, PyOverdue, PyRegistration};
+use crate::receiver::{deadline_of, PyFinished, PyOverdue};
+use crate::transfer::{PyChunkStatus, PyRegistration};
 
 /// `dict[key]`, converted; a missing or mistyped field is an `InvalidArgumentError`.
 fn field<'py, T: FromPyObjectOwned<'py>>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<T> {

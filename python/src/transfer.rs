@@ -1,11 +1,9 @@
-//! P/D transfer: registrations, destinations, the per-rank sender (its copy methods, and the
-//! statuses of chunks dropped before they were taken) and the decode-side receiver with its
-//! deadlines (`Overdue`), so an engine written in Python never waits on a status that cannot
-//! come.
+//! P/D transfer, the prefill side: registrations, destinations, chunk statuses, pending chunks
+//! and the per-rank sender (its copy methods, and the statuses of chunks dropped before they
+//! were taken). The decode side's receiver is `receiver`.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use pyo3::prelude::*;
 
@@ -14,14 +12,14 @@ use kvshard::copy::{BlockSpace, Method, RemoteSpace};
 use kvshard::geometry::Component;
 use kvshard::index::LocalPage;
 use kvshard::transfer::{
-    ChunkEnd, ChunkResult, ChunkStatus, ComponentBytes, Finished, Outcome, Overdue, PendingChunk,
-    PoolLayout, Receiver, Registration, Sender, StreamChoice, StreamTransport,
+    ChunkEnd, ChunkResult, ChunkStatus, ComponentBytes, PendingChunk, PoolLayout, Registration,
+    Sender, StreamChoice, StreamTransport,
 };
 
 use crate::dcp::PyDecodeRegistration;
 use crate::device::PyDevice;
 use crate::device_pool::PyDevicePool;
-use crate::errors::{invalid, missing_chunks, to_py, IntoPy};
+use crate::errors::{invalid, IntoPy};
 use crate::geometry::{PyCacheGeometry, PyComponent};
 use crate::lock::lock;
 use crate::method::PyMethod;
@@ -331,7 +329,7 @@ pub(crate) fn poll_held(
         .map(PyChunkStatus))
 }
 
-/// `wait` of a chunk held until it is waited for: takes it and waits (the GIL released), once.
+/// `wait_sync` of a chunk held until it is waited for: takes it and waits (the GIL released), once.
 pub(crate) fn wait_held(
     py: Python<'_>,
     held: &Mutex<Option<PendingChunk>>,
@@ -351,7 +349,7 @@ impl PyPendingChunk {
     }
 
     /// Waits until the chunk has landed and returns its status (once).
-    fn wait(&self, py: Python<'_>) -> PyResult<PyChunkStatus> {
+    fn wait_sync(&self, py: Python<'_>) -> PyResult<PyChunkStatus> {
         wait_held(py, &self.inner)
     }
 
@@ -365,8 +363,8 @@ impl PyPendingChunk {
             .map(|s| s.into_iter().map(PyChunkStatus).collect()))
     }
 
-    /// `wait`, with the status each decode rank must receive (`poll_each`), once.
-    fn wait_each(&self, py: Python<'_>) -> PyResult<Vec<PyChunkStatus>> {
+    /// `wait_sync`, with the status each decode rank must receive (`poll_each`), once.
+    fn wait_each_sync(&self, py: Python<'_>) -> PyResult<Vec<PyChunkStatus>> {
         let p = lock(&self.inner)
             .take()
             .ok_or_else(|| invalid("the chunk was already waited for"))?;
@@ -487,7 +485,7 @@ impl PySender {
     /// Starts sending a request the ranks of a decode server sharded by token registered
     /// (a `DecodeRegistration`) into `dsts`, each decode rank's destination in rank order.
     /// Each chunk goes to every decode rank owning one of its tokens, in one launch; its
-    /// `PendingChunk.poll_each` / `wait_each` give the status for each decode rank.
+    /// `PendingChunk.poll_each` / `wait_each_sync` give the status for each decode rank.
     fn open_decode(
         &self,
         py: Python<'_>,
@@ -563,7 +561,7 @@ impl PySender {
     }
 
     /// Closes `request` on this rank without a status of its own: after a chunk of it failed
-    /// while moving (`poll` or `wait` raised `ChunkFailedError`), whose `status` already is
+    /// while moving (`poll` or `wait_sync` raised `ChunkFailedError`), whose `status` already is
     /// the rank's last for the request. A request not open is a `TransferError`.
     fn close(&self, request: u64) -> PyResult<()> {
         lock(&self.dst).remove(&request);
@@ -597,219 +595,5 @@ impl PySender {
     #[getter]
     fn bytes_sent(&self) -> BTreeMap<PyComponent, u64> {
         bytes_dict(&lock(&self.inner).bytes_sent())
-    }
-}
-
-/// A request the decode side is done with: every prefill rank reported its last status.
-#[pyclass(frozen, module = "kvshard", name = "Finished")]
-pub struct PyFinished(pub Finished);
-
-#[pymethods]
-impl PyFinished {
-    /// Request id.
-    #[getter]
-    fn request(&self) -> u64 {
-        self.0.request()
-    }
-
-    /// Whether every rank sent every chunk.
-    #[getter]
-    fn completed(&self) -> bool {
-        self.0.is_completed()
-    }
-
-    /// The registration, handed back (its pages are the decode side's again).
-    #[getter]
-    fn registration(&self) -> PyRegistration {
-        PyRegistration(self.0.registration.clone())
-    }
-
-    /// Bytes of all ranks together, per component.
-    #[getter]
-    fn total_bytes(&self) -> BTreeMap<PyComponent, u64> {
-        bytes_dict(&self.0.total_bytes())
-    }
-
-    /// Per failed rank: `(rank, chunk, reason)`.
-    #[getter]
-    fn failures(&self) -> Vec<(u32, u32, String)> {
-        match &self.0.outcome {
-            Outcome::Completed => Vec::new(),
-            Outcome::Failed(f) => f
-                .iter()
-                .map(|f| (f.rank, f.chunk, f.reason.clone()))
-                .collect(),
-        }
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "<kvshard.Finished request {} {}>",
-            self.0.request(),
-            if self.0.is_completed() {
-                "completed"
-            } else {
-                "failed"
-            }
-        )
-    }
-}
-
-/// The decode side's seconds as a deadline (`what` names it in errors).
-pub(crate) fn deadline_of(seconds: f64, what: &str) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(seconds).map_err(|e| {
-        invalid(format!(
-            "{what}: {seconds} s is not a deadline ({e}); give non-negative, finite seconds"
-        ))
-    })
-}
-
-/// A request whose deadline passed before every prefill rank reported its last status, as
-/// `Receiver.expire` returns it. It is failed, but its pages stay held until every rank has
-/// reported: abort the ranks in `missing` (or, for a rank whose process is gone, `receive` a
-/// `ChunkStatus.failed` at the chunk it owes, `received`).
-#[pyclass(frozen, module = "kvshard", name = "Overdue")]
-pub struct PyOverdue(pub Overdue);
-
-#[pymethods]
-impl PyOverdue {
-    /// Request id.
-    #[getter]
-    fn request(&self) -> u64 {
-        self.0.request
-    }
-
-    /// The request's deadline in seconds, counted from its registration.
-    #[getter]
-    fn deadline(&self) -> f64 {
-        self.0.deadline.as_secs_f64()
-    }
-
-    /// Prefill ranks sending it.
-    #[getter]
-    fn ranks(&self) -> u32 {
-        self.0.ranks
-    }
-
-    /// `(rank, received)` of each rank whose last status never came, in rank order: chunks
-    /// `0..received` arrived, chunk `received` (and every later one) did not.
-    #[getter]
-    fn missing(&self) -> Vec<(u32, u32)> {
-        missing_chunks(&self.0)
-    }
-
-    /// The `TransferDeadlineError` it stands for (kvshard's `Error::TransferDeadline`), for an
-    /// engine that raises it: `raise overdue.error()`.
-    fn error(&self, py: Python<'_>) -> Py<PyAny> {
-        to_py(py, self.0.clone().into()).into_value(py).into_any()
-    }
-
-    fn __str__(&self) -> String {
-        self.0.to_string()
-    }
-
-    fn __repr__(&self) -> String {
-        format!("<kvshard.Overdue {}>", self.0)
-    }
-}
-
-/// The decode side: completes a request only once every prefill rank has reported its final
-/// chunk (or failed), so it never reads a page a rank may still write. Every request has a
-/// deadline, in seconds from its registration (`deadline`, default `DEFAULT_DEADLINE`):
-/// `expire()`, called every scheduling step, reports each request whose deadline passed first
-/// (a final chunk never sent, a status never delivered, a rank gone silent), so nothing waits
-/// forever.
-#[pyclass(module = "kvshard", name = "Receiver")]
-pub struct PyReceiver(Receiver);
-
-#[pymethods]
-impl PyReceiver {
-    /// A receiver whose requests are due `deadline` seconds after registration (default
-    /// `DEFAULT_DEADLINE`).
-    #[new]
-    #[pyo3(signature = (deadline = None))]
-    fn new(deadline: Option<f64>) -> PyResult<Self> {
-        Ok(Self(match deadline {
-            Some(s) => Receiver::with_deadline(deadline_of(s, "Receiver")?),
-            None => Receiver::new(),
-        }))
-    }
-
-    /// Seconds from registration to the deadline of requests registered without one of their
-    /// own; setting it applies to requests registered from then on.
-    #[getter]
-    fn deadline(&self) -> f64 {
-        self.0.deadline().as_secs_f64()
-    }
-
-    #[setter]
-    fn set_deadline(&mut self, seconds: f64) -> PyResult<()> {
-        self.0
-            .set_deadline(deadline_of(seconds, "Receiver.deadline")?);
-        Ok(())
-    }
-
-    /// Expects `registration` from `prefill_ranks` ranks, due `deadline` seconds from now
-    /// (default: the receiver's).
-    #[pyo3(signature = (registration, prefill_ranks, *, deadline = None))]
-    fn register(
-        &mut self,
-        registration: &PyRegistration,
-        prefill_ranks: u32,
-        deadline: Option<f64>,
-    ) -> PyResult<()> {
-        let deadline = match deadline {
-            Some(s) => deadline_of(s, "Receiver.register")?,
-            None => self.0.deadline(),
-        };
-        self.0
-            .register_with_deadline(registration.0.clone(), prefill_ranks, deadline)
-            .py_err()
-    }
-
-    /// Expects decode rank `rank`'s share of `registration` (a `DecodeRegistration`: a
-    /// `Registration` of the rank's own pages, which `Finished.registration` hands back) from
-    /// `prefill_ranks` ranks, due `deadline` seconds from now (default: the receiver's).
-    #[pyo3(signature = (registration, rank, prefill_ranks, *, deadline = None))]
-    fn register_decode(
-        &mut self,
-        registration: &PyDecodeRegistration,
-        rank: u32,
-        prefill_ranks: u32,
-        deadline: Option<f64>,
-    ) -> PyResult<()> {
-        let deadline = match deadline {
-            Some(s) => deadline_of(s, "Receiver.register_decode")?,
-            None => self.0.deadline(),
-        };
-        let share = registration.0.rank(rank).py_err()?;
-        self.0
-            .register_with_deadline(share, prefill_ranks, deadline)
-            .py_err()
-    }
-
-    /// Takes one rank's status; returns the request once it is finished.
-    fn receive(&mut self, status: &PyChunkStatus) -> PyResult<Option<PyFinished>> {
-        Ok(self.0.receive(status.0.clone()).py_err()?.map(PyFinished))
-    }
-
-    /// Fails every request whose deadline has passed before every rank reported its last
-    /// status, and returns each once, in request order. Never blocks.
-    fn expire(&mut self) -> Vec<PyOverdue> {
-        self.0.expire().into_iter().map(PyOverdue).collect()
-    }
-
-    /// `(ranks, ranks_done, failed, overdue)` of a request being received, or None: `failed`
-    /// once a rank failed it or its deadline passed, `overdue` once `expire` reported it.
-    fn progress(&self, request: u64) -> Option<(u32, u32, bool, bool)> {
-        self.0
-            .progress(request)
-            .map(|p| (p.ranks, p.ranks_done, p.failed, p.overdue))
-    }
-
-    /// Requests being received.
-    #[getter]
-    fn pending_requests(&self) -> usize {
-        self.0.pending_requests()
     }
 }

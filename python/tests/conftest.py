@@ -72,7 +72,7 @@ def wrap(device, geometry, placement, rank, pages, tensors):
 
 def page_bytes(tensors, local_page):
     """One page of every component and layer of engine tensors, in kvshard's canonical order
-    (component, layer): what `DevicePool.read_pages` returns."""
+    (component, layer): what `DevicePool.read_pages_sync` returns."""
     parts = []
     for c in sorted(tensors, key=lambda c: int(c)):
         for t in tensors[c]:

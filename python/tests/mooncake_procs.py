@@ -153,8 +153,8 @@ def reference(seed):
         for reg, src, chunks in requests(seed):
             sender.open(reg, remote)
             for end, last in chunks:
-                sender.send(reg.request, src, end, last=last).wait()
-    return dst.snapshot()
+                sender.send(reg.request, src, end, last=last).wait_sync()
+    return dst.snapshot_sync()
 
 
 def page_bytes(snapshot, page):
@@ -218,7 +218,7 @@ def decode_main(dir, seed, die):
         for rank, why in dec.gone.items():
             gone_at.setdefault(rank, time.time())
         time.sleep(0.0005)
-    snap = dec.pool.snapshot()
+    snap = dec.pool.snapshot_sync()
     ref = reference(seed)
     for reg, _, _ in reqs:
         r = results.get(reg.request)

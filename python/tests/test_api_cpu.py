@@ -115,11 +115,11 @@ def test_views_of_kvshard_memory_are_zero_copy_both_ways(rng):
     assert raw.shape == (4 * 64, 1152)
     arr = raw
     raw[...] = nonzero(rng, raw.shape)
-    assert pool.read_block(C.TARGET_LATENT, 1, 2) == raw[128:192].tobytes()
+    assert pool.read_block_sync(C.TARGET_LATENT, 1, 2) == raw[128:192].tobytes()
     ix = np.from_dlpack(pool.layer_view(C.TARGET_INDEXER, 0))
     assert ix.shape == (4, kvshard.INDEXER_PAGE_BYTES) and ix.dtype == np.uint8
     ix[3] = 7
-    assert pool.read_block(C.TARGET_INDEXER, 0, 3) == bytes([7]) * kvshard.INDEXER_PAGE_BYTES
+    assert pool.read_block_sync(C.TARGET_INDEXER, 0, 3) == bytes([7]) * kvshard.INDEXER_PAGE_BYTES
     # The view keeps the pool's memory alive after the pool object is gone.
     del pool
     arr[0, 0] = 1
@@ -134,7 +134,7 @@ def test_wrap_checks_every_tensor_against_the_geometry():
     stacked = np.zeros((2, 8 * PAGE, 576), np.uint8)
     pool = kvshard.DevicePool.wrap(d, g, p, 0, 8, stacked, ok[C.TARGET_INDEXER])
     stacked[1, 64:128] = 9
-    assert pool.read_block(C.TARGET_LATENT, 1, 1) == bytes([9]) * 36864
+    assert pool.read_block_sync(C.TARGET_LATENT, 1, 1) == bytes([9]) * 36864
     bad = [
         ([np.zeros((8 * PAGE, 1, 576), np.float32)] * 2, "dtype"),
         ([np.zeros((4 * PAGE, 1, 576), np.uint8)] * 2, "holds"),
@@ -151,7 +151,7 @@ def test_wrap_checks_every_tensor_against_the_geometry():
 
 
 def test_streams_and_events():
-    d = kvshard.Device.cpu(deferred=True)
+    d = kvshard.Device.cpu(order="deferred")
     a, b = d.new_stream(), d.new_stream()
     g = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 1))
     pool = kvshard.DevicePool.allocate(d, g, kvshard.Placement(1), 0, 2)
@@ -161,7 +161,7 @@ def test_streams_and_events():
     b.wait(e)
     b.synchronize()  # running b runs a up to the event
     assert e.query()
-    assert pool.read_block(C.TARGET_LATENT, 0, 1, a) == bytes([5]) * 36864
+    assert pool.read_block_sync(C.TARGET_LATENT, 0, 1, a) == bytes([5]) * 36864
     with pytest.raises(ValueError, match="stream"):
         pool.fill(1, "not a stream")
     with pytest.raises(ValueError):
@@ -219,7 +219,7 @@ def test_host_transfer_on_every_io_backend(rng, io):
     plan = kvshard.TransferPlan(placement, 1, [3, 5, 4, 7], [3, 5, 8, 9], 8, 6)
     assert len(plan) == 3 and plan.requested == 4 and plan.positions == [0, 1, 3]
     backup = kvshard.HostTransfer(pool, host, plan, kvshard.Direction.BACKUP)
-    backup.prepare_kernel()
+    backup.prepare_kernel_sync()
     backup.run(None, io)
     assert backup.bytes() == 3 * g.page_bytes
     assert backup.calls(io)["launches"] == (1 if io == IO.KERNEL else 0)
@@ -253,7 +253,7 @@ def test_the_native_timing_loops_bound_their_iterations():
     host = kvshard.HostPool(d, g, 8, H.PAGE_FIRST)
     plan = kvshard.TransferPlan(placement, 0, [1, 2], [1, 2], 8, 8)
     t = kvshard.HostTransfer(pool, host, plan, kvshard.Direction.BACKUP)
-    t.prepare_kernel()
+    t.prepare_kernel_sync()
     for iters in [(1 << 24) + 1, (1 << 63) - 1]:
         with pytest.raises(kvshard.InvalidArgumentError, match="iterations: at most"):
             kvshard._kvshard._rust_bulk_seconds(t, None, IO.KERNEL, iters)
@@ -268,12 +268,12 @@ def test_owned_row_write_checked_refuses_bad_slots():
     w = kvshard.OwnedRowWrite(staging, pool)
     assert w.launch(128)[1] > 0 and w.row_bytes == 2 * (576 + 132)
     with pytest.raises(kvshard.InvalidArgumentError, match="reserved"):
-        w.run_checked([5])  # logical page 0 is padding
+        w.run_checked_sync([5])  # logical page 0 is padding
     with pytest.raises(ValueError):
         w.run(np.zeros(200, np.int64))  # more slots than the staging holds
     staging.write(C.TARGET_LATENT, 0, bytes([3]) * 576)
-    w.run_checked(list(range(2 * 64 * 2, 2 * 64 * 2 + 1)))  # logical page 4: rank 0's page 2
-    assert pool.read_block(C.TARGET_LATENT, 0, 2)[:576] == bytes([3]) * 576
+    w.run_checked_sync(list(range(2 * 64 * 2, 2 * 64 * 2 + 1)))  # logical page 4: rank 0's page 2
+    assert pool.read_block_sync(C.TARGET_LATENT, 0, 2)[:576] == bytes([3]) * 576
 
 
 def test_help_reads_well():

@@ -31,7 +31,7 @@ def test_strings_are_refused_where_an_enum_is_taken():
         lambda: kvshard.PoolGeometry("fp8_trtllm", 2),
         lambda: kvshard.CacheGeometry.glm5(latent="fp8_scaled"),
         lambda: pool.layer_view("target_latent", 0),
-        lambda: pool.read_block("target_latent", 0, 1),
+        lambda: pool.read_block_sync("target_latent", 0, 1),
         lambda: staging.write("target_latent", 0, b"\x01"),
         lambda: kvshard.HostPool(d, g, 8, "page_first"),
         lambda: host.component_buffer("target_latent"),
@@ -51,7 +51,7 @@ def test_strings_are_refused_where_an_enum_is_taken():
     transfer.run(None, kvshard.Method.COPY_ENGINE)
     assert transfer.calls(kvshard.Method.KERNEL)["launches"] == 1
     assert ctl.backup(node, None, kvshard.Route.COPY_ENGINE) == 0
-    assert ctl.ack_backups(1)[0].node == 1
+    assert ctl.ack_backups_sync(1)[0].node == 1
 
 
 def test_enums_come_back_from_getters_and_compare_by_identity():
@@ -87,7 +87,7 @@ def test_per_component_bytes_are_keyed_by_component():
     for method in [M.KERNEL, M.RANGE_KERNEL, M.COPY_ENGINE, M.PER_BLOCK]:
         sender = kvshard.Sender(src, None, method)
         sender.open(reg, kvshard.RemoteSpace.of(dst))
-        status = sender.send(1, [1], PAGE, last=True).wait()
+        status = sender.send(1, [1], PAGE, last=True).wait_sync()
         assert list(status.bytes) == [C.TARGET_LATENT, C.TARGET_INDEXER]
         assert status.bytes[C.TARGET_LATENT] == 2 * PAGE * 576
         assert sender.bytes_sent == status.bytes

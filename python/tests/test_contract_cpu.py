@@ -32,7 +32,7 @@ def write_page_one(device, geometry, tensors, byte):
     for c in geometry.components():
         for layer in range(c.layers):
             np.from_dlpack(staging.layer_view(c.component, layer))[...] = byte
-    kvshard.OwnedRowWrite(staging, pool).run_checked(list(range(PAGE, 2 * PAGE)))
+    kvshard.OwnedRowWrite(staging, pool).run_checked_sync(list(range(PAGE, 2 * PAGE)))
     device.synchronize()
     return pool
 
@@ -168,7 +168,7 @@ def test_send_requires_last_as_a_keyword():
         sender.send(1, [1, 2], 2 * PAGE, True)  # positional: keyword-only
     # Nothing was sent: the request is still open, and the final chunk goes through.
     assert sender.pending_requests == 1
-    assert sender.send(1, [1, 2], 2 * PAGE, last=True).wait().last
+    assert sender.send(1, [1, 2], 2 * PAGE, last=True).wait_sync().last
 
 
 @pytest.fixture
@@ -212,24 +212,24 @@ def test_stream_none_on_the_cpu_backend_never_asks_torch(fake_torch):
     tensors = engine_tensors(g, PAGES)
     pool = write_page_one(d, g, tensors, 0x5A)
     d.stream()
-    assert pool.read_block(C.TARGET_LATENT, 0, 1) == bytes([0x5A]) * (PAGE * 576)
+    assert pool.read_block_sync(C.TARGET_LATENT, 0, 1) == bytes([0x5A]) * (PAGE * 576)
     host = kvshard.HostPool(d, g, PAGES, kvshard.HostLayout.PAGE_FIRST)
     ctl = kvshard.HiCacheController(pool, host)
     node = kvshard.CacheNode(3, [1])
     assert ctl.access(node, None) == 0
-    ctl.ack_backups(1)
+    ctl.ack_backups_sync(1)
     handle = ctl.load(3, [2])
     for layer in range(g.model_layers):
         handle.wait_layer(None, layer)
-    ctl.ack_loads(1)
+    ctl.ack_loads_sync(1)
     dst = kvshard.DevicePool.allocate(d, g, unsharded, 0, PAGES)
     sender = kvshard.Sender(pool)
     sender.open(kvshard.Registration(1, kvshard.PoolLayout.of(dst), [3], [3]), kvshard.RemoteSpace.of(dst))
-    assert sender.send(1, [2], PAGE, last=True).wait().ok
+    assert sender.send(1, [2], PAGE, last=True).wait_sync().ok
     d.synchronize()
     # Page 1 backed up, loaded into page 2, sent into page 3 of another pool: on the arena's
     # default stream throughout, torch never consulted.
-    assert dst.read_block(C.TARGET_LATENT, 1, 3) == bytes([0x5A]) * (PAGE * 576)
+    assert dst.read_block_sync(C.TARGET_LATENT, 1, 3) == bytes([0x5A]) * (PAGE * 576)
     assert asked == []
 
 
@@ -252,7 +252,7 @@ def test_after_understands_torch_events_and_streams(fake_torch):
     pool.fill(6, compute)
     assert ctl.backup(kvshard.CacheNode(1, [1]), compute.record()) == 0
     assert ctl.backup(kvshard.CacheNode(2, [2]), compute) == 1
-    assert [a.node for a in ctl.ack_backups(2)] == [1, 2]
+    assert [a.node for a in ctl.ack_backups_sync(2)] == [1, 2]
     assert asked == []
 
 
@@ -361,7 +361,7 @@ def test_foreign_streams_of_every_shape_are_cuda_streams_to_the_cpu_device():
     for s in [_Counted(0x5000), _Protocol((0, 0x6000)), _Ptr(0x7000), 0x8000]:
         with pytest.raises(kvshard.InvalidArgumentError, match="a CUDA stream handle .* given to the CPU device"):
             pool.fill(9, s)
-    assert pool.read_block(C.TARGET_LATENT, 0, 1) == bytes([3]) * (PAGE * 576)
+    assert pool.read_block_sync(C.TARGET_LATENT, 0, 1) == bytes([3]) * (PAGE * 576)
 
 
 # Old behaviour: the same array (or overlapping views of one buffer) wrapped as two stored
@@ -400,7 +400,7 @@ def test_one_memory_is_wrapped_once():
 
 
 def test_memory_with_work_queued_by_a_dropped_pool_is_not_wrapped_again_until_it_ran():
-    g, d = small(), kvshard.Device.cpu(deferred=True)
+    g, d = small(), kvshard.Device.cpu(order="deferred")
     tensors = engine_tensors(g, PAGES)
     pool = wrap(d, g, kvshard.Placement(1), 0, PAGES, tensors)
     pool.fill(7)  # queued: the deferred CPU backend runs it when something waits

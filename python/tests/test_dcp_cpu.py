@@ -125,7 +125,7 @@ def test_a_request_reaches_every_decode_rank_as_placed(rng, geometry, n, m, inte
         for s in senders:
             chunk = s.send(11, chain.pages, end, last=last)
             assert chunk.decode_ranks == m
-            statuses = chunk.poll_each() or chunk.wait_each()
+            statuses = chunk.poll_each() or chunk.wait_each_sync()
             assert len(statuses) == m
             for d, status in enumerate(statuses):
                 assert status.ok and status.rank == s.rank and status.last == last

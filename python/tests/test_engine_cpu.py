@@ -116,7 +116,7 @@ def test_pd_every_rank_sends_every_chunk_and_decode_equals_the_prefill(rng, geom
             if i == 0:
                 s.open(reg, dst)
             # The final chunk on another stream than the sender's own.
-            status = s.send(7, chain.pages, end, last=(i == 1), stream=other if i else None).wait()
+            status = s.send(7, chain.pages, end, last=(i == 1), stream=other if i else None).wait_sync()
             assert status.ok and status.rank == s.rank
             finished = receiver.receive(status) or finished
     assert finished is not None and finished.completed
@@ -169,10 +169,10 @@ def test_hicache_write_through_evict_and_reload_layer_by_layer(rng, geometry, ro
     ]
     for c in controllers:
         assert c.access(node, compute, route) == 0
-        assert [a.node for a in c.ack_backups(1)] == [7]
+        assert [a.node for a in c.ack_backups_sync(1)] == [7]
         assert c.host_pages(7) is not None
     for c in controllers:
-        c.evict(node, compute, route)
+        c.evict_sync(node, compute, route)
     # The chain goes stale once its pages are freed: what the reload mirrors is kept first.
     evicted = chain.pages
     alloc.free(evicted)
@@ -187,7 +187,7 @@ def test_hicache_write_through_evict_and_reload_layer_by_layer(rng, geometry, ro
         assert len(handle) == geometry.model_layers
         for layer in range(geometry.model_layers):
             handle.wait_layer(consumer, layer)
-        assert [a.node for a in c.ack_loads(1)] == [7]
+        assert [a.node for a in c.ack_loads_sync(1)] == [7]
     consumer.synchronize()
     for r in range(RANKS):
         for old, new in zip(evicted, reloaded):
@@ -207,14 +207,14 @@ def test_the_staged_route_refuses_a_packed_page_major_host_pool(rng):
         c.backup(node, device.stream(), kvshard.Route.STAGED)
     # Nothing changed: the direct route backs the node up.
     assert c.backup(node, device.stream(), kvshard.Route.COPY_ENGINE) == 0
-    assert c.ack_backups(1)[0].host_pages == c.host_pages(1)
+    assert c.ack_backups_sync(1)[0].host_pages == c.host_pages(1)
 
 
 def test_a_deferred_load_is_consumable_layer_by_layer(rng):
     """On the deferred CPU backend work runs only when waited for: a consumer that waits for
     layer 0 sees layer 0 landed in the engine's arrays and the last layer not yet."""
     geometry = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 4), draft=True)
-    device = kvshard.Device.cpu(deferred=True)
+    device = kvshard.Device.cpu(order="deferred")
     placement = kvshard.Placement(1)
     tensors = engine_tensors(geometry, 8)
     pool = wrap(device, geometry, placement, 0, 8, tensors)
@@ -224,7 +224,7 @@ def test_a_deferred_load_is_consumable_layer_by_layer(rng):
         v[...] = nonzero(rng, v.shape)
     plan = kvshard.TransferPlan(placement, 0, [3, 4], [1, 5], 8, 8)
     load = kvshard.HostTransfer(pool, host, plan, kvshard.Direction.LOAD)
-    load.prepare_kernel()
+    load.prepare_kernel_sync()
     signals = kvshard.LayerSignals(device, geometry.model_layers)
     load_stream, consumer = device.new_stream(), device.new_stream()
     ready = load.run_signalled(signals, load_stream, ctas=1)

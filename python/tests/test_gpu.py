@@ -151,7 +151,7 @@ def test_pd_round_trip_with_torch_decode_pool(device, gen):
             for s in senders:
                 if i == 0:
                     s.open(reg, dst)
-                done = rx.receive(s.send(1, chain.pages, end, last=i == 1).wait()) or done
+                done = rx.receive(s.send(1, chain.pages, end, last=i == 1).wait_sync()) or done
     assert done is not None and done.completed
     for i, page in enumerate(chain.pages):
         owner, local = page % ranks, page // ranks
@@ -180,7 +180,7 @@ def test_hicache_round_trip_and_layer_waits_on_a_torch_stream(device, gen, route
     compute = torch.cuda.current_stream()
     want = {p: [page_of(t, c.component, l, p // 2).clone() for c in g.components() for l in range(c.layers)] for p in chain_pages}
     assert ctl.access(node, compute, route) == 0
-    ctl.ack_backups(1)
+    ctl.ack_backups_sync(1)
     for arrays in t.values():
         for x in arrays:
             x.zero_()
@@ -195,7 +195,7 @@ def test_hicache_round_trip_and_layer_waits_on_a_torch_stream(device, gen, route
             if m < g.target.num_layers:
                 outs.append((m, t[C.TARGET_LATENT][m][: pages * PAGE].clone()))
     consumer.synchronize()
-    ctl.ack_loads(1)
+    ctl.ack_loads_sync(1)
     for m, snap in outs:
         for p in chain_pages:
             assert torch.equal(snap[(p // 2) * PAGE : (p // 2 + 1) * PAGE], want[p][m]), (route, m, p)
@@ -212,7 +212,7 @@ def test_enqueueing_never_synchronizes_the_callers_stream(device, gen):
     host = kvshard.HostPool(device, g, pages, kvshard.HostLayout.PAGE_FIRST_DIRECT)
     plan = kvshard.TransferPlan(placement, 0, list(range(1, 9)), list(range(1, 9)), pages, pages)
     tr = kvshard.HostTransfer(pool, host, plan, kvshard.Direction.BACKUP)
-    tr.prepare_kernel()
+    tr.prepare_kernel_sync()
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
     ks = device.stream(s)  # the one-time wrap, before the stream is busy
@@ -310,13 +310,13 @@ def test_after_waits_for_torch_events_and_streams(device, after):
                 ctl.backup(node, None)
         if after != "torch_current_stream":
             ctl.backup(node, e if after == "torch_event" else s)
-        (ack,) = ctl.ack_backups(1)
+        (ack,) = ctl.ack_backups_sync(1)
         kv = torch.from_dlpack(host.buffer_view(0))  # [pages * 64, L, 1, row]: the target latent
         for hp in ack.host_pages:
             assert bool((kv[hp * PAGE : (hp + 1) * PAGE] == 7 + i).all()), (after, i, hp)
     # An event never recorded is nothing to wait for.
     assert ctl.backup(kvshard.CacheNode(9, [8]), torch.cuda.Event()) == 2
-    ctl.ack_backups(1)
+    ctl.ack_backups_sync(1)
 
 
 def test_sglang_host_pool_on_memory_registered_with_cuda_host_register(device, gen):
@@ -467,10 +467,10 @@ def test_dropping_kvshard_objects_never_waits_for_a_torch_stream(device, capsys)
     signals = kvshard.LayerSignals(device, g.model_layers)
     plan = kvshard.TransferPlan(unsharded, 0, list(range(1, 9)), list(range(1, 9)), pages, pages)
     transfer = kvshard.HostTransfer(pool, host, plan, kvshard.Direction.BACKUP)
-    transfer.prepare_kernel()
+    transfer.prepare_kernel_sync()
     for p in (pool, registrable, host, registered):
         p.fill(3)
-    writer.run_checked(list(range(PAGE, 2 * PAGE)))
+    writer.run_checked_sync(list(range(PAGE, 2 * PAGE)))
     transfer.run(None, kvshard.Method.KERNEL)
     device.synchronize()
     torch.cuda.synchronize()

@@ -33,7 +33,7 @@ def test_an_overdue_request_is_reported_once_and_finishes_failed():
     sender = kvshard.Sender(src)
     sender.open(reg, kvshard.RemoteSpace.of(dst))
     # Rank 0 reports its first chunk; nobody reports the rest.
-    assert rx.receive(sender.send(4, [1], PAGE, last=False).wait()) is None
+    assert rx.receive(sender.send(4, [1], PAGE, last=False).wait_sync()) is None
     assert rx.progress(4) == (2, 0, False, False)
     (overdue,) = rx.expire()
     assert (overdue.request, overdue.ranks, overdue.deadline) == (4, 2, 0.0)
@@ -116,7 +116,7 @@ def test_close_ends_a_request_without_a_status():
     src, dst, reg = setup()
     sender = kvshard.Sender(src)
     sender.open(reg, kvshard.RemoteSpace.of(dst))
-    assert sender.send(4, [1], PAGE, last=False).wait().ok
+    assert sender.send(4, [1], PAGE, last=False).wait_sync().ok
     sender.close(4)
     assert sender.pending_requests == 0
     with pytest.raises(kvshard.TransferError, match="cannot close"):

@@ -181,7 +181,7 @@ def test_the_descriptor_export_moved_by_hand_matches_the_reference(mode):
                     sender.bounce_free(chunk.slot)
         assert sender.stats()["chunks"] == 9
     assert (bounced > 0) == (mode == "bounce")
-    assert dst.snapshot() == procs.reference(7)
+    assert dst.snapshot_sync() == procs.reference(7)
 
 
 def test_a_chunk_the_engine_never_reports_fails_at_its_transfer_timeout():

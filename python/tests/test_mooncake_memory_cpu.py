@@ -209,7 +209,7 @@ def test_bounce_slots_take_turns_and_a_slot_is_reused_only_after_its_transfer():
     dst = procs.decode_pool(dev)
     for rank in range(procs.N):
         send_with_two_slots(dev, dst, rank)
-    assert dst.snapshot() == procs.reference(7)
+    assert dst.snapshot_sync() == procs.reference(7)
 
 
 def send_with_two_slots(dev, dst, rank):
@@ -366,7 +366,7 @@ def test_the_readme_sglang_example_moves_a_request():
     for addr, _ in regions + kvshard.engine_regions(bounce):
         te.unregister_memory(addr)
     assert bounced > 0
-    assert decode_pool.snapshot() == procs.reference(7)
+    assert decode_pool.snapshot_sync() == procs.reference(7)
 
 
 def test_a_prefill_frees_the_slot_of_a_chunk_past_its_deadline_only_once_the_engine_is_done():

@@ -187,7 +187,7 @@ def test_a_bounced_status_is_checked_before_any_byte_is_scattered(case):
     mooncake_loads()
     dec, (p0, p1) = decode_with()
     try:
-        before = dec.pool.snapshot()
+        before = dec.pool.snapshot_sync()
         register(dec, 1, pages=4)
         register(dec, 2, pages=4)
         section = [([0], [11])]
@@ -207,7 +207,7 @@ def test_a_bounced_status_is_checked_before_any_byte_is_scattered(case):
         assert set(done) == {1, 2}
         assert all(not f.completed and {r for r, _, _ in f.failures} == {1} for f in done.values())
         assert "protocol violation" in dec.gone[1]
-        snap = dec.pool.snapshot()
+        snap = dec.pool.snapshot_sync()
         if case != "slot-busy":  # (its first status was good, and scattered)
             assert snap == before, "bytes were scattered from a status that did not check"
         assert dec.receiver.busy_slots(1) == 0

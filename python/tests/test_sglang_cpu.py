@@ -189,6 +189,12 @@ def test_storage_page_access_matches_sglangs_slicing_and_pointers(rng, layout):
     other = host.get_data_page(4 * PAGE, flat=True).copy()
     host.set_from_flat_data_page(index, other)
     assert np.array_equal(host.get_data_page(index), other)
+    # A float index is refused, never truncated to a page (operator.index, not int).
+    with pytest.raises(TypeError):
+        host.get_data_page(index + 0.5)
+    with pytest.raises(TypeError):
+        host.set_from_flat_data_page(float(index), other)
+    assert np.array_equal(host.get_data_page(index), other)
     dummy = host.get_dummy_flat_data_page()
     assert dummy.size == page.size and not dummy.any()
     # get_page_buffer_meta: host pointers of SGLang's formula on the engine's own buffer.
@@ -253,3 +259,14 @@ def test_wrapped_host_buffers_must_have_sglangs_size():
     bufs[1] = np.zeros(sglang_indexer_shape("page_first", 3, 4), np.uint8)  # a page short
     with pytest.raises(ValueError, match="exactly"):
         MLAHostPool(kvshard.Device.cpu(), geometry, 5, "page_first", buffers=bufs)
+
+
+def test_float_indices_are_refused_by_the_sglang_adapters():
+    """Indices are integers: a float page or slot is refused (``operator.index``), never
+    truncated to a neighbouring page."""
+    from kvshard.sglang import pd
+
+    whole = dict(kv_indices=np.array([2, 3]), index_slice=slice(0, 2), shard_rank=0, shard_size=2)
+    assert pd.filter_kv_indices_for_shard_rank(**whole)[0].tolist() == [1]
+    with pytest.raises(TypeError):
+        pd.filter_kv_indices_for_shard_rank(**dict(whole, kv_indices=np.array([2.0, 3.5])))

@@ -22,6 +22,7 @@ MODULE_ORDER = [
     "tensor",
     "device",
     "frees",
+    "host_waits",
     "geometry",
     "shard",
     "method",
@@ -35,6 +36,8 @@ MODULE_ORDER = [
     # Below transfer, which sends into decode context-parallel registrations.
     "dcp",
     "transfer",
+    # The decode side's receiver of the statuses transfer's senders report.
+    "receiver",
     # Above the P/D transfer's RemoteSpace: the page copy lands pages in one.
     "page_copy",
     "hicache_enums",

@@ -2,7 +2,7 @@
 //! unit into the u32 counter of the pair's model layer, so one launch can publish each layer's
 //! completion on its own, and a consumer stream waits for one layer with no host involvement.
 
-use crate::backend::{kept, Backend, Buffer};
+use crate::backend::{kept, Backend, Buffer, Event};
 use crate::error::{Checked, Error, Result};
 use crate::index::ModelLayer;
 
@@ -14,13 +14,17 @@ use crate::index::ModelLayer;
 #[derive(Debug)]
 pub struct LayerSignals {
     counters: Buffer,
+    /// Where `backend`'s stream had zeroed the counters: every wait on them waits for it first.
+    zeroed: Event,
     targets: Vec<u32>,
 }
 
 impl LayerSignals {
-    /// Zeroed counters for `model_layers` layers in `backend`'s device memory (the upload
-    /// waits for `backend`'s stream).
-    pub fn new_sync(backend: &dyn Backend, model_layers: usize) -> Result<Self> {
+    /// Counters for `model_layers` layers in `backend`'s device memory, zeroed on its stream
+    /// without waiting: the launches that count into them are ordered after the zeroing by
+    /// their usage record, and every wait on them ([`CounterWait::wait`]) makes its stream wait
+    /// for it on the device first.
+    pub fn new(backend: &dyn Backend, model_layers: usize) -> Result<Self> {
         let bytes = model_layers
             .max(1)
             .mul_or(4, || format!("ready counters of {model_layers} layers"))?;
@@ -36,10 +40,14 @@ impl LayerSignals {
         // `cuMemAlloc` memory: stream memory operations (`cuStreamWaitValue32`, the
         // consumer's wait) refuse memory of a stream-ordered pool (invalid argument, H200).
         let counters = backend.alloc_registrable(bytes)?;
-        // Zeroed on the device (no host copy of the counters' size), then waited for.
+        // Zeroed on the device (no host copy of the counters' size), not waited for.
         backend.fill(&counters, 0)?;
-        backend.synchronize()?;
-        Ok(Self { counters, targets })
+        let zeroed = backend.record()?;
+        Ok(Self {
+            counters,
+            zeroed,
+            targets,
+        })
     }
 
     /// Model layers counted.
@@ -71,6 +79,7 @@ impl LayerSignals {
                 *target = target.wrapping_add(n);
                 CounterWait {
                     counters: self.counters.clone(),
+                    zeroed: self.zeroed.clone(),
                     layer: ModelLayer(layer),
                     target: *target,
                 }
@@ -83,6 +92,7 @@ impl LayerSignals {
 #[derive(Debug, Clone)]
 pub struct CounterWait {
     counters: Buffer,
+    zeroed: Event,
     layer: ModelLayer,
     target: u32,
 }
@@ -92,6 +102,11 @@ impl CounterWait {
     pub fn wait(&self, consumer: &dyn Backend) -> Result<()> {
         consumer.check(&self.counters, "ready counters")?;
         let addr = self.counters.at(4 * self.layer.0)?;
+        // The counter holds what it counts only once it was zeroed (long since, as a rule:
+        // then no wait is enqueued).
+        if !self.zeroed.is_complete()? {
+            consumer.wait(&self.zeroed)?;
+        }
         // Recorded on the counters' usage without waiting for their writer (the copy that
         // counts into them is what this waits for, layer by layer).
         kept(consumer, &[self.counters.usage()], || {

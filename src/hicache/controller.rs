@@ -244,8 +244,7 @@ impl HiCacheController {
             crate::backend::check_space(stream.address_space(), device.address_space(), "pools")?;
         }
         let allocator = ShardAllocator::new(device.placement(), host.pages())?;
-        let signals =
-            LayerSignals::new_sync(streams.tables.as_ref(), device.geometry().model_layers())?;
+        let signals = LayerSignals::new(streams.tables.as_ref(), device.geometry().model_layers())?;
         Ok(Self {
             device,
             host,

@@ -15,15 +15,15 @@ use crate::pool::host::HostLayout;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Route {
     /// Straight between the device pool and the host pool on the direction's stream
-    /// ([`HostTransfer::run`]: [`Method::Kernel`], [`Method::CopyEngine`],
+    /// ([`HostTransfer::run`](super::HostTransfer::run): [`Method::Kernel`], [`Method::CopyEngine`],
     /// [`Method::BatchedCopyEngine`] or [`Method::PerBlock`]; loads on the kernel through
-    /// [`HostTransfer::run_signalled`]).
+    /// [`HostTransfer::run_signalled`](super::HostTransfer::run_signalled)).
     Direct(Method),
-    /// Through the controller's device staging ([`HostTransfer::run_staged`]): the copy engine
-    /// moves host runs of up to [`HiCacheController::staging_pages`] pages on the direction's
+    /// Through the controller's device staging ([`HostTransfer::run_staged`](super::HostTransfer::run_staged)): the copy engine
+    /// moves host runs of up to [`HiCacheController::staging_pages`](super::HiCacheController::staging_pages) pages on the direction's
     /// stream and the relayout method ([`Method::Kernel`] or [`Method::CopyEngine`]) places
     /// them on the direction's relayout stream. Loads land every layer at once: each layer's
-    /// [`LayerReady`] is the event after the whole load, so a consumer of layers as they land
+    /// [`LayerReady`](super::LayerReady) is the event after the whole load, so a consumer of layers as they land
     /// wants `Direct(Method::Kernel(..))` instead. Serves every host layout and every device
     /// pool.
     Staged(Method),

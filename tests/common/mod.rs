@@ -8,6 +8,7 @@
 pub mod dcp;
 pub mod faults;
 pub mod pd;
+pub mod source;
 // The storage tier's binaries (feature `nixl`: tests/storage.rs, tests/faults_storage.rs).
 #[cfg(feature = "nixl")]
 pub mod storage;

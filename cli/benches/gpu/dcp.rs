@@ -26,7 +26,7 @@ use std::time::Instant;
 
 use kvshard::abi;
 use kvshard::backend::cuda::CudaBackend;
-use kvshard::backend::{Backend, Launch, MemoryKind};
+use kvshard::backend::{Backend, Buffer, Launch, MemoryKind};
 use kvshard::copy::{
     BlockCopy, BlockCopyPlan, BlockSpace, Method, PageSelection, RemoteSpace, Staging,
 };
@@ -54,6 +54,10 @@ const PAGE: u64 = PAGE_SIZE as u64;
 /// The alternative's range tables past this many ranges are not built (a 4096-page request at
 /// I = 1 would take ~49M ranges, 1.2 GB of tables).
 const MOST_RANGES: usize = 8 << 20;
+
+/// A range table of the alternative: its buffer, its ranges, and the staging and destination
+/// its ranges lie in (held while it may run).
+type RangeTable = (Buffer, u64, Arc<dyn BlockSpace>, Arc<dyn BlockSpace>);
 
 /// One decode rank's pool: the backend that reads it as its own, the pool, the destination
 /// the prefill ranks write, and whatever keeps a mapping alive.
@@ -205,28 +209,8 @@ fn case(
             .clone();
         ctx.fill_random(&storage)?;
     }
-    // The decode ranks: each holds its share at its pages 1, 2, ...
     let tokens = pages * PAGE;
-    let mut decode = Vec::new();
-    let mut dranks = Vec::new();
-    for d in 0..layout.ranks() {
-        let share = layout.pages_on(d, tokens);
-        let side = decode_gpu.pool(ctx, g, share + 1)?;
-        let list: Vec<LocalPage> = (1..=share).map(LocalPage).collect();
-        dranks.push(DecodeRank {
-            layout: PoolLayout::of(&side.pool),
-            pages: list.clone(),
-            state_pages: list,
-        });
-        decode.push(side);
-    }
-    let reg = DecodeRegistration {
-        request: 1,
-        layout,
-        tokens: tokens as usize,
-        prefix_pages: 0,
-        ranks: dranks,
-    };
+    let (decode, reg) = decode_ranks(ctx, g, decode_gpu, layout, tokens)?;
     let chunk = ChunkRange {
         index: 0,
         start: 0,
@@ -299,6 +283,68 @@ fn case(
     )
 }
 
+/// The decode ranks of `layout` for a request of `tokens` tokens, each holding its share at
+/// its pages 1, 2, ..., and the request's registration with them.
+fn decode_ranks(
+    ctx: &mut Ctx,
+    g: &CacheGeometry,
+    decode_gpu: &DecodeGpu,
+    layout: DecodeLayout,
+    tokens: u64,
+) -> Result<(Vec<Decode>, DecodeRegistration)> {
+    let mut decode = Vec::new();
+    let mut dranks = Vec::new();
+    for d in 0..layout.ranks() {
+        let share = layout.pages_on(d, tokens);
+        let side = decode_gpu.pool(ctx, g, share + 1)?;
+        let list: Vec<LocalPage> = (1..=share).map(LocalPage).collect();
+        dranks.push(DecodeRank {
+            layout: PoolLayout::of(&side.pool),
+            pages: list.clone(),
+            state_pages: list,
+        });
+        decode.push(side);
+    }
+    let reg = DecodeRegistration {
+        request: 1,
+        layout,
+        tokens: tokens as usize,
+        prefix_pages: 0,
+        ranks: dranks,
+    };
+    Ok((decode, reg))
+}
+
+/// One run of the alternative: the gathers into staging, then the copies out of it (block
+/// copies, or range tables).
+fn run_alternative(
+    backend: &dyn Backend,
+    launch: Launch,
+    gathers: &[BlockCopy],
+    scatters: &[BlockCopy],
+    tables: &[RangeTable],
+) -> Result<()> {
+    for gather in gathers {
+        gather.run(backend, launch)?;
+    }
+    for scatter in scatters {
+        scatter.run(backend, launch)?;
+    }
+    for (table, count, _, _) in tables {
+        let p = abi::kvs_copy_ranges_params {
+            ranges: table.addr(),
+            num_ranges: *count,
+            status: abi::kvs_status::default(),
+        };
+        // SAFETY: every range lies inside a block of a staging buffer (held in `tables`)
+        // or of a decode rank's destination (held there too, and its memory by `decode`),
+        // both in this GPU's address space and alive past the synchronize below; each
+        // table holds `count` ranges.
+        unsafe { backend.copy_ranges(p, launch)? };
+    }
+    Ok(())
+}
+
 /// Poisons every decode rank's pool, and waits for it: the variant after writes on another
 /// stream (and maybe GPU), which nothing else orders.
 fn poison(decode: &[Decode]) -> Result<()> {
@@ -326,16 +372,16 @@ fn alternative(
     let backend = ctx.shared();
     let g = ranks[0].geometry().clone();
     let layout = reg.layout;
-    let launch = match Method::default_for(backend.as_ref()).launch() {
-        Some(l) => l,
-        None => Launch {
-            ctas: 264,
-            threads: 512,
-        },
+    let fallback = Launch {
+        ctas: 264,
+        threads: 512,
     };
+    let launch = Method::default_for(backend.as_ref())
+        .launch()
+        .unwrap_or(fallback);
     let mut gathers = Vec::new();
     let mut scatters = Vec::new();
-    let mut tables = Vec::new();
+    let mut tables: Vec<RangeTable> = Vec::new();
     let mut ranges = 0usize;
     let started = Instant::now();
     for (plan, pool) in plans.iter().zip(ranks) {
@@ -406,38 +452,12 @@ fn alternative(
     let build_ms = started.elapsed().as_secs_f64() * 1e3;
     poison(decode)?;
     let stats = ctx.time(reps, || {
-        for gather in &gathers {
-            gather.run(backend.as_ref(), launch)?;
-        }
-        for scatter in &scatters {
-            scatter.run(backend.as_ref(), launch)?;
-        }
-        for (table, count, _, _) in &tables {
-            let p = abi::kvs_copy_ranges_params {
-                ranges: table.addr(),
-                num_ranges: *count,
-                status: abi::kvs_status::default(),
-            };
-            // SAFETY: every range lies inside a block of a staging buffer (held in `tables`)
-            // or of a decode rank's destination (held there too, and its memory by `decode`),
-            // both in this GPU's address space and alive past the synchronize below; each
-            // table holds `count` ranges.
-            unsafe { backend.copy_ranges(p, launch)? };
-        }
-        Ok(())
+        run_alternative(backend.as_ref(), launch, &gathers, &scatters, &tables)
     })?;
     backend.synchronize()?;
     verify(ctx, ranks, src, decode, reg, "gather then per-rank copies")?;
     let n = ranks.len();
-    let how = if layout.is_page_granular() {
-        format!("{} block copies out", scatters.len())
-    } else {
-        format!(
-            "{} kvs_copy_ranges launches out, {ranges} ranges ({} MB of tables, uploaded before the timing)",
-            tables.len(),
-            (24 * ranges) >> 20
-        )
-    };
+    let how = copies_out(layout, scatters.len(), tables.len(), ranges);
     report.add(
         "dcp",
         format!("{case}, gather, then a copy per decode rank"),
@@ -451,6 +471,19 @@ fn alternative(
         ),
     );
     Ok(())
+}
+
+/// How the alternative copies out of its staging: block copies (page-granular layouts), or
+/// range tables.
+fn copies_out(layout: DecodeLayout, scatters: usize, tables: usize, ranges: usize) -> String {
+    if layout.is_page_granular() {
+        format!("{scatters} block copies out")
+    } else {
+        format!(
+            "{tables} kvs_copy_ranges launches out, {ranges} ranges ({} MB of tables, uploaded before the timing)",
+            (24 * ranges) >> 20
+        )
+    }
 }
 
 /// One range per row and layer from `staging` (entry `j`: sequence page `entries[j].1`) to

@@ -495,7 +495,7 @@ pub fn signalled(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             .copied()
             .ok_or_else(|| Error::HiCache("a cache of no layers".into()))?;
         for ctas in ctas_list {
-            let mut signals = LayerSignals::new_sync(ctx.backend.as_ref(), model_layers)?;
+            let mut signals = LayerSignals::new(ctx.backend.as_ref(), model_layers)?;
             let stats = ctx.time(ctx.reps(10), || {
                 t.run_signalled(
                     ctx.backend.as_ref(),

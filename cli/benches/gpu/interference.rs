@@ -16,7 +16,8 @@ use cudarc::driver::CudaEvent;
 use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{Backend, Buffer, MemoryKind};
 use kvshard::gpu::{bench, Stream};
-use kvshard::hicache::{HostLayout, HostPool, HostTransfer};
+use kvshard::hicache::{HostLayout, HostPool, HostTransfer, StagedIo, TransferPlan};
+use kvshard::pool::DevicePool;
 use kvshard::{Error, Result};
 use kvshard_cli::measure::gbps;
 
@@ -298,6 +299,104 @@ fn clocks(sample: Option<Sample>) -> String {
     })
 }
 
+/// The transfers measured against a load: the contiguous control, then per host pool the
+/// staged and direct moves (and the SM kernel's grids where the layout allows it).
+fn cases_of<'a>(ctx: &Ctx, hosts: &'a [Arc<HostPool>]) -> Vec<(Option<&'a Arc<HostPool>>, Io)> {
+    let mut cases: Vec<(Option<&Arc<HostPool>>, Io)> = vec![(None, Io::Contiguous)];
+    for host in hosts {
+        let mut ios = vec![
+            Io::Staged(Method::CopyEngine),
+            Io::Staged(Method::host_io(ctx.backend.as_ref(), STAGED_CTAS)),
+            Io::Direct(Method::CopyEngine),
+        ];
+        if host.layout() == HostLayout::LayerFirst {
+            ios.extend(
+                [2, 4, 8].map(|ctas| Io::Direct(Method::host_io(ctx.backend.as_ref(), ctas))),
+            );
+        }
+        cases.extend(ios.into_iter().map(|io| (Some(host), io)));
+    }
+    cases
+}
+
+/// The transfer of `plan` between `pool` and `host` in direction `dir` that `io` moves, and its
+/// staging when staged (none for the control).
+fn transfer_of(
+    ctx: &Ctx,
+    pool: &Arc<DevicePool>,
+    host: Option<&Arc<HostPool>>,
+    plan: &TransferPlan,
+    dir: Direction,
+    io: Io,
+) -> Result<(Option<HostTransfer>, Option<StagedIo>)> {
+    match (host, io) {
+        (None, _) => Ok((None, None)),
+        (Some(h), Io::Staged(how)) => {
+            let (t, staging) = staged(ctx.backend.as_ref(), pool, h, plan, dir, 32, how)?;
+            Ok((Some(t), Some(staging)))
+        }
+        (Some(h), _) => {
+            let mut t = HostTransfer::new(pool.clone(), h.clone(), plan.clone(), dir)?;
+            t.prepare_kernel_sync(ctx.backend.as_ref(), &mut Vec::new())?;
+            Ok((Some(t), None))
+        }
+    }
+}
+
+/// The compute load's rate and clocks alone, then while `run` repeats `runs` times on the
+/// transfer stream (only enqueues wholly inside the transfers' window count), then alone
+/// again, `n` enqueues each.
+struct Rates {
+    /// The load's rate alone (before and after, averaged), and while the transfers ran.
+    alone: f64,
+    with: f64,
+    counted: usize,
+    alone_clocks: Option<Sample>,
+    with_clocks: Option<Sample>,
+}
+
+/// Measures [`Rates`] of `load` on `compute` against `run`.
+fn compute_rates(
+    ctx: &Ctx,
+    load: &dyn Load,
+    compute: &CudaBackend,
+    (nvml, bus_id): (Option<&Nvml>, &str),
+    (n, unit_s, runs): (usize, f64, usize),
+    run: &dyn Fn() -> Result<()>,
+) -> Result<Rates> {
+    let timeline = Timeline::new(ctx, n)?;
+    timeline.enqueue(load, compute.stream())?;
+    let done = ctx.gpu.new_event(false)?;
+    compute.stream().record(&done)?;
+    let alone_clocks = sample_until(nvml, bus_id, &done)?;
+    let before = timeline.rate(load, None)?.0;
+    let (from, to) = (ctx.gpu.new_event(true)?, ctx.gpu.new_event(true)?);
+    let long = Timeline::new(ctx, 2 * n + 4)?;
+    long.enqueue(load, compute.stream())?;
+    // Start the transfers once the compute stream is busy.
+    std::thread::sleep(Duration::from_secs_f64(unit_s * 2.0));
+    ctx.backend.stream().record(&from)?;
+    for _ in 0..runs {
+        run()?;
+    }
+    ctx.backend.stream().record(&to)?;
+    let with_clocks = sample_until(nvml, bus_id, &to)?;
+    compute.synchronize()?;
+    ctx.backend.synchronize()?;
+    let (with, counted) = long.rate(load, Some((&from, &to)))?;
+    timeline.enqueue(load, compute.stream())?;
+    compute.synchronize()?;
+    let after = timeline.rate(load, None)?.0;
+    let alone = (before + after) / 2.0;
+    Ok(Rates {
+        alone,
+        with,
+        counted,
+        alone_clocks,
+        with_clocks,
+    })
+}
+
 pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
     let mut loads: Vec<Box<dyn Load>> = Vec::new();
     match Gemm::new(ctx)? {
@@ -332,35 +431,10 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             load.enqueue(compute.stream())?;
         }
         compute.synchronize()?;
-        let mut cases: Vec<(Option<&Arc<HostPool>>, Io)> = vec![(None, Io::Contiguous)];
-        for host in &hosts {
-            let mut ios = vec![
-                Io::Staged(Method::CopyEngine),
-                Io::Staged(Method::host_io(ctx.backend.as_ref(), STAGED_CTAS)),
-                Io::Direct(Method::CopyEngine),
-            ];
-            if host.layout() == HostLayout::LayerFirst {
-                ios.extend(
-                    [2, 4, 8].map(|ctas| Io::Direct(Method::host_io(ctx.backend.as_ref(), ctas))),
-                );
-            }
-            cases.extend(ios.into_iter().map(|io| (Some(host), io)));
-        }
+        let cases = cases_of(ctx, &hosts);
         for dir in [Direction::Load, Direction::Backup] {
             for &(host, io) in &cases {
-                let (t, staging) = match (host, io) {
-                    (None, _) => (None, None),
-                    (Some(h), Io::Staged(how)) => {
-                        let (t, staging) =
-                            staged(ctx.backend.as_ref(), &pool, h, &plan, dir, 32, how)?;
-                        (Some(t), Some(staging))
-                    }
-                    (Some(h), _) => {
-                        let mut t = HostTransfer::new(pool.clone(), h.clone(), plan.clone(), dir)?;
-                        t.prepare_kernel_sync(ctx.backend.as_ref(), &mut Vec::new())?;
-                        (Some(t), None)
-                    }
-                };
+                let (t, staging) = transfer_of(ctx, &pool, host, &plan, dir, io)?;
                 let bytes = t
                     .as_ref()
                     .map_or(Ok(control_bytes as u64), |t| t.bytes(Layers::All))?;
@@ -401,33 +475,17 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                 // The compute kernel alone, then while transfers run back to back on the other
                 // stream (only enqueues wholly inside their window count), then alone again.
                 let n = ((window_s / unit_s).ceil() as usize).max(4);
-                let timeline = Timeline::new(ctx, n)?;
-                timeline.enqueue(load.as_ref(), compute.stream())?;
-                let done = ctx.gpu.new_event(false)?;
-                compute.stream().record(&done)?;
-                let alone_clocks = sample_until(nvml.as_ref(), &bus_id, &done)?;
-                let before = timeline.rate(load.as_ref(), None)?.0;
-                let (from, to) = (ctx.gpu.new_event(true)?, ctx.gpu.new_event(true)?);
-                let long = Timeline::new(ctx, 2 * n + 4)?;
-                long.enqueue(load.as_ref(), compute.stream())?;
-                // Start the transfers once the compute stream is busy.
-                std::thread::sleep(Duration::from_secs_f64(unit_s * 2.0));
-                ctx.backend.stream().record(&from)?;
-                for _ in 0..ctx.runs(reps) {
-                    run()?;
-                }
-                ctx.backend.stream().record(&to)?;
-                let with_clocks = sample_until(nvml.as_ref(), &bus_id, &to)?;
-                compute.synchronize()?;
-                ctx.backend.synchronize()?;
-                let (with, counted) = long.rate(load.as_ref(), Some((&from, &to)))?;
+                let rates = compute_rates(
+                    ctx,
+                    load.as_ref(),
+                    &compute,
+                    (nvml.as_ref(), &bus_id),
+                    (n, unit_s, ctx.runs(reps)),
+                    &run,
+                )?;
                 if let (Some(t), Some(h)) = (&t, host) {
                     verify(ctx.backend.as_ref(), &mut ctx.rng, &pool, h, t.plan())?;
                 }
-                timeline.enqueue(load.as_ref(), compute.stream())?;
-                compute.synchronize()?;
-                let after = timeline.rate(load.as_ref(), None)?.0;
-                let alone = (before + after) / 2.0;
                 // The control is a plain contiguous copy: its best repeat, idle or under load,
                 // is a sample of the ceiling. The rows are shares of the pinned ceiling; how
                 // much of its idle speed a transfer keeps under load is a factor in the note
@@ -444,12 +502,13 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
                     busy,
                     ceiling(ctx, dir),
                     format!(
-                        "transfer keeps {:.2}x; compute keeps {:.2}x ({:.1} {unit} alone, {counted} enqueues inside; alone {} / with {})",
+                        "transfer keeps {:.2}x; compute keeps {:.2}x ({:.1} {unit} alone, {} enqueues inside; alone {} / with {})",
                         idle.median / busy.median,
-                        with / alone,
-                        alone / 1e12,
-                        clocks(alone_clocks),
-                        clocks(with_clocks),
+                        rates.with / rates.alone,
+                        rates.alone / 1e12,
+                        rates.counted,
+                        clocks(rates.alone_clocks),
+                        clocks(rates.with_clocks),
                         unit = if load.name().contains("GEMM") { "TFLOP/s" } else { "TB/s" },
                     ),
                 );

@@ -133,7 +133,6 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
     } else {
         &[64, 512, 4096]
     };
-    let sms = ctx.gpu.info().sm_count;
     let d2d = ("d2d", ctx.ceilings.d2d);
     let backend = ctx.shared();
     for &pages in sizes {
@@ -156,320 +155,429 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
         };
         let reps = ctx.reps(if pages >= 4096 { 5 } else { 20 });
         for n in [1u32, 2, 8] {
-            let placement = Placement::new(n)?;
-            let shard = u64::from(n);
-            // A fresh prefill group: position j at the next local page of owner j % n.
-            let src: Vec<LogicalPage> = (0..pages)
-                .map(|j| LogicalPage((j / shard + 1) * shard + j % shard))
-                .collect();
-            let ranks: Vec<Arc<DevicePool>> = (0..n)
-                .map(|r| {
-                    DevicePool::allocate(
-                        backend.as_ref(),
-                        &g,
-                        placement,
-                        r,
-                        pages.div_ceil(shard) + 1,
-                    )
-                    .map(Arc::new)
-                })
-                .collect::<Result<_>>()?;
-            for pool in &ranks {
-                let storage = pool
-                    .storage()
-                    .ok_or_else(|| Error::InvalidArgument("an allocated pool".into()))?
-                    .clone();
-                ctx.fill_random(&storage)?;
-            }
-            let chunk = ChunkRange {
-                index: 0,
-                start: 0,
-                end: pages as usize * PAGE_SIZE,
-                last: true,
-            };
-            let plans: Vec<SendPlan> = ranks
-                .iter()
-                .map(|pool| SendPlan::new(&PrefillRank::of(pool), &src, &registration, chunk))
-                .collect::<Result<_>>()?;
-            let batches: Vec<DescriptorBatch> = plans
-                .iter()
-                .zip(&ranks)
-                .map(|(plan, pool)| DescriptorBatch::resolve(plan, pool.as_ref(), remote.as_ref()))
-                .collect::<Result<_>>()?;
-            let bytes: u64 = batches.iter().map(|b| b.bytes().total()).sum();
-            let ranges: usize = batches.iter().map(|b| b.ranges().len()).sum();
-            let mut needs = Needs {
-                ranks: plans.len(),
-                rank0: (plans[0].descriptor_count(), plans[0].uncoalesced_count()),
-                all: (
-                    plans.iter().map(SendPlan::descriptor_count).sum(),
-                    plans.iter().map(SendPlan::uncoalesced_count).sum(),
-                ),
-                pieces: 0,
-                block_launches: 0,
-                block_entries: 0,
-                block_table_bytes: 0,
-                block_inline: 0,
-                blocks_per_launch: 0,
-            };
-            for (plan, pool) in plans.iter().zip(&ranks) {
-                for copy in block_copies(plan, pool.as_ref(), remote.as_ref())? {
-                    if needs.block_launches == 0 {
-                        needs.blocks_per_launch = copy.blocks();
-                    }
-                    needs.block_launches += 1;
-                    needs.block_entries += copy.entries();
-                    needs.block_table_bytes += copy.table_bytes();
-                    if copy.table_bytes() <= abi::KVS_COPY_INLINE_BYTES as usize {
-                        needs.block_inline += 1;
-                    }
-                }
-            }
-            let case = format!("N={n}, {pages} pages x 62+62 layers");
-
-            // Range tables uploaded once, outside the timing.
-            let mut tables = Vec::new();
-            for batch in &batches {
-                let pieces: Vec<u8> = kernel_pieces(batch.ranges())
-                    .flat_map(|p| [p.src, p.dst, p.bytes])
-                    .flat_map(u64::to_le_bytes)
-                    .collect();
-                let table = backend.alloc(pieces.len().max(24), MemoryKind::Device)?;
-                backend.write_sync(&table, 0, &pieces)?;
-                tables.push((table, (pieces.len() / 24) as u64));
-            }
-            needs.pieces = tables.iter().map(|t| t.1 as usize).sum();
-            decode.fill(backend.as_ref(), POISON)?;
-            let mut best: Option<(Timed, Launch)> = None;
-            // Every table's launch in turn, each followed by an event when `event_after` says
-            // (`Some(true)`: timed) as a submit records its chunk's end.
-            let launch_tables = |launch: Launch, event_after: Option<bool>| -> Result<()> {
-                tables.iter().try_for_each(|(table, count)| {
-                    let p = abi::kvs_copy_ranges_params {
-                        ranges: table.addr(),
-                        num_ranges: *count,
-                        status: abi::kvs_status::default(),
-                    };
-                    // SAFETY: the plans checked every page against the layouts, the batches
-                    // resolved them against the live rank pools and the decode pool's remote
-                    // space (`check_spaces`: every range inside a (component, layer) buffer),
-                    // all of this GPU and held here past the synchronize of every repeat; each
-                    // table holds `count` pieces of those ranges.
-                    unsafe { backend.copy_ranges(p, launch)? };
-                    match event_after {
-                        Some(true) => backend.record_timed().map(drop),
-                        Some(false) => backend.record().map(drop),
-                        None => Ok(()),
-                    }
-                })
-            };
-            let mut grids = String::from("grids");
-            for (per_sm, threads) in GRIDS {
-                let launch = Launch {
-                    ctas: sms * per_sm,
-                    threads,
-                };
-                let s = ctx.time(reps, || launch_tables(launch, None))?;
-                grids.push_str(&format!(" {}x{}:{:.3}ms", launch.ctas, threads, s.median));
-                if best.is_none_or(|(b, _)| s.median < b.median) {
-                    best = Some((s, launch));
-                }
-            }
-            let (stats, launch) =
-                best.ok_or_else(|| Error::InvalidArgument("no grid timed".into()))?;
-            backend.synchronize()?;
-            verify(
-                backend.as_ref(),
-                &mut ctx.rng,
-                &ranks,
-                &src,
-                &decode,
-                &dst,
-                "range kernel",
-            )?;
-            report.add(
-                "pd",
-                format!("{case}, range kernel, tables pre-uploaded"),
-                bytes,
-                stats,
-                d2d,
-                format!(
-                    "{}; {n} kvs_copy_ranges launches (1 per chunk) of {} pieces (<= {} KiB); {grids}",
-                    needs.descriptors(),
-                    needs.pieces,
-                    KERNEL_PIECE_BYTES >> 10
-                ),
-            );
-
-            // What an event between two launches costs (issue 25, goal 3): the same prepared
-            // launches with an event recorded after each, as a submit records its chunk's end.
-            for timed in [false, true] {
-                let stats = ctx.time(reps, || launch_tables(launch, Some(timed)))?;
-                backend.synchronize()?;
-                let kind = if timed { "timed" } else { "untimed" };
-                report.add(
-                    "pd",
-                    format!("{case}, range kernel, tables pre-uploaded, an {kind} event after each launch"),
-                    bytes,
-                    stats,
-                    d2d,
-                    format!("{n} launches {}x{}, {n} {kind} event records", launch.ctas, launch.threads),
-                );
-            }
-
-            let blocks_note = |launch: Launch, why: &str| {
-                format!(
-                    "{}; {} block-copy launches ({} per chunk) {}x{}{why}, {} page-list entries, {} B of tables, {} of the launches with theirs in the parameters (<= {} B, nothing uploaded)",
-                    needs.descriptors(),
-                    needs.block_launches,
-                    needs.block_launches as f64 / n as f64,
-                    launch.ctas,
-                    launch.threads,
-                    needs.block_entries,
-                    needs.block_table_bytes,
-                    needs.block_inline,
-                    abi::KVS_COPY_INLINE_BYTES
-                )
-            };
-            // `None`: the transport as `BackendTransport::new` makes it: each launch's grid
-            // from its blocks (Method::for_blocks), chunks untimed on the device.
-            let picked = Method::for_blocks(backend.as_ref(), needs.blocks_per_launch);
-            let mut methods = vec![(
-                DEFAULT_ROW.to_string(),
-                None,
-                match picked {
-                    Method::Kernel(l) => blocks_note(l, " (for_blocks)"),
-                    _ => format!("{}; {picked:?}", needs.descriptors()),
-                },
-                false,
-            )];
-            // The default transport with its chunks timed on the device
-            // (`BackendTransport::set_device_timing`): two timestamps more per chunk.
-            methods.push((
-                format!("{DEFAULT_ROW}, device timing on"),
-                None,
-                "timed chunk events; TransferStats from the device".to_string(),
-                true,
-            ));
-            // Every grid the rule picks from and the others measured (issue 25, goals 3 and 7):
-            // does a chunk's kernel lose its ramp and tail less with smaller or more CTAs?
-            let most = backend.max_threads(KernelFamily::Copy);
-            for (ctas, threads) in [
-                (sms * 2, 512),
-                (sms, 1024),
-                (sms * 4, 256),
-                (sms * 8, 256),
-                (sms * 4, 512),
-            ] {
-                let shape = Launch {
-                    ctas,
-                    threads: threads.min(most),
-                };
-                methods.push((
-                    format!(
-                        "block kernel from page lists ({ctas}x{}), Transport::submit",
-                        shape.threads
-                    ),
-                    Some(Method::Kernel(shape)),
-                    blocks_note(shape, ""),
-                    false,
-                ));
-            }
-            methods.push((
-                "range kernel, Transport::submit".to_string(),
-                Some(Method::RangeKernel(launch)),
-                format!(
-                    "{}; {n} kvs_copy_ranges launches (1 per chunk) {}x{} of {} pieces, {} B of tables uploaded",
-                    needs.descriptors(),
-                    launch.ctas,
-                    launch.threads,
-                    needs.pieces,
-                    24 * needs.pieces
-                ),
-                true,
-            ));
-            methods.push((
-                "copy engine, Transport::submit".to_string(),
-                Some(Method::CopyEngine),
-                format!(
-                    "{}; {n} memcpy_batch calls (1 per chunk) of {ranges} entries in all",
-                    needs.descriptors()
-                ),
-                true,
-            ));
-            let mut measured = Vec::new();
-            for (name, method, note, timing) in methods {
-                if method == Some(Method::CopyEngine) && ranges > 100_000 {
-                    // ~2 s a repeat at the host's ~4 us per entry: measured at 512 pages.
-                    continue;
-                }
-                decode.fill(backend.as_ref(), POISON)?;
-                let mut transport = match method {
-                    None => BackendTransport::new(backend.clone()),
-                    Some(method) => BackendTransport::with_method(backend.clone(), method)?,
-                };
-                transport.set_device_timing(timing);
-                let mut pending: Vec<Box<dyn Completion>> = Vec::new();
-                let stats = ctx.time(reps, || {
-                    for (plan, pool) in plans.iter().zip(&ranks) {
-                        pending.push(transport.submit(plan, pool, &remote)?);
-                    }
-                    Ok(())
-                })?;
-                let note = format!("{note}; {}", per_submit(stats, n));
-                measured.push((name.clone(), stats, note, timing));
-                for mut completion in pending {
-                    completion.wait_sync()?;
-                }
-                backend.synchronize()?;
-                verify(
-                    backend.as_ref(),
-                    &mut ctx.rng,
-                    &ranks,
-                    &src,
-                    &decode,
-                    &dst,
-                    &name,
-                )?;
-            }
-            // Goal 7: the automatic pick against the fastest method of the case (the device
-            // timing variant aside: it is the same method, timed).
-            let best = measured
-                .iter()
-                .filter(|(_, _, _, timed)| !timed)
-                .map(|(_, stats, _, _)| stats.median)
-                .fold(f64::INFINITY, f64::min);
-            for (name, stats, mut note, _) in measured {
-                if name == DEFAULT_ROW {
-                    let gap = 100.0 * (1.0 - best / stats.median);
-                    let flag = if gap > 3.0 { " AUTO>3%" } else { "" };
-                    note = format!("{note}; the automatic pick, {gap:.1}% below the fastest row of the case{flag}");
-                }
-                report.add("pd", format!("{case}, {name}"), bytes, stats, d2d, note);
-            }
+            let mut case = Case::new(ctx, &g, &registration, &remote, pages, n)?;
+            let to = (dst.as_slice(), &decode, d2d, reps);
+            let launch = range_kernel_rows(ctx, report, &mut case, to)?;
+            transport_rows(ctx, report, &case, &remote, to, launch)?;
+            let (plans, ranks, src) = (&case.plans, &case.ranks, &case.src[..]);
+            let case = &case.name;
             if n == 1 || n == 8 {
                 clean_l2(
                     ctx,
                     report,
-                    &case,
-                    &plans,
-                    &ranks,
+                    case,
+                    plans,
+                    ranks,
                     &remote,
-                    (&src, &dst, &decode),
+                    (src, &dst, &decode),
                 )?;
             }
             if n > 1 {
                 per_rank_streams(
                     ctx,
                     report,
-                    &case,
-                    &plans,
-                    &ranks,
+                    case,
+                    plans,
+                    ranks,
                     &remote,
-                    (&src, &dst, &decode),
+                    (src, &dst, &decode),
                 )?;
             }
         }
+    }
+    Ok(())
+}
+
+/// One case of the section: N prefill ranks sending a request of some pages, their plans and
+/// what the rows report of them.
+struct Case {
+    n: u32,
+    name: String,
+    src: Vec<LogicalPage>,
+    ranks: Vec<Arc<DevicePool>>,
+    plans: Vec<SendPlan>,
+    batches: Vec<DescriptorBatch>,
+    bytes: u64,
+    ranges: usize,
+    needs: Needs,
+}
+
+/// Where a case sends and how it is timed: the decode's pages, its pool, the ceiling, repeats.
+type To<'a> = (
+    &'a [LocalPage],
+    &'a Arc<DevicePool>,
+    (&'static str, f64),
+    usize,
+);
+
+impl Case {
+    /// A fresh prefill group of `n` ranks (position j at the next local page of owner j % n),
+    /// its pools random, and its plans and descriptor batches into `remote`.
+    fn new(
+        ctx: &mut Ctx,
+        g: &CacheGeometry,
+        registration: &Registration,
+        remote: &Arc<RemoteSpace>,
+        pages: u64,
+        n: u32,
+    ) -> Result<Case> {
+        let backend = ctx.shared();
+        let placement = Placement::new(n)?;
+        let shard = u64::from(n);
+        // A fresh prefill group: position j at the next local page of owner j % n.
+        let src: Vec<LogicalPage> = (0..pages)
+            .map(|j| LogicalPage((j / shard + 1) * shard + j % shard))
+            .collect();
+        let ranks: Vec<Arc<DevicePool>> = (0..n)
+            .map(|r| {
+                DevicePool::allocate(backend.as_ref(), g, placement, r, pages.div_ceil(shard) + 1)
+                    .map(Arc::new)
+            })
+            .collect::<Result<_>>()?;
+        for pool in &ranks {
+            let storage = pool
+                .storage()
+                .ok_or_else(|| Error::InvalidArgument("an allocated pool".into()))?
+                .clone();
+            ctx.fill_random(&storage)?;
+        }
+        let chunk = ChunkRange {
+            index: 0,
+            start: 0,
+            end: pages as usize * PAGE_SIZE,
+            last: true,
+        };
+        let plans: Vec<SendPlan> = ranks
+            .iter()
+            .map(|pool| SendPlan::new(&PrefillRank::of(pool), &src, registration, chunk))
+            .collect::<Result<_>>()?;
+        let batches: Vec<DescriptorBatch> = plans
+            .iter()
+            .zip(&ranks)
+            .map(|(plan, pool)| DescriptorBatch::resolve(plan, pool.as_ref(), remote.as_ref()))
+            .collect::<Result<_>>()?;
+        let bytes: u64 = batches.iter().map(|b| b.bytes().total()).sum();
+        let ranges: usize = batches.iter().map(|b| b.ranges().len()).sum();
+        let mut needs = Needs {
+            ranks: plans.len(),
+            rank0: (plans[0].descriptor_count(), plans[0].uncoalesced_count()),
+            all: (
+                plans.iter().map(SendPlan::descriptor_count).sum(),
+                plans.iter().map(SendPlan::uncoalesced_count).sum(),
+            ),
+            pieces: 0,
+            block_launches: 0,
+            block_entries: 0,
+            block_table_bytes: 0,
+            block_inline: 0,
+            blocks_per_launch: 0,
+        };
+        for (plan, pool) in plans.iter().zip(&ranks) {
+            for copy in block_copies(plan, pool.as_ref(), remote.as_ref())? {
+                if needs.block_launches == 0 {
+                    needs.blocks_per_launch = copy.blocks();
+                }
+                needs.block_launches += 1;
+                needs.block_entries += copy.entries();
+                needs.block_table_bytes += copy.table_bytes();
+                if copy.table_bytes() <= abi::KVS_COPY_INLINE_BYTES as usize {
+                    needs.block_inline += 1;
+                }
+            }
+        }
+        let name = format!("N={n}, {pages} pages x 62+62 layers");
+        Ok(Case {
+            n,
+            name,
+            src,
+            ranks,
+            plans,
+            batches,
+            bytes,
+            ranges,
+            needs,
+        })
+    }
+}
+
+/// The range kernel's rows: its tables uploaded once, outside the timing, every grid of
+/// [`GRIDS`] timed (the best reported), then the same launches with an event after each.
+/// Returns the best grid.
+fn range_kernel_rows(
+    ctx: &mut Ctx,
+    report: &mut Report,
+    case: &mut Case,
+    (dst, decode, d2d, reps): To<'_>,
+) -> Result<Launch> {
+    let backend = ctx.shared();
+    let sms = ctx.gpu.info().sm_count;
+    let (n, bytes, case_name) = (case.n, case.bytes, case.name.clone());
+    let (ranks, src, batches) = (&case.ranks[..], &case.src[..], &case.batches[..]);
+    let needs = &mut case.needs;
+    // Range tables uploaded once, outside the timing.
+    let mut tables = Vec::new();
+    for batch in batches {
+        let pieces: Vec<u8> = kernel_pieces(batch.ranges())
+            .flat_map(|p| [p.src, p.dst, p.bytes])
+            .flat_map(u64::to_le_bytes)
+            .collect();
+        let table = backend.alloc(pieces.len().max(24), MemoryKind::Device)?;
+        backend.write_sync(&table, 0, &pieces)?;
+        tables.push((table, (pieces.len() / 24) as u64));
+    }
+    needs.pieces = tables.iter().map(|t| t.1 as usize).sum();
+    decode.fill(backend.as_ref(), POISON)?;
+    let mut best: Option<(Timed, Launch)> = None;
+    // Every table's launch in turn, each followed by an event when `event_after` says
+    // (`Some(true)`: timed) as a submit records its chunk's end.
+    let launch_tables = |launch: Launch, event_after: Option<bool>| -> Result<()> {
+        tables.iter().try_for_each(|(table, count)| {
+            let p = abi::kvs_copy_ranges_params {
+                ranges: table.addr(),
+                num_ranges: *count,
+                status: abi::kvs_status::default(),
+            };
+            // SAFETY: the plans checked every page against the layouts, the batches
+            // resolved them against the live rank pools and the decode pool's remote
+            // space (`check_spaces`: every range inside a (component, layer) buffer),
+            // all of this GPU and held here past the synchronize of every repeat; each
+            // table holds `count` pieces of those ranges.
+            unsafe { backend.copy_ranges(p, launch)? };
+            match event_after {
+                Some(true) => backend.record_timed().map(drop),
+                Some(false) => backend.record().map(drop),
+                None => Ok(()),
+            }
+        })
+    };
+    let mut grids = String::from("grids");
+    for (per_sm, threads) in GRIDS {
+        let launch = Launch {
+            ctas: sms * per_sm,
+            threads,
+        };
+        let s = ctx.time(reps, || launch_tables(launch, None))?;
+        grids.push_str(&format!(" {}x{}:{:.3}ms", launch.ctas, threads, s.median));
+        if best.is_none_or(|(b, _)| s.median < b.median) {
+            best = Some((s, launch));
+        }
+    }
+    let (stats, launch) = best.ok_or_else(|| Error::InvalidArgument("no grid timed".into()))?;
+    backend.synchronize()?;
+    verify(
+        backend.as_ref(),
+        &mut ctx.rng,
+        ranks,
+        src,
+        decode,
+        dst,
+        "range kernel",
+    )?;
+    report.add(
+        "pd",
+        format!("{case_name}, range kernel, tables pre-uploaded"),
+        bytes,
+        stats,
+        d2d,
+        format!(
+            "{}; {n} kvs_copy_ranges launches (1 per chunk) of {} pieces (<= {} KiB); {grids}",
+            needs.descriptors(),
+            needs.pieces,
+            KERNEL_PIECE_BYTES >> 10
+        ),
+    );
+
+    // What an event between two launches costs (issue 25, goal 3): the same prepared
+    // launches with an event recorded after each, as a submit records its chunk's end.
+    for timed in [false, true] {
+        let stats = ctx.time(reps, || launch_tables(launch, Some(timed)))?;
+        backend.synchronize()?;
+        let kind = if timed { "timed" } else { "untimed" };
+        report.add(
+            "pd",
+            format!(
+                "{case_name}, range kernel, tables pre-uploaded, an {kind} event after each launch"
+            ),
+            bytes,
+            stats,
+            d2d,
+            format!(
+                "{n} launches {}x{}, {n} {kind} event records",
+                launch.ctas, launch.threads
+            ),
+        );
+    }
+
+    Ok(launch)
+}
+
+/// The transports the section measures against the range kernel's best grid `launch`: the
+/// default transport (and with device timing on), every block-kernel grid the rule picks from
+/// and others, the range kernel and the copy engine, each as (row name, method, note, device
+/// timing).
+fn methods_of(
+    backend: &dyn Backend,
+    sms: u32,
+    case: &Case,
+    launch: Launch,
+) -> Vec<(String, Option<Method>, String, bool)> {
+    let (n, needs, ranges) = (case.n, &case.needs, case.ranges);
+    let blocks_note = |launch: Launch, why: &str| {
+        format!(
+            "{}; {} block-copy launches ({} per chunk) {}x{}{why}, {} page-list entries, {} B of tables, {} of the launches with theirs in the parameters (<= {} B, nothing uploaded)",
+            needs.descriptors(),
+            needs.block_launches,
+            needs.block_launches as f64 / n as f64,
+            launch.ctas,
+            launch.threads,
+            needs.block_entries,
+            needs.block_table_bytes,
+            needs.block_inline,
+            abi::KVS_COPY_INLINE_BYTES
+        )
+    };
+    // `None`: the transport as `BackendTransport::new` makes it: each launch's grid
+    // from its blocks (Method::for_blocks), chunks untimed on the device.
+    let picked = Method::for_blocks(backend, needs.blocks_per_launch);
+    let mut methods = vec![(
+        DEFAULT_ROW.to_string(),
+        None,
+        match picked {
+            Method::Kernel(l) => blocks_note(l, " (for_blocks)"),
+            _ => format!("{}; {picked:?}", needs.descriptors()),
+        },
+        false,
+    )];
+    // The default transport with its chunks timed on the device
+    // (`BackendTransport::set_device_timing`): two timestamps more per chunk.
+    methods.push((
+        format!("{DEFAULT_ROW}, device timing on"),
+        None,
+        "timed chunk events; TransferStats from the device".to_string(),
+        true,
+    ));
+    // Every grid the rule picks from and the others measured (issue 25, goals 3 and 7):
+    // does a chunk's kernel lose its ramp and tail less with smaller or more CTAs?
+    let most = backend.max_threads(KernelFamily::Copy);
+    for (ctas, threads) in [
+        (sms * 2, 512),
+        (sms, 1024),
+        (sms * 4, 256),
+        (sms * 8, 256),
+        (sms * 4, 512),
+    ] {
+        let shape = Launch {
+            ctas,
+            threads: threads.min(most),
+        };
+        methods.push((
+            format!(
+                "block kernel from page lists ({ctas}x{}), Transport::submit",
+                shape.threads
+            ),
+            Some(Method::Kernel(shape)),
+            blocks_note(shape, ""),
+            false,
+        ));
+    }
+    methods.push((
+        "range kernel, Transport::submit".to_string(),
+        Some(Method::RangeKernel(launch)),
+        format!(
+            "{}; {n} kvs_copy_ranges launches (1 per chunk) {}x{} of {} pieces, {} B of tables uploaded",
+            needs.descriptors(),
+            launch.ctas,
+            launch.threads,
+            needs.pieces,
+            24 * needs.pieces
+        ),
+        true,
+    ));
+    methods.push((
+        "copy engine, Transport::submit".to_string(),
+        Some(Method::CopyEngine),
+        format!(
+            "{}; {n} memcpy_batch calls (1 per chunk) of {ranges} entries in all",
+            needs.descriptors()
+        ),
+        true,
+    ));
+    methods
+}
+
+/// The rows of every transport of [`methods_of`]: each timed as `Sender::send` submits the
+/// ranks' chunks, checked, and the automatic pick compared with the fastest row of the case.
+fn transport_rows(
+    ctx: &mut Ctx,
+    report: &mut Report,
+    case: &Case,
+    remote: &Arc<RemoteSpace>,
+    (dst, decode, d2d, reps): To<'_>,
+    launch: Launch,
+) -> Result<()> {
+    let backend = ctx.shared();
+    let sms = ctx.gpu.info().sm_count;
+    let (n, bytes, ranges) = (case.n, case.bytes, case.ranges);
+    let (plans, ranks, src) = (&case.plans, &case.ranks, &case.src[..]);
+    let methods = methods_of(backend.as_ref(), sms, case, launch);
+    let mut measured = Vec::new();
+    for (name, method, note, timing) in methods {
+        if method == Some(Method::CopyEngine) && ranges > 100_000 {
+            // ~2 s a repeat at the host's ~4 us per entry: measured at 512 pages.
+            continue;
+        }
+        decode.fill(backend.as_ref(), POISON)?;
+        let mut transport = match method {
+            None => BackendTransport::new(backend.clone()),
+            Some(method) => BackendTransport::with_method(backend.clone(), method)?,
+        };
+        transport.set_device_timing(timing);
+        let mut pending: Vec<Box<dyn Completion>> = Vec::new();
+        let stats = ctx.time(reps, || {
+            for (plan, pool) in plans.iter().zip(ranks) {
+                pending.push(transport.submit(plan, pool, remote)?);
+            }
+            Ok(())
+        })?;
+        let note = format!("{note}; {}", per_submit(stats, n));
+        measured.push((name.clone(), stats, note, timing));
+        for mut completion in pending {
+            completion.wait_sync()?;
+        }
+        backend.synchronize()?;
+        verify(
+            backend.as_ref(),
+            &mut ctx.rng,
+            ranks,
+            src,
+            decode,
+            dst,
+            &name,
+        )?;
+    }
+    // Goal 7: the automatic pick against the fastest method of the case (the device
+    // timing variant aside: it is the same method, timed).
+    let best = measured
+        .iter()
+        .filter(|(_, _, _, timed)| !timed)
+        .map(|(_, stats, _, _)| stats.median)
+        .fold(f64::INFINITY, f64::min);
+    for (name, stats, mut note, _) in measured {
+        if name == DEFAULT_ROW {
+            let gap = 100.0 * (1.0 - best / stats.median);
+            let flag = if gap > 3.0 { " AUTO>3%" } else { "" };
+            note = format!(
+                "{note}; the automatic pick, {gap:.1}% below the fastest row of the case{flag}"
+            );
+        }
+        report.add(
+            "pd",
+            format!("{}, {name}", case.name),
+            bytes,
+            stats,
+            d2d,
+            note,
+        );
     }
     Ok(())
 }

@@ -167,6 +167,118 @@ fn alternatives(
     Ok(())
 }
 
+/// The gather and scatter kernels of `pages` random pages (of `max_pages`, past the padding
+/// page) between `pool` and `staging`, the
+/// best grid of each, and (up to 2,048 pages) the alternatives to the gather.
+fn copies_case(
+    ctx: &mut Ctx,
+    report: &mut Report,
+    layout: LatentLayout,
+    (pool, pool_side): (&Arc<DevicePool>, Side<'_>),
+    (staging, staging_side): (&Arc<Staging>, Side<'_>),
+    (pages, max_pages): (u64, u64),
+) -> Result<()> {
+    // Distinct random pages past the padding page 0.
+    let perm = synth::permutation(&mut ctx.rng, max_pages as usize);
+    let local: Vec<LocalPage> = perm[..pages as usize]
+        .iter()
+        .map(|&p| LocalPage(p as u64 + 1))
+        .collect();
+    let positions: Vec<LocalPage> = (0..pages).map(LocalPage).collect();
+    let reps = ctx.reps(if pages >= 4096 { 5 } else { 20 });
+    let d2d = ("d2d", ctx.ceilings.d2d);
+    let case = format!("{} rows, {pages} pages x 62 layers", layout.row_bytes());
+
+    let plan = BlockCopyPlan::new(
+        pool.as_ref(),
+        PageSelection::Local(local.clone()),
+        staging.as_ref(),
+        PageSelection::Positions,
+        pages as usize,
+    )?;
+    let gather = BlockCopy::prepare_sync(
+        ctx.backend.as_ref(),
+        plan,
+        pool.clone(),
+        staging.clone(),
+        None,
+    )?;
+    let (stats, note) = best_grid(ctx, &gather, reps)?;
+    verify(
+        ctx.backend.as_ref(),
+        &mut ctx.rng,
+        pool_side,
+        &local,
+        staging_side,
+        &positions,
+    )?;
+    report.add(
+        "pool",
+        format!("{case} gather kernel"),
+        gather.bytes(),
+        stats,
+        d2d,
+        note,
+    );
+    // The gather's tables, for the scatter: every run of the gather has completed.
+    let tables = gather.into_tables();
+
+    let plan = BlockCopyPlan::new(
+        staging.as_ref(),
+        PageSelection::Positions,
+        pool.as_ref(),
+        PageSelection::Local(local.clone()),
+        pages as usize,
+    )?;
+    let scatter = BlockCopy::prepare_sync(
+        ctx.backend.as_ref(),
+        plan,
+        staging.clone(),
+        pool.clone(),
+        tables,
+    )?;
+    let (stats, note) = best_grid(ctx, &scatter, reps)?;
+    verify(
+        ctx.backend.as_ref(),
+        &mut ctx.rng,
+        staging_side,
+        &positions,
+        pool_side,
+        &local,
+    )?;
+    report.add(
+        "pool",
+        format!("{case} scatter kernel"),
+        scatter.bytes(),
+        stats,
+        d2d,
+        note,
+    );
+
+    if pages <= 2048 {
+        let ranges = block_ranges(pool.as_ref(), &local, staging.as_ref(), &positions)?;
+        alternatives(
+            ctx,
+            report,
+            &format!("{case} gather"),
+            &ranges,
+            scatter.bytes(),
+            staging.buffer(),
+            |ctx| {
+                verify(
+                    ctx.backend.as_ref(),
+                    &mut ctx.rng,
+                    pool_side,
+                    &local,
+                    staging_side,
+                    &positions,
+                )
+            },
+        )?;
+    }
+    Ok(())
+}
+
 pub fn copies(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
     let max_pages: u64 = if ctx.quick { 2048 } else { 16384 };
     for layout in [LatentLayout::Fp8Trtllm, LatentLayout::Fp8Scaled] {
@@ -193,104 +305,14 @@ pub fn copies(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
             .into_iter()
             .filter(|&p| p <= max_pages)
         {
-            // Distinct random pages past the padding page 0.
-            let perm = synth::permutation(&mut ctx.rng, max_pages as usize);
-            let local: Vec<LocalPage> = perm[..pages as usize]
-                .iter()
-                .map(|&p| LocalPage(p as u64 + 1))
-                .collect();
-            let positions: Vec<LocalPage> = (0..pages).map(LocalPage).collect();
-            let reps = ctx.reps(if pages >= 4096 { 5 } else { 20 });
-            let d2d = ("d2d", ctx.ceilings.d2d);
-            let case = format!("{} rows, {pages} pages x 62 layers", layout.row_bytes());
-
-            let plan = BlockCopyPlan::new(
-                pool.as_ref(),
-                PageSelection::Local(local.clone()),
-                staging.as_ref(),
-                PageSelection::Positions,
-                pages as usize,
+            copies_case(
+                ctx,
+                report,
+                layout,
+                (&pool, pool_side),
+                (&staging, staging_side),
+                (pages, max_pages),
             )?;
-            let gather = BlockCopy::prepare_sync(
-                ctx.backend.as_ref(),
-                plan,
-                pool.clone(),
-                staging.clone(),
-                None,
-            )?;
-            let (stats, note) = best_grid(ctx, &gather, reps)?;
-            verify(
-                ctx.backend.as_ref(),
-                &mut ctx.rng,
-                pool_side,
-                &local,
-                staging_side,
-                &positions,
-            )?;
-            report.add(
-                "pool",
-                format!("{case} gather kernel"),
-                gather.bytes(),
-                stats,
-                d2d,
-                note,
-            );
-            // The gather's tables, for the scatter: every run of the gather has completed.
-            let tables = gather.into_tables();
-
-            let plan = BlockCopyPlan::new(
-                staging.as_ref(),
-                PageSelection::Positions,
-                pool.as_ref(),
-                PageSelection::Local(local.clone()),
-                pages as usize,
-            )?;
-            let scatter = BlockCopy::prepare_sync(
-                ctx.backend.as_ref(),
-                plan,
-                staging.clone(),
-                pool.clone(),
-                tables,
-            )?;
-            let (stats, note) = best_grid(ctx, &scatter, reps)?;
-            verify(
-                ctx.backend.as_ref(),
-                &mut ctx.rng,
-                staging_side,
-                &positions,
-                pool_side,
-                &local,
-            )?;
-            report.add(
-                "pool",
-                format!("{case} scatter kernel"),
-                scatter.bytes(),
-                stats,
-                d2d,
-                note,
-            );
-
-            if pages <= 2048 {
-                let ranges = block_ranges(pool.as_ref(), &local, staging.as_ref(), &positions)?;
-                alternatives(
-                    ctx,
-                    report,
-                    &format!("{case} gather"),
-                    &ranges,
-                    scatter.bytes(),
-                    staging.buffer(),
-                    |ctx| {
-                        verify(
-                            ctx.backend.as_ref(),
-                            &mut ctx.rng,
-                            pool_side,
-                            &local,
-                            staging_side,
-                            &positions,
-                        )
-                    },
-                )?;
-            }
         }
     }
     Ok(())

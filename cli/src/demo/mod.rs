@@ -32,7 +32,7 @@ use kvshard::geometry::{CacheGeometry, Component, IndexerScale, LatentLayout, PA
 use kvshard::hicache::{
     CacheNode, HiCacheController, HostLayout, HostPool, Route, Streams, WritePolicy,
 };
-use kvshard::index::{ModelLayer, StoredLayer};
+use kvshard::index::{ModelLayer, Slot, StoredLayer};
 use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite};
 use kvshard::quantize::{
     quantize_indexer_checked_sync, quantize_latent_checked_sync, INDEXER_INPUT_ROW_BYTES,
@@ -259,6 +259,146 @@ pub(crate) fn write_through_controllers(
         .collect()
 }
 
+/// Sends `ranks`' chain P/D to a fresh unsharded decode pool and the unsharded `reference`'s
+/// to another, and checks the two byte for byte: what the ranks moved, the decode pool's
+/// bytes, and the milliseconds the check took.
+fn send_checked(
+    b: &Arc<dyn Backend>,
+    ranks: (&[Arc<DevicePool>], &RequestChain),
+    reference: (&Arc<DevicePool>, &RequestChain),
+    shape: &SendShape<'_>,
+) -> Result<(Moved, Vec<u8>, f64)> {
+    let bk = b.as_ref();
+    let (decode, decode_space) = decode_pool(bk, shape.geometry, shape.tokens)?;
+    let (expected, expected_space) = decode_pool(bk, shape.geometry, shape.tokens)?;
+    let sent = send_all(b, ranks.0, ranks.1, &decode_space, shape)?;
+    send_all(
+        b,
+        std::slice::from_ref(reference.0),
+        reference.1,
+        &expected_space,
+        shape,
+    )?;
+    let check = Instant::now();
+    let want = expected.snapshot_sync(bk)?;
+    if decode.snapshot_sync(bk)? != want {
+        return Err(Error::Transfer {
+            request: 1,
+            reason: "decode pool differs from what an unsharded prefill sends".into(),
+        });
+    }
+    Ok((sent, want, check.elapsed().as_secs_f64() * 1e3))
+}
+
+/// A forward pass's output for a chunk of `n` tokens in `staging`: random bytes in every
+/// layer, FP8-quantized random rows in layer 0.
+fn forward_pass(
+    bk: &dyn Backend,
+    rng: &mut StdRng,
+    staging: &ChunkStaging,
+    n: usize,
+) -> Result<()> {
+    bk.write_sync(
+        staging.buffer(),
+        0,
+        &synth::bytes(rng, staging.buffer().len()),
+    )?;
+    let rows: Vec<i64> = (0..n as i64).collect();
+    let latent_in = bk.alloc(n * LATENT_INPUT_ROW_BYTES, MemoryKind::Device)?;
+    bk.write_sync(
+        &latent_in,
+        0,
+        &synth::bf16_bytes(rng, n * LATENT_INPUT_ROW_BYTES / 2),
+    )?;
+    quantize_latent_checked_sync(
+        bk,
+        LatentLayout::Fp8Trtllm,
+        &latent_in,
+        &rows,
+        &staging.layer(Component::TargetLatent, StoredLayer(0))?,
+    )?;
+    let keys_in = bk.alloc(n * INDEXER_INPUT_ROW_BYTES, MemoryKind::Device)?;
+    bk.write_sync(
+        &keys_in,
+        0,
+        &synth::bf16_bytes(rng, n * INDEXER_INPUT_ROW_BYTES / 2),
+    )?;
+    quantize_indexer_checked_sync(
+        bk,
+        IndexerScale::Ue8m0,
+        &keys_in,
+        &rows,
+        &staging.layer(Component::TargetIndexer, StoredLayer(0))?,
+    )?;
+    Ok(())
+}
+
+/// Backs `chain`'s pages up on every rank (write-through), evicts them (the pools poisoned),
+/// and reloads them into new pages of the same owners: the reloaded chain, and what the
+/// backups and the loads moved.
+fn hicache_round_trip(
+    bk: &dyn Backend,
+    mut controllers: Vec<HiCacheController>,
+    ranks: &[Arc<DevicePool>],
+    chain: &mut RequestChain,
+    alloc: &mut ShardAllocator,
+    route: Route,
+) -> Result<(RequestChain, Moved, Moved)> {
+    let node = CacheNode::of_chain(chain, 1, 0..chain.page_count())?;
+    let ms = on_all_ranks(bk, &mut controllers, |s| &s.backup, &mut |c, start| {
+        c.access(&node, start, route).map(|_| ())
+    })?;
+    let mut backed_up = Moved { bytes: 0, ms };
+    for c in &mut controllers {
+        backed_up.bytes += c.ack_backups_sync(1)?.iter().map(|a| a.bytes).sum::<u64>();
+    }
+    let compute = bk.record()?;
+    for (c, pool) in controllers.iter_mut().zip(ranks) {
+        c.evict_sync(&node, &compute, route)?;
+        pool.fill(bk, POISON)?;
+    }
+    chain.free(alloc)?;
+    let pages = alloc.alloc_matching(&node.device_pages)?;
+    let reloaded = RequestChain::cached(alloc, chain.start_owner().unwrap_or(0), pages)?;
+    let ms = on_all_ranks(bk, &mut controllers, |s| &s.load, &mut |c, start| {
+        let handle = c.load(node.id, reloaded.pages()?, Some(start), route)?;
+        handle.wait_layer(bk, ModelLayer(0))
+    })?;
+    let mut loaded = Moved { bytes: 0, ms };
+    for c in &mut controllers {
+        loaded.bytes += c.ack_loads_sync(1)?.iter().map(|a| a.bytes).sum::<u64>();
+    }
+    Ok((reloaded, backed_up, loaded))
+}
+
+/// Each rank's owned-row write of the chunk at `slots` (the last write, the unsharded
+/// reference's, at `slots.1`), each waited for and timed; what the ranks moved is added to
+/// `moved`.
+fn write_owned(
+    bk: &dyn Backend,
+    writes: &[OwnedRowWrite],
+    placement: Placement,
+    slots: (&[Slot], &[Slot]),
+    moved: &mut Moved,
+) -> Result<()> {
+    let ranks = writes.len() - 1;
+    for (r, w) in writes.iter().enumerate() {
+        let sharded = r < ranks;
+        let slots = if sharded { slots.0 } else { slots.1 };
+        let ms = time_sync(bk, || {
+            w.run_checked_sync(bk, slots, w.launch(bk, slots.len()))
+        })?;
+        if sharded {
+            let owned = slots
+                .iter()
+                .filter(|&&s| placement.slot_owner(s) == r as u32)
+                .count();
+            moved.add(owned as u64 * w.row_bytes(), ms);
+        }
+    }
+    Ok(())
+}
+
 /// Runs the demo on `b`, making further streams of the same device with `streams`, and with
 /// the HiCache route `route`.
 pub fn run(
@@ -323,55 +463,16 @@ pub fn run(
         let n = end - begin;
         chain.grow_to(&mut alloc, end)?;
         ref_chain.grow_to(&mut ref_alloc, end)?;
-        // The chunk's KV: random bytes in every layer, FP8-quantized random rows in layer 0.
-        bk.write_sync(
-            staging.buffer(),
-            0,
-            &synth::bytes(&mut rng, staging.buffer().len()),
-        )?;
-        let rows: Vec<i64> = (0..n as i64).collect();
-        let latent_in = bk.alloc(n * LATENT_INPUT_ROW_BYTES, MemoryKind::Device)?;
-        bk.write_sync(
-            &latent_in,
-            0,
-            &synth::bf16_bytes(&mut rng, n * LATENT_INPUT_ROW_BYTES / 2),
-        )?;
-        quantize_latent_checked_sync(
+        forward_pass(bk, &mut rng, &staging, n)?;
+        let slots = chain.slots(begin..end)?;
+        let ref_slots = ref_chain.slots(begin..end)?;
+        write_owned(
             bk,
-            LatentLayout::Fp8Trtllm,
-            &latent_in,
-            &rows,
-            &staging.layer(Component::TargetLatent, StoredLayer(0))?,
+            &writes,
+            placement,
+            (&slots, &ref_slots),
+            &mut writes_moved,
         )?;
-        let keys_in = bk.alloc(n * INDEXER_INPUT_ROW_BYTES, MemoryKind::Device)?;
-        bk.write_sync(
-            &keys_in,
-            0,
-            &synth::bf16_bytes(&mut rng, n * INDEXER_INPUT_ROW_BYTES / 2),
-        )?;
-        quantize_indexer_checked_sync(
-            bk,
-            IndexerScale::Ue8m0,
-            &keys_in,
-            &rows,
-            &staging.layer(Component::TargetIndexer, StoredLayer(0))?,
-        )?;
-        for (r, w) in writes.iter().enumerate() {
-            let sharded = r < ranks.len();
-            let slots = if sharded {
-                chain.slots(begin..end)?
-            } else {
-                ref_chain.slots(begin..end)?
-            };
-            let ms = time_sync(bk, || w.run_checked_sync(bk, &slots, w.launch(bk, n)))?;
-            if sharded {
-                let owned = slots
-                    .iter()
-                    .filter(|&&s| placement.slot_owner(s) == r as u32)
-                    .count();
-                writes_moved.add(owned as u64 * w.row_bytes(), ms);
-            }
-        }
         begin = end;
     }
     let owners: Vec<u32> = chain.pages()?.iter().map(|&p| placement.owner(p)).collect();
@@ -390,56 +491,18 @@ pub fn run(
         tokens: cfg.tokens,
         chunk: cfg.chunk,
     };
-    let (decode, decode_space) = decode_pool(bk, &g, cfg.tokens)?;
-    let (expected, expected_space) = decode_pool(bk, &g, cfg.tokens)?;
-    let sent = send_all(&b, &ranks, &chain, &decode_space, &shape)?;
-    send_all(
-        &b,
-        std::slice::from_ref(&reference),
-        &ref_chain,
-        &expected_space,
-        &shape,
-    )?;
-    let check = Instant::now();
-    let want = expected.snapshot_sync(bk)?;
-    if decode.snapshot_sync(bk)? != want {
-        return Err(Error::Transfer {
-            request: 1,
-            reason: "decode pool differs from what an unsharded prefill sends".into(),
-        });
-    }
+    let (sent, want, check_ms) =
+        send_checked(&b, (&ranks, &chain), (&reference, &ref_chain), &shape)?;
     out.say(format!(
         "P/D: {} ranks sent {sent}; decode pool byte-identical to the unsharded reference (verified in {:.1} ms)",
         cfg.shape.ranks,
-        check.elapsed().as_secs_f64() * 1e3
+        check_ms
     ));
 
     // 4: HiCache: write-through backups, eviction, reload into new pages, resend.
-    let mut controllers = write_through_controllers(bk, &g, &ranks, per_rank, streams, route)?;
-    let node = CacheNode::of_chain(&chain, 1, 0..chain.page_count())?;
-    let ms = on_all_ranks(bk, &mut controllers, |s| &s.backup, &mut |c, start| {
-        c.access(&node, start, route).map(|_| ())
-    })?;
-    let mut backed_up = Moved { bytes: 0, ms };
-    for c in &mut controllers {
-        backed_up.bytes += c.ack_backups_sync(1)?.iter().map(|a| a.bytes).sum::<u64>();
-    }
-    let compute = bk.record()?;
-    for (c, pool) in controllers.iter_mut().zip(&ranks) {
-        c.evict_sync(&node, &compute, route)?;
-        pool.fill(bk, POISON)?;
-    }
-    chain.free(&mut alloc)?;
-    let pages = alloc.alloc_matching(&node.device_pages)?;
-    let reloaded = RequestChain::cached(&alloc, chain.start_owner().unwrap_or(0), pages)?;
-    let ms = on_all_ranks(bk, &mut controllers, |s| &s.load, &mut |c, start| {
-        let handle = c.load(node.id, reloaded.pages()?, Some(start), route)?;
-        handle.wait_layer(bk, ModelLayer(0))
-    })?;
-    let mut loaded = Moved { bytes: 0, ms };
-    for c in &mut controllers {
-        loaded.bytes += c.ack_loads_sync(1)?.iter().map(|a| a.bytes).sum::<u64>();
-    }
+    let controllers = write_through_controllers(bk, &g, &ranks, per_rank, streams, route)?;
+    let (reloaded, backed_up, loaded) =
+        hicache_round_trip(bk, controllers, &ranks, &mut chain, &mut alloc, route)?;
     let (again, again_space) = decode_pool(bk, &g, cfg.tokens)?;
     send_all(&b, &ranks, &reloaded, &again_space, &shape)?;
     if again.snapshot_sync(bk)? != want {

@@ -44,6 +44,7 @@ Differences from SGLang's classes, by design:
 
 from __future__ import annotations
 
+import operator
 import sys
 import warnings
 from typing import Any, Callable, Optional, Sequence
@@ -114,7 +115,7 @@ class _Arrays:
         return self.np.asarray(values, dtype=self.np.int64)
 
     def tolist(self, t) -> list:
-        return [int(v) for v in t.tolist()]
+        return [operator.index(v) for v in t.tolist()]
 
 
 def _host_indices(indices):
@@ -313,7 +314,7 @@ class MLAHostPool:
             t = kvshard.HostTransfer(pool, self.host, plan, direction)
             self._transfers.put(key, (device_pool, host_indices, device_indices), t)
         if io == kvshard.Method.KERNEL:
-            t.prepare_kernel(self._tables)
+            t.prepare_kernel_sync(self._tables)
         return t
 
     def prepare_transfer_indices(self, host_indices, device_indices, io_backend):
@@ -394,7 +395,7 @@ class MLAHostPool:
     def get_data_page(self, index, flat: bool = True):
         """The host page whose first token slot is ``index`` (every layer, the packed draft's
         too), as SGLang slices it; ``flat`` flattens it."""
-        index = int(index)
+        index = operator.index(index)
         if self.layout == "layer_first":
             page = self.kv_buffer[:, index : index + self.page_size, :, :]
         elif self.layout == "page_first":
@@ -414,7 +415,7 @@ class MLAHostPool:
 
     def set_from_flat_data_page(self, index: int, data_page) -> None:
         """Writes a flat page (as ``get_data_page`` gives it) at first token slot ``index``."""
-        index = int(index)
+        index = operator.index(index)
         if self.layout == "layer_first":
             self.kv_buffer[:, index : index + self.page_size, :, :] = data_page.reshape(
                 self.layer_num, self.page_size, 1, self.kv_cache_dim
@@ -513,7 +514,7 @@ class DSAIndexerHostPool:
         return host_indices, device_indices
 
     def get_data_page(self, index, flat: bool = True):
-        page = int(index) // self.page_size
+        page = operator.index(index) // self.page_size
         if self.layout == "layer_first":
             data = self.index_k_with_scale_buffer[:, page : page + 1, :]
         else:
@@ -526,7 +527,7 @@ class DSAIndexerHostPool:
         )
 
     def set_from_flat_data_page(self, index: int, data_page) -> None:
-        page = int(index) // self.page_size
+        page = operator.index(index) // self.page_size
         if self.layout == "layer_first":
             self.index_k_with_scale_buffer[:, page : page + 1, :] = data_page.reshape(
                 self.layer_num, 1, self.indexer_page_stride_size

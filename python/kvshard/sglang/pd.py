@@ -13,6 +13,7 @@ logical page below the shard size, every rank's padding page) or a page named tw
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Sequence
 
 import kvshard
@@ -35,7 +36,7 @@ def filter_kv_indices_for_shard_rank(
     arrays of ``kv_indices``'s dtype and int64."""
     import numpy as np
 
-    pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
+    pages = [operator.index(p) for p in np.asarray(kv_indices).reshape(-1)]
     plan = _owned(pages, shard_rank, shard_size)
     start = index_slice.start or 0
     local = np.asarray(plan.device_pages, dtype=np.asarray(kv_indices).dtype)

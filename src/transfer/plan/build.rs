@@ -104,6 +104,51 @@ pub(super) fn check_sources(
     Err(Error::Transfer { request, reason })
 }
 
+/// The pages chunk `chunk` of `registration` covers: its first page, the page past the last it
+/// sends (a non-final chunk sends only the pages it completed), and the sequence's pages so far;
+/// checked against the decode's cached prefix and registered pages.
+fn chunk_pages(registration: &Registration, chunk: ChunkRange) -> Result<(usize, usize, usize)> {
+    let (request, index) = (registration.request, chunk.index);
+    let fail = |reason: String| Err(Error::Transfer { request, reason });
+    if chunk.start % PAGE_SIZE != 0 {
+        return fail(format!(
+            "chunk {index} starts at token {}, not a page boundary (page size {PAGE_SIZE})",
+            chunk.start
+        ));
+    }
+    let prefix = registration.prefix_pages;
+    let start_page = chunk.start / PAGE_SIZE;
+    if start_page < prefix {
+        return fail(format!(
+            "chunk {index} starts at page {start_page}, inside the decode's cached prefix of {prefix} pages"
+        ));
+    }
+    let seq_pages = chunk.end.div_ceil(PAGE_SIZE);
+    // A non-final chunk sends only the pages it completed; the final one sends the rest.
+    let end_page = if chunk.last {
+        seq_pages
+    } else {
+        chunk.end / PAGE_SIZE
+    }
+    .max(start_page);
+    // Fits: validate() checked the registered pages (in tokens) fit a usize.
+    let registered = prefix + registration.pages.len();
+    if chunk.last && seq_pages != registered {
+        return fail(format!(
+            "kv page count mismatch: the sequence of {} tokens has {seq_pages} pages, the decode registered {registered} ({prefix} cached + {} to receive)",
+            chunk.end,
+            registration.pages.len()
+        ));
+    }
+    if end_page > registered {
+        return fail(format!(
+            "chunk {index} ends at page {end_page}, past the {registered} pages the decode registered ({prefix} cached + {} to receive)",
+            registration.pages.len()
+        ));
+    }
+    Ok((start_page, end_page, seq_pages))
+}
+
 impl SendPlan {
     /// Plans chunk `chunk` of `registration`'s request for `source`. `src_pages` is the prefill
     /// request's logical page of every sequence position so far (its `req_to_token`, by page).
@@ -136,42 +181,8 @@ impl SendPlan {
         check_layouts(request, &source.layout, &registration.layout)?;
 
         let index = chunk.index;
-        if chunk.start % PAGE_SIZE != 0 {
-            return fail(format!(
-                "chunk {index} starts at token {}, not a page boundary (page size {PAGE_SIZE})",
-                chunk.start
-            ));
-        }
+        let (start_page, end_page, seq_pages) = chunk_pages(registration, chunk)?;
         let prefix = registration.prefix_pages;
-        let start_page = chunk.start / PAGE_SIZE;
-        if start_page < prefix {
-            return fail(format!(
-                "chunk {index} starts at page {start_page}, inside the decode's cached prefix of {prefix} pages"
-            ));
-        }
-        let seq_pages = chunk.end.div_ceil(PAGE_SIZE);
-        // A non-final chunk sends only the pages it completed; the final one sends the rest.
-        let end_page = if chunk.last {
-            seq_pages
-        } else {
-            chunk.end / PAGE_SIZE
-        }
-        .max(start_page);
-        // Fits: validate() checked the registered pages (in tokens) fit a usize.
-        let registered = prefix + registration.pages.len();
-        if chunk.last && seq_pages != registered {
-            return fail(format!(
-                "kv page count mismatch: the sequence of {} tokens has {seq_pages} pages, the decode registered {registered} ({prefix} cached + {} to receive)",
-                chunk.end,
-                registration.pages.len()
-            ));
-        }
-        if end_page > registered {
-            return fail(format!(
-                "chunk {index} ends at page {end_page}, past the {registered} pages the decode registered ({prefix} cached + {} to receive)",
-                registration.pages.len()
-            ));
-        }
         let components = source.layout.geometry.components();
         let section = |indexer: bool| -> Vec<SectionComponent> {
             components

@@ -241,6 +241,79 @@ pub struct DecodePlan {
     rank_bytes: Vec<ComponentBytes>,
 }
 
+/// The pages chunk `chunk` of `registration` covers: its first page, the page past the last it
+/// sends (a non-final chunk sends only the pages it completed), the sequence's pages so far, and
+/// the token its rows end at; checked against the decode's cached prefix and tokens.
+fn chunk_pages(
+    registration: &DecodeRegistration,
+    chunk: ChunkRange,
+) -> Result<(usize, usize, usize, u64)> {
+    let (request, index) = (registration.request, chunk.index);
+    let fail = |reason: String| Err(Error::Transfer { request, reason });
+    if chunk.start % PAGE_SIZE != 0 {
+        return fail(format!(
+            "chunk {index} starts at token {}, not a page boundary (page size {PAGE_SIZE})",
+            chunk.start
+        ));
+    }
+    let prefix = registration.prefix_pages;
+    let start_page = chunk.start / PAGE_SIZE;
+    if start_page < prefix {
+        return fail(format!(
+            "chunk {index} starts at page {start_page}, inside the decode's cached prefix of {prefix} pages"
+        ));
+    }
+    let tokens = registration.tokens;
+    if chunk.end > tokens || (chunk.last && chunk.end != tokens) {
+        return fail(format!(
+            "token count mismatch: chunk {index} ends at token {}{}, the decode registered {tokens} tokens",
+            chunk.end,
+            if chunk.last { " (the final chunk)" } else { "" }
+        ));
+    }
+    let seq_pages = chunk.end.div_ceil(PAGE_SIZE);
+    // A non-final chunk sends only the pages it completed; the final one sends the rest.
+    let end_page = if chunk.last {
+        seq_pages
+    } else {
+        chunk.end / PAGE_SIZE
+    }
+    .max(start_page);
+    let end_token = if chunk.last {
+        chunk.end as u64
+    } else {
+        (end_page * PAGE_SIZE) as u64
+    };
+    Ok((start_page, end_page, seq_pages, end_token))
+}
+
+/// Bytes each decode rank receives of `sections`, by component: the rows of tokens below
+/// `end_token` that land on it, every layer.
+fn bytes_per_rank(
+    layout: DecodeLayout,
+    sections: [&DecodeSection; 2],
+    end_token: u64,
+) -> Vec<ComponentBytes> {
+    let mut rank_bytes = vec![ComponentBytes::default(); layout.ranks() as usize];
+    for s in sections {
+        if s.components.is_empty() {
+            continue;
+        }
+        let rows = rows_per_rank(layout, &s.entries, end_token);
+        for (bytes, rows) in rank_bytes.iter_mut().zip(rows) {
+            for c in &s.components {
+                let row = if c.component.is_indexer() {
+                    INDEXER_ROW_BYTES as u64
+                } else {
+                    c.item / PAGE
+                };
+                bytes.add(c.component, rows * row * c.layers as u64);
+            }
+        }
+    }
+    rank_bytes
+}
+
 impl DecodePlan {
     /// Plans chunk `chunk` of `registration`'s request for `source`. `src_pages` is the prefill
     /// request's logical page of every sequence position so far (its `req_to_token`, by page).
@@ -279,40 +352,7 @@ impl DecodePlan {
         // validate() checked every decode rank stores what rank 0 does.
         check_layouts(request, &source.layout, &registration.ranks[0].layout)?;
         let index = chunk.index;
-        if chunk.start % PAGE_SIZE != 0 {
-            return fail(format!(
-                "chunk {index} starts at token {}, not a page boundary (page size {PAGE_SIZE})",
-                chunk.start
-            ));
-        }
-        let prefix = registration.prefix_pages;
-        let start_page = chunk.start / PAGE_SIZE;
-        if start_page < prefix {
-            return fail(format!(
-                "chunk {index} starts at page {start_page}, inside the decode's cached prefix of {prefix} pages"
-            ));
-        }
-        let tokens = registration.tokens;
-        if chunk.end > tokens || (chunk.last && chunk.end != tokens) {
-            return fail(format!(
-                "token count mismatch: chunk {index} ends at token {}{}, the decode registered {tokens} tokens",
-                chunk.end,
-                if chunk.last { " (the final chunk)" } else { "" }
-            ));
-        }
-        let seq_pages = chunk.end.div_ceil(PAGE_SIZE);
-        // A non-final chunk sends only the pages it completed; the final one sends the rest.
-        let end_page = if chunk.last {
-            seq_pages
-        } else {
-            chunk.end / PAGE_SIZE
-        }
-        .max(start_page);
-        let end_token = if chunk.last {
-            chunk.end as u64
-        } else {
-            (end_page * PAGE_SIZE) as u64
-        };
+        let (start_page, end_page, seq_pages, end_token) = chunk_pages(registration, chunk)?;
         let components = source.layout.geometry.components();
         let section = |indexer: bool| -> Vec<SectionComponent> {
             components
@@ -371,23 +411,7 @@ impl DecodePlan {
             entries: owned(0, state_src),
         };
         let layout = registration.layout;
-        let mut rank_bytes = vec![ComponentBytes::default(); layout.ranks() as usize];
-        for s in [&kv, &state] {
-            if s.components.is_empty() {
-                continue;
-            }
-            let rows = rows_per_rank(layout, &s.entries, end_token);
-            for (bytes, rows) in rank_bytes.iter_mut().zip(rows) {
-                for c in &s.components {
-                    let row = if c.component.is_indexer() {
-                        INDEXER_ROW_BYTES as u64
-                    } else {
-                        c.item / PAGE
-                    };
-                    bytes.add(c.component, rows * row * c.layers as u64);
-                }
-            }
-        }
+        let rank_bytes = bytes_per_rank(layout, [&kv, &state], end_token);
         Ok(Self {
             request,
             placement,
