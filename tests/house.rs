@@ -60,6 +60,8 @@ const WAITING_HELPERS: &[(&str, &str, Callers, &str)] = &[
      "waits on the pool's own stream, which holds this allocation alone (design.md)"),
     ("gpu/reaper.rs", "run", Callers::Any, "the reaper thread's own loop"),
     ("gpu/reaper.rs", "wait_idle", Callers::Any, "the wait of backend::wait_for_frees_sync"),
+    ("gpu/reaper.rs", "stop_at_exit", Callers::Any,
+     "an atexit handler: process exit waits (at most 500 ms) for the reaper's driver call"),
     ("ipc/link.rs", "poll", Callers::Any,
      "poll(2) bounded by its `wait`: the receives that take a timeout (design.md)"),
     ("ipc/channel.rs", "heartbeat_loop", Callers::Any, "the heartbeat thread's own loop"),
