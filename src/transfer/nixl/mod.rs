@@ -60,7 +60,7 @@
 //! rank, densely into a bounce slot of that rank's connection (one `kvs_decode_scatter`
 //! launch for all of them) and posted as one descriptor per decode rank from a list segment
 //! of whole-slot prefixes; the decode rank unpacks it into its pages with the same kernel
-//! ([`Notice`](notice) `Dense` says how) before its receiver sees the status.
+//! (its notice, `Dense`, says how) before its receiver sees the status.
 //!
 //! **Failures.** A transfer NIXL reports failed, or that has not landed within
 //! [`NixlConfig::transfer_timeout`], fails its chunk on the prefill side and sends a failure
