@@ -56,6 +56,9 @@ const WAITING_HELPERS: &[(&str, &str, Callers, &str)] = &[
      "the wait of ack_backups_sync and ack_loads_sync"),
     ("gpu/memory.rs", "new", Callers::Any,
      "cudarc's malloc_sync is plain cuMemAlloc (not stream-ordered): it waits for no stream"),
+    ("gpu/memory.rs", "allocate", Callers::Any,
+     "waits (release_sync) only where the device or host is full: the reuse cache goes back \
+      to the driver before the allocation is refused"),
     ("gpu/mempool.rs", "alloc", Callers::Any,
      "waits on the pool's own stream, which holds this allocation alone (design.md)"),
     ("gpu/reaper.rs", "run", Callers::Any, "the reaper thread's own loop"),

@@ -61,20 +61,9 @@ impl DeviceAllocation {
                 pool: None,
             });
         }
-        ctx.bind_to_thread()
-            .map_err(Error::driver("cuCtxSetCurrent"))?;
-        // SAFETY: plain allocation in the current context; freed once, by `reuse` callers.
-        let ptr = match unsafe { result::malloc_sync(len) } {
-            Ok(ptr) => ptr,
-            // The device is full: the cached blocks go back to the driver, then once more.
-            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY && release_sync() > 0 => {
-                ctx.bind_to_thread()
-                    .map_err(Error::driver("cuCtxSetCurrent"))?;
-                // SAFETY: as above.
-                unsafe { result::malloc_sync(len) }.map_err(Error::driver("cuMemAlloc"))?
-            }
-            Err(e) => return Err(Error::driver("cuMemAlloc")(e)),
-        };
+        // SAFETY: plain allocation in the current context (bound by `allocate`); freed once,
+        // by `reuse` callers.
+        let ptr = allocate(ctx, "cuMemAlloc", || unsafe { result::malloc_sync(len) })?;
         Ok(Self {
             ctx: ctx.clone(),
             ptr,
@@ -167,22 +156,12 @@ impl PinnedAllocation {
                 len: b.len,
             });
         }
-        ctx.bind_to_thread()
-            .map_err(Error::driver("cuCtxSetCurrent"))?;
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
-        // SAFETY: allocation with valid flags; freed once, by `reuse` callers.
-        let host = match unsafe { result::malloc_host(len, flags) } {
-            Ok(host) => host,
-            // The host is out of pinnable memory: the cached blocks go back, then once more.
-            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY && release_sync() > 0 => {
-                ctx.bind_to_thread()
-                    .map_err(Error::driver("cuCtxSetCurrent"))?;
-                // SAFETY: as above.
-                unsafe { result::malloc_host(len, flags) }
-                    .map_err(Error::driver("cuMemHostAlloc"))?
-            }
-            Err(e) => return Err(Error::driver("cuMemHostAlloc")(e)),
-        };
+        // SAFETY: allocation with valid flags in the current context (bound by `allocate`);
+        // freed once, by `reuse` callers.
+        let host = allocate(ctx, "cuMemHostAlloc", || unsafe {
+            result::malloc_host(len, flags)
+        })?;
         let mut device = 0;
         // SAFETY: `host` is a live mapped allocation; the driver writes the alias to `device`.
         let alias = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) }.result();
@@ -231,6 +210,27 @@ impl Drop for PinnedAllocation {
             host: self.host as usize,
             device: self.device,
         });
+    }
+}
+
+/// Runs the driver allocation `alloc` (named `call`) with `ctx` bound; where the device or the
+/// host is full, gives the cache's blocks back to the driver (`release_sync`) and runs it once
+/// more.
+fn allocate<T>(
+    ctx: &Arc<CudaContext>,
+    call: &'static str,
+    alloc: impl Fn() -> std::result::Result<T, result::DriverError>,
+) -> Result<T> {
+    ctx.bind_to_thread()
+        .map_err(Error::driver("cuCtxSetCurrent"))?;
+    match alloc() {
+        Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY && release_sync() > 0 => {
+            // release_sync bound the cached blocks' contexts.
+            ctx.bind_to_thread()
+                .map_err(Error::driver("cuCtxSetCurrent"))?;
+            alloc().map_err(Error::driver(call))
+        }
+        other => other.map_err(Error::driver(call)),
     }
 }
 
