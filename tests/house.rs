@@ -90,12 +90,12 @@ const WAITING_HELPERS: &[(&str, &str, Callers, &str)] = &[
      "the GDS driver's probe, once per process, bounded by its open timeout"),
     ("pool/disk/gds.rs", "wait", Callers::Any, "polls a request to a deadline: ceiling_sync's"),
     ("pool/disk/gds.rs", "measure", Callers::Any, "ceiling_sync's measurement"),
-    ("pool/disk/store.rs", "open", Callers::Any,
+    ("pool/disk/store/open.rs", "open", Callers::Any,
      "DiskStore's constructor zero-fills a new file once (set-up)"),
-    ("pool/disk/journal.rs", "open", Callers::Any,
+    ("pool/disk/journal/writer.rs", "open", Callers::Any,
      "the journal's constructor writes and flushes a new header once (set-up)"),
     ("pool/disk/store.rs", "settle", Callers::Any, "the storage I/O of store_sync and load_sync"),
-    ("pool/disk/store.rs", "write_all", Callers::Any, "the storage I/O of store_sync"),
+    ("pool/disk/store/write.rs", "write_all", Callers::Any, "the storage I/O of store_sync"),
 ];
 
 /// Whether `body` calls `name` (as a function or a method).
@@ -243,10 +243,6 @@ const LONG: &[(&str, &str)] = &[
     (
         "cli/src/demo/pressure.rs",
         "another branch's work in progress (the pressure demo): to split there",
-    ),
-    (
-        "src/pool/disk/",
-        "another branch's work in progress (the storage tier): to split there",
     ),
     (
         "src/transfer/nixl/",

@@ -15,16 +15,15 @@
 //! Requests are bounded to [`MAX_IN_FLIGHT`] descriptors: published runs hang GDS with 256 or
 //! more I/Os in flight.
 
-use std::fs::OpenOptions;
+use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use nixl_sys::{
-    Agent, AgentConfig, MemType, OptArgs, ThreadSync, XferDescList, XferOp, XferStatus,
-};
+use nixl_sys::{Agent, MemType, OptArgs, XferDescList, XferOp, XferStatus};
 
+use super::io::new_agent;
 use super::slots::storage;
 use crate::backend::{Backend, Buffer, MemoryKind};
 use crate::error::{Error, Result, StorageFailure};
@@ -205,53 +204,9 @@ pub fn ceiling_sync(
     let in_flight = in_flight.clamp(1, MAX_IN_FLIGHT);
     probe()?;
     let name = format!("kvshard-gds-{}", std::process::id());
-    let config = AgentConfig {
-        enable_prog_thread: false,
-        thread_sync: ThreadSync::Rw,
-        capture_telemetry: false,
-        ..AgentConfig::default()
-    };
     let register = |e: Error| unavailable(e.to_string());
-    let agent = Agent::new_configured(&name, &config)
-        .map_err(nixl_error("createAgent"))
-        .map_err(register)?;
-    let make = |plugin: &str| -> Result<nixl_sys::Backend> {
-        let (_mems, params) = agent
-            .get_plugin_params(plugin)
-            .map_err(nixl_error("getPluginParams"))?;
-        agent
-            .create_backend(plugin, &params)
-            .map_err(nixl_error("createBackend"))
-    };
-    let (_gds, used) = match make("GDS") {
-        Ok(b) => (b, "GDS"),
-        Err(first) => match make("GDS_MT") {
-            Ok(b) => (b, "GDS_MT"),
-            Err(second) => {
-                return Err(unavailable(format!(
-                    "NIXL made no GDS backend: GDS: {first}; GDS_MT: {second}"
-                )))
-            }
-        },
-    };
-    std::fs::create_dir_all(dir).map_err(|e| storage(dir, StorageFailure::Open, e))?;
-    // A new file only (O_EXCL, which never follows a link), this user's alone: a name taken
-    // (or a link planted there) is an error, never written through.
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    let path = dir.join(format!(
-        "kvshard-gds-{}-{nanos:08x}.dat",
-        std::process::id()
-    ));
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(libc::O_DIRECT | libc::O_NOFOLLOW)
-        .open(&path)
-        .map_err(|e| storage(&path, StorageFailure::Open, e))?;
+    let (agent, _gds, used) = agent_with_gds(&name)?;
+    let (path, file) = new_file(dir)?;
     struct Remove<'a>(&'a Path);
     impl Drop for Remove<'_> {
         fn drop(&mut self) {
@@ -312,6 +267,54 @@ pub fn ceiling_sync(
         many_write_gbps,
         many_read_gbps,
     })
+}
+
+/// A NIXL agent named `name` with a GDS backend (`GDS`, else `GDS_MT`), and which it is.
+fn agent_with_gds(name: &str) -> Result<(Agent, nixl_sys::Backend, &'static str)> {
+    let agent = new_agent(name).map_err(|e| unavailable(e.to_string()))?;
+    let make = |plugin: &str| -> Result<nixl_sys::Backend> {
+        let (_mems, params) = agent
+            .get_plugin_params(plugin)
+            .map_err(nixl_error("getPluginParams"))?;
+        agent
+            .create_backend(plugin, &params)
+            .map_err(nixl_error("createBackend"))
+    };
+    let (gds, used) = match make("GDS") {
+        Ok(b) => (b, "GDS"),
+        Err(first) => match make("GDS_MT") {
+            Ok(b) => (b, "GDS_MT"),
+            Err(second) => {
+                return Err(unavailable(format!(
+                    "NIXL made no GDS backend: GDS: {first}; GDS_MT: {second}"
+                )))
+            }
+        },
+    };
+    Ok((agent, gds, used))
+}
+
+/// A new file in `dir` (made if missing) for the measurement, opened for direct I/O.
+fn new_file(dir: &Path) -> Result<(PathBuf, File)> {
+    std::fs::create_dir_all(dir).map_err(|e| storage(dir, StorageFailure::Open, e))?;
+    // A new file only (O_EXCL, which never follows a link), this user's alone: a name taken
+    // (or a link planted there) is an error, never written through.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let path = dir.join(format!(
+        "kvshard-gds-{}-{nanos:08x}.dat",
+        std::process::id()
+    ));
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_DIRECT | libc::O_NOFOLLOW)
+        .open(&path)
+        .map_err(|e| storage(&path, StorageFailure::Open, e))?;
+    Ok((path, file))
 }
 
 /// The four rates of [`ceiling_sync`]: one descriptor write and read, many-descriptor write

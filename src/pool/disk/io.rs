@@ -101,6 +101,18 @@ impl std::fmt::Debug for FileIo {
     }
 }
 
+/// A NIXL agent named `name` for the storage tier's own I/O: no progress thread (requests are
+/// polled), usable from any thread, no telemetry.
+pub(super) fn new_agent(name: &str) -> Result<Agent> {
+    let config = AgentConfig {
+        enable_prog_thread: false,
+        thread_sync: ThreadSync::Rw,
+        capture_telemetry: false,
+        ..AgentConfig::default()
+    };
+    Agent::new_configured(name, &config).map_err(nixl_error("createAgent"))
+}
+
 impl FileIo {
     /// Agent `name` with a POSIX backend, and `staging_bytes` of staging memory aligned to
     /// `align`, registered.
@@ -116,15 +128,7 @@ impl FileIo {
             failure: StorageFailure::Register,
             reason: e.to_string(),
         };
-        let config = AgentConfig {
-            enable_prog_thread: false,
-            thread_sync: ThreadSync::Rw,
-            capture_telemetry: false,
-            ..AgentConfig::default()
-        };
-        let agent = Agent::new_configured(name, &config)
-            .map_err(nixl_error("createAgent"))
-            .map_err(register)?;
+        let agent = new_agent(name).map_err(register)?;
         let make = |param: &str| -> Result<Backend> {
             let (_mems, mut params) = agent
                 .get_plugin_params("POSIX")
