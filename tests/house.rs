@@ -247,9 +247,6 @@ const LONG: &[(&str, &str)] = &[
     (
         "src/transfer/nixl/",
         "another branch's work in progress (NIXL): to split there",
-    ),    (
-        "src/copy/decode_scatter.rs",
-        "another branch's work in progress, just merged (the DCP scatter's bounce route): to split there",
     ),
 ];
 
