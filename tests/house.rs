@@ -244,10 +244,6 @@ const LONG: &[(&str, &str)] = &[
         "cli/src/demo/pressure.rs",
         "another branch's work in progress (the pressure demo): to split there",
     ),
-    (
-        "src/transfer/nixl/",
-        "another branch's work in progress (NIXL): to split there",
-    ),
 ];
 
 #[test]

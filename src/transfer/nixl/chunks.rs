@@ -11,7 +11,7 @@ use nixl_sys::XferRequest;
 use super::agent::{Agent, Progress};
 use super::connection::State;
 use super::notice::{component_code, Bounced, Dense, Notice};
-use super::registration::component_index;
+use super::registration::{component_index, BounceSpace};
 use super::NixlMode;
 use crate::backend::{Event, KernelFamily, Launch};
 use crate::copy::{BlockCopyPlan, BlockSpace, PageSelection, RemoteSpace};
@@ -126,20 +126,9 @@ impl State {
                         chunk.stage = Stage::Done;
                         return Ok(true);
                     }
-                    if let Some(why) = gone {
-                        return Err(self.fail(chunk, format!("the decode side is gone: {why}")));
-                    }
-                    if Instant::now() > chunk.deadline {
-                        let e = self.fail(
-                            chunk,
-                            format!(
-                                "the decode side did not take the chunk's notice within {:?}",
-                                self.config.transfer_timeout
-                            ),
-                        );
-                        return Err(e);
-                    }
-                    return Ok(false);
+                    let late =
+                        |t| format!("the decode side did not take the chunk's notice within {t:?}");
+                    return self.still_waiting(chunk, gone, late);
                 }
                 Stage::Failed(why) => {
                     return Err(Error::Nixl {
@@ -192,21 +181,8 @@ impl State {
                             return Ok(true);
                         }
                         Ok(Progress::Moving) => {
-                            if let Some(why) = gone {
-                                let e = self.fail(chunk, format!("the decode side is gone: {why}"));
-                                return Err(e);
-                            }
-                            if Instant::now() > chunk.deadline {
-                                let e = self.fail(
-                                    chunk,
-                                    format!(
-                                        "not landed {:?} after it was posted",
-                                        self.config.transfer_timeout
-                                    ),
-                                );
-                                return Err(e);
-                            }
-                            return Ok(false);
+                            let late = |t| format!("not landed {t:?} after it was posted");
+                            return self.still_waiting(chunk, gone, late);
                         }
                         Err(e) => {
                             // NIXL is done with a failed request: no notice follows it, and
@@ -221,6 +197,25 @@ impl State {
                 }
             }
         }
+    }
+
+    /// A chunk not done yet: failed when the decode side is `gone` (why) or past its deadline
+    /// (`late` of the timeout says what did not happen in time), else still waiting
+    /// (`Ok(false)`).
+    fn still_waiting(
+        &mut self,
+        chunk: &mut InFlight,
+        gone: Option<String>,
+        late: impl FnOnce(Duration) -> String,
+    ) -> Result<bool> {
+        if let Some(why) = gone {
+            return Err(self.fail(chunk, format!("the decode side is gone: {why}")));
+        }
+        if Instant::now() > chunk.deadline {
+            let why = late(self.config.transfer_timeout);
+            return Err(self.fail(chunk, why));
+        }
+        Ok(false)
     }
 
     /// Picks a free slot for a chunk whose sections fit, when the mode and rule say bounce.
@@ -386,6 +381,9 @@ impl State {
         Ok(chunk)
     }
 
+    /// Submits `plan`'s chunk (started at `started`): checked against the connection, its
+    /// descriptors listed (into a bounce slot when one is free and fits, else block by block),
+    /// its notice encoded; then packed into the slot and posted once packed, or posted at once.
     pub(super) fn submit(
         &mut self,
         plan: &SendPlan,
@@ -394,6 +392,62 @@ impl State {
         started: Instant,
     ) -> Result<InFlight> {
         self.progress();
+        self.check_submit(plan, src, dst)?;
+        let chunk = plan.chunk();
+        let status = ChunkStatus {
+            request: plan.request(),
+            rank: plan.rank(),
+            chunk: chunk.index,
+            result: ChunkResult::Sent {
+                bytes: plan.bytes(),
+                last: chunk.last,
+            },
+        };
+        let deadline = self.deadline(started);
+        if plan.is_empty() {
+            return self.announce(status, started);
+        }
+        let slot = self.pick_slot(plan);
+        let per_block = self.config.mode == NixlMode::PerBlock;
+        let lists = self.lists(plan, src, slot, per_block)?;
+        let notice = Notice::Chunk {
+            status: status.clone(),
+            bounced: lists.bounced,
+        }
+        .encode()?;
+        let mut chunk = InFlight {
+            stage: Stage::Done,
+            status,
+            notice,
+            slot,
+            per_block,
+            posted: Posted {
+                bytes: plan.bytes().total(),
+                descriptors: lists.descriptors,
+                post_time: Duration::ZERO,
+                bounced: slot.is_some(),
+            },
+            started,
+            deadline,
+            transfer_time: None,
+        };
+        if let Some(s) = slot {
+            self.pack(&mut chunk, s, src, &lists.packs, lists.li, lists.ri)?;
+        } else {
+            chunk.posted.post_time = started.elapsed();
+            self.post(&mut chunk, &lists.li, &lists.ri)?;
+        }
+        Ok(chunk)
+    }
+
+    /// Refuses a chunk when no decode side is connected or it is gone, or when the chunk's
+    /// spaces are not the pool registered and the destination the connection returned.
+    fn check_submit(
+        &self,
+        plan: &SendPlan,
+        src: &Arc<DevicePool>,
+        dst: &Arc<RemoteSpace>,
+    ) -> Result<()> {
         let Some(peer) = self.peer.as_ref() else {
             return Err(Error::Transfer {
                 request: plan.request(),
@@ -411,32 +465,25 @@ impl State {
                 "a NIXL transport moves from the pool it registered into the destination its connect returned".into(),
             ));
         }
-        plan.check_spaces(src.as_ref(), dst.as_ref())?;
-        let chunk = plan.chunk();
-        let status = ChunkStatus {
-            request: plan.request(),
-            rank: plan.rank(),
-            chunk: chunk.index,
-            result: ChunkResult::Sent {
-                bytes: plan.bytes(),
-                last: chunk.last,
-            },
-        };
-        let deadline = self.deadline(started);
-        if plan.is_empty() {
-            return self.announce(status, started);
-        }
-        let slot = self.pick_slot(plan);
-        let per_block = self.config.mode == NixlMode::PerBlock;
+        plan.check_spaces(src.as_ref(), dst.as_ref())
+    }
+
+    /// The descriptor lists of `plan`'s sections: into bounce slot `slot` (a prefix of each
+    /// component, with the packings that fill it and the notice's account of it), or block by
+    /// block from the pool's pages to the decode's.
+    fn lists(
+        &self,
+        plan: &SendPlan,
+        src: &Arc<DevicePool>,
+        slot: Option<usize>,
+        per_block: bool,
+    ) -> Result<Lists> {
         let components = self.pool.geometry().components();
         let peer = self
             .peer
             .as_ref()
             .ok_or_else(|| Error::InvalidArgument("no peer".into()))?;
-        let (mut li, mut ri) = (Vec::new(), Vec::new());
-        let mut bounced = Vec::new();
-        let mut descriptors = 0u64;
-        let mut packs = Vec::new();
+        let mut lists = Lists::default();
         for section in plan.sections() {
             if section.is_empty() {
                 continue;
@@ -449,10 +496,10 @@ impl State {
                     let mut codes = Vec::new();
                     for sc in section.components() {
                         let c = component_index(&components, sc.component)?;
-                        li.push(peer.local_layout.prefix(s, c, k));
-                        ri.push(peer.remote_layout.prefix(s, c, k));
+                        lists.li.push(peer.local_layout.prefix(s, c, k));
+                        lists.ri.push(peer.remote_layout.prefix(s, c, k));
                         codes.push(component_code(sc.component));
-                        descriptors += 1;
+                        lists.descriptors += 1;
                     }
                     let comps: Vec<_> = section.components().iter().map(|c| c.component).collect();
                     let pack = BlockCopyPlan::new(
@@ -463,8 +510,8 @@ impl State {
                         owned.len(),
                     )?
                     .only_components(src.as_ref(), &comps);
-                    packs.push((pack, space));
-                    bounced.push(Bounced {
+                    lists.packs.push((pack, space));
+                    lists.bounced.push(Bounced {
                         slot: s as u32,
                         components: codes,
                         pages: owned.dst_pages().iter().map(|p| p.0).collect(),
@@ -475,12 +522,12 @@ impl State {
                         let c = component_index(&components, sc.component)?;
                         for layer in 0..sc.layers {
                             for (sp, dp) in owned.src_pages().iter().zip(owned.dst_pages()) {
-                                li.push(peer.local_layout.block(c, layer, sp.0));
-                                ri.push(peer.remote_layout.block(c, layer, dp.0));
+                                lists.li.push(peer.local_layout.block(c, layer, sp.0));
+                                lists.ri.push(peer.remote_layout.block(c, layer, dp.0));
                             }
                         }
                     }
-                    descriptors += if per_block {
+                    lists.descriptors += if per_block {
                         section.uncoalesced_count()
                     } else {
                         section.descriptor_count()
@@ -488,55 +535,54 @@ impl State {
                 }
             }
         }
-        let notice = Notice::Chunk {
-            status: status.clone(),
-            bounced,
-        }
-        .encode()?;
-        let mut chunk = InFlight {
-            stage: Stage::Done,
-            status,
-            notice,
-            slot,
-            per_block,
-            posted: Posted {
-                bytes: plan.bytes().total(),
-                descriptors,
-                post_time: Duration::ZERO,
-                bounced: slot.is_some(),
-            },
-            started,
-            deadline,
-            transfer_time: None,
-        };
-        if let Some(s) = slot {
-            let backend = self.device.backend();
-            let launch = Launch {
-                ctas: 264,
-                threads: backend.max_threads(KernelFamily::Copy).min(512),
-            };
-            let src_space: Arc<dyn BlockSpace> = src.clone();
-            for (pack, space) in &packs {
-                let dst_space: Arc<dyn BlockSpace> = space.clone();
-                self.store.launch(pack, &src_space, &dst_space, launch)?;
-            }
-            let event = backend.record()?;
-            if let Some(p) = self.peer.as_mut() {
-                p.slots[s].sending = true;
-                p.slots[s].remote_busy = true;
-            }
-            chunk.posted.post_time = started.elapsed();
-            chunk.stage = Stage::Packing { event, li, ri };
-            // Posted at once when the packing has already run (the CPU twin), else at the
-            // first poll that finds it done.
-            match self.advance(&mut chunk) {
-                Ok(_) => {}
-                Err(e) => return Err(e),
-            }
-        } else {
-            chunk.posted.post_time = started.elapsed();
-            self.post(&mut chunk, &li, &ri)?;
-        }
-        Ok(chunk)
+        Ok(lists)
     }
+
+    /// Launches `packs` (the pool's pages into bounce slot `s`), marks the slot busy on both
+    /// sides, and leaves `chunk` to be posted (`li`, `ri`) once the packing has run.
+    fn pack(
+        &mut self,
+        chunk: &mut InFlight,
+        s: usize,
+        src: &Arc<DevicePool>,
+        packs: &[(BlockCopyPlan, Arc<BounceSpace>)],
+        li: Vec<i32>,
+        ri: Vec<i32>,
+    ) -> Result<()> {
+        let backend = self.device.backend();
+        let launch = Launch {
+            ctas: 264,
+            threads: backend.max_threads(KernelFamily::Copy).min(512),
+        };
+        let src_space: Arc<dyn BlockSpace> = src.clone();
+        for (pack, space) in packs {
+            let dst_space: Arc<dyn BlockSpace> = space.clone();
+            self.store.launch(pack, &src_space, &dst_space, launch)?;
+        }
+        let event = backend.record()?;
+        if let Some(p) = self.peer.as_mut() {
+            p.slots[s].sending = true;
+            p.slots[s].remote_busy = true;
+        }
+        chunk.posted.post_time = chunk.started.elapsed();
+        chunk.stage = Stage::Packing { event, li, ri };
+        // Posted at once when the packing has already run (the CPU twin), else at the first
+        // poll that finds it done.
+        self.advance(chunk)?;
+        Ok(())
+    }
+}
+
+/// A chunk's descriptor lists (local and remote, as NIXL's prepared lists index them) and
+/// what goes with them.
+#[derive(Default)]
+struct Lists {
+    li: Vec<i32>,
+    ri: Vec<i32>,
+    /// Descriptors the chunk moves (coalesced runs, or blocks per block).
+    descriptors: u64,
+    /// Bounced sections, for the notice.
+    bounced: Vec<Bounced>,
+    /// The packings into the bounce slot, with the slot's space.
+    packs: Vec<(BlockCopyPlan, Arc<BounceSpace>)>,
 }

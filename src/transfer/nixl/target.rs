@@ -411,6 +411,16 @@ impl NixlTarget {
         Ok(())
     }
 
+    /// Bounce slot `slot` of prefill rank `rank` (a notice names it: an error when there is
+    /// none).
+    fn slot(&self, rank: u32, slot: u32) -> Result<Arc<BounceSpace>> {
+        self.slots
+            .get(rank as usize)
+            .and_then(|s| s.get(slot as usize))
+            .cloned()
+            .ok_or_else(|| Error::InvalidArgument(format!("bounce slot {slot} of rank {rank}")))
+    }
+
     /// Enqueues the scatter of every bounced section of a chunk of `rank`; returns the event
     /// after them.
     fn scatter(&mut self, rank: u32, bounced: &[Bounced]) -> Result<Event> {
@@ -421,14 +431,7 @@ impl NixlTarget {
         };
         let dst: Arc<dyn BlockSpace> = self.pool.clone();
         for b in bounced {
-            let space = self
-                .slots
-                .get(rank as usize)
-                .and_then(|s| s.get(b.slot as usize))
-                .cloned()
-                .ok_or_else(|| {
-                    Error::InvalidArgument(format!("bounce slot {} of rank {rank}", b.slot))
-                })?;
+            let space = self.slot(rank, b.slot)?;
             let components = b
                 .components
                 .iter()
@@ -459,14 +462,7 @@ impl NixlTarget {
         let pages = self.pages.get(&request).ok_or_else(|| {
             Error::InvalidArgument(format!("request {request} is not registered"))
         })?;
-        let space = self
-            .slots
-            .get(rank as usize)
-            .and_then(|s| s.get(d.slot as usize))
-            .cloned()
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!("bounce slot {} of rank {rank}", d.slot))
-            })?;
+        let space = self.slot(rank, d.slot)?;
         let layout = DecodeLayout::new(d.ranks, d.interleave)?;
         if d.rank >= d.ranks {
             return Err(Error::OutOfRange {
