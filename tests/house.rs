@@ -236,14 +236,6 @@ const LONG: &[(&str, &str)] = &[
         "cli/src/pd/",
         "another branch's work in progress (P/D across processes): to split there",
     ),
-    (
-        "cli/src/demo/pressure/",
-        "another branch's work in progress (the pressure demo): to split there",
-    ),
-    (
-        "cli/src/demo/pressure.rs",
-        "another branch's work in progress (the pressure demo): to split there",
-    ),
 ];
 
 #[test]

@@ -282,10 +282,9 @@ fn send_checked(
     let check = Instant::now();
     let want = expected.snapshot_sync(bk)?;
     if decode.snapshot_sync(bk)? != want {
-        return Err(Error::Transfer {
-            request: 1,
-            reason: "decode pool differs from what an unsharded prefill sends".into(),
-        });
+        return Err(Error::Verification(
+            "the decode pool differs from what the unsharded reference sends".into(),
+        ));
     }
     Ok((sent, want, check.elapsed().as_secs_f64() * 1e3))
 }

@@ -14,20 +14,29 @@
 //!   their lookups agree by construction. Every rank reloads the whole prefix's pages it owns,
 //!   any rank's file read, checked against its own replay of the reference.
 
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
-use kvshard::geometry::IndexerScale;
-use kvshard::hicache::{StorageAck, StoragePolicy};
+use kvshard::chain::RequestChain;
+use kvshard::copy::Staging;
+use kvshard::geometry::{IndexerScale, PAGE_SIZE};
+use kvshard::hicache::{CacheNode, StorageAck, StoragePolicy};
+use kvshard::index::{LocalPage, LogicalPage};
 use kvshard::key::{Namespace, PageKey};
-use kvshard::pool::disk::{DiskConfig, DiskStore};
+use kvshard::pool::disk::{DiskConfig, DiskStore, Snapshot};
+use kvshard::shard::Placement;
+use kvshard::{Error, Result};
 
-use super::*;
+use super::gather::read_in_order;
+use super::scenario::{evicted, PrefillReport, Scenario};
+use crate::measure::Moved;
 
 /// Where the step's directories are made: `KVSHARD_STORAGE_DIR`, else the system's temporary
 /// directory (it must be a filesystem with O_DIRECT; tmpfs before Linux 6.6 is not).
-fn base() -> std::path::PathBuf {
+fn base() -> PathBuf {
     std::env::var_os("KVSHARD_STORAGE_DIR")
-        .map(std::path::PathBuf::from)
+        .map(PathBuf::from)
         .unwrap_or_else(std::env::temp_dir)
 }
 
@@ -40,6 +49,32 @@ pub(crate) fn group_directory() -> Result<tempfile::TempDir> {
 /// How long a rank waits for the other ranks' pages to be committed.
 const WAIT_FOR_GROUP: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// The step's directory: with every rank in this process (`in_process`) its own private one,
+/// removed when the returned guard drops however the step ends; else the one the ranks'
+/// parent made (`shared`).
+fn step_directory(
+    in_process: bool,
+    shared: Option<&Path>,
+) -> Result<(Option<tempfile::TempDir>, PathBuf)> {
+    let own = match in_process {
+        true => Some(crate::storage_bench::private_dir(
+            &base(),
+            "kvshard-pressure-l3-",
+        )?),
+        false => None,
+    };
+    let dir = match (&own, shared) {
+        (Some(own), _) => own.path().to_path_buf(),
+        (None, Some(shared)) => shared.to_path_buf(),
+        (None, None) => {
+            return Err(Error::InvalidArgument(
+                "the storage step of a rank process needs the directory its parent made (--storage-dir)".into(),
+            ))
+        }
+    };
+    Ok((own, dir))
+}
+
 impl Scenario {
     /// The storage step (module docs); returns what it reports. `shared` is the directory a
     /// parent made for its rank processes (`None`: every rank is here, the step makes its own).
@@ -48,33 +83,13 @@ impl Scenario {
         seed_node: &CacheNode,
         seed_ref: &RequestChain,
         prefix_tokens: usize,
-        shared: Option<&std::path::Path>,
+        shared: Option<&Path>,
     ) -> Result<Vec<String>> {
         if let Err(e) = kvshard::transfer::nixl::load() {
             return Ok(vec![format!("storage: SKIPPED, no NIXL runtime ({e})")]);
         }
-        let writers = self.placement.shard();
-        let in_process = self.controllers.len() == writers as usize;
-        // The step's own private directory, removed when the step ends however it ends; or the
-        // one the ranks' parent made.
-        let own = match in_process {
-            true => Some(crate::storage_bench::private_dir(
-                &base(),
-                "kvshard-pressure-l3-",
-            )?),
-            false => None,
-        };
-        let dir = match (&own, shared) {
-            (Some(own), _) => own.path().to_path_buf(),
-            (None, Some(shared)) => shared.to_path_buf(),
-            (None, None) => {
-                return Err(Error::InvalidArgument(
-                    "the storage step of a rank process needs the directory its parent made (--storage-dir)".into(),
-                ))
-            }
-        };
-        let b = self.b.clone();
-        let bk = b.as_ref();
+        let in_process = self.controllers.len() == self.placement.shard() as usize;
+        let (_own, dir) = step_directory(in_process, shared)?;
         let pages = seed_node.device_pages.len() as u64;
         // The prefix's pages the ranks here own (each writes those).
         let owned = seed_node
@@ -86,6 +101,52 @@ impl Scenario {
                     .any(|c| self.placement.owner(**p) == c.device().rank())
             })
             .count();
+        let (keys, queue) = self.attach_stores(&dir, seed_node, prefix_tokens)?;
+        let store_ms = self.evict_to_storage(seed_node, owned)?;
+        let (snapshot, waited_ms) = self.agree_on_storage(&keys, pages)?;
+        let (new, room, prefetch_ms, load) =
+            self.reload_from_storage(seed_node, &keys, prefix_tokens)?;
+        let check_ms = self.check_reloaded(&new, seed_ref)?;
+        self.evictable.push_back(CacheNode {
+            device_pages: new,
+            ..seed_node.clone()
+        });
+        let bytes = owned as u64 * self.g.page_bytes() as u64;
+        let agreed = if in_process {
+            format!("rank 0's snapshot finds all {pages} pages on every rank")
+        } else {
+            format!(
+                "rank {}'s snapshot ({:?} records per writer, {waited_ms:.1} ms after its own writes) finds all {pages} pages",
+                self.controllers[0].device().rank(),
+                snapshot.records()
+            )
+        };
+        Ok(vec![
+            format!(
+                "storage: the {pages}-page prefix evicted from the host pools to storage (NIXL POSIX on {queue}), each rank writing the pages it owns: {:.1} MB here in {store_ms:.1} ms ({:.2} GB/s); {agreed}",
+                bytes as f64 / 1e6,
+                bytes as f64 / store_ms.max(1e-3) / 1e6
+            ),
+            format!(
+                "storage: reloaded L3 -> L2 ({prefetch_ms:.1} ms, {:.2} GB/s) -> L1 ({load}) into new pages of the same owners, making room {}; byte-identical to the unsharded reference (verified in {check_ms:.1} ms)",
+                bytes as f64 / prefetch_ms.max(1e-3) / 1e6,
+                evicted(&room)
+            ),
+        ])
+    }
+
+    /// Opens a store in `dir` for every local rank's host pool and attaches it (write-back),
+    /// the prefix's keys (`prefix_tokens` seeded token ids) set on `seed_node`. Returns the keys
+    /// and the I/O queue the stores run on.
+    fn attach_stores(
+        &mut self,
+        dir: &Path,
+        seed_node: &CacheNode,
+        prefix_tokens: usize,
+    ) -> Result<(Vec<PageKey>, String)> {
+        let b = self.b.clone();
+        let writers = self.placement.shard();
+        let pages = seed_node.device_pages.len() as u64;
         // The demo has no tokenizer: seeded synthetic token ids stand for the prefix's.
         let tokens: Vec<u32> = (0..prefix_tokens as u64)
             .map(|i| (self.seed.wrapping_mul(0x9E37_79B9).wrapping_add(i * 7919)) as u32)
@@ -97,14 +158,20 @@ impl Scenario {
         for c in self.controllers.iter_mut() {
             let host = c.host().clone();
             let rank = c.device().rank();
-            let mut cfg = DiskConfig::new(&dir, rank, writers, pages + 8);
+            let mut cfg = DiskConfig::new(dir, rank, writers, pages + 8);
             cfg.timeout = timeout;
             let store = DiskStore::open(host, b.clone(), cfg)?;
             queue = store.io_queue().to_string();
             c.attach_storage(store, StoragePolicy::WriteBack, timeout)?;
             c.set_keys(seed_node.id, keys.clone())?;
         }
-        // 1. L2 -> L3: the prefix leaves every host pool, each rank writing the pages it owns.
+        Ok((keys, queue))
+    }
+
+    /// L2 -> L3: the prefix leaves every host pool, each rank writing the pages it owns
+    /// (`owned` here, all of them written and the prefix gone from the host, or an error).
+    /// Returns the milliseconds it took.
+    fn evict_to_storage(&mut self, seed_node: &CacheNode, owned: usize) -> Result<f64> {
         let started = Instant::now();
         let mut acks: Vec<StorageAck> = Vec::new();
         for c in self.controllers.iter_mut() {
@@ -126,13 +193,18 @@ impl Scenario {
                 "storage: the prefix is still on the host after its eviction".into(),
             ));
         }
-        // 2. Every rank agrees the whole prefix is in storage: the first rank here takes
-        // snapshots (replaying the other writers' journals) until it covers the prefix, which
-        // with every rank here is at once; across processes, once every rank has written.
+        Ok(store_ms)
+    }
+
+    /// Every rank agrees the whole prefix (`pages` pages of `keys`) is in storage: the first
+    /// rank here takes snapshots (replaying the other writers' journals) until it covers the
+    /// prefix, which with every rank here is at once; across processes, once every rank has
+    /// written. Returns the snapshot and how long the wait took.
+    fn agree_on_storage(&mut self, keys: &[PageKey], pages: u64) -> Result<(Snapshot, f64)> {
         let waited = Instant::now();
         let snapshot = loop {
             let snapshot = self.controllers[0].storage_snapshot_sync()?;
-            let hit = self.controllers[0].storage_lookup_sync(&keys, &snapshot)?;
+            let hit = self.controllers[0].storage_lookup_sync(keys, &snapshot)?;
             if hit as u64 == pages {
                 break snapshot;
             }
@@ -147,7 +219,7 @@ impl Scenario {
         };
         let waited_ms = waited.elapsed().as_secs_f64() * 1e3;
         for c in self.controllers.iter_mut() {
-            let hit = c.storage_lookup_sync(&keys, &snapshot)?;
+            let hit = c.storage_lookup_sync(keys, &snapshot)?;
             if hit as u64 != pages {
                 return Err(Error::Verification(format!(
                     "storage: rank {} finds {hit} of {pages} prefix pages",
@@ -155,7 +227,17 @@ impl Scenario {
                 )));
             }
         }
-        // 3. L3 -> L2 -> L1 into new device pages of the same owners.
+        Ok((snapshot, waited_ms))
+    }
+
+    /// L3 -> L2 -> L1 into new device pages of the same owners (room made first): the new
+    /// pages, what making room evicted, the prefetch's milliseconds and the load.
+    fn reload_from_storage(
+        &mut self,
+        seed_node: &CacheNode,
+        keys: &[PageKey],
+        prefix_tokens: usize,
+    ) -> Result<(Vec<LogicalPage>, PrefillReport, f64, Moved)> {
         let mut room = PrefillReport::default();
         let stride = u64::from(self.placement.shard()) * PAGE_SIZE as u64;
         self.make_room(prefix_tokens as u64 + stride, &mut room)?;
@@ -166,7 +248,7 @@ impl Scenario {
         };
         let started = Instant::now();
         for c in self.controllers.iter_mut() {
-            c.prefetch(&node, keys.clone())?;
+            c.prefetch(&node, keys.to_vec())?;
         }
         for c in self.controllers.iter_mut() {
             let ack = c.ack_storage_sync(1)?;
@@ -179,7 +261,14 @@ impl Scenario {
         }
         let prefetch_ms = started.elapsed().as_secs_f64() * 1e3;
         let load = self.load(seed_node.id, &new)?;
-        // 4. Byte for byte against the reference, rank by rank.
+        Ok((new, room, prefetch_ms, load))
+    }
+
+    /// Byte for byte against the reference (`seed_ref`), rank by rank: the prefix reloaded into
+    /// pages `new`. Returns the milliseconds the check took.
+    fn check_reloaded(&self, new: &[LogicalPage], seed_ref: &RequestChain) -> Result<f64> {
+        let b = self.b.clone();
+        let bk = b.as_ref();
         let check = Instant::now();
         let launch = self.launch();
         let reference_pages = seed_ref.pages()?.to_vec();
@@ -204,28 +293,6 @@ impl Scenario {
             }
         }
         let check_ms = check.elapsed().as_secs_f64() * 1e3;
-        self.evictable.push_back(node);
-        let bytes = owned as u64 * self.g.page_bytes() as u64;
-        let agreed = if in_process {
-            format!("rank 0's snapshot finds all {pages} pages on every rank")
-        } else {
-            format!(
-                "rank {}'s snapshot ({:?} records per writer, {waited_ms:.1} ms after its own writes) finds all {pages} pages",
-                self.controllers[0].device().rank(),
-                snapshot.records()
-            )
-        };
-        Ok(vec![
-            format!(
-                "storage: the {pages}-page prefix evicted from the host pools to storage (NIXL POSIX on {queue}), each rank writing the pages it owns: {:.1} MB here in {store_ms:.1} ms ({:.2} GB/s); {agreed}",
-                bytes as f64 / 1e6,
-                bytes as f64 / store_ms.max(1e-3) / 1e6
-            ),
-            format!(
-                "storage: reloaded L3 -> L2 ({prefetch_ms:.1} ms, {:.2} GB/s) -> L1 ({load}) into new pages of the same owners, making room {}; byte-identical to the unsharded reference (verified in {check_ms:.1} ms)",
-                bytes as f64 / prefetch_ms.max(1e-3) / 1e6,
-                evicted(&room)
-            ),
-        ])
+        Ok(check_ms)
     }
 }
