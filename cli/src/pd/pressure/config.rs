@@ -1,6 +1,7 @@
 //! The pressure run's configuration, identical in every process of it, and what it needs.
 
 use kvshard::copy::Method;
+use kvshard::shard::DecodeLayout;
 use kvshard::{Error, Result};
 
 use super::super::{blocks, check_method, method_name, shape_args, Processes};
@@ -11,9 +12,14 @@ use crate::scenario::{Platform, PressureConfig};
 pub struct PressurePdConfig {
     /// The scenario every process drives (its ranks are the prefill processes).
     pub scenario: PressureConfig,
-    /// Where the processes run: the decodes each hold the full unsharded cache and receive
-    /// every prompt.
+    /// Where the processes run: every decode process receives every prompt (its whole cache,
+    /// or its share of a decode context-parallel group's).
     pub processes: Processes,
+    /// How each decode shards its cache: unsharded (one process per decode), or a decode
+    /// context-parallel group of `ranks()` processes, token `t` on rank `(t / I) % M`
+    /// (docs/dcp.md). `processes.decodes` counts processes: decodes x M, decode `g`'s rank `d`
+    /// being decode process `g M + d`.
+    pub decode_layout: DecodeLayout,
     /// How ranks send chunks to the decodes.
     pub method: Method,
     /// Whether the ranks all-gather over NCCL (GPUs, one rank per GPU) instead of through host
@@ -28,6 +34,7 @@ impl PressurePdConfig {
         Self {
             scenario: PressureConfig::default_for(platform),
             processes: Processes::new(platform, 2),
+            decode_layout: DecodeLayout::unsharded(),
             method: blocks(if platform.is_gpu() { 132 } else { 2 }),
             nccl: false,
         }
@@ -42,17 +49,40 @@ impl PressurePdConfig {
                 "pd pressure: NCCL needs GPUs".into(),
             ));
         }
-        check_method(&self.method)
+        check_method(&self.method)?;
+        let m = self.decode_layout.ranks();
+        if self.is_dcp() && !matches!(self.method, Method::Kernel(_)) {
+            return Err(Error::InvalidArgument(format!(
+                "pd pressure: decode context-parallel groups take the block kernel's method \
+                 (`blocks`), not {}",
+                method_name(&self.method)
+            )));
+        }
+        if self.processes.decodes % m != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "pd pressure: {} decode processes are no whole number of DCP{m} groups",
+                self.processes.decodes
+            )));
+        }
+        Ok(())
     }
 
-    /// Pages of each decode's pool: both prompts, registered up front with a poisoned page
+    /// Whether the decodes are decode context-parallel groups (more than one rank each).
+    pub fn is_dcp(&self) -> bool {
+        self.decode_layout.ranks() > 1
+    }
+
+    /// Decodes: unsharded decode processes, or decode context-parallel groups.
+    pub fn decode_groups(&self) -> u32 {
+        self.processes.decodes / self.decode_layout.ranks()
+    }
+
+    /// Pages of each decode process's pool: its rows of both prompts (every row of an unsharded
+    /// decode; rank 0 of a group holds the most), registered up front with a poisoned page
     /// before, between and after them (a write past a request's pages shows), and page 0.
     pub fn decode_pages(&self) -> u64 {
-        (2 * self
-            .scenario
-            .prompt_tokens
-            .div_ceil(kvshard::geometry::PAGE_SIZE)
-            + 4) as u64
+        let tokens = self.scenario.prompt_tokens as u64;
+        2 * self.decode_layout.pages_on(0, tokens) + 4
     }
 
     /// Bytes the run needs, device then host, over every process: each rank's pool, reference,
@@ -109,7 +139,11 @@ impl PressurePdConfig {
         args.extend(self.processes.to_args());
         args.extend([
             "--decodes".into(),
-            self.processes.decodes.to_string(),
+            self.decode_groups().to_string(),
+            "--decode-dcp".into(),
+            self.decode_layout.ranks().to_string(),
+            "--decode-interleave".into(),
+            self.decode_layout.interleave().to_string(),
             "--methods".into(),
             method_name(&self.method),
             "--all-gather".into(),
@@ -205,6 +239,15 @@ mod tests {
         bad.push(c);
         let mut c = cpu.clone();
         c.scenario.shape.ranks = 3;
+        bad.push(c);
+        // Decode context-parallel groups: sent with the block kernel only, whole groups only.
+        let mut c = cpu.clone();
+        c.decode_layout = kvshard::shard::DecodeLayout::new(2, 1).unwrap();
+        c.method = Method::CopyEngine;
+        bad.push(c);
+        let mut c = cpu.clone();
+        c.decode_layout = kvshard::shard::DecodeLayout::new(2, 1).unwrap();
+        c.processes.decodes = 3;
         bad.push(c);
         for cfg in bad {
             assert!(

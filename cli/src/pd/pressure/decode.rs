@@ -17,6 +17,7 @@ use kvshard::{Error, Result};
 
 use super::super::message::Message;
 use super::super::{ceiling, layer_range, rank0_gpu, verify_landed, DecodeWatch, Role, STARTUP};
+use super::dcp::GroupRank;
 use super::{decode_socket, platform, streams_of, PressurePdConfig};
 use crate::demo::pressure::{
     run_scenario, AllGather, Local, Prompts, Scenario, PROMPT_1, PROMPT_2,
@@ -51,11 +52,81 @@ impl Prompts for Replay {
     }
 }
 
-/// Decode `index`: publishes its pool to every rank, registers both prompts, waits for both
-/// (polling only, so each is timed when it finishes), then replays the reference and checks
-/// every block that landed against it. Decode 0 also measures the copy ceilings first.
+/// Decode process `index`: publishes its pool to every rank, registers both prompts (whole, or
+/// as rank `index % M` of DCP group `index / M` its share, rank 0 of the group also handing the
+/// group's registration to every rank), waits for both (polling only, so each is timed when it
+/// finishes), then replays the reference and checks every block (or row) that landed against
+/// it. Decode process 0 also measures the copy ceilings first.
 pub fn decode_role(cfg: &PressurePdConfig, socket: &Path, index: u32) -> Result<()> {
     cfg.validate()?;
+    let mut side = open(cfg, socket, index)?;
+    // An unsharded decode registers each prompt whole; a decode rank of a DCP group its share.
+    let group = if cfg.is_dcp() {
+        Some(GroupRank::register(
+            cfg,
+            socket,
+            index,
+            &mut side.endpoint,
+            side.pool_id,
+            &side.pool,
+        )?)
+    } else {
+        register_whole(cfg, &mut side)?;
+        None
+    };
+    let b = side.backend.backend();
+    let pool = side.pool.clone();
+    let mut watch = DecodeWatch::new(side.endpoint);
+    let landed = [watch.wait_sync(PROMPT_1)?, watch.wait_sync(PROMPT_2)?];
+    let (replay, reference) = replay_reference(cfg, &side.backend)?;
+    for (prompt, (request, (finished, done))) in
+        [PROMPT_1, PROMPT_2].into_iter().zip(landed).enumerate()
+    {
+        if !finished.is_completed() {
+            return Err(Error::Transfer {
+                request,
+                reason: format!("failed: {:?}", finished.outcome),
+            });
+        }
+        let ref_chain = replay.refs.get(&request).ok_or_else(|| {
+            Error::Verification(format!("no reference chain of request {request}"))
+        })?;
+        let check = Instant::now();
+        let what = match &group {
+            None => {
+                verify_against(b.as_ref(), &pool, &reference, ref_chain, &finished)?;
+                "block for block".to_string()
+            }
+            Some(g) => {
+                let rows = g.verify_sync(b.as_ref(), &pool, &reference, ref_chain, prompt)?;
+                format!("re-laid out for {g}, {rows} rows")
+            }
+        };
+        println!(
+            "request {request} landed equal to the reference, {what} (checked in {:.1} ms)",
+            check.elapsed().as_secs_f64() * 1e3
+        );
+        Message::Landed {
+            request,
+            bytes: finished.total_bytes().total(),
+            done,
+        }
+        .emit();
+    }
+    Ok(())
+}
+
+/// A decode process with its pool published to every rank.
+struct DecodeSide {
+    backend: PeerBackend,
+    pool: Arc<DevicePool>,
+    endpoint: DecodeEndpoint,
+    pool_id: u64,
+}
+
+/// Decode process `index`: measures the ceilings (the first), allocates and poisons its pool,
+/// waits for every rank and publishes the pool to them.
+fn open(cfg: &PressurePdConfig, socket: &Path, index: u32) -> Result<DecodeSide> {
     let sc = &cfg.scenario;
     let (p, ranks) = (&cfg.processes, sc.shape.ranks);
     let backend = p.open_backend(ranks, Role::Decode(index))?;
@@ -65,11 +136,10 @@ pub fn decode_role(cfg: &PressurePdConfig, socket: &Path, index: u32) -> Result<
         Message::H2dCeiling(h2d_ceiling(&backend)?).emit();
     }
     let g = sc.shape.geometry();
-    let unsharded = Placement::unsharded();
     let exported = Arc::new(ExportedPool::allocate(
         &backend,
         &g,
-        unsharded,
+        Placement::unsharded(),
         0,
         cfg.decode_pages(),
     )?);
@@ -85,30 +155,48 @@ pub fn decode_role(cfg: &PressurePdConfig, socket: &Path, index: u32) -> Result<
     endpoint.set_deadline(p.deadline);
     endpoint.wait_for_ranks_sync(STARTUP)?;
     let pool_id = endpoint.publish(exported)?;
-    let mut alloc = ShardAllocator::new(unsharded, pool.pages())?;
+    Ok(DecodeSide {
+        backend,
+        pool,
+        endpoint,
+        pool_id,
+    })
+}
+
+/// Registers both prompts whole with every rank, each after a poisoned guard page.
+fn register_whole(cfg: &PressurePdConfig, side: &mut DecodeSide) -> Result<()> {
+    let unsharded = Placement::unsharded();
+    let mut alloc = ShardAllocator::new(unsharded, side.pool.pages())?;
     for request in [PROMPT_1, PROMPT_2] {
         // The guard page before the request stays poisoned.
         RequestChain::new(unsharded).grow_to(&mut alloc, 1)?;
         let mut chain = RequestChain::new(unsharded);
-        chain.grow_to(&mut alloc, sc.prompt_tokens)?;
-        endpoint.register(
-            pool_id,
-            Registration::of_chain(&chain, request, PoolLayout::of(&pool), 0)?,
+        chain.grow_to(&mut alloc, cfg.scenario.prompt_tokens)?;
+        side.endpoint.register(
+            side.pool_id,
+            Registration::of_chain(&chain, request, PoolLayout::of(&side.pool), 0)?,
         )?;
     }
-    let mut watch = DecodeWatch::new(endpoint);
-    let landed = [watch.wait_sync(PROMPT_1)?, watch.wait_sync(PROMPT_2)?];
+    Ok(())
+}
+
+/// Replays the scenario's unsharded reference prefill here: the reference pool and the chain of
+/// each prompt in it.
+fn replay_reference(
+    cfg: &PressurePdConfig,
+    backend: &PeerBackend,
+) -> Result<(Replay, Arc<DevicePool>)> {
     let mut replay = Replay::default();
     let local = Local {
         pools: Vec::new(),
         all_gather: AllGather::InProcess,
         storage_dir: None,
     };
-    let route = platform(&backend).route();
+    let route = platform(backend).route();
     run_scenario(
-        b.clone(),
-        &streams_of(&backend),
-        sc,
+        backend.backend(),
+        &streams_of(backend),
+        &cfg.scenario,
         route,
         local,
         &mut replay,
@@ -117,30 +205,7 @@ pub fn decode_role(cfg: &PressurePdConfig, socket: &Path, index: u32) -> Result<
         .reference
         .clone()
         .ok_or_else(|| Error::Verification("the scenario ended without its reference".into()))?;
-    for (request, (finished, done)) in [PROMPT_1, PROMPT_2].into_iter().zip(landed) {
-        if !finished.is_completed() {
-            return Err(Error::Transfer {
-                request,
-                reason: format!("failed: {:?}", finished.outcome),
-            });
-        }
-        let ref_chain = replay.refs.get(&request).ok_or_else(|| {
-            Error::Verification(format!("no reference chain of request {request}"))
-        })?;
-        let check = Instant::now();
-        verify_against(b.as_ref(), &pool, &reference, ref_chain, &finished)?;
-        println!(
-            "request {request} landed equal to the reference, block for block (checked in {:.1} ms)",
-            check.elapsed().as_secs_f64() * 1e3
-        );
-        Message::Landed {
-            request,
-            bytes: finished.total_bytes().total(),
-            done,
-        }
-        .emit();
-    }
-    Ok(())
+    Ok((replay, reference))
 }
 
 /// The pinned host-to-device ceiling the reloads are measured against: one copy-engine copy of

@@ -26,6 +26,8 @@ use kvshard::Result;
 use crate::scenario::Platform;
 
 mod config;
+mod dcp;
+mod dcp_rank;
 mod decode;
 mod rank;
 mod report;

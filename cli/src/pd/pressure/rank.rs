@@ -15,6 +15,7 @@ use kvshard::{Error, Result};
 
 use super::super::message::Message;
 use super::super::{Role, REQUEST_TIMEOUT, STARTUP};
+use super::dcp_rank::DcpSends;
 use super::{decode_socket, platform, streams_of, PressurePdConfig};
 use crate::demo::pressure::{run_scenario, AllGather, Local, Prompts, Scenario};
 use crate::measure::{Laps, Moved};
@@ -33,6 +34,36 @@ struct RankSends {
 }
 
 impl RankSends {
+    /// Connects prefill rank `pool.rank()` (its pool on `backend`) to every decode of `cfg`
+    /// (sockets from `socket`).
+    fn connect(
+        cfg: &PressurePdConfig,
+        socket: &Path,
+        backend: &PeerBackend,
+        pool: &Arc<DevicePool>,
+    ) -> Result<RankSends> {
+        let endpoints = (0..cfg.processes.decodes)
+            .map(|d| {
+                PrefillEndpoint::connect(
+                    decode_socket(socket, d),
+                    backend.clone(),
+                    pool.clone(),
+                    cfg.method,
+                    Liveness::default(),
+                    STARTUP,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(RankSends {
+            endpoints,
+            b: backend.backend(),
+            laps: Laps::default(),
+            first: None,
+            last_chunk: None,
+            bytes_before: 0,
+        })
+    }
+
     fn bytes(&self) -> u64 {
         self.endpoints.iter().map(|e| e.stats().bytes).sum()
     }
@@ -214,25 +245,16 @@ pub fn rank_role(
     } else {
         AllGather::HostStaged(memory)
     };
-    let endpoints = (0..cfg.processes.decodes)
-        .map(|d| {
-            PrefillEndpoint::connect(
-                decode_socket(socket, d),
-                backend.clone(),
-                pool.clone(),
-                cfg.method,
-                Liveness::default(),
-                STARTUP,
-            )
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let mut sends = RankSends {
-        endpoints,
-        b: b.clone(),
-        laps: Laps::default(),
-        first: None,
-        last_chunk: None,
-        bytes_before: 0,
+    let mut sends = if cfg.is_dcp() {
+        Sends::Dcp(DcpSends::connect(
+            cfg,
+            socket,
+            &backend,
+            pool.clone(),
+            rank,
+        )?)
+    } else {
+        Sends::Whole(RankSends::connect(cfg, socket, &backend, &pool)?)
     };
     let local = Local {
         pools: vec![pool],
@@ -246,7 +268,10 @@ pub fn rank_role(
         sc,
         route,
         local,
-        &mut sends,
+        match &mut sends {
+            Sends::Whole(s) => s,
+            Sends::Dcp(s) => s,
+        },
     )?;
     Message::Reloaded {
         moved: outcome.reload,
@@ -264,5 +289,14 @@ pub fn rank_role(
             .collect(),
     }
     .emit();
-    sends.wait_closed()
+    match sends {
+        Sends::Whole(s) => s.wait_closed(),
+        Sends::Dcp(s) => s.wait_closed(),
+    }
+}
+
+/// A rank's sends: to unsharded decodes, or into decode context-parallel groups.
+enum Sends {
+    Whole(RankSends),
+    Dcp(DcpSends),
 }

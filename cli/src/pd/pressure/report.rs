@@ -5,6 +5,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::super::message::Message;
 use super::super::Role;
+use super::dcp::rows_of;
 use super::PressurePdConfig;
 use crate::demo::pressure::{PROMPT_1, PROMPT_2};
 use crate::measure::{gbps, Ceiling, Moved};
@@ -88,7 +89,7 @@ pub(super) fn table(
     let mut out = String::new();
     sends_table(&mut out, cfg, &copy, &sends);
     reloads_table(&mut out, &h2d, &sends, &messages, shared_gpu);
-    landed_table(&mut out, &messages, &sends);
+    landed_table(&mut out, cfg, &messages, &sends);
     storage_table(&mut out, &messages);
     out
 }
@@ -119,16 +120,30 @@ fn prompt_sends(messages: &[&(Role, Message)]) -> Vec<PromptSend> {
         .collect()
 }
 
+/// The decodes, as the report's first line names them.
+fn decodes(cfg: &PressurePdConfig) -> String {
+    if cfg.is_dcp() {
+        format!(
+            "{} decodes as DCP{} groups (I = {}, a process per decode rank)",
+            cfg.decode_groups(),
+            cfg.decode_layout.ranks(),
+            cfg.decode_layout.interleave()
+        )
+    } else {
+        format!("{} decodes", cfg.processes.decodes)
+    }
+}
+
 /// The P/D table: each rank's sends of each prompt and all ranks' together, against the copy
 /// ceiling `copy`.
 fn sends_table(out: &mut String, cfg: &PressurePdConfig, copy: &Ceiling, sends: &[PromptSend]) {
     let sc = &cfg.scenario;
     let _ = writeln!(
         out,
-        "{}: {} prefill ranks -> {} decodes, two {}-token prompts (chunks of {}), a {}-token prefix reloaded from the host; sends: {}; all-gather: {}; ceiling: {copy}\n",
+        "{}: {} prefill ranks -> {}, two {}-token prompts (chunks of {}), a {}-token prefix reloaded from the host; sends: {}; all-gather: {}; ceiling: {copy}\n",
         sc.shape,
         sc.shape.ranks,
-        cfg.processes.decodes,
+        decodes(cfg),
         sc.prompt_tokens,
         sc.chunk,
         sc.prefix_tokens,
@@ -240,12 +255,25 @@ fn reloads_table(
 }
 
 /// The decodes' table: what landed on each, and when against the last prefill chunk.
-fn landed_table(out: &mut String, messages: &[&(Role, Message)], sends: &[PromptSend]) {
-    let _ = writeln!(
-        out,
-        "\n| prompt | decode | bytes landed | last prefill chunk written -> decode complete (ms) | verified against the unsharded reference |"
-    );
-    let _ = writeln!(out, "|---:|---:|---:|---:|---|");
+fn landed_table(
+    out: &mut String,
+    cfg: &PressurePdConfig,
+    messages: &[&(Role, Message)],
+    sends: &[PromptSend],
+) {
+    if cfg.is_dcp() {
+        let _ = writeln!(
+            out,
+            "\n| prompt | decode | DCP rank | rows | bytes landed | last prefill chunk written -> decode complete (ms) | verified against the unsharded reference re-laid out |"
+        );
+        let _ = writeln!(out, "|---:|---:|---:|---:|---:|---:|---|");
+    } else {
+        let _ = writeln!(
+            out,
+            "\n| prompt | decode | bytes landed | last prefill chunk written -> decode complete (ms) | verified against the unsharded reference |"
+        );
+        let _ = writeln!(out, "|---:|---:|---:|---:|---|");
+    }
     let mut landed: Vec<(u64, u32, u64, SystemTime)> = messages
         .iter()
         .filter_map(|(role, m)| match (role, m) {
@@ -267,7 +295,15 @@ fn landed_table(out: &mut String, messages: &[&(Role, Message)], sends: &[Prompt
             .filter(|s| s.request == request)
             .map(|s| s.last_chunk)
             .fold(0.0, f64::max);
-        // A decode reports a prompt only once every block of it equals the reference's.
+        // A decode reports a prompt only once every block (or row) of it equals the
+        // reference's.
+        let m = cfg.decode_layout.ranks();
+        let decode = if cfg.is_dcp() {
+            let rank = decode % m;
+            format!("{} | {rank} | {}", decode / m, rows_of(cfg, rank))
+        } else {
+            decode.to_string()
+        };
         let _ = writeln!(
             out,
             "| {} | {decode} | {bytes} | {:.2} | byte-identical |",
