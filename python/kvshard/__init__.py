@@ -51,7 +51,7 @@ __all__ = [
 ]
 _home.settle(__name__, __all__, globals())
 
-# The submodules that hold kvshard 0.1's flat names, in the order their names are looked up.
+# The submodules that hold kvshard 0.1's flat names (each name in exactly one of them).
 _HOMES = (geometry, shard, pool, copy, transfer, hicache, storage, backend, error)
 
 if not _typing.TYPE_CHECKING:
