@@ -26,7 +26,6 @@ from kvshard.geometry import CacheGeometry, LatentLayout, PoolGeometry
 from kvshard.hicache import HostTransfer, TransferPlan
 from kvshard.pool import HostLayout, HostPool
 from kvshard.shard import Placement
-from kvshard.storage import LoadOutcome
 from conftest import engine_tensors, nonzero, wrap
 
 PAGES = 8
@@ -130,7 +129,7 @@ def test_a_store_persists_what_a_backup_still_queued_writes(store_dir, rng):
     other.synchronize()
     backed = [page(host, p) for p in (1, 2)]
     assert all(b != bytes([POISON]) * len(b) for b in backed), "the backup ran"
-    assert store.load_sync([(key(1), 5), (key(2), 6)]) == [LoadOutcome.LOADED] * 2
+    assert store.load_sync([(key(1), 5), (key(2), 6)]) == [kvshard.storage.LoadOutcome.LOADED] * 2
     assert page(host, 5) == backed[0] and page(host, 6) == backed[1]
 
 
@@ -152,7 +151,7 @@ def test_a_load_from_storage_leaves_what_a_queued_device_load_reads(store_dir, r
     load = transfer(pool, host, [4], [1], Direction.LOAD)
     other = d.new_stream()
     load.run(other, Method.COPY_ENGINE)
-    assert store.load_sync([(key(9), 1)]) == [LoadOutcome.LOADED]
+    assert store.load_sync([(key(9), 1)]) == [kvshard.storage.LoadOutcome.LOADED]
     other.synchronize()
     assert page(host, 1) == b
     back = transfer(pool, host, [4], [7], Direction.BACKUP)
