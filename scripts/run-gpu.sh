@@ -9,6 +9,10 @@
 #   pd        scripts/pd-gpu.sh: P/D across processes (one GPU, or two when present)
 #   pressure  kvshard pd --scenario pressure: the seed's topology, a process per rank and decode
 #             (the report goes after pd's in pd.md; PRESSURE_ARGS adds flags)
+#   pressure-dcp  the same with the decodes as decode context-parallel groups, a process per
+#             prefill rank and per decode rank (61 layers and the draft): CP2 into one DCP2 group
+#             at I = 1, then into one DCP4 group at I = 64, each bounded to 55 s; the reports go
+#             after pd's in pd.md, every decode rank's row ending "| byte-identical |"
 #   python    python/run-gpu-tests.sh on the staged wheel, with its benchmark (with .gpu-nixl
 #             staged, the storage tests of kvshard.sglang_storage run with NIXL required)
 #   mooncake  the Mooncake transport: decode and two prefill processes, VRAM pools on GPU 0, the
@@ -46,7 +50,8 @@
 #             process and across processes (kvshard pd --scenario pressure: a process per rank
 #             and decode, the ranks sharing the directory), and
 #             kvshard storage-bench next to fio (fio.tar.xz, when staged) in $STORAGE_DIR
-#             (default /tmp), then its end-to-end rows (16K and 128K-token prefixes to GPU 0
+#             (default /tmp; fio runs STORAGE_FIO_SECONDS a direction, default 3), then its
+#             end-to-end rows (16K and 128K-token prefixes to GPU 0
 #             from storage via the host, next to from the host); writes storage.md
 #   gds       GPUDirect Storage (NIXL GDS on cuFile, compat mode) GPU 0 <-> file in $STORAGE_DIR:
 #             one descriptor and slot-size ones, checked, or exactly why it cannot run; gds.md
@@ -144,6 +149,18 @@ for step in "${steps[@]}"; do
     if "$here/kvshard" pd --scenario pressure ${PRESSURE_ARGS:-} --markdown /tmp/pressure.md >"$log" 2>&1; then r=ok; else r=FAILED; status=1; fi
     { echo; echo "## pd --scenario pressure ${PRESSURE_ARGS:-}"; cat /tmp/pressure.md; echo; echo '```'; tail -80 "$log"; echo '```'; } >>"$out/pd.md" 2>/dev/null
     say "pressure: $r"
+    ;;
+  pressure-dcp)
+    for dcp in "2 1" "4 64"; do
+      read -r m i <<<"$dcp"
+      args="--decodes 1 --decode-dcp $m --decode-interleave $i"
+      log=/tmp/pressure-dcp-$m-$i.log
+      rm -f /tmp/pressure-dcp.md
+      # shellcheck disable=SC2086
+      if timeout 55 "$here/kvshard" pd --scenario pressure $args --markdown /tmp/pressure-dcp.md >"$log" 2>&1; then r=ok; else r=FAILED; status=1; fi
+      { echo; echo "## pd --scenario pressure $args"; cat /tmp/pressure-dcp.md; echo; echo '```'; tail -40 "$log"; echo '```'; } >>"$out/pd.md" 2>/dev/null
+      say "pressure-dcp DCP$m I=$i: $r"
+    done
     ;;
   python)
     wheel=$(ls "$here"/*.whl 2>/dev/null | head -1)
@@ -328,7 +345,11 @@ for step in "${steps[@]}"; do
         { echo "pd --scenario pressure FAILED:"; tail -20 /tmp/storage-pd.log; }
       echo; echo '### pd --scenario pressure: the storage step across processes'; echo
       grep -A6 'storage step' /tmp/storage-pd.md
-      timeout 30 "$staged/kvshard" storage-bench --dir "$dir" --ranks 2 --pages 128 --fio-seconds 3 --no-e2e "${fio_args[@]}"
+      # fio's same-run ceiling runs STORAGE_FIO_SECONDS (default 3) per direction: longer runs
+      # steady the disk's figure (a 3 s load ran slower than the store it bounds, 8d5f15c).
+      fio_s="${STORAGE_FIO_SECONDS:-3}"
+      timeout $((30 + 4 * fio_s)) "$staged/kvshard" storage-bench --dir "$dir" --ranks 2 --pages 128 \
+        --fio-seconds "$fio_s" --no-e2e "${fio_args[@]}"
       # The end-to-end rows: 16K and 128K-token prefixes (256 and 2,048 pages, 5.5 GB at 128K)
       # to GPU 0 from storage via the host and from the host ($STORAGE_E2E_TOKENS overrides).
       timeout 60 "$staged/kvshard" storage-bench --dir "$dir" --e2e-only \

@@ -232,10 +232,6 @@ const LONG: &[(&str, &str)] = &[
         "python/kvshard/_kvshard.pyi",
         "the extension's whole typed surface in the one stub file stubtest and mypy read",
     ),
-    (
-        "cli/src/pd/",
-        "another branch's work in progress (P/D across processes): to split there",
-    ),
 ];
 
 #[test]
