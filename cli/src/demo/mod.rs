@@ -399,7 +399,7 @@ fn write_owned(
 }
 
 /// Runs the demo on `b`, making further streams of the same device with `streams`, and with
-/// the HiCache route `route`.
+/// the HiCache route `route`: the steps of the module docs, each checking the bytes it hands on.
 pub fn run(
     b: Arc<dyn Backend>,
     streams: StreamFactory<'_>,
@@ -408,7 +408,27 @@ pub fn run(
 ) -> Result<Summary> {
     let mut out = Summary::default();
     cfg.check()?;
-    let bk = b.as_ref();
+    let mut prefilled = prefill(b.as_ref(), cfg, &mut out)?;
+    let decoded = pd(&b, cfg, &prefilled, &mut out)?;
+    hicache(&b, streams, cfg, route, &mut prefilled, &decoded, &mut out)?;
+    out.say("demo: every check passed".into());
+    Ok(out)
+}
+
+/// What the prefill leaves: the ranks' pools and the unsharded reference, the ranks' allocator,
+/// and the request's chain in each.
+struct Prefilled {
+    ranks: Vec<Arc<DevicePool>>,
+    reference: Arc<DevicePool>,
+    alloc: ShardAllocator,
+    chain: RequestChain,
+    ref_chain: RequestChain,
+}
+
+/// 1 + 2: says what runs, allocates the ranks' pools and the reference, and prefills the
+/// request chunk by chunk: each chunk's forward pass into the staging, then every rank's
+/// owned-row write and the reference's.
+fn prefill(bk: &dyn Backend, cfg: &Config, out: &mut Summary) -> Result<Prefilled> {
     let mut rng = StdRng::seed_from_u64(cfg.shape.seed);
     let g = cfg.shape.geometry();
     let placement = cfg.shape.placement()?;
@@ -424,7 +444,6 @@ pub fn run(
         g.page_bytes()
     ));
 
-    // 1 + 2: allocate and prefill, chunk by chunk.
     let setup = Instant::now();
     let ranks: Vec<Arc<DevicePool>> = (0..cfg.shape.ranks)
         .map(|r| DevicePool::allocate(bk, &g, placement, r, per_rank).map(Arc::new))
@@ -483,27 +502,62 @@ pub fn run(
         if owners.len() > 12 { " ..." } else { "" },
         setup_ms
     ));
+    Ok(Prefilled {
+        ranks,
+        reference,
+        alloc,
+        chain,
+        ref_chain,
+    })
+}
 
-    // 3: P/D to an unsharded decode pool, against the unsharded reference.
+/// 3: P/D to an unsharded decode pool, checked against what the unsharded reference sends;
+/// returns the decode pool's bytes.
+fn pd(b: &Arc<dyn Backend>, cfg: &Config, p: &Prefilled, out: &mut Summary) -> Result<Vec<u8>> {
+    let g = cfg.shape.geometry();
     let shape = SendShape {
         geometry: &g,
         tokens: cfg.tokens,
         chunk: cfg.chunk,
     };
-    let (sent, want, check_ms) =
-        send_checked(&b, (&ranks, &chain), (&reference, &ref_chain), &shape)?;
+    let (sent, want, check_ms) = send_checked(
+        b,
+        (&p.ranks, &p.chain),
+        (&p.reference, &p.ref_chain),
+        &shape,
+    )?;
     out.say(format!(
         "P/D: {} ranks sent {sent}; decode pool byte-identical to the unsharded reference (verified in {:.1} ms)",
         cfg.shape.ranks,
         check_ms
     ));
+    Ok(want)
+}
 
-    // 4: HiCache: write-through backups, eviction, reload into new pages, resend.
-    let controllers = write_through_controllers(bk, &g, &ranks, per_rank, streams, route)?;
+/// 4: HiCache: every rank's write-through backups, the pages evicted (poisoned), reloaded into
+/// new pages of the same owners and resent: the decode pool must equal `want` again.
+fn hicache(
+    b: &Arc<dyn Backend>,
+    streams: StreamFactory<'_>,
+    cfg: &Config,
+    route: Route,
+    p: &mut Prefilled,
+    want: &[u8],
+    out: &mut Summary,
+) -> Result<()> {
+    let bk = b.as_ref();
+    let g = cfg.shape.geometry();
+    let shape = SendShape {
+        geometry: &g,
+        tokens: cfg.tokens,
+        chunk: cfg.chunk,
+    };
+    let controllers =
+        write_through_controllers(bk, &g, &p.ranks, cfg.pages_per_rank(), streams, route)?;
     let (reloaded, backed_up, loaded) =
-        hicache_round_trip(bk, controllers, &ranks, &mut chain, &mut alloc, route)?;
+        hicache_round_trip(bk, controllers, &p.ranks, &mut p.chain, &mut p.alloc, route)?;
     let (again, again_space) = decode_pool(bk, &g, cfg.tokens)?;
-    send_all(&b, &ranks, &reloaded, &again_space, &shape)?;
+    send_all(b, &p.ranks, &reloaded, &again_space, &shape)?;
     if again.snapshot_sync(bk)? != want {
         return Err(Error::HiCache(
             "after backup, eviction and reload the decode pool differs from the reference".into(),
@@ -511,8 +565,7 @@ pub fn run(
     }
     out.say(format!(
         "HiCache ({route}): {} pages backed up by every rank, {backed_up}, evicted, reloaded into new pages of the same owners, {loaded}; resent decode pool byte-identical",
-        chain.page_count(),
+        p.chain.page_count(),
     ));
-    out.say("demo: every check passed".into());
-    Ok(out)
+    Ok(())
 }
