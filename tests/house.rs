@@ -95,7 +95,7 @@ const WAITING_HELPERS: &[(&str, &str, Callers, &str)] = &[
     ("pool/disk/journal/writer.rs", "open", Callers::Any,
      "the journal's constructor writes and flushes a new header once (set-up)"),
     ("pool/disk/store.rs", "settle", Callers::Any, "the storage I/O of store_sync and load_sync"),
-    ("pool/disk/store/write.rs", "write_all", Callers::Any, "the storage I/O of store_sync"),
+    ("pool/disk/store/storing.rs", "write_all", Callers::Any, "the storage I/O of store_sync"),
 ];
 
 /// Whether `body` calls `name` (as a function or a method).

@@ -30,9 +30,9 @@ use crate::geometry::{Component, PAGE_SIZE};
 use crate::index::LocalPage;
 use crate::shard::DecodeLayout;
 
-mod build;
 mod checks;
 mod ranks;
+mod scatter_build;
 mod tables;
 
 const PAGE: u64 = PAGE_SIZE as u64;

@@ -39,12 +39,12 @@
 //!         | u32 CRC-32C of bytes 0..88 | 4 zero bytes
 //! ```
 
-mod format;
+mod records;
 mod scan;
 mod tail;
 mod writer;
 
-pub(super) use format::{compacted, name, Header, Item, Live, Record};
+pub(super) use records::{compacted, name, Header, Item, Live, Record};
 pub(super) use scan::read_header;
 pub(super) use tail::{Step, Tail};
 pub(super) use writer::{io_failure, Journal};
@@ -56,7 +56,7 @@ mod tests {
 
     use super::super::dir::StoreDir;
     use super::super::types::Damaged;
-    use super::format::{compact_name, CHUNK_RECORDS, HEADER_BYTES, MAX_SKIP, RECORD_BYTES};
+    use super::records::{compact_name, CHUNK_RECORDS, HEADER_BYTES, MAX_SKIP, RECORD_BYTES};
     use super::writer::Opened;
     use super::{compacted, name, Header, Item, Journal, Record, Step, Tail};
     use crate::error::{Error, Result, StorageFailure};

@@ -42,7 +42,7 @@ pub struct DiskStore {
 
 mod load;
 mod open;
-mod write;
+mod storing;
 
 impl std::fmt::Debug for DiskStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

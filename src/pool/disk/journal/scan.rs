@@ -6,7 +6,7 @@ use std::path::Path;
 
 use super::super::dir::{How, StoreDir};
 use super::super::slots::storage;
-use super::format::{Header, Record, CHUNK_RECORDS, HEADER_BYTES, RECORD_BYTES};
+use super::records::{Header, Record, CHUNK_RECORDS, HEADER_BYTES, RECORD_BYTES};
 use crate::error::{Error, Result, StorageFailure};
 
 /// Reads up to `buf.len()` bytes of `file` at `offset` (fewer only at its end).

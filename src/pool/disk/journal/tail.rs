@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use super::super::dir::{How, StoreDir};
 use super::super::slots::storage;
 use super::super::types::Damaged;
-use super::format::{Header, Item, Record, HEADER_BYTES};
+use super::records::{Header, Item, Record, HEADER_BYTES};
 use super::scan::{corrupt, read_full_at, read_header, scan};
 use crate::error::{Result, StorageFailure};
 

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use super::super::dir::{How, StoreDir};
 use super::super::slots::storage;
 use super::super::types::Damaged;
-use super::format::{
+use super::records::{
     compact_name, name, Header, Item, Record, CHUNK_RECORDS, HEADER_BYTES, RECORD_BYTES,
 };
 use super::scan::{corrupt, read_header, scan};
