@@ -10,15 +10,15 @@
 //! a function of the seed, the cache node and the chunk's first token, the same everywhere.
 
 //!
-//! The scenario, as [`run_scenario`] runs it:
-//! 1. **Set up** ([`Scenario::set_up`]): the ranks' pools, the unsharded reference, the chunk
+//! The scenario, as `run_scenario` runs it:
+//! 1. **Set up** (`Scenario::set_up`): the ranks' pools, the unsharded reference, the chunk
 //!    staging, the write-through HiCache controllers, the gather's scratch.
-//! 2. **Seed** ([`seed_prefix`]): a prefix prefilled and written through to the host.
-//! 3. **Prompt 1** ([`prompt_1`]): a prompt of its own; the pool makes room by evicting the
+//! 2. **Seed** (`seed_prefix`): a prefix prefilled and written through to the host.
+//! 3. **Prompt 1** (`prompt_1`): a prompt of its own; the pool makes room by evicting the
 //!    prefix; P/D and a backup.
-//! 4. **Prompt 2** ([`prompt_2`]): the seeded prefix, now on the host only, reloaded into new
+//! 4. **Prompt 2** (`prompt_2`): the seeded prefix, now on the host only, reloaded into new
 //!    pages of the same owners and gathered before every chunk; P/D and a backup.
-//! 5. **Steady state** ([`steady_state`]): none of the work above blocked the host.
+//! 5. **Steady state** (`steady_state`): none of the work above blocked the host.
 //! 6. **Storage** (feature `nixl`, `storage.rs`): the prefix to the storage tier and back.
 
 use std::sync::Arc;
