@@ -14,7 +14,7 @@ use std::sync::Arc;
 use common::dcp::{block_offset, geometries, relayout, Case, LAUNCH, REQUEST};
 use common::synth::{self, POISON};
 use kvshard::backend::Backend;
-use kvshard::copy::{BlockCopy, BlockCopyPlan, BlockSpace, PageSelection, ScatterRank};
+use kvshard::copy::{BlockCopy, BlockCopyPlan, BlockSpace, Method, PageSelection, ScatterRank};
 use kvshard::geometry::{CacheGeometry, IndexerScale, PAGE_SIZE};
 use kvshard::hicache::{reload, HostFormat, HostLayout, HostPool, PrefixSource, ReaderRank};
 use kvshard::index::{LocalPage, LogicalPage};
@@ -103,7 +103,7 @@ fn host_pool(
 }
 
 /// The writers' host pools holding the prefix as HiCache's backup left it: writer `w` holds the
-/// pages it owns, at shuffled pages of its pool.
+/// pages it owns, at shuffled pages of its pool (not its padding page 0).
 fn cached_in_hosts(
     base: &Arc<dyn Backend>,
     g: &CacheGeometry,
@@ -120,7 +120,7 @@ fn cached_in_hosts(
     for w in 0..writers.ranks() {
         let positions: Vec<u64> = (0..pages).filter(|&p| writers.owner(p) == w).collect();
         let host = host_pool(base, g, positions.len() as u64 + 2, layout);
-        let mut free: Vec<u64> = (0..host.pages()).collect();
+        let mut free: Vec<u64> = (1..host.pages()).collect();
         free.shuffle(rng);
         let at: Vec<LocalPage> = free[..positions.len()]
             .iter()
@@ -256,7 +256,20 @@ fn reload_and_check(
     rng: &mut StdRng,
 ) -> Vec<Vec<u8>> {
     let (ranks, pool_pages, before) = readers(device, g, plan, separate_state, rng);
-    let done = reload(plan, source, &ranks, LAUNCH).unwrap_or_else(|e| panic!("{plan}: {e}"));
+    // A scatter is a kernel; pages kept whole move by any method a HiCache load takes.
+    let method = if plan.scatters() {
+        Method::Kernel(LAUNCH)
+    } else {
+        *[
+            Method::Kernel(LAUNCH),
+            Method::CopyEngine,
+            Method::BatchedCopyEngine,
+            Method::PerBlock,
+        ]
+        .choose(rng)
+        .unwrap()
+    };
+    let done = reload(plan, source, &ranks, method).unwrap_or_else(|e| panic!("{plan}: {e}"));
     assert_eq!(done.events().is_empty(), plan.pages() == 0, "{plan}");
     let want = expected(g, r, plan, &ranks, pool_pages, &before);
     // Read on other streams, never waited for: the pools' usages order the reads.
@@ -392,7 +405,7 @@ fn refusals(device: &common::Device) {
         }
     };
     let refused = |source: &PrefixSource, ranks: &[ReaderRank]| {
-        let e = reload(&plan, source, ranks, LAUNCH).unwrap_err();
+        let e = reload(&plan, source, ranks, Method::Kernel(LAUNCH)).unwrap_err();
         assert!(
             matches!(
                 e,
@@ -419,10 +432,102 @@ fn refusals(device: &common::Device) {
     wrong_share[0].pages.pages.pop();
     wrong_share[0].pages.state_pages.pop();
     refused(&source, &wrong_share);
+    let e = reload(&plan, &source, &ranks, Method::RangeKernel(LAUNCH)).unwrap_err();
+    assert!(matches!(e, Error::UnsupportedMethod { .. }), "{e}");
     let mut separate = ranks.clone();
     separate[1].pages.state_pages.reverse();
     if separate[1].pages.state_pages != ranks[1].pages.pages {
         refused(&source, &separate);
     }
     untouched(&ranks);
+}
+
+// From disk: the N writers store their pages (each its own, from its host pool); each reader
+// rank opens the directory read-only, loads only the pages the plan gives it into a host pool
+// of its own, and the reload runs from those: random (N, rotation, reader, prefix length), then
+// the issue's shapes (a CP2 prefix into CP4, an unsharded server, DCP2 and DCP4 at I = 1, 64).
+#[cfg(feature = "nixl")]
+common::on_cpu_and_gpu!(
+    prefixes_on_disk_reload_into_any_parallelism,
+    |device| -> Vec<Vec<u8>> { from_disk(&device) }
+);
+
+#[cfg(feature = "nixl")]
+fn from_disk(device: &common::Device) -> Vec<Vec<u8>> {
+    use kvshard::hicache::load_reads_sync;
+    use kvshard::key::PageKey;
+    use kvshard::pool::disk::{DiskStore, LoadOutcome};
+    let test = "prefixes_on_disk_reload_into_any_parallelism";
+    if !common::storage::nixl_available(test) {
+        return Vec::new();
+    }
+    let mut rng = device.rng();
+    let base = device.stream();
+    let mut cases: Vec<(CpGroup, Reader, u64)> = (0..6)
+        .map(|_| {
+            (
+                random_writers(&mut rng),
+                random_reader(&mut rng),
+                rng.random_range(1..=12u64),
+            )
+        })
+        .collect();
+    for reader in issue_readers() {
+        cases.push((CpGroup::new(2, 1).unwrap(), reader, 9));
+    }
+    let mut all = Vec::new();
+    for (k, (writers, reader, pages)) in cases.into_iter().enumerate() {
+        let dir = common::storage::scratch(&format!("{test}_{k}"));
+        let g = geometries()[0].clone();
+        let plan = ReloadPlan::new(writers, reader, pages).unwrap();
+        let r = reference(&base, &g, pages, &mut rng);
+        let ns = Namespace::new(&g, IndexerScale::Ue8m0, b"reload").unwrap();
+        let tokens: Vec<u32> = (0..pages * PAGE).map(|_| rng.random()).collect();
+        let keys = PageKey::chain(&ns, &tokens, None);
+        let written = cached_in_hosts(&base, &g, &r, writers, HostLayout::ALL[k % 3], &mut rng);
+        let n = writers.ranks();
+        for (w, host) in written.pools.iter().enumerate() {
+            let config = common::storage::config(&dir, w as u32, n, 32);
+            let mut store = DiskStore::open(host.clone(), device.stream(), config).unwrap();
+            let items: Vec<(PageKey, LocalPage)> = (0..pages)
+                .filter(|&p| written.pages[p as usize].0 == w)
+                .map(|p| (keys[p as usize], written.pages[p as usize].1))
+                .collect();
+            store.store_sync(&items).unwrap();
+        }
+        // Each reader rank reads its pages alone into its own host pool (layer_first: a
+        // scatter reads packed blocks).
+        let mut source = PrefixSource {
+            pools: Vec::new(),
+            pages: vec![(0, LocalPage(0)); pages as usize],
+        };
+        for d in 0..reader.ranks() {
+            let reads: Vec<u64> = plan.reads_of(d).map(|x| x.position).collect();
+            let host = host_pool(&base, &g, reads.len() as u64 + 2, HostLayout::LayerFirst);
+            let mut config = common::storage::config(&dir, d % n, n, 32);
+            config.read_only = true;
+            let mut store = DiskStore::open(host.clone(), device.stream(), config).unwrap();
+            let at: Vec<LocalPage> = (1..=reads.len() as u64).rev().map(LocalPage).collect();
+            let found = load_reads_sync(&plan, d, &mut store, &keys, &at).unwrap();
+            assert!(
+                found.iter().all(|&f| f == LoadOutcome::Loaded),
+                "{plan}: {found:?}"
+            );
+            for (&p, &page) in reads.iter().zip(&at) {
+                source.pages[p as usize] = (d as usize, page);
+            }
+            source.pools.push(host);
+        }
+        all.extend(reload_and_check(
+            &device,
+            &g,
+            &r,
+            &plan,
+            &source,
+            k % 2 == 0,
+            &mut rng,
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    all
 }

@@ -4,8 +4,9 @@
 //! own stream, per host pool it reads from, one launch:
 //!
 //! - where the reader keeps pages whole (a CP group, an unsharded server, a decode layout of
-//!   whole pages): a block copy of its pages from the host pool into its pages of the prefix
-//!   (any host layout; every component of a page to one page);
+//!   whole pages): a HiCache load ([`HostTransfer`]) of its pages from the host pool into its
+//!   pages of the prefix (any host layout and any method a load takes; every component of a
+//!   page to one page);
 //! - where rows of a page spread over the decode ranks: one `kvs_decode_scatter` of the pages
 //!   it reads into every decode rank's rows (the copy layer's [`DecodeScatterPlan`]; the host
 //!   pool's blocks packed: `layer_first`), read through the host pool's
@@ -18,9 +19,11 @@
 
 use std::sync::Arc;
 
-use crate::backend::{Backend, Event, Launch};
+use super::direct::{check_direct, HostTransfer};
+use super::transfer_plan::TransferPlan;
+use crate::backend::{Backend, Event};
 use crate::copy::{
-    BlockCopyPlan, BlockSpace, DecodeScatterPlan, PageSelection, ScatterRank, ScatterSection,
+    BlockSpace, DecodeScatterPlan, Direction, Layers, Method, ScatterRank, ScatterSection,
     TableStore,
 };
 use crate::error::{Error, Result};
@@ -28,6 +31,8 @@ use crate::index::LocalPage;
 use crate::pool::host::HostPool;
 use crate::pool::DevicePool;
 use crate::shard::{Reader, ReloadPlan};
+
+const PAGE: u64 = crate::geometry::PAGE_SIZE as u64;
 
 /// Where the prefix's pages are: host pools, and per sequence page the pool (an index into
 /// `pools`) and its page there.
@@ -66,12 +71,13 @@ impl std::fmt::Debug for ReaderRank {
 #[derive(Debug)]
 pub struct Reload {
     _stores: Vec<TableStore>,
+    _transfers: Vec<HostTransfer>,
     events: Vec<Event>,
     bytes: u64,
 }
 
 impl Reload {
-    /// The events of every launch, each on its reader rank's stream.
+    /// One event per reader rank that enqueued anything, on its stream after its last launch.
     pub fn events(&self) -> &[Event] {
         &self.events
     }
@@ -82,18 +88,35 @@ impl Reload {
     }
 }
 
-/// Enqueues `plan` from `source` into `readers` (one per reader rank, in rank order), each
-/// launch of shape `launch`. Everything is checked before anything is enqueued: the source
-/// names every page of the plan once, in its pools; each reader holds exactly its share of
-/// pages, in its pool; and the copy layer checks each launch against its spaces.
+/// Enqueues `plan` from `source` into `readers` (one per reader rank, in rank order) with
+/// `method`: pages kept whole move as a HiCache load ([`HostTransfer`], any method it takes);
+/// rows scattered take [`Method::Kernel`] (anything else is [`Error::UnsupportedMethod`]).
+/// Everything is checked before anything is enqueued: the source names every page of the plan
+/// once, in its pools; each reader holds exactly its share of pages, in its pool; and every
+/// transfer and scatter is checked against its pools.
 pub fn reload(
     plan: &ReloadPlan,
     source: &PrefixSource,
     readers: &[ReaderRank],
-    launch: Launch,
+    method: Method,
 ) -> Result<Reload> {
     check(plan, source, readers)?;
-    let mut launches = Vec::new();
+    let kernel = match method {
+        Method::Kernel(launch) => Some(launch),
+        _ => None,
+    };
+    let unsupported = || Error::UnsupportedMethod {
+        method: method.to_string(),
+        route: "a reload scattering rows over decode ranks",
+        accepts: "Kernel",
+    };
+    if plan.scatters() {
+        kernel.ok_or_else(unsupported)?;
+    } else {
+        check_direct(method)?;
+    }
+    // Every launch planned (and so checked) before the first is enqueued.
+    let mut planned = Vec::new();
     for d in 0..readers.len() {
         for (p, pool) in source.pools.iter().enumerate() {
             let entries: Vec<(LocalPage, u64)> = plan
@@ -102,7 +125,7 @@ pub fn reload(
                 .map(|r| (source.pages[r.position as usize].1, r.position))
                 .collect();
             if !entries.is_empty() {
-                launches.push((d, pool.clone(), entries));
+                planned.push(plan_one(plan, readers, d, pool.clone(), &entries)?);
             }
         }
     }
@@ -110,41 +133,48 @@ pub fn reload(
         .iter()
         .map(|r| TableStore::new(r.backend.clone()))
         .collect();
-    // Every launch planned (and so checked) before the first is enqueued.
-    let planned = launches
-        .into_iter()
-        .map(|(d, pool, entries)| planned(plan, readers, d, pool, entries))
-        .collect::<Result<Vec<_>>>()?;
-    let mut events = Vec::new();
+    let mut transfers = Vec::new();
+    let mut enqueued = vec![false; readers.len()];
     let mut bytes = 0;
-    for launched in planned {
-        let event = match launched {
-            Planned::Copy(d, copy, src, dst) => {
-                bytes += copy.bytes();
-                stores[d].launch(&copy, &src, &dst, launch)?
+    for one in planned {
+        match one {
+            Planned::Load(d, mut transfer) => {
+                let backend = readers[d].backend.as_ref();
+                bytes += transfer.bytes(Layers::All)?;
+                if kernel.is_some() {
+                    transfer.prepare_kernel(backend, &mut Vec::new())?;
+                }
+                transfer.run(backend, method, Layers::All)?;
+                transfers.push(transfer);
+                enqueued[d] = true;
             }
             Planned::Scatter(d, scatter, src, dsts) => {
+                let launch = kernel.ok_or_else(unsupported)?;
                 bytes += scatter.bytes();
-                stores[d].launch_scatter(&scatter, &src, &dsts, launch)?
+                enqueued[d] |= stores[d]
+                    .launch_scatter(&scatter, &src, &dsts, launch)?
+                    .is_some();
             }
-        };
-        events.extend(event);
+        }
     }
+    // One event per rank that enqueued anything, after its last launch.
+    let events = readers
+        .iter()
+        .zip(enqueued)
+        .filter(|(_, e)| *e)
+        .map(|(r, _)| r.backend.record())
+        .collect::<Result<Vec<_>>>()?;
     Ok(Reload {
         _stores: stores,
+        _transfers: transfers,
         events,
         bytes,
     })
 }
 
-/// One launch, planned.
+/// One reader rank's launch from one host pool, planned.
 enum Planned {
-    Copy(
-        usize,
-        BlockCopyPlan,
-        Arc<dyn BlockSpace>,
-        Arc<dyn BlockSpace>,
-    ),
+    Load(usize, HostTransfer),
     Scatter(
         usize,
         DecodeScatterPlan,
@@ -154,30 +184,31 @@ enum Planned {
 }
 
 /// Plans reader `d`'s launch of `entries` ((host page, sequence page)) from `pool`.
-fn planned(
+fn plan_one(
     plan: &ReloadPlan,
     readers: &[ReaderRank],
     d: usize,
     pool: Arc<HostPool>,
-    entries: Vec<(LocalPage, u64)>,
+    entries: &[(LocalPage, u64)],
 ) -> Result<Planned> {
-    let src: Arc<dyn BlockSpace> = pool;
+    let reader = &readers[d];
     match plan.reader() {
         Reader::Decode(layout) if plan.scatters() => {
+            let src: Arc<dyn BlockSpace> = pool;
             let dsts: Vec<Arc<dyn BlockSpace>> = readers
                 .iter()
                 .map(|r| r.pool.clone() as Arc<dyn BlockSpace>)
                 .collect();
             let refs: Vec<&dyn BlockSpace> = dsts.iter().map(|s| s.as_ref()).collect();
             let section = |indexer: bool| ScatterSection {
-                components: readers[d]
+                components: reader
                     .pool
                     .components()
                     .iter()
                     .map(|c| c.component)
                     .filter(|c| c.is_indexer() == indexer)
                     .collect(),
-                entries: entries.clone(),
+                entries: entries.to_vec(),
             };
             let ranks: Vec<ScatterRank> = readers.iter().map(|r| r.pages.clone()).collect();
             let scatter = DecodeScatterPlan::new(
@@ -192,25 +223,38 @@ fn planned(
             Ok(Planned::Scatter(d, scatter, src, dsts))
         }
         _ => {
-            // Whole pages: sequence page P is the keeping rank's page `first / 64`.
-            let pages = &readers[d].pages.pages;
-            let dst_pages = entries
+            // Whole pages: sequence page P is the keeping rank's page `first / 64`. A HiCache
+            // load pairs logical pages of one placement; the host pool's local pages are named
+            // as the reader rank's logical pages of its device pool's placement (the host pool
+            // may be another group's: only its local pages matter).
+            let (placement, rank) = (reader.pool.placement(), reader.pool.rank());
+            let logical = |page: LocalPage| {
+                placement.logical(rank, page).ok_or_else(|| {
+                    Error::overflow(format!("logical page of local page {}", page.0))
+                })
+            };
+            let pages = &reader.pages.pages;
+            let device = entries
                 .iter()
                 .map(|&(_, position)| {
-                    let keep = plan.keeps(position)[0];
-                    pages[(keep.first / crate::geometry::PAGE_SIZE as u64) as usize]
+                    logical(pages[(plan.keeps(position)[0].first / PAGE) as usize])
                 })
-                .collect();
-            let host_pages = entries.iter().map(|&(page, _)| page).collect();
-            let dst: Arc<dyn BlockSpace> = readers[d].pool.clone();
-            let copy = BlockCopyPlan::new(
-                src.as_ref(),
-                PageSelection::Local(host_pages),
-                dst.as_ref(),
-                PageSelection::Local(dst_pages),
-                entries.len(),
+                .collect::<Result<Vec<_>>>()?;
+            let host = entries
+                .iter()
+                .map(|&(page, _)| logical(page))
+                .collect::<Result<Vec<_>>>()?;
+            let transfer_plan = TransferPlan::new(
+                placement,
+                rank,
+                &device,
+                &host,
+                reader.pool.pages(),
+                pool.pages(),
             )?;
-            Ok(Planned::Copy(d, copy, src, dst))
+            let transfer =
+                HostTransfer::new(reader.pool.clone(), pool, transfer_plan, Direction::Load)?;
+            Ok(Planned::Load(d, transfer))
         }
     }
 }
@@ -322,7 +366,7 @@ pub fn load_reads_sync(
     }
     let items: Vec<(crate::key::PageKey, LocalPage)> = plan
         .reads_of(rank)
-        .map(|r| keys[r.position as usize].clone())
+        .map(|r| keys[r.position as usize])
         .zip(host_pages.iter().copied())
         .collect();
     let reads = plan.reads_of(rank).count();
