@@ -231,8 +231,9 @@ pub fn readers() -> Vec<(String, Reader)> {
 }
 
 /// A prefix's reload by a reader of another parallelism: the busiest reader rank's pages, and
-/// its time from L2 (those pages over pinned H2D) and from L3 (its slots over the disk ceiling,
-/// then loaded as from L2), or why there is none.
+/// the time from L2 (those pages over pinned H2D) and from L3 (the slots the group reads, each
+/// page once, over the shared disk's ceiling, then loaded as from L2: the writer group's model),
+/// or why there is none.
 fn reader_row(
     req: &CapacityRequest,
     plan: &CapacityPlan,
@@ -249,7 +250,8 @@ fn reader_row(
     let c = &req.ceilings;
     let over = |bytes: u64, gbps: Option<f64>| gbps.map(|g| bytes as f64 / (g * 1e9));
     let host = over(busiest.saturating_mul(plan.budget.page_bytes), c.h2d_gbps);
-    let disk = over(busiest.saturating_mul(plan.slot_bytes), c.disk_gbps)
+    let read = reload.reads().len() as u64;
+    let disk = over(read.saturating_mul(plan.slot_bytes), c.disk_gbps)
         .zip(host)
         .map(|(read, load)| read + load);
     (busiest.to_string(), ms(host, true), ms(disk, true))
@@ -355,9 +357,9 @@ pub fn render(req: &CapacityRequest, plan: &CapacityPlan, heading: &Heading) -> 
     line(String::new());
     line(format!(
         "reload by another parallelism (the prefix cached by CP{}): the busiest reader rank's pages \
-         over pinned H2D (L2), its slots over the disk ceiling then loaded as from L2 (L3); a DCP \
-         group whose rows spread over ranks (I = 1) reads each page once, round-robin, and \
-         scatters its rows",
+         over pinned H2D (L2); from L3 every slot read once from the shared disk, then loaded as \
+         from L2 (a DCP group whose rows spread over ranks, I = 1, reads each page once, \
+         round-robin, and scatters its rows, rather than each rank reading every page)",
         req.cp
     ));
     line(String::new());

@@ -262,13 +262,19 @@ fn reloads_by_another_parallelism_show_each_readers_busiest_rank() {
     ] {
         let cells = row(&text, &format!("4096 tokens, {reader}"));
         let host = (busiest * page) as f64 / 50e9;
-        let disk = (busiest * slot) as f64 / 5e9 + host;
+        // From L3: the group reads each of the 64 slots once from the shared disk.
+        let disk = (64 * slot) as f64 / 5e9 + host;
         assert_eq!(
             cells[1..],
             [busiest.to_string(), ms(host), ms(disk)],
             "{reader}"
         );
     }
+    // CP2 reading what CP2 wrote takes what the writer group's reload table says.
+    assert_eq!(
+        row(&text, "4096 tokens, CP2")[2..],
+        row(&text, "4096 tokens")[3..5]
+    );
     // 16K tokens (256 pages): CP4 reads 64 pages a rank.
     let cells = row(&text, "16384 tokens, CP4");
     assert_eq!(cells[1], "64");
