@@ -9,7 +9,7 @@ mod allocator;
 mod decode_layout;
 mod gather;
 mod placement;
-mod reload;
+mod reload_plan;
 mod resolve;
 
 pub use admission::{
@@ -21,5 +21,5 @@ pub use allocator::{AllocRequest, Allocation, ChainStart, ShardAllocator};
 pub use decode_layout::{DecodeLayout, DecodeRow, DenseRows, MAX_DECODE_RANKS};
 pub use gather::{GatherPlan, GatherRequest, ScratchLayout};
 pub use placement::Placement;
-pub use reload::{CpGroup, Keep, PageRead, Reader, ReloadPlan};
+pub use reload_plan::{CpGroup, Keep, PageRead, Reader, ReloadPlan};
 pub use resolve::{resolve_owned, scratch_rows, ResolveMode, Resolved};
