@@ -519,7 +519,7 @@ fn from_disk(device: &common::Device) -> Vec<Vec<u8>> {
             source.pools.push(host);
         }
         all.extend(reload_and_check(
-            &device,
+            device,
             &g,
             &r,
             &plan,

@@ -145,7 +145,7 @@ pub fn reload(
                     transfer.prepare_kernel(backend, &mut Vec::new())?;
                 }
                 transfer.run(backend, method, Layers::All)?;
-                transfers.push(transfer);
+                transfers.push(*transfer);
                 enqueued[d] = true;
             }
             Planned::Scatter(d, scatter, src, dsts) => {
@@ -174,10 +174,10 @@ pub fn reload(
 
 /// One reader rank's launch from one host pool, planned.
 enum Planned {
-    Load(usize, HostTransfer),
+    Load(usize, Box<HostTransfer>),
     Scatter(
         usize,
-        DecodeScatterPlan,
+        Box<DecodeScatterPlan>,
         Arc<dyn BlockSpace>,
         Vec<Arc<dyn BlockSpace>>,
     ),
@@ -220,7 +220,7 @@ fn plan_one(
                 section(true),
                 &ranks,
             )?;
-            Ok(Planned::Scatter(d, scatter, src, dsts))
+            Ok(Planned::Scatter(d, Box::new(scatter), src, dsts))
         }
         _ => {
             // Whole pages: sequence page P is the keeping rank's page `first / 64`. A HiCache
@@ -254,7 +254,7 @@ fn plan_one(
             )?;
             let transfer =
                 HostTransfer::new(reader.pool.clone(), pool, transfer_plan, Direction::Load)?;
-            Ok(Planned::Load(d, transfer))
+            Ok(Planned::Load(d, Box::new(transfer)))
         }
     }
 }
