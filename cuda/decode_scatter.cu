@@ -39,8 +39,12 @@ namespace decode {
  * pages are a block copy: sm_90 keeps copy.cu's measured 8 (4 KB a warp), Blackwell 4 (its
  * ptxas needs more registers for the same code, as copy.cu found). Rows keep 4 on every
  * architecture: 64 KB a 1024-thread CTA in flight, far more than device memory's latency asks
- * for, and the most the row kernels fit in 64 registers without spilling on Blackwell. Neither
- * has been measured against another budget yet.
+ * for, and the most the row kernels fit in 64 registers without spilling on Blackwell. On the
+ * H200 (2026-12-03, a49c5cb; 512 pages, I = 1) none of these moved the row kernel faster: 8
+ * vectors in flight (63 registers on sm_90a), every row read whether or not it is moved (no
+ * table lookup before the loads), a lane's row followed by addition instead of a division per
+ * vector (fewer instructions, 2% slower): its DRAM bytes equal the page kernel's, at 77% of
+ * DRAM's peak against the page kernel's 82% (docs/dcp.md, "What is measured").
  */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 constexpr uint32_t PAGES_UNROLL = 4;
