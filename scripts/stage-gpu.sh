@@ -39,9 +39,10 @@ cargo test --release --features "$features" --no-run --message-format=json 2>/de
     esac
   done
 # The storage tier's test binaries (feature `nixl`), run by run-gpu.sh's `storage` step with the
-# staged NIXL runtime: their gpu_* cases order the store after work queued on the GPU.
+# staged NIXL runtime: their gpu_* cases order the store after work queued on the GPU (reload:
+# a prefix reloaded from disk by another parallelism, against the CPU twin).
 mkdir -p "$stage/storage-tests"
-cargo test --release -p kvshard --features "$features nixl" --test storage --test faults_storage \
+cargo test --release -p kvshard --features "$features nixl" --test storage --test faults_storage --test reload \
   --no-run --message-format=json 2>/dev/null | list |
   while read -r kind name exe; do
     if [ "$kind" = test ]; then cp "$exe" "$stage/storage-tests/$name"; fi

@@ -2,7 +2,9 @@
 //! model, and how long a prefix takes to come back from each ([`kvshard::pool::capacity`] does
 //! the arithmetic). This module reads the sizes the flags give, measures the ceilings when asked
 //! (`--measure`: D2D and pinned H2D on GPU 0, or the host's memcpy where no GPU opens, and an
-//! O_DIRECT read of a file it writes in `--disk-path`), and prints the plan as two tables.
+//! O_DIRECT read of a file it writes in `--disk-path`), and prints the plan as three tables: the
+//! tiers, the writer group's reloads, and the reloads by readers of another parallelism
+//! ([`kvshard::shard::ReloadPlan`]: another CP size, an unsharded server, DCP decode ranks).
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
@@ -15,6 +17,7 @@ use kvshard::backend::MemoryKind;
 use kvshard::geometry::Model;
 use kvshard::gpu::Gpu;
 use kvshard::pool::capacity::{CapacityPlan, CapacityRequest, HostCapacity, Tier};
+use kvshard::shard::{CpGroup, DecodeLayout, Reader, ReloadPlan};
 use kvshard::{Error, Result};
 
 use crate::measure::{copy_sync, gbps, Stats, Timer};
@@ -203,6 +206,57 @@ fn ms(seconds: Option<f64>, fits: bool) -> String {
     }
 }
 
+/// The readers `kvshard plan` times a reload for: CP groups of 1 (an unsharded server), 2, 4
+/// and 8 ranks, and DCP decode groups of 2, 4 and 8 ranks at I = 1 and 64, with their labels.
+pub fn readers() -> Vec<(String, Reader)> {
+    let mut out: Vec<(String, Reader)> = [1u32, 2, 4, 8]
+        .into_iter()
+        .filter_map(|n| {
+            let label = if n == 1 {
+                "unsharded".to_string()
+            } else {
+                format!("CP{n}")
+            };
+            Some((label, Reader::Cp(CpGroup::new(n, 0).ok()?)))
+        })
+        .collect();
+    for m in [2u32, 4, 8] {
+        for i in [1u32, 64] {
+            if let Ok(layout) = DecodeLayout::new(m, i) {
+                out.push((format!("DCP{m} I={i}"), Reader::Decode(layout)));
+            }
+        }
+    }
+    out
+}
+
+/// A prefix's reload by a reader of another parallelism: the busiest reader rank's pages, and
+/// the time from L2 (those pages over pinned H2D) and from L3 (the slots the group reads, each
+/// page once, over the shared disk's ceiling, then loaded as from L2: the writer group's model),
+/// or why there is none.
+fn reader_row(
+    req: &CapacityRequest,
+    plan: &CapacityPlan,
+    tokens: u64,
+    reader: Reader,
+) -> (String, String, String) {
+    let writers = CpGroup::new(req.cp, 0);
+    let pages = tokens.div_ceil(kvshard::geometry::PAGE_SIZE as u64);
+    let reload = match writers.and_then(|w| ReloadPlan::new(w, reader, pages)) {
+        Ok(r) => r,
+        Err(e) => return (format!("n/a ({e})"), String::new(), String::new()),
+    };
+    let busiest = reload.busiest();
+    let c = &req.ceilings;
+    let over = |bytes: u64, gbps: Option<f64>| gbps.map(|g| bytes as f64 / (g * 1e9));
+    let host = over(busiest.saturating_mul(plan.budget.page_bytes), c.h2d_gbps);
+    let read = reload.reads().len() as u64;
+    let disk = over(read.saturating_mul(plan.slot_bytes), c.disk_gbps)
+        .zip(host)
+        .map(|(read, load)| read + load);
+    (busiest.to_string(), ms(host, true), ms(disk, true))
+}
+
 /// The report `kvshard plan` prints: what was planned, the tiers' table and the reloads' table.
 /// Integers print without separators, so scripts and tests can read them back.
 pub fn render(req: &CapacityRequest, plan: &CapacityPlan, heading: &Heading) -> String {
@@ -299,6 +353,28 @@ pub fn render(req: &CapacityRequest, plan: &CapacityPlan, heading: &Heading) -> 
             r.pages_per_rank,
             times.join(" | ")
         ));
+    }
+    line(String::new());
+    line(format!(
+        "reload by another parallelism (the prefix cached by CP{}): the busiest reader rank's pages \
+         over pinned H2D (L2); from L3 every slot read once from the shared disk, then loaded as \
+         from L2 (a DCP group whose rows spread over ranks, I = 1, reads each page once, \
+         round-robin, and scatters its rows, rather than each rank reading every page)",
+        req.cp
+    ));
+    line(String::new());
+    line(
+        "| prefix, reader | pages (busiest reader rank) | from host (L2) | from disk (L3) |".into(),
+    );
+    line("|---|---:|---:|---:|".into());
+    for r in &plan.reloads {
+        for (label, reader) in readers() {
+            let (pages, host, disk) = reader_row(req, plan, r.tokens, reader);
+            line(format!(
+                "| {} tokens, {label} | {pages} | {host} | {disk} |",
+                r.tokens
+            ));
+        }
     }
     s
 }

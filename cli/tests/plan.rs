@@ -236,3 +236,51 @@ fn measuring_reads_the_disk_directly_and_leaves_no_probe() {
     );
     std::fs::remove_dir(&dir).unwrap();
 }
+
+#[test]
+fn reloads_by_another_parallelism_show_each_readers_busiest_rank() {
+    let (ok, text) = run(SEED);
+    assert!(ok, "{text}");
+    // By hand, as above: a page, a slot.
+    let page: u64 = 62 * (64 * 576 + 8448);
+    let slot = page.div_ceil(4096) * 4096;
+    let ms = |seconds: f64| format!("{:.3} ms", seconds * 1e3);
+    // The seed's 4,096-token prefix (64 pages) cached by CP2: the busiest reader rank reads
+    // 64 / N' pages in a CP group, 64 / M in a DCP group (its own pages at I = 64, each page
+    // once round-robin at I = 1).
+    for (reader, busiest) in [
+        ("unsharded", 64u64),
+        ("CP2", 32),
+        ("CP4", 16),
+        ("CP8", 8),
+        ("DCP2 I=1", 32),
+        ("DCP2 I=64", 32),
+        ("DCP4 I=1", 16),
+        ("DCP4 I=64", 16),
+        ("DCP8 I=1", 8),
+        ("DCP8 I=64", 8),
+    ] {
+        let cells = row(&text, &format!("4096 tokens, {reader}"));
+        let host = (busiest * page) as f64 / 50e9;
+        // From L3: the group reads each of the 64 slots once from the shared disk.
+        let disk = (64 * slot) as f64 / 5e9 + host;
+        assert_eq!(
+            cells[1..],
+            [busiest.to_string(), ms(host), ms(disk)],
+            "{reader}"
+        );
+    }
+    // CP2 reading what CP2 wrote takes what the writer group's reload table says.
+    assert_eq!(
+        row(&text, "4096 tokens, CP2")[2..],
+        row(&text, "4096 tokens")[3..5]
+    );
+    // 16K tokens (256 pages): CP4 reads 64 pages a rank.
+    let cells = row(&text, "16384 tokens, CP4");
+    assert_eq!(cells[1], "64");
+    // Without a disk ceiling, the L3 column says so.
+    let no_disk: Vec<&str> = SEED[..SEED.len() - 2].to_vec();
+    let (ok, text) = run(&no_disk);
+    assert!(ok, "{text}");
+    assert_eq!(row(&text, "4096 tokens, DCP4 I=1")[3], "n/a (no ceiling)");
+}

@@ -22,6 +22,8 @@
 //! - `transfer_plan`: [`TransferPlan`], the owner-aware, pure part of every transfer;
 //! - `direct`: [`HostTransfer`] straight between the pools with a [`Method`](crate::copy::Method);
 //! - `staged`: the staged pipeline ([`StagedIo`], a kernel or copy-engine relayout);
+//! - `reload`: [`reload`], a prefix cached by one CP group loaded by a group of another
+//!   parallelism (a [`crate::shard::ReloadPlan`] run: block copies, or decode scatters);
 //! - `layer_ready`: [`LayerReady`], how a consumer waits for one layer;
 //! - `controller`: [`HiCacheController`], streams, acks and write policies;
 //! - `storage` (feature `nixl`): the L3 stage below the host pool (write-through and
@@ -36,6 +38,7 @@ mod acks;
 mod controller;
 mod direct;
 mod layer_ready;
+mod reload;
 mod route;
 mod staged;
 #[cfg(feature = "nixl")]
@@ -54,6 +57,9 @@ pub use crate::pool::host::{
     LayoutStrides, NumaPlacement, RegisteredRegion,
 };
 pub use layer_ready::LayerReady;
+#[cfg(feature = "nixl")]
+pub use reload::load_reads_sync;
+pub use reload::{reload, PrefixSource, ReaderRank, Reload};
 pub use route::{Route, AUTO_RELAYOUT_CTAS, AUTO_STAGED_PAGES};
 pub use staged::StagedIo;
 #[cfg(feature = "nixl")]
