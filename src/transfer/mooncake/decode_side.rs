@@ -14,6 +14,14 @@
 //!   exactly that chunk ([`Frame::Free`] names it, and the prefill frees it only if the slot
 //!   still holds it). Statuses that arrive ahead of an earlier chunk of their (request, rank)
 //!   wait for it, at most [`MAX_HELD_STATUSES`] per rank (more is a violation).
+//! - **Decode context parallelism.** A decode rank of a server sharded by token registers its
+//!   share of a request ([`MooncakeReceiver::register_decode`]); its chunks arrive as
+//!   [`Frame::DenseStatus`]es (or plain statuses where a chunk moves it no row). Everything a
+//!   dense status says is checked before the unpack is enqueued: the layout and the rank are
+//!   the registered ones, the slot is the rank's and free, and the region fits the slot and
+//!   lands in the pages the share registered only ([`DenseBounce::unpack`]); a dense status of
+//!   an unsharded request, or a packed (unsharded) one of a decode context-parallel request, is
+//!   a violation.
 //! - **Order.** A bounced chunk is scattered as soon as its status arrives (its bytes have
 //!   landed); each rank's statuses reach the [`Receiver`] in chunk order, each only once its
 //!   scatter has run, and its slot is freed then.
@@ -27,15 +35,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::addresses::EngineAddresses;
-use super::frames::{self, component_of, Bounced, Frame, FrameReader, Shape};
+use super::frames::{self, component_of, Bounced, Frame, FrameReader, Shape, WireDense};
 use crate::backend::{Backend, Event};
+use crate::copy::ScatterRank;
 use crate::error::causes::ProtocolError;
 use crate::error::{Error, Result};
 use crate::index::LocalPage;
 use crate::pool::DevicePool;
+use crate::shard::DecodeLayout;
 use crate::transfer::{
-    BounceBuffer, ChunkResult, ChunkStatus, Finished, Overdue, PackedSection, Receiver,
-    Registration, MAX_PREFILL_RANKS,
+    BounceBuffer, ChunkResult, ChunkStatus, DecodeRegistration, DenseBounce, DenseChunk,
+    DenseSection, Finished, Overdue, PackedSection, Receiver, Registration, MAX_PREFILL_RANKS,
 };
 
 /// Most statuses of one prefill rank that may wait for an earlier chunk of their (request,
@@ -78,6 +88,34 @@ struct Progress {
     done: bool,
 }
 
+/// What a status carried with it.
+enum Landing {
+    /// Nothing: the status alone.
+    Plain,
+    /// Blocks packed into a bounce slot (an unsharded request).
+    Bounced(Bounced),
+    /// A decode context-parallel rank's dense region in a bounce slot.
+    Dense(WireDense),
+}
+
+impl Landing {
+    fn slot(&self) -> Option<u32> {
+        match self {
+            Landing::Plain => None,
+            Landing::Bounced(b) => Some(b.slot),
+            Landing::Dense(d) => Some(d.slot),
+        }
+    }
+}
+
+/// This decode rank's share of a decode context-parallel request: where its rows may land.
+#[derive(Debug)]
+struct DenseShare {
+    layout: DecodeLayout,
+    rank: u32,
+    pages: ScatterRank,
+}
+
 /// One prefill rank as the decode sees it.
 struct Rank {
     joined: bool,
@@ -100,6 +138,10 @@ pub struct MooncakeReceiver {
     receiver: Receiver,
     ranks: Vec<Rank>,
     requests: HashMap<u64, Vec<Progress>>,
+    /// The decode context-parallel requests, by request: this rank's share.
+    shares: HashMap<u64, DenseShare>,
+    /// Unpacks dense regions.
+    dense: DenseBounce,
     finished: Vec<Finished>,
     counters: SideCounters,
 }
@@ -162,11 +204,13 @@ impl MooncakeReceiver {
         }
         Ok(Self {
             pool,
+            dense: DenseBounce::new(backend.clone()),
             backend,
             addresses,
             receiver: Receiver::with_deadline(deadline),
             ranks: all,
             requests: HashMap::new(),
+            shares: HashMap::new(),
             finished: Vec::new(),
             counters: SideCounters::default(),
         })
@@ -256,16 +300,7 @@ impl MooncakeReceiver {
         deadline: Option<Duration>,
     ) -> Result<Vec<u8>> {
         let request = registration.request;
-        if let Some(r) = self
-            .ranks
-            .iter()
-            .position(|r| !r.joined && r.gone.is_none())
-        {
-            return Err(Error::Transfer {
-                request,
-                reason: format!("prefill rank {r} has not joined"),
-            });
-        }
+        self.check_joined(request)?;
         let frame = Frame::Register {
             request,
             prefix_pages: registration.prefix_pages as u64,
@@ -276,12 +311,65 @@ impl MooncakeReceiver {
             request,
             reason: format!("cannot be sent: {e}"),
         })?;
+        self.receive(registration, deadline)?;
+        Ok(bytes)
+    }
+
+    /// Starts receiving this decode rank's share (`rank`) of a decode context-parallel request
+    /// from every prefill rank, due `deadline` from now (the receiver's otherwise): its chunks
+    /// arrive densely packed (module docs). The prefill ranks get the registration from the
+    /// engine (`MooncakeSender::open_decode`): nothing is sent. Refused, changing nothing, when
+    /// the registration does not validate, `rank` is not one of its layout, or a prefill rank has
+    /// not joined yet.
+    pub fn register_decode(
+        &mut self,
+        registration: &DecodeRegistration,
+        rank: u32,
+        deadline: Option<Duration>,
+    ) -> Result<()> {
+        let request = registration.request;
+        self.check_joined(request)?;
+        registration.validate()?;
+        let share = registration.rank(rank)?;
+        let pages = ScatterRank {
+            pages: share.pages.clone(),
+            state_pages: share.state_pages.clone(),
+        };
+        self.receive(share, deadline)?;
+        self.shares.insert(
+            request,
+            DenseShare {
+                layout: registration.layout,
+                rank,
+                pages,
+            },
+        );
+        Ok(())
+    }
+
+    fn check_joined(&self, request: u64) -> Result<()> {
+        match self
+            .ranks
+            .iter()
+            .position(|r| !r.joined && r.gone.is_none())
+        {
+            Some(r) => Err(Error::Transfer {
+                request,
+                reason: format!("prefill rank {r} has not joined"),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Registers `registration` with the receiver and expects a status from every rank.
+    fn receive(&mut self, registration: Registration, deadline: Option<Duration>) -> Result<()> {
+        let request = registration.request;
         let deadline = deadline.unwrap_or_else(|| self.receiver.deadline());
         self.receiver
             .register_with_deadline(registration, self.ranks(), deadline)?;
         let progress = (0..self.ranks.len()).map(|_| Progress::default()).collect();
         self.requests.insert(request, progress);
-        Ok(bytes)
+        Ok(())
     }
 
     /// Takes the next bytes from `rank`'s connection. A violation (module docs) is returned:
@@ -352,10 +440,16 @@ impl MooncakeReceiver {
     /// One frame from `rank`.
     fn take(&mut self, rank: u32, frame: Frame) -> std::result::Result<(), ProtocolError> {
         match frame {
-            Frame::Status { status, bounced } => self.status(rank, status, bounced),
+            Frame::Status { status, bounced } => {
+                let landing = bounced.map_or(Landing::Plain, Landing::Bounced);
+                self.status(rank, status, landing)
+            }
+            Frame::DenseStatus { status, dense } => {
+                self.status(rank, status, Landing::Dense(dense))
+            }
             Frame::Aborted { request, held } => self.aborted(rank, request, &held),
             other => Err(ProtocolError::Unexpected {
-                expected: "Status or Aborted",
+                expected: "Status, DenseStatus or Aborted",
                 got: other.name(),
             }),
         }
@@ -366,7 +460,7 @@ impl MooncakeReceiver {
         &mut self,
         rank: u32,
         status: ChunkStatus,
-        bounced: Option<Bounced>,
+        landing: Landing,
     ) -> std::result::Result<(), ProtocolError> {
         let invalid = |why: String| ProtocolError::Invalid {
             message: "Status",
@@ -380,17 +474,16 @@ impl MooncakeReceiver {
         }
         let (request, chunk) = (status.request, status.chunk);
         let slots = self.ranks[rank as usize].buffers.len();
-        if let Some(b) = &bounced {
-            if b.slot as usize >= slots {
+        if let Some(slot) = landing.slot() {
+            if slot as usize >= slots {
                 return Err(invalid(format!(
-                    "bounce slot {} of rank {rank}, which has {slots}",
-                    b.slot
+                    "bounce slot {slot} of rank {rank}, which has {slots}"
                 )));
             }
         }
-        let busy = bounced
-            .as_ref()
-            .and_then(|b| self.ranks[rank as usize].busy[b.slot as usize]);
+        let busy = landing
+            .slot()
+            .and_then(|slot| self.ranks[rank as usize].busy[slot as usize]);
         let expected = self
             .requests
             .get(&request)
@@ -407,10 +500,10 @@ impl MooncakeReceiver {
             None => {
                 // Not being received from this rank: nothing will scatter its slot.
                 self.counters.dropped_statuses += 1;
-                if let (Some(b), None) = (&bounced, busy) {
+                if let (Some(slot), None) = (landing.slot(), busy) {
                     self.counters.freed_for_dropped += 1;
                     let free = Frame::Free {
-                        slot: b.slot,
+                        slot,
                         request,
                         chunk,
                     };
@@ -422,7 +515,7 @@ impl MooncakeReceiver {
         if let Some((r, c)) = busy {
             return Err(invalid(format!(
                 "bounce slot {} holds chunk {c} of request {r} still",
-                bounced.as_ref().map_or(0, |b| b.slot)
+                landing.slot().unwrap_or(0)
             )));
         }
         if self.ranks[rank as usize].held >= MAX_HELD_STATUSES {
@@ -430,16 +523,25 @@ impl MooncakeReceiver {
                 "more than {MAX_HELD_STATUSES} statuses waiting for earlier chunks"
             )));
         }
-        let (event, slot) = match bounced {
-            Some(b) => {
-                let event = self.scatter(rank, &b).map_err(|e| {
-                    invalid(format!("bounce slot {} cannot be scattered: {e}", b.slot))
-                })?;
-                self.ranks[rank as usize].busy[b.slot as usize] = Some((request, chunk));
-                (Some(event), Some((b.slot, request, chunk)))
+        let sharded = self.shares.contains_key(&request);
+        let event = match &landing {
+            Landing::Plain => None,
+            Landing::Bounced(_) if sharded => {
+                return Err(invalid(format!(
+                    "packed blocks for request {request}, which this decode rank receives sharded by token"
+                )))
             }
-            None => (None, None),
+            Landing::Bounced(b) => Some(self.scatter(rank, b).map_err(|e| {
+                invalid(format!("bounce slot {} cannot be scattered: {e}", b.slot))
+            })?),
+            Landing::Dense(d) => Some(self.unpack(rank, request, d).map_err(|e| {
+                invalid(format!("bounce slot {} cannot be unpacked: {e}", d.slot))
+            })?),
         };
+        let slot = landing.slot().map(|slot| {
+            self.ranks[rank as usize].busy[slot as usize] = Some((request, chunk));
+            (slot, request, chunk)
+        });
         let queued = Queued {
             status: Some(status),
             event,
@@ -472,6 +574,55 @@ impl MooncakeReceiver {
             .collect::<Result<Vec<_>>>()?;
         let buffer = &mut self.ranks[rank as usize].buffers[b.slot as usize];
         buffer.scatter(&sections, &self.pool)
+    }
+
+    /// Enqueues the unpacking of a dense region `rank` bounced for `request` into this decode
+    /// rank's pages of it, after checking the layout and the rank against its share and the
+    /// region against the slot and the pages ([`DenseBounce::unpack`]).
+    fn unpack(&mut self, rank: u32, request: u64, d: &WireDense) -> Result<Event> {
+        let share = self.shares.get(&request).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "a dense region for request {request}, which this side receives unsharded"
+            ))
+        })?;
+        if (d.ranks, d.interleave, d.rank)
+            != (share.layout.ranks(), share.layout.interleave(), share.rank)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "a region packed for decode rank {} of {} ranks interleaved by {}; this is rank {} of {}",
+                d.rank, d.ranks, d.interleave, share.rank, share.layout
+            )));
+        }
+        let sections = d
+            .sections
+            .iter()
+            .map(|(codes, positions)| {
+                let components = codes
+                    .iter()
+                    .map(|&c| {
+                        component_of(c)
+                            .ok_or_else(|| Error::InvalidArgument(format!("component code {c}")))
+                    })
+                    .collect::<Result<_>>()?;
+                Ok(DenseSection {
+                    components,
+                    positions: positions.clone(),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let chunk = DenseChunk {
+            end_token: d.end_token,
+            sections,
+        };
+        let region = self.ranks[rank as usize].buffers[d.slot as usize].buffer();
+        self.dense.unpack(
+            &chunk,
+            share.layout,
+            share.rank,
+            region,
+            &self.pool,
+            &share.pages,
+        )
     }
 
     /// Holds a status of `rank` and queues, in chunk order, every held one whose turn came.
@@ -668,6 +819,7 @@ impl MooncakeReceiver {
         match self.receiver.receive(status) {
             Ok(Some(finished)) => {
                 self.requests.remove(&request);
+                self.shares.remove(&request);
                 self.finished.push(finished);
             }
             Ok(None) => {}

@@ -32,4 +32,6 @@ mod prefill_side;
 
 pub use addresses::{merged, pool_memory, EngineAddresses, PoolMemory};
 pub use decode_side::{MooncakeReceiver, SideCounters, MAX_HELD_STATUSES, MAX_SLOTS};
-pub use prefill_side::{DecodeTarget, MooncakeChunk, MooncakeConfig, MooncakeMode, MooncakeSender};
+pub use prefill_side::{
+    DecodePart, DecodeTarget, MooncakeChunk, MooncakeConfig, MooncakeMode, MooncakeSender,
+};

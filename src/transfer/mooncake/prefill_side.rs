@@ -3,20 +3,33 @@
 //! coalesced (source, destination, length) lists, or one range packed into a bounce slot. The
 //! engine posts it and reports back ([`MooncakeChunk::landed`], [`MooncakeChunk::failed`]);
 //! the chunk then completes as every pending chunk does, within the transfer timeout.
+//!
+//! **Decode context parallelism** (docs/dcp.md, "Mooncake"): a sender may reach several decode
+//! servers' pools ([`MooncakeSender::add_destination`]: each decode rank of a DCP server is
+//! one, with its own bounce buffers for this rank), and [`MooncakeSender::open_decode`] opens
+//! a request into them. Each chunk is packed per decode rank densely into a region of a free
+//! slot of that rank's ([`DenseBounce::pack`], one launch) and handed out as one descriptor per
+//! decode rank it moves rows to; each decode rank's status then rides a
+//! [`Frame::DenseStatus`] saying how to unpack the region ([`MooncakeChunk::decode_status_frame`];
+//! a rank the chunk moves nothing to gets a plain status). There is no coalesced route for such
+//! rows: a chunk finding no free slot at a decode rank it moves rows to, or whose rows there do
+//! not fit a slot, is refused before anything moves.
 
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::addresses::EngineAddresses;
-use super::frames::{component_code, Bounced, Frame, WireSection};
-use crate::backend::{Backend, Event};
+use super::frames::{component_code, Bounced, Frame, WireDense, WireSection};
+use crate::backend::{Backend, Buffer, Event};
 use crate::copy::RemoteSpace;
 use crate::error::{Error, Result};
 use crate::index::LogicalPage;
 use crate::lock::lock;
 use crate::pool::DevicePool;
+use crate::shard::DecodeLayout;
 use crate::transfer::{
-    BounceBuffer, ChunkEnd, ChunkStatus, Completion, DescriptorBatch, PackedSection, PendingChunk,
+    region_of, BounceBuffer, ChunkEnd, ChunkResult, ChunkStatus, Completion, DecodePlan,
+    DecodeRegistration, DenseBounce, DenseChunk, DescriptorBatch, PackedSection, PendingChunk,
     Posted, Registration, SendPlan, Sender, StatsSnapshot, TransferStats, Transport,
 };
 
@@ -167,9 +180,29 @@ struct Export {
     sections: Vec<PackedSection>,
     packing: Option<Event>,
     slot: Option<usize>,
+    /// The decode rank each descriptor goes to (all 0 for an unsharded decode).
+    targets: Vec<u32>,
+    /// Per decode rank of a decode context-parallel request, in rank order (empty otherwise).
+    parts: Vec<DecodePart>,
+    /// The decode layout of a decode context-parallel request.
+    layout: Option<DecodeLayout>,
     settle: Arc<Settle>,
     prepared: Duration,
     bytes: u64,
+}
+
+/// One decode rank's part of a chunk into a decode context-parallel server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodePart {
+    /// The sender's destination the rank is ([`MooncakeSender::add_destination`]).
+    pub destination: usize,
+    /// The bounce slot (of the destination's) its region went through; `None` when the chunk
+    /// moves no row to the rank.
+    pub slot: Option<usize>,
+    /// Bytes of its region (0 without a slot).
+    pub bytes: u64,
+    /// What the rank needs to unpack the region.
+    pub dense: DenseChunk,
 }
 
 /// The chunk a bounce slot holds, from its packing until it is freed.
@@ -192,23 +225,35 @@ struct Slot {
     holder: Option<Holder>,
 }
 
+/// One decode pool the sender reaches (a decode server's, or one decode context-parallel
+/// rank's) and its bounce slots.
+struct Destination {
+    dst: Arc<RemoteSpace>,
+    slots: Vec<Slot>,
+}
+
 /// What the transport and the sender's face share.
 struct Shared {
     config: MooncakeConfig,
-    slots: Vec<Slot>,
+    /// Destination 0 is the decode `MooncakeSender::new` was given.
+    dests: Vec<Destination>,
     addresses: EngineAddresses,
+    /// Packs chunks densely for decode context-parallel ranks.
+    dense: DenseBounce,
     /// The chunk `submit` handed out last, taken by [`MooncakeSender::send`].
     last: Option<Export>,
 }
 
 impl Shared {
-    /// The free slot `plan` bounces through and its packed bytes, when it goes bounced.
+    /// The free slot of destination 0 `plan` bounces through and its packed bytes, when it goes
+    /// bounced.
     fn bounce_slot(&self, plan: &SendPlan) -> Option<(usize, u64)> {
         if self.config.mode == MooncakeMode::Coalesced {
             return None;
         }
-        let slot = self.slots.iter().position(|s| s.holder.is_none())?;
-        let s = &self.slots[slot];
+        let slots = &self.dests[0].slots;
+        let slot = slots.iter().position(|s| s.holder.is_none())?;
+        let s = &slots[slot];
         let bytes = s.buffer.packed_bytes(plan).filter(|&b| b <= s.remote.1)?;
         if self.config.mode == MooncakeMode::Auto {
             let mean = plan.bytes().total() / (plan.descriptor_count() as u64).max(1);
@@ -217,6 +262,83 @@ impl Shared {
             }
         }
         Some((slot, bytes))
+    }
+
+    fn slots_mut(&mut self, destination: usize) -> Result<&mut Vec<Slot>> {
+        let count = self.dests.len();
+        self.dests
+            .get_mut(destination)
+            .map(|d| &mut d.slots)
+            .ok_or(Error::OutOfRange {
+                what: "Mooncake destination",
+                index: destination as i64,
+                limit: count as u64,
+            })
+    }
+
+    /// Per decode rank of `plan`: its destination (the one `dsts` names), and the free slot
+    /// its rows go through with their bytes (none when it has no rows). Refused, before
+    /// anything is taken, when a rank with rows finds no free slot or its rows do not fit one.
+    fn dense_slots(
+        &self,
+        plan: &DecodePlan,
+        src: &DevicePool,
+        dsts: &[Arc<RemoteSpace>],
+    ) -> Result<Vec<DecodePart>> {
+        let request = plan.request();
+        let refused = |reason: String| Err(Error::Transfer { request, reason });
+        let m = plan.layout().ranks() as usize;
+        if dsts.len() != m {
+            return refused(format!(
+                "a chunk for {m} decode ranks into {} destinations",
+                dsts.len()
+            ));
+        }
+        if self.config.mode == MooncakeMode::Coalesced {
+            return refused(
+                "a decode context-parallel chunk travels only through bounce slots (mode Auto or Bounce)".into(),
+            );
+        }
+        let components = src.geometry().components();
+        let mut parts = Vec::with_capacity(m);
+        for (d, dst) in (0u32..).zip(dsts) {
+            let Some(destination) = self.dests.iter().position(|x| Arc::ptr_eq(&x.dst, dst))
+            else {
+                return refused(format!(
+                    "decode rank {d}'s destination is not one of the sender's"
+                ));
+            };
+            let (dense, bytes) = region_of(plan, &components, d)?;
+            if dense.is_empty() {
+                parts.push(DecodePart {
+                    destination,
+                    slot: None,
+                    bytes: 0,
+                    dense,
+                });
+                continue;
+            }
+            let slots = &self.dests[destination].slots;
+            let Some(slot) = slots.iter().position(|s| s.holder.is_none()) else {
+                return refused(format!(
+                    "no bounce slot free at decode rank {d} ({} slots): a decode context-parallel chunk has no other route over Mooncake (free slots first)",
+                    slots.len()
+                ));
+            };
+            let room = (slots[slot].buffer.buffer().len() as u64).min(slots[slot].remote.1);
+            if bytes > room {
+                return refused(format!(
+                    "decode rank {d}'s rows of the chunk take {bytes} B, more than a bounce slot's {room} B (more bounce pages on both sides, or smaller chunks)"
+                ));
+            }
+            parts.push(DecodePart {
+                destination,
+                slot: Some(slot),
+                bytes,
+                dense,
+            });
+        }
+        Ok(parts)
     }
 }
 
@@ -247,6 +369,9 @@ impl Transport for EngineTransport {
             sections: Vec::new(),
             packing: None,
             slot: None,
+            targets: Vec::new(),
+            parts: Vec::new(),
+            layout: None,
             settle: settle.clone(),
             prepared: Duration::ZERO,
             bytes: plan.bytes().total(),
@@ -254,7 +379,7 @@ impl Transport for EngineTransport {
         if plan.is_empty() {
             // Nothing moves: the engine's side reports the chunk at once.
         } else if let Some((slot, bytes)) = s.bounce_slot(plan) {
-            let sl = &mut s.slots[slot];
+            let sl = &mut s.dests[0].slots[slot];
             // The slot is free: the engine finished reading it (its chunk was reported) and the
             // decode scattered its side, so the packing may overwrite it.
             let packed = sl.buffer.pack(plan, src)?;
@@ -278,6 +403,76 @@ impl Transport for EngineTransport {
                 export.lengths.push(r.bytes);
             }
         }
+        export.targets = vec![0; export.lengths.len()];
+        export.prepared = started.elapsed();
+        let completion = Settled {
+            settle,
+            request: plan.request(),
+            deadline: started.checked_add(s.config.transfer_timeout),
+            timeout: s.config.transfer_timeout,
+        };
+        s.last = Some(export);
+        Ok(self.stats.track(Box::new(completion), started))
+    }
+
+    /// Packs every decode rank's rows of `plan` into a free slot of its destination (one
+    /// launch) and hands the chunk out as one descriptor per decode rank it moves rows to
+    /// (module docs); refused, before anything moves, as [`Shared::dense_slots`] says.
+    fn submit_decode(
+        &mut self,
+        plan: &DecodePlan,
+        src: &Arc<DevicePool>,
+        dsts: &[Arc<RemoteSpace>],
+    ) -> Result<Box<dyn Completion>> {
+        let started = Instant::now();
+        let mut s = lock(&self.shared);
+        let parts = s.dense_slots(plan, src, dsts)?;
+        let settle = Arc::new(Settle {
+            outcome: Mutex::new(Outcome::Moving),
+            changed: Condvar::new(),
+        });
+        let mut export = Export {
+            src: Vec::new(),
+            dst: Vec::new(),
+            lengths: Vec::new(),
+            sections: Vec::new(),
+            packing: None,
+            slot: None,
+            targets: Vec::new(),
+            parts: Vec::new(),
+            layout: None,
+            settle: settle.clone(),
+            prepared: Duration::ZERO,
+            bytes: plan.rank_bytes().iter().map(|b| b.total()).sum(),
+        };
+        if parts.iter().any(|p| p.slot.is_some()) {
+            let regions: Vec<Option<Buffer>> = parts
+                .iter()
+                .map(|p| {
+                    p.slot
+                        .map(|slot| s.dests[p.destination].slots[slot].buffer.buffer().clone())
+                })
+                .collect();
+            // Every slot taken is free: the engine finished reading it and its decode rank
+            // unpacked its side, so the packing may overwrite it.
+            let packed = s.dense.pack(plan, src, &regions)?;
+            for (d, p) in (0u32..).zip(&parts) {
+                let Some(slot) = p.slot else { continue };
+                let sl = &mut s.dests[p.destination].slots[slot];
+                export.src.push(sl.address);
+                export.dst.push(sl.remote.0);
+                export.lengths.push(p.bytes);
+                export.targets.push(d);
+                sl.holder = Some(Holder {
+                    settle: settle.clone(),
+                    request: plan.request(),
+                    chunk: plan.chunk().index,
+                });
+            }
+            export.packing = Some(packed.event);
+        }
+        export.parts = parts;
+        export.layout = Some(plan.layout());
         export.prepared = started.elapsed();
         let completion = Settled {
             settle,
@@ -356,6 +551,18 @@ impl MooncakeChunk {
     /// Lengths.
     pub fn lengths(&self) -> &[u64] {
         &self.export.lengths
+    }
+
+    /// The decode rank each descriptor goes to (its engine is the one to target): all 0 for
+    /// an unsharded decode.
+    pub fn targets(&self) -> &[u32] {
+        &self.export.targets
+    }
+
+    /// Per decode rank of a decode context-parallel request, in rank order, its part of the
+    /// chunk (empty for an unsharded decode).
+    pub fn decode_parts(&self) -> &[DecodePart] {
+        &self.export.parts
     }
 
     /// Payload bytes (a bounced range adds at most 255 bytes of padding per component).
@@ -442,6 +649,17 @@ impl MooncakeChunk {
         }
     }
 
+    /// [`Self::poll`], with the status each decode rank receives, in rank order
+    /// ([`PendingChunk::poll_each`]; one for an unsharded decode).
+    pub fn poll_each(&self) -> Result<Option<Vec<ChunkStatus>>> {
+        match lock(&self.pending).as_mut() {
+            Some(p) => p.poll_each(),
+            None => Err(Error::InvalidArgument(
+                "the chunk was already waited for".into(),
+            )),
+        }
+    }
+
     /// Blocks the host until the engine reports the chunk (at most the transfer timeout) and
     /// returns its status, once.
     pub fn wait_sync(&self) -> Result<ChunkStatus> {
@@ -471,6 +689,52 @@ impl MooncakeChunk {
         };
         Frame::Status { status, bounced }
     }
+
+    /// The side channel's report to decode rank `decode_rank` of a decode context-parallel
+    /// request of `status` (this chunk's, as [`Self::poll_each`] gave it for the rank): a
+    /// [`Frame::DenseStatus`] naming the slot and how to unpack the region when the chunk
+    /// moved rows to the rank and landed, a plain status otherwise.
+    pub fn decode_status_frame(&self, decode_rank: u32, status: ChunkStatus) -> Result<Frame> {
+        let part = self
+            .export
+            .parts
+            .get(decode_rank as usize)
+            .ok_or(Error::OutOfRange {
+                what: "decode rank of the chunk",
+                index: i64::from(decode_rank),
+                limit: self.export.parts.len() as u64,
+            })?;
+        Ok(match (part.slot, &status.result) {
+            (Some(slot), ChunkResult::Sent { .. }) => {
+                let layout = self.export.layout.ok_or_else(|| {
+                    Error::InvalidArgument("the chunk has no decode layout".into())
+                })?;
+                Frame::DenseStatus {
+                    status,
+                    dense: WireDense {
+                        slot: slot as u32,
+                        ranks: layout.ranks(),
+                        interleave: layout.interleave(),
+                        rank: decode_rank,
+                        end_token: part.dense.end_token,
+                        sections: part
+                            .dense
+                            .sections
+                            .iter()
+                            .map(|s| {
+                                let codes = s.components.iter().map(|&c| component_code(c));
+                                (codes.collect(), s.positions.clone())
+                            })
+                            .collect(),
+                    },
+                }
+            }
+            _ => Frame::Status {
+                status,
+                bounced: None,
+            },
+        })
+    }
 }
 
 /// The sending side of one prefill rank for a transfer engine that moves raw ranges
@@ -478,8 +742,8 @@ impl MooncakeChunk {
 /// decode pool the decode side published ([`DecodeTarget`]).
 pub struct MooncakeSender {
     sender: Sender,
+    pool: Arc<DevicePool>,
     shared: Arc<Mutex<Shared>>,
-    dst: Arc<RemoteSpace>,
     backend: Arc<dyn Backend>,
     stats: TransferStats,
 }
@@ -491,6 +755,45 @@ impl std::fmt::Debug for MooncakeSender {
             .field("slots", &self.bounce_slots())
             .finish_non_exhaustive()
     }
+}
+
+/// A destination for `decode` (module docs): its pool as a remote space and one bounce slot per
+/// buffer it published (none when `config` never bounces).
+fn destination(
+    pool: &Arc<DevicePool>,
+    backend: &Arc<dyn Backend>,
+    addresses: &EngineAddresses,
+    config: &MooncakeConfig,
+    decode: DecodeTarget,
+) -> Result<Destination> {
+    if decode.bounces.len() > super::MAX_SLOTS {
+        return Err(Error::out_of_bounds(
+            "the decode's bounce buffers for a rank",
+            decode.bounces.len(),
+            format!("at most {}", super::MAX_SLOTS),
+        ));
+    }
+    let geometry = pool.geometry().clone();
+    let dst = Arc::new(RemoteSpace::unmapped(
+        geometry.clone(),
+        decode.pages,
+        decode.bases,
+    )?);
+    let mut slots = Vec::new();
+    if config.bounce_pages > 0 && config.mode != MooncakeMode::Coalesced {
+        for remote in decode.bounces {
+            let buffer = BounceBuffer::new(backend.clone(), &geometry, config.bounce_pages)?;
+            let b = buffer.buffer();
+            let address = addresses.address(b.addr(), b.len() as u64)?;
+            slots.push(Slot {
+                buffer,
+                address,
+                remote,
+                holder: None,
+            });
+        }
+    }
+    Ok(Destination { dst, slots })
 }
 
 impl MooncakeSender {
@@ -518,38 +821,13 @@ impl MooncakeSender {
                 "more than 0 s (every chunk would fail unreported)",
             ));
         }
-        if decode.bounces.len() > super::MAX_SLOTS {
-            return Err(Error::out_of_bounds(
-                "the decode's bounce buffers for a rank",
-                decode.bounces.len(),
-                format!("at most {}", super::MAX_SLOTS),
-            ));
-        }
-        let geometry = pool.geometry().clone();
-        let dst = Arc::new(RemoteSpace::unmapped(
-            geometry.clone(),
-            decode.pages,
-            decode.bases,
-        )?);
-        let mut slots = Vec::new();
-        if config.bounce_pages > 0 && config.mode != MooncakeMode::Coalesced {
-            for remote in decode.bounces {
-                let buffer = BounceBuffer::new(backend.clone(), &geometry, config.bounce_pages)?;
-                let b = buffer.buffer();
-                let address = addresses.address(b.addr(), b.len() as u64)?;
-                slots.push(Slot {
-                    buffer,
-                    address,
-                    remote,
-                    holder: None,
-                });
-            }
-        }
+        let first = destination(&pool, &backend, &addresses, &config, decode)?;
         let stats = TransferStats::new("mooncake");
         let shared = Arc::new(Mutex::new(Shared {
             config,
-            slots,
+            dests: vec![first],
             addresses,
+            dense: DenseBounce::new(backend.clone()),
             last: None,
         }));
         let transport = EngineTransport {
@@ -557,12 +835,32 @@ impl MooncakeSender {
             stats: stats.clone(),
         };
         Ok(Self {
-            sender: Sender::new(pool, Box::new(transport)),
+            sender: Sender::new(pool.clone(), Box::new(transport)),
+            pool,
             shared,
-            dst,
             backend,
             stats,
         })
+    }
+
+    /// Adds another decode pool this sender reaches, `decode` as its side said (with its
+    /// bounce buffers for this rank, sized as [`Self::new`] sizes destination 0's): a decode
+    /// rank of a decode context-parallel server ([`Self::open_decode`]). Returns its index.
+    pub fn add_destination(&mut self, decode: DecodeTarget) -> Result<usize> {
+        let mut s = lock(&self.shared);
+        let d = {
+            let Shared {
+                config, addresses, ..
+            } = &*s;
+            destination(&self.pool, &self.backend, addresses, config, decode)?
+        };
+        s.dests.push(d);
+        Ok(s.dests.len() - 1)
+    }
+
+    /// Destinations (1 plus those added).
+    pub fn destinations(&self) -> usize {
+        lock(&self.shared).dests.len()
     }
 
     /// This sender's rank.
@@ -571,18 +869,58 @@ impl MooncakeSender {
     }
 
     /// This rank's bounce buffers to register with the engine, `[(address, bytes)]`, one per
-    /// slot.
+    /// slot of every destination, in destination order.
     pub fn bounce_regions(&self) -> Vec<(u64, u64)> {
         lock(&self.shared)
-            .slots
+            .dests
             .iter()
+            .flat_map(|d| &d.slots)
             .map(|s| (s.address, s.buffer.buffer().len() as u64))
             .collect()
     }
 
-    /// Starts sending a request the decode side registered.
+    /// Starts sending a request the decode side (destination 0) registered.
     pub fn open(&mut self, registration: Registration) -> Result<()> {
-        self.sender.open(registration, self.dst.clone())
+        let dst = lock(&self.shared).dests[0].dst.clone();
+        self.sender.open(registration, dst)
+    }
+
+    /// Starts sending a request the ranks of a decode context-parallel server registered
+    /// (docs/dcp.md) into `destinations`: per decode rank, in rank order, the destination that
+    /// is its pool (0, or one [`Self::add_destination`] returned), each named once. Its chunks
+    /// then travel densely packed (module docs); [`MooncakeChunk::poll_each`] gives each decode
+    /// rank's status. Refused, changing nothing, for a destination out of range or named twice,
+    /// or as [`Sender::open_decode`] refuses.
+    pub fn open_decode(
+        &mut self,
+        registration: DecodeRegistration,
+        destinations: &[usize],
+    ) -> Result<()> {
+        let dsts = {
+            let s = lock(&self.shared);
+            let mut seen = vec![false; s.dests.len()];
+            let mut dsts = Vec::with_capacity(destinations.len());
+            for &d in destinations {
+                let Some(dest) = s.dests.get(d) else {
+                    return Err(Error::OutOfRange {
+                        what: "Mooncake destination",
+                        index: d as i64,
+                        limit: s.dests.len() as u64,
+                    });
+                };
+                if std::mem::replace(&mut seen[d], true) {
+                    return Err(Error::Transfer {
+                        request: registration.request,
+                        reason: format!(
+                            "destination {d} named for two decode ranks (they would write one pool)"
+                        ),
+                    });
+                }
+                dsts.push(dest.dst.clone());
+            }
+            dsts
+        };
+        self.sender.open_decode(registration, dsts)
     }
 
     /// Plans the next chunk of `request` and hands it out (nothing moves until the engine
@@ -619,11 +957,23 @@ impl MooncakeSender {
     /// reported landed or failed: the engine may still read it, and a packing into it would
     /// overwrite what is on the wire.
     pub fn bounce_free(&self, slot: usize, holder: Option<(u64, u32)>) -> Result<()> {
+        self.bounce_free_at(0, slot, holder)
+    }
+
+    /// [`Self::bounce_free`] of a slot of destination `destination` (a decode rank's free
+    /// arrives on its own side channel).
+    pub fn bounce_free_at(
+        &self,
+        destination: usize,
+        slot: usize,
+        holder: Option<(u64, u32)>,
+    ) -> Result<()> {
         let mut s = lock(&self.shared);
-        let count = s.slots.len();
+        let slots = s.slots_mut(destination)?;
+        let count = slots.len();
         let refused =
             |why: String| Err(Error::InvalidArgument(format!("bounce slot {slot}: {why}")));
-        let Some(sl) = s.slots.get_mut(slot) else {
+        let Some(sl) = slots.get_mut(slot) else {
             return refused(format!("the sender has {count}"));
         };
         let Some(h) = &sl.holder else {
@@ -647,10 +997,18 @@ impl MooncakeSender {
         Ok(())
     }
 
-    /// `(slot, chunk)` of each bounce slot holding a chunk of `request`.
+    /// `(slot, chunk)` of each bounce slot of destination 0 holding a chunk of `request`.
     pub fn held_slots(&self, request: u64) -> Vec<(usize, u32)> {
-        lock(&self.shared)
-            .slots
+        self.held_slots_at(0, request)
+    }
+
+    /// [`Self::held_slots`] of destination `destination` (none for one out of range).
+    pub fn held_slots_at(&self, destination: usize, request: u64) -> Vec<(usize, u32)> {
+        let s = lock(&self.shared);
+        let Some(d) = s.dests.get(destination) else {
+            return Vec::new();
+        };
+        d.slots
             .iter()
             .enumerate()
             .filter_map(|(i, s)| {
@@ -660,18 +1018,21 @@ impl MooncakeSender {
             .collect()
     }
 
-    /// Bounce slots (0: this sender never bounces).
+    /// Bounce slots of destination 0 (0: this sender never bounces).
     pub fn bounce_slots(&self) -> usize {
-        lock(&self.shared).slots.len()
+        lock(&self.shared).dests[0].slots.len()
     }
 
-    /// Bounce slots no chunk holds.
+    /// Bounce slots of destination 0 no chunk holds.
     pub fn bounce_slots_free(&self) -> usize {
-        lock(&self.shared)
-            .slots
-            .iter()
-            .filter(|s| s.holder.is_none())
-            .count()
+        self.bounce_slots_free_at(0)
+    }
+
+    /// Bounce slots of destination `destination` no chunk holds (0 for one out of range).
+    pub fn bounce_slots_free_at(&self, destination: usize) -> usize {
+        lock(&self.shared).dests.get(destination).map_or(0, |d| {
+            d.slots.iter().filter(|s| s.holder.is_none()).count()
+        })
     }
 
     /// Gives up on `request` on this rank ([`Sender::abort`]).
