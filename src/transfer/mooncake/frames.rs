@@ -510,7 +510,7 @@ mod tests {
             interleave: 1,
             rank: 1,
             end_token: 300,
-            sections: vec![(vec![0, 2], vec![3, 4]), (vec![4], vec![0, 1, 2, 3, 4])],
+            sections: vec![(vec![0, 2], vec![3, 4]), (vec![1, 3], vec![0, 1, 2, 3, 4])],
         }
     }
 

@@ -302,8 +302,7 @@ impl Shared {
         let components = src.geometry().components();
         let mut parts = Vec::with_capacity(m);
         for (d, dst) in (0u32..).zip(dsts) {
-            let Some(destination) = self.dests.iter().position(|x| Arc::ptr_eq(&x.dst, dst))
-            else {
+            let Some(destination) = self.dests.iter().position(|x| Arc::ptr_eq(&x.dst, dst)) else {
                 return refused(format!(
                     "decode rank {d}'s destination is not one of the sender's"
                 ));
@@ -1030,9 +1029,10 @@ impl MooncakeSender {
 
     /// Bounce slots of destination `destination` no chunk holds (0 for one out of range).
     pub fn bounce_slots_free_at(&self, destination: usize) -> usize {
-        lock(&self.shared).dests.get(destination).map_or(0, |d| {
-            d.slots.iter().filter(|s| s.holder.is_none()).count()
-        })
+        lock(&self.shared)
+            .dests
+            .get(destination)
+            .map_or(0, |d| d.slots.iter().filter(|s| s.holder.is_none()).count())
     }
 
     /// Gives up on `request` on this rank ([`Sender::abort`]).
