@@ -1049,6 +1049,9 @@ fn dcp_decode_and_status(cpu: &Arc<CpuBackend>, s: &Setup) -> (DcpWired, ChunkSt
     (w, status, dense)
 }
 
+/// Makes a (malformed) frame from a good dense status.
+type MakeFrame<'a> = dyn Fn(&ChunkStatus, &WireDense) -> Frame + 'a;
+
 /// A frame's bytes as a peer could send them, unchecked.
 fn raw(frame: &Frame) -> Vec<u8> {
     let mut out = postcard::to_allocvec(frame).unwrap();
@@ -1068,7 +1071,7 @@ fn dcp_a_malformed_dense_status_is_dropped_and_counted_and_moves_nothing() {
         status: status.clone(),
         dense: dense.clone(),
     };
-    let cases: Vec<(&str, Box<dyn Fn(&ChunkStatus, &WireDense) -> Frame>)> = vec![
+    let cases: Vec<(&str, Box<MakeFrame<'_>>)> = vec![
         (
             "another decode rank's region",
             Box::new(|st, d| {
