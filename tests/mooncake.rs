@@ -1179,6 +1179,13 @@ fn dcp_a_malformed_dense_status_is_dropped_and_counted_and_moves_nothing() {
             }),
         ),
         (
+            "rows announced without their region",
+            Box::new(|st, _| Frame::Status {
+                status: st.clone(),
+                bounced: None,
+            }),
+        ),
+        (
             "packed blocks for a sharded request",
             Box::new(|st, d| Frame::Status {
                 status: st.clone(),

@@ -20,8 +20,9 @@
 //!   dense status says is checked before the unpack is enqueued: the layout and the rank are
 //!   the registered ones, the slot is the rank's and free, and the region fits the slot and
 //!   lands in the pages the share registered only ([`DenseBounce::unpack`]); a dense status of
-//!   an unsharded request, or a packed (unsharded) one of a decode context-parallel request, is
-//!   a violation.
+//!   an unsharded request, or a packed (unsharded) one of a decode context-parallel request, or
+//!   a plain one of such a request saying rows moved (they travel only in a region), is a
+//!   violation.
 //! - **Order.** A bounced chunk is scattered as soon as its status arrives (its bytes have
 //!   landed); each rank's statuses reach the [`Receiver`] in chunk order, each only once its
 //!   scatter has run, and its slot is freed then.
@@ -106,6 +107,12 @@ impl Landing {
             Landing::Dense(d) => Some(d.slot),
         }
     }
+}
+
+/// Whether `status` says the chunk moved rows (a decode context-parallel rank's rows travel
+/// only in a dense region, so such a status must carry one).
+fn moved_rows(status: &ChunkStatus) -> bool {
+    matches!(&status.result, ChunkResult::Sent { bytes, .. } if bytes.total() > 0)
 }
 
 /// This decode rank's share of a decode context-parallel request: where its rows may land.
@@ -525,6 +532,11 @@ impl MooncakeReceiver {
         }
         let sharded = self.shares.contains_key(&request);
         let event = match &landing {
+            Landing::Plain if sharded && moved_rows(&status) => {
+                return Err(invalid(format!(
+                    "rows of request {request} announced without the region that carries them"
+                )))
+            }
             Landing::Plain => None,
             Landing::Bounced(_) if sharded => {
                 return Err(invalid(format!(
