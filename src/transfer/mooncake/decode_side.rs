@@ -35,18 +35,20 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
+mod dense;
+
+use dense::{moved_rows, DenseShare};
+
 use super::addresses::EngineAddresses;
 use super::frames::{self, component_of, Bounced, Frame, FrameReader, Shape, WireDense};
 use crate::backend::{Backend, Event};
-use crate::copy::ScatterRank;
 use crate::error::causes::ProtocolError;
 use crate::error::{Error, Result};
 use crate::index::LocalPage;
 use crate::pool::DevicePool;
-use crate::shard::DecodeLayout;
 use crate::transfer::{
-    BounceBuffer, ChunkResult, ChunkStatus, DecodeRegistration, DenseBounce, DenseChunk,
-    DenseSection, Finished, Overdue, PackedSection, Receiver, Registration, MAX_PREFILL_RANKS,
+    BounceBuffer, ChunkResult, ChunkStatus, DenseBounce, Finished, Overdue, PackedSection,
+    Receiver, Registration, MAX_PREFILL_RANKS,
 };
 
 /// Most statuses of one prefill rank that may wait for an earlier chunk of their (request,
@@ -107,20 +109,6 @@ impl Landing {
             Landing::Dense(d) => Some(d.slot),
         }
     }
-}
-
-/// Whether `status` says the chunk moved rows (a decode context-parallel rank's rows travel
-/// only in a dense region, so such a status must carry one).
-fn moved_rows(status: &ChunkStatus) -> bool {
-    matches!(&status.result, ChunkResult::Sent { bytes, .. } if bytes.total() > 0)
-}
-
-/// This decode rank's share of a decode context-parallel request: where its rows may land.
-#[derive(Debug)]
-struct DenseShare {
-    layout: DecodeLayout,
-    rank: u32,
-    pages: ScatterRank,
 }
 
 /// One prefill rank as the decode sees it.
@@ -320,38 +308,6 @@ impl MooncakeReceiver {
         })?;
         self.receive(registration, deadline)?;
         Ok(bytes)
-    }
-
-    /// Starts receiving this decode rank's share (`rank`) of a decode context-parallel request
-    /// from every prefill rank, due `deadline` from now (the receiver's otherwise): its chunks
-    /// arrive densely packed (module docs). The prefill ranks get the registration from the
-    /// engine (`MooncakeSender::open_decode`): nothing is sent. Refused, changing nothing, when
-    /// the registration does not validate, `rank` is not one of its layout, or a prefill rank has
-    /// not joined yet.
-    pub fn register_decode(
-        &mut self,
-        registration: &DecodeRegistration,
-        rank: u32,
-        deadline: Option<Duration>,
-    ) -> Result<()> {
-        let request = registration.request;
-        self.check_joined(request)?;
-        registration.validate()?;
-        let share = registration.rank(rank)?;
-        let pages = ScatterRank {
-            pages: share.pages.clone(),
-            state_pages: share.state_pages.clone(),
-        };
-        self.receive(share, deadline)?;
-        self.shares.insert(
-            request,
-            DenseShare {
-                layout: registration.layout,
-                rank,
-                pages,
-            },
-        );
-        Ok(())
     }
 
     fn check_joined(&self, request: u64) -> Result<()> {
@@ -586,55 +542,6 @@ impl MooncakeReceiver {
             .collect::<Result<Vec<_>>>()?;
         let buffer = &mut self.ranks[rank as usize].buffers[b.slot as usize];
         buffer.scatter(&sections, &self.pool)
-    }
-
-    /// Enqueues the unpacking of a dense region `rank` bounced for `request` into this decode
-    /// rank's pages of it, after checking the layout and the rank against its share and the
-    /// region against the slot and the pages ([`DenseBounce::unpack`]).
-    fn unpack(&mut self, rank: u32, request: u64, d: &WireDense) -> Result<Event> {
-        let share = self.shares.get(&request).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "a dense region for request {request}, which this side receives unsharded"
-            ))
-        })?;
-        if (d.ranks, d.interleave, d.rank)
-            != (share.layout.ranks(), share.layout.interleave(), share.rank)
-        {
-            return Err(Error::InvalidArgument(format!(
-                "a region packed for decode rank {} of {} ranks interleaved by {}; this is rank {} of {}",
-                d.rank, d.ranks, d.interleave, share.rank, share.layout
-            )));
-        }
-        let sections = d
-            .sections
-            .iter()
-            .map(|(codes, positions)| {
-                let components = codes
-                    .iter()
-                    .map(|&c| {
-                        component_of(c)
-                            .ok_or_else(|| Error::InvalidArgument(format!("component code {c}")))
-                    })
-                    .collect::<Result<_>>()?;
-                Ok(DenseSection {
-                    components,
-                    positions: positions.clone(),
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let chunk = DenseChunk {
-            end_token: d.end_token,
-            sections,
-        };
-        let region = self.ranks[rank as usize].buffers[d.slot as usize].buffer();
-        self.dense.unpack(
-            &chunk,
-            share.layout,
-            share.rank,
-            region,
-            &self.pool,
-            &share.pages,
-        )
     }
 
     /// Holds a status of `rank` and queues, in chunk order, every held one whose turn came.
