@@ -38,7 +38,7 @@ pub(super) struct Export {
 /// One decode rank's part of a chunk into a decode context-parallel server.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DecodePart {
-    /// The sender's destination the rank is ([`MooncakeSender::add_destination`]).
+    /// The sender's destination the rank is ([`MooncakeSender::add_destination`](super::MooncakeSender::add_destination)).
     pub destination: usize,
     /// The bounce slot (of the destination's) its region went through; `None` when the chunk
     /// moves no row to the rank.
@@ -121,7 +121,7 @@ impl MooncakeChunk {
 
     /// Per decode rank of a decode context-parallel request, in rank order, its part of the
     /// chunk (empty for an unsharded decode). Each slot is freed as a bounced chunk's is
-    /// ([`MooncakeSender::bounce_free_at`] of the part's destination): by its decode rank's free
+    /// ([`MooncakeSender::bounce_free_at`](super::MooncakeSender::bounce_free_at) of the part's destination): by its decode rank's free
     /// once unpacked, or by the caller once a failed chunk's transfer is over.
     pub fn decode_parts(&self) -> &[DecodePart] {
         &self.export.parts
