@@ -38,9 +38,13 @@ namespace decode {
  * Register budget: 1024 threads (64 registers), 16-byte vectors a lane keeps in flight. Whole
  * pages are a block copy: sm_90 keeps copy.cu's measured 8 (4 KB a warp), Blackwell 4 (its
  * ptxas needs more registers for the same code, as copy.cu found). Rows keep 4 on every
- * architecture, the most the row kernels fit in 64 registers without spilling on Blackwell: 8 on
- * the H200 (a49c5cb, 2026-12-03) moved the I = 1 rows no faster (0.763 ms against 0.764 for
- * 512 pages, N = 2 into M = 2), so it is not in-flight loads that bound them.
+ * architecture: 64 KB a 1024-thread CTA in flight, far more than device memory's latency asks
+ * for, and the most the row kernels fit in 64 registers without spilling on Blackwell. On the
+ * H200 (2026-12-03, a49c5cb; 512 pages, I = 1) none of these moved the row kernel faster: 8
+ * vectors in flight (63 registers on sm_90a), every row read whether or not it is moved (no
+ * table lookup before the loads), a lane's row followed by addition instead of a division per
+ * vector (fewer instructions, 2% slower): its DRAM bytes equal the page kernel's, at 77% of
+ * DRAM's peak against the page kernel's 82% (docs/dcp.md, "What is measured").
  */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 constexpr uint32_t PAGES_UNROLL = 4;
@@ -157,51 +161,33 @@ __device__ __forceinline__ void warp_run(uint64_t src, uint64_t dst, uint32_t ve
     }
 }
 
-/* The row and vector of the vector 32 further on: rows of VPR vectors, 32 lanes a step. */
-template <uint32_t VPR>
-__device__ __forceinline__ void next_vector(uint32_t& row, uint32_t& vector) {
-    row += 32 / VPR;
-    vector += 32 % VPR;
-    if (vector >= VPR) {
-        vector -= VPR;
-        ++row;
-    }
-}
-
 /*
  * One warp moves the first `rows` rows of VPR vectors each, contiguous at `src`, row o to
- * rows[o] (0: skipped, not even read), ROWS_UNROLL vectors a lane in flight. A lane's vectors
- * are 32 apart, so it follows its row and vector by addition (next_vector) rather than dividing
- * each vector's index: on the H200 (ncu, a49c5cb) the row kernel ran 2.75x the page kernel's
- * instructions for the same DRAM bytes.
+ * rows[o] (0: skipped, not even read), ROWS_UNROLL vectors a lane in flight.
  */
 template <uint32_t VPR>
 __device__ __forceinline__ void warp_rows(uint64_t src, const uint64_t* rows, uint32_t valid) {
     const uint32_t lane = threadIdx.x % 32;
     const uint32_t vectors = valid * VPR;
-    uint32_t row = lane / VPR;
-    uint32_t vector = lane % VPR;
     for (uint32_t v0 = lane; v0 < vectors; v0 += 32 * ROWS_UNROLL) {
         vec16 r[ROWS_UNROLL];
-        uint32_t load_row = row;
-        uint32_t load_vector = vector;
 #pragma unroll
         for (uint32_t u = 0; u < ROWS_UNROLL; ++u) {
             const uint32_t v = v0 + 32 * u;
-            if (v < vectors && rows[load_row] != 0) {
+            if (v < vectors && rows[v / VPR] != 0) {
                 r[u] = load16(src + 16ull * v);
             }
-            next_vector<VPR>(load_row, load_vector);
         }
 #pragma unroll
         for (uint32_t u = 0; u < ROWS_UNROLL; ++u) {
-            if (v0 + 32 * u < vectors) {
-                const uint64_t to = rows[row];
+            const uint32_t v = v0 + 32 * u;
+            if (v < vectors) {
+                const uint32_t o = v / VPR;
+                const uint64_t to = rows[o];
                 if (to != 0) {
-                    store16(to + 16ull * vector, r[u]);
+                    store16(to + 16ull * (v - o * VPR), r[u]);
                 }
             }
-            next_vector<VPR>(row, vector);
         }
     }
 }

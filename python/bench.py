@@ -29,6 +29,13 @@ import sys
 import time
 
 import kvshard
+from kvshard.backend import Stream, embedded_archs
+from kvshard.copy import Direction, Method, RemoteSpace
+from kvshard.geometry import CacheGeometry, LatentLayout, PoolGeometry
+from kvshard.hicache import CacheNode, LayerSignals, Route, TransferPlan
+from kvshard.pool import DevicePool, HostLayout, HostPool, PoolLayout
+from kvshard.shard import Placement
+from kvshard.transfer import Registration
 from kvshard import _kvshard as native
 
 NS = 1e-3  # ns -> us
@@ -79,11 +86,11 @@ def main():
 
     if args.cpu:
         device = kvshard.Device.cpu()
-        geometry = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 4), draft=True)
+        geometry = CacheGeometry(PoolGeometry(LatentLayout.FP8_TRTLLM, 4), draft=True)
         pages, bulk = 80, 64
     else:
         device = kvshard.Device.cuda(0)
-        geometry = kvshard.CacheGeometry.deepseek_v32()
+        geometry = CacheGeometry.deepseek_v32()
         pages, bulk = 600, 512
     torch = sys.modules.get("torch")
     if torch is None and not args.cpu:
@@ -92,10 +99,10 @@ def main():
         except ImportError:
             torch = None
 
-    placement = kvshard.Placement(1)
-    pool = kvshard.DevicePool.allocate(device, geometry, placement, 0, pages)
+    placement = Placement(1)
+    pool = DevicePool.allocate(device, geometry, placement, 0, pages)
     pool.fill(0x5A)
-    host = kvshard.HostPool(device, geometry, pages, kvshard.HostLayout.PAGE_FIRST_DIRECT, sglang=True, packed_draft=True)
+    host = HostPool(device, geometry, pages, HostLayout.PAGE_FIRST_DIRECT, sglang=True, packed_draft=True)
     host.fill(0xA5)
     stream = device.new_stream()
     device.synchronize()
@@ -124,10 +131,10 @@ def main():
 
     # 1. A 16-page signalled load, prepared once (the enqueue path alone).
     small = list(range(1, 17))
-    plan = kvshard.TransferPlan(placement, 0, small, small, pages, pages)
-    load = kvshard.HostTransfer(pool, host, plan, kvshard.Direction.LOAD)
+    plan = TransferPlan(placement, 0, small, small, pages, pages)
+    load = kvshard.hicache.HostTransfer(pool, host, plan, Direction.LOAD)
     load.prepare_kernel_sync()
-    signals = kvshard.LayerSignals(device, geometry.model_layers)
+    signals = LayerSignals(device, geometry.model_layers)
 
     def py_signalled(n, s=stream, arg=None):
         # The stream the work goes on is synchronized every 64 calls, outside the timed call, as
@@ -142,7 +149,7 @@ def main():
         return out
 
     compare(
-        "signalled load, 16 pages (kvshard.Stream)",
+        "signalled load, 16 pages (Stream)",
         lambda n: native._rust_run_signalled_ns(load, signals, stream, n, 2),
         py_signalled,
     )
@@ -164,23 +171,23 @@ def main():
         torch.cuda.synchronize()
 
     # 2. A 16-page controller load: plan, kernel tables, one signalled launch.
-    ctl = kvshard.HiCacheController(pool, host)
-    node = kvshard.CacheNode(1, small)
-    ctl.backup(node, stream, kvshard.Route.COPY_ENGINE)
+    ctl = kvshard.hicache.HiCacheController(pool, host)
+    node = CacheNode(1, small)
+    ctl.backup(node, stream, Route.COPY_ENGINE)
     ctl.ack_backups_sync(1)
     ack = lambda _i, _h: ctl.ack_loads_sync(1)
     compare(
         "HiCacheController.load, 16 pages, kernel",
-        lambda n: native._rust_load_ns(ctl, 1, small, kvshard.Route.KERNEL, n, 2),
-        lambda n: time_calls(lambda: ctl.load(1, small, None, kvshard.Route.KERNEL), n, ack),
+        lambda n: native._rust_load_ns(ctl, 1, small, Route.KERNEL, n, 2),
+        lambda n: time_calls(lambda: ctl.load(1, small, None, Route.KERNEL), n, ack),
         iters=max(args.iters // 4, 50),
     )
 
     # 3. One P/D chunk: a 16-page final chunk into a decode pool on the same device.
-    decode = kvshard.DevicePool.allocate(device, geometry, placement, 0, pages)
-    dst = kvshard.RemoteSpace.of(decode)
-    reg = kvshard.Registration(1, kvshard.PoolLayout.of(decode), small, small)
-    sender = kvshard.Sender(pool, stream)
+    decode = DevicePool.allocate(device, geometry, placement, 0, pages)
+    dst = RemoteSpace.of(decode)
+    reg = Registration(1, PoolLayout.of(decode), small, small)
+    sender = kvshard.transfer.Sender(pool, stream)
 
     def py_send(n):
         out = []
@@ -200,12 +207,12 @@ def main():
 
     # 4. Bulk: 512-page transfers, Python vs Rust, wall time.
     big = list(range(1, bulk + 1))
-    bplan = kvshard.TransferPlan(placement, 0, big, big, pages, pages)
+    bplan = TransferPlan(placement, 0, big, big, pages, pages)
     # Labelled by name, as in BENCHMARKS.md.
-    for direction, way in [("backup", kvshard.Direction.BACKUP), ("load", kvshard.Direction.LOAD)]:
-        t = kvshard.HostTransfer(pool, host, bplan, way)
+    for direction, way in [("backup", Direction.BACKUP), ("load", Direction.LOAD)]:
+        t = kvshard.hicache.HostTransfer(pool, host, bplan, way)
         t.prepare_kernel_sync()
-        for name, io in [("copy_engine", kvshard.Method.COPY_ENGINE), ("kernel", kvshard.Method.KERNEL)]:
+        for name, io in [("copy_engine", Method.COPY_ENGINE), ("kernel", Method.KERNEL)]:
             nbytes = t.bytes() * args.bulk_iters
 
             def py_bulk():
@@ -220,13 +227,13 @@ def main():
             rs = [native._rust_bulk_seconds(t, stream, io, args.bulk_iters, 2) for _ in range(args.rounds)]
             ps = [py_bulk() for _ in range(args.rounds)]
             rec(results, f"HiCache {direction} {bulk} pages, {name}", nbytes, rs, ps)
-    breg = kvshard.Registration(1, kvshard.PoolLayout.of(decode), big, big)
+    breg = Registration(1, PoolLayout.of(decode), big, big)
 
     def py_bulk_send(first):
         t0 = time.perf_counter()
         pend = []
         for i in range(args.bulk_iters):
-            r = kvshard.Registration(first + i, kvshard.PoolLayout.of(decode), big, big)
+            r = Registration(first + i, PoolLayout.of(decode), big, big)
             sender.open(r, dst)
             pend.append(sender.send(first + i, big, bulk * 64, last=True))
         for p in pend:
@@ -244,7 +251,7 @@ def main():
     results["geometry"] = repr(geometry)
     results["python"] = platform.python_version()
     results["kvshard"] = kvshard.__version__
-    results["archs"] = kvshard.embedded_archs()
+    results["archs"] = embedded_archs()
     write(args.out, results)
 
 

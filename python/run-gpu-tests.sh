@@ -31,7 +31,7 @@ export KVSHARD_REQUIRE_GPU=1
 python3 - <<'PY' 2>&1 | tee "$out/env.log"
 import kvshard, sys
 print("kvshard", kvshard.__version__, "from", kvshard.__file__)
-print("embedded kernels:", kvshard.embedded_archs(), "| driver:", kvshard.driver_present())
+print("embedded kernels:", kvshard.backend.embedded_archs(), "| driver:", kvshard.backend.driver_present())
 try:
     import torch
     print("torch", torch.__version__, "cuda", torch.version.cuda, "|", torch.cuda.get_device_name(0))

@@ -55,11 +55,14 @@ import numpy as np
 import torch
 
 import kvshard
+from kvshard.backend import wait_for_frees_sync
+from kvshard.geometry import CacheGeometry, INDEXER_PAGE_BYTES, PAGE_SIZE
+from kvshard.shard import Placement, ShardAllocator
 from kvshard.sglang.adapter import PageInterleaveAdapter
 
-PAGE = kvshard.PAGE_SIZE
+PAGE = PAGE_SIZE
 ROW = 576
-INDEXER = kvshard.INDEXER_PAGE_BYTES
+INDEXER = INDEXER_PAGE_BYTES
 
 
 # --- SGLang's kernels: its JIT ones on the GPU, restated on the CPU ------------------------------
@@ -456,7 +459,7 @@ def host_section(args, clock, rows_out, checks):
             # (cudaErrorHostMemoryAlreadyRegistered). kvshard's frees of what it wrapped in them
             # have run first.
             clock.sync()
-            kvshard.wait_for_frees_sync(60.0)
+            wait_for_frees_sync(60.0)
             for pool in (kv, ix, kv2, ix2):
                 if hasattr(pool, "destroy"):
                     pool.destroy()
@@ -487,7 +490,7 @@ def extend_section(args, clock, rows_out, checks):
             for chunk_tokens in args.chunks:
                 chunk = chunk_tokens // PAGE
                 ppr = -(-prefix // cp) + -(-chunk // cp) + 2
-                alloc = kvshard.ShardAllocator(kvshard.Placement(cp), ppr)
+                alloc = ShardAllocator(Placement(cp), ppr)
                 a = alloc.alloc(prefix)
                 new = alloc.alloc(chunk, a.start_owner, prefix * PAGE).pages
                 requests = [(a.start_owner, list(a.pages), new)]
@@ -721,7 +724,7 @@ def main(argv=None):
         args.layers, args.skip, args.pages, args.chunks, args.cp = 3, (False, True, False), [2, 4], [128], [2, 4]
         args.iters = args.iters or 1
     else:
-        geometry = kvshard.CacheGeometry.deepseek_v32()
+        geometry = CacheGeometry.deepseek_v32()
         args.layers = geometry.target.num_layers
         args.skip = tuple(not x for x in geometry.target.indexer_layers)
         args.pages, args.chunks, args.cp = [64, 512], [4096, 16384], [2, 4]

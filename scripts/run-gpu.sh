@@ -9,6 +9,10 @@
 #   pd        scripts/pd-gpu.sh: P/D across processes (one GPU, or two when present)
 #   pressure  kvshard pd --scenario pressure: the seed's topology, a process per rank and decode
 #             (the report goes after pd's in pd.md; PRESSURE_ARGS adds flags)
+#   pressure-dcp  the same with the decodes as decode context-parallel groups, a process per
+#             prefill rank and per decode rank (61 layers and the draft): CP2 into one DCP2 group
+#             at I = 1, then into one DCP4 group at I = 64, each bounded to 55 s; the reports go
+#             after pd's in pd.md, every decode rank's row ending "| byte-identical |"
 #   python    python/run-gpu-tests.sh on the staged wheel, with its benchmark (with .gpu-nixl
 #             staged, the storage tests of kvshard.sglang_storage run with NIXL required)
 #   mooncake  the Mooncake transport: decode and two prefill processes, VRAM pools on GPU 0, the
@@ -145,6 +149,18 @@ for step in "${steps[@]}"; do
     if "$here/kvshard" pd --scenario pressure ${PRESSURE_ARGS:-} --markdown /tmp/pressure.md >"$log" 2>&1; then r=ok; else r=FAILED; status=1; fi
     { echo; echo "## pd --scenario pressure ${PRESSURE_ARGS:-}"; cat /tmp/pressure.md; echo; echo '```'; tail -80 "$log"; echo '```'; } >>"$out/pd.md" 2>/dev/null
     say "pressure: $r"
+    ;;
+  pressure-dcp)
+    for dcp in "2 1" "4 64"; do
+      read -r m i <<<"$dcp"
+      args="--decodes 1 --decode-dcp $m --decode-interleave $i"
+      log=/tmp/pressure-dcp-$m-$i.log
+      rm -f /tmp/pressure-dcp.md
+      # shellcheck disable=SC2086
+      if timeout 55 "$here/kvshard" pd --scenario pressure $args --markdown /tmp/pressure-dcp.md >"$log" 2>&1; then r=ok; else r=FAILED; status=1; fi
+      { echo; echo "## pd --scenario pressure $args"; cat /tmp/pressure-dcp.md; echo; echo '```'; tail -40 "$log"; echo '```'; } >>"$out/pd.md" 2>/dev/null
+      say "pressure-dcp DCP$m I=$i: $r"
+    done
     ;;
   python)
     wheel=$(ls "$here"/*.whl 2>/dev/null | head -1)

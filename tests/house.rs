@@ -233,10 +233,6 @@ const LONG: &[(&str, &str)] = &[
         "the extension's whole typed surface in the one stub file stubtest and mypy read",
     ),
     (
-        "cli/src/pd/",
-        "another branch's work in progress (P/D across processes): to split there",
-    ),
-    (
         "cli/src/demo/pressure/",
         "another branch's work in progress (the pressure demo): to split there",
     ),

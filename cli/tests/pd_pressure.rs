@@ -4,6 +4,9 @@
 //! - the run ends with every decode pool byte-identical to the unsharded reference, for CP2
 //!   with two decodes (the seed's shape), CP4 with one decode and an unsharded prefill with
 //!   three;
+//! - with the decodes as decode context-parallel groups (a process per decode rank), CP2 into
+//!   DCP2 at I = 1 and DCP4 at I = 64: every decode rank's rows byte-identical to the unsharded
+//!   reference re-laid out;
 //! - the storage step across processes (feature `nixl`): each rank writes its own pages to a
 //!   shared directory and reloads the prefix from it, checked against the reference;
 //! - a rank killed in the middle makes every other process fail with an error and exit (none
@@ -152,6 +155,88 @@ fn cpu_cp4_with_one_decode_and_an_unsharded_prefill_with_three_are_byte_identica
         1,
         3,
     );
+}
+
+/// Checks a run into decode context-parallel groups of `m` ranks: every decode rank of every
+/// group reports both prompts, its rows (`rows` each) and its bytes, byte-identical to the
+/// unsharded reference re-laid out, and the bytes a prompt's decode ranks received add up to
+/// what the prefill ranks sent.
+fn assert_dcp_verified(table: &str, groups: usize, m: usize, rows: u64) {
+    assert!(table.contains(&format!("DCP{m} groups")), "{table}");
+    let landed: Vec<Vec<&str>> = table
+        .lines()
+        .skip_while(|l| !l.contains("| DCP rank | rows |"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .map(|l| l.split('|').map(str::trim).collect())
+        .collect();
+    assert_eq!(landed.len(), 2 * groups * m, "{table}");
+    for prompt in ["1", "2"] {
+        let of: Vec<&Vec<&str>> = landed.iter().filter(|c| c[1] == prompt).collect();
+        let mut ranks: Vec<(&str, &str)> = of.iter().map(|c| (c[2], c[3])).collect();
+        ranks.sort_unstable();
+        ranks.dedup();
+        assert_eq!(ranks.len(), groups * m, "every decode rank once: {table}");
+        for c in &of {
+            assert_eq!(c[4].parse::<u64>().unwrap(), rows, "{table}");
+            assert!(c[5].parse::<u64>().unwrap() > 0, "{table}");
+            assert_eq!(c[7], "byte-identical", "{table}");
+        }
+        let received: u64 = of.iter().map(|c| c[5].parse::<u64>().unwrap()).sum();
+        let sent = table
+            .lines()
+            .find(|l| l.starts_with(&format!("| {prompt} | all, concurrent")))
+            .and_then(|l| l.split('|').nth(3))
+            .map(|b| b.trim().parse::<u64>().unwrap())
+            .unwrap_or_else(|| panic!("{table}"));
+        assert_eq!(received, sent, "{table}");
+    }
+}
+
+#[test]
+fn cpu_cp2_into_dcp2_and_dcp4_decode_groups_is_byte_identical_to_the_reference_re_laid_out() {
+    // Every decode rank a process: CP2 into one DCP2 group at I = 1 (every other row of a
+    // page), then into one DCP4 group at I = 64 (whole pages, round-robin). The CPU shape's
+    // prompts are 12,288 tokens: 6,144 and 3,072 rows a decode rank.
+    for (m, i, rows) in [("2", "1", 6144), ("4", "64", 3072)] {
+        let table = run_pressure(&[
+            "--cpu",
+            "--decodes",
+            "1",
+            "--decode-dcp",
+            m,
+            "--decode-interleave",
+            i,
+        ]);
+        assert_dcp_verified(&table, 1, m.parse().unwrap(), rows);
+        assert!(table.contains(&format!("(I = {i}")), "{table}");
+    }
+}
+
+#[test]
+fn gpu_cp2_into_dcp2_and_dcp4_decode_groups_is_byte_identical_to_the_reference_re_laid_out() {
+    if common::open_gpu(
+        "gpu_cp2_into_dcp2_and_dcp4_decode_groups_is_byte_identical_to_the_reference_re_laid_out",
+    )
+    .is_none()
+    {
+        return;
+    }
+    // The same on the GPUs there are (the rows kernel at I = 1, the pages kernel at I = 64, into
+    // pools of other processes mapped here); 4 layers keep it quick.
+    for (m, i, rows) in [("2", "1", 6144), ("4", "64", 3072)] {
+        let table = run_pressure(&[
+            "--layers",
+            "4",
+            "--decodes",
+            "1",
+            "--decode-dcp",
+            m,
+            "--decode-interleave",
+            i,
+        ]);
+        assert_dcp_verified(&table, 1, m.parse().unwrap(), rows);
+    }
 }
 
 #[test]

@@ -1,247 +1,74 @@
 """kvshard: the page-sharded FP8 KV-cache data plane for DSA models (GLM-5, DeepSeek-V3.2),
-inside Python serving engines.
+inside Python serving engines (docs/python.md).
 
-The classes wrap kvshard's Rust API (see the README): ``CacheGeometry`` (with the
-``deepseek_v32()`` and ``glm5()`` presets), ``Placement`` and the rotated ``ShardAllocator``,
-``RequestChain``, ``Budget``, ``DevicePool`` (allocated, or wrapping the engine's tensors
-through DLPack with no copy) and ``OwnedRowWrite``, P/D ``Sender``/``Receiver`` with
-``RemoteSpace``, ``HostPool`` (kvshard's and SGLang's byte layouts), ``TransferPlan``,
-``HostTransfer`` and ``HiCacheController``; decode servers sharded by token (decode context
-parallelism): ``DecodeLayout`` (vLLM's and SGLang's DCP parameters by their names),
-``DecodeRank`` and ``DecodeRegistration``, opened with ``Sender.open_decode``;
-``MooncakeSender`` hands send plans out as a transfer
-engine's (source, destination, length) lists, and ``kvshard.mooncake`` runs P/D on Mooncake's
-transfer engine with them. ``kvshard.sglang.MLAHostPool`` offers SGLang's
-host pool interface on top. Storage keys engines share: ``Namespace``, ``page_hash`` and
-``page_hashes`` (SGLang's SHA-256 page chain); with the ``nixl`` feature, the storage tier below
-the host pool, ``DiskStore``, and ``kvshard.sglang_storage.KvshardStorage``, SGLang's
-``HiCacheStorage`` on top of it. Choices are enum classes, never strings: ``LatentLayout``,
-``Component``, ``HostLayout``, ``Route``, ``WritePolicy``, ``Direction``, and ``Method``, how
-bytes move on every route (P/D senders, HiCache transfers and their staged relayouts).
+The top of the package holds what every flow starts from: ``Device`` (``Device.cpu()``, the
+reference twin of every kernel with NumPy arrays as tensors, or ``Device.cuda(0)``),
+``KvshardError`` (the base of every kvshard error), ``host_waits()`` (the calling thread's host
+waits: only ``_sync`` calls and ``synchronize`` block) and ``__version__``. Everything else is in
+one submodule by job, named for the Rust module it wraps:
 
-Work runs on a ``Device``: ``Device.cpu()`` (the reference twin of every kernel, NumPy arrays
-as tensors) or ``Device.cuda(0)`` (torch/CuPy/JAX tensors). Every enqueueing call takes the
-caller's stream (``None``, a ``kvshard.Stream``, an int ``CUstream``, a ``torch.cuda.Stream``;
-``None`` is torch's current stream on a GPU when torch is in use) and never synchronizes it
-behind the caller's back; ``after=`` also takes ``torch.cuda.Event``. Long calls release the
-GIL. Memory kvshard writes into must be writable (``ReadOnlyError`` otherwise), and wrapped
-NumPy arrays cannot be resized while their pool lives. Nothing P/D waits forever: the
-``Receiver``'s ``expire()`` reports each request whose deadline passed, and the ``Sender``'s
-``take_dropped()`` the failure of each chunk dropped before its status was taken.
+- ``kvshard.geometry``: the cache's shape (``CacheGeometry``, ``PoolGeometry``, ``Component``...);
+- ``kvshard.shard``: pages across ranks (``Placement``, ``ShardAllocator``, ``RequestChain``,
+  ``DecodeLayout``...);
+- ``kvshard.pool``: device and host pools, the chunk staging and its write, budgets, capacity;
+- ``kvshard.copy``: how bytes move (``Method``, ``Direction``, ``RemoteSpace``, ``PageCopy``);
+- ``kvshard.transfer``: P/D (``Sender``, ``Receiver``, ``Registration``, Mooncake send plans);
+- ``kvshard.hicache``: the ``HiCacheController``, host transfers and load readiness;
+- ``kvshard.storage``: storage keys and, with the ``nixl`` feature, ``DiskStore``;
+- ``kvshard.backend``: streams, events, ``TensorView`` and deferred frees;
+- ``kvshard.error``: the exceptions below ``KvshardError``.
+
+Imported on their own: ``kvshard.sglang`` (SGLang's host pool interface and data-plane adapter),
+``kvshard.sglang_storage`` (SGLang's ``HiCacheStorage``) and ``kvshard.mooncake`` (P/D over
+Mooncake's transfer engine).
+
+The flat names of kvshard 0.1 (``kvshard.DevicePool``...) still resolve at run time, to the
+same objects, with a ``DeprecationWarning`` naming the submodule; they are not part of the typed
+surface.
 """
 
-from . import _errors
-from ._errors import (
-    ChunkFailedError,
-    DriverError,
-    HiCacheError,
-    InvalidArgumentError,
-    KvshardError,
-    OutOfMemoryError,
-    ReadOnlyError,
-    StorageError,
-    TransferDeadlineError,
-    TransferError,
-    UnavailableError,
-)
-from ._kvshard import (
-    DEFAULT_DEADLINE,
-    DEFAULT_STAGING_PAGES,
-    INDEXER_HEAD_DIM,
-    INDEXER_PAGE_BYTES,
-    INDEXER_ROW_BYTES,
-    KEY_BYTES,
-    KV_LORA_RANK,
-    MAX_PREFILL_RANKS,
-    PAGE_SIZE,
-    ROPE_DIM,
-    STORAGE_LAYOUT_VERSION,
-    # A CP prefill batch's admission and gather plan.
-    Admission,
-    GatherPlan,
-    # A page copy an engine's scratch gather runs layer by layer.
-    PageCopy,
-    Allocation,
-    BackupAck,
-    Budget,
-    CacheGeometry,
-    CacheNode,
-    CapacityPlan,
-    ChunkStaging,
-    ChunkStatus,
-    Component,
-    ComponentLayout,
-    Device,
-    DevicePool,
-    Direction,
-    Event,
-    Finished,
-    HiCacheController,
-    HostBufferLayout,
-    HostLayout,
-    HostPool,
-    HostTransfer,
-    IndexerScale,
-    LatentLayout,
-    LayerReady,
-    LayerSignals,
-    LayerWaits,
-    LoadAck,
-    LoadHandle,
-    BounceBuffer,
-    Method,
-    MooncakeChunk,
-    MooncakeMode,
-    MooncakeSender,
-    Namespace,
-    Overdue,
-    OwnedRowWrite,
-    PendingChunk,
-    Placement,
-    PoolGeometry,
-    PoolLayout,
-    Receiver,
-    Registration,
-    Reload,
-    RemoteSpace,
-    RequestChain,
-    Route,
-    Sender,
-    ShardAllocator,
-    StagedIo,
-    Stream,
-    TensorView,
-    TierCapacity,
-    TierReload,
-    TransferPlan,
-    WritePolicy,
-    driver_present,
-    # Decode context parallelism (docs/dcp.md).
-    MAX_DECODE_RANKS,
-    DecodeLayout,
-    DecodeRank,
-    DecodeRegistration,
-    embedded_archs,
-    engine_memory,
-    engine_regions,
-    page_hash,
-    page_hashes,
-    plan_capacity,
-)
+import typing as _typing
 
-# The process's pending frees.
-from ._kvshard import pending_frees, wait_for_frees_sync
-
-# The calling thread's host-blocking waits (only `_sync` calls and `synchronize` block).
-from ._kvshard import host_waits
+from . import _home, backend, copy, error, geometry, hicache, pool, shard, storage, transfer
+from ._errors import KvshardError
+from ._kvshard import Device, host_waits
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ChunkFailedError",
-    "DriverError",
-    "HiCacheError",
-    "InvalidArgumentError",
-    "KvshardError",
-    "OutOfMemoryError",
-    "ReadOnlyError",
-    "StorageError",
-    "TransferDeadlineError",
-    "TransferError",
-    "UnavailableError",
-    "DEFAULT_DEADLINE",
-    "DEFAULT_STAGING_PAGES",
-    "INDEXER_HEAD_DIM",
-    "INDEXER_PAGE_BYTES",
-    "INDEXER_ROW_BYTES",
-    "KEY_BYTES",
-    "KV_LORA_RANK",
-    "MAX_PREFILL_RANKS",
-    "PAGE_SIZE",
-    "ROPE_DIM",
-    "STORAGE_LAYOUT_VERSION",
-    "Admission",
-    "GatherPlan",
-    "PageCopy",
-    "Allocation",
-    "BackupAck",
-    "Budget",
-    "CacheGeometry",
-    "CacheNode",
-    "CapacityPlan",
-    "ChunkStaging",
-    "ChunkStatus",
-    "Component",
-    "ComponentLayout",
     "Device",
-    "DevicePool",
-    "Direction",
-    "Event",
-    "Finished",
-    "HiCacheController",
-    "HostBufferLayout",
-    "HostLayout",
-    "HostPool",
-    "HostTransfer",
-    "IndexerScale",
-    "LatentLayout",
-    "LayerReady",
-    "LayerSignals",
-    "LayerWaits",
-    "LoadAck",
-    "LoadHandle",
-    "BounceBuffer",
-    "Method",
-    "MooncakeChunk",
-    "MooncakeMode",
-    "MooncakeSender",
-    "Namespace",
-    "Overdue",
-    "OwnedRowWrite",
-    "PendingChunk",
-    "Placement",
-    "PoolGeometry",
-    "PoolLayout",
-    "Receiver",
-    "Registration",
-    "Reload",
-    "RemoteSpace",
-    "RequestChain",
-    "Route",
-    "Sender",
-    "ShardAllocator",
-    "StagedIo",
-    "Stream",
-    "TensorView",
-    "TierCapacity",
-    "TierReload",
-    "TransferPlan",
-    "WritePolicy",
-    "driver_present",
-    "embedded_archs",
-    "pending_frees",
-    "wait_for_frees_sync",
+    "KvshardError",
     "host_waits",
-    "engine_memory",
-    "engine_regions",
-    "page_hash",
-    "page_hashes",
-    "plan_capacity",
-    # Decode context parallelism (docs/dcp.md).
-    "MAX_DECODE_RANKS",
-    "DecodeLayout",
-    "DecodeRank",
-    "DecodeRegistration",
+    "backend",
+    "copy",
+    "error",
+    "geometry",
+    "hicache",
+    "pool",
+    "shard",
+    "storage",
+    "transfer",
 ]
+_home.settle(__name__, __all__, globals())
 
-# The Mooncake side channel's frames and its decode side (what kvshard.mooncake runs on).
-from ._kvshard import MooncakeReceiver, SideReader, side_frame, side_shape  # noqa: E402
+# The submodules that hold kvshard 0.1's flat names (each name in exactly one of them).
+_HOMES = (geometry, shard, pool, copy, transfer, hicache, storage, backend, error)
 
-__all__ += ["MooncakeReceiver", "SideReader", "side_frame", "side_shape"]
+if not _typing.TYPE_CHECKING:
+    # Hidden from type checkers, so typed code uses the submodules and only old code at run
+    # time reaches this.
 
-try:
-    from ._kvshard import DiskStats, DiskStore, LoadOutcome, Snapshot, StoreReport
-except ImportError:  # built without the `nixl` feature: no storage tier in this wheel
-    pass
-else:
-    __all__ += ["DiskStats", "DiskStore", "LoadOutcome", "Snapshot", "StoreReport"]
+    def __getattr__(name):
+        """A flat name of kvshard 0.1 (a public name of the extension or an exception): the same
+        object from its submodule, with a warning."""
+        import warnings
+
+        from . import _errors, _kvshard
+
+        if name.startswith("_") or (name not in _kvshard.__all__ and name not in _errors.__all__):
+            raise AttributeError(f"module 'kvshard' has no attribute {name!r}")
+        home = next((module for module in _HOMES if name in module.__all__), None)
+        if home is None:  # the Mooncake side channel's names
+            from . import mooncake as home
+        warnings.warn(f"kvshard.{name} is {home.__name__}.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(home, name)

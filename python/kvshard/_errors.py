@@ -58,7 +58,7 @@ class ChunkFailedError(TransferError):
     """A chunk failed on this prefill rank, and with it the request.
 
     Attributes: ``request``, ``rank``, ``chunk``, ``reason``, and ``status`` (a
-    ``kvshard.ChunkStatus`` to deliver to the decode side: the rank's last for the request).
+    ``kvshard.transfer.ChunkStatus`` to deliver to the decode side: the rank's last for the request).
     """
 
     request: int
@@ -68,7 +68,7 @@ class ChunkFailedError(TransferError):
 
     @property
     def status(self):
-        """The failed ``kvshard.ChunkStatus`` to deliver to the decode side."""
+        """The failed ``kvshard.transfer.ChunkStatus`` to deliver to the decode side."""
         # Imported here: the native module looks this module up, not the other way round.
         from ._kvshard import ChunkStatus
 
@@ -78,7 +78,7 @@ class ChunkFailedError(TransferError):
 class TransferDeadlineError(TransferError, TimeoutError):
     """A P/D request's deadline passed before every prefill rank reported its last status.
 
-    Attributes (those of the ``kvshard.Overdue`` it stands for): ``request``, ``deadline``
+    Attributes (those of the ``kvshard.transfer.Overdue`` it stands for): ``request``, ``deadline``
     (seconds from its registration), ``ranks`` (prefill ranks sending it) and ``missing``:
     ``(rank, received)`` of each rank whose last status never came (chunks ``0..received``
     arrived). Abort those ranks; their pages stay held until each has reported.

@@ -1,9 +1,12 @@
 """Typing stubs of kvshard's native module (``kvshard._kvshard``, PyO3). The docstrings of the
-classes themselves (``help(kvshard.HostPool)``) carry the full text.
+classes themselves (``help(kvshard.pool.HostPool)``) carry the full text.
 
 Checked against the built module by ``python/tests/test_stub_cpu.py`` (``mypy.stubtest``): a
 signature, class or name that differs from the extension fails the CPU suite. PyO3 classes
-cannot be subclassed (``@final``) and take their arguments in ``__new__``."""
+cannot be subclassed (``@final``) and take their arguments in ``__new__``. Users import these
+names from the package's submodules by job (``kvshard.pool``, ``kvshard.transfer``...), which
+re-export them typed by this stub: a public name added here is also added to the ``__all__`` of
+the one submodule of its job (``python/tests/test_namespace_cpu.py`` fails until it is)."""
 
 import builtins
 import os
@@ -11,12 +14,12 @@ from typing import Any, ClassVar, Literal, Optional, Sequence, Union, final
 
 from typing_extensions import Self
 
-# A stream argument: None, a kvshard.Stream, an int CUstream handle, or an object with a
+# A stream argument: None, a kvshard.backend.Stream, an int CUstream handle, or an object with a
 # `cuda_stream` (torch.cuda.Stream) or `ptr` (CuPy) attribute. None means, on a GPU, torch's
 # current stream (torch.cuda.current_stream(ordinal)) when torch is loaded and has initialized
 # CUDA, else the legacy default stream; on the CPU backend, the arena's first stream.
 _StreamLike = Any
-# What an `after=` argument waits for: a kvshard.Event, a torch.cuda.Event (any object with a
+# What an `after=` argument waits for: a kvshard.backend.Event, a torch.cuda.Event (any object with a
 # `cuda_event` handle; one never recorded is nothing to wait for), or a stream (_StreamLike: the
 # work queued on it so far).
 _AfterLike = Any

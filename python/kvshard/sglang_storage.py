@@ -24,7 +24,7 @@ What it guarantees, by construction of kvshard's store:
   kvshard does not hold (not registered, or over another host pool) never hits.
 - **Torn and corrupted slots are misses**, counted (``get_stats()["corrupt_pages"]``).
 - **Keys** are ``namespace || page hash``: SGLang's hex page hashes (its ``get_hash_str``
-  SHA-256 chain, the same as ``kvshard.page_hashes``) under a namespace of the cache's geometry,
+  SHA-256 chain, the same as ``kvshard.storage.page_hashes``) under a namespace of the cache's geometry,
   indexer scale rule, kvshard's layout version and a tenant tag, so two deployments with other
   bytes per page never read each other's pages.
 
@@ -68,7 +68,7 @@ from kvshard.sglang import DSAIndexerHostPool, MLAHostPool
 
 logger = logging.getLogger(__name__)
 
-PAGE_SIZE = kvshard.PAGE_SIZE
+PAGE_SIZE = kvshard.geometry.PAGE_SIZE
 
 if TYPE_CHECKING:
     from ._hicache_stand_in import (
@@ -147,7 +147,7 @@ def _mla_of(pool) -> MLAHostPool:
         return pool
     if isinstance(pool, DSAIndexerHostPool):
         return pool.mla
-    raise kvshard.InvalidArgumentError(
+    raise kvshard.error.InvalidArgumentError(
         "KvshardStorage stores pages of a kvshard host pool: register a "
         f"kvshard.sglang.MLAHostPool (or its .indexer), not {type(pool).__name__}"
     )
@@ -163,9 +163,9 @@ def _index_values(host_indices) -> List[int]:
 
 
 _LATENT_BY_ROW_BYTES = {
-    576: kvshard.LatentLayout.FP8_TRTLLM,
-    656: kvshard.LatentLayout.FP8_SCALED,
-    1152: kvshard.LatentLayout.BF16,
+    576: kvshard.geometry.LatentLayout.FP8_TRTLLM,
+    656: kvshard.geometry.LatentLayout.FP8_SCALED,
+    1152: kvshard.geometry.LatentLayout.BF16,
 }
 
 
@@ -204,17 +204,17 @@ def adopt_sglang_pools(kv, indexer=None, device: Optional["kvshard.Device"] = No
     row = int(kv.kv_cache_dim) * int(kv.dtype.itemsize)
     latent = _LATENT_BY_ROW_BYTES.get(row)
     if latent is None:
-        raise kvshard.InvalidArgumentError(f"SGLang host pool rows of {row} B: no kvshard latent layout")
+        raise kvshard.error.InvalidArgumentError(f"SGLang host pool rows of {row} B: no kvshard latent layout")
     target = int(kv.target_layer_num)
     drafts = int(kv.layer_num) - target
     if drafts > 1:
-        raise kvshard.InvalidArgumentError(f"{drafts} packed draft layers: kvshard holds one")
+        raise kvshard.error.InvalidArgumentError(f"{drafts} packed draft layers: kvshard holds one")
     device_pool = getattr(kv, "device_pool", None)
     start = int(getattr(device_pool, "start_layer", 0) or 0)
     dsa = getattr(device_pool, "index_head_dim", None) is not None
     if indexer is None:
         if dsa:
-            raise kvshard.InvalidArgumentError(
+            raise kvshard.error.InvalidArgumentError(
                 "a DSA model's MLA host pool without its indexer host pool: register it "
                 "(register_mem_host_pool_v2(indexer_pool, 'indexer')) before any storage call"
             )
@@ -223,8 +223,8 @@ def adopt_sglang_pools(kv, indexer=None, device: Optional["kvshard.Device"] = No
         live = {int(layer) for layer in getattr(indexer, "_live_target_layers", range(start, start + target))}
         indexer_layers = [start + i in live for i in range(target)]
     # The packed draft has an indexer exactly when the model does (its tail indexer layer).
-    draft = kvshard.PoolGeometry(latent, indexer_layers=[indexer is not None]) if drafts else None
-    geometry = kvshard.CacheGeometry(kvshard.PoolGeometry(latent, indexer_layers=indexer_layers), draft)
+    draft = kvshard.geometry.PoolGeometry(latent, indexer_layers=[indexer is not None]) if drafts else None
+    geometry = kvshard.geometry.CacheGeometry(kvshard.geometry.PoolGeometry(latent, indexer_layers=indexer_layers), draft)
     if device is None:
         where = str(getattr(device_pool, "device", "cpu"))
         if getattr(kv, "pin_memory", False) and where.startswith("cuda"):
@@ -260,10 +260,10 @@ def _bounded(extra: Dict[str, Any], key: str, default: Optional[int], low: int, 
     """``extra[key]`` (or ``default``) as an int in ``[low, high]``, else InvalidArgumentError."""
     value = extra.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) and not (isinstance(value, str) and value.strip().isdigit()):
-        raise kvshard.InvalidArgumentError(f"KvshardStorage extra_config {key!r}={value!r}: expected an integer")
+        raise kvshard.error.InvalidArgumentError(f"KvshardStorage extra_config {key!r}={value!r}: expected an integer")
     n = int(value)
     if not low <= n <= high:
-        raise kvshard.InvalidArgumentError(
+        raise kvshard.error.InvalidArgumentError(
             f"KvshardStorage extra_config {key!r}={n}: expected {low} <= {key} <= {high}"
         )
     return n
@@ -275,9 +275,9 @@ def _bounded_seconds(extra: Dict[str, Any], key: str, default: float) -> float:
     try:
         seconds = float(value)
     except (TypeError, ValueError):
-        raise kvshard.InvalidArgumentError(f"KvshardStorage extra_config {key!r}={value!r}: expected seconds") from None
+        raise kvshard.error.InvalidArgumentError(f"KvshardStorage extra_config {key!r}={value!r}: expected seconds") from None
     if not 0 < seconds <= MAX_TIMEOUT:  # NaN fails too
-        raise kvshard.InvalidArgumentError(
+        raise kvshard.error.InvalidArgumentError(
             f"KvshardStorage extra_config {key!r}={value!r}: expected 0 < {key} <= {MAX_TIMEOUT:g} seconds"
         )
     return seconds
@@ -292,13 +292,13 @@ class KvshardStorage(HiCacheStorage):
         self.storage_config = storage_config
         self.kwargs = dict(kwargs or {})
         if not storage_config.is_mla_model:
-            raise kvshard.InvalidArgumentError(
+            raise kvshard.error.InvalidArgumentError(
                 "KvshardStorage stores MLA (DSA) caches held by a kvshard.sglang.MLAHostPool; "
                 "this model is not MLA"
             )
         for required in ("dir", "slots"):
             if required not in extra:
-                raise kvshard.InvalidArgumentError(
+                raise kvshard.error.InvalidArgumentError(
                     f"KvshardStorage needs '{required}' in --hicache-storage-backend-extra-config"
                 )
         dir_ = str(extra["dir"])
@@ -309,9 +309,9 @@ class KvshardStorage(HiCacheStorage):
             dir_ = os.path.join(dir_, f"pp{storage_config.pp_rank}")
             tenant = f"{tenant}/pp{storage_config.pp_rank}of{storage_config.pp_size}"
         scale = str(extra.get("indexer_scale", "ue8m0")).lower()
-        scales = {"ue8m0": kvshard.IndexerScale.UE8M0, "plain": kvshard.IndexerScale.PLAIN}
+        scales = {"ue8m0": kvshard.storage.IndexerScale.UE8M0, "plain": kvshard.storage.IndexerScale.PLAIN}
         if scale not in scales:
-            raise kvshard.InvalidArgumentError(
+            raise kvshard.error.InvalidArgumentError(
                 f"indexer_scale {scale!r}: expected 'ue8m0' or 'plain'"
             )
         tp_rank, tp_size = storage_config.tp_rank, storage_config.tp_size
@@ -333,8 +333,8 @@ class KvshardStorage(HiCacheStorage):
         # (rank, shard size) once SGLang's page-interleave host pool is registered: host indices
         # are then logical, and this rank moves only the pages it owns.
         self._shard: Optional[Tuple[int, int]] = None
-        self.store: Optional[kvshard.DiskStore] = None
-        self.namespace: Optional[kvshard.Namespace] = None
+        self.store: Optional[kvshard.storage.DiskStore] = None
+        self.namespace: Optional[kvshard.storage.Namespace] = None
         self._mla: Optional[MLAHostPool] = None
         # SGLang's own pools, adopted (wrapped, no copy) at the first storage call.
         self._sglang: Dict[str, Any] = {}
@@ -354,11 +354,11 @@ class KvshardStorage(HiCacheStorage):
 
     def _open_locked(self, mla: MLAHostPool) -> MLAHostPool:
         if self._mla is None:
-            if not hasattr(kvshard, "DiskStore"):
-                raise kvshard.UnavailableError(
+            if not hasattr(kvshard.storage, "DiskStore"):
+                raise kvshard.error.UnavailableError(
                     "this kvshard build has no storage tier (build the wheel with --features nixl)"
                 )
-            store = kvshard.DiskStore(
+            store = kvshard.storage.DiskStore(
                 mla.host,
                 self.dir,
                 self.slots,
@@ -367,7 +367,7 @@ class KvshardStorage(HiCacheStorage):
                 staging_slots=self.staging_slots,
                 timeout=self.timeout,
             )
-            self.namespace = kvshard.Namespace(mla.geometry, self.tenant, self.indexer_scale)
+            self.namespace = kvshard.storage.Namespace(mla.geometry, self.tenant, self.indexer_scale)
             self._mla = mla
             # Last: other threads take a store that is not None as ready.
             self.store = store
@@ -381,7 +381,7 @@ class KvshardStorage(HiCacheStorage):
                 store.io_queue,
             )
         elif mla.host is not self._mla.host:
-            raise kvshard.InvalidArgumentError(
+            raise kvshard.error.InvalidArgumentError(
                 "KvshardStorage: every registered pool must be over the same kvshard host pool "
                 "(one slot holds every component of a host page)"
             )
@@ -397,7 +397,7 @@ class KvshardStorage(HiCacheStorage):
         shard = _page_interleave(pool)
         if shard is not None:
             if self._shard is not None and self._shard != shard:
-                raise kvshard.InvalidArgumentError(
+                raise kvshard.error.InvalidArgumentError(
                     f"KvshardStorage: page-interleave pools of rank/size {self._shard} and {shard}"
                 )
             self._shard = shard
@@ -406,12 +406,12 @@ class KvshardStorage(HiCacheStorage):
             role = "indexer" if _is_sglang_indexer(pool) else "kv"
             known = self._sglang.get(role)
             if known is not None and known is not pool:
-                raise kvshard.InvalidArgumentError(
+                raise kvshard.error.InvalidArgumentError(
                     f"KvshardStorage: a second SGLang {role} host pool (one slot holds every "
                     "component of one host page: packed drafts only)"
                 )
             if self.store is not None and known is None:
-                raise kvshard.InvalidArgumentError(
+                raise kvshard.error.InvalidArgumentError(
                     f"KvshardStorage: SGLang's {role} host pool registered after the store opened"
                 )
             self._sglang[role] = pool
@@ -457,7 +457,7 @@ class KvshardStorage(HiCacheStorage):
         assert self.namespace is not None
         try:
             return self.namespace.key(key)
-        except kvshard.InvalidArgumentError:
+        except kvshard.error.InvalidArgumentError:
             return None
 
     def _pages(self, keys: List[str], host_indices) -> Optional[List[Optional[int]]]:
@@ -526,7 +526,7 @@ class KvshardStorage(HiCacheStorage):
             else:
                 self.store.snapshot()
                 outcomes = self.store.load_sync(items)
-                ok = {k: o == kvshard.LoadOutcome.LOADED for (k, _), o in zip(items, outcomes)}
+                ok = {k: o == kvshard.storage.LoadOutcome.LOADED for (k, _), o in zip(items, outcomes)}
         except kvshard.KvshardError as e:
             logger.error("KvshardStorage: %s of %d pages failed: %s", "store" if store else "load", len(items), e)
             ok = {}

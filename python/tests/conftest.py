@@ -12,18 +12,25 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import kvshard  # noqa: E402
+from kvshard.geometry import (  # noqa: E402
+    CacheGeometry,
+    Component,
+    LatentLayout,
+    PAGE_SIZE,
+    PoolGeometry,
+)
 
-PAGE = kvshard.PAGE_SIZE
+PAGE = PAGE_SIZE
 
 
 def geometries():
     """A shared-indexer layer with the MTP draft (four components), and a target-only one."""
     return [
-        kvshard.CacheGeometry(
-            kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, indexer_layers=[True, True, False, True]),
+        CacheGeometry(
+            PoolGeometry(LatentLayout.FP8_TRTLLM, indexer_layers=[True, True, False, True]),
             draft=True,
         ),
-        kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_SCALED, 2)),
+        CacheGeometry(PoolGeometry(LatentLayout.FP8_SCALED, 2)),
     ]
 
 
@@ -56,8 +63,8 @@ def engine_tensors(geometry, pages, fill=0):
 
 
 def wrap(device, geometry, placement, rank, pages, tensors):
-    C = kvshard.Component
-    return kvshard.DevicePool.wrap(
+    C = Component
+    return kvshard.pool.DevicePool.wrap(
         device,
         geometry,
         placement,

@@ -3,7 +3,7 @@
 Mooncake engine, meeting over ``kvshard.mooncake``'s side channel, moving random requests chunk
 by chunk. Both sides derive the requests and the prefill pools' bytes from the seed, so the
 decode process can compute the in-process reference (the same requests sent by
-``kvshard.Sender`` in one process) and compare its pool with it byte for byte.
+``Sender`` in one process) and compare its pool with it byte for byte.
 
 Run as ``python mooncake_procs.py ROLE DIR SEED [RANK]``: ROLE is ``decode``, ``prefill``, or
 ``prefill-die`` (rank 1 kills itself with SIGKILL in the middle of request ``DIES_IN``), or
@@ -29,6 +29,12 @@ from pathlib import Path
 import numpy as np
 
 import kvshard
+from kvshard.copy import RemoteSpace
+from kvshard.error import TransferError
+from kvshard.geometry import CacheGeometry, Component, LatentLayout, PAGE_SIZE, PoolGeometry
+from kvshard.pool import PoolLayout
+from kvshard.shard import Placement
+from kvshard.transfer import MooncakeMode, Registration, Sender
 from kvshard import mooncake
 
 N = 2
@@ -42,12 +48,12 @@ POISON = 0xA5
 #: deadline fails the test.
 LOOP_BOUND = 40.0
 DEADLINE = 120.0
-PAGE = kvshard.PAGE_SIZE
+PAGE = PAGE_SIZE
 
 
 def geometry():
-    return kvshard.CacheGeometry(
-        kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, indexer_layers=[True, False, True]), draft=True
+    return CacheGeometry(
+        PoolGeometry(LatentLayout.FP8_TRTLLM, indexer_layers=[True, False, True]), draft=True
     )
 
 
@@ -58,9 +64,9 @@ def device():
 
 def mode():
     return {
-        "auto": kvshard.MooncakeMode.AUTO,
-        "coalesced": kvshard.MooncakeMode.COALESCED,
-        "bounce": kvshard.MooncakeMode.BOUNCE,
+        "auto": MooncakeMode.AUTO,
+        "coalesced": MooncakeMode.COALESCED,
+        "bounce": MooncakeMode.BOUNCE,
     }[os.environ.get("KVSHARD_MC_MODE", "auto")]
 
 
@@ -78,7 +84,7 @@ def requests(seed):
         (1, 0, [(40, True)]),
         (20, 0, [(20 * 64, True)]),
     ]
-    layout = kvshard.PoolLayout.packed(geometry(), DECODE_PAGES)
+    layout = PoolLayout.packed(geometry(), DECODE_PAGES)
     out = []
     for i, (pages, prefix, chunks) in enumerate(shapes):
         src = [int(x) for x in logical[:pages]]
@@ -87,7 +93,7 @@ def requests(seed):
         del decode[:pages]
         kv = [int(x) for x in decode[: pages - prefix]]
         del decode[: pages - prefix]
-        reg = kvshard.Registration(i + 1, layout, kv, state, prefix)
+        reg = Registration(i + 1, layout, kv, state, prefix)
         out.append((reg, src, chunks))
     return out
 
@@ -105,8 +111,8 @@ def engine_arrays(pages, fill=None, rng=None):
 
 
 def wrap(dev, placement, rank, pages, arrays):
-    C = kvshard.Component
-    return kvshard.DevicePool.wrap(
+    C = Component
+    return kvshard.pool.DevicePool.wrap(
         dev,
         geometry(),
         placement,
@@ -124,18 +130,18 @@ def prefill_pool(dev, seed, rank):
     through torch there)."""
     arrays = engine_arrays(PREFILL_PAGES, rng=np.random.default_rng([seed, rank]))
     if dev.kind == "cpu":
-        return wrap(dev, kvshard.Placement(N), rank, PREFILL_PAGES, arrays), arrays
+        return wrap(dev, Placement(N), rank, PREFILL_PAGES, arrays), arrays
     import torch
 
     tensors = {c: [torch.from_numpy(a).to(f"cuda:{dev.ordinal}") for a in v] for c, v in arrays.items()}
     torch.cuda.synchronize()
-    return wrap(dev, kvshard.Placement(N), rank, PREFILL_PAGES, tensors), tensors
+    return wrap(dev, Placement(N), rank, PREFILL_PAGES, tensors), tensors
 
 
 def decode_pool(dev):
     # Registrable: an engine registers it by address (kvshard's stream-ordered pool memory cannot
     # be, over GPUDirect RDMA).
-    pool = kvshard.DevicePool.allocate(dev, geometry(), kvshard.Placement(1), 0, DECODE_PAGES, registrable=True)
+    pool = kvshard.pool.DevicePool.allocate(dev, geometry(), Placement(1), 0, DECODE_PAGES, registrable=True)
     pool.fill(POISON)
     # Before any engine writes into it: a fill still queued would overwrite what lands.
     dev.synchronize()
@@ -146,10 +152,10 @@ def reference(seed):
     """The decode pool after every request is sent in one process (CPU)."""
     dev = kvshard.Device.cpu()
     dst = decode_pool(dev)
-    remote = kvshard.RemoteSpace.of(dst)
+    remote = RemoteSpace.of(dst)
     for rank in range(N):
         pool, _keep = prefill_pool(dev, seed, rank)
-        sender = kvshard.Sender(pool)
+        sender = Sender(pool)
         for reg, src, chunks in requests(seed):
             sender.open(reg, remote)
             for end, last in chunks:
@@ -285,7 +291,7 @@ def prefill_session(dir, seed, rank, die, pool, addr_name, name):
                 os.kill(os.getpid(), signal.SIGKILL)
             try:
                 pre.send(reg.request, src, end, last=last)
-            except kvshard.TransferError as e:
+            except TransferError as e:
                 errors.append(f"{type(e).__name__}: {e}")
                 break
             statuses += [s.ok for s in pre.progress()]

@@ -10,6 +10,13 @@ from pathlib import Path
 import pytest
 
 import kvshard
+from kvshard.copy import RemoteSpace
+from kvshard.error import InvalidArgumentError
+from kvshard.geometry import CacheGeometry, Component, LatentLayout, PoolGeometry
+from kvshard.hicache import CacheNode
+from kvshard.pool import ChunkStaging, HostLayout, PoolLayout
+from kvshard.shard import Placement
+from kvshard.transfer import Registration, Sender
 from conftest import PAGE, engine_tensors, wrap
 
 STUB = Path(kvshard.__file__).with_name("_kvshard.pyi")
@@ -73,24 +80,24 @@ def test_every_blocking_call_is_named_sync_and_every_sync_name_blocks():
 
 
 def small():
-    return kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 2))
+    return CacheGeometry(PoolGeometry(LatentLayout.FP8_TRTLLM, 2))
 
 
 def test_only_sync_calls_block_the_host_at_run_time():
     """An engine's calls (write, send, poll, backup, the stream's record) add no host wait; each
     `_sync` call that reads or checks what the stream did adds at least one."""
-    C = kvshard.Component
+    C = Component
     g, d = small(), kvshard.Device.cpu(order="adversarial", seed=5)
     pages = 8
-    pool = wrap(d, g, kvshard.Placement(1), 0, pages, engine_tensors(g, pages))
-    staging = kvshard.ChunkStaging(pool, PAGE)
-    writer = kvshard.OwnedRowWrite(staging, pool)
-    host = kvshard.HostPool(d, g, pages, kvshard.HostLayout.PAGE_FIRST)
-    ctl = kvshard.HiCacheController(pool, host)
-    dst = kvshard.DevicePool.allocate(d, g, kvshard.Placement(1), 0, pages)
-    sender = kvshard.Sender(pool)
+    pool = wrap(d, g, Placement(1), 0, pages, engine_tensors(g, pages))
+    staging = ChunkStaging(pool, PAGE)
+    writer = kvshard.pool.OwnedRowWrite(staging, pool)
+    host = kvshard.pool.HostPool(d, g, pages, HostLayout.PAGE_FIRST)
+    ctl = kvshard.hicache.HiCacheController(pool, host)
+    dst = kvshard.pool.DevicePool.allocate(d, g, Placement(1), 0, pages)
+    sender = Sender(pool)
     sender.open(
-        kvshard.Registration(1, kvshard.PoolLayout.of(dst), [3], [3]), kvshard.RemoteSpace.of(dst)
+        Registration(1, PoolLayout.of(dst), [3], [3]), RemoteSpace.of(dst)
     )
 
     def waits(call):
@@ -101,7 +108,7 @@ def test_only_sync_calls_block_the_host_at_run_time():
     asynchronous = [
         lambda: staging.write(C.TARGET_LATENT, 0, bytes([7]) * g.target.row_bytes),
         lambda: writer.run(list(range(PAGE, 2 * PAGE))),
-        lambda: ctl.access(kvshard.CacheNode(3, [1]), None),
+        lambda: ctl.access(CacheNode(3, [1]), None),
         lambda: d.stream().record(),
     ]
     for call in asynchronous:
@@ -128,7 +135,7 @@ def test_the_cpu_stream_order_is_chosen_from_python():
     for order in ("immediate", "deferred", "adversarial"):
         assert kvshard.Device.cpu(order=order).kind == "cpu"
     assert kvshard.Device.cpu(order="adversarial", seed=9).kind == "cpu"
-    with pytest.raises(kvshard.InvalidArgumentError):
+    with pytest.raises(InvalidArgumentError):
         kvshard.Device.cpu(order="sideways")
-    with pytest.raises(kvshard.InvalidArgumentError):
+    with pytest.raises(InvalidArgumentError):
         kvshard.Device.cpu(order="deferred", seed=1)

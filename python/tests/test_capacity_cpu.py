@@ -6,7 +6,9 @@ import math
 
 import pytest
 
-import kvshard
+from kvshard.error import InvalidArgumentError, OutOfMemoryError
+from kvshard.geometry import CacheGeometry
+from kvshard.pool import plan_capacity
 
 # 61 target layers + the draft, each a 36,864-byte latent block and an 8,448-byte indexer block.
 PAGE = 62 * (64 * 576 + 8448)
@@ -17,8 +19,8 @@ SCRATCH = (12288 + 2048 + 64) * 2 * 708 * 2
 def seed(**kw):
     args = dict(host_factor=4, context_len=12288, chunk_size=2048, contexts=1)
     args.update(kw)
-    g = kvshard.CacheGeometry.deepseek_v32()
-    return kvshard.plan_capacity(g, 2, SCRATCH + 128 * PAGE, 10**10, **args)
+    g = CacheGeometry.deepseek_v32()
+    return plan_capacity(g, 2, SCRATCH + 128 * PAGE, 10**10, **args)
 
 
 def test_the_seed_scenario_matches_the_hand():
@@ -50,14 +52,14 @@ def test_unknown_ceilings_and_what_does_not_fit():
 
 
 def test_impossible_inputs_raise_kvshard_errors():
-    g = kvshard.CacheGeometry.glm5()
-    with pytest.raises(kvshard.InvalidArgumentError, match="0 ranks"):
-        kvshard.plan_capacity(g, 0, 40 * 10**9, 10**12, host_factor=4)
-    with pytest.raises(kvshard.OutOfMemoryError, match="GPU memory per rank"):
-        kvshard.plan_capacity(g, 2, 10**9, 10**12, host_factor=4)
-    with pytest.raises(kvshard.OutOfMemoryError, match="holds no slot"):
-        kvshard.plan_capacity(g, 2, 40 * 10**9, 10**6, host_factor=4)
-    with pytest.raises(kvshard.InvalidArgumentError, match="exactly one"):
-        kvshard.plan_capacity(g, 2, 40 * 10**9, 10**12, host_factor=4, host_bytes=10**12)
-    with pytest.raises(kvshard.InvalidArgumentError, match="ceiling"):
-        kvshard.plan_capacity(g, 2, 40 * 10**9, 10**12, host_factor=4, h2d_gbps=-1.0)
+    g = CacheGeometry.glm5()
+    with pytest.raises(InvalidArgumentError, match="0 ranks"):
+        plan_capacity(g, 0, 40 * 10**9, 10**12, host_factor=4)
+    with pytest.raises(OutOfMemoryError, match="GPU memory per rank"):
+        plan_capacity(g, 2, 10**9, 10**12, host_factor=4)
+    with pytest.raises(OutOfMemoryError, match="holds no slot"):
+        plan_capacity(g, 2, 40 * 10**9, 10**6, host_factor=4)
+    with pytest.raises(InvalidArgumentError, match="exactly one"):
+        plan_capacity(g, 2, 40 * 10**9, 10**12, host_factor=4, host_bytes=10**12)
+    with pytest.raises(InvalidArgumentError, match="ceiling"):
+        plan_capacity(g, 2, 40 * 10**9, 10**12, host_factor=4, h2d_gbps=-1.0)

@@ -8,35 +8,40 @@ import numpy as np
 import pytest
 
 import kvshard
+from kvshard.copy import Method, RemoteSpace
+from kvshard.error import ChunkFailedError, InvalidArgumentError, TransferError
+from kvshard.geometry import Component, INDEXER_HEAD_DIM
+from kvshard.shard import MAX_DECODE_RANKS, Placement, RequestChain, ShardAllocator
+from kvshard.transfer import DecodeRank, DecodeRegistration, Receiver, Sender
 from conftest import PAGE, engine_tensors, nonzero, wrap
 
-C = kvshard.Component
-KEY = kvshard.INDEXER_HEAD_DIM
+C = Component
+KEY = INDEXER_HEAD_DIM
 SCALES = PAGE * KEY
 
 
 def test_the_engines_parameters_by_their_names():
     # vLLM: --decode-context-parallel-size, --cp-kv-cache-interleave-size (the block for P/D).
-    v = kvshard.DecodeLayout.vllm(4, 64)
+    v = kvshard.shard.DecodeLayout.vllm(4, 64)
     assert (v.ranks, v.interleave) == (4, 64)
     assert (v.decode_context_parallel_size, v.cp_kv_cache_interleave_size) == (4, 64)
     assert v.page_granular
-    assert kvshard.DecodeLayout.vllm(decode_context_parallel_size=2) == kvshard.DecodeLayout(2, 1)
+    assert kvshard.shard.DecodeLayout.vllm(decode_context_parallel_size=2) == kvshard.shard.DecodeLayout(2, 1)
     # SGLang's DSA DCP: --dcp-size, token t on rank t % dcp_size.
-    s = kvshard.DecodeLayout.sglang(dcp_size=8)
+    s = kvshard.shard.DecodeLayout.sglang(dcp_size=8)
     assert (s.dcp_size, s.interleave, s.page_granular) == (8, 1, False)
     assert s.place(21) == (5, 2)
-    assert kvshard.DecodeLayout.unsharded() == kvshard.DecodeLayout()
-    assert len({v, kvshard.DecodeLayout(4, 64), s}) == 2
+    assert kvshard.shard.DecodeLayout.unsharded() == kvshard.shard.DecodeLayout()
+    assert len({v, kvshard.shard.DecodeLayout(4, 64), s}) == 2
     assert repr(v) == "DecodeLayout(ranks=4, interleave=64)"
-    for bad in [(0, 1), (2, 0), (kvshard.MAX_DECODE_RANKS + 1, 1)]:
-        with pytest.raises(kvshard.InvalidArgumentError):
-            kvshard.DecodeLayout(*bad)
+    for bad in [(0, 1), (2, 0), (MAX_DECODE_RANKS + 1, 1)]:
+        with pytest.raises(InvalidArgumentError):
+            kvshard.shard.DecodeLayout(*bad)
 
 
 @pytest.mark.parametrize("ranks,interleave", [(1, 1), (2, 1), (3, 1), (2, 64), (3, 16), (4, 100)])
 def test_placement_is_the_definition(ranks, interleave):
-    layout = kvshard.DecodeLayout(ranks, interleave)
+    layout = kvshard.shard.DecodeLayout(ranks, interleave)
     counts = [0] * ranks
     for t in range(700):
         rank, local = layout.place(t)
@@ -53,33 +58,33 @@ def test_placement_is_the_definition(ranks, interleave):
 def decode_ranks(geometry, layout, tokens, pool_pages):
     """Every decode rank's part: its share's pages from 1 on."""
     return [
-        kvshard.DecodeRank(geometry, pool_pages, list(range(1, 1 + layout.pages_on(d, tokens))))
+        DecodeRank(geometry, pool_pages, list(range(1, 1 + layout.pages_on(d, tokens))))
         for d in range(layout.ranks)
     ]
 
 
 def test_registrations_are_checked_when_made(geometry):
-    layout = kvshard.DecodeLayout.sglang(3)
+    layout = kvshard.shard.DecodeLayout.sglang(3)
     ranks = decode_ranks(geometry, layout, 300, 10)
-    reg = kvshard.DecodeRegistration(5, layout, 300, ranks)
+    reg = DecodeRegistration(5, layout, 300, ranks)
     assert (reg.request, reg.tokens, reg.prefix_pages, reg.layout) == (5, 300, 0, layout)
     assert [r.pages for r in reg.ranks] == [[1, 2]] * 3
     has_indexer = any(c.component in (C.TARGET_INDEXER, C.DRAFT_INDEXER) for c in geometry.components())
     assert ranks[0].state_pages == ([1, 2] if has_indexer else [])
     assert ranks[0].pool_pages == 10
-    with pytest.raises(kvshard.TransferError, match="2 decode ranks registered for a layout of 3"):
-        kvshard.DecodeRegistration(5, layout, 300, ranks[:2])
-    with pytest.raises(kvshard.TransferError, match="takes 2"):
-        kvshard.DecodeRegistration(5, layout, 300, [kvshard.DecodeRank(geometry, 10, [1])] + ranks[1:])
-    with pytest.raises(kvshard.TransferError, match="padding page"):
-        kvshard.DecodeRegistration(5, layout, 300, [kvshard.DecodeRank(geometry, 10, [0, 1])] + ranks[1:])
-    with pytest.raises(kvshard.TransferError, match="cached prefix"):
-        kvshard.DecodeRegistration(5, layout, 300, ranks, prefix_pages=5)
+    with pytest.raises(TransferError, match="2 decode ranks registered for a layout of 3"):
+        DecodeRegistration(5, layout, 300, ranks[:2])
+    with pytest.raises(TransferError, match="takes 2"):
+        DecodeRegistration(5, layout, 300, [DecodeRank(geometry, 10, [1])] + ranks[1:])
+    with pytest.raises(TransferError, match="padding page"):
+        DecodeRegistration(5, layout, 300, [DecodeRank(geometry, 10, [0, 1])] + ranks[1:])
+    with pytest.raises(TransferError, match="cached prefix"):
+        DecodeRegistration(5, layout, 300, ranks, prefix_pages=5)
 
 
 def prefill(device, geometry, rng, n, pages_per_rank, tokens):
     """N prefill ranks on random engine arrays and a request chain of `tokens` tokens."""
-    placement = kvshard.Placement(n)
+    placement = Placement(n)
     ranks = []
     for r in range(n):
         tensors = engine_tensors(geometry, pages_per_rank)
@@ -87,8 +92,8 @@ def prefill(device, geometry, rng, n, pages_per_rank, tokens):
             for t in layers:
                 t[...] = nonzero(rng, t.shape)
         ranks.append((wrap(device, geometry, placement, r, pages_per_rank, tensors), tensors))
-    alloc = kvshard.ShardAllocator(placement, pages_per_rank)
-    chain = kvshard.RequestChain(placement)
+    alloc = ShardAllocator(placement, pages_per_rank)
+    chain = RequestChain(placement)
     chain.grow_to(alloc, tokens)
     return placement, ranks, chain
 
@@ -98,25 +103,25 @@ def test_a_request_reaches_every_decode_rank_as_placed(rng, geometry, n, m, inte
     device = kvshard.Device.cpu()
     tokens, prefix_pages = 900, 1
     placement, ranks, chain = prefill(device, geometry, rng, n, 24, tokens)
-    layout = kvshard.DecodeLayout(m, interleave)
+    layout = kvshard.shard.DecodeLayout(m, interleave)
     # Decode ranks: zeroed arrays, the share's pages shuffled, cached prefix rows untouched.
     pool_pages = 2 * max(layout.pages_on(d, tokens) for d in range(m)) + 2
     dec = []
     parts = []
     for d in range(m):
         tensors = engine_tensors(geometry, pool_pages)
-        pool = wrap(device, geometry, kvshard.Placement(1), 0, pool_pages, tensors)
+        pool = wrap(device, geometry, Placement(1), 0, pool_pages, tensors)
         pages = list(rng.permutation(np.arange(1, pool_pages))[: layout.pages_on(d, tokens)])
-        parts.append(kvshard.DecodeRank.of(pool, [int(p) for p in pages]))
+        parts.append(DecodeRank.of(pool, [int(p) for p in pages]))
         dec.append((pool, tensors, [int(p) for p in pages]))
-    reg = kvshard.DecodeRegistration(11, layout, tokens, parts, prefix_pages=prefix_pages)
+    reg = DecodeRegistration(11, layout, tokens, parts, prefix_pages=prefix_pages)
     receivers = []
     for d in range(m):
-        r = kvshard.Receiver()
+        r = Receiver()
         r.register_decode(reg, d, n)
         receivers.append(r)
-    dsts = [kvshard.RemoteSpace.of(pool) for pool, _, _ in dec]
-    senders = [kvshard.Sender(pool) for pool, _ in ranks]
+    dsts = [RemoteSpace.of(pool) for pool, _, _ in dec]
+    senders = [Sender(pool) for pool, _ in ranks]
     for s in senders:
         s.open_decode(reg, dsts)
     finished = [None] * m
@@ -174,14 +179,14 @@ def test_a_request_reaches_every_decode_rank_as_placed(rng, geometry, n, m, inte
 def test_a_transport_without_a_decode_route_fails_the_chunk(rng, geometry):
     device = kvshard.Device.cpu()
     placement, ranks, chain = prefill(device, geometry, rng, 2, 8, 100)
-    layout = kvshard.DecodeLayout.sglang(2)
-    pools = [wrap(device, geometry, kvshard.Placement(1), 0, 4, engine_tensors(geometry, 4)) for _ in range(2)]
-    reg = kvshard.DecodeRegistration(3, layout, 100, [kvshard.DecodeRank.of(p, [1]) for p in pools])
-    sender = kvshard.Sender(ranks[0][0], method=kvshard.Method.COPY_ENGINE)
-    with pytest.raises(kvshard.TransferError, match="1 destinations given"):
-        sender.open_decode(reg, [kvshard.RemoteSpace.of(pools[0])])
-    sender.open_decode(reg, [kvshard.RemoteSpace.of(p) for p in pools])
-    with pytest.raises(kvshard.ChunkFailedError, match="decode context-parallel layout") as e:
+    layout = kvshard.shard.DecodeLayout.sglang(2)
+    pools = [wrap(device, geometry, Placement(1), 0, 4, engine_tensors(geometry, 4)) for _ in range(2)]
+    reg = DecodeRegistration(3, layout, 100, [DecodeRank.of(p, [1]) for p in pools])
+    sender = Sender(ranks[0][0], method=Method.COPY_ENGINE)
+    with pytest.raises(TransferError, match="1 destinations given"):
+        sender.open_decode(reg, [RemoteSpace.of(pools[0])])
+    sender.open_decode(reg, [RemoteSpace.of(p) for p in pools])
+    with pytest.raises(ChunkFailedError, match="decode context-parallel layout") as e:
         sender.send(3, chain.pages, 100, last=True)
     assert not e.value.status.ok
     assert sender.pending_requests == 0

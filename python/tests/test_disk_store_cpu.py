@@ -1,4 +1,4 @@
-"""``kvshard.DiskStore`` (feature ``nixl``) on the CPU backend, in the adversarial stream order
+"""``kvshard.storage.DiskStore`` (feature ``nixl``) on the CPU backend, in the adversarial stream order
 conftest sets (work runs only when something waits for it, and each host wait runs the other
 streams first or last by a seeded coin): the store inside the asynchronous contract (a store
 right after a backup queued on another stream persists the new bytes; a load into host pages a
@@ -20,6 +20,12 @@ import numpy as np
 import pytest
 
 import kvshard
+from kvshard.copy import Direction, Method
+from kvshard.error import StorageError, UnavailableError
+from kvshard.geometry import CacheGeometry, LatentLayout, PoolGeometry
+from kvshard.hicache import HostTransfer, TransferPlan
+from kvshard.pool import HostLayout, HostPool
+from kvshard.shard import Placement
 from conftest import engine_tensors, nonzero, wrap
 
 PAGES = 8
@@ -27,8 +33,8 @@ POISON = 0xA5
 
 
 def geometry():
-    return kvshard.CacheGeometry(
-        kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, indexer_layers=[True, False]), draft=True
+    return CacheGeometry(
+        PoolGeometry(LatentLayout.FP8_TRTLLM, indexer_layers=[True, False]), draft=True
     )
 
 
@@ -39,7 +45,7 @@ def scratch_base():
 
 def host_pool(device=None):
     device = device or kvshard.Device.cpu()
-    host = kvshard.HostPool(device, geometry(), PAGES, kvshard.HostLayout.PAGE_FIRST_DIRECT)
+    host = HostPool(device, geometry(), PAGES, HostLayout.PAGE_FIRST_DIRECT)
     for i in range(len(host.buffer_layouts())):
         np.from_dlpack(host.buffer_view(i, raw=True))[...] = POISON
     return host
@@ -51,8 +57,8 @@ def nixl_runtime_missing():
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     try:
-        kvshard.DiskStore(host_pool(), d / "s", 1)
-    except kvshard.UnavailableError as e:
+        kvshard.storage.DiskStore(host_pool(), d / "s", 1)
+    except UnavailableError as e:
         return str(e)
     finally:
         shutil.rmtree(d, ignore_errors=True)
@@ -60,7 +66,7 @@ def nixl_runtime_missing():
 
 
 def need_nixl(what):
-    if not hasattr(kvshard, "DiskStore"):
+    if not hasattr(kvshard.storage, "DiskStore"):
         msg = f"{what}: this wheel has no storage tier (built without --features nixl)"
     elif (missing := nixl_runtime_missing()) is not None:
         msg = f"{what}: NIXL runtime missing: {missing}"
@@ -101,12 +107,12 @@ def device_pool(device, rng):
     for arrays in tensors.values():
         for a in arrays:
             a[...] = nonzero(rng, a.shape)
-    return wrap(device, g, kvshard.Placement(1), 0, PAGES, tensors)
+    return wrap(device, g, Placement(1), 0, PAGES, tensors)
 
 
 def transfer(pool, host, device_pages, host_pages, direction):
-    plan = kvshard.TransferPlan(kvshard.Placement(1), 0, device_pages, host_pages, PAGES, PAGES)
-    return kvshard.HostTransfer(pool, host, plan, direction)
+    plan = TransferPlan(Placement(1), 0, device_pages, host_pages, PAGES, PAGES)
+    return HostTransfer(pool, host, plan, direction)
 
 
 # Old behaviour: store_sync right after a backup queued on another stream read the host pages
@@ -115,15 +121,15 @@ def test_a_store_persists_what_a_backup_still_queued_writes(store_dir, rng):
     d = kvshard.Device.cpu()
     pool = device_pool(d, rng)
     host = host_pool(d)
-    store = kvshard.DiskStore(host, store_dir / "s", 8)
-    backup = transfer(pool, host, [3, 4], [1, 2], kvshard.Direction.BACKUP)
+    store = kvshard.storage.DiskStore(host, store_dir / "s", 8)
+    backup = transfer(pool, host, [3, 4], [1, 2], Direction.BACKUP)
     other = d.new_stream()
-    backup.run(other, kvshard.Method.COPY_ENGINE)
+    backup.run(other, Method.COPY_ENGINE)
     assert store.store_sync([(key(1), 1), (key(2), 2)]).written == 2
     other.synchronize()
     backed = [page(host, p) for p in (1, 2)]
     assert all(b != bytes([POISON]) * len(b) for b in backed), "the backup ran"
-    assert store.load_sync([(key(1), 5), (key(2), 6)]) == [kvshard.LoadOutcome.LOADED] * 2
+    assert store.load_sync([(key(1), 5), (key(2), 6)]) == [kvshard.storage.LoadOutcome.LOADED] * 2
     assert page(host, 5) == backed[0] and page(host, 6) == backed[1]
 
 
@@ -133,7 +139,7 @@ def test_a_load_from_storage_leaves_what_a_queued_device_load_reads(store_dir, r
     d = kvshard.Device.cpu()
     pool = device_pool(d, rng)
     host = host_pool(d)
-    store = kvshard.DiskStore(host, store_dir / "s", 8)
+    store = kvshard.storage.DiskStore(host, store_dir / "s", 8)
     # Host page 1 holds A, storage holds B (from page 3).
     for i in range(len(host.buffer_layouts())):
         raw = np.from_dlpack(host.buffer_view(i, raw=True)).reshape(-1)
@@ -142,14 +148,14 @@ def test_a_load_from_storage_leaves_what_a_queued_device_load_reads(store_dir, r
             raw[o3 : o3 + n] = nonzero(rng, n)
     a, b = page(host, 1), page(host, 3)
     store.store_sync([(key(9), 3)])
-    load = transfer(pool, host, [4], [1], kvshard.Direction.LOAD)
+    load = transfer(pool, host, [4], [1], Direction.LOAD)
     other = d.new_stream()
-    load.run(other, kvshard.Method.COPY_ENGINE)
-    assert store.load_sync([(key(9), 1)]) == [kvshard.LoadOutcome.LOADED]
+    load.run(other, Method.COPY_ENGINE)
+    assert store.load_sync([(key(9), 1)]) == [kvshard.storage.LoadOutcome.LOADED]
     other.synchronize()
     assert page(host, 1) == b
-    back = transfer(pool, host, [4], [7], kvshard.Direction.BACKUP)
-    back.run(None, kvshard.Method.COPY_ENGINE)
+    back = transfer(pool, host, [4], [7], Direction.BACKUP)
+    back.run(None, Method.COPY_ENGINE)
     d.synchronize()
     assert page(host, 7) == a, "the queued device load copied bytes loaded after it"
 
@@ -174,8 +180,8 @@ def test_a_load_from_storage_leaves_what_a_queued_device_load_reads(store_dir, r
     ],
 )
 def test_settings_out_of_bounds_are_invalid_argument_errors(store_dir, kwargs):
-    with pytest.raises(kvshard.InvalidArgumentError):
-        kvshard.DiskStore(host_pool(), store_dir / "s", 4, **kwargs)
+    with pytest.raises(kvshard.error.InvalidArgumentError):
+        kvshard.storage.DiskStore(host_pool(), store_dir / "s", 4, **kwargs)
     assert not (store_dir / "s" / "w0000.journal").exists()
 
 
@@ -183,14 +189,14 @@ def test_settings_out_of_bounds_are_invalid_argument_errors(store_dir, kwargs):
 # overwrote each other's slots and journal records silently.
 def test_one_writer_per_directory_and_rank(store_dir):
     host = host_pool()
-    first = kvshard.DiskStore(host, store_dir / "s", 4, writers=2)
-    with pytest.raises(kvshard.StorageError) as e:
-        kvshard.DiskStore(host, store_dir / "s", 4, writers=2)
+    first = kvshard.storage.DiskStore(host, store_dir / "s", 4, writers=2)
+    with pytest.raises(StorageError) as e:
+        kvshard.storage.DiskStore(host, store_dir / "s", 4, writers=2)
     assert e.value.failure == "locked" and e.value.holder == os.getpid()
-    reader = kvshard.DiskStore(host, store_dir / "s", 4, writers=2, read_only=True)
+    reader = kvshard.storage.DiskStore(host, store_dir / "s", 4, writers=2, read_only=True)
     assert reader.snapshot().records == [0, 0]
     del first
-    kvshard.DiskStore(host, store_dir / "s", 4, writers=2)
+    kvshard.storage.DiskStore(host, store_dir / "s", 4, writers=2)
 
 
 def test_links_in_the_directory_are_refused(store_dir):
@@ -199,8 +205,8 @@ def test_links_in_the_directory_are_refused(store_dir):
     s = store_dir / "s"
     s.mkdir()
     (s / "w0000.slots").symlink_to(victim)
-    with pytest.raises(kvshard.StorageError) as e:
-        kvshard.DiskStore(host_pool(), s, 4)
+    with pytest.raises(StorageError) as e:
+        kvshard.storage.DiskStore(host_pool(), s, 4)
     assert e.value.failure == "untrusted" and e.value.holder is None
     assert victim.read_bytes() == b"outside"
 
@@ -209,20 +215,20 @@ def test_links_in_the_directory_are_refused(store_dir):
 # everything after it at the next open, silently.
 def test_a_damaged_journal_record_is_counted_and_nothing_after_it_lost(store_dir):
     host = host_pool()
-    store = kvshard.DiskStore(host, store_dir / "s", 8)
+    store = kvshard.storage.DiskStore(host, store_dir / "s", 8)
     store.store_sync([(key(i), i) for i in range(1, 5)])
     del store
     journal = store_dir / "s" / "w0000.journal"
     data = bytearray(journal.read_bytes())
     data[64 + 96 + 30] ^= 1  # record 1 of 4
     journal.write_bytes(bytes(data))
-    store = kvshard.DiskStore(host, store_dir / "s", 8)
+    store = kvshard.storage.DiskStore(host, store_dir / "s", 8)
     stats = store.stats()
     assert stats.damaged_records == 1 and stats.as_dict()["damaged_records"] == 1
     snap = store.snapshot()
     assert store.exists([key(i) for i in range(1, 5)], snap) == [True, False, True, True]
     del store
-    with pytest.raises(kvshard.StorageError) as e:
-        kvshard.DiskStore(host, store_dir / "s", 8, damaged="refuse")
+    with pytest.raises(StorageError) as e:
+        kvshard.storage.DiskStore(host, store_dir / "s", 8, damaged="refuse")
     assert e.value.failure == "corrupt"
     assert journal.read_bytes() == bytes(data)

@@ -8,28 +8,43 @@ import numpy as np
 import pytest
 
 import kvshard
+from kvshard.copy import Direction, RemoteSpace
+from kvshard.error import ChunkFailedError, HiCacheError, TransferError
+from kvshard.geometry import CacheGeometry, Component, INDEXER_HEAD_DIM, LatentLayout, PoolGeometry
+from kvshard.hicache import (
+    CacheNode,
+    HiCacheController,
+    HostTransfer,
+    LayerSignals,
+    Route,
+    TransferPlan,
+    WritePolicy,
+)
+from kvshard.pool import ChunkStaging, DevicePool, HostLayout, HostPool, OwnedRowWrite, PoolLayout
+from kvshard.shard import Placement, RequestChain, ShardAllocator
+from kvshard.transfer import Receiver, Registration, Sender
 from conftest import PAGE, engine_tensors, nonzero, page_bytes, wrap
 
 RANKS = 2
 PAGES = 24
 PROMPT = 1000
 CHUNK = 256
-C = kvshard.Component
+C = Component
 
 
 def write_prompt(device, geometry, rng):
     """Two ranks' pools on engine arrays, the prompt written chunk by chunk. Returns the
     ranks' (pool, tensors), the chain and allocator, and the NumPy reference of every
     position's token rows (component, layer) -> [PROMPT, row] / [pages, 8448]."""
-    placement = kvshard.Placement(RANKS)
+    placement = Placement(RANKS)
     ranks = []
     for r in range(RANKS):
         tensors = engine_tensors(geometry, PAGES)
         ranks.append((wrap(device, geometry, placement, r, PAGES, tensors), tensors))
-    alloc = kvshard.ShardAllocator(placement, PAGES)
-    chain = kvshard.RequestChain(placement)
-    staging = kvshard.ChunkStaging(ranks[0][0], CHUNK)
-    writers = [kvshard.OwnedRowWrite(staging, pool) for pool, _ in ranks]
+    alloc = ShardAllocator(placement, PAGES)
+    chain = RequestChain(placement)
+    staging = ChunkStaging(ranks[0][0], CHUNK)
+    writers = [OwnedRowWrite(staging, pool) for pool, _ in ranks]
     # What the forward pass computes for every token (latent rows) and every page (indexer).
     ref = {}
     for c in geometry.components():
@@ -82,7 +97,7 @@ def test_the_owned_row_write_persists_each_ranks_rows_into_the_engine_arrays(rng
                 # scale of token o of the page.
                 else:
                     block = ref[c.component][layer][i]
-                    keys = kvshard.INDEXER_HEAD_DIM
+                    keys = INDEXER_HEAD_DIM
                     assert np.array_equal(
                         got[local, : n * keys], block[: n * keys]
                     ), f"{c.component} layer {layer} page {i} keys"
@@ -98,17 +113,17 @@ def test_the_owned_row_write_persists_each_ranks_rows_into_the_engine_arrays(rng
 def test_pd_every_rank_sends_every_chunk_and_decode_equals_the_prefill(rng, geometry):
     device = kvshard.Device.cpu()
     placement, ranks, chain, _, _ = write_prompt(device, geometry, rng)
-    unsharded = kvshard.Placement(1)
+    unsharded = Placement(1)
     dec_tensors = engine_tensors(geometry, PAGES)
     decode = wrap(device, geometry, unsharded, 0, PAGES, dec_tensors)
-    dec_alloc = kvshard.ShardAllocator(unsharded, PAGES)
-    dec_chain = kvshard.RequestChain(unsharded)
+    dec_alloc = ShardAllocator(unsharded, PAGES)
+    dec_chain = RequestChain(unsharded)
     dec_chain.grow_to(dec_alloc, PROMPT)
-    reg = dec_chain.registration(7, kvshard.PoolLayout.of(decode))
-    dst = kvshard.RemoteSpace.of(decode)
-    receiver = kvshard.Receiver()
+    reg = dec_chain.registration(7, PoolLayout.of(decode))
+    dst = RemoteSpace.of(decode)
+    receiver = Receiver()
     receiver.register(reg, RANKS)
-    senders = [kvshard.Sender(pool) for pool, _ in ranks]
+    senders = [Sender(pool) for pool, _ in ranks]
     other = device.new_stream()
     finished = None
     for i, end in enumerate([512, PROMPT]):
@@ -133,25 +148,25 @@ def test_pd_every_rank_sends_every_chunk_and_decode_equals_the_prefill(rng, geom
 def test_a_failed_chunk_raises_with_the_status_to_deliver(rng, geometry):
     device = kvshard.Device.cpu()
     placement, ranks, chain, _, _ = write_prompt(device, geometry, rng)
-    unsharded = kvshard.Placement(1)
-    decode = kvshard.DevicePool.allocate(device, geometry, unsharded, 0, PAGES)
-    reg = kvshard.Registration(3, kvshard.PoolLayout.of(decode), [1, 2], [1, 2])
-    sender = kvshard.Sender(ranks[0][0])
-    sender.open(reg, kvshard.RemoteSpace.of(decode))
+    unsharded = Placement(1)
+    decode = DevicePool.allocate(device, geometry, unsharded, 0, PAGES)
+    reg = Registration(3, PoolLayout.of(decode), [1, 2], [1, 2])
+    sender = Sender(ranks[0][0])
+    sender.open(reg, RemoteSpace.of(decode))
     # More pages than the registration holds: the chunk cannot be planned.
-    with pytest.raises(kvshard.ChunkFailedError) as err:
+    with pytest.raises(ChunkFailedError) as err:
         sender.send(3, chain.pages, PROMPT, last=True)
     e = err.value
-    assert isinstance(e, kvshard.TransferError) and e.request == 3 and e.rank == 0
+    assert isinstance(e, TransferError) and e.request == 3 and e.rank == 0
     assert e.status.request == 3 and not e.status.ok and e.status.terminal
-    receiver = kvshard.Receiver()
+    receiver = Receiver()
     receiver.register(reg, 1)
     done = receiver.receive(e.status)
     assert done is not None and not done.completed and done.failures[0][0] == 0
 
 
 @pytest.mark.parametrize(
-    "route", [kvshard.Route.KERNEL, kvshard.Route.COPY_ENGINE, kvshard.Route.BATCH, kvshard.Route.STAGED, kvshard.Route.STAGED_KERNEL],
+    "route", [Route.KERNEL, Route.COPY_ENGINE, Route.BATCH, Route.STAGED, Route.STAGED_KERNEL],
     ids=repr,
 )
 def test_hicache_write_through_evict_and_reload_layer_by_layer(rng, geometry, route):
@@ -159,8 +174,8 @@ def test_hicache_write_through_evict_and_reload_layer_by_layer(rng, geometry, ro
     placement, ranks, chain, alloc, _ = write_prompt(device, geometry, rng)
     controllers = []
     for pool, _ in ranks:
-        host = kvshard.HostPool(device, geometry, PAGES, kvshard.HostLayout.PAGE_FIRST)
-        controllers.append(kvshard.HiCacheController(pool, host, kvshard.WritePolicy.WRITE_THROUGH))
+        host = HostPool(device, geometry, PAGES, HostLayout.PAGE_FIRST)
+        controllers.append(HiCacheController(pool, host, WritePolicy.WRITE_THROUGH))
     node = chain.cache_node(7, 0, len(chain.pages))
     compute = device.stream()
     before = [
@@ -193,39 +208,39 @@ def test_hicache_write_through_evict_and_reload_layer_by_layer(rng, geometry, ro
         for old, new in zip(evicted, reloaded):
             if placement.owner(old) == r:
                 assert page_bytes(ranks[r][1], placement.local(new)) == before[r][old]
-    kvshard.RequestChain.cached(alloc, chain.start_owner, reloaded)
+    RequestChain.cached(alloc, chain.start_owner, reloaded)
 
 
 def test_the_staged_route_refuses_a_packed_page_major_host_pool(rng):
-    geometry = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 2), draft=True)
+    geometry = CacheGeometry(PoolGeometry(LatentLayout.FP8_TRTLLM, 2), draft=True)
     device = kvshard.Device.cpu()
-    pool = kvshard.DevicePool.allocate(device, geometry, kvshard.Placement(1), 0, 8)
-    host = kvshard.HostPool(device, geometry, 8, kvshard.HostLayout.PAGE_FIRST, sglang=True, packed_draft=True)
-    c = kvshard.HiCacheController(pool, host)
-    node = kvshard.CacheNode(1, [2, 3])
-    with pytest.raises(kvshard.HiCacheError, match="staged route"):
-        c.backup(node, device.stream(), kvshard.Route.STAGED)
+    pool = DevicePool.allocate(device, geometry, Placement(1), 0, 8)
+    host = HostPool(device, geometry, 8, HostLayout.PAGE_FIRST, sglang=True, packed_draft=True)
+    c = HiCacheController(pool, host)
+    node = CacheNode(1, [2, 3])
+    with pytest.raises(HiCacheError, match="staged route"):
+        c.backup(node, device.stream(), Route.STAGED)
     # Nothing changed: the direct route backs the node up.
-    assert c.backup(node, device.stream(), kvshard.Route.COPY_ENGINE) == 0
+    assert c.backup(node, device.stream(), Route.COPY_ENGINE) == 0
     assert c.ack_backups_sync(1)[0].host_pages == c.host_pages(1)
 
 
 def test_a_deferred_load_is_consumable_layer_by_layer(rng):
     """On the deferred CPU backend work runs only when waited for: a consumer that waits for
     layer 0 sees layer 0 landed in the engine's arrays and the last layer not yet."""
-    geometry = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 4), draft=True)
+    geometry = CacheGeometry(PoolGeometry(LatentLayout.FP8_TRTLLM, 4), draft=True)
     device = kvshard.Device.cpu(order="deferred")
-    placement = kvshard.Placement(1)
+    placement = Placement(1)
     tensors = engine_tensors(geometry, 8)
     pool = wrap(device, geometry, placement, 0, 8, tensors)
-    host = kvshard.HostPool(device, geometry, 8, kvshard.HostLayout.PAGE_FIRST_DIRECT, sglang=True, packed_draft=True)
+    host = HostPool(device, geometry, 8, HostLayout.PAGE_FIRST_DIRECT, sglang=True, packed_draft=True)
     views = [np.from_dlpack(host.buffer_view(i)) for i in range(len(host.buffer_layouts()))]
     for v in views:
         v[...] = nonzero(rng, v.shape)
-    plan = kvshard.TransferPlan(placement, 0, [3, 4], [1, 5], 8, 8)
-    load = kvshard.HostTransfer(pool, host, plan, kvshard.Direction.LOAD)
+    plan = TransferPlan(placement, 0, [3, 4], [1, 5], 8, 8)
+    load = HostTransfer(pool, host, plan, Direction.LOAD)
     load.prepare_kernel_sync()
-    signals = kvshard.LayerSignals(device, geometry.model_layers)
+    signals = LayerSignals(device, geometry.model_layers)
     load_stream, consumer = device.new_stream(), device.new_stream()
     ready = load.run_signalled(signals, load_stream, ctas=1)
     assert len(ready) == geometry.model_layers

@@ -13,6 +13,20 @@ import numpy as np
 import pytest
 
 import kvshard
+from kvshard.backend import embedded_archs, wait_for_frees_sync
+from kvshard.copy import Direction, Method, RemoteSpace
+from kvshard.geometry import (
+    CacheGeometry,
+    Component,
+    INDEXER_PAGE_BYTES,
+    LatentLayout,
+    PAGE_SIZE,
+    PoolGeometry,
+)
+from kvshard.hicache import CacheNode, Route, TransferPlan
+from kvshard.pool import HostLayout, PoolLayout
+from kvshard.shard import Placement, RequestChain, ShardAllocator
+from kvshard.transfer import Receiver, Sender
 
 torch = pytest.importorskip("torch") if os.environ.get("KVSHARD_REQUIRE_GPU") != "1" else __import__("torch")
 
@@ -20,7 +34,7 @@ torch = pytest.importorskip("torch") if os.environ.get("KVSHARD_REQUIRE_GPU") !=
 def _why_not():
     if not torch.cuda.is_available():
         return "torch sees no CUDA GPU"
-    if kvshard.embedded_archs() is None:
+    if embedded_archs() is None:
         return "this kvshard build embeds no kernels (built without nvcc)"
     return None
 
@@ -30,8 +44,8 @@ if _reason and os.environ.get("KVSHARD_REQUIRE_GPU") == "1":
     raise RuntimeError(f"KVSHARD_REQUIRE_GPU=1 but {_reason}")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_reason is not None, reason=_reason or "")]
 
-PAGE = kvshard.PAGE_SIZE
-C = kvshard.Component
+PAGE = PAGE_SIZE
+C = Component
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +54,8 @@ def device():
 
 
 def geometry():
-    return kvshard.CacheGeometry(
-        kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, indexer_layers=[True, True, False, True]), draft=True
+    return CacheGeometry(
+        PoolGeometry(LatentLayout.FP8_TRTLLM, indexer_layers=[True, True, False, True]), draft=True
     )
 
 
@@ -62,7 +76,7 @@ def torch_tensors(g, pages, random=False, gen=None):
 
 
 def wrap(device, g, placement, rank, pages, t):
-    return kvshard.DevicePool.wrap(
+    return kvshard.pool.DevicePool.wrap(
         device, g, placement, rank, pages,
         t[C.TARGET_LATENT], t.get(C.TARGET_INDEXER), t.get(C.DRAFT_LATENT), t.get(C.DRAFT_INDEXER),
     )
@@ -82,13 +96,13 @@ def gen():
 
 def test_torch_tensors_as_pools_chunked_owned_row_writes_on_a_torch_stream(device, gen):
     g, ranks, pages, prompt, chunk = geometry(), 2, 32, 1500, 512
-    placement = kvshard.Placement(ranks)
+    placement = Placement(ranks)
     tensors = [torch_tensors(g, pages) for _ in range(ranks)]
     pools = [wrap(device, g, placement, r, pages, tensors[r]) for r in range(ranks)]
-    alloc = kvshard.ShardAllocator(placement, pages)
-    chain = kvshard.RequestChain(placement)
-    staging = kvshard.ChunkStaging(pools[0], chunk)
-    writers = [kvshard.OwnedRowWrite(staging, p) for p in pools]
+    alloc = ShardAllocator(placement, pages)
+    chain = RequestChain(placement)
+    staging = kvshard.pool.ChunkStaging(pools[0], chunk)
+    writers = [kvshard.pool.OwnedRowWrite(staging, p) for p in pools]
     stream = torch.cuda.Stream()
     ref = {c.component: [torch.randint(1, 256, (prompt, c.row_bytes) if c.rows > 1 else (-(-prompt // PAGE), c.row_bytes), dtype=torch.uint8, device="cuda", generator=gen) for _ in range(c.layers)] for c in g.components()}
     torch.cuda.synchronize()  # the pools and references were made on the default stream
@@ -127,26 +141,26 @@ def test_torch_tensors_as_pools_chunked_owned_row_writes_on_a_torch_stream(devic
 
 def test_pd_round_trip_with_torch_decode_pool(device, gen):
     g, ranks, pages = geometry(), 2, 24
-    placement = kvshard.Placement(ranks)
+    placement = Placement(ranks)
     tensors = [torch_tensors(g, pages, True, gen) for _ in range(ranks)]
     pools = [wrap(device, g, placement, r, pages, tensors[r]) for r in range(ranks)]
-    alloc = kvshard.ShardAllocator(placement, pages)
-    chain = kvshard.RequestChain(placement)
+    alloc = ShardAllocator(placement, pages)
+    chain = RequestChain(placement)
     chain.grow_to(alloc, 1000)
-    unsharded = kvshard.Placement(1)
+    unsharded = Placement(1)
     dec = torch_tensors(g, pages)
     decode = wrap(device, g, unsharded, 0, pages, dec)
-    dchain = kvshard.RequestChain(unsharded)
-    dchain.grow_to(kvshard.ShardAllocator(unsharded, pages), 1000)
-    reg = dchain.registration(1, kvshard.PoolLayout.of(decode))
-    dst = kvshard.RemoteSpace.of(decode)
-    rx = kvshard.Receiver()
+    dchain = RequestChain(unsharded)
+    dchain.grow_to(ShardAllocator(unsharded, pages), 1000)
+    reg = dchain.registration(1, PoolLayout.of(decode))
+    dst = RemoteSpace.of(decode)
+    rx = Receiver()
     rx.register(reg, ranks)
     stream = torch.cuda.Stream()
     torch.cuda.synchronize()  # the tensors were filled on the default stream
     done = None
-    for method in [kvshard.Method.KERNEL]:
-        senders = [kvshard.Sender(p, stream, method) for p in pools]
+    for method in [Method.KERNEL]:
+        senders = [Sender(p, stream, method) for p in pools]
         for i, end in enumerate([512, 1000]):
             for s in senders:
                 if i == 0:
@@ -163,20 +177,20 @@ def test_pd_round_trip_with_torch_decode_pool(device, gen):
                 )
 
 
-@pytest.mark.parametrize("route", [kvshard.Route.KERNEL, kvshard.Route.COPY_ENGINE, kvshard.Route.STAGED, kvshard.Route.STAGED_KERNEL], ids=repr)
+@pytest.mark.parametrize("route", [Route.KERNEL, Route.COPY_ENGINE, Route.STAGED, Route.STAGED_KERNEL], ids=repr)
 @pytest.mark.parametrize("packed", [False, True])
 def test_hicache_round_trip_and_layer_waits_on_a_torch_stream(device, gen, route, packed):
     g, pages = geometry(), 40
-    placement = kvshard.Placement(2)
+    placement = Placement(2)
     t = torch_tensors(g, pages, True, gen)
     pool = wrap(device, g, placement, 1, pages, t)
-    staged = route in (kvshard.Route.STAGED, kvshard.Route.STAGED_KERNEL)
-    layout = kvshard.HostLayout.LAYER_FIRST if packed and staged else kvshard.HostLayout.PAGE_FIRST
-    host = kvshard.HostPool(device, g, pages, layout, sglang=True, packed_draft=packed)
-    ctl = kvshard.HiCacheController(pool, host)
+    staged = route in (Route.STAGED, Route.STAGED_KERNEL)
+    layout = HostLayout.LAYER_FIRST if packed and staged else HostLayout.PAGE_FIRST
+    host = kvshard.pool.HostPool(device, g, pages, layout, sglang=True, packed_draft=packed)
+    ctl = kvshard.hicache.HiCacheController(pool, host)
     chain_pages = [p for p in range(2, 2 * pages) if p % 2 == 1][:24]
     # Rank 1's pages only (no shard owner: host pages of the same owner class).
-    node = kvshard.CacheNode(5, chain_pages, None)
+    node = CacheNode(5, chain_pages, None)
     compute = torch.cuda.current_stream()
     want = {p: [page_of(t, c.component, l, p // 2).clone() for c in g.components() for l in range(c.layers)] for p in chain_pages}
     assert ctl.access(node, compute, route) == 0
@@ -206,12 +220,12 @@ def test_hicache_round_trip_and_layer_waits_on_a_torch_stream(device, gen, route
 
 def test_enqueueing_never_synchronizes_the_callers_stream(device, gen):
     g, pages = geometry(), 16
-    placement = kvshard.Placement(1)
+    placement = Placement(1)
     t = torch_tensors(g, pages, True, gen)
     pool = wrap(device, g, placement, 0, pages, t)
-    host = kvshard.HostPool(device, g, pages, kvshard.HostLayout.PAGE_FIRST_DIRECT)
-    plan = kvshard.TransferPlan(placement, 0, list(range(1, 9)), list(range(1, 9)), pages, pages)
-    tr = kvshard.HostTransfer(pool, host, plan, kvshard.Direction.BACKUP)
+    host = kvshard.pool.HostPool(device, g, pages, HostLayout.PAGE_FIRST_DIRECT)
+    plan = TransferPlan(placement, 0, list(range(1, 9)), list(range(1, 9)), pages, pages)
+    tr = kvshard.hicache.HostTransfer(pool, host, plan, Direction.BACKUP)
     tr.prepare_kernel_sync()
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
@@ -219,7 +233,7 @@ def test_enqueueing_never_synchronizes_the_callers_stream(device, gen):
     with torch.cuda.stream(s):
         torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued ahead
     t0 = time.perf_counter()
-    for io in [kvshard.Method.KERNEL, kvshard.Method.COPY_ENGINE]:
+    for io in [Method.KERNEL, Method.COPY_ENGINE]:
         tr.run(s, io)
     e = ks.record()
     elapsed = time.perf_counter() - t0
@@ -235,7 +249,7 @@ def test_stream_none_is_torchs_current_stream(device):
     before it (on the legacy default stream it would run at once, under torch's write)."""
     g, pages = geometry(), 8
     t = torch_tensors(g, pages)
-    pool = wrap(device, g, kvshard.Placement(1), 0, pages, t)
+    pool = wrap(device, g, Placement(1), 0, pages, t)
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
     device.stream(s)  # the one-time wrap, before the stream is busy
@@ -266,7 +280,7 @@ def test_repeated_calls_on_a_foreign_stream_stay_ordered_on_it(device, shape):
     stream, never on another stream (the sleep ahead would let it run early)."""
     g, pages = geometry(), 8
     t = torch_tensors(g, pages)
-    pool = wrap(device, g, kvshard.Placement(1), 0, pages, t)
+    pool = wrap(device, g, Placement(1), 0, pages, t)
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
     arg = {
@@ -292,13 +306,13 @@ def test_after_waits_for_torch_events_and_streams(device, after):
     what the work queued before it wrote, not what was there (the work is behind a sleep)."""
     g, pages = geometry(), 16
     t = torch_tensors(g, pages)
-    pool = wrap(device, g, kvshard.Placement(1), 0, pages, t)
-    host = kvshard.HostPool(device, g, pages, kvshard.HostLayout.PAGE_FIRST)
-    ctl = kvshard.HiCacheController(pool, host)
+    pool = wrap(device, g, Placement(1), 0, pages, t)
+    host = kvshard.pool.HostPool(device, g, pages, HostLayout.PAGE_FIRST)
+    ctl = kvshard.hicache.HiCacheController(pool, host)
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
     for i in range(2):
-        node = kvshard.CacheNode(i + 1, [2 + 2 * i, 3 + 2 * i])
+        node = CacheNode(i + 1, [2 + 2 * i, 3 + 2 * i])
         with torch.cuda.stream(s):
             torch.cuda._sleep(500_000_000)
             for arrays in t.values():
@@ -315,7 +329,7 @@ def test_after_waits_for_torch_events_and_streams(device, after):
         for hp in ack.host_pages:
             assert bool((kv[hp * PAGE : (hp + 1) * PAGE] == 7 + i).all()), (after, i, hp)
     # An event never recorded is nothing to wait for.
-    assert ctl.backup(kvshard.CacheNode(9, [8]), torch.cuda.Event()) == 2
+    assert ctl.backup(CacheNode(9, [8]), torch.cuda.Event()) == 2
     ctl.ack_backups_sync(1)
 
 
@@ -323,13 +337,13 @@ def test_sglang_host_pool_on_memory_registered_with_cuda_host_register(device, g
     from kvshard.sglang import MLAHostPool
 
     g, page_num, pages = geometry(), 12, 16
-    placement = kvshard.Placement(1)
+    placement = Placement(1)
     t = torch_tensors(g, pages, True, gen)
     pool = wrap(device, g, placement, 0, pages, t)
     torch.cuda.synchronize()
     L, Li = g.target.num_layers + 1, g.target.num_indexer_layers + 1
     kv = torch.zeros((page_num * PAGE, L, 1, 576), dtype=torch.uint8)
-    ix = torch.zeros((page_num + 1, Li, 1, kvshard.INDEXER_PAGE_BYTES), dtype=torch.uint8)
+    ix = torch.zeros((page_num + 1, Li, 1, INDEXER_PAGE_BYTES), dtype=torch.uint8)
     cudart = torch.cuda.cudart()
     registered = []
     # SGLang registers in chunks of whole pages of every layer; two chunks for the latent.
@@ -401,16 +415,16 @@ def test_sglang_host_pool_on_memory_registered_with_cuda_host_register(device, g
 
 def test_dlpack_from_cupy_when_present(device):
     cupy = pytest.importorskip("cupy")
-    g = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 2))
+    g = CacheGeometry(PoolGeometry(LatentLayout.FP8_TRTLLM, 2))
     pages = 8
     lat = [cupy.zeros((pages * PAGE, 576), dtype=cupy.uint8) for _ in range(2)]
-    ix = [cupy.zeros((pages, kvshard.INDEXER_PAGE_BYTES), dtype=cupy.uint8) for _ in range(2)]
-    pool = kvshard.DevicePool.wrap(device, g, kvshard.Placement(1), 0, pages, lat, ix)
+    ix = [cupy.zeros((pages, INDEXER_PAGE_BYTES), dtype=cupy.uint8) for _ in range(2)]
+    pool = kvshard.pool.DevicePool.wrap(device, g, Placement(1), 0, pages, lat, ix)
     pool.fill(7)
     device.synchronize()
     assert int(lat[1][3 * PAGE, 5]) == 7
     with pytest.raises(ValueError, match="cuda:0"):
-        kvshard.DevicePool.wrap(device, g, kvshard.Placement(1), 0, pages, [x.get() for x in lat], ix)
+        kvshard.pool.DevicePool.wrap(device, g, Placement(1), 0, pages, [x.get() for x in lat], ix)
 
 
 def _queue_matmuls(stream, ms):
@@ -449,29 +463,29 @@ def _aligned_host(nbytes, rows):
 # that stream had finished (cuMemFree / cuMemFreeHost on the dropping thread). Now device memory
 # comes from kvshard's stream-ordered pool and every other free runs on its reaper thread: each
 # drop returns in under a millisecond while the torch work is still queued, and the memory comes
-# back once it may (kvshard.wait_for_frees_sync).
+# back once it may (wait_for_frees_sync).
 def test_dropping_kvshard_objects_never_waits_for_a_torch_stream(device, capsys):
     import gc
 
     g, pages = geometry(), 64
-    unsharded = kvshard.Placement(1)
-    pool = kvshard.DevicePool.allocate(device, g, unsharded, 0, pages)
-    registrable = kvshard.DevicePool.allocate(device, g, unsharded, 0, pages, registrable=True)
-    host = kvshard.HostPool(device, g, pages, kvshard.HostLayout.PAGE_FIRST)
+    unsharded = Placement(1)
+    pool = kvshard.pool.DevicePool.allocate(device, g, unsharded, 0, pages)
+    registrable = kvshard.pool.DevicePool.allocate(device, g, unsharded, 0, pages, registrable=True)
+    host = kvshard.pool.HostPool(device, g, pages, HostLayout.PAGE_FIRST)
     layouts = host.buffer_layouts()
     lent = [_aligned_host(b.bytes, b.row_bytes) for b in layouts]
-    registered = kvshard.HostPool.wrap(device, g, pages, lent, kvshard.HostLayout.PAGE_FIRST, register=True)
-    staging = kvshard.ChunkStaging(pool, 512)
-    writer = kvshard.OwnedRowWrite(staging, pool)
-    ctl = kvshard.HiCacheController(pool, kvshard.HostPool(device, g, pages, kvshard.HostLayout.PAGE_FIRST))
-    signals = kvshard.LayerSignals(device, g.model_layers)
-    plan = kvshard.TransferPlan(unsharded, 0, list(range(1, 9)), list(range(1, 9)), pages, pages)
-    transfer = kvshard.HostTransfer(pool, host, plan, kvshard.Direction.BACKUP)
+    registered = kvshard.pool.HostPool.wrap(device, g, pages, lent, HostLayout.PAGE_FIRST, register=True)
+    staging = kvshard.pool.ChunkStaging(pool, 512)
+    writer = kvshard.pool.OwnedRowWrite(staging, pool)
+    ctl = kvshard.hicache.HiCacheController(pool, kvshard.pool.HostPool(device, g, pages, HostLayout.PAGE_FIRST))
+    signals = kvshard.hicache.LayerSignals(device, g.model_layers)
+    plan = TransferPlan(unsharded, 0, list(range(1, 9)), list(range(1, 9)), pages, pages)
+    transfer = kvshard.hicache.HostTransfer(pool, host, plan, Direction.BACKUP)
     transfer.prepare_kernel_sync()
     for p in (pool, registrable, host, registered):
         p.fill(3)
     writer.run_checked_sync(list(range(PAGE, 2 * PAGE)))
-    transfer.run(None, kvshard.Method.KERNEL)
+    transfer.run(None, Method.KERNEL)
     device.synchronize()
     torch.cuda.synchronize()
     # Users first, so each drop below lets go of what it alone holds.
@@ -510,7 +524,7 @@ def test_dropping_kvshard_objects_never_waits_for_a_torch_stream(device, capsys)
     slow = [(name, ms) for name, ms in times if ms >= 1.0]
     assert not slow, f"drops of 1 ms or more: {slow}"
     stream.synchronize()
-    kvshard.wait_for_frees_sync(60.0)
+    wait_for_frees_sync(60.0)
     del lent
 
 
@@ -520,20 +534,20 @@ def test_dropping_kvshard_objects_never_waits_for_a_torch_stream(device, capsys)
 # the frees drain, the device's free memory is where it was.
 def test_kvshard_memory_dropped_in_a_loop_comes_back(device):
     g = geometry()
-    unsharded = kvshard.Placement(1)
+    unsharded = Placement(1)
     torch.cuda.synchronize()
-    kvshard.wait_for_frees_sync(60.0)
+    wait_for_frees_sync(60.0)
     free_before, total = torch.cuda.mem_get_info()
     pages = (total // 16) // g.page_bytes
     for i in range(40):
-        pool = kvshard.DevicePool.allocate(device, g, unsharded, 0, pages)
+        pool = kvshard.pool.DevicePool.allocate(device, g, unsharded, 0, pages)
         pool.fill(i)
         del pool
     for i in range(16):
-        host = kvshard.HostPool(device, g, 256, kvshard.HostLayout.PAGE_FIRST)
+        host = kvshard.pool.HostPool(device, g, 256, HostLayout.PAGE_FIRST)
         host.fill(i)
         del host
     device.synchronize()
-    kvshard.wait_for_frees_sync(60.0)
+    wait_for_frees_sync(60.0)
     free_after, _ = torch.cuda.mem_get_info()
     assert free_after + (64 << 20) >= free_before, (free_before, free_after)

@@ -38,11 +38,14 @@ import numpy as np
 import pytest
 
 import kvshard
+from kvshard.error import InvalidArgumentError
+from kvshard.geometry import PAGE_SIZE
+from kvshard.shard import Placement, ShardAllocator
 from kvshard.sglang.adapter import PageInterleaveAdapter
 import sglang_oracle
 from sglang_oracle import tally
 
-PAGE = kvshard.PAGE_SIZE
+PAGE = PAGE_SIZE
 SKIP = (False, True, False)  # layer 1 reuses another layer's top-k: no indexer buffer
 PPR = 12  # pages per rank, the padding page included
 
@@ -144,7 +147,7 @@ def sglang_pool(sg, rank, shard, kv, ix, slots, comm, max_prefix, chunk, cls=Non
 
 def batch(shard, data_rng):
     """A batch over cached chains: requests ``(start_owner, prefix_pages, chunk_pages)``."""
-    alloc = kvshard.ShardAllocator(kvshard.Placement(shard), PPR)
+    alloc = ShardAllocator(Placement(shard), PPR)
     chains = []
     for _ in range(2):
         a = alloc.alloc(int(data_rng.integers(shard, 2 * shard + 2)))
@@ -334,7 +337,7 @@ def test_adapter_refuses_what_it_cannot_place(sg):
     anything moves."""
     import torch
 
-    with pytest.raises(kvshard.InvalidArgumentError, match="500 B"):
+    with pytest.raises(InvalidArgumentError, match="500 B"):
         PageInterleaveAdapter(
             [torch.zeros((PPR * PAGE, 1, 500), dtype=torch.uint8)], None, 0, 2, 2 * PAGE, PAGE
         )
@@ -348,9 +351,9 @@ def test_adapter_refuses_what_it_cannot_place(sg):
     # A chunk longer than the staging, a layer the pool does not have: refused, nothing written.
     pool = adapter.layers[0][0].clone()
     loc = torch.arange(2 * PAGE, 5 * PAGE, dtype=torch.int64)
-    with pytest.raises(kvshard.InvalidArgumentError, match="staging"):
+    with pytest.raises(InvalidArgumentError, match="staging"):
         adapter.set_kv_buffer(0, loc, torch.ones((3 * PAGE, 1, 576), dtype=torch.uint8))
-    with pytest.raises(kvshard.InvalidArgumentError, match="layer 1"):
+    with pytest.raises(InvalidArgumentError, match="layer 1"):
         adapter.set_kv_buffer(1, loc[:PAGE], torch.ones((PAGE, 1, 576), dtype=torch.uint8))
     adapter.device.synchronize()
     assert torch.equal(adapter.layers[0][0], pool)
@@ -385,7 +388,7 @@ def test_pd_index_preparation_is_sglangs(sg, shard):
             g, h = pd.prepare_sharded_dsa_indices(pages, dst, shard_rank=rank, shard_size=shard)
             assert e.tolist() == g.tolist() and f.tolist() == h.tolist()
             ops += 2
-    with pytest.raises(kvshard.InvalidArgumentError):
+    with pytest.raises(InvalidArgumentError):
         pd.prepare_sharded_dsa_indices([shard], [1, 2], shard_rank=0, shard_size=shard)
     tally(f"P/D index preparation, CP{shard}", 20, ops)
 

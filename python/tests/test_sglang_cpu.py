@@ -8,12 +8,22 @@ import numpy as np
 import pytest
 
 import kvshard
+from kvshard.error import InvalidArgumentError
+from kvshard.geometry import (
+    CacheGeometry,
+    Component,
+    INDEXER_PAGE_BYTES,
+    LatentLayout,
+    PoolGeometry,
+)
+from kvshard.pool import DevicePool
+from kvshard.shard import Placement
 from conftest import PAGE, engine_tensors, nonzero, page_bytes, wrap
 from kvshard.sglang import MLAHostPool, resolve_layout_io
 
-C = kvshard.Component
+C = Component
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
-INDEXER = kvshard.INDEXER_PAGE_BYTES
+INDEXER = INDEXER_PAGE_BYTES
 
 
 def sglang_kv_shape(layout, layer_num, page_num, dim):
@@ -51,8 +61,8 @@ def sglang_block(ix, layout, layer, page):
 
 
 def geometry_with_shared_indexer():
-    return kvshard.CacheGeometry(
-        kvshard.PoolGeometry(kvshard.LatentLayout.FP8_SCALED, indexer_layers=[True, False, True]), draft=True
+    return CacheGeometry(
+        PoolGeometry(LatentLayout.FP8_SCALED, indexer_layers=[True, False, True]), draft=True
     )
 
 
@@ -82,7 +92,7 @@ def filled_device_pool(device, geometry, pages, rng):
     for arrays in tensors.values():
         for a in arrays:
             a[...] = nonzero(rng, a.shape)
-    return wrap(device, geometry, kvshard.Placement(1), 0, pages, tensors), tensors
+    return wrap(device, geometry, Placement(1), 0, pages, tensors), tensors
 
 
 def slots(pages):
@@ -228,19 +238,19 @@ def test_storage_page_access_matches_sglangs_slicing_and_pointers(rng, layout):
 
 
 def test_the_allocator_never_hands_out_the_padding_page():
-    geometry = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 2), draft=True)
+    geometry = CacheGeometry(PoolGeometry(LatentLayout.FP8_TRTLLM, 2), draft=True)
     host = MLAHostPool(kvshard.Device.cpu(), geometry, 4, "page_first")
     assert host.available_size() == 3 * PAGE
     got = host.alloc(3 * PAGE)
     assert sorted({int(v) // PAGE for v in got}) == [1, 2, 3]
     assert host.alloc(PAGE) is None
     assert host.free(got[:PAGE]) == PAGE and host.available_size() == PAGE
-    with pytest.raises(kvshard.InvalidArgumentError):
+    with pytest.raises(InvalidArgumentError):
         host.alloc(10)
     # A transfer naming host page 0 is refused before anything moves.
     device = kvshard.Device.cpu()
-    pool = kvshard.DevicePool.allocate(device, geometry, kvshard.Placement(1), 0, 4)
-    with pytest.raises(kvshard.InvalidArgumentError, match="reserved"):
+    pool = DevicePool.allocate(device, geometry, Placement(1), 0, 4)
+    with pytest.raises(InvalidArgumentError, match="reserved"):
         host.backup_from_device_all_layer(pool, slots([0]), slots([1]), "kernel")
 
 
@@ -254,7 +264,7 @@ def test_sglangs_layout_corrections():
 
 
 def test_wrapped_host_buffers_must_have_sglangs_size():
-    geometry = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 2), draft=True)
+    geometry = CacheGeometry(PoolGeometry(LatentLayout.FP8_TRTLLM, 2), draft=True)
     bufs = sglang_buffers(geometry, "page_first", 5, True)
     bufs[1] = np.zeros(sglang_indexer_shape("page_first", 3, 4), np.uint8)  # a page short
     with pytest.raises(ValueError, match="exactly"):

@@ -4,9 +4,9 @@ Random operation sequences (hypothesis) run SGLang's real objects and kvshard's 
 on the same inputs and compare every answer:
 
 - the placement bijection (``PageInterleavePlacement``: owners, local rows, local pages, and the
-  inverse) against ``kvshard.Placement``;
+  inverse) against ``Placement``;
 - the allocator (``PageInterleavePoolAllocator`` with ``need_sort=True``, as SGLang builds it
-  for P/D prefill, the only mode sharding runs in) against ``kvshard.ShardAllocator``: batches
+  for P/D prefill, the only mode sharding runs in) against ``ShardAllocator``: batches
   of new chains and extensions (rotation bases resolved at each request's turn), frees, the
   release order, load-back allocations (SGLang's ``alloc_cyclic`` against kvshard's
   ``alloc_matching``), available and admission capacity, every page's state after every step;
@@ -15,9 +15,9 @@ on the same inputs and compare every answer:
 - the P/D send filter (``filter_kv_indices_for_shard_rank``) and the sharded DSA state indices
   (``_prepare_sharded_dsa_indices``) against the descriptors of kvshard's ``MooncakeSender``;
 - the gather plan (``begin_shard_extend``'s scratch page of every logical page and this rank's
-  send list) against ``kvshard.GatherPlan``, and the scratch sizing and per-batch admission
-  (``PageShardSpec``, ``PrefillAdder._kv_shard_reserve_scratch``) against ``kvshard.Budget``
-  and ``kvshard.Admission``.
+  send list) against ``GatherPlan``, and the scratch sizing and per-batch admission
+  (``PageShardSpec``, ``PrefillAdder._kv_shard_reserve_scratch``) against ``Budget``
+  and ``Admission``.
 
 The differences that remain are kvshard's deliberate strictness, each tested here and listed in
 docs/sglang.md: kvshard refuses what SGLang asserts only in debug mode or not at all.
@@ -31,6 +31,11 @@ import numpy as np
 import pytest
 
 import kvshard
+from kvshard.error import InvalidArgumentError
+from kvshard.geometry import CacheGeometry, Component, LatentLayout, PAGE_SIZE, PoolGeometry
+from kvshard.pool import Budget, DevicePool, PoolLayout
+from kvshard.shard import Admission, GatherPlan, Placement, ShardAllocator
+from kvshard.transfer import MooncakeMode, Registration, engine_memory
 import sglang_oracle
 from sglang_oracle import tally
 
@@ -40,7 +45,7 @@ try:
 except ImportError as why:
     sglang_oracle.unavailable(f"the differential tests need hypothesis, which does not import ({why})")
 
-PAGE = kvshard.PAGE_SIZE
+PAGE = PAGE_SIZE
 EXAMPLES = int(os.environ.get("KVSHARD_SGLANG_EXAMPLES", "150"))
 SETTINGS = settings(
     max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
@@ -73,7 +78,7 @@ def test_placement_bijection_matches_sglang(sg, shard, data):
         shard_rank=0, shard_size=shard, page_size=PAGE, max_prefix_tokens=shard * PAGE, chunk_tokens=PAGE
     )
     theirs = sg.placement.PageInterleavePlacement(spec)
-    ours = kvshard.Placement(shard)
+    ours = Placement(shard)
     slots = data.draw(st.lists(st.integers(0, (1 << 40) - 1), min_size=1, max_size=64))
     loc = t.tensor(slots, dtype=t.int64)
     owners = theirs.owner_of(loc).tolist()
@@ -113,7 +118,7 @@ class Pair:
             kvcache=None,
             need_sort=True,
         )
-        self.ours = kvshard.ShardAllocator(kvshard.Placement(shard), pages_per_rank)
+        self.ours = ShardAllocator(Placement(shard), pages_per_rank)
         self.chains: list[dict] = []
         self.ops = 0
 
@@ -233,7 +238,7 @@ def test_host_slots_and_owned_rows_match_sglang(sg, shard, ppr, data):
         size=(ppr - 1) * PAGE, physical_page_size=PAGE, shard_size=shard, dtype=t.int64,
         device="cpu", kvcache=None, need_sort=False,
     )
-    ours = kvshard.ShardAllocator(kvshard.Placement(shard), ppr)
+    ours = ShardAllocator(Placement(shard), ppr)
     # Pairs of (SGLang's pages, kvshard's pages) handed out by the same call.
     held: list[tuple[list[int], list[int]]] = []
     ops = 0
@@ -286,12 +291,12 @@ def test_owned_rows_match_sglang(sg, shard, data):
     device_pages = [device_local[i % (pages - 1)] * shard + o for i, o in enumerate(owners)]
     host = t.tensor([p * PAGE + o for p in host_pages for o in range(PAGE)], dtype=t.int64)
     device = t.tensor([p * PAGE + o for p in device_pages for o in range(PAGE)], dtype=t.int64)
-    ours_placement = kvshard.Placement(shard)
+    ours_placement = Placement(shard)
     for rank in range(shard):
         facade = object.__new__(host_pool.PageInterleaveHostPool)
         facade.__dict__.update(placement=placement, shard_rank=rank, shard_size=shard)
         h_rows, d_rows = host_pool.PageInterleaveHostPool.owned_rows(facade, host, device)
-        plan = kvshard.TransferPlan.from_slots(
+        plan = kvshard.hicache.TransferPlan.from_slots(
             ours_placement, rank, np.asarray(device.numpy()), np.asarray(host.numpy()), pages, pages
         )
         assert plan.device_pages == (d_rows[::PAGE] // PAGE).tolist()
@@ -341,9 +346,9 @@ def sglang_gather(sg, shard, rank, ppr, max_prefix_tokens, chunk_tokens, request
 def test_gather_plan_matches_sglang(sg, shard, data):
     """A batch of requests over cached chains (several may share a chain's prefix) and their new
     chunk pages: SGLang's scratch page of every logical page, block and send lists against
-    ``kvshard.GatherPlan``, on every rank; a batch that overflows the scratch is refused by both."""
+    ``GatherPlan``, on every rank; a batch that overflows the scratch is refused by both."""
     ppr = 24
-    alloc = kvshard.ShardAllocator(kvshard.Placement(shard), ppr)
+    alloc = ShardAllocator(Placement(shard), ppr)
     chains = []
     for _ in range(data.draw(st.integers(1, 3))):
         a = alloc.alloc(data.draw(st.integers(1, 2 * shard + 1)))
@@ -359,7 +364,7 @@ def test_gather_plan_matches_sglang(sg, shard, data):
     chunk_tokens = data.draw(st.integers(1, 4 * shard)) * PAGE
     ours = theirs = None
     try:
-        ours = kvshard.GatherPlan(kvshard.Placement(shard), max_prefix, chunk_tokens, shard * ppr, requests)
+        ours = GatherPlan(Placement(shard), max_prefix, chunk_tokens, shard * ppr, requests)
     except kvshard.KvshardError:
         pass
     for rank in range(shard):
@@ -394,7 +399,7 @@ def sglang_adder(sg_spec, shard):
 @given(shard=st.sampled_from([2, 3, 4, 8]), data=st.data())
 def test_admission_matches_sglang(sg, shard, data):
     """A scheduling pass: random requests offered in turn to SGLang's scratch reservation and
-    to ``kvshard.Admission``. SGLang's scheduler first cuts a request's extension to the chunk
+    to ``Admission``. SGLang's scheduler first cuts a request's extension to the chunk
     room left, floored to whole pages (``add_chunked_req``), then reserves; kvshard's ``offer``
     does both. Every answer (admitted, deferred, never admissible) and the batch's block and
     chunk pages agree. The pool's capacity is not in play here (kvshard's pool deferral is
@@ -406,7 +411,7 @@ def test_admission_matches_sglang(sg, shard, data):
         shard_rank=0, shard_size=shard, page_size=PAGE, max_prefix_tokens=max_prefix, chunk_tokens=chunk_tokens
     )
     adder = sglang_adder(spec, shard)
-    ours = kvshard.Admission(kvshard.Placement(shard), max_prefix, chunk_tokens, 1 << 60)
+    ours = Admission(Placement(shard), max_prefix, chunk_tokens, 1 << 60)
     offers = data.draw(st.integers(1, 8))
     for _ in range(offers):
         prefix = data.draw(st.integers(0, max_prefix // PAGE + shard)) * PAGE
@@ -420,7 +425,7 @@ def test_admission_matches_sglang(sg, shard, data):
             mine = "never"
         try:
             got = ours.offer(prefix, extend)
-        except kvshard.InvalidArgumentError:
+        except InvalidArgumentError:
             got = "never"
         if mine == "never" or got == "never":
             assert mine == got, (prefix, extend, ask)
@@ -443,7 +448,7 @@ def test_admission_matches_sglang(sg, shard, data):
 def test_scratch_sizing_matches_sglang(sg, shard, context, chunk, latent, mtp):
     """SGLang's scratch spec and bytes (``make_page_shard_spec``, ``compute_page_shard_scratch_bytes``
     for a DSA model: latent row + indexer key + scale per row, doubled with the MTP draft)
-    against ``kvshard.Budget``. The rank topology, server arguments and the latent row width
+    against ``Budget``. The rank topology, server arguments and the latent row width
     SGLang derives from its attention backend are its inputs, given here."""
     from types import SimpleNamespace
 
@@ -470,8 +475,8 @@ def test_scratch_sizing_matches_sglang(sg, shard, context, chunk, latent, mtp):
         )
         spec = pi.make_page_shard_spec(kvc)
         scratch = pi.compute_page_shard_scratch_bytes(kvc, include_mtp=mtp)
-        geometry = kvshard.CacheGeometry.deepseek_v32(getattr(kvshard.LatentLayout, latent), mtp=mtp)
-        budget = kvshard.Budget.plan(1 << 40, context, chunk, geometry, kvshard.Placement(shard))
+        geometry = CacheGeometry.deepseek_v32(getattr(LatentLayout, latent), mtp=mtp)
+        budget = Budget.plan(1 << 40, context, chunk, geometry, Placement(shard))
         assert budget.max_prefix_tokens == spec.max_prefix_tokens
         assert budget.scratch_rows == spec.scratch_rows
         assert budget.scratch_bytes == scratch
@@ -482,8 +487,8 @@ def test_scratch_sizing_matches_sglang(sg, shard, context, chunk, latent, mtp):
 
 
 def _pd_geometry():
-    return kvshard.CacheGeometry(
-        kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, indexer_layers=[True, False]), draft=True
+    return CacheGeometry(
+        PoolGeometry(LatentLayout.FP8_TRTLLM, indexer_layers=[True, False]), draft=True
     )
 
 
@@ -524,8 +529,8 @@ def test_pd_send_filter_matches_sglang(sg, shard, data):
     geometry = _pd_geometry()
     dev = kvshard.Device.cpu()
     src_ppr, decode_pages = 16, 64
-    placement = kvshard.Placement(shard)
-    alloc = kvshard.ShardAllocator(placement, src_ppr)
+    placement = Placement(shard)
+    alloc = ShardAllocator(placement, src_ppr)
     total = data.draw(st.integers(1, 3 * shard + 2))
     src = alloc.alloc(total).pages
     prefix = data.draw(st.integers(0, total - 1))
@@ -533,17 +538,17 @@ def test_pd_send_filter_matches_sglang(sg, shard, data):
     state_dst = [int(x) for x in order[:total]]
     kv_dst = [int(x) for x in order[total : total + total - prefix]]
     cuts = sorted(set(data.draw(st.lists(st.integers(prefix + 1, total), max_size=3))) | {total})
-    decode = kvshard.DevicePool.allocate(dev, geometry, kvshard.Placement(1), 0, decode_pages)
-    _, dst_bases = kvshard.engine_memory(decode)
+    decode = DevicePool.allocate(dev, geometry, Placement(1), 0, decode_pages)
+    _, dst_bases = engine_memory(decode)
     blocks = [c.block_bytes for c in geometry.components()]
-    indexer = next(i for i, c in enumerate(geometry.components()) if c.component == kvshard.Component.TARGET_INDEXER)
+    indexer = next(i for i, c in enumerate(geometry.components()) if c.component == Component.TARGET_INDEXER)
     ops = 0
     for rank in range(shard):
-        pool = kvshard.DevicePool.allocate(dev, geometry, placement, rank, src_ppr)
-        _, src_bases = kvshard.engine_memory(pool)
-        sender = kvshard.MooncakeSender(pool, dst_bases, decode_pages, mode=kvshard.MooncakeMode.COALESCED)
-        layout = kvshard.PoolLayout.packed(geometry, decode_pages)
-        sender.open(kvshard.Registration(1, layout, kv_dst, state_dst, prefix))
+        pool = DevicePool.allocate(dev, geometry, placement, rank, src_ppr)
+        _, src_bases = engine_memory(pool)
+        sender = kvshard.transfer.MooncakeSender(pool, dst_bases, decode_pages, mode=MooncakeMode.COALESCED)
+        layout = PoolLayout.packed(geometry, decode_pages)
+        sender.open(Registration(1, layout, kv_dst, state_dst, prefix))
         start = prefix
         for end in cuts:
             last = end == total
@@ -619,7 +624,7 @@ def test_host_layouts_match_sglang(host_layouts, layout, data):
     ``load_to_device_per_layer`` hand them to the kernels)."""
     built, ours = host_layouts[layout]
     kv, ix = built.kv, built.indexer
-    C = kvshard.Component
+    C = Component
     compared = 0
     for _ in range(8):
         page = data.draw(st.integers(1, kv.page_num - 1))
@@ -696,7 +701,7 @@ def test_page_interleave_host_bytes_match_sglang(host_layouts, shard, layout, da
         )
         facade = PageInterleaveHostPool(kv, PageInterleavePlacement(spec))
         h_rows, _ = facade.owned_rows(host, host)
-        plan = kvshard.TransferPlan.from_slots(kvshard.Placement(shard), rank, host.numpy(), host.numpy(), pages, pages)
+        plan = kvshard.hicache.TransferPlan.from_slots(Placement(shard), rank, host.numpy(), host.numpy(), pages, pages)
         assert plan.host_pages == (h_rows[::PAGE] // PAGE).tolist()
         for local in plan.host_pages:
             token = data.draw(st.integers(0, PAGE - 1))
@@ -706,6 +711,6 @@ def test_page_interleave_host_bytes_match_sglang(host_layouts, shard, layout, da
             at = {"layer_first": (layer, token, 0, byte), "page_first": (token, layer, 0, byte)}.get(
                 layout, (0, layer, token, 0, byte)
             )
-            assert _addr(view[at]) == _ours(ours, kvshard.Component.TARGET_LATENT, layer, local, token, byte)
+            assert _addr(view[at]) == _ours(ours, Component.TARGET_LATENT, layer, local, token, byte)
             compared += 1
     tally(f"page-interleave host bytes {layout}", 1, compared)

@@ -30,11 +30,13 @@ import numpy as np
 import pytest
 
 import kvshard
+from kvshard.geometry import PAGE_SIZE
+from kvshard.storage import page_hashes
 import sglang_oracle
 from kvshard import _hicache_stand_in as stand_in
 from test_sglang_storage_cpu import need_nixl, store_dir  # noqa: F401 (a fixture)
 
-PAGE = kvshard.PAGE_SIZE
+PAGE = PAGE_SIZE
 LAYERS = 3
 SKIP = [False, True, False]  # layer 1 reuses another layer's top-k: no indexer buffer
 PAGES = 8  # SGLang's device capacity in pages; its host pool holds PAGES * 2 + 1
@@ -149,7 +151,7 @@ def test_storage_round_trips_in_sglang_objects(sg, store_dir, layout):  # noqa: 
     rng = np.random.default_rng(7)
     src, dst = [1, 2, 3, 4], [9, 10, 11, 12]
     fill(kv, indexer, src + dst, rng)
-    keys = kvshard.page_hashes(list(rng.integers(0, 50_000, len(src) * PAGE)))
+    keys = page_hashes(list(rng.integers(0, 50_000, len(src) * PAGE)))
     stored = backend.batch_set_v2(
         [PoolTransfer(PoolName.KV, host_indices=slots(src), keys=keys),
          PoolTransfer(PoolName.INDEXER, host_indices=slots(src), keys=keys)]
@@ -166,7 +168,7 @@ def test_storage_round_trips_in_sglang_objects(sg, store_dir, layout):  # noqa: 
         assert page(kv, d) == page(kv, s) and page(indexer, d) == page(indexer, s)
 
     # v1 on the anchor pool: another prefix, loaded back into yet other pages.
-    more = kvshard.page_hashes(list(rng.integers(0, 50_000, 2 * PAGE)))
+    more = page_hashes(list(rng.integers(0, 50_000, 2 * PAGE)))
     fill(kv, indexer, [5, 6, 13, 14], rng)
     assert backend.batch_set_v1(more, slots([5, 6])) == [True, True]
     assert backend.batch_exists(more) == 2
@@ -198,7 +200,7 @@ def test_storage_under_sglangs_failure_injector(sg, store_dir):  # noqa: F811
     for step in range(40):
         src = [1 + step % 6]
         fill(kv, indexer, src, rng)
-        key = kvshard.page_hashes(list(rng.integers(0, 50_000, PAGE)))
+        key = page_hashes(list(rng.integers(0, 50_000, PAGE)))
         stored = backend.batch_set_v2(
             [PoolTransfer(PoolName.KV, host_indices=slots(src), keys=key),
              PoolTransfer(PoolName.INDEXER, host_indices=slots(src), keys=key)]
@@ -271,7 +273,7 @@ def test_each_rank_stores_its_own_stripe(sg, store_dir, shard):  # noqa: F811
     n_ix = ranks[0].indexer.get_data_page(PAGE, flat=True).numel()
     # The unsharded pages: what SGLang's unsharded host pools hold for each chain position.
     reference = [(rng.integers(1, 256, n_kv, dtype=np.uint8), rng.integers(1, 256, n_ix, dtype=np.uint8)) for _ in range(pages)]
-    keys = kvshard.page_hashes(list(rng.integers(0, 50_000, pages * PAGE)))
+    keys = page_hashes(list(rng.integers(0, 50_000, pages * PAGE)))
 
     def chain(start_owner):
         # Every rank's facade runs the same owner-classed allocator: the same logical slots.
@@ -329,5 +331,5 @@ def test_extra_config_numbers_are_bounded(sg, store_dir):  # noqa: F811
         {"timeout": float("nan")}, {"timeout": 1e9}, {"writers": True},
     ):
         config = storage_config(sg, store_dir, "page_first", **bad)
-        with pytest.raises(kvshard.InvalidArgumentError, match=next(iter(bad))):
+        with pytest.raises(kvshard.error.InvalidArgumentError, match=next(iter(bad))):
             sg.factory.StorageBackendFactory.create_backend("dynamic", config, None)

@@ -28,6 +28,9 @@ import numpy as np
 import pytest
 
 import kvshard
+from kvshard.error import HiCacheError, InvalidArgumentError, StorageError, UnavailableError
+from kvshard.geometry import CacheGeometry, LatentLayout, PoolGeometry
+from kvshard.storage import IndexerScale, KEY_BYTES, Namespace, page_hash, page_hashes
 from conftest import PAGE
 from kvshard import sglang_storage
 from kvshard.sglang import MLAHostPool
@@ -46,8 +49,8 @@ PAGES = 12  # host pages, page 0 the padding page
 
 
 def geometry():
-    return kvshard.CacheGeometry(
-        kvshard.PoolGeometry(kvshard.LatentLayout.FP8_SCALED, indexer_layers=[True, False, True]), draft=True
+    return CacheGeometry(
+        PoolGeometry(LatentLayout.FP8_SCALED, indexer_layers=[True, False, True]), draft=True
     )
 
 
@@ -67,8 +70,8 @@ def nixl_runtime_missing():
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     try:
-        kvshard.DiskStore(host_pool().host, d / "s", 1)
-    except kvshard.UnavailableError as e:
+        kvshard.storage.DiskStore(host_pool().host, d / "s", 1)
+    except UnavailableError as e:
         return str(e)
     finally:
         shutil.rmtree(d, ignore_errors=True)
@@ -78,7 +81,7 @@ def nixl_runtime_missing():
 def need_nixl(what):
     """Skips (or fails, with KVSHARD_REQUIRE_NIXL) without the storage tier: a wheel built
     without it, or NIXL's runtime not loading."""
-    if not hasattr(kvshard, "DiskStore"):
+    if not hasattr(kvshard.storage, "DiskStore"):
         msg = f"{what}: this wheel has no storage tier (built without --features nixl)"
     elif (missing := nixl_runtime_missing()) is not None:
         msg = f"{what}: NIXL runtime missing: {missing}"
@@ -145,7 +148,7 @@ def open_backend(storage_config, host):
     try:
         backend = create_backend(storage_config)
         backend.register_mem_pool_host(host)
-    except kvshard.UnavailableError as e:
+    except UnavailableError as e:
         if os.environ.get("KVSHARD_REQUIRE_NIXL"):
             raise
         pytest.skip(f"NIXL runtime missing: {e}")
@@ -183,7 +186,7 @@ def indices(pages):
 def chain(n, seed=0):
     """SGLang's page hashes of an n-page token sequence."""
     tokens = [(seed * 7919 + i * 2654435761) % (1 << 32) for i in range(n * PAGE)]
-    return kvshard.page_hashes(tokens)
+    return page_hashes(tokens)
 
 
 def sglang_get_hash_str(token_ids, prior_hash=None):
@@ -220,25 +223,25 @@ def test_page_hash_chain_is_sglangs_get_hash_str():
     for i in range(3):
         prior = sglang_get_hash_str(tokens[i * PAGE : (i + 1) * PAGE], prior)
         want.append(prior)
-    assert kvshard.page_hashes(tokens) == want  # the trailing partial page has no hash
-    assert kvshard.page_hash(tokens[PAGE : 2 * PAGE], want[0]) == want[1]
+    assert page_hashes(tokens) == want  # the trailing partial page has no hash
+    assert page_hash(tokens[PAGE : 2 * PAGE], want[0]) == want[1]
     seed = hashlib.sha256(b"parent").hexdigest()
-    assert kvshard.page_hashes(tokens[:PAGE], seed) == [sglang_get_hash_str(tokens[:PAGE], seed)]
-    assert kvshard.page_hashes(tokens[:PAGE], bytes.fromhex(seed)) == [sglang_get_hash_str(tokens[:PAGE], seed)]
+    assert page_hashes(tokens[:PAGE], seed) == [sglang_get_hash_str(tokens[:PAGE], seed)]
+    assert page_hashes(tokens[:PAGE], bytes.fromhex(seed)) == [sglang_get_hash_str(tokens[:PAGE], seed)]
     # Keys: namespace || page hash, the same from hex strings, bytes or the tokens.
-    ns = kvshard.Namespace(geometry(), b"test")
+    ns = Namespace(geometry(), b"test")
     assert ns.key(want[1]) == ns.bytes + bytes.fromhex(want[1])
     assert ns.keys(want) == ns.chain_keys(tokens) == [ns.bytes + bytes.fromhex(h) for h in want]
-    assert len(ns.key(want[0])) == kvshard.KEY_BYTES
+    assert len(ns.key(want[0])) == KEY_BYTES
     # The namespace separates tenants and indexer scale rules.
-    assert kvshard.Namespace(geometry(), b"other").bytes != ns.bytes
-    assert kvshard.Namespace(geometry(), b"test", kvshard.IndexerScale.PLAIN).bytes != ns.bytes
+    assert Namespace(geometry(), b"other").bytes != ns.bytes
+    assert Namespace(geometry(), b"test", IndexerScale.PLAIN).bytes != ns.bytes
     for bad in ([-1] * PAGE, [1 << 32] * PAGE):
-        with pytest.raises(kvshard.InvalidArgumentError):
-            kvshard.page_hashes(bad)
-    with pytest.raises(kvshard.InvalidArgumentError):
-        kvshard.page_hash(tokens[: PAGE - 1])
-    with pytest.raises(kvshard.InvalidArgumentError):
+        with pytest.raises(InvalidArgumentError):
+            page_hashes(bad)
+    with pytest.raises(InvalidArgumentError):
+        page_hash(tokens[: PAGE - 1])
+    with pytest.raises(InvalidArgumentError):
         ns.key("not a page hash")
 
 
@@ -346,7 +349,7 @@ def test_v2_kv_indexer_and_draft_pools(store_dir):
     assert got == {PoolName.KV: [True, False], PoolName.INDEXER: [True, False], PoolName.MAMBA: [False]}
     assert set(page_bytes(host, 10)) == set(page_bytes(host, 11)) == {POISON}
     # Pools over another host pool are refused.
-    with pytest.raises(kvshard.InvalidArgumentError):
+    with pytest.raises(InvalidArgumentError):
         backend.register_mem_host_pool_v2(host_pool(), PoolName.DRAFT_INDEXER)
 
 
@@ -386,18 +389,18 @@ def test_configurations_it_refuses(store_dir):
     # own stripe, test_sglang_objects_cpu.py).
     cp = config(store_dir, writer=2)
     cp.attn_cp_size = 2
-    with pytest.raises(kvshard.InvalidArgumentError, match="writer"):
+    with pytest.raises(InvalidArgumentError, match="writer"):
         create_backend(cp)
     no_dir = config(store_dir)
     del no_dir.extra_config["dir"]
-    with pytest.raises(kvshard.InvalidArgumentError, match="'dir'"):
+    with pytest.raises(InvalidArgumentError, match="'dir'"):
         create_backend(no_dir)
     not_mla = config(store_dir)
     not_mla.is_mla_model = False
-    with pytest.raises(kvshard.InvalidArgumentError, match="MLA"):
+    with pytest.raises(InvalidArgumentError, match="MLA"):
         create_backend(not_mla)
     backend = create_backend(config(store_dir, indexer_scale="plain"))
-    with pytest.raises(kvshard.InvalidArgumentError, match="MLAHostPool"):
+    with pytest.raises(InvalidArgumentError, match="MLAHostPool"):
         backend.register_mem_pool_host(object())
     # Before a host pool is registered, nothing is present and nothing moves.
     assert backend.batch_exists(chain(1)) == 0
@@ -409,23 +412,23 @@ def test_storage_errors_are_typed(store_dir):
     need_nixl("DiskStore")
     host = host_pool()
     try:
-        kvshard.DiskStore(host.host, store_dir / "s", 4)
-    except kvshard.UnavailableError as e:
+        kvshard.storage.DiskStore(host.host, store_dir / "s", 4)
+    except UnavailableError as e:
         if os.environ.get("KVSHARD_REQUIRE_NIXL"):
             raise
         pytest.skip(f"NIXL runtime missing: {e}")
     # A directory that cannot be made (under a regular file).
     (store_dir / "file").write_bytes(b"x")
-    with pytest.raises(kvshard.StorageError) as e:
-        kvshard.DiskStore(host.host, store_dir / "file" / "s", 4)
-    assert (e.value.failure, isinstance(e.value, kvshard.HiCacheError)) == ("open", True)
+    with pytest.raises(StorageError) as e:
+        kvshard.storage.DiskStore(host.host, store_dir / "file" / "s", 4)
+    assert (e.value.failure, isinstance(e.value, HiCacheError)) == ("open", True)
     assert str(store_dir / "file") in e.value.path
     # Files of another shape (slot count) are refused, not reinterpreted.
-    with pytest.raises(kvshard.StorageError) as e:
-        kvshard.DiskStore(host.host, store_dir / "s", 8)
+    with pytest.raises(StorageError) as e:
+        kvshard.storage.DiskStore(host.host, store_dir / "s", 8)
     assert e.value.failure == "format"
-    with pytest.raises(kvshard.InvalidArgumentError):
-        kvshard.DiskStore(host.host, store_dir / "t", 4, writer=2, writers=2)
+    with pytest.raises(InvalidArgumentError):
+        kvshard.storage.DiskStore(host.host, store_dir / "t", 4, writer=2, writers=2)
 
 
 def sglang_pools(page_num, dsa=True):
@@ -482,7 +485,7 @@ def test_sglangs_own_host_pools_are_adopted(store_dir):
     assert [sglang_page(kv, indexer, p) for p in (5, 6)] == [sglang_page(kv, indexer, p) for p in (1, 2)]
     assert set(sglang_page(kv, indexer, 7)) == {POISON}
     # Another SGLang indexer pool cannot join the one host pool.
-    with pytest.raises(kvshard.InvalidArgumentError):
+    with pytest.raises(InvalidArgumentError):
         backend.register_mem_host_pool_v2(sglang_pools(PAGES)[1], PoolName.DRAFT_INDEXER)
 
 
@@ -502,7 +505,7 @@ def test_a_dsa_pool_without_its_indexer_is_never_stored(store_dir):
     assert set(mla.kv_buffer[3 * PAGE : 4 * PAGE].tobytes()) == {7}
 
 
-def test_the_first_calls_of_two_threads_open_one_store(store_dir):
+def test_the_first_calls_of_two_threads_open_one_store(store_dir, monkeypatch):
     """SGLang's prefetch and backup threads can make the first storage call together: one store
     opens (two would both append to this rank's journal)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -511,16 +514,13 @@ def test_the_first_calls_of_two_threads_open_one_store(store_dir):
     backend = open_backend(config(store_dir), kv)
     backend.register_mem_host_pool_v2(indexer, PoolName.INDEXER)
     opened = []
-    real = kvshard.DiskStore
+    real = kvshard.storage.DiskStore
 
     def counting(*args, **kwargs):
         opened.append(1)
         return real(*args, **kwargs)
 
-    sglang_storage.kvshard.DiskStore = counting
-    try:
-        with ThreadPoolExecutor(8) as pool:
-            hits = list(pool.map(lambda _: backend.batch_exists(chain(1)), range(8)))
-    finally:
-        sglang_storage.kvshard.DiskStore = real
+    monkeypatch.setattr(kvshard.storage, "DiskStore", counting)
+    with ThreadPoolExecutor(8) as pool:
+        hits = list(pool.map(lambda _: backend.batch_exists(chain(1)), range(8)))
     assert hits == [0] * 8 and len(opened) == 1

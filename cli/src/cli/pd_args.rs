@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use kvshard::backend::Launch;
+use kvshard::shard::DecodeLayout;
 use kvshard::{Error, Result};
 
 use crate::pd::pressure::{self, PressurePdConfig};
@@ -40,9 +41,18 @@ pub(super) struct PdArgs {
     cpu: bool,
     #[command(flatten)]
     shape: ShapeArgs,
-    /// Decode processes (pressure scenario; default 2).
+    /// Decodes (pressure scenario; default 2): decode processes, or with --decode-dcp M
+    /// decode context-parallel groups of M processes each.
     #[arg(long)]
     decodes: Option<u32>,
+    /// Decode context parallelism (pressure scenario): each decode is a group of M processes,
+    /// one per decode rank, each holding its share of the cache (default 1: unsharded).
+    #[arg(long, value_name = "M")]
+    decode_dcp: Option<u32>,
+    /// Tokens a decode rank takes at a time with --decode-dcp (token t on rank (t / I) % M;
+    /// default 1, 64 places whole pages).
+    #[arg(long, value_name = "I")]
+    decode_interleave: Option<u32>,
     /// Request sizes in pages, comma-separated (transfer scenario).
     #[arg(long, value_delimiter = ',')]
     pages: Option<Vec<usize>>,
@@ -139,6 +149,8 @@ impl PdArgs {
     fn transfer(&self, platform: Platform) -> std::result::Result<PdConfig, String> {
         const S: &str = "in the transfer scenario";
         unused("--decodes", self.decodes.is_some(), S)?;
+        unused("--decode-dcp", self.decode_dcp.is_some(), S)?;
+        unused("--decode-interleave", self.decode_interleave.is_some(), S)?;
         unused("--all-gather", self.all_gather.is_some(), S)?;
         unused("--group", self.group.is_some(), S)?;
         unused("--storage-dir", self.storage_dir.is_some(), S)?;
@@ -193,6 +205,14 @@ impl PdArgs {
         let mut c = PressurePdConfig::default_for(machine.platform);
         c.scenario.shape = self.shape.apply(c.scenario.shape.clone());
         c.processes = self.processes(machine.platform, c.processes.decodes);
+        let m = self.decode_dcp.unwrap_or(1);
+        c.decode_layout = DecodeLayout::new(m, self.decode_interleave.unwrap_or(1))
+            .map_err(|e| format!("--decode-dcp {m}: {e}"))?;
+        c.processes.decodes = c
+            .processes
+            .decodes
+            .checked_mul(m)
+            .ok_or("--decodes x --decode-dcp overflows")?;
         let one = "the pressure scenario sends with one method: --methods M or --ctas C";
         c.method = match self.methods.as_deref() {
             Some([name]) if name != "blocks" => {
@@ -412,7 +432,7 @@ pub(super) fn pd_command(args: &PdArgs, report: Option<ReportFile>) -> ExitCode 
                     match role {
                         None => {
                             say!(
-                                "pd pressure: {} prefill ranks and {} decodes on {}",
+                                "pd pressure: {} prefill ranks and {} decode processes on {}",
                                 cfg.scenario.shape.ranks,
                                 cfg.processes.decodes,
                                 cfg.processes.platform

@@ -97,6 +97,26 @@ pub enum Message {
         /// When the decode saw it complete.
         done: SystemTime,
     },
+    /// Pressure scenario with decode context-parallel groups, rank 0 of a group: the group's
+    /// registration of one prompt (a `transfer::DecodeRegistration`), which it writes to the
+    /// group's registration socket for every prefill rank instead of printing it. Each decode
+    /// rank's pool is the one that rank published on its control channel.
+    DecodeRegistration {
+        /// The prompt's request id.
+        request: u64,
+        /// The group's ranks (M).
+        ranks: u32,
+        /// Its interleave (I tokens).
+        interleave: u32,
+        /// Tokens of the prompt.
+        tokens: u64,
+        /// Pages of the prompt the group holds already (never sent).
+        prefix_pages: u64,
+        /// Per decode rank, in rank order: its pages of the prompt, from its first.
+        pages: Vec<Vec<u64>>,
+        /// Per decode rank: the pages of its indexer state.
+        state_pages: Vec<Vec<u64>>,
+    },
 }
 
 /// Why a line is no message.
@@ -144,6 +164,7 @@ impl Message {
             Message::Reloaded { .. } => "Reloaded",
             Message::Landed { .. } => "Landed",
             Message::Storage { .. } => "Storage",
+            Message::DecodeRegistration { .. } => "DecodeRegistration",
         }
     }
 
@@ -154,7 +175,8 @@ impl Message {
             Message::Ceiling(_)
             | Message::H2dCeiling(_)
             | Message::Received { .. }
-            | Message::Landed { .. } => matches!(from, Role::Decode(_)),
+            | Message::Landed { .. }
+            | Message::DecodeRegistration { .. } => matches!(from, Role::Decode(_)),
             Message::Sent { .. }
             | Message::PromptSent { .. }
             | Message::Reloaded { .. }
@@ -300,6 +322,18 @@ mod tests {
                 Role::Rank(1),
                 Message::Storage {
                     lines: vec!["storage: a line".into(), "storage: another".into()],
+                },
+            ),
+            (
+                Role::Decode(0),
+                Message::DecodeRegistration {
+                    request: 1,
+                    ranks: 2,
+                    interleave: 64,
+                    tokens: 130,
+                    prefix_pages: 0,
+                    pages: vec![vec![2, 3], vec![2]],
+                    state_pages: vec![vec![2, 3], vec![2]],
                 },
             ),
         ]

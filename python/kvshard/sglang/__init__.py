@@ -38,8 +38,8 @@ Differences from SGLang's classes, by design:
 - Transfers enqueue on the current torch stream when torch is in use (``stream=`` overrides),
   and never synchronize.
 - SGLang's names stay names here (``layout="page_first"``, ``io_backend="kernel"``: what
-  SGLang's server arguments hold); they become kvshard's enums (``kvshard.HostLayout``,
-  ``kvshard.Method``) where this module calls kvshard.
+  SGLang's server arguments hold); they become kvshard's enums (``kvshard.pool.HostLayout``,
+  ``kvshard.copy.Method``) where this module calls kvshard.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import kvshard
 
-PAGE_SIZE = kvshard.PAGE_SIZE
+PAGE_SIZE = kvshard.geometry.PAGE_SIZE
 
 __all__ = ["MLAHostPool", "DSAIndexerHostPool", "resolve_layout_io"]
 
@@ -166,7 +166,7 @@ class MLAHostPool:
     def __init__(
         self,
         device: "kvshard.Device",
-        geometry: "kvshard.CacheGeometry",
+        geometry: "kvshard.geometry.CacheGeometry",
         page_num: int,
         layout: str = "page_first",
         io_backend: str = "kernel",
@@ -193,13 +193,13 @@ class MLAHostPool:
         self._tables = tables_stream if tables_stream is not None else device.new_stream()
         self.geometry = geometry
         # SGLang names its layouts; kvshard's API takes the enum of the name.
-        host_layout = kvshard.HostLayout.from_name(layout)
+        host_layout = kvshard.pool.HostLayout.from_name(layout)
         if buffers is None:
-            self.host = kvshard.HostPool(
+            self.host = kvshard.pool.HostPool(
                 device, geometry, page_num, host_layout, sglang=True, packed_draft=packed_draft
             )
         else:
-            self.host = kvshard.HostPool.wrap(
+            self.host = kvshard.pool.HostPool.wrap(
                 device, geometry, page_num, list(buffers), host_layout, sglang=True, packed_draft=packed_draft
             )
         self._arrays = _Arrays(device.kind == "cuda")
@@ -219,7 +219,7 @@ class MLAHostPool:
         self.draft_buffer = None
         if not packed_draft and geometry.draft is not None:
             # The sidecar draft: its own host buffer (the draft latent component's).
-            index, _ = self.host.component_buffer(kvshard.Component.DRAFT_LATENT)
+            index, _ = self.host.component_buffer(kvshard.geometry.Component.DRAFT_LATENT)
             self.draft_buffer = self._arrays.of(self.host, index)
         self.indexer = DSAIndexerHostPool(self) if self._indexer is not None else None
         self.clear()
@@ -228,7 +228,7 @@ class MLAHostPool:
 
     def clear(self) -> None:
         """Frees every host page."""
-        self._allocator = kvshard.ShardAllocator(kvshard.Placement(1), self.page_num)
+        self._allocator = kvshard.shard.ShardAllocator(kvshard.shard.Placement(1), self.page_num)
 
     def available_size(self) -> int:
         """Free host slots (page 0 excluded)."""
@@ -238,7 +238,7 @@ class MLAHostPool:
         """``need_size`` host slots (a multiple of the page size) as int64 per-token indices,
         or None when the pool cannot hold them. Page 0 is never handed out."""
         if need_size % PAGE_SIZE:
-            raise kvshard.InvalidArgumentError(
+            raise kvshard.error.InvalidArgumentError(
                 f"alloc of {need_size} slots: not a multiple of the page size {PAGE_SIZE}"
             )
         pages = need_size // PAGE_SIZE
@@ -264,7 +264,7 @@ class MLAHostPool:
 
     # --- transfers -------------------------------------------------------------------------
 
-    def _io(self, io_backend: str) -> "kvshard.Method":
+    def _io(self, io_backend: str) -> "kvshard.copy.Method":
         """kvshard's method for SGLang's ``io_backend`` name (its default when empty)."""
         io = io_backend or self.io_backend
         if io == "kernel" and self.layout == "page_first_direct":
@@ -276,18 +276,18 @@ class MLAHostPool:
                 )
             io = "direct"
         if io not in ("kernel", "direct"):
-            raise kvshard.InvalidArgumentError(f"Unsupported IO backend: {io_backend}")
-        return kvshard.Method.KERNEL if io == "kernel" else kvshard.Method.COPY_ENGINE
+            raise kvshard.error.InvalidArgumentError(f"Unsupported IO backend: {io_backend}")
+        return kvshard.copy.Method.KERNEL if io == "kernel" else kvshard.copy.Method.COPY_ENGINE
 
     @staticmethod
-    def _pool(device_pool) -> "kvshard.DevicePool":
-        if isinstance(device_pool, kvshard.DevicePool):
+    def _pool(device_pool) -> "kvshard.pool.DevicePool":
+        if isinstance(device_pool, kvshard.pool.DevicePool):
             return device_pool
         pool = getattr(device_pool, "kvshard_pool", None)
-        if isinstance(pool, kvshard.DevicePool):
+        if isinstance(pool, kvshard.pool.DevicePool):
             return pool
-        raise kvshard.InvalidArgumentError(
-            "device_pool: expected a kvshard.DevicePool wrapping the engine's device tensors "
+        raise kvshard.error.InvalidArgumentError(
+            "device_pool: expected a kvshard.pool.DevicePool wrapping the engine's device tensors "
             "(or an object with a `kvshard_pool` attribute holding one)"
         )
 
@@ -296,14 +296,14 @@ class MLAHostPool:
         device_pool,
         host_indices,
         device_indices,
-        direction: "kvshard.Direction",
-        io: "kvshard.Method",
+        direction: "kvshard.copy.Direction",
+        io: "kvshard.copy.Method",
     ):
         key = (id(device_pool), id(host_indices), id(device_indices), direction)
         t = self._transfers.get(key)
         if t is None:
             pool = self._pool(device_pool)
-            plan = kvshard.TransferPlan.from_slots(
+            plan = kvshard.hicache.TransferPlan.from_slots(
                 pool.placement,
                 pool.rank,
                 _host_indices(device_indices),
@@ -311,9 +311,9 @@ class MLAHostPool:
                 pool.pages,
                 self.host.pages,
             )
-            t = kvshard.HostTransfer(pool, self.host, plan, direction)
+            t = kvshard.hicache.HostTransfer(pool, self.host, plan, direction)
             self._transfers.put(key, (device_pool, host_indices, device_indices), t)
-        if io == kvshard.Method.KERNEL:
+        if io == kvshard.copy.Method.KERNEL:
             t.prepare_kernel_sync(self._tables)
         return t
 
@@ -339,7 +339,7 @@ class MLAHostPool:
         if is_draft:
             return
         io = self._io(io_backend)
-        t = self._transfer(device_pool, host_indices, device_indices, kvshard.Direction.LOAD, io)
+        t = self._transfer(device_pool, host_indices, device_indices, kvshard.copy.Direction.LOAD, io)
         t.run(self.stream, io, layer_id, ctas=self.ctas)
 
     def load_to_device_per_layer_physical(
@@ -361,7 +361,7 @@ class MLAHostPool:
     ) -> None:
         """Backs up every layer (every component, the draft's too) on the current stream."""
         io = self._io(io_backend)
-        t = self._transfer(device_pool, host_indices, device_indices, kvshard.Direction.BACKUP, io)
+        t = self._transfer(device_pool, host_indices, device_indices, kvshard.copy.Direction.BACKUP, io)
         t.run(self.stream, io, None, ctas=self.ctas)
 
     def backup_from_device_all_layer_physical(
@@ -438,7 +438,7 @@ class MLAHostPool:
         (``layer_first``)."""
         values = self._arrays.tolist(_host_indices(indices))
         if len(values) % self.page_size:
-            raise kvshard.InvalidArgumentError(
+            raise kvshard.error.InvalidArgumentError(
                 f"{len(values)} indices: not whole pages of {self.page_size}"
             )
         ptrs, sizes = [], []
@@ -542,7 +542,7 @@ class DSAIndexerHostPool:
             raise ValueError(f"Unsupported layout: {self.layout}")
         values = self.mla._arrays.tolist(_host_indices(indices))
         if len(values) % self.page_size:
-            raise kvshard.InvalidArgumentError(
+            raise kvshard.error.InvalidArgumentError(
                 f"{len(values)} indices: not whole pages of {self.page_size}"
             )
         ptrs, sizes = [], []

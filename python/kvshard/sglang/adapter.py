@@ -12,12 +12,12 @@ current stream, waiting for nothing:
   base pool's store), by kvshard's ``OwnedRowWrite`` (that layer's latent rows only) from a
   ``ChunkStaging`` the rows are copied into.
 - ``begin_shard_extend(requests)``: the batch's gather plan (SGLang's ``begin_shard_extend``:
-  ``_page_pos``, ``_block_pages``, ``_send_pages``) by ``kvshard.GatherPlan`` from the pages the
+  ``_page_pos``, ``_block_pages``, ``_send_pages``) by ``kvshard.shard.GatherPlan`` from the pages the
   scheduler already holds on the host (no device work, no synchronization), its scratch page
   table written into ``page_pos`` in one copy; ``translate_loc_to_scratch`` as SGLang's.
 - ``land(layer, slot)``: this rank's prefix pages of one layer (latent rows and indexer pages)
   onto their scratch pages of a slot (SGLang's send-block pack, ``index_select`` into
-  ``scratch[rank * block:]``), by a ``kvshard.PageCopy`` planned once per batch and slot and run
+  ``scratch[rank * block:]``), by a ``kvshard.copy.PageCopy`` planned once per batch and slot and run
   layer by layer. Into this rank's own slot it is the pack an all-gather then spreads; into every
   rank's slot (ranks of one process, or slots mapped from peers) it is the all-gather's landing.
 - ``host_pool(kv_host, indexer_host)``: SGLang's HiCache host pools (``MLATokenToKVPoolHost``,
@@ -44,15 +44,15 @@ from typing import Any, Optional, Sequence
 import kvshard
 from kvshard.sglang import MLAHostPool
 
-PAGE = kvshard.PAGE_SIZE
-INDEXER_PAGE_BYTES = kvshard.INDEXER_PAGE_BYTES
+PAGE = kvshard.geometry.PAGE_SIZE
+INDEXER_PAGE_BYTES = kvshard.geometry.INDEXER_PAGE_BYTES
 
 __all__ = ["PageInterleaveAdapter", "ScratchSlot"]
 
 _LATENT_BY_ROW_BYTES = {
-    576: kvshard.LatentLayout.FP8_TRTLLM,
-    656: kvshard.LatentLayout.FP8_SCALED,
-    1152: kvshard.LatentLayout.BF16,
+    576: kvshard.geometry.LatentLayout.FP8_TRTLLM,
+    656: kvshard.geometry.LatentLayout.FP8_SCALED,
+    1152: kvshard.geometry.LatentLayout.BF16,
 }
 
 
@@ -73,8 +73,8 @@ def _device_of(tensor: Any) -> "kvshard.Device":
     return _DEVICES[key]
 
 
-def _one_layer(latent: "kvshard.LatentLayout", indexer: bool) -> "kvshard.CacheGeometry":
-    return kvshard.CacheGeometry(kvshard.PoolGeometry(latent, indexer_layers=[indexer]))
+def _one_layer(latent: "kvshard.geometry.LatentLayout", indexer: bool) -> "kvshard.geometry.CacheGeometry":
+    return kvshard.geometry.CacheGeometry(kvshard.geometry.PoolGeometry(latent, indexer_layers=[indexer]))
 
 
 class ScratchSlot:
@@ -87,12 +87,12 @@ class ScratchSlot:
     def __init__(self, adapter: "PageInterleaveAdapter", rows: int):
         t = _torch()
         if rows % PAGE or rows <= 0:
-            raise kvshard.InvalidArgumentError(f"a scratch slot of {rows} rows: not whole pages")
+            raise kvshard.error.InvalidArgumentError(f"a scratch slot of {rows} rows: not whole pages")
         pages = rows // PAGE + 1
         self.pages = pages
-        C = kvshard.Component
-        self.pool = kvshard.DevicePool.allocate(
-            adapter.device, _one_layer(adapter.latent, adapter.dsa), kvshard.Placement(1), 0, pages
+        C = kvshard.geometry.Component
+        self.pool = kvshard.pool.DevicePool.allocate(
+            adapter.device, _one_layer(adapter.latent, adapter.dsa), kvshard.shard.Placement(1), 0, pages
         )
         latent = t.from_dlpack(self.pool.layer_view(C.TARGET_LATENT, 0, raw=True))
         self.kv = latent.view(pages * PAGE, 1, adapter.row_bytes)[PAGE:]
@@ -103,7 +103,7 @@ class ScratchSlot:
             self.index_k = index.view(pages, INDEXER_PAGE_BYTES)[1:]
             bases[True] = self.pool.block_addr(C.TARGET_INDEXER, 0, 0)
         # Every stored layer of every component of the adapter's pool on this slot's memory.
-        self.space = kvshard.RemoteSpace.from_addresses(
+        self.space = kvshard.copy.RemoteSpace.from_addresses(
             adapter.device,
             adapter.geometry,
             pages,
@@ -140,30 +140,30 @@ class PageInterleaveAdapter:
     ):
         t = _torch()
         if not kv_buffers:
-            raise kvshard.InvalidArgumentError("no latent buffers")
+            raise kvshard.error.InvalidArgumentError("no latent buffers")
         first = kv_buffers[0]
         self.tensor_device = first.device
         self.device = _device_of(first)
         self.row_bytes = int(first.shape[-1]) * first.element_size()
         latent = _LATENT_BY_ROW_BYTES.get(self.row_bytes)
         if latent is None:
-            raise kvshard.InvalidArgumentError(f"latent rows of {self.row_bytes} B: no kvshard latent layout")
+            raise kvshard.error.InvalidArgumentError(f"latent rows of {self.row_bytes} B: no kvshard latent layout")
         self.latent = latent
         if int(first.shape[0]) % PAGE:
-            raise kvshard.InvalidArgumentError(f"{first.shape[0]} latent rows: not whole pages")
+            raise kvshard.error.InvalidArgumentError(f"{first.shape[0]} latent rows: not whole pages")
         self.pages = int(first.shape[0]) // PAGE
-        self.placement = kvshard.Placement(shard_size)
+        self.placement = kvshard.shard.Placement(shard_size)
         self.shard_rank = shard_rank
         self.shard_size = shard_size
         self.max_prefix_tokens = max_prefix_tokens
         self.chunk_tokens = chunk_tokens
         self.dsa = index_buffers is not None
         if draft_index is not None and not self.dsa:
-            raise kvshard.InvalidArgumentError("a draft indexer buffer for a model without indexer")
+            raise kvshard.error.InvalidArgumentError("a draft indexer buffer for a model without indexer")
         kv = [self._bytes(b) for b in kv_buffers]
         index = [self._bytes(b) for b in index_buffers] if index_buffers is not None else [None] * len(kv)
         if len(index) != len(kv):
-            raise kvshard.InvalidArgumentError(f"{len(index)} indexer buffers for {len(kv)} layers")
+            raise kvshard.error.InvalidArgumentError(f"{len(index)} indexer buffers for {len(kv)} layers")
         # Per layer (the draft's last): its latent tensor and its indexer tensor (None: none).
         layers = [(k, i if i is not None and i.shape[0] else None) for k, i in zip(kv, index)]
         if draft_kv is not None:
@@ -175,12 +175,12 @@ class PageInterleaveAdapter:
         # The one kvshard pool over SGLang's tensors (every layer and component, the draft's
         # too): each memory wrapped once, so every kvshard launch on it is ordered by its one
         # usage record. Writes, landings and HiCache transfers all run on it.
-        target = kvshard.PoolGeometry(latent, indexer_layers=[i is not None for _, i in layers[: len(kv)]])
+        target = kvshard.geometry.PoolGeometry(latent, indexer_layers=[i is not None for _, i in layers[: len(kv)]])
         draft = None
         if draft_kv is not None:
-            draft = kvshard.PoolGeometry(latent, indexer_layers=[layers[-1][1] is not None])
-        self.geometry = kvshard.CacheGeometry(target, draft)
-        self.pool = kvshard.DevicePool.wrap(
+            draft = kvshard.geometry.PoolGeometry(latent, indexer_layers=[layers[-1][1] is not None])
+        self.geometry = kvshard.geometry.CacheGeometry(target, draft)
+        self.pool = kvshard.pool.DevicePool.wrap(
             dev,
             self.geometry,
             pl,
@@ -193,23 +193,23 @@ class PageInterleaveAdapter:
         )
         # The chunk staging (shaped like the pool: every layer's rows) and per layer the write
         # of its latent rows only (SGLang writes the indexer keys with its own kernel).
-        C = kvshard.Component
-        self._staging = kvshard.ChunkStaging(self.pool, chunk_tokens)
+        C = kvshard.geometry.Component
+        self._staging = kvshard.pool.ChunkStaging(self.pool, chunk_tokens)
         self._latent = [(C.TARGET_LATENT, n) for n in range(len(kv))] + ([(C.DRAFT_LATENT, 0)] if draft_kv is not None else [])
         self._staged = [t.from_dlpack(self._staging.layer_view(c, n, raw=True)) for c, n in self._latent]
         self._writes = [
-            kvshard.OwnedRowWrite(self._staging, self.pool, layers=[m], components=[c])
+            kvshard.pool.OwnedRowWrite(self._staging, self.pool, layers=[m], components=[c])
             for m, (c, _) in enumerate(self._latent)
         ]
         # SGLang's `_page_pos`: the scratch page of every logical page, trash when unplanned.
         self.trash_page = (max_prefix_tokens + chunk_tokens) // PAGE
         self.page_pos = t.full((shard_size * (pages + 1),), self.trash_page, dtype=t.int32, device=self.tensor_device)
-        self.plan: Optional[kvshard.GatherPlan] = None
+        self.plan: Optional[kvshard.shard.GatherPlan] = None
         self.block_pages = 0
         # This rank's prefix pages of the batch (local pages) and their slot pages; the landing
         # copy of each slot, made at its first landing of the batch.
         self._land: tuple[list[int], list[int]] = ([], [])
-        self._copies: dict[int, tuple[ScratchSlot, kvshard.PageCopy]] = {}
+        self._copies: dict[int, tuple[ScratchSlot, kvshard.copy.PageCopy]] = {}
         self.shard_extend_active = False
 
     @classmethod
@@ -247,7 +247,7 @@ class PageInterleaveAdapter:
         n = int(loc.shape[0])
         self._check_layer(layer)
         if n > self.chunk_tokens:
-            raise kvshard.InvalidArgumentError(f"a chunk of {n} tokens for a staging of {self.chunk_tokens}")
+            raise kvshard.error.InvalidArgumentError(f"a chunk of {n} tokens for a staging of {self.chunk_tokens}")
         rows = self._bytes(cache_k).reshape(n, self.row_bytes)
         if self.device.kind == "cuda":
             # On torch's current stream, which the write below runs on too: the next chunk's
@@ -263,7 +263,7 @@ class PageInterleaveAdapter:
 
     # --- the gather plan and the scratch table -----------------------------------------------
 
-    def begin_shard_extend(self, requests: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> "kvshard.GatherPlan":
+    def begin_shard_extend(self, requests: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> "kvshard.shard.GatherPlan":
         """Plans a batch: ``requests`` are ``(start_owner, prefix_pages, chunk_pages)`` (logical
         pages in chain order, as the scheduler allocated them). Writes the scratch page table
         into ``page_pos`` (one host-to-device copy on the stream) and returns the plan
@@ -271,7 +271,7 @@ class PageInterleaveAdapter:
         that overflows the scratch, a page not owned along its chain's rotation or named twice
         raises before anything changes."""
         t = _torch()
-        plan = kvshard.GatherPlan(
+        plan = kvshard.shard.GatherPlan(
             self.placement, self.max_prefix_tokens, self.chunk_tokens, self.shard_size * self.pages, requests
         )
         entries = plan.page_table()
@@ -311,13 +311,13 @@ class PageInterleaveAdapter:
         kept = self._copies.get(id(slot))
         if kept is None:
             # Planned and uploaded once per batch and slot, on torch's current stream.
-            kept = (slot, kvshard.PageCopy(self.pool, local, slot.space, dst))
+            kept = (slot, kvshard.copy.PageCopy(self.pool, local, slot.space, dst))
             self._copies[id(slot)] = kept
         kept[1].run_layer(layer)
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < len(self.layers):
-            raise kvshard.InvalidArgumentError(f"layer {layer} of a pool of {len(self.layers)} layers")
+            raise kvshard.error.InvalidArgumentError(f"layer {layer} of a pool of {len(self.layers)} layers")
 
     def scratch_slot(self, rows: Optional[int] = None) -> ScratchSlot:
         """A scratch slot of ``rows`` rows (default: prefix + chunk + the trash page)."""
@@ -339,6 +339,6 @@ class PageInterleaveAdapter:
         return host
 
     @property
-    def kvshard_pool(self) -> "kvshard.DevicePool":
+    def kvshard_pool(self) -> "kvshard.pool.DevicePool":
         """The whole pool as kvshard's ``DevicePool`` (what ``MLAHostPool``'s transfers take)."""
         return self.pool

@@ -4,7 +4,7 @@ SGLang's prefill ranks of a page-interleaved cache each send only the pages they
 connector narrows a chunk's logical pages with ``filter_kv_indices_for_shard_rank``
 (``disaggregation/utils.py``) and the final chunk's DSA state pages with
 ``MooncakeKVManager._prepare_sharded_dsa_indices``. The two functions here take the same
-arguments and return the same arrays, computed by ``kvshard.TransferPlan`` (the owner filter
+arguments and return the same arrays, computed by ``kvshard.hicache.TransferPlan`` (the owner filter
 kvshard plans every rank's share of a transfer with, and its P/D senders' descriptors follow),
 so the connector can call them in place of its own. kvshard is stricter: a reserved page (a
 logical page below the shard size, every rank's padding page) or a page named twice is an
@@ -21,10 +21,10 @@ import kvshard
 __all__ = ["filter_kv_indices_for_shard_rank", "prepare_sharded_dsa_indices"]
 
 
-def _owned(pages: Sequence[int], shard_rank: int, shard_size: int) -> "kvshard.TransferPlan":
+def _owned(pages: Sequence[int], shard_rank: int, shard_size: int) -> "kvshard.hicache.TransferPlan":
     # The pages paired with themselves: the plan keeps this rank's positions and local pages.
     bound = max(pages, default=0) // shard_size + 1
-    return kvshard.TransferPlan(kvshard.Placement(shard_size), shard_rank, pages, pages, bound, bound)
+    return kvshard.hicache.TransferPlan(kvshard.shard.Placement(shard_size), shard_rank, pages, pages, bound, bound)
 
 
 def filter_kv_indices_for_shard_rank(
@@ -54,7 +54,7 @@ def prepare_sharded_dsa_indices(
     import numpy as np
 
     if len(src_indices) != len(dst_indices):
-        raise kvshard.InvalidArgumentError(
+        raise kvshard.error.InvalidArgumentError(
             f"sharded DSA state page count mismatch: prefill={len(src_indices)}, dst={len(dst_indices)}"
         )
     local, positions = filter_kv_indices_for_shard_rank(
