@@ -18,17 +18,29 @@ use std::time::{Duration, Instant};
 use common::pd::{
     decode_pool, geometry, prefill_pool, reference, requests, Request, DECODE_PAGES, N,
 };
-use kvshard::backend::cpu::StreamOrder;
+use kvshard::backend::cpu::{CpuBackend, StreamOrder};
 use kvshard::backend::Backend;
 use kvshard::error::Error;
 use kvshard::index::LocalPage;
 use kvshard::ipc::wire::ProtocolError;
-use kvshard::transfer::mooncake::frames::{self, Bounced, Frame, FrameReader, WireSection};
+use kvshard::transfer::mooncake::frames::{
+    self, Bounced, Frame, FrameReader, WireDense, WireSection,
+};
 use kvshard::transfer::mooncake::{
     DecodeTarget, EngineAddresses, MooncakeChunk, MooncakeConfig, MooncakeMode, MooncakeReceiver,
     MooncakeSender, MAX_HELD_STATUSES,
 };
-use kvshard::transfer::{ChunkResult, ChunkStatus, ComponentBytes, Finished, Registration};
+use kvshard::transfer::{
+    ChunkEnd, ChunkResult, ChunkStatus, ComponentBytes, Finished, Registration,
+};
+
+use common::dcp::{
+    difference, owed, random_case, relayout, setup, Case, Setup, PAGE, REQUEST as DCP_REQUEST,
+};
+use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry, PAGE_SIZE};
+use kvshard::shard::DecodeLayout;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 const SLOT_PAGES: u64 = 4;
 const SLOTS: usize = 2;
@@ -659,4 +671,566 @@ fn a_transfer_timeout_no_clock_reaches_is_none_and_a_zero_one_is_refused() {
         ),
         Err(Error::OutOfBounds { .. })
     ));
+}
+
+// ---- Decode context parallelism (docs/dcp.md, "Mooncake"): N prefill ranks, each a
+// `MooncakeSender` reaching the M decode ranks (each a `MooncakeReceiver` of its own pool), every
+// chunk packed per decode rank into a slot of that rank's and moved as one range.
+
+/// The decode ranks' receivers and the prefill ranks' senders of a case, joined over frames
+/// (each prefill rank greets every decode rank; decode rank d is its destination d), the
+/// request registered on every decode rank (its share) and opened on every prefill rank.
+struct DcpWired {
+    decode: Vec<MooncakeReceiver>,
+    senders: Vec<MooncakeSender>,
+}
+
+fn dcp_wire(
+    cpu: &Arc<CpuBackend>,
+    s: &Setup,
+    slot_pages: u64,
+    slots: usize,
+    mode: MooncakeMode,
+) -> DcpWired {
+    let backend: Arc<dyn Backend> = cpu.clone();
+    let addresses = EngineAddresses::Cpu(cpu.clone());
+    let n = s.ranks.len() as u32;
+    let mut decode: Vec<MooncakeReceiver> = s
+        .decode
+        .iter()
+        .map(|side| {
+            MooncakeReceiver::new(
+                side.pool.clone(),
+                backend.clone(),
+                addresses.clone(),
+                n,
+                slot_pages,
+                slots,
+                DEADLINE,
+            )
+            .expect("receiver")
+        })
+        .collect();
+    let senders = (0..n)
+        .map(|r| {
+            let targets: Vec<DecodeTarget> = decode
+                .iter_mut()
+                .map(|d| {
+                    let hi = Frame::Hi {
+                        rank: r,
+                        shape: frames::shape_of(d.pool().geometry()),
+                    };
+                    let Ok((
+                        _,
+                        Frame::Hello {
+                            bases,
+                            pages,
+                            bounce,
+                            ..
+                        },
+                    )) = d.join(&hi, "decode")
+                    else {
+                        panic!("rank {r} refused");
+                    };
+                    DecodeTarget {
+                        bases,
+                        pages,
+                        bounces: bounce,
+                    }
+                })
+                .collect();
+            let config = MooncakeConfig {
+                mode,
+                bounce_pages: slot_pages,
+                ..MooncakeConfig::default()
+            };
+            let mut targets = targets.into_iter();
+            let mut sender = MooncakeSender::new(
+                s.ranks[r as usize].1.clone(),
+                backend.clone(),
+                addresses.clone(),
+                targets.next().expect("a decode rank"),
+                config,
+            )
+            .expect("sender");
+            for (d, t) in (1..).zip(targets) {
+                assert_eq!(sender.add_destination(t).expect("destination"), d);
+            }
+            sender
+        })
+        .collect::<Vec<_>>();
+    for (d, receiver) in (0u32..).zip(&mut decode) {
+        receiver
+            .register_decode(&s.reg, d, None)
+            .expect("register the share");
+    }
+    let mut senders = senders;
+    let all: Vec<usize> = (0..decode.len()).collect();
+    for sender in &mut senders {
+        sender.open_decode(s.reg.clone(), &all).expect("open");
+    }
+    DcpWired { decode, senders }
+}
+
+/// Polls every decode rank once, handing its frees to the senders (decode rank d is each
+/// sender's destination d), and collects what finished.
+fn dcp_poll(w: &mut DcpWired, finished: &mut [Vec<Finished>]) {
+    for (d, receiver) in w.decode.iter_mut().enumerate() {
+        finished[d].extend(receiver.poll().expect("poll"));
+        for (r, sender) in w.senders.iter().enumerate() {
+            let (frames, error) = FrameReader::new().feed(&receiver.take_outgoing(r as u32));
+            assert!(error.is_none(), "{error:?}");
+            for frame in frames {
+                let Frame::Free {
+                    slot,
+                    request,
+                    chunk,
+                } = frame
+                else {
+                    panic!("decode rank {d} sent {frame:?}");
+                };
+                sender
+                    .bounce_free_at(d, slot as usize, Some((request, chunk)))
+                    .expect("a free names the chunk its slot holds");
+            }
+        }
+    }
+}
+
+/// Sends every chunk of `case` through the wired ranks, the test playing the engine, each
+/// chunk's statuses delivered to the decode ranks in a random order; checks one descriptor per
+/// (chunk, prefill rank, decode rank reached); returns the descriptors and what finished.
+fn dcp_send_all(
+    cpu: &Arc<CpuBackend>,
+    case: &Case,
+    s: &Setup,
+    w: &mut DcpWired,
+    rng: &mut StdRng,
+) -> (u64, Vec<Vec<Finished>>) {
+    let backend: Arc<dyn Backend> = cpu.clone();
+    let addresses = EngineAddresses::Cpu(cpu.clone());
+    let m = case.layout.ranks() as usize;
+    let mut finished: Vec<Vec<Finished>> = vec![Vec::new(); m];
+    let mut descriptors = 0u64;
+    for i in 0..case.chunk_ends.len() {
+        let table = &s.src[..case.chunk_ends[i].div_ceil(PAGE_SIZE)];
+        for r in 0..w.senders.len() {
+            // Every slot free: the decode ranks unpacked the chunks before and sent the frees.
+            let start = Instant::now();
+            while (0..m).any(|d| {
+                w.senders[r].bounce_slots_free_at(d) < w.decode[d].bounce_regions(0).unwrap().len()
+            }) {
+                assert!(
+                    start.elapsed() < Duration::from_secs(10),
+                    "slots never freed"
+                );
+                dcp_poll(w, &mut finished);
+            }
+            let chunk = w.senders[r]
+                .send(DCP_REQUEST, table, case.end(i))
+                .unwrap_or_else(|e| panic!("{case:?} chunk {i} rank {r}: {e}"));
+            let start = Instant::now();
+            while !chunk.ready().expect("ready") {
+                assert!(
+                    start.elapsed() < Duration::from_secs(10),
+                    "packing never ran"
+                );
+            }
+            move_by_hand(&chunk, backend.as_ref(), &addresses);
+            chunk.posted(Duration::ZERO).expect("posted");
+            chunk.landed(Duration::ZERO).expect("landed");
+            let statuses = chunk.poll_each().expect("poll").expect("landed");
+            assert_eq!(statuses.len(), m);
+            // One descriptor per decode rank the chunk moves rows to, into that rank.
+            let reached: Vec<u32> = (0u32..)
+                .zip(&statuses)
+                .filter(|(_, st)| match &st.result {
+                    ChunkResult::Sent { bytes, .. } => bytes.total() > 0,
+                    ChunkResult::Failed { .. } => panic!("{st}"),
+                })
+                .map(|(d, _)| d)
+                .collect();
+            assert_eq!(chunk.targets(), &reached[..], "{case:?} chunk {i} rank {r}");
+            descriptors += reached.len() as u64;
+            let mut order: Vec<usize> = (0..m).collect();
+            order.sort_by_key(|_| rng.random::<u32>());
+            for d in order {
+                let frame = chunk
+                    .decode_status_frame(d as u32, statuses[d].clone())
+                    .expect("frame");
+                assert_eq!(
+                    matches!(frame, Frame::DenseStatus { .. }),
+                    reached.contains(&(d as u32)),
+                    "a rank reached gets a dense status, the others their status alone"
+                );
+                let bytes = frames::encode(&frame).expect("encode");
+                assert_eq!(w.decode[d].feed(r as u32, &bytes), None, "decode rank {d}");
+            }
+        }
+    }
+    let start = Instant::now();
+    while finished.iter().any(Vec::is_empty) {
+        assert!(start.elapsed() < Duration::from_secs(10), "never finished");
+        dcp_poll(w, &mut finished);
+    }
+    (descriptors, finished)
+}
+
+#[test]
+fn dcp_chunks_match_the_relaid_reference_one_descriptor_per_decode_rank_reached() {
+    for seed in 0..10u64 {
+        let order = if seed % 2 == 0 {
+            StreamOrder::Adversarial(seed)
+        } else {
+            StreamOrder::Immediate
+        };
+        let cpu = Arc::new(CpuBackend::with_order(order));
+        let base: Arc<dyn Backend> = cpu.clone();
+        let stream = || -> Arc<dyn Backend> { cpu.clone() };
+        let mut rng = StdRng::seed_from_u64(0x3c0 + seed);
+        let case = random_case(&mut rng);
+        let s = setup(&base, &stream, &case, &mut rng);
+        // A slot holds the largest chunk whole.
+        let slot_pages = case.pages() as u64 + 1;
+        let mut w = dcp_wire(&cpu, &s, slot_pages, SLOTS, MooncakeMode::Bounce);
+        let (descriptors, finished) = dcp_send_all(&cpu, &case, &s, &mut w, &mut rng);
+        let reference = s.reference.snapshot_sync(base.as_ref()).unwrap();
+        let want = relayout(
+            &case,
+            &reference,
+            s.reference_pages,
+            &s.src,
+            &s.reg,
+            s.decode_pages,
+            &s.before,
+        );
+        for (d, side) in s.decode.iter().enumerate() {
+            assert_eq!(finished[d].len(), 1, "{case:?}: decode rank {d}");
+            let f = &finished[d][0];
+            assert!(f.is_completed(), "{case:?}: decode rank {d}: {f:?}");
+            let got = side.pool.snapshot_sync(base.as_ref()).unwrap();
+            if let Some(at) = difference(&case, s.decode_pages, &got, &want[d]) {
+                panic!("{case:?}: decode rank {d} differs from the relaid reference at {at}");
+            }
+            let owed: Vec<_> = (0..case.n)
+                .map(|r| owed(&case, &s.src, r, d as u32))
+                .collect();
+            assert_eq!(f.bytes, owed, "{case:?}: decode rank {d}");
+            let c = w.decode[d].counters();
+            assert_eq!((c.refused_frames, c.dropped_statuses), (0, 0), "{c:?}");
+            assert_eq!(w.decode[d].pending_requests(), 0);
+        }
+        let posted: u64 = w.senders.iter().map(|t| t.stats().descriptors).sum();
+        assert_eq!(
+            posted, descriptors,
+            "{case:?}: one descriptor per (chunk, prefill rank, decode rank reached)"
+        );
+        for sender in &w.senders {
+            for d in 0..sender.destinations() {
+                assert_eq!(sender.bounce_slots_free_at(d), SLOTS, "every slot freed");
+            }
+        }
+        println!(
+            "mooncake dcp: N {} into {} ({} chunks, prefix {}): byte-identical, {descriptors} descriptors",
+            case.n,
+            case.layout,
+            case.chunk_ends.len(),
+            case.prefix_pages
+        );
+    }
+}
+
+/// N = 1 into M = 2 at I = 1, four pages in one final chunk: either rank's rows take two pages.
+fn small_dcp_case() -> Case {
+    Case {
+        n: 1,
+        layout: DecodeLayout::new(2, 1).unwrap(),
+        geometry: CacheGeometry::with_draft(PoolGeometry::new(LatentLayout::Fp8Trtllm, 1)),
+        chunk_ends: vec![2 * PAGE as usize, 4 * PAGE as usize],
+        prefix_pages: 0,
+        contiguous: true,
+        separate_state: false,
+    }
+}
+
+fn dcp_setup(cpu: &Arc<CpuBackend>, case: &Case) -> Setup {
+    let base: Arc<dyn Backend> = cpu.clone();
+    let stream = || -> Arc<dyn Backend> { cpu.clone() };
+    setup(&base, &stream, case, &mut StdRng::seed_from_u64(11))
+}
+
+fn snapshots(cpu: &Arc<CpuBackend>, s: &Setup) -> Vec<Vec<u8>> {
+    s.decode
+        .iter()
+        .map(|d| d.pool.snapshot_sync(cpu.as_ref()).unwrap())
+        .collect()
+}
+
+#[test]
+fn dcp_refusals_move_nothing() {
+    let cpu = Arc::new(CpuBackend::new());
+    let case = small_dcp_case();
+    let s = dcp_setup(&cpu, &case);
+    let before = snapshots(&cpu, &s);
+    let table = |i: usize| &s.src[..case.chunk_ends[i].div_ceil(PAGE_SIZE)];
+    let refused = |e: Error, what: &str| {
+        assert!(matches!(e, Error::ChunkFailed { .. }), "{what}: {e}");
+        assert!(e.to_string().contains(what), "{e}");
+    };
+
+    // Slots of one page: either rank's two pages of rows do not fit.
+    let mut w = dcp_wire(&cpu, &s, 1, SLOTS, MooncakeMode::Bounce);
+    let e = w.senders[0]
+        .send(DCP_REQUEST, table(1), ChunkEnd::Final(case.tokens()))
+        .expect_err("too large for a slot");
+    refused(e, "more than a bounce slot");
+    for d in 0..2 {
+        assert_eq!(w.senders[0].bounce_slots_free_at(d), SLOTS, "no slot held");
+    }
+    assert_eq!(w.senders[0].stats().descriptors, 0);
+
+    // No free slot: one slot per decode rank, held by chunk 0 (never moved, never freed).
+    let mut w = dcp_wire(&cpu, &s, 4, 1, MooncakeMode::Bounce);
+    let first = w.senders[0]
+        .send(DCP_REQUEST, table(0), case.end(0))
+        .expect("chunk 0");
+    assert_eq!(first.lengths().len(), 2);
+    let e = w.senders[0]
+        .send(DCP_REQUEST, table(1), case.end(1))
+        .expect_err("no slot");
+    refused(e, "no bounce slot free at decode rank 0");
+    assert_eq!(first.targets(), &[0, 1]);
+    drop(first);
+
+    // Coalesced: no route for rows.
+    let mut w = dcp_wire(&cpu, &s, 4, SLOTS, MooncakeMode::Coalesced);
+    let e = w.senders[0]
+        .send(DCP_REQUEST, table(1), ChunkEnd::Final(case.tokens()))
+        .expect_err("coalesced");
+    refused(e, "only through bounce slots");
+
+    // Destinations out of range or named twice: refused, nothing opened.
+    let mut w = dcp_wire(&cpu, &s, 4, SLOTS, MooncakeMode::Bounce);
+    let reg = kvshard::transfer::DecodeRegistration {
+        request: 5,
+        ..s.reg.clone()
+    };
+    for bad in [&[0usize, 2][..], &[1, 1], &[0]] {
+        assert!(
+            w.senders[0].open_decode(reg.clone(), bad).is_err(),
+            "{bad:?}"
+        );
+    }
+    assert_eq!(w.senders[0].pending_requests(), 1);
+    // Every refusal above moved nothing into any decode rank.
+    assert_eq!(snapshots(&cpu, &s), before);
+}
+
+/// A decode rank's receiver of `small_dcp_case`, its share registered, and a dense status frame
+/// of prefill rank 0's first chunk as the sender made it (its region moved by hand).
+fn dcp_decode_and_status(cpu: &Arc<CpuBackend>, s: &Setup) -> (DcpWired, ChunkStatus, WireDense) {
+    let mut w = dcp_wire(cpu, s, 4, SLOTS, MooncakeMode::Bounce);
+    let chunk = w.senders[0]
+        .send(
+            DCP_REQUEST,
+            &s.src[..2],
+            ChunkEnd::Partial(2 * PAGE as usize),
+        )
+        .expect("chunk 0");
+    move_by_hand(&chunk, cpu.as_ref(), &EngineAddresses::Cpu(cpu.clone()));
+    chunk.landed(Duration::ZERO).expect("landed");
+    let statuses = chunk.poll_each().expect("poll").expect("landed");
+    let Frame::DenseStatus { status, dense } = chunk
+        .decode_status_frame(1, statuses[1].clone())
+        .expect("frame")
+    else {
+        panic!("rank 1 gets rows of chunk 0");
+    };
+    (w, status, dense)
+}
+
+/// Makes a (malformed) frame from a good dense status.
+type MakeFrame<'a> = dyn Fn(&ChunkStatus, &WireDense) -> Frame + 'a;
+
+/// A frame's bytes as a peer could send them, unchecked.
+fn raw(frame: &Frame) -> Vec<u8> {
+    let mut out = postcard::to_allocvec(frame).unwrap();
+    let mut head = b"KVSM\x01\x00\x00\x00".to_vec();
+    head.extend((out.len() as u32).to_le_bytes());
+    head.append(&mut out);
+    head
+}
+
+#[test]
+fn dcp_a_malformed_dense_status_is_dropped_and_counted_and_moves_nothing() {
+    let cpu = Arc::new(CpuBackend::new());
+    let case = small_dcp_case();
+    let s = dcp_setup(&cpu, &case);
+    let before = snapshots(&cpu, &s);
+    let good = |status: &ChunkStatus, dense: &WireDense| Frame::DenseStatus {
+        status: status.clone(),
+        dense: dense.clone(),
+    };
+    let cases: Vec<(&str, Box<MakeFrame<'_>>)> = vec![
+        (
+            "another decode rank's region",
+            Box::new(|st, d| {
+                good(
+                    st,
+                    &WireDense {
+                        rank: 0,
+                        ..d.clone()
+                    },
+                )
+            }),
+        ),
+        (
+            "another layout",
+            Box::new(|st, d| {
+                good(
+                    st,
+                    &WireDense {
+                        interleave: 2,
+                        ..d.clone()
+                    },
+                )
+            }),
+        ),
+        (
+            "a rank out of its layout",
+            Box::new(|st, d| {
+                good(
+                    st,
+                    &WireDense {
+                        rank: 5,
+                        ..d.clone()
+                    },
+                )
+            }),
+        ),
+        (
+            "a slot out of range",
+            Box::new(|st, d| {
+                good(
+                    st,
+                    &WireDense {
+                        slot: SLOTS as u32,
+                        ..d.clone()
+                    },
+                )
+            }),
+        ),
+        (
+            "rows past the pages the rank registered",
+            Box::new(|st, d| {
+                good(
+                    st,
+                    &WireDense {
+                        end_token: 1 << 20,
+                        sections: d
+                            .sections
+                            .iter()
+                            .map(|(c, _)| (c.clone(), vec![4, 5]))
+                            .collect(),
+                        ..d.clone()
+                    },
+                )
+            }),
+        ),
+        (
+            "a region larger than the slot",
+            Box::new(|st, d| {
+                good(
+                    st,
+                    &WireDense {
+                        end_token: 1 << 20,
+                        sections: d
+                            .sections
+                            .iter()
+                            .map(|(c, _)| (c.clone(), (0..20).collect()))
+                            .collect(),
+                        ..d.clone()
+                    },
+                )
+            }),
+        ),
+        (
+            "an unknown component",
+            Box::new(|st, d| {
+                good(
+                    st,
+                    &WireDense {
+                        sections: vec![(vec![200], vec![0])],
+                        ..d.clone()
+                    },
+                )
+            }),
+        ),
+        (
+            "a failed chunk with a region",
+            Box::new(|st, d| {
+                good(
+                    &ChunkStatus {
+                        result: ChunkResult::Failed { reason: "x".into() },
+                        ..st.clone()
+                    },
+                    d,
+                )
+            }),
+        ),
+        (
+            "rows announced without their region",
+            Box::new(|st, _| Frame::Status {
+                status: st.clone(),
+                bounced: None,
+            }),
+        ),
+        (
+            "packed blocks for a sharded request",
+            Box::new(|st, d| Frame::Status {
+                status: st.clone(),
+                bounced: Some(Bounced {
+                    slot: d.slot,
+                    sections: vec![WireSection {
+                        components: vec![0],
+                        pages: vec![1],
+                    }],
+                }),
+            }),
+        ),
+    ];
+    for (what, make) in cases {
+        let (mut w, status, dense) = dcp_decode_and_status(&cpu, &s);
+        let decode = &mut w.decode[1];
+        let Some(e) = decode.feed(0, &raw(&make(&status, &dense))) else {
+            panic!("{what}: accepted");
+        };
+        println!("mooncake dcp: {what}: refused: {e}");
+        assert_eq!(decode.counters().refused_frames, 1, "{what}");
+        assert!(decode.gone(0).is_some(), "{what}: the rank is gone");
+        // The good status after it is not read; the request fails for the rank.
+        assert_eq!(decode.feed(0, &raw(&good(&status, &dense))), None);
+        let done = finish(decode, 1);
+        assert_eq!(failed_ranks(&done[0]), vec![0], "{what}");
+        assert_eq!(
+            s.decode[1].pool.snapshot_sync(cpu.as_ref()).unwrap(),
+            before[1],
+            "{what}: nothing unpacked"
+        );
+    }
+    // The good one unpacks, and is counted nowhere.
+    let (mut w, status, dense) = dcp_decode_and_status(&cpu, &s);
+    assert_eq!(w.decode[1].feed(0, &raw(&good(&status, &dense))), None);
+    assert_eq!(w.decode[1].counters(), Default::default());
+    // A dense status of a request this side never registered is dropped and counted, its slot
+    // freed for exactly that chunk.
+    let other = ChunkStatus {
+        request: 99,
+        ..status.clone()
+    };
+    let slot = (dense.slot + 1) % SLOTS as u32;
+    let stray = good(&other, &WireDense { slot, ..dense });
+    assert_eq!(w.decode[1].feed(0, &raw(&stray)), None);
+    let c = w.decode[1].counters();
+    assert_eq!((c.dropped_statuses, c.freed_for_dropped), (1, 1), "{c:?}");
 }

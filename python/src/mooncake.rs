@@ -24,6 +24,7 @@ use kvshard::transfer::mooncake::{
 use kvshard::transfer::{BounceBuffer, ChunkEnd, PackedSection};
 
 use crate::chunk_staging::PyChunkStaging;
+use crate::dcp::PyDecodeRegistration;
 use crate::device::{PyDevice, PyEvent};
 use crate::device_pool::PyDevicePool;
 use crate::errors::{invalid, IntoPy};
@@ -289,8 +290,27 @@ impl PyMooncakeChunk {
         self.0.lengths().to_vec()
     }
 
+    /// The decode rank each descriptor goes to (post it to that rank's engine): all 0 for an
+    /// unsharded decode.
+    #[getter]
+    fn targets(&self) -> Vec<u32> {
+        self.0.targets().to_vec()
+    }
+
+    /// Per decode rank of a decode context-parallel request, in rank order, `(destination,
+    /// slot)`: the sender's destination the rank is and the bounce slot its region went
+    /// through (None when the chunk moves it no row). Empty for an unsharded decode.
+    #[getter]
+    fn decode_parts(&self) -> Vec<(usize, Option<usize>)> {
+        self.0
+            .decode_parts()
+            .iter()
+            .map(|p| (p.destination, p.slot))
+            .collect()
+    }
+
     /// Descriptors to post: 0 for a chunk that moves nothing (report it all the same), 1 when
-    /// bounced.
+    /// bounced (one per decode rank reached, for a decode context-parallel request).
     #[getter]
     fn descriptors(&self) -> usize {
         self.0.lengths().len()
@@ -361,6 +381,15 @@ impl PyMooncakeChunk {
         Ok(py.detach(|| self.0.poll()).py_err()?.map(PyChunkStatus))
     }
 
+    /// `poll`, with the status each decode rank receives, in rank order (one for an unsharded
+    /// decode).
+    fn poll_each(&self, py: Python<'_>) -> PyResult<Option<Vec<PyChunkStatus>>> {
+        Ok(py
+            .detach(|| self.0.poll_each())
+            .py_err()?
+            .map(|v| v.into_iter().map(PyChunkStatus).collect()))
+    }
+
     /// Waits (at most the transfer timeout) until the engine reports the chunk and returns its
     /// status (once).
     fn wait_sync(&self, py: Python<'_>) -> PyResult<PyChunkStatus> {
@@ -375,6 +404,24 @@ impl PyMooncakeChunk {
         status: &PyChunkStatus,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let frame = self.0.status_frame(status.0.clone());
+        let bytes = mc::frames::encode(&frame).map_err(|e| invalid(e.to_string()))?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// The side channel's frame reporting `status` to decode rank `decode_rank` of a decode
+    /// context-parallel request (its entry of `poll_each`, or a `ChunkFailedError`'s status):
+    /// a `dense_status` naming the slot and how to unpack the region when the chunk moved the
+    /// rank rows and landed, a plain `status` otherwise.
+    fn report_decode<'py>(
+        &self,
+        py: Python<'py>,
+        decode_rank: u32,
+        status: &PyChunkStatus,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let frame = self
+            .0
+            .decode_status_frame(decode_rank, status.0.clone())
+            .py_err()?;
         let bytes = mc::frames::encode(&frame).map_err(|e| invalid(e.to_string()))?;
         Ok(PyBytes::new(py, &bytes))
     }
@@ -459,6 +506,39 @@ impl PyMooncakeSender {
         lock(&self.inner).open(registration.0.clone()).py_err()
     }
 
+    /// Adds another decode pool to reach, as its side published it (a decode rank of a decode
+    /// context-parallel server: `decode_bases`, `decode_pages` and `decode_bounces` as the
+    /// constructor takes them); returns its destination index (the constructor's is 0).
+    #[pyo3(signature = (decode_bases, decode_pages, *, decode_bounces = Vec::new()))]
+    fn add_destination(
+        &self,
+        decode_bases: Vec<Vec<u64>>,
+        decode_pages: u64,
+        decode_bounces: Vec<(u64, u64)>,
+    ) -> PyResult<usize> {
+        let target = DecodeTarget {
+            bases: decode_bases,
+            pages: decode_pages,
+            bounces: decode_bounces,
+        };
+        lock(&self.inner).add_destination(target).py_err()
+    }
+
+    /// Starts sending a request the ranks of a decode context-parallel server registered
+    /// (`kvshard.DecodeRegistration`) into `destinations`: per decode rank, in rank order, the
+    /// destination that is its pool (0, or one `add_destination` returned), each once. Each
+    /// chunk then goes as one descriptor per decode rank it moves rows to, packed into a slot
+    /// of that rank's; report each rank's status with `MooncakeChunk.report_decode`.
+    fn open_decode(
+        &self,
+        registration: &PyDecodeRegistration,
+        destinations: Vec<usize>,
+    ) -> PyResult<()> {
+        lock(&self.inner)
+            .open_decode(registration.0.clone(), &destinations)
+            .py_err()
+    }
+
     /// Plans the next chunk of `request` and hands it out (nothing moves until the engine
     /// posts it): `pages` is the request's logical page of every position prefilled so far,
     /// `end` the tokens prefilled so far, `last` (keyword-only, required) whether this is the
@@ -492,8 +572,16 @@ impl PyMooncakeSender {
     /// chunk, or whose chunk the engine has not reported landed or failed yet
     /// (`MooncakeChunk.landed`/`failed`): the engine may still be reading it, and a packing
     /// into it would overwrite what is on the wire.
-    #[pyo3(signature = (slot, *, request = None, chunk = None))]
-    fn bounce_free(&self, slot: usize, request: Option<u64>, chunk: Option<u32>) -> PyResult<()> {
+    /// `destination` names whose slot it is (a decode rank's free arrives on its own side
+    /// channel; default 0).
+    #[pyo3(signature = (slot, *, request = None, chunk = None, destination = 0))]
+    fn bounce_free(
+        &self,
+        slot: usize,
+        request: Option<u64>,
+        chunk: Option<u32>,
+        destination: usize,
+    ) -> PyResult<()> {
         let holder = match (request, chunk) {
             (Some(r), Some(c)) => Some((r, c)),
             (None, None) => None,
@@ -503,12 +591,21 @@ impl PyMooncakeSender {
                 ))
             }
         };
-        lock(&self.inner).bounce_free(slot, holder).py_err()
+        lock(&self.inner)
+            .bounce_free_at(destination, slot, holder)
+            .py_err()
     }
 
-    /// `[(slot, chunk)]` of each bounce slot holding a chunk of `request`.
-    fn held_slots(&self, request: u64) -> Vec<(usize, u32)> {
-        lock(&self.inner).held_slots(request)
+    /// `[(slot, chunk)]` of each bounce slot of `destination` holding a chunk of `request`.
+    #[pyo3(signature = (request, *, destination = 0))]
+    fn held_slots(&self, request: u64, destination: usize) -> Vec<(usize, u32)> {
+        lock(&self.inner).held_slots_at(destination, request)
+    }
+
+    /// Destinations (1 plus those added).
+    #[getter]
+    fn destinations(&self) -> usize {
+        lock(&self.inner).destinations()
     }
 
     /// Bounce slots (0: this sender never bounces).

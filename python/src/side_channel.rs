@@ -6,16 +6,22 @@
 //! `shape`), `hello` (`engine`, `bases`, `pages`, `bounce`), `refused` (`why`), `register`
 //! (`request`, `prefix_pages`, `pages`, `state_pages`), `free` (`slot`, `request`, `chunk`),
 //! `status` (`status`, a `ChunkStatus`; `slot` and `sections` when bounced), `abort`
-//! (`request`, `reason`), `aborted` (`request`, `held`: the `(slot, chunk)` still held).
+//! (`request`, `reason`), `aborted` (`request`, `held`: the `(slot, chunk)` still held),
+//! `dense_status` (`status`, `slot`, `ranks`, `interleave`, `rank`, `end_token`, `sections`: a
+//! chunk packed densely for a decode context-parallel rank, each section `(component codes,
+//! sequence pages)`).
 
 use std::collections::BTreeMap;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use kvshard::transfer::mooncake::frames::{self, Bounced, Frame, FrameReader, Shape, WireSection};
+use kvshard::transfer::mooncake::frames::{
+    self, Bounced, Frame, FrameReader, Shape, WireDense, WireSection,
+};
 use kvshard::transfer::mooncake::MooncakeReceiver;
 
+use crate::dcp::PyDecodeRegistration;
 use crate::device_pool::PyDevicePool;
 use crate::errors::{invalid, IntoPy};
 use crate::geometry::PyCacheGeometry;
@@ -85,6 +91,20 @@ fn frame_of(d: &Bound<'_, PyDict>) -> PyResult<Frame> {
             Frame::Status {
                 status: status.0.clone(),
                 bounced,
+            }
+        }
+        "dense_status" => {
+            let status: PyRef<'_, PyChunkStatus> = field(d, "status")?;
+            Frame::DenseStatus {
+                status: status.0.clone(),
+                dense: WireDense {
+                    slot: field(d, "slot")?,
+                    ranks: field(d, "ranks")?,
+                    interleave: field(d, "interleave")?,
+                    rank: field(d, "rank")?,
+                    end_token: field(d, "end_token")?,
+                    sections: field(d, "sections")?,
+                },
             }
         }
         "abort" => Frame::Abort {
@@ -172,6 +192,16 @@ fn dict_of<'py>(py: Python<'py>, frame: Frame) -> PyResult<Bound<'py, PyDict>> {
             d.set_item("t", "aborted")?;
             d.set_item("request", request)?;
             d.set_item("held", held)?;
+        }
+        Frame::DenseStatus { status, dense } => {
+            d.set_item("t", "dense_status")?;
+            d.set_item("status", PyChunkStatus(status))?;
+            d.set_item("slot", dense.slot)?;
+            d.set_item("ranks", dense.ranks)?;
+            d.set_item("interleave", dense.interleave)?;
+            d.set_item("rank", dense.rank)?;
+            d.set_item("end_token", dense.end_token)?;
+            d.set_item("sections", dense.sections)?;
         }
     }
     Ok(d)
@@ -336,6 +366,26 @@ impl PyMooncakeReceiver {
             .register(registration.0.clone(), deadline)
             .py_err()?;
         Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// Expects decode rank `rank`'s share of `registration` (a decode context-parallel
+    /// request, `kvshard.DecodeRegistration`) from every prefill rank, due `deadline` seconds
+    /// from now (default the receiver's): its chunks arrive densely packed, each checked and
+    /// unpacked into the share's pages. Nothing is sent: the prefill ranks open it with
+    /// `MooncakeSender.open_decode`. Refused while a rank has not joined.
+    #[pyo3(signature = (registration, rank, *, deadline = None))]
+    fn register_decode(
+        &mut self,
+        registration: &PyDecodeRegistration,
+        rank: u32,
+        deadline: Option<f64>,
+    ) -> PyResult<()> {
+        let deadline = deadline
+            .map(|s| deadline_of(s, "MooncakeReceiver.register_decode"))
+            .transpose()?;
+        self.inner
+            .register_decode(&registration.0, rank, deadline)
+            .py_err()
     }
 
     /// Takes the next bytes from `rank`'s connection; returns None, or the violation that

@@ -217,3 +217,139 @@ def test_transfer_timeouts_past_the_clock_are_none_and_zero_is_refused():
     assert chunk.poll() is not None
     with pytest.raises(kvshard.InvalidArgumentError):
         kvshard.MooncakeSender(pool, bases, procs.DECODE_PAGES, transfer_timeout=0.0)
+
+
+def dcp_case(dev, rng, layout, tokens, prefix_pages):
+    """N = 2 prefill pools (procs' seeded bytes) on ``dev``, the request's logical pages, and per
+    decode rank a poisoned pool on ``dev`` with its share's pages shuffled; the registration."""
+    placement = kvshard.Placement(procs.N)
+    prefill = [procs.prefill_pool(dev, 7, r) for r in range(procs.N)]
+    chain = kvshard.RequestChain(placement)
+    chain.grow_to(kvshard.ShardAllocator(placement, procs.PREFILL_PAGES), tokens)
+    decode, parts = [], []
+    for d in range(layout.ranks):
+        pool = procs.decode_pool(dev)
+        pages = [int(p) for p in rng.permutation(range(1, procs.DECODE_PAGES))[: layout.pages_on(d, tokens)]]
+        decode.append(pool)
+        parts.append(kvshard.DecodeRank.of(pool, pages))
+    reg = kvshard.DecodeRegistration(21, layout, tokens, parts, prefix_pages=prefix_pages)
+    return prefill, chain.pages, decode, reg
+
+
+def dcp_reference(layout, tokens, prefix_pages, ends):
+    """Every decode rank's pool after the request is sent in one process (CPU)."""
+    import numpy as np
+
+    prefill, src, decode, reg = dcp_case(kvshard.Device.cpu(), np.random.default_rng(5), layout, tokens, prefix_pages)
+    dsts = [kvshard.RemoteSpace.of(p) for p in decode]
+    for pool, _keep in prefill:
+        sender = kvshard.Sender(pool)
+        sender.open_decode(reg, dsts)
+        for i, end in enumerate(ends):
+            sender.send(reg.request, src, end, last=i == len(ends) - 1).wait_each_sync()
+    return [p.snapshot_sync() for p in decode]
+
+
+def test_mooncake_loopback_dcp_two_prefill_ranks_into_two_decode_ranks_match_the_reference():
+    """Decode context parallelism over real Mooncake engines (TCP on the loopback, one engine
+    per rank, all in this process): N = 2 prefill ranks into M = 2 decode ranks at I = 1, after
+    a cached page, in two chunks; each chunk packed per decode rank into a slot of that rank's
+    and written as one range to its engine, its status a dense frame the rank checks and
+    unpacks. Every decode rank byte-identical to the in-process route; one descriptor per
+    (chunk, prefill rank, decode rank reached); every slot freed."""
+    import numpy as np
+
+    mooncake_loads()
+    from kvshard import mooncake
+
+    dev = procs.device()
+    layout = kvshard.DecodeLayout.sglang(dcp_size=2)
+    tokens, prefix_pages, ends = 700, 1, [300, 700]
+    prefill, src, decode, reg = dcp_case(dev, np.random.default_rng(5), layout, tokens, prefix_pages)
+    engines = []
+    try:
+        dec_engines = [mooncake.Engine() for _ in decode]
+        pre_engines = [mooncake.Engine() for _ in prefill]
+        engines = dec_engines + pre_engines
+        receivers = []
+        for pool, e in zip(decode, dec_engines):
+            r = kvshard.MooncakeReceiver(pool, procs.N, bounce_pages=16, bounce_slots=2)
+            e.ensure(pool)
+            for rank in range(procs.N):
+                for b in r.bounce_regions(rank):
+                    e.ensure(b)
+            receivers.append(r)
+        senders = []
+        for rank, ((pool, _keep), e) in enumerate(zip(prefill, pre_engines)):
+            hi = {"t": "hi", "rank": rank, "shape": kvshard.side_shape(pool.geometry)}
+            hellos = []
+            for r, de in zip(receivers, dec_engines):
+                joined, reply = r.join(hi, de.address)
+                assert joined == rank
+                hellos.append(kvshard.SideReader().feed(reply)[0])
+            h = hellos[0]
+            s = kvshard.MooncakeSender(
+                pool, h["bases"], h["pages"], mode=kvshard.MooncakeMode.BOUNCE, bounce_pages=16, decode_bounces=h["bounce"]
+            )
+            for d, h in enumerate(hellos[1:], 1):
+                assert s.add_destination(h["bases"], h["pages"], decode_bounces=h["bounce"]) == d
+            e.ensure(pool)
+            for b in s.bounce_regions:
+                e.ensure(b)
+            senders.append(s)
+        for d, r in enumerate(receivers):
+            r.register_decode(reg, d)
+        for s in senders:
+            s.open_decode(reg, list(range(layout.ranks)))
+
+        finished = [[] for _ in decode]
+
+        def poll():
+            for d, r in enumerate(receivers):
+                finished[d] += r.poll()
+                for rank, s in enumerate(senders):
+                    for f in kvshard.SideReader().feed(r.take_outgoing(rank)):
+                        assert f["t"] == "free", f
+                        s.bounce_free(f["slot"], request=f["request"], chunk=f["chunk"], destination=d)
+
+        descriptors = 0
+        for i, end in enumerate(ends):
+            for rank, (s, e) in enumerate(zip(senders, pre_engines)):
+                # Two slots per (prefill rank, decode rank): one per chunk, freed by the polls.
+                due = time.monotonic() + 10
+                chunk = s.send(reg.request, src, end, last=i == len(ends) - 1)
+                while not chunk.ready():
+                    assert time.monotonic() < due, "the packing never ran"
+                t0 = time.perf_counter()
+                for target, a, b, n in zip(chunk.targets, chunk.src_addrs, chunk.dst_addrs, chunk.lengths):
+                    e.write_sync(dec_engines[target].address, [a], [b], [n])
+                chunk.posted(0.0)
+                chunk.landed(time.perf_counter() - t0)
+                statuses = chunk.poll_each()
+                assert statuses is not None and len(statuses) == layout.ranks
+                reached = [d for d, st in enumerate(statuses) if st.ok and sum(st.bytes.values()) > 0]
+                assert chunk.targets == reached, (chunk.targets, reached)
+                descriptors += len(reached)
+                for d, st in enumerate(statuses):
+                    assert receivers[d].feed(rank, chunk.report_decode(d, st)) is None
+                poll()
+        due = time.monotonic() + 10
+        while not all(finished):
+            assert time.monotonic() < due, finished
+            poll()
+        for d, f in enumerate(finished):
+            assert len(f) == 1 and f[0].completed, (d, f)
+            c = receivers[d].counters()
+            assert c["refused_frames"] == c["dropped_statuses"] == 0, c
+            assert receivers[d].pending_requests == 0
+        assert sum(s.stats()["descriptors"] for s in senders) == descriptors
+        for s in senders:
+            for d in range(layout.ranks):
+                assert s.held_slots(reg.request, destination=d) == [], "every slot freed"
+        assert descriptors == len(ends) * procs.N * layout.ranks, "every chunk reaches both ranks at I = 1"
+        want = dcp_reference(layout, tokens, prefix_pages, ends)
+        for d, pool in enumerate(decode):
+            assert pool.snapshot_sync() == want[d], f"decode rank {d} differs from the in-process route"
+    finally:
+        for e in engines:
+            e.close()

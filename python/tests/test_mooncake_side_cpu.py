@@ -395,3 +395,27 @@ def test_a_prefill_refuses_a_bad_frame_and_a_free_of_another_chunk():
         conn.close()
         pre.close()
         server.close()
+
+
+def test_a_dense_status_round_trips_and_one_contradicting_itself_is_never_sent():
+    """A decode context-parallel rank's status frame (``dense_status``, docs/dcp.md "Mooncake")
+    as its dict, both ways; one the protocol refuses raises before any byte is sent."""
+    msg = {
+        "t": "dense_status",
+        "status": kvshard.ChunkStatus.sent(21, 1, 0, False),
+        "slot": 1,
+        "ranks": 2,
+        "interleave": 1,
+        "rank": 1,
+        "end_token": 300,
+        "sections": [([0, 2], [3, 4])],
+    }
+    (got,) = mooncake.SideReader().feed(frame(msg))
+    assert got["t"] == "dense_status" and got["status"].request == 21
+    assert [got[k] for k in ("slot", "ranks", "interleave", "rank", "end_token")] == [1, 2, 1, 1, 300]
+    assert [(list(c), list(p)) for c, p in got["sections"]] == [([0, 2], [3, 4])]
+    for bad in [{"rank": 2}, {"sections": []}, {"sections": [([0, 0], [1])]}, {"sections": [([0], [])]}]:
+        with pytest.raises(kvshard.InvalidArgumentError):
+            frame({**msg, **bad})
+    with pytest.raises(kvshard.InvalidArgumentError):
+        frame({**msg, "status": kvshard.ChunkStatus.failed(21, 1, 0, "x")})

@@ -14,6 +14,15 @@
 //!   exactly that chunk ([`Frame::Free`] names it, and the prefill frees it only if the slot
 //!   still holds it). Statuses that arrive ahead of an earlier chunk of their (request, rank)
 //!   wait for it, at most [`MAX_HELD_STATUSES`] per rank (more is a violation).
+//! - **Decode context parallelism.** A decode rank of a server sharded by token registers its
+//!   share of a request ([`MooncakeReceiver::register_decode`]); its chunks arrive as
+//!   [`Frame::DenseStatus`]es (or plain statuses where a chunk moves it no row). Everything a
+//!   dense status says is checked before the unpack is enqueued: the layout and the rank are
+//!   the registered ones, the slot is the rank's and free, and the region fits the slot and
+//!   lands in the pages the share registered only ([`DenseBounce::unpack`]); a dense status of
+//!   an unsharded request, or a packed (unsharded) one of a decode context-parallel request, or
+//!   a plain one of such a request saying rows moved (they travel only in a region), is a
+//!   violation.
 //! - **Order.** A bounced chunk is scattered as soon as its status arrives (its bytes have
 //!   landed); each rank's statuses reach the [`Receiver`] in chunk order, each only once its
 //!   scatter has run, and its slot is freed then.
@@ -26,16 +35,20 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
+mod dense;
+
+use dense::{moved_rows, DenseShare};
+
 use super::addresses::EngineAddresses;
-use super::frames::{self, component_of, Bounced, Frame, FrameReader, Shape};
+use super::frames::{self, component_of, Bounced, Frame, FrameReader, Shape, WireDense};
 use crate::backend::{Backend, Event};
 use crate::error::causes::ProtocolError;
 use crate::error::{Error, Result};
 use crate::index::LocalPage;
 use crate::pool::DevicePool;
 use crate::transfer::{
-    BounceBuffer, ChunkResult, ChunkStatus, Finished, Overdue, PackedSection, Receiver,
-    Registration, MAX_PREFILL_RANKS,
+    BounceBuffer, ChunkResult, ChunkStatus, DenseBounce, Finished, Overdue, PackedSection,
+    Receiver, Registration, MAX_PREFILL_RANKS,
 };
 
 /// Most statuses of one prefill rank that may wait for an earlier chunk of their (request,
@@ -78,6 +91,26 @@ struct Progress {
     done: bool,
 }
 
+/// What a status carried with it.
+enum Landing {
+    /// Nothing: the status alone.
+    Plain,
+    /// Blocks packed into a bounce slot (an unsharded request).
+    Bounced(Bounced),
+    /// A decode context-parallel rank's dense region in a bounce slot.
+    Dense(WireDense),
+}
+
+impl Landing {
+    fn slot(&self) -> Option<u32> {
+        match self {
+            Landing::Plain => None,
+            Landing::Bounced(b) => Some(b.slot),
+            Landing::Dense(d) => Some(d.slot),
+        }
+    }
+}
+
 /// One prefill rank as the decode sees it.
 struct Rank {
     joined: bool,
@@ -100,6 +133,10 @@ pub struct MooncakeReceiver {
     receiver: Receiver,
     ranks: Vec<Rank>,
     requests: HashMap<u64, Vec<Progress>>,
+    /// The decode context-parallel requests, by request: this rank's share.
+    shares: HashMap<u64, DenseShare>,
+    /// Unpacks dense regions.
+    dense: DenseBounce,
     finished: Vec<Finished>,
     counters: SideCounters,
 }
@@ -162,11 +199,13 @@ impl MooncakeReceiver {
         }
         Ok(Self {
             pool,
+            dense: DenseBounce::new(backend.clone()),
             backend,
             addresses,
             receiver: Receiver::with_deadline(deadline),
             ranks: all,
             requests: HashMap::new(),
+            shares: HashMap::new(),
             finished: Vec::new(),
             counters: SideCounters::default(),
         })
@@ -256,16 +295,7 @@ impl MooncakeReceiver {
         deadline: Option<Duration>,
     ) -> Result<Vec<u8>> {
         let request = registration.request;
-        if let Some(r) = self
-            .ranks
-            .iter()
-            .position(|r| !r.joined && r.gone.is_none())
-        {
-            return Err(Error::Transfer {
-                request,
-                reason: format!("prefill rank {r} has not joined"),
-            });
-        }
+        self.check_joined(request)?;
         let frame = Frame::Register {
             request,
             prefix_pages: registration.prefix_pages as u64,
@@ -276,12 +306,33 @@ impl MooncakeReceiver {
             request,
             reason: format!("cannot be sent: {e}"),
         })?;
+        self.receive(registration, deadline)?;
+        Ok(bytes)
+    }
+
+    fn check_joined(&self, request: u64) -> Result<()> {
+        match self
+            .ranks
+            .iter()
+            .position(|r| !r.joined && r.gone.is_none())
+        {
+            Some(r) => Err(Error::Transfer {
+                request,
+                reason: format!("prefill rank {r} has not joined"),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Registers `registration` with the receiver and expects a status from every rank.
+    fn receive(&mut self, registration: Registration, deadline: Option<Duration>) -> Result<()> {
+        let request = registration.request;
         let deadline = deadline.unwrap_or_else(|| self.receiver.deadline());
         self.receiver
             .register_with_deadline(registration, self.ranks(), deadline)?;
         let progress = (0..self.ranks.len()).map(|_| Progress::default()).collect();
         self.requests.insert(request, progress);
-        Ok(bytes)
+        Ok(())
     }
 
     /// Takes the next bytes from `rank`'s connection. A violation (module docs) is returned:
@@ -352,10 +403,16 @@ impl MooncakeReceiver {
     /// One frame from `rank`.
     fn take(&mut self, rank: u32, frame: Frame) -> std::result::Result<(), ProtocolError> {
         match frame {
-            Frame::Status { status, bounced } => self.status(rank, status, bounced),
+            Frame::Status { status, bounced } => {
+                let landing = bounced.map_or(Landing::Plain, Landing::Bounced);
+                self.status(rank, status, landing)
+            }
+            Frame::DenseStatus { status, dense } => {
+                self.status(rank, status, Landing::Dense(dense))
+            }
             Frame::Aborted { request, held } => self.aborted(rank, request, &held),
             other => Err(ProtocolError::Unexpected {
-                expected: "Status or Aborted",
+                expected: "Status, DenseStatus or Aborted",
                 got: other.name(),
             }),
         }
@@ -366,7 +423,7 @@ impl MooncakeReceiver {
         &mut self,
         rank: u32,
         status: ChunkStatus,
-        bounced: Option<Bounced>,
+        landing: Landing,
     ) -> std::result::Result<(), ProtocolError> {
         let invalid = |why: String| ProtocolError::Invalid {
             message: "Status",
@@ -380,17 +437,16 @@ impl MooncakeReceiver {
         }
         let (request, chunk) = (status.request, status.chunk);
         let slots = self.ranks[rank as usize].buffers.len();
-        if let Some(b) = &bounced {
-            if b.slot as usize >= slots {
+        if let Some(slot) = landing.slot() {
+            if slot as usize >= slots {
                 return Err(invalid(format!(
-                    "bounce slot {} of rank {rank}, which has {slots}",
-                    b.slot
+                    "bounce slot {slot} of rank {rank}, which has {slots}"
                 )));
             }
         }
-        let busy = bounced
-            .as_ref()
-            .and_then(|b| self.ranks[rank as usize].busy[b.slot as usize]);
+        let busy = landing
+            .slot()
+            .and_then(|slot| self.ranks[rank as usize].busy[slot as usize]);
         let expected = self
             .requests
             .get(&request)
@@ -407,10 +463,10 @@ impl MooncakeReceiver {
             None => {
                 // Not being received from this rank: nothing will scatter its slot.
                 self.counters.dropped_statuses += 1;
-                if let (Some(b), None) = (&bounced, busy) {
+                if let (Some(slot), None) = (landing.slot(), busy) {
                     self.counters.freed_for_dropped += 1;
                     let free = Frame::Free {
-                        slot: b.slot,
+                        slot,
                         request,
                         chunk,
                     };
@@ -422,7 +478,7 @@ impl MooncakeReceiver {
         if let Some((r, c)) = busy {
             return Err(invalid(format!(
                 "bounce slot {} holds chunk {c} of request {r} still",
-                bounced.as_ref().map_or(0, |b| b.slot)
+                landing.slot().unwrap_or(0)
             )));
         }
         if self.ranks[rank as usize].held >= MAX_HELD_STATUSES {
@@ -430,16 +486,30 @@ impl MooncakeReceiver {
                 "more than {MAX_HELD_STATUSES} statuses waiting for earlier chunks"
             )));
         }
-        let (event, slot) = match bounced {
-            Some(b) => {
-                let event = self.scatter(rank, &b).map_err(|e| {
-                    invalid(format!("bounce slot {} cannot be scattered: {e}", b.slot))
-                })?;
-                self.ranks[rank as usize].busy[b.slot as usize] = Some((request, chunk));
-                (Some(event), Some((b.slot, request, chunk)))
+        let sharded = self.shares.contains_key(&request);
+        let event = match &landing {
+            Landing::Plain if sharded && moved_rows(&status) => {
+                return Err(invalid(format!(
+                    "rows of request {request} announced without the region that carries them"
+                )))
             }
-            None => (None, None),
+            Landing::Plain => None,
+            Landing::Bounced(_) if sharded => {
+                return Err(invalid(format!(
+                    "packed blocks for request {request}, which this decode rank receives sharded by token"
+                )))
+            }
+            Landing::Bounced(b) => Some(self.scatter(rank, b).map_err(|e| {
+                invalid(format!("bounce slot {} cannot be scattered: {e}", b.slot))
+            })?),
+            Landing::Dense(d) => Some(self.unpack(rank, request, d).map_err(|e| {
+                invalid(format!("bounce slot {} cannot be unpacked: {e}", d.slot))
+            })?),
         };
+        let slot = landing.slot().map(|slot| {
+            self.ranks[rank as usize].busy[slot as usize] = Some((request, chunk));
+            (slot, request, chunk)
+        });
         let queued = Queued {
             status: Some(status),
             event,
@@ -668,6 +738,7 @@ impl MooncakeReceiver {
         match self.receiver.receive(status) {
             Ok(Some(finished)) => {
                 self.requests.remove(&request);
+                self.shares.remove(&request);
                 self.finished.push(finished);
             }
             Ok(None) => {}

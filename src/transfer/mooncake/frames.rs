@@ -80,6 +80,26 @@ pub struct Bounced {
     pub sections: Vec<WireSection>,
 }
 
+/// A chunk packed densely for one decode context-parallel rank (docs/dcp.md, "Over NIXL and
+/// Mooncake"): the slot its region went through, the layout and the rank it was packed for,
+/// and what the rank needs to unpack it (a [`crate::transfer::DenseChunk`] in wire form).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireDense {
+    /// The slot (of those the decode rank keeps for the prefill rank).
+    pub slot: u32,
+    /// Decode ranks of the layout.
+    pub ranks: u32,
+    /// Interleave of the layout, in tokens.
+    pub interleave: u32,
+    /// The decode rank the region was packed for.
+    pub rank: u32,
+    /// Rows of tokens at or past this were not moved.
+    pub end_token: u64,
+    /// Per section (at most two: the latent KV, the indexer state), its [`component_code`]s and
+    /// the sequence pages whose rows of the rank it carries, in packing order.
+    pub sections: Vec<(Vec<u8>, Vec<u64>)>,
+}
+
 /// One message of the side channel.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Frame {
@@ -153,6 +173,15 @@ pub enum Frame {
         /// frees those it is not scattering (their statuses never reached it).
         held: Vec<(u32, u32)>,
     },
+    /// Prefill → decode context-parallel rank: a chunk's status, sent once its bytes have
+    /// landed, for a chunk packed densely for the rank (a rank the chunk moves no row to, and
+    /// a failed chunk, get a plain `Status`). Last in the enum: the variant order is the wire's.
+    DenseStatus {
+        /// The status, as the decode rank receives it.
+        status: ChunkStatus,
+        /// The region and how to unpack it.
+        dense: WireDense,
+    },
 }
 
 impl Frame {
@@ -167,11 +196,13 @@ impl Frame {
             Frame::Status { .. } => "Status",
             Frame::Abort { .. } => "Abort",
             Frame::Aborted { .. } => "Aborted",
+            Frame::DenseStatus { .. } => "DenseStatus",
         }
     }
 
     /// What a frame must say of itself: known component codes, distinct within a section and
-    /// a shape; no section without components or pages; a failed chunk bounced nothing.
+    /// a shape; no section without components or pages; a failed chunk bounced nothing; a
+    /// dense region of one or two sections, for a rank of its layout.
     pub fn check(&self) -> Result<(), ProtocolError> {
         let invalid = |why: String| ProtocolError::Invalid {
             message: self.name(),
@@ -194,6 +225,30 @@ impl Frame {
                         return Err(invalid("a section without components or pages".into()));
                     }
                     distinct_codes(s.components.iter().copied()).map_err(invalid)?;
+                }
+                Ok(())
+            }
+            Frame::DenseStatus { status, dense } => {
+                if matches!(status.result, ChunkResult::Failed { .. }) {
+                    return Err(invalid("a failed chunk with a dense region".into()));
+                }
+                if dense.rank >= dense.ranks {
+                    return Err(invalid(format!(
+                        "decode rank {} of a layout of {}",
+                        dense.rank, dense.ranks
+                    )));
+                }
+                if dense.sections.is_empty() || dense.sections.len() > 2 {
+                    return Err(invalid(format!(
+                        "a dense region of {} sections (one or two)",
+                        dense.sections.len()
+                    )));
+                }
+                for (components, positions) in &dense.sections {
+                    if components.is_empty() || positions.is_empty() {
+                        return Err(invalid("a section without components or pages".into()));
+                    }
+                    distinct_codes(components.iter().copied()).map_err(invalid)?;
                 }
                 Ok(())
             }
@@ -441,7 +496,22 @@ mod tests {
                 request: 7,
                 held: vec![(1, 2)],
             },
+            Frame::DenseStatus {
+                status: status(1),
+                dense: dense(),
+            },
         ]
+    }
+
+    fn dense() -> WireDense {
+        WireDense {
+            slot: 1,
+            ranks: 2,
+            interleave: 1,
+            rank: 1,
+            end_token: 300,
+            sections: vec![(vec![0, 2], vec![3, 4]), (vec![1, 3], vec![0, 1, 2, 3, 4])],
+        }
     }
 
     #[test]
@@ -577,6 +647,45 @@ mod tests {
                         pages: Vec::new(),
                     }],
                 }),
+            },
+            Frame::DenseStatus {
+                status: ChunkStatus {
+                    result: ChunkResult::Failed { reason: "x".into() },
+                    ..status(0)
+                },
+                dense: dense(),
+            },
+            Frame::DenseStatus {
+                status: status(0),
+                dense: WireDense { rank: 2, ..dense() },
+            },
+            Frame::DenseStatus {
+                status: status(0),
+                dense: WireDense {
+                    sections: Vec::new(),
+                    ..dense()
+                },
+            },
+            Frame::DenseStatus {
+                status: status(0),
+                dense: WireDense {
+                    sections: vec![(vec![0], vec![1]); 3],
+                    ..dense()
+                },
+            },
+            Frame::DenseStatus {
+                status: status(0),
+                dense: WireDense {
+                    sections: vec![(vec![0, 0], vec![1])],
+                    ..dense()
+                },
+            },
+            Frame::DenseStatus {
+                status: status(0),
+                dense: WireDense {
+                    sections: vec![(vec![0], Vec::new())],
+                    ..dense()
+                },
             },
         ] {
             assert!(encode(&f).is_err(), "{f:?}");

@@ -20,9 +20,11 @@
 //! - `frames`: the side channel's frames and the [`FrameReader`](frames::FrameReader) that checks
 //!   them (what the fuzz target `mooncake_frames` feeds).
 //! - `prefill_side`: the prefill side, [`MooncakeSender`]: a [`Sender`](super::Sender) whose transport
-//!   hands each chunk to the engine ([`MooncakeChunk`]) instead of moving it.
+//!   hands each chunk to the engine ([`MooncakeChunk`], `prefill_side/chunk.rs`) instead of moving
+//!   it, into unsharded decodes or decode context-parallel ranks.
 //! - `decode_side`: the decode side, [`MooncakeReceiver`]: bounce scatters, per-rank chunk order,
-//!   every status checked before use, gone ranks and deadlines.
+//!   every status checked before use, gone ranks and deadlines; `decode_side/dense.rs` a decode
+//!   context-parallel rank's shares and the checked unpacking of its dense regions.
 //! - `addresses`: addresses as the engine registers them ([`EngineAddresses`]).
 
 mod addresses;
@@ -32,4 +34,6 @@ mod prefill_side;
 
 pub use addresses::{merged, pool_memory, EngineAddresses, PoolMemory};
 pub use decode_side::{MooncakeReceiver, SideCounters, MAX_HELD_STATUSES, MAX_SLOTS};
-pub use prefill_side::{DecodeTarget, MooncakeChunk, MooncakeConfig, MooncakeMode, MooncakeSender};
+pub use prefill_side::{
+    DecodePart, DecodeTarget, MooncakeChunk, MooncakeConfig, MooncakeMode, MooncakeSender,
+};

@@ -3,21 +3,38 @@
 //! coalesced (source, destination, length) lists, or one range packed into a bounce slot. The
 //! engine posts it and reports back ([`MooncakeChunk::landed`], [`MooncakeChunk::failed`]);
 //! the chunk then completes as every pending chunk does, within the transfer timeout.
+//!
+//! **Decode context parallelism** (docs/dcp.md, "Mooncake"): a sender may reach several decode
+//! servers' pools ([`MooncakeSender::add_destination`]: each decode rank of a DCP server is
+//! one, with its own bounce buffers for this rank), and [`MooncakeSender::open_decode`] opens
+//! a request into them. Each chunk is packed per decode rank densely into a region of a free
+//! slot of that rank's ([`DenseBounce::pack`], one launch) and handed out as one descriptor per
+//! decode rank it moves rows to; each decode rank's status then rides a
+//! [`Frame::DenseStatus`](super::frames::Frame::DenseStatus) saying how to unpack the region ([`MooncakeChunk::decode_status_frame`];
+//! a rank the chunk moves nothing to gets a plain status). There is no coalesced route for such
+//! rows: a chunk finding no free slot at a decode rank it moves rows to, or whose rows there do
+//! not fit a slot, is refused before anything moves.
 
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+mod chunk;
+
+pub use chunk::{DecodePart, MooncakeChunk};
+
+use chunk::Export;
+
 use super::addresses::EngineAddresses;
-use super::frames::{component_code, Bounced, Frame, WireSection};
-use crate::backend::{Backend, Event};
+use crate::backend::{Backend, Buffer};
 use crate::copy::RemoteSpace;
 use crate::error::{Error, Result};
 use crate::index::LogicalPage;
 use crate::lock::lock;
 use crate::pool::DevicePool;
 use crate::transfer::{
-    BounceBuffer, ChunkEnd, ChunkStatus, Completion, DescriptorBatch, PackedSection, PendingChunk,
-    Posted, Registration, SendPlan, Sender, StatsSnapshot, TransferStats, Transport,
+    region_of, BounceBuffer, ChunkEnd, ChunkStatus, Completion, DecodePlan, DecodeRegistration,
+    DenseBounce, DescriptorBatch, Registration, SendPlan, Sender, StatsSnapshot, TransferStats,
+    Transport,
 };
 
 /// How a [`MooncakeSender`] hands out each chunk.
@@ -158,20 +175,6 @@ impl Completion for Settled {
     }
 }
 
-/// A chunk as the engine moves it.
-#[derive(Debug)]
-struct Export {
-    src: Vec<u64>,
-    dst: Vec<u64>,
-    lengths: Vec<u64>,
-    sections: Vec<PackedSection>,
-    packing: Option<Event>,
-    slot: Option<usize>,
-    settle: Arc<Settle>,
-    prepared: Duration,
-    bytes: u64,
-}
-
 /// The chunk a bounce slot holds, from its packing until it is freed.
 #[derive(Debug)]
 struct Holder {
@@ -192,23 +195,35 @@ struct Slot {
     holder: Option<Holder>,
 }
 
+/// One decode pool the sender reaches (a decode server's, or one decode context-parallel
+/// rank's) and its bounce slots.
+struct Destination {
+    dst: Arc<RemoteSpace>,
+    slots: Vec<Slot>,
+}
+
 /// What the transport and the sender's face share.
 struct Shared {
     config: MooncakeConfig,
-    slots: Vec<Slot>,
+    /// Destination 0 is the decode `MooncakeSender::new` was given.
+    dests: Vec<Destination>,
     addresses: EngineAddresses,
+    /// Packs chunks densely for decode context-parallel ranks.
+    dense: DenseBounce,
     /// The chunk `submit` handed out last, taken by [`MooncakeSender::send`].
     last: Option<Export>,
 }
 
 impl Shared {
-    /// The free slot `plan` bounces through and its packed bytes, when it goes bounced.
+    /// The free slot of destination 0 `plan` bounces through and its packed bytes, when it goes
+    /// bounced.
     fn bounce_slot(&self, plan: &SendPlan) -> Option<(usize, u64)> {
         if self.config.mode == MooncakeMode::Coalesced {
             return None;
         }
-        let slot = self.slots.iter().position(|s| s.holder.is_none())?;
-        let s = &self.slots[slot];
+        let slots = &self.dests[0].slots;
+        let slot = slots.iter().position(|s| s.holder.is_none())?;
+        let s = &slots[slot];
         let bytes = s.buffer.packed_bytes(plan).filter(|&b| b <= s.remote.1)?;
         if self.config.mode == MooncakeMode::Auto {
             let mean = plan.bytes().total() / (plan.descriptor_count() as u64).max(1);
@@ -217,6 +232,82 @@ impl Shared {
             }
         }
         Some((slot, bytes))
+    }
+
+    fn slots_mut(&mut self, destination: usize) -> Result<&mut Vec<Slot>> {
+        let count = self.dests.len();
+        self.dests
+            .get_mut(destination)
+            .map(|d| &mut d.slots)
+            .ok_or(Error::OutOfRange {
+                what: "Mooncake destination",
+                index: destination as i64,
+                limit: count as u64,
+            })
+    }
+
+    /// Per decode rank of `plan`: its destination (the one `dsts` names), and the free slot
+    /// its rows go through with their bytes (none when it has no rows). Refused, before
+    /// anything is taken, when a rank with rows finds no free slot or its rows do not fit one.
+    fn dense_slots(
+        &self,
+        plan: &DecodePlan,
+        src: &DevicePool,
+        dsts: &[Arc<RemoteSpace>],
+    ) -> Result<Vec<DecodePart>> {
+        let request = plan.request();
+        let refused = |reason: String| Err(Error::Transfer { request, reason });
+        let m = plan.layout().ranks() as usize;
+        if dsts.len() != m {
+            return refused(format!(
+                "a chunk for {m} decode ranks into {} destinations",
+                dsts.len()
+            ));
+        }
+        if self.config.mode == MooncakeMode::Coalesced {
+            return refused(
+                "a decode context-parallel chunk travels only through bounce slots (mode Auto or Bounce)".into(),
+            );
+        }
+        let components = src.geometry().components();
+        let mut parts = Vec::with_capacity(m);
+        for (d, dst) in (0u32..).zip(dsts) {
+            let Some(destination) = self.dests.iter().position(|x| Arc::ptr_eq(&x.dst, dst)) else {
+                return refused(format!(
+                    "decode rank {d}'s destination is not one of the sender's"
+                ));
+            };
+            let (dense, bytes) = region_of(plan, &components, d)?;
+            if dense.is_empty() {
+                parts.push(DecodePart {
+                    destination,
+                    slot: None,
+                    bytes: 0,
+                    dense,
+                });
+                continue;
+            }
+            let slots = &self.dests[destination].slots;
+            let Some(slot) = slots.iter().position(|s| s.holder.is_none()) else {
+                return refused(format!(
+                    "no bounce slot free at decode rank {d} ({} slots): a decode context-parallel chunk has no other route over Mooncake (free slots first)",
+                    slots.len()
+                ));
+            };
+            let room = (slots[slot].buffer.buffer().len() as u64).min(slots[slot].remote.1);
+            if bytes > room {
+                return refused(format!(
+                    "decode rank {d}'s rows of the chunk take {bytes} B, more than a bounce slot's {room} B (more bounce pages on both sides, or smaller chunks)"
+                ));
+            }
+            parts.push(DecodePart {
+                destination,
+                slot: Some(slot),
+                bytes,
+                dense,
+            });
+        }
+        Ok(parts)
     }
 }
 
@@ -247,6 +338,9 @@ impl Transport for EngineTransport {
             sections: Vec::new(),
             packing: None,
             slot: None,
+            targets: Vec::new(),
+            parts: Vec::new(),
+            layout: None,
             settle: settle.clone(),
             prepared: Duration::ZERO,
             bytes: plan.bytes().total(),
@@ -254,7 +348,7 @@ impl Transport for EngineTransport {
         if plan.is_empty() {
             // Nothing moves: the engine's side reports the chunk at once.
         } else if let Some((slot, bytes)) = s.bounce_slot(plan) {
-            let sl = &mut s.slots[slot];
+            let sl = &mut s.dests[0].slots[slot];
             // The slot is free: the engine finished reading it (its chunk was reported) and the
             // decode scattered its side, so the packing may overwrite it.
             let packed = sl.buffer.pack(plan, src)?;
@@ -278,6 +372,76 @@ impl Transport for EngineTransport {
                 export.lengths.push(r.bytes);
             }
         }
+        export.targets = vec![0; export.lengths.len()];
+        export.prepared = started.elapsed();
+        let completion = Settled {
+            settle,
+            request: plan.request(),
+            deadline: started.checked_add(s.config.transfer_timeout),
+            timeout: s.config.transfer_timeout,
+        };
+        s.last = Some(export);
+        Ok(self.stats.track(Box::new(completion), started))
+    }
+
+    /// Packs every decode rank's rows of `plan` into a free slot of its destination (one
+    /// launch) and hands the chunk out as one descriptor per decode rank it moves rows to
+    /// (module docs); refused, before anything moves, as [`Shared::dense_slots`] says.
+    fn submit_decode(
+        &mut self,
+        plan: &DecodePlan,
+        src: &Arc<DevicePool>,
+        dsts: &[Arc<RemoteSpace>],
+    ) -> Result<Box<dyn Completion>> {
+        let started = Instant::now();
+        let mut s = lock(&self.shared);
+        let parts = s.dense_slots(plan, src, dsts)?;
+        let settle = Arc::new(Settle {
+            outcome: Mutex::new(Outcome::Moving),
+            changed: Condvar::new(),
+        });
+        let mut export = Export {
+            src: Vec::new(),
+            dst: Vec::new(),
+            lengths: Vec::new(),
+            sections: Vec::new(),
+            packing: None,
+            slot: None,
+            targets: Vec::new(),
+            parts: Vec::new(),
+            layout: None,
+            settle: settle.clone(),
+            prepared: Duration::ZERO,
+            bytes: plan.rank_bytes().iter().map(|b| b.total()).sum(),
+        };
+        if parts.iter().any(|p| p.slot.is_some()) {
+            let regions: Vec<Option<Buffer>> = parts
+                .iter()
+                .map(|p| {
+                    p.slot
+                        .map(|slot| s.dests[p.destination].slots[slot].buffer.buffer().clone())
+                })
+                .collect();
+            // Every slot taken is free: the engine finished reading it and its decode rank
+            // unpacked its side, so the packing may overwrite it.
+            let packed = s.dense.pack(plan, src, &regions)?;
+            for (d, p) in (0u32..).zip(&parts) {
+                let Some(slot) = p.slot else { continue };
+                let sl = &mut s.dests[p.destination].slots[slot];
+                export.src.push(sl.address);
+                export.dst.push(sl.remote.0);
+                export.lengths.push(p.bytes);
+                export.targets.push(d);
+                sl.holder = Some(Holder {
+                    settle: settle.clone(),
+                    request: plan.request(),
+                    chunk: plan.chunk().index,
+                });
+            }
+            export.packing = Some(packed.event);
+        }
+        export.parts = parts;
+        export.layout = Some(plan.layout());
         export.prepared = started.elapsed();
         let completion = Settled {
             settle,
@@ -294,192 +458,13 @@ impl Transport for EngineTransport {
     }
 }
 
-/// One chunk handed to the engine: post [`Self::src_addrs`] / [`Self::dst_addrs`] /
-/// [`Self::lengths`] (a bounced one once [`Self::ready`]), count it [`Self::posted`], report it
-/// [`Self::landed`] or [`Self::failed`], then [`Self::poll`] it (or wait) for the status to
-/// deliver to the decode side, as every [`PendingChunk`]'s.
-pub struct MooncakeChunk {
-    pending: Mutex<Option<PendingChunk>>,
-    export: Export,
-    request: u64,
-    rank: u32,
-    chunk: u32,
-    last: bool,
-    posted_once: Mutex<bool>,
-    stats: TransferStats,
-    backend: Arc<dyn Backend>,
-}
-
-impl std::fmt::Debug for MooncakeChunk {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MooncakeChunk")
-            .field("request", &self.request)
-            .field("rank", &self.rank)
-            .field("chunk", &self.chunk)
-            .field("descriptors", &self.export.lengths.len())
-            .field("slot", &self.export.slot)
-            .finish_non_exhaustive()
-    }
-}
-
-impl MooncakeChunk {
-    /// Request id.
-    pub fn request(&self) -> u64 {
-        self.request
-    }
-
-    /// The sending rank.
-    pub fn rank(&self) -> u32 {
-        self.rank
-    }
-
-    /// Index of the chunk in the request's send order.
-    pub fn chunk(&self) -> u32 {
-        self.chunk
-    }
-
-    /// Whether it is the request's final chunk.
-    pub fn is_last(&self) -> bool {
-        self.last
-    }
-
-    /// Source addresses (this rank's memory, as the engine addresses it).
-    pub fn src_addrs(&self) -> &[u64] {
-        &self.export.src
-    }
-
-    /// Destination addresses (the decode's, as it published them).
-    pub fn dst_addrs(&self) -> &[u64] {
-        &self.export.dst
-    }
-
-    /// Lengths.
-    pub fn lengths(&self) -> &[u64] {
-        &self.export.lengths
-    }
-
-    /// Payload bytes (a bounced range adds at most 255 bytes of padding per component).
-    pub fn bytes(&self) -> u64 {
-        self.export.bytes
-    }
-
-    /// The bounce slot it was packed into (`None` unless bounced): its one descriptor targets
-    /// the decode's buffer of that slot.
-    pub fn slot(&self) -> Option<usize> {
-        self.export.slot
-    }
-
-    /// The packed sections (empty unless bounced): what the decode scatters.
-    pub fn sections(&self) -> &[PackedSection] {
-        &self.export.sections
-    }
-
-    /// Whether the descriptors may be posted: the bounce packing has run (always, unbounced).
-    /// Never blocks.
-    pub fn ready(&self) -> Result<bool> {
-        match &self.export.packing {
-            Some(e) => self.backend.is_done(e),
-            None => Ok(true),
-        }
-    }
-
-    /// Counts the chunk as posted, once: `engine` is the time the engine's post took, added to
-    /// kvshard's planning (and packing launch) time.
-    pub fn posted(&self, engine: Duration) -> Result<()> {
-        let mut once = lock(&self.posted_once);
-        if *once {
-            return Err(Error::InvalidArgument(
-                "the chunk was already counted as posted".into(),
-            ));
-        }
-        self.stats.posted(&Posted {
-            bytes: self.export.bytes,
-            descriptors: self.export.lengths.len() as u64,
-            post_time: self.export.prepared.saturating_add(engine),
-            bounced: self.export.packing.is_some(),
-        });
-        *once = true;
-        Ok(())
-    }
-
-    fn settle(&self, outcome: Outcome) -> Result<()> {
-        let mut o = lock(&self.export.settle.outcome);
-        if !matches!(*o, Outcome::Moving) {
-            return Err(Error::InvalidArgument(
-                "the chunk's transfer was already reported".into(),
-            ));
-        }
-        *o = outcome;
-        self.export.settle.changed.notify_all();
-        Ok(())
-    }
-
-    /// Reports the chunk's bytes landed, `took` after it was handed out. Once per chunk (a
-    /// second report of either kind is refused).
-    pub fn landed(&self, took: Duration) -> Result<()> {
-        self.settle(Outcome::Landed(took))
-    }
-
-    /// Reports the chunk's transfer failed: [`Self::poll`] then fails with it.
-    pub fn failed(&self, reason: impl Into<String>) -> Result<()> {
-        self.settle(Outcome::Failed(reason.into()))
-    }
-
-    /// Whether the engine has reported the chunk (landed or failed).
-    pub fn is_reported(&self) -> bool {
-        !self.export.settle.is_moving()
-    }
-
-    /// The chunk's status once the engine reported it landed (`None` while it is moving); a
-    /// failure (reported, or the transfer timeout passing first) is [`Error::ChunkFailed`].
-    /// Never blocks.
-    pub fn poll(&self) -> Result<Option<ChunkStatus>> {
-        match lock(&self.pending).as_mut() {
-            Some(p) => p.poll(),
-            None => Err(Error::InvalidArgument(
-                "the chunk was already waited for".into(),
-            )),
-        }
-    }
-
-    /// Blocks the host until the engine reports the chunk (at most the transfer timeout) and
-    /// returns its status, once.
-    pub fn wait_sync(&self) -> Result<ChunkStatus> {
-        let pending = lock(&self.pending)
-            .take()
-            .ok_or_else(|| Error::InvalidArgument("the chunk was already waited for".into()))?;
-        pending.wait_sync()
-    }
-
-    /// The side channel's report of `status` (this chunk's), naming the bounce slot and its
-    /// sections when the chunk went bounced and landed.
-    pub fn status_frame(&self, status: ChunkStatus) -> Frame {
-        let bounced = match (self.export.slot, &status.result) {
-            (Some(slot), crate::transfer::ChunkResult::Sent { .. }) => Some(Bounced {
-                slot: slot as u32,
-                sections: self
-                    .export
-                    .sections
-                    .iter()
-                    .map(|s| WireSection {
-                        components: s.components.iter().map(|&c| component_code(c)).collect(),
-                        pages: s.pages.iter().map(|p| p.0).collect(),
-                    })
-                    .collect(),
-            }),
-            _ => None,
-        };
-        Frame::Status { status, bounced }
-    }
-}
-
 /// The sending side of one prefill rank for a transfer engine that moves raw ranges
 /// (Mooncake's): plans each chunk of its requests and hands it out (module docs) into the
 /// decode pool the decode side published ([`DecodeTarget`]).
 pub struct MooncakeSender {
     sender: Sender,
+    pool: Arc<DevicePool>,
     shared: Arc<Mutex<Shared>>,
-    dst: Arc<RemoteSpace>,
     backend: Arc<dyn Backend>,
     stats: TransferStats,
 }
@@ -491,6 +476,45 @@ impl std::fmt::Debug for MooncakeSender {
             .field("slots", &self.bounce_slots())
             .finish_non_exhaustive()
     }
+}
+
+/// A destination for `decode` (module docs): its pool as a remote space and one bounce slot per
+/// buffer it published (none when `config` never bounces).
+fn destination(
+    pool: &Arc<DevicePool>,
+    backend: &Arc<dyn Backend>,
+    addresses: &EngineAddresses,
+    config: &MooncakeConfig,
+    decode: DecodeTarget,
+) -> Result<Destination> {
+    if decode.bounces.len() > super::MAX_SLOTS {
+        return Err(Error::out_of_bounds(
+            "the decode's bounce buffers for a rank",
+            decode.bounces.len(),
+            format!("at most {}", super::MAX_SLOTS),
+        ));
+    }
+    let geometry = pool.geometry().clone();
+    let dst = Arc::new(RemoteSpace::unmapped(
+        geometry.clone(),
+        decode.pages,
+        decode.bases,
+    )?);
+    let mut slots = Vec::new();
+    if config.bounce_pages > 0 && config.mode != MooncakeMode::Coalesced {
+        for remote in decode.bounces {
+            let buffer = BounceBuffer::new(backend.clone(), &geometry, config.bounce_pages)?;
+            let b = buffer.buffer();
+            let address = addresses.address(b.addr(), b.len() as u64)?;
+            slots.push(Slot {
+                buffer,
+                address,
+                remote,
+                holder: None,
+            });
+        }
+    }
+    Ok(Destination { dst, slots })
 }
 
 impl MooncakeSender {
@@ -518,38 +542,13 @@ impl MooncakeSender {
                 "more than 0 s (every chunk would fail unreported)",
             ));
         }
-        if decode.bounces.len() > super::MAX_SLOTS {
-            return Err(Error::out_of_bounds(
-                "the decode's bounce buffers for a rank",
-                decode.bounces.len(),
-                format!("at most {}", super::MAX_SLOTS),
-            ));
-        }
-        let geometry = pool.geometry().clone();
-        let dst = Arc::new(RemoteSpace::unmapped(
-            geometry.clone(),
-            decode.pages,
-            decode.bases,
-        )?);
-        let mut slots = Vec::new();
-        if config.bounce_pages > 0 && config.mode != MooncakeMode::Coalesced {
-            for remote in decode.bounces {
-                let buffer = BounceBuffer::new(backend.clone(), &geometry, config.bounce_pages)?;
-                let b = buffer.buffer();
-                let address = addresses.address(b.addr(), b.len() as u64)?;
-                slots.push(Slot {
-                    buffer,
-                    address,
-                    remote,
-                    holder: None,
-                });
-            }
-        }
+        let first = destination(&pool, &backend, &addresses, &config, decode)?;
         let stats = TransferStats::new("mooncake");
         let shared = Arc::new(Mutex::new(Shared {
             config,
-            slots,
+            dests: vec![first],
             addresses,
+            dense: DenseBounce::new(backend.clone()),
             last: None,
         }));
         let transport = EngineTransport {
@@ -557,12 +556,32 @@ impl MooncakeSender {
             stats: stats.clone(),
         };
         Ok(Self {
-            sender: Sender::new(pool, Box::new(transport)),
+            sender: Sender::new(pool.clone(), Box::new(transport)),
+            pool,
             shared,
-            dst,
             backend,
             stats,
         })
+    }
+
+    /// Adds another decode pool this sender reaches, `decode` as its side said (with its
+    /// bounce buffers for this rank, sized as [`Self::new`] sizes destination 0's): a decode
+    /// rank of a decode context-parallel server ([`Self::open_decode`]). Returns its index.
+    pub fn add_destination(&mut self, decode: DecodeTarget) -> Result<usize> {
+        let mut s = lock(&self.shared);
+        let d = {
+            let Shared {
+                config, addresses, ..
+            } = &*s;
+            destination(&self.pool, &self.backend, addresses, config, decode)?
+        };
+        s.dests.push(d);
+        Ok(s.dests.len() - 1)
+    }
+
+    /// Destinations (1 plus those added).
+    pub fn destinations(&self) -> usize {
+        lock(&self.shared).dests.len()
     }
 
     /// This sender's rank.
@@ -571,18 +590,58 @@ impl MooncakeSender {
     }
 
     /// This rank's bounce buffers to register with the engine, `[(address, bytes)]`, one per
-    /// slot.
+    /// slot of every destination, in destination order.
     pub fn bounce_regions(&self) -> Vec<(u64, u64)> {
         lock(&self.shared)
-            .slots
+            .dests
             .iter()
+            .flat_map(|d| &d.slots)
             .map(|s| (s.address, s.buffer.buffer().len() as u64))
             .collect()
     }
 
-    /// Starts sending a request the decode side registered.
+    /// Starts sending a request the decode side (destination 0) registered.
     pub fn open(&mut self, registration: Registration) -> Result<()> {
-        self.sender.open(registration, self.dst.clone())
+        let dst = lock(&self.shared).dests[0].dst.clone();
+        self.sender.open(registration, dst)
+    }
+
+    /// Starts sending a request the ranks of a decode context-parallel server registered
+    /// (docs/dcp.md) into `destinations`: per decode rank, in rank order, the destination that
+    /// is its pool (0, or one [`Self::add_destination`] returned), each named once. Its chunks
+    /// then travel densely packed (module docs); [`MooncakeChunk::poll_each`] gives each decode
+    /// rank's status. Refused, changing nothing, for a destination out of range or named twice,
+    /// or as [`Sender::open_decode`] refuses.
+    pub fn open_decode(
+        &mut self,
+        registration: DecodeRegistration,
+        destinations: &[usize],
+    ) -> Result<()> {
+        let dsts = {
+            let s = lock(&self.shared);
+            let mut seen = vec![false; s.dests.len()];
+            let mut dsts = Vec::with_capacity(destinations.len());
+            for &d in destinations {
+                let Some(dest) = s.dests.get(d) else {
+                    return Err(Error::OutOfRange {
+                        what: "Mooncake destination",
+                        index: d as i64,
+                        limit: s.dests.len() as u64,
+                    });
+                };
+                if std::mem::replace(&mut seen[d], true) {
+                    return Err(Error::Transfer {
+                        request: registration.request,
+                        reason: format!(
+                            "destination {d} named for two decode ranks (they would write one pool)"
+                        ),
+                    });
+                }
+                dsts.push(dest.dst.clone());
+            }
+            dsts
+        };
+        self.sender.open_decode(registration, dsts)
     }
 
     /// Plans the next chunk of `request` and hands it out (nothing moves until the engine
@@ -619,11 +678,23 @@ impl MooncakeSender {
     /// reported landed or failed: the engine may still read it, and a packing into it would
     /// overwrite what is on the wire.
     pub fn bounce_free(&self, slot: usize, holder: Option<(u64, u32)>) -> Result<()> {
+        self.bounce_free_at(0, slot, holder)
+    }
+
+    /// [`Self::bounce_free`] of a slot of destination `destination` (a decode rank's free
+    /// arrives on its own side channel).
+    pub fn bounce_free_at(
+        &self,
+        destination: usize,
+        slot: usize,
+        holder: Option<(u64, u32)>,
+    ) -> Result<()> {
         let mut s = lock(&self.shared);
-        let count = s.slots.len();
+        let slots = s.slots_mut(destination)?;
+        let count = slots.len();
         let refused =
             |why: String| Err(Error::InvalidArgument(format!("bounce slot {slot}: {why}")));
-        let Some(sl) = s.slots.get_mut(slot) else {
+        let Some(sl) = slots.get_mut(slot) else {
             return refused(format!("the sender has {count}"));
         };
         let Some(h) = &sl.holder else {
@@ -647,10 +718,18 @@ impl MooncakeSender {
         Ok(())
     }
 
-    /// `(slot, chunk)` of each bounce slot holding a chunk of `request`.
+    /// `(slot, chunk)` of each bounce slot of destination 0 holding a chunk of `request`.
     pub fn held_slots(&self, request: u64) -> Vec<(usize, u32)> {
-        lock(&self.shared)
-            .slots
+        self.held_slots_at(0, request)
+    }
+
+    /// [`Self::held_slots`] of destination `destination` (none for one out of range).
+    pub fn held_slots_at(&self, destination: usize, request: u64) -> Vec<(usize, u32)> {
+        let s = lock(&self.shared);
+        let Some(d) = s.dests.get(destination) else {
+            return Vec::new();
+        };
+        d.slots
             .iter()
             .enumerate()
             .filter_map(|(i, s)| {
@@ -660,18 +739,22 @@ impl MooncakeSender {
             .collect()
     }
 
-    /// Bounce slots (0: this sender never bounces).
+    /// Bounce slots of destination 0 (0: this sender never bounces).
     pub fn bounce_slots(&self) -> usize {
-        lock(&self.shared).slots.len()
+        lock(&self.shared).dests[0].slots.len()
     }
 
-    /// Bounce slots no chunk holds.
+    /// Bounce slots of destination 0 no chunk holds.
     pub fn bounce_slots_free(&self) -> usize {
+        self.bounce_slots_free_at(0)
+    }
+
+    /// Bounce slots of destination `destination` no chunk holds (0 for one out of range).
+    pub fn bounce_slots_free_at(&self, destination: usize) -> usize {
         lock(&self.shared)
-            .slots
-            .iter()
-            .filter(|s| s.holder.is_none())
-            .count()
+            .dests
+            .get(destination)
+            .map_or(0, |d| d.slots.iter().filter(|s| s.holder.is_none()).count())
     }
 
     /// Gives up on `request` on this rank ([`Sender::abort`]).
