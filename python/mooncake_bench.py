@@ -41,16 +41,16 @@ import kvshard
 from kvshard import mooncake
 
 MODES = {
-    "bounce": kvshard.MooncakeMode.BOUNCE,
-    "coalesced": kvshard.MooncakeMode.COALESCED,
-    "auto": kvshard.MooncakeMode.AUTO,
+    "bounce": kvshard.transfer.MooncakeMode.BOUNCE,
+    "coalesced": kvshard.transfer.MooncakeMode.COALESCED,
+    "auto": kvshard.transfer.MooncakeMode.AUTO,
 }
 
 
 def geometry(like_nixl):
     if like_nixl:
-        return kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 61), draft=True)
-    return kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.FP8_TRTLLM, 2), draft=False)
+        return kvshard.geometry.CacheGeometry(kvshard.geometry.PoolGeometry(kvshard.geometry.LatentLayout.FP8_TRTLLM, 61), draft=True)
+    return kvshard.geometry.CacheGeometry(kvshard.geometry.PoolGeometry(kvshard.geometry.LatentLayout.FP8_TRTLLM, 2), draft=False)
 
 
 class Shape:
@@ -58,11 +58,11 @@ class Shape:
 
     def __init__(self, device, g, n, pages, like_nixl, protocol):
         self.device, self.g, self.n, self.pages, self.like_nixl = device, g, n, pages, like_nixl
-        self.decode_pool = kvshard.DevicePool.allocate(device, g, kvshard.Placement(1), 0, pages + 1, registrable=True)
+        self.decode_pool = kvshard.pool.DevicePool.allocate(device, g, kvshard.shard.Placement(1), 0, pages + 1, registrable=True)
         # Logical pages n .. n + pages - 1 (0 .. n - 1 are reserved): rank r owns those = r mod n.
         local = pages // n + 2
         self.pools = [
-            kvshard.DevicePool.allocate(device, g, kvshard.Placement(n), r, local, registrable=True) for r in range(n)
+            kvshard.pool.DevicePool.allocate(device, g, kvshard.shard.Placement(n), r, local, registrable=True) for r in range(n)
         ]
         for p in self.pools:
             p.fill(0x5A)
@@ -72,7 +72,7 @@ class Shape:
         self.decode_engine.register(self.decode_pool)
         for e, p in zip(self.engines, self.pools):
             e.register(p)
-        self.layout = kvshard.PoolLayout.packed(g, pages + 1)
+        self.layout = kvshard.pool.PoolLayout.packed(g, pages + 1)
         self.logical = list(range(n, n + pages))
 
     def destination(self, i):
@@ -107,14 +107,14 @@ class Shape:
                 base = [(p.stats(), p.engine_post_seconds) for p in pres]
             elif i > 1 and time.monotonic() > deadline:
                 break
-            reg = kvshard.Registration(i + 1, self.layout, self.destination(i), self.destination(i))
+            reg = kvshard.transfer.Registration(i + 1, self.layout, self.destination(i), self.destination(i))
             dec.register(reg)
             for p in pres:
                 while not p.take_registrations():
                     time.sleep(0.0001)
             t0 = time.perf_counter()
             descriptors = [
-                p.send(reg.request, self.logical, pages * kvshard.PAGE_SIZE, last=True).descriptors for p in pres
+                p.send(reg.request, self.logical, pages * kvshard.geometry.PAGE_SIZE, last=True).descriptors for p in pres
             ]
             finished = []
             while not finished:
@@ -145,8 +145,8 @@ class Shape:
         The best, not the mean: a ceiling is the fastest the path moved the bytes in this run
         (a mean of three let a bounce row, the same one range per rank, pass it by noise)."""
         pages = -(-self.pages // self.n)
-        src = [kvshard.BounceBuffer(self.device, self.g, pages) for _ in range(self.n)]
-        dst = [kvshard.BounceBuffer(self.device, self.g, pages) for _ in range(self.n)]
+        src = [kvshard.transfer.BounceBuffer(self.device, self.g, pages) for _ in range(self.n)]
+        dst = [kvshard.transfer.BounceBuffer(self.device, self.g, pages) for _ in range(self.n)]
         for e, s in zip(self.engines, src):
             e.register(s)
         for d in dst:

@@ -36,7 +36,7 @@ class NotRegisteredError(InvalidArgumentError):
 
 def regions_of(memory) -> list[tuple[int, int]]:
     """The contiguous ``[(address, bytes)]`` of ``memory``: a ``DevicePool``, ``HostPool``,
-    ``ChunkStaging`` or ``BounceBuffer`` (``kvshard.engine_regions``), or an ``(address,
+    ``ChunkStaging`` or ``BounceBuffer`` (``kvshard.transfer.engine_regions``), or an ``(address,
     bytes)`` pair."""
     if isinstance(memory, tuple):
         if len(memory) != 2 or not all(isinstance(x, int) for x in memory) or memory[0] <= 0 or memory[1] <= 0:

@@ -25,7 +25,7 @@ moves the engine's batches and the side channel's bytes.
 **Registration.** ``Engine`` registers each piece of kvshard memory with Mooncake once and
 reuses it: device pools (and a pool wrapping an engine's exportable VMM tensors, which is one),
 HiCache's host pools, chunk staging, bounce buffers, or raw ``(address, bytes)``
-(``kvshard.engine_regions`` gives each one's contiguous regions). A second registration of
+(``kvshard.transfer.engine_regions`` gives each one's contiguous regions). A second registration of
 memory that overlaps registered memory raises ``AlreadyRegisteredError``; ``ensure`` reuses a
 registration; a local range outside every registration raises ``NotRegisteredError`` before
 the engine is called (``Engine.write_sync``), and so does unregistering what is not registered.
@@ -79,6 +79,9 @@ from ._errors import ChunkFailedError, InvalidArgumentError, TransferError
 
 # The side channel's Rust half: its frames and the decode side that checks them.
 from ._kvshard import MooncakeReceiver, SideReader, side_frame, side_shape  # noqa: E402
+from . import _home  # noqa: E402
+
+_home.settle(__name__, ["MooncakeReceiver", "SideReader"], globals())
 from ._mooncake_engine import (  # noqa: E402
     AlreadyRegisteredError,
     Engine,
@@ -183,7 +186,7 @@ def _first_frame_sync(ch: _Channel, reader, timeout: float) -> dict:
 
 
 class MooncakeDecode:
-    """The decode side: its ``receiver`` (``kvshard.MooncakeReceiver``) holds the pool and
+    """The decode side: its ``receiver`` (``kvshard.mooncake.MooncakeReceiver``) holds the pool and
     ``bounce_slots`` bounce buffers per prefill rank, registered with its engine (once: memory
     ``engine`` already holds is reused); it serves the side channel (``address``), registers
     requests with every rank, and turns the ranks' statuses into finished requests (``poll``).

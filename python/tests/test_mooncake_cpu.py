@@ -151,14 +151,14 @@ def copy_by_hand(chunk):
 def test_the_descriptor_export_moved_by_hand_matches_the_reference(mode):
     dev = kvshard.Device.cpu()
     dst = procs.decode_pool(dev)
-    regions, bases = kvshard.engine_memory(dst)
+    regions, bases = kvshard.transfer.engine_memory(dst)
     assert regions and len(bases) == len(dst.geometry.components())
-    bounce = kvshard.BounceBuffer(dev, dst.geometry, procs.BOUNCE_PAGES)
-    m = kvshard.MooncakeMode.COALESCED if mode == "coalesced" else kvshard.MooncakeMode.BOUNCE
+    bounce = kvshard.transfer.BounceBuffer(dev, dst.geometry, procs.BOUNCE_PAGES)
+    m = kvshard.transfer.MooncakeMode.COALESCED if mode == "coalesced" else kvshard.transfer.MooncakeMode.BOUNCE
     bounced = 0
     for rank in range(procs.N):
         pool, _keep = procs.prefill_pool(dev, 7, rank)
-        sender = kvshard.MooncakeSender(
+        sender = kvshard.transfer.MooncakeSender(
             pool, bases, procs.DECODE_PAGES, mode=m, bounce_pages=procs.BOUNCE_PAGES,
             decode_bounces=[(bounce.address, bounce.bytes)],
         )
@@ -187,52 +187,52 @@ def test_the_descriptor_export_moved_by_hand_matches_the_reference(mode):
 def test_a_chunk_the_engine_never_reports_fails_at_its_transfer_timeout():
     dev = kvshard.Device.cpu()
     dst = procs.decode_pool(dev)
-    _, bases = kvshard.engine_memory(dst)
+    _, bases = kvshard.transfer.engine_memory(dst)
     pool, _keep = procs.prefill_pool(dev, 7, 0)
-    sender = kvshard.MooncakeSender(pool, bases, procs.DECODE_PAGES, transfer_timeout=0.05)
+    sender = kvshard.transfer.MooncakeSender(pool, bases, procs.DECODE_PAGES, transfer_timeout=0.05)
     reg, src, chunks = procs.requests(7)[0]
     sender.open(reg)
     chunk = sender.send(reg.request, src, chunks[0][0], last=False)
     assert chunk.poll() is None
     time.sleep(0.1)
-    with pytest.raises(kvshard.ChunkFailedError) as e:
+    with pytest.raises(kvshard.error.ChunkFailedError) as e:
         chunk.poll()
     assert e.value.status.request == reg.request and not e.value.status.ok
-    with pytest.raises(kvshard.InvalidArgumentError):
+    with pytest.raises(kvshard.error.InvalidArgumentError):
         chunk.posted(-1.0)
 
 
 def test_transfer_timeouts_past_the_clock_are_none_and_zero_is_refused():
     dev = kvshard.Device.cpu()
     dst = procs.decode_pool(dev)
-    _, bases = kvshard.engine_memory(dst)
+    _, bases = kvshard.transfer.engine_memory(dst)
     pool, _keep = procs.prefill_pool(dev, 7, 0)
     # Old behaviour: an instant plus 10^18 s overflowed, a panic in the first send.
-    sender = kvshard.MooncakeSender(pool, bases, procs.DECODE_PAGES, transfer_timeout=1e18)
+    sender = kvshard.transfer.MooncakeSender(pool, bases, procs.DECODE_PAGES, transfer_timeout=1e18)
     reg, src, chunks = procs.requests(7)[0]
     sender.open(reg)
     chunk = sender.send(reg.request, src, chunks[0][0], last=False)
     assert chunk.poll() is None
     chunk.landed(0.0)
     assert chunk.poll() is not None
-    with pytest.raises(kvshard.InvalidArgumentError):
-        kvshard.MooncakeSender(pool, bases, procs.DECODE_PAGES, transfer_timeout=0.0)
+    with pytest.raises(kvshard.error.InvalidArgumentError):
+        kvshard.transfer.MooncakeSender(pool, bases, procs.DECODE_PAGES, transfer_timeout=0.0)
 
 
 def dcp_case(dev, rng, layout, tokens, prefix_pages):
     """N = 2 prefill pools (procs' seeded bytes) on ``dev``, the request's logical pages, and per
     decode rank a poisoned pool on ``dev`` with its share's pages shuffled; the registration."""
-    placement = kvshard.Placement(procs.N)
+    placement = kvshard.shard.Placement(procs.N)
     prefill = [procs.prefill_pool(dev, 7, r) for r in range(procs.N)]
-    chain = kvshard.RequestChain(placement)
-    chain.grow_to(kvshard.ShardAllocator(placement, procs.PREFILL_PAGES), tokens)
+    chain = kvshard.shard.RequestChain(placement)
+    chain.grow_to(kvshard.shard.ShardAllocator(placement, procs.PREFILL_PAGES), tokens)
     decode, parts = [], []
     for d in range(layout.ranks):
         pool = procs.decode_pool(dev)
         pages = [int(p) for p in rng.permutation(range(1, procs.DECODE_PAGES))[: layout.pages_on(d, tokens)]]
         decode.append(pool)
-        parts.append(kvshard.DecodeRank.of(pool, pages))
-    reg = kvshard.DecodeRegistration(21, layout, tokens, parts, prefix_pages=prefix_pages)
+        parts.append(kvshard.transfer.DecodeRank.of(pool, pages))
+    reg = kvshard.transfer.DecodeRegistration(21, layout, tokens, parts, prefix_pages=prefix_pages)
     return prefill, chain.pages, decode, reg
 
 
@@ -241,9 +241,9 @@ def dcp_reference(layout, tokens, prefix_pages, ends):
     import numpy as np
 
     prefill, src, decode, reg = dcp_case(kvshard.Device.cpu(), np.random.default_rng(5), layout, tokens, prefix_pages)
-    dsts = [kvshard.RemoteSpace.of(p) for p in decode]
+    dsts = [kvshard.copy.RemoteSpace.of(p) for p in decode]
     for pool, _keep in prefill:
-        sender = kvshard.Sender(pool)
+        sender = kvshard.transfer.Sender(pool)
         sender.open_decode(reg, dsts)
         for i, end in enumerate(ends):
             sender.send(reg.request, src, end, last=i == len(ends) - 1).wait_each_sync()
@@ -263,7 +263,7 @@ def test_mooncake_loopback_dcp_two_prefill_ranks_into_two_decode_ranks_match_the
     from kvshard import mooncake
 
     dev = procs.device()
-    layout = kvshard.DecodeLayout.sglang(dcp_size=2)
+    layout = kvshard.shard.DecodeLayout.sglang(dcp_size=2)
     tokens, prefix_pages, ends = 700, 1, [300, 700]
     prefill, src, decode, reg = dcp_case(dev, np.random.default_rng(5), layout, tokens, prefix_pages)
     engines = []
@@ -273,7 +273,7 @@ def test_mooncake_loopback_dcp_two_prefill_ranks_into_two_decode_ranks_match_the
         engines = dec_engines + pre_engines
         receivers = []
         for pool, e in zip(decode, dec_engines):
-            r = kvshard.MooncakeReceiver(pool, procs.N, bounce_pages=16, bounce_slots=2)
+            r = kvshard.mooncake.MooncakeReceiver(pool, procs.N, bounce_pages=16, bounce_slots=2)
             e.ensure(pool)
             for rank in range(procs.N):
                 for b in r.bounce_regions(rank):
@@ -281,15 +281,15 @@ def test_mooncake_loopback_dcp_two_prefill_ranks_into_two_decode_ranks_match_the
             receivers.append(r)
         senders = []
         for rank, ((pool, _keep), e) in enumerate(zip(prefill, pre_engines)):
-            hi = {"t": "hi", "rank": rank, "shape": kvshard.side_shape(pool.geometry)}
+            hi = {"t": "hi", "rank": rank, "shape": kvshard.mooncake.side_shape(pool.geometry)}
             hellos = []
             for r, de in zip(receivers, dec_engines):
                 joined, reply = r.join(hi, de.address)
                 assert joined == rank
-                hellos.append(kvshard.SideReader().feed(reply)[0])
+                hellos.append(kvshard.mooncake.SideReader().feed(reply)[0])
             h = hellos[0]
-            s = kvshard.MooncakeSender(
-                pool, h["bases"], h["pages"], mode=kvshard.MooncakeMode.BOUNCE, bounce_pages=16, decode_bounces=h["bounce"]
+            s = kvshard.transfer.MooncakeSender(
+                pool, h["bases"], h["pages"], mode=kvshard.transfer.MooncakeMode.BOUNCE, bounce_pages=16, decode_bounces=h["bounce"]
             )
             for d, h in enumerate(hellos[1:], 1):
                 assert s.add_destination(h["bases"], h["pages"], decode_bounces=h["bounce"]) == d
@@ -308,7 +308,7 @@ def test_mooncake_loopback_dcp_two_prefill_ranks_into_two_decode_ranks_match_the
             for d, r in enumerate(receivers):
                 finished[d] += r.poll()
                 for rank, s in enumerate(senders):
-                    for f in kvshard.SideReader().feed(r.take_outgoing(rank)):
+                    for f in kvshard.mooncake.SideReader().feed(r.take_outgoing(rank)):
                         assert f["t"] == "free", f
                         s.bounce_free(f["slot"], request=f["request"], chunk=f["chunk"], destination=d)
 

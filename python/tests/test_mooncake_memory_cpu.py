@@ -33,21 +33,21 @@ def memory_of_every_kind(dev):
     """A device pool, a host pool (page-first, one span per page and buffer), a host pool
     (layer-first: a span per layer), chunk staging and a bounce buffer, all on ``dev``."""
     g = procs.geometry()
-    pool = kvshard.DevicePool.allocate(dev, g, kvshard.Placement(1), 0, 16, registrable=True)
+    pool = kvshard.pool.DevicePool.allocate(dev, g, kvshard.shard.Placement(1), 0, 16, registrable=True)
     return {
         "pool": pool,
-        "host": kvshard.HostPool(dev, g, HOST_PAGES, kvshard.HostLayout.PAGE_FIRST),
-        "host_layer_first": kvshard.HostPool(dev, g, HOST_PAGES, kvshard.HostLayout.LAYER_FIRST),
-        "staging": kvshard.ChunkStaging(pool, 128),
-        "bounce": kvshard.BounceBuffer(dev, g, 4),
+        "host": kvshard.pool.HostPool(dev, g, HOST_PAGES, kvshard.pool.HostLayout.PAGE_FIRST),
+        "host_layer_first": kvshard.pool.HostPool(dev, g, HOST_PAGES, kvshard.pool.HostLayout.LAYER_FIRST),
+        "staging": kvshard.pool.ChunkStaging(pool, 128),
+        "bounce": kvshard.transfer.BounceBuffer(dev, g, 4),
     }
 
 
 def test_engine_regions_cover_each_kind_of_memory_and_refuse_anything_else():
     dev = procs.device()
     m = memory_of_every_kind(dev)
-    spans = {k: kvshard.engine_regions(v) for k, v in m.items()}
-    assert spans["pool"] == kvshard.engine_memory(m["pool"])[0]
+    spans = {k: kvshard.transfer.engine_regions(v) for k, v in m.items()}
+    assert spans["pool"] == kvshard.transfer.engine_memory(m["pool"])[0]
     assert spans["bounce"] == [(m["bounce"].address, m["bounce"].bytes)]
     for name in ("host", "host_layer_first"):
         h = m[name]
@@ -59,8 +59,8 @@ def test_engine_regions_cover_each_kind_of_memory_and_refuse_anything_else():
     # Disjoint: each kind is its own allocation.
     flat = sorted(r for v in spans.values() for r in v)
     assert all(a + n <= b for (a, n), (b, _) in zip(flat, flat[1:]))
-    with pytest.raises(kvshard.InvalidArgumentError):
-        kvshard.engine_regions(object())
+    with pytest.raises(kvshard.error.InvalidArgumentError):
+        kvshard.transfer.engine_regions(object())
 
 
 def test_every_kind_of_kvshard_memory_registers_once_and_is_reused():
@@ -70,14 +70,14 @@ def test_every_kind_of_kvshard_memory_registers_once_and_is_reused():
     e = mooncake.Engine()
     try:
         for v in m.values():
-            assert e.register(v) == kvshard.engine_regions(v)
+            assert e.register(v) == kvshard.transfer.engine_regions(v)
         regions = e.regions
-        assert len(regions) == sum(len(kvshard.engine_regions(v)) for v in m.values())
+        assert len(regions) == sum(len(kvshard.transfer.engine_regions(v)) for v in m.values())
         for name, v in m.items():
             # A second registration, of the whole or of a part, is refused, typed.
             with pytest.raises(mooncake.AlreadyRegisteredError, match="register each piece of memory once"):
                 e.register(v)
-            a, n = kvshard.engine_regions(v)[0]
+            a, n = kvshard.transfer.engine_regions(v)[0]
             with pytest.raises(mooncake.AlreadyRegisteredError):
                 e.register((a + n // 2, n))
             # ensure reuses it.
@@ -87,9 +87,9 @@ def test_every_kind_of_kvshard_memory_registers_once_and_is_reused():
         e.unregister(m["host"])
         with pytest.raises(mooncake.NotRegisteredError):
             e.unregister(m["host"])
-        assert len(e.regions) == len(regions) - len(kvshard.engine_regions(m["host"]))
+        assert len(e.regions) == len(regions) - len(kvshard.transfer.engine_regions(m["host"]))
         assert e.ensure(m["host"]) and e.regions == regions
-        with pytest.raises(kvshard.InvalidArgumentError):
+        with pytest.raises(kvshard.error.InvalidArgumentError):
             e.register((0, 4096))
     finally:
         e.close()
@@ -116,9 +116,9 @@ def test_a_host_pool_registered_once_serves_several_transfers(layout):
     mooncake_loads()
     dev = procs.device()
     g = procs.geometry()
-    lay = getattr(kvshard.HostLayout, layout)
-    src_host = kvshard.HostPool(dev, g, HOST_PAGES, lay)
-    dst_host = kvshard.HostPool(dev, g, HOST_PAGES, lay)
+    lay = getattr(kvshard.pool.HostLayout, layout)
+    src_host = kvshard.pool.HostPool(dev, g, HOST_PAGES, lay)
+    dst_host = kvshard.pool.HostPool(dev, g, HOST_PAGES, lay)
     fill_random(src_host, 3)
     dst_host.fill(0)
     dev.synchronize()
@@ -154,7 +154,7 @@ def test_a_host_pool_registered_once_serves_several_transfers(layout):
         with pytest.raises(mooncake.NotRegisteredError):
             a.write_sync(b.address, [end - 16], [da], [64])
         assert page_bytes(dst_host, 3) == before
-        with pytest.raises(kvshard.InvalidArgumentError):
+        with pytest.raises(kvshard.error.InvalidArgumentError):
             a.write_sync(b.address, [1, 2], [3], [4])
     finally:
         a.close()
@@ -165,7 +165,7 @@ def test_a_transport_reuses_what_its_engine_holds_and_unregisters_only_its_own()
     mooncake_loads()
     dev = procs.device()
     pool = procs.decode_pool(dev)
-    host = kvshard.HostPool(dev, pool.geometry, HOST_PAGES, kvshard.HostLayout.PAGE_FIRST)
+    host = kvshard.pool.HostPool(dev, pool.geometry, HOST_PAGES, kvshard.pool.HostLayout.PAGE_FIRST)
     e = mooncake.Engine()
     try:
         e.register(pool)
@@ -190,13 +190,13 @@ SLOT_PAGES = 16
 
 
 def sender_with_slots(dev, dst, slots, bounces, rank=0, **kw):
-    _, bases = kvshard.engine_memory(dst)
+    _, bases = kvshard.transfer.engine_memory(dst)
     pool, keep = procs.prefill_pool(dev, 7, rank)
-    sender = kvshard.MooncakeSender(
+    sender = kvshard.transfer.MooncakeSender(
         pool,
         bases,
         procs.DECODE_PAGES,
-        mode=kvshard.MooncakeMode.BOUNCE,
+        mode=kvshard.transfer.MooncakeMode.BOUNCE,
         bounce_pages=SLOT_PAGES,
         decode_bounces=[(b.address, b.bytes) for b in bounces[:slots]],
         **kw,
@@ -215,7 +215,7 @@ def test_bounce_slots_take_turns_and_a_slot_is_reused_only_after_its_transfer():
 def send_with_two_slots(dev, dst, rank):
     """Sends every request of rank ``rank`` with two bounce slots, keeping chunks on the wire
     (not landed) while the next ones are packed."""
-    bounces = [kvshard.BounceBuffer(dev, dst.geometry, SLOT_PAGES) for _ in range(2)]
+    bounces = [kvshard.transfer.BounceBuffer(dev, dst.geometry, SLOT_PAGES) for _ in range(2)]
     sender, _keep = sender_with_slots(dev, dst, 2, bounces, rank)
     assert sender.bounce_slots == 2 and sender.bounce_slots_free == 2
     assert len(sender.bounce_regions) == 2
@@ -234,7 +234,7 @@ def send_with_two_slots(dev, dst, rank):
         copy_by_hand(chunk)
         chunk.posted(0.0)
         if chunk.bounced:
-            with pytest.raises(kvshard.InvalidArgumentError, match="not reported"):
+            with pytest.raises(kvshard.error.InvalidArgumentError, match="not reported"):
                 sender.bounce_free(chunk.slot)  # on the wire: the engine may still read it
         chunk.landed(0.0)
         status = chunk.poll()
@@ -242,7 +242,7 @@ def send_with_two_slots(dev, dst, rank):
         if chunk.bounced:
             bounces[chunk.slot].scatter(chunk.sections, dst).synchronize()
             sender.bounce_free(chunk.slot)
-            with pytest.raises(kvshard.InvalidArgumentError, match="free already"):
+            with pytest.raises(kvshard.error.InvalidArgumentError, match="free already"):
                 sender.bounce_free(chunk.slot)
 
     for reg, src, chunks in procs.requests(7):
@@ -269,24 +269,24 @@ def send_with_two_slots(dev, dst, rank):
         finish(in_flight.pop(0))
     assert overlapped > 0, "no chunk packed into one slot while another was on the wire"
     assert fell_back > 0, "no chunk found both slots held"
-    with pytest.raises(kvshard.InvalidArgumentError):
+    with pytest.raises(kvshard.error.InvalidArgumentError):
         sender.bounce_free(2)
 
 
 def test_a_bounce_slot_of_a_chunk_past_its_deadline_frees_only_once_the_engine_is_done():
     dev = kvshard.Device.cpu()
     dst = procs.decode_pool(dev)
-    bounces = [kvshard.BounceBuffer(dev, dst.geometry, SLOT_PAGES)]
+    bounces = [kvshard.transfer.BounceBuffer(dev, dst.geometry, SLOT_PAGES)]
     sender, _keep = sender_with_slots(dev, dst, 1, bounces, transfer_timeout=0.05)
     reg, src, chunks = procs.requests(7)[0]
     sender.open(reg)
     chunk = sender.send(reg.request, src, chunks[0][0], last=False)
     assert chunk.bounced and chunk.slot == 0
     time.sleep(0.1)
-    with pytest.raises(kvshard.ChunkFailedError):
+    with pytest.raises(kvshard.error.ChunkFailedError):
         chunk.poll()
     # Failed by its deadline, but the engine was never heard from: it may still read the slot.
-    with pytest.raises(kvshard.InvalidArgumentError, match="not reported"):
+    with pytest.raises(kvshard.error.InvalidArgumentError, match="not reported"):
         sender.bounce_free(0)
     assert sender.bounce_slots_free == 0
     chunk.failed("the engine gave up")
@@ -297,11 +297,11 @@ def test_a_bounce_slot_of_a_chunk_past_its_deadline_frees_only_once_the_engine_i
 def test_a_coalesced_sender_has_no_slots():
     dev = kvshard.Device.cpu()
     dst = procs.decode_pool(dev)
-    bounces = [kvshard.BounceBuffer(dev, dst.geometry, SLOT_PAGES)]
-    _, bases = kvshard.engine_memory(dst)
+    bounces = [kvshard.transfer.BounceBuffer(dev, dst.geometry, SLOT_PAGES)]
+    _, bases = kvshard.transfer.engine_memory(dst)
     pool, _keep = procs.prefill_pool(dev, 7, 0)
-    sender = kvshard.MooncakeSender(
-        pool, bases, procs.DECODE_PAGES, mode=kvshard.MooncakeMode.COALESCED,
+    sender = kvshard.transfer.MooncakeSender(
+        pool, bases, procs.DECODE_PAGES, mode=kvshard.transfer.MooncakeMode.COALESCED,
         decode_bounces=[(bounces[0].address, bounces[0].bytes)],
     )
     assert sender.bounce_slots == 0 and sender.bounce_regions == []
@@ -319,9 +319,9 @@ def test_the_readme_sglang_example_moves_a_request():
     decode_pool = procs.decode_pool(dev)
     te = TransferEngine()
     assert te.initialize(decode_host, "P2PHANDSHAKE", "tcp", "") == 0
-    regions, bases = kvshard.engine_memory(decode_pool)
-    bounce = kvshard.BounceBuffer(decode_pool.device, decode_pool.geometry, 64)
-    for addr, length in regions + kvshard.engine_regions(bounce):
+    regions, bases = kvshard.transfer.engine_memory(decode_pool)
+    bounce = kvshard.transfer.BounceBuffer(decode_pool.device, decode_pool.geometry, 64)
+    for addr, length in regions + kvshard.transfer.engine_regions(bounce):
         assert te.register_memory(addr, length) == 0
     decode_session = f"{decode_host}:{te.get_rpc_port()}"
     bounced = 0
@@ -329,14 +329,14 @@ def test_the_readme_sglang_example_moves_a_request():
         prefill_pool, _keep = procs.prefill_pool(dev, 7, rank)
         te_prefill = TransferEngine()
         assert te_prefill.initialize(decode_host, "P2PHANDSHAKE", "tcp", "") == 0
-        sender = kvshard.MooncakeSender(prefill_pool, bases, decode_pages, mode=kvshard.MooncakeMode.AUTO,
+        sender = kvshard.transfer.MooncakeSender(prefill_pool, bases, decode_pages, mode=kvshard.transfer.MooncakeMode.AUTO,
                                         decode_bounces=[(bounce.address, bounce.bytes)])
-        for addr, length in kvshard.engine_regions(prefill_pool) + sender.bounce_regions:
+        for addr, length in kvshard.transfer.engine_regions(prefill_pool) + sender.bounce_regions:
             assert te_prefill.register_memory(addr, length) == 0
         for reg, prefill_pages, chunks in procs.requests(7):
             rid = reg.request
             decode_kv_pages, decode_state_pages = reg.pages, reg.state_pages
-            sender.open(kvshard.Registration(rid, kvshard.PoolLayout.packed(geometry, decode_pages),
+            sender.open(kvshard.transfer.Registration(rid, kvshard.pool.PoolLayout.packed(geometry, decode_pages),
                                              decode_kv_pages, decode_state_pages, reg.prefix_pages))
             for tokens_so_far, is_last in chunks:
                 chunk = sender.send(rid, prefill_pages, tokens_so_far, last=is_last)
@@ -361,9 +361,9 @@ def test_the_readme_sglang_example_moves_a_request():
                     bounce.scatter(chunk.sections, decode_pool).synchronize()
                     sender.bounce_free(chunk.slot)
                     bounced += 1
-        for addr, _ in kvshard.engine_regions(prefill_pool) + sender.bounce_regions:
+        for addr, _ in kvshard.transfer.engine_regions(prefill_pool) + sender.bounce_regions:
             te_prefill.unregister_memory(addr)
-    for addr, _ in regions + kvshard.engine_regions(bounce):
+    for addr, _ in regions + kvshard.transfer.engine_regions(bounce):
         te.unregister_memory(addr)
     assert bounced > 0
     assert decode_pool.snapshot_sync() == procs.reference(7)
@@ -376,14 +376,14 @@ def test_a_prefill_frees_the_slot_of_a_chunk_past_its_deadline_only_once_the_eng
     mooncake_loads()
     dev = kvshard.Device.cpu()
     g = procs.geometry()
-    decode_pool = kvshard.DevicePool.allocate(dev, g, kvshard.Placement(1), 0, 16, registrable=True)
-    pool = kvshard.DevicePool.allocate(dev, g, kvshard.Placement(1), 0, 8, registrable=True)
+    decode_pool = kvshard.pool.DevicePool.allocate(dev, g, kvshard.shard.Placement(1), 0, 16, registrable=True)
+    pool = kvshard.pool.DevicePool.allocate(dev, g, kvshard.shard.Placement(1), 0, 8, registrable=True)
     pool.fill(0x5A)
     dev.synchronize()
     dec = mooncake.MooncakeDecode(decode_pool, 1, bounce_pages=4, bounce_slots=1)
     t = threading.Thread(target=dec.accept_sync)
     t.start()
-    pre = mooncake.MooncakePrefill(pool, dec.address, mode=kvshard.MooncakeMode.BOUNCE, bounce_pages=4,
+    pre = mooncake.MooncakePrefill(pool, dec.address, mode=kvshard.transfer.MooncakeMode.BOUNCE, bounce_pages=4,
                                    transfer_timeout=0.3)
     t.join()
     try:
@@ -395,13 +395,13 @@ def test_a_prefill_frees_the_slot_of_a_chunk_past_its_deadline_only_once_the_eng
             return real_rest(*args)
 
         pre._rest = held
-        reg = kvshard.Registration(1, kvshard.PoolLayout.packed(g, 16), [1, 2, 3, 4], [5, 6, 7, 8])
+        reg = kvshard.transfer.Registration(1, kvshard.pool.PoolLayout.packed(g, 16), [1, 2, 3, 4], [5, 6, 7, 8])
         dec.register(reg)
         end = time.monotonic() + 10
         while not pre.take_registrations():
             assert time.monotonic() < end
             time.sleep(0.001)
-        chunk = pre.send(1, [1, 2, 3, 4], 4 * kvshard.PAGE_SIZE, last=True)
+        chunk = pre.send(1, [1, 2, 3, 4], 4 * kvshard.geometry.PAGE_SIZE, last=True)
         assert chunk.bounced and chunk.slot == 0
         statuses = []
         while not statuses:
@@ -412,7 +412,7 @@ def test_a_prefill_frees_the_slot_of_a_chunk_past_its_deadline_only_once_the_eng
         # Failed and delivered, but the engine may still read the slot: it stays held.
         time.sleep(0.05)
         assert pre.sender.bounce_slots_free == 0
-        with pytest.raises(kvshard.InvalidArgumentError):
+        with pytest.raises(kvshard.error.InvalidArgumentError):
             pre.sender.bounce_free(0)
         gate.set()
         while pre.sender.bounce_slots_free != 1:

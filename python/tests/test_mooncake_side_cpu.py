@@ -46,7 +46,7 @@ def hi(rank):
 
 
 def status(request, rank, chunk, last=True, **bounced):
-    return frame({"t": "status", "status": kvshard.ChunkStatus.sent(request, rank, chunk, last), **bounced})
+    return frame({"t": "status", "status": kvshard.transfer.ChunkStatus.sent(request, rank, chunk, last), **bounced})
 
 
 class Peer:
@@ -96,9 +96,9 @@ def decode_with(peers=2, **kw):
 
 
 def register(dec, request, pages=2):
-    layout = kvshard.PoolLayout.packed(procs.geometry(), procs.DECODE_PAGES)
+    layout = kvshard.pool.PoolLayout.packed(procs.geometry(), procs.DECODE_PAGES)
     kv = list(range(10 * request, 10 * request + pages))
-    dec.register(kvshard.Registration(request, layout, kv, kv))
+    dec.register(kvshard.transfer.Registration(request, layout, kv, kv))
 
 
 def finish(dec, requests, within=FAILED_WITHIN):
@@ -324,7 +324,7 @@ def test_a_hi_of_another_shape_a_rank_out_of_range_or_taken_is_refused():
     try:
         t = threading.Thread(target=dec.accept_sync, kwargs={"timeout": 20})
         t.start()
-        other = kvshard.CacheGeometry(kvshard.PoolGeometry(kvshard.LatentLayout.BF16, 2))
+        other = kvshard.geometry.CacheGeometry(kvshard.geometry.PoolGeometry(kvshard.geometry.LatentLayout.BF16, 2))
         wrong = Peer(dec.address)
         wrong.send(frame({"t": "hi", "rank": 0, "shape": mooncake.side_shape(other)}))
         assert wrong.hello()["t"] == "refused"
@@ -342,8 +342,8 @@ def test_a_prefill_refuses_a_bad_frame_and_a_free_of_another_chunk():
     dev = kvshard.Device.cpu()
     server = socket.create_server(("127.0.0.1", 0))
     dst = procs.decode_pool(dev)
-    _, bases = kvshard.engine_memory(dst)
-    bounce = kvshard.BounceBuffer(dev, dst.geometry, procs.BOUNCE_PAGES)
+    _, bases = kvshard.transfer.engine_memory(dst)
+    bounce = kvshard.transfer.BounceBuffer(dev, dst.geometry, procs.BOUNCE_PAGES)
     result = {}
 
     def decode_side():
@@ -360,7 +360,7 @@ def test_a_prefill_refuses_a_bad_frame_and_a_free_of_another_chunk():
     t = threading.Thread(target=decode_side)
     t.start()
     pool, _keep = procs.prefill_pool(dev, 7, 0)
-    pre = mooncake.MooncakePrefill(pool, server.getsockname()[:2], mode=kvshard.MooncakeMode.BOUNCE,
+    pre = mooncake.MooncakePrefill(pool, server.getsockname()[:2], mode=kvshard.transfer.MooncakeMode.BOUNCE,
                                    bounce_pages=procs.BOUNCE_PAGES)
     t.join()
     conn = result["conn"]
@@ -402,7 +402,7 @@ def test_a_dense_status_round_trips_and_one_contradicting_itself_is_never_sent()
     as its dict, both ways; one the protocol refuses raises before any byte is sent."""
     msg = {
         "t": "dense_status",
-        "status": kvshard.ChunkStatus.sent(21, 1, 0, False),
+        "status": kvshard.transfer.ChunkStatus.sent(21, 1, 0, False),
         "slot": 1,
         "ranks": 2,
         "interleave": 1,
@@ -415,7 +415,7 @@ def test_a_dense_status_round_trips_and_one_contradicting_itself_is_never_sent()
     assert [got[k] for k in ("slot", "ranks", "interleave", "rank", "end_token")] == [1, 2, 1, 1, 300]
     assert [(list(c), list(p)) for c, p in got["sections"]] == [([0, 2], [3, 4])]
     for bad in [{"rank": 2}, {"sections": []}, {"sections": [([0, 0], [1])]}, {"sections": [([0], [])]}]:
-        with pytest.raises(kvshard.InvalidArgumentError):
+        with pytest.raises(kvshard.error.InvalidArgumentError):
             frame({**msg, **bad})
-    with pytest.raises(kvshard.InvalidArgumentError):
-        frame({**msg, "status": kvshard.ChunkStatus.failed(21, 1, 0, "x")})
+    with pytest.raises(kvshard.error.InvalidArgumentError):
+        frame({**msg, "status": kvshard.transfer.ChunkStatus.failed(21, 1, 0, "x")})

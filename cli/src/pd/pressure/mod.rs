@@ -6,7 +6,7 @@
 //! ([`crate::demo::pressure`]): a seeded prefix written through to the host, two prompts that
 //! evict it, the prefix reloaded from the host and gathered into every rank's attention
 //! scratch before each chunk of the second prompt. The ranks share a CP group memory
-//! ([`GroupMemory`]): the barrier, the NCCL id, and on the CPU twin or ranks that share a GPU
+//! ([`kvshard::ipc::group::GroupMemory`]): the barrier, the NCCL id, and on the CPU twin or ranks that share a GPU
 //! the host-staged all-gather. Each rank sends every prompt chunk to every decode as soon as
 //! it is written (one launch per chunk and decode with the `blocks` method). Each decode
 //! registers both prompts up front, replays the unsharded reference prefill itself and checks
