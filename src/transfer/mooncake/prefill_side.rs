@@ -331,20 +331,7 @@ impl Transport for EngineTransport {
             outcome: Mutex::new(Outcome::Moving),
             changed: Condvar::new(),
         });
-        let mut export = Export {
-            src: Vec::new(),
-            dst: Vec::new(),
-            lengths: Vec::new(),
-            sections: Vec::new(),
-            packing: None,
-            slot: None,
-            targets: Vec::new(),
-            parts: Vec::new(),
-            layout: None,
-            settle: settle.clone(),
-            prepared: Duration::ZERO,
-            bytes: plan.bytes().total(),
-        };
+        let mut export = Export::new(settle.clone(), plan.bytes().total());
         if plan.is_empty() {
             // Nothing moves: the engine's side reports the chunk at once.
         } else if let Some((slot, bytes)) = s.bounce_slot(plan) {
@@ -400,20 +387,10 @@ impl Transport for EngineTransport {
             outcome: Mutex::new(Outcome::Moving),
             changed: Condvar::new(),
         });
-        let mut export = Export {
-            src: Vec::new(),
-            dst: Vec::new(),
-            lengths: Vec::new(),
-            sections: Vec::new(),
-            packing: None,
-            slot: None,
-            targets: Vec::new(),
-            parts: Vec::new(),
-            layout: None,
-            settle: settle.clone(),
-            prepared: Duration::ZERO,
-            bytes: plan.rank_bytes().iter().map(|b| b.total()).sum(),
-        };
+        let mut export = Export::new(
+            settle.clone(),
+            plan.rank_bytes().iter().map(|b| b.total()).sum(),
+        );
         if parts.iter().any(|p| p.slot.is_some()) {
             let regions: Vec<Option<Buffer>> = parts
                 .iter()

@@ -35,6 +35,26 @@ pub(super) struct Export {
     pub(super) bytes: u64,
 }
 
+impl Export {
+    /// A chunk of `bytes` with nothing handed out yet, settled through `settle`.
+    pub(super) fn new(settle: Arc<Settle>, bytes: u64) -> Self {
+        Self {
+            src: Vec::new(),
+            dst: Vec::new(),
+            lengths: Vec::new(),
+            sections: Vec::new(),
+            packing: None,
+            slot: None,
+            targets: Vec::new(),
+            parts: Vec::new(),
+            layout: None,
+            settle,
+            prepared: Duration::ZERO,
+            bytes,
+        }
+    }
+}
+
 /// One decode rank's part of a chunk into a decode context-parallel server.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DecodePart {
