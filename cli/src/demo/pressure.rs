@@ -39,13 +39,14 @@ use crate::scenario::PressureConfig;
 
 mod gather;
 mod local;
+mod report;
 mod scenario;
 #[cfg(feature = "nixl")]
 pub(crate) mod storage;
 
 pub(crate) use local::{AllGather, Local};
+use report::{evicted, PrefillReport};
 pub(crate) use scenario::Scenario;
-use scenario::{evicted, PrefillReport};
 
 /// The cache node of the seeded prefix.
 pub const SEED_NODE: u64 = 1;

@@ -12,10 +12,10 @@ use kvshard::copy::{BlockCopy, BlockCopyPlan, BlockSpace, PageSelection, Scratch
 use kvshard::index::{LocalPage, ModelLayer, StoredLayer};
 use kvshard::ipc::group::GroupMemory;
 use kvshard::pool::DevicePool;
-use kvshard::shard::{GatherPlan, GatherRequest, ScratchLayout};
-use kvshard::{Error, Result};
+use kvshard::shard::{GatherPlan, ScratchLayout};
+use kvshard::Result;
 
-use super::scenario::{copy_launch, PrefillReport, Scenario};
+use super::report::{copy_launch, PrefillReport};
 use super::AllGather;
 use crate::measure::time_sync;
 use crate::overflow;
@@ -65,63 +65,9 @@ impl GatherRig {
     }
 }
 
-impl Scenario {
-    /// Reads the first `prefix_pages` pages of `chain` into every local rank's scratch through
-    /// a gather plan (pack, then the all-gather, layer by layer), builds the page table with
-    /// the kernel, and checks the scratch read through it against the reference's pages of
-    /// `ref_chain`.
-    pub(super) fn gather_prefix(
-        &mut self,
-        chain: &RequestChain,
-        ref_chain: &RequestChain,
-        prefix_pages: usize,
-        report: &mut PrefillReport,
-    ) -> Result<()> {
-        let launch = self.launch();
-        let b = self.b.clone();
-        let bk = b.as_ref();
-        let (Some(rig), all_gather) = (self.gather.as_mut(), &mut self.all_gather) else {
-            return Ok(());
-        };
-        let setup = Instant::now();
-        let request = GatherRequest::of_chain(chain, prefix_pages)?;
-        let logical = self
-            .alloc
-            .placement()
-            .logical_pages(self.alloc.pages_per_rank())?;
-        let plan = GatherPlan::new(self.placement, rig.layout, logical, &[request])?;
-        report.setup_ms += setup.elapsed().as_secs_f64() * 1e3;
-        let table_ms = time_sync(bk, || rig.table.build(&plan))?;
-        let layers = self.g.model_layers();
-        all_gather_prefix(bk, all_gather, plan, &self.ranks, rig, layers, report)?;
-        bk.synchronize()?;
-        report.table_ms += table_ms;
-        report.gathers += 1;
-
-        let verify = Instant::now();
-        let scratch_pages = scratch_pages(bk, rig, logical, chain, prefix_pages)?;
-        let ref_pages: Vec<LocalPage> = ref_chain.pages()?[..prefix_pages]
-            .iter()
-            .map(|p| LocalPage(p.0))
-            .collect();
-        let want = read_in_order(bk, self.reference.clone(), ref_pages, &rig.want, launch)?;
-        for (pool, scratch) in self.ranks.iter().zip(&rig.scratch) {
-            let got = read_in_order(bk, scratch.clone(), scratch_pages.clone(), &rig.got, launch)?;
-            if got != want {
-                return Err(Error::Verification(format!(
-                    "rank {}'s scratch read through the page table differs from the reference's {prefix_pages} prefix pages",
-                    pool.rank()
-                )));
-            }
-        }
-        report.verify_ms += verify.elapsed().as_secs_f64() * 1e3;
-        Ok(())
-    }
-}
-
 /// Packs every local rank's part of the prefix and lands every rank's in every local scratch
 /// by `all_gather`, layer by layer, timed on the device into `report`.
-fn all_gather_prefix(
+pub(super) fn all_gather_prefix(
     bk: &dyn Backend,
     all_gather: &mut AllGather,
     plan: GatherPlan,
@@ -218,7 +164,7 @@ fn exchange_host_staged(
 
 /// The scratch page each of the first `prefix_pages` pages of `chain` is at, read back from the
 /// page table the kernel built (of `logical` pages).
-fn scratch_pages(
+pub(super) fn scratch_pages(
     bk: &dyn Backend,
     rig: &GatherRig,
     logical: u64,
@@ -241,16 +187,6 @@ fn scratch_pages(
         scratch_pages.push(LocalPage(s as u64));
     }
     Ok(scratch_pages)
-}
-
-impl PrefillReport {
-    pub(super) fn add_gather(&mut self, packs: &[BlockCopy], landings: &[BlockCopy], ms: f64) {
-        let packed: u64 = packs.iter().map(BlockCopy::bytes).sum();
-        let gathered: u64 = landings.iter().map(BlockCopy::bytes).sum();
-        self.gather.add(packed + gathered, ms);
-        self.packed += packed;
-        self.gathered += gathered;
-    }
 }
 
 /// The first `pages` pages of every stored layer of `staging`, component by component: where a

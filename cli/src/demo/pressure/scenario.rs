@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvshard::backend::{upload_i64s_sync, Backend, KernelFamily, Launch};
+use kvshard::backend::{upload_i64s_sync, Backend, Launch};
 use kvshard::chain::RequestChain;
 use kvshard::copy::{BlockCopy, BlockCopyPlan, PageSelection, Staging};
 use kvshard::geometry::CacheGeometry;
@@ -14,40 +14,21 @@ use kvshard::hicache::{CacheNode, HiCacheController, Route};
 use kvshard::index::{LocalPage, LogicalPage, ModelLayer, Slot};
 use kvshard::pool::{ChunkStaging, DevicePool, OwnedRowWrite};
 use kvshard::shard::{
-    evict_until_allocatable, Admission, AdmissionLimits, Candidate, Decision, Deferral, Placement,
-    ShardAllocator,
+    evict_until_allocatable, Admission, AdmissionLimits, Candidate, Decision, Deferral, GatherPlan,
+    GatherRequest, Placement, ShardAllocator,
 };
 use kvshard::transfer::ChunkEnd;
 use kvshard::{Error, Result};
 
 use super::super::{on_all_ranks, write_through_controllers, StreamFactory, Summary};
-use super::gather::GatherRig;
+use super::gather::{all_gather_prefix, read_in_order, scratch_pages, GatherRig};
 use super::local::check_local;
+use super::report::{copy_launch, PrefillReport};
 use super::{AllGather, Local, Prompts};
 use crate::measure::{time_sync, Moved};
 use crate::overflow;
 use crate::scenario::PressureConfig;
 use crate::synth::{self, POISON};
-
-/// What one prefill moved: owned-row writes, and for gathered prefixes the pack, the all-gather
-/// and the page table; with the wall time of setup and verification apart.
-#[derive(Debug, Default)]
-pub(super) struct PrefillReport {
-    pub(super) chunks: usize,
-    pub(super) writes: Moved,
-    /// The packs and the landings together (in one process they interleave layer by layer on
-    /// one stream, so one pair of events times both).
-    pub(super) gather: Moved,
-    pub(super) packed: u64,
-    pub(super) gathered: u64,
-    /// Wall time of the host-staged exchanges between the processes.
-    pub(super) exchange_ms: f64,
-    pub(super) table_ms: f64,
-    pub(super) gathers: usize,
-    pub(super) evicted: Vec<String>,
-    pub(super) setup_ms: f64,
-    pub(super) verify_ms: f64,
-}
 
 /// Everything the scenario keeps between its stages, in one process.
 pub(crate) struct Scenario {
@@ -73,15 +54,6 @@ pub(crate) struct Scenario {
     pub(super) poison: Arc<Staging>,
     pub(super) gather: Option<GatherRig>,
     pub(super) all_gather: AllGather,
-}
-
-/// The grid of the scenario's device-to-device block copies: enough CTAs to fill an H200
-/// (copies between device buffers are bandwidth-bound, not bytes-in-flight-bound).
-pub(super) fn copy_launch(b: &dyn Backend) -> Launch {
-    Launch {
-        ctas: 128,
-        threads: b.max_threads(KernelFamily::Copy),
-    }
 }
 
 impl Scenario {
@@ -390,11 +362,56 @@ fn write_chunk(
     Ok((slots, ms))
 }
 
-/// How the report says what a prefill evicted.
-pub(super) fn evicted(report: &PrefillReport) -> String {
-    if report.evicted.is_empty() {
-        "evicting nothing".into()
-    } else {
-        format!("evicting {}", report.evicted.join(", "))
+impl Scenario {
+    /// Reads the first `prefix_pages` pages of `chain` into every local rank's scratch through
+    /// a gather plan (pack, then the all-gather, layer by layer), builds the page table with
+    /// the kernel, and checks the scratch read through it against the reference's pages of
+    /// `ref_chain`.
+    pub(super) fn gather_prefix(
+        &mut self,
+        chain: &RequestChain,
+        ref_chain: &RequestChain,
+        prefix_pages: usize,
+        report: &mut PrefillReport,
+    ) -> Result<()> {
+        let launch = self.launch();
+        let b = self.b.clone();
+        let bk = b.as_ref();
+        let (Some(rig), all_gather) = (self.gather.as_mut(), &mut self.all_gather) else {
+            return Ok(());
+        };
+        let setup = Instant::now();
+        let request = GatherRequest::of_chain(chain, prefix_pages)?;
+        let logical = self
+            .alloc
+            .placement()
+            .logical_pages(self.alloc.pages_per_rank())?;
+        let plan = GatherPlan::new(self.placement, rig.layout, logical, &[request])?;
+        report.setup_ms += setup.elapsed().as_secs_f64() * 1e3;
+        let table_ms = time_sync(bk, || rig.table.build(&plan))?;
+        let layers = self.g.model_layers();
+        all_gather_prefix(bk, all_gather, plan, &self.ranks, rig, layers, report)?;
+        bk.synchronize()?;
+        report.table_ms += table_ms;
+        report.gathers += 1;
+
+        let verify = Instant::now();
+        let scratch_pages = scratch_pages(bk, rig, logical, chain, prefix_pages)?;
+        let ref_pages: Vec<LocalPage> = ref_chain.pages()?[..prefix_pages]
+            .iter()
+            .map(|p| LocalPage(p.0))
+            .collect();
+        let want = read_in_order(bk, self.reference.clone(), ref_pages, &rig.want, launch)?;
+        for (pool, scratch) in self.ranks.iter().zip(&rig.scratch) {
+            let got = read_in_order(bk, scratch.clone(), scratch_pages.clone(), &rig.got, launch)?;
+            if got != want {
+                return Err(Error::Verification(format!(
+                    "rank {}'s scratch read through the page table differs from the reference's {prefix_pages} prefix pages",
+                    pool.rank()
+                )));
+            }
+        }
+        report.verify_ms += verify.elapsed().as_secs_f64() * 1e3;
+        Ok(())
     }
 }

@@ -29,7 +29,8 @@ use kvshard::shard::Placement;
 use kvshard::{Error, Result};
 
 use super::gather::read_in_order;
-use super::scenario::{evicted, PrefillReport, Scenario};
+use super::report::{evicted, PrefillReport};
+use super::scenario::Scenario;
 use crate::measure::Moved;
 
 /// Where the step's directories are made: `KVSHARD_STORAGE_DIR`, else the system's temporary
