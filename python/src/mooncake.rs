@@ -525,7 +525,7 @@ impl PyMooncakeSender {
     }
 
     /// Starts sending a request the ranks of a decode context-parallel server registered
-    /// (`kvshard.DecodeRegistration`) into `destinations`: per decode rank, in rank order, the
+    /// (`kvshard.transfer.DecodeRegistration`) into `destinations`: per decode rank, in rank order, the
     /// destination that is its pool (0, or one `add_destination` returned), each once. Each
     /// chunk then goes as one descriptor per decode rank it moves rows to, packed into a slot
     /// of that rank's; report each rank's status with `MooncakeChunk.report_decode`.
