@@ -369,7 +369,7 @@ impl PyMooncakeReceiver {
     }
 
     /// Expects decode rank `rank`'s share of `registration` (a decode context-parallel
-    /// request, `kvshard.DecodeRegistration`) from every prefill rank, due `deadline` seconds
+    /// request, `kvshard.transfer.DecodeRegistration`) from every prefill rank, due `deadline` seconds
     /// from now (default the receiver's): its chunks arrive densely packed, each checked and
     /// unpacked into the share's pages. Nothing is sent: the prefill ranks open it with
     /// `MooncakeSender.open_decode`. Refused while a rank has not joined.
