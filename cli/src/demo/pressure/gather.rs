@@ -110,7 +110,7 @@ pub(super) fn all_gather_prefix(
             let (pool, scratch) = match (ranks, rig.scratch.as_slice()) {
                 ([pool], [scratch]) => (pool.clone(), scratch.clone()),
                 _ => {
-                    return Err(Error::InvalidArgument(
+                    return Err(kvshard::Error::InvalidArgument(
                         "an NCCL rank holds exactly one pool".into(),
                     ))
                 }
