@@ -215,6 +215,21 @@ struct Shared {
 }
 
 impl Shared {
+    /// Keeps `export` for the engine to take (prepared since `started`) and returns the
+    /// completion of request `request`'s chunk, failed unreported the transfer timeout after
+    /// `started`.
+    fn hand_out(&mut self, mut export: Export, request: u64, started: Instant) -> Settled {
+        export.prepared = started.elapsed();
+        let completion = Settled {
+            settle: export.settle.clone(),
+            request,
+            deadline: started.checked_add(self.config.transfer_timeout),
+            timeout: self.config.transfer_timeout,
+        };
+        self.last = Some(export);
+        completion
+    }
+
     /// The free slot of destination 0 `plan` bounces through and its packed bytes, when it goes
     /// bounced.
     fn bounce_slot(&self, plan: &SendPlan) -> Option<(usize, u64)> {
@@ -327,11 +342,7 @@ impl Transport for EngineTransport {
         let started = Instant::now();
         let mut s = lock(&self.shared);
         plan.check_spaces(src.as_ref(), dst.as_ref())?;
-        let settle = Arc::new(Settle {
-            outcome: Mutex::new(Outcome::Moving),
-            changed: Condvar::new(),
-        });
-        let mut export = Export::new(settle.clone(), plan.bytes().total());
+        let mut export = Export::new(plan.bytes().total());
         if plan.is_empty() {
             // Nothing moves: the engine's side reports the chunk at once.
         } else if let Some((slot, bytes)) = s.bounce_slot(plan) {
@@ -347,7 +358,7 @@ impl Transport for EngineTransport {
             export.packing = Some(packed.event);
             export.slot = Some(slot);
             sl.holder = Some(Holder {
-                settle: settle.clone(),
+                settle: export.settle.clone(),
                 request: plan.request(),
                 chunk: plan.chunk().index,
             });
@@ -360,14 +371,7 @@ impl Transport for EngineTransport {
             }
         }
         export.targets = vec![0; export.lengths.len()];
-        export.prepared = started.elapsed();
-        let completion = Settled {
-            settle,
-            request: plan.request(),
-            deadline: started.checked_add(s.config.transfer_timeout),
-            timeout: s.config.transfer_timeout,
-        };
-        s.last = Some(export);
+        let completion = s.hand_out(export, plan.request(), started);
         Ok(self.stats.track(Box::new(completion), started))
     }
 
@@ -383,14 +387,7 @@ impl Transport for EngineTransport {
         let started = Instant::now();
         let mut s = lock(&self.shared);
         let parts = s.dense_slots(plan, src, dsts)?;
-        let settle = Arc::new(Settle {
-            outcome: Mutex::new(Outcome::Moving),
-            changed: Condvar::new(),
-        });
-        let mut export = Export::new(
-            settle.clone(),
-            plan.rank_bytes().iter().map(|b| b.total()).sum(),
-        );
+        let mut export = Export::new(plan.rank_bytes().iter().map(|b| b.total()).sum());
         if parts.iter().any(|p| p.slot.is_some()) {
             let regions: Vec<Option<Buffer>> = parts
                 .iter()
@@ -410,7 +407,7 @@ impl Transport for EngineTransport {
                 export.lengths.push(p.bytes);
                 export.targets.push(d);
                 sl.holder = Some(Holder {
-                    settle: settle.clone(),
+                    settle: export.settle.clone(),
                     request: plan.request(),
                     chunk: plan.chunk().index,
                 });
@@ -419,14 +416,7 @@ impl Transport for EngineTransport {
         }
         export.parts = parts;
         export.layout = Some(plan.layout());
-        export.prepared = started.elapsed();
-        let completion = Settled {
-            settle,
-            request: plan.request(),
-            deadline: started.checked_add(s.config.transfer_timeout),
-            timeout: s.config.transfer_timeout,
-        };
-        s.last = Some(export);
+        let completion = s.hand_out(export, plan.request(), started);
         Ok(self.stats.track(Box::new(completion), started))
     }
 

@@ -2,7 +2,7 @@
 //! readiness, the engine's report of it, its status (one per decode rank of a decode
 //! context-parallel request) and the side channel's frames reporting it.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use super::{Outcome, Settle};
@@ -36,8 +36,12 @@ pub(super) struct Export {
 }
 
 impl Export {
-    /// A chunk of `bytes` with nothing handed out yet, settled through `settle`.
-    pub(super) fn new(settle: Arc<Settle>, bytes: u64) -> Self {
+    /// A chunk of `bytes`, moving, with nothing handed out yet.
+    pub(super) fn new(bytes: u64) -> Self {
+        let settle = Arc::new(Settle {
+            outcome: Mutex::new(Outcome::Moving),
+            changed: Condvar::new(),
+        });
         Self {
             src: Vec::new(),
             dst: Vec::new(),
