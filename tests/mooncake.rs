@@ -35,7 +35,7 @@ use kvshard::transfer::{
 };
 
 use common::dcp::{
-    difference, owed, random_case, relayout, setup, Case, Setup, PAGE, REQUEST as DCP_REQUEST,
+    check_decode_ranks, random_case, setup, Case, Setup, PAGE, REQUEST as DCP_REQUEST,
 };
 use kvshard::geometry::{CacheGeometry, LatentLayout, PoolGeometry, PAGE_SIZE};
 use kvshard::shard::DecodeLayout;
@@ -894,31 +894,11 @@ fn dcp_chunks_match_the_relaid_reference_one_descriptor_per_decode_rank_reached(
         let slot_pages = case.pages() as u64 + 1;
         let mut w = dcp_wire(&cpu, &s, slot_pages, SLOTS, MooncakeMode::Bounce);
         let (descriptors, finished) = dcp_send_all(&cpu, &case, &s, &mut w, &mut rng);
-        let reference = s.reference.snapshot_sync(base.as_ref()).unwrap();
-        let want = relayout(
-            &case,
-            &reference,
-            s.reference_pages,
-            &s.src,
-            &s.reg,
-            s.decode_pages,
-            &s.before,
-        );
-        for (d, side) in s.decode.iter().enumerate() {
-            assert_eq!(finished[d].len(), 1, "{case:?}: decode rank {d}");
-            let f = &finished[d][0];
-            assert!(f.is_completed(), "{case:?}: decode rank {d}: {f:?}");
-            let got = side.pool.snapshot_sync(base.as_ref()).unwrap();
-            if let Some(at) = difference(&case, s.decode_pages, &got, &want[d]) {
-                panic!("{case:?}: decode rank {d} differs from the relaid reference at {at}");
-            }
-            let owed: Vec<_> = (0..case.n)
-                .map(|r| owed(&case, &s.src, r, d as u32))
-                .collect();
-            assert_eq!(f.bytes, owed, "{case:?}: decode rank {d}");
-            let c = w.decode[d].counters();
+        check_decode_ranks(&case, &s, base.as_ref(), base.as_ref(), &finished);
+        for decode in &w.decode {
+            let c = decode.counters();
             assert_eq!((c.refused_frames, c.dropped_statuses), (0, 0), "{c:?}");
-            assert_eq!(w.decode[d].pending_requests(), 0);
+            assert_eq!(decode.pending_requests(), 0);
         }
         let posted: u64 = w.senders.iter().map(|t| t.stats().descriptors).sum();
         assert_eq!(

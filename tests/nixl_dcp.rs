@@ -18,7 +18,9 @@
 
 mod common;
 
-use common::dcp::{difference, owed, relayout, setup_with, Case, DecodeSide, PAGE, REQUEST};
+use common::dcp::{
+    check_decode_ranks, difference, owed, relayout, setup_with, Case, DecodeSide, PAGE, REQUEST,
+};
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -544,30 +546,7 @@ fn case_random_cases() {
         drive(&mut w.targets, &mut finished, |f| {
             f.iter().all(|f| !f.is_empty())
         });
-        let reference = s.reference.snapshot_sync(base.as_ref()).unwrap();
-        let want = relayout(
-            &case,
-            &reference,
-            s.reference_pages,
-            &s.src,
-            &s.reg,
-            s.decode_pages,
-            &s.before,
-        );
-        for (d, side) in s.decode.iter().enumerate() {
-            assert_eq!(finished[d].len(), 1, "{case:?}: decode rank {d}");
-            let f = &finished[d][0];
-            assert!(f.is_completed(), "{case:?}: decode rank {d}: {f:?}");
-            let got = side.pool.snapshot_sync(cpu.as_ref()).unwrap();
-            if let Some(at) = difference(&case, s.decode_pages, &got, &want[d]) {
-                panic!("{case:?}: decode rank {d} differs from the relaid reference at {at}");
-            }
-            // Each prefill rank's bytes for this decode rank, as it reported them.
-            let owed: Vec<_> = (0..case.n)
-                .map(|r| owed(&case, &s.src, r, d as u32))
-                .collect();
-            assert_eq!(f.bytes, owed, "{case:?}: decode rank {d}");
-        }
+        check_decode_ranks(&case, &s, base.as_ref(), cpu.as_ref(), &finished);
         let posted: u64 = w
             .transports
             .iter()

@@ -18,7 +18,9 @@ use kvshard::geometry::{
 use kvshard::index::{LocalPage, LogicalPage};
 use kvshard::pool::DevicePool;
 use kvshard::shard::{DecodeLayout, Placement};
-use kvshard::transfer::{ChunkEnd, ComponentBytes, DecodeRank, DecodeRegistration, PoolLayout};
+use kvshard::transfer::{
+    ChunkEnd, ComponentBytes, DecodeRank, DecodeRegistration, Finished, PoolLayout,
+};
 use rand::rngs::StdRng;
 use rand::seq::{IndexedRandom, SliceRandom};
 use rand::Rng;
@@ -470,4 +472,40 @@ pub fn difference(case: &Case, pages: u64, got: &[u8], want: &[u8]) -> Option<St
         }
     }
     Some(format!("byte {at}"))
+}
+
+/// Checks every decode rank of `s` once `case` was sent: one request finished there, completed,
+/// its pool (read on `read`) byte-identical to the reference (read on `base`) re-laid out, with
+/// the bytes each prefill rank owed it.
+pub fn check_decode_ranks(
+    case: &Case,
+    s: &Setup,
+    base: &dyn Backend,
+    read: &dyn Backend,
+    finished: &[Vec<Finished>],
+) {
+    let reference = s.reference.snapshot_sync(base).unwrap();
+    let want = relayout(
+        case,
+        &reference,
+        s.reference_pages,
+        &s.src,
+        &s.reg,
+        s.decode_pages,
+        &s.before,
+    );
+    for (d, side) in s.decode.iter().enumerate() {
+        assert_eq!(finished[d].len(), 1, "{case:?}: decode rank {d}");
+        let f = &finished[d][0];
+        assert!(f.is_completed(), "{case:?}: decode rank {d}: {f:?}");
+        let got = side.pool.snapshot_sync(read).unwrap();
+        if let Some(at) = difference(case, s.decode_pages, &got, &want[d]) {
+            panic!("{case:?}: decode rank {d} differs from the relaid reference at {at}");
+        }
+        // Each prefill rank's bytes for this decode rank, as it reported them.
+        let owed: Vec<_> = (0..case.n)
+            .map(|r| owed(case, &s.src, r, d as u32))
+            .collect();
+        assert_eq!(f.bytes, owed, "{case:?}: decode rank {d}");
+    }
 }
