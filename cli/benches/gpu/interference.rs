@@ -422,6 +422,11 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
         .map(|&l| host_pool(ctx, 1024, l))
         .collect::<Result<Vec<_>>>()?;
     for load in &loads {
+        // One enqueue first: the first cuBLAS call loads its kernels on the host, between a
+        // probe's events, so the probe overstated the unit, the wait before the window outlasted
+        // the queued compute, and no enqueue lay inside the window (H200, 2026-12-04, a1c0278).
+        load.enqueue(compute.stream())?;
+        compute.synchronize()?;
         let probe = Timeline::new(ctx, 8)?;
         probe.enqueue(load.as_ref(), compute.stream())?;
         compute.synchronize()?;
