@@ -121,9 +121,9 @@ impl Scenario {
             Error::InvalidArgument("storage: the seeded prefix has no page to reload".into())
         })?;
         let writers = CpGroup::new(n, self.placement.owner(*first))?;
-        if let Some(p) = (0..pages.len()).find(|&p| {
-            self.placement.owner(pages[p]) != writers.owner(p as u64)
-        }) {
+        if let Some(p) =
+            (0..pages.len()).find(|&p| self.placement.owner(pages[p]) != writers.owner(p as u64))
+        {
             return Err(Error::Verification(format!(
                 "storage: page {p} of the seeded prefix is on rank {}, not on rank {} of {writers}",
                 self.placement.owner(pages[p]),

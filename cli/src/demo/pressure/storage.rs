@@ -118,7 +118,8 @@ impl Scenario {
         let (new, room, prefetch_ms, load) =
             self.reload_from_storage(seed_node, &keys, prefix_tokens)?;
         let check_ms = self.check_reloaded(&new, seed_ref)?;
-        let wider = self.reload_into_wider_group(&dir, slots_for(pages), seed_node, seed_ref, &keys)?;
+        let wider =
+            self.reload_into_wider_group(&dir, slots_for(pages), seed_node, seed_ref, &keys)?;
         self.evictable.push_back(CacheNode {
             device_pages: new,
             ..seed_node.clone()
