@@ -46,9 +46,10 @@
 #             scripts/stage-nixl.sh beside .gpu, or $NIXL_STAGE): its test binaries with the GPU
 #             and NIXL required (storage-tests/: the store ordered after a backup and a device
 #             load still queued on the GPU, and the fault-injection cases), the pressure
-#             scenario with its storage step (L2 -> L3 -> L2 -> L1 on the GPU, checked), in one
-#             process and across processes (kvshard pd --scenario pressure: a process per rank
-#             and decode, the ranks sharing the directory), and
+#             scenario with its storage step (L2 -> L3 -> L2 -> L1 on the GPU, then the
+#             CP2-written prefix from L3 into CP4; checked), in one process and across
+#             processes (kvshard pd --scenario pressure: a process per rank and decode, the
+#             ranks sharing the directory, rank r hosting CP4 readers r and r + 2), and
 #             kvshard storage-bench next to fio (fio.tar.xz, when staged) in $STORAGE_DIR
 #             (default /tmp; fio runs STORAGE_FIO_SECONDS a direction, default 3), then its
 #             end-to-end rows (16K and 128K-token prefixes to GPU 0
@@ -340,11 +341,12 @@ for step in "${steps[@]}"; do
       timeout 30 "$staged/kvshard" demo --scenario pressure | grep -E '^(storage|pressure)'
       echo '```'
       # Across processes: each rank writes its own pages to the shared directory, finds the
-      # whole prefix from its own replay of the others' journals, reloads it L3 -> L2 -> L1.
+      # whole prefix from its own replay of the others' journals, reloads it L3 -> L2 -> L1,
+      # then reads its two reader ranks' pages of CP4 from the directory (three rows a rank).
       timeout 60 "$staged/kvshard" pd --scenario pressure --markdown /tmp/storage-pd.md >/tmp/storage-pd.log 2>&1 ||
         { echo "pd --scenario pressure FAILED:"; tail -20 /tmp/storage-pd.log; }
       echo; echo '### pd --scenario pressure: the storage step across processes'; echo
-      grep -A6 'storage step' /tmp/storage-pd.md
+      grep -A7 'storage step' /tmp/storage-pd.md
       # fio's same-run ceiling runs STORAGE_FIO_SECONDS (default 3) per direction: longer runs
       # steady the disk's figure (a 3 s load ran slower than the store it bounds, 8d5f15c).
       fio_s="${STORAGE_FIO_SECONDS:-3}"
@@ -360,6 +362,8 @@ for step in "${steps[@]}"; do
       [ "$(grep -c '^faults_storage: test result: ok' "$out/storage.md")" -ge 1 ] &&
       ! grep -qE '^(storage|faults_storage): .*(FAILED|panicked)' "$out/storage.md" &&
       [ "$(grep -c '^| [0-9] | reloaded L3 -> L2 .*byte-identical' "$out/storage.md")" -ge 2 ] &&
+      grep -q '^storage: the CP2-written prefix reloaded into CP4 .*: byte-identical' "$out/storage.md" &&
+      [ "$(grep -c '^| [0-9] | the CP2-written prefix reloaded into CP4 .*: byte-identical' "$out/storage.md")" -ge 2 ] &&
       grep -q '^| [0-9]*K tokens' "$out/storage.md"; then r=ok; else r=FAILED; status=1; fi
     say "storage: $r"
     ;;

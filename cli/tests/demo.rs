@@ -173,8 +173,9 @@ fn pressure_demo_passes_on_the_cpu() {
             "the prompts evict the prefix:\n{text}"
         );
         assert!(text.contains("H2D grew from 0 to"), "{text}");
-        // The storage step: run (L2 -> L3 -> L2 -> L1, checked) where the `nixl` feature and
-        // runtime are there (required when KVSHARD_REQUIRE_NIXL is set), else said skipped.
+        // The storage step: run (L2 -> L3 -> L2 -> L1, then L3 into CP 2N; checked) where the
+        // `nixl` feature and runtime are there (required when KVSHARD_REQUIRE_NIXL is set),
+        // else said skipped.
         let required = cfg!(feature = "nixl") && std::env::var_os("KVSHARD_REQUIRE_NIXL").is_some();
         if required {
             assert!(
@@ -182,6 +183,16 @@ fn pressure_demo_passes_on_the_cpu() {
                     && text.contains("byte-identical to the unsharded reference (verified"),
                 "{text}"
             );
+            // Then into a CP group of twice the size from disk, every reader rank here.
+            let n = cfg.shape.ranks;
+            let readers: Vec<u32> = (0..2 * n).collect();
+            let pages = cfg.prefix_tokens / 64;
+            let wider = format!(
+                "storage: the CP{n}-written prefix reloaded into CP{} (disk -> host -> device, reader ranks {readers:?} here, {pages} of its {pages} pages, each page read by one reader, at most {} by one): byte-identical to the unsharded reference (",
+                2 * n,
+                (pages as u32).div_ceil(2 * n)
+            );
+            assert!(text.contains(&wider), "{wider}\n{text}");
         } else {
             assert!(text.contains("storage: "), "{text}");
         }

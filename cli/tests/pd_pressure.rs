@@ -8,7 +8,8 @@
 //!   DCP2 at I = 1 and DCP4 at I = 64: every decode rank's rows byte-identical to the unsharded
 //!   reference re-laid out;
 //! - the storage step across processes (feature `nixl`): each rank writes its own pages to a
-//!   shared directory and reloads the prefix from it, checked against the reference;
+//!   shared directory and reloads the prefix from it, checked against the reference; then the
+//!   prefix as the CP2 ranks left it is reloaded into CP4 (two reader ranks per process);
 //! - a rank killed in the middle makes every other process fail with an error and exit (none
 //!   hangs), and the run says which process failed;
 //! - the CP group memory's barrier, slots and NCCL id across threads, and its refusals.
@@ -83,8 +84,10 @@ fn assert_verified(table: &str, ranks: usize, decodes: usize) {
 /// Checks the storage step across processes where it must run (the `nixl` feature, and the
 /// runtime required by KVSHARD_REQUIRE_NIXL): every rank wrote its own pages to the shared
 /// directory, found the whole prefix from its own replay of the others' journals (every rank's
-/// snapshot covering the same records), and reloaded L3 -> L2 -> L1 byte-identical to the
-/// reference. Elsewhere every rank says why it did not run.
+/// snapshot covering the same records), reloaded L3 -> L2 -> L1 byte-identical to the
+/// reference, and reloaded its reader ranks (r and r + N) of a CP group of 2N from the
+/// directory byte-identical to the reference, the readers of all ranks reading every page once.
+/// Elsewhere every rank says why it did not run.
 fn assert_storage(table: &str, ranks: u32) {
     let rows: Vec<&str> = table
         .lines()
@@ -97,6 +100,7 @@ fn assert_storage(table: &str, ranks: u32) {
         return;
     }
     let mut snapshots = Vec::new();
+    let mut read = Vec::new();
     for r in 0..ranks {
         let mine: Vec<&&str> = rows
             .iter()
@@ -114,10 +118,44 @@ fn assert_storage(table: &str, ranks: u32) {
         assert!(found.contains("finds all"), "{table}");
         let records = found.split('[').nth(1).and_then(|x| x.split(']').next());
         snapshots.push(records.map(str::to_string));
+        // The prefix as the writers left it, reloaded into a CP group of twice the size: this
+        // process hosts reader ranks r and r + N.
+        let wider = mine
+            .iter()
+            .find(|l| {
+                l.contains(&format!(
+                    "the CP{ranks}-written prefix reloaded into CP{} (disk -> host -> device, reader ranks [{r}, {}] here, ",
+                    2 * ranks,
+                    r + ranks
+                ))
+            })
+            .unwrap_or_else(|| panic!("rank {r}: {table}"));
+        assert!(
+            wider.contains("): byte-identical to the unsharded reference ("),
+            "{table}"
+        );
+        let counts: Vec<u64> = wider
+            .split(" here, ")
+            .nth(1)
+            .and_then(|x| x.split(" pages,").next())
+            .map(|x| x.split(" of its ").map(|n| n.parse().unwrap()).collect())
+            .unwrap_or_else(|| panic!("{table}"));
+        read.push((counts[0], counts[1]));
     }
     assert!(
         snapshots.iter().all(|s| s.is_some() && *s == snapshots[0]),
         "every rank's snapshot covers the same records: {table}"
+    );
+    // Between them the readers read every page of the prefix once.
+    let total = read[0].1;
+    assert!(
+        total > 0 && read.iter().all(|&(_, t)| t == total),
+        "{table}"
+    );
+    assert_eq!(
+        read.iter().map(|&(here, _)| here).sum::<u64>(),
+        total,
+        "{table}"
     );
 }
 

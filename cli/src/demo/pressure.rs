@@ -19,7 +19,8 @@
 //! 4. **Prompt 2** (`prompt_2`): the seeded prefix, now on the host only, reloaded into new
 //!    pages of the same owners and gathered before every chunk; P/D and a backup.
 //! 5. **Steady state** (`steady_state`): none of the work above blocked the host.
-//! 6. **Storage** (feature `nixl`, `storage.rs`): the prefix to the storage tier and back.
+//! 6. **Storage** (feature `nixl`, `storage.rs`): the prefix to the storage tier and back,
+//!    then from the storage tier into a CP group of twice the size (`cross_cp.rs`).
 
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -37,6 +38,8 @@ use super::{send_checked, SendShape, StreamFactory, Summary};
 use crate::measure::{timed_waits, Moved, TimedWaits};
 use crate::scenario::PressureConfig;
 
+#[cfg(feature = "nixl")]
+mod cross_cp;
 mod gather;
 mod local;
 mod report;

@@ -82,7 +82,8 @@ pub enum Message {
         end: SystemTime,
     },
     /// Pressure scenario, a rank: what its storage step reported (the prefix L2 -> L3 -> L2 ->
-    /// L1, checked against the reference), or why it did not run.
+    /// L1, then from L3 into its reader ranks of a CP group of twice the size, each checked
+    /// against the reference), or why it did not run.
     Storage {
         /// The step's lines.
         lines: Vec<String>,

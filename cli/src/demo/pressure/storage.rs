@@ -1,7 +1,8 @@
 //! The pressure scenario's storage step (feature `nixl`): the seeded prefix leaves the host
 //! pools for the storage tier (written back by each page's owner), comes back L3 -> L2 -> L1
 //! into new device pages of the same owners, and is checked byte for byte against the
-//! unsharded reference.
+//! unsharded reference; then, as the writers left it on disk, it is reloaded into a CP group of
+//! twice the size and checked again (`cross_cp.rs`).
 //!
 //! - **Every rank in this process** (the demo): the directory is the step's own, private (a
 //!   random name, mode 0700, removed when the step ends); rank 0's snapshot reaches the
@@ -49,6 +50,15 @@ pub(crate) fn group_directory() -> Result<tempfile::TempDir> {
 
 /// How long a rank waits for the other ranks' pages to be committed.
 const WAIT_FOR_GROUP: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The deadline of every store's I/O and of the controllers' storage waits.
+pub(super) const STORAGE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Slots of each rank's file for a prefix of `pages` pages (room to spare): what the writers
+/// open with and what a reader of their files must open with.
+fn slots_for(pages: u64) -> u64 {
+    pages + 8
+}
 
 /// The step's directory: with every rank in this process (`in_process`) its own private one,
 /// removed when the returned guard drops however the step ends; else the one the ranks'
@@ -108,6 +118,8 @@ impl Scenario {
         let (new, room, prefetch_ms, load) =
             self.reload_from_storage(seed_node, &keys, prefix_tokens)?;
         let check_ms = self.check_reloaded(&new, seed_ref)?;
+        let wider =
+            self.reload_into_wider_group(&dir, slots_for(pages), seed_node, seed_ref, &keys)?;
         self.evictable.push_back(CacheNode {
             device_pages: new,
             ..seed_node.clone()
@@ -133,6 +145,7 @@ impl Scenario {
                 bytes as f64 / prefetch_ms.max(1e-3) / 1e6,
                 evicted(&room)
             ),
+            wider,
         ])
     }
 
@@ -154,16 +167,15 @@ impl Scenario {
             .collect();
         let ns = Namespace::new(&self.g, IndexerScale::Ue8m0, b"kvshard-pressure")?;
         let keys = PageKey::chain(&ns, &tokens, None);
-        let timeout = std::time::Duration::from_secs(60);
         let mut queue = String::new();
         for c in self.controllers.iter_mut() {
             let host = c.host().clone();
             let rank = c.device().rank();
-            let mut cfg = DiskConfig::new(dir, rank, writers, pages + 8);
-            cfg.timeout = timeout;
+            let mut cfg = DiskConfig::new(dir, rank, writers, slots_for(pages));
+            cfg.timeout = STORAGE_TIMEOUT;
             let store = DiskStore::open(host, b.clone(), cfg)?;
             queue = store.io_queue().to_string();
-            c.attach_storage(store, StoragePolicy::WriteBack, timeout)?;
+            c.attach_storage(store, StoragePolicy::WriteBack, STORAGE_TIMEOUT)?;
             c.set_keys(seed_node.id, keys.clone())?;
         }
         Ok((keys, queue))

@@ -328,7 +328,7 @@ fn storage_table(out: &mut String, messages: &[&(Role, Message)]) {
     if !storage.is_empty() {
         let _ = writeln!(
             out,
-            "\n| rank | storage step (the prefix L2 -> L3 -> L2 -> L1) |"
+            "\n| rank | storage step (the prefix L2 -> L3 -> L2 -> L1, then L3 into a CP group of twice the size) |"
         );
         let _ = writeln!(out, "|---:|---|");
         for (rank, line) in storage {
