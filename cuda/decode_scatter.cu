@@ -44,7 +44,11 @@ namespace decode {
  * vectors in flight (63 registers on sm_90a), every row read whether or not it is moved (no
  * table lookup before the loads), a lane's row followed by addition instead of a division per
  * vector (fewer instructions, 2% slower): its DRAM bytes equal the page kernel's, at 77% of
- * DRAM's peak against the page kernel's 82% (docs/dcp.md, "What is measured").
+ * DRAM's peak against the page kernel's 82% (docs/dcp.md, "What is measured"). Two more were
+ * measured on 2026-12-04 (a1c0278, aa91e39) and kept out: a warp writing one destination rank's
+ * rows before the next (destination-major: +3 points at M = 4, N = 2, none at M = 2 or N = 4),
+ * and streaming cache hints on the loads and stores (__ldcs/__stcs: 3-5 points slower on both
+ * kernels).
  */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 constexpr uint32_t PAGES_UNROLL = 4;
