@@ -96,6 +96,8 @@ const WAITING_HELPERS: &[(&str, &str, Callers, &str)] = &[
      "the journal's constructor writes and flushes a new header once (set-up)"),
     ("pool/disk/store.rs", "settle", Callers::Any, "the storage I/O of store_sync and load_sync"),
     ("pool/disk/store/storing.rs", "write_all", Callers::Any, "the storage I/O of store_sync"),
+    ("pool/disk/store/load.rs", "check_and_unpack", Callers::Sync,
+     "joins its scoped threads, which check and unpack pages already read: load_sync's CPU work"),
 ];
 
 /// Whether `body` calls `name` (as a function or a method).

@@ -397,6 +397,25 @@ fn compute_rates(
     })
 }
 
+/// The seconds one enqueue of `load` takes, measured after a first enqueue, then two seconds of
+/// the load, so that "alone" sees the clocks of a busy GPU.
+fn warm_unit(ctx: &Ctx, load: &dyn Load, compute: &CudaBackend) -> Result<f64> {
+    // One enqueue first: the first cuBLAS call loads its kernels on the host, between a probe's
+    // events, so the probe overstated the unit, the wait before the window outlasted the queued
+    // compute, and no enqueue lay inside the window (H200, 2026-12-04, a1c0278).
+    load.enqueue(compute.stream())?;
+    compute.synchronize()?;
+    let probe = Timeline::new(ctx, 8)?;
+    probe.enqueue(load, compute.stream())?;
+    compute.synchronize()?;
+    let unit_s = load.work() / probe.rate(load, None)?.0;
+    for _ in 0..(2.0 / unit_s).ceil() as usize {
+        load.enqueue(compute.stream())?;
+    }
+    compute.synchronize()?;
+    Ok(unit_s)
+}
+
 pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
     let mut loads: Vec<Box<dyn Load>> = Vec::new();
     match Gemm::new(ctx)? {
@@ -422,20 +441,7 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
         .map(|&l| host_pool(ctx, 1024, l))
         .collect::<Result<Vec<_>>>()?;
     for load in &loads {
-        // One enqueue first: the first cuBLAS call loads its kernels on the host, between a
-        // probe's events, so the probe overstated the unit, the wait before the window outlasted
-        // the queued compute, and no enqueue lay inside the window (H200, 2026-12-04, a1c0278).
-        load.enqueue(compute.stream())?;
-        compute.synchronize()?;
-        let probe = Timeline::new(ctx, 8)?;
-        probe.enqueue(load.as_ref(), compute.stream())?;
-        compute.synchronize()?;
-        let unit_s = load.work() / probe.rate(load.as_ref(), None)?.0;
-        // Two seconds of the load first, so "alone" sees the clocks of a busy GPU.
-        for _ in 0..(2.0 / unit_s).ceil() as usize {
-            load.enqueue(compute.stream())?;
-        }
-        compute.synchronize()?;
+        let unit_s = warm_unit(ctx, load.as_ref(), &compute)?;
         let cases = cases_of(ctx, &hosts);
         for dir in [Direction::Load, Direction::Backup] {
             for &(host, io) in &cases {
