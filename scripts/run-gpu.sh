@@ -51,9 +51,9 @@
 #             processes (kvshard pd --scenario pressure: a process per rank and decode, the
 #             ranks sharing the directory, rank r hosting CP4 readers r and r + 2), and
 #             kvshard storage-bench next to fio (fio.tar.xz, when staged) in $STORAGE_DIR
-#             (default /tmp; fio runs STORAGE_FIO_SECONDS a direction, default 3), then its
-#             end-to-end rows (16K and 128K-token prefixes to GPU 0
-#             from storage via the host, next to from the host); writes storage.md
+#             (default /tmp; fio runs STORAGE_FIO_SECONDS a case, default 3, before and
+#             after the ranks), then its end-to-end rows (16K and 128K-token prefixes to
+#             GPU 0 from storage via the host, next to from the host); writes storage.md
 #   gds       GPUDirect Storage (NIXL GDS on cuFile, compat mode) GPU 0 <-> file in $STORAGE_DIR:
 #             one descriptor and slot-size ones, checked, or exactly why it cannot run; gds.md
 # Writes to $OUT (default ./gpu-out): summary.log, tests.log, sanitizer.log, demo.log, pd.md,
@@ -347,10 +347,11 @@ for step in "${steps[@]}"; do
         { echo "pd --scenario pressure FAILED:"; tail -20 /tmp/storage-pd.log; }
       echo; echo '### pd --scenario pressure: the storage step across processes'; echo
       grep -A7 'storage step' /tmp/storage-pd.md
-      # fio's same-run ceiling runs STORAGE_FIO_SECONDS (default 3) per direction: longer runs
-      # steady the disk's figure (a 3 s load ran slower than the store it bounds, 8d5f15c).
+      # fio's same-run ceiling runs STORAGE_FIO_SECONDS (default 3) a case, four timed cases
+      # before the ranks and four after: longer runs steady the disk's figure (a 3 s load ran
+      # slower than the store it bounds, 8d5f15c).
       fio_s="${STORAGE_FIO_SECONDS:-3}"
-      timeout $((30 + 4 * fio_s)) "$staged/kvshard" storage-bench --dir "$dir" --ranks 2 --pages 128 \
+      timeout $((40 + 9 * fio_s)) "$staged/kvshard" storage-bench --dir "$dir" --ranks 2 --pages 128 \
         --fio-seconds "$fio_s" --no-e2e "${fio_args[@]}"
       # The end-to-end rows: 16K and 128K-token prefixes (256 and 2,048 pages, 5.5 GB at 128K)
       # to GPU 0 from storage via the host and from the host ($STORAGE_E2E_TOKENS overrides).
