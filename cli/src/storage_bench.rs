@@ -308,6 +308,12 @@ impl StorageBench {
             out.push_str(
                 "\nNo fio ceiling: no fio binary (install Debian's fio, or pass --fio).\n",
             );
+        } else {
+            // Both passes, so that the disk's drift over the run shows beside the ratios.
+            out.push_str(&format!(
+                "\nfio GB/s before the ranks / after them: {}.\n",
+                passes(&before, &after)
+            ));
         }
         Ok(out)
     }
@@ -520,6 +526,25 @@ fn best_of(
         .collect()
 }
 
+/// Each (op, block) of `after` with its two passes' bandwidths, "op block before / after"
+/// ("-" where the pass before did not run at the store's slot size).
+fn passes(
+    before: &[(&'static str, &'static str, f64)],
+    after: &[(&'static str, &'static str, f64)],
+) -> String {
+    after
+        .iter()
+        .map(|&(op, bs, gbps)| {
+            let earlier = before
+                .iter()
+                .find(|b| b.0 == op && b.1 == bs)
+                .map_or("-".to_string(), |b| format!("{:.2}", b.2));
+            format!("{op} {bs} {earlier} / {gbps:.2}")
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -597,6 +622,10 @@ mod tests {
             ]
         );
         assert_eq!(best_of(&[], &after), after.to_vec());
+        assert_eq!(
+            passes(&before, &after),
+            "write slot 2.60 / 2.40, read slot 1.50 / 1.70, read layer - / 1.40"
+        );
     }
 
     #[test]
