@@ -1,6 +1,6 @@
 //! `kvshard pd`: P/D across processes, the multi-process counterpart of `kvshard demo`.
 //!
-//! [`run`] starts N prefill processes and a decode process (the running executable again, with
+//! [`run()`] starts N prefill processes and a decode process (the running executable again, with
 //! a hidden role flag), on the CPU twin or on GPUs ([`Processes`]: rank r on GPU r, the decode
 //! on the GPU after the ranks or the last one, or as `--gpus` says). The decode allocates its
 //! pool as exportable memory and publishes it ([`DecodeEndpoint`](kvshard::transfer::DecodeEndpoint)); each prefill rank fills its

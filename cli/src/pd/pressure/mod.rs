@@ -1,7 +1,7 @@
 //! `kvshard pd --scenario pressure`: the seed's topology across processes, one per GPU.
 //!
 //! The CP group's N prefill ranks and D decodes (each decode holding the full unsharded cache)
-//! each run in a process of their own ([`run`] starts them: the running executable again, with
+//! each run in a process of their own ([`run()`] starts them: the running executable again, with
 //! a hidden role flag), every one driving the same pressure scenario
 //! ([`crate::demo::pressure`]): a seeded prefix written through to the host, two prompts that
 //! evict it, the prefix reloaded from the host and gathered into every rank's attention
