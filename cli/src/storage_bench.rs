@@ -264,45 +264,7 @@ impl StorageBench {
         ];
         for (op, pick, fio_op) in ops {
             let rr: Vec<&RankRun> = runs.iter().map(|r| &r.0[pick]).collect();
-            let bytes = self.pages as f64 * page_bytes;
-            let per_rank = rr.iter().map(|r| bytes / r.secs / 1e9).sum::<f64>() / rr.len() as f64;
-            let slowest = rr.iter().map(|r| r.secs).fold(0.0, f64::max);
-            let all = bytes * self.ranks as f64 / slowest / 1e9;
-            let pages = self.pages as f64 * self.ranks as f64;
-            let ios = rr.iter().map(|r| r.ios).sum::<u64>() as f64 / pages;
-            let cpu = rr.iter().map(|r| r.cpu_secs).sum::<f64>() / pages * 1e6;
-            let mut batches: Vec<f64> = rr.iter().flat_map(|r| r.batches.iter().copied()).collect();
-            batches.sort_by(f64::total_cmp);
-            let fio = |bs: &str| {
-                ceilings
-                    .iter()
-                    .find(|c| c.0 == fio_op && c.1 == bs)
-                    .map(|c| c.2)
-            };
-            let show = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
-            // The ceiling is the faster of fio's two block sizes in this run: fio's few seconds
-            // on a shared disk vary by more than the two sizes differ (the H200 host's slot-size
-            // read once measured below kvshard's own load).
-            let best = match (fio("slot"), fio("layer")) {
-                (Some(a), Some(b)) => Some(a.max(b)),
-                (a, b) => a.or(b),
-            };
-            let ratio = best.map_or("-".to_string(), |f| {
-                let pct = all / f * 100.0;
-                let flag = if pct > 100.0 {
-                    " (above its ceiling: fio ran slower than the store; a longer --fio-seconds)"
-                } else {
-                    ""
-                };
-                format!("{pct:.0}%{flag}")
-            });
-            out.push_str(&format!(
-                "| {op} | {per_rank:.2} | {all:.2} | {} | {ratio} | {} | {ios:.2} | {cpu:.0} | {:.2} | {:.2} |\n",
-                show(fio("slot")),
-                show(fio("layer")),
-                percentile(&batches, 0.5) * 1e3,
-                percentile(&batches, 0.99) * 1e3,
-            ));
+            out.push_str(&self.row(op, &rr, fio_op, &ceilings));
         }
         if self.fio.is_none() {
             out.push_str(
@@ -316,6 +278,55 @@ impl StorageBench {
             ));
         }
         Ok(out)
+    }
+
+    /// One row of the report: `op` over every rank's run of it, against fio's `fio_op`.
+    fn row(
+        &self,
+        op: &str,
+        rr: &[&RankRun],
+        fio_op: &str,
+        ceilings: &[(&'static str, &'static str, f64)],
+    ) -> String {
+        let bytes = self.pages as f64 * self.geometry.page_bytes() as f64;
+        let per_rank = rr.iter().map(|r| bytes / r.secs / 1e9).sum::<f64>() / rr.len() as f64;
+        let slowest = rr.iter().map(|r| r.secs).fold(0.0, f64::max);
+        let all = bytes * self.ranks as f64 / slowest / 1e9;
+        let pages = self.pages as f64 * self.ranks as f64;
+        let ios = rr.iter().map(|r| r.ios).sum::<u64>() as f64 / pages;
+        let cpu = rr.iter().map(|r| r.cpu_secs).sum::<f64>() / pages * 1e6;
+        let mut batches: Vec<f64> = rr.iter().flat_map(|r| r.batches.iter().copied()).collect();
+        batches.sort_by(f64::total_cmp);
+        let fio = |bs: &str| {
+            ceilings
+                .iter()
+                .find(|c| c.0 == fio_op && c.1 == bs)
+                .map(|c| c.2)
+        };
+        let show = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+        // The ceiling is the faster of fio's two block sizes in this run: fio's few seconds
+        // on a shared disk vary by more than the two sizes differ (the H200 host's slot-size
+        // read once measured below kvshard's own load).
+        let best = match (fio("slot"), fio("layer")) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        let ratio = best.map_or("-".to_string(), |f| {
+            let pct = all / f * 100.0;
+            let flag = if pct > 100.0 {
+                " (above its ceiling: fio ran slower than the store; a longer --fio-seconds)"
+            } else {
+                ""
+            };
+            format!("{pct:.0}%{flag}")
+        });
+        format!(
+            "| {op} | {per_rank:.2} | {all:.2} | {} | {ratio} | {} | {ios:.2} | {cpu:.0} | {:.2} | {:.2} |\n",
+            show(fio("slot")),
+            show(fio("layer")),
+            percentile(&batches, 0.5) * 1e3,
+            percentile(&batches, 0.99) * 1e3,
+        )
     }
 
     /// One rank: store every page into empty slots, store as many new pages again (each one
