@@ -521,6 +521,33 @@ mod tests {
         ));
     }
 
+    // Old behaviour: once the heartbeat thread's write had failed (the peer closed after its
+    // Bye), the next receive reported the peer gone without reading the socket: the peer's
+    // last messages and its Bye were lost (seen as a flaky failure of the test above).
+    #[test]
+    fn what_the_peer_sent_before_closing_outlives_a_failed_heartbeat() {
+        let (mut a, mut b) = pair_with(Liveness {
+            heartbeat: Duration::from_secs(1),
+            timeout: Duration::from_secs(5),
+        });
+        b.send(&Message::Abort {
+            request: 7,
+            reason: "last".into(),
+        })
+        .unwrap();
+        b.bye().unwrap();
+        // As the heartbeat thread records a write that met the closed socket.
+        *lock(&a.link.shared.send_failed) = Some("connection closed while sending".into());
+        let first = a.recv_timeout(Duration::from_secs(1)).unwrap().unwrap();
+        assert_eq!(first.message.name(), "Abort");
+        let second = a.recv_timeout(Duration::from_secs(1)).unwrap().unwrap();
+        assert_eq!(second.message, Message::Bye);
+        assert!(matches!(
+            a.recv_timeout(Duration::from_secs(1)),
+            Err(Error::PeerGone { rank: Some(1), .. })
+        ));
+    }
+
     #[test]
     fn a_silent_peer_is_gone_after_the_timeout() {
         let (a, mut raw) = UnixStream::pair().unwrap();

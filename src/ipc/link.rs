@@ -304,6 +304,16 @@ impl Link {
         }
         let send_failed = lock(&self.shared.send_failed).clone();
         if let Some(why) = send_failed {
+            // The heartbeat's write fails once the peer has closed, but what the peer sent
+            // before closing (a final status, its Bye) still waits in the socket: it is
+            // delivered, a frame a call, before the connection is reported gone.
+            self.fill();
+            if let Some(r) = self.next_frame()? {
+                return Ok(Some(r));
+            }
+            if let Some(why) = self.finished.clone() {
+                return Err(self.gone_error(&why));
+            }
             return Err(self.break_off(why));
         }
         let Some(limit) = silence else {
