@@ -2,8 +2,8 @@
 # Builds every test and benchmark binary in release mode with kernels required (the library's and
 # the applications', cli/), and stages them, with the kvshard binary and scripts/run-gpu.sh, in
 # .gpu/ (git-ignored). A GPU host needs no
-# Rust: copy .gpu-pack/gpu.tar.xz there (or name .gpu-pack in the device tool's `carry`), unpack
-# it and run `.gpu/run-gpu.sh`.
+# Rust: copy what its steps need from .gpu-pack/ there (or name those files in the device tool's
+# `carry`), run scripts/unpack-gpu.sh, then `.gpu/run-gpu.sh`.
 # Binaries built on Debian 12 need glibc >= 2.34 and only libc/libgcc_s; libcuda is loaded at
 # run time.
 set -euo pipefail
@@ -93,9 +93,18 @@ find "$stage" -type f -perm -u+x ! -name '*.sh' -exec strip --strip-unneeded {} 
 git rev-parse --short HEAD >"$stage/COMMIT" 2>/dev/null || echo unknown >"$stage/COMMIT"
 du -sh "$stage"
 # Stripped, the binaries still exceed the device tool's 64 MiB (each embeds the fatbin): they
-# travel as one xz archive, about a quarter of their size. On the GPU host:
-#   tar -xJf .gpu-pack/gpu.tar.xz && .gpu/run-gpu.sh STEPS
+# travel as one xz archive, about a quarter of their size (~13 MB). fio's and Mooncake's
+# runtimes (xz archives already, ~21 and ~12 MB) and the wheel (~2.5 MB) go beside it, not in
+# it: all of it with NIXL's (~9 MB) and the working tree comes near 64 MiB, so a run carries
+# only what its steps use (storage: fio and nixl; mooncake: mooncake; python and sglang: the
+# wheel). On the GPU host:
+#   scripts/unpack-gpu.sh && .gpu/run-gpu.sh STEPS
+rm -rf .gpu-pack/gpu.tar.xz .gpu-pack/fio.tar.xz .gpu-pack/mooncake.tar.xz .gpu-pack/kvshard-*.whl
 mkdir -p .gpu-pack
-tar -cf - "$stage" | xz -T0 -6 >.gpu-pack/gpu.tar.xz
-du -sh .gpu-pack/gpu.tar.xz
+tar --exclude="$stage/fio.tar.xz" --exclude="$stage/mooncake.tar.xz" --exclude="$stage/*.whl" \
+  -cf - "$stage" | xz -T0 -6 >.gpu-pack/gpu.tar.xz
+for side in "$stage"/fio.tar.xz "$stage"/mooncake.tar.xz "$stage"/kvshard-*.whl; do
+  if [ -f "$side" ]; then cp "$side" .gpu-pack/; fi
+done
+du -sh .gpu-pack/*
 ls "$stage/tests" "$stage/benches"

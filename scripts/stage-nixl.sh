@@ -82,4 +82,8 @@ export CUFILE_ENV_PATH_JSON="${CUFILE_ENV_PATH_JSON:-$here/cufile.json}"
 export CUFILE_LOGFILE_PATH="${CUFILE_LOGFILE_PATH:-/tmp/kvshard-cufile.log}"
 EOF
 du -sh "$out" >&2
+# For the device tool's `carry` (scripts/stage-gpu.sh says why apart): unpacked at the
+# repository root by scripts/unpack-gpu.sh.
+mkdir -p .gpu-pack
+tar -cf - "$out" | xz -T0 -6 >.gpu-pack/nixl.tar.xz
 echo "$out"
