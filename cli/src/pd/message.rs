@@ -250,6 +250,45 @@ fn nibble(c: u8) -> Option<u8> {
     }
 }
 
+/// A prefill rank's times of one prompt's sends, reported as [`Message::PromptSent`] once they
+/// have completed.
+#[derive(Debug, Default)]
+pub struct PromptTimes {
+    first: Option<SystemTime>,
+    last_chunk: Option<SystemTime>,
+}
+
+impl PromptTimes {
+    /// Whether the prompt's first send has been enqueued.
+    pub fn started(&self) -> bool {
+        self.first.is_some()
+    }
+
+    /// The prompt's first send is being enqueued now.
+    pub fn start(&mut self) {
+        self.first = Some(SystemTime::now());
+    }
+
+    /// The prompt's last chunk has been written now.
+    pub fn last_chunk_written(&mut self) {
+        self.last_chunk = Some(SystemTime::now());
+    }
+
+    /// Emits the prompt's [`Message::PromptSent`], its sends complete now, and forgets the
+    /// prompt (the next one starts afresh).
+    pub fn emit_sent(&mut self, request: u64, moved: Moved) {
+        let done = SystemTime::now();
+        Message::PromptSent {
+            request,
+            moved,
+            first: self.first.take().unwrap_or(done),
+            last_chunk: self.last_chunk.take().unwrap_or(done),
+            done,
+        }
+        .emit();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::{Duration, UNIX_EPOCH};

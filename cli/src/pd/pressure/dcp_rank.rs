@@ -13,7 +13,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use kvshard::backend::Backend;
 use kvshard::chain::RequestChain;
@@ -25,7 +25,7 @@ use kvshard::transfer::{
 };
 use kvshard::{Error, Result};
 
-use super::super::message::Message;
+use super::super::message::PromptTimes;
 use super::super::{Role, REQUEST_TIMEOUT, STARTUP};
 use super::dcp::{fetch_registrations, from_message, registration_socket};
 use super::{decode_socket, PressurePdConfig};
@@ -55,10 +55,8 @@ pub(super) struct DcpSends {
     b: Arc<dyn Backend>,
     /// Each chunk's sends of the prompt being prefilled, on the rank's stream.
     laps: Laps,
-    /// When the prompt's first send was enqueued.
-    first: Option<SystemTime>,
-    /// When its last chunk had been written (the device caught up).
-    last_chunk: Option<SystemTime>,
+    /// When the prompt's sends began and its last chunk was written.
+    times: PromptTimes,
     /// Bytes of the prompt's chunks, to every decode rank of every group.
     bytes: u64,
 }
@@ -190,8 +188,7 @@ impl DcpSends {
             m: m as usize,
             b: backend.backend(),
             laps: Laps::default(),
-            first: None,
-            last_chunk: None,
+            times: PromptTimes::default(),
             bytes: 0,
         })
     }
@@ -304,14 +301,14 @@ impl Prompts for DcpSends {
         chain: &RequestChain,
         end: ChunkEnd,
     ) -> Result<()> {
-        if self.first.is_none() {
+        if !self.times.started() {
             self.open(request)?;
             self.bytes = 0;
-            self.first = Some(SystemTime::now());
+            self.times.start();
         }
         if matches!(end, ChunkEnd::Final(_)) {
             self.b.synchronize()?;
-            self.last_chunk = Some(SystemTime::now());
+            self.times.last_chunk_written();
         }
         let (groups, landing) = (&mut self.groups, &mut self.landing);
         let mut bytes = 0;
@@ -336,19 +333,11 @@ impl Prompts for DcpSends {
     ) -> Result<String> {
         self.b.synchronize()?;
         self.report_landed(true)?;
-        let done = SystemTime::now();
         let moved = Moved {
             bytes: self.bytes,
             ms: self.laps.total_ms_sync(self.b.as_ref())?,
         };
-        Message::PromptSent {
-            request,
-            moved,
-            first: self.first.take().unwrap_or(done),
-            last_chunk: self.last_chunk.take().unwrap_or(done),
-            done,
-        }
-        .emit();
+        self.times.emit_sent(request, moved);
         Ok(format!(
             "P/D sent to {} DCP{} decode groups as each chunk was written: {moved}",
             self.groups.len(),

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use kvshard::backend::Backend;
 use kvshard::chain::RequestChain;
@@ -13,7 +13,7 @@ use kvshard::pool::DevicePool;
 use kvshard::transfer::{ChunkEnd, PrefillEndpoint, PrefillEvent};
 use kvshard::{Error, Result};
 
-use super::super::message::Message;
+use super::super::message::{Message, PromptTimes};
 use super::super::{Role, REQUEST_TIMEOUT, STARTUP};
 use super::dcp_rank::DcpSends;
 use super::{decode_socket, platform, streams_of, PressurePdConfig};
@@ -26,10 +26,8 @@ struct RankSends {
     b: Arc<dyn Backend>,
     /// Each chunk's sends of the prompt being prefilled, on the rank's stream.
     laps: Laps,
-    /// When the prompt's first send was enqueued.
-    first: Option<SystemTime>,
-    /// When its last chunk had been written (the device caught up).
-    last_chunk: Option<SystemTime>,
+    /// When the prompt's sends began and its last chunk was written.
+    times: PromptTimes,
     bytes_before: u64,
 }
 
@@ -58,8 +56,7 @@ impl RankSends {
             endpoints,
             b: backend.backend(),
             laps: Laps::default(),
-            first: None,
-            last_chunk: None,
+            times: PromptTimes::default(),
             bytes_before: 0,
         })
     }
@@ -144,14 +141,14 @@ impl Prompts for RankSends {
         chain: &RequestChain,
         end: ChunkEnd,
     ) -> Result<()> {
-        if self.first.is_none() {
+        if !self.times.started() {
             self.wait_registered(request)?;
             self.bytes_before = self.bytes();
-            self.first = Some(SystemTime::now());
+            self.times.start();
         }
         if matches!(end, ChunkEnd::Final(_)) {
             self.b.synchronize()?;
-            self.last_chunk = Some(SystemTime::now());
+            self.times.last_chunk_written();
         }
         let endpoints = &mut self.endpoints;
         self.laps.time(self.b.as_ref(), || {
@@ -171,19 +168,11 @@ impl Prompts for RankSends {
         _: &RequestChain,
     ) -> Result<String> {
         self.b.synchronize()?;
-        let done = SystemTime::now();
         let moved = Moved {
             bytes: self.bytes() - self.bytes_before,
             ms: self.laps.total_ms_sync(self.b.as_ref())?,
         };
-        Message::PromptSent {
-            request,
-            moved,
-            first: self.first.take().unwrap_or(done),
-            last_chunk: self.last_chunk.take().unwrap_or(done),
-            done,
-        }
-        .emit();
+        self.times.emit_sent(request, moved);
         Ok(format!(
             "P/D sent to {} decodes as each chunk was written: {moved}",
             self.endpoints.len(),
