@@ -307,12 +307,8 @@ impl Link {
             // The heartbeat's write fails once the peer has closed, but what the peer sent
             // before closing (a final status, its Bye) still waits in the socket: it is
             // delivered, a frame a call, before the connection is reported gone.
-            self.fill();
-            if let Some(r) = self.next_frame()? {
+            if let Some(r) = self.read_waiting()? {
                 return Ok(Some(r));
-            }
-            if let Some(why) = self.finished.clone() {
-                return Err(self.gone_error(&why));
             }
             return Err(self.break_off(why));
         }
@@ -324,12 +320,8 @@ impl Link {
         }
         // The caller may not have read this socket for a while (it served other peers): the
         // peer is silent only if nothing is waiting in the socket either.
-        self.fill();
-        if let Some(r) = self.next_frame()? {
+        if let Some(r) = self.read_waiting()? {
             return Ok(Some(r));
-        }
-        if let Some(why) = self.finished.clone() {
-            return Err(self.gone_error(&why));
         }
         let silent = self.last_heard.elapsed();
         if silent < limit {
@@ -338,6 +330,19 @@ impl Link {
         Err(self.break_off(format!(
             "silent for {silent:.2?} (liveness timeout {limit:?})"
         )))
+    }
+
+    /// Reads what waits in the socket now: its next frame, the peer's end (an error), or
+    /// nothing yet.
+    fn read_waiting(&mut self) -> Result<Option<Received>> {
+        self.fill();
+        if let Some(r) = self.next_frame()? {
+            return Ok(Some(r));
+        }
+        match self.finished.clone() {
+            Some(why) => Err(self.gone_error(&why)),
+            None => Ok(None),
+        }
     }
 
     /// How long a wait may last before the liveness limit needs checking again.
