@@ -26,6 +26,7 @@ use kvshard::geometry::{CacheGeometry, IndexerScale};
 use kvshard::hicache::{HostLayout, HostPool};
 use kvshard::index::LocalPage;
 use kvshard::key::{Namespace, PageKey};
+use kvshard::pool::capacity::{slot_bytes, DEFAULT_DIO_ALIGN};
 use kvshard::pool::disk::{DiskConfig, DiskStore, LoadOutcome, QueueChoice, MAX_STAGING_BYTES};
 use kvshard::{Error, Result};
 
@@ -168,7 +169,7 @@ impl StorageBench {
         // size) on the directory's filesystem.
         let disk = self
             .pages
-            .checked_mul(page.div_ceil(4096) * 4096)
+            .checked_mul(slot_bytes(&self.geometry, DEFAULT_DIO_ALIGN)?)
             .and_then(|b| b.checked_mul(u64::from(self.ranks)));
         let free = self
             .dir
@@ -196,7 +197,8 @@ impl StorageBench {
         // its two passes. A shared disk's rate drifts over a minute by more than the store's
         // gap to fio: one pass after the ranks once measured below the store it bounds (H200
         // host, 2026-12-04, 52d98d8: store 104%, load 102% of fio's).
-        let slot_guess = (self.geometry.page_bytes() as u64).div_ceil(4096) * 4096;
+        // The store's slot size once its file's alignment is probed: 4 KiB on every disk so far.
+        let slot_guess = slot_bytes(&self.geometry, DEFAULT_DIO_ALIGN)?;
         let before = self.ceilings(slot_guess)?;
         let private = private_dir(&self.dir, "kvshard-storage-bench-")?;
         let dir = private.path().to_path_buf();
@@ -281,13 +283,7 @@ impl StorageBench {
     }
 
     /// One row of the report: `op` over every rank's run of it, against fio's `fio_op`.
-    fn row(
-        &self,
-        op: &str,
-        rr: &[&RankRun],
-        fio_op: &str,
-        ceilings: &[(&'static str, &'static str, f64)],
-    ) -> String {
+    fn row(&self, op: &str, rr: &[&RankRun], fio_op: &str, ceilings: &Ceilings) -> String {
         let bytes = self.pages as f64 * self.geometry.page_bytes() as f64;
         let per_rank = rr.iter().map(|r| bytes / r.secs / 1e9).sum::<f64>() / rr.len() as f64;
         let slowest = rr.iter().map(|r| r.secs).fold(0.0, f64::max);
@@ -297,12 +293,7 @@ impl StorageBench {
         let cpu = rr.iter().map(|r| r.cpu_secs).sum::<f64>() / pages * 1e6;
         let mut batches: Vec<f64> = rr.iter().flat_map(|r| r.batches.iter().copied()).collect();
         batches.sort_by(f64::total_cmp);
-        let fio = |bs: &str| {
-            ceilings
-                .iter()
-                .find(|c| c.0 == fio_op && c.1 == bs)
-                .map(|c| c.2)
-        };
+        let fio = |bs: &str| gbps_of(ceilings, fio_op, bs);
         let show = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
         // The ceiling is the faster of fio's two block sizes in this run: fio's few seconds
         // on a shared disk vary by more than the two sizes differ (the H200 host's slot-size
@@ -520,36 +511,32 @@ impl StorageBench {
     }
 }
 
+/// fio's bandwidths of one pass over its cases: (op, block, GB/s).
+type Ceilings = [(&'static str, &'static str, f64)];
+
+/// The pass's bandwidth for `op` at `block`, if it ran that case.
+fn gbps_of(pass: &Ceilings, op: &str, block: &str) -> Option<f64> {
+    pass.iter().find(|c| c.0 == op && c.1 == block).map(|c| c.2)
+}
+
 /// Per (op, block) of `after`, the faster of its two passes' bandwidths.
-fn best_of(
-    before: &[(&'static str, &'static str, f64)],
-    after: &[(&'static str, &'static str, f64)],
-) -> Vec<(&'static str, &'static str, f64)> {
+fn best_of(before: &Ceilings, after: &Ceilings) -> Vec<(&'static str, &'static str, f64)> {
     after
         .iter()
         .map(|&(op, bs, gbps)| {
-            let earlier = before
-                .iter()
-                .filter(|b| b.0 == op && b.1 == bs)
-                .map(|b| b.2);
-            (op, bs, earlier.fold(gbps, f64::max))
+            let earlier = gbps_of(before, op, bs).unwrap_or(gbps);
+            (op, bs, gbps.max(earlier))
         })
         .collect()
 }
 
 /// Each (op, block) of `after` with its two passes' bandwidths, "op block before / after"
 /// ("-" where the pass before did not run at the store's slot size).
-fn passes(
-    before: &[(&'static str, &'static str, f64)],
-    after: &[(&'static str, &'static str, f64)],
-) -> String {
+fn passes(before: &Ceilings, after: &Ceilings) -> String {
     after
         .iter()
         .map(|&(op, bs, gbps)| {
-            let earlier = before
-                .iter()
-                .find(|b| b.0 == op && b.1 == bs)
-                .map_or("-".to_string(), |b| format!("{:.2}", b.2));
+            let earlier = gbps_of(before, op, bs).map_or("-".to_string(), |g| format!("{g:.2}"));
             format!("{op} {bs} {earlier} / {gbps:.2}")
         })
         .collect::<Vec<_>>()
