@@ -243,15 +243,15 @@ mod tests {
         PageKey::from_bytes(&[n; crate::key::KEY_BYTES]).unwrap()
     }
 
-    /// Slots of 16 bytes (12 of page): slot j holds bytes j, for the host page of item j.
-    fn staged(
-        n: usize,
-        pages: &[u64],
-    ) -> (
+    /// A staged round: its items, the staging bytes and the round's slots.
+    type Staged = (
         Vec<(PageKey, LocalPage)>,
         Vec<u8>,
         Vec<(u32, u64, u32, usize)>,
-    ) {
+    );
+
+    /// Slots of 16 bytes (12 of page): slot j holds bytes j, for the host page of item j.
+    fn staged(n: usize, pages: &[u64]) -> Staged {
         let mut src = vec![0u8; n * 16];
         let mut round = Vec::new();
         let items: Vec<_> = (0..n)
