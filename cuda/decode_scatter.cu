@@ -35,27 +35,31 @@ using namespace kvs;
 namespace decode {
 
 /*
- * Register budget: 1024 threads (64 registers), 16-byte vectors a lane keeps in flight. Whole
- * pages are a block copy: sm_90 keeps copy.cu's measured 8 (4 KB a warp), Blackwell 4 (its
- * ptxas needs more registers for the same code, as copy.cu found). Rows keep 4 on every
- * architecture: 64 KB a 1024-thread CTA in flight, far more than device memory's latency asks
- * for, and the most the row kernels fit in 64 registers without spilling on Blackwell. On the
- * H200 (2026-12-03, a49c5cb; 512 pages, I = 1) none of these moved the row kernel faster: 8
- * vectors in flight (63 registers on sm_90a), every row read whether or not it is moved (no
- * table lookup before the loads), a lane's row followed by addition instead of a division per
- * vector (fewer instructions, 2% slower): its DRAM bytes equal the page kernel's, at 77% of
- * DRAM's peak against the page kernel's 82% (docs/dcp.md, "What is measured"). Two more were
- * measured on 2026-12-04 (a1c0278, aa91e39) and kept out: a warp writing one destination rank's
- * rows before the next (destination-major: +3 points at M = 4, N = 2, none at M = 2 or N = 4),
- * and streaming cache hints on the loads and stores (__ldcs/__stcs: 3-5 points slower on both
- * kernels).
+ * Register budget: 1024 threads (64 registers), 16-byte vectors a lane keeps in flight. sm_90
+ * keeps 8 (4 KB a warp) for both kernels: whole pages as copy.cu measured, rows since the grid
+ * became two 256-thread CTAs an SM (Method::for_decode_scatter: 16 warps an SM, 64 KB in flight,
+ * where 32 warps of 4 vectors kept the same bytes in flight in more, shorter streams: H200,
+ * 2026-12-04, 512 pages, I = 1: 85.4-90.0% of D2D against 83.1-88.1%, BENCHMARKS.md).
+ * Blackwell keeps 4: its ptxas needs more registers for the same code (copy.cu found it for
+ * pages; the rows kernel at 8 spills there within 64 registers). Measured on the H200 and kept
+ * out (docs/dcp.md, "What is measured"): on 2026-12-03 (a49c5cb, the grid of eight CTAs an SM)
+ * every row read whether or not it is moved (no table lookup before the loads), a lane's row
+ * followed by addition instead of a division per vector (2% slower); on 2026-12-04 a warp
+ * writing one destination rank's rows before the next (destination-major: +3 points at M = 4,
+ * N = 2, none at M = 2; with the rows' order computed in the kernel for any layout, 2-8
+ * points slower), streaming cache hints (__ldcs/__stcs: 3-5 points slower on both kernels),
+ * and a CTA per page staging its rows in shared memory to write each rank's run contiguously
+ * (benches/kernels/decode_scatter_rows_staged.cu: 10 points slower).
  */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 constexpr uint32_t PAGES_UNROLL = 4;
+constexpr uint32_t ROWS_UNROLL = 4;
 #else
 constexpr uint32_t PAGES_UNROLL = 8;
+constexpr uint32_t ROWS_UNROLL = 8;
 #endif
-constexpr uint32_t ROWS_UNROLL = 4;
+/* UNPACK keeps 4 on every architecture: its rows at 8 spill on sm_90a within 64 registers. */
+constexpr uint32_t UNPACK_UNROLL = 4;
 
 constexpr uint32_t ROWS = KVS_PAGE_SIZE;
 constexpr uint32_t WARPS = KVS_COPY_THREADS / 32;
@@ -167,23 +171,23 @@ __device__ __forceinline__ void warp_run(uint64_t src, uint64_t dst, uint32_t ve
 
 /*
  * One warp moves the first `rows` rows of VPR vectors each, contiguous at `src`, row o to
- * rows[o] (0: skipped, not even read), ROWS_UNROLL vectors a lane in flight.
+ * rows[o] (0: skipped, not even read), UNROLL vectors a lane in flight.
  */
-template <uint32_t VPR>
+template <uint32_t VPR, uint32_t UNROLL>
 __device__ __forceinline__ void warp_rows(uint64_t src, const uint64_t* rows, uint32_t valid) {
     const uint32_t lane = threadIdx.x % 32;
     const uint32_t vectors = valid * VPR;
-    for (uint32_t v0 = lane; v0 < vectors; v0 += 32 * ROWS_UNROLL) {
-        vec16 r[ROWS_UNROLL];
+    for (uint32_t v0 = lane; v0 < vectors; v0 += 32 * UNROLL) {
+        vec16 r[UNROLL];
 #pragma unroll
-        for (uint32_t u = 0; u < ROWS_UNROLL; ++u) {
+        for (uint32_t u = 0; u < UNROLL; ++u) {
             const uint32_t v = v0 + 32 * u;
             if (v < vectors && rows[v / VPR] != 0) {
                 r[u] = load16(src + 16ull * v);
             }
         }
 #pragma unroll
-        for (uint32_t u = 0; u < ROWS_UNROLL; ++u) {
+        for (uint32_t u = 0; u < UNROLL; ++u) {
             const uint32_t v = v0 + 32 * u;
             if (v < vectors) {
                 const uint32_t o = v / VPR;
@@ -339,7 +343,7 @@ __device__ __forceinline__ void scatter_rows(const kvs_decode_scatter_params& p)
         }
         __syncwarp();
         if (indexer) {
-            warp_rows<KEY_VECTORS>(w.src, rows, w.valid);
+            warp_rows<KEY_VECTORS, ROWS_UNROLL>(w.src, rows, w.valid);
 #pragma unroll
             for (uint32_t h = 0; h < 2; ++h) {
                 if (scales[h] != 0) {
@@ -348,7 +352,7 @@ __device__ __forceinline__ void scatter_rows(const kvs_decode_scatter_params& p)
                 }
             }
         } else {
-            warp_rows<LATENT_VPR>(w.src, rows, w.valid);
+            warp_rows<LATENT_VPR, ROWS_UNROLL>(w.src, rows, w.valid);
         }
         // The next unit rewrites the table only after every lane is done reading it.
         __syncwarp();
@@ -414,7 +418,7 @@ __device__ __forceinline__ void unpack_rows(const kvs_decode_scatter_params& p) 
                 const uint64_t q = q0 + i;
                 const uint32_t row = static_cast<uint32_t>(q % ROWS);
                 const uint32_t piece = n - i < ROWS - row ? n - i : ROWS - row;
-                warp_rows<KEY_VECTORS>(w.src + (q / ROWS) * KVS_INDEXER_PAGE_BYTES +
+                warp_rows<KEY_VECTORS, UNPACK_UNROLL>(w.src + (q / ROWS) * KVS_INDEXER_PAGE_BYTES +
                                            static_cast<uint64_t>(row) * KVS_INDEXER_HEAD_DIM,
                                        rows + i, piece);
                 i += piece;
@@ -428,7 +432,7 @@ __device__ __forceinline__ void unpack_rows(const kvs_decode_scatter_params& p) 
                 }
             }
         } else {
-            warp_rows<LATENT_VPR>(w.src + q0 * w.c.row_bytes, rows, n);
+            warp_rows<LATENT_VPR, UNPACK_UNROLL>(w.src + q0 * w.c.row_bytes, rows, n);
         }
         // The next unit rewrites the table only after every lane is done reading it.
         __syncwarp();

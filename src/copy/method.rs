@@ -52,6 +52,13 @@ const WIDE: Launch = Launch {
     threads: 256,
 };
 
+/// The grid of [`Method::for_decode_scatter`]: 264 CTAs (two per H200 SM) of 256 threads, one
+/// wave of 16 warps an SM.
+const DECODE: Launch = Launch {
+    ctas: 264,
+    threads: 256,
+};
+
 /// Blocks ((page, layer pair) units of `kvs_copy_blocks`) above which [`Method::for_blocks`]
 /// launches the wide grid: the narrow grid's warps (264 x 512 / 32). Up to them the narrow grid
 /// gives every block a warp of its one resident wave; past them its warps take blocks one after
@@ -83,6 +90,22 @@ impl Method {
         Self::Kernel(Launch {
             ctas: WIDE.ctas,
             threads: backend.max_threads(KernelFamily::Copy).min(WIDE.threads),
+        })
+    }
+
+    /// The `kvs_decode_scatter` grid kvshard picks (what
+    /// [`BackendTransport::new`](crate::transfer::BackendTransport::new) launches each chunk
+    /// into a decode context-parallel layout with): 264 CTAs (two per H200 SM) of 256 threads,
+    /// 16 warps an SM, each warp keeping 4 KB in flight. Both decode kernels write each warp's
+    /// rows as streams of their own; the wide grid's 32 warps an SM kept the same bytes in
+    /// flight in twice the streams and measured 1.4 (whole pages) to 2.3 (rows, I = 1)
+    /// points of the device-to-device copy slower (H200, 2026-12-04, BENCHMARKS.md).
+    pub fn for_decode_scatter(backend: &dyn Backend) -> Self {
+        Self::Kernel(Launch {
+            ctas: DECODE.ctas,
+            threads: backend
+                .max_threads(KernelFamily::DecodeScatter)
+                .min(DECODE.threads),
         })
     }
 
@@ -143,6 +166,17 @@ mod tests {
             Method::Kernel(Launch::host_io(&cpu, 3))
         );
         assert!(matches!(Method::default_for(&cpu), Method::Kernel(l) if l.ctas == 264));
+    }
+
+    #[test]
+    fn the_decode_scatter_grid_is_two_256_thread_ctas_an_h200_sm() {
+        let cpu = crate::backend::cpu::CpuBackend::new();
+        let Method::Kernel(l) = Method::for_decode_scatter(&cpu) else {
+            panic!("not the block kernel");
+        };
+        assert_eq!((l.ctas, l.threads), (264, 256));
+        l.validate(cpu.max_threads(KernelFamily::DecodeScatter))
+            .unwrap();
     }
 
     #[test]

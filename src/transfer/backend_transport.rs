@@ -272,8 +272,9 @@ const ACCEPTS: &str = "Kernel, RangeKernel, CopyEngine or PerBlock";
 pub struct BackendTransport {
     store: TableStore,
     method: Method,
-    /// Whether each block-copy launch takes its grid from its blocks ([`Method::for_blocks`]):
-    /// what [`BackendTransport::new`] makes.
+    /// Whether each block-copy launch takes its grid from its blocks ([`Method::for_blocks`])
+    /// and each decode scatter kvshard's ([`Method::for_decode_scatter`]): what
+    /// [`BackendTransport::new`] makes.
     auto_grid: bool,
     /// [`BackendTransport::set_device_timing`].
     timing: bool,
@@ -294,7 +295,7 @@ impl fmt::Debug for BackendTransport {
 impl BackendTransport {
     /// A transport enqueuing on `backend` with the method kvshard picks: the block kernel, each
     /// launch's grid picked from the blocks it moves ([`Method::for_blocks`]; [`method`](Self::method)
-    /// says [`Method::default_for`]), chunks untimed on the device
+    /// says [`Method::default_for`]), a decode scatter's from [`Method::for_decode_scatter`], chunks untimed on the device
     /// ([`BackendTransport::set_device_timing`]).
     pub fn new(backend: Arc<dyn Backend>) -> Self {
         let method = Method::default_for(backend.as_ref());
@@ -448,7 +449,7 @@ impl Transport for BackendTransport {
 impl BackendTransport {
     /// Enqueues `plan` into a decode context-parallel layout (docs/dcp.md): one
     /// `kvs_decode_scatter` launch writes every decode rank's rows ([`Method::Kernel`] only;
-    /// its grid as for a block copy of as many blocks as the launch has units), counting it
+    /// with the automatic grid [`Method::for_decode_scatter`]'s), counting it
     /// into `counted`; what [`Transport::submit_decode`] times and counts.
     fn enqueue_decode(
         &mut self,
@@ -481,7 +482,13 @@ impl BackendTransport {
             }));
         }
         let started = self.start(backend.as_ref())?;
-        let launch = self.grid(backend.as_ref(), scatter.units(), launch);
+        let launch = if self.auto_grid {
+            Method::for_decode_scatter(backend.as_ref())
+                .launch()
+                .unwrap_or(launch)
+        } else {
+            launch
+        };
         let end = self
             .store
             .launch_scatter(&scatter, &src_space, &dst_spaces, launch)?;

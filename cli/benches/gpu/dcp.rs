@@ -18,8 +18,10 @@
 //!
 //! Notes give the host time per chunk (`submit_decode`, and building the chunk's `DecodePlan`
 //! apart), launches and units. `--quick`: N = 2, 4 into M = 2, 4 at I = 1, 64, 512 pages (the
-//! issue's matrix); without it also N = 8, M = 8, I = 16 and 64- and 4096-page requests. Each
-//! variant's rows are checked at random tokens against the prefill ranks' pages.
+//! issue's matrix); without it also N = 8, M = 8, I = 16 and 64- and 4096-page requests.
+//! `DCP_PAGES`, `DCP_N`, `DCP_M` and `DCP_I` (comma lists, e.g. `DCP_N=1,2`) replace an axis of
+//! either matrix: a diagnosis picks its cases without a build of its own. Each variant's rows are
+//! checked at random tokens against the prefill ranks' pages.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -156,10 +158,14 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
     } else {
         (&[64, 512, 4096], &[2, 4, 8], &[2, 4, 8], &[1, 16, 64])
     };
-    for &pages in sizes {
-        for &n in ns {
-            for &m in ms {
-                for &i in is {
+    let sizes = axis("DCP_PAGES", sizes)?;
+    let ns = axis("DCP_N", ns)?;
+    let ms = axis("DCP_M", ms)?;
+    let is = axis("DCP_I", is)?;
+    for &pages in &sizes {
+        for &n in &ns {
+            for &m in &ms {
+                for &i in &is {
                     case(
                         ctx,
                         report,
@@ -175,6 +181,84 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The scatter's row: every prefill rank's chunk through `transport.submit_decode`, timed,
+/// then the decode ranks checked.
+#[allow(clippy::too_many_arguments)]
+fn scatter(
+    ctx: &mut Ctx,
+    report: &mut Report,
+    (case, label): (&str, &str),
+    mut transport: BackendTransport,
+    (ranks, src, plans): (&[Arc<DevicePool>], &[LogicalPage], &[DecodePlan]),
+    (decode, dsts, reg): (&[Decode], &[Arc<RemoteSpace>], &DecodeRegistration),
+    (bytes, reps, ceiling, plan_us): (u64, usize, (&'static str, f64), f64),
+    layout: DecodeLayout,
+) -> Result<()> {
+    let backend = ctx.shared();
+    let n = ranks.len() as u32;
+    poison(decode)?;
+    let mut pending: Vec<Box<dyn Completion>> = Vec::new();
+    let stats = ctx.time(reps, || {
+        for (plan, pool) in plans.iter().zip(ranks) {
+            pending.push(transport.submit_decode(plan, pool, dsts)?);
+        }
+        Ok(())
+    })?;
+    for mut completion in pending {
+        completion.wait_sync()?;
+    }
+    backend.synchronize()?;
+    verify(ctx, ranks, src, decode, reg, "scatter")?;
+    let units: u64 = plans
+        .iter()
+        .zip(ranks)
+        .map(|(plan, pool)| {
+            let refs: Vec<&dyn BlockSpace> = dsts.iter().map(|d| d.as_ref() as _).collect();
+            plan.scatter(pool.as_ref(), &refs).map(|s| s.units())
+        })
+        .sum::<Result<u64>>()?;
+    let per = f64::from(n);
+    report.add(
+        "dcp",
+        format!("{case}, scatter, Transport::submit_decode{label}"),
+        bytes,
+        stats,
+        ceiling,
+        format!(
+            "{n} kvs_decode_scatter launches (1 per chunk, {} kernel), {units} (page, layer pair) units; host {:.1} us per submit_decode, {plan_us:.1} us per DecodePlan::new; window {:.3} ms for {n} chunks",
+            if layout.is_page_granular() { "pages" } else { "rows" },
+            stats.view.host_us / per,
+            stats.view.window.median
+        ),
+    );
+    Ok(())
+}
+
+/// A grid written `CTASxTHREADS`.
+fn grid(text: &str) -> Result<Launch> {
+    let bad = || Error::InvalidArgument(format!("DCP_GRID: {text} (CTASxTHREADS)"));
+    let (ctas, threads) = text.split_once('x').ok_or_else(bad)?;
+    Ok(Launch {
+        ctas: ctas.parse().map_err(|_| bad())?,
+        threads: threads.parse().map_err(|_| bad())?,
+    })
+}
+
+/// The matrix's axis `var` names, or `default` where it is unset.
+fn axis<T: Clone + std::str::FromStr>(var: &str, default: &[T]) -> Result<Vec<T>> {
+    match std::env::var(var) {
+        Ok(list) => list
+            .split(',')
+            .map(|v| {
+                v.trim()
+                    .parse()
+                    .map_err(|_| Error::InvalidArgument(format!("{var}={list}")))
+            })
+            .collect(),
+        Err(_) => Ok(default.to_vec()),
+    }
 }
 
 /// One (pages, N, layout): its prefill ranks, decode ranks and plans, then every variant.
@@ -232,43 +316,31 @@ fn case(
     );
     let reps = ctx.reps(if pages >= 4096 { 5 } else { 20 });
 
-    // The scatter, as `Sender::send` submits each rank's chunk.
-    poison(&decode)?;
-    let mut transport = BackendTransport::new(backend.clone());
-    let mut pending: Vec<Box<dyn Completion>> = Vec::new();
-    let stats = ctx.time(reps, || {
-        for (plan, pool) in plans.iter().zip(&ranks) {
-            pending.push(transport.submit_decode(plan, pool, &dsts)?);
-        }
-        Ok(())
-    })?;
-    for mut completion in pending {
-        completion.wait_sync()?;
+    // The scatter, as `Sender::send` submits each rank's chunk: with the grid kvshard picks,
+    // then with each grid DCP_GRID names.
+    let mut grids = vec![None];
+    for g in axis::<String>("DCP_GRID", &[])? {
+        grids.push(Some(grid(&g)?));
     }
-    backend.synchronize()?;
-    verify(ctx, &ranks, &src, &decode, &reg, "scatter")?;
-    let units: u64 = plans
-        .iter()
-        .zip(&ranks)
-        .map(|(plan, pool)| {
-            let refs: Vec<&dyn BlockSpace> = dsts.iter().map(|d| d.as_ref() as _).collect();
-            plan.scatter(pool.as_ref(), &refs).map(|s| s.units())
-        })
-        .sum::<Result<u64>>()?;
-    let per = f64::from(n);
-    report.add(
-        "dcp",
-        format!("{case}, scatter, Transport::submit_decode"),
-        bytes,
-        stats,
-        ceiling,
-        format!(
-            "{n} kvs_decode_scatter launches (1 per chunk, {} kernel), {units} (page, layer pair) units; host {:.1} us per submit_decode, {plan_us:.1} us per DecodePlan::new; window {:.3} ms for {n} chunks",
-            if layout.is_page_granular() { "pages" } else { "rows" },
-            stats.view.host_us / per,
-            stats.view.window.median
-        ),
-    );
+    for launch in grids {
+        let (transport, label) = match launch {
+            None => (BackendTransport::new(backend.clone()), String::new()),
+            Some(l) => (
+                BackendTransport::with_method(backend.clone(), Method::Kernel(l))?,
+                format!(" ({}x{})", l.ctas, l.threads),
+            ),
+        };
+        scatter(
+            ctx,
+            report,
+            (&case, &label),
+            transport,
+            (&ranks, &src, &plans),
+            (&decode, &dsts, &reg),
+            (bytes, reps, ceiling, plan_us),
+            layout,
+        )?;
+    }
 
     alternative(
         ctx,
