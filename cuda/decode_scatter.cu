@@ -48,8 +48,9 @@ namespace decode {
  * writing one destination rank's rows before the next (destination-major: +3 points at M = 4,
  * N = 2, none at M = 2; with the rows' order computed in the kernel for any layout, 2-8
  * points slower), streaming cache hints (__ldcs/__stcs: 3-5 points slower on both kernels),
- * and a CTA per page staging its rows in shared memory to write each rank's run contiguously
- * (benches/kernels/decode_scatter_rows_staged.cu: 10 points slower).
+ * a CTA per page staging its rows in shared memory to write each rank's run contiguously
+ * (benches/kernels/decode_scatter_rows_staged.cu: 10 points slower), and a warp staging 8 rows
+ * at a time by cp.async to write whole 128-byte lines (4-6 points slower).
  */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 constexpr uint32_t PAGES_UNROLL = 4;
