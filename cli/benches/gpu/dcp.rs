@@ -10,6 +10,8 @@
 //! - `scatter, Transport::submit_decode`: `BackendTransport::new`, one `kvs_decode_scatter`
 //!   launch per prefill rank writing every decode rank's rows (its grid from its units,
 //!   `Method::for_blocks`);
+//! - `..., a stream per prefill rank` (N > 1): the same with each prefill rank's transport on a
+//!   stream of its own, as separate prefill processes send, the harness stream waiting for all;
 //! - `gather, then a copy per decode rank` (the obvious alternative, built from kvshard's other
 //!   kernels, every table prepared before the timing): each rank's owned pages gathered into an
 //!   unsharded staging buffer (one block copy), then per decode rank one block copy of its
@@ -183,14 +185,24 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
     Ok(())
 }
 
-/// The scatter's row: every prefill rank's chunk through `transport.submit_decode`, timed,
-/// then the decode ranks checked.
+/// Who submits the prefill ranks' chunks.
+enum Senders {
+    /// One transport on the harness stream, the chunks one after the other.
+    One(BackendTransport),
+    /// A transport on a stream of its own per prefill rank, as separate prefill processes (or
+    /// GPUs) send: each stream starts after the harness stream's start and the harness stream
+    /// waits for every one, so the timing covers all of them, and the ranks' launches overlap.
+    PerRank(Vec<(BackendTransport, Arc<dyn Backend>)>),
+}
+
+/// The scatter's row: every prefill rank's chunk through `submit_decode`, timed, then the
+/// decode ranks checked.
 #[allow(clippy::too_many_arguments)]
 fn scatter(
     ctx: &mut Ctx,
     report: &mut Report,
     (case, label): (&str, &str),
-    mut transport: BackendTransport,
+    mut senders: Senders,
     (ranks, src, plans): (&[Arc<DevicePool>], &[LogicalPage], &[DecodePlan]),
     (decode, dsts, reg): (&[Decode], &[Arc<RemoteSpace>], &DecodeRegistration),
     (bytes, reps, ceiling, plan_us): (u64, usize, (&'static str, f64), f64),
@@ -201,8 +213,22 @@ fn scatter(
     poison(decode)?;
     let mut pending: Vec<Box<dyn Completion>> = Vec::new();
     let stats = ctx.time(reps, || {
-        for (plan, pool) in plans.iter().zip(ranks) {
-            pending.push(transport.submit_decode(plan, pool, dsts)?);
+        match &mut senders {
+            Senders::One(transport) => {
+                for (plan, pool) in plans.iter().zip(ranks) {
+                    pending.push(transport.submit_decode(plan, pool, dsts)?);
+                }
+            }
+            Senders::PerRank(per_rank) => {
+                let start = backend.record()?;
+                for ((plan, pool), (transport, stream)) in
+                    plans.iter().zip(ranks).zip(per_rank.iter_mut())
+                {
+                    stream.wait(&start)?;
+                    pending.push(transport.submit_decode(plan, pool, dsts)?);
+                    backend.wait(&stream.record()?)?;
+                }
+            }
         }
         Ok(())
     })?;
@@ -317,24 +343,39 @@ fn case(
     let reps = ctx.reps(if pages >= 4096 { 5 } else { 20 });
 
     // The scatter, as `Sender::send` submits each rank's chunk: with the grid kvshard picks,
-    // then with each grid DCP_GRID names.
-    let mut grids = vec![None];
+    // then with each grid DCP_GRID names, then (N > 1) with a stream per prefill rank.
+    let mut runs = vec![(
+        Senders::One(BackendTransport::new(backend.clone())),
+        String::new(),
+    )];
     for g in axis::<String>("DCP_GRID", &[])? {
-        grids.push(Some(grid(&g)?));
+        let l = grid(&g)?;
+        runs.push((
+            Senders::One(BackendTransport::with_method(
+                backend.clone(),
+                Method::Kernel(l),
+            )?),
+            format!(" ({}x{})", l.ctas, l.threads),
+        ));
     }
-    for launch in grids {
-        let (transport, label) = match launch {
-            None => (BackendTransport::new(backend.clone()), String::new()),
-            Some(l) => (
-                BackendTransport::with_method(backend.clone(), Method::Kernel(l))?,
-                format!(" ({}x{})", l.ctas, l.threads),
-            ),
-        };
+    if n > 1 {
+        let per_rank = (0..n)
+            .map(|_| {
+                let stream: Arc<dyn Backend> = Arc::new(CudaBackend::new(ctx.gpu.clone())?);
+                Ok((BackendTransport::new(stream.clone()), stream))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        runs.push((
+            Senders::PerRank(per_rank),
+            ", a stream per prefill rank".into(),
+        ));
+    }
+    for (senders, label) in runs {
         scatter(
             ctx,
             report,
             (&case, &label),
-            transport,
+            senders,
             (&ranks, &src, &plans),
             (&decode, &dsts, &reg),
             (bytes, reps, ceiling, plan_us),
