@@ -52,7 +52,7 @@ use kvshard_cli::measure::peer_sync;
 use kvshard_cli::synth::POISON;
 use rand::Rng;
 
-use crate::harness::{Ctx, Report};
+use crate::harness::{fan_out, settle_sync, Ctx, Report};
 
 const PAGE: u64 = PAGE_SIZE as u64;
 /// The alternative's range tables past this many ranges are not built (a 4096-page request at
@@ -189,10 +189,10 @@ pub fn run(ctx: &mut Ctx, report: &mut Report) -> Result<()> {
 enum Senders {
     /// One transport on the harness stream, the chunks one after the other.
     One(BackendTransport),
-    /// A transport on a stream of its own per prefill rank, as separate prefill processes (or
-    /// GPUs) send: each stream starts after the harness stream's start and the harness stream
-    /// waits for every one, so the timing covers all of them, and the ranks' launches overlap.
-    PerRank(Vec<(BackendTransport, Arc<dyn Backend>)>),
+    /// A transport on a stream of its own per prefill rank (the transports, then their
+    /// streams), as separate prefill processes (or GPUs) send ([`fan_out`]): the ranks'
+    /// launches may overlap.
+    PerRank(Vec<BackendTransport>, Vec<Arc<dyn Backend>>),
 }
 
 /// The scatter's row: every prefill rank's chunk through `submit_decode`, timed, then the
@@ -219,23 +219,15 @@ fn scatter(
                     pending.push(transport.submit_decode(plan, pool, dsts)?);
                 }
             }
-            Senders::PerRank(per_rank) => {
-                let start = backend.record()?;
-                for ((plan, pool), (transport, stream)) in
-                    plans.iter().zip(ranks).zip(per_rank.iter_mut())
-                {
-                    stream.wait(&start)?;
-                    pending.push(transport.submit_decode(plan, pool, dsts)?);
-                    backend.wait(&stream.record()?)?;
-                }
+            Senders::PerRank(transports, streams) => {
+                pending.extend(fan_out(backend.as_ref(), streams, |i| {
+                    transports[i].submit_decode(&plans[i], &ranks[i], dsts)
+                })?);
             }
         }
         Ok(())
     })?;
-    for mut completion in pending {
-        completion.wait_sync()?;
-    }
-    backend.synchronize()?;
+    settle_sync(backend.as_ref(), pending)?;
     verify(ctx, ranks, src, decode, reg, "scatter")?;
     let units: u64 = plans
         .iter()
@@ -359,14 +351,15 @@ fn case(
         ));
     }
     if n > 1 {
-        let per_rank = (0..n)
-            .map(|_| {
-                let stream: Arc<dyn Backend> = Arc::new(CudaBackend::new(ctx.gpu.clone())?);
-                Ok((BackendTransport::new(stream.clone()), stream))
-            })
+        let streams = (0..n)
+            .map(|_| Ok(Arc::new(CudaBackend::new(ctx.gpu.clone())?) as Arc<dyn Backend>))
             .collect::<Result<Vec<_>>>()?;
+        let transports = streams
+            .iter()
+            .map(|s| BackendTransport::new(s.clone()))
+            .collect();
         runs.push((
-            Senders::PerRank(per_rank),
+            Senders::PerRank(transports, streams),
             ", a stream per prefill rank".into(),
         ));
     }

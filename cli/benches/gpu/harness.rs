@@ -10,6 +10,7 @@ use kvshard::backend::cuda::CudaBackend;
 use kvshard::backend::{Backend, Buffer, MemoryKind};
 use kvshard::copy::Direction;
 use kvshard::gpu::Gpu;
+use kvshard::transfer::Completion;
 use kvshard::Result;
 use kvshard_cli::measure::{
     copy_sync, duplex_sync, gbps, pages_of, EngineView, Stats, Timer, HOST_SHARE_LIMIT,
@@ -20,6 +21,34 @@ use rand::SeedableRng;
 
 /// Bytes written before every timed repeat so no input is still in the 60 MB L2.
 const FLUSH_BYTES: usize = 256 << 20;
+
+/// Runs `submit(i)` for each of `streams`, stream `i` ordered after everything enqueued on
+/// `harness` so far and `harness` after everything the submit enqueued on stream `i`: a timing
+/// on `harness` covers every stream's work while the streams overlap (separate ranks, each on
+/// a stream of its own, as separate processes send).
+pub fn fan_out<T>(
+    harness: &dyn Backend,
+    streams: &[Arc<dyn Backend>],
+    mut submit: impl FnMut(usize) -> Result<T>,
+) -> Result<Vec<T>> {
+    let start = harness.record()?;
+    let mut out = Vec::with_capacity(streams.len());
+    for (i, stream) in streams.iter().enumerate() {
+        stream.wait(&start)?;
+        out.push(submit(i)?);
+        harness.wait(&stream.record()?)?;
+    }
+    Ok(out)
+}
+
+/// Waits for every completion in `pending`, then for `backend`'s stream: what a timed section
+/// does before it checks the bytes its submits moved.
+pub fn settle_sync(backend: &dyn Backend, pending: Vec<Box<dyn Completion>>) -> Result<()> {
+    for mut completion in pending {
+        completion.wait_sync()?;
+    }
+    backend.synchronize()
+}
 
 /// Copy ceilings measured in this run, GB/s in one direction (the best of the repeats).
 #[derive(Debug, Clone, Copy)]

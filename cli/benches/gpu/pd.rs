@@ -48,7 +48,7 @@ use kvshard_cli::measure::{EngineView, Stats};
 use kvshard_cli::synth::POISON;
 use rand::Rng;
 
-use crate::harness::{Ctx, Report, Timed};
+use crate::harness::{fan_out, settle_sync, Ctx, Report, Timed};
 use kvshard::advanced::{block_copies, kernel_pieces, KERNEL_PIECE_BYTES};
 
 /// Grids tried for the range kernel: (CTAs per SM, threads).
@@ -541,10 +541,7 @@ fn transport_rows(
         })?;
         let note = format!("{note}; {}", per_submit(stats, n));
         measured.push((name.clone(), stats, note, timing));
-        for mut completion in pending {
-            completion.wait_sync()?;
-        }
-        backend.synchronize()?;
+        settle_sync(backend.as_ref(), pending)?;
         verify(
             backend.as_ref(),
             &mut ctx.rng,
@@ -609,22 +606,12 @@ fn per_rank_streams(
     let reps = ctx.reps(20);
     let mut pending: Vec<Box<dyn Completion>> = Vec::new();
     let stats = ctx.time(reps, || {
-        let start = backend.record()?;
-        for ((plan, pool), (t, s)) in plans
-            .iter()
-            .zip(ranks)
-            .zip(transports.iter_mut().zip(&streams))
-        {
-            s.wait(&start)?;
-            pending.push(t.submit(plan, pool, remote)?);
-            backend.wait(&s.record()?)?;
-        }
+        pending.extend(fan_out(backend.as_ref(), &streams, |i| {
+            transports[i].submit(&plans[i], &ranks[i], remote)
+        })?);
         Ok(())
     })?;
-    for mut completion in pending {
-        completion.wait_sync()?;
-    }
-    backend.synchronize()?;
+    settle_sync(backend.as_ref(), pending)?;
     let name = "block kernel from page lists (default), Transport::submit, a stream per rank";
     verify(
         backend.as_ref(),
@@ -724,10 +711,7 @@ fn clean_l2(
             ms.push(backend.elapsed_ms(&start, &end)?);
         }
     }
-    for mut completion in pending {
-        completion.wait_sync()?;
-    }
-    backend.synchronize()?;
+    settle_sync(backend.as_ref(), pending)?;
     let name = "block kernel from page lists (default), Transport::submit, L2 clean";
     verify(
         backend.as_ref(),
