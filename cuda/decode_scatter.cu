@@ -47,10 +47,11 @@ namespace decode {
  * followed by addition instead of a division per vector (2% slower); on 2026-12-04 a warp
  * writing one destination rank's rows before the next (destination-major: +3 points at M = 4,
  * N = 2, none at M = 2 on the grid of eight CTAs an SM; 0.2-2.2 points slower on this one; with
- * the rows' order computed in the kernel for any layout, 0.5-7 slower), streaming cache hints (__ldcs/__stcs: 3-5 points slower on both kernels),
- * a CTA per page staging its rows in shared memory to write each rank's run contiguously
- * (benches/kernels/decode_scatter_rows_staged.cu: 10 points slower), and a warp staging 8 rows
- * at a time by cp.async to write whole 128-byte lines (4-6 points slower).
+ * the rows' order computed in the kernel for any layout, 0.5-7 slower), streaming cache hints
+ * (__ldcs/__stcs: 3-5 points slower on both kernels), a CTA per page staging its rows in
+ * shared memory to write each rank's run contiguously (benches/kernels/
+ * decode_scatter_rows_staged.cu: 10 points slower), and a warp staging 8 rows at a time by
+ * cp.async to write whole 128-byte lines (4-6 points slower).
  */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 constexpr uint32_t PAGES_UNROLL = 4;

@@ -482,13 +482,7 @@ impl BackendTransport {
             }));
         }
         let started = self.start(backend.as_ref())?;
-        let launch = if self.auto_grid {
-            Method::for_decode_scatter(backend.as_ref())
-                .launch()
-                .unwrap_or(launch)
-        } else {
-            launch
-        };
+        let launch = self.grid(Method::for_decode_scatter(backend.as_ref()), launch);
         let end = self
             .store
             .launch_scatter(&scatter, &src_space, &dst_spaces, launch)?;
@@ -510,15 +504,14 @@ impl BackendTransport {
 }
 
 impl BackendTransport {
-    /// The grid of a launch of `blocks` blocks: `launch`, or with [`BackendTransport::new`]'s
-    /// automatic grid the one [`Method::for_blocks`] picks for them.
-    fn grid(&self, backend: &dyn Backend, blocks: u64, launch: Launch) -> Launch {
+    /// The grid of a launch: `launch`, or with [`BackendTransport::new`]'s automatic grid the
+    /// one `automatic` names ([`Method::for_blocks`] for a block copy's blocks,
+    /// [`Method::for_decode_scatter`] for a decode scatter).
+    fn grid(&self, automatic: Method, launch: Launch) -> Launch {
         if !self.auto_grid {
             return launch;
         }
-        Method::for_blocks(backend, blocks)
-            .launch()
-            .unwrap_or(launch)
+        automatic.launch().unwrap_or(launch)
     }
 
     /// The chunk's timed start event, when chunks are timed.
@@ -557,7 +550,8 @@ impl BackendTransport {
                 let started = self.start(backend.as_ref())?;
                 let mut end = None;
                 for copy in &copies {
-                    let launch = self.grid(backend.as_ref(), copy.blocks(), launch);
+                    let launch =
+                        self.grid(Method::for_blocks(backend.as_ref(), copy.blocks()), launch);
                     end = self
                         .store
                         .launch(copy, &src_space, &dst_space, launch)?
@@ -677,7 +671,7 @@ mod tests {
     use crate::copy::WIDE_GRID_BLOCKS;
 
     #[test]
-    fn new_picks_each_launchs_grid_from_its_blocks_and_a_given_method_keeps_its_grid() {
+    fn new_picks_each_launchs_grid_and_a_given_method_keeps_its_grid() {
         let b: Arc<dyn Backend> = Arc::new(CpuBackend::new());
         let given = Launch {
             ctas: 3,
@@ -685,21 +679,23 @@ mod tests {
         };
         let auto = BackendTransport::new(b.clone());
         let fixed = BackendTransport::with_method(b.clone(), Method::Kernel(given)).unwrap();
-        for blocks in [1, 992, WIDE_GRID_BLOCKS, WIDE_GRID_BLOCKS + 1, 7936, 63488] {
-            assert_eq!(
-                Method::Kernel(auto.grid(b.as_ref(), blocks, given)),
+        let decode = Method::for_decode_scatter(b.as_ref());
+        let picks = [1, 992, WIDE_GRID_BLOCKS, WIDE_GRID_BLOCKS + 1, 7936, 63488].map(|blocks| {
+            (
+                format!("{blocks} blocks"),
                 Method::for_blocks(b.as_ref(), blocks),
-                "{blocks} blocks"
-            );
-            assert_eq!(
-                fixed.grid(b.as_ref(), blocks, given),
-                given,
-                "{blocks} blocks"
-            );
+            )
+        });
+        for (what, picked) in picks
+            .into_iter()
+            .chain([("a decode scatter".into(), decode)])
+        {
+            assert_eq!(Method::Kernel(auto.grid(picked, given)), picked, "{what}");
+            assert_eq!(fixed.grid(picked, given), given, "{what}");
         }
         assert_ne!(
-            auto.grid(b.as_ref(), WIDE_GRID_BLOCKS, given),
-            auto.grid(b.as_ref(), WIDE_GRID_BLOCKS + 1, given),
+            auto.grid(Method::for_blocks(b.as_ref(), WIDE_GRID_BLOCKS), given),
+            auto.grid(Method::for_blocks(b.as_ref(), WIDE_GRID_BLOCKS + 1), given),
             "the rule has two grids"
         );
     }

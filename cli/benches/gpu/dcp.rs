@@ -8,8 +8,8 @@
 //! pools then in exportable memory of GPU G mapped into GPU 0's context (as another process's
 //! pools are: `ipc::ImportedPool`), so the rows cross NVLink. Variants:
 //! - `scatter, Transport::submit_decode`: `BackendTransport::new`, one `kvs_decode_scatter`
-//!   launch per prefill rank writing every decode rank's rows (its grid from its units,
-//!   `Method::for_blocks`);
+//!   launch per prefill rank writing every decode rank's rows (its grid
+//!   `Method::for_decode_scatter`'s);
 //! - `..., a stream per prefill rank` (N > 1): the same with each prefill rank's transport on a
 //!   stream of its own, as separate prefill processes send, the harness stream waiting for all;
 //! - `gather, then a copy per decode rank` (the obvious alternative, built from kvshard's other
