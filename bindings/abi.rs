@@ -26,6 +26,7 @@ pub const KVS_ELEMENTWISE_THREADS: u32 = 256;
 pub const KVS_RESOLVE_THREADS: u32 = 256;
 pub const KVS_COPY_THREADS: u32 = 1024;
 pub const KVS_WRITE_THREADS: u32 = 512;
+pub const KVS_DECODE_THREADS: u32 = 512;
 pub const KVS_COPY_RANGE_MAX_BYTES: u64 = 4294967296;
 pub const KVS_LATENT_FP8_TRTLLM: u32 = 0;
 pub const KVS_LATENT_FP8_SCALED: u32 = 1;
@@ -41,6 +42,7 @@ pub const KVS_ROWS_LATENT: u32 = 0;
 pub const KVS_ROWS_INDEXER: u32 = 1;
 pub const KVS_COPY_INLINE_BYTES: u32 = 8192;
 pub const KVS_DECODE_MAX_RANKS: u32 = 1024;
+pub const KVS_DECODE_SLICE_ROWS: u32 = 16;
 pub const KVS_DECODE_MAX_TOKENS: u64 = 4294967296;
 pub const KVS_DECODE_DIRECT: u32 = 0;
 pub const KVS_DECODE_PACK: u32 = 1;
@@ -835,7 +837,10 @@ const _: () = {
  key and scale. Pairs [0, num_kv_pairs) move the latent section's entries through the ranks'
  `pages`, pairs [num_kv_pairs, num_pairs) the state section's through their `state_pages`.
  Units u = k * num_entries + j for the latent section, then num_kv_pairs * num_entries +
- (k - num_kv_pairs) * num_state_entries + j, spread over warps by the work queue. Reported
+ (k - num_kv_pairs) * num_state_entries + j, spread over warps by the work queue; the DIRECT
+ rows kernels cut each latent-section unit into 64 / KVS_DECODE_SLICE_ROWS slices of that many
+ rows (units u * slices + s, the state section's after them), so the launch's unit count is
+ the latent section's times the slices plus the state section's (launch::decode_scatter_units). Reported
  positions: latent entry j at j, state entry j at num_entries + j (a source page at or past
  src_limit, a rank's row past its num_pages, a destination page at or past its limit), pair k
  naming a component >= num_components at num_entries + num_state_entries + k.

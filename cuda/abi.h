@@ -72,6 +72,9 @@
 #define KVS_COPY_THREADS 1024
 /* kvs_write_rows: the most threads per CTA (it sizes the CTA's shared row table). */
 #define KVS_WRITE_THREADS 512
+/* kvs_decode_*: the most threads per CTA (128 registers a thread: the rows kernels keep 9
+   vectors a lane in flight; Method::for_decode_scatter launches 256). */
+#define KVS_DECODE_THREADS 512
 
 /* kvs_copy_ranges: the longest range (4 GiB) one entry may describe. One warp copies a range and
    counts its 16-byte vectors in 32 bits; a longer entry is skipped and reported, by the kernel
@@ -350,6 +353,8 @@ typedef struct kvs_copy_ranges_params {
  */
 /* The most decode ranks one scatter may write (shard::MAX_DECODE_RANKS). */
 #define KVS_DECODE_MAX_RANKS 1024
+/* Rows of a page one unit of a DIRECT rows kernel moves (a slice: below). */
+#define KVS_DECODE_SLICE_ROWS 16
 /* The most tokens of a request a scatter moves: end_token is at most this, so the kernels place
    tokens in 32 bits (64-bit divisions cost them registers they spill on Blackwell). */
 #define KVS_DECODE_MAX_TOKENS 0x100000000ull
@@ -402,7 +407,10 @@ typedef struct kvs_decode_pair {
  * key and scale. Pairs [0, num_kv_pairs) move the latent section's entries through the ranks'
  * `pages`, pairs [num_kv_pairs, num_pairs) the state section's through their `state_pages`.
  * Units u = k * num_entries + j for the latent section, then num_kv_pairs * num_entries +
- * (k - num_kv_pairs) * num_state_entries + j, spread over warps by the work queue. Reported
+ * (k - num_kv_pairs) * num_state_entries + j, spread over warps by the work queue; the DIRECT
+ * rows kernels cut each latent-section unit into 64 / KVS_DECODE_SLICE_ROWS slices of that many
+ * rows (units u * slices + s, the state section's after them), so the launch's unit count is
+ * the latent section's times the slices plus the state section's (launch::decode_scatter_units). Reported
  * positions: latent entry j at j, state entry j at num_entries + j (a source page at or past
  * src_limit, a rank's row past its num_pages, a destination page at or past its limit), pair k
  * naming a component >= num_components at num_entries + num_state_entries + k.
@@ -483,9 +491,11 @@ KVS_STATIC_ASSERT(KVS_INDEXER_SCALES_OFFSET == KVS_PAGE_SIZE * KVS_INDEXER_HEAD_
 KVS_STATIC_ASSERT(KVS_INDEXER_PAGE_BYTES == KVS_PAGE_SIZE * KVS_INDEXER_ROW_BYTES, "indexer block");
 KVS_STATIC_ASSERT(KVS_RESOLVE_TILE % KVS_RESOLVE_THREADS == 0, "resolve tile: whole items per thread");
 KVS_STATIC_ASSERT(KVS_ELEMENTWISE_THREADS % 32 == 0 && KVS_RESOLVE_THREADS % 32 == 0 &&
-                      KVS_COPY_THREADS % 32 == 0 && KVS_WRITE_THREADS % 32 == 0,
+                      KVS_COPY_THREADS % 32 == 0 && KVS_WRITE_THREADS % 32 == 0 && KVS_DECODE_THREADS % 32 == 0,
                   "whole warps");
-KVS_STATIC_ASSERT(KVS_COPY_THREADS <= 1024 && KVS_WRITE_THREADS <= 1024, "CUDA's CTA limit");
+KVS_STATIC_ASSERT(KVS_COPY_THREADS <= 1024 && KVS_WRITE_THREADS <= 1024 && KVS_DECODE_THREADS <= 1024,
+                  "CUDA's CTA limit");
+KVS_STATIC_ASSERT(KVS_PAGE_SIZE % KVS_DECODE_SLICE_ROWS == 0, "a page is whole slices");
 KVS_STATIC_ASSERT(sizeof(kvs_status) == 16, "kvs_status");
 KVS_STATIC_ASSERT(sizeof(kvs_quantize_latent_params) == 72, "kvs_quantize_latent_params");
 KVS_STATIC_ASSERT(sizeof(kvs_quantize_indexer_params) == 72, "kvs_quantize_indexer_params");

@@ -35,36 +35,43 @@ using namespace kvs;
 namespace decode {
 
 /*
- * Register budget: 1024 threads (64 registers), 16-byte vectors a lane keeps in flight. sm_90
- * keeps 8 (4 KB a warp) for both kernels: whole pages as copy.cu measured, rows since the grid
- * became two 256-thread CTAs an SM (Method::for_decode_scatter: 16 warps an SM, 64 KB in flight,
- * where 32 warps of 4 vectors kept the same bytes in flight in more, shorter streams: H200,
- * 2026-12-04, 512 pages, I = 1: 85.4-90.0% of D2D against 83.1-88.1%, BENCHMARKS.md).
- * Blackwell keeps 4: its ptxas needs more registers for the same code (copy.cu found it for
- * pages; the rows kernel at 8 spills there within 64 registers). Measured on the H200 and kept
- * out (docs/dcp.md, "What is measured"): on 2026-12-03 (a49c5cb, the grid of eight CTAs an SM)
- * every row read whether or not it is moved (no table lookup before the loads), a lane's row
- * followed by addition instead of a division per vector (2% slower); on 2026-12-04 a warp
- * writing one destination rank's rows before the next (destination-major: +3 points at M = 4,
- * N = 2, none at M = 2 on the grid of eight CTAs an SM; 0.2-2.2 points slower on this one; with
- * the rows' order computed in the kernel for any layout, 0.5-7 slower), streaming cache hints
- * (__ldcs/__stcs: 3-5 points slower on both kernels), a CTA per page staging its rows in
- * shared memory to write each rank's run contiguously (benches/kernels/
- * decode_scatter_rows_staged.cu: 10 points slower), and a warp staging 8 rows at a time by
- * cp.async to write whole 128-byte lines (4-6 points slower).
+ * Register budget: KVS_DECODE_THREADS (512) threads, 128 registers; 16-byte vectors a lane keeps
+ * in flight. sm_90 keeps 8 (4 KB a warp) for whole pages (as copy.cu measured) and for the
+ * state section's indexer pages, and 9 for a DIRECT launch's latent slices: a slice of 16
+ * 576-byte rows is 576 vectors, two batches of 9 a lane. The slices (KVS_DECODE_SLICE_ROWS, a
+ * quarter page a unit) keep the pages written at once four times fewer on the same grid
+ * (Method::for_decode_scatter: two 256-thread CTAs an SM, 16 warps, which beat 8 to 32 warps an
+ * SM in every CTA size tried). H200, 2026-12-04, 512 pages, I = 1, each in one binary against
+ * the whole-page units of 8 vectors: slices of 16 rows at 9 vectors +0.7 to +2.2 points of D2D;
+ * at 8 vectors (a third batch of 2 a lane) within a point of whole pages; slices of 32 rows at
+ * 9 -0.8 to +0.7; of 8 rows (288 vectors, a second batch of 1 a lane) 8-10 points slower;
+ * whole pages at 9 vectors -1 to +0.1 (BENCHMARKS.md). Blackwell keeps 4 (nothing measured
+ * there; its ptxas needed more registers than sm_90's for the same code within the 64-register
+ * budget these kernels had before). Measured on the H200 and kept out (docs/dcp.md, "What is
+ * measured"): on 2026-12-03 (a49c5cb, the grid of eight CTAs an SM) every row read whether or
+ * not it is moved (no table lookup before the loads), a lane's row followed by addition instead
+ * of a division per vector (2% slower); on 2026-12-04 a warp writing one destination rank's
+ * rows before the next (destination-major: +3 points at M = 4, N = 2, none at M = 2 on the grid
+ * of eight CTAs an SM; 0.2-2.2 points slower on this one; with the rows' order computed in the
+ * kernel for any layout, 0.5-7 slower), streaming cache hints (__ldcs/__stcs: 3-5 points slower
+ * on both kernels), a CTA per page staging its rows in shared memory to write each rank's run
+ * contiguously (benches/kernels/decode_scatter_rows_staged.cu: 10 points slower), and a warp
+ * staging 8 rows at a time by cp.async to write whole 128-byte lines (4-6 points slower).
  */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 constexpr uint32_t PAGES_UNROLL = 4;
 constexpr uint32_t ROWS_UNROLL = 4;
+constexpr uint32_t SLICE_UNROLL = 4;
 #else
 constexpr uint32_t PAGES_UNROLL = 8;
 constexpr uint32_t ROWS_UNROLL = 8;
+constexpr uint32_t SLICE_UNROLL = 9;
 #endif
-/* UNPACK keeps 4 on every architecture: its rows at 8 spill on sm_90a within 64 registers. */
+/* UNPACK keeps 4 on every architecture (at 8 its rows spilled within the 64 registers it had). */
 constexpr uint32_t UNPACK_UNROLL = 4;
 
 constexpr uint32_t ROWS = KVS_PAGE_SIZE;
-constexpr uint32_t WARPS = KVS_COPY_THREADS / 32;
+constexpr uint32_t WARPS = KVS_DECODE_THREADS / 32;
 constexpr uint32_t KEY_VECTORS = KVS_INDEXER_HEAD_DIM / 16;
 
 /* Where token `token` lives: its decode rank and local token. */
@@ -306,30 +313,47 @@ __device__ __forceinline__ void scatter_pages(const kvs_decode_scatter_params& p
 
 /*
  * A layout that spreads a page's rows over ranks, or any PACK launch; LATENT_VPR is the vectors
- * of a latent row (every latent component of a cache has the same rows).
+ * of a latent row (every latent component of a cache has the same rows). A latent-section unit
+ * is SLICE rows of its page (a DIRECT launch: KVS_DECODE_SLICE_ROWS; PACK: the whole page), so
+ * the units in flight at once cover fewer pages, and each warp keeps LATENT_UNROLL of a slice's
+ * vectors a lane in flight; a state-section unit is its whole page.
  */
-template <uint32_t LATENT_VPR, bool PACK>
+template <uint32_t LATENT_VPR, bool PACK, uint32_t SLICE, uint32_t LATENT_UNROLL>
 __device__ __forceinline__ void scatter_rows(const kvs_decode_scatter_params& p) {
-    /* Each warp's placed rows: the destination of row o (0: skipped). */
+    static_assert(ROWS % SLICE == 0 && SLICE <= ROWS, "a page is whole slices");
+    constexpr uint32_t SLICES = ROWS / SLICE;
+    /* Each warp's placed rows: the destination of row o of its unit (0: skipped). */
     __shared__ uint64_t placed[WARPS][ROWS];
     uint64_t* rows = placed[threadIdx.x / 32];
     const uint32_t lane = threadIdx.x % 32;
-    const uint64_t units = units_of(p);
+    const uint64_t kv_slices = static_cast<uint64_t>(p.num_kv_pairs) * p.num_entries * SLICES;
+    // The host counted the launch's units the same way (launch::decode_scatter_units).
+    const uint64_t units = units_of(p) + kv_slices / SLICES * (SLICES - 1);
     Unit w;
     for (uint64_t u = first_unit(p.work); u < units; u = next_unit(p.work, u)) {
-        if (!unit_of(p, u, w)) {
+        // The page's unit, and the slice's first row and rows.
+        uint32_t first = 0;
+        uint32_t span = ROWS;
+        uint64_t page_unit = u - kv_slices / SLICES * (SLICES - 1);
+        if (u < kv_slices) {
+            page_unit = u / SLICES;
+            first = static_cast<uint32_t>(u - page_unit * SLICES) * SLICE;
+            span = SLICE;
+        }
+        if (!unit_of(p, page_unit, w) || first >= w.valid) {
             continue;
         }
+        const uint32_t n = w.valid - first < span ? w.valid - first : span;
         const bool indexer = w.c.kind == KVS_ROWS_INDEXER;
-        // Each lane places rows lane and lane + 32; an indexer lane keeps its rows' scale
-        // addresses and moves those scales itself.
+        // Each lane places rows lane and lane + 32 of the unit; an indexer lane keeps its rows'
+        // scale addresses and moves those scales itself.
         uint64_t scales[2] = {0, 0};
 #pragma unroll
         for (uint32_t h = 0; h < 2; ++h) {
             const uint32_t o = lane + 32 * h;
             uint64_t to = 0;
-            if (o < w.valid) {
-                Place at = place(w.first + o, p.interleave, p.num_ranks);
+            if (o < n) {
+                Place at = place(w.first + first + o, p.interleave, p.num_ranks);
                 if (PACK) {
                     // Its dense row in the rank's destination.
                     at.local -= shift_of(p, w.position, table_slot(p, at.rank));
@@ -341,20 +365,23 @@ __device__ __forceinline__ void scatter_rows(const kvs_decode_scatter_params& p)
                     scales[h] = page + KVS_INDEXER_SCALES_OFFSET + 4 * row;
                 }
             }
-            rows[o] = to;
+            if (o < span) {
+                rows[o] = to;
+            }
         }
         __syncwarp();
         if (indexer) {
-            warp_rows<KEY_VECTORS, ROWS_UNROLL>(w.src, rows, w.valid);
+            warp_rows<KEY_VECTORS, ROWS_UNROLL>(w.src + static_cast<uint64_t>(first) * KVS_INDEXER_HEAD_DIM,
+                                                rows, n);
 #pragma unroll
             for (uint32_t h = 0; h < 2; ++h) {
                 if (scales[h] != 0) {
                     *reinterpret_cast<float*>(scales[h]) = *reinterpret_cast<const float*>(
-                        w.src + KVS_INDEXER_SCALES_OFFSET + 4ull * (lane + 32 * h));
+                        w.src + KVS_INDEXER_SCALES_OFFSET + 4ull * (first + lane + 32 * h));
                 }
             }
         } else {
-            warp_rows<LATENT_VPR, ROWS_UNROLL>(w.src, rows, w.valid);
+            warp_rows<LATENT_VPR, LATENT_UNROLL>(w.src + static_cast<uint64_t>(first) * w.c.row_bytes, rows, n);
         }
         // The next unit rewrites the table only after every lane is done reading it.
         __syncwarp();
@@ -447,52 +474,52 @@ using namespace decode;
 
 /* The kernels: one for layouts that keep pages whole, one per latent row size for the others, for
    PACK and for UNPACK (the host picks by the mode, the layout and the cache's rows). */
-extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(KVS_DECODE_THREADS, 1)
     kvs_decode_scatter_pages(const __grid_constant__ kvs_decode_scatter_params p) {
     scatter_pages(p);
 }
 
-extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(KVS_DECODE_THREADS, 1)
     kvs_decode_scatter_rows_576(const __grid_constant__ kvs_decode_scatter_params p) {
-    scatter_rows<KVS_LATENT_TRTLLM_ROW_BYTES / 16, false>(p);
+    scatter_rows<KVS_LATENT_TRTLLM_ROW_BYTES / 16, false, KVS_DECODE_SLICE_ROWS, SLICE_UNROLL>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(KVS_DECODE_THREADS, 1)
     kvs_decode_pack_rows_576(const __grid_constant__ kvs_decode_scatter_params p) {
-    scatter_rows<KVS_LATENT_TRTLLM_ROW_BYTES / 16, true>(p);
+    scatter_rows<KVS_LATENT_TRTLLM_ROW_BYTES / 16, true, ROWS, ROWS_UNROLL>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(KVS_DECODE_THREADS, 1)
     kvs_decode_scatter_rows_656(const __grid_constant__ kvs_decode_scatter_params p) {
-    scatter_rows<KVS_LATENT_SCALED_ROW_BYTES / 16, false>(p);
+    scatter_rows<KVS_LATENT_SCALED_ROW_BYTES / 16, false, KVS_DECODE_SLICE_ROWS, SLICE_UNROLL>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(KVS_DECODE_THREADS, 1)
     kvs_decode_pack_rows_656(const __grid_constant__ kvs_decode_scatter_params p) {
-    scatter_rows<KVS_LATENT_SCALED_ROW_BYTES / 16, true>(p);
+    scatter_rows<KVS_LATENT_SCALED_ROW_BYTES / 16, true, ROWS, ROWS_UNROLL>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(KVS_DECODE_THREADS, 1)
     kvs_decode_scatter_rows_1152(const __grid_constant__ kvs_decode_scatter_params p) {
-    scatter_rows<KVS_LATENT_BF16_ROW_BYTES / 16, false>(p);
+    scatter_rows<KVS_LATENT_BF16_ROW_BYTES / 16, false, KVS_DECODE_SLICE_ROWS, SLICE_UNROLL>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(KVS_DECODE_THREADS, 1)
     kvs_decode_pack_rows_1152(const __grid_constant__ kvs_decode_scatter_params p) {
-    scatter_rows<KVS_LATENT_BF16_ROW_BYTES / 16, true>(p);
+    scatter_rows<KVS_LATENT_BF16_ROW_BYTES / 16, true, ROWS, ROWS_UNROLL>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(KVS_DECODE_THREADS, 1)
     kvs_decode_unpack_rows_576(const __grid_constant__ kvs_decode_scatter_params p) {
     unpack_rows<KVS_LATENT_TRTLLM_ROW_BYTES / 16>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(KVS_DECODE_THREADS, 1)
     kvs_decode_unpack_rows_656(const __grid_constant__ kvs_decode_scatter_params p) {
     unpack_rows<KVS_LATENT_SCALED_ROW_BYTES / 16>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(KVS_COPY_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(KVS_DECODE_THREADS, 1)
     kvs_decode_unpack_rows_1152(const __grid_constant__ kvs_decode_scatter_params p) {
     unpack_rows<KVS_LATENT_BF16_ROW_BYTES / 16>(p);
 }

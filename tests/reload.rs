@@ -256,9 +256,16 @@ fn reload_and_check(
     rng: &mut StdRng,
 ) -> Vec<Vec<u8>> {
     let (ranks, pool_pages, before) = readers(device, g, plan, separate_state, rng);
-    // A scatter is a kernel; pages kept whole move by any method a HiCache load takes.
+    // A scatter is a kernel (a HiCache load's host-I/O shape too: its threads past what the
+    // decode kernels take are not used); pages kept whole move by any method a HiCache load
+    // takes.
     let method = if plan.scatters() {
-        Method::Kernel(LAUNCH)
+        *[
+            Method::Kernel(LAUNCH),
+            Method::host_io(ranks[0].backend.as_ref(), 2),
+        ]
+        .choose(rng)
+        .unwrap()
     } else {
         *[
             Method::Kernel(LAUNCH),

@@ -267,9 +267,7 @@ pub(crate) fn decode_scatter(p: &abi::kvs_decode_scatter_params) -> Result<()> {
             ));
         }
     }
-    let kv = u64::from(p.num_kv_pairs).checked_mul(p.num_entries);
-    let state = u64::from(p.num_pairs - p.num_kv_pairs).checked_mul(p.num_state_entries);
-    let units = kv.zip(state).and_then(|(a, b)| a.checked_add(b));
+    let units = super::launch::decode_scatter_units(p);
     let ranks = if one_rank { 1 } else { u64::from(p.num_ranks) };
     let bases = u64::from(p.num_pairs).checked_mul(ranks);
     let shifts = p

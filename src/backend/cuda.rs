@@ -619,8 +619,7 @@ impl Backend for CudaBackend {
         check::decode_scatter(&p)?;
         launch.validate(self.max_threads(KernelFamily::DecodeScatter))?;
         // Checked above: no overflow.
-        let units = u64::from(p.num_kv_pairs) * p.num_entries
-            + u64::from(p.num_pairs - p.num_kv_pairs) * p.num_state_entries;
+        let units = super::launch::decode_scatter_units(&p).unwrap_or(0);
         if units == 0 {
             return Ok(());
         }

@@ -89,9 +89,7 @@ pub(crate) fn resolve_kernel(p: &abi::kvs_resolve_params) -> KernelFn<abi::kvs_r
 pub(crate) fn decode_scatter_kernel(
     p: &abi::kvs_decode_scatter_params,
 ) -> KernelFn<abi::kvs_decode_scatter_params> {
-    let page_granular =
-        p.num_ranks == 1 || u64::from(p.interleave) % crate::geometry::PAGE_SIZE as u64 == 0;
-    if p.mode == abi::KVS_DECODE_DIRECT && page_granular {
+    if p.mode == abi::KVS_DECODE_DIRECT && page_granular(p) {
         return kernels::DECODE_SCATTER_PAGES;
     }
     let latent = p.components[..(p.num_components as usize).min(p.components.len())]
@@ -124,6 +122,28 @@ pub(crate) fn decode_scatter_kernel(
     }
 }
 
+/// Whether the launch's layout keeps pages whole: one rank, or an interleave of whole pages.
+fn page_granular(p: &abi::kvs_decode_scatter_params) -> bool {
+    p.num_ranks == 1 || u64::from(p.interleave) % crate::geometry::PAGE_SIZE as u64 == 0
+}
+
+/// Units of a `kvs_decode_scatter` launch (`cuda/abi.h`): a (pair, entry) of each section,
+/// the latent section's cut into `64 / KVS_DECODE_SLICE_ROWS` slices where a DIRECT launch
+/// takes a rows kernel; `None` past 64 bits. The work queue's base advances by this.
+pub(crate) fn decode_scatter_units(p: &abi::kvs_decode_scatter_params) -> Option<u64> {
+    let slices = if p.mode == abi::KVS_DECODE_DIRECT && !page_granular(p) {
+        u64::from(abi::KVS_PAGE_SIZE / abi::KVS_DECODE_SLICE_ROWS)
+    } else {
+        1
+    };
+    let kv = u64::from(p.num_kv_pairs)
+        .checked_mul(p.num_entries)?
+        .checked_mul(slices)?;
+    let state =
+        u64::from(p.num_pairs.checked_sub(p.num_kv_pairs)?).checked_mul(p.num_state_entries)?;
+    kv.checked_add(state)
+}
+
 /// Tiles (one CTA each) `kvs_resolve` uses for `entries` entries.
 pub fn resolve_tiles(entries: u64) -> u64 {
     entries.div_ceil(u64::from(abi::KVS_RESOLVE_TILE))
@@ -147,6 +167,62 @@ pub(crate) fn compiled_max_threads(family: KernelFamily) -> u32 {
     match family {
         KernelFamily::Copy => abi::KVS_COPY_THREADS,
         KernelFamily::WriteRows => abi::KVS_WRITE_THREADS,
-        KernelFamily::DecodeScatter => abi::KVS_COPY_THREADS,
+        KernelFamily::DecodeScatter => abi::KVS_DECODE_THREADS,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(mode: u32, ranks: u32, interleave: u32) -> abi::kvs_decode_scatter_params {
+        abi::kvs_decode_scatter_params {
+            num_pairs: 5,
+            num_kv_pairs: 3,
+            num_entries: 7,
+            num_state_entries: 11,
+            num_ranks: ranks,
+            interleave,
+            mode,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn decode_scatter_units_slice_the_latent_section_of_direct_rows_launches_only() {
+        // 3 latent pairs x 7 entries, 2 state pairs x 11 entries.
+        let slices = u64::from(abi::KVS_PAGE_SIZE / abi::KVS_DECODE_SLICE_ROWS);
+        assert_eq!(
+            decode_scatter_units(&params(abi::KVS_DECODE_DIRECT, 4, 1)),
+            Some(21 * slices + 22)
+        );
+        // Pages kept whole: the pages kernel, a unit a page.
+        assert_eq!(
+            decode_scatter_units(&params(abi::KVS_DECODE_DIRECT, 4, 64)),
+            Some(43)
+        );
+        assert_eq!(
+            decode_scatter_units(&params(abi::KVS_DECODE_DIRECT, 1, 1)),
+            Some(43)
+        );
+        // Packing and unpacking move whole pages a unit.
+        assert_eq!(
+            decode_scatter_units(&params(abi::KVS_DECODE_PACK, 4, 1)),
+            Some(43)
+        );
+        assert_eq!(
+            decode_scatter_units(&params(abi::KVS_DECODE_UNPACK, 4, 1)),
+            Some(43)
+        );
+        // Past 64 bits once sliced (whole pages still fit), or more latent pairs than pairs:
+        // none.
+        let mut p = params(abi::KVS_DECODE_PACK, 4, 1);
+        (p.num_pairs, p.num_kv_pairs, p.num_entries) = (1, 1, u64::MAX / 2);
+        assert_eq!(decode_scatter_units(&p), Some(u64::MAX / 2));
+        p.mode = abi::KVS_DECODE_DIRECT;
+        assert_eq!(decode_scatter_units(&p), None);
+        p = params(abi::KVS_DECODE_DIRECT, 4, 1);
+        p.num_kv_pairs = 6;
+        assert_eq!(decode_scatter_units(&p), None);
     }
 }

@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use super::direct::{check_direct, HostTransfer};
 use super::transfer_plan::TransferPlan;
-use crate::backend::{Backend, Event};
+use crate::backend::{Backend, Event, KernelFamily, Launch};
 use crate::copy::{
     BlockSpace, DecodeScatterPlan, Direction, Layers, Method, ScatterRank, ScatterSection,
     TableStore,
@@ -90,7 +90,9 @@ impl Reload {
 
 /// Enqueues `plan` from `source` into `readers` (one per reader rank, in rank order) with
 /// `method`: pages kept whole move as a HiCache load ([`HostTransfer`], any method it takes);
-/// rows scattered take [`Method::Kernel`] (anything else is [`Error::UnsupportedMethod`]).
+/// rows scattered take [`Method::Kernel`] (anything else is [`Error::UnsupportedMethod`]): its
+/// CTAs, of its threads up to what the decode kernels take (so a HiCache load's host-I/O shape,
+/// [`Method::host_io`], serves both).
 /// Everything is checked before anything is enqueued: the source names every page of the plan
 /// once, in its pools; each reader holds exactly its share of pages, in its pool; and every
 /// transfer and scatter is checked against its pools.
@@ -150,6 +152,12 @@ pub fn reload(
             }
             Planned::Scatter(d, scatter, src, dsts) => {
                 let launch = kernel.ok_or_else(unsupported)?;
+                let launch = Launch {
+                    threads: launch
+                        .threads
+                        .min(readers[d].backend.max_threads(KernelFamily::DecodeScatter)),
+                    ..launch
+                };
                 bytes += scatter.bytes();
                 enqueued[d] |= stores[d]
                     .launch_scatter(&scatter, &src, &dsts, launch)?
