@@ -4,14 +4,20 @@
 //! one after the other on the harness stream, into the M ranks of a decode server sharded by
 //! token, I tokens at a time. The bytes are counted once (each byte read once and written once,
 //! whatever a variant moves on the way), next to the same run's D2D ceiling, or with
-//! `DCP_DECODE_GPU=G` the peer copy engine's ceiling from GPU 0 to GPU G, the decode ranks'
-//! pools then in exportable memory of GPU G mapped into GPU 0's context (as another process's
-//! pools are: `ipc::ImportedPool`), so the rows cross NVLink. Variants:
+//! `DCP_DECODE_GPU=G` the peer copy engine's ceiling from GPU 0 to GPU G. The decode ranks'
+//! pools are exportable memory (`ipc::ExportedPool`) of this GPU, or of GPU G mapped into GPU
+//! 0's context (as another process's pools are: `ipc::ImportedPool`), so the rows cross NVLink.
+//! Variants:
 //! - `scatter, Transport::submit_decode`: `BackendTransport::new`, one `kvs_decode_scatter`
 //!   launch per prefill rank writing every decode rank's rows (its grid
 //!   `Method::for_decode_scatter`'s);
 //! - `..., a stream per prefill rank` (N > 1): the same with each prefill rank's transport on a
-//!   stream of its own, as separate prefill processes send, the harness stream waiting for all;
+//!   stream of its own, the harness stream waiting for all. The ranks write the same decode
+//!   pools through the same destinations, whose usage orders each launch after the one before
+//!   (kvshard cannot see that their rows are disjoint), so they run one after another;
+//! - `..., a stream and mappings per prefill rank` (N > 1): each rank on its own stream writing
+//!   through a mapping of every decode pool of its own (`ipc::ImportedPool`), as separate
+//!   prefill processes do: nothing orders one rank's launch after another's, so they overlap;
 //! - `gather, then a copy per decode rank` (the obvious alternative, built from kvshard's other
 //!   kernels, every table prepared before the timing): each rank's owned pages gathered into an
 //!   unsharded staging buffer (one block copy), then per decode rank one block copy of its
@@ -63,13 +69,27 @@ const MOST_RANGES: usize = 8 << 20;
 /// its ranges lie in (held while it may run).
 type RangeTable = (Buffer, u64, Arc<dyn BlockSpace>, Arc<dyn BlockSpace>);
 
-/// One decode rank's pool: the backend that reads it as its own, the pool, the destination
-/// the prefill ranks write, and whatever keeps a mapping alive.
+/// One decode rank's pool: the backend that reads it as its own, the pool (exportable memory,
+/// so each prefill rank may map it apart, as separate processes do), the destination the
+/// prefill ranks write, and the export (with the mapping `space` goes through, on a peer).
 struct Decode {
     owner: Arc<dyn Backend>,
     pool: Arc<DevicePool>,
     space: Arc<RemoteSpace>,
-    _keep: Option<(ExportedPool, ImportedPool)>,
+    exported: ExportedPool,
+    _mapped: Option<ImportedPool>,
+}
+
+impl Decode {
+    /// Another mapping of the pool into the harness GPU's context, with its own usage: what a
+    /// prefill process that imported the pool itself writes through.
+    fn map(&self, ctx: &Ctx) -> Result<ImportedPool> {
+        let (msg, fds) = self.exported.publication(1)?;
+        let Message::PublishPool(p) = msg else {
+            return Err(Error::InvalidArgument("a pool publication".into()));
+        };
+        ImportedPool::import(&PeerBackend::Cuda(ctx.backend.clone()), &p, fds)
+    }
 }
 
 /// Where the decode ranks' pools live.
@@ -85,46 +105,26 @@ enum DecodeGpu {
 
 impl DecodeGpu {
     fn pool(&self, ctx: &Ctx, g: &CacheGeometry, pages: u64) -> Result<Decode> {
-        match self {
-            DecodeGpu::Local => {
-                let owner = ctx.shared();
-                let pool = Arc::new(DevicePool::allocate(
-                    owner.as_ref(),
-                    g,
-                    Placement::unsharded(),
-                    0,
-                    pages,
-                )?);
-                let space = Arc::new(RemoteSpace::of(pool.clone(), g.clone())?);
-                Ok(Decode {
-                    owner,
-                    pool,
-                    space,
-                    _keep: None,
-                })
-            }
-            DecodeGpu::Peer { backend, .. } => {
-                let exported = ExportedPool::allocate(
-                    &PeerBackend::Cuda(backend.clone()),
-                    g,
-                    Placement::unsharded(),
-                    0,
-                    pages,
-                )?;
-                let (msg, fds) = exported.publication(1)?;
-                let Message::PublishPool(p) = msg else {
-                    return Err(Error::InvalidArgument("a pool publication".into()));
-                };
-                let imported =
-                    ImportedPool::import(&PeerBackend::Cuda(ctx.backend.clone()), &p, fds)?;
-                Ok(Decode {
-                    owner: backend.clone(),
-                    pool: exported.pool().clone(),
-                    space: imported.space().clone(),
-                    _keep: Some((exported, imported)),
-                })
-            }
+        let (owner, on): (Arc<dyn Backend>, Arc<CudaBackend>) = match self {
+            DecodeGpu::Local => (ctx.shared(), ctx.backend.clone()),
+            DecodeGpu::Peer { backend, .. } => (backend.clone(), backend.clone()),
+        };
+        let exported =
+            ExportedPool::allocate(&PeerBackend::Cuda(on), g, Placement::unsharded(), 0, pages)?;
+        let pool = exported.pool().clone();
+        let mut decode = Decode {
+            owner,
+            space: Arc::new(RemoteSpace::of(pool.clone(), g.clone())?),
+            pool,
+            exported,
+            _mapped: None,
+        };
+        if let DecodeGpu::Peer { .. } = self {
+            let mapped = decode.map(ctx)?;
+            decode.space = mapped.space().clone();
+            decode._mapped = Some(mapped);
         }
+        Ok(decode)
     }
 }
 
@@ -190,9 +190,18 @@ enum Senders {
     /// One transport on the harness stream, the chunks one after the other.
     One(BackendTransport),
     /// A transport on a stream of its own per prefill rank (the transports, then their
-    /// streams), as separate prefill processes (or GPUs) send ([`fan_out`]): the ranks'
-    /// launches may overlap.
+    /// streams) ([`fan_out`]), through the same destinations: their usage orders each rank's
+    /// launch after the one before.
     PerRank(Vec<BackendTransport>, Vec<Arc<dyn Backend>>),
+    /// The same, each prefill rank also writing through a mapping of every decode pool of its
+    /// own (each rank's destinations, then the mappings), as separate processes do: no usage
+    /// orders one rank's launch after another's, so their launches may run at once.
+    Apart {
+        transports: Vec<BackendTransport>,
+        streams: Vec<Arc<dyn Backend>>,
+        views: Vec<Vec<Arc<RemoteSpace>>>,
+        _mapped: Vec<ImportedPool>,
+    },
 }
 
 /// The scatter's row: every prefill rank's chunk through `submit_decode`, timed, then the
@@ -224,6 +233,16 @@ fn scatter(
                     transports[i].submit_decode(&plans[i], &ranks[i], dsts)
                 })?);
             }
+            Senders::Apart {
+                transports,
+                streams,
+                views,
+                ..
+            } => {
+                pending.extend(fan_out(backend.as_ref(), streams, |i| {
+                    transports[i].submit_decode(&plans[i], &ranks[i], &views[i])
+                })?);
+            }
         }
         Ok(())
     })?;
@@ -252,6 +271,83 @@ fn scatter(
         ),
     );
     Ok(())
+}
+
+/// Who submits the scatter in each of its rows, and the row's label, as `Sender::send` submits
+/// each rank's chunk: with the grid kvshard picks, then with each grid DCP_GRID names; then
+/// (N > 1) with those grids again, a stream per prefill rank, and a stream and mappings per
+/// prefill rank.
+fn senders(ctx: &Ctx, n: u32, decode: &[Decode]) -> Result<Vec<(Senders, String)>> {
+    let grids = axis::<String>("DCP_GRID", &[])?
+        .iter()
+        .map(|g| grid(g))
+        .collect::<Result<Vec<_>>>()?;
+    let mut methods: Vec<(Option<Method>, String)> = vec![(None, String::new())];
+    methods.extend(grids.iter().map(|&l| {
+        (
+            Some(Method::Kernel(l)),
+            format!(" ({}x{})", l.ctas, l.threads),
+        )
+    }));
+    let mut runs = Vec::new();
+    for (method, label) in &methods {
+        runs.push((
+            Senders::One(transport(ctx.shared(), *method)?),
+            label.clone(),
+        ));
+    }
+    for (method, label) in methods.iter().filter(|_| n > 1) {
+        let (transports, streams) = rank_streams(ctx, n, *method)?;
+        runs.push((
+            Senders::PerRank(transports, streams),
+            format!("{label}, a stream per prefill rank"),
+        ));
+        let (transports, streams) = rank_streams(ctx, n, *method)?;
+        let mut views = Vec::new();
+        let mut mapped = Vec::new();
+        for _ in 0..n {
+            let mut view = Vec::new();
+            for d in decode {
+                let m = d.map(ctx)?;
+                view.push(m.space().clone());
+                mapped.push(m);
+            }
+            views.push(view);
+        }
+        runs.push((
+            Senders::Apart {
+                transports,
+                streams,
+                views,
+                _mapped: mapped,
+            },
+            format!("{label}, a stream and mappings per prefill rank"),
+        ));
+    }
+    Ok(runs)
+}
+
+/// A transport on `backend`: with kvshard's grid, or `method`.
+fn transport(backend: Arc<dyn Backend>, method: Option<Method>) -> Result<BackendTransport> {
+    match method {
+        None => Ok(BackendTransport::new(backend)),
+        Some(m) => BackendTransport::with_method(backend, m),
+    }
+}
+
+/// A transport per prefill rank, and the stream each enqueues on.
+type RankStreams = (Vec<BackendTransport>, Vec<Arc<dyn Backend>>);
+
+/// `n` streams of the harness GPU, and a transport on each ([`transport`]).
+fn rank_streams(ctx: &Ctx, n: u32, method: Option<Method>) -> Result<RankStreams> {
+    let streams = (0..n)
+        .map(|_| Ok(Arc::new(CudaBackend::new(ctx.gpu.clone())?) as Arc<dyn Backend>))
+        .collect::<Result<Vec<_>>>()?;
+    let transports = streams
+        .iter()
+        .map(|s| transport(s.clone(), method))
+        .collect::<Result<_>>()?;
+    Ok((transports, streams))
 }
 
 /// A grid written `CTASxTHREADS`.
@@ -334,36 +430,7 @@ fn case(
     );
     let reps = ctx.reps(if pages >= 4096 { 5 } else { 20 });
 
-    // The scatter, as `Sender::send` submits each rank's chunk: with the grid kvshard picks,
-    // then with each grid DCP_GRID names, then (N > 1) with a stream per prefill rank.
-    let mut runs = vec![(
-        Senders::One(BackendTransport::new(backend.clone())),
-        String::new(),
-    )];
-    for g in axis::<String>("DCP_GRID", &[])? {
-        let l = grid(&g)?;
-        runs.push((
-            Senders::One(BackendTransport::with_method(
-                backend.clone(),
-                Method::Kernel(l),
-            )?),
-            format!(" ({}x{})", l.ctas, l.threads),
-        ));
-    }
-    if n > 1 {
-        let streams = (0..n)
-            .map(|_| Ok(Arc::new(CudaBackend::new(ctx.gpu.clone())?) as Arc<dyn Backend>))
-            .collect::<Result<Vec<_>>>()?;
-        let transports = streams
-            .iter()
-            .map(|s| BackendTransport::new(s.clone()))
-            .collect();
-        runs.push((
-            Senders::PerRank(transports, streams),
-            ", a stream per prefill rank".into(),
-        ));
-    }
-    for (senders, label) in runs {
+    for (senders, label) in senders(ctx, n, &decode)? {
         scatter(
             ctx,
             report,

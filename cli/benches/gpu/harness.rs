@@ -19,8 +19,12 @@ use kvshard_cli::synth;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-/// Bytes written before every timed repeat so no input is still in the 60 MB L2.
-const FLUSH_BYTES: usize = 256 << 20;
+/// Bytes written before every timed repeat so no input is still in the 60 MB L2, and so the
+/// repeat's host planning and enqueueing, which runs while the flush does, is not in its
+/// device time: 512 MB is ~0.2 ms on the H200, longer than the host takes for the first
+/// call of any row (with 256 MB, ~0.1 ms, a 60-85 us `submit_decode` could leave the
+/// device waiting for its first launch).
+const FLUSH_BYTES: usize = 512 << 20;
 
 /// Runs `submit(i)` for each of `streams`, stream `i` ordered after everything enqueued on
 /// `harness` so far and `harness` after everything the submit enqueued on stream `i`: a timing
