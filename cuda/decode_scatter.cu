@@ -41,11 +41,11 @@ namespace decode {
  * 576-byte rows is 576 vectors, two batches of 9 a lane. The slices (KVS_DECODE_SLICE_ROWS, a
  * quarter page a unit) keep the pages written at once four times fewer on the same grid
  * (Method::for_decode_scatter: two 256-thread CTAs an SM, 16 warps, which beat 8 to 32 warps an
- * SM in every CTA size tried). H200, 2026-12-04, 512 pages, I = 1, each in one binary against
- * the whole-page units of 8 vectors: slices of 16 rows at 9 vectors +0.7 to +2.2 points of D2D;
- * at 8 vectors (a third batch of 2 a lane) within a point of whole pages; slices of 32 rows at
- * 9 -0.8 to +0.7; of 8 rows (288 vectors, a second batch of 1 a lane) 8-10 points slower;
- * whole pages at 9 vectors -1 to +0.1 (BENCHMARKS.md). Blackwell keeps 4 (nothing measured
+ * SM in every CTA size tried). H200, 2026-12-04, 512 pages, I = 1, against the whole-page units
+ * of 8 vectors in the same calls: slices of 16 rows at 9 vectors +0.9 to +2.0 points of D2D;
+ * at 8 vectors (a third batch of 2 a lane) -0.2 to +1.4; slices of 32 rows at 9 -0.7 to +1.6;
+ * of 8 rows 7.6-12.3 points slower, at 8 vectors (a second batch of 1 a lane) and at 9 (a unit
+ * per 4.6 KB); whole pages at 9 vectors -0.7 to +0.1 (BENCHMARKS.md). Blackwell keeps 4 (nothing measured
  * there; its ptxas needed more registers than sm_90's for the same code within the 64-register
  * budget these kernels had before). Measured on the H200 and kept out (docs/dcp.md, "What is
  * measured"): on 2026-12-03 (a49c5cb, the grid of eight CTAs an SM) every row read whether or
