@@ -196,24 +196,20 @@ mod tests {
             decode_scatter_units(&params(abi::KVS_DECODE_DIRECT, 4, 1)),
             Some(21 * slices + 22)
         );
-        // Pages kept whole: the pages kernel, a unit a page.
-        assert_eq!(
-            decode_scatter_units(&params(abi::KVS_DECODE_DIRECT, 4, 64)),
-            Some(43)
-        );
-        assert_eq!(
-            decode_scatter_units(&params(abi::KVS_DECODE_DIRECT, 1, 1)),
-            Some(43)
-        );
-        // Packing and unpacking move whole pages a unit.
-        assert_eq!(
-            decode_scatter_units(&params(abi::KVS_DECODE_PACK, 4, 1)),
-            Some(43)
-        );
-        assert_eq!(
-            decode_scatter_units(&params(abi::KVS_DECODE_UNPACK, 4, 1)),
-            Some(43)
-        );
+        // A unit a page: pages kept whole (the pages kernel), and packing and unpacking.
+        for (mode, ranks, interleave) in [
+            (abi::KVS_DECODE_DIRECT, 4, 64),
+            (abi::KVS_DECODE_DIRECT, 1, 1),
+            (abi::KVS_DECODE_PACK, 4, 1),
+            (abi::KVS_DECODE_UNPACK, 4, 1),
+        ] {
+            let p = params(mode, ranks, interleave);
+            assert_eq!(
+                decode_scatter_units(&p),
+                Some(43),
+                "{mode} {ranks} {interleave}"
+            );
+        }
         // Past 64 bits once sliced (whole pages still fit), or more latent pairs than pairs:
         // none.
         let mut p = params(abi::KVS_DECODE_PACK, 4, 1);
