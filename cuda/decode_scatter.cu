@@ -35,9 +35,12 @@ using namespace kvs;
 namespace decode {
 
 /*
- * Register budget: KVS_DECODE_THREADS (512) threads, 128 registers; 16-byte vectors a lane keeps
- * in flight. sm_90 keeps 8 (4 KB a warp) for whole pages (as copy.cu measured) and for the
- * state section's indexer pages, and 9 for a DIRECT launch's latent slices: a slice of 16
+ * Register budgets: up to KVS_DECODE_THREADS (512) threads a CTA; the scatter and pack rows
+ * kernels 128 registers (one such CTA an SM), the pages and unpack kernels 64 (two: the budget
+ * they had at 1,024 threads, so DenseBounce's 264 x 512 grid still keeps two CTAs an SM for them;
+ * the pack kernel, 72 registers on sm_90a in its shared template, keeps one). 16-byte vectors a
+ * lane keeps in flight: sm_90 keeps 8 (4 KB a warp) for whole pages (as copy.cu measured) and
+ * for the state section's indexer pages, and 9 for a DIRECT launch's latent slices: a slice of 16
  * 576-byte rows is 576 vectors, two batches of 9 a lane. The slices (KVS_DECODE_SLICE_ROWS, a
  * quarter page a unit) keep the pages written at once four times fewer on the same grid
  * (Method::for_decode_scatter: two 256-thread CTAs an SM, 16 warps, which beat 8 to 32 warps an
@@ -67,7 +70,7 @@ constexpr uint32_t PAGES_UNROLL = 8;
 constexpr uint32_t ROWS_UNROLL = 8;
 constexpr uint32_t SLICE_UNROLL = 9;
 #endif
-/* UNPACK keeps 4 on every architecture (at 8 its rows spilled within the 64 registers it had). */
+/* UNPACK keeps 4 on every architecture (at 8 its rows spill within its 64 registers). */
 constexpr uint32_t UNPACK_UNROLL = 4;
 
 constexpr uint32_t ROWS = KVS_PAGE_SIZE;
@@ -473,8 +476,9 @@ __device__ __forceinline__ void unpack_rows(const kvs_decode_scatter_params& p) 
 using namespace decode;
 
 /* The kernels: one for layouts that keep pages whole, one per latent row size for the others, for
-   PACK and for UNPACK (the host picks by the mode, the layout and the cache's rows). */
-extern "C" __global__ void __launch_bounds__(KVS_DECODE_THREADS, 1)
+   PACK and for UNPACK (the host picks by the mode, the layout and the cache's rows); their launch
+   bounds set the register budgets above. */
+extern "C" __global__ void __launch_bounds__(KVS_DECODE_THREADS, 2)
     kvs_decode_scatter_pages(const __grid_constant__ kvs_decode_scatter_params p) {
     scatter_pages(p);
 }
@@ -509,17 +513,17 @@ extern "C" __global__ void __launch_bounds__(KVS_DECODE_THREADS, 1)
     scatter_rows<KVS_LATENT_BF16_ROW_BYTES / 16, true, ROWS, ROWS_UNROLL>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(KVS_DECODE_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(KVS_DECODE_THREADS, 2)
     kvs_decode_unpack_rows_576(const __grid_constant__ kvs_decode_scatter_params p) {
     unpack_rows<KVS_LATENT_TRTLLM_ROW_BYTES / 16>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(KVS_DECODE_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(KVS_DECODE_THREADS, 2)
     kvs_decode_unpack_rows_656(const __grid_constant__ kvs_decode_scatter_params p) {
     unpack_rows<KVS_LATENT_SCALED_ROW_BYTES / 16>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(KVS_DECODE_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(KVS_DECODE_THREADS, 2)
     kvs_decode_unpack_rows_1152(const __grid_constant__ kvs_decode_scatter_params p) {
     unpack_rows<KVS_LATENT_BF16_ROW_BYTES / 16>(p);
 }
