@@ -235,7 +235,8 @@ impl DecodeScatterPlan {
         self.bytes
     }
 
-    /// Work units of the launch: (pair, source page) of each section.
+    /// The launch's (pair, source page) units of each section: its work units, save that a
+    /// rows kernel cuts each latent one into slices (the backend counts those for its queue).
     pub fn units(&self) -> u64 {
         let state_pairs = (self.pairs.len() - self.kv_pairs) as u64;
         self.kv_pairs as u64 * self.entries.len() as u64
