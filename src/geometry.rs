@@ -219,37 +219,39 @@ impl PoolGeometry {
     }
 
     /// Checks `other` stores pages the same way as `self` (row bytes, page size, indexer block),
-    /// naming the first difference; `side` says which comparison this is.
-    fn validate_same_rows(&self, other: &PoolGeometry, side: &str) -> Result<()> {
-        let checks: [(&str, String, String); 4] = [
-            (
+    /// naming the first difference; `side` says which comparison this is. Nothing is formatted
+    /// unless they differ: transfer plans check this on every chunk.
+    fn validate_same_rows(&self, other: &PoolGeometry, side: &dyn Fn() -> String) -> Result<()> {
+        let differ = |what: &str, expected: String, got: String| {
+            Err(Error::GeometryMismatch {
+                what: format!("{}: {what}", side()),
+                expected,
+                got,
+            })
+        };
+        if self.latent != other.latent {
+            return differ(
                 "latent layout",
                 self.latent.to_string(),
                 other.latent.to_string(),
-            ),
-            (
-                "page size",
-                self.page_size.to_string(),
-                other.page_size.to_string(),
-            ),
+            );
+        }
+        let sizes = [
+            ("page size", self.page_size, other.page_size),
             (
                 "indexer head dim",
-                self.indexer_head_dim.to_string(),
-                other.indexer_head_dim.to_string(),
+                self.indexer_head_dim,
+                other.indexer_head_dim,
             ),
             (
                 "indexer quant block",
-                self.indexer_quant_block.to_string(),
-                other.indexer_quant_block.to_string(),
+                self.indexer_quant_block,
+                other.indexer_quant_block,
             ),
         ];
-        for (what, expected, got) in checks {
+        for (what, expected, got) in sizes {
             if expected != got {
-                return Err(Error::GeometryMismatch {
-                    what: format!("{side}: {what}"),
-                    expected,
-                    got,
-                });
+                return differ(what, expected.to_string(), got.to_string());
             }
         }
         Ok(())
@@ -295,7 +297,8 @@ impl CacheGeometry {
                     got: draft.num_layers().to_string(),
                 });
             }
-            self.target.validate_same_rows(draft, "target vs draft")?;
+            self.target
+                .validate_same_rows(draft, &|| "target vs draft".into())?;
         }
         Ok(())
     }
@@ -321,7 +324,7 @@ impl CacheGeometry {
                     })
                 }
                 (Some(p), Some(d)) => {
-                    p.validate_same_rows(d, &format!("prefill vs decode {name}"))?;
+                    p.validate_same_rows(d, &|| format!("prefill vs decode {name}"))?;
                     if p.num_layers() != d.num_layers() {
                         return Err(Error::GeometryMismatch {
                             what: format!("prefill vs decode {name}: layers"),

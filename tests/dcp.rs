@@ -1205,6 +1205,65 @@ fn overlapping_decode_ranks_are_refused_wherever_they_overlap() {
     );
 }
 
+// The check first compares each rank's span (its lowest base to its furthest written byte);
+// ranks whose layers interleave in memory without touching have overlapping spans, and must
+// still be accepted by the range-by-range check behind it.
+#[test]
+fn decode_ranks_whose_layers_interleave_without_touching_are_accepted() {
+    let b: Arc<dyn Backend> = Arc::new(kvshard::backend::cpu::CpuBackend::new());
+    let g = small_geometry();
+    let src = DevicePool::allocate(b.as_ref(), &g, Placement::unsharded(), 0, 4).unwrap();
+    // One page per layer, every layer 64 KiB from the last, ranks alternating: rank 0 at 1 MiB,
+    // rank 1 at 1 MiB + 64 KiB, rank 0 at 1 MiB + 128 KiB, ...
+    let mut at = 1u64 << 20;
+    let mut bases = [Vec::new(), Vec::new()];
+    for c in g.components() {
+        for side in &mut bases {
+            side.push(Vec::new());
+        }
+        for _ in 0..c.layers() {
+            for side in &mut bases {
+                side.last_mut().unwrap().push(at);
+                at += 64 << 10;
+            }
+        }
+    }
+    let [b0, b1] = bases;
+    let b0_copy = b0.clone();
+    let d0 = RemoteSpace::unmapped(g.clone(), 1, b0).unwrap();
+    let d1 = RemoteSpace::unmapped(g.clone(), 1, b1).unwrap();
+    let rank = ScatterRank {
+        pages: vec![LocalPage(0)],
+        state_pages: vec![LocalPage(0)],
+    };
+    let scatter = |d1: &RemoteSpace| {
+        DecodeScatterPlan::new(
+            &src,
+            &[&d0, d1],
+            DecodeLayout::new(2, 1).unwrap(),
+            10,
+            ScatterSection {
+                components: vec![Component::TargetLatent],
+                entries: vec![(LocalPage(1), 0)],
+            },
+            ScatterSection {
+                components: vec![Component::TargetIndexer],
+                entries: vec![(LocalPage(1), 0)],
+            },
+            &[rank.clone(), rank.clone()],
+        )
+    };
+    let plan = scatter(&d1);
+    assert!(plan.is_ok(), "{plan:?}");
+    // Rank 1's layers 4 KiB into rank 0's: inside every block rank 0 is written in.
+    let inside: Vec<Vec<u64>> = b0_copy
+        .iter()
+        .map(|layers| layers.iter().map(|base| base + 4096).collect())
+        .collect();
+    let d1 = RemoteSpace::unmapped(g.clone(), 1, inside).unwrap();
+    assert!(scatter(&d1).is_err_and(|e| e.to_string().contains("overlapping memory")));
+}
+
 #[test]
 fn every_status_of_a_chunk_names_its_decode_rank_bytes() {
     // The statuses a chunk gives its decode ranks add up to what it moved.

@@ -175,20 +175,33 @@ fn check_len(got: usize, entries: usize, side: &str) -> Result<()> {
 }
 
 /// Refuses a page listed twice: two entries would write one block, racing on the GPU, and one
-/// position's data would be lost. Sorts (page, position) pairs: no hashing on the hot path of
-/// planning every chunk.
-pub(crate) fn check_distinct(pages: impl Iterator<Item = u64>, what: &'static str) -> Result<()> {
-    let mut sorted: Vec<(u64, usize)> = pages.enumerate().map(|(i, p)| (p, i)).collect();
-    sorted.sort_unstable();
-    match sorted.windows(2).find(|w| w[0].0 == w[1].0) {
-        Some(w) => Err(Error::DuplicatePage {
-            what,
-            page: w[0].0,
-            first: w[0].1,
-            second: w[1].1,
-        }),
-        None => Ok(()),
+/// position's data would be lost. A list in increasing order (what a fresh allocator hands out)
+/// passes in one pass; any other is sorted, with no hashing on the hot path of planning every
+/// chunk, and a repeat's two positions are found only once one is known.
+pub(crate) fn check_distinct(
+    pages: impl Iterator<Item = u64> + Clone,
+    what: &'static str,
+) -> Result<()> {
+    let mut last = None;
+    if pages.clone().all(|p| last.replace(p).is_none_or(|l| l < p)) {
+        return Ok(());
     }
+    let mut sorted: Vec<u64> = pages.clone().collect();
+    sorted.sort_unstable();
+    let Some(page) = sorted.windows(2).find(|w| w[0] == w[1]).map(|w| w[0]) else {
+        return Ok(());
+    };
+    let mut at = pages
+        .enumerate()
+        .filter(|&(_, p)| p == page)
+        .map(|(i, _)| i);
+    let first = at.next().unwrap_or(0);
+    Err(Error::DuplicatePage {
+        what,
+        page,
+        first,
+        second: at.next().unwrap_or(first),
+    })
 }
 
 /// A block copy as plain data: what moves where, checked against both spaces.
@@ -516,5 +529,38 @@ impl fmt::Display for BlockCopyPlan {
             self.pairs.len(),
             self.bytes()
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_distinct;
+    use crate::error::Error;
+
+    /// Increasing lists take the one-pass path, any other the sort; a repeat is named by its
+    /// page and its first two positions either way.
+    #[test]
+    fn check_distinct_names_the_first_repeat_of_any_order() {
+        for pages in [&[][..], &[7], &[1, 2, 9, 40], &[40, 9, 2, 1], &[3, 1, 2]] {
+            assert!(
+                check_distinct(pages.iter().copied(), "page").is_ok(),
+                "{pages:?}"
+            );
+        }
+        for (pages, (page, first, second)) in [
+            (&[1, 2, 3, 3][..], (3, 2, 3)),
+            (&[5, 1, 5, 1, 5], (1, 1, 3)),
+            (&[9, 4, 8, 4], (4, 1, 3)),
+        ] {
+            let e = check_distinct(pages.iter().copied(), "page").unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    Error::DuplicatePage { what: "page", page: p, first: f, second: s }
+                        if (p, f, s) == (page, first, second)
+                ),
+                "{pages:?}: {e}"
+            );
+        }
     }
 }

@@ -216,39 +216,57 @@ fn check_disjoint(
     moved: &[usize],
     extent: &dyn Fn(usize, usize) -> u64,
 ) -> Result<()> {
-    let mut ranges: Vec<(u64, u64, usize)> = Vec::new();
-    for (d, dst) in dsts.iter().enumerate() {
-        for &c in moved {
-            let bytes = extent(d, c);
-            if bytes == 0 {
-                // Holds nothing: overlaps nothing.
-                continue;
-            }
-            for layer in 0..dst.layer_count(c) {
-                let base = dst.base(c, layer);
-                ranges.push((base, base.saturating_add(bytes), d));
-            }
-        }
+    // Each destination's written ranges: (start, end, rank), one per (component, layer).
+    let ranges = |d: usize| {
+        let dst = dsts[d];
+        moved
+            .iter()
+            .map(move |&c| (c, extent(d, c)))
+            // A component holding nothing overlaps nothing.
+            .filter(|&(_, bytes)| bytes != 0)
+            .flat_map(move |(c, bytes)| {
+                (0..dst.layer_count(c)).map(move |layer| {
+                    let base = dst.base(c, layer);
+                    (base, base.saturating_add(bytes), d)
+                })
+            })
+    };
+    // Every destination's ranges within one span (its own pool, as a rule): spans apart are
+    // ranges apart, for a sort of one span a rank instead of one range a (component, layer)
+    // and rank on every chunk's plan.
+    let mut spans: Vec<(u64, u64, usize)> = (0..dsts.len())
+        .filter_map(|d| ranges(d).reduce(|a, b| (a.0.min(b.0), a.1.max(b.1), d)))
+        .collect();
+    if first_overlap(&mut spans).is_none() {
+        return Ok(());
     }
+    let mut all: Vec<(u64, u64, usize)> = (0..dsts.len()).flat_map(ranges).collect();
+    match first_overlap(&mut all) {
+        Some((a, b)) => Err(Error::InvalidArgument(format!(
+            "decode ranks {} and {} were given overlapping memory",
+            a.min(b),
+            a.max(b)
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Sorts `ranges` (start, end, rank) and names the ranks of the first two of different ranks
+/// that overlap.
+fn first_overlap(ranges: &mut [(u64, u64, usize)]) -> Option<(usize, usize)> {
     ranges.sort_unstable();
     // The range reaching furthest so far, and its rank: a range starting before its end
     // overlaps it (two earlier ranges of different ranks reaching past this one's start would
     // have overlapped each other first).
     let mut furthest: Option<(u64, usize)> = None;
-    for &(start, end, d) in &ranges {
+    for &(start, end, d) in ranges.iter() {
         match furthest {
-            Some((reach, owner)) if start < reach && owner != d => {
-                return Err(Error::InvalidArgument(format!(
-                    "decode ranks {} and {} were given overlapping memory",
-                    owner.min(d),
-                    owner.max(d)
-                )))
-            }
+            Some((reach, owner)) if start < reach && owner != d => return Some((owner, d)),
             Some((reach, _)) if reach >= end => {}
             _ => furthest = Some((end, d)),
         }
     }
-    Ok(())
+    None
 }
 
 impl DecodeScatterPlan {

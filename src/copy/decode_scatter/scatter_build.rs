@@ -65,8 +65,14 @@ impl DecodeScatterPlan {
         kv: &ScatterSection,
         state: &ScatterSection,
     ) -> Result<(Vec<abi::kvs_decode_pair>, Vec<u64>, usize)> {
-        let mut pairs = Vec::new();
-        let mut dst_bases = Vec::new();
+        let layers: usize = [kv, state]
+            .iter()
+            .flat_map(|s| &s.components)
+            .filter_map(|&c| src.component_index(c).ok())
+            .map(|c| src.layer_count(c))
+            .sum();
+        let mut pairs = Vec::with_capacity(layers);
+        let mut dst_bases = Vec::with_capacity(layers * dsts.len());
         let mut kv_pairs = 0;
         let mut moved = Vec::new();
         for (section, is_kv) in [(kv, true), (state, false)] {

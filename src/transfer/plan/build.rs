@@ -8,12 +8,17 @@ use super::{
 };
 use crate::copy::OwnedRuns;
 use crate::error::{Error, Result};
-use crate::geometry::PAGE_SIZE;
+use crate::geometry::{ComponentLayout, PAGE_SIZE};
 use crate::index::LogicalPage;
 use crate::shard::Placement;
 
-/// Checks both sides store the same cache the same packed way, naming the request.
-pub(super) fn check_layouts(request: u64, src: &PoolLayout, dst: &PoolLayout) -> Result<()> {
+/// Checks both sides store the same cache the same packed way, naming the request; returns the
+/// cache's components (what the plan then walks).
+pub(super) fn check_layouts(
+    request: u64,
+    src: &PoolLayout,
+    dst: &PoolLayout,
+) -> Result<Vec<ComponentLayout>> {
     src.geometry
         .validate_pd(&dst.geometry)
         .map_err(|e| match e {
@@ -69,7 +74,7 @@ pub(super) fn check_layouts(request: u64, src: &PoolLayout, dst: &PoolLayout) ->
             }
         }
     }
-    Ok(())
+    Ok(components)
 }
 
 /// Checks every source page of a section (owned or not, so all ranks refuse the same chunk):
@@ -178,12 +183,10 @@ impl SendPlan {
         if rank >= shard {
             return fail(format!("prefill rank {rank} of a shard group of {shard}"));
         }
-        check_layouts(request, &source.layout, &registration.layout)?;
-
+        let components = check_layouts(request, &source.layout, &registration.layout)?;
         let index = chunk.index;
         let (start_page, end_page, seq_pages) = chunk_pages(registration, chunk)?;
         let prefix = registration.prefix_pages;
-        let components = source.layout.geometry.components();
         let section = |indexer: bool| -> Vec<SectionComponent> {
             components
                 .iter()

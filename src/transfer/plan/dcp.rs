@@ -350,10 +350,9 @@ impl DecodePlan {
             return fail(format!("prefill rank {rank} of a shard group of {shard}"));
         }
         // validate() checked every decode rank stores what rank 0 does.
-        check_layouts(request, &source.layout, &registration.ranks[0].layout)?;
+        let components = check_layouts(request, &source.layout, &registration.ranks[0].layout)?;
         let index = chunk.index;
         let (start_page, end_page, seq_pages, end_token) = chunk_pages(registration, chunk)?;
-        let components = source.layout.geometry.components();
         let section = |indexer: bool| -> Vec<SectionComponent> {
             components
                 .iter()
@@ -540,34 +539,71 @@ impl DecodePlan {
     }
 }
 
-/// Rows of `entries` (sequence pages) below `end_token` that land on each rank of `layout`:
-/// per entry, the cheaper of walking its interleave groups (a page holds at most 64 / I + 2 of
-/// them) and differencing every rank's count ([`DecodeLayout::tokens_on`]).
+/// Rows of `entries` (sequence pages) below `end_token` that land on each rank of `layout`.
+/// What a whole page gives each rank repeats every `period` pages (its first token's place in a
+/// round of I * M tokens), so whole pages are counted by that residue, each residue's share
+/// computed once; pages cut by the end, and every page where the period is longer than the
+/// entries, one at a time ([`page_rows_per_rank`]).
 fn rows_per_rank(layout: DecodeLayout, entries: &[(LocalPage, u64)], end_token: u64) -> Vec<u64> {
-    let (i, m) = (u64::from(layout.interleave()), u64::from(layout.ranks()));
-    let mut rows = vec![0u64; m as usize];
-    let walk = PAGE / i + 2 <= m;
+    let m = layout.ranks() as usize;
+    let mut rows = vec![0u64; m];
+    let round = u64::from(layout.interleave()) * m as u64;
+    let period = round / gcd(round, PAGE);
+    if period > entries.len() as u64 {
+        for &(_, position) in entries {
+            page_rows_per_rank(layout, position, end_token, &mut rows);
+        }
+        return rows;
+    }
+    let mut whole = vec![0u64; period as usize];
     for &(_, position) in entries {
         // Sequence pages of a checked chunk: their tokens fit (at most KVS_DECODE_MAX_TOKENS).
-        let start = position * PAGE;
-        let end = (start + PAGE).min(end_token);
-        if start >= end {
-            continue;
-        }
-        if walk {
-            let mut t = start;
-            while t < end {
-                let group_end = ((t / i) + 1).saturating_mul(i).min(end);
-                rows[layout.place(t).rank as usize] += group_end - t;
-                t = group_end;
-            }
+        if (position + 1) * PAGE <= end_token {
+            whole[(position % period) as usize] += 1;
         } else {
-            for (d, r) in (0u32..).zip(rows.iter_mut()) {
-                *r += layout.tokens_on(d, end) - layout.tokens_on(d, start);
-            }
+            page_rows_per_rank(layout, position, end_token, &mut rows);
+        }
+    }
+    for (residue, &count) in (0u64..).zip(&whole).filter(|(_, &count)| count > 0) {
+        let mut share = vec![0u64; m];
+        page_rows_per_rank(layout, residue, u64::MAX, &mut share);
+        for (r, s) in rows.iter_mut().zip(share) {
+            *r += count * s;
         }
     }
     rows
+}
+
+/// Adds the rows of sequence page `position` below `end_token` that land on each rank to
+/// `rows`: the cheaper of walking its interleave groups (a page holds at most 64 / I + 2 of
+/// them) and differencing every rank's count ([`DecodeLayout::tokens_on`]).
+fn page_rows_per_rank(layout: DecodeLayout, position: u64, end_token: u64, rows: &mut [u64]) {
+    let (i, m) = (u64::from(layout.interleave()), u64::from(layout.ranks()));
+    let start = position * PAGE;
+    let end = (start + PAGE).min(end_token);
+    if start >= end {
+        return;
+    }
+    if PAGE / i + 2 <= m {
+        let mut t = start;
+        while t < end {
+            let group_end = ((t / i) + 1).saturating_mul(i).min(end);
+            rows[layout.place(t).rank as usize] += group_end - t;
+            t = group_end;
+        }
+    } else {
+        for (d, r) in (0u32..).zip(rows.iter_mut()) {
+            *r += layout.tokens_on(d, end) - layout.tokens_on(d, start);
+        }
+    }
+}
+
+/// Greatest common divisor (`b` nonzero).
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
 }
 
 impl std::fmt::Display for DecodePlan {
@@ -593,5 +629,36 @@ impl std::fmt::Display for DecodePlan {
             self.bytes(),
             self.decode_ranks_reached()
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The per-residue count of whole pages gives every rank the rows a token-by-token count
+        /// does, for any layout (periods of 1 to over 1,000 pages), any set of pages and end.
+        #[test]
+        fn rows_per_rank_counts_every_token_once(
+            m in 1u32..=8,
+            interleave in prop_oneof![1u32..=130, Just(64), Just(128), Just(4096)],
+            mut positions in proptest::collection::vec(0u64..3000, 0..300),
+            end_token in 0u64..200_000,
+        ) {
+            positions.sort_unstable();
+            positions.dedup();
+            let layout = DecodeLayout::new(m, interleave).unwrap();
+            let entries: Vec<(LocalPage, u64)> =
+                positions.iter().map(|&p| (LocalPage(1), p)).collect();
+            let mut want = vec![0u64; m as usize];
+            for &p in &positions {
+                for t in p * PAGE..((p + 1) * PAGE).min(end_token) {
+                    want[layout.place(t).rank as usize] += 1;
+                }
+            }
+            prop_assert_eq!(rows_per_rank(layout, &entries, end_token), want);
+        }
     }
 }
