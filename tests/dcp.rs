@@ -1139,6 +1139,34 @@ fn scatter_modes_are_checked_before_any_launch() {
     b.synchronize().unwrap();
 }
 
+/// The scatter of the first 10 tokens' target latent and indexer rows of `src`'s page 1 into
+/// two decode ranks (M = 2, I = 1) of one page each, page 0 of `d0` and of `d1`.
+fn first_page_into_two(
+    src: &DevicePool,
+    d0: &RemoteSpace,
+    d1: &RemoteSpace,
+) -> kvshard::Result<DecodeScatterPlan> {
+    let rank = ScatterRank {
+        pages: vec![LocalPage(0)],
+        state_pages: vec![LocalPage(0)],
+    };
+    DecodeScatterPlan::new(
+        src,
+        &[d0, d1],
+        DecodeLayout::new(2, 1).unwrap(),
+        10,
+        ScatterSection {
+            components: vec![Component::TargetLatent],
+            entries: vec![(LocalPage(1), 0)],
+        },
+        ScatterSection {
+            components: vec![Component::TargetIndexer],
+            entries: vec![(LocalPage(1), 0)],
+        },
+        &[rank.clone(), rank],
+    )
+}
+
 // Found with the bounce route's regions: a rank's memory overlapping another's was missed
 // unless the two ranges were neighbours in address order (a long range of one rank, a short
 // one of the same rank inside it, then the other rank's inside the long one). Fails on the old
@@ -1179,25 +1207,7 @@ fn overlapping_decode_ranks_are_refused_wherever_they_overlap() {
         })
         .collect();
     let d1 = RemoteSpace::unmapped(g.clone(), 1, d1_bases).unwrap();
-    let rank = ScatterRank {
-        pages: vec![LocalPage(0)],
-        state_pages: vec![LocalPage(0)],
-    };
-    let plan = DecodeScatterPlan::new(
-        &src,
-        &[&d0, &d1],
-        DecodeLayout::new(2, 1).unwrap(),
-        10,
-        ScatterSection {
-            components: vec![Component::TargetLatent],
-            entries: vec![(LocalPage(1), 0)],
-        },
-        ScatterSection {
-            components: vec![Component::TargetIndexer],
-            entries: vec![(LocalPage(1), 0)],
-        },
-        &[rank.clone(), rank],
-    );
+    let plan = first_page_into_two(&src, &d0, &d1);
     assert!(
         plan.as_ref()
             .is_err_and(|e| e.to_string().contains("overlapping memory")),
@@ -1232,28 +1242,7 @@ fn decode_ranks_whose_layers_interleave_without_touching_are_accepted() {
     let b0_copy = b0.clone();
     let d0 = RemoteSpace::unmapped(g.clone(), 1, b0).unwrap();
     let d1 = RemoteSpace::unmapped(g.clone(), 1, b1).unwrap();
-    let rank = ScatterRank {
-        pages: vec![LocalPage(0)],
-        state_pages: vec![LocalPage(0)],
-    };
-    let scatter = |d1: &RemoteSpace| {
-        DecodeScatterPlan::new(
-            &src,
-            &[&d0, d1],
-            DecodeLayout::new(2, 1).unwrap(),
-            10,
-            ScatterSection {
-                components: vec![Component::TargetLatent],
-                entries: vec![(LocalPage(1), 0)],
-            },
-            ScatterSection {
-                components: vec![Component::TargetIndexer],
-                entries: vec![(LocalPage(1), 0)],
-            },
-            &[rank.clone(), rank.clone()],
-        )
-    };
-    let plan = scatter(&d1);
+    let plan = first_page_into_two(&src, &d0, &d1);
     assert!(plan.is_ok(), "{plan:?}");
     // Rank 1's layers 4 KiB into rank 0's: inside every block rank 0 is written in.
     let inside: Vec<Vec<u64>> = b0_copy
@@ -1261,7 +1250,8 @@ fn decode_ranks_whose_layers_interleave_without_touching_are_accepted() {
         .map(|layers| layers.iter().map(|base| base + 4096).collect())
         .collect();
     let d1 = RemoteSpace::unmapped(g.clone(), 1, inside).unwrap();
-    assert!(scatter(&d1).is_err_and(|e| e.to_string().contains("overlapping memory")));
+    assert!(first_page_into_two(&src, &d0, &d1)
+        .is_err_and(|e| e.to_string().contains("overlapping memory")));
 }
 
 #[test]
