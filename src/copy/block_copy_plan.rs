@@ -182,8 +182,7 @@ pub(crate) fn check_distinct(
     pages: impl Iterator<Item = u64> + Clone,
     what: &'static str,
 ) -> Result<()> {
-    let mut last = None;
-    if pages.clone().all(|p| last.replace(p).is_none_or(|l| l < p)) {
+    if pages.clone().is_sorted_by(|a, b| a < b) {
         return Ok(());
     }
     let mut sorted: Vec<u64> = pages.clone().collect();

@@ -65,14 +65,8 @@ impl DecodeScatterPlan {
         kv: &ScatterSection,
         state: &ScatterSection,
     ) -> Result<(Vec<abi::kvs_decode_pair>, Vec<u64>, usize)> {
-        let layers: usize = [kv, state]
-            .iter()
-            .flat_map(|s| &s.components)
-            .filter_map(|&c| src.component_index(c).ok())
-            .map(|c| src.layer_count(c))
-            .sum();
-        let mut pairs = Vec::with_capacity(layers);
-        let mut dst_bases = Vec::with_capacity(layers * dsts.len());
+        let mut pairs = Vec::new();
+        let mut dst_bases = Vec::new();
         let mut kv_pairs = 0;
         let mut moved = Vec::new();
         for (section, is_kv) in [(kv, true), (state, false)] {
@@ -84,7 +78,10 @@ impl DecodeScatterPlan {
                 }
                 moved.push(component);
                 let c = src.component_index(component)?;
-                for layer in 0..src.layer_count(c) {
+                let layers = src.layer_count(c);
+                pairs.reserve(layers);
+                dst_bases.reserve(layers * dsts.len());
+                for layer in 0..layers {
                     pairs.push(abi::kvs_decode_pair {
                         src: src.base(c, layer),
                         component: c as u32,

@@ -547,8 +547,9 @@ impl DecodePlan {
 fn rows_per_rank(layout: DecodeLayout, entries: &[(LocalPage, u64)], end_token: u64) -> Vec<u64> {
     let m = layout.ranks() as usize;
     let mut rows = vec![0u64; m];
+    // round / gcd(round, 64): a page is 2^6 tokens.
     let round = u64::from(layout.interleave()) * m as u64;
-    let period = round / gcd(round, PAGE);
+    let period = round >> round.trailing_zeros().min(PAGE.trailing_zeros());
     if period > entries.len() as u64 {
         for &(_, position) in entries {
             page_rows_per_rank(layout, position, end_token, &mut rows);
@@ -564,10 +565,11 @@ fn rows_per_rank(layout: DecodeLayout, entries: &[(LocalPage, u64)], end_token: 
             page_rows_per_rank(layout, position, end_token, &mut rows);
         }
     }
+    let mut share = vec![0u64; m];
     for (residue, &count) in (0u64..).zip(&whole).filter(|(_, &count)| count > 0) {
-        let mut share = vec![0u64; m];
+        share.fill(0);
         page_rows_per_rank(layout, residue, u64::MAX, &mut share);
-        for (r, s) in rows.iter_mut().zip(share) {
+        for (r, s) in rows.iter_mut().zip(&share) {
             *r += count * s;
         }
     }
@@ -596,14 +598,6 @@ fn page_rows_per_rank(layout: DecodeLayout, position: u64, end_token: u64, rows:
             *r += layout.tokens_on(d, end) - layout.tokens_on(d, start);
         }
     }
-}
-
-/// Greatest common divisor (`b` nonzero).
-fn gcd(mut a: u64, mut b: u64) -> u64 {
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    a
 }
 
 impl std::fmt::Display for DecodePlan {
