@@ -20,7 +20,7 @@
 //! `device_pool`, `chunk_staging`, `owned_row_write`, `budget`, `batch_plans` (a prefill
 //! batch's admission and gather plan), `capacity` (the capacity
 //! planner), `dcp` (decode context-parallel layouts and registrations), `transfer` (P/D),
-//! `hicache_enums` (HiCache's choices), `host_pool`, `mooncake` (the prefill side of a
+//! `hicache_enums` (HiCache's choices), `host_pool`, `mooncake_prefill` (the prefill side of a
 //! transfer engine's transport: send plans as its descriptor lists, bounce buffers, the memory
 //! it registers), `side_channel` (the Mooncake side channel's frames and its decode side),
 //! `layer_signals` (per-layer readiness),
@@ -75,7 +75,7 @@ mod host_waits;
 mod layer_signals;
 mod lock;
 mod method;
-mod mooncake;
+mod mooncake_prefill;
 mod owned_row_write;
 // A page copy an engine runs layer by layer (its scratch gather).
 mod page_copy;
@@ -169,12 +169,12 @@ fn _kvshard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<dcp::PyDecodeRank>()?;
     m.add_class::<dcp::PyDecodeRegistration>()?;
     m.add("MAX_DECODE_RANKS", kvshard::shard::MAX_DECODE_RANKS)?;
-    m.add_function(wrap_pyfunction!(mooncake::engine_memory, m)?)?;
-    m.add_function(wrap_pyfunction!(mooncake::engine_regions, m)?)?;
-    m.add_class::<mooncake::PyMooncakeMode>()?;
-    m.add_class::<mooncake::PyBounceBuffer>()?;
-    m.add_class::<mooncake::PyMooncakeChunk>()?;
-    m.add_class::<mooncake::PyMooncakeSender>()?;
+    m.add_function(wrap_pyfunction!(mooncake_prefill::engine_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(mooncake_prefill::engine_regions, m)?)?;
+    m.add_class::<mooncake_prefill::PyMooncakeMode>()?;
+    m.add_class::<mooncake_prefill::PyBounceBuffer>()?;
+    m.add_class::<mooncake_prefill::PyMooncakeChunk>()?;
+    m.add_class::<mooncake_prefill::PyMooncakeSender>()?;
     // The Mooncake side channel: its frames and its decode side.
     m.add_function(wrap_pyfunction!(side_channel::side_frame, m)?)?;
     m.add_function(wrap_pyfunction!(side_channel::side_shape, m)?)?;

@@ -25,7 +25,7 @@ use crate::dcp::PyDecodeRegistration;
 use crate::device_pool::PyDevicePool;
 use crate::errors::{invalid, IntoPy};
 use crate::geometry::PyCacheGeometry;
-use crate::mooncake::addresses_of;
+use crate::mooncake_prefill::addresses_of;
 use crate::receiver::{deadline_of, PyFinished, PyOverdue};
 use crate::transfer::{PyChunkStatus, PyRegistration};
 
