@@ -43,8 +43,9 @@ MODULE_ORDER = [
     "hicache_enums",
     "host_pool",
     # Above the host pools: Mooncake registers them (engine_regions).
-    "mooncake",
-    # The Mooncake side channel's frames and decode side (its addresses from `mooncake`).
+    "mooncake_prefill",
+    # The Mooncake side channel's frames and decode side (its addresses from
+    # `mooncake_prefill`).
     "side_channel",
     "layer_signals",
     "host_transfer",
