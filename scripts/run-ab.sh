@@ -7,8 +7,9 @@
 # or last), each run bounded to AB_RUN_S seconds (default 150); no run starts once AB_BUDGET_S
 # seconds (default 540) have passed since the start, so the default fits one 10-minute call.
 # Writes to $OUT (default ./ab-out): ab.log (every run's output), ab.md (the commits and their
-# decode kernels' registers, the tests' verdicts, and every benchmark row's share of its
-# same-run ceiling by variant and round), and each run's own files under VARIANT-ROUND/.
+# decode kernels' registers, the tests' verdicts, and from each run's bench.md every row's share
+# of its same-run ceiling and its window's, by variant and round), and each run's own files
+# under VARIANT.ROUND/ (a name holds no dot).
 # Usage: run-ab.sh [-- BENCH ARGS]   (default: --quick dcp; DCP_N, DCP_M, DCP_I, ... pass through)
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -65,7 +66,8 @@ for ((round = 1; round <= ${AB_ROUNDS:-4}; round++)); do
       break 2
     fi
     echo "===== $v round $round" >>"$out/ab.log"
-    OUT="$out/$v-$round" timeout "$run_s" "$here/$v/gpu" "$@" >>"$out/ab.log" 2>&1
+    mkdir -p "$out/$v.$round"
+    OUT="$out/$v.$round" timeout "$run_s" "$here/$v/gpu" "$@" >>"$out/ab.log" 2>&1
     code=$?
     if [ "$code" != 0 ]; then
       say "- $v round $round: FAILED (exit $code)"
@@ -74,45 +76,38 @@ for ((round = 1; round <= ${AB_ROUNDS:-4}; round++)); do
   done
 done
 
-# Every row's share of its same-run ceiling: a column per variant and round, and each variant's
-# mean over its rounds.
-python3 - "$out/ab.log" >>"$out/ab.md" <<'EOF'
-import re, sys
-variants, rounds, rows, cells = [], {}, [], {}
-at = None
-for line in open(sys.argv[1], errors="replace"):
-    head = re.match(r"===== (\S+) round (\d+)$", line.strip())
-    if line.startswith("====="):
-        at = (head.group(1), int(head.group(2))) if head else None
-        if at:
-            if at[0] not in variants:
-                variants.append(at[0])
-            rounds.setdefault(at[0], []).append(at[1])
-        continue
-    if at is None:
-        continue
-    ceiling = re.match(r"ceilings \(this run\): D2D ([\d.]+) GB/s", line)
-    row = re.match(r"^(\S+)\s+(.+?)\s+\d+ B\s+.*?\s([\d.]+)% of (\S+)", line)
-    if ceiling:
-        key, value = "D2D ceiling (GB/s)", float(ceiling.group(1))
-    elif row:
-        key, value = f"{row.group(1)} {row.group(2)} (% of {row.group(4)})", float(row.group(3))
-    else:
-        continue
-    if key not in rows:
-        rows.append(key)
-    cells[(key, at)] = value
-columns = [(v, r) for v in variants for r in sorted(rounds[v])]
+# From each run's bench.md (its final figures, against the ceilings as the run ended): every
+# row's share of its same-run ceiling and its window's, a column per variant and round, and
+# each variant's mean over its rounds.
+python3 - "$out" "${passed[@]}" >>"$out/ab.md" <<'EOF'
+import pathlib, sys
+out, variants = pathlib.Path(sys.argv[1]), sys.argv[2:]
+runs = {}  # (variant, round) -> {case: (share, window share)}
+for v in variants:
+    for bench in sorted(out.glob(f"{v}.*/bench.md")):
+        rows = {}
+        for line in bench.read_text(errors="replace").splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) < 12 or not cells[5].endswith("%"):
+                continue
+            window = cells[7].rstrip("%")
+            rows[f"{cells[0]} {cells[1]}"] = (float(cells[5].rstrip("%")),
+                                              float(window) if window.replace(".", "").isdigit() else None)
+        runs[(v, int(bench.parent.name[len(v) + 1:]))] = rows
+columns = sorted(runs, key=lambda c: (variants.index(c[0]), c[1]))
 if not columns:
     sys.exit()
-heads = [f"{v} r{r}" for v, r in columns] + [f"{v} mean" for v in variants]
-print("\n| row | " + " | ".join(heads) + " |")
-print("|---|" + "---:|" * len(heads))
-for key in rows:
-    cols = [f"{cells[(key, c)]:.1f}" if (key, c) in cells else "" for c in columns]
-    for v in variants:
-        got = [cells[(key, (v, r))] for r in rounds[v] if (key, (v, r)) in cells]
-        cols.append(f"{sum(got) / len(got):.2f}" if got else "")
-    print(f"| {key} | " + " | ".join(cols) + " |")
+cases = list(dict.fromkeys(case for c in columns for case in runs[c]))
+for what, at in (("% of the same-run ceiling", 0), ("window, % of the same-run ceiling", 1)):
+    heads = [f"{v} r{r}" for v, r in columns] + [f"{v} mean" for v in variants]
+    print(f"\n{what}\n\n| row | " + " | ".join(heads) + " |")
+    print("|---|" + "---:|" * len(heads))
+    for case in cases:
+        got = {c: runs[c][case][at] for c in columns if case in runs[c] and runs[c][case][at] is not None}
+        cols = [f"{got[c]:.1f}" if c in got else "" for c in columns]
+        for v in variants:
+            mine = [x for c, x in got.items() if c[0] == v]
+            cols.append(f"{sum(mine) / len(mine):.2f}" if mine else "")
+        print(f"| {case} | " + " | ".join(cols) + " |")
 EOF
 exit $status

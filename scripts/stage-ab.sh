@@ -53,7 +53,7 @@ for i in "${!names[@]}"; do
   commit=${commits[$i]}
   tree="$trees/$name"
   git worktree remove --force "$tree" 2>/dev/null || rm -rf "$tree"
-  git worktree add --detach "$tree" "$commit" >/dev/null
+  git worktree add --quiet --detach "$tree" "$commit"
   mkdir -p "$stage/$name"
   log="$CARGO_TARGET_DIR/ab-$name.log"
   echo "stage-ab: $name = $(git log -1 --format='%h %s' "$commit")"
