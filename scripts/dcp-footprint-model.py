@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+# The footprint model of BENCHMARKS.md's dcp section: how many 2 MB pages of memory the units of
+# one kvs_decode_scatter launch that are in flight at once touch, over the whole GPU and on one
+# SM, for the benchmark's requests (DeepSeek-V3.2: 62 latent layers of 576-byte rows cut into
+# four 16-row slices a unit, 62 indexer layers of 132-byte rows a whole page a unit; 512 pages
+# from prefill rank 0 of N, into M decode ranks at interleave I) and for each way of handing the
+# units to the grid (264 CTAs of 8 warps, two an SM, a unit a warp):
+#   queue      the kernel as it is: every warp takes the next unit, so the 2,112 in flight are
+#              consecutive and each SM's 16 are spread over them;
+#   runs R     a CTA takes R consecutive units at once: 264 runs in flight, an SM's two runs;
+#   runs R+    the same, each CTA's next run taken at the middle of the one before (the runs
+#              being moved are spread over twice the window; an SM's are still two);
+#   static     a contiguous block of the launch per CTA: an SM's two blocks' current units,
+#              the grid's 264 positions spread over the whole launch.
+# It counts, averaged over windows across the launch, the distinct (region, 2 MB page) pairs of
+# the source and destination bytes those units move, each (pool, component, layer) a region of
+# its own starting on a 2 MB boundary (the pools' layers are whole regions, allocated 2 MB
+# aligned). A model, not a measurement: it predicts which way an SM's or the GPU's address
+# translation would gain, for the A/B to confirm (scripts/stage-ab.sh, docs/gpu.md).
+# Usage: scripts/dcp-footprint-model.py [--pages P] [--queue-only] [N,M,I ...]
+#   (default: 512 pages, every schedule, the issue's matrix at I = 1 and 64)
+import random
+import sys
+
+ROWS, SLICE_ROWS = 64, 16
+LATENT_ROW, INDEXER_KEY, INDEXER_SCALE = 576, 128, 4
+LATENT_PAGE, INDEXER_PAGE = ROWS * LATENT_ROW, ROWS * (INDEXER_KEY + INDEXER_SCALE)
+LAYERS = 62
+PAGES = 512
+SMS, CTAS, WARPS = 132, 264, 8
+MB2 = 21
+
+
+def spans(start, length):
+    """The 2 MB pages of the bytes [start, start + length)."""
+    return range(start >> MB2, (start + length - 1 >> MB2) + 1)
+
+
+def unit_pages(unit, n, m, i):
+    """The (region, 2 MB page) pairs a unit of prefill rank 0 reads and writes."""
+    kind, layer, j, s = unit
+    local = j // n + 1  # the bench's prefill rank: sequence page j at local page j / N + 1
+    out = set()
+    if kind == "latent":
+        rows = range(s * SLICE_ROWS, (s + 1) * SLICE_ROWS)
+        out.update(("src", kind, layer, p) for p in spans(local * LATENT_PAGE + rows[0] * LATENT_ROW, SLICE_ROWS * LATENT_ROW))
+    else:
+        rows = range(ROWS)
+        out.update(("src", kind, layer, p) for p in spans(local * INDEXER_PAGE, INDEXER_PAGE))
+    for row in rows:
+        t = j * ROWS + row
+        rank = (t // i) % m
+        at = (t // (i * m)) * i + t % i  # the token's row on its decode rank
+        page, slot = divmod(at, ROWS)
+        if kind == "latent":
+            offsets = [page * LATENT_PAGE + slot * LATENT_ROW]
+        else:
+            offsets = [page * INDEXER_PAGE + slot * INDEXER_KEY, page * INDEXER_PAGE + ROWS * INDEXER_KEY + slot * INDEXER_SCALE]
+        for o in offsets:
+            out.add(("dst", rank, kind, layer, o >> MB2))
+    return out
+
+
+def launch_units(n):
+    """Prefill rank 0's units in queue order: pair (latent layers, then indexer), page, slice."""
+    mine = list(range(0, PAGES, n))
+    units = [("latent", k, j, s) for k in range(LAYERS) for j in mine for s in range(ROWS // SLICE_ROWS)]
+    units += [("indexer", k, j, None) for k in range(LAYERS) for j in mine]
+    return units
+
+
+def footprint(n, m, i, schedule, windows=12, seed=7):
+    """(GPU-wide, per-SM) distinct 2 MB pages of the units in flight, averaged over windows."""
+    rnd = random.Random(seed)
+    units = launch_units(n)
+    cache = {}
+
+    def pages(u):
+        if u not in cache:
+            cache[u] = unit_pages(units[u], n, m, i)
+        return cache[u]
+
+    total = len(units)
+    gpu, sm = [], []
+    for w in range(windows):
+        if schedule == "static":
+            block = -(-total // CTAS)
+            offset = int((w + 0.5) / windows * block)
+            held = [[b * block + offset + k for k in range(WARPS) if offset + k < block and b * block + offset + k < total] for b in range(CTAS)]
+        else:
+            if schedule == "queue":
+                size, run = SMS * 2 * WARPS, 1
+            else:
+                run = int(schedule.split()[1].rstrip("+"))
+                size = CTAS * run * (2 if schedule.endswith("+") else 1)
+            start = int((w + 0.5) / windows * max(total - size, 1))
+            window = list(range(start, min(start + size, total)))
+            if schedule == "queue":
+                rnd.shuffle(window)
+                held = [window[c * WARPS:(c + 1) * WARPS] for c in range(CTAS)]
+            else:
+                # With a spare run taken ahead, the runs being moved are half of a window twice
+                # as long; the spares are touched only once installed.
+                runs = [window[r * run:(r + 1) * run] for r in range(len(window) // run)]
+                rnd.shuffle(runs)
+                held = runs[:CTAS]
+        everything = set()
+        for c in range(CTAS):
+            for u in held[c]:
+                everything |= pages(u)
+        gpu.append(len(everything))
+        per_sm = []
+        for s in range(SMS):
+            mine = set()
+            for c in (s, s + SMS):
+                for u in held[c]:
+                    mine |= pages(u)
+            per_sm.append(len(mine))
+        sm.append(sum(per_sm) / SMS)
+    return sum(gpu) / windows, sum(sm) / windows
+
+
+def main():
+    global PAGES
+    args = sys.argv[1:]
+    schedules = ["queue", "runs 16", "runs 32", "runs 64", "runs 32+", "static"]
+    if "--queue-only" in args:
+        args.remove("--queue-only")
+        schedules = ["queue"]
+    if "--pages" in args:
+        at = args.index("--pages")
+        PAGES = int(args[at + 1])
+        del args[at:at + 2]
+    cases = [tuple(int(x) for x in a.split(",")) for a in args] or [
+        (n, m, i) for i in (1, 64) for n in (2, 4) for m in (2, 4)
+    ]
+    print("| N, M, I | " + " | ".join(f"{s}: GPU / SM" for s in schedules) + " |")
+    print("|---|" + "---:|" * len(schedules))
+    for n, m, i in cases:
+        cells = [footprint(n, m, i, s) for s in schedules]
+        print(f"| {n}, {m}, {i} | " + " | ".join(f"{g:.0f} / {s:.1f}" for g, s in cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
