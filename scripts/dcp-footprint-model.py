@@ -4,14 +4,16 @@
 # SM, for the benchmark's requests (DeepSeek-V3.2: 62 latent layers of 576-byte rows cut into
 # four 16-row slices a unit, 62 indexer layers of 132-byte rows a whole page a unit; 512 pages
 # from prefill rank 0 of N, into M decode ranks at interleave I) and for each way of handing the
-# units to the grid (264 CTAs of 8 warps, two an SM, a unit a warp):
+# units to the grid (264 CTAs of 8 warps, two an SM, a unit a warp, unless named):
 #   queue      the kernel as it is: every warp takes the next unit, so the 2,112 in flight are
 #              consecutive and each SM's 16 are spread over them;
 #   runs R     a CTA takes R consecutive units at once: 264 runs in flight, an SM's two runs;
 #   runs R+    the same, each CTA's next run taken at the middle of the one before (the runs
 #              being moved are spread over twice the window; an SM's are still two);
 #   static     a contiguous block of the launch per CTA: an SM's two blocks' current units,
-#              the grid's 264 positions spread over the whole launch.
+#              the grid's 264 positions spread over the whole launch;
+#   queue 8w   the queue on one CTA an SM (132 CTAs, 1,056 units in flight: the grid of a
+#              kernel keeping twice the vectors a lane in flight, the same bytes).
 # It counts, averaged over windows across the launch, the distinct (region, 2 MB page) pairs of
 # the source and destination bytes those units move, each (pool, component, layer) a region of
 # its own starting on a 2 MB boundary (the pools' layers are whole regions, allocated 2 MB
@@ -72,6 +74,7 @@ def launch_units(n):
 def footprint(n, m, i, schedule, windows=12, seed=7):
     """(GPU-wide, per-SM) distinct 2 MB pages of the units in flight, averaged over windows."""
     rnd = random.Random(seed)
+    ctas = SMS if schedule == "queue 8w" else CTAS
     units = launch_units(n)
     cache = {}
 
@@ -84,35 +87,35 @@ def footprint(n, m, i, schedule, windows=12, seed=7):
     gpu, sm = [], []
     for w in range(windows):
         if schedule == "static":
-            block = -(-total // CTAS)
+            block = -(-total // ctas)
             offset = int((w + 0.5) / windows * block)
-            held = [[b * block + offset + k for k in range(WARPS) if offset + k < block and b * block + offset + k < total] for b in range(CTAS)]
+            held = [[b * block + offset + k for k in range(WARPS) if offset + k < block and b * block + offset + k < total] for b in range(ctas)]
         else:
-            if schedule == "queue":
-                size, run = SMS * 2 * WARPS, 1
+            if schedule.startswith("queue"):
+                size, run = ctas * WARPS, 1
             else:
                 run = int(schedule.split()[1].rstrip("+"))
-                size = CTAS * run * (2 if schedule.endswith("+") else 1)
+                size = ctas * run * (2 if schedule.endswith("+") else 1)
             start = int((w + 0.5) / windows * max(total - size, 1))
             window = list(range(start, min(start + size, total)))
-            if schedule == "queue":
+            if schedule.startswith("queue"):
                 rnd.shuffle(window)
-                held = [window[c * WARPS:(c + 1) * WARPS] for c in range(CTAS)]
+                held = [window[c * WARPS:(c + 1) * WARPS] for c in range(ctas)]
             else:
                 # With a spare run taken ahead, the runs being moved are half of a window twice
                 # as long; the spares are touched only once installed.
                 runs = [window[r * run:(r + 1) * run] for r in range(len(window) // run)]
                 rnd.shuffle(runs)
-                held = runs[:CTAS]
+                held = runs[:ctas]
         everything = set()
-        for c in range(CTAS):
+        for c in range(ctas):
             for u in held[c]:
                 everything |= pages(u)
         gpu.append(len(everything))
         per_sm = []
         for s in range(SMS):
             mine = set()
-            for c in (s, s + SMS):
+            for c in range(s, ctas, SMS):
                 for u in held[c]:
                     mine |= pages(u)
             per_sm.append(len(mine))
@@ -123,7 +126,7 @@ def footprint(n, m, i, schedule, windows=12, seed=7):
 def main():
     global PAGES
     args = sys.argv[1:]
-    schedules = ["queue", "runs 16", "runs 32", "runs 64", "runs 32+", "static"]
+    schedules = ["queue", "runs 16", "runs 32", "runs 64", "runs 32+", "static", "queue 8w"]
     if "--queue-only" in args:
         args.remove("--queue-only")
         schedules = ["queue"]
