@@ -48,6 +48,8 @@ done
 
 rm -rf "$stage"
 mkdir -p "$stage" "$trees" "$CARGO_TARGET_DIR"
+# The worktrees go however the script ends (a failed build included).
+trap 'for t in "$trees"/*/; do [ -d "$t" ] && git worktree remove --force "$t"; done; git worktree prune' EXIT
 for i in "${!names[@]}"; do
   name=${names[$i]}
   commit=${commits[$i]}
