@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 # The footprint model of BENCHMARKS.md's dcp section: how many 2 MB pages of memory the units of
 # one kvs_decode_scatter launch that are in flight at once touch, over the whole GPU and on one
-# SM, for the benchmark's requests (DeepSeek-V3.2: 62 latent layers of 576-byte rows cut into
-# four 16-row slices a unit, 62 indexer layers of 132-byte rows a whole page a unit; 512 pages
+# SM, for the benchmark's requests (DeepSeek-V3.2: 62 latent layers of 576-byte rows, a unit
+# a whole page in the pages kernel (I a multiple of 64) and four 16-row slices a page in the
+# rows kernel (whole pages before e7bd51f: --whole-pages), 62 indexer layers of 132-byte rows
+# a whole page a unit; 512 pages
 # from prefill rank 0 of N, into M decode ranks at interleave I) and for each way of handing the
 # units to the grid (264 CTAs of 8 warps, two an SM, a unit a warp, unless named):
 #   queue      the kernel as it is: every warp takes the next unit, so the 2,112 in flight are
@@ -19,7 +21,7 @@
 # its own starting on a 2 MB boundary (the pools' layers are whole regions, allocated 2 MB
 # aligned). A model, not a measurement: it predicts which way an SM's or the GPU's address
 # translation would gain, for the A/B to confirm (scripts/stage-ab.sh, docs/gpu.md).
-# Usage: scripts/dcp-footprint-model.py [--pages P] [--queue-only] [N,M,I ...]
+# Usage: scripts/dcp-footprint-model.py [--pages P] [--queue-only] [--whole-pages] [N,M,I ...]
 #   (default: 512 pages, every schedule, the issue's matrix at I = 1 and 64)
 import random
 import sys
@@ -31,11 +33,18 @@ LAYERS = 62
 PAGES = 512
 SMS, CTAS, WARPS = 132, 264, 8
 MB2 = 21
+WHOLE_PAGES = False
 
 
 def spans(start, length):
     """The 2 MB pages of the bytes [start, start + length)."""
     return range(start >> MB2, (start + length - 1 >> MB2) + 1)
+
+
+def slice_rows(i):
+    """Rows of a latent unit: a whole page for the pages kernel (I a multiple of a page) and,
+    with --whole-pages, for the rows kernel before its slices (e7bd51f); else a slice."""
+    return ROWS if i % ROWS == 0 or WHOLE_PAGES else SLICE_ROWS
 
 
 def unit_pages(unit, n, m, i):
@@ -44,8 +53,9 @@ def unit_pages(unit, n, m, i):
     local = j // n + 1  # the bench's prefill rank: sequence page j at local page j / N + 1
     out = set()
     if kind == "latent":
-        rows = range(s * SLICE_ROWS, (s + 1) * SLICE_ROWS)
-        out.update(("src", kind, layer, p) for p in spans(local * LATENT_PAGE + rows[0] * LATENT_ROW, SLICE_ROWS * LATENT_ROW))
+        span = slice_rows(i)
+        rows = range(s * span, (s + 1) * span)
+        out.update(("src", kind, layer, p) for p in spans(local * LATENT_PAGE + rows[0] * LATENT_ROW, span * LATENT_ROW))
     else:
         rows = range(ROWS)
         out.update(("src", kind, layer, p) for p in spans(local * INDEXER_PAGE, INDEXER_PAGE))
@@ -63,10 +73,10 @@ def unit_pages(unit, n, m, i):
     return out
 
 
-def launch_units(n):
+def launch_units(n, i):
     """Prefill rank 0's units in queue order: pair (latent layers, then indexer), page, slice."""
     mine = list(range(0, PAGES, n))
-    units = [("latent", k, j, s) for k in range(LAYERS) for j in mine for s in range(ROWS // SLICE_ROWS)]
+    units = [("latent", k, j, s) for k in range(LAYERS) for j in mine for s in range(ROWS // slice_rows(i))]
     units += [("indexer", k, j, None) for k in range(LAYERS) for j in mine]
     return units
 
@@ -75,7 +85,10 @@ def footprint(n, m, i, schedule, windows=12, seed=7):
     """(GPU-wide, per-SM) distinct 2 MB pages of the units in flight, averaged over windows."""
     rnd = random.Random(seed)
     ctas = SMS if schedule == "queue 8w" else CTAS
-    units = launch_units(n)
+    if i % ROWS == 0 and schedule != "queue 8w":
+        # The runs and blocks change the rows kernel only: the pages kernel keeps the queue.
+        schedule = "queue"
+    units = launch_units(n, i)
     cache = {}
 
     def pages(u):
@@ -106,7 +119,7 @@ def footprint(n, m, i, schedule, windows=12, seed=7):
                 # as long; the spares are touched only once installed.
                 runs = [window[r * run:(r + 1) * run] for r in range(len(window) // run)]
                 rnd.shuffle(runs)
-                held = runs[:ctas]
+                held = (runs + [[]] * ctas)[:ctas]
         everything = set()
         for c in range(ctas):
             for u in held[c]:
@@ -124,8 +137,11 @@ def footprint(n, m, i, schedule, windows=12, seed=7):
 
 
 def main():
-    global PAGES
+    global PAGES, WHOLE_PAGES
     args = sys.argv[1:]
+    if "--whole-pages" in args:
+        args.remove("--whole-pages")
+        WHOLE_PAGES = True
     schedules = ["queue", "runs 16", "runs 32", "runs 64", "runs 32+", "static", "queue 8w"]
     if "--queue-only" in args:
         args.remove("--queue-only")
