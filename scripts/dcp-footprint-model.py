@@ -19,8 +19,9 @@
 # It counts, averaged over windows across the launch, the distinct (region, 2 MB page) pairs of
 # the source and destination bytes those units move, each (pool, component, layer) a region of
 # its own starting on a 2 MB boundary (the pools' layers are whole regions, allocated 2 MB
-# aligned). A model, not a measurement: it predicts which way an SM's or the GPU's address
-# translation would gain, for the A/B to confirm (scripts/stage-ab.sh, docs/gpu.md).
+# aligned). A model, not a measurement. On the H200 (2026-12-05, BENCHMARKS.md) the changes that
+# grow the GPU's count lost in its order while shrinking an SM's: an SM's translation does not
+# bind (A/B by scripts/stage-ab.sh, docs/gpu.md).
 # Usage: scripts/dcp-footprint-model.py [--pages P] [--queue-only] [--whole-pages] [N,M,I ...]
 #   (default: 512 pages, every schedule, the issue's matrix at I = 1 and 64)
 import random
