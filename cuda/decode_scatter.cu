@@ -329,15 +329,16 @@ __device__ __forceinline__ void scatter_rows(const kvs_decode_scatter_params& p)
     __shared__ uint64_t placed[WARPS][ROWS];
     uint64_t* rows = placed[threadIdx.x / 32];
     const uint32_t lane = threadIdx.x % 32;
-    const uint64_t kv_slices = static_cast<uint64_t>(p.num_kv_pairs) * p.num_entries * SLICES;
+    const uint64_t kv_units = static_cast<uint64_t>(p.num_kv_pairs) * p.num_entries;
+    const uint64_t kv_slices = kv_units * SLICES;
     // The host counted the launch's units the same way (launch::decode_scatter_units).
-    const uint64_t units = units_of(p) + kv_slices / SLICES * (SLICES - 1);
+    const uint64_t units = units_of(p) + kv_units * (SLICES - 1);
     Unit w;
     for (uint64_t u = first_unit(p.work); u < units; u = next_unit(p.work, u)) {
         // The page's unit, and the slice's first row and rows.
         uint32_t first = 0;
         uint32_t span = ROWS;
-        uint64_t page_unit = u - kv_slices / SLICES * (SLICES - 1);
+        uint64_t page_unit = u - kv_units * (SLICES - 1);
         if (u < kv_slices) {
             page_unit = u / SLICES;
             first = static_cast<uint32_t>(u - page_unit * SLICES) * SLICE;
