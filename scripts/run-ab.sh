@@ -4,8 +4,9 @@
 # required), with AB_SANITIZE=1 also under compute-sanitizer memcheck and racecheck; a variant
 # that fails is left out of the timing. Then AB_ROUNDS rounds (default 4) of the GPU benchmark,
 # every variant once a round, the order turned by one each round (no variant always runs first
-# or last), each run bounded to AB_RUN_S seconds (default 150); no run starts once AB_BUDGET_S
-# seconds (default 540) have passed since the start, so the default fits one 10-minute call.
+# or last). Every test and run is bounded to AB_RUN_S seconds (default 150), and none starts
+# that could end past AB_BUDGET_S seconds (default 570) from the start, so the default ends
+# inside one 10-minute call whatever hangs.
 # Writes to $OUT (default ./ab-out): ab.log (every run's output), ab.md (the commits and their
 # decode kernels' registers, the tests' verdicts, and from each run's bench.md every row's share
 # of its same-run ceiling and its window's, by variant and round), and each run's own files
@@ -22,6 +23,9 @@ export KVSHARD_REQUIRE_GPU=1
 export KVSHARD_CPU_STREAMS="${KVSHARD_CPU_STREAMS:-adversarial}"
 start=$(date +%s)
 run_s=${AB_RUN_S:-150}
+budget=${AB_BUDGET_S:-570}
+# Whether a step bounded to run_s seconds, started now, ends within the budget.
+fits() { [ $(($(date +%s) - start + run_s)) -le "$budget" ]; }
 status=0
 say() { echo "$*" | tee -a "$out/ab.md"; }
 {
@@ -42,12 +46,22 @@ done
 cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 passed=()
 for v in "${variants[@]}"; do
+  if ! fits; then
+    say "- the budget was spent before $v's tests: neither it nor any later variant is timed"
+    status=1
+    break
+  fi
   ok=1
   echo "===== $v dcp tests" >>"$out/ab.log"
   if timeout "$run_s" "$here/$v/dcp" gpu_ --test-threads=4 >>"$out/ab.log" 2>&1; then r=ok; else r=FAILED; ok=0; fi
   say "- $v: dcp GPU tests $r"
   if [ "${AB_SANITIZE:-0}" = 1 ]; then
     for tool in memcheck racecheck; do
+      if ! fits; then
+        say "- $v: the budget was spent before $tool: not timed"
+        ok=0
+        break
+      fi
       echo "===== $v $tool" >>"$out/ab.log"
       if timeout "$run_s" "$cs" --tool "$tool" --report-api-errors no --error-exitcode 99 \
         "$here/$v/dcp" gpu_ --test-threads=1 >>"$out/ab.log" 2>&1; then r=clean; else r=FAILED; ok=0; fi
@@ -61,7 +75,7 @@ n=${#passed[@]}
 for ((round = 1; round <= ${AB_ROUNDS:-4}; round++)); do
   for ((k = 0; k < n; k++)); do
     v=${passed[$(((k + round - 1) % n))]}
-    if [ $(($(date +%s) - start)) -ge "${AB_BUDGET_S:-540}" ]; then
+    if ! fits; then
       say "- the budget was spent before round $round of $v: not run, nor any later"
       break 2
     fi
