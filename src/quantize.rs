@@ -1,5 +1,5 @@
-//! Safe entry points of the FP8 quantizers (`cuda/quantize.cu`, CPU twins in [`crate::fp8`]):
-//! bf16 rows in, latent rows or indexer page blocks out, at given rows.
+//! Safe entry points of the FP8 quantizers (the `kvs_quantize_*` kernels in cuda/, CPU twins
+//! in [`crate::fp8`]): bf16 rows in, latent rows or indexer page blocks out, at given rows.
 //!
 //! Two forms each:
 //! - [`quantize_latent`] / [`quantize_indexer`] take the engine's device buffer of int64 rows

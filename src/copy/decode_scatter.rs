@@ -1,7 +1,7 @@
 //! Scatters into a decode context-parallel layout as plain data (docs/dcp.md, "The kernel"): the
 //! only builder of `kvs_decode_scatter_params` and its tables. A [`DecodeScatterPlan`] names the
 //! source pages of one prefill rank's chunk (by sequence page) and every decode rank's pages of
-//! the request; `kvs_decode_scatter` (cuda/decode_scatter.cu, or its CPU twin) places each token's
+//! the request; `kvs_decode_scatter` (a kernel of cuda/, or its CPU twin) places each token's
 //! row by the [`DecodeLayout`] and moves it, every (component, layer) and every decode rank in
 //! one launch ([`TableStore::launch_scatter`]).
 //!
