@@ -15,14 +15,21 @@
 #   static     a contiguous block of the launch per CTA: an SM's two blocks' current units,
 #              the grid's 264 positions spread over the whole launch;
 #   queue 8w   the queue on one CTA an SM (132 CTAs, 1,056 units in flight: the grid of a
-#              kernel keeping twice the vectors a lane in flight, the same bytes).
+#              kernel keeping twice the vectors a lane in flight, the same bytes);
+#   side by side (--side-by-side) the N prefill ranks' launches at once, each on 1/N of the
+#              grid (66 CTAs at N = 4), at the same place in their launches: the GPU's units
+#              in flight are each rank's 2,112 / N;
+#   blocks B   (--blocks B[,B...]) the queue over another unit order: B of the rank's source
+#              pages at a time through every layer (latent, then indexer) before the next B
+#              (B = 56 is one 2 MB page of a source region).
 # It counts, averaged over windows across the launch, the distinct (region, 2 MB page) pairs of
 # the source and destination bytes those units move, each (pool, component, layer) a region of
 # its own starting on a 2 MB boundary (the pools' layers are whole regions, allocated 2 MB
 # aligned). A model, not a measurement. On the H200 (2026-12-05, BENCHMARKS.md) the changes that
 # grow the GPU's count lost in its order while shrinking an SM's: an SM's translation does not
 # bind (A/B by scripts/stage-ab.sh, docs/gpu.md).
-# Usage: scripts/dcp-footprint-model.py [--pages P] [--queue-only] [--whole-pages] [N,M,I ...]
+# Usage: scripts/dcp-footprint-model.py [--pages P] [--queue-only] [--whole-pages] [--side-by-side]
+#   [--blocks B[,B]] [N,M,I ...]
 #   (default: 512 pages, every schedule, the issue's matrix at I = 1 and 64)
 import random
 import sys
@@ -49,17 +56,17 @@ def slice_rows(i):
 
 
 def unit_pages(unit, n, m, i):
-    """The (region, 2 MB page) pairs a unit of prefill rank 0 reads and writes."""
+    """The (region, 2 MB page) pairs a unit reads and writes (its prefill rank: j % N)."""
     kind, layer, j, s = unit
     local = j // n + 1  # the bench's prefill rank: sequence page j at local page j / N + 1
     out = set()
     if kind == "latent":
         span = slice_rows(i)
         rows = range(s * span, (s + 1) * span)
-        out.update(("src", kind, layer, p) for p in spans(local * LATENT_PAGE + rows[0] * LATENT_ROW, span * LATENT_ROW))
+        out.update(("src", j % n, kind, layer, p) for p in spans(local * LATENT_PAGE + rows[0] * LATENT_ROW, span * LATENT_ROW))
     else:
         rows = range(ROWS)
-        out.update(("src", kind, layer, p) for p in spans(local * INDEXER_PAGE, INDEXER_PAGE))
+        out.update(("src", j % n, kind, layer, p) for p in spans(local * INDEXER_PAGE, INDEXER_PAGE))
     for row in rows:
         t = j * ROWS + row
         rank = (t // i) % m
@@ -74,22 +81,38 @@ def unit_pages(unit, n, m, i):
     return out
 
 
-def launch_units(n, i):
-    """Prefill rank 0's units in queue order: pair (latent layers, then indexer), page, slice."""
-    mine = list(range(0, PAGES, n))
+def launch_units(n, i, rank=0):
+    """A prefill rank's units in queue order: pair (latent layers, then indexer), page, slice."""
+    mine = list(range(rank, PAGES, n))
     units = [("latent", k, j, s) for k in range(LAYERS) for j in mine for s in range(ROWS // slice_rows(i))]
     units += [("indexer", k, j, None) for k in range(LAYERS) for j in mine]
     return units
+
+
+def block_units(n, i, block):
+    """The same units, `block` of the rank's source pages at a time through every layer."""
+    local = {j: k for k, j in enumerate(range(0, PAGES, n))}
+    return sorted(launch_units(n, i), key=lambda u: (local[u[2]] // block, u[0] != "latent", u[1], u[2], u[3] or 0))
 
 
 def footprint(n, m, i, schedule, windows=12, seed=7):
     """(GPU-wide, per-SM) distinct 2 MB pages of the units in flight, averaged over windows."""
     rnd = random.Random(seed)
     ctas = SMS if schedule == "queue 8w" else CTAS
-    if i % ROWS == 0 and schedule != "queue 8w":
-        # The runs and blocks change the rows kernel only: the pages kernel keeps the queue.
+    if i % ROWS == 0 and (schedule == "static" or schedule.startswith("runs")):
+        # The runs and the per-CTA blocks change the rows kernel only: the pages kernel keeps
+        # the queue.
         schedule = "queue"
-    units = launch_units(n, i)
+    if schedule.startswith("blocks"):
+        units = block_units(n, i, int(schedule.split()[1]))
+        schedule = "queue"
+    elif schedule == "side by side":
+        # Every rank's k-th unit next to the others': a window of the queue over this order is
+        # each rank's window of 1/N the size at the same place in its launch.
+        units = [u for group in zip(*(launch_units(n, i, r) for r in range(n))) for u in group]
+        schedule = "queue"
+    else:
+        units = launch_units(n, i)
     cache = {}
 
     def pages(u):
@@ -147,6 +170,13 @@ def main():
     if "--queue-only" in args:
         args.remove("--queue-only")
         schedules = ["queue"]
+    if "--side-by-side" in args:
+        args.remove("--side-by-side")
+        schedules.append("side by side")
+    if "--blocks" in args:
+        at = args.index("--blocks")
+        schedules += [f"blocks {b}" for b in args[at + 1].split(",")]
+        del args[at:at + 2]
     if "--pages" in args:
         at = args.index("--pages")
         PAGES = int(args[at + 1])
