@@ -7,6 +7,7 @@
 use std::fmt;
 
 use crate::backend::{Backend, KernelFamily, Launch};
+use crate::{Error, Result};
 
 /// How a route moves bytes: a copy kernel with its launch shape, or copy-engine calls.
 ///
@@ -103,10 +104,29 @@ impl Method {
     pub fn for_decode_scatter(backend: &dyn Backend) -> Self {
         Self::Kernel(Launch {
             ctas: DECODE.ctas,
-            threads: backend
-                .max_threads(KernelFamily::DecodeScatter)
-                .min(DECODE.threads),
+            threads: decode_threads(backend),
         })
+    }
+
+    /// [`Method::for_decode_scatter`]'s grid for one of `ranks` prefill ranks whose chunks'
+    /// launches run on this GPU at the same time: in one process, each rank on a stream of its
+    /// own writing through mappings of its own (nothing orders one rank's launch after
+    /// another's). Each launch takes 1/`ranks` of the CTAs (at least one), so the ranks' launches
+    /// run side by side, each at the same place in its chunk, as prefill ranks on GPUs of
+    /// their own do; with the whole grid each, the first launch takes every SM until its
+    /// queue drains and the ranks' launches run one after another. At I = 1 a prefill rank
+    /// writes 1/N of every decode page it touches; side by side, the N ranks' writes to a page
+    /// are in flight together (BENCHMARKS.md, the `dcp` section). `ranks` 0 is refused.
+    pub fn for_decode_scatter_shared(backend: &dyn Backend, ranks: u32) -> Result<Self> {
+        if ranks == 0 {
+            return Err(Error::InvalidArgument(
+                "for_decode_scatter_shared: ranks must be at least 1".into(),
+            ));
+        }
+        Ok(Self::Kernel(Launch {
+            ctas: (DECODE.ctas / ranks).max(1),
+            threads: decode_threads(backend),
+        }))
     }
 
     /// The block kernel in the host-I/O shape ([`Launch::host_io`]): `ctas` CTAs of as many
@@ -123,6 +143,13 @@ impl Method {
             Self::CopyEngine | Self::BatchedCopyEngine | Self::PerBlock => None,
         }
     }
+}
+
+/// The decode grid's threads a CTA, as many as `backend`'s decode kernels take.
+fn decode_threads(backend: &dyn Backend) -> u32 {
+    backend
+        .max_threads(KernelFamily::DecodeScatter)
+        .min(DECODE.threads)
 }
 
 impl fmt::Display for Method {
@@ -166,6 +193,27 @@ mod tests {
             Method::Kernel(Launch::host_io(&cpu, 3))
         );
         assert!(matches!(Method::default_for(&cpu), Method::Kernel(l) if l.ctas == 264));
+    }
+
+    #[test]
+    fn shared_decode_grid() {
+        let cpu = crate::backend::cpu::CpuBackend::new();
+        let whole = Method::for_decode_scatter(&cpu).launch().unwrap();
+        for (ranks, ctas) in [(1, 264), (2, 132), (4, 66), (5, 52), (264, 1), (1000, 1)] {
+            let shared = Method::for_decode_scatter_shared(&cpu, ranks).unwrap();
+            assert_eq!(
+                shared.launch(),
+                Some(Launch {
+                    ctas,
+                    threads: whole.threads
+                }),
+                "{ranks} ranks"
+            );
+        }
+        assert!(matches!(
+            Method::for_decode_scatter_shared(&cpu, 0),
+            Err(Error::InvalidArgument(_))
+        ));
     }
 
     #[test]

@@ -18,6 +18,9 @@
 //! - `..., a stream and mappings per prefill rank` (N > 1): each rank on its own stream writing
 //!   through a mapping of every decode pool of its own (`ipc::ImportedPool`), as separate
 //!   prefill processes do: nothing orders one rank's launch after another's, so they overlap;
+//! - `..., a stream and mappings per prefill rank, 1/N of the grid each` (N > 1): the same on
+//!   `Method::for_decode_scatter_shared`'s grid, so the ranks' launches run side by side, as
+//!   prefill ranks on GPUs of their own do, rather than the first taking every SM;
 //! - `gather, then a copy per decode rank` (the obvious alternative, built from kvshard's other
 //!   kernels, every table prepared before the timing): each rank's owned pages gathered into an
 //!   unsharded staging buffer (one block copy), then per decode rank one block copy of its
@@ -276,7 +279,8 @@ fn scatter(
 /// Who submits the scatter in each of its rows, and the row's label, as `Sender::send` submits
 /// each rank's chunk: with the grid kvshard picks, then with each grid DCP_GRID names; then
 /// (N > 1) with those grids again, a stream per prefill rank, and a stream and mappings per
-/// prefill rank.
+/// prefill rank; last (N > 1) a stream and mappings per prefill rank on
+/// `Method::for_decode_scatter_shared`'s grid, 1/N of kvshard's each.
 fn senders(ctx: &Ctx, n: u32, decode: &[Decode]) -> Result<Vec<(Senders, String)>> {
     let grids = axis::<String>("DCP_GRID", &[])?
         .iter()
@@ -302,29 +306,42 @@ fn senders(ctx: &Ctx, n: u32, decode: &[Decode]) -> Result<Vec<(Senders, String)
             Senders::PerRank(transports, streams),
             format!("{label}, a stream per prefill rank"),
         ));
-        let (transports, streams) = rank_streams(ctx, n, *method)?;
-        let mut views = Vec::new();
-        let mut mapped = Vec::new();
-        for _ in 0..n {
-            let mut view = Vec::new();
-            for d in decode {
-                let m = d.map(ctx)?;
-                view.push(m.space().clone());
-                mapped.push(m);
-            }
-            views.push(view);
-        }
         runs.push((
-            Senders::Apart {
-                transports,
-                streams,
-                views,
-                _mapped: mapped,
-            },
+            apart(ctx, n, *method, decode)?,
             format!("{label}, a stream and mappings per prefill rank"),
         ));
     }
+    if n > 1 {
+        let shared = Method::for_decode_scatter_shared(ctx.backend.as_ref(), n)?;
+        runs.push((
+            apart(ctx, n, Some(shared), decode)?,
+            ", a stream and mappings per prefill rank, 1/N of the grid each".to_string(),
+        ));
+    }
     Ok(runs)
+}
+
+/// [`Senders::Apart`]: `n` prefill ranks, each with a stream, a transport (`method`) and a
+/// mapping of every decode pool of its own.
+fn apart(ctx: &Ctx, n: u32, method: Option<Method>, decode: &[Decode]) -> Result<Senders> {
+    let (transports, streams) = rank_streams(ctx, n, method)?;
+    let mut views = Vec::new();
+    let mut mapped = Vec::new();
+    for _ in 0..n {
+        let mut view = Vec::new();
+        for d in decode {
+            let m = d.map(ctx)?;
+            view.push(m.space().clone());
+            mapped.push(m);
+        }
+        views.push(view);
+    }
+    Ok(Senders::Apart {
+        transports,
+        streams,
+        views,
+        _mapped: mapped,
+    })
 }
 
 /// A transport on `backend`: with kvshard's grid, or `method`.
