@@ -108,23 +108,23 @@ impl Method {
         })
     }
 
-    /// [`Method::for_decode_scatter`]'s grid for one of `ranks` prefill ranks whose chunks'
-    /// launches run on this GPU at the same time: in one process, each rank on a stream of its
-    /// own writing through mappings of its own (nothing orders one rank's launch after
-    /// another's). Each launch takes 1/`ranks` of the CTAs (at least one), so the ranks' launches
-    /// run side by side, each at the same place in its chunk, as prefill ranks on GPUs of
-    /// their own do; with the whole grid each, the first launch takes every SM until its
-    /// queue drains and the ranks' launches run one after another. At I = 1 a prefill rank
-    /// writes 1/N of every decode page it touches; side by side, the N ranks' writes to a page
-    /// are in flight together (BENCHMARKS.md, the `dcp` section). `ranks` 0 is refused.
-    pub fn for_decode_scatter_shared(backend: &dyn Backend, ranks: u32) -> Result<Self> {
-        if ranks == 0 {
+    /// [`Method::for_decode_scatter`]'s grid for launches of which `at_once` run on this GPU at
+    /// the same time: prefill ranks sharing a process, each on a stream of its own writing
+    /// through mappings of its own, so nothing orders one rank's launch after another's. Each
+    /// launch takes 1/`at_once` of the CTAs (at least one). With the whole grid each, the first
+    /// launch holds every SM until its work queue drains and the ranks run one after another;
+    /// side by side, their writes to a decode page are in flight together (at I = 1 each rank
+    /// writes 1/N of every decode page it touches). On the H200, two at once (half the grid
+    /// each) was the fastest at N = 2 and 4 prefill ranks (BENCHMARKS.md, the `dcp` section).
+    /// `at_once` 0 is refused.
+    pub fn for_decode_scatter_shared(backend: &dyn Backend, at_once: u32) -> Result<Self> {
+        if at_once == 0 {
             return Err(Error::InvalidArgument(
-                "for_decode_scatter_shared: ranks must be at least 1".into(),
+                "for_decode_scatter_shared: at_once must be at least 1".into(),
             ));
         }
         Ok(Self::Kernel(Launch {
-            ctas: (DECODE.ctas / ranks).max(1),
+            ctas: (DECODE.ctas / at_once).max(1),
             threads: decode_threads(backend),
         }))
     }
@@ -199,15 +199,15 @@ mod tests {
     fn shared_decode_grid() {
         let cpu = crate::backend::cpu::CpuBackend::new();
         let whole = Method::for_decode_scatter(&cpu).launch().unwrap();
-        for (ranks, ctas) in [(1, 264), (2, 132), (4, 66), (5, 52), (264, 1), (1000, 1)] {
-            let shared = Method::for_decode_scatter_shared(&cpu, ranks).unwrap();
+        for (at_once, ctas) in [(1, 264), (2, 132), (4, 66), (5, 52), (264, 1), (1000, 1)] {
+            let shared = Method::for_decode_scatter_shared(&cpu, at_once).unwrap();
             assert_eq!(
                 shared.launch(),
                 Some(Launch {
                     ctas,
                     threads: whole.threads
                 }),
-                "{ranks} ranks"
+                "{at_once} at once"
             );
         }
         assert!(matches!(

@@ -18,9 +18,9 @@
 //! - `..., a stream and mappings per prefill rank` (N > 1): each rank on its own stream writing
 //!   through a mapping of every decode pool of its own (`ipc::ImportedPool`), as separate
 //!   prefill processes do: nothing orders one rank's launch after another's, so they overlap;
-//! - `..., a stream and mappings per prefill rank, 1/N of the grid each` (N > 1): the same on
-//!   `Method::for_decode_scatter_shared`'s grid, so the ranks' launches run side by side, as
-//!   prefill ranks on GPUs of their own do, rather than the first taking every SM;
+//! - `..., a stream and mappings per prefill rank, 1/S of the grid each` (N > 1; S = 2, and N
+//!   where N > 2): the same on `Method::for_decode_scatter_shared(S)`'s grid, so S ranks'
+//!   launches run side by side rather than the first taking every SM until its queue drains;
 //! - `gather, then a copy per decode rank` (the obvious alternative, built from kvshard's other
 //!   kernels, every table prepared before the timing): each rank's owned pages gathered into an
 //!   unsharded staging buffer (one block copy), then per decode rank one block copy of its
@@ -280,7 +280,7 @@ fn scatter(
 /// each rank's chunk: with the grid kvshard picks, then with each grid DCP_GRID names; then
 /// (N > 1) with those grids again, a stream per prefill rank, and a stream and mappings per
 /// prefill rank; last (N > 1) a stream and mappings per prefill rank on
-/// `Method::for_decode_scatter_shared`'s grid, 1/N of kvshard's each.
+/// `Method::for_decode_scatter_shared`'s grid for two launches at once, then (N > 2) for N.
 fn senders(ctx: &Ctx, n: u32, decode: &[Decode]) -> Result<Vec<(Senders, String)>> {
     let grids = axis::<String>("DCP_GRID", &[])?
         .iter()
@@ -311,11 +311,14 @@ fn senders(ctx: &Ctx, n: u32, decode: &[Decode]) -> Result<Vec<(Senders, String)
             format!("{label}, a stream and mappings per prefill rank"),
         ));
     }
-    if n > 1 {
-        let shared = Method::for_decode_scatter_shared(ctx.backend.as_ref(), n)?;
+    // Two ranks' launches at once, then (N > 2) all N at once.
+    let mut shares = vec![2, n];
+    shares.dedup();
+    for at_once in shares.into_iter().filter(|_| n > 1) {
+        let shared = Method::for_decode_scatter_shared(ctx.backend.as_ref(), at_once)?;
         runs.push((
             apart(ctx, n, Some(shared), decode)?,
-            ", a stream and mappings per prefill rank, 1/N of the grid each".to_string(),
+            format!(", a stream and mappings per prefill rank, 1/{at_once} of the grid each"),
         ));
     }
     Ok(runs)
