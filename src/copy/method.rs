@@ -115,8 +115,9 @@ impl Method {
     /// launch holds every SM until its work queue drains and the ranks run one after another;
     /// side by side, their writes to a decode page are in flight together (at I = 1 each rank
     /// writes 1/N of every decode page it touches). On the H200, two at once (half the grid
-    /// each) was the fastest at N = 2 and 4 prefill ranks (BENCHMARKS.md, the `dcp` section).
-    /// `at_once` 0 is refused.
+    /// each) took N = 2 and 4 prefill ranks past 90% of the device copy in every case measured;
+    /// four at once was up to a point faster at 512 pages and one to two slower at 4,096
+    /// (BENCHMARKS.md, the `dcp` section). `at_once` 0 is refused.
     pub fn for_decode_scatter_shared(backend: &dyn Backend, at_once: u32) -> Result<Self> {
         if at_once == 0 {
             return Err(Error::InvalidArgument(
