@@ -312,9 +312,12 @@ fn senders(ctx: &Ctx, n: u32, decode: &[Decode]) -> Result<Vec<(Senders, String)
         ));
     }
     // Two ranks' launches at once, then (N > 2) all N at once.
-    let mut shares = vec![2, n];
-    shares.dedup();
-    for at_once in shares.into_iter().filter(|_| n > 1) {
+    let shares = match n {
+        0 | 1 => vec![],
+        2 => vec![2],
+        _ => vec![2, n],
+    };
+    for at_once in shares {
         let shared = Method::for_decode_scatter_shared(ctx.backend.as_ref(), at_once)?;
         runs.push((
             apart(ctx, n, Some(shared), decode)?,
