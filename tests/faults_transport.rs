@@ -240,15 +240,19 @@ fn decode_child(socket: &Path, die: bool) {
     endpoint.wait_for_ranks_sync(STARTUP).expect("ranks");
     let id = endpoint.publish(exported).expect("publish");
     let reqs = requests(SEED);
+    let mut lines = Vec::new();
+    let mut refused = 0;
     for r in &reqs {
-        endpoint
-            .register(id, r.registration.clone())
-            .expect("register");
+        // A rank that dies while the requests are registered has the later ones refused: they
+        // were never taken, so they count as failed at once.
+        if endpoint.register(id, r.registration.clone()).is_err() {
+            lines.push(format!("refused {} {}", r.registration.request, wall_ms()));
+            refused += 1;
+        }
     }
     let mut finished: Vec<(Finished, u128)> = Vec::new();
-    let mut lines = Vec::new();
     let start = Instant::now();
-    while finished.len() < reqs.len() && start.elapsed() < LOOP_BOUND {
+    while finished.len() + refused < reqs.len() && start.elapsed() < LOOP_BOUND {
         for event in endpoint.poll_sync(Duration::from_millis(20)).expect("poll") {
             match event {
                 DecodeEvent::Finished(f) => {
@@ -515,9 +519,11 @@ struct Seen {
     failed: Vec<u32>,
 }
 
-/// The decode's report: requests seen finished, overdue ones, pending count, wrong pages.
+/// The decode's report: requests seen finished, requests refused at registration (and when),
+/// overdue ones, pending count, wrong pages.
 struct DecodeReport {
     seen: BTreeMap<u64, Seen>,
+    refused: BTreeMap<u64, u128>,
     overdue: Vec<u64>,
     pending: usize,
     wrong: usize,
@@ -548,6 +554,15 @@ fn decode_report(socket: &Path, name: &str) -> DecodeReport {
             },
         );
     }
+    let refused = r
+        .get("refused")
+        .into_iter()
+        .flatten()
+        .map(|l| {
+            let (request, at) = l.split_once(' ').expect("request and time");
+            (num(request) as u64, num(at))
+        })
+        .collect();
     let wrong = r
         .get("wrong")
         .into_iter()
@@ -570,18 +585,21 @@ fn decode_report(socket: &Path, name: &str) -> DecodeReport {
         pending: first("pending") as usize,
         dropped: first("dropped") as u64,
         seen,
+        refused,
         wrong,
     }
 }
 
-/// Every request handed back with all its pages, none pending.
+/// Every request handed back with all its pages (or refused at registration, so never taken),
+/// none pending.
 fn all_handed_back(d: &DecodeReport, reqs: &[Request]) -> bool {
     d.pending == 0
         && reqs.iter().all(|r| {
             let reg = &r.registration;
-            d.seen
-                .get(&reg.request)
-                .is_some_and(|s| s.pages_back == reg.pages.len() + reg.state_pages.len())
+            d.refused.contains_key(&reg.request)
+                || d.seen
+                    .get(&reg.request)
+                    .is_some_and(|s| s.pages_back == reg.pages.len() + reg.state_pages.len())
         })
 }
 
@@ -607,22 +625,39 @@ fn fault_endpoint_prefill_killed_mid_chunk() {
     let ended = decode.finish(LOOP_BOUND + STARTUP).is_some() && p0.finish(STARTUP).is_some();
     let d = decode_report(&socket, "decode");
     let at = killed_at(&socket);
+    // Rank 1's failure comes first; rank 0, when still sending the request, is then told to
+    // abort it and answers with a failure of its own.
     let failed_in_time = d.seen.values().filter(|s| !s.completed).all(|s| {
-        s.failed.iter().all(|&r| r == 1) && s.at.saturating_sub(at) < FAILED_WITHIN.as_millis()
+        s.failed.first() == Some(&1) && s.at.saturating_sub(at) < FAILED_WITHIN.as_millis()
     });
+    // Requests the decode registered after rank 1 died were refused then, not later.
+    let refused_after_the_kill = d
+        .refused
+        .values()
+        .all(|&r| r >= at && r - at < FAILED_WITHIN.as_millis());
     let mut tally = Tally {
         served_wrong: d.wrong as u64,
         ..Tally::default()
     };
-    tally.fault(
-        killed
-            && ended
-            && d.seen.get(&DIES_IN).is_some_and(|s| !s.completed)
-            && failed_in_time
-            && d.overdue.is_empty()
-            && all_handed_back(&d, &requests(SEED))
-            && first_number(&socket, "prefill-0", "mapped") == 0,
-    );
+    tally.fault_checked(&[
+        ("rank 1 was killed", killed),
+        ("every process ended", ended),
+        (
+            "the request rank 1 died in failed",
+            d.seen.get(&DIES_IN).is_some_and(|s| !s.completed),
+        ),
+        ("failed by rank 1 first, and in time", failed_in_time),
+        ("refused only after the kill", refused_after_the_kill),
+        ("nothing overdue", d.overdue.is_empty()),
+        (
+            "every request handed back",
+            all_handed_back(&d, &requests(SEED)),
+        ),
+        (
+            "rank 0 unmapped the pool",
+            first_number(&socket, "prefill-0", "mapped") == 0,
+        ),
+    ]);
     tally.report("endpoint: a prefill rank killed mid-chunk");
 }
 
@@ -668,7 +703,8 @@ fn fault_endpoint_chunk_statuses_dropped_duplicated_delayed_reordered() {
         && others.into_iter().all(|p| p.finish(STARTUP).is_some());
     let d = decode_report(&socket, "decode");
     let reqs = requests(SEED);
-    let leaked = !all_handed_back(&d, &reqs);
+    // No rank dies here, so every request is registered and handed back.
+    let leaked = !d.refused.is_empty() || !all_handed_back(&d, &reqs);
     let mut tally = Tally {
         served_wrong: d.wrong as u64,
         ..Tally::default()
@@ -714,16 +750,23 @@ fn fault_endpoint_decode_restarted_under_the_same_ranks() {
         served_wrong: d.wrong as u64,
         ..Tally::default()
     };
-    tally.fault(
-        killed
-            && ended
-            && all_handed_back(&d, &reqs)
-            && d.seen.values().all(|s| s.completed)
-            && (0..N).all(|r| {
+    tally.fault_checked(&[
+        ("the first decode was killed", killed),
+        ("every process ended", ended),
+        ("nothing refused", d.refused.is_empty()),
+        ("every request handed back", all_handed_back(&d, &reqs)),
+        (
+            "every request completed",
+            d.seen.values().all(|s| s.completed),
+        ),
+        (
+            "the ranks served the second decode without errors and unmapped it",
+            (0..N).all(|r| {
                 let p = read_report(&socket, &format!("prefill2-{r}"));
                 p["errors"][0] == "0" && p["mapped"][0] == "0"
             }),
-    );
+        ),
+    ]);
     tally.report("endpoint: a decode restarted under the same ranks");
 }
 
@@ -1023,13 +1066,20 @@ fn fault_nixl_prefill_killed_mid_chunk() {
         served_wrong: d.wrong as u64,
         ..Tally::default()
     };
-    tally.fault(
-        killed
-            && ended
-            && d.seen.get(&DIES_IN).is_some_and(|s| !s.completed)
-            && failed_in_time
-            && all_handed_back(&d, &requests(SEED)),
-    );
+    tally.fault_checked(&[
+        ("rank 1 was killed", killed),
+        ("every process ended", ended),
+        (
+            "the request rank 1 died in failed",
+            d.seen.get(&DIES_IN).is_some_and(|s| !s.completed),
+        ),
+        ("failed by rank 1, and in time", failed_in_time),
+        ("nothing refused", d.refused.is_empty()),
+        (
+            "every request handed back",
+            all_handed_back(&d, &requests(SEED)),
+        ),
+    ]);
     tally.report("nixl: a prefill rank killed mid-chunk");
 }
 

@@ -24,6 +24,20 @@ impl Tally {
         self.survived += u64::from(survived);
     }
 
+    /// One more fault injected, survived when every named check holds; prints the names of
+    /// those that do not, so a failure says what broke.
+    pub fn fault_checked(&mut self, checks: &[(&str, bool)]) {
+        let failing: Vec<&str> = checks
+            .iter()
+            .filter(|(_, holds)| !holds)
+            .map(|(name, _)| *name)
+            .collect();
+        if !failing.is_empty() {
+            println!("fault-injection: not survived: {}", failing.join(", "));
+        }
+        self.fault(failing.is_empty());
+    }
+
     /// Prints the case's line, then fails the case unless every fault was survived and no byte
     /// was served wrong.
     pub fn report(self, case: &str) {
