@@ -786,8 +786,20 @@ fn a_listener_replaces_only_a_stale_socket() {
     drop(first);
     assert!(!path.exists(), "the socket file is removed on drop");
 
-    // A listener whose process died: its file stays, nobody accepts.
-    drop(std::os::unix::net::UnixListener::bind(&path).expect("bind"));
+    // A listener whose process died: its file stays, nobody accepts. Bound and never
+    // listening: a listener bound and dropped here could still accept while a process another
+    // test spawns holds a copy of its descriptor (from the fork until the exec).
+    {
+        use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+        let fd = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::STREAM,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .expect("socket");
+        rustix::net::bind(&fd, &SocketAddrUnix::new(&path).expect("a path")).expect("bind");
+    }
     assert!(path.exists());
     drop(bind().expect("a stale socket is replaced"));
 
