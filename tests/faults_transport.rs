@@ -590,16 +590,14 @@ fn decode_report(socket: &Path, name: &str) -> DecodeReport {
     }
 }
 
-/// Every request handed back with all its pages (or refused at registration, so never taken),
-/// none pending.
+/// Every request handed back with all its pages, none pending.
 fn all_handed_back(d: &DecodeReport, reqs: &[Request]) -> bool {
     d.pending == 0
         && reqs.iter().all(|r| {
             let reg = &r.registration;
-            d.refused.contains_key(&reg.request)
-                || d.seen
-                    .get(&reg.request)
-                    .is_some_and(|s| s.pages_back == reg.pages.len() + reg.state_pages.len())
+            d.seen
+                .get(&reg.request)
+                .is_some_and(|s| s.pages_back == reg.pages.len() + reg.state_pages.len())
         })
 }
 
@@ -630,7 +628,12 @@ fn fault_endpoint_prefill_killed_mid_chunk() {
     let failed_in_time = d.seen.values().filter(|s| !s.completed).all(|s| {
         s.failed.first() == Some(&1) && s.at.saturating_sub(at) < FAILED_WITHIN.as_millis()
     });
-    // Requests the decode registered after rank 1 died were refused then, not later.
+    // Requests the decode registered after rank 1 died were refused then, not later; they were
+    // never taken, so only the others are handed back.
+    let registered: Vec<Request> = requests(SEED)
+        .into_iter()
+        .filter(|r| !d.refused.contains_key(&r.registration.request))
+        .collect();
     let refused_after_the_kill = d
         .refused
         .values()
@@ -650,8 +653,8 @@ fn fault_endpoint_prefill_killed_mid_chunk() {
         ("refused only after the kill", refused_after_the_kill),
         ("nothing overdue", d.overdue.is_empty()),
         (
-            "every request handed back",
-            all_handed_back(&d, &requests(SEED)),
+            "every registered request handed back",
+            all_handed_back(&d, &registered),
         ),
         (
             "rank 0 unmapped the pool",
@@ -703,8 +706,7 @@ fn fault_endpoint_chunk_statuses_dropped_duplicated_delayed_reordered() {
         && others.into_iter().all(|p| p.finish(STARTUP).is_some());
     let d = decode_report(&socket, "decode");
     let reqs = requests(SEED);
-    // No rank dies here, so every request is registered and handed back.
-    let leaked = !d.refused.is_empty() || !all_handed_back(&d, &reqs);
+    let leaked = !all_handed_back(&d, &reqs);
     let mut tally = Tally {
         served_wrong: d.wrong as u64,
         ..Tally::default()
@@ -753,7 +755,6 @@ fn fault_endpoint_decode_restarted_under_the_same_ranks() {
     tally.fault_checked(&[
         ("the first decode was killed", killed),
         ("every process ended", ended),
-        ("nothing refused", d.refused.is_empty()),
         ("every request handed back", all_handed_back(&d, &reqs)),
         (
             "every request completed",
@@ -1074,7 +1075,6 @@ fn fault_nixl_prefill_killed_mid_chunk() {
             d.seen.get(&DIES_IN).is_some_and(|s| !s.completed),
         ),
         ("failed by rank 1, and in time", failed_in_time),
-        ("nothing refused", d.refused.is_empty()),
         (
             "every request handed back",
             all_handed_back(&d, &requests(SEED)),
